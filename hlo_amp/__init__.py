@@ -1,0 +1,13 @@
+"""hlo_amp: automatic mixed precision for JAX, done as a compiler pass on StableHLO."""
+
+from hlo_amp.policy import Policy, amp_stop
+from hlo_amp.report import Decision, Report
+from hlo_amp.rewrite import rewrite
+
+__all__ = [
+    "Decision",
+    "Policy",
+    "Report",
+    "amp_stop",
+    "rewrite",
+]

@@ -1,0 +1,157 @@
+"""``hlo-amp-opt``: the AMP passes on a .mlir file, in the manner of ``stablehlo-opt``.
+
+    hlo-amp-opt [FILE|-] [-o OUT] [--policy SPEC] [--scope PATTERN=ACTION]...
+                [--op KIND=ACTION]... [--report OUT.json] [--split-input-file]
+                [--debug-info] [--pass NAME]...
+
+Errors (unreadable file, text that is not MLIR, a bad policy) print one line on stderr
+and exit with status 1; no output file is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Sequence
+
+from hlo_amp.modules import ModuleError, module_text, parse_module
+from hlo_amp.passes import pass_names, run_pipeline
+from hlo_amp.policy import Policy, as_policy
+from hlo_amp.report import Report
+
+_SPLIT_MARKER = re.compile(r"^// -----\s*$", re.MULTILINE)
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, status 1, like every other error
+        raise CliError(f"hlo-amp-opt: error: {message} (see hlo-amp-opt --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="hlo-amp-opt",
+        description="Rewrite a StableHLO module for mixed precision (hlo_amp).",
+    )
+    parser.add_argument("input", nargs="?", default="-", help="input .mlir file, or - for stdin")
+    parser.add_argument("-o", dest="output", default="-", help="output file (default stdout)")
+    parser.add_argument("--policy", default="bf16",
+                        help="a preset (bf16, f16, f32) or a policy string, e.g. "
+                             "'bf16,scope:head=float32'")
+    parser.add_argument("--scope", action="append", default=[], metavar="PATTERN=ACTION",
+                        help="add a scope rule; may be repeated")
+    parser.add_argument("--op", action="append", default=[], metavar="KIND=ACTION",
+                        help="add an op rule; may be repeated")
+    parser.add_argument("--report", metavar="OUT.json",
+                        help="write the report as JSON to this file (- for stderr)")
+    parser.add_argument("--split-input-file", action="store_true",
+                        help="treat '// -----' separated chunks as separate modules")
+    parser.add_argument("--debug-info", action="store_true",
+                        help="keep locations (scope metadata) in the output")
+    parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
+                        help="run only these passes, in order (default: the full pipeline)")
+    return parser
+
+
+def _policy_from(args: argparse.Namespace) -> Policy:
+    spec = args.policy
+    for flag, items in (("scope", args.scope), ("op", args.op)):
+        for item in items:
+            if "=" not in item:
+                raise CliError(f"hlo-amp-opt: error: --{flag} {item!r} is not "
+                               f"{'PATTERN' if flag == 'scope' else 'KIND'}=ACTION")
+            spec += f",{flag}:{item}"
+    return as_policy(spec)
+
+
+def _read(path: str) -> tuple[str | bytes, str]:
+    if path == "-":
+        return sys.stdin.buffer.read(), "<stdin>"
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(), path
+    except OSError as error:
+        raise CliError(f"hlo-amp-opt: error: cannot read {path!r}: {error.strerror}") from None
+
+
+def _chunks(source: str | bytes, split: bool) -> list[tuple[str | bytes, int]]:
+    """(chunk, first line number - 1); padding with newlines keeps diagnostics exact."""
+    if not split or isinstance(source, bytes) and source.startswith(b"ML\xefR"):
+        return [(source, 0)]
+    text = source.decode("utf-8", errors="replace") if isinstance(source, bytes) else source
+    pieces, line = [], 0
+    for piece in _SPLIT_MARKER.split(text):
+        pieces.append(("\n" * line + piece, line))
+        line += piece.count("\n")
+    return pieces
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        policy = _policy_from(args)
+    except ValueError as error:
+        raise CliError(f"hlo-amp-opt: error: bad policy: {error}") from None
+    available = pass_names(policy)
+    unknown = [name for name in args.passes if name not in available]
+    if unknown:
+        raise CliError(f"hlo-amp-opt: error: unknown pass {unknown[0]!r}; accepted: "
+                       f"{', '.join(available)}")
+    selected = [available[name] for name in args.passes] or None
+    source, source_name = _read(args.input)
+    outputs: list[str] = []
+    report = Report(policy=policy.to_string(), rules=policy.rule_names())
+    for chunk, _ in _chunks(source, args.split_input_file):
+        module = parse_module(chunk, source_name=source_name)
+        run_pipeline(module, policy, report=report, passes=selected)
+        outputs.append(module_text(module, debug_info=args.debug_info))
+    text = "// -----\n".join(outputs)
+    _write(args.output, text)
+    if args.report:
+        payload = report.to_json() + "\n"
+        if args.report == "-":
+            sys.stderr.write(payload)
+        else:
+            _write(args.report, payload)
+    return 0
+
+
+def _write(path: str, text: str) -> None:
+    """Write atomically, so a failure never leaves a partial output file."""
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".hlo-amp-opt-")
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except OSError as error:
+        raise CliError(f"hlo-amp-opt: error: cannot write {path!r}: {error.strerror}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except CliError as error:
+        print(error, file=sys.stderr)
+    except ModuleError as error:
+        print(f"hlo-amp-opt: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("hlo-amp-opt: interrupted", file=sys.stderr)
+    except Exception as error:  # a bug in hlo_amp: still one line, never a traceback
+        first_line = (str(error).splitlines() or [""])[0]
+        print(f"hlo-amp-opt: internal error: {type(error).__name__}: {first_line}",
+              file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

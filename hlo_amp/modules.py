@@ -1,0 +1,109 @@
+"""Reading and writing StableHLO modules; the one place an MLIR context is made."""
+
+from __future__ import annotations
+
+import re
+
+from jax._src.interpreters import mlir as jax_mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
+
+
+class ModuleError(ValueError):
+    """A module that could not be read, or that the pass cannot work on."""
+
+
+def new_context() -> ir.Context:
+    """An MLIR context with the dialects JAX lowers to (stablehlo, chlo, func, sdy...)."""
+    return jax_mlir.make_ir_context()
+
+
+_DIAG_LOC = re.compile(r'^loc\("([^"]*)":(\d+):(\d+)')
+
+
+def _first_diagnostic(error: ir.MLIRError, source_name: str) -> str:
+    diagnostics = list(getattr(error, "error_diagnostics", []) or [])
+    if diagnostics:
+        diag = diagnostics[0]
+        match = _DIAG_LOC.match(str(diag.location))
+        where = f"{source_name}:{match.group(2)}:{match.group(3)}" if match else source_name
+        return f"{where}: error: {diag.message.strip()}"
+    text = " ".join(str(error).split("\n")[1:2]).strip() or str(error).strip()
+    text = text.removeprefix("error: ").replace('"-":', f"{source_name}:")
+    return f"{source_name}: error: {text}"
+
+
+def parse_module(source: str | bytes, *, source_name: str = "<input>",
+                 context: ir.Context | None = None) -> ir.Module:
+    """Parse StableHLO text, MLIR bytecode or a StableHLO portable artifact."""
+    context = context or new_context()
+    if isinstance(source, bytes) and not source.startswith(b"ML\xefR"):
+        try:
+            source = source.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModuleError(
+                f"{source_name}: error: not MLIR text or bytecode (binary data without "
+                f"the MLIR bytecode header); accepted: StableHLO text (.mlir) or bytecode"
+            ) from None
+    if isinstance(source, str) and not source.strip():
+        raise ModuleError(
+            f"{source_name}: error: the input is empty; expected a StableHLO module"
+        )
+    if isinstance(source, bytes):
+        source = _bytecode_to_text(source, source_name) if _is_portable(source) else source
+    try:
+        module = ir.Module.parse(source, context=context)
+    except ir.MLIRError as error:
+        raise ModuleError(_first_diagnostic(error, source_name)) from None
+    except Exception as error:  # e.g. bytecode the reader rejects without a diagnostic
+        raise ModuleError(f"{source_name}: error: unreadable module ({error})") from None
+    try:
+        module.operation.verify()
+    except ir.MLIRError as error:
+        raise ModuleError(_first_diagnostic(error, source_name)) from None
+    if not public_functions(module):
+        raise ModuleError(
+            f"{source_name}: error: the module has no public func.func; expected a "
+            f"module with an entry function such as @main"
+        )
+    return module
+
+
+def _is_portable(data: bytes) -> bool:
+    # A portable artifact is bytecode of the VHLO dialect.
+    return b"vhlo" in data[:4096]
+
+
+def _bytecode_to_text(data: bytes, source_name: str) -> str:
+    from jax._src.lib import _jax
+
+    try:
+        return str(_jax.mlir.deserialize_portable_artifact(data))
+    except Exception as error:
+        raise ModuleError(
+            f"{source_name}: error: unreadable StableHLO portable artifact ({error})"
+        ) from None
+
+
+def module_text(module: ir.Module, *, debug_info: bool = False) -> str:
+    """The module as StableHLO text; with ``debug_info`` it keeps the locations."""
+    return module.operation.get_asm(enable_debug_info=debug_info,
+                                    large_elements_limit=None)
+
+
+def functions(module: ir.Module) -> list[func_dialect.FuncOp]:
+    return [op for op in module.body.operations if isinstance(op, func_dialect.FuncOp)]
+
+
+def function_name(fn: func_dialect.FuncOp) -> str:
+    return ir.StringAttr(fn.attributes["sym_name"]).value
+
+
+def is_public(fn: func_dialect.FuncOp) -> bool:
+    if "sym_visibility" not in fn.attributes:
+        return True
+    return ir.StringAttr(fn.attributes["sym_visibility"]).value == "public"
+
+
+def public_functions(module: ir.Module) -> list[func_dialect.FuncOp]:
+    return [fn for fn in functions(module) if is_public(fn)]

@@ -1,0 +1,318 @@
+"""The core rewrite: run dot/conv ops in the policy's precision with f32 accumulation.
+
+For every ``stablehlo.dot_general``, ``stablehlo.dot`` and ``stablehlo.convolution``
+the policy decides an action from the op's Site:
+
+- ``compute``: convert each float operand wider than the compute dtype to it and keep
+  the result type, so the op accumulates in (and returns) f32.
+- a dtype: convert operands and result to that dtype, then convert the result back, so
+  consumers see the type the program wrote.
+- ``keep`` or no rule: leave the op alone.
+
+Ops inside private functions are decided in the context of their call site; a function
+called from sites that need different decisions is cloned per decision vector, so
+nothing is decided once for all callers. Public signatures never change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
+from jax._src.lib.mlir.dialects import hlo
+
+from hlo_amp.modules import function_name, functions, is_public
+from hlo_amp.policy import COMPUTE, DTYPE_BITS, KEEP, Policy
+from hlo_amp.report import Decision, Report
+from hlo_amp.sites import call_prefix, join_names, location_name, site_of
+
+# StableHLO element-type spelling <-> policy dtype name.
+ELEMENT_TO_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32",
+                    "f64": "float64"}
+DTYPE_TO_ELEMENT = {v: k for k, v in ELEMENT_TO_DTYPE.items()}
+
+
+def op_kind(op: Any) -> str | None:
+    """The policy op kind of a candidate op, or None for any other op."""
+    if isinstance(op, hlo.DotGeneralOp):
+        return "dot_general"
+    if isinstance(op, hlo.DotOp):
+        return "dot"
+    if isinstance(op, hlo.ConvolutionOp):
+        return "convolution"
+    return None
+
+
+def element_type(value: ir.Value) -> ir.Type | None:
+    """The element type of a ranked tensor value, else None."""
+    if not isinstance(value.type, ir.RankedTensorType):
+        return None
+    return ir.RankedTensorType(value.type).element_type
+
+
+def float_bits(element: ir.Type | None) -> int | None:
+    """Bit width of a float element type; None for int, complex, bool, unranked."""
+    if element is None or not isinstance(element, ir.FloatType):
+        return None
+    return ir.FloatType(element).width
+
+
+def dtype_element(dtype: str) -> ir.Type:
+    return {
+        "bfloat16": ir.BF16Type.get, "float16": ir.F16Type.get,
+        "float32": ir.F32Type.get, "float64": ir.F64Type.get,
+    }[dtype]()
+
+
+def with_element(tensor_type: ir.Type, element: ir.Type) -> ir.RankedTensorType:
+    ranked = ir.RankedTensorType(tensor_type)
+    return ir.RankedTensorType.get(ranked.shape, element, ranked.encoding)
+
+
+def estimate_flops(op: Any, kind: str) -> int | None:
+    """2 × multiply-adds of a dot or conv; None when a shape is dynamic."""
+    result = ir.RankedTensorType(op.result.type)
+    if not result.has_static_shape:
+        return None
+    out = 1
+    for size in result.shape:
+        out *= size
+    lhs = ir.RankedTensorType(op.operands[0].type)
+    rhs = ir.RankedTensorType(op.operands[1].type)
+    if not (lhs.has_static_shape and rhs.has_static_shape):
+        return None
+    if kind == "dot_general":
+        numbers = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+        contracted = 1
+        for dim in numbers.lhs_contracting_dimensions:
+            contracted *= lhs.shape[dim]
+        return 2 * out * contracted
+    if kind == "dot":
+        return 2 * out * (lhs.shape[-1] if lhs.rank else 1)
+    numbers = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    kernel = 1
+    for size in rhs.shape:
+        kernel *= size
+    out_features = rhs.shape[numbers.kernel_output_feature_dimension]
+    return 2 * out * kernel // max(out_features, 1)
+
+
+def walk_ops(region_holder: Any) -> list[Any]:
+    """All ops nested in ``region_holder``'s regions, in program order."""
+    found: list[Any] = []
+
+    def visit(op: Any) -> None:
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    found.append(inner)
+                    visit(inner)
+
+    visit(region_holder.operation if hasattr(region_holder, "operation") else region_holder)
+    return found
+
+
+def callee_name(call: Any) -> str:
+    return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+
+
+def is_call(op: Any) -> bool:
+    return isinstance(op, func_dialect.CallOp) or op.operation.name == "func.call"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The decision for one candidate op, before any IR is touched."""
+
+    action: str | None
+    rule: str
+    operand_targets: tuple[str | None, ...]  # per operand: new element type or None
+    result_target: str | None  # new result element type, or None to keep it
+    reason: str
+
+
+def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str) -> Plan:
+    """What to do to one op under ``action``, given its operand and result types."""
+    operands = [element_type(v) for v in list(op.operands)[:2]]
+    result = element_type(op.result)
+    bits = [float_bits(t) for t in operands]
+    result_bits = float_bits(result)
+    none = (None,) * len(operands)
+    if action is None:
+        return Plan(action, rule, none, None, "no rule for this op kind")
+    if action == KEEP:
+        return Plan(action, rule, none, None, "kept as written")
+    if any(b is None for b in bits) or result_bits is None:
+        return Plan(action, rule, none, None, "not a float op")
+    if action == COMPUTE:
+        target_bits = DTYPE_BITS[policy.compute_dtype]
+        if 64 in bits + [result_bits] and not policy.include_f64:
+            return Plan(action, rule, none, None, "f64 op (not asked: include_f64)")
+        targets = tuple(
+            DTYPE_TO_ELEMENT[policy.compute_dtype] if b > target_bits else None for b in bits
+        )
+        if all(t is None for t in targets):
+            return Plan(action, rule, none, None, "already low precision")
+        return Plan(action, rule, targets, None,
+                    f"{DTYPE_TO_ELEMENT[policy.compute_dtype]} operands, "
+                    f"{result} accumulation")
+    element = DTYPE_TO_ELEMENT[action]
+    targets = tuple(element if str(t) != element else None for t in operands)
+    result_target = element if str(result) != element else None
+    if all(t is None for t in targets) and result_target is None:
+        return Plan(action, rule, none, None, f"already {action}")
+    return Plan(action, rule, targets, result_target, f"forced to {action}")
+
+
+@dataclass
+class _Instance:
+    """One function body to rewrite, and the call-site name its ops are seen under."""
+
+    fn: Any
+    prefix: str
+
+
+@dataclass
+class _CallGraph:
+    """Call-site contexts and the clones needed so each body has one decision vector."""
+
+    policy: Policy
+    by_name: dict[str, Any] = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)  # clone name -> original
+    memo: dict[tuple[str, tuple], str] = field(default_factory=dict)
+    used_names: set[str] = field(default_factory=set)
+    instances: list[_Instance] = field(default_factory=list)
+    clones: int = 0
+
+    def signature(self, name: str, prefix: str) -> tuple:
+        """The decisions a body would get under ``prefix``, nested calls included."""
+        fn = self.by_name[self.origin.get(name, name)]
+        parts: list[Any] = []
+        for op in walk_ops(fn):
+            kind = op_kind(op)
+            if kind is not None:
+                site = site_of(op.location, kind, prefix)
+                parts.append(self.policy.decide(site.scope, kind, site.backward).action)
+            elif is_call(op) and callee_name(op) in self.by_name:
+                inner = callee_name(op)
+                parts.append(self.signature(inner, self._callee_prefix(prefix, op)))
+        return tuple(parts)
+
+    @staticmethod
+    def _callee_prefix(prefix: str, call: Any) -> str:
+        return call_prefix(join_names(prefix, location_name(call.location)))
+
+    def visit(self, fn: Any, prefix: str) -> None:
+        self.instances.append(_Instance(fn, prefix))
+        for op in walk_ops(fn):
+            if not is_call(op) or callee_name(op) not in self.by_name:
+                continue
+            name = callee_name(op)
+            original = self.origin.get(name, name)
+            callee_prefix = self._callee_prefix(prefix, op)
+            key = (original, self.signature(original, callee_prefix))
+            target = self.memo.get(key)
+            if target is None:
+                target = self._instantiate(original)
+                self.memo[key] = target
+                self.visit(self.by_name[target], callee_prefix)
+            if target != name:
+                op.attributes["callee"] = ir.FlatSymbolRefAttr.get(target, context=op.context)
+
+    def _instantiate(self, original: str) -> str:
+        if original not in self.used_names:
+            self.used_names.add(original)
+            return original
+        source = self.by_name[original]
+        number = 0
+        while f"{original}_amp{number}" in self.by_name:
+            number += 1
+        name = f"{original}_amp{number}"
+        with ir.InsertionPoint.after(source):
+            clone = source.operation.clone()
+        clone.attributes["sym_name"] = ir.StringAttr.get(name, context=clone.context)
+        self.by_name[name] = clone.opview
+        self.origin[name] = original
+        self.used_names.add(name)
+        self.clones += 1
+        return name
+
+
+@dataclass(frozen=True)
+class InsertConverts:
+    """Insert ``stablehlo.convert`` around dot/conv ops as the policy decides."""
+
+    policy: Policy
+    name: str = "hlo-amp-insert-converts"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        graph = _CallGraph(self.policy)
+        for fn in functions(module):
+            graph.by_name[function_name(fn)] = fn
+        # Phase 1: contexts and clones, on pristine bodies (clones copy unrewritten IR).
+        for fn in functions(module):
+            if is_public(fn):
+                graph.used_names.add(function_name(fn))
+                graph.visit(fn, "")
+        # Phase 2: rewrite each body once, under its own context.
+        for instance in graph.instances:
+            self._rewrite_body(instance, report)
+        if report is not None and graph.clones:
+            report.notes.append(f"specialised {graph.clones} private function(s) per "
+                                f"call-site decision")
+
+    def _rewrite_body(self, instance: _Instance, report: Report | None) -> None:
+        fn_name = function_name(instance.fn)
+        shared: dict[tuple[Any, Any, str], ir.Value] = {}
+        for op in walk_ops(instance.fn):
+            kind = op_kind(op)
+            if kind is None:
+                continue
+            site = site_of(op.location, kind, instance.prefix)
+            rule = self.policy.decide(site.scope, kind, site.backward)
+            plan = plan_op(op, kind, self.policy, rule.action, rule.rule)
+            before = tuple(str(element_type(v)) for v in list(op.operands)[:2])
+            result_before = str(element_type(op.result))
+            changed = any(plan.operand_targets) or plan.result_target is not None
+            if changed:
+                _apply(op, plan, shared)
+            if report is not None:
+                report.add(Decision(
+                    function=fn_name, op_kind=kind, scope=site.scope_path,
+                    direction=site.direction, operands_before=before,
+                    operands_after=tuple(str(element_type(v))
+                                         for v in list(op.operands)[:2]),
+                    result_before=result_before,
+                    result_after=str(element_type(op.result)), action=rule.action,
+                    rule=rule.rule, changed=changed, reason=plan.reason,
+                    flops=estimate_flops(op, kind),
+                    shape="x".join(str(s) for s in ir.RankedTensorType(op.result.type).shape)
+                    if isinstance(op.result.type, ir.RankedTensorType) else "?",
+                    location=site.name, source=site.source,
+                ))
+
+
+def _apply(op: Any, plan: Plan, shared: dict[tuple[Any, Any, str], ir.Value]) -> None:
+    """Rewrite ``op`` in place per ``plan``; converts are shared per (block, value, type)."""
+    block = op.operation.block
+    with op.location:
+        for index, target in enumerate(plan.operand_targets):
+            if target is None:
+                continue
+            value = op.operands[index]
+            key = (block, value, target)
+            converted = shared.get(key)
+            if converted is None:
+                new_type = with_element(value.type, ir.Type.parse(target))
+                with ir.InsertionPoint(op):
+                    converted = hlo.convert(new_type, value)
+                shared[key] = converted
+            op.operands[index] = converted
+        if plan.result_target is not None:
+            original_type = op.result.type
+            op.result.set_type(with_element(original_type, ir.Type.parse(plan.result_target)))
+            with ir.InsertionPoint.after(op):
+                back = hlo.convert(original_type, op.result)
+            op.result.replace_all_uses_except(back, back.owner.operation)

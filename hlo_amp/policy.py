@@ -1,0 +1,349 @@
+"""Policy: which ops run in which precision, keyed by op kind and by scope.
+
+A policy has a compute dtype and two rule tables. Op rules are keyed by StableHLO op
+kind (``"dot_general"``, ``"convolution"``, ``"dot"``) or by a JAX primitive
+(``jax.lax.dot_general_p``). Scope rules are keyed by a scope pattern matched against
+whole segments of an op's ``jax.named_scope`` path. Scope rules beat op rules, the
+outermost matching scope wins, and ``amp_stop`` keeps its inside as written unless a
+rule matching inside it names the op.
+
+String grammar (``Policy.parse``), comma separated, spaces ignored::
+
+    SPEC    := ITEM ("," ITEM)*
+    ITEM    := PRESET | "compute=" DTYPE | "backward=" ACTION | "f64=" BOOL
+             | "op:" KIND "=" ACTION | "scope:" PATTERN "=" ACTION
+    PRESET  := "bf16" | "f16" | "f32"          (only as the first item)
+    ACTION  := "compute" | "keep" | DTYPE
+    DTYPE   := "bfloat16" | "float16" | "float32" | "float64" (or bf16, f16, f32, f64)
+
+Example: ``"bf16,scope:head=float32,scope:Block_*/attn=keep,op:convolution=keep"``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+COMPUTE = "compute"
+KEEP = "keep"
+AMP_STOP = "amp_stop"
+
+# Canonical dtype names and the spellings accepted for each.
+_DTYPE_ALIASES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "f16": "float16", "half": "float16",
+    "float32": "float32", "f32": "float32", "float": "float32",
+    "float64": "float64", "f64": "float64", "double": "float64",
+}
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+COMPUTE_DTYPES = ("bfloat16", "float16")
+# Bit width of each float dtype, used to tell "wider than the compute dtype".
+DTYPE_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "float64": 64}
+
+OP_KINDS = ("dot_general", "dot", "convolution")
+# JAX primitives mapped to the StableHLO op kinds they lower to.
+_PRIMITIVE_KINDS = {
+    "dot_general": ("dot_general", "dot"),
+    "conv_general_dilated": ("convolution",),
+}
+
+PRESETS = ("bf16", "f16", "f32")
+
+
+def canonical_dtype(name: Any, *, what: str = "dtype") -> str:
+    """Return the canonical float dtype name for ``name`` (str, numpy or jnp dtype)."""
+    key = name
+    if not isinstance(name, str):
+        try:
+            key = jax.numpy.dtype(name).name
+        except TypeError:
+            key = repr(name)
+    canon = _DTYPE_ALIASES.get(str(key).strip().lower())
+    if canon is None:
+        raise ValueError(
+            f"Unknown {what} {name!r}; accepted: {', '.join(DTYPES)} "
+            f"(or bf16, f16, f32, f64)"
+        )
+    return canon
+
+
+def canonical_action(action: Any, *, where: str) -> str:
+    """Return ``"compute"``, ``"keep"`` or a canonical dtype name."""
+    if isinstance(action, str) and action.strip().lower() in (COMPUTE, KEEP):
+        return action.strip().lower()
+    try:
+        return canonical_dtype(action)
+    except ValueError:
+        raise ValueError(
+            f"Unknown action {action!r} for {where}; accepted: compute, keep, "
+            f"{', '.join(DTYPES)}"
+        ) from None
+
+
+def canonical_op_kind(kind: Any) -> tuple[str, ...]:
+    """Map an op-rule key (a StableHLO op kind or a JAX primitive) to op kinds."""
+    if hasattr(kind, "bind") and isinstance(getattr(kind, "name", None), str):
+        name = kind.name  # a JAX primitive such as jax.lax.dot_general_p
+        if name in _PRIMITIVE_KINDS:
+            return _PRIMITIVE_KINDS[name]
+        raise ValueError(
+            f"Unsupported primitive {name!r} in op rules; accepted primitives: "
+            f"{', '.join(p + '_p' for p in _PRIMITIVE_KINDS)}"
+        )
+    if isinstance(kind, str):
+        text = kind.strip().removeprefix("stablehlo.")
+        if text in OP_KINDS:
+            return (text,)
+        if text.removesuffix("_p") in _PRIMITIVE_KINDS:
+            return _PRIMITIVE_KINDS[text.removesuffix("_p")]
+    raise ValueError(
+        f"Unknown op kind {kind!r}; accepted: {', '.join(OP_KINDS)}, "
+        f"jax.lax.dot_general_p, jax.lax.conv_general_dilated_p"
+    )
+
+
+_PATTERN_OK = re.compile(r"^[^/\s]+(/[^/\s]+)*$")
+
+
+def _check_pattern(pattern: Any) -> str:
+    if not isinstance(pattern, str) or not _PATTERN_OK.match(pattern.strip()):
+        raise ValueError(
+            f"Malformed scope pattern {pattern!r}; accepted: one or more non-empty "
+            f"segments separated by '/', each a name or a glob like 'Block_*'"
+        )
+    text = pattern.strip()
+    if text.count("[") != text.count("]"):
+        raise ValueError(f"Malformed scope pattern {pattern!r}: unbalanced '[' in glob")
+    return text
+
+
+def match_start(pattern: str, scope: tuple[str, ...]) -> int | None:
+    """Index of the outermost scope segment where ``pattern`` matches, else None.
+
+    A pattern of k '/'-separated parts matches k consecutive whole segments, each
+    part matched as a glob against one segment ("attn" never matches "attn_norm").
+    """
+    parts = pattern.split("/")
+    k = len(parts)
+    for start in range(len(scope) - k + 1):
+        if all(fnmatch.fnmatchcase(scope[start + i], parts[i]) for i in range(k)):
+            return start
+    return None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One decision: the action and the rule text that produced it."""
+
+    action: str | None  # None: the op is not a candidate (left alone)
+    rule: str  # e.g. "scope:attn", "op:dot_general", "amp_stop", "default"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which ops compute in which precision; see the module docstring."""
+
+    compute_dtype: str = "bfloat16"
+    ops: Mapping[str, str] = field(default_factory=dict)
+    scopes: Mapping[str, str] = field(default_factory=dict)
+    backward: str | None = None
+    include_f64: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            compute = canonical_dtype(self.compute_dtype, what="compute_dtype")
+        except ValueError:
+            compute = None
+        if compute not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"Unsupported compute_dtype {self.compute_dtype!r}; accepted: "
+                f"{', '.join(COMPUTE_DTYPES)}"
+            )
+        if not isinstance(self.ops, Mapping):
+            raise ValueError(f"ops must be a dict of op kind -> action, got {self.ops!r}")
+        if not isinstance(self.scopes, Mapping):
+            raise ValueError(
+                f"scopes must be a dict of pattern -> action, got {self.scopes!r}"
+            )
+        ops: dict[str, str] = {}
+        for key, action in self.ops.items():
+            for kind in canonical_op_kind(key):
+                ops[kind] = canonical_action(action, where=f"op rule {kind!r}")
+        scopes: dict[str, str] = {}
+        for pattern, action in self.scopes.items():
+            text = _check_pattern(pattern)
+            scopes[text] = canonical_action(action, where=f"scope rule {text!r}")
+        backward = None
+        if self.backward is not None:
+            backward = canonical_action(self.backward, where="backward")
+        object.__setattr__(self, "compute_dtype", compute)
+        object.__setattr__(self, "ops", _FrozenDict(ops))
+        object.__setattr__(self, "scopes", _FrozenDict(scopes))
+        object.__setattr__(self, "backward", backward)
+        object.__setattr__(self, "include_f64", bool(self.include_f64))
+
+    # ---- construction -------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str) -> Policy:
+        """The named preset: ``"bf16"``, ``"f16"`` or ``"f32"`` (changes nothing)."""
+        all_compute = {kind: COMPUTE for kind in OP_KINDS}
+        if name == "bf16":
+            return cls("bfloat16", ops=all_compute)
+        if name == "f16":
+            return cls("float16", ops=all_compute)
+        if name == "f32":
+            return cls("bfloat16", ops={})
+        raise ValueError(f"Unknown preset {name!r}; accepted: {', '.join(PRESETS)}")
+
+    @classmethod
+    def parse(cls, spec: str) -> Policy:
+        """Parse the string grammar of the module docstring."""
+        if not isinstance(spec, str):
+            raise ValueError(f"A policy string was expected, got {spec!r}")
+        items = [item.strip() for item in spec.split(",") if item.strip()]
+        if not items:
+            raise ValueError(
+                f"Empty policy {spec!r}; accepted: a preset ({', '.join(PRESETS)}) "
+                f"followed by ',op:KIND=ACTION', ',scope:PATTERN=ACTION', ..."
+            )
+        base = cls.preset("bf16")
+        if items[0] in PRESETS:
+            base = cls.preset(items.pop(0))
+        fields = base.to_dict()
+        for item in items:
+            key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not value:
+                raise ValueError(f"Malformed item {item!r} in {spec!r}; expected KEY=VALUE")
+            if key.startswith("op:"):
+                fields["ops"][key[3:]] = value
+            elif key.startswith("scope:"):
+                fields["scopes"][key[6:]] = value
+            elif key in ("compute", "compute_dtype"):
+                fields["compute_dtype"] = value
+            elif key == "backward":
+                fields["backward"] = value
+            elif key == "f64":
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(f"Unknown value {value!r} for f64 in {spec!r}; "
+                                     f"accepted: true, false")
+                fields["include_f64"] = value.lower() in ("true", "1")
+            else:
+                raise ValueError(
+                    f"Unknown key {key!r} in {spec!r}; accepted: compute, backward, f64, "
+                    f"op:KIND, scope:PATTERN (or a preset {', '.join(PRESETS)} first)"
+                )
+        return cls.from_dict(fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict that ``from_dict`` turns back into an equal policy."""
+        return {
+            "compute_dtype": self.compute_dtype,
+            "ops": dict(self.ops),
+            "scopes": dict(self.scopes),
+            "backward": self.backward,
+            "include_f64": self.include_f64,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Policy:
+        allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64")
+        if not isinstance(data, Mapping):
+            raise ValueError(f"A policy dict was expected, got {data!r}")
+        unknown = [k for k in data if k not in allowed]
+        if unknown:
+            raise ValueError(
+                f"Unknown key {unknown[0]!r} in policy dict; accepted: {', '.join(allowed)}"
+            )
+        return cls(**dict(data))
+
+    def to_string(self) -> str:
+        """The string form; ``Policy.parse(p.to_string()) == p``."""
+        if dict(self.ops) == {kind: COMPUTE for kind in OP_KINDS}:
+            items = ["bf16"]
+        else:  # start from the empty preset and state every op rule, so it is exact
+            items = ["f32"] + [f"op:{k}={a}" for k, a in self.ops.items()]
+        items.insert(1, f"compute={self.compute_dtype}")
+        items += [f"scope:{p}={a}" for p, a in self.scopes.items()]
+        if self.backward is not None:
+            items.append(f"backward={self.backward}")
+        if self.include_f64:
+            items.append("f64=true")
+        return ",".join(items)
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+    # ---- decisions ----------------------------------------------------------------
+
+    def decide(self, scope: tuple[str, ...], op_kind: str, backward: bool) -> Rule:
+        """The action for an op of ``op_kind`` under ``scope``; see module docstring."""
+        if backward and self.backward is not None:
+            return Rule(self.backward, "backward")
+        stop = scope.index(AMP_STOP) if AMP_STOP in scope else None
+        best: tuple[int, int, str] | None = None  # (start, -len, pattern)
+        for pattern in self.scopes:
+            start = match_start(pattern, scope)
+            if start is None:
+                continue
+            if stop is not None and start <= stop and pattern != AMP_STOP:
+                continue  # amp_stop shields its inside from rules set outside it
+            key = (start, -len(pattern.split("/")), pattern)
+            if best is None or key[:2] < best[:2]:
+                best = key
+        if best is not None:
+            return Rule(self.scopes[best[2]], f"scope:{best[2]}")
+        if stop is not None:
+            return Rule(KEEP, AMP_STOP)
+        if op_kind in self.ops:
+            return Rule(self.ops[op_kind], f"op:{op_kind}")
+        return Rule(None, "default")
+
+    def rule_names(self) -> list[str]:
+        """Every rule as the report names it, to list the unused ones."""
+        names = [f"op:{k}" for k in self.ops] + [f"scope:{p}" for p in self.scopes]
+        if self.backward is not None:
+            names.append("backward")
+        return names
+
+
+class _FrozenDict(dict):
+    """A dict that refuses mutation, so a frozen Policy stays hashable and fixed."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Policy rule tables are read-only; build a new Policy")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+
+def as_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
+    """Accept a Policy, a preset or policy string, or a dict; None means "bf16"."""
+    if policy is None:
+        return Policy.preset("bf16")
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return Policy.parse(policy)
+    if isinstance(policy, Mapping):
+        return Policy.from_dict(policy)
+    raise ValueError(
+        f"Unsupported policy {policy!r}; accepted: a Policy, a string such as "
+        f"'bf16,scope:head=float32', or a dict with keys compute_dtype, ops, scopes"
+    )
+
+
+def amp_stop() -> Any:
+    """A ``jax.named_scope("amp_stop")``: ops inside keep the program's precision.
+
+    Use as ``with hlo_amp.amp_stop(): ...`` or as a decorator ``@hlo_amp.amp_stop()``.
+    """
+    return jax.named_scope(AMP_STOP)

@@ -1,0 +1,150 @@
+"""Report: one Decision per candidate op, rendered as a table, JSON and a summary."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+# Op-kind column order in summaries.
+_KIND_ORDER = ("dot_general", "dot", "convolution")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the pass decided for one candidate op, and why."""
+
+    function: str  # the func.func holding the op (after specialisation)
+    op_kind: str  # "dot_general", "dot", "convolution"
+    scope: str  # "Block_0/attn/query"; "" at top level
+    direction: str  # "forward" or "backward"
+    operands_before: tuple[str, ...]  # element types, e.g. ("f32", "f32")
+    operands_after: tuple[str, ...]
+    result_before: str
+    result_after: str  # the element type the op computes its result in
+    action: str | None  # "compute", "keep", a dtype name; None when no rule applies
+    rule: str  # "scope:attn", "op:dot_general", "amp_stop", "backward", "default"
+    changed: bool  # whether the pass rewrote the op
+    reason: str  # why it was (not) changed, in words
+    flops: int | None  # estimated multiply-add FLOPs (2 per MAC); None if shape is dynamic
+    shape: str = ""  # result shape, e.g. "256x2048"
+    location: str = ""  # the op's name-stack string
+    source: str | None = None  # "file.py:12"
+    kept_by_xla: bool | None = None  # filled in after XLA compiles, when checked
+    notes: tuple[str, ...] = ()
+
+    @property
+    def low_precision(self) -> bool:
+        """Whether the op's operands end up 16 bits wide or narrower."""
+        return bool(self.operands_after) and all(
+            _bits(t) <= 16 for t in self.operands_after
+        )
+
+
+def _bits(element_type: str) -> int:
+    digits = "".join(ch for ch in element_type if ch.isdigit())
+    if element_type.startswith("f8") or element_type.startswith("f4"):
+        return 8
+    return int(digits) if digits else 64
+
+
+@dataclass
+class Report:
+    """Every decision of one pass run, plus the policy's rules that matched nothing."""
+
+    policy: str = ""
+    decisions: list[Decision] = field(default_factory=list)
+    rules: list[str] = field(default_factory=list)  # every rule of the policy
+    notes: list[str] = field(default_factory=list)
+    xla_checked: bool = False
+
+    def add(self, decision: Decision) -> None:
+        self.decisions.append(decision)
+
+    def note(self, location: str, text: str) -> None:
+        """Attach a note from a later pass to the decisions at ``location``."""
+        for i, decision in enumerate(self.decisions):
+            if decision.location == location:
+                self.decisions[i] = replace(decision, notes=decision.notes + (text,))
+                return
+        self.notes.append(f"{location}: {text}" if location else text)
+
+    @property
+    def unused_rules(self) -> list[str]:
+        # Op rules of a preset name every op kind; a module without convs is normal,
+        # so only scope and backward rules are reported as unused.
+        used = {d.rule for d in self.decisions}
+        return [r for r in self.rules if r not in used and not r.startswith("op:")]
+
+    @property
+    def compute_dtype(self) -> str:
+        for item in self.policy.split(","):
+            if item.startswith("compute="):
+                return item.split("=", 1)[1]
+        return "bfloat16"
+
+    # ---- rendering ------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """One line: converted counts per op kind, FLOPs share, XLA's verdict."""
+        kinds = [k for k in _KIND_ORDER if any(d.op_kind == k for d in self.decisions)]
+        kinds += sorted({d.op_kind for d in self.decisions} - set(kinds))
+        if not kinds:
+            return "no dot or convolution ops found"
+        parts = []
+        for kind in kinds:
+            of_kind = [d for d in self.decisions if d.op_kind == kind]
+            parts.append(f"{sum(d.low_precision for d in of_kind)}/{len(of_kind)} {kind}")
+        total = sum(d.flops or 0 for d in self.decisions)
+        low = sum(d.flops or 0 for d in self.decisions if d.low_precision)
+        share = f"{100.0 * low / total:.0f}%" if total else "n/a"
+        line = f"low precision: {', '.join(parts)}; {share} of FLOPs in 16-bit or narrower"
+        converted = [d for d in self.decisions if d.changed]
+        line = f"converted {len(converted)}/{len(self.decisions)} ops; " + line
+        if self.xla_checked:
+            checked = [d for d in self.decisions if d.kept_by_xla is not None]
+            kept = sum(bool(d.kept_by_xla) for d in checked)
+            line += f"; kept by XLA: {kept}/{len(checked)}"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "summary": self.summary(),
+            "decisions": [asdict(d) for d in self.decisions],
+            "unused_rules": self.unused_rules,
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        header = ("function", "op", "scope", "dir", "shape", "before", "after", "action",
+                  "rule", "why", "GFLOP")
+        rows = [header]
+        for d in self.decisions:
+            rows.append((
+                d.function, d.op_kind, d.scope or "-", d.direction[:3], d.shape,
+                "x".join(d.operands_before) + "->" + d.result_before,
+                "x".join(d.operands_after) + "->" + d.result_after,
+                d.action or "-", d.rule, d.reason + _xla_mark(d),
+                "?" if d.flops is None else f"{d.flops / 1e9:.3f}",
+            ))
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+                 for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append("")
+        lines.append(f"policy: {self.policy}")
+        lines.append(self.summary())
+        if self.unused_rules:
+            lines.append("unused rules (matched no op): " + ", ".join(self.unused_rules))
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+def _xla_mark(decision: Decision) -> str:
+    if decision.kept_by_xla is None:
+        return ""
+    return "" if decision.kept_by_xla else " (XLA upcast it)"

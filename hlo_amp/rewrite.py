@@ -1,0 +1,25 @@
+"""``hlo_amp.rewrite``: the pass pipeline on StableHLO text or bytecode."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hlo_amp.modules import module_text, parse_module
+from hlo_amp.passes import run_pipeline
+from hlo_amp.policy import Policy, as_policy
+from hlo_amp.report import Report
+
+
+def rewrite(module: str | bytes, policy: Policy | str | Mapping[str, Any] = "bf16", *,
+            debug_info: bool = False, return_report: bool = False
+            ) -> str | tuple[str, Report]:
+    """Rewrite a StableHLO module (text, bytecode or portable artifact); return text.
+
+    With ``return_report=True`` returns ``(text, report)``.
+    """
+    amp_policy = as_policy(policy)
+    parsed = parse_module(module)
+    report = run_pipeline(parsed, amp_policy)
+    text = module_text(parsed, debug_info=debug_info)
+    return (text, report) if return_report else text

@@ -1,0 +1,1 @@
+"""Runtime half of hlo_amp: compiling rewritten modules and loss scaling."""

@@ -1,0 +1,341 @@
+"""Dynamic loss scaling for low-precision (f16) training.
+
+Holds `DynamicScalerState`, the `dynamic_scale_value_and_grad` / `dynamic_scale_grad`
+transforms and the helpers `all_finite` / `select_tree`. The API follows jaxamp 0.0.4
+(same names, same field names and defaults, same return layout) so code written for
+jaxamp runs unchanged; it needs only jax.
+
+How one scaled step works:
+
+1. The loss is cast to f32 (or wider, if it already is) and multiplied by
+   `state.scaler` there, so the scaled *value* never overflows f16. That product is
+   what gets differentiated: the cotangent entering the program is `scaler`, and it
+   reaches the low-precision ops multiplied by it, which keeps small gradients out of
+   the f16 subnormal range.
+2. Each floating gradient is unscaled in f32 (or wider) and cast back to the dtype of
+   its primal input, as `jax.grad` would return it. The value comes back unscaled, in
+   f32. Aux is returned untouched.
+3. Only the gradients are checked for inf/NaN (aux may hold integers or non-finite
+   metrics). A finite step counts towards growth; a non-finite one backs the scaler
+   off. The state never holds Python numbers after a step: f32 and int32 arrays.
+
+Skipping the update on a non-finite step is left to the caller: wrap the optimizer in
+`optax.apply_if_finite`, or pick old/new values with `select_tree(all_finite(grads),
+new, old)`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Self
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "DynamicScalerState",
+    "all_finite",
+    "dynamic_scale_grad",
+    "dynamic_scale_value_and_grad",
+    "select_tree",
+]
+
+PyTree = Any
+
+_FLOAT_FIELDS = ("adjust_factor", "scaler", "min_scaler")
+_INT_FIELDS = ("patience", "count", "total_resets")
+
+
+class _ScalerFields(NamedTuple):
+    """The fields of `DynamicScalerState`, in jaxamp's order (extras last)."""
+
+    patience: Any = 2000
+    adjust_factor: Any = 2.0
+    scaler: Any = 2.0**15
+    count: Any = 0
+    total_resets: Any = 0
+    min_scaler: Any = 1.0
+
+
+def _field_dtype(name: str) -> np.dtype:
+    return np.dtype(np.float32) if name in _FLOAT_FIELDS else np.dtype(np.int32)
+
+
+def _normalise_leaf(value: Any, dtype: np.dtype) -> Any:
+    """Turn a Python or NumPy scalar into a jax array of `dtype`; pass anything else.
+
+    Arrays, tracers, ShapeDtypeStructs, None and the sentinels that jax's tree
+    utilities pass to constructors are returned as they are, so unflattening a
+    `DynamicScalerState` with any leaves keeps working.
+    """
+    if isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
+        return jnp.asarray(value, dtype=dtype)
+    return value
+
+
+class DynamicScalerState(_ScalerFields):
+    """State of a dynamic loss scaler; a NamedTuple, hence a pytree.
+
+    Fields (jaxamp's names and defaults, plus `min_scaler`):
+        patience: finite steps in a row before the scaler grows (int32, 2000).
+        adjust_factor: growth / back-off factor (f32, 2.0).
+        scaler: the current loss scale (f32, 2**15).
+        count: finite steps since the last growth or back-off (int32, 0).
+        total_resets: non-finite steps seen so far (int32, 0).
+        min_scaler: the scaler never backs off below this (f32, 1.0).
+
+    Python and NumPy scalars given to the constructor become jax arrays of the field's
+    dtype; any other value (arrays, tracers, None, placeholders used by jax's tree
+    utilities) is kept as given, so `jax.tree_util` unflattening, `jit`, `vmap` and
+    `eval_shape` treat it like any NamedTuple. Arrays of another dtype are cast when
+    the state is used by a scaled function.
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        patience: Any = 2000,
+        adjust_factor: Any = 2.0,
+        scaler: Any = 2.0**15,
+        count: Any = 0,
+        total_resets: Any = 0,
+        min_scaler: Any = 1.0,
+    ) -> Self:
+        values = (patience, adjust_factor, scaler, count, total_resets, min_scaler)
+        leaves = [
+            _normalise_leaf(v, _field_dtype(name))
+            for name, v in zip(_ScalerFields._fields, values, strict=True)
+        ]
+        return super().__new__(cls, *leaves)
+
+    @classmethod
+    def _make(cls, iterable: Sequence[Any]) -> Self:
+        """Build from an iterable of field values, normalising like the constructor."""
+        return cls(*iterable)
+
+    def _replace(self, **changes: Any) -> Self:
+        """Return a copy with `changes` applied, normalising like the constructor."""
+        return type(self)(**{**self._asdict(), **changes})
+
+
+def _canonical_state(state: DynamicScalerState) -> DynamicScalerState:
+    """Cast every field to its dtype (f32 / int32), accepting arrays of any dtype."""
+    if not isinstance(state, DynamicScalerState):
+        raise TypeError(
+            "dynamic_scaler_state must be a hlo_amp DynamicScalerState, got "
+            f"{type(state).__name__}; build one with DynamicScalerState()"
+        )
+    return DynamicScalerState(
+        *(
+            jnp.asarray(value, dtype=_field_dtype(name))
+            for name, value in zip(state._fields, state, strict=True)
+        )
+    )
+
+
+def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerState:
+    """Advance the scaler after one step whose gradients were `finite` (or not)."""
+    count = state.count + 1
+    grown = state.scaler * state.adjust_factor
+    grow = finite & (count >= state.patience) & jnp.isfinite(grown)
+    backed_off = jnp.maximum(state.scaler / state.adjust_factor, state.min_scaler)
+    scaler = jnp.where(finite, jnp.where(grow, grown, state.scaler), backed_off)
+    return state._replace(
+        scaler=scaler,
+        count=jnp.where(finite & ~grow, count, jnp.zeros_like(count)),
+        total_resets=state.total_resets + jnp.where(finite, 0, 1).astype(jnp.int32),
+    )
+
+
+def _is_inexact(x: Any) -> bool:
+    """True for float / complex arrays and Python floats (not ints, bools, float0, keys)."""
+    if isinstance(x, (float, complex)):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+    """Whether every float leaf of `tree` is free of inf and NaN, as a scalar bool array.
+
+    Non-float leaves (integers, bools, float0 gradients, PRNG keys) are ignored; a tree
+    without float leaves is finite.
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_inexact(x)]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+
+
+def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
+    """Pick `on_true` where scalar bool `pred` holds, else `on_false`, leaf by leaf.
+
+    Both trees must have the same structure and leaf dtypes. Use it to skip the
+    optimizer update on a non-finite step without optax::
+
+        finite = all_finite(grads)
+        params, opt_state = select_tree(finite, (new_params, new_opt_state),
+                                        (params, opt_state))
+    """
+    pred = jnp.asarray(pred)
+    if pred.shape != () or pred.dtype != jnp.bool_:
+        raise ValueError(
+            f"select_tree needs a scalar bool predicate, got shape {pred.shape} dtype {pred.dtype}"
+        )
+    return jax.tree_util.tree_map(
+        lambda a, b: jax.lax.select(pred, jnp.asarray(a), jnp.asarray(b)), on_true, on_false
+    )
+
+
+def _unscale(grads: PyTree, scaler: jax.Array) -> PyTree:
+    """Divide float grads by `scaler` in f32 (or wider), then cast back to their dtype."""
+
+    def one(g: Any) -> Any:
+        if not _is_inexact(g):
+            return g
+        g = jnp.asarray(g)
+        wide = jnp.promote_types(g.dtype, jnp.float32)
+        return (g.astype(wide) / scaler.astype(wide)).astype(g.dtype)
+
+    return jax.tree_util.tree_map(one, grads)
+
+
+def _scaled_value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool,
+    redo_on_nan: int,
+    argnums: int | Sequence[int],
+    grad_kwargs: dict[str, Any],
+) -> Callable[..., tuple[DynamicScalerState, tuple[tuple[jax.Array, Any], PyTree]]]:
+    """The shared core: returns f(*args, dynamic_scaler_state, **kw) -> (state, ((v, aux), g))."""
+    if not isinstance(redo_on_nan, (int, np.integer)) or redo_on_nan < 0:
+        raise ValueError(f"redo_on_nan must be a non-negative int, got {redo_on_nan!r}")
+
+    def scaled_loss(*args: Any, _hlo_amp_scaler: jax.Array, **kwargs: Any) -> Any:
+        out = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(
+                    "with has_aux=True the function must return a pair (loss, aux), got "
+                    f"{type(out).__name__}"
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        loss = jnp.asarray(loss)
+        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise TypeError(
+                "the loss must be a real floating-point scalar, got shape "
+                f"{loss.shape} dtype {loss.dtype}"
+            )
+        wide = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+        return wide * _hlo_amp_scaler.astype(wide.dtype), (wide, aux)
+
+    value_and_grad = jax.value_and_grad(scaled_loss, argnums=argnums, has_aux=True, **grad_kwargs)
+
+    def attempt(
+        state: DynamicScalerState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[DynamicScalerState, Any, jax.Array]:
+        (_, (value, aux)), grads = value_and_grad(*args, _hlo_amp_scaler=state.scaler, **kwargs)
+        grads = _unscale(grads, state.scaler)
+        finite = all_finite(grads)
+        return _next_state(state, finite), ((value, aux), grads), finite
+
+    @functools.wraps(fun)
+    def wrapped(
+        *args: Any, dynamic_scaler_state: DynamicScalerState, **kwargs: Any
+    ) -> tuple[DynamicScalerState, tuple[tuple[jax.Array, Any], PyTree]]:
+        state = _canonical_state(dynamic_scaler_state)
+        if redo_on_nan == 0:
+            new_state, results, _ = attempt(state, args, kwargs)
+            return new_state, results
+
+        # One traced copy of `fun`, inside the loop body; the first pass is forced.
+        result_shapes = jax.eval_shape(lambda s: attempt(s, args, kwargs)[1], state)
+        placeholder = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), result_shapes)
+
+        def keep_going(carry: tuple[Any, ...]) -> jax.Array:
+            _, _, finite, tries, shrank = carry
+            return (tries == 0) | (~finite & (tries <= redo_on_nan) & shrank)
+
+        def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            state, _, _, tries, _ = carry
+            new_state, results, finite = attempt(state, args, kwargs)
+            shrank = new_state.scaler < state.scaler
+            return new_state, results, finite, tries + 1, shrank
+
+        init = (state, placeholder, jnp.array(False), jnp.array(0, jnp.int32), jnp.array(True))
+        new_state, results, _, _, _ = jax.lax.while_loop(keep_going, body, init)
+        return new_state, results
+
+    return wrapped
+
+
+def dynamic_scale_value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    argnums: int | Sequence[int] = 0,
+    **kwargs: Any,
+) -> Callable[..., tuple[DynamicScalerState, Any]]:
+    """Like `jax.value_and_grad(fun)`, with dynamic loss scaling.
+
+    Args:
+        fun: returns a real float scalar loss (or `(loss, aux)` with `has_aux`).
+        has_aux: as in `jax.value_and_grad`.
+        redo_on_nan: on non-finite grads, back off and recompute up to this many more
+            times inside the same compiled step (a `lax.while_loop`), stopping early
+            once the scaler is pinned at `min_scaler`. If every try fails the
+            non-finite result is returned, and the state holds one back-off (and one
+            `total_resets`) per failed try.
+        argnums: as in `jax.value_and_grad`.
+        **kwargs: passed on to `jax.value_and_grad` (e.g. `allow_int`).
+
+    Returns:
+        A function taking `fun`'s arguments plus the keyword-only
+        `dynamic_scaler_state=` and returning `(new_state, (value, grads))`, or
+        `(new_state, ((value, aux), grads))` with `has_aux`. `value` is the unscaled
+        loss in f32 (or wider); each grad has its primal input's dtype and was
+        unscaled in f32 before the cast. Skip the update on non-finite steps with
+        `optax.apply_if_finite` or `select_tree(all_finite(grads), new, old)`.
+    """
+    core = _scaled_value_and_grad(
+        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, argnums=argnums, grad_kwargs=kwargs
+    )
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, dynamic_scaler_state: DynamicScalerState, **kw: Any) -> Any:
+        state, ((value, aux), grads) = core(*args, dynamic_scaler_state=dynamic_scaler_state, **kw)
+        return state, (((value, aux) if has_aux else value), grads)
+
+    return wrapped
+
+
+def dynamic_scale_grad(
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    redo_on_nan: int = 0,
+    argnums: int | Sequence[int] = 0,
+    **kwargs: Any,
+) -> Callable[..., tuple[DynamicScalerState, Any]]:
+    """Like `jax.grad(fun)`, with dynamic loss scaling.
+
+    Same arguments and semantics as `dynamic_scale_value_and_grad`; the returned
+    function gives `(new_state, grads)`, or `(new_state, (grads, aux))` with `has_aux`.
+    """
+    core = _scaled_value_and_grad(
+        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, argnums=argnums, grad_kwargs=kwargs
+    )
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, dynamic_scaler_state: DynamicScalerState, **kw: Any) -> Any:
+        state, ((_, aux), grads) = core(*args, dynamic_scaler_state=dynamic_scaler_state, **kw)
+        return state, ((grads, aux) if has_aux else grads)
+
+    return wrapped

@@ -1,0 +1,175 @@
+"""Parse an op's location into a Site: scope path, transforms, direction, op kind.
+
+JAX writes the name stack into each op's ``NameLoc``, e.g.
+``jit(step)/transpose(jvp(Block_0))/attn/dot_general``. A transform wraps only the
+first segment after it (``jvp(Block_0)``), possibly nested (``transpose(jvp())``). Ops
+inside private functions carry names relative to the function; the caller's call-site
+name is the prefix (see ``join_names``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Transforms JAX writes as wrappers around a name-stack segment.
+TRANSFORMS = frozenset({
+    "jvp", "transpose", "vmap", "pmap", "remat", "checkpoint", "custom_jvp",
+    "custom_vjp", "xmap", "shard_map", "linearize", "vjp", "grad", "batch",
+})
+BACKWARD_TRANSFORMS = frozenset({"transpose"})
+# Segments JAX itself writes for control flow and calls; not user scopes.
+STRUCTURAL = frozenset({
+    "while", "body", "cond", "scan", "closed_call", "core_call", "checkpoint",
+    "rematted_computation", "remat", "remat2", "pjit", "jit", "shard_map", "cond_branch",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "switch", "branch",
+    "call", "remat_opt", "fori_loop",
+})
+_STRUCTURAL_RE = re.compile(
+    r"^(jit|pjit|checkpoint|remat|custom_jvp_call|custom_vjp_call)\(.*\)$"
+    r"|^branch_?\d+(_fun)?$"
+)
+_NAME_RE = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"')
+_FILE_RE = re.compile(r'"((?:[^"\\]|\\.)+)":(\d+)(?::(\d+))?')
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where an op sits in the user's program."""
+
+    scope: tuple[str, ...]  # user scopes, outermost first ("Block_0", "attn", "query")
+    transforms: tuple[str, ...]  # outermost first, e.g. ("transpose", "jvp")
+    backward: bool  # inside a transpose(...): the op belongs to the backward pass
+    op_kind: str  # "dot_general", "convolution", ...
+    source: str | None = None  # "file.py:12" of the user's line, if the location has it
+    name: str = ""  # the full name-stack string the site was parsed from
+    einsum: str | None = None  # the einsum spec segment, if any
+
+    @property
+    def direction(self) -> str:
+        return "backward" if self.backward else "forward"
+
+    @property
+    def scope_path(self) -> str:
+        return "/".join(self.scope)
+
+
+def location_name(location: object) -> str:
+    """The name-stack string of an MLIR location (``""`` when it has none)."""
+    match = _NAME_RE.match(str(location))
+    if not match:
+        return ""
+    return match.group(1).replace('\\"', '"').replace("\\\\", "\\")
+
+
+def location_source(location: object) -> str | None:
+    """``file:line`` of the first file location inside ``location``, if any."""
+    match = _FILE_RE.search(str(location))
+    if not match:
+        return None
+    return f"{match.group(1)}:{match.group(2)}"
+
+
+def split_segments(name: str) -> list[str]:
+    """Split a name stack on '/' outside parentheses ("jvp(a/b)" stays one piece)."""
+    segments, depth, current = [], 0, []
+    for char in name:
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth = max(depth - 1, 0)
+        if char == "/" and depth == 0:
+            segments.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    segments.append("".join(current))
+    return [s for s in segments if s != ""]
+
+
+def unwrap(segment: str) -> tuple[list[str], str]:
+    """``transpose(jvp(Block_0))`` -> (["transpose", "jvp"], "Block_0")."""
+    transforms: list[str] = []
+    while True:
+        match = re.match(r"^([A-Za-z_][\w]*)\((.*)\)$", segment)
+        if not match or match.group(1) not in TRANSFORMS:
+            return transforms, segment
+        transforms.append(match.group(1))
+        segment = match.group(2)
+
+
+def _is_structural(segment: str) -> bool:
+    return segment in STRUCTURAL or bool(_STRUCTURAL_RE.match(segment))
+
+
+def _is_einsum_spec(segment: str) -> bool:
+    return "->" in segment or "," in segment
+
+
+def parse_name(name: str, op_kind: str | None = None) -> Site:
+    """Parse a full name stack; the last segment is the op kind unless given."""
+    segments = split_segments(name)
+    # The last segment is the op's own primitive name (dot_general,
+    # conv_general_dilated, ...); any transforms wrapped around it still count.
+    last_wrappers: list[str] = []
+    if segments:
+        last_wrappers, last = unwrap(segments.pop())
+        if op_kind is None:
+            op_kind = last
+    op_kind = op_kind or ""
+    scope: list[str] = []
+    transforms: list[str] = []
+    einsum = None
+    for segment in segments:
+        wrappers, inner = unwrap(segment)
+        transforms.extend(wrappers)
+        # The inner part of a wrapper can itself hold '/'-separated scopes.
+        for part in split_segments(inner):
+            part_wrappers, part = unwrap(part)
+            transforms.extend(part_wrappers)
+            if not part or _is_structural(part):
+                continue
+            if _is_einsum_spec(part):
+                einsum = part
+                continue
+            scope.append(part)
+    transforms.extend(last_wrappers)
+    return Site(
+        scope=tuple(scope),
+        transforms=tuple(transforms),
+        backward=any(t in BACKWARD_TRANSFORMS for t in transforms),
+        op_kind=op_kind,
+        name=name,
+        einsum=einsum,
+    )
+
+
+def join_names(prefix: str, name: str) -> str:
+    """The name of an op inside a function called at a site named ``prefix``."""
+    if not prefix:
+        return name
+    if not name:
+        return prefix
+    return f"{prefix}/{name}"
+
+
+def call_prefix(call_name: str) -> str:
+    """The call-site name minus its last segment (the callee's own name)."""
+    segments = split_segments(call_name)
+    if segments:
+        wrappers, inner = unwrap(segments[-1])
+        if wrappers:  # jvp(jit(f)): keep the transforms, drop the callee name
+            segments[-1] = "".join(f"{w}(" for w in wrappers) + ")" * len(wrappers)
+        else:
+            segments.pop()
+    return "/".join(segments)
+
+
+def site_of(op_location: object, op_kind: str, prefix: str = "") -> Site:
+    """The Site of an op from its location and its function's call-site prefix."""
+    site = parse_name(join_names(prefix, location_name(op_location)), op_kind)
+    return Site(
+        scope=site.scope, transforms=site.transforms, backward=site.backward,
+        op_kind=op_kind, source=location_source(op_location), name=site.name,
+        einsum=site.einsum,
+    )
