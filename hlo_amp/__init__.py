@@ -3,11 +3,16 @@
 from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import rewrite
+from hlo_amp.runtime.compile import AmpCompiled, AmpFunction, AmpLowered, compile
 
 __all__ = [
+    "AmpCompiled",
+    "AmpFunction",
+    "AmpLowered",
     "Decision",
     "Policy",
     "Report",
     "amp_stop",
+    "compile",
     "rewrite",
 ]
