@@ -4,15 +4,27 @@ from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import rewrite
 from hlo_amp.runtime.compile import AmpCompiled, AmpFunction, AmpLowered, compile
+from hlo_amp.runtime.scaler import (
+    DynamicScalerState,
+    all_finite,
+    dynamic_scale_grad,
+    dynamic_scale_value_and_grad,
+    select_tree,
+)
 
 __all__ = [
     "AmpCompiled",
     "AmpFunction",
     "AmpLowered",
     "Decision",
+    "DynamicScalerState",
     "Policy",
     "Report",
+    "all_finite",
     "amp_stop",
     "compile",
+    "dynamic_scale_grad",
+    "dynamic_scale_value_and_grad",
     "rewrite",
+    "select_tree",
 ]

@@ -139,13 +139,14 @@ def _canonical_state(state: DynamicScalerState) -> DynamicScalerState:
 def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerState:
     """Advance the scaler after one step whose gradients were `finite` (or not)."""
     count = state.count + 1
+    due = finite & (count >= state.patience)
     grown = state.scaler * state.adjust_factor
-    grow = finite & (count >= state.patience) & jnp.isfinite(grown)
+    grow = due & jnp.isfinite(grown)  # never grow into inf: hold the scaler instead
     backed_off = jnp.maximum(state.scaler / state.adjust_factor, state.min_scaler)
     scaler = jnp.where(finite, jnp.where(grow, grown, state.scaler), backed_off)
     return state._replace(
         scaler=scaler,
-        count=jnp.where(finite & ~grow, count, jnp.zeros_like(count)),
+        count=jnp.where(finite & ~due, count, jnp.zeros_like(count)),
         total_resets=state.total_resets + jnp.where(finite, 0, 1).astype(jnp.int32),
     )
 
