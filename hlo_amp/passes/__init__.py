@@ -9,6 +9,7 @@ from jax._src.lib.mlir import ir
 
 from hlo_amp.modules import ModuleError
 from hlo_amp.passes.cleanup import CleanupConverts
+from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.insert_converts import InsertConverts
 from hlo_amp.policy import Policy
 from hlo_amp.report import Report
@@ -20,23 +21,31 @@ class Pass(Protocol):
     def run(self, module: ir.Module, report: Report | None = None) -> None: ...
 
 
-def default_pipeline(policy: Policy) -> list[Pass]:
-    """The passes ``hlo_amp.compile`` and ``hlo-amp-opt`` run, in order."""
-    return [InsertConverts(policy), CleanupConverts()]
+def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
+    """The passes ``hlo_amp.compile`` and ``hlo-amp-opt`` run, in order.
+
+    For ``target="cpu"`` bf16 dots are also relaid into the form XLA:CPU runs in bf16:
+    without it some layouts are upcast, and a bf16 dot whose result XLA transposes
+    fails at run time (see passes/dot_layout.py).
+    """
+    passes: list[Pass] = [InsertConverts(policy), CleanupConverts()]
+    if target == "cpu":
+        passes.append(FastDotLayout())
+    return passes
 
 
 def pass_names(policy: Policy) -> dict[str, Pass]:
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
-    passes: list[Any] = [InsertConverts(policy), CleanupConverts()]
+    passes: list[Any] = [InsertConverts(policy), CleanupConverts(), FastDotLayout()]
     return {p.name: p for p in passes}
 
 
 def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = None,
-                 passes: Sequence[Pass] | None = None) -> Report:
+                 passes: Sequence[Pass] | None = None, target: str | None = None) -> Report:
     """Run ``passes`` (default: the full pipeline) in place; verify after each."""
     if report is None:
         report = Report(policy=policy.to_string(), rules=policy.rule_names())
-    for current in passes if passes is not None else default_pipeline(policy):
+    for current in passes if passes is not None else default_pipeline(policy, target):
         current.run(module, report)
         try:
             module.operation.verify()

@@ -40,11 +40,12 @@ def _copy_module(module: ir.Module) -> ir.Module:
     return ir.Module.parse(jax_mlir.module_to_bytecode(module), context=module.context)
 
 
-def rewrite_module(module: ir.Module, policy: Policy) -> tuple[ir.Module, Report, float]:
+def rewrite_module(module: ir.Module, policy: Policy, target: str | None = None
+                   ) -> tuple[ir.Module, Report, float]:
     """Copy ``module``, run the pipeline on the copy; return it, the report, seconds."""
     start = time.perf_counter()
     rewritten = _copy_module(module)
-    report = run_pipeline(rewritten, policy)
+    report = run_pipeline(rewritten, policy, target=target)
     return rewritten, report, time.perf_counter() - start
 
 
@@ -251,7 +252,15 @@ class AmpFunction:
         lower_seconds = time.perf_counter() - start
         self.lowerings += 1
         lowering = original._lowering
-        module, report, pass_seconds = rewrite_module(lowering.stablehlo(), self.policy)
+        platforms = tuple(getattr(lowering, "_platforms", ()) or (jax.default_backend(),))
+        target = "cpu" if tuple(platforms) == ("cpu",) else None
+        module, report, pass_seconds = rewrite_module(lowering.stablehlo(), self.policy,
+                                                      target)
+        if report.unused_rules:
+            warnings.warn(
+                f"hlo_amp: policy rules matched no op in "
+                f"{getattr(self.fn, '__name__', 'fn')}: {', '.join(report.unused_rules)}",
+                stacklevel=2)
         new_lowering = copy.copy(lowering)
         new_lowering._hlo = module
         new_lowering._executable = None
@@ -296,7 +305,8 @@ class AmpFunction:
             exported = jax_export.export(jax.jit(fun))(*shapes)
             self.lowerings += 1
             module = ir.Module.parse(exported.mlir_module(), context=jax_mlir.make_ir_context())
-            run_pipeline(module, self.policy)
+            target = "cpu" if tuple(exported.platforms) == ("cpu",) else None
+            run_pipeline(module, self.policy, target=target)
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=export_internals._module_to_bytecode(module))
             self._exports[key] = exported

@@ -168,15 +168,7 @@ def test_bf16_forward_close_and_all_converted(name):
     assert not np.array_equal(got, want)  # low precision really ran
 
 
-_DOT_THUNK_BUG = pytest.mark.xfail(
-    strict=True, raises=jax.errors.JaxRuntimeError,
-    reason="XLA:CPU folds a transpose into a bf16 x bf16 -> f32 dot in the attention "
-           "backward; DotThunk rejects it ('Unsupported element type for "
-           "DotThunk::Execute: BF16 x BF16 = F32'), see test_compile.py")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_DOT_THUNK_BUG) if n == "attention"
-                                  else n for n in MODELS])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_bf16_grad_close_and_all_converted(name):
     fn, params, x = MODELS[name]()
     loss = _loss(fn)
@@ -192,7 +184,6 @@ def test_bf16_grad_close_and_all_converted(name):
 
 
 def test_attention_grad_report_all_converted():
-    # the run is xfailed above on XLA:CPU; the rewrite itself must still cover every op
     fn, params, x = _attention()
     report = hlo_amp.compile(jax.grad(_loss(fn)), "bf16").lower(params, x).report()
     backward = [d for d in report.decisions if d.direction == "backward"]
