@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hlo-amp-opt: {error}", file=sys.stderr)
     except KeyboardInterrupt:
         print("hlo-amp-opt: interrupted", file=sys.stderr)
-    except Exception as error:  # a bug in hlo_amp: still one line, never a traceback
+    except Exception as error:  # noqa: BLE001 - a bug in hlo_amp: one line, no traceback
         first_line = (str(error).splitlines() or [""])[0]
         print(f"hlo-amp-opt: internal error: {type(error).__name__}: {first_line}",
               file=sys.stderr)

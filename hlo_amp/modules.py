@@ -26,7 +26,9 @@ def _first_diagnostic(error: ir.MLIRError, source_name: str) -> str:
     if diagnostics:
         diag = diagnostics[0]
         match = _DIAG_LOC.match(str(diag.location))
-        where = f"{source_name}:{match.group(2)}:{match.group(3)}" if match else source_name
+        where = source_name  # line 0 (bytecode, no position) is no position at all
+        if match and match.group(2) != "0":
+            where = f"{source_name}:{match.group(2)}:{match.group(3)}"
         return f"{where}: error: {diag.message.strip()}"
     text = " ".join(str(error).split("\n")[1:2]).strip() or str(error).strip()
     text = text.removeprefix("error: ").replace('"-":', f"{source_name}:")
@@ -49,13 +51,14 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
         raise ModuleError(
             f"{source_name}: error: the input is empty; expected a StableHLO module"
         )
-    if isinstance(source, bytes):
-        source = _bytecode_to_text(source, source_name) if _is_portable(source) else source
     try:
-        module = ir.Module.parse(source, context=context)
+        if isinstance(source, bytes) and _is_portable(source):
+            module = _deserialize_portable(source, source_name, context)
+        else:
+            module = ir.Module.parse(source, context=context)
     except ir.MLIRError as error:
         raise ModuleError(_first_diagnostic(error, source_name)) from None
-    except Exception as error:  # e.g. bytecode the reader rejects without a diagnostic
+    except Exception as error:  # noqa: BLE001 - bytecode rejected without a diagnostic
         raise ModuleError(f"{source_name}: error: unreadable module ({error})") from None
     try:
         module.operation.verify()
@@ -74,14 +77,15 @@ def _is_portable(data: bytes) -> bool:
     return b"vhlo" in data[:4096]
 
 
-def _bytecode_to_text(data: bytes, source_name: str) -> str:
+def _deserialize_portable(data: bytes, source_name: str, context: ir.Context) -> ir.Module:
     from jax._src.lib import _jax
 
-    try:
-        return str(_jax.mlir.deserialize_portable_artifact(data))
-    except Exception as error:
+    try:  # the context must be passed: the artifact is upgraded into it
+        return _jax.mlir.deserialize_portable_artifact(data, context)
+    except Exception as error:  # noqa: BLE001 - jaxlib raises its own runtime errors
+        first_line = (str(error).strip().splitlines() or [""])[0]
         raise ModuleError(
-            f"{source_name}: error: unreadable StableHLO portable artifact ({error})"
+            f"{source_name}: error: unreadable StableHLO portable artifact ({first_line})"
         ) from None
 
 

@@ -165,9 +165,11 @@ class Policy:
                 f"{', '.join(COMPUTE_DTYPES)}"
             )
         if not isinstance(self.ops, Mapping):
-            raise ValueError(f"ops must be a dict of op kind -> action, got {self.ops!r}")
+            raise ValueError(  # noqa: TRY004
+                f"ops must be a dict of op kind -> action, got {self.ops!r}"
+            )
         if not isinstance(self.scopes, Mapping):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - every policy error is a ValueError
                 f"scopes must be a dict of pattern -> action, got {self.scopes!r}"
             )
         ops: dict[str, str] = {}
@@ -205,7 +207,7 @@ class Policy:
     def parse(cls, spec: str) -> Policy:
         """Parse the string grammar of the module docstring."""
         if not isinstance(spec, str):
-            raise ValueError(f"A policy string was expected, got {spec!r}")
+            raise ValueError(f"A policy string was expected, got {spec!r}")  # noqa: TRY004
         items = [item.strip() for item in spec.split(",") if item.strip()]
         if not items:
             raise ValueError(
@@ -219,6 +221,13 @@ class Policy:
         for item in items:
             key, sep, value = item.partition("=")
             key, value = key.strip(), value.strip()
+            if not sep and item in PRESETS:
+                raise ValueError(f"Preset {item!r} in {spec!r} must be the first item")
+            if not sep and "=" not in item and ":" not in item:
+                raise ValueError(
+                    f"Unknown preset {item!r} in {spec!r}; accepted: a preset "
+                    f"({', '.join(PRESETS)}) as the first item, then KEY=VALUE items"
+                )
             if not sep or not value:
                 raise ValueError(f"Malformed item {item!r} in {spec!r}; expected KEY=VALUE")
             if key.startswith("op:"):
@@ -255,7 +264,7 @@ class Policy:
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
         allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64")
         if not isinstance(data, Mapping):
-            raise ValueError(f"A policy dict was expected, got {data!r}")
+            raise ValueError(f"A policy dict was expected, got {data!r}")  # noqa: TRY004
         unknown = [k for k in data if k not in allowed]
         if unknown:
             raise ValueError(
@@ -284,9 +293,10 @@ class Policy:
 
     def decide(self, scope: tuple[str, ...], op_kind: str, backward: bool) -> Rule:
         """The action for an op of ``op_kind`` under ``scope``; see module docstring."""
-        if backward and self.backward is not None:
+        if backward and self.backward is not None and AMP_STOP not in scope:
             return Rule(self.backward, "backward")
-        stop = scope.index(AMP_STOP) if AMP_STOP in scope else None
+        # The innermost amp_stop shields its inside; only rules matching inside it count.
+        stop = len(scope) - 1 - scope[::-1].index(AMP_STOP) if AMP_STOP in scope else None
         best: tuple[int, int, str] | None = None  # (start, -len, pattern)
         for pattern in self.scopes:
             start = match_start(pattern, scope)

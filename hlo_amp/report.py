@@ -43,7 +43,7 @@ class Decision:
 
 def _bits(element_type: str) -> int:
     digits = "".join(ch for ch in element_type if ch.isdigit())
-    if element_type.startswith("f8") or element_type.startswith("f4"):
+    if element_type.startswith(("f8", "f4")):
         return 8
     return int(digits) if digits else 64
 

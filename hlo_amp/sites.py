@@ -20,16 +20,22 @@ TRANSFORMS = frozenset({
 BACKWARD_TRANSFORMS = frozenset({"transpose"})
 # Segments JAX itself writes for control flow and calls; not user scopes.
 STRUCTURAL = frozenset({
-    "while", "body", "cond", "scan", "closed_call", "core_call", "checkpoint",
+    "while", "scan", "closed_call", "core_call", "checkpoint",
     "rematted_computation", "remat", "remat2", "pjit", "jit", "shard_map", "cond_branch",
     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "switch", "branch",
     "call", "remat_opt", "fori_loop",
 })
+# "body" and "cond" are JAX's only right after "while" ("while/body", "while/cond"),
+# and "cond" right before a branch ("cond/branch_0_fun"); elsewhere they are user scopes.
+_LOOP_PARTS = frozenset({"body", "cond"})
+_BRANCH_RE = re.compile(r"^branch_?\d+(_fun)?$")
 _STRUCTURAL_RE = re.compile(
     r"^(jit|pjit|checkpoint|remat|custom_jvp_call|custom_vjp_call)\(.*\)$"
     r"|^branch_?\d+(_fun)?$"
 )
-_NAME_RE = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"')
+# A NameLoc prints as loc("name") or loc("name"(child)); a FileLineColLoc as
+# loc("file":line:col), which is no name.
+_NAME_RE = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"(?=[()])')
 _FILE_RE = re.compile(r'"((?:[^"\\]|\\.)+)":(\d+)(?::(\d+))?')
 
 
@@ -120,19 +126,38 @@ def parse_name(name: str, op_kind: str | None = None) -> Site:
     scope: list[str] = []
     transforms: list[str] = []
     einsum = None
+    parts: list[str] = []  # every name-stack part, transforms unwrapped, in order
+    previous: tuple[list[str], str] | None = None  # (wrappers, inner) of the last segment
     for segment in segments:
         wrappers, inner = unwrap(segment)
         transforms.extend(wrappers)
+        # remat under grad re-enters the scope it was called in with fewer transforms:
+        # transpose(jvp(Block_0))/jvp(Block_0)/... is one Block_0, not two.
+        reentered = (
+            previous is not None and bool(wrappers) and inner == previous[1]
+            and len(wrappers) < len(previous[0]) and previous[0][-len(wrappers):] == wrappers
+        )
+        previous = (wrappers, inner)
+        if reentered:
+            continue
         # The inner part of a wrapper can itself hold '/'-separated scopes.
         for part in split_segments(inner):
             part_wrappers, part = unwrap(part)
             transforms.extend(part_wrappers)
-            if not part or _is_structural(part):
-                continue
-            if _is_einsum_spec(part):
-                einsum = part
-                continue
-            scope.append(part)
+            parts.append(part)
+    for i, part in enumerate(parts):
+        before = parts[i - 1] if i else ""
+        after = parts[i + 1] if i + 1 < len(parts) else ""
+        if not part or _is_structural(part):
+            continue
+        if part in _LOOP_PARTS and before == "while":
+            continue
+        if part == "cond" and _BRANCH_RE.match(after):
+            continue
+        if _is_einsum_spec(part):
+            einsum = part
+            continue
+        scope.append(part)
     transforms.extend(last_wrappers)
     return Site(
         scope=tuple(scope),
@@ -157,7 +182,7 @@ def call_prefix(call_name: str) -> str:
     """The call-site name minus its last segment (the callee's own name)."""
     segments = split_segments(call_name)
     if segments:
-        wrappers, inner = unwrap(segments[-1])
+        wrappers, _inner = unwrap(segments[-1])
         if wrappers:  # jvp(jit(f)): keep the transforms, drop the callee name
             segments[-1] = "".join(f"{w}(" for w in wrappers) + ")" * len(wrappers)
         else:

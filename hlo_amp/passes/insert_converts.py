@@ -233,6 +233,7 @@ class _CallGraph:
         with ir.InsertionPoint.after(source):
             clone = source.operation.clone()
         clone.attributes["sym_name"] = ir.StringAttr.get(name, context=clone.context)
+        clone.attributes["sym_visibility"] = ir.StringAttr.get("private", context=clone.context)
         self.by_name[name] = clone.opview
         self.origin[name] = original
         self.used_names.add(name)
@@ -252,10 +253,12 @@ class InsertConverts:
         for fn in functions(module):
             graph.by_name[function_name(fn)] = fn
         # Phase 1: contexts and clones, on pristine bodies (clones copy unrewritten IR).
-        for fn in functions(module):
-            if is_public(fn):
-                graph.used_names.add(function_name(fn))
-                graph.visit(fn, "")
+        # A public function keeps its own (top-level) context; a call to one from
+        # another function gets a private clone under the call site's context.
+        public = [fn for fn in functions(module) if is_public(fn)]
+        graph.used_names.update(function_name(fn) for fn in public)
+        for fn in public:
+            graph.visit(fn, "")
         # Phase 2: rewrite each body once, under its own context.
         for instance in graph.instances:
             self._rewrite_body(instance, report)

@@ -1,0 +1,1 @@
+"""Shared pytest setup for tests/py. Keep it small: fixtures used by one file live there."""

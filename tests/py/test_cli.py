@@ -1,0 +1,233 @@
+"""hlo-amp-opt as a user runs it: a subprocess, its exit status, stdout, stderr and files."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from hlo_amp import cli
+
+MODULE = """\
+func.func @main(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/head/dot_general")
+  return %0 : tensor<2x4xf32>
+}
+"""
+CONVERTED = "(tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>"
+
+
+def hlo_amp_opt(*args: str | Path, stdin: str | None = None
+                ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hlo_amp.cli", *map(str, args)],
+        input=stdin, capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+@pytest.fixture
+def module_file(tmp_path: Path) -> Path:
+    path = tmp_path / "in.mlir"
+    path.write_text(MODULE)
+    return path
+
+
+def _write(tmp_path: Path, name: str, data: str | bytes) -> Path:
+    path = tmp_path / name
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    return path
+
+
+# ---- errors: status 1, one line on stderr, no traceback, no output file ---------------
+
+
+# Run as a subprocess: the process's own exit status and stderr.
+ERRORS = {
+    "missing_file": (lambda d: [d / "nope.mlir"], r"cannot read '.*nope\.mlir': No such file"),
+    "directory": (lambda d: [d], r"cannot read '.*': Is a directory"),
+    "not_mlir": (lambda d: [_write(d, "bad.mlir", "func.func @f() {\n  %0 = foo bar\n}\n")],
+                 r"bad\.mlir:2:8: error: custom op 'foo' is unknown"),
+    "unknown_dialect": (
+        lambda d: [_write(d, "unk.mlir",
+                          'func.func @f() {\n  "mydialect.op"() : () -> ()\n  return\n}\n')],
+        r"unk\.mlir:2:\d+: error: .*unregistered dialect"),
+    "binary_garbage": (lambda d: [_write(d, "junk.bin", b"\x00\xff\xfe\x01\x80" * 40)],
+                       r"junk\.bin: error: not MLIR text or bytecode"),
+    "empty_file": (lambda d: [_write(d, "empty.mlir", "")], r"empty\.mlir: error: .*empty"),
+    "bad_policy": (lambda d: [d / "in.mlir", "--policy", "bf16,op:conv=keep"],
+                   r"bad policy: Unknown op kind 'conv'; accepted: dot_general"),
+    "bad_scope_syntax": (lambda d: [d / "in.mlir", "--scope", "head"],
+                         r"--scope 'head' is not PATTERN=ACTION"),
+    "unknown_pass": (lambda d: [d / "in.mlir", "--pass", "hlo-amp-fold"],
+                     r"unknown pass 'hlo-amp-fold'; accepted: hlo-amp-insert-converts"),
+}
+# The same contract through hlo_amp.cli.main in-process (no jax import per case).
+MORE_ERRORS = {
+    "verifier": (
+        lambda d: [_write(d, "ver.mlir", "func.func @f(%a: tensor<2xf32>) -> tensor<3xf32> {\n"
+                          "  return %a : tensor<2xf32>\n}\n")],
+        r"ver\.mlir:2:3: error: type of return operand 0"),
+    "no_public_function": (
+        lambda d: [_write(d, "priv.mlir", "func.func private @f() {\n  return\n}\n")],
+        r"priv\.mlir: error: the module has no public func\.func"),
+    "bad_policy_preset": (lambda d: [d / "in.mlir", "--policy", "bogus"], r"'bogus'"),
+    "bad_scope_action": (lambda d: [d / "in.mlir", "--scope", "head=fast"],
+                         r"Unknown action 'fast' for scope rule 'head'"),
+    "bad_op_syntax": (lambda d: [d / "in.mlir", "--op", "dot_general"],
+                      r"--op 'dot_general' is not KIND=ACTION"),
+    "unknown_flag": (lambda d: [d / "in.mlir", "--fast"], r"unrecognized arguments: --fast"),
+    "split_error_line": (
+        lambda d: [_write(d, "split.mlir", MODULE + "// -----\nfunc.func @g() {\n  %0 = foo\n}\n"),
+                   "--split-input-file"],
+        r"split\.mlir:7:8: error: custom op 'foo'"),
+}
+
+
+@pytest.fixture(scope="module")
+def error_runs(tmp_path_factory: pytest.TempPathFactory
+               ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path]]:
+    """Every subprocess error case, a few at a time (each run mostly imports jax)."""
+    def run(case: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        directory = tmp_path_factory.mktemp(case)
+        (directory / "in.mlir").write_text(MODULE)
+        out = directory / "out" / "result.mlir"
+        out.parent.mkdir()
+        return hlo_amp_opt(*ERRORS[case][0](directory), "-o", out), out.parent
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip(ERRORS, pool.map(run, ERRORS), strict=True))
+
+
+def _check_error(code: int, stdout: str, stderr: str, pattern: str, out_dir: Path) -> None:
+    assert code == 1, stderr
+    assert "Traceback" not in stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("hlo-amp-opt: ")
+    assert re.search(pattern, lines[0]), lines[0]
+    assert stdout == ""
+    assert list(out_dir.iterdir()) == []  # no output, no leftover temporary file
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_errors_are_one_line_and_status_1(
+        case: str, error_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]]
+) -> None:
+    result, out_dir = error_runs[case]
+    _check_error(result.returncode, result.stdout, result.stderr, ERRORS[case][1], out_dir)
+
+
+@pytest.mark.parametrize("case", sorted(MORE_ERRORS))
+def test_more_errors_in_process(case: str, module_file: Path, tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    make_args, pattern = MORE_ERRORS[case]
+    out = tmp_path / "out" / "result.mlir"
+    out.parent.mkdir()
+    code = cli.main([str(a) for a in make_args(tmp_path)] + ["-o", str(out)])
+    captured = capsys.readouterr()
+    _check_error(code, captured.out, captured.err, pattern, out.parent)
+
+
+def test_unwritable_output_is_an_error(module_file: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "missing_dir" / "out.mlir"
+    assert cli.main([str(module_file), "-o", str(target)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"hlo-amp-opt: error: cannot write '{target}': No such file or directory"]
+
+
+# ---- success -------------------------------------------------------------------------
+
+
+def test_output_file(module_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.mlir"
+    result = hlo_amp_opt(module_file, "-o", out)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+    text = out.read_text()
+    assert CONVERTED in text
+    assert "loc(" not in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.mlir", "out.mlir"]
+
+
+def test_stdin_to_stdout_with_scope_and_debug_info() -> None:
+    result = hlo_amp_opt("-", "--scope", "head=keep", "--debug-info", stdin=MODULE)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert "xbf16" not in result.stdout
+    assert 'loc("jit(f)/head/dot_general")' in result.stdout
+
+
+def test_report_file(module_file: Path, tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    result = hlo_amp_opt(module_file, "--scope", "nowhere=keep", "--report", report,
+                         "-o", tmp_path / "out.mlir")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert data["policy"] == "bf16,compute=bfloat16,scope:nowhere=keep"
+    assert data["summary"].startswith("converted 1/1 ops; low precision: 1/1 dot_general;")
+    [decision] = data["decisions"]
+    assert (decision["scope"], decision["rule"], decision["changed"]) == (
+        "head", "op:dot_general", True)
+    assert data["unused_rules"] == ["scope:nowhere"]
+
+
+def test_split_input_file(tmp_path: Path) -> None:
+    second = MODULE.replace("@main", "@second").replace("head/", "")
+    path = _write(tmp_path, "two.mlir", MODULE + "\n// -----\n" + second)
+    result = hlo_amp_opt(path, "--split-input-file", "--scope", "head=keep", "--report", "-")
+    assert result.returncode == 0, result.stderr
+    chunks = result.stdout.split("// -----\n")
+    assert len(chunks) == 2
+    assert "@main" in chunks[0] and "xbf16" not in chunks[0]
+    assert "@second" in chunks[1] and CONVERTED in chunks[1]
+    report = json.loads(result.stderr)  # --report - writes the JSON to stderr
+    assert [d["function"] for d in report["decisions"]] == ["main", "second"]
+
+
+def test_without_split_the_marker_is_a_comment(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    second = MODULE.replace("@main", "@second")
+    path = _write(tmp_path, "two.mlir", MODULE + "\n// -----\n" + second)
+    assert cli.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "// -----" not in out
+    assert out.count("func.func @") == 2
+    assert out.count(CONVERTED) == 2
+
+
+def test_op_flag_and_policy_flag_combine(module_file: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([str(module_file), "--policy", "f32", "--op", "dot_general=float16"]) == 0
+    out = capsys.readouterr().out
+    assert "-> tensor<2x4xf16>" in out
+    assert re.search(r"stablehlo\.convert %\d+ : \(tensor<2x4xf16>\) -> tensor<2x4xf32>", out)
+
+
+def test_pass_flag_runs_only_that_pass(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "rt.mlir", """\
+func.func @main(%x: tensor<4xbf16>) -> tensor<4xbf16> {
+  %0 = stablehlo.convert %x : (tensor<4xbf16>) -> tensor<4xf32>
+  %1 = stablehlo.convert %0 : (tensor<4xf32>) -> tensor<4xbf16>
+  return %1 : tensor<4xbf16>
+}
+""")
+    assert cli.main([str(path), "--pass", "hlo-amp-insert-converts"]) == 0
+    assert capsys.readouterr().out.count("stablehlo.convert") == 2
+    assert cli.main([str(path), "--pass", "hlo-amp-cleanup"]) == 0
+    assert "stablehlo.convert" not in capsys.readouterr().out
+
+
+def test_console_script_is_installed(module_file: Path) -> None:
+    script = Path(sys.executable).parent / "hlo-amp-opt"
+    result = subprocess.run([str(script), str(module_file)], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert CONVERTED in result.stdout

@@ -1,0 +1,345 @@
+"""Policy: the string grammar, errors, presets, round trips and decide() semantics."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hlo_amp
+from hlo_amp.policy import OP_KINDS, Policy, Rule, as_policy
+
+ALL_COMPUTE = {kind: "compute" for kind in OP_KINDS}
+
+
+# ---- parsing -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "compute", "ops"),
+    [
+        ("bf16", "bfloat16", ALL_COMPUTE),
+        ("f16", "float16", ALL_COMPUTE),
+        ("f32", "bfloat16", {}),
+    ],
+)
+def test_presets_parse(spec: str, compute: str, ops: dict[str, str]) -> None:
+    policy = Policy.parse(spec)
+    assert policy.compute_dtype == compute
+    assert dict(policy.ops) == ops
+    assert dict(policy.scopes) == {}
+    assert policy.backward is None
+    assert policy.include_f64 is False
+    assert policy == Policy.preset(spec)
+
+
+def test_parse_full_grammar() -> None:
+    policy = Policy.parse(
+        "bf16,scope:head=float32,scope:Block_*/attn=keep,op:convolution=keep,"
+        "backward=compute,f64=true"
+    )
+    assert policy.compute_dtype == "bfloat16"
+    assert dict(policy.ops) == {"dot_general": "compute", "dot": "compute",
+                                "convolution": "keep"}
+    assert dict(policy.scopes) == {"head": "float32", "Block_*/attn": "keep"}
+    assert list(policy.scopes) == ["head", "Block_*/attn"]  # order is kept
+    assert policy.backward == "compute"
+    assert policy.include_f64 is True
+
+
+def test_parse_aliases_spaces_and_overrides() -> None:
+    policy = Policy.parse(" f16 , compute = bf16 , scope:head = f32 , op:dot = half ,f64=0")
+    assert policy.compute_dtype == "bfloat16"
+    assert policy.scopes["head"] == "float32"
+    assert policy.ops["dot"] == "float16"
+    assert policy.include_f64 is False
+    # Without a preset the bf16 preset is the base.
+    assert Policy.parse("scope:head=keep") == Policy.parse("bf16,scope:head=keep")
+    assert Policy.parse("bf16,f64=1").include_f64 is True
+
+
+def test_parse_op_keys_stablehlo_and_primitive_names() -> None:
+    policy = Policy.parse("f32,op:stablehlo.dot_general=keep,op:conv_general_dilated_p=float16")
+    assert dict(policy.ops) == {"dot_general": "keep", "convolution": "float16"}
+    # A primitive name maps to every StableHLO op it lowers to.
+    assert dict(Policy.parse("f32,op:dot_general_p=keep").ops) == {
+        "dot_general": "keep", "dot": "keep"}
+
+
+def test_jax_primitives_as_op_keys() -> None:
+    policy = Policy(ops={jax.lax.dot_general_p: "keep", jax.lax.conv_general_dilated_p: "f16"})
+    assert dict(policy.ops) == {"dot_general": "keep", "dot": "keep",
+                                "convolution": "float16"}
+    assert policy.decide((), "dot", False) == Rule("keep", "op:dot")
+
+
+# ---- errors --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "given", "accepted"),
+    [
+        ("bf16,op:conv=keep", "'conv'", ["dot_general", "convolution"]),
+        ("bf16,op:dot_general=fast", "'fast'", ["compute", "keep", "float32"]),
+        ("bf16,scope:head=int8", "'int8'", ["compute", "keep", "bfloat16"]),
+        ("bf16,compute=int8", "'int8'", ["bfloat16", "float16"]),
+        ("bf16,compute=float32", "'float32'", ["bfloat16", "float16"]),
+        ("bf16,backward=later", "'later'", ["compute", "keep"]),
+        ("bf16,foo=1", "'foo'", ["compute", "backward", "f64", "op:KIND", "scope:PATTERN"]),
+        ("bf16,f64=maybe", "'maybe'", ["true", "false"]),
+        ("bf16,scope:a//b=keep", "'a//b'", ["segments", "'/'"]),
+        ("bf16,scope:=keep", "''", ["segments"]),
+        ("bf16,scope:a b=keep", "'a b'", ["segments"]),
+        ("bf16,scope:Block_[0=keep", "'Block_[0'", ["'['"]),
+        ("bogus", "'bogus'", ["bf16", "f16", "f32"]),
+        ("", "''", ["bf16", "f16", "f32"]),
+        ("bf16,scope:head", "'scope:head'", ["KEY=VALUE"]),
+    ],
+)
+def test_parse_errors_name_input_and_accepted(spec: str, given: str,
+                                             accepted: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        Policy.parse(spec)
+    message = str(info.value)
+    assert given in message
+    for word in accepted:
+        assert word in message, (word, message)
+
+
+def test_unknown_key_error_quotes_the_whole_spec() -> None:
+    # jmp's model: "Unknown key 'x' in 'p=f32,...'".
+    with pytest.raises(ValueError, match=r"Unknown key 'mystery' in 'bf16,mystery=1'"):
+        Policy.parse("bf16,mystery=1")
+
+
+def test_preset_not_first_is_an_error() -> None:
+    with pytest.raises(ValueError, match="'f16'"):
+        Policy.parse("bf16,f16")
+
+
+def test_constructor_and_dict_errors() -> None:
+    with pytest.raises(ValueError, match=r"Unsupported compute_dtype 'int8'.*bfloat16, float16"):
+        Policy(compute_dtype="int8")
+    with pytest.raises(ValueError, match=r"Unsupported compute_dtype .*float32"):
+        Policy(compute_dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"Unknown key 'compute' in policy dict; accepted: "
+                                         r"compute_dtype, ops, scopes"):
+        Policy.from_dict({"compute": "bf16"})
+    with pytest.raises(ValueError, match=r"Unknown op kind 'matmul'"):
+        Policy(ops={"matmul": "compute"})
+    with pytest.raises(ValueError, match=r"Unsupported primitive 'add'.*dot_general_p"):
+        Policy(ops={jax.lax.add_p: "compute"})
+    with pytest.raises(ValueError, match=r"Unknown action 'fast' for scope rule 'head'"):
+        Policy(scopes={"head": "fast"})
+    with pytest.raises(ValueError, match=r"Unknown preset 'fp8'; accepted: bf16, f16, f32"):
+        Policy.preset("fp8")
+    with pytest.raises(ValueError, match=r"Unsupported policy 42; accepted: a Policy"):
+        as_policy(42)  # type: ignore[arg-type]
+
+
+def test_numpy_and_jnp_dtypes_are_accepted() -> None:
+    policy = Policy(compute_dtype=jnp.float16, scopes={"head": jnp.float32})
+    assert policy.compute_dtype == "float16"
+    assert policy.scopes["head"] == "float32"
+
+
+# ---- presets, immutability, as_policy ------------------------------------------------
+
+
+def test_f32_preset_decides_nothing() -> None:
+    policy = Policy.preset("f32")
+    for kind in OP_KINDS:
+        assert policy.decide(("Block_0", "attn"), kind, False) == Rule(None, "default")
+
+
+def test_policy_is_frozen_and_hashable() -> None:
+    policy = Policy.parse("bf16,scope:head=keep")
+    assert hash(policy) == hash(Policy.parse("bf16,scope:head=keep"))
+    with pytest.raises(TypeError):
+        policy.scopes["head"] = "compute"  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        policy.compute_dtype = "float16"  # type: ignore[misc]
+
+
+def test_as_policy_accepts_every_form() -> None:
+    expected = Policy.parse("bf16,scope:head=float32")
+    assert as_policy(None) == Policy.preset("bf16")
+    assert as_policy(expected) is expected
+    assert as_policy("bf16,scope:head=float32") == expected
+    assert as_policy(expected.to_dict()) == expected
+
+
+# ---- round trips ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["bf16", "f16", "f32", "bf16,scope:head=float32,scope:Block_*/attn=keep",
+     "f32,op:convolution=compute,compute=float16,backward=keep,f64=true",
+     "bf16,op:dot=float16,scope:amp_stop=compute"],
+)
+def test_string_and_dict_round_trips(spec: str) -> None:
+    policy = Policy.parse(spec)
+    assert Policy.parse(policy.to_string()) == policy
+    assert Policy.parse(str(policy)) == policy
+    assert Policy.from_dict(policy.to_dict()) == policy
+    assert Policy.from_dict(json.loads(json.dumps(policy.to_dict()))) == policy
+
+
+_ACTIONS = st.sampled_from(["compute", "keep", "bfloat16", "float16", "float32", "float64"])
+_SEGMENT = st.text(alphabet="abcXYZ019_*?-.", min_size=1, max_size=6)
+_PATTERN = st.lists(_SEGMENT, min_size=1, max_size=3).map("/".join)
+_POLICIES = st.builds(
+    Policy,
+    compute_dtype=st.sampled_from(["bfloat16", "float16"]),
+    ops=st.dictionaries(st.sampled_from(OP_KINDS), _ACTIONS, max_size=3),
+    scopes=st.dictionaries(_PATTERN, _ACTIONS, max_size=4),
+    backward=st.none() | _ACTIONS,
+    include_f64=st.booleans(),
+)
+_SCOPES = st.lists(st.sampled_from(["a", "b", "X", "amp_stop", "c_1", "Y.9"]), max_size=4)
+
+
+@settings(max_examples=50, deadline=None)
+@given(policy=_POLICIES, scope=_SCOPES, kind=st.sampled_from(OP_KINDS),
+       backward=st.booleans())
+def test_round_trips_preserve_rules_and_decisions(policy: Policy, scope: list[str],
+                                                  kind: str, backward: bool) -> None:
+    from_string = Policy.parse(policy.to_string())
+    from_dict = Policy.from_dict(json.loads(json.dumps(policy.to_dict())))
+    for other in (from_string, from_dict):
+        assert other == policy
+        assert list(other.scopes) == list(policy.scopes)  # order decides ties
+        assert other.decide(tuple(scope), kind, backward) == policy.decide(
+            tuple(scope), kind, backward)
+
+
+# ---- decide() --------------------------------------------------------------------------
+
+
+def test_scope_patterns_match_whole_segments() -> None:
+    policy = Policy.parse("bf16,scope:attn=keep")
+    assert policy.decide(("Block_0", "attn", "query"), "dot_general", False) == Rule(
+        "keep", "scope:attn")
+    assert policy.decide(("Block_0", "attn_norm"), "dot_general", False) == Rule(
+        "compute", "op:dot_general")
+    assert policy.decide(("self_attn",), "dot_general", False).rule == "op:dot_general"
+
+
+def test_glob_patterns() -> None:
+    policy = Policy.parse("f32,scope:Block_*/attn=keep,scope:enc?=float16")
+    assert policy.decide(("Block_3", "attn", "q"), "dot_general", False) == Rule(
+        "keep", "scope:Block_*/attn")
+    # Consecutive segments only, each matched whole.
+    assert policy.decide(("Block_3", "mlp", "attn"), "dot_general", False).action is None
+    assert policy.decide(("MyBlock_3", "attn"), "dot_general", False).action is None
+    assert policy.decide(("enc1", "x"), "dot", False) == Rule("float16", "scope:enc?")
+    assert policy.decide(("enc12",), "dot", False).action is None
+
+
+@pytest.mark.parametrize("order", [("outer", "inner"), ("inner", "outer")])
+def test_outermost_scope_wins_whatever_the_rule_order(order: tuple[str, str]) -> None:
+    actions = {"outer": "keep", "inner": "float32"}
+    policy = Policy(ops={"dot_general": "compute"},
+                    scopes={name: actions[name] for name in order})
+    assert policy.decide(("outer", "inner"), "dot_general", False) == Rule(
+        "keep", "scope:outer")
+    assert policy.decide(("inner", "outer"), "dot_general", False) == Rule(
+        "float32", "scope:inner")
+
+
+def test_longer_pattern_wins_at_the_same_start() -> None:
+    policy = Policy(scopes={"a": "keep", "a/b": "float32"})
+    assert policy.decide(("a", "b"), "dot_general", False) == Rule("float32", "scope:a/b")
+    assert policy.decide(("a", "c"), "dot_general", False) == Rule("keep", "scope:a")
+
+
+def test_scope_rules_beat_op_rules() -> None:
+    policy = Policy.parse("bf16,op:convolution=float16,scope:head=keep")
+    assert policy.decide(("head",), "dot_general", False) == Rule("keep", "scope:head")
+    assert policy.decide(("head",), "convolution", False) == Rule("keep", "scope:head")
+    assert policy.decide(("body",), "convolution", False) == Rule("float16", "op:convolution")
+
+
+def test_amp_stop_keeps_unless_a_rule_inside_names_the_op() -> None:
+    policy = Policy.parse("bf16,scope:lora=compute")
+    assert policy.decide(("amp_stop",), "dot_general", False) == Rule("keep", "amp_stop")
+    assert policy.decide(("Block_0", "amp_stop", "mlp"), "dot_general", False) == Rule(
+        "keep", "amp_stop")
+    # A rule matching inside the amp_stop names the op.
+    assert policy.decide(("amp_stop", "lora"), "dot_general", False) == Rule(
+        "compute", "scope:lora")
+    # A rule matching outside it does not reach in.
+    assert policy.decide(("lora", "amp_stop"), "dot_general", False) == Rule(
+        "keep", "amp_stop")
+    # amp_stop holds even where no op rule would have applied.
+    assert Policy.preset("f32").decide(("amp_stop",), "dot", False) == Rule("keep", "amp_stop")
+    # A rule on amp_stop itself is a rule inside it.
+    explicit = Policy.parse("bf16,scope:amp_stop=float16")
+    assert explicit.decide(("amp_stop",), "dot", False) == Rule("float16", "scope:amp_stop")
+
+
+def test_nested_amp_stop_shields_from_rules_between_them() -> None:
+    policy = Policy.parse("bf16,scope:lora=compute")
+    assert policy.decide(("amp_stop", "lora", "amp_stop"), "dot_general", False) == Rule(
+        "keep", "amp_stop")
+
+
+def test_backward_follows_forward_unless_backward_is_set() -> None:
+    plain = Policy.parse("bf16,scope:head=float32")
+    for backward in (False, True):
+        assert plain.decide(("head",), "dot_general", backward) == Rule(
+            "float32", "scope:head")
+        assert plain.decide(("mlp",), "dot_general", backward) == Rule(
+            "compute", "op:dot_general")
+    split = Policy.parse("bf16,scope:head=float32,backward=keep")
+    assert split.decide(("mlp",), "dot_general", False) == Rule("compute", "op:dot_general")
+    assert split.decide(("mlp",), "dot_general", True) == Rule("keep", "backward")
+    assert split.decide(("head",), "dot_general", True) == Rule("keep", "backward")
+
+
+def test_op_kind_absent_from_op_rules_is_left_alone() -> None:
+    policy = Policy(ops={"convolution": "compute"})
+    assert policy.decide(("Block_0",), "dot_general", False) == Rule(None, "default")
+    assert policy.decide((), "reduce", False) == Rule(None, "default")
+    assert policy.decide((), "convolution", False) == Rule("compute", "op:convolution")
+
+
+def test_rule_names_list_every_rule() -> None:
+    policy = Policy.parse("f32,op:dot=keep,scope:head=float32,backward=compute")
+    assert policy.rule_names() == ["op:dot", "scope:head", "backward"]
+
+
+# ---- amp_stop in lowered programs ----------------------------------------------------
+
+
+def _lowered(fn: object, *args: jax.Array) -> str:
+    return jax.jit(fn).lower(*args).as_text(debug_info=True)
+
+
+def test_amp_stop_context_manager_names_the_ops_inside() -> None:
+    def f(x: jax.Array, w: jax.Array) -> jax.Array:
+        y = x @ w
+        with hlo_amp.amp_stop():
+            return y @ w
+
+    text = _lowered(f, jnp.ones((2, 2)), jnp.ones((2, 2)))
+    assert 'loc("jit(f)/amp_stop/dot_general"' in text
+    assert 'loc("jit(f)/dot_general"' in text
+
+
+def test_amp_stop_decorator_names_the_ops_inside() -> None:
+    @hlo_amp.amp_stop()
+    def head(x: jax.Array, w: jax.Array) -> jax.Array:
+        return x @ w
+
+    def f(x: jax.Array, w: jax.Array) -> jax.Array:
+        with jax.named_scope("Block_0"):
+            return head(x, w)
+
+    text = _lowered(f, jnp.ones((2, 2)), jnp.ones((2, 2)))
+    assert 'loc("jit(f)/Block_0/amp_stop/dot_general"' in text

@@ -1,0 +1,223 @@
+"""hlo_amp.rewrite: text and bytecode in, verified text out, and the Report it returns."""
+
+from __future__ import annotations
+
+import inspect
+import io
+import json
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.lib.mlir import ir
+
+import hlo_amp
+from hlo_amp.modules import ModuleError, functions, module_text, parse_module
+from hlo_amp.report import Decision, Report
+
+
+def train_loss(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    with jax.named_scope("Block_0"), jax.named_scope("attn"):
+        h = jnp.tanh(x @ params["wq"])
+    with jax.named_scope("head"):
+        return jnp.sum(h @ params["wo"])
+
+
+PARAMS = {"wq": jnp.ones((4, 4)), "wo": jnp.ones((4, 3))}
+X = jnp.ones((2, 4))
+TEXT = jax.jit(jax.grad(train_loss)).lower(PARAMS, X).as_text(debug_info=True)
+
+
+def _bytecode(text: str) -> bytes:
+    buffer = io.BytesIO()
+    parse_module(text).operation.write_bytecode(buffer)
+    return buffer.getvalue()
+
+
+def _main_type(text: str) -> str:
+    [main] = [f for f in functions(parse_module(text)) if "main" in str(f.sym_name)]
+    return str(main.function_type)
+
+
+def test_public_signature() -> None:
+    signature = inspect.signature(hlo_amp.rewrite)
+    assert list(signature.parameters) == ["module", "policy", "debug_info", "return_report"]
+    params = signature.parameters
+    assert params["policy"].default == "bf16"
+    assert params["debug_info"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["debug_info"].default is False
+    assert params["return_report"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["return_report"].default is False
+    assert "rewrite" in hlo_amp.__all__
+
+
+def test_text_and_bytecode_give_the_same_result() -> None:
+    data = _bytecode(TEXT)
+    assert data.startswith(b"ML\xefR")
+    assert hlo_amp.rewrite(data, "bf16") == hlo_amp.rewrite(TEXT, "bf16")
+    assert hlo_amp.rewrite(data, "bf16,scope:head=keep", debug_info=True) == hlo_amp.rewrite(
+        TEXT, "bf16,scope:head=keep", debug_info=True)
+
+
+def test_portable_artifact_input() -> None:
+    exported = jax.export.export(jax.jit(lambda x, w: x @ w))(X, PARAMS["wq"])
+    out = hlo_amp.rewrite(exported.mlir_module_serialized, "bf16")
+    assert "tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>" in out
+
+
+def test_output_verifies_and_keeps_the_signature() -> None:
+    out = hlo_amp.rewrite(TEXT, "bf16")
+    parse_module(out)  # parses and verifies, or raises
+    assert "xbf16>" in out
+    assert _main_type(out) == _main_type(TEXT)
+
+
+def test_debug_info_keeps_locations() -> None:
+    assert 'loc("jit(train_loss)/jvp(Block_0)/attn/dot_general"' in hlo_amp.rewrite(
+        TEXT, "bf16", debug_info=True)
+    assert "loc(" not in hlo_amp.rewrite(TEXT, "bf16")
+
+
+@pytest.mark.parametrize("policy", ["bf16", "f16", "bf16,scope:Block_0=float16,backward=keep",
+                                    "bf16,op:dot_general=float16"])
+def test_idempotent(policy: str) -> None:
+    once = hlo_amp.rewrite(TEXT, policy, debug_info=True)
+    assert hlo_amp.rewrite(once, policy, debug_info=True) == once
+    assert hlo_amp.rewrite(once, policy) == hlo_amp.rewrite(TEXT, policy)
+
+
+def test_f32_preset_changes_nothing() -> None:
+    assert hlo_amp.rewrite(TEXT, "f32") == module_text(parse_module(TEXT))
+
+
+def test_policy_forms_agree() -> None:
+    policy = hlo_amp.Policy(compute_dtype="float16", scopes={"head": "float32"},
+                            ops={"dot_general": "compute", "dot": "compute",
+                                 "convolution": "compute"})
+    expected = hlo_amp.rewrite(TEXT, policy)
+    assert hlo_amp.rewrite(TEXT, "f16,scope:head=float32") == expected
+    assert hlo_amp.rewrite(TEXT, policy.to_dict()) == expected
+    assert "xf16>" in expected
+
+
+def test_convert_sharing() -> None:
+    def f(x: jax.Array, w: jax.Array) -> jax.Array:
+        return (x @ w) + (jnp.tanh(x) @ w) + (jnp.sin(x) @ w)
+
+    text = jax.jit(f).lower(X, PARAMS["wq"]).as_text()
+    out, report = hlo_amp.rewrite(text, "bf16", return_report=True)
+    assert len(re.findall(r"stablehlo\.convert %arg1 ", out)) == 1  # the weight, once
+    assert len(re.findall(r"stablehlo\.convert %arg0 ", out)) == 1
+    assert len(re.findall(r"stablehlo\.convert ", out)) == 4  # w, x, tanh(x), sin(x)
+    assert sum(d.changed for d in report.decisions) == 3
+
+
+def test_bad_inputs_raise_module_errors() -> None:
+    with pytest.raises(ModuleError, match=r"^<input>:1:1: error: "):
+        hlo_amp.rewrite("not mlir")
+    with pytest.raises(ModuleError, match="the input is empty"):
+        hlo_amp.rewrite("")
+    with pytest.raises(ModuleError, match="binary data"):
+        hlo_amp.rewrite(b"\x00\xff\xfe\x01" * 4)
+    with pytest.raises(ModuleError, match="no public func.func"):
+        hlo_amp.rewrite("func.func private @f() {\n  return\n}\n")
+    with pytest.raises(ValueError, match="Unknown op kind 'conv'"):
+        hlo_amp.rewrite(TEXT, "bf16,op:conv=keep")
+    assert issubclass(ModuleError, ValueError)
+
+
+# ---- the report ------------------------------------------------------------------------
+
+
+def _report(policy: str) -> Report:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unused-rule warnings are not under test here
+        _, report = hlo_amp.rewrite(TEXT, policy, return_report=True)
+    return report
+
+
+def test_report_decisions() -> None:
+    report = _report("bf16,scope:head=float32")
+    assert isinstance(report, Report)
+    assert report.policy == "bf16,compute=bfloat16,scope:head=float32"
+    by_where = {(d.scope, d.direction, d.shape): d for d in report.decisions}
+    assert sorted(by_where) == [
+        ("Block_0/attn", "backward", "4x4"),
+        ("Block_0/attn", "forward", "2x4"),
+        ("head", "backward", "2x4"),
+        ("head", "backward", "3x4"),
+    ]
+    forward = by_where[("Block_0/attn", "forward", "2x4")]
+    assert forward == Decision(
+        function="main", op_kind="dot_general", scope="Block_0/attn", direction="forward",
+        operands_before=("f32", "f32"), operands_after=("bf16", "bf16"),
+        result_before="f32", result_after="f32", action="compute", rule="op:dot_general",
+        changed=True, reason="bf16 operands, f32 accumulation", flops=2 * 2 * 4 * 4,
+        shape="2x4", location="jit(train_loss)/jvp(Block_0)/attn/dot_general",
+        source=forward.source,
+    )
+    assert forward.source is not None and forward.source.startswith(__file__ + ":")
+    assert forward.low_precision
+    head = by_where[("head", "backward", "3x4")]
+    assert (head.action, head.rule, head.changed) == ("float32", "scope:head", False)
+    assert head.operands_after == ("f32", "f32")
+    assert not head.low_precision
+    assert head.flops == 2 * 3 * 4 * 2
+
+
+def test_report_forced_dtype_decision() -> None:
+    report = _report("bf16,op:dot_general=float16")
+    assert {(d.action, d.result_before, d.result_after, d.changed)
+            for d in report.decisions} == {("float16", "f32", "f16", True)}
+    assert all(d.reason == "forced to float16" for d in report.decisions)
+
+
+def test_report_summary_line() -> None:
+    assert _report("bf16,scope:head=float32").summary() == (
+        "converted 2/4 ops; low precision: 2/4 dot_general; "
+        f"{round(100 * (64 + 64) / (64 + 64 + 48 + 48))}% of FLOPs in 16-bit or narrower")
+    assert _report("f32").summary().startswith("converted 0/4 ops; low precision: 0/4 ")
+    assert Report().summary() == "no dot or convolution ops found"
+
+
+def test_report_json_and_unused_rules() -> None:
+    report = _report("bf16,scope:head=keep,scope:nowhere=keep,backward=compute")
+    data = json.loads(report.to_json())
+    assert set(data) == {"policy", "summary", "decisions", "unused_rules", "notes"}
+    assert data["summary"] == report.summary()
+    assert len(data["decisions"]) == 4
+    assert data["decisions"][0]["operands_before"] == ["f32", "f32"]
+    # head's backward dots follow backward=compute; only its rule for forward ops is
+    # left, and no forward op sits under head (grad drops the unused forward head dot).
+    assert data["unused_rules"] == ["scope:head", "scope:nowhere"]
+    text = str(report)
+    assert "unused rules (matched no op): scope:head, scope:nowhere" in text
+    assert text.splitlines()[0].split() == [
+        "function", "op", "scope", "dir", "shape", "before", "after", "action", "rule", "why",
+        "GFLOP"]
+
+
+def test_report_notes_specialisation() -> None:
+    @jax.jit
+    def inner(x: jax.Array, w: jax.Array) -> jax.Array:
+        return x @ w
+
+    def f(x: jax.Array, w: jax.Array) -> jax.Array:
+        with jax.named_scope("enc"):
+            a = inner(x, w)
+        with jax.named_scope("head"):
+            return inner(a, w)
+
+    text = jax.jit(f).lower(X, PARAMS["wq"]).as_text(debug_info=True)
+    out, report = hlo_amp.rewrite(text, "bf16,scope:head=keep", return_report=True)
+    assert "func.func private @inner_amp0(" in out
+    assert [d.function for d in report.decisions] == ["inner", "inner_amp0"]
+    assert report.notes == ["specialised 1 private function(s) per call-site decision"]
+
+
+def test_rewrite_needs_no_global_context() -> None:
+    # The pass makes its own MLIR context; a caller's context is not disturbed.
+    with ir.Context():
+        assert "xbf16>" in hlo_amp.rewrite(TEXT, "bf16")
