@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,5 +22,19 @@ def rewrite(module: str | bytes, policy: Policy | str | Mapping[str, Any] = "bf1
     amp_policy = as_policy(policy)
     parsed = parse_module(module)
     report = run_pipeline(parsed, amp_policy)
+    warn_unused_rules(report, stacklevel=2)
     text = module_text(parsed, debug_info=debug_info)
     return (text, report) if return_report else text
+
+
+def warn_unused_rules(report: Report, *, stacklevel: int = 1) -> None:
+    """Warn when policy rules matched no op (a likely typo in a scope pattern).
+
+    ``stacklevel`` counts from the caller of this function, as in ``warnings.warn``.
+    """
+    unused = report.unused_rules
+    if unused:
+        warnings.warn(
+            f"hlo_amp: policy rule(s) matched no op: {', '.join(unused)} "
+            f"(policy {report.policy!r})",
+            UserWarning, stacklevel=stacklevel + 1)
