@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="treat '// -----' separated chunks as separate modules")
     parser.add_argument("--debug-info", action="store_true",
                         help="keep locations (scope metadata) in the output")
+    parser.add_argument("--target", choices=("cpu", "gpu"), default=None,
+                        help="the backend the module is for: 'cpu' adds the CPU dot-layout "
+                             "pass and enables the policy's only_if_faster rule")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
                         help="run only these passes, in order (default: the full pipeline)")
     return parser
@@ -98,7 +101,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         policy = _policy_from(args)
     except ValueError as error:
         raise CliError(f"hlo-amp-opt: error: bad policy: {error}") from None
-    available = pass_names(policy)
+    target = None if args.target == "gpu" else args.target
+    available = pass_names(policy, target)
     unknown = [name for name in args.passes if name not in available]
     if unknown:
         raise CliError(f"hlo-amp-opt: error: unknown pass {unknown[0]!r}; accepted: "
@@ -109,7 +113,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     report = Report(policy=policy.to_string(), rules=policy.rule_names())
     for chunk, _ in _chunks(source, args.split_input_file):
         module = parse_module(chunk, source_name=source_name)
-        run_pipeline(module, policy, report=report, passes=selected)
+        run_pipeline(module, policy, report=report, passes=selected, target=target)
         outputs.append(module_text(module, debug_info=args.debug_info))
     text = "// -----\n".join(outputs)
     _write(args.output, text)

@@ -11,6 +11,7 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
 
     SPEC    := ITEM ("," ITEM)*
     ITEM    := PRESET | "compute=" DTYPE | "backward=" ACTION | "f64=" BOOL
+             | "only_if_faster=" BOOL
              | "op:" KIND "=" ACTION | "scope:" PATTERN "=" ACTION
     PRESET  := "bf16" | "f16" | "f32"          (only as the first item)
     ACTION  := "compute" | "keep" | DTYPE
@@ -153,6 +154,9 @@ class Policy:
     scopes: Mapping[str, str] = field(default_factory=dict)
     backward: str | None = None
     include_f64: bool = False
+    # Cost-aware: when compiling for a backend that would not run an op faster in the
+    # compute dtype (XLA:CPU without native bf16, CPU convolutions), leave it as written.
+    only_if_faster: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -188,6 +192,7 @@ class Policy:
         object.__setattr__(self, "scopes", _FrozenDict(scopes))
         object.__setattr__(self, "backward", backward)
         object.__setattr__(self, "include_f64", bool(self.include_f64))
+        object.__setattr__(self, "only_if_faster", bool(self.only_if_faster))
 
     # ---- construction -------------------------------------------------------------
 
@@ -238,14 +243,16 @@ class Policy:
                 fields["compute_dtype"] = value
             elif key == "backward":
                 fields["backward"] = value
-            elif key == "f64":
+            elif key in ("f64", "only_if_faster"):
                 if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(f"Unknown value {value!r} for f64 in {spec!r}; "
+                    raise ValueError(f"Unknown value {value!r} for {key} in {spec!r}; "
                                      f"accepted: true, false")
-                fields["include_f64"] = value.lower() in ("true", "1")
+                field_name = "include_f64" if key == "f64" else key
+                fields[field_name] = value.lower() in ("true", "1")
             else:
                 raise ValueError(
                     f"Unknown key {key!r} in {spec!r}; accepted: compute, backward, f64, "
+                    f"only_if_faster, "
                     f"op:KIND, scope:PATTERN (or a preset {', '.join(PRESETS)} first)"
                 )
         return cls.from_dict(fields)
@@ -258,11 +265,13 @@ class Policy:
             "scopes": dict(self.scopes),
             "backward": self.backward,
             "include_f64": self.include_f64,
+            "only_if_faster": self.only_if_faster,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
-        allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64")
+        allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64",
+                   "only_if_faster")
         if not isinstance(data, Mapping):
             raise ValueError(f"A policy dict was expected, got {data!r}")  # noqa: TRY004
         unknown = [k for k in data if k not in allowed]
@@ -284,6 +293,8 @@ class Policy:
             items.append(f"backward={self.backward}")
         if self.include_f64:
             items.append("f64=true")
+        if self.only_if_faster:
+            items.append("only_if_faster=true")
         return ",".join(items)
 
     def __str__(self) -> str:

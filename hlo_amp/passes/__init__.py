@@ -28,15 +28,15 @@ def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
     without it some layouts are upcast, and a bf16 dot whose result XLA transposes
     fails at run time (see passes/dot_layout.py).
     """
-    passes: list[Pass] = [InsertConverts(policy), CleanupConverts()]
+    passes: list[Pass] = [InsertConverts(policy, target), CleanupConverts()]
     if target == "cpu":
         passes.append(FastDotLayout())
     return passes
 
 
-def pass_names(policy: Policy) -> dict[str, Pass]:
+def pass_names(policy: Policy, target: str | None = None) -> dict[str, Pass]:
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
-    passes: list[Any] = [InsertConverts(policy), CleanupConverts(), FastDotLayout()]
+    passes: list[Any] = [InsertConverts(policy, target), CleanupConverts(), FastDotLayout()]
     return {p.name: p for p in passes}
 
 

@@ -23,6 +23,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
+from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu
 from hlo_amp.modules import function_name, functions, is_public
 from hlo_amp.policy import COMPUTE, DTYPE_BITS, KEEP, Policy
 from hlo_amp.report import Decision, Report
@@ -133,7 +134,23 @@ class Plan:
     reason: str
 
 
-def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str) -> Plan:
+def slower_on_target(op: Any, kind: str, policy: Policy, target: str | None) -> str | None:
+    """Why ``target`` would not run ``op`` faster in the compute dtype, else None."""
+    if target != "cpu":
+        return None
+    if kind == "convolution":
+        return "left as written: XLA:CPU convolutions gain nothing in 16-bit"
+    if policy.compute_dtype == "float16":
+        return "left as written: XLA:CPU upcasts every f16 dot to f32"
+    if not cpu_has_native_bf16():
+        return "left as written: this CPU has no native bf16 dot (bf16 runs slower)"
+    if kind == "dot_general" and not is_fast_on_cpu(op, native_bf16=True):
+        return "left as written: XLA:CPU has no fast bf16 path for this dot's shape"
+    return None
+
+
+def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
+            target: str | None = None) -> Plan:
     """What to do to one op under ``action``, given its operand and result types."""
     operands = [element_type(v) for v in list(op.operands)[:2]]
     result = element_type(op.result)
@@ -155,6 +172,9 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str) -
         )
         if all(t is None for t in targets):
             return Plan(action, rule, none, None, "already low precision")
+        slower = policy.only_if_faster and slower_on_target(op, kind, policy, target)
+        if slower:
+            return Plan(action, rule, none, None, slower)
         return Plan(action, rule, targets, None,
                     f"{DTYPE_TO_ELEMENT[policy.compute_dtype]} operands, "
                     f"{result} accumulation")
@@ -246,6 +266,7 @@ class InsertConverts:
     """Insert ``stablehlo.convert`` around dot/conv ops as the policy decides."""
 
     policy: Policy
+    target: str | None = None  # "cpu" enables the policy's only_if_faster cost rule
     name: str = "hlo-amp-insert-converts"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
@@ -275,7 +296,7 @@ class InsertConverts:
                 continue
             site = site_of(op.location, kind, instance.prefix)
             rule = self.policy.decide(site.scope, kind, site.backward)
-            plan = plan_op(op, kind, self.policy, rule.action, rule.rule)
+            plan = plan_op(op, kind, self.policy, rule.action, rule.rule, self.target)
             before = tuple(str(element_type(v)) for v in list(op.operands)[:2])
             result_before = str(element_type(op.result))
             changed = any(plan.operand_targets) or plan.result_target is not None

@@ -1,0 +1,295 @@
+"""What XLA:CPU runs fast: the layout and hardware facts behind bf16 dot speed.
+
+Shared by the fast-dot-layout pass (which relays dots into the fast form) and the
+insert-converts pass (whose ``only_if_faster`` option leaves a dot in f32 when the
+CPU cannot run it faster in bf16). Findings and measurements: benchmarks/DOT_LAYOUT.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+
+# YNNPACK skips dots whose largest extent is below this (its overhead dominates).
+_YNN_MIN_EXTENT = 8
+# How far `_maybe_permuted` follows layout-preserving producers before giving up.
+_MAX_PROVENANCE_DEPTH = 16
+# Ops whose results XLA lays out on their own terms, whatever their operands.
+_OPAQUE_PRODUCERS = (
+    "stablehlo.custom_call",
+    "stablehlo.while",
+    "stablehlo.case",
+    "stablehlo.if",
+    "func.call",
+    "call",
+)
+
+
+@dataclass(frozen=True)
+class DotLayout:
+    """The shape facts about one dot_general that decide XLA:CPU's dot path."""
+
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+    lhs_contracting: tuple[int, ...]
+    rhs_contracting: tuple[int, ...]
+
+    @property
+    def lhs_free(self) -> tuple[int, ...]:
+        """lhs dimensions that are neither batch nor contracting, in order."""
+        used = set(self.lhs_batch) | set(self.lhs_contracting)
+        return tuple(d for d in range(len(self.lhs_shape)) if d not in used)
+
+    @property
+    def rhs_free(self) -> tuple[int, ...]:
+        """rhs dimensions that are neither batch nor contracting, in order."""
+        used = set(self.rhs_batch) | set(self.rhs_contracting)
+        return tuple(d for d in range(len(self.rhs_shape)) if d not in used)
+
+    @property
+    def mkn(self) -> tuple[int, int, int]:
+        """(m, k, n) of the matrix product per batch element."""
+        m = math.prod(self.lhs_shape[d] for d in self.lhs_free)
+        k = math.prod(self.lhs_shape[d] for d in self.lhs_contracting)
+        n = math.prod(self.rhs_shape[d] for d in self.rhs_free)
+        return m, k, n
+
+    def decomposer_canonical(self) -> bool:
+        """True when XLA's DotDecomposer leaves the dot as written."""
+
+        def canonical(rank: int, batch: tuple[int, ...], contracting: tuple[int, ...]) -> bool:
+            return (
+                len(contracting) == 1
+                and rank <= len(batch) + 2
+                and batch == tuple(range(len(batch)))
+            )
+
+        return canonical(len(self.lhs_shape), self.lhs_batch, self.lhs_contracting) and canonical(
+            len(self.rhs_shape), self.rhs_batch, self.rhs_contracting
+        )
+
+    def lhs_permutation(self) -> tuple[int, ...]:
+        """lhs order YNNPACK takes: batch (paired order), free (kept order), contracting."""
+        return self.lhs_batch + self.lhs_free + self.lhs_contracting
+
+    def rhs_permutation(self) -> tuple[int, ...]:
+        """rhs order of the NT form: batch (paired order), free (kept order), contracting
+        (in the order that pairs with the lhs)."""
+        return self.rhs_batch + self.rhs_free + self.rhs_contracting
+
+    def is_nt(self) -> bool:
+        """True when the dot reads [batch, m, k] x [batch, n, k] with one free and one
+        contracting dimension per operand, the form DotDecomposer leaves alone."""
+        single = (
+            len(self.lhs_free) == 1 and len(self.rhs_free) == 1 and len(self.lhs_contracting) == 1
+        )
+        return (
+            single
+            and self.lhs_permutation() == tuple(range(len(self.lhs_shape)))
+            and self.rhs_permutation() == tuple(range(len(self.rhs_shape)))
+        )
+
+    def nt_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(lhs, rhs, result) shapes of the NT form: [batch, m, k] x [batch, n, k] -> [batch, m, n]."""
+        batch = tuple(self.lhs_shape[d] for d in self.lhs_batch)
+        m, k, n = self.mkn
+        return batch + (m, k), batch + (n, k), batch + (m, n)
+
+
+def dot_layout(op: hlo.DotGeneralOp) -> DotLayout | None:
+    """The layout facts of `op`, or None when an operand is not a static ranked tensor."""
+    shapes = []
+    for value in (op.operands[0], op.operands[1]):
+        if not isinstance(value.type, ir.RankedTensorType):
+            return None
+        ttype = ir.RankedTensorType(value.type)
+        if not ttype.has_static_shape:
+            return None
+        shapes.append(tuple(ttype.shape))
+    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    return DotLayout(
+        lhs_shape=shapes[0],
+        rhs_shape=shapes[1],
+        lhs_batch=tuple(dims.lhs_batching_dimensions),
+        rhs_batch=tuple(dims.rhs_batching_dimensions),
+        lhs_contracting=tuple(dims.lhs_contracting_dimensions),
+        rhs_contracting=tuple(dims.rhs_contracting_dimensions),
+    )
+
+
+def meets_ynn_size(layout: DotLayout) -> bool:
+    """YNNPACK's size rules: a real contraction, no matrix-vector products, not tiny."""
+    if not layout.lhs_contracting:
+        return False
+    if 0 in layout.lhs_shape or 0 in layout.rhs_shape:
+        return False
+    m, k, n = layout.mkn
+    return m > 1 and n > 1 and max(m, k, n) >= _YNN_MIN_EXTENT
+
+
+def _is_scalar(value: ir.Value) -> bool:
+    return isinstance(value.type, ir.RankedTensorType) and ir.RankedTensorType(value.type).rank == 0
+
+
+def _rank(value: ir.Value) -> int | None:
+    if not isinstance(value.type, ir.RankedTensorType):
+        return None
+    return ir.RankedTensorType(value.type).rank
+
+
+def _maybe_permuted(value: ir.Value, depth: int = 0) -> bool:
+    """True when XLA's import may give `value` a non-row-major layout.
+
+    The import lays a transpose out so that it is a bitcast, and unary ops, converts,
+    broadcasts, slices, pads, reductions and reshapes that can stay bitcasts pass that
+    layout on. Ops with two or more tensor operands (binary arithmetic, select,
+    concatenate, dot_general), reshapes to 1-D, block arguments, constants and opaque
+    producers start from row-major. Deep chains count as permuted (conservative).
+    """
+    rank = _rank(value)
+    if rank is None or rank <= 1:
+        return False
+    if isinstance(value, ir.BlockArgument):
+        return False
+    if depth > _MAX_PROVENANCE_DEPTH:
+        return True
+    owner = ir.OpResult(value).owner
+    owner = owner.opview if hasattr(owner, "opview") else owner
+    if isinstance(owner, hlo.TransposeOp):
+        perm = list(ir.DenseI64ArrayAttr(owner.attributes["permutation"]))
+        return perm != sorted(perm) or _maybe_permuted(owner.operands[0], depth + 1)
+    if isinstance(owner, hlo.OptimizationBarrierOp):
+        index = ir.OpResult(value).result_number
+        return _maybe_permuted(owner.operands[index], depth + 1)
+    if owner.operation.name in _OPAQUE_PRODUCERS:
+        return False
+    tensors = [v for v in owner.operands if _rank(v) is not None and not _is_scalar(v)]
+    if len(tensors) != 1:
+        return False
+    return _maybe_permuted(tensors[0], depth + 1)
+
+
+def _operands_need_fresh_layout(op: hlo.DotGeneralOp) -> tuple[bool, bool]:
+    return _maybe_permuted(op.operands[0]), _maybe_permuted(op.operands[1])
+
+
+def layout_is_fast(op: hlo.DotGeneralOp) -> bool:
+    """True when XLA:CPU hands `op`, as written, to YNNPACK if its operands are bf16.
+
+    A statement about dimensions and layouts only: element types are not looked at, so
+    a rule can ask it of an f32 dot before deciding to convert it.
+    """
+    layout = dot_layout(op)
+    if layout is None or not meets_ynn_size(layout):
+        return False
+    if any(_operands_need_fresh_layout(op)):
+        return False
+    if not layout.decomposer_canonical():
+        # DotDecomposer transposes the operands into [batch, m, k] x [batch, k, n].
+        return True
+    lhs_rank = len(layout.lhs_shape)
+    return layout.lhs_contracting == (lhs_rank - 1,)
+
+
+def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
+    """True when the result of `op` reaches a stablehlo.transpose, directly or through
+    reshapes.
+
+    XLA's algebraic simplifier folds such a transpose into the dot by swapping its
+    operands *after* the bf16-or-f32 decision: a bf16 dot in [m, k] x [k, n] (NN) form
+    becomes [k, n] x [m, k], which YNNPACK refuses, and the executable then fails at run
+    time with ``UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x
+    BF16 = F32`` (jaxlib 0.10.2). The NT form ([m, k] x [n, k]) survives the swap.
+    """
+    pending = [op.result]
+    seen = 0
+    while pending and seen < _MAX_PROVENANCE_DEPTH:
+        value = pending.pop()
+        seen += 1
+        for use in value.uses:
+            user = use.owner
+            user = user.opview if hasattr(user, "opview") else user
+            if isinstance(user, hlo.TransposeOp):
+                return True
+            if isinstance(user, hlo.ReshapeOp):
+                pending.append(user.result)
+    return False
+
+
+def needs_layout_rewrite(op: hlo.DotGeneralOp) -> bool:
+    """True when FastDotLayout rewrites `op` (element types aside).
+
+    That is a dot of YNNPACK's sizes that YNNPACK would not take as written, or one
+    whose transposed result would make XLA:CPU fail (see :func:`has_transposed_result`),
+    unless it already is in the NT form.
+    """
+    layout = dot_layout(op)
+    if layout is None or not meets_ynn_size(layout):
+        return False
+    if not layout_is_fast(op):
+        return True
+    return not layout.is_nt() and has_transposed_result(op)
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when this host's CPU has bf16 dot instructions (AVX512-BF16 or AMX-BF16).
+
+    Without them YNNPACK emulates bf16 and its bf16 dots run at 0.5-0.9x of f32 (see
+    benchmarks/DOT_LAYOUT.md). Reads /proc/cpuinfo; False where that is missing.
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def is_fast_on_cpu(
+    op: hlo.DotGeneralOp,
+    *,
+    native_bf16: bool | None = None,
+    with_layout_pass: bool = True,
+) -> bool:
+    """True when XLA:CPU should run `op` faster as bf16×bf16→f32 than as f32.
+
+    Needs a CPU with native bf16 dot instructions (`native_bf16`; None asks
+    :func:`cpu_has_native_bf16`) and a dot YNNPACK takes: any dot of YNNPACK's sizes once
+    FastDotLayout has run (`with_layout_pass`), else only one whose layout is already
+    fast. Element types of `op` are not looked at.
+    """
+    if native_bf16 is None:
+        native_bf16 = cpu_has_native_bf16()
+    if not native_bf16:
+        return False
+    layout = dot_layout(op)
+    if layout is None or not meets_ynn_size(layout):
+        return False
+    return with_layout_pass or layout_is_fast(op)
+
+
+def _element_type(value: ir.Value) -> ir.Type | None:
+    if not isinstance(value.type, ir.RankedTensorType):
+        return None
+    return ir.RankedTensorType(value.type).element_type
+
+
+def _is_bf16_to_f32(op: hlo.DotGeneralOp) -> bool:
+    lhs, rhs = (_element_type(v) for v in op.operands)
+    out = _element_type(op.result)
+    return (
+        isinstance(lhs, ir.BF16Type)
+        and isinstance(rhs, ir.BF16Type)
+        and isinstance(out, ir.F32Type)
+    )
