@@ -33,6 +33,7 @@ from hlo_amp.modules import module_text
 from hlo_amp.passes import run_pipeline
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Report
+from hlo_amp.rewrite import warn_unused_rules
 
 
 def _copy_module(module: ir.Module) -> ir.Module:
@@ -172,7 +173,7 @@ class AmpLowered:
         report = copy.deepcopy(self._report)
         try:
             mark_kept_by_xla(report, compiled.as_text())
-        except Exception as error:  # the check is advisory; never fail a compile on it
+        except Exception as error:  # noqa: BLE001  (advisory; never fail a compile on it)
             report.notes.append(f"could not read XLA's optimized HLO: {error}")
         return AmpCompiled(compiled, report, seconds)
 
@@ -256,11 +257,7 @@ class AmpFunction:
         target = "cpu" if tuple(platforms) == ("cpu",) else None
         module, report, pass_seconds = rewrite_module(lowering.stablehlo(), self.policy,
                                                       target)
-        if report.unused_rules:
-            warnings.warn(
-                f"hlo_amp: policy rules matched no op in "
-                f"{getattr(self.fn, '__name__', 'fn')}: {', '.join(report.unused_rules)}",
-                stacklevel=2)
+        warn_unused_rules(report, stacklevel=2)
         new_lowering = copy.copy(lowering)
         new_lowering._hlo = module
         new_lowering._executable = None
@@ -306,7 +303,7 @@ class AmpFunction:
             self.lowerings += 1
             module = ir.Module.parse(exported.mlir_module(), context=jax_mlir.make_ir_context())
             target = "cpu" if tuple(exported.platforms) == ("cpu",) else None
-            run_pipeline(module, self.policy, target=target)
+            warn_unused_rules(run_pipeline(module, self.policy, target=target), stacklevel=4)
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=export_internals._module_to_bytecode(module))
             self._exports[key] = exported
