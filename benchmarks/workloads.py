@@ -112,13 +112,17 @@ def make_step(graphdef: Any, tx: optax.GradientTransformation,
     return step
 
 
-VARIANTS = ("f32", "flax bf16", "jmp bf16", "hlo_amp bf16", "jaxamp")
+VARIANTS = ("f32", "flax bf16", "jmp bf16", "hlo_amp bf16", "hlo_amp bf16 only_if_faster",
+            "jaxamp")
+# The policy each hlo_amp variant compiles with.
+HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16",
+                    "hlo_amp bf16 only_if_faster": "bf16,only_if_faster=true"}
 
 
 def variant_step(workload: Workload, variant: str) -> tuple[Callable, Any, Any]:
     """(step, params, opt_state) for one variant; raises ImportError if it is unavailable."""
     tx = optax.adam(1e-4)
-    if variant in ("f32", "hlo_amp bf16"):
+    if variant == "f32" or variant in HLO_AMP_POLICIES:
         graphdef, params = workload.model(jnp.float32)
         step = make_step(graphdef, tx)
     elif variant == "flax bf16":

@@ -220,3 +220,17 @@ def test_f16_mlp_close():
     want = jax.jit(fn)(params, x)
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * scale)
+
+
+def test_bf16_weight_grad_of_dense_on_3d_input_runs():
+    # Regression: the weight-gradient dot of a Dense layer on a [batch, tokens, features]
+    # input contracts two dims ([0,1]x[0,1]); XLA:CPU once failed to run it in bf16.
+    w = jax.random.normal(jax.random.PRNGKey(0), (64, 128)) / 8
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 17, 64))
+
+    def loss(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    got = hlo_amp.compile(jax.grad(loss), "bf16")(w, x)
+    want = jax.jit(jax.grad(loss))(w, x)
+    _close_bf16(got, want)
