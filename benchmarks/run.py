@@ -315,16 +315,33 @@ def main(argv: list[str] | None = None) -> None:
     md += [
         "## Notes",
         "",
-        ("- jaxamp: `import jaxamp` fails here: jaxamp (0.0.4 on PyPI, 2023-11) is not "
-         "installed and no network install was made, so whether it works with this jax "
-         "is untested. Its row is recorded, not measured."),
-        ("- On XLA:CPU only bf16×bf16→f32 dots reach the fast (YNNPACK) path; convolutions "
-        "and f16 gain nothing, so the CNN row is expected to show no speed-up on CPU."),
-        ("- Weight-gradient dots that contract dims [0]x[0] (and [0,1]x[0,1] for 3-D "
-        "activations) are the ones that miss the CPU fast path; see DOT_LAYOUT.md."),
+        ("- jaxamp 0.0.4 (PyPI, 2023-11) is not a dependency. Installed by hand into a "
+         "scratch folder (`pip install --no-deps --target`), it imports, but "
+         "`jaxamp.amp(loss)(w, x)` fails on jax 0.10.2 with `ValueError: too many values "
+         "to unpack (expected 2)` (its jaxpr interpreter predates current jax), so its "
+         "row is recorded, not measured."),
+        ("- Why the speed targets are missed on this machine: its CPU (AMD EPYC Zen 3 "
+         "guest) has no AVX512-BF16 or AMX; `/proc/cpuinfo` lists only avx2/fma/f16c. "
+         "XLA:CPU's bf16 dot path (YNNPACK) emulates bf16 there and runs 0.5-0.8x of f32 "
+         "in every layout (benchmarks/DOT_LAYOUT.md), so every bf16 variant is slower than "
+         "f32. hlo_amp's bf16xbf16->f32 dots are still the fastest bf16 variant: Flax's "
+         "and jmp's bf16->bf16 dots are upcast by XLA (0 low-precision dots)."),
+        ("- The cost-aware answer is the `only_if_faster=true` policy option: compiled for "
+         "CPU it leaves in f32 every dot XLA:CPU cannot run faster in bf16 (here: all of them, "
+         "the report says why), so it runs at f32 speed; on GPU it converts everything."),
+        ("- Weight-gradient dots (contracting [0]x[0], [0,1]x[0,1]) miss YNNPACK as "
+         "written; the fast-dot-layout pass relays them onto it (and fixes an XLA:CPU "
+         "run-time failure on transposed bf16 dots). On a CPU with native bf16 that should "
+         "bring them the forward-layout gain; not measured (no such CPU was available)."),
+        ("- Compile time and temp memory of the bf16 module exceed f32's: the extra "
+         "converts, the layout pass's transposes/barriers and the YNNPACK fusions give XLA "
+         "more to compile and hold bf16 copies of activations. With `only_if_faster` the "
+         "module is the f32 one; its compile time differs from f32's only by noise (this "
+         "2-core machine was shared)."),
+        ("- Pass time includes copying the module (bytecode round trip), three passes "
+         "and a verify after each; it is 1-3% of XLA's compile time."),
         *[f"- {name}: `{r.variant}` {r.error}" for name, rs in all_results.items() for r in rs
           if r.error and r.variant != "jaxamp"],
-        "- (analysis of any MISSED target goes here)",
         "",
     ]
     (args.out / "RESULTS.md").write_text("\n".join(md))
