@@ -95,9 +95,8 @@ def _lower_compile(result: Result, step: Any, variant: str, params: Any, opt_sta
     import jax
 
     import hlo_amp
-    from hlo_amp.runtime.compile import xla_matmuls
-
     from benchmarks.workloads import HLO_AMP_POLICIES
+    from hlo_amp.runtime.compile import xla_matmuls
 
     if variant in HLO_AMP_POLICIES:
         lowered = hlo_amp.compile(step, HLO_AMP_POLICIES[variant]).lower(params, opt_state, x, y)
