@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from jax._src.lib.mlir import ir
 
 from hlo_amp.modules import ModuleError
+from hlo_amp.cpu_dots import cpu_has_native_bf16
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.insert_converts import InsertConverts
@@ -30,7 +31,8 @@ def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
     """
     passes: list[Pass] = [InsertConverts(policy, target), CleanupConverts()]
     if target == "cpu":
-        passes.append(FastDotLayout())
+        # Relaying slow layouts onto the bf16 path pays only where that path is fast.
+        passes.append(FastDotLayout(relay_slow=cpu_has_native_bf16()))
     return passes
 
 

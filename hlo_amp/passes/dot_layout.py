@@ -97,6 +97,9 @@ class FastDotLayout:
     in a block that needs the same permutation of the same value.
     """
 
+    # False: relay only the dots XLA:CPU would fail to run (transposed NN results), not
+    # the ones it would merely upcast; for CPUs whose bf16 path is slower than f32.
+    relay_slow: bool = True
     name: str = "hlo-amp-fast-dot-layout"
 
     def run(self, module: ir.Module, report: Any = None) -> None:
@@ -104,7 +107,8 @@ class FastDotLayout:
         dots = [
             op
             for op in _walk_ops(module.operation)
-            if isinstance(op, hlo.DotGeneralOp) and _is_bf16_to_f32(op) and needs_layout_rewrite(op)
+            if isinstance(op, hlo.DotGeneralOp) and _is_bf16_to_f32(op)
+            and needs_layout_rewrite(op) and (self.relay_slow or layout_is_fast(op))
         ]
         shared: dict[tuple[Any, ...], ir.Value] = {}
         for op in dots:

@@ -432,3 +432,23 @@ def test_operand_from_a_transpose_is_not_fast() -> None:
 
 def test_cpu_has_native_bf16_is_a_bool() -> None:
     assert isinstance(cpu_has_native_bf16(), bool)
+
+
+@pytest.mark.parametrize("post, relaid", [
+    (lambda r: r, False),  # [0]x[0] weight gradient: only slow, XLA upcasts it; left alone
+    (lambda r: r.T, True),  # ...and an NN dot with a transposed result would fail: relaid
+])
+def test_relay_slow_false_relays_only_dots_that_would_fail(post, relaid) -> None:
+    dims = (((0,), (0,)), ((), ())) if not relaid else (((1,), (0,)), ((), ()))
+    shapes = ((64, 48), (64, 40)) if not relaid else ((48, 64), (64, 40))
+    a, b = _randn(*shapes[0]), _randn(*shapes[1])
+    text = jax.jit(_bf16_dot(dims, post)).lower(a, b).as_text()
+    module = _parse(text)
+    FastDotLayout(relay_slow=False).run(module, None)
+    module.operation.verify()
+    # Relaid dots are in NT form; the untouched weight gradient keeps [0] x [0].
+    assert ("contracting_dims = [1] x [1]" in str(module)) == relaid
+    assert ("contracting_dims = [0] x [0]" in str(module)) == (not relaid)
+    got, _ = _run(str(module), a, b)  # runs on XLA:CPU either way
+    want = np.asarray(jax.jit(lambda x, y: post(jnp.dot(x.T if not relaid else x, y)))(a, b))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-1)
