@@ -7,8 +7,8 @@ from typing import Any, Protocol
 
 from jax._src.lib.mlir import ir
 
-from hlo_amp.modules import ModuleError
 from hlo_amp.cpu_dots import cpu_has_native_bf16
+from hlo_amp.modules import ModuleError
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.insert_converts import InsertConverts
