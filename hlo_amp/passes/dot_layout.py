@@ -97,8 +97,8 @@ class FastDotLayout:
     in a block that needs the same permutation of the same value.
     """
 
-    # False: relay only the dots XLA:CPU would fail to run (transposed NN results), not
-    # the ones it would merely upcast; for CPUs whose bf16 path is slower than f32.
+    # False: relay only NN dots with a transposed result, not the ones XLA would merely
+    # upcast. Not safe as a default: a ViT train step still failed in XLA:CPU with it.
     relay_slow: bool = True
     name: str = "hlo-amp-fast-dot-layout"
 
