@@ -15,6 +15,8 @@ from pathlib import Path
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
+from hlo_amp.modules import element_type
+
 # YNNPACK skips dots whose largest extent is below this (its overhead dominates).
 _YNN_MIN_EXTENT = 8
 # How far `_maybe_permuted` follows layout-preserving producers before giving up.
@@ -279,15 +281,9 @@ def is_fast_on_cpu(
     return with_layout_pass or layout_is_fast(op)
 
 
-def _element_type(value: ir.Value) -> ir.Type | None:
-    if not isinstance(value.type, ir.RankedTensorType):
-        return None
-    return ir.RankedTensorType(value.type).element_type
-
-
 def _is_bf16_to_f32(op: hlo.DotGeneralOp) -> bool:
-    lhs, rhs = (_element_type(v) for v in op.operands)
-    out = _element_type(op.result)
+    lhs, rhs = (element_type(v) for v in op.operands)
+    out = element_type(op.result)
     return (
         isinstance(lhs, ir.BF16Type)
         and isinstance(rhs, ir.BF16Type)

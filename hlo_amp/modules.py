@@ -95,6 +95,28 @@ def module_text(module: ir.Module, *, debug_info: bool = False) -> str:
                                     large_elements_limit=None)
 
 
+def walk_ops(holder: object) -> list[ir.OpView]:
+    """Every op nested in the regions of ``holder`` (an op or op view), in program order."""
+    found: list[ir.OpView] = []
+
+    def visit(operation: ir.Operation) -> None:
+        for region in operation.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    found.append(inner)
+                    visit(inner.operation)
+
+    visit(holder.operation if hasattr(holder, "operation") else holder)
+    return found
+
+
+def element_type(value: ir.Value) -> ir.Type | None:
+    """The element type of a ranked tensor value, else None."""
+    if not isinstance(value.type, ir.RankedTensorType):
+        return None
+    return ir.RankedTensorType(value.type).element_type
+
+
 def functions(module: ir.Module) -> list[func_dialect.FuncOp]:
     return [op for op in module.body.operations if isinstance(op, func_dialect.FuncOp)]
 

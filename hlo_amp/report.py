@@ -76,13 +76,6 @@ class Report:
         used = {d.rule for d in self.decisions}
         return [r for r in self.rules if r not in used and not r.startswith("op:")]
 
-    @property
-    def compute_dtype(self) -> str:
-        for item in self.policy.split(","):
-            if item.startswith("compute="):
-                return item.split("=", 1)[1]
-        return "bfloat16"
-
     # ---- rendering ------------------------------------------------------------------
 
     def summary(self) -> str:

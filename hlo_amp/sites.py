@@ -9,6 +9,7 @@ name is the prefix (see ``join_names``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -193,8 +194,4 @@ def call_prefix(call_name: str) -> str:
 def site_of(op_location: object, op_kind: str, prefix: str = "") -> Site:
     """The Site of an op from its location and its function's call-site prefix."""
     site = parse_name(join_names(prefix, location_name(op_location)), op_kind)
-    return Site(
-        scope=site.scope, transforms=site.transforms, backward=site.backward,
-        op_kind=op_kind, source=location_source(op_location), name=site.name,
-        einsum=site.einsum,
-    )
+    return dataclasses.replace(site, source=location_source(op_location))

@@ -8,7 +8,7 @@ from typing import Any
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from hlo_amp.modules import functions
+from hlo_amp.modules import element_type, functions, walk_ops
 from hlo_amp.report import Report
 
 # (narrow, wide) float pairs where narrow -> wide -> narrow gives back every value.
@@ -18,25 +18,12 @@ _LOSSLESS_WIDENINGS = {
 
 
 def _element(value: ir.Value) -> str:
-    if not isinstance(value.type, ir.RankedTensorType):
-        return ""
-    return str(ir.RankedTensorType(value.type).element_type)
+    return str(element_type(value) or "")
 
 
 def _converts(module: ir.Module) -> list[Any]:
-    found: list[Any] = []
-
-    def visit(op: Any) -> None:
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if isinstance(inner, hlo.ConvertOp):
-                        found.append(inner)
-                    visit(inner)
-
-    for fn in functions(module):
-        visit(fn.operation)
-    return found
+    return [op for fn in functions(module) for op in walk_ops(fn)
+            if isinstance(op, hlo.ConvertOp)]
 
 
 @dataclass(frozen=True)
@@ -82,13 +69,11 @@ class CleanupConverts:
 
 
 def _erase_dead_converts(module: ir.Module) -> int:
+    # Consumers follow their producers in program order, so one backward sweep also
+    # catches a convert that only fed a convert erased just before.
     removed = 0
-    changed = True
-    while changed:  # erasing one convert can make its producer convert dead
-        changed = False
-        for convert in _converts(module):
-            if not list(convert.result.uses):
-                convert.operation.erase()
-                removed += 1
-                changed = True
+    for convert in reversed(_converts(module)):
+        if not list(convert.result.uses):
+            convert.operation.erase()
+            removed += 1
     return removed

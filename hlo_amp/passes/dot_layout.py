@@ -41,47 +41,22 @@ dot to bf16 for speed only where :func:`is_fast_on_cpu` says so.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-__all__ = [
-    "DotLayout",
-    "FastDotLayout",
-    "cpu_has_native_bf16",
-    "dot_layout",
-    "has_transposed_result",
-    "is_fast_on_cpu",
-    "layout_is_fast",
-    "meets_ynn_size",
-    "needs_layout_rewrite",
-]
-
-from hlo_amp.cpu_dots import (  # noqa: F401  (re-exported for tests)
-    DotLayout,
+from hlo_amp.cpu_dots import (
     _is_bf16_to_f32,
-    _maybe_permuted,
     _operands_need_fresh_layout,
-    cpu_has_native_bf16,
     dot_layout,
-    has_transposed_result,
-    is_fast_on_cpu,
     layout_is_fast,
-    meets_ynn_size,
     needs_layout_rewrite,
 )
+from hlo_amp.modules import walk_ops
 
-
-def _walk_ops(operation: ir.Operation) -> Iterator[ir.OpView]:
-    """Every op nested in `operation`, in program order."""
-    for region in operation.regions:
-        for block in region.blocks:
-            for child in block.operations:
-                yield child
-                yield from _walk_ops(child.operation)
+__all__ = ["FastDotLayout"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +81,7 @@ class FastDotLayout:
         """Rewrite `module` in place."""
         dots = [
             op
-            for op in _walk_ops(module.operation)
+            for op in walk_ops(module.operation)
             if isinstance(op, hlo.DotGeneralOp) and _is_bf16_to_f32(op)
             and needs_layout_rewrite(op) and (self.relay_slow or layout_is_fast(op))
         ]

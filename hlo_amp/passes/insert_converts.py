@@ -24,15 +24,13 @@ from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
 from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu
-from hlo_amp.modules import function_name, functions, is_public
+from hlo_amp.modules import element_type, function_name, functions, is_public, walk_ops
 from hlo_amp.policy import COMPUTE, DTYPE_BITS, KEEP, Policy
 from hlo_amp.report import Decision, Report
 from hlo_amp.sites import call_prefix, join_names, location_name, site_of
 
-# StableHLO element-type spelling <-> policy dtype name.
-ELEMENT_TO_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32",
-                    "f64": "float64"}
-DTYPE_TO_ELEMENT = {v: k for k, v in ELEMENT_TO_DTYPE.items()}
+# Policy dtype name -> StableHLO element-type spelling.
+DTYPE_TO_ELEMENT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
 
 
 def op_kind(op: Any) -> str | None:
@@ -46,25 +44,11 @@ def op_kind(op: Any) -> str | None:
     return None
 
 
-def element_type(value: ir.Value) -> ir.Type | None:
-    """The element type of a ranked tensor value, else None."""
-    if not isinstance(value.type, ir.RankedTensorType):
-        return None
-    return ir.RankedTensorType(value.type).element_type
-
-
 def float_bits(element: ir.Type | None) -> int | None:
     """Bit width of a float element type; None for int, complex, bool, unranked."""
     if element is None or not isinstance(element, ir.FloatType):
         return None
     return ir.FloatType(element).width
-
-
-def dtype_element(dtype: str) -> ir.Type:
-    return {
-        "bfloat16": ir.BF16Type.get, "float16": ir.F16Type.get,
-        "float32": ir.F32Type.get, "float64": ir.F64Type.get,
-    }[dtype]()
 
 
 def with_element(tensor_type: ir.Type, element: ir.Type) -> ir.RankedTensorType:
@@ -98,21 +82,6 @@ def estimate_flops(op: Any, kind: str) -> int | None:
         kernel *= size
     out_features = rhs.shape[numbers.kernel_output_feature_dimension]
     return 2 * out * kernel // max(out_features, 1)
-
-
-def walk_ops(region_holder: Any) -> list[Any]:
-    """All ops nested in ``region_holder``'s regions, in program order."""
-    found: list[Any] = []
-
-    def visit(op: Any) -> None:
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    found.append(inner)
-                    visit(inner)
-
-    visit(region_holder.operation if hasattr(region_holder, "operation") else region_holder)
-    return found
 
 
 def callee_name(call: Any) -> str:
@@ -205,10 +174,15 @@ class _CallGraph:
     used_names: set[str] = field(default_factory=set)
     instances: list[_Instance] = field(default_factory=list)
     clones: int = 0
+    signatures: dict[tuple[str, str], tuple] = field(default_factory=dict)
 
     def signature(self, name: str, prefix: str) -> tuple:
         """The decisions a body would get under ``prefix``, nested calls included."""
-        fn = self.by_name[self.origin.get(name, name)]
+        original = self.origin.get(name, name)
+        known = self.signatures.get((original, prefix))
+        if known is not None:
+            return known
+        fn = self.by_name[original]
         parts: list[Any] = []
         for op in walk_ops(fn):
             kind = op_kind(op)
@@ -218,7 +192,8 @@ class _CallGraph:
             elif is_call(op) and callee_name(op) in self.by_name:
                 inner = callee_name(op)
                 parts.append(self.signature(inner, self._callee_prefix(prefix, op)))
-        return tuple(parts)
+        self.signatures[(original, prefix)] = tuple(parts)
+        return self.signatures[(original, prefix)]
 
     @staticmethod
     def _callee_prefix(prefix: str, call: Any) -> str:

@@ -29,7 +29,7 @@ from jax._src.export import _export as export_internals
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 
-from hlo_amp.modules import module_text
+from hlo_amp.modules import module_text, new_context
 from hlo_amp.passes import run_pipeline
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Report
@@ -199,10 +199,6 @@ def _leaf_signature(leaf: Any) -> Any:
     return (type(leaf).__name__, leaf if isinstance(leaf, (bool, int, float, complex)) else None)
 
 
-def _is_traced(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
-
-
 class AmpFunction:
     """What ``hlo_amp.compile`` returns: callable like ``jax.jit(fn)``."""
 
@@ -239,10 +235,12 @@ class AmpFunction:
                                    if k in self.static_argnames)))
         return dyn_args, dyn_kwargs, static_key
 
-    def _signature(self, args: tuple, kwargs: dict) -> Any:
+    def _flatten(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list, Any, Any]:
+        """Dynamic args and kwargs, their leaves and treedef, and the cache key."""
         dyn_args, dyn_kwargs, static_key = self._split(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        return (treedef, tuple(_leaf_signature(x) for x in leaves), static_key)
+        key = (treedef, tuple(_leaf_signature(x) for x in leaves), static_key)
+        return dyn_args, dyn_kwargs, leaves, treedef, key
 
     # -- AOT --
 
@@ -268,20 +266,17 @@ class AmpFunction:
     # -- calls --
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _is_traced((args, kwargs)):
-            return self._traced_call(args, kwargs)
-        key = self._signature(args, kwargs)
+        dyn_args, dyn_kwargs, leaves, treedef, key = self._flatten(args, kwargs)
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return self._traced_call(args, kwargs, leaves, treedef, key)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self.lower(*args, **kwargs).compile()
             self._cache[key] = compiled
-        dyn_args, dyn_kwargs, _ = self._split(args, kwargs)
         return compiled(*dyn_args, **dyn_kwargs)
 
-    def _bound(self, args: tuple, kwargs: dict) -> tuple[Callable[..., Any], list, Any]:
+    def _bound(self, args: tuple, kwargs: dict, treedef: Any) -> Callable[..., Any]:
         """``fn`` with static arguments bound, as a function of the flat dynamic leaves."""
-        dyn_args, dyn_kwargs, _ = self._split(args, kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         statics = _normalise_argnums(self.static_argnums, len(args))
         static_kwargs = {k: v for k, v in kwargs.items() if k in self.static_argnames}
 
@@ -292,7 +287,7 @@ class AmpFunction:
                 call_args.insert(i, args[i])
             return self.fn(*call_args, **call_kwargs, **static_kwargs)
 
-        return flat_fn, leaves, self._signature(args, kwargs)
+        return flat_fn
 
     def _export(self, key: Any, fun: Callable[..., Any], example: Any) -> Any:
         exported = self._exports.get(key)
@@ -301,7 +296,7 @@ class AmpFunction:
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
             exported = jax_export.export(jax.jit(fun))(*shapes)
             self.lowerings += 1
-            module = ir.Module.parse(exported.mlir_module(), context=jax_mlir.make_ir_context())
+            module = ir.Module.parse(exported.mlir_module(), context=new_context())
             target = "cpu" if tuple(exported.platforms) == ("cpu",) else None
             warn_unused_rules(run_pipeline(module, self.policy, target=target), stacklevel=4)
             exported = dataclasses.replace(
@@ -309,8 +304,9 @@ class AmpFunction:
             self._exports[key] = exported
         return exported
 
-    def _traced_call(self, args: tuple, kwargs: dict) -> Any:
-        flat_fn, leaves, key = self._bound(args, kwargs)
+    def _traced_call(self, args: tuple, kwargs: dict, leaves: list, treedef: Any,
+                     key: Any) -> Any:
+        flat_fn = self._bound(args, kwargs, treedef)
         try:
             return self._differentiable(flat_fn, key)(*leaves)
         except Exception as error:  # e.g. host callbacks, which jax.export refuses

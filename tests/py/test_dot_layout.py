@@ -22,14 +22,14 @@ from jax._src.lib import xla_client
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from hlo_amp.passes.dot_layout import (
-    FastDotLayout,
+from hlo_amp.cpu_dots import (
     cpu_has_native_bf16,
     has_transposed_result,
     is_fast_on_cpu,
     layout_is_fast,
     needs_layout_rewrite,
 )
+from hlo_amp.passes.dot_layout import FastDotLayout
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
