@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
          "written; the fast-dot-layout pass relays them onto it (and fixes an XLA:CPU "
          "run-time failure on transposed bf16 dots). On a CPU with native bf16 that should "
          "bring them the forward-layout gain; not measured (no such CPU was available)."),
+        ("- ViT: hlo_amp bf16 (0.73×) is slower than Flax/jmp bf16 (0.89×) here because it keeps 111/113 dots in bf16 on this CPU's emulated bf16 path, including the weight-gradient and attention dK/dV dots the layout pass relays (0.33–0.49× of f32 each, DOT_LAYOUT.md); Flax's and jmp's dots are upcast to f32. Relaying only the dots XLA:CPU would fail on (`relay_slow=False`) was faster but let the full-size ViT step fail at run time, so it is not the default; `only_if_faster=true` is the fast choice on this CPU (0.99×)."),
         ("- Compile time and temp memory of the bf16 module exceed f32's: the extra "
          "converts, the layout pass's transposes/barriers and the YNNPACK fusions give XLA "
          "more to compile and hold bf16 copies of activations. With `only_if_faster` the "
