@@ -11,13 +11,22 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
 
     SPEC    := ITEM ("," ITEM)*
     ITEM    := PRESET | "compute=" DTYPE | "backward=" ACTION | "f64=" BOOL
-             | "only_if_faster=" BOOL
+             | "only_if_faster=" BOOL | "propagate=" BOOL
              | "op:" KIND "=" ACTION | "scope:" PATTERN "=" ACTION
-    PRESET  := "bf16" | "f16" | "f32"          (only as the first item)
+    PRESET  := "bf16" | "f16" | "f32" | "mixed_bfloat16" | "mixed_float16"
+               (only as the first item)
+    KIND    := any StableHLO or CHLO op name ("dot_general", "exponential", "reduce", ...)
     ACTION  := "compute" | "keep" | DTYPE
     DTYPE   := "bfloat16" | "float16" | "float32" | "float64" (or bf16, f16, f32, f64)
 
 Example: ``"bf16,scope:head=float32,scope:Block_*/attn=keep,op:convolution=keep"``.
+
+Two modes: ``bf16``/``f16`` convert only the operands of matrix ops (f32 results, the
+accurate mode); ``mixed_bfloat16``/``mixed_float16`` (``propagate=true``) also keep the
+activations between matrix ops in 16 bit (the fast mode, passes/propagate.py). Op rules
+on other op kinds (``op:exponential=compute``, ``op:add=float32``) move that kind between
+the propagation classes of ``op_classes.py``: ``compute`` (or the compute dtype) lets it
+be painted, ``keep``/``float32`` keeps it f32; they need ``propagate=true``.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+
+from hlo_amp.op_classes import op_names
 
 COMPUTE = "compute"
 KEEP = "keep"
@@ -53,7 +64,7 @@ _PRIMITIVE_KINDS = {
     "conv_general_dilated": ("convolution",),
 }
 
-PRESETS = ("bf16", "f16", "f32")
+PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16")
 
 
 def canonical_dtype(name: Any, *, what: str = "dtype") -> str:
@@ -97,14 +108,15 @@ def canonical_op_kind(kind: Any) -> tuple[str, ...]:
             f"{', '.join(p + '_p' for p in _PRIMITIVE_KINDS)}"
         )
     if isinstance(kind, str):
-        text = kind.strip().removeprefix("stablehlo.")
-        if text in OP_KINDS:
+        text = kind.strip().removeprefix("stablehlo.").removeprefix("chlo.")
+        if text in OP_KINDS or text in op_names():
             return (text,)
         if text.removesuffix("_p") in _PRIMITIVE_KINDS:
             return _PRIMITIVE_KINDS[text.removesuffix("_p")]
     raise ValueError(
-        f"Unknown op kind {kind!r}; accepted: {', '.join(OP_KINDS)}, "
-        f"jax.lax.dot_general_p, jax.lax.conv_general_dilated_p"
+        f"Unknown op kind {kind!r}; accepted: a StableHLO or CHLO op name "
+        f"({', '.join(sorted(op_names()))}), or jax.lax.dot_general_p, "
+        f"jax.lax.conv_general_dilated_p"
     )
 
 
@@ -157,6 +169,8 @@ class Policy:
     # Cost-aware: when compiling for a backend that would not run an op faster in the
     # compute dtype (XLA:CPU without native bf16, CPU convolutions), leave it as written.
     only_if_faster: bool = False
+    # The mixed_* modes: keep activations 16-bit between matrix ops (passes/propagate.py).
+    propagate: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -184,6 +198,22 @@ class Policy:
         for pattern, action in self.scopes.items():
             text = _check_pattern(pattern)
             scopes[text] = canonical_action(action, where=f"scope rule {text!r}")
+        propagate = bool(self.propagate)
+        for kind, action in ops.items():
+            if kind in OP_KINDS:
+                continue
+            if not propagate:
+                raise ValueError(
+                    f"Op rule {kind!r} applies to the propagation pass; add "
+                    f"propagate=true or start from mixed_bfloat16/mixed_float16 "
+                    f"(without it only {', '.join(OP_KINDS)} rules apply)"
+                )
+            if action not in (COMPUTE, KEEP, "float32", compute):
+                raise ValueError(
+                    f"Unsupported action {action!r} for op rule {kind!r}; accepted for "
+                    f"ops other than {', '.join(OP_KINDS)}: compute (or {compute}), "
+                    f"keep, float32"
+                )
         backward = None
         if self.backward is not None:
             backward = canonical_action(self.backward, where="backward")
@@ -193,13 +223,19 @@ class Policy:
         object.__setattr__(self, "backward", backward)
         object.__setattr__(self, "include_f64", bool(self.include_f64))
         object.__setattr__(self, "only_if_faster", bool(self.only_if_faster))
+        object.__setattr__(self, "propagate", propagate)
 
     # ---- construction -------------------------------------------------------------
 
     @classmethod
     def preset(cls, name: str) -> Policy:
-        """The named preset: ``"bf16"``, ``"f16"`` or ``"f32"`` (changes nothing)."""
+        """The named preset: ``"bf16"``, ``"f16"``, ``"f32"`` (changes nothing),
+        ``"mixed_bfloat16"`` or ``"mixed_float16"`` (also 16-bit activations)."""
         all_compute = {kind: COMPUTE for kind in OP_KINDS}
+        if name == "mixed_bfloat16":
+            return cls("bfloat16", ops=all_compute, propagate=True)
+        if name == "mixed_float16":
+            return cls("float16", ops=all_compute, propagate=True)
         if name == "bf16":
             return cls("bfloat16", ops=all_compute)
         if name == "f16":
@@ -243,7 +279,7 @@ class Policy:
                 fields["compute_dtype"] = value
             elif key == "backward":
                 fields["backward"] = value
-            elif key in ("f64", "only_if_faster"):
+            elif key in ("f64", "only_if_faster", "propagate"):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"Unknown value {value!r} for {key} in {spec!r}; "
                                      f"accepted: true, false")
@@ -252,7 +288,7 @@ class Policy:
             else:
                 raise ValueError(
                     f"Unknown key {key!r} in {spec!r}; accepted: compute, backward, f64, "
-                    f"only_if_faster, "
+                    f"only_if_faster, propagate, "
                     f"op:KIND, scope:PATTERN (or a preset {', '.join(PRESETS)} first)"
                 )
         return cls.from_dict(fields)
@@ -266,12 +302,13 @@ class Policy:
             "backward": self.backward,
             "include_f64": self.include_f64,
             "only_if_faster": self.only_if_faster,
+            "propagate": self.propagate,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
         allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64",
-                   "only_if_faster")
+                   "only_if_faster", "propagate")
         if not isinstance(data, Mapping):
             raise ValueError(f"A policy dict was expected, got {data!r}")  # noqa: TRY004
         unknown = [k for k in data if k not in allowed]
@@ -283,10 +320,17 @@ class Policy:
 
     def to_string(self) -> str:
         """The string form; ``Policy.parse(p.to_string()) == p``."""
-        if dict(self.ops) == {kind: COMPUTE for kind in OP_KINDS}:
-            items = ["bf16"]
+        matrix_compute = all(self.ops.get(kind) == COMPUTE for kind in OP_KINDS)
+        if matrix_compute:  # a 16-bit preset, then only the rules it does not state
+            preset = "bf16"
+            if self.propagate:
+                preset = "mixed_float16" if self.compute_dtype == "float16" else "mixed_bfloat16"
+            items = [preset] + [f"op:{k}={a}" for k, a in self.ops.items()
+                                if k not in OP_KINDS]
         else:  # start from the empty preset and state every op rule, so it is exact
             items = ["f32"] + [f"op:{k}={a}" for k, a in self.ops.items()]
+            if self.propagate:
+                items.append("propagate=true")
         items.insert(1, f"compute={self.compute_dtype}")
         items += [f"scope:{p}={a}" for p, a in self.scopes.items()]
         if self.backward is not None:

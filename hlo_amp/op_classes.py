@@ -1,0 +1,114 @@
+"""The propagation classes of StableHLO ops: the one table the mixed_* modes paint by.
+
+In the manner of TensorFlow's auto-mixed-precision lists, each op kind (its StableHLO or
+CHLO name without the dialect prefix) has a class:
+
+- ``allow``: the matrix ops; ``insert_converts`` puts them in 16 bit and they seed
+  16-bit regions.
+- ``infer``: elementwise arithmetic that follows its inputs; painted only when it sits
+  on a path between 16-bit ops.
+- ``clear``: data movement that does not change values (a max/min ``reduce`` or
+  ``reduce_window`` picks one of its inputs); painted like ``infer``.
+- ``deny``: always f32: exponentials and logs (error grows with the argument), powers,
+  ``rsqrt``, sums (``reduce``/``reduce_window`` with an add body: means, variances,
+  cumulative sums, average pools), scatters, sorts, and JAX's own precision idioms
+  (``reduce_precision``, ``optimization_barrier``) which must stay exactly as written.
+
+Any op kind not in the table is never painted and keeps its inputs f32, like ``deny``.
+
+f16 is stricter than bf16: f16 tops out at 65504 while bf16 has f32's exponent range, so
+ops whose result can be far larger than their inputs stay f32 under f16 only:
+``divide`` (a quotient by a small divisor overflows) and ``tan`` (unbounded near π/2).
+Sums and means stay f32 under both.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+ALLOW = "allow"
+INFER = "infer"
+CLEAR = "clear"
+DENY = "deny"
+OTHER = "other"  # not in the table: treated like deny
+
+OP_CLASSES: dict[str, str] = {
+    # allow
+    "dot_general": ALLOW, "dot": ALLOW, "convolution": ALLOW,
+    # infer
+    "add": INFER, "subtract": INFER, "multiply": INFER, "divide": INFER,
+    "negate": INFER, "abs": INFER, "sign": INFER, "tanh": INFER, "logistic": INFER,
+    "erf": INFER, "erfc": INFER, "sqrt": INFER, "cbrt": INFER, "square": INFER,
+    "maximum": INFER, "minimum": INFER, "select": INFER, "clamp": INFER,
+    "compare": INFER, "is_finite": INFER, "floor": INFER, "ceil": INFER,
+    "round_nearest_even": INFER, "round_nearest_afz": INFER, "tan": INFER,
+    "atan": INFER,
+    # clear (reduce / reduce_window only with a max or min body; see op_class)
+    "reshape": CLEAR, "transpose": CLEAR, "broadcast_in_dim": CLEAR, "broadcast": CLEAR,
+    "slice": CLEAR, "dynamic_slice": CLEAR, "dynamic_update_slice": CLEAR,
+    "concatenate": CLEAR, "pad": CLEAR, "reverse": CLEAR, "gather": CLEAR,
+    "reduce": CLEAR, "reduce_window": CLEAR,
+    # deny
+    "exponential": DENY, "exponential_minus_one": DENY, "log": DENY,
+    "log_plus_one": DENY, "power": DENY, "rsqrt": DENY, "sine": DENY, "cosine": DENY,
+    "sinh": DENY, "cosh": DENY, "remainder": DENY, "atan2": DENY, "lgamma": DENY,
+    "digamma": DENY, "erf_inv": DENY, "reduce_precision": DENY,
+    "optimization_barrier": DENY, "scatter": DENY, "select_and_scatter": DENY,
+    "sort": DENY, "all_reduce": DENY, "reduce_scatter": DENY, "cholesky": DENY,
+    "triangular_solve": DENY, "fft": DENY, "batch_norm_training": DENY,
+    "batch_norm_inference": DENY, "batch_norm_grad": DENY, "custom_call": DENY,
+}
+
+# Stricter under f16 only (see the module docstring).
+F16_DENY = frozenset({"divide", "tan"})
+
+# reduce / reduce_window bodies that only pick an input: data movement, not arithmetic.
+_PICKING_BODIES = frozenset({"stablehlo.maximum", "stablehlo.minimum"})
+
+
+def short_name(op_name: str) -> str:
+    """``stablehlo.add`` -> ``add``; ``chlo.erfc`` -> ``erfc``."""
+    return op_name.removeprefix("stablehlo.").removeprefix("chlo.")
+
+
+def table_class(kind: str, compute_dtype: str) -> str:
+    """The class of an op kind from the table alone, for ``compute_dtype``."""
+    if compute_dtype == "float16" and kind in F16_DENY:
+        return DENY
+    return OP_CLASSES.get(kind, OTHER)
+
+
+def picks_an_input(op: Any) -> bool:
+    """True for a single-input reduce/reduce_window whose body is one max or min."""
+    if len(op.operation.regions) != 1 or len(op.operation.results) != 1:
+        return False
+    blocks = list(op.operation.regions[0].blocks)
+    if len(blocks) != 1:
+        return False
+    body = [inner.operation.name for inner in blocks[0].operations]
+    return len(body) == 2 and body[0] in _PICKING_BODIES and body[1] == "stablehlo.return"
+
+
+def op_class(op: Any, compute_dtype: str) -> str:
+    """The class of one op: the table, with reduce/reduce_window classed by their body."""
+    kind = short_name(op.operation.name)
+    found = table_class(kind, compute_dtype)
+    if kind in ("reduce", "reduce_window") and found == CLEAR and not picks_an_input(op):
+        return DENY
+    return found
+
+
+@functools.cache
+def op_names() -> frozenset[str]:
+    """Every StableHLO and CHLO op name the bindings know, without the dialect prefix."""
+    from jax._src.lib.mlir.dialects import chlo, hlo
+
+    names = {
+        short_name(cls.OPERATION_NAME)
+        for module in (hlo, chlo)
+        for cls in vars(module).values()
+        if isinstance(cls, type) and isinstance(getattr(cls, "OPERATION_NAME", None), str)
+    }
+    names = {name for name in names if not name.startswith("_")}  # private kernels
+    return frozenset(names | set(OP_CLASSES))
