@@ -289,3 +289,14 @@ def _is_bf16_to_f32(op: hlo.DotGeneralOp) -> bool:
         and isinstance(rhs, ir.BF16Type)
         and isinstance(out, ir.F32Type)
     )
+
+
+def matrix_result_in_16bit(target: str | None) -> bool:
+    """Whether a matrix op inside a 16-bit region should return the 16-bit type itself.
+
+    On GPU (``target`` None or ``"gpu"``) yes: XLA:GPU accumulates 16-bit GEMMs in f32,
+    and a separate ``convert`` of a GEMM result is not fused into the cuBLAS epilogue.
+    On CPU no: XLA:CPU upcasts every 16-bit-result dot to f32 (slower than f32 alone),
+    so the dot keeps its f32 result and a ``convert`` follows it.
+    """
+    return target != "cpu"

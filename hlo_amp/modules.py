@@ -117,6 +117,20 @@ def element_type(value: ir.Value) -> ir.Type | None:
     return ir.RankedTensorType(value.type).element_type
 
 
+def with_element(tensor_type: ir.Type, element: ir.Type) -> ir.RankedTensorType:
+    """``tensor_type`` with its element type replaced (shape and encoding kept)."""
+    ranked = ir.RankedTensorType(tensor_type)
+    return ir.RankedTensorType.get(ranked.shape, element, ranked.encoding)
+
+
+def callee_name(call: object) -> str:
+    return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+
+
+def is_call(op: object) -> bool:
+    return isinstance(op, func_dialect.CallOp) or op.operation.name == "func.call"
+
+
 def functions(module: ir.Module) -> list[func_dialect.FuncOp]:
     return [op for op in module.body.operations if isinstance(op, func_dialect.FuncOp)]
 

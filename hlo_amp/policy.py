@@ -54,6 +54,8 @@ _DTYPE_ALIASES = {
 }
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 COMPUTE_DTYPES = ("bfloat16", "float16")
+# Policy dtype name -> StableHLO element-type spelling.
+DTYPE_TO_ELEMENT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
 # Bit width of each float dtype, used to tell "wider than the compute dtype".
 DTYPE_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "float64": 64}
 
@@ -114,9 +116,9 @@ def canonical_op_kind(kind: Any) -> tuple[str, ...]:
         if text.removesuffix("_p") in _PRIMITIVE_KINDS:
             return _PRIMITIVE_KINDS[text.removesuffix("_p")]
     raise ValueError(
-        f"Unknown op kind {kind!r}; accepted: a StableHLO or CHLO op name "
-        f"({', '.join(sorted(op_names()))}), or jax.lax.dot_general_p, "
-        f"jax.lax.conv_general_dilated_p"
+        f"Unknown op kind {kind!r}; accepted: {', '.join(OP_KINDS)}, "
+        f"jax.lax.dot_general_p, jax.lax.conv_general_dilated_p, or with propagate=true "
+        f"any StableHLO or CHLO op name ({', '.join(sorted(op_names() - set(OP_KINDS)))})"
     )
 
 

@@ -57,6 +57,11 @@ class Report:
     rules: list[str] = field(default_factory=list)  # every rule of the policy
     notes: list[str] = field(default_factory=list)
     xla_checked: bool = False
+    # The propagation pass (mixed_* modes): {"ops": {kind: {"painted": n, "f32": {why: n}}},
+    # "functions": [{function, bytes_before, low_bytes_before, bytes_after,
+    # low_bytes_after}], "clones": n}; None when it did not run.
+    propagation: dict[str, Any] | None = None
+    rules_used: set[str] = field(default_factory=set)  # rules that matched non-matrix ops
 
     def add(self, decision: Decision) -> None:
         self.decisions.append(decision)
@@ -73,7 +78,7 @@ class Report:
     def unused_rules(self) -> list[str]:
         # Op rules of a preset name every op kind; a module without convs is normal,
         # so only scope and backward rules are reported as unused.
-        used = {d.rule for d in self.decisions}
+        used = {d.rule for d in self.decisions} | self.rules_used
         return [r for r in self.rules if r not in used and not r.startswith("op:")]
 
     # ---- rendering ------------------------------------------------------------------

@@ -11,6 +11,7 @@ from hlo_amp.modules import ModuleError
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.insert_converts import InsertConverts
+from hlo_amp.passes.propagate import Propagate
 from hlo_amp.policy import Policy
 from hlo_amp.report import Report
 
@@ -28,7 +29,10 @@ def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
     without it some layouts are upcast, and a bf16 dot whose result XLA transposes
     fails at run time (see passes/dot_layout.py).
     """
-    passes: list[Pass] = [InsertConverts(policy, target), CleanupConverts()]
+    passes: list[Pass] = [InsertConverts(policy, target)]
+    if policy.propagate:
+        passes.append(Propagate(policy, target))
+    passes.append(CleanupConverts())
     if target == "cpu":
         # Relay every slow layout, even where the bf16 path is slower than f32: relaying
         # only the known-failing ones (relay_slow=False) still let a ViT train step fail
@@ -39,7 +43,8 @@ def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
 
 def pass_names(policy: Policy, target: str | None = None) -> dict[str, Pass]:
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
-    passes: list[Any] = [InsertConverts(policy, target), CleanupConverts(), FastDotLayout()]
+    passes: list[Any] = [InsertConverts(policy, target), Propagate(policy, target),
+                         CleanupConverts(), FastDotLayout()]
     return {p.name: p for p in passes}
 
 

@@ -20,17 +20,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
 from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu
-from hlo_amp.modules import element_type, function_name, functions, is_public, walk_ops
-from hlo_amp.policy import COMPUTE, DTYPE_BITS, KEEP, Policy
+from hlo_amp.modules import (
+    callee_name,
+    element_type,
+    function_name,
+    functions,
+    is_call,
+    is_public,
+    walk_ops,
+    with_element,
+)
+from hlo_amp.policy import COMPUTE, DTYPE_BITS, DTYPE_TO_ELEMENT, KEEP, Policy
 from hlo_amp.report import Decision, Report
 from hlo_amp.sites import call_prefix, join_names, location_name, site_of
-
-# Policy dtype name -> StableHLO element-type spelling.
-DTYPE_TO_ELEMENT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
 
 
 def op_kind(op: Any) -> str | None:
@@ -49,11 +54,6 @@ def float_bits(element: ir.Type | None) -> int | None:
     if element is None or not isinstance(element, ir.FloatType):
         return None
     return ir.FloatType(element).width
-
-
-def with_element(tensor_type: ir.Type, element: ir.Type) -> ir.RankedTensorType:
-    ranked = ir.RankedTensorType(tensor_type)
-    return ir.RankedTensorType.get(ranked.shape, element, ranked.encoding)
 
 
 def estimate_flops(op: Any, kind: str) -> int | None:
@@ -82,14 +82,6 @@ def estimate_flops(op: Any, kind: str) -> int | None:
         kernel *= size
     out_features = rhs.shape[numbers.kernel_output_feature_dimension]
     return 2 * out * kernel // max(out_features, 1)
-
-
-def callee_name(call: Any) -> str:
-    return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
-
-
-def is_call(op: Any) -> bool:
-    return isinstance(op, func_dialect.CallOp) or op.operation.name == "func.call"
 
 
 @dataclass(frozen=True)

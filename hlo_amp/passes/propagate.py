@@ -1,0 +1,684 @@
+"""Low-precision dataflow: 16-bit regions from the matrix ops through the ops around them.
+
+Runs after ``insert_converts`` in the mixed_* modes, in the manner of TensorFlow's
+auto-mixed-precision "paint" algorithm. The seeds are the matrix ops that pass put in
+16 bit (16-bit operands, f32 result: class ``allow``); every other op has a class from
+``op_classes.py``, which op and scope rules override. Then, on the def-use graph of each
+function (``while``/``case``/``if`` bodies and calls to private functions included):
+
+1. An op or loop carry is *pinned* when one of its f32 results feeds a deny op, an op
+   outside the table, a convert to another type, or a public ``return``: deny wins.
+2. The *eligible* nodes are unpinned infer/clear ops whose float values are all f32 and
+   whose scope the policy leaves to the table, plus unpinned loop carries, branch
+   results and call arguments/results (links).
+3. A node is painted when it is reachable from an allow op through eligible nodes *and*
+   reaches a 16-bit sink (a convert to the compute dtype, i.e. a matrix op's operand)
+   through eligible nodes: it sits between 16-bit ops. A compare whose float operands
+   are all 16-bit is painted too.
+4. An allow op's result becomes 16-bit when it is not pinned and feeds a painted op or
+   a sink: on GPU the op returns the 16-bit type itself, on CPU it keeps its f32
+   result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
+
+Converts go only on region boundaries, one per value, target type and block; a painted
+op's f32 operand is converted down, a 16-bit value read by an unpainted op is converted
+back up, and the old operand converts of the matrix ops become no-ops and are erased. A
+private function whose call sites need different paintings is cloned per painting;
+public signatures never change. Painting is a pure function of the graph, so running
+the pass on its own output changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+
+from hlo_amp.cpu_dots import matrix_result_in_16bit
+from hlo_amp.modules import (
+    callee_name,
+    element_type,
+    function_name,
+    functions,
+    is_call,
+    is_public,
+    with_element,
+)
+from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name
+from hlo_amp.policy import COMPUTE, DTYPE_TO_ELEMENT, Policy
+from hlo_amp.report import Report
+from hlo_amp.sites import call_prefix, join_names, location_name, site_of
+
+_CONTROL_FLOW = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if"})
+_MATRIX = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
+_TERMINATORS = frozenset({"stablehlo.return", "func.return"})
+# Ops that hold no activation of their own, left out of counts and byte totals.
+_NOT_VALUES = frozenset({"stablehlo.convert", "stablehlo.constant", "stablehlo.iota",
+                         "stablehlo.return", "func.return", "func.call",
+                         "stablehlo.while", "stablehlo.case", "stablehlo.if"})
+LINK = "link"
+SINK = "sink"  # a convert to the compute dtype: where a region may end
+
+
+def body_ops(fn: Any) -> list[Any]:
+    """The ops of ``fn`` in program order, descending into while/case/if regions only.
+
+    Other ops' regions (reduce bodies, sort comparators) are scalar computations that a
+    painted op retypes as a whole; they are not part of the dataflow graph.
+    """
+    found: list[Any] = []
+
+    def visit(operation: Any) -> None:
+        for region in operation.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    found.append(inner)
+                    if inner.operation.name in _CONTROL_FLOW:
+                        visit(inner.operation)
+
+    visit(fn.operation)
+    return found
+
+
+def first_block(region: Any) -> Any:
+    """The entry block of a region (every region here has exactly one)."""
+    return next(iter(region.blocks))
+
+
+def _element(value: ir.Value) -> ir.Type | None:
+    return element_type(value)
+
+
+def _is_f32(value: ir.Value) -> bool:
+    return isinstance(_element(value), ir.F32Type)
+
+
+def _is_float(value: ir.Value) -> bool:
+    return isinstance(_element(value), ir.FloatType)
+
+
+def _types_ok(op: Any) -> bool:
+    """Every value is a ranked tensor; floats are f32, at least one of them."""
+    values = list(op.operands) + list(op.results)
+    if any(not isinstance(v.type, ir.RankedTensorType) for v in values):
+        return False
+    if any(isinstance(_element(v), ir.ComplexType) for v in values):
+        return False
+    floats = [v for v in values if _is_float(v)]
+    return bool(floats) and all(_is_f32(v) for v in floats)
+
+
+@dataclass(eq=False)
+class _Node:
+    """An op, or a link (loop carry, branch result, call argument or result)."""
+
+    cls: str  # ALLOW, INFER, CLEAR, DENY, OTHER or LINK
+    inst: int
+    index: int  # op index in the instance's body_ops (the owning op for links)
+    kind: str  # op kind for ops, "while"/"case"/"arg"/"result" for links
+    slot: int = -1  # carry, result or argument number for links
+    inputs: list[tuple[int, ir.Value]] = field(default_factory=list)
+    outputs: list[tuple[int, ir.Value]] = field(default_factory=list)
+    reason: str = ""  # why it is not eligible, when it is not
+    pinned: bool = False
+    eligible: bool = False
+    fwd: bool = False
+    bwd: bool = False
+    painted: bool = False  # for allow ops: the result is 16-bit
+
+
+@dataclass
+class _Instance:
+    """One function body seen from one call path."""
+
+    fn: Any
+    prefix: str
+    ops: list[Any]
+    parent: tuple[int, int] | None = None  # (parent instance, call op index)
+    calls: dict[int, int] = field(default_factory=dict)  # call op index -> child instance
+    signature: tuple = ()
+
+
+@dataclass(frozen=True)
+class Propagate:
+    """Keep activations in the compute dtype between the matrix ops (mixed_* modes)."""
+
+    policy: Policy
+    target: str | None = None  # "cpu": matrix ops keep f32 results followed by a convert
+    name: str = "hlo-amp-propagate"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        low = ir.Type.parse(DTYPE_TO_ELEMENT[self.policy.compute_dtype], module.context)
+        before = intermediate_bytes(module)
+        graph = _Graph(self.policy, low)
+        graph.build(module)
+        graph.solve()
+        counts = graph.counts()
+        with ir.Location.unknown(module.context):  # types are built outside any op
+            clones = _Rewriter(graph, low, matrix_result_in_16bit(self.target)).rewrite(module)
+        if report is not None:
+            report.propagation = {
+                "ops": counts,
+                "functions": _bytes_table(before, intermediate_bytes(module)),
+                "clones": clones,
+            }
+            report.rules_used.update(graph.rules_used)
+
+
+class _Graph:
+    """The dataflow graph over every instance of every function, and its painting."""
+
+    def __init__(self, policy: Policy, low: ir.Type) -> None:
+        self.policy = policy
+        self.low = low
+        self.instances: list[_Instance] = []
+        self.nodes: list[_Node] = []
+        self.op_node: dict[tuple[int, int], _Node] = {}  # (inst, op index) -> node
+        self.producer: dict[tuple[int, ir.Value], _Node] = {}
+        # (inst, consuming op) -> {operand number: node}: uses that enter a link
+        self.link_use: dict[tuple[int, Any], dict[int, _Node]] = defaultdict(dict)
+        self.by_name: dict[str, Any] = {}
+        self.rules_used: set[str] = set()
+        self._decided: dict[tuple[str, str, str], tuple[str | None, str]] = {}
+
+    # ---- building -------------------------------------------------------------------
+
+    def build(self, module: ir.Module) -> None:
+        self.by_name = {function_name(fn): fn for fn in functions(module)}
+        for fn in functions(module):
+            if is_public(fn):
+                self._instantiate(fn, "", None)
+        for inst_id, inst in enumerate(self.instances):
+            self._op_nodes(inst_id, inst)
+        for inst_id, inst in enumerate(self.instances):
+            self._links(inst_id, inst)
+
+    def _instantiate(self, fn: Any, prefix: str, parent: tuple[int, int] | None) -> int:
+        inst_id = len(self.instances)
+        if len(self.instances) > 100_000:
+            raise RecursionError("hlo-amp-propagate: call graph too deep or recursive")
+        inst = _Instance(fn, prefix, body_ops(fn), parent)
+        self.instances.append(inst)
+        for index, op in enumerate(inst.ops):
+            if is_call(op) and callee_name(op) in self.by_name:
+                callee = self.by_name[callee_name(op)]
+                if is_public(callee):
+                    continue  # a public callee keeps its signature: a boundary
+                child_prefix = call_prefix(join_names(prefix, location_name(op.location)))
+                inst.calls[index] = self._instantiate(callee, child_prefix, (inst_id, index))
+        return inst_id
+
+    def _add(self, node: _Node) -> _Node:
+        self.nodes.append(node)
+        for key in node.outputs:
+            self.producer[key] = node
+        return node
+
+    def _op_nodes(self, inst_id: int, inst: _Instance) -> None:
+        compute = self.policy.compute_dtype
+        for index, op in enumerate(inst.ops):
+            name = op.operation.name
+            if name in _NOT_VALUES:
+                continue
+            outputs = [(inst_id, v) for v in op.results]
+            inputs = [(inst_id, v) for v in op.operands]
+            if name in _MATRIX:
+                low_operands = [v for v in list(op.operands)[:2]
+                                if _element(v) == self.low]
+                is_allow = (len(low_operands) == 2 and op.results
+                            and _is_f32(op.results[0]))
+                node = _Node(ALLOW if is_allow else DENY, inst_id, index, short_name(name),
+                             inputs=inputs, outputs=outputs,
+                             reason="" if is_allow else "matrix op not in 16 bit")
+                self.op_node[(inst_id, index)] = self._add(node)
+                continue
+            cls = op_class(op, compute)
+            node = _Node(cls, inst_id, index, short_name(name), inputs=inputs,
+                         outputs=outputs)
+            if cls in (INFER, CLEAR):
+                if not _types_ok(op):
+                    node.cls, node.reason = DENY, "not an f32 op"
+                else:
+                    override = self._policy_class(op, inst.prefix, node.kind)
+                    if override is not None:
+                        node.cls, node.reason = override
+            elif cls != ALLOW:
+                override = self._policy_class(op, inst.prefix, node.kind)
+                if override is not None and override[0] in (INFER, CLEAR) and _types_ok(op):
+                    node.cls, node.reason = override
+                else:
+                    node.reason = "deny class" if cls == DENY else "not in the op table"
+            self.op_node[(inst_id, index)] = self._add(node)
+
+    def _policy_class(self, op: Any, prefix: str, kind: str) -> tuple[str, str] | None:
+        """(class, reason) when a rule overrides the table for this op, else None."""
+        key = (prefix, str(op.location), kind)
+        decided = self._decided.get(key)
+        if decided is None:
+            site = site_of(op.location, kind, prefix)
+            rule = self.policy.decide(site.scope, kind, site.backward)
+            decided = self._decided[key] = (rule.action, rule.rule)
+        action, rule = decided
+        if action is None:
+            return None
+        self.rules_used.add(rule)
+        if action in (COMPUTE, self.policy.compute_dtype):
+            if rule.startswith("op:"):
+                return INFER, ""  # the user moved this kind into the paintable classes
+            return None  # a scope that computes in 16 bit: the table decides
+        return DENY, f"rule {rule}"  # keep, float32 or another dtype: stays as written
+
+    def _links(self, inst_id: int, inst: _Instance) -> None:
+        for index, op in enumerate(inst.ops):
+            name = op.operation.name
+            if name == "stablehlo.while":
+                self._while_links(inst_id, index, op)
+            elif name in ("stablehlo.case", "stablehlo.if"):
+                self._branch_links(inst_id, index, op)
+            elif index in inst.calls:
+                self._call_links(inst_id, index, op, inst.calls[index])
+
+    def _link(self, inst_id: int, index: int, kind: str, slot: int,
+              inputs: list[tuple[Any, tuple[int, ir.Value], int]],
+              outputs: list[tuple[int, ir.Value]]) -> None:
+        """A link node; ``inputs`` are (consuming op, value key, operand number)."""
+        node = _Node(LINK, inst_id, index, kind, slot,
+                     inputs=[key for _, key, _ in inputs], outputs=outputs)
+        values = [key[1] for key in node.inputs] + [key[1] for key in outputs]
+        if not all(isinstance(v.type, ir.RankedTensorType) and _is_f32(v) for v in values):
+            node.reason = "not an f32 value"
+        self._add(node)
+        for consumer, key, number in inputs:
+            self.link_use[(key[0], consumer.operation)][number] = node
+
+    def _while_links(self, inst_id: int, index: int, op: Any) -> None:
+        cond, body = (first_block(region) for region in op.operation.regions)
+        body_return = list(body.operations)[-1]
+        for slot in range(len(op.operands)):
+            self._link(inst_id, index, "while", slot,
+                       [(op, (inst_id, op.operands[slot]), slot),
+                        (body_return, (inst_id, body_return.operands[slot]), slot)],
+                       [(inst_id, body.arguments[slot]), (inst_id, cond.arguments[slot]),
+                        (inst_id, op.results[slot])])
+
+    def _branch_links(self, inst_id: int, index: int, op: Any) -> None:
+        returns = [list(first_block(region).operations)[-1]
+                   for region in op.operation.regions]
+        for slot in range(len(op.results)):
+            self._link(inst_id, index, "case", slot,
+                       [(ret, (inst_id, ret.operands[slot]), slot) for ret in returns],
+                       [(inst_id, op.results[slot])])
+
+    def _call_links(self, inst_id: int, index: int, op: Any, child: int) -> None:
+        callee = self.instances[child].fn
+        entry = first_block(callee.regions[0])
+        for slot, argument in enumerate(entry.arguments):
+            self._link(inst_id, index, "arg", slot,
+                       [(op, (inst_id, op.operands[slot]), slot)], [(child, argument)])
+        returns = [o for o in self.instances[child].ops if o.operation.name == "func.return"]
+        for slot in range(len(op.results)):
+            self._link(inst_id, index, "result", slot,
+                       [(ret, (child, ret.operands[slot]), slot) for ret in returns],
+                       [(inst_id, op.results[slot])])
+
+    # ---- solving --------------------------------------------------------------------
+
+    def consumers(self, key: tuple[int, ir.Value]) -> list[_Node | str]:
+        """The nodes reading a value; SINK for converts to the compute dtype; DENY for
+        anything that must see f32 (deny ops, other converts, a public return)."""
+        inst_id, value = key
+        found: list[_Node | str] = []
+        for use in value.uses:
+            owner = use.owner
+            link = self.link_use.get((inst_id, owner.operation), {}).get(use.operand_number)
+            if link is not None:
+                found.append(link)
+                continue
+            if owner.operation.name == "stablehlo.convert":
+                is_sink = element_type(owner.result) == self.low and _is_f32(value)
+                found.append(SINK if is_sink else DENY)
+                continue
+            node = self._node_of(inst_id, owner)
+            found.append(node if node is not None else DENY)
+        return found
+
+    def _node_of(self, inst_id: int, op: Any) -> _Node | None:
+        index = self._index_of(inst_id).get(op.operation)
+        return None if index is None else self.op_node.get((inst_id, index))
+
+    def _index_of(self, inst_id: int) -> dict[Any, int]:
+        cache = self.__dict__.setdefault("_index_cache", {})
+        if inst_id not in cache:
+            cache[inst_id] = {op.operation: i for i, op in enumerate(self.instances[inst_id].ops)}
+        return cache[inst_id]
+
+    def solve(self) -> None:
+        readers: dict[int, list[list[_Node | str]]] = {}
+        for node in self.nodes:
+            readers[id(node)] = [self.consumers(key) for key in node.outputs
+                                 if _is_f32(key[1])]
+            denied = any(c == DENY or (isinstance(c, _Node) and c.cls not in
+                                       (INFER, CLEAR, LINK, ALLOW))
+                         for group in readers[id(node)] for c in group)
+            node.pinned = denied
+            if node.cls in (INFER, CLEAR, LINK) and not node.reason:
+                node.eligible = not denied
+                if denied:
+                    node.reason = "feeds a deny op"
+        # Forward: reachable from an allow op through eligible nodes.
+        pending = [n for n in self.nodes if n.cls == ALLOW and not n.pinned]
+        while pending:
+            node = pending.pop()
+            for group in readers[id(node)]:
+                for reader in group:
+                    if isinstance(reader, _Node) and reader.eligible and not reader.fwd:
+                        reader.fwd = True
+                        pending.append(reader)
+        # Backward: reaches a sink through eligible nodes.
+        pending = []
+        for node in self.nodes:
+            if node.eligible and any(SINK in group for group in readers[id(node)]):
+                node.bwd = True
+                pending.append(node)
+        while pending:
+            node = pending.pop()
+            for key in node.inputs:
+                producer = self.producer.get(key)
+                if producer is not None and producer.eligible and not producer.bwd:
+                    producer.bwd = True
+                    pending.append(producer)
+        for node in self.nodes:
+            if node.eligible and node.fwd and node.bwd and readers[id(node)]:
+                node.painted = True
+            elif node.eligible and not node.reason:
+                node.reason = "not between 16-bit ops"
+        for node in self.nodes:  # allow ops: a 16-bit result where a region reads it
+            if node.cls == ALLOW and not node.pinned:
+                node.painted = any(r == SINK or (isinstance(r, _Node) and r.painted)
+                                   for group in readers[id(node)] for r in group)
+        for node in self.nodes:  # compares (no float result) of 16-bit values
+            if node.eligible and not node.painted and not readers[id(node)]:
+                floats = [key for key in node.inputs if _is_f32(key[1])]
+                if (any(self.is_low(key) for key in floats)
+                        and all(self.is_low(key) or self._constant(key) for key in floats)):
+                    node.painted, node.reason = True, ""
+        # Data movement read only by painted ops moves in 16 bit too, so the convert
+        # lands on its (smaller) input: a bias before its broadcast, not after.
+        for node in reversed(self.nodes):
+            groups = readers[id(node)]
+            if (node.cls == CLEAR and node.eligible and not node.painted and groups
+                    and all(r == SINK or (isinstance(r, _Node) and r.painted)
+                            for group in groups for r in group)):
+                node.painted = True
+        for node in self.nodes:
+            if node.painted:
+                node.reason = ""
+
+    def _constant(self, key: tuple[int, ir.Value], depth: int = 0) -> bool:
+        """A constant, possibly broadcast or reshaped: rounding it is exact enough."""
+        value = key[1]
+        if isinstance(value, ir.BlockArgument) or depth > 4:
+            return False
+        owner = value.owner
+        name = owner.name
+        if name == "stablehlo.constant":
+            return True
+        if name in ("stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
+            return self._constant((key[0], owner.operands[0]), depth + 1)
+        return False
+
+    def is_low(self, key: tuple[int, ir.Value]) -> bool:
+        producer = self.producer.get(key)
+        return producer is not None and producer.painted
+
+    # ---- reporting ------------------------------------------------------------------
+
+    def counts(self) -> dict[str, dict[str, Any]]:
+        """Per op kind: painted, and why the rest stayed f32 (one count per instance)."""
+        table: dict[str, dict[str, Any]] = {}
+        for node in self.nodes:
+            if node.cls == LINK:
+                continue
+            op = self.instances[node.inst].ops[node.index]
+            if not any(_is_f32(v) for v in list(op.operands) + list(op.results)):
+                continue
+            row = table.setdefault(node.kind, {"painted": 0, "f32": {}})
+            if node.painted:
+                row["painted"] += 1
+            else:
+                reason = node.reason or ("matrix result read by f32 ops"
+                                         if node.cls == ALLOW else "not between 16-bit ops")
+                row["f32"][reason] = row["f32"].get(reason, 0) + 1
+        return dict(sorted(table.items()))
+
+
+class _Rewriter:
+    """Apply a painting: clone private functions per painting, retype, insert converts."""
+
+    def __init__(self, graph: _Graph, low: ir.Type, result_in_16bit: bool) -> None:
+        self.graph = graph
+        self.low = low
+        self.result_in_16bit = result_in_16bit
+        self.retyped: dict[ir.Value, ir.Type] = {}  # value -> its type before the pass
+        self._current: dict[str, set] = {}  # the facts of the instance being rewritten
+        self.facts: dict[int, dict[str, set]] = defaultdict(
+            lambda: {key: set() for key in ("painted", "carries", "args", "results",
+                                            "allow")})
+
+    def rewrite(self, module: ir.Module) -> int:
+        """Rewrite every instance; returns how many functions were cloned."""
+        graph = self.graph
+        for node in graph.nodes:
+            if not node.painted:
+                continue
+            facts = self.facts[node.inst]
+            if node.cls == ALLOW:
+                facts["allow"].add(node.index)
+            elif node.cls != LINK:
+                facts["painted"].add(node.index)
+            elif node.kind in ("while", "case"):
+                facts["carries"].add((node.index, node.slot))
+            else:  # call argument or result: a fact about the callee's signature
+                child = graph.instances[node.inst].calls[node.index]
+                self.facts[child]["args" if node.kind == "arg" else "results"].add(node.slot)
+        # Signatures bottom-up: children were instantiated after their parents.
+        for inst_id in reversed(range(len(graph.instances))):
+            inst = graph.instances[inst_id]
+            facts = self.facts[inst_id]
+            own = tuple(tuple(sorted(facts[key])) for key in
+                        ("painted", "carries", "args", "results", "allow"))
+            children = tuple(graph.instances[c].signature for _, c in sorted(inst.calls.items()))
+            inst.signature = (own, children)
+        # One function per (function, signature): the first keeps the name, the others
+        # are cloned from pristine bodies before anything is rewritten.
+        targets: dict[tuple[str, tuple], Any] = {}
+        taken: set[str] = set()
+        chosen: list[Any] = []
+        for inst in graph.instances:
+            name = function_name(inst.fn)
+            key = (name, inst.signature)
+            if key not in targets:
+                targets[key] = inst.fn if name not in taken else self._clone(inst.fn)
+                taken.add(name)
+            chosen.append(targets[key])
+        clones = len(targets) - len(taken)
+        done: set[Any] = set()
+        for inst_id, inst in enumerate(graph.instances):
+            fn = chosen[inst_id]
+            if fn.operation in done:
+                continue
+            done.add(fn.operation)
+            ops = inst.ops if fn is inst.fn else body_ops(fn)
+            for index, child in inst.calls.items():
+                ops[index].attributes["callee"] = ir.FlatSymbolRefAttr.get(
+                    function_name(chosen[child]), context=fn.context)
+            self._apply(fn, ops, inst_id)
+        return clones
+
+    def _clone(self, fn: Any) -> Any:
+        by_name = self.graph.by_name
+        original = function_name(fn)
+        number = 0
+        while f"{original}_mixed{number}" in by_name:
+            number += 1
+        name = f"{original}_mixed{number}"
+        with ir.InsertionPoint.after(fn):
+            clone = fn.operation.clone()
+        clone.attributes["sym_name"] = ir.StringAttr.get(name, context=clone.context)
+        clone.attributes["sym_visibility"] = ir.StringAttr.get("private", context=clone.context)
+        by_name[name] = clone.opview
+        return clone.opview
+
+    def _retype(self, value: ir.Value) -> None:
+        if value in self.retyped or not _is_f32(value):
+            return
+        self.retyped[value] = value.type
+        value.set_type(with_element(value.type, self.low))
+
+    def _apply(self, fn: Any, ops: list[Any], inst_id: int) -> None:
+        inst = self.graph.instances[inst_id]
+        facts = self._current = self.facts[inst_id]
+        entry = first_block(fn.regions[0])
+        # 1. Retype what is 16-bit now.
+        for index in facts["painted"]:
+            op = ops[index]
+            for result in op.results:
+                self._retype(result)
+            for region in op.operation.regions:  # reduce bodies: a scalar max/min
+                for block in region.blocks:
+                    for argument in block.arguments:
+                        self._retype(argument)
+                    for inner in block.operations:
+                        for result in inner.results:
+                            self._retype(result)
+        if self.result_in_16bit:
+            for index in facts["allow"]:
+                self._retype(ops[index].results[0])
+        for index, slot in facts["carries"]:
+            op = ops[index]
+            self._retype(op.results[slot])
+            if op.operation.name == "stablehlo.while":
+                for region in op.operation.regions:
+                    self._retype(first_block(region).arguments[slot])
+        for slot in facts["args"]:
+            self._retype(entry.arguments[slot])
+        for index, child in inst.calls.items():
+            for slot in self.facts[child]["results"]:
+                self._retype(ops[index].results[slot])
+        # 2. Converts on the boundaries: each operand gets the type its reader needs.
+        owners = self._terminator_owners(ops)
+        shared: dict[tuple[Any, ir.Value, str], ir.Value] = {}
+        for index, op in enumerate(ops):
+            if op.operation.name == "stablehlo.convert":
+                continue
+            for number, value in enumerate(op.operands):
+                original = self.retyped.get(value, value.type)
+                low = (with_element(original, self.low) if isinstance(
+                    original, ir.RankedTensorType) and isinstance(
+                    ir.RankedTensorType(original).element_type, ir.F32Type) else original)
+                wants_low = self._wants_low(index, op, number, inst, owners)
+                if wants_low is None:
+                    continue
+                want = low if wants_low else original
+                if want != value.type:
+                    op.operands[number] = self._convert(op, value, want, shared)
+        for op in ops:  # the matrix ops' operand converts whose input is 16-bit now
+            if op.operation.name == "stablehlo.convert" and op.operand.type == op.result.type:
+                op.result.replace_all_uses_with(op.operand)
+                op.operation.erase()
+        if facts["args"] or facts["results"]:
+            old = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
+            results = [with_element(t, self.low) if slot in facts["results"] else t
+                       for slot, t in enumerate(old.results)]
+            fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+                [a.type for a in entry.arguments], results, context=fn.context))
+
+    @staticmethod
+    def _terminator_owners(ops: list[Any]) -> dict[Any, tuple[str, int]]:
+        """Each while-body / branch terminator -> ("carry", owner index)."""
+        owners: dict[Any, tuple[str, int]] = {}
+        for index, op in enumerate(ops):
+            name = op.operation.name
+            regions = list(op.operation.regions)
+            if name == "stablehlo.while":
+                body = first_block(regions[1])
+                owners[list(body.operations)[-1].operation] = ("carry", index)
+                cond = first_block(regions[0])
+                owners[list(cond.operations)[-1].operation] = ("cond", index)
+            elif name in ("stablehlo.case", "stablehlo.if"):
+                for region in regions:
+                    terminator = list(first_block(region).operations)[-1]
+                    owners[terminator.operation] = ("carry", index)
+        return owners
+
+    def _wants_low(self, index: int, op: Any, number: int, inst: _Instance,
+                   owners: dict[Any, tuple[str, int]]) -> bool | None:
+        """Whether operand ``number`` of ``op`` must be 16-bit (None: leave it)."""
+        name = op.operation.name
+        mine = self._current
+        if index in mine["painted"]:
+            return True
+        if name == "stablehlo.while":
+            return (index, number) in mine["carries"]
+        if name == "stablehlo.return":
+            owner = owners.get(op.operation)
+            if owner is None or owner[0] == "cond":
+                return None
+            return (owner[1], number) in mine["carries"]
+        if name == "func.return":
+            return number in mine["results"]
+        if index in inst.calls:
+            return number in self.facts[inst.calls[index]]["args"]
+        return False
+
+    def _convert(self, consumer: Any, value: ir.Value, want: ir.Type,
+                 shared: dict[tuple[Any, ir.Value, str], ir.Value]) -> ir.Value:
+        block = consumer.operation.block
+        key = (block, value, str(want))
+        converted = shared.get(key)
+        if converted is None:
+            with consumer.location, ir.InsertionPoint(consumer):
+                converted = hlo.convert(want, value)
+            shared[key] = converted
+        return converted
+
+
+def intermediate_bytes(module: ir.Module) -> dict[str, tuple[int, int]]:
+    """Per function: (bytes, 16-bit-or-narrower bytes) of the float values its ops make.
+
+    Converts, constants and control-flow results are left out: they hold no new
+    activation. Dynamic shapes count as zero.
+    """
+    table: dict[str, tuple[int, int]] = {}
+    for fn in functions(module):
+        total = low = 0
+        for op in body_ops(fn):
+            if op.operation.name in _NOT_VALUES:
+                continue
+            for result in op.results:
+                if not _is_float(result) or not ir.RankedTensorType(result.type).has_static_shape:
+                    continue
+                ranked = ir.RankedTensorType(result.type)
+                width = ir.FloatType(ranked.element_type).width
+                size = 1
+                for extent in ranked.shape:
+                    size *= extent
+                total += size * width // 8
+                if width <= 16:
+                    low += size * width // 8
+        table[function_name(fn)] = (total, low)
+    return table
+
+
+def _bytes_table(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]
+                 ) -> list[dict[str, Any]]:
+    rows = []
+    for name, (total, low) in after.items():
+        old_total, old_low = before.get(name, before.get(name.rsplit("_mixed", 1)[0], (0, 0)))
+        rows.append({"function": name, "bytes_before": old_total, "low_bytes_before": old_low,
+                     "bytes_after": total, "low_bytes_after": low})
+    return rows
+
+
