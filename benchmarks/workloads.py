@@ -1,4 +1,4 @@
-"""Benchmark workloads: train steps on random data, built four ways from one definition.
+"""Benchmark workloads: train steps on random data, built several ways from one definition.
 
 A `Workload` builds a Flax NNX model at a given computation dtype (params always f32),
 random inputs with a fixed seed, and an adam train step that is a pure function of
@@ -8,7 +8,14 @@ arrays. `variant_step` turns it into the step each benchmark variant runs:
 * ``flax bf16``    — the model written with ``dtype=jnp.bfloat16, param_dtype=jnp.float32``;
 * ``jmp bf16``     — the model at inferred dtype; params and inputs cast to bf16 at the
   boundary with ``jmp.get_policy('params=float32,compute=bfloat16,output=float32')``;
-* ``hlo_amp bf16`` — the f32 step, unchanged, through ``hlo_amp.compile(step, "bf16")``.
+* ``hlo_amp bf16`` — the f32 step, unchanged, through ``hlo_amp.compile(step, "bf16")``
+  (``only_if_faster`` and ``mixed_bfloat16``: the same step with those policies);
+* ``Keras mixed_bfloat16`` — the same model written with Keras 3 layers on the JAX
+  backend, every layer at ``dtype="mixed_bfloat16"``, trained through
+  ``model.stateless_call`` in a ``jax.jit``-ed step with the same optax adam
+  (keras is optional: ``pip install -e '.[bench]'``);
+* ``f32 + XLA bf16 dot algorithm`` (GPU only) — the f32 step compiled with
+  ``xla_gpu_default_to_alg_dot_bf16_bf16_f32``: XLA runs its f32 dots as bf16×bf16→f32.
 
 ``python -m benchmarks.workloads stress --layers 24`` lowers and rewrites a deep
 transformer train step in a fresh process and prints JSON (pass time, op count, peak RSS).
@@ -17,7 +24,9 @@ transformer train step in a fresh process and prints JSON (pass time, op count, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import re
 import resource
 import sys
@@ -45,6 +54,7 @@ class Workload:
     input_shape: tuple[int, ...]
     classes: int
     description: str
+    keras_build: Callable[[str], Any] | None = None  # Keras dtype policy name -> keras.Model
 
     def model(self, dtype: Any) -> tuple[Any, Any]:
         return nnx.split(self.build(dtype), nnx.Param)
@@ -72,7 +82,9 @@ def workloads(quick: bool) -> list[Workload]:
             lambda dt: MLP(features=mlp["features"], width=mlp["width"], depth=mlp["depth"],
                            classes=10, dtype=dt, rngs=nnx.Rngs(0)),
             (mlp["batch"], mlp["features"]), 10,
-            f"MLP {mlp['features']}→{mlp['depth']}×{mlp['width']}→10, batch {mlp['batch']}"),
+            f"MLP {mlp['features']}→{mlp['depth']}×{mlp['width']}→10, batch {mlp['batch']}",
+            lambda pol: keras_mlp(features=mlp["features"], width=mlp["width"],
+                                  depth=mlp["depth"], classes=10, policy=pol)),
         Workload(
             "vit",
             lambda dt: ViT(image_size=32, channels=3, patch=4, dim=vit["dim"], depth=vit["depth"],
@@ -80,13 +92,18 @@ def workloads(quick: bool) -> list[Workload]:
                            rngs=nnx.Rngs(0)),
             (vit["batch"], 32, 32, 3), 10,
             f"ViT embed {vit['dim']}, MLP {vit['mlp_dim']}, {vit['depth']} layers, "
-            f"{vit['heads']} heads, patch 4, 32×32×3, batch {vit['batch']}"),
+            f"{vit['heads']} heads, patch 4, 32×32×3, batch {vit['batch']}",
+            lambda pol: keras_vit(image_size=32, channels=3, patch=4, dim=vit["dim"],
+                                  depth=vit["depth"], heads=vit["heads"],
+                                  mlp_dim=vit["mlp_dim"], classes=10, policy=pol)),
         Workload(
             "cnn",
             lambda dt: CNN(channels=3, image_size=32, widths=cnn["widths"], classes=10,
                            dtype=dt, rngs=nnx.Rngs(0)),
             (cnn["batch"], 32, 32, 3), 10,
-            f"CNN 3×conv3×3 {cnn['widths']} + avg-pool, 32×32×3, batch {cnn['batch']}"),
+            f"CNN 3×conv3×3 {cnn['widths']} + avg-pool, 32×32×3, batch {cnn['batch']}",
+            lambda pol: keras_cnn(channels=3, image_size=32, widths=cnn["widths"], classes=10,
+                                  policy=pol)),
     ]
 
 
@@ -113,16 +130,27 @@ def make_step(graphdef: Any, tx: optax.GradientTransformation,
 
 
 VARIANTS = ("f32", "flax bf16", "jmp bf16", "hlo_amp bf16", "hlo_amp bf16 only_if_faster",
-            "jaxamp")
+            "hlo_amp mixed_bfloat16", "Keras mixed_bfloat16", "jaxamp")
+# Only on GPU: the f32 step, XLA told to run f32 dots with the bf16×bf16→f32 algorithm.
+GPU_VARIANTS = ("f32 + XLA bf16 dot algorithm",)
 # The policy each hlo_amp variant compiles with.
 HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16",
-                    "hlo_amp bf16 only_if_faster": "bf16,only_if_faster=true"}
+                    "hlo_amp bf16 only_if_faster": "bf16,only_if_faster=true",
+                    "hlo_amp mixed_bfloat16": "mixed_bfloat16"}
+# XLA compile options of the variants that are the f32 step compiled differently.
+XLA_OPTIONS = {"f32 + XLA bf16 dot algorithm": {"xla_gpu_default_to_alg_dot_bf16_bf16_f32": True}}
+KERAS_POLICY = {"Keras mixed_bfloat16": "mixed_bfloat16"}
+
+
+def variants(device: str) -> tuple[str, ...]:
+    """The variants benchmarked on ``device`` (``cpu`` or ``gpu``)."""
+    return VARIANTS + GPU_VARIANTS if device == "gpu" else VARIANTS
 
 
 def variant_step(workload: Workload, variant: str) -> tuple[Callable, Any, Any]:
     """(step, params, opt_state) for one variant; raises ImportError if it is unavailable."""
     tx = optax.adam(1e-4)
-    if variant == "f32" or variant in HLO_AMP_POLICIES:
+    if variant == "f32" or variant in HLO_AMP_POLICIES or variant in XLA_OPTIONS:
         graphdef, params = workload.model(jnp.float32)
         step = make_step(graphdef, tx)
     elif variant == "flax bf16":
@@ -135,13 +163,175 @@ def variant_step(workload: Workload, variant: str) -> tuple[Callable, Any, Any]:
         graphdef, params = workload.model(None)
         step = make_step(graphdef, tx, cast=lambda p, x: policy.cast_to_compute((p, x)),
                          out_cast=policy.cast_to_output)
+    elif variant in KERAS_POLICY:
+        if workload.keras_build is None:
+            raise ImportError(f"no Keras definition of the {workload.name} workload")
+        model = workload.keras_build(KERAS_POLICY[variant])
+        step = make_keras_step(model, tx)
+        params = ([v.value for v in model.trainable_variables],
+                  [v.value for v in model.non_trainable_variables])
+        return step, params, tx.init(params[0])
     elif variant == "jaxamp":
         import jaxamp  # noqa: F401  (not installed in this environment)
 
         raise ImportError("jaxamp variant not wired up")
     else:
-        raise ValueError(f"unknown variant {variant!r}; accepted: {', '.join(VARIANTS)}")
+        raise ValueError(f"unknown variant {variant!r}; accepted: "
+                         f"{', '.join(VARIANTS + GPU_VARIANTS)}")
     return step, params, tx.init(params)
+
+
+# ---- Keras 3 (JAX backend) definitions of the same models ------------------------------------
+
+
+def make_keras_step(model: Any, tx: optax.GradientTransformation) -> Callable:
+    """Adam train step ((trainable, non_trainable), opt_state, x, y) -> (params, opt_state, loss).
+
+    The model runs through ``model.stateless_call``; adam sees the list of trainable values.
+    """
+
+    def loss_fn(trainable: list, non_trainable: list, x: jax.Array, y: jax.Array
+                ) -> tuple[jax.Array, list]:
+        logits, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+        logits = logits.astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, non_trainable
+
+    def step(params: Any, opt_state: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any, Any]:
+        trainable, non_trainable = params
+        (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            trainable, non_trainable, x, y)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return (optax.apply_updates(trainable, updates), non_trainable), opt_state, loss
+
+    return step
+
+
+@functools.cache
+def _keras() -> Any:
+    """Import Keras 3 on the JAX backend (ImportError if missing or on another backend)."""
+    os.environ["KERAS_BACKEND"] = "jax"
+    import keras
+
+    if keras.backend.backend() != "jax":
+        raise ImportError(f"keras was imported with backend {keras.backend.backend()!r}, not jax")
+    return keras
+
+
+@functools.cache
+def _keras_layers() -> tuple[type, type, type]:
+    """The custom Keras layers the ViT needs: attention, cls token + positions, cls pick."""
+    keras = _keras()
+    ops = keras.ops
+
+    class Attention(keras.layers.Layer):
+        """Multi-head self-attention like `examples.models.Attention`: fused qkv, f32 softmax."""
+
+        def __init__(self, dim: int, heads: int, **kwargs: Any):
+            super().__init__(**kwargs)
+            if dim % heads:
+                raise ValueError(f"embed dim {dim} is not divisible by {heads} heads")
+            self.dim, self.heads = dim, heads
+            self.qkv = keras.layers.Dense(3 * dim, kernel_initializer="lecun_normal",
+                                          dtype=self.dtype_policy, name="qkv")
+            self.out = keras.layers.Dense(dim, kernel_initializer="lecun_normal",
+                                          dtype=self.dtype_policy, name="out")
+
+        def build(self, input_shape: tuple) -> None:
+            self.qkv.build(input_shape)
+            self.out.build(input_shape)
+
+        def call(self, x: Any) -> Any:
+            t, d, h = x.shape[1], self.dim, self.heads
+            qkv = ops.reshape(self.qkv(x), (-1, t, 3, h, d // h))
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            scores = ops.einsum("bqhd,bkhd->bhqk", q, k) / ops.cast((d // h) ** 0.5, q.dtype)
+            weights = ops.cast(ops.softmax(ops.cast(scores, "float32"), axis=-1), v.dtype)
+            y = ops.reshape(ops.einsum("bhqk,bkhd->bqhd", weights, v), (-1, t, d))
+            return self.out(y)
+
+    class ClsAndPositions(keras.layers.Layer):
+        """Prepend a learned cls token and add learned positions (init normal(0.02))."""
+
+        def build(self, input_shape: tuple) -> None:
+            tokens, dim = input_shape[1] + 1, input_shape[2]
+            init = keras.initializers.RandomNormal(stddev=0.02)
+            self.cls = self.add_weight(shape=(1, 1, dim), initializer=init, name="cls")
+            self.pos = self.add_weight(shape=(1, tokens, dim), initializer=init, name="pos")
+
+        def call(self, x: Any) -> Any:
+            cls = ops.broadcast_to(ops.cast(self.cls, x.dtype), (ops.shape(x)[0], 1, x.shape[2]))
+            return ops.concatenate([cls, x], axis=1) + ops.cast(self.pos, x.dtype)
+
+    class ClsToken(keras.layers.Layer):
+        """The first token: what the classifier head reads."""
+
+        def call(self, x: Any) -> Any:
+            return x[:, 0]
+
+    return Attention, ClsAndPositions, ClsToken
+
+
+def _gelu(x: Any) -> Any:
+    return _keras().ops.gelu(x, approximate=True)  # jax.nn.gelu's default, as in the Flax models
+
+
+def keras_mlp(*, features: int, width: int, depth: int, classes: int, policy: str) -> Any:
+    """`examples.models.MLP` in Keras: `depth` Dense(width) + GELU layers, Dense head."""
+    keras = _keras()
+    inputs = keras.Input((features,))
+    x = inputs
+    for i in range(depth):
+        x = keras.layers.Dense(width, activation=_gelu, kernel_initializer="lecun_normal",
+                               dtype=policy, name=f"layer_{i}")(x)
+    out = keras.layers.Dense(classes, kernel_initializer="lecun_normal", dtype=policy,
+                             name="head")(x)
+    return keras.Model(inputs, out, name="mlp")
+
+
+def keras_vit(*, image_size: int, channels: int, patch: int, dim: int, depth: int, heads: int,
+              mlp_dim: int, classes: int, policy: str) -> Any:
+    """`examples.models.ViT` (no dropout, as the benchmark runs it) in Keras."""
+    keras = _keras()
+    layers = keras.layers
+    attention, cls_and_positions, cls_token = _keras_layers()
+    if image_size % patch:
+        raise ValueError(f"image size {image_size} is not a multiple of patch {patch}")
+    inputs = keras.Input((image_size, image_size, channels))
+    x = layers.Conv2D(dim, patch, strides=patch, padding="valid",
+                      kernel_initializer="lecun_normal", dtype=policy, name="patch_embed")(inputs)
+    x = layers.Reshape(((image_size // patch) ** 2, dim), dtype=policy)(x)
+    x = cls_and_positions(dtype=policy, name="cls_pos")(x)
+    for i in range(depth):
+        y = layers.LayerNormalization(epsilon=1e-6, dtype=policy, name=f"block_{i}_ln1")(x)
+        y = attention(dim, heads, dtype=policy, name=f"block_{i}_attn")(y)
+        x = layers.Add(dtype=policy)([x, y])
+        y = layers.LayerNormalization(epsilon=1e-6, dtype=policy, name=f"block_{i}_ln2")(x)
+        y = layers.Dense(mlp_dim, activation=_gelu, kernel_initializer="lecun_normal",
+                         dtype=policy, name=f"block_{i}_fc1")(y)
+        y = layers.Dense(dim, kernel_initializer="lecun_normal", dtype=policy,
+                         name=f"block_{i}_fc2")(y)
+        x = layers.Add(dtype=policy)([x, y])
+    x = layers.LayerNormalization(epsilon=1e-6, dtype=policy, name="norm")(x)
+    x = cls_token(dtype=policy)(x)
+    out = layers.Dense(classes, kernel_initializer="lecun_normal", dtype=policy, name="head")(x)
+    return keras.Model(inputs, out, name="vit")
+
+
+def keras_cnn(*, channels: int, image_size: int, widths: tuple[int, ...], classes: int,
+              policy: str) -> Any:
+    """`examples.models.CNN` in Keras: 3×3 conv + ReLU + 2×2 average-pool stages, Dense head."""
+    keras = _keras()
+    layers = keras.layers
+    inputs = keras.Input((image_size, image_size, channels))
+    x = inputs
+    for i, width in enumerate(widths):
+        x = layers.Conv2D(width, 3, padding="same", activation="relu",
+                          kernel_initializer="lecun_normal", dtype=policy, name=f"conv_{i}")(x)
+        x = layers.AveragePooling2D(2, strides=2, dtype=policy)(x)
+    x = layers.Flatten(dtype=policy)(x)
+    out = layers.Dense(classes, kernel_initializer="lecun_normal", dtype=policy, name="head")(x)
+    return keras.Model(inputs, out, name="cnn")
 
 
 # ---- the deep-transformer stress: lower + rewrite only -------------------------------------

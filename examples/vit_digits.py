@@ -1,4 +1,4 @@
-"""Train a small Vision Transformer on scikit-learn's 8×8 digits three ways and compare.
+"""Train a small Vision Transformer on scikit-learn's 8×8 digits four ways and compare.
 
     python examples/vit_digits.py [--steps 1000] [--batch 64] [--lr 1e-3] [--out out]
 
@@ -8,11 +8,16 @@ The same model, seed, data order and step count are trained with
 * ``hlo_amp bf16`` — ``hlo_amp.compile(step, "bf16")``: the train step's matmuls are
   rewritten to bf16 with f32 accumulation, no model code changes;
 * ``hlo_amp f16``  — ``hlo_amp.compile(step, "f16")`` with the dynamic loss scaler; a
-  step with non-finite gradients is skipped (``select_tree``).
+  step with non-finite gradients is skipped (``select_tree``);
+* ``hlo_amp mixed_bfloat16`` — ``hlo_amp.compile(step, "mixed_bfloat16")``: bf16 matmuls
+  and the activations between them kept in bf16;
+* ``hlo_amp mixed_float16`` (``--variants ...,mixed_f16``, not in the default) —
+  ``hlo_amp.compile(step, "mixed_float16")`` with the loss scaler, like ``f16``.
 
 It prints one table (test accuracy, final loss, step time, XLA temp memory, pass and
 compile time) and writes the bf16 step's rewritten StableHLO, its report and a plot of
-the loss curves under ``--out``.
+the loss curves under ``--out``. ``run_variant("mixed_bf16", steps=1000)`` trains one
+variant from Python (a test) and returns its test accuracy.
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ from hlo_amp.runtime.scaler import (
     select_tree,
 )
 
+# Variant name (``--variants``) -> hlo_amp policy; ``f32`` is plain ``jax.jit``.
+POLICIES = {"bf16": "bf16", "f16": "f16", "mixed_bf16": "mixed_bfloat16",
+            "mixed_f16": "mixed_float16"}
+LABELS = {"f32": "f32", "bf16": "hlo_amp bf16", "f16": "hlo_amp f16",
+          "mixed_bf16": "hlo_amp mixed_bfloat16", "mixed_f16": "hlo_amp mixed_float16"}
+SCALED = frozenset({"f16", "mixed_f16"})  # trained with the dynamic loss scaler
+DEFAULT_VARIANTS = ("f32", "bf16", "f16", "mixed_bf16")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -63,8 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=250, help="progress line every N steps")
     p.add_argument("--out", type=Path, default=Path("out"), help="where artefacts go")
-    p.add_argument("--variants", default="f32,bf16,f16",
-                   help="comma-separated subset of f32,bf16,f16")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated subset of {','.join(LABELS)}")
     return p.parse_args(argv)
 
 
@@ -139,6 +152,7 @@ class Run:
     compile_seconds: float = 0.0
     skipped: int = 0
     error: str | None = None
+    report: Any = None  # hlo_amp variants: the pass's report after XLA compiled the step
 
 
 def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray) -> tuple[Run, Any]:
@@ -148,7 +162,9 @@ def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray) -
                 heads=args.heads, mlp_dim=args.mlp_dim, classes=10, dropout=args.dropout,
                 rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model, nnx.Param)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.steps,
+    # A run shorter than the warm-up (a quick check) warms up for half its steps.
+    warmup = args.warmup if args.warmup < args.steps else args.steps // 2
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
                                                   end_value=args.lr * 0.01)
     tx = optax.adamw(schedule, weight_decay=1e-4)
     opt_state = tx.init(params)
@@ -165,15 +181,20 @@ def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray) -
         run.compile_seconds = time.perf_counter() - start
         eval_fn = jax.jit(evaluate)
     else:
-        fn = step if name == "bf16" else step_scaled
-        amp = hlo_amp.compile(fn, name)
-        lower_args = ((params, opt_state, xb, yb, key0) if name == "bf16"
-                      else (params, opt_state, scaler, xb, yb, key0))
-        lowered_amp = amp.lower(*lower_args)
-        compiled = lowered_amp.compile()
+        try:
+            amp = hlo_amp.compile(step_scaled if name in SCALED else step, POLICIES[name])
+            lower_args = ((params, opt_state, scaler, xb, yb, key0) if name in SCALED
+                          else (params, opt_state, xb, yb, key0))
+            lowered_amp = amp.lower(*lower_args)
+            compiled = lowered_amp.compile()
+            eval_fn = hlo_amp.compile(evaluate, POLICIES[name])
+        except Exception as error:  # noqa: BLE001 - shown in the table, the others go on
+            run.error = f"failed to compile: {str(error).splitlines()[0]}"
+            print(f"  [{name:>4}] {run.error}", flush=True)
+            return run, None
         run.pass_seconds = lowered_amp.pass_seconds
         run.compile_seconds = compiled.compile_seconds
-        eval_fn = hlo_amp.compile(evaluate, name)
+        run.report = compiled.report()
     run.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
 
     try:
@@ -195,7 +216,7 @@ def _loop(name: str, args: argparse.Namespace, run: Run, compiled: Any, params: 
         xb, yb = x_train[idx], y_train[idx]
         key = jax.random.fold_in(key0, i)
         start = time.perf_counter()
-        if name == "f16":
+        if name in SCALED:
             params, opt_state, scaler, loss = compiled(params, opt_state, scaler, xb, yb, key)
         else:
             params, opt_state, loss = compiled(params, opt_state, xb, yb, key)
@@ -203,11 +224,11 @@ def _loop(name: str, args: argparse.Namespace, run: Run, compiled: Any, params: 
         run.step_seconds.append(time.perf_counter() - start)
         run.losses.append(loss)
         if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
-            extra = f"  loss scale {float(scaler.scaler):g}" if name == "f16" else ""
+            extra = f"  loss scale {float(scaler.scaler):g}" if name in SCALED else ""
             print(f"  [{name:>4}] step {i + 1:5d}/{args.steps}  loss {loss:.4f}  "
                   f"{1e3 * statistics.median(run.step_seconds):.2f} ms/step{extra}", flush=True)
     run.accuracy = float(eval_fn(params, x_test, y_test))
-    if name == "f16":
+    if name in SCALED:
         run.skipped = int(scaler.total_resets)
 
 
@@ -219,7 +240,7 @@ def table(runs: list[Run]) -> str:
     rows = []
     for r in runs:
         if r.error:
-            rows.append((r.name if r.name == "f32" else f"hlo_amp {r.name}", "FAILED", "-", "-",
+            rows.append((LABELS[r.name], "FAILED", "-", "-",
                          "-", f"{r.temp_bytes / 2**20:.2f} MiB",
                          "-" if r.pass_seconds is None else f"{1e3 * r.pass_seconds:.1f}",
                          f"{r.compile_seconds:.2f}"))
@@ -227,7 +248,7 @@ def table(runs: list[Run]) -> str:
         med = statistics.median(r.step_seconds)
         final = statistics.mean(r.losses[-20:])  # last 20 steps: dropout makes one step noisy
         rows.append((
-            r.name if r.name == "f32" else f"hlo_amp {r.name}",
+            LABELS[r.name],
             f"{100 * r.accuracy:.2f}%",
             f"{final:.5f}",
             f"{1e3 * med:.2f}",
@@ -255,24 +276,51 @@ def plot(runs: list[Run], path: Path) -> None:
         losses = np.asarray(r.losses)
         k = max(1, len(losses) // 100)
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-        ax.plot(np.arange(len(smooth)) + k, smooth,
-                label=r.name if r.name == "f32" else f"hlo_amp {r.name}")
+        ax.plot(np.arange(len(smooth)) + k, smooth, label=LABELS[r.name])
     ax.set_xlabel("step")
     ax.set_ylabel(f"train loss (moving mean, {k} steps)")
     ax.set_yscale("log")
-    ax.set_title("ViT on sklearn digits: f32 vs hlo_amp bf16 / f16")
+    ax.set_title("ViT on sklearn digits: train loss, f32 jit vs hlo_amp policies")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def parse_variants(spec: str) -> list[str]:
+    """``"f32,bf16"`` -> ``["f32", "bf16"]``; SystemExit on an unknown name."""
+    variants = [v.strip() for v in spec.split(",") if v.strip()]
+    unknown = set(variants) - set(LABELS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; accepted: {', '.join(LABELS)}")
+    return variants
+
+
+def run_variant(name: str, steps: int = 1000, **options: Any) -> float:
+    """Train one variant (``f32``, ``bf16``, ``f16``, ``mixed_bf16``, ``mixed_f16``) and
+    return its test accuracy in [0, 1]; ``options`` override the other CLI defaults
+    (``batch=32``, ``seed=1``, ``log_every=10**9`` for no progress lines).
+
+    Raises RuntimeError if the variant failed to compile or to run.
+    """
+    if name not in LABELS:
+        raise ValueError(f"unknown variant {name!r}; accepted: {', '.join(LABELS)}")
+    args = parse_args([])  # the defaults, not sys.argv
+    args.steps = steps
+    for key, value in options.items():
+        if not hasattr(args, key):
+            raise TypeError(f"run_variant: unknown option {key!r}")
+        setattr(args, key, value)
+    data = load_data(args.seed)
+    run, _ = train(name, args, data, batches(len(data[0]), args.batch, args.steps, args.seed))
+    if run.error:
+        raise RuntimeError(f"{LABELS[name]}: {run.error}")
+    return run.accuracy
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(variants) - {"f32", "bf16", "f16"}
-    if unknown:
-        raise SystemExit(f"--variants: unknown {sorted(unknown)}; accepted: f32, bf16, f16")
+    variants = parse_variants(args.variants)
     data = load_data(args.seed)
     order = batches(len(data[0]), args.batch, args.steps, args.seed)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; digits: "
@@ -290,22 +338,28 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(table(runs))
     for r in runs:
-        if r.name == "f16" and not r.error:
-            print(f"f16: {r.skipped} step(s) skipped for non-finite gradients (loss scaler)")
+        if r.name in SCALED and not r.error:
+            print(f"{r.name}: {r.skipped} step(s) skipped for non-finite gradients (loss scaler)")
         if r.error:
             print(f"{r.name}: FAILED: {r.error}")
 
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
+    by_name = {r.name: r for r in runs}
     if lowered_bf16 is not None:
         mlir = args.out / "vit_bf16_step.mlir"
         mlir.write_text(lowered_bf16.as_text(debug_info=True))
-        report = lowered_bf16.compile().report()
+        report = by_name["bf16"].report
         (args.out / "vit_bf16_report.txt").write_text(str(report) + "\n")
         (args.out / "vit_bf16_report.json").write_text(_json_text(report.to_json()))
         written += [mlir, args.out / "vit_bf16_report.txt", args.out / "vit_bf16_report.json"]
         print()
         print("bf16 report summary:", report.summary())
+    mixed = by_name.get("mixed_bf16")
+    if mixed is not None and mixed.report is not None:
+        if lowered_bf16 is None:
+            print()
+        print("mixed_bfloat16 report summary:", mixed.report.summary())
     png = args.out / "loss_curves.png"
     plot(runs, png)
     written.append(png)
