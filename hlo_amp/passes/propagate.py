@@ -47,7 +47,7 @@ from hlo_amp.modules import (
     with_element,
 )
 from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name
-from hlo_amp.policy import COMPUTE, DTYPE_TO_ELEMENT, Policy
+from hlo_amp.policy import AMP_STOP, COMPUTE, DTYPE_TO_ELEMENT, OP_KINDS, Policy
 from hlo_amp.report import Report
 from hlo_amp.sites import call_prefix, join_names, location_name, site_of
 
@@ -87,27 +87,49 @@ def first_block(region: Any) -> Any:
     return next(iter(region.blocks))
 
 
+# Element kinds of a value's type, cached per type: a module has few distinct types.
+_F32, _FLOAT, _PLAIN, _BAD = "f32", "float", "plain", "bad"
+_KINDS: dict[ir.Type, str] = {}
+
+
+def _type_kind(value_type: ir.Type) -> str:
+    """f32 tensor, other float tensor, int/bool tensor, or anything else (bad)."""
+    kind = _KINDS.get(value_type)
+    if kind is None:
+        if not isinstance(value_type, ir.RankedTensorType):
+            kind = _BAD
+        else:
+            element = ir.RankedTensorType(value_type).element_type
+            if isinstance(element, ir.F32Type):
+                kind = _F32
+            elif isinstance(element, ir.FloatType):
+                kind = _FLOAT
+            elif isinstance(element, ir.ComplexType):
+                kind = _BAD
+            else:
+                kind = _PLAIN
+        if len(_KINDS) > 10_000:  # types of many modules: start over
+            _KINDS.clear()
+        _KINDS[value_type] = kind
+    return kind
+
+
 def _element(value: ir.Value) -> ir.Type | None:
     return element_type(value)
 
 
 def _is_f32(value: ir.Value) -> bool:
-    return isinstance(_element(value), ir.F32Type)
+    return _type_kind(value.type) == _F32
 
 
 def _is_float(value: ir.Value) -> bool:
-    return isinstance(_element(value), ir.FloatType)
+    return _type_kind(value.type) in (_F32, _FLOAT)
 
 
 def _types_ok(op: Any) -> bool:
-    """Every value is a ranked tensor; floats are f32, at least one of them."""
-    values = list(op.operands) + list(op.results)
-    if any(not isinstance(v.type, ir.RankedTensorType) for v in values):
-        return False
-    if any(isinstance(_element(v), ir.ComplexType) for v in values):
-        return False
-    floats = [v for v in values if _is_float(v)]
-    return bool(floats) and all(_is_f32(v) for v in floats)
+    """Every value is an int, bool or f32 ranked tensor, with at least one f32."""
+    kinds = {_type_kind(v.type) for v in list(op.operands) + list(op.results)}
+    return _F32 in kinds and not kinds & {_FLOAT, _BAD}
 
 
 @dataclass(eq=False)
@@ -182,6 +204,9 @@ class _Graph:
         self.by_name: dict[str, Any] = {}
         self.rules_used: set[str] = set()
         self._decided: dict[tuple[str, str, str], tuple[str | None, str]] = {}
+        # Whether any rule could name a non-matrix op (amp_stop aside).
+        self._site_rules = bool(policy.scopes) or policy.backward is not None or any(
+            kind not in OP_KINDS for kind in policy.ops)
 
     # ---- building -------------------------------------------------------------------
 
@@ -254,7 +279,10 @@ class _Graph:
 
     def _policy_class(self, op: Any, prefix: str, kind: str) -> tuple[str, str] | None:
         """(class, reason) when a rule overrides the table for this op, else None."""
-        key = (prefix, str(op.location), kind)
+        location = str(op.location)
+        if not self._site_rules and AMP_STOP not in location and AMP_STOP not in prefix:
+            return None  # no rule can name this op: skip parsing its site
+        key = (prefix, location, kind)
         decided = self._decided.get(key)
         if decided is None:
             site = site_of(op.location, kind, prefix)
