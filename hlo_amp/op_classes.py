@@ -10,9 +10,14 @@ CHLO name without the dialect prefix) has a class:
 - ``clear``: data movement that does not change values (a max/min ``reduce`` or
   ``reduce_window`` picks one of its inputs); painted like ``infer``.
 - ``deny``: always f32: exponentials and logs (error grows with the argument), powers,
-  ``rsqrt``, sums (``reduce``/``reduce_window`` with an add body: means, variances,
-  cumulative sums, average pools), scatters, sorts, and JAX's own precision idioms
-  (``reduce_precision``, ``optimization_barrier``) which must stay exactly as written.
+  ``rsqrt``, sums (``reduce`` with an add body: sums, means, variances; ``reduce_window``
+  with an add body over more than ``SHORT_SUM`` elements: cumulative sums), scatters,
+  sorts, and JAX's own precision idioms (``reduce_precision``,
+  ``optimization_barrier``) which must stay exactly as written.
+
+An add ``reduce_window`` over at most ``SHORT_SUM`` (16) elements, i.e. an average-pool
+window and its gradient, is ``infer``: it is a short chain of adds, as exact in 16 bit as
+``add`` itself, and keeping it f32 would cut every conv net's regions at each pool.
 
 Any op kind not in the table is never painted and keeps its inputs f32, like ``deny``.
 
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+
+from jax._src.lib.mlir import ir
 
 ALLOW = "allow"
 INFER = "infer"
@@ -63,6 +70,8 @@ OP_CLASSES: dict[str, str] = {
 # Stricter under f16 only (see the module docstring).
 F16_DENY = frozenset({"divide", "tan"})
 
+# An add reduce_window over at most this many elements (2x2, 3x3, 4x4 pooling) is infer.
+SHORT_SUM = 16
 # reduce / reduce_window bodies that only pick an input: data movement, not arithmetic.
 _PICKING_BODIES = frozenset({"stablehlo.maximum", "stablehlo.minimum"})
 
@@ -81,13 +90,28 @@ def table_class(kind: str, compute_dtype: str) -> str:
 
 def picks_an_input(op: Any) -> bool:
     """True for a single-input reduce/reduce_window whose body is one max or min."""
+    body = _body_names(op)
+    return len(body) == 2 and body[0] in _PICKING_BODIES and body[1] == "stablehlo.return"
+
+
+def _body_names(op: Any) -> list[str]:
     if len(op.operation.regions) != 1 or len(op.operation.results) != 1:
-        return False
+        return []
     blocks = list(op.operation.regions[0].blocks)
     if len(blocks) != 1:
+        return []
+    return [inner.operation.name for inner in blocks[0].operations]
+
+
+def short_window_sum(op: Any) -> bool:
+    """A single-input add reduce_window over at most SHORT_SUM elements (a pooling
+    window): a short chain of adds, as exact in 16 bit as ``add`` itself."""
+    if _body_names(op) != ["stablehlo.add", "stablehlo.return"]:
         return False
-    body = [inner.operation.name for inner in blocks[0].operations]
-    return len(body) == 2 and body[0] in _PICKING_BODIES and body[1] == "stablehlo.return"
+    window = 1
+    for extent in ir.DenseI64ArrayAttr(op.attributes["window_dimensions"]):
+        window *= extent
+    return window <= SHORT_SUM
 
 
 def op_class(op: Any, compute_dtype: str) -> str:
@@ -95,6 +119,8 @@ def op_class(op: Any, compute_dtype: str) -> str:
     kind = short_name(op.operation.name)
     found = table_class(kind, compute_dtype)
     if kind in ("reduce", "reduce_window") and found == CLEAR and not picks_an_input(op):
+        if kind == "reduce_window" and short_window_sum(op):
+            return INFER
         return DENY
     return found
 
