@@ -1,0 +1,50 @@
+// The mixed_bfloat16 pipeline on real JAX lowerings (tests/lit/inputs/make_inputs.py).
+//
+// RUN: hlo-amp-opt %S/inputs/scan_rnn.mlir --policy mixed_bfloat16 \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=RNN
+// RUN: hlo-amp-opt %S/inputs/conv_net.mlir --policy mixed_bfloat16 \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=CONV
+// RUN: hlo-amp-opt %S/inputs/remat.mlir --policy mixed_bfloat16 \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=REMAT
+// RUN: hlo-amp-opt %S/inputs/scan_rnn.mlir --policy mixed_bfloat16 --report - -o /dev/null 2>&1 \
+// RUN:   | filecheck %s --check-prefix=JSON
+
+// grad of a lax.scan RNN: the hidden-state carry of the forward loop and the stacked
+// residuals it saves for the backward loop are bf16; the weights (a loop-invariant
+// carry no 16-bit op produces) stay f32. The slicing helper, called from the backward
+// loop on bf16 stacks, is cloned; the public signature is unchanged.
+// RNN-LABEL: func.func public @main
+// RNN-SAME:    (%arg0: tensor<4x4xf32>, %arg1: tensor<3x2x4xf32>) -> (tensor<4x4xf32> {jax.result_info = "result"})
+// RNN:         stablehlo.while({{.*}}) : tensor<3x2x4xf32>, tensor<4x4xf32>, tensor<i32>, tensor<2x4xbf16>, tensor<3x2x4xbf16>, tensor<3x2x4xbf16>, tensor<3x2x4xbf16>
+// RNN:         func.call @closed_call({{.*}}) : (tensor<4x4xf32>, tensor<2x4xbf16>, tensor<2x4xf32>) -> (tensor<2x4xbf16>, tensor<2x4xbf16>, tensor<2x4xbf16>, tensor<2x4xbf16>)
+// RNN:         func.call @dynamic_index_in_dim_mixed0({{.*}}) : (tensor<3x2x4xbf16>, tensor<i32>) -> tensor<2x4xbf16>
+// RNN:         return %{{.*}} : tensor<4x4xf32>
+// RNN-LABEL: func.func private @dynamic_index_in_dim(
+// RNN-SAME:    %arg0: tensor<3x2x4xf32>
+// RNN-LABEL: func.func private @dynamic_index_in_dim_mixed0(
+// RNN-SAME:    %arg0: tensor<3x2x4xbf16>
+// RNN-LABEL: func.func private @closed_call(
+// RNN:         stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// RNN:         stablehlo.tanh %{{.*}} : tensor<2x4xbf16>
+
+// A conv, tanh and a reshape into the dense layer: one bf16 region.
+// CONV-LABEL: func.func public @main
+// CONV:         %[[C:.*]] = stablehlo.convolution({{.*}}) {{.*}} -> tensor<1x4x4x3xbf16>
+// CONV:         %[[T:.*]] = stablehlo.tanh %[[C]] : tensor<1x4x4x3xbf16>
+// CONV:         %[[R:.*]] = stablehlo.reshape %[[T]] : (tensor<1x4x4x3xbf16>) -> tensor<1x48xbf16>
+// CONV:         stablehlo.dot_general %[[R]], {{.*}} : (tensor<1x48xbf16>, tensor<48x2xbf16>) -> tensor<1x2xf32>
+
+// jax.checkpoint: the sine/cosine (deny) stay f32 and the optimization_barrier that
+// remat puts on its residuals is kept exactly, f32 operands and all.
+// REMAT-LABEL: func.func public @main
+// REMAT:         stablehlo.sine %{{.*}} : tensor<2x4xf32>
+// REMAT:         stablehlo.optimization_barrier %arg1, %arg0, %{{.*}} : tensor<4x4xf32>, tensor<2x4xf32>, tensor<2x4xf32>
+// REMAT:         stablehlo.cosine %{{.*}} : tensor<2x4xf32>
+
+// JSON:      "propagation": {
+// JSON:        "ops": {
+// JSON:          "tanh": {
+// JSON-NEXT:       "painted": 1,
+// JSON:        "functions": [
+// JSON:          "function": "main",
+// JSON:          "clones": 1

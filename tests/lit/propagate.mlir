@@ -1,0 +1,337 @@
+// The propagation pass (mixed_* modes): 16-bit regions from the converted matrix ops
+// through infer/clear ops, never through deny ops. Default target (GPU): matrix ops in a
+// region return the 16-bit type; --target cpu keeps their f32 result and a convert.
+//
+// RUN: hlo-amp-opt %s --split-input-file --policy mixed_bfloat16 \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | filecheck %s --enable-var-scope
+//
+// Idempotence: the pipeline run on its own (located) output changes nothing.
+// RUN: hlo-amp-opt %s --split-input-file --policy mixed_bfloat16 --debug-info \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | hlo-amp-opt --split-input-file --policy mixed_bfloat16 \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | filecheck %s --enable-var-scope
+//
+// RUN: hlo-amp-opt %s --split-input-file --policy mixed_bfloat16 --target cpu \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=CPU
+// RUN: hlo-amp-opt %s --split-input-file --policy mixed_float16 \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=F16
+// RUN: hlo-amp-opt %s --split-input-file --policy 'mixed_bfloat16,scope:head=float32' \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=SCOPE
+// RUN: hlo-amp-opt %s --split-input-file \
+// RUN:   --policy 'mixed_bfloat16,op:tanh=float32,op:exponential=compute' \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=OPRULE
+// The accurate mode never runs the pass: activations stay f32.
+// RUN: hlo-amp-opt %s --split-input-file --policy bf16 \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=ACCURATE
+
+// Infer ops between two matrix ops are painted; the bias is converted before its
+// broadcast; the first dot returns bf16; the last dot feeds the f32 return and keeps f32.
+// CHECK-LABEL: func.func @infer_between_dots
+// CHECK-SAME:    (%[[X:.*]]: tensor<2x4xf32>, %[[W1:.*]]: tensor<4x4xf32>, %[[B:.*]]: tensor<4xf32>, %[[W2:.*]]: tensor<4x3xf32>) -> tensor<2x3xf32>
+// CHECK:         %[[X16:.*]] = stablehlo.convert %[[X]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         %[[W116:.*]] = stablehlo.convert %[[W1]] : (tensor<4x4xf32>) -> tensor<4x4xbf16>
+// CHECK:         %[[D1:.*]] = stablehlo.dot_general %[[X16]], %[[W116]], {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[B16:.*]] = stablehlo.convert %[[B]] : (tensor<4xf32>) -> tensor<4xbf16>
+// CHECK:         %[[BB:.*]] = stablehlo.broadcast_in_dim %[[B16]], dims = [1] : (tensor<4xbf16>) -> tensor<2x4xbf16>
+// CHECK:         %[[S:.*]] = stablehlo.add %[[D1]], %[[BB]] : tensor<2x4xbf16>
+// CHECK:         %[[T:.*]] = stablehlo.tanh %[[S]] : tensor<2x4xbf16>
+// CHECK:         %[[W216:.*]] = stablehlo.convert %[[W2]] : (tensor<4x3xf32>) -> tensor<4x3xbf16>
+// CHECK:         %[[D2:.*]] = stablehlo.dot_general %[[T]], %[[W216]], {{.*}} -> tensor<2x3xf32>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         return %[[D2]] : tensor<2x3xf32>
+// CPU-LABEL:   func.func @infer_between_dots
+// CPU:           %[[D1:.*]] = stablehlo.dot_general {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>
+// CPU:           %[[D116:.*]] = stablehlo.convert %[[D1]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CPU:           %[[S:.*]] = stablehlo.add %[[D116]], %{{.*}} : tensor<2x4xbf16>
+// CPU:           %[[T:.*]] = stablehlo.tanh %[[S]] : tensor<2x4xbf16>
+// CPU:           stablehlo.dot_general %[[T]], {{.*}} -> tensor<2x3xf32>
+// F16-LABEL:   func.func @infer_between_dots
+// F16:           %[[D1:.*]] = stablehlo.dot_general {{.*}} : (tensor<2x4xf16>, tensor<4x4xf16>) -> tensor<2x4xf16>
+// F16:           %[[S:.*]] = stablehlo.add %[[D1]], %{{.*}} : tensor<2x4xf16>
+// F16:           %[[T:.*]] = stablehlo.tanh %[[S]] : tensor<2x4xf16>
+// F16:           stablehlo.dot_general %[[T]], {{.*}} -> tensor<2x3xf32>
+// A scope rule bounds the region: tanh and the second dot sit in "head" and stay f32,
+// and the add that feeds them stays f32 with them (deny wins).
+// SCOPE-LABEL: func.func @infer_between_dots
+// SCOPE:         stablehlo.dot_general {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>
+// SCOPE:         stablehlo.add %{{.*}}, %{{.*}} : tensor<2x4xf32>
+// SCOPE:         %[[T:.*]] = stablehlo.tanh %{{.*}} : tensor<2x4xf32>
+// SCOPE:         stablehlo.dot_general %[[T]], {{.*}} : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32>
+// OPRULE-LABEL: func.func @infer_between_dots
+// OPRULE:         stablehlo.tanh %{{.*}} : tensor<2x4xf32>
+// ACCURATE-LABEL: func.func @infer_between_dots
+// ACCURATE:         stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// ACCURATE:         stablehlo.add %{{.*}}, %{{.*}} : tensor<2x4xf32>
+// ACCURATE:         stablehlo.tanh %{{.*}} : tensor<2x4xf32>
+func.func @infer_between_dots(%x: tensor<2x4xf32>, %w1: tensor<4x4xf32>, %b: tensor<4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %x, %w1, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dense1/dot_general")
+  %1 = stablehlo.broadcast_in_dim %b, dims = [1] : (tensor<4xf32>) -> tensor<2x4xf32> loc("jit(f)/dense1/broadcast_in_dim")
+  %2 = stablehlo.add %0, %1 : tensor<2x4xf32> loc("jit(f)/dense1/add")
+  %3 = stablehlo.tanh %2 : tensor<2x4xf32> loc("jit(f)/head/tanh")
+  %4 = stablehlo.dot_general %3, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/head/dense2/dot_general")
+  return %4 : tensor<2x3xf32>
+}
+
+// -----
+
+// An infer op next to a 16-bit op on one side only is left alone: after the last dot
+// (nothing 16-bit reads it) and before the first (nothing 16-bit feeds it).
+// CHECK-LABEL: func.func @infer_one_side
+// CHECK:         %[[T0:.*]] = stablehlo.tanh %{{.*}} : tensor<2x4xf32>
+// CHECK:         %[[T016:.*]] = stablehlo.convert %[[T0]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         %[[D:.*]] = stablehlo.dot_general %[[T016]], {{.*}} -> tensor<2x3xf32>
+// CHECK:         %[[T:.*]] = stablehlo.tanh %[[D]] : tensor<2x3xf32>
+// CHECK:         return %[[T]] : tensor<2x3xf32>
+func.func @infer_one_side(%x: tensor<2x4xf32>, %w: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.tanh %x : tensor<2x4xf32> loc("jit(f)/tanh")
+  %1 = stablehlo.dot_general %0, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  %2 = stablehlo.tanh %1 : tensor<2x3xf32> loc("jit(f)/tanh")
+  return %2 : tensor<2x3xf32>
+}
+
+// -----
+
+// Clear ops (data movement) between two dots are carried in bf16.
+// CHECK-LABEL: func.func @clear_ops
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[R:.*]] = stablehlo.reshape %[[D]] : (tensor<2x4xbf16>) -> tensor<4x2xbf16>
+// CHECK:         %[[T:.*]] = stablehlo.transpose %[[R]], dims = [1, 0] : (tensor<4x2xbf16>) -> tensor<2x4xbf16>
+// CHECK:         %[[S:.*]] = stablehlo.slice %[[T]] [0:2, 0:3] : (tensor<2x4xbf16>) -> tensor<2x3xbf16>
+// CHECK:         %[[P:.*]] = stablehlo.pad %[[S]], %{{.*}}, low = [0, 0], high = [0, 1], interior = [0, 0] : (tensor<2x3xbf16>, tensor<bf16>) -> tensor<2x4xbf16>
+// CHECK:         %[[M:.*]] = stablehlo.reduce(%[[P]] init: %{{.*}}) applies stablehlo.maximum across dimensions = [1] : (tensor<2x4xbf16>, tensor<bf16>) -> tensor<2xbf16>
+// CHECK:         %[[B:.*]] = stablehlo.broadcast_in_dim %[[M]], dims = [0] : (tensor<2xbf16>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[B]], {{.*}} : (tensor<2x4xbf16>, tensor<4x3xbf16>) -> tensor<2x3xf32>
+func.func @clear_ops(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = stablehlo.reshape %0 : (tensor<2x4xf32>) -> tensor<4x2xf32> loc("jit(f)/reshape")
+  %2 = stablehlo.transpose %1, dims = [1, 0] : (tensor<4x2xf32>) -> tensor<2x4xf32> loc("jit(f)/transpose")
+  %3 = stablehlo.slice %2 [0:2, 0:3] : (tensor<2x4xf32>) -> tensor<2x3xf32> loc("jit(f)/slice")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/pad")
+  %4 = stablehlo.pad %3, %zero, low = [0, 0], high = [0, 1], interior = [0, 0] : (tensor<2x3xf32>, tensor<f32>) -> tensor<2x4xf32> loc("jit(f)/pad")
+  %ninf = stablehlo.constant dense<0xFF800000> : tensor<f32> loc("jit(f)/reduce_max")
+  %5 = stablehlo.reduce(%4 init: %ninf) applies stablehlo.maximum across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/reduce_max")
+  %6 = stablehlo.broadcast_in_dim %5, dims = [0] : (tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/broadcast_in_dim")
+  %7 = stablehlo.dot_general %6, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %7 : tensor<2x3xf32>
+}
+
+// -----
+
+// Every deny op stays f32 with f32 inputs, and the dot before them keeps its f32 result.
+// With op:exponential=compute the exponential may be painted; log is still deny.
+// CHECK-LABEL: func.func @deny_ops
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CHECK:         %[[E:.*]] = stablehlo.exponential %[[D]] : tensor<2x4xf32>
+// CHECK:         %[[L:.*]] = stablehlo.log %[[E]] : tensor<2x4xf32>
+// CHECK:         %[[R:.*]] = stablehlo.rsqrt %[[L]] : tensor<2x4xf32>
+// CHECK:         %[[M:.*]] = stablehlo.exponential_minus_one %[[R]] : tensor<2x4xf32>
+// CHECK:         %[[P:.*]] = stablehlo.log_plus_one %[[M]] : tensor<2x4xf32>
+// CHECK:         %[[W:.*]] = stablehlo.power %[[P]], %[[P]] : tensor<2x4xf32>
+// CHECK:         %[[RP:.*]] = stablehlo.reduce_precision %[[W]], format = e8m7 : tensor<2x4xf32>
+// CHECK:         %[[OB:.*]] = stablehlo.optimization_barrier %[[RP]] : tensor<2x4xf32>
+// CHECK:         %[[OB16:.*]] = stablehlo.convert %[[OB]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[OB16]], {{.*}} -> tensor<2x3xf32>
+// OPRULE-LABEL: func.func @deny_ops
+// OPRULE:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// OPRULE:         stablehlo.exponential %[[D]] : tensor<2x4xf32>
+func.func @deny_ops(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = stablehlo.exponential %0 : tensor<2x4xf32> loc("jit(f)/exp")
+  %2 = stablehlo.log %1 : tensor<2x4xf32> loc("jit(f)/log")
+  %3 = stablehlo.rsqrt %2 : tensor<2x4xf32> loc("jit(f)/rsqrt")
+  %4 = stablehlo.exponential_minus_one %3 : tensor<2x4xf32> loc("jit(f)/expm1")
+  %5 = stablehlo.log_plus_one %4 : tensor<2x4xf32> loc("jit(f)/log1p")
+  %6 = stablehlo.power %5, %5 : tensor<2x4xf32> loc("jit(f)/pow")
+  %7 = stablehlo.reduce_precision %6, format = e8m7 : tensor<2x4xf32> loc("jit(f)/reduce_precision")
+  %8 = stablehlo.optimization_barrier %7 : tensor<2x4xf32> loc("jit(f)/optimization_barrier")
+  %9 = stablehlo.dot_general %8, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %9 : tensor<2x3xf32>
+}
+
+// -----
+
+// op:exponential=compute moves exp into the paintable classes: painted between dots.
+// CHECK-LABEL: func.func @exp_between_dots
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CHECK:         stablehlo.exponential %[[D]] : tensor<2x4xf32>
+// OPRULE-LABEL: func.func @exp_between_dots
+// OPRULE:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// OPRULE:         %[[E:.*]] = stablehlo.exponential %[[D]] : tensor<2x4xbf16>
+// OPRULE:         stablehlo.dot_general %[[E]], {{.*}} -> tensor<2x3xf32>
+func.func @exp_between_dots(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = stablehlo.exponential %0 : tensor<2x4xf32> loc("jit(f)/exp")
+  %2 = stablehlo.dot_general %1, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %2 : tensor<2x3xf32>
+}
+
+// -----
+
+// Deny wins where a value feeds both kinds: the dot result feeds a sum and a tanh that
+// leads to a dot; it stays f32, so the sum sees f32 and the tanh is not painted.
+// CHECK-LABEL: func.func @deny_wins
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CHECK:         stablehlo.tanh %[[D]] : tensor<2x4xf32>
+// CHECK:         stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.add across dimensions = [0, 1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<f32>
+func.func @deny_wins(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> (tensor<2x3xf32>, tensor<f32>) {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = stablehlo.tanh %0 : tensor<2x4xf32> loc("jit(f)/tanh")
+  %2 = stablehlo.dot_general %1, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/reduce_sum")
+  %3 = stablehlo.reduce(%0 init: %zero) applies stablehlo.add across dimensions = [0, 1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<f32> loc("jit(f)/reduce_sum")
+  return %2, %3 : tensor<2x3xf32>, tensor<f32>
+}
+
+// -----
+
+// Softmax as jax.nn.softmax lowers it (max, subtract, exp, sum, divide): the exp and
+// the sum stay f32; so does everything that leads into the exp (deny wins) and the
+// divide after it (nothing 16-bit feeds it); its result is converted for the next dot.
+// CHECK-LABEL: func.func @softmax
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CHECK:         stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.maximum {{.*}} -> tensor<2xf32>
+// CHECK:         %[[S:.*]] = stablehlo.subtract %[[D]], %{{.*}} : tensor<2x4xf32>
+// CHECK:         %[[E:.*]] = stablehlo.exponential %[[S]] : tensor<2x4xf32>
+// CHECK:         stablehlo.reduce(%[[E]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// CHECK:         %[[Q:.*]] = stablehlo.divide %[[E]], %{{.*}} : tensor<2x4xf32>
+// CHECK:         %[[Q16:.*]] = stablehlo.convert %[[Q]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[Q16]], {{.*}} -> tensor<2x3xf32>
+func.func @softmax(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %v: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %ninf = stablehlo.constant dense<0xFF800000> : tensor<f32> loc("jit(f)/softmax/reduce_max")
+  %1 = stablehlo.reduce(%0 init: %ninf) applies stablehlo.maximum across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/softmax/reduce_max")
+  %2 = stablehlo.broadcast_in_dim %1, dims = [0] : (tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/softmax/broadcast_in_dim")
+  %3 = stablehlo.subtract %0, %2 : tensor<2x4xf32> loc("jit(f)/softmax/sub")
+  %4 = stablehlo.exponential %3 : tensor<2x4xf32> loc("jit(f)/softmax/exp")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/softmax/reduce_sum")
+  %5 = stablehlo.reduce(%4 init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/softmax/reduce_sum")
+  %6 = stablehlo.broadcast_in_dim %5, dims = [0] : (tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/softmax/broadcast_in_dim")
+  %7 = stablehlo.divide %4, %6 : tensor<2x4xf32> loc("jit(f)/softmax/div")
+  %8 = stablehlo.dot_general %7, %v, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %8 : tensor<2x3xf32>
+}
+
+// -----
+
+// Layer norm as JAX lowers it (mean, centre, variance, rsqrt, scale): the sums and the
+// rsqrt stay f32, and so does the rest (its input feeds the mean: deny wins).
+// CHECK-LABEL: func.func @layer_norm
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CHECK:         stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// CHECK:         %[[C:.*]] = stablehlo.subtract %[[D]], %{{.*}} : tensor<2x4xf32>
+// CHECK:         stablehlo.multiply %[[C]], %[[C]] : tensor<2x4xf32>
+// CHECK:         stablehlo.reduce({{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// CHECK:         stablehlo.rsqrt %{{.*}} : tensor<2xf32>
+// CHECK:         %[[N:.*]] = stablehlo.multiply %[[C]], %{{.*}} : tensor<2x4xf32>
+// CHECK:         %[[N16:.*]] = stablehlo.convert %[[N]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[N16]], {{.*}} -> tensor<2x3xf32>
+func.func @layer_norm(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/ln/reduce_sum")
+  %four = stablehlo.constant dense<4.000000e+00> : tensor<2xf32> loc("jit(f)/ln/div")
+  %1 = stablehlo.reduce(%0 init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/ln/reduce_sum")
+  %2 = stablehlo.divide %1, %four : tensor<2xf32> loc("jit(f)/ln/div")
+  %3 = stablehlo.broadcast_in_dim %2, dims = [0] : (tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/ln/broadcast_in_dim")
+  %4 = stablehlo.subtract %0, %3 : tensor<2x4xf32> loc("jit(f)/ln/sub")
+  %5 = stablehlo.multiply %4, %4 : tensor<2x4xf32> loc("jit(f)/ln/square")
+  %6 = stablehlo.reduce(%5 init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/ln/reduce_sum")
+  %7 = stablehlo.divide %6, %four : tensor<2xf32> loc("jit(f)/ln/div")
+  %8 = stablehlo.rsqrt %7 : tensor<2xf32> loc("jit(f)/ln/rsqrt")
+  %9 = stablehlo.broadcast_in_dim %8, dims = [0] : (tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/ln/broadcast_in_dim")
+  %10 = stablehlo.multiply %4, %9 : tensor<2x4xf32> loc("jit(f)/ln/mul")
+  %11 = stablehlo.dot_general %10, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %11 : tensor<2x3xf32>
+}
+
+// -----
+
+// A while carry between a dot in the body and a dot after the loop: the carry, the
+// body's tanh and the loop's result are bf16; the initial value is converted once,
+// outside the loop; the integer counter is untouched.
+// CHECK-LABEL: func.func @while_carry
+// CHECK-SAME:    (%[[H0:.*]]: tensor<2x4xf32>, %[[W:.*]]: tensor<4x4xf32>) -> tensor<2x4xf32>
+// CHECK:         %[[H016:.*]] = stablehlo.convert %[[H0]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         %[[L:.*]]:2 = stablehlo.while(%[[I:.*]] = %{{.*}}, %[[H:.*]] = %[[H016]]) : tensor<i32>, tensor<2x4xbf16>
+// CHECK:         stablehlo.compare LT, %[[I]], %{{.*}}, SIGNED
+// CHECK:         %[[D:.*]] = stablehlo.dot_general %[[H]], %{{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[T:.*]] = stablehlo.tanh %[[D]] : tensor<2x4xbf16>
+// CHECK:         stablehlo.return %{{.*}}, %[[T]] : tensor<i32>, tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[L]]#1, {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>
+// CPU-LABEL:   func.func @while_carry
+// CPU:           stablehlo.while({{.*}}) : tensor<i32>, tensor<2x4xbf16>
+// CPU:           %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CPU:           %[[D16:.*]] = stablehlo.convert %[[D]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CPU:           stablehlo.tanh %[[D16]] : tensor<2x4xbf16>
+func.func @while_carry(%h0: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32> loc("jit(f)/while")
+  %r:2 = stablehlo.while(%i = %c0, %h = %h0) : tensor<i32>, tensor<2x4xf32>
+  cond {
+    %c3 = stablehlo.constant dense<3> : tensor<i32> loc("jit(f)/while/cond")
+    %p = stablehlo.compare LT, %i, %c3, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1> loc("jit(f)/while/cond/lt")
+    stablehlo.return %p : tensor<i1> loc("jit(f)/while/cond")
+  } do {
+    %d = stablehlo.dot_general %h, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/while/body/cell/dot_general")
+    %t = stablehlo.tanh %d : tensor<2x4xf32> loc("jit(f)/while/body/cell/tanh")
+    %c1 = stablehlo.constant dense<1> : tensor<i32> loc("jit(f)/while/body")
+    %i1 = stablehlo.add %i, %c1 : tensor<i32> loc("jit(f)/while/body/add")
+    stablehlo.return %i1, %t : tensor<i32>, tensor<2x4xf32> loc("jit(f)/while/body")
+  } loc("jit(f)/while")
+  %o = stablehlo.dot_general %r#1, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/head/dot_general")
+  return %o : tensor<2x4xf32>
+}
+
+// -----
+
+// JAX's bf16 sum idiom (convert up, f32 reduce, convert down) stays as written; the
+// tanh before it, read only by the idiom's bf16 convert, runs in bf16.
+// CHECK-LABEL: func.func @bf16_sum_idiom
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[T:.*]] = stablehlo.tanh %[[D]] : tensor<2x4xbf16>
+// CHECK:         %[[U:.*]] = stablehlo.convert %[[T]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         %[[S:.*]] = stablehlo.reduce(%[[U]] init: %{{.*}}) applies stablehlo.add {{.*}} : (tensor<2x4xf32>, tensor<f32>) -> tensor<f32>
+// CHECK:         %[[S16:.*]] = stablehlo.convert %[[S]] : (tensor<f32>) -> tensor<bf16>
+// CHECK:         return %[[S16]] : tensor<bf16>
+func.func @bf16_sum_idiom(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<bf16> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = stablehlo.tanh %0 : tensor<2x4xf32> loc("jit(f)/tanh")
+  %2 = stablehlo.convert %1 : (tensor<2x4xf32>) -> tensor<2x4xbf16> loc("jit(f)/convert_element_type")
+  %3 = stablehlo.convert %2 : (tensor<2x4xbf16>) -> tensor<2x4xf32> loc("jit(f)/reduce_sum")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/reduce_sum")
+  %4 = stablehlo.reduce(%3 init: %zero) applies stablehlo.add across dimensions = [0, 1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<f32> loc("jit(f)/reduce_sum")
+  %5 = stablehlo.convert %4 : (tensor<f32>) -> tensor<bf16> loc("jit(f)/reduce_sum")
+  return %5 : tensor<bf16>
+}
+
+// -----
+
+// A private function called from a region and from f32 code is cloned per painting;
+// the public signature never changes.
+// CHECK-LABEL: func.func @calls
+// CHECK-SAME:    -> (tensor<2x4xf32>, tensor<2x4xf32>)
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[A:.*]] = call @act(%[[D]]) : (tensor<2x4xbf16>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[A]], {{.*}} -> tensor<2x4xf32>
+// CHECK:         call @act_mixed0(%{{.*}}) : (tensor<2x4xf32>) -> tensor<2x4xf32>
+// CHECK-LABEL: func.func private @act(
+// CHECK-SAME:    %{{.*}}: tensor<2x4xbf16>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.tanh %{{.*}} : tensor<2x4xbf16>
+// CHECK-LABEL: func.func private @act_mixed0(
+// CHECK-SAME:    %{{.*}}: tensor<2x4xf32>) -> tensor<2x4xf32>
+// CHECK:         stablehlo.tanh %{{.*}} : tensor<2x4xf32>
+func.func @calls(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> (tensor<2x4xf32>, tensor<2x4xf32>) {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = call @act(%0) : (tensor<2x4xf32>) -> tensor<2x4xf32> loc("jit(f)/act")
+  %2 = stablehlo.dot_general %1, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %3 = call @act(%x) : (tensor<2x4xf32>) -> tensor<2x4xf32> loc("jit(f)/act")
+  return %2, %3 : tensor<2x4xf32>, tensor<2x4xf32>
+}
+func.func private @act(%a: tensor<2x4xf32>) -> tensor<2x4xf32> {
+  %0 = stablehlo.tanh %a : tensor<2x4xf32> loc("tanh")
+  return %0 : tensor<2x4xf32>
+}
