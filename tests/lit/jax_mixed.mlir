@@ -9,7 +9,7 @@
 // RUN: hlo-amp-opt %S/inputs/scan_rnn.mlir --policy mixed_bfloat16 --report - -o /dev/null 2>&1 \
 // RUN:   | filecheck %s --check-prefix=JSON
 
-// grad of a lax.scan RNN: the hidden-state carry of the forward loop and the stacked
+// grad of a lax.scan recurrent net; the hidden-state carry of the forward loop and the stacked
 // residuals it saves for the backward loop are bf16; the weights (a loop-invariant
 // carry no 16-bit op produces) stay f32. The slicing helper, called from the backward
 // loop on bf16 stacks, is cloned; the public signature is unchanged.
