@@ -27,12 +27,17 @@
 // RNN:         stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
 // RNN:         stablehlo.tanh %{{.*}} : tensor<2x4xbf16>
 
-// A conv, tanh and a reshape into the dense layer: one bf16 region.
+// grad of conv -> tanh -> dense: the conv, tanh and the reshape into the dense layer
+// are one bf16 region; the dense layer's weight-gradient dot, read by the f32 gradient
+// output, keeps an f32 result; the backward data path (dot, reshape, tanh') is bf16.
 // CONV-LABEL: func.func public @main
 // CONV:         %[[C:.*]] = stablehlo.convolution({{.*}}) {{.*}} -> tensor<1x4x4x3xbf16>
 // CONV:         %[[T:.*]] = stablehlo.tanh %[[C]] : tensor<1x4x4x3xbf16>
 // CONV:         %[[R:.*]] = stablehlo.reshape %[[T]] : (tensor<1x4x4x3xbf16>) -> tensor<1x48xbf16>
-// CONV:         stablehlo.dot_general %[[R]], {{.*}} : (tensor<1x48xbf16>, tensor<48x2xbf16>) -> tensor<1x2xf32>
+// CONV:         stablehlo.dot_general %{{.*}}, %[[R]], {{.*}} -> tensor<2x48xf32>
+// CONV:         %[[G:.*]] = stablehlo.dot_general {{.*}} -> tensor<1x48xbf16>
+// CONV:         %[[GR:.*]] = stablehlo.reshape %[[G]] : (tensor<1x48xbf16>) -> tensor<1x4x4x3xbf16>
+// CONV:         stablehlo.multiply %[[GR]], %{{.*}} : tensor<1x4x4x3xbf16>
 
 // jax.checkpoint: the sine/cosine (deny) stay f32 and the optimization_barrier that
 // remat puts on its residuals is kept exactly, f32 operands and all.
