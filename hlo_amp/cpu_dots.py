@@ -202,7 +202,8 @@ def layout_is_fast(op: hlo.DotGeneralOp) -> bool:
 
 def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
     """True when the result of `op` reaches a stablehlo.transpose, directly or through
-    reshapes.
+    reshapes and converts (in the mixed_* modes a CPU dot's f32 result is converted to
+    the 16-bit type before the region's transpose; XLA folds both into the dot).
 
     XLA's algebraic simplifier folds such a transpose into the dot by swapping its
     operands *after* the bf16-or-f32 decision: a bf16 dot in [m, k] x [k, n] (NN) form
@@ -220,7 +221,7 @@ def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
             user = user.opview if hasattr(user, "opview") else user
             if isinstance(user, hlo.TransposeOp):
                 return True
-            if isinstance(user, hlo.ReshapeOp):
+            if isinstance(user, (hlo.ReshapeOp, hlo.ConvertOp)):
                 pending.append(user.result)
     return False
 

@@ -1,0 +1,239 @@
+"""The mixed_* modes (passes/propagate.py): numerics, contracts, idempotence, report.
+
+Numerics use the scaled tolerance ``max|got − want| ≤ atol + rtol·max|want|`` (element-wise
+tolerances fail every 16-bit dot on values that cancel to ~0), atol 1e-5, rtol 1.6e-2 for
+bf16 and 3e-3 for f16: the accurate f16 mode itself misses 1e-3 on the attention gradient
+(2.5e-3 of its scale, from the f16 dots alone), so f16 gets about six units of its 4.9e-4
+roundoff.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_numerics import MODELS, _loss
+
+import hlo_amp
+from hlo_amp.modules import module_text, parse_module
+from hlo_amp.passes import default_pipeline, run_pipeline
+from hlo_amp.policy import Policy
+
+# The models the issue names; each has an infer op between two matrix ops.
+PAINTED_MODELS = ("mlp", "cnn", "attention", "scan_rnn", "remat")
+
+
+def _close(got, want, dtype: str) -> None:
+    rtol = {"bfloat16": 1.6e-2, "float16": 3e-3}[dtype]
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        error, scale = float(np.max(np.abs(g - w))), float(np.max(np.abs(w)))
+        assert error <= 1e-5 + rtol * scale, (error, scale, rtol)
+
+
+def _painted(report: hlo_amp.Report) -> int:
+    ops = report.propagation["ops"]
+    return sum(row["painted"] for kind, row in ops.items()
+               if kind not in ("dot_general", "dot", "convolution"))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("name", PAINTED_MODELS)
+def test_mixed_forward_and_grad_close_to_f32(name, policy):
+    fn, params, x = MODELS[name]()
+    dtype = Policy.parse(policy).compute_dtype
+    amp = hlo_amp.compile(fn, policy)
+    report = amp.lower(params, x).report()
+    got = amp(params, x)
+    want = jax.jit(fn)(params, x)
+    assert got.dtype == jnp.float32
+    _close(got, want, dtype)
+    grad = jax.grad(_loss(fn))
+    amp_grad = hlo_amp.compile(grad, policy)
+    _close(amp_grad(params, x), jax.jit(grad)(params, x), dtype)
+    # the region really formed: the forward has painted ops, or (attention, whose dots
+    # feed each other directly) dot results read as 16-bit by the next dot
+    grad_report = amp_grad.lower(params, x).report()
+    assert report.propagation is not None and grad_report.propagation is not None
+    if name != "attention":
+        assert _painted(report) > 0, str(report)
+    assert report.propagation["ops"]["dot_general" if name != "cnn" else "convolution"][
+        "painted"] + _painted(grad_report) > 0, str(grad_report)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "scan_rnn", "remat"])
+def test_mixed_differs_from_accurate_mode(name):
+    # activations really are rounded: the fast mode is not the accurate one renamed
+    fn, params, x = MODELS[name]()
+    fast = hlo_amp.compile(jax.grad(_loss(fn)), "mixed_bfloat16")(params, x)
+    accurate = hlo_amp.compile(jax.grad(_loss(fn)), "bf16")(params, x)
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(jax.tree_util.tree_leaves(fast), jax.tree_util.tree_leaves(accurate)))
+
+
+def _lowerings() -> dict[str, str]:
+    texts = {}
+    for name in ("mlp", "cnn", "attention", "scan_rnn", "remat", "cond", "inner_jit"):
+        fn, params, x = MODELS[name]()
+        texts[name] = jax.jit(jax.grad(_loss(fn))).lower(params, x).as_text(debug_info=True)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def lowerings() -> dict[str, str]:
+    return _lowerings()
+
+
+def _rewrite(text: str, policy: str, target: str | None) -> str:
+    """The passes this mode adds, for ``target`` (the CPU dot-layout pass left out: it
+    is not idempotent on its own output, in the accurate mode either)."""
+    module = parse_module(text)
+    amp_policy = Policy.parse(policy)
+    passes = [p for p in default_pipeline(amp_policy, target)
+              if p.name != "hlo-amp-fast-dot-layout"]
+    run_pipeline(module, amp_policy, target=target, passes=passes)
+    return module_text(module, debug_info=True)
+
+
+@pytest.mark.parametrize("target", [None, "cpu"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_idempotent(lowerings, policy, target):
+    for name, text in lowerings.items():
+        once = _rewrite(text, policy, target)
+        assert once != text, name
+        assert _rewrite(once, policy, target) == once, name
+
+
+def test_f32_policy_unchanged_with_propagate(lowerings):
+    # no matrix op in 16 bit: no region to grow, the module is exactly the f32 one
+    for name, text in lowerings.items():
+        assert _rewrite(text, "f32,propagate=true", None) == _rewrite(text, "f32", None), name
+        assert "bf16" not in _rewrite(text, "f32,propagate=true", None), name
+
+
+def test_f32_policy_with_propagate_is_bit_identical():
+    fn, params, x = MODELS["mlp"]()
+    got = hlo_amp.compile(jax.grad(_loss(fn)), "f32,propagate=true")(params, x)
+    want = jax.jit(jax.grad(_loss(fn)))(params, x)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(g, w)
+
+
+def _train_step():
+    optimizer = optax.adam(1e-3)
+
+    def loss_fn(params, x, y):
+        h = jax.nn.gelu(x @ params["w1"] + params["b1"])
+        logits = h @ params["w2"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w1": jax.random.normal(k[0], (32, 64)) / 6, "b1": jnp.zeros(64),
+              "w2": jax.random.normal(k[1], (64, 10)) / 8}
+    x, y = jax.random.normal(k[2], (16, 32)), jnp.arange(16) % 10
+    return step, (params, optimizer.init(params), x, y)
+
+
+def test_train_step_keeps_signature_dtypes_and_f32_state():
+    step, args = _train_step()
+    amp = hlo_amp.compile(step, "mixed_bfloat16")
+    got = amp(*args)
+    want = jax.jit(step)(*args)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+    _close(got, want, "bfloat16")
+    lowered = amp.lower(*args)
+    original = jax.jit(step).lower(*args).as_text()
+    signature = original.split("{", 2)[1].split("\n")[0]
+    assert lowered.as_text().split("{", 2)[1].split("\n")[0] == signature
+    # the weight-gradient dots feed the f32 update: they keep f32 results even on GPU
+    text = hlo_amp.rewrite(original, "mixed_bfloat16")
+    weight_grads = [line for line in text.splitlines()
+                    if "dot_general" in line and "contracting_dims = [0] x [0]" in line]
+    assert weight_grads and all(line.rstrip().endswith("xf32>") for line in weight_grads)
+    assert _painted(lowered.report()) > 0
+
+
+def test_gpu_dots_return_16bit_and_cpu_dots_keep_f32():
+    fn, params, x = MODELS["mlp"]()
+    text = jax.jit(fn).lower(params, x).as_text()
+    gpu, cpu = _rewrite(text, "mixed_bfloat16", None), _rewrite(text, "mixed_bfloat16", "cpu")
+    first = next(line for line in gpu.splitlines() if "dot_general" in line)
+    assert "-> tensor<4x32xbf16>" in first
+    first = next(line for line in cpu.splitlines() if "dot_general" in line)
+    assert "-> tensor<4x32xf32>" in first
+    for text in (gpu, cpu):  # the tanh between the dots is bf16 on both targets
+        assert any("stablehlo.tanh" in line and "tensor<4x32xbf16>" in line
+                   for line in text.splitlines())
+
+
+def test_report_counts_bytes_and_summary():
+    step, args = _train_step()
+    report = hlo_amp.compile(step, "mixed_bfloat16").lower(*args).report()
+    rows = report.propagation["functions"]
+    assert sum(r["low_bytes_after"] for r in rows) > sum(r["low_bytes_before"] for r in rows)
+    assert "activations:" in report.summary() and "(was 0%)" in report.summary()
+    text = str(report)
+    assert "propagated ops" in text and "deny class" in text
+    data = json.loads(report.to_json())
+    assert data["propagation"]["ops"]["exponential"]["f32"] == {"deny class": 1}
+    assert hlo_amp.compile(step, "bf16").lower(*args).report().propagation is None
+
+
+def test_scope_rule_bounds_region_and_is_used():
+    def fn(p, x):
+        h = jnp.tanh(x @ p["w1"])
+        with jax.named_scope("head"):
+            h = jnp.tanh(h) * 2.0
+        return h @ p["w2"]
+
+    params = {"w1": jnp.ones((8, 8)) / 8, "w2": jnp.ones((8, 4)) / 8}
+    x = jnp.ones((4, 8))
+    text = jax.jit(fn).lower(params, x).as_text(debug_info=True)
+    free, report = hlo_amp.rewrite(text, "mixed_bfloat16", return_report=True)
+    assert report.propagation["ops"]["multiply"]["painted"] == 1
+    with warnings.catch_warnings():  # the rule matched ops: no "unused rule" warning
+        warnings.simplefilter("error")
+        bounded, report = hlo_amp.rewrite(text, "mixed_bfloat16,scope:head=float32",
+                                          return_report=True)
+    assert report.propagation["ops"]["multiply"]["painted"] == 0
+    assert "rule scope:head" in report.propagation["ops"]["multiply"]["f32"]
+    assert free != bounded
+
+
+def test_op_rules_move_classes():
+    def fn(p, x):
+        return jnp.exp(x @ p["w1"]) @ p["w2"]
+
+    params = {"w1": jnp.ones((8, 8)) / 8, "w2": jnp.ones((8, 4)) / 8}
+    text = jax.jit(fn).lower(params, jnp.ones((4, 8))).as_text()
+    _, report = hlo_amp.rewrite(text, "mixed_bfloat16", return_report=True)
+    assert report.propagation["ops"]["exponential"]["painted"] == 0
+    _, report = hlo_amp.rewrite(text, "mixed_bfloat16,op:exponential=compute",
+                                return_report=True)
+    assert report.propagation["ops"]["exponential"]["painted"] == 1
+
+
+def test_f16_denies_divide_bf16_does_not():
+    def fn(p, x):
+        return ((x @ p["w1"]) / p["d"]) @ p["w2"]
+
+    params = {"w1": jnp.ones((8, 8)) / 8, "w2": jnp.ones((8, 4)) / 8, "d": jnp.full((8,), 3.0)}
+    text = jax.jit(fn).lower(params, jnp.ones((4, 8))).as_text()
+    _, bf16 = hlo_amp.rewrite(text, "mixed_bfloat16", return_report=True)
+    _, f16 = hlo_amp.rewrite(text, "mixed_float16", return_report=True)
+    assert bf16.propagation["ops"]["divide"]["painted"] == 1
+    assert f16.propagation["ops"]["divide"] == {"painted": 0, "f32": {"deny class": 1}}
