@@ -79,6 +79,9 @@ MORE_ERRORS = {
         lambda d: [_write(d, "priv.mlir", "func.func private @f() {\n  return\n}\n")],
         r"priv\.mlir: error: the module has no public func\.func"),
     "bad_policy_preset": (lambda d: [d / "in.mlir", "--policy", "bogus"], r"'bogus'"),
+    "bad_propagation_op": (
+        lambda d: [d / "in.mlir", "--policy", "mixed_bfloat16", "--op", "exponentail=compute"],
+        r"bad policy: Unknown op kind 'exponentail'; accepted: dot_general.*exponential"),
     "bad_scope_action": (lambda d: [d / "in.mlir", "--scope", "head=fast"],
                          r"Unknown action 'fast' for scope rule 'head'"),
     "bad_op_syntax": (lambda d: [d / "in.mlir", "--op", "dot_general"],
@@ -95,8 +98,12 @@ MORE_ERRORS = {
 def error_runs(tmp_path_factory: pytest.TempPathFactory
                ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path]]:
     """Every subprocess error case, a few at a time (each run mostly imports jax)."""
+    # Made before the threads start: concurrent first calls to mktemp race on creating
+    # pytest's base temp directory.
+    directories = {case: tmp_path_factory.mktemp(case) for case in ERRORS}
+
     def run(case: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-        directory = tmp_path_factory.mktemp(case)
+        directory = directories[case]
         (directory / "in.mlir").write_text(MODULE)
         out = directory / "out" / "result.mlir"
         out.parent.mkdir()

@@ -25,6 +25,8 @@ ALL_COMPUTE = {kind: "compute" for kind in OP_KINDS}
         ("bf16", "bfloat16", ALL_COMPUTE),
         ("f16", "float16", ALL_COMPUTE),
         ("f32", "bfloat16", {}),
+        ("mixed_bfloat16", "bfloat16", ALL_COMPUTE),
+        ("mixed_float16", "float16", ALL_COMPUTE),
     ],
 )
 def test_presets_parse(spec: str, compute: str, ops: dict[str, str]) -> None:
@@ -34,7 +36,43 @@ def test_presets_parse(spec: str, compute: str, ops: dict[str, str]) -> None:
     assert dict(policy.scopes) == {}
     assert policy.backward is None
     assert policy.include_f64 is False
+    assert policy.propagate is spec.startswith("mixed_")
     assert policy == Policy.preset(spec)
+
+
+def test_propagate_item_and_field() -> None:
+    assert Policy.parse("bf16,propagate=true") == Policy.preset("mixed_bfloat16")
+    assert Policy.parse("mixed_float16,propagate=false") == Policy.preset("f16")
+    assert Policy.from_dict({"compute_dtype": "bfloat16", "ops": ALL_COMPUTE,
+                             "propagate": True}) == Policy.preset("mixed_bfloat16")
+    assert Policy("float16", ops=ALL_COMPUTE, propagate=True) == Policy.parse("mixed_float16")
+
+
+def test_op_rules_accept_every_stablehlo_op_name() -> None:
+    policy = Policy.parse("mixed_bfloat16,op:exponential=compute,op:stablehlo.add=float32,"
+                          "op:reduce=keep,op:chlo.erf=bfloat16")
+    assert dict(policy.ops) == {**ALL_COMPUTE, "exponential": "compute", "add": "float32",
+                                "reduce": "keep", "erf": "bfloat16"}
+    assert policy.decide((), "exponential", False) == Rule("compute", "op:exponential")
+    assert Policy.parse(policy.to_string()) == policy
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("mixed_bfloat16,op:exponentail=compute", "Unknown op kind 'exponentail'; accepted:"),
+        ("bf16,op:exponential=compute", "add propagate=true or start from mixed_bfloat16"),
+        ("mixed_bfloat16,op:add=float16", "accepted for ops other than"),
+        ("mixed_bfloat16,propagate=sometimes", "accepted: true, false"),
+        ("mixed_float32", "Unknown preset 'mixed_float32'"),
+    ],
+)
+def test_propagation_rule_errors(spec: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match="") as error:
+        Policy.parse(spec)
+    assert fragment in str(error.value)
+    if "Unknown op kind" in fragment:  # the list of accepted names is complete
+        assert "exponential" in str(error.value) and "dot_general" in str(error.value)
 
 
 def test_parse_full_grammar() -> None:
@@ -180,7 +218,9 @@ def test_as_policy_accepts_every_form() -> None:
     "spec",
     ["bf16", "f16", "f32", "bf16,scope:head=float32,scope:Block_*/attn=keep",
      "f32,op:convolution=compute,compute=float16,backward=keep,f64=true",
-     "bf16,op:dot=float16,scope:amp_stop=compute"],
+     "bf16,op:dot=float16,scope:amp_stop=compute",
+     "mixed_bfloat16,scope:head=float32,op:exponential=compute",
+     "mixed_float16,op:add=keep", "f32,op:dot_general=compute,propagate=true"],
 )
 def test_string_and_dict_round_trips(spec: str) -> None:
     policy = Policy.parse(spec)
@@ -200,6 +240,7 @@ _POLICIES = st.builds(
     scopes=st.dictionaries(_PATTERN, _ACTIONS, max_size=4),
     backward=st.none() | _ACTIONS,
     include_f64=st.booleans(),
+    propagate=st.booleans(),
 )
 _SCOPES = st.lists(st.sampled_from(["a", "b", "X", "amp_stop", "c_1", "Y.9"]), max_size=4)
 
