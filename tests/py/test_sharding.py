@@ -74,6 +74,22 @@ SCRIPT = textwrap.dedent("""
     results["all_low"] = all(d.low_precision for d in lowered.report().decisions)
     results["n_decisions"] = len(lowered.report().decisions)
 
+    # the fast mode on the same sharded step
+    amp_mixed = hlo_amp.compile(step, "mixed_bfloat16")
+    mixed_params, _, mixed_loss = amp_mixed(s_params, s_state, s_x, s_y)
+    results["mixed_sharding_equivalent"] = {
+        k: mixed_params[k].sharding.is_equivalent_to(jit_params[k].sharding, 2)
+        for k in mixed_params}
+    results["mixed_loss_sharding_equivalent"] = mixed_loss.sharding.is_equivalent_to(
+        jit_loss.sharding, 0)
+    results["mixed_max_err"] = {k: float(jnp.max(jnp.abs(mixed_params[k] - ref_params[k])))
+                                for k in mixed_params}
+    mixed_lowered = amp_mixed.lower(s_params, s_state, s_x, s_y)
+    for marker in ("sdy.sharding", "mhlo.sharding", "sdy.mesh"):
+        results["mixed_" + marker] = mixed_lowered.as_text().count(marker)
+    rows = mixed_lowered.report().propagation["functions"]
+    results["mixed_low_bytes"] = sum(r["low_bytes_after"] for r in rows)
+
     # shard_map body
     def local(xb, w):
         return jax.lax.psum(xb @ w, "model")
@@ -141,3 +157,13 @@ def test_shard_map_body_rewritten(results):
     assert all(kind == "dot_general" and low and changed for kind, low, changed in decisions)
     assert results["shard_map_text_bf16"]
     assert results["shard_map_err"] <= 1e-2 * results["shard_map_scale"] + 1e-6
+
+
+def test_mixed_mode_keeps_shardings_and_paints(results):
+    assert results["mixed_sharding_equivalent"] == {"w1": True, "w2": True}
+    assert results["mixed_loss_sharding_equivalent"]
+    for marker in ("sdy.sharding", "mhlo.sharding", "sdy.mesh"):
+        assert results["mixed_" + marker] == results[marker][1], marker
+    for k, err in results["mixed_max_err"].items():
+        assert err <= 1.6e-2 * results["scale"][k], (k, err)
+    assert results["mixed_low_bytes"] > 0  # the tanh between the dots is 16-bit
