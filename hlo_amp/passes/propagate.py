@@ -160,6 +160,7 @@ class _Instance:
     ops: list[Any]
     parent: tuple[int, int] | None = None  # (parent instance, call op index)
     calls: dict[int, int] = field(default_factory=dict)  # call op index -> child instance
+    index: dict[Any, int] = field(default_factory=dict)  # operation -> op index (lazy)
     signature: tuple = ()
 
 
@@ -373,14 +374,11 @@ class _Graph:
         return found
 
     def _node_of(self, inst_id: int, op: Any) -> _Node | None:
-        index = self._index_of(inst_id).get(op.operation)
+        inst = self.instances[inst_id]
+        if not inst.index:
+            inst.index = {o.operation: i for i, o in enumerate(inst.ops)}
+        index = inst.index.get(op.operation)
         return None if index is None else self.op_node.get((inst_id, index))
-
-    def _index_of(self, inst_id: int) -> dict[Any, int]:
-        cache = self.__dict__.setdefault("_index_cache", {})
-        if inst_id not in cache:
-            cache[inst_id] = {op.operation: i for i, op in enumerate(self.instances[inst_id].ops)}
-        return cache[inst_id]
 
     def solve(self) -> None:
         readers: dict[int, list[list[_Node | str]]] = {}
