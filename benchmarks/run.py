@@ -426,6 +426,11 @@ def main(argv: list[str] | None = None) -> None:
              "on a CPU without `avx512_bf16`/`amx_bf16`; they are left out here because "
              + ("this CPU lists " + ", ".join(f"`{f}`" for f in cpu_flags) if cpu_flags
                 else "the dots ran on the GPU") + ".")]),
+        *([("- GPU rows are not in this file: it was made on CPU. They come from "
+            "`python -m benchmarks.run --device gpu` on a GPU machine (variants f32 with "
+            "XLA's default TF32, f32 with `xla_gpu_default_to_alg_dot_bf16_bf16_f32`, Flax "
+            "bf16, Keras mixed_bfloat16, hlo_amp bf16 and mixed_bfloat16).")]
+          if args.device == "cpu" else []),
         ("- `Keras mixed_bfloat16`: the same models written with Keras 3 layers (JAX "
          "backend), every layer at `dtype=\"mixed_bfloat16\"` (f32 variables cast to bf16 "
          "per layer, activations bf16 between layers), trained through "

@@ -341,8 +341,8 @@ def _max_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def stress(layers: int, dim: int, batch: int) -> dict[str, Any]:
-    """Lower a `layers`-deep ViT train step and run the pass; no XLA compile."""
+def stress(layers: int, dim: int, batch: int, policy: str = "bf16") -> dict[str, Any]:
+    """Lower a `layers`-deep ViT train step and run the passes of `policy`; no XLA compile."""
     import hlo_amp
 
     model = ViT(image_size=32, channels=3, patch=4, dim=dim, depth=layers, heads=8,
@@ -355,12 +355,12 @@ def stress(layers: int, dim: int, batch: int) -> dict[str, Any]:
     x = jax.ShapeDtypeStruct((batch, 32, 32, 3), jnp.float32)
     y = jax.ShapeDtypeStruct((batch,), jnp.int32)
     rss_before = _max_rss_mib()
-    lowered = hlo_amp.compile(make_step(graphdef, tx), "bf16").lower(params, opt_state, x, y)
+    lowered = hlo_amp.compile(make_step(graphdef, tx), policy).lower(params, opt_state, x, y)
     text = lowered.as_text()
     ops = len(re.findall(r"^\s*(?:%[\w#:, %]+ = )?\"?(?:stablehlo|func|chlo)\.", text, re.MULTILINE))
     decisions = lowered.report().decisions
     return {
-        "layers": layers, "dim": dim, "batch": batch,
+        "layers": layers, "dim": dim, "batch": batch, "policy": policy,
         "ops": ops,
         "dots_convs": len(decisions),
         "converted": sum(1 for d in decisions if d.low_precision and d.changed),
@@ -378,8 +378,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--layers", type=int, default=24)
     s.add_argument("--dim", type=int, default=384)
     s.add_argument("--batch", type=int, default=128)
+    s.add_argument("--policy", default="bf16")
     args = p.parse_args(argv)
-    print(json.dumps(stress(args.layers, args.dim, args.batch)))
+    print(json.dumps(stress(args.layers, args.dim, args.batch, args.policy)))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
 from hlo_amp.cpu_dots import matrix_result_in_16bit
@@ -51,13 +52,18 @@ from hlo_amp.policy import AMP_STOP, COMPUTE, DTYPE_TO_ELEMENT, OP_KINDS, Policy
 from hlo_amp.report import Report
 from hlo_amp.sites import call_prefix, join_names, location_name, site_of
 
-_CONTROL_FLOW = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if"})
+_CONTROL_FLOW_OPS = (hlo.WhileOp, hlo.CaseOp, hlo.IfOp)
 _MATRIX = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
 _TERMINATORS = frozenset({"stablehlo.return", "func.return"})
 # Ops that hold no activation of their own, left out of counts and byte totals.
 _NOT_VALUES = frozenset({"stablehlo.convert", "stablehlo.constant", "stablehlo.iota",
                          "stablehlo.return", "func.return", "func.call",
                          "stablehlo.while", "stablehlo.case", "stablehlo.if"})
+# Reasons the painting itself gives (reset when it runs again).
+_FEEDS_DENY, _NOT_BETWEEN = "feeds a deny op", "not between 16-bit ops"
+_SOLVE_REASONS = frozenset({_FEEDS_DENY, _NOT_BETWEEN})
+_NOT_VALUE_OPS = (hlo.ConvertOp, hlo.ConstantOp, hlo.IotaOp, hlo.ReturnOp, func_dialect.ReturnOp,
+                  func_dialect.CallOp, hlo.WhileOp, hlo.CaseOp, hlo.IfOp)
 LINK = "link"
 SINK = "sink"  # a convert to the compute dtype: where a region may end
 
@@ -75,7 +81,7 @@ def body_ops(fn: Any) -> list[Any]:
             for block in region.blocks:
                 for inner in block.operations:
                     found.append(inner)
-                    if inner.operation.name in _CONTROL_FLOW:
+                    if isinstance(inner, _CONTROL_FLOW_OPS):
                         visit(inner.operation)
 
     visit(fn.operation)
@@ -149,6 +155,7 @@ class _Node:
     fwd: bool = False
     bwd: bool = False
     painted: bool = False  # for allow ops: the result is 16-bit
+    deferred: bool = False  # its policy check waits until it is painted (amp_stop only)
 
 
 @dataclass
@@ -174,8 +181,12 @@ class Propagate:
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
         low = ir.Type.parse(DTYPE_TO_ELEMENT[self.policy.compute_dtype], module.context)
-        before = intermediate_bytes(module)
-        graph = _Graph(self.policy, low)
+        # One walk per function body, shared by everything below: the first visit of an
+        # op is the slow part of the bindings. The rewrite only adds and erases converts,
+        # which the byte count skips by class, so the lists stay good for the "after".
+        walks: dict[Any, list[Any]] = {}
+        before = intermediate_bytes(module, walks)
+        graph = _Graph(self.policy, low, walks)
         graph.build(module)
         graph.solve()
         counts = graph.counts()
@@ -184,7 +195,7 @@ class Propagate:
         if report is not None:
             report.propagation = {
                 "ops": counts,
-                "functions": _bytes_table(before, intermediate_bytes(module)),
+                "functions": _bytes_table(before, intermediate_bytes(module, walks)),
                 "clones": clones,
             }
             report.rules_used.update(graph.rules_used)
@@ -193,9 +204,10 @@ class Propagate:
 class _Graph:
     """The dataflow graph over every instance of every function, and its painting."""
 
-    def __init__(self, policy: Policy, low: ir.Type) -> None:
+    def __init__(self, policy: Policy, low: ir.Type, walks: dict[Any, list[Any]]) -> None:
         self.policy = policy
         self.low = low
+        self.walks = walks  # function operation -> body_ops, shared with the byte count
         self.instances: list[_Instance] = []
         self.nodes: list[_Node] = []
         self.op_node: dict[tuple[int, int], _Node] = {}  # (inst, op index) -> node
@@ -225,7 +237,7 @@ class _Graph:
         inst_id = len(self.instances)
         if len(self.instances) > 100_000:
             raise RecursionError("hlo-amp-propagate: call graph too deep or recursive")
-        inst = _Instance(fn, prefix, body_ops(fn), parent)
+        inst = _Instance(fn, prefix, walk_once(fn, self.walks), parent)
         self.instances.append(inst)
         for index, op in enumerate(inst.ops):
             if is_call(op) and callee_name(op) in self.by_name:
@@ -266,10 +278,14 @@ class _Graph:
             if cls in (INFER, CLEAR):
                 if not _types_ok(op):
                     node.cls, node.reason = DENY, "not an f32 op"
+                elif not self._site_rules:
+                    node.deferred = True  # only amp_stop could name it: checked if painted
                 else:
                     override = self._policy_class(op, inst.prefix, node.kind)
                     if override is not None:
                         node.cls, node.reason = override
+            elif cls != ALLOW and not self._site_rules:
+                node.reason = "deny class" if cls == DENY else "not in the op table"
             elif cls != ALLOW:
                 override = self._policy_class(op, inst.prefix, node.kind)
                 if override is not None and override[0] in (INFER, CLEAR) and _types_ok(op):
@@ -381,10 +397,31 @@ class _Graph:
         return None if index is None else self.op_node.get((inst_id, index))
 
     def solve(self) -> None:
-        readers: dict[int, list[list[_Node | str]]] = {}
+        """Paint; then, when only amp_stop could name a non-matrix op, check just the
+        painted ops for it (locations are slow to read) and paint again if one is."""
+        readers = {id(node): [self.consumers(key) for key in node.outputs
+                              if _is_f32(key[1])] for node in self.nodes}
+        self._paint(readers)
+        while True:
+            stopped = False
+            for node in self.nodes:
+                if node.painted and node.deferred:
+                    node.deferred = False
+                    inst = self.instances[node.inst]
+                    override = self._policy_class(inst.ops[node.index], inst.prefix, node.kind)
+                    if override is not None:
+                        node.cls, node.reason = override
+                        stopped = True
+            if not stopped:
+                return
+            for node in self.nodes:  # start over from the build-time classes
+                node.pinned = node.eligible = node.fwd = node.bwd = node.painted = False
+                if node.reason in _SOLVE_REASONS:
+                    node.reason = ""
+            self._paint(readers)
+
+    def _paint(self, readers: dict[int, list[list[_Node | str]]]) -> None:
         for node in self.nodes:
-            readers[id(node)] = [self.consumers(key) for key in node.outputs
-                                 if _is_f32(key[1])]
             denied = any(c == DENY or (isinstance(c, _Node) and c.cls not in
                                        (INFER, CLEAR, LINK, ALLOW))
                          for group in readers[id(node)] for c in group)
@@ -392,7 +429,7 @@ class _Graph:
             if node.cls in (INFER, CLEAR, LINK) and not node.reason:
                 node.eligible = not denied
                 if denied:
-                    node.reason = "feeds a deny op"
+                    node.reason = _FEEDS_DENY
         # Forward: reachable from an allow op through eligible nodes.
         pending = [n for n in self.nodes if n.cls == ALLOW and not n.pinned]
         while pending:
@@ -419,7 +456,7 @@ class _Graph:
             if node.eligible and node.fwd and node.bwd and readers[id(node)]:
                 node.painted = True
             elif node.eligible and not node.reason:
-                node.reason = "not between 16-bit ops"
+                node.reason = _NOT_BETWEEN
         for node in self.nodes:  # allow ops: a 16-bit result where a region reads it
             if node.cls == ALLOW and not node.pinned:
                 node.painted = any(r == SINK or (isinstance(r, _Node) and r.painted)
@@ -536,7 +573,7 @@ class _Rewriter:
             if fn.operation in done:
                 continue
             done.add(fn.operation)
-            ops = inst.ops if fn is inst.fn else body_ops(fn)
+            ops = inst.ops if fn is inst.fn else walk_once(fn, graph.walks)
             for index, child in inst.calls.items():
                 ops[index].attributes["callee"] = ir.FlatSymbolRefAttr.get(
                     function_name(chosen[child]), context=fn.context)
@@ -671,7 +708,16 @@ class _Rewriter:
         return converted
 
 
-def intermediate_bytes(module: ir.Module) -> dict[str, tuple[int, int]]:
+def walk_once(fn: Any, walks: dict[Any, list[Any]]) -> list[Any]:
+    """``body_ops(fn)``, walked once per function and kept in ``walks``."""
+    found = walks.get(fn.operation)
+    if found is None:
+        found = walks[fn.operation] = body_ops(fn)
+    return found
+
+
+def intermediate_bytes(module: ir.Module, walks: dict[Any, list[Any]] | None = None
+                       ) -> dict[str, tuple[int, int]]:
     """Per function: (bytes, 16-bit-or-narrower bytes) of the float values its ops make.
 
     Converts, constants and control-flow results are left out: they hold no new
@@ -680,8 +726,8 @@ def intermediate_bytes(module: ir.Module) -> dict[str, tuple[int, int]]:
     table: dict[str, tuple[int, int]] = {}
     for fn in functions(module):
         total = low = 0
-        for op in body_ops(fn):
-            if op.operation.name in _NOT_VALUES:
+        for op in (body_ops(fn) if walks is None else walk_once(fn, walks)):
+            if isinstance(op, _NOT_VALUE_OPS):
                 continue
             for result in op.results:
                 if not _is_float(result) or not ir.RankedTensorType(result.type).has_static_shape:

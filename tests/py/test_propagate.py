@@ -237,3 +237,27 @@ def test_f16_denies_divide_bf16_does_not():
     _, f16 = hlo_amp.rewrite(text, "mixed_float16", return_report=True)
     assert bf16.propagation["ops"]["divide"]["painted"] == 1
     assert f16.propagation["ops"]["divide"] == {"painted": 0, "f32": {"deny class": 1}}
+
+
+def test_amp_stop_bounds_region():
+    # no scope rules: amp_stop is found on the painted ops, then the painting runs again
+    def fn(p, x, stop):
+        h = x @ p["w1"]
+        if stop:
+            with hlo_amp.amp_stop():
+                h = jnp.tanh(h) * 2.0
+        else:
+            h = jnp.tanh(h) * 2.0
+        return h @ p["w2"]
+
+    params = {"w1": jnp.ones((8, 8)) / 8, "w2": jnp.ones((8, 4)) / 8}
+    x = jnp.ones((4, 8))
+    reports = {}
+    for stop in (False, True):
+        text = jax.jit(fn, static_argnums=2).lower(params, x, stop).as_text(debug_info=True)
+        _, reports[stop] = hlo_amp.rewrite(text, "mixed_bfloat16", return_report=True)
+    assert reports[False].propagation["ops"]["tanh"]["painted"] == 1
+    assert reports[False].propagation["ops"]["dot_general"]["painted"] == 1
+    stopped = reports[True].propagation["ops"]
+    assert stopped["tanh"] == {"painted": 0, "f32": {"rule amp_stop": 1}}
+    assert stopped["dot_general"]["painted"] == 0  # its only reader is in amp_stop
