@@ -6,6 +6,8 @@
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=CONV
 // RUN: hlo-amp-opt %S/inputs/remat.mlir --policy mixed_bfloat16 \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=REMAT
+// RUN: hlo-amp-opt %S/inputs/transformer_block.mlir --policy mixed_bfloat16 \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=BLOCK
 // RUN: hlo-amp-opt %S/inputs/scan_rnn.mlir --policy mixed_bfloat16 --report - -o /dev/null 2>&1 \
 // RUN:   | filecheck %s --check-prefix=JSON
 
@@ -45,6 +47,29 @@
 // REMAT:         stablehlo.sine %{{.*}} : tensor<2x4xf32>
 // REMAT:         stablehlo.optimization_barrier %arg1, %arg0, %{{.*}} : tensor<4x4xf32>, tensor<2x4xf32>, tensor<2x4xf32>
 // REMAT:         stablehlo.cosine %{{.*}} : tensor<2x4xf32>
+
+// Layer norm, GELU and softmax exactly as JAX lowers them: the layer norm's sums and
+// rsqrt (and, deny winning, everything that feeds them) stay f32; the GELU between the
+// two dots is bf16 from the first dot's 16-bit result to the second dot's operand; the
+// softmax's max, exp, sum and divide stay f32, its input dot keeps an f32 result, and
+// only its output is converted for the last dot.
+// BLOCK-LABEL: func.func public @main
+// BLOCK:         stablehlo.reduce(%arg4 init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// BLOCK:         stablehlo.rsqrt %{{.*}} : tensor<2x1xf32>
+// BLOCK:         stablehlo.broadcast_in_dim %arg0, dims = [1] : (tensor<4xf32>) -> tensor<1x4xf32>
+// BLOCK:         %[[LN:.*]] = stablehlo.multiply %{{.*}}, %{{.*}} : tensor<2x4xf32>
+// BLOCK:         %[[LN16:.*]] = stablehlo.convert %[[LN]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// BLOCK:         %[[H:.*]] = stablehlo.dot_general %[[LN16]], {{.*}} -> tensor<2x4xbf16>
+// BLOCK:         stablehlo.multiply %[[H]], %[[H]] : tensor<2x4xbf16>
+// BLOCK:         stablehlo.tanh %{{.*}} : tensor<2x4xbf16>
+// BLOCK:         %[[G:.*]] = stablehlo.multiply %[[H]], %{{.*}} : tensor<2x4xbf16>
+// BLOCK:         %[[L:.*]] = stablehlo.dot_general %[[G]], {{.*}} -> tensor<2x4xf32>
+// BLOCK:         stablehlo.reduce(%[[L]] init: %{{.*}}) applies stablehlo.maximum {{.*}} -> tensor<2xf32>
+// BLOCK:         %[[E:.*]] = stablehlo.exponential %{{.*}} : tensor<2x4xf32>
+// BLOCK:         stablehlo.reduce(%[[E]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// BLOCK:         %[[P:.*]] = stablehlo.divide %[[E]], %{{.*}} : tensor<2x4xf32>
+// BLOCK:         %[[P16:.*]] = stablehlo.convert %[[P]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// BLOCK:         stablehlo.dot_general %[[P16]], {{.*}} -> tensor<2x4xf32>
 
 // JSON:      "propagation": {
 // JSON:        "ops": {

@@ -335,3 +335,23 @@ func.func private @act(%a: tensor<2x4xf32>) -> tensor<2x4xf32> {
   %0 = stablehlo.tanh %a : tensor<2x4xf32> loc("tanh")
   return %0 : tensor<2x4xf32>
 }
+
+// -----
+
+// A boundary on the way out: the tanh between the dots is bf16; the multiply that also
+// reads it leads only to the f32 return, so it stays f32 and reads the tanh converted
+// back up (one convert, shared by both of its uses).
+// CHECK-LABEL: func.func @converted_back
+// CHECK:         %[[T:.*]] = stablehlo.tanh %{{.*}} : tensor<2x4xbf16>
+// CHECK:         %[[D:.*]] = stablehlo.dot_general %[[T]], {{.*}} -> tensor<2x4xf32>
+// CHECK:         %[[UP:.*]] = stablehlo.convert %[[T]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         %[[M:.*]] = stablehlo.multiply %[[UP]], %[[UP]] : tensor<2x4xf32>
+// CHECK:         return %[[D]], %[[M]]
+func.func @converted_back(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> (tensor<2x4xf32>, tensor<2x4xf32>) {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = stablehlo.tanh %0 : tensor<2x4xf32> loc("jit(f)/tanh")
+  %2 = stablehlo.dot_general %1, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %3 = stablehlo.multiply %1, %1 : tensor<2x4xf32> loc("jit(f)/mul")
+  return %2, %3 : tensor<2x4xf32>, tensor<2x4xf32>
+}

@@ -179,6 +179,26 @@ def conv_net() -> str:
         debug_info=True)
 
 
+def block_loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """A pre-LN transformer block's pieces as JAX lowers them: layer norm, a dense, GELU,
+    softmax attention weights, a dense."""
+    with jax.named_scope("ln"):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        h = (x - mean) * jax.lax.rsqrt(var + 1e-6) * p["g"]
+    with jax.named_scope("fc1"):
+        h = jax.nn.gelu(h @ p["w1"])
+    with jax.named_scope("softmax"):
+        h = jax.nn.softmax(h @ p["w2"], axis=-1)
+    with jax.named_scope("fc2"):
+        return (h @ p["w3"]).sum()
+
+
+def transformer_block() -> str:
+    params = {"g": _ones(4), "w1": _ones(4, 4), "w2": _ones(4, 4), "w3": _ones(4, 4)}
+    return jax.jit(block_loss).lower(params, _ones(2, 4)).as_text(debug_info=True)
+
+
 LOWERINGS: dict[str, Callable[[], str]] = {
     "mlp_grad": mlp_grad,
     "flax_linen": flax_linen,
@@ -187,6 +207,7 @@ LOWERINGS: dict[str, Callable[[], str]] = {
     "inner_jit": inner_jit,
     "remat": remat,
     "conv_net": conv_net,
+    "transformer_block": transformer_block,
 }
 
 
