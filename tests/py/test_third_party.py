@@ -50,13 +50,13 @@ def run_steps(step: Callable[..., Any], params, extra, batch) -> tuple[list[floa
     return losses, extra
 
 
-def check_model(loss_fn, params, extra, batch, *, rtol: float = 5e-2
+def check_model(loss_fn, params, extra, batch, *, rtol: float = 5e-2, policy: str = "bf16"
                 ) -> tuple[hlo_amp.Report, Any]:
-    """Runs f32 (jax.jit) and bf16 (hlo_amp) train steps; returns the bf16 report and
-    the bf16 run's final ``extra`` (e.g. batch_stats)."""
+    """Runs f32 (jax.jit) and 16-bit (hlo_amp, ``policy``) train steps; returns the
+    16-bit report and the 16-bit run's final ``extra`` (e.g. batch_stats)."""
     step = make_step(loss_fn)
     want, _ = run_steps(jax.jit(step), params, extra, batch)
-    amp = hlo_amp.compile(step, "bf16")
+    amp = hlo_amp.compile(step, policy)
     got, final_extra = run_steps(amp, params, extra, batch)
     assert amp.lowerings == 1  # one signature, compiled once
     assert np.all(np.isfinite(got))
@@ -70,7 +70,12 @@ def check_model(loss_fn, params, extra, batch, *, rtol: float = 5e-2
     assert total > 0 and low == total
     assert "100% of FLOPs" in report.summary()
     assert {d.direction for d in report.decisions} == {"forward", "backward"}
+    assert (report.propagation is not None) == policy.startswith("mixed_")
     return report, final_extra
+
+
+# Every third-party case runs in the accurate and in the fast mode.
+MODES = ["bf16", "mixed_bfloat16"]
 
 
 def linen_loss(model: nn.Module, mutable: bool = False):
@@ -151,11 +156,13 @@ def _linen_case(name: str):
     return model, params, extra, (x, y)
 
 
+@pytest.mark.parametrize("policy", MODES)
 @pytest.mark.parametrize("name", ["attention", "resnet", "lstm", "remat"])
-def test_linen(name: str) -> None:
+def test_linen(name: str, policy: str) -> None:
     model, params, extra, batch = _linen_case(name)
     mutable = name == "resnet"
-    report, final = check_model(linen_loss(model, mutable), params, extra, batch)
+    report, final = check_model(linen_loss(model, mutable), params, extra, batch,
+                                policy=policy)
     kinds = {d.op_kind for d in report.decisions}
     assert ("convolution" in kinds) == (name == "resnet")
     if mutable:  # batch_stats were updated through the rewritten step
@@ -200,7 +207,8 @@ class NNXNet(nnx.Module):
         return self.out(h.mean(axis=1))
 
 
-def test_nnx() -> None:
+@pytest.mark.parametrize("policy", MODES)
+def test_nnx(policy: str) -> None:
     model = NNXNet(nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     r = _rng(1)
@@ -211,7 +219,7 @@ def test_nnx() -> None:
         m = nnx.merge(graphdef, params)
         return jnp.mean((m(batch[0]) - batch[1]) ** 2), extra
 
-    report, _ = check_model(loss_fn, params, {}, (x, y))
+    report, _ = check_model(loss_fn, params, {}, (x, y), policy=policy)
     assert {d.op_kind for d in report.decisions} == {"dot_general", "convolution"}
 
 
@@ -253,15 +261,17 @@ def _equinox_case(use_attention: bool):
     return loss_fn, params, (x, y)
 
 
-def test_equinox_conv_mlp() -> None:
+@pytest.mark.parametrize("policy", MODES)
+def test_equinox_conv_mlp(policy: str) -> None:
     loss_fn, params, batch = _equinox_case(use_attention=False)
-    report, _ = check_model(loss_fn, params, {}, batch)
+    report, _ = check_model(loss_fn, params, {}, batch, policy=policy)
     assert {d.op_kind for d in report.decisions} == {"dot_general", "convolution"}
 
 
-def test_equinox_with_attention() -> None:
+@pytest.mark.parametrize("policy", MODES)
+def test_equinox_with_attention(policy: str) -> None:
     # Regression: the attention backward dots once failed at run time on XLA:CPU with
     # "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32".
     loss_fn, params, batch = _equinox_case(use_attention=True)
-    report, _ = check_model(loss_fn, params, {}, batch)
+    report, _ = check_model(loss_fn, params, {}, batch, policy=policy)
     assert {d.op_kind for d in report.decisions} == {"dot_general", "convolution"}
