@@ -131,6 +131,23 @@ def is_call(op: object) -> bool:
     return isinstance(op, func_dialect.CallOp) or op.operation.name == "func.call"
 
 
+def clone_private(fn: func_dialect.FuncOp, suffix: str, taken: dict[str, object]
+                  ) -> func_dialect.FuncOp:
+    """A private copy of ``fn`` right after it, named ``{name}_{suffix}{n}`` with the
+    first ``n`` not in ``taken``; the copy is added to ``taken``."""
+    original = function_name(fn)
+    number = 0
+    while f"{original}_{suffix}{number}" in taken:
+        number += 1
+    name = f"{original}_{suffix}{number}"
+    with ir.InsertionPoint.after(fn):
+        clone = fn.operation.clone()
+    clone.attributes["sym_name"] = ir.StringAttr.get(name, context=clone.context)
+    clone.attributes["sym_visibility"] = ir.StringAttr.get("private", context=clone.context)
+    taken[name] = clone.opview
+    return clone.opview
+
+
 def functions(module: ir.Module) -> list[func_dialect.FuncOp]:
     return [op for op in module.body.operations if isinstance(op, func_dialect.FuncOp)]
 

@@ -25,6 +25,7 @@ from jax._src.lib.mlir.dialects import hlo
 from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu
 from hlo_amp.modules import (
     callee_name,
+    clone_private,
     element_type,
     function_name,
     functions,
@@ -212,16 +213,7 @@ class _CallGraph:
         if original not in self.used_names:
             self.used_names.add(original)
             return original
-        source = self.by_name[original]
-        number = 0
-        while f"{original}_amp{number}" in self.by_name:
-            number += 1
-        name = f"{original}_amp{number}"
-        with ir.InsertionPoint.after(source):
-            clone = source.operation.clone()
-        clone.attributes["sym_name"] = ir.StringAttr.get(name, context=clone.context)
-        clone.attributes["sym_visibility"] = ir.StringAttr.get("private", context=clone.context)
-        self.by_name[name] = clone.opview
+        name = function_name(clone_private(self.by_name[original], "amp", self.by_name))
         self.origin[name] = original
         self.used_names.add(name)
         self.clones += 1

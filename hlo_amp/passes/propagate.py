@@ -40,6 +40,7 @@ from jax._src.lib.mlir.dialects import hlo
 from hlo_amp.cpu_dots import matrix_result_in_16bit
 from hlo_amp.modules import (
     callee_name,
+    clone_private,
     element_type,
     function_name,
     functions,
@@ -563,7 +564,8 @@ class _Rewriter:
             name = function_name(inst.fn)
             key = (name, inst.signature)
             if key not in targets:
-                targets[key] = inst.fn if name not in taken else self._clone(inst.fn)
+                targets[key] = (inst.fn if name not in taken
+                               else clone_private(inst.fn, "mixed", graph.by_name))
                 taken.add(name)
             chosen.append(targets[key])
         clones = len(targets) - len(taken)
@@ -579,20 +581,6 @@ class _Rewriter:
                     function_name(chosen[child]), context=fn.context)
             self._apply(fn, ops, inst_id)
         return clones
-
-    def _clone(self, fn: Any) -> Any:
-        by_name = self.graph.by_name
-        original = function_name(fn)
-        number = 0
-        while f"{original}_mixed{number}" in by_name:
-            number += 1
-        name = f"{original}_mixed{number}"
-        with ir.InsertionPoint.after(fn):
-            clone = fn.operation.clone()
-        clone.attributes["sym_name"] = ir.StringAttr.get(name, context=clone.context)
-        clone.attributes["sym_visibility"] = ir.StringAttr.get("private", context=clone.context)
-        by_name[name] = clone.opview
-        return clone.opview
 
     def _retype(self, value: ir.Value) -> None:
         if value in self.retyped or not _is_f32(value):
