@@ -355,3 +355,30 @@ func.func @converted_back(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> (tensor<2
   %3 = stablehlo.multiply %1, %1 : tensor<2x4xf32> loc("jit(f)/mul")
   return %2, %3 : tensor<2x4xf32>, tensor<2x4xf32>
 }
+
+// -----
+
+// A case between two dots: both branches' results and the case result are bf16 (a
+// link like a loop carry); the integer index is untouched.
+// CHECK-LABEL: func.func @case_result
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[C:.*]] = "stablehlo.case"(%{{.*}}) ({
+// CHECK:           %[[T:.*]] = stablehlo.tanh %[[D]] : tensor<2x4xbf16>
+// CHECK:           stablehlo.return %[[T]] : tensor<2x4xbf16>
+// CHECK:         }, {
+// CHECK:           %[[N:.*]] = stablehlo.negate %[[D]] : tensor<2x4xbf16>
+// CHECK:           stablehlo.return %[[N]] : tensor<2x4xbf16>
+// CHECK:         }) : (tensor<i32>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[C]], {{.*}} -> tensor<2x4xf32>
+func.func @case_result(%i: tensor<i32>, %x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = "stablehlo.case"(%i) ({
+    %t = stablehlo.tanh %0 : tensor<2x4xf32> loc("jit(f)/cond/branch_0_fun/tanh")
+    stablehlo.return %t : tensor<2x4xf32> loc("jit(f)/cond")
+  }, {
+    %n = stablehlo.negate %0 : tensor<2x4xf32> loc("jit(f)/cond/branch_1_fun/neg")
+    stablehlo.return %n : tensor<2x4xf32> loc("jit(f)/cond")
+  }) : (tensor<i32>) -> tensor<2x4xf32> loc("jit(f)/cond")
+  %2 = stablehlo.dot_general %1, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  return %2 : tensor<2x4xf32>
+}
