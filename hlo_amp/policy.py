@@ -12,6 +12,7 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
     SPEC    := ITEM ("," ITEM)*
     ITEM    := PRESET | "compute=" DTYPE | "backward=" ACTION | "f64=" BOOL
              | "only_if_faster=" BOOL | "propagate=" BOOL
+             | "explicit_precision=" ("keep" | "ignore")
              | "op:" KIND "=" ACTION | "scope:" PATTERN "=" ACTION
     PRESET  := "bf16" | "f16" | "f32" | "mixed_bfloat16" | "mixed_float16"
                (only as the first item)
@@ -20,6 +21,11 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
     DTYPE   := "bfloat16" | "float16" | "float32" | "float64" (or bf16, f16, f32, f64)
 
 Example: ``"bf16,scope:head=float32,scope:Block_*/attn=keep,op:convolution=keep"``.
+
+``Policy(compute_dtype=..., scopes=...)`` without ``ops`` has the presets' op rules (dots
+and convolutions compute); ``ops={}`` means none. Dots the program pinned to HIGHEST
+precision or an explicit algorithm are kept unless a scope rule names them
+(``explicit_precision=ignore`` turns that off).
 
 Two modes: ``bf16``/``f16`` convert only the operands of matrix ops (f32 results, the
 accurate mode); ``mixed_bfloat16``/``mixed_float16`` (``propagate=true``) also keep the
@@ -66,6 +72,7 @@ _PRIMITIVE_KINDS = {
     "conv_general_dilated": ("convolution",),
 }
 
+EXPLICIT_PRECISION = ("keep", "ignore")
 PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16")
 
 
@@ -164,7 +171,9 @@ class Policy:
     """Which ops compute in which precision; see the module docstring."""
 
     compute_dtype: str = "bfloat16"
-    ops: Mapping[str, str] = field(default_factory=dict)
+    # None: the presets' op rules (dot, dot_general, convolution -> compute), so
+    # Policy(compute_dtype=..., scopes=...) means what it says; {} means no op rules.
+    ops: Mapping[str, str] | None = None
     scopes: Mapping[str, str] = field(default_factory=dict)
     backward: str | None = None
     include_f64: bool = False
@@ -173,6 +182,9 @@ class Policy:
     only_if_faster: bool = False
     # The mixed_* modes: keep activations 16-bit between matrix ops (passes/propagate.py).
     propagate: bool = False
+    # "keep": dots the program wrote with HIGHEST precision or an explicit algorithm stay
+    # as written unless a scope rule names them; "ignore": treat them like any other.
+    explicit_precision: str = "keep"
 
     def __post_init__(self) -> None:
         try:
@@ -184,6 +196,8 @@ class Policy:
                 f"Unsupported compute_dtype {self.compute_dtype!r}; accepted: "
                 f"{', '.join(COMPUTE_DTYPES)}"
             )
+        if self.ops is None:
+            object.__setattr__(self, "ops", {kind: COMPUTE for kind in OP_KINDS})
         if not isinstance(self.ops, Mapping):
             raise ValueError(  # noqa: TRY004
                 f"ops must be a dict of op kind -> action, got {self.ops!r}"
@@ -226,6 +240,11 @@ class Policy:
         object.__setattr__(self, "include_f64", bool(self.include_f64))
         object.__setattr__(self, "only_if_faster", bool(self.only_if_faster))
         object.__setattr__(self, "propagate", propagate)
+        if self.explicit_precision not in EXPLICIT_PRECISION:
+            raise ValueError(
+                f"Unknown explicit_precision {self.explicit_precision!r}; accepted: "
+                f"{', '.join(EXPLICIT_PRECISION)}"
+            )
 
     # ---- construction -------------------------------------------------------------
 
@@ -281,6 +300,8 @@ class Policy:
                 fields["compute_dtype"] = value
             elif key == "backward":
                 fields["backward"] = value
+            elif key == "explicit_precision":
+                fields["explicit_precision"] = value.lower()
             elif key in ("f64", "only_if_faster", "propagate"):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"Unknown value {value!r} for {key} in {spec!r}; "
@@ -290,7 +311,7 @@ class Policy:
             else:
                 raise ValueError(
                     f"Unknown key {key!r} in {spec!r}; accepted: compute, backward, f64, "
-                    f"only_if_faster, propagate, "
+                    f"only_if_faster, propagate, explicit_precision, "
                     f"op:KIND, scope:PATTERN (or a preset {', '.join(PRESETS)} first)"
                 )
         return cls.from_dict(fields)
@@ -305,12 +326,13 @@ class Policy:
             "include_f64": self.include_f64,
             "only_if_faster": self.only_if_faster,
             "propagate": self.propagate,
+            "explicit_precision": self.explicit_precision,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
         allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64",
-                   "only_if_faster", "propagate")
+                   "only_if_faster", "propagate", "explicit_precision")
         if not isinstance(data, Mapping):
             raise ValueError(f"A policy dict was expected, got {data!r}")  # noqa: TRY004
         unknown = [k for k in data if k not in allowed]
@@ -341,6 +363,8 @@ class Policy:
             items.append("f64=true")
         if self.only_if_faster:
             items.append("only_if_faster=true")
+        if self.explicit_precision != "keep":
+            items.append(f"explicit_precision={self.explicit_precision}")
         return ",".join(items)
 
     def __str__(self) -> str:

@@ -38,3 +38,16 @@ def warn_unused_rules(report: Report, *, stacklevel: int = 1) -> None:
             f"hlo_amp: policy rule(s) matched no op: {', '.join(unused)} "
             f"(policy {report.policy!r})",
             UserWarning, stacklevel=stacklevel + 1)
+    # A policy that converts nothing, where no rule or explicit precision asked for that:
+    # e.g. a Policy built with ops={} and only f32 scope rules that match nothing.
+    asked = [d for d in report.decisions
+             if d.rule.startswith(("scope:", "backward")) or d.rule == "amp_stop"
+             or d.reason.startswith("kept: the program asked")]
+    if (report.decisions and not asked
+            and not any(d.changed or d.low_precision for d in report.decisions)
+            and report.policy != Policy.preset("f32").to_string()):
+        warnings.warn(
+            f"hlo_amp: policy {report.policy!r} converts none of the program's "
+            f"{len(report.decisions)} dot/convolution ops (see the report's reasons); "
+            f"use a preset such as 'bf16' or add op rules (op:dot_general=compute)",
+            UserWarning, stacklevel=stacklevel + 1)

@@ -16,6 +16,7 @@ nothing is decided once for all callers. Public signatures never change.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ from hlo_amp.modules import (
     walk_ops,
     with_element,
 )
-from hlo_amp.policy import COMPUTE, DTYPE_BITS, DTYPE_TO_ELEMENT, KEEP, Policy
+from hlo_amp.policy import COMPUTE, DTYPE_BITS, DTYPE_TO_ELEMENT, KEEP, Policy, Rule
 from hlo_amp.report import Decision, Report
 from hlo_amp.sites import call_prefix, join_names, location_name, site_of
 
@@ -83,6 +84,31 @@ def estimate_flops(op: Any, kind: str) -> int | None:
         kernel *= size
     out_features = rhs.shape[numbers.kernel_output_feature_dimension]
     return 2 * out * kernel // max(out_features, 1)
+
+
+def asks_for_precision(op: Any) -> str | None:
+    """What the program asked for when it pinned this op's precision, else None:
+    HIGHEST on both operands, or an explicit dot algorithm."""
+    attributes = op.operation.attributes
+    if "algorithm" in attributes:
+        return "an explicit dot algorithm"
+    if "precision_config" in attributes:
+        entries = [str(entry) for entry in ir.ArrayAttr(attributes["precision_config"])]
+        if entries and all("HIGHEST" in entry for entry in entries):
+            return "HIGHEST precision"
+    return None
+
+
+def decide(policy: Policy, op: Any, site: Any, kind: str) -> tuple[Rule, str | None]:
+    """The policy's rule for a matrix op, and why it is kept when the program pinned its
+    precision (only a scope rule overrides that, unless explicit_precision=ignore)."""
+    rule = policy.decide(site.scope, kind, site.backward)
+    if (policy.explicit_precision == "keep" and rule.action not in (None, KEEP)
+            and not rule.rule.startswith("scope:")):
+        asked = asks_for_precision(op)
+        if asked is not None:
+            return Rule(KEEP, rule.rule), f"kept: the program asked for {asked}"
+    return rule, None
 
 
 @dataclass(frozen=True)
@@ -181,7 +207,7 @@ class _CallGraph:
             kind = op_kind(op)
             if kind is not None:
                 site = site_of(op.location, kind, prefix)
-                parts.append(self.policy.decide(site.scope, kind, site.backward).action)
+                parts.append(decide(self.policy, op, site, kind)[0].action)
             elif is_call(op) and callee_name(op) in self.by_name:
                 inner = callee_name(op)
                 parts.append(self.signature(inner, self._callee_prefix(prefix, op)))
@@ -254,8 +280,10 @@ class InsertConverts:
             if kind is None:
                 continue
             site = site_of(op.location, kind, instance.prefix)
-            rule = self.policy.decide(site.scope, kind, site.backward)
+            rule, pinned = decide(self.policy, op, site, kind)
             plan = plan_op(op, kind, self.policy, rule.action, rule.rule, self.target)
+            if pinned is not None:
+                plan = dataclasses.replace(plan, reason=pinned)
             before = tuple(str(element_type(v)) for v in list(op.operands)[:2])
             result_before = str(element_type(op.result))
             changed = any(plan.operand_targets) or plan.result_target is not None

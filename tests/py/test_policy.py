@@ -384,3 +384,26 @@ def test_amp_stop_decorator_names_the_ops_inside() -> None:
 
     text = _lowered(f, jnp.ones((2, 2)), jnp.ones((2, 2)))
     assert 'loc("jit(f)/Block_0/amp_stop/dot_general"' in text
+
+
+# ---- Policy defaults and explicit precision (issue 10, items 4 and 5) ------------------
+
+
+def test_constructor_without_ops_has_the_presets_op_rules() -> None:
+    built = Policy(compute_dtype="bfloat16", scopes={"head": "float32"})
+    assert dict(built.ops) == ALL_COMPUTE
+    assert built == Policy.parse("bf16,scope:head=float32")
+    assert built == Policy.from_dict({"compute_dtype": "bfloat16", "scopes": {"head": "float32"}})
+    assert dict(Policy(ops={}).ops) == {}  # explicitly none
+    assert Policy(ops={}) == Policy.preset("f32")
+
+
+def test_explicit_precision_item() -> None:
+    policy = Policy.parse("bf16,explicit_precision=ignore")
+    assert policy.explicit_precision == "ignore"
+    assert Policy.parse(policy.to_string()) == policy
+    assert Policy.from_dict(policy.to_dict()) == policy
+    assert Policy.parse("bf16").explicit_precision == "keep"
+    with pytest.raises(ValueError) as error:
+        Policy.parse("bf16,explicit_precision=maybe")
+    assert "Unknown explicit_precision 'maybe'; accepted: keep, ignore" in str(error.value)

@@ -10,6 +10,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src.lib.mlir import ir
 
@@ -223,3 +224,58 @@ def test_rewrite_needs_no_global_context() -> None:
     # The pass makes its own MLIR context; a caller's context is not disturbed.
     with ir.Context():
         assert "xbf16>" in hlo_amp.rewrite(TEXT, "bf16")
+
+
+def test_policy_constructor_with_scopes_converts() -> None:
+    # issue 10: Policy(compute_dtype=..., scopes=...) once converted nothing, silently
+    def f(x, w):
+        h = x @ w
+        with jax.named_scope("head"):
+            return h @ w
+
+    text = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((8, 8))).as_text(debug_info=True)
+    policy = hlo_amp.Policy(compute_dtype="bfloat16", scopes={"head": "float32"})
+    _, report = hlo_amp.rewrite(text, policy, return_report=True)
+    assert [(d.scope, d.low_precision) for d in report.decisions] == [("", True),
+                                                                       ("head", False)]
+
+
+def test_policy_that_converts_nothing_warns() -> None:
+    text = jax.jit(lambda x, w: x @ w).lower(jnp.ones((4, 8)), jnp.ones((8, 8))).as_text()
+    with pytest.warns(UserWarning, match=r"policy 'f32,compute=float16' converts none of"):
+        hlo_amp.rewrite(text, hlo_amp.Policy(compute_dtype="float16", ops={}))
+    with warnings.catch_warnings():  # the f32 preset converts nothing on purpose
+        warnings.simplefilter("error")
+        hlo_amp.rewrite(text, "f32")
+
+
+def _pinned_precision(x, w):
+    exact = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+    with jax.named_scope("fast"):
+        fast = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+    algo = jax.lax.dot(x, w, precision=jax.lax.DotAlgorithmPreset.F32_F32_F32)
+    return exact + fast + algo + x @ w
+
+
+def test_explicit_precision_is_kept_unless_a_scope_names_it() -> None:
+    x, w = jax.random.normal(jax.random.key(0), (4, 8)), jax.random.normal(jax.random.key(1),
+                                                                               (8, 8))
+    text = jax.jit(_pinned_precision).lower(x, w).as_text(debug_info=True)
+    _, report = hlo_amp.rewrite(text, "bf16", return_report=True)
+    reasons = [(d.scope, d.changed, d.reason) for d in report.decisions]
+    assert reasons[0] == ("", False, "kept: the program asked for HIGHEST precision")
+    assert reasons[1][:2] == ("fast", False)
+    assert reasons[2] == ("", False, "kept: the program asked for an explicit dot algorithm")
+    assert reasons[3][1] is True  # the default-precision dot is converted as before
+    _, report = hlo_amp.rewrite(text, "bf16,scope:fast=compute", return_report=True)
+    assert [d.changed for d in report.decisions] == [False, True, False, True]
+    _, report = hlo_amp.rewrite(text, "bf16,explicit_precision=ignore", return_report=True)
+    assert all(d.changed for d in report.decisions)
+    # a HIGHEST dot left alone computes exactly as under jax.jit; ignored, it does not
+    def highest(x, w):
+        return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+
+    want = np.asarray(jax.jit(highest)(x, w))
+    np.testing.assert_array_equal(np.asarray(hlo_amp.compile(highest, "bf16")(x, w)), want)
+    ignored = np.asarray(hlo_amp.compile(highest, "bf16,explicit_precision=ignore")(x, w))
+    assert not np.array_equal(ignored, want)
