@@ -4,8 +4,9 @@ A policy has a compute dtype and two rule tables. Op rules are keyed by StableHL
 kind (``"dot_general"``, ``"convolution"``, ``"dot"``) or by a JAX primitive
 (``jax.lax.dot_general_p``). Scope rules are keyed by a scope pattern matched against
 whole segments of an op's ``jax.named_scope`` path. Scope rules beat op rules, the
-outermost matching scope wins, and ``amp_stop`` keeps its inside as written unless a
-rule matching inside it names the op.
+outermost matching scope wins (of two patterns matching from the same segment, the one
+with more segments: ``c/a`` beats ``c``; of equal length, the one written first), and
+``amp_stop`` keeps its inside as written unless a rule matching inside it names the op.
 
 String grammar (``Policy.parse``), comma separated, spaces ignored::
 

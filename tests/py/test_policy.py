@@ -297,6 +297,15 @@ def test_longer_pattern_wins_at_the_same_start() -> None:
     policy = Policy(scopes={"a": "keep", "a/b": "float32"})
     assert policy.decide(("a", "b"), "dot_general", False) == Rule("float32", "scope:a/b")
     assert policy.decide(("a", "c"), "dot_general", False) == Rule("keep", "scope:a")
+    # the order the rules are written in does not change that
+    flipped = Policy(scopes={"a/b": "float32", "a": "keep"})
+    assert flipped.decide(("a", "b"), "dot_general", False) == Rule("float32", "scope:a/b")
+
+
+def test_equal_length_patterns_at_the_same_start_first_written_wins() -> None:
+    for first, second in (("c", "c*"), ("c*", "c")):
+        policy = Policy(scopes={first: "keep", second: "float32"})
+        assert policy.decide(("c", "d"), "dot_general", False) == Rule("keep", f"scope:{first}")
 
 
 def test_scope_rules_beat_op_rules() -> None:
