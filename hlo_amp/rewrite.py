@@ -38,16 +38,24 @@ def warn_unused_rules(report: Report, *, stacklevel: int = 1) -> None:
             f"hlo_amp: policy rule(s) matched no op: {', '.join(unused)} "
             f"(policy {report.policy!r})",
             UserWarning, stacklevel=stacklevel + 1)
-    # A policy that converts nothing, where no rule or explicit precision asked for that:
-    # e.g. a Policy built with ops={} and only f32 scope rules that match nothing.
-    asked = [d for d in report.decisions
-             if d.rule.startswith(("scope:", "backward")) or d.rule == "amp_stop"
-             or d.reason.startswith("kept: the program asked")]
-    if (report.decisions and not asked
-            and not any(d.changed or d.low_precision for d in report.decisions)
-            and report.policy != Policy.preset("f32").to_string()):
+    if _converts_nothing_unasked(report):
         warnings.warn(
             f"hlo_amp: policy {report.policy!r} converts none of the program's "
-            f"{len(report.decisions)} dot/convolution ops (see the report's reasons); "
+            f"{len(report.decisions)} dot/convolution ops: no rule names their op kind; "
             f"use a preset such as 'bf16' or add op rules (op:dot_general=compute)",
             UserWarning, stacklevel=stacklevel + 1)
+
+
+def _converts_nothing_unasked(report: Report) -> bool:
+    """True when the program has matrix ops, none is converted, and no rule explains it.
+
+    A rule-less policy (the f32 preset, with or without flags) converts nothing on
+    purpose; so do scope, backward and amp_stop rules, op rules that keep, the cost rule
+    (only_if_faster), ops the program pinned to HIGHEST, and ops already in 16 bit.
+    """
+    decisions = report.decisions
+    if not decisions or any(d.changed or d.low_precision for d in decisions):
+        return False
+    if not any(rule for rule in report.rules if rule.startswith(("op:", "scope:"))):
+        return False
+    return all(d.rule == "default" for d in decisions)

@@ -242,11 +242,16 @@ def test_policy_constructor_with_scopes_converts() -> None:
 
 def test_policy_that_converts_nothing_warns() -> None:
     text = jax.jit(lambda x, w: x @ w).lower(jnp.ones((4, 8)), jnp.ones((8, 8))).as_text()
-    with pytest.warns(UserWarning, match=r"policy 'f32,compute=float16' converts none of"):
-        hlo_amp.rewrite(text, hlo_amp.Policy(compute_dtype="float16", ops={}))
-    with warnings.catch_warnings():  # the f32 preset converts nothing on purpose
+    # a policy whose rules name no op kind the program has: convolutions only
+    policy = hlo_amp.Policy(compute_dtype="float16", ops={"convolution": "compute"})
+    with pytest.warns(UserWarning, match=r"policy 'f32,compute=float16,op:convolution="
+                                         r"compute' converts none of the program's 1 dot"):
+        hlo_amp.rewrite(text, policy)
+    with warnings.catch_warnings():  # converting nothing on purpose is silent
         warnings.simplefilter("error")
-        hlo_amp.rewrite(text, "f32")
+        for quiet in ("f32", "f32,propagate=true", "bf16,op:dot_general=keep",
+                      "bf16,op:dot_general=float32"):
+            hlo_amp.rewrite(text, quiet)
 
 
 def _pinned_precision(x, w):
