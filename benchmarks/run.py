@@ -64,30 +64,15 @@ class Result:
         return statistics.median(self.times) if self.times else float("nan")
 
 
-def cpu_bf16() -> tuple[str, list[str]]:
-    """The CPU's model name and which of ``avx512_bf16`` / ``amx_bf16`` its flags list."""
-    name: str | None = None
-    flags: set[str] | None = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name is None:
-                name = value.strip()
-            elif key.strip() == "flags" and flags is None:
-                flags = set(value.split())
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
-    return name, [f for f in ("avx512_bf16", "amx_bf16") if f in (flags or set())]
-
-
-def cpu_bf16_line() -> str:
+def cpu_bf16_line(cpu_name: str) -> str:
     """One line for RESULTS.md: the CPU and its native bf16 support."""
-    name, found = cpu_bf16()
+    from hlo_amp.cpu_dots import native_bf16_flags
+
+    found = native_bf16_flags()
     have = ", ".join(f"`{f}`" for f in found) if found else "neither `avx512_bf16` nor `amx_bf16`"
-    return (f"- CPU bf16 capability: {name}; /proc/cpuinfo flags list {have}. XLA:CPU runs bf16 "
-            "dots natively only with these, so figures from machines that differ here are not "
-            "comparable")
+    return (f"- CPU bf16 capability: {cpu_name}; /proc/cpuinfo flags list {have}. XLA:CPU runs "
+            "bf16 dots natively only with these, so figures from machines that differ here are "
+            "not comparable")
 
 
 def machine(device: str) -> str:
@@ -338,7 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"{label}; jax {jax.__version__}; {steps} timed steps after {args.warmup} warm-up",
           flush=True)
-    cpu_name, cpu_flags = cpu_bf16()
+    from hlo_amp.cpu_dots import native_bf16_flags
+
+    cpu_name, cpu_flags = machine("cpu"), native_bf16_flags()
     print(f"CPU {cpu_name}: native bf16 flags {', '.join(cpu_flags) or 'none'} "
           "(avx512_bf16 / amx_bf16)", flush=True)
 
@@ -347,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         "# hlo_amp benchmark results",
         "",
         f"- machine: {label} ({args.device})",
-        cpu_bf16_line() + (" (host CPU; the dots ran on the GPU)." if args.device == "gpu"
+        cpu_bf16_line(cpu_name) + (" (host CPU; the dots ran on the GPU)." if args.device == "gpu"
                            else "."),
         f"- jax {jax.__version__}, jaxlib {jax.lib.__version__ if hasattr(jax.lib, '__version__') else jax.__version__}, Python {platform.python_version()}",
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",

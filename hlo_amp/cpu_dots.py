@@ -242,21 +242,27 @@ def needs_layout_rewrite(op: hlo.DotGeneralOp) -> bool:
 
 
 @functools.cache
+def native_bf16_flags() -> tuple[str, ...]:
+    """Which of ``avx512_bf16`` / ``amx_bf16`` this host's /proc/cpuinfo flags list
+    (empty where the file is missing)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return tuple(f for f in ("avx512_bf16", "amx_bf16") if f in flags)
+    return ()
+
+
 def cpu_has_native_bf16() -> bool:
     """True when this host's CPU has bf16 dot instructions (AVX512-BF16 or AMX-BF16).
 
     Without them YNNPACK emulates bf16 and its bf16 dots run at 0.5-0.9x of f32 (see
-    benchmarks/DOT_LAYOUT.md). Reads /proc/cpuinfo; False where that is missing.
+    benchmarks/DOT_LAYOUT.md).
     """
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+    return bool(native_bf16_flags())
 
 
 def is_fast_on_cpu(

@@ -95,8 +95,12 @@ def module_text(module: ir.Module, *, debug_info: bool = False) -> str:
                                     large_elements_limit=None)
 
 
-def walk_ops(holder: object) -> list[ir.OpView]:
-    """Every op nested in the regions of ``holder`` (an op or op view), in program order."""
+def walk_ops(holder: object, into: tuple[type, ...] | None = None) -> list[ir.OpView]:
+    """Every op nested in the regions of ``holder`` (an op or op view), in program order.
+
+    With ``into``, only the regions of ops of those classes are entered (their ops are
+    listed; the ops inside other ops' regions are not).
+    """
     found: list[ir.OpView] = []
 
     def visit(operation: ir.Operation) -> None:
@@ -104,7 +108,8 @@ def walk_ops(holder: object) -> list[ir.OpView]:
             for block in region.blocks:
                 for inner in block.operations:
                     found.append(inner)
-                    visit(inner.operation)
+                    if into is None or isinstance(inner, into):
+                        visit(inner.operation)
 
     visit(holder.operation if hasattr(holder, "operation") else holder)
     return found

@@ -73,6 +73,8 @@ _PRIMITIVE_KINDS = {
     "conv_general_dilated": ("convolution",),
 }
 
+# The op rules of the 16-bit presets, and of a Policy built without ops.
+PRESET_OPS = {kind: COMPUTE for kind in OP_KINDS}
 EXPLICIT_PRECISION = ("keep", "ignore")
 PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16")
 
@@ -198,7 +200,7 @@ class Policy:
                 f"{', '.join(COMPUTE_DTYPES)}"
             )
         if self.ops is None:
-            object.__setattr__(self, "ops", {kind: COMPUTE for kind in OP_KINDS})
+            object.__setattr__(self, "ops", PRESET_OPS)
         if not isinstance(self.ops, Mapping):
             raise ValueError(  # noqa: TRY004
                 f"ops must be a dict of op kind -> action, got {self.ops!r}"
@@ -253,15 +255,14 @@ class Policy:
     def preset(cls, name: str) -> Policy:
         """The named preset: ``"bf16"``, ``"f16"``, ``"f32"`` (changes nothing),
         ``"mixed_bfloat16"`` or ``"mixed_float16"`` (also 16-bit activations)."""
-        all_compute = {kind: COMPUTE for kind in OP_KINDS}
         if name == "mixed_bfloat16":
-            return cls("bfloat16", ops=all_compute, propagate=True)
+            return cls("bfloat16", ops=PRESET_OPS, propagate=True)
         if name == "mixed_float16":
-            return cls("float16", ops=all_compute, propagate=True)
+            return cls("float16", ops=PRESET_OPS, propagate=True)
         if name == "bf16":
-            return cls("bfloat16", ops=all_compute)
+            return cls("bfloat16", ops=PRESET_OPS)
         if name == "f16":
-            return cls("float16", ops=all_compute)
+            return cls("float16", ops=PRESET_OPS)
         if name == "f32":
             return cls("bfloat16", ops={})
         raise ValueError(f"Unknown preset {name!r}; accepted: {', '.join(PRESETS)}")

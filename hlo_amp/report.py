@@ -177,11 +177,11 @@ class Report:
 
 
 def _size(count: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if count < 1024 or unit == "MiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GiB"
+    if count < 1024:
+        return f"{count} B"
+    if count < 1024 ** 2:
+        return f"{count / 1024:.1f} KiB"
+    return f"{count / 1024 ** 2:.1f} MiB"
 
 
 def _xla_mark(decision: Decision) -> str:

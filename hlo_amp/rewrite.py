@@ -56,6 +56,6 @@ def _converts_nothing_unasked(report: Report) -> bool:
     decisions = report.decisions
     if not decisions or any(d.changed or d.low_precision for d in decisions):
         return False
-    if not any(rule for rule in report.rules if rule.startswith(("op:", "scope:"))):
+    if not any(rule.startswith(("op:", "scope:")) for rule in report.rules):
         return False
     return all(d.rule == "default" for d in decisions)

@@ -46,6 +46,7 @@ from hlo_amp.modules import (
     functions,
     is_call,
     is_public,
+    walk_ops,
     with_element,
 )
 from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name
@@ -54,17 +55,12 @@ from hlo_amp.report import Report
 from hlo_amp.sites import call_prefix, join_names, location_name, site_of
 
 _CONTROL_FLOW_OPS = (hlo.WhileOp, hlo.CaseOp, hlo.IfOp)
-_MATRIX = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
-_TERMINATORS = frozenset({"stablehlo.return", "func.return"})
-# Ops that hold no activation of their own, left out of counts and byte totals.
-_NOT_VALUES = frozenset({"stablehlo.convert", "stablehlo.constant", "stablehlo.iota",
-                         "stablehlo.return", "func.return", "func.call",
-                         "stablehlo.while", "stablehlo.case", "stablehlo.if"})
+# Ops that hold no activation of their own: not graph nodes, not counted in byte totals.
+_NOT_VALUE_OPS = (hlo.ConvertOp, hlo.ConstantOp, hlo.IotaOp, hlo.ReturnOp, func_dialect.ReturnOp,
+                  func_dialect.CallOp, *_CONTROL_FLOW_OPS)
 # Reasons the painting itself gives (reset when it runs again).
 _FEEDS_DENY, _NOT_BETWEEN = "feeds a deny op", "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_DENY, _NOT_BETWEEN})
-_NOT_VALUE_OPS = (hlo.ConvertOp, hlo.ConstantOp, hlo.IotaOp, hlo.ReturnOp, func_dialect.ReturnOp,
-                  func_dialect.CallOp, hlo.WhileOp, hlo.CaseOp, hlo.IfOp)
 LINK = "link"
 SINK = "sink"  # a convert to the compute dtype: where a region may end
 
@@ -75,18 +71,7 @@ def body_ops(fn: Any) -> list[Any]:
     Other ops' regions (reduce bodies, sort comparators) are scalar computations that a
     painted op retypes as a whole; they are not part of the dataflow graph.
     """
-    found: list[Any] = []
-
-    def visit(operation: Any) -> None:
-        for region in operation.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    found.append(inner)
-                    if isinstance(inner, _CONTROL_FLOW_OPS):
-                        visit(inner.operation)
-
-    visit(fn.operation)
-    return found
+    return walk_ops(fn, into=_CONTROL_FLOW_OPS)
 
 
 def first_block(region: Any) -> Any:
@@ -119,10 +104,6 @@ def _type_kind(value_type: ir.Type) -> str:
             _KINDS.clear()
         _KINDS[value_type] = kind
     return kind
-
-
-def _element(value: ir.Value) -> ir.Type | None:
-    return element_type(value)
 
 
 def _is_f32(value: ir.Value) -> bool:
@@ -166,7 +147,6 @@ class _Instance:
     fn: Any
     prefix: str
     ops: list[Any]
-    parent: tuple[int, int] | None = None  # (parent instance, call op index)
     calls: dict[int, int] = field(default_factory=dict)  # call op index -> child instance
     index: dict[Any, int] = field(default_factory=dict)  # operation -> op index (lazy)
     signature: tuple = ()
@@ -228,17 +208,17 @@ class _Graph:
         self.by_name = {function_name(fn): fn for fn in functions(module)}
         for fn in functions(module):
             if is_public(fn):
-                self._instantiate(fn, "", None)
+                self._instantiate(fn, "")
         for inst_id, inst in enumerate(self.instances):
             self._op_nodes(inst_id, inst)
         for inst_id, inst in enumerate(self.instances):
             self._links(inst_id, inst)
 
-    def _instantiate(self, fn: Any, prefix: str, parent: tuple[int, int] | None) -> int:
+    def _instantiate(self, fn: Any, prefix: str) -> int:
         inst_id = len(self.instances)
         if len(self.instances) > 100_000:
             raise RecursionError("hlo-amp-propagate: call graph too deep or recursive")
-        inst = _Instance(fn, prefix, walk_once(fn, self.walks), parent)
+        inst = _Instance(fn, prefix, walk_once(fn, self.walks))
         self.instances.append(inst)
         for index, op in enumerate(inst.ops):
             if is_call(op) and callee_name(op) in self.by_name:
@@ -246,7 +226,7 @@ class _Graph:
                 if is_public(callee):
                     continue  # a public callee keeps its signature: a boundary
                 child_prefix = call_prefix(join_names(prefix, location_name(op.location)))
-                inst.calls[index] = self._instantiate(callee, child_prefix, (inst_id, index))
+                inst.calls[index] = self._instantiate(callee, child_prefix)
         return inst_id
 
     def _add(self, node: _Node) -> _Node:
@@ -258,25 +238,17 @@ class _Graph:
     def _op_nodes(self, inst_id: int, inst: _Instance) -> None:
         compute = self.policy.compute_dtype
         for index, op in enumerate(inst.ops):
-            name = op.operation.name
-            if name in _NOT_VALUES:
-                continue
-            outputs = [(inst_id, v) for v in op.results]
-            inputs = [(inst_id, v) for v in op.operands]
-            if name in _MATRIX:
-                low_operands = [v for v in list(op.operands)[:2]
-                                if _element(v) == self.low]
-                is_allow = (len(low_operands) == 2 and op.results
-                            and _is_f32(op.results[0]))
-                node = _Node(ALLOW if is_allow else DENY, inst_id, index, short_name(name),
-                             inputs=inputs, outputs=outputs,
-                             reason="" if is_allow else "matrix op not in 16 bit")
-                self.op_node[(inst_id, index)] = self._add(node)
+            if isinstance(op, _NOT_VALUE_OPS):
                 continue
             cls = op_class(op, compute)
-            node = _Node(cls, inst_id, index, short_name(name), inputs=inputs,
-                         outputs=outputs)
-            if cls in (INFER, CLEAR):
+            node = _Node(cls, inst_id, index, short_name(op.operation.name),
+                         inputs=[(inst_id, v) for v in op.operands],
+                         outputs=[(inst_id, v) for v in op.results])
+            if cls == ALLOW:  # a matrix op: a seed only if insert_converts made it 16-bit
+                low = [v for v in list(op.operands)[:2] if element_type(v) == self.low]
+                if not (len(low) == 2 and op.results and _is_f32(op.results[0])):
+                    node.cls, node.reason = DENY, "matrix op not in 16 bit"
+            elif cls in (INFER, CLEAR):
                 if not _types_ok(op):
                     node.cls, node.reason = DENY, "not an f32 op"
                 elif not self._site_rules:
@@ -285,9 +257,9 @@ class _Graph:
                     override = self._policy_class(op, inst.prefix, node.kind)
                     if override is not None:
                         node.cls, node.reason = override
-            elif cls != ALLOW and not self._site_rules:
+            elif not self._site_rules:
                 node.reason = "deny class" if cls == DENY else "not in the op table"
-            elif cls != ALLOW:
+            else:
                 override = self._policy_class(op, inst.prefix, node.kind)
                 if override is not None and override[0] in (INFER, CLEAR) and _types_ok(op):
                     node.cls, node.reason = override
@@ -333,7 +305,7 @@ class _Graph:
         node = _Node(LINK, inst_id, index, kind, slot,
                      inputs=[key for _, key, _ in inputs], outputs=outputs)
         values = [key[1] for key in node.inputs] + [key[1] for key in outputs]
-        if not all(isinstance(v.type, ir.RankedTensorType) and _is_f32(v) for v in values):
+        if not all(_is_f32(v) for v in values):
             node.reason = "not an f32 value"
         self._add(node)
         for consumer, key, number in inputs:
@@ -526,7 +498,6 @@ class _Rewriter:
         self.low = low
         self.result_in_16bit = result_in_16bit
         self.retyped: dict[ir.Value, ir.Type] = {}  # value -> its type before the pass
-        self._current: dict[str, set] = {}  # the facts of the instance being rewritten
         self.facts: dict[int, dict[str, set]] = defaultdict(
             lambda: {key: set() for key in ("painted", "carries", "args", "results",
                                             "allow")})
@@ -590,7 +561,7 @@ class _Rewriter:
 
     def _apply(self, fn: Any, ops: list[Any], inst_id: int) -> None:
         inst = self.graph.instances[inst_id]
-        facts = self._current = self.facts[inst_id]
+        facts = self.facts[inst_id]
         entry = first_block(fn.regions[0])
         # 1. Retype what is 16-bit now.
         for index in facts["painted"]:
@@ -625,14 +596,12 @@ class _Rewriter:
             if op.operation.name == "stablehlo.convert":
                 continue
             for number, value in enumerate(op.operands):
-                original = self.retyped.get(value, value.type)
-                low = (with_element(original, self.low) if isinstance(
-                    original, ir.RankedTensorType) and isinstance(
-                    ir.RankedTensorType(original).element_type, ir.F32Type) else original)
-                wants_low = self._wants_low(index, op, number, inst, owners)
+                wants_low = self._wants_low(index, op, number, inst, facts, owners)
                 if wants_low is None:
                     continue
-                want = low if wants_low else original
+                want = self.retyped.get(value, value.type)  # the type before the pass
+                if wants_low and _type_kind(want) == _F32:
+                    want = with_element(want, self.low)
                 if want != value.type:
                     op.operands[number] = self._convert(op, value, want, shared)
         for op in ops:  # the matrix ops' operand converts whose input is 16-bit now
@@ -665,10 +634,10 @@ class _Rewriter:
         return owners
 
     def _wants_low(self, index: int, op: Any, number: int, inst: _Instance,
-                   owners: dict[Any, tuple[str, int]]) -> bool | None:
-        """Whether operand ``number`` of ``op`` must be 16-bit (None: leave it)."""
+                   mine: dict[str, set], owners: dict[Any, tuple[str, int]]) -> bool | None:
+        """Whether operand ``number`` of ``op`` must be 16-bit (None: leave it); ``mine``
+        are the facts of the instance being rewritten."""
         name = op.operation.name
-        mine = self._current
         if index in mine["painted"]:
             return True
         if name == "stablehlo.while":
