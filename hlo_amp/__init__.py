@@ -1,5 +1,9 @@
 """hlo_amp: automatic mixed precision for JAX, done as a compiler pass on StableHLO."""
 
+from hlo_amp import jax_internals as _jax_internals
+
+_jax_internals.check()  # an unsupported jax fails here, in one line, not deep in a call
+
 from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import rewrite

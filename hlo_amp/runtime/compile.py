@@ -24,21 +24,20 @@ from typing import Any
 
 import jax
 from jax import export as jax_export
-from jax._src import stages
-from jax._src.export import _export as export_internals
-from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 
+from hlo_amp import jax_internals as internals
 from hlo_amp.modules import module_text, new_context
 from hlo_amp.passes import run_pipeline
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Report
 from hlo_amp.rewrite import warn_unused_rules
+from hlo_amp.runtime.amp_call import AvalsKey, Program, amp_call_p, avals_key
 
 
 def _copy_module(module: ir.Module) -> ir.Module:
     """A deep copy in the same context, so JAX's cached lowering stays untouched."""
-    return ir.Module.parse(jax_mlir.module_to_bytecode(module), context=module.context)
+    return ir.Module.parse(internals.module_to_bytecode(module), context=module.context)
 
 
 def rewrite_module(module: ir.Module, policy: Policy, target: str | None = None
@@ -117,7 +116,7 @@ def mark_kept_by_xla(report: Report, hlo_text: str) -> None:
 class AmpCompiled:
     """A compiled, rewritten function: call it, or read XLA's optimized HLO."""
 
-    def __init__(self, compiled: stages.Compiled, report: Report, compile_seconds: float):
+    def __init__(self, compiled: Any, report: Report, compile_seconds: float):
         self._compiled = compiled
         self._report = report
         self.compile_seconds = compile_seconds
@@ -140,14 +139,14 @@ class AmpCompiled:
         return self._report
 
     @property
-    def jax_compiled(self) -> stages.Compiled:
+    def jax_compiled(self) -> Any:
         return self._compiled
 
 
 class AmpLowered:
     """A lowered and rewritten function, like ``jax.jit(f).lower(...)``'s result."""
 
-    def __init__(self, original: stages.Lowered, rewritten: stages.Lowered, report: Report,
+    def __init__(self, original: Any, rewritten: Any, report: Report,
                  pass_seconds: float, lower_seconds: float):
         self._original = original
         self._rewritten = rewritten
@@ -178,7 +177,7 @@ class AmpLowered:
         return AmpCompiled(compiled, report, seconds)
 
     @property
-    def jax_lowered(self) -> stages.Lowered:
+    def jax_lowered(self) -> Any:
         return self._rewritten
 
 
@@ -221,8 +220,23 @@ class AmpFunction:
                                donate_argnums=self.donate_argnums)
         self._cache: dict[Any, AmpCompiled] = {}
         self._exports: dict[Any, Any] = {}
+        self._out_trees: dict[Any, Any] = {}
+        self._residual_trees: dict[Any, Any] = {}
         self.lowerings = 0  # how many times fn was lowered (cache misses)
         functools.update_wrapper(self, fn)
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+        def dispatched(*args: Any, **kwargs: Any) -> Any:
+            return self._traced_call(args, kwargs, own_dispatch=True)
+
+        # Calls go through jax.jit's own dispatch (its C++ cache of executables); a
+        # cache miss traces ``dispatched``, which binds the rewritten program.
+        self._dispatch = jax.jit(dispatched, static_argnums=self.static_argnums,
+                                 static_argnames=self.static_argnames,
+                                 donate_argnums=self.donate_argnums)
+        # jax.export refuses host callbacks; such functions are rewritten from
+        # jax.jit's lowering instead and dispatched from our own cache.
+        self._through_lowering = False
 
     # -- signatures --
 
@@ -250,95 +264,137 @@ class AmpFunction:
         original = self._jitted.trace(*args, **kwargs).lower()
         lower_seconds = time.perf_counter() - start
         self.lowerings += 1
-        lowering = original._lowering
-        platforms = tuple(getattr(lowering, "_platforms", ()) or (jax.default_backend(),))
-        target = "cpu" if tuple(platforms) == ("cpu",) else None
-        module, report, pass_seconds = rewrite_module(lowering.stablehlo(), self.policy,
-                                                      target)
+        platforms = internals.lowering_platforms(original) or (jax.default_backend(),)
+        target = "cpu" if platforms == ("cpu",) else None
+        module, report, pass_seconds = rewrite_module(
+            original.compiler_ir("stablehlo"), self.policy, target)
         warn_unused_rules(report, stacklevel=2)
-        new_lowering = copy.copy(lowering)
-        new_lowering._hlo = module
-        new_lowering._executable = None
-        rewritten = stages.Lowered(new_lowering, original.args_info, original.out_tree,
-                                   no_kwargs=original._no_kwargs)
+        rewritten = internals.swap_module(original, module)
         return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds)
 
     # -- calls --
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        dyn_args, dyn_kwargs, leaves, treedef, key = self._flatten(args, kwargs)
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-            return self._traced_call(args, kwargs, leaves, treedef, key)
+        if not self._through_lowering:
+            try:
+                return self._dispatch(*args, **kwargs)
+            except ExportRefused as refused:
+                leaves = jax.tree_util.tree_leaves((args, kwargs))
+                if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
+                    warnings.warn(
+                        f"hlo_amp: cannot rewrite {self.__name__} under an outer "
+                        f"transformation ({refused}); it runs unchanged", stacklevel=2)
+                    return self.fn(*args, **kwargs)
+                self._through_lowering = True
+        dyn_args, dyn_kwargs, _, _, key = self._flatten(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self.lower(*args, **kwargs).compile()
             self._cache[key] = compiled
         return compiled(*dyn_args, **dyn_kwargs)
 
-    def _bound(self, args: tuple, kwargs: dict, treedef: Any) -> Callable[..., Any]:
-        """``fn`` with static arguments bound, as a function of the flat dynamic leaves."""
+    def _bound(self, args: tuple, kwargs: dict, treedef: Any, key: Any
+               ) -> Callable[..., list]:
+        """``fn`` with static arguments bound, as a function of the flat dynamic leaves.
+
+        It returns the flat output leaves and records their tree for ``key``.
+        """
         statics = _normalise_argnums(self.static_argnums, len(args))
         static_kwargs = {k: v for k, v in kwargs.items() if k in self.static_argnames}
 
-        def flat_fn(*flat: Any) -> Any:
+        def flat_fn(*flat: Any) -> list:
             call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
             call_args = list(call_args)
             for i in statics:
                 call_args.insert(i, args[i])
-            return self.fn(*call_args, **call_kwargs, **static_kwargs)
+            out_leaves, out_tree = jax.tree_util.tree_flatten(
+                self.fn(*call_args, **call_kwargs, **static_kwargs))
+            self._out_trees[(key, avals_key(flat))] = out_tree
+            return out_leaves
 
+        flat_fn.__name__ = self.__name__
         return flat_fn
 
-    def _export(self, key: Any, fun: Callable[..., Any], example: Any) -> Any:
+    # -- the Program owner interface (runtime/amp_call.py) --
+
+    def export_program(self, program: Program, avals: AvalsKey) -> Any:
+        """``program`` exported for ``avals`` and rewritten; cached."""
+        key = (program.key, avals)
         exported = self._exports.get(key)
         if exported is None:
-            shapes = jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
-            exported = jax_export.export(jax.jit(fun))(*shapes)
+            shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+            try:
+                exported = jax_export.export(jax.jit(program.fn))(*shapes)
+            except Exception as error:
+                if _export_refused(error):
+                    raise ExportRefused(str(error).splitlines()[0]) from error
+                raise
             self.lowerings += 1
             module = ir.Module.parse(exported.mlir_module(), context=new_context())
             target = "cpu" if tuple(exported.platforms) == ("cpu",) else None
-            warn_unused_rules(run_pipeline(module, self.policy, target=target), stacklevel=4)
+            warn_unused_rules(run_pipeline(module, self.policy, target=target), stacklevel=5)
             exported = dataclasses.replace(
-                exported, mlir_module_serialized=export_internals._module_to_bytecode(module))
+                exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
             self._exports[key] = exported
         return exported
 
-    def _traced_call(self, args: tuple, kwargs: dict, leaves: list, treedef: Any,
-                     key: Any) -> Any:
-        flat_fn = self._bound(args, kwargs, treedef)
+    def out_avals(self, program: Program, avals: AvalsKey) -> list:
+        """Output avals of ``program``: from its export if there is one, else traced.
+
+        Tracing in the caller's context matters: under an outer ``vmap`` with a named
+        axis, ``fn`` alone can be traced but not exported.
+        """
+        exported = self._exports.get((program.key, avals))
+        if exported is not None:
+            return list(exported.out_avals)
+        shapes = jax.eval_shape(program.fn, *[jax.ShapeDtypeStruct(s, d) for s, d in avals])
+        return [internals.ShapedArray(x.shape, x.dtype) for x in shapes]
+
+    def residual_tree(self, program: Program, avals: AvalsKey) -> Any:
+        key = (program.key, avals)
+        if key not in self._residual_trees:  # traced through a cached export: trace again
+            forward = functools.partial(jax.vjp, program.fn)
+            self._residual_trees[key] = jax.tree_util.tree_structure(
+                jax.eval_shape(lambda *xs: forward(*xs)[1],
+                               *[jax.ShapeDtypeStruct(s, d) for s, d in avals]))
+        return self._residual_trees[key]
+
+    def record_residual_tree(self, program: Program, avals: AvalsKey, tree: Any) -> None:
+        self._residual_trees[(program.key, avals)] = tree
+
+    # -- calls with tracers --
+
+    def _traced_call(self, args: tuple, kwargs: dict, *, own_dispatch: bool = False) -> Any:
+        """Bind the amp_call primitive, so vmap/jvp/grad around it stay rewritten."""
+        dyn_args, dyn_kwargs, static_key = self._split(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        key = ("call", treedef, static_key)
+        program = Program(self, self._bound(args, kwargs, treedef, key), self.__name__, key)
+        avals = avals_key(leaves)
         try:
-            return self._differentiable(flat_fn, key)(*leaves)
-        except Exception as error:  # e.g. host callbacks, which jax.export refuses
-            if not _export_refused(error):
+            exported = program.exported(avals)
+            if own_dispatch and exported.nr_devices != 1:
+                # A program with its own mesh (shard_map) must be lowered where JAX sees
+                # that mesh: jax.jit's lowering, not a call inside our dispatch jit.
+                raise ExportRefused(f"it was exported for {exported.nr_devices} devices")
+        except ExportRefused as refused:  # e.g. host callbacks, which jax.export refuses
+            if own_dispatch:
                 raise
             warnings.warn(
-                f"hlo_amp: cannot rewrite {getattr(self.fn, '__name__', 'fn')} under an "
-                f"outer transformation ({str(error).splitlines()[0]}); it runs unchanged",
-                stacklevel=3)
-            return flat_fn(*leaves)
+                f"hlo_amp: cannot rewrite {self.__name__} under an outer transformation "
+                f"({refused}); it runs unchanged", stacklevel=3)
+            return self.fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            # Exported alone, fn may not trace (a collective over an outer vmap's named
+            # axis); the transformation's own rule exports what is needed, and raises.
+            pass
+        outs = amp_call_p.bind(*leaves, program=program)
+        return jax.tree_util.tree_unflatten(self._out_trees[(key, avals)], outs)
 
-    def _differentiable(self, flat_fn: Callable[..., Any], key: Any) -> Callable[..., Any]:
-        def primal(*flat: Any) -> Any:
-            return self._export(("primal", key), flat_fn, flat).call(*flat)
 
-        def forward(*flat: Any) -> Any:
-            def with_residuals(*inner: Any) -> Any:
-                return jax.vjp(flat_fn, *inner)
-
-            return self._export(("fwd", key), with_residuals, flat).call(*flat)
-
-        def backward(residuals: Any, cotangent: Any) -> Any:
-            def apply(res: Any, ct: Any) -> Any:
-                return res(ct)
-
-            bwd_key = ("bwd", key, jax.tree_util.tree_structure(cotangent))
-            return tuple(self._export(bwd_key, apply, (residuals, cotangent))
-                         .call(residuals, cotangent))
-
-        wrapped = jax.custom_vjp(primal)
-        wrapped.defvjp(forward, backward)
-        return wrapped
+class ExportRefused(Exception):
+    """jax.export cannot serialise the function (host callbacks, some effects), or the
+    export cannot be called from our dispatch jit (a program with its own mesh)."""
 
 
 def _export_refused(error: Exception) -> bool:

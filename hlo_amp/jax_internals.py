@@ -1,0 +1,134 @@
+"""Every JAX API hlo_amp uses that JAX does not promise to keep, in one place.
+
+Each entry and why we need it:
+
+- ``stages.Lowered(lowering, args_info, out_tree, no_kwargs=)``, ``Lowered._lowering``,
+  ``Lowering._hlo``, ``Lowering._executable``, ``Lowering._platforms``: ``.lower()``
+  swaps the rewritten module into JAX's own lowering so that JAX's compile path keeps
+  shardings, donation and effects (there is no public way to compile a modified module
+  with a function's calling convention).
+- ``interpreters.mlir.module_to_bytecode``: copies a module in its own context.
+- ``export._export._module_to_bytecode``: serialises a rewritten module into an
+  ``Exported`` the way ``jax.export`` does.
+- ``interpreters.mlir.make_ir_context``: an MLIR context with JAX's dialects loaded.
+- ``lib._jax.mlir.deserialize_portable_artifact``: reads ``jax.export`` artifacts.
+- ``core.ShapedArray`` and ``core.Tracer``: abstract values of a program's outputs, and
+  telling a traced call from a concrete one.
+- The primitive machinery behind ``runtime/amp_call.py`` — ``interpreters.ad``
+  (``primitive_jvps``, ``primitive_transposes``, ``Zero``, ``instantiate_zeros``),
+  ``interpreters.batching.fancy_primitive_batchers`` and ``interpreters.mlir``
+  (``register_lowering``, ``lower_fun``): how a rewritten program composes with
+  ``vmap``, ``jvp``, ``linearize`` and ``grad``.
+
+The MLIR bindings themselves come from the public ``jax.extend.mlir``.
+``check()`` runs at import and turns a missing entry into one clear error.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+import jax.extend.core
+from jax._src import core, stages
+from jax._src.export import _export as export_internals
+from jax._src.interpreters import ad, batching
+from jax._src.interpreters import mlir as jax_mlir
+from jax._src.lib import _jax
+
+SUPPORTED_JAX = "0.10.2 to 0.12.x"
+
+Primitive = jax.extend.core.Primitive
+ShapedArray = core.ShapedArray
+Tracer = core.Tracer
+Lowered = stages.Lowered
+module_to_bytecode = jax_mlir.module_to_bytecode
+export_module_to_bytecode = export_internals._module_to_bytecode
+make_ir_context = jax_mlir.make_ir_context
+register_lowering = jax_mlir.register_lowering
+lower_fun = jax_mlir.lower_fun
+Zero = ad.Zero
+instantiate_zeros = ad.instantiate_zeros
+primitive_jvps = ad.primitive_jvps
+primitive_transposes = ad.primitive_transposes
+fancy_primitive_batchers = batching.fancy_primitive_batchers
+
+
+def deserialize_portable_artifact(data: bytes, context: Any) -> Any:
+    return _jax.mlir.deserialize_portable_artifact(data, context)
+
+
+def swap_module(lowered: Any, module: Any) -> Any:
+    """A ``stages.Lowered`` like ``lowered`` whose module is ``module``."""
+    import copy
+
+    lowering = copy.copy(lowered._lowering)
+    lowering._hlo = module
+    lowering._executable = None
+    return stages.Lowered(lowering, lowered.args_info, lowered.out_tree,
+                          no_kwargs=lowered._no_kwargs)
+
+
+def lowering_platforms(lowered: Any) -> tuple[str, ...]:
+    """The platforms a ``jax.jit(...).lower()`` result was lowered for."""
+    return tuple(getattr(lowered._lowering, "_platforms", ()) or ())
+
+
+# name -> (the object, parameter names it must accept, or None for "exists")
+ENTRY_POINTS: dict[str, tuple[Any, tuple[str, ...] | None]] = {
+    "jax._src.stages.Lowered.__init__": (
+        getattr(stages.Lowered, "__init__", None),
+        ("lowering", "args_info", "out_tree", "no_kwargs")),
+    "jax._src.interpreters.mlir.module_to_bytecode": (
+        getattr(jax_mlir, "module_to_bytecode", None), ("module",)),
+    "jax._src.interpreters.mlir.make_ir_context": (
+        getattr(jax_mlir, "make_ir_context", None), ()),
+    "jax._src.interpreters.mlir.register_lowering": (
+        getattr(jax_mlir, "register_lowering", None), ("prim", "rule")),
+    "jax._src.interpreters.mlir.lower_fun": (
+        getattr(jax_mlir, "lower_fun", None), ("fun", "multiple_results")),
+    "jax._src.export._export._module_to_bytecode": (
+        getattr(export_internals, "_module_to_bytecode", None), ("module",)),
+    "jax._src.lib._jax.mlir.deserialize_portable_artifact": (
+        getattr(getattr(_jax, "mlir", None), "deserialize_portable_artifact", None), None),
+    "jax._src.interpreters.ad.Zero": (getattr(ad, "Zero", None), None),
+    "jax._src.interpreters.ad.instantiate_zeros": (
+        getattr(ad, "instantiate_zeros", None), ("tangent",)),
+    "jax._src.interpreters.ad.primitive_jvps": (getattr(ad, "primitive_jvps", None), None),
+    "jax._src.interpreters.ad.primitive_transposes": (
+        getattr(ad, "primitive_transposes", None), None),
+    "jax._src.interpreters.batching.fancy_primitive_batchers": (
+        getattr(batching, "fancy_primitive_batchers", None), None),
+    "jax.extend.core.Primitive": (getattr(jax.extend.core, "Primitive", None), None),
+    "jax._src.core.ShapedArray": (getattr(core, "ShapedArray", None), ("shape", "dtype")),
+    "jax._src.core.Tracer": (getattr(core, "Tracer", None), None),
+}
+
+
+def missing_entry_points() -> list[str]:
+    """Each entry point that is absent or no longer takes the parameters we pass."""
+    missing = []
+    for name, (obj, params) in ENTRY_POINTS.items():
+        if obj is None:
+            missing.append(f"{name} is gone")
+            continue
+        if params is None:
+            continue
+        try:
+            accepted = inspect.signature(obj).parameters
+        except (TypeError, ValueError):  # a builtin without a signature: existence only
+            continue
+        lacking = [p for p in params if p not in accepted]
+        if lacking:
+            missing.append(f"{name} takes no {', '.join(lacking)}")
+    return missing
+
+
+def check() -> None:
+    """Raise one ImportError naming the jax version and what is missing, if anything."""
+    missing = missing_entry_points()
+    if missing:
+        raise ImportError(
+            f"hlo_amp needs jax {SUPPORTED_JAX}; found {jax.__version__}: "
+            + "; ".join(missing))

@@ -1,0 +1,269 @@
+"""The ``hlo_amp_call`` primitive: a rewritten program that composes with JAX transforms.
+
+A compiled function called with tracers binds ``amp_call_p`` with a ``Program``: a
+function of flat array leaves. The rules answer each transformation with a new program
+that is exported and rewritten in turn, never with the unrewritten function:
+
+- ``vmap``: the program ``vmap(fn)`` over the batched axes;
+- ``jvp``, ``linearize``, ``grad``: a forward program that returns the outputs and the
+  vjp residuals, plus ``amp_lin_p``, linear in the tangents. Transposing it runs the
+  rewritten backward program on the residuals (reverse mode never recomputes the
+  forward); evaluating it forward runs the rewritten ``jvp(fn)``;
+- lowering: the rewritten exported module, inlined with ``Exported.call``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hlo_amp import jax_internals as internals
+
+AvalsKey = tuple[tuple[tuple[int, ...], np.dtype], ...]
+
+
+class ProgramOwner(Protocol):
+    """What a Program needs from the compiled function it came from."""
+
+    def export_program(self, program: Program, avals: AvalsKey) -> Any: ...
+
+    def out_avals(self, program: Program, avals: AvalsKey) -> list: ...
+
+    def residual_tree(self, program: Program, avals: AvalsKey) -> Any: ...
+
+    def record_residual_tree(self, program: Program, avals: AvalsKey, tree: Any) -> None: ...
+
+
+class Program:
+    """A function of flat array leaves returning a list of leaves, run rewritten.
+
+    Equal programs (same owner, same key) compute the same function, so JAX's caches
+    keyed on primitive parameters hit across calls.
+    """
+
+    __slots__ = ("owner", "fn", "name", "key")
+
+    def __init__(self, owner: ProgramOwner, fn: Callable[..., list], name: str, key: Any):
+        self.owner = owner
+        self.fn = fn
+        self.name = name
+        self.key = key
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Program) and self.owner is other.owner
+                and self.key == other.key)
+
+    def __hash__(self) -> int:
+        return hash((id(self.owner), self.key))
+
+    def __repr__(self) -> str:
+        return f"Program({self.name})"
+
+    def derive(self, tag: Any, fn: Callable[..., list], name: str) -> Program:
+        return Program(self.owner, fn, name, (tag, self.key))
+
+    def exported(self, avals: AvalsKey) -> Any:
+        return self.owner.export_program(self, avals)
+
+
+def avals_key(values: Sequence[Any]) -> AvalsKey:
+    """(shape, dtype) of each value or abstract value: the export cache key."""
+    out = []
+    for value in values:
+        aval = value if isinstance(value, internals.ShapedArray) else jax.typeof(value)
+        out.append((tuple(aval.shape), np.dtype(aval.dtype)))
+    return tuple(out)
+
+
+def _is_float(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _zero_tangent(primal: Any) -> Any:
+    aval = jax.typeof(primal)
+    if _is_float(aval.dtype):
+        return jnp.zeros(aval.shape, aval.dtype)
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+# ---- amp_call_p --------------------------------------------------------------------------
+
+amp_call_p = internals.Primitive("hlo_amp_call")
+amp_call_p.multiple_results = True
+
+
+def _call(*args: Any, program: Program) -> Any:
+    return program.exported(avals_key(args)).call(*args)
+
+
+def _abstract_eval(*avals: Any, program: Program) -> list:
+    return program.owner.out_avals(program, avals_key(avals))
+
+
+amp_call_p.def_impl(_call)
+amp_call_p.def_abstract_eval(_abstract_eval)
+internals.register_lowering(amp_call_p, internals.lower_fun(_call, multiple_results=True))
+
+
+def _vmapped(fn: Callable[..., list], in_axes: tuple, size: int, axis_name: Any,
+             *args: Any) -> list:
+    return jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_size=size,
+                    axis_name=axis_name)(*args)
+
+
+def _batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *,
+           program: Program) -> tuple[list, list]:
+    in_axes = tuple(dims)
+    if all(d is None for d in in_axes):  # nothing batched here (jacfwd's primal pass)
+        outs = amp_call_p.bind(*args, program=program)
+        return outs, [None] * len(outs)
+    # Only a string name can be used inside the exported program (psum over "batch");
+    # JAX's anonymous axes are fresh objects, which would defeat the export cache.
+    axis_name = axis_data.name if isinstance(axis_data.name, str) else None
+    batched = program.derive(
+        ("vmap", in_axes, axis_data.size, axis_name),
+        functools.partial(_vmapped, program.fn, in_axes, axis_data.size, axis_name),
+        f"vmap({program.name})")
+    outs = amp_call_p.bind(*args, program=batched)
+    return outs, [0] * len(outs)
+
+
+internals.fancy_primitive_batchers[amp_call_p] = _batch
+
+
+def _forward_with_residuals(program: Program, *primals: Any) -> list:
+    outs, vjp_fn = jax.vjp(program.fn, *primals)
+    residuals, tree = jax.tree_util.tree_flatten(vjp_fn)
+    program.owner.record_residual_tree(program, avals_key(primals), tree)
+    return [*outs, *residuals]
+
+
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *,
+         program: Program) -> tuple[list, list]:
+    nonzero_in = tuple(type(t) is not internals.Zero and _is_float(jax.typeof(p).dtype)
+                       for p, t in zip(primals, tangents))
+    forward = program.derive("fwd", functools.partial(_forward_with_residuals, program),
+                             f"fwd({program.name})")
+    outs_and_residuals = amp_call_p.bind(*primals, program=forward)
+    tree = program.owner.residual_tree(program, avals_key(primals))
+    n_out = len(outs_and_residuals) - tree.num_leaves
+    outs, residuals = outs_and_residuals[:n_out], outs_and_residuals[n_out:]
+    out_avals = tuple(jax.typeof(o) for o in outs)
+    float_out = tuple(_is_float(a.dtype) for a in out_avals)
+    if not any(float_out):
+        return outs, [internals.Zero(a.to_tangent_aval()) for a in out_avals]
+    live_tangents = [internals.instantiate_zeros(t)
+                     for t, nonzero in zip(tangents, nonzero_in) if nonzero]
+    tangents_out = iter(amp_lin_p.bind(
+        *primals, *residuals, *live_tangents, program=program, residual_tree=tree,
+        nonzero_in=nonzero_in, out_avals=out_avals))
+    return outs, [next(tangents_out) if is_float else internals.Zero(a.to_tangent_aval())
+                  for a, is_float in zip(out_avals, float_out)]
+
+
+internals.primitive_jvps[amp_call_p] = _jvp
+
+
+def _not_transposable(cts: Any, *args: Any, program: Program) -> Any:
+    raise TypeError(
+        f"hlo_amp: {program.name} is not linear, so jax.linear_transpose cannot apply "
+        f"to it; compile the outer function instead (hlo_amp.compile(outer, policy))")
+
+
+internals.primitive_transposes[amp_call_p] = _not_transposable
+
+
+# ---- amp_lin_p: the tangent map at a point -----------------------------------------------
+# Arguments: the primals (n), the vjp residuals, the nonzero tangents.
+
+amp_lin_p = internals.Primitive("hlo_amp_linear")
+amp_lin_p.multiple_results = True
+
+
+def _tangent_map(program: Program, nonzero_in: tuple, float_out: tuple, *args: Any) -> list:
+    primals, live = args[:len(nonzero_in)], iter(args[len(nonzero_in):])
+    tangents = [next(live) if nonzero else _zero_tangent(p)
+                for p, nonzero in zip(primals, nonzero_in)]
+    _, tangents_out = jax.jvp(program.fn, tuple(primals), tuple(tangents))
+    return [t for t, is_float in zip(tangents_out, float_out) if is_float]
+
+
+def _cotangent_map(residual_tree: Any, nonzero_in: tuple, out_avals: tuple, n_residuals: int,
+                   *args: Any) -> list:
+    vjp_fn = jax.tree_util.tree_unflatten(residual_tree, args[:n_residuals])
+    live = iter(args[n_residuals:])
+    cotangents = [next(live) if _is_float(a.dtype)
+                  else np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
+    cotangents_in = vjp_fn(cotangents)
+    return [ct for ct, nonzero in zip(cotangents_in, nonzero_in) if nonzero]
+
+
+def _split_lin_args(args: Sequence[Any], residual_tree: Any, nonzero_in: tuple
+                    ) -> tuple[list, list, list]:
+    n, r = len(nonzero_in), residual_tree.num_leaves
+    return list(args[:n]), list(args[n:n + r]), list(args[n + r:])
+
+
+def _tangent_program(program: Program, nonzero_in: tuple, out_avals: tuple) -> Program:
+    float_out = tuple(_is_float(a.dtype) for a in out_avals)
+    return program.derive(
+        ("jvp", nonzero_in, float_out),
+        functools.partial(_tangent_map, program, nonzero_in, float_out),
+        f"jvp({program.name})")
+
+
+def _lin_abstract_eval(*avals: Any, program: Program, residual_tree: Any,
+                       nonzero_in: tuple, out_avals: tuple) -> list:
+    return [a.to_tangent_aval() for a in out_avals if _is_float(a.dtype)]
+
+
+def _lin_call(*args: Any, program: Program, residual_tree: Any, nonzero_in: tuple,
+              out_avals: tuple) -> Any:
+    primals, _, tangents = _split_lin_args(args, residual_tree, nonzero_in)
+    return amp_call_p.bind(*primals, *tangents,
+                           program=_tangent_program(program, nonzero_in, out_avals))
+
+
+def _lin_batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *,
+               program: Program, residual_tree: Any, nonzero_in: tuple,
+               out_avals: tuple) -> tuple[list, list]:
+    # Under vmap the map is evaluated, not transposed: batch jvp(fn) itself.
+    primals, _, tangents = _split_lin_args(args, residual_tree, nonzero_in)
+    primal_dims, _, tangent_dims = _split_lin_args(dims, residual_tree, nonzero_in)
+    return _batch(axis_data, [*primals, *tangents], [*primal_dims, *tangent_dims],
+                  program=_tangent_program(program, nonzero_in, out_avals))
+
+
+def _lin_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Program,
+             residual_tree: Any, nonzero_in: tuple, out_avals: tuple) -> tuple[list, list]:
+    # Second order (jvp of jvp): differentiate the tangent map as a program of its own.
+    args, _, live = _split_lin_args(primals, residual_tree, nonzero_in)
+    dargs, _, dlive = _split_lin_args(tangents, residual_tree, nonzero_in)
+    return _jvp([*args, *live], [*dargs, *dlive],
+                program=_tangent_program(program, nonzero_in, out_avals))
+
+
+def _lin_transpose(cotangents: Sequence[Any], *args: Any, program: Program,
+                   residual_tree: Any, nonzero_in: tuple, out_avals: tuple) -> list:
+    primals, residuals, tangents = _split_lin_args(args, residual_tree, nonzero_in)
+    backward = program.derive(
+        ("vjp", residual_tree, nonzero_in),
+        functools.partial(_cotangent_map, residual_tree, nonzero_in, out_avals,
+                          len(residuals)),
+        f"vjp({program.name})")
+    live = [internals.instantiate_zeros(ct) for ct in cotangents]
+    cotangents_in = amp_call_p.bind(*residuals, *live, program=backward)
+    return [None] * (len(primals) + len(residuals)) + list(cotangents_in)
+
+
+amp_lin_p.def_impl(_lin_call)
+amp_lin_p.def_abstract_eval(_lin_abstract_eval)
+internals.register_lowering(amp_lin_p, internals.lower_fun(_lin_call, multiple_results=True))
+internals.fancy_primitive_batchers[amp_lin_p] = _lin_batch
+internals.primitive_jvps[amp_lin_p] = _lin_jvp
+internals.primitive_transposes[amp_lin_p] = _lin_transpose
