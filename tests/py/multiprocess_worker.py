@@ -1,0 +1,128 @@
+"""One process of tests/py/test_multiprocess.py: a sharded train step under hlo_amp.compile.
+
+    python multiprocess_worker.py --num-processes 2 --process-id 0 --port 12345 --out DIR
+    python multiprocess_worker.py --num-processes 1 --out DIR          # the 8-device reference
+
+With ``--num-processes 2`` each process has 4 CPU devices and joins the other through
+``jax.distributed.initialize`` (gloo collectives); with 1 it has 8 devices and no
+distributed runtime. Either way the program sees the same global (4, 2) ("data", "model")
+mesh over 8 devices and runs the same steps on the same global arrays. Each process
+writes ``process_<id>.npz`` (losses and final parameters, gathered to host) and
+``process_<id>.json`` (device counts and what the pass did) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+TOTAL_DEVICES = 8
+STEPS = 3
+LR = 0.1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-processes", type=int, required=True)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    local_devices = TOTAL_DEVICES // args.num_processes
+    # Must be set before jax is imported.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={local_devices}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+    import jax
+
+    if args.num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=f"localhost:{args.port}",
+                                   num_processes=args.num_processes,
+                                   process_id=args.process_id,
+                                   initialization_timeout=60)
+
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import hlo_amp
+
+    meta = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+            "device_count": jax.device_count(), "local_device_count": jax.local_device_count()}
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+    # The global values, computed the same way in every process (numpy, fixed seed).
+    rng = np.random.default_rng(0)
+    host = {
+        "w1": (rng.standard_normal((16, 32)) / 4).astype(np.float32),
+        "b1": np.zeros((32,), np.float32),
+        "w2": (rng.standard_normal((32, 8)) / 6).astype(np.float32),
+    }
+    host_x = rng.standard_normal((32, 16)).astype(np.float32)
+    host_y = rng.standard_normal((32, 8)).astype(np.float32)
+
+    shardings = {"w1": NamedSharding(mesh, P(None, "model")),
+                 "b1": NamedSharding(mesh, P("model")),
+                 "w2": NamedSharding(mesh, P("model", None))}
+    batch_sharding = NamedSharding(mesh, P("data", None))
+
+    def global_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+        # Each process fills only the shards its own devices hold.
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    params = {k: global_array(v, shardings[k]) for k, v in host.items()}
+    x = global_array(host_x, batch_sharding)
+    y = global_array(host_y, batch_sharding)
+    meta["x_addressable_rows"] = sum(s.data.shape[0] for s in x.addressable_shards
+                                     if s.replica_id == 0)
+
+    def loss_fn(params, x, y):
+        hidden = jnp.tanh(x @ params["w1"] + params["b1"])
+        return jnp.mean((hidden @ params["w2"] - y) ** 2)
+
+    def step(params, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        return jax.tree.map(lambda p, g: p - LR * g, params, grads), loss
+
+    amp = hlo_amp.compile(step, "bf16")
+    lowered = amp.lower(params, x, y)
+    decisions = lowered.report().decisions
+    meta["decisions"] = [[d.op_kind, bool(d.low_precision), bool(d.changed)] for d in decisions]
+    meta["rewritten_has_bf16"] = "bf16" in lowered.as_text()
+    meta["original_has_bf16"] = "bf16" in lowered.original_text()
+
+    def run(fn, name):
+        p, losses = params, []
+        for _ in range(STEPS):
+            p, loss = fn(p, x, y)
+            losses.append(loss)
+        meta[name + "_w1_spec"] = str(p["w1"].sharding.spec)
+        # Parameters are sharded over "model" (and the loss replicated); gather the global
+        # values to every host before reading them.
+        gathered = multihost_utils.process_allgather(p, tiled=True)
+        return ({k: np.asarray(v) for k, v in gathered.items()},
+                np.asarray(multihost_utils.process_allgather(jnp.stack(losses), tiled=True)))
+
+    amp_params, amp_losses = run(amp, "amp")
+    jit_params, jit_losses = run(jax.jit(step), "jit")
+
+    arrays = {"losses": amp_losses, "jit_losses": jit_losses}
+    arrays.update({f"param_{k}": v for k, v in amp_params.items()})
+    arrays.update({f"jit_param_{k}": v for k, v in jit_params.items()})
+    pid = jax.process_index()
+    np.savez(os.path.join(args.out, f"process_{pid}.npz"), **arrays)
+    with open(os.path.join(args.out, f"process_{pid}.json"), "w") as f:
+        json.dump(meta, f)
+    print(f"process {pid}: done", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
