@@ -1,0 +1,234 @@
+"""Compiled functions under vmap, jvp, jacfwd, linearize, forward-over-reverse and grad.
+
+Each result is compared with the same program under ``jax.jit`` in bf16's tolerance
+(scaled: |a - e| <= 1e-5 + 1.6e-2 * max|e|), and shown to run rewritten: it differs
+from f32, and the lowered program holds bf16 ops.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlo_amp
+
+BF16_RTOL, ATOL = 1.6e-2, 1e-5
+
+
+def f(w, x):
+    return jnp.tanh(x @ w).sum()
+
+
+def loss(params, x, y):
+    hidden = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((hidden @ params["w2"] - y) ** 2)
+
+
+def _rand(seed, shape):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def data():
+    params = {"w1": _rand(0, (16, 32)) * 0.3, "b1": _rand(1, (32,)) * 0.1,
+              "w2": _rand(2, (32, 4)) * 0.3}
+    return params, _rand(3, (6, 5, 16)), _rand(4, (6, 5, 4))
+
+
+def _assert_close_not_equal(actual, expected):
+    """Within bf16's tolerance of the f32 result, and not equal to it: rewritten."""
+    differs = False
+    for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape
+        scale = np.max(np.abs(e)) if e.size else 0.0
+        assert np.max(np.abs(a - e), initial=0.0) <= ATOL + BF16_RTOL * scale
+        differs |= not np.array_equal(a, e)
+    assert differs, "the compiled function gave f32's exact result: it ran unrewritten"
+
+
+def _lowered_has_bf16(fn, *args):
+    return "bf16" in jax.jit(fn).lower(*args).as_text()
+
+
+# ---- vmap --------------------------------------------------------------------------------
+
+
+def test_vmap_in_axes_none_0_verbatim():
+    w, xs = _rand(0, (8, 4)) * 0.3, _rand(1, (5, 3, 8))
+    got = jax.vmap(hlo_amp.compile(f, "bf16"), in_axes=(None, 0))(w, xs)
+    _assert_close_not_equal(got, jax.vmap(jax.jit(f), in_axes=(None, 0))(w, xs))
+    assert _lowered_has_bf16(jax.vmap(hlo_amp.compile(f, "bf16"), in_axes=(None, 0)), w, xs)
+    assert not _lowered_has_bf16(jax.vmap(jax.jit(f), in_axes=(None, 0)), w, xs)
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0), (1, None), (None, 1), (0, None)])
+def test_vmap_any_in_axes(in_axes):
+    w, x = _rand(0, (8, 4)) * 0.3, _rand(1, (3, 8))
+    batch = 5
+    w = jnp.stack([w * (1 + 0.1 * i) for i in range(batch)], in_axes[0]) \
+        if in_axes[0] is not None else w
+    x = jnp.stack([x + 0.1 * i for i in range(batch)], in_axes[1]) \
+        if in_axes[1] is not None else x
+    got = jax.vmap(hlo_amp.compile(f, "bf16"), in_axes=in_axes)(w, x)
+    _assert_close_not_equal(got, jax.vmap(f, in_axes=in_axes)(w, x))
+
+
+def test_nested_vmap_and_kwargs_and_jit(data):
+    params, x, y = data
+    amp = hlo_amp.compile(loss, "bf16")
+    per_pair = jax.jit(jax.vmap(jax.vmap(lambda p, a, b: amp(p, x=a, y=b),
+                                         in_axes=(None, 0, 0)), in_axes=(None, 0, 0)))
+    ref = jax.vmap(jax.vmap(loss, in_axes=(None, 0, 0)), in_axes=(None, 0, 0))
+    _assert_close_not_equal(per_pair(params, x[:, :, None], y[:, :, None]),
+                            ref(params, x[:, :, None], y[:, :, None]))
+
+
+def test_per_example_gradients(data):
+    params, x, y = data
+    per_example = jax.vmap(jax.grad(hlo_amp.compile(loss, "bf16")), in_axes=(None, 0, 0))
+    expected = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params, x, y)
+    _assert_close_not_equal(per_example(params, x, y), expected)
+    _assert_close_not_equal(jax.jit(per_example)(params, x, y), expected)
+
+
+def test_grad_of_vmapped_compiled_loss(data):
+    params, x, y = data
+    amp = hlo_amp.compile(loss, "bf16")
+
+    def batch_loss(fn, p):
+        return jax.vmap(fn, in_axes=(None, 0, 0))(p, x, y).mean()
+
+    got = jax.jit(jax.grad(lambda p: batch_loss(amp, p)))(params)
+    _assert_close_not_equal(got, jax.grad(lambda p: batch_loss(loss, p))(params))
+
+
+def test_vmap_with_named_axis_collective():
+    xs = _rand(1, (5, 3, 8))
+    w = _rand(0, (8, 4)) * 0.3
+
+    def centred(x):
+        y = x @ w
+        return y - jax.lax.pmean(y, "batch")
+
+    got = jax.vmap(hlo_amp.compile(centred, "bf16"), axis_name="batch")(xs)
+    _assert_close_not_equal(got, jax.vmap(centred, axis_name="batch")(xs))
+
+
+# ---- forward mode ------------------------------------------------------------------------
+
+
+def test_jvp_verbatim(data):
+    params, x, y = data
+    primals = (params, x[0], y[0])
+    tangents = jax.tree_util.tree_map(jnp.ones_like, primals)
+    got = jax.jvp(hlo_amp.compile(loss, "bf16"), primals, tangents)
+    _assert_close_not_equal(got, jax.jvp(jax.jit(loss), primals, tangents))
+    assert _lowered_has_bf16(
+        lambda p, t: jax.jvp(hlo_amp.compile(loss, "bf16"), p, t), primals, tangents)
+
+
+def test_jacfwd_and_linearize(data):
+    params, x, y = data
+    amp = hlo_amp.compile(loss, "bf16")
+    _assert_close_not_equal(jax.jacfwd(amp)(params, x[0], y[0]),
+                            jax.jacfwd(loss)(params, x[0], y[0]))
+    value, linear = jax.linearize(lambda p: amp(p, x[0], y[0]), params)
+    ref_value, ref_linear = jax.linearize(lambda p: loss(p, x[0], y[0]), params)
+    direction = jax.tree_util.tree_map(jnp.ones_like, params)
+    _assert_close_not_equal((value, linear(direction)), (ref_value, ref_linear(direction)))
+
+
+def test_forward_over_reverse_hvp(data):
+    params, x, y = data
+    direction = jax.tree_util.tree_map(jnp.ones_like, params)
+
+    def hvp(fn):
+        return jax.jvp(jax.grad(lambda p: fn(p, x[0], y[0])), (params,), (direction,))
+
+    _assert_close_not_equal(hvp(hlo_amp.compile(loss, "bf16")), hvp(loss))
+
+
+def test_jvp_with_integer_input_and_output():
+    w = _rand(0, (8, 4)) * 0.3
+
+    def fn(x, index):
+        y = x @ w
+        return y[index], jnp.argmax(y)
+
+    x = _rand(1, (3, 8))
+    primal_out, tangent_out = jax.jvp(hlo_amp.compile(fn, "bf16"), (x, 1),
+                                      (jnp.ones_like(x), np.zeros((), jax.dtypes.float0)))
+    ref_out, ref_tangent = jax.jvp(fn, (x, 1), (jnp.ones_like(x),
+                                                 np.zeros((), jax.dtypes.float0)))
+    _assert_close_not_equal(primal_out[0], ref_out[0])
+    assert primal_out[1] == ref_out[1]
+    _assert_close_not_equal(tangent_out[0], ref_tangent[0])
+    assert tangent_out[1].dtype == jax.dtypes.float0
+
+
+# ---- other composition -------------------------------------------------------------------
+
+
+def test_grad_through_scan_and_remat(data):
+    params, x, y = data
+    amp = hlo_amp.compile(loss, "bf16")
+
+    def scanned(fn, p):
+        total, _ = jax.lax.scan(lambda c, xy: (c + fn(p, *xy), None), 0.0, (x, y))
+        return total
+
+    _assert_close_not_equal(jax.grad(lambda p: scanned(amp, p))(params),
+                            jax.grad(lambda p: scanned(loss, p))(params))
+    _assert_close_not_equal(jax.grad(jax.checkpoint(amp))(params, x[0], y[0]),
+                            jax.grad(loss)(params, x[0], y[0]))
+
+
+def test_unsupported_transform_error_is_one_clear_line():
+    w = _rand(0, (8, 4))
+
+    def project(x):
+        return x @ w
+
+    with pytest.raises(TypeError) as info:
+        jax.linear_transpose(hlo_amp.compile(project, "bf16"), _rand(1, (3, 8)))(
+            jnp.ones((3, 4)))
+    message = str(info.value).strip()
+    assert "\n" not in message
+    assert "linear_transpose" in message and "project" in message
+    assert "compile the outer function" in message
+
+
+def test_host_callback_under_vmap_warns_and_runs_unchanged():
+    w = _rand(0, (8, 4))
+    seen = []
+
+    def noisy(x):
+        jax.debug.callback(lambda v: seen.append(float(v)), x.sum())
+        return x @ w
+
+    xs = _rand(1, (2, 3, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = jax.vmap(hlo_amp.compile(noisy, "bf16"))(xs)
+    assert any("cannot rewrite noisy under an outer transformation" in str(w.message)
+               for w in caught)
+    np.testing.assert_array_equal(got, jax.vmap(noisy)(xs))
+    assert len(seen) == 4  # two from the hlo_amp call, two from the reference
+
+
+def test_cache_hits_do_not_relower(data):
+    params, x, y = data
+    amp = hlo_amp.compile(loss, "bf16")
+    amp(params, x[0], y[0])
+    per_example = jax.vmap(amp, in_axes=(None, 0, 0))
+    per_example(params, x, y)
+    lowerings = amp.lowerings
+    for _ in range(3):
+        amp(params, x[0], y[0])
+        per_example(params, x, y)
+    assert amp.lowerings == lowerings
