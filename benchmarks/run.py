@@ -31,6 +31,9 @@ MIXED = "hlo_amp mixed_bfloat16"
 CONVERT = re.compile(r"\bstablehlo\.convert\b")
 
 
+
+HAND_WRITTEN = "<!-- hand-written below this line; benchmarks/run.py keeps it -->"
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes and few steps (~2 min)")
@@ -435,7 +438,11 @@ def main(argv: list[str] | None = None) -> None:
           if r.error and r.variant != "jaxamp"],
         "",
     ]
-    (args.out / "RESULTS.md").write_text("\n".join(md))
+    results_md = args.out / "RESULTS.md"
+    kept = ""  # hand-written sections (analysis, demo, dispatch) survive a re-run
+    if results_md.exists() and HAND_WRITTEN in results_md.read_text():
+        kept = results_md.read_text()[results_md.read_text().index(HAND_WRITTEN):]
+    results_md.write_text("\n".join(md) + ("\n" + kept if kept else ""))
     print(f"wrote {args.out / 'RESULTS.md'} and {png}")
 
 
