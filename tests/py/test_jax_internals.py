@@ -1,0 +1,60 @@
+"""Every private JAX entry point hlo_amp uses exists here, with the parameters we pass."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hlo_amp
+from hlo_amp import jax_internals
+
+
+def test_every_entry_point_exists_with_expected_parameters():
+    assert jax_internals.missing_entry_points() == []
+    jax_internals.check()
+
+
+def test_lowered_objects_have_the_private_fields_we_swap():
+    lowered = jax.jit(lambda x: x @ x).trace(jnp.ones((4, 4))).lower()
+    for name in ("_lowering", "_no_kwargs", "args_info", "out_tree"):
+        assert hasattr(lowered, name), name
+    for name in ("_hlo", "_executable", "stablehlo"):
+        assert hasattr(lowered._lowering, name), name
+    assert jax_internals.lowering_platforms(lowered) == (jax.default_backend(),)
+
+
+def test_swap_module_compiles_the_module_it_was_given():
+    x = jnp.arange(16.0).reshape(4, 4)
+    lowered = jax.jit(lambda a: a @ a).trace(x).lower()
+    other = jax.jit(lambda a: a + a).trace(x).lower()
+    swapped = jax_internals.swap_module(lowered, other.compiler_ir("stablehlo"))
+    assert jnp.array_equal(swapped.compile()(x), x + x)
+
+
+def test_missing_entry_point_is_one_clear_import_error(monkeypatch):
+    entries = dict(jax_internals.ENTRY_POINTS)
+    entries["jax._src.interpreters.mlir.lower_fun"] = (None, None)
+    entries["jax._src.interpreters.mlir.register_lowering"] = (lambda prim: None,
+                                                               ("prim", "rule"))
+    monkeypatch.setattr(jax_internals, "ENTRY_POINTS", entries)
+    with pytest.raises(ImportError) as info:
+        jax_internals.check()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"hlo_amp needs jax {jax_internals.SUPPORTED_JAX}; found {jax.__version__}: ")
+    assert "lower_fun is gone" in message
+    assert "register_lowering takes no rule" in message
+
+
+def test_supported_range_matches_the_pin():
+    import pathlib
+    import re
+
+    pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
+    low, high = re.search(r'"jax>=([\d.]+),<([\d.]+)"', pyproject).groups()
+    assert jax_internals.SUPPORTED_JAX.startswith(low)
+    major, minor = high.split(".")[:2]
+    assert jax_internals.SUPPORTED_JAX.endswith(f"{major}.{int(minor) - 1}.x")
+    assert hlo_amp.compile  # the package imported, so check() passed at import
