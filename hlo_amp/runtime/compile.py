@@ -286,7 +286,9 @@ class AmpFunction:
                         f"transformation ({refused}); it runs unchanged", stacklevel=2)
                     return self.fn(*args, **kwargs)
                 self._through_lowering = True
-        dyn_args, dyn_kwargs, _, _, key = self._flatten(args, kwargs)
+        dyn_args, dyn_kwargs, leaves, _, key = self._flatten(args, kwargs)
+        if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
+            return self._traced_call(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self.lower(*args, **kwargs).compile()
