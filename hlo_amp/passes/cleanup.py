@@ -1,14 +1,25 @@
-"""Clean up converts: fold lossless round trips, merge duplicates, drop dead ones."""
+"""Clean up converts: fold lossless round trips, merge duplicates, drop dead ones, and
+hoist loop-invariant converts out of ``stablehlo.while`` bodies."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
-from hlo_amp.modules import element_type, functions, walk_ops
+from hlo_amp.modules import (
+    callee_name,
+    element_type,
+    function_name,
+    functions,
+    is_call,
+    is_public,
+    walk_ops,
+)
 from hlo_amp.report import Report
 
 # (narrow, wide) float pairs where narrow -> wide -> narrow gives back every value.
@@ -28,44 +39,59 @@ def _converts(module: ir.Module) -> list[Any]:
 
 @dataclass(frozen=True)
 class CleanupConverts:
-    """Fold ``convert(convert(x: A) -> B) -> A`` when A -> B is lossless; share converts."""
+    """Fold ``convert(convert(x: A) -> B) -> A`` when A -> B is lossless; share converts;
+    with ``hoist_loop_invariants``, compute loop-invariant converts once, before the loop."""
 
+    hoist_loop_invariants: bool = True
     name: str = "hlo-amp-cleanup"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
-        folded = merged = 0
-        seen: dict[tuple[Any, Any, str], Any] = {}
-        for convert in _converts(module):
-            source = convert.operand
-            result = convert.result
-            # Same type in and out: the convert does nothing.
-            if source.type == result.type:
-                result.replace_all_uses_with(source)
+        folded, merged, removed = _fold_and_merge(module)
+        hoisted = 0
+        if self.hoist_loop_invariants:
+            with module.context:
+                hoisted = _hoist_loop_invariants(module)
+            if hoisted:
+                # Converts hoisted from two loops may now convert the same value twice.
+                more = _fold_and_merge(module)
+                folded, merged, removed = folded + more[0], merged + more[1], removed + more[2]
+        if report is not None and (folded or merged or hoisted):
+            note = (f"cleanup: folded {folded} round-trip convert(s), merged {merged}, "
+                    f"erased {removed} dead")
+            if hoisted:
+                note += f", hoisted {hoisted} loop-invariant convert(s) out of while loops"
+            report.notes.append(note)
+
+
+def _fold_and_merge(module: ir.Module) -> tuple[int, int, int]:
+    folded = merged = 0
+    seen: dict[tuple[Any, Any, str], Any] = {}
+    for convert in _converts(module):
+        source = convert.operand
+        result = convert.result
+        # Same type in and out: the convert does nothing.
+        if source.type == result.type:
+            result.replace_all_uses_with(source)
+            folded += 1
+            continue
+        producer = source.owner
+        if isinstance(producer, ir.Operation):
+            producer = producer.opview
+        if isinstance(producer, hlo.ConvertOp):
+            original = producer.operand
+            if (original.type == result.type
+                    and (_element(original), _element(source)) in _LOSSLESS_WIDENINGS):
+                result.replace_all_uses_with(original)
                 folded += 1
                 continue
-            producer = source.owner
-            if isinstance(producer, ir.Operation):
-                producer = producer.opview
-            if isinstance(producer, hlo.ConvertOp):
-                original = producer.operand
-                if (original.type == result.type
-                        and (_element(original), _element(source)) in _LOSSLESS_WIDENINGS):
-                    result.replace_all_uses_with(original)
-                    folded += 1
-                    continue
-            key = (convert.operation.block, source, str(result.type))
-            first = seen.get(key)
-            if first is not None and first.operation.is_before_in_block(convert.operation):
-                result.replace_all_uses_with(first.result)
-                merged += 1
-            else:
-                seen.setdefault(key, convert)
-        removed = _erase_dead_converts(module)
-        if report is not None and (folded or merged):
-            report.notes.append(
-                f"cleanup: folded {folded} round-trip convert(s), merged {merged}, "
-                f"erased {removed} dead"
-            )
+        key = (convert.operation.block, source, str(result.type))
+        first = seen.get(key)
+        if first is not None and first.operation.is_before_in_block(convert.operation):
+            result.replace_all_uses_with(first.result)
+            merged += 1
+        else:
+            seen.setdefault(key, convert)
+    return folded, merged, _erase_dead_converts(module)
 
 
 def _erase_dead_converts(module: ir.Module) -> int:
@@ -77,3 +103,260 @@ def _erase_dead_converts(module: ir.Module) -> int:
             convert.operation.erase()
             removed += 1
     return removed
+
+
+# ---- loop-invariant converts --------------------------------------------------------
+#
+# A convert in a while body whose operand is the same on every iteration -- a carry the
+# body returns unchanged at its own position, or a value defined outside the loop -- is
+# moved before the loop: a carry's convert becomes a new carry of the converted type
+# (returned unchanged), a captured value's convert is used from above. JAX's scan puts
+# the step in a private function (`func.call @closed_call` in the body), so a convert of
+# a callee argument is first lifted to the call sites when every call sits directly in a
+# while body and passes a loop-invariant value there. Left alone, for simplicity:
+# converts to non-float types, converts in nested regions of a body (a case/if inside
+# it) or in a callee's nested regions, and converts whose operand is computed in the
+# body from invariant values. Inner loops go first, so a convert hoisted out of an inner
+# loop can leave an outer loop too; the lift/hoist steps repeat until nothing moves.
+
+
+def _is_float_convert(convert: Any) -> bool:
+    return isinstance(element_type(convert.result), ir.FloatType)
+
+
+def _body(loop: Any) -> ir.Block:
+    return loop.operation.regions[1].blocks[0]
+
+
+def _terminator(block: ir.Block) -> ir.Operation:
+    operations = block.operations
+    return operations[len(operations) - 1].operation
+
+
+def _owner_op(value: ir.Value) -> ir.Operation:
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return owner.owner.operation
+    return owner.operation if hasattr(owner, "operation") else owner
+
+
+def _defined_outside(value: ir.Value, loop: Any) -> bool:
+    loop_op = loop.operation
+    op: ir.Operation | None = _owner_op(value)
+    while op is not None:
+        if op == loop_op:
+            return False
+        op = op.parent
+    return True
+
+
+def _invariant(value: ir.Value, loop: Any) -> bool:
+    """``value`` is the same on every iteration of ``loop``'s body."""
+    body = _body(loop)
+    if isinstance(value.owner, ir.Block) and value.owner == body:
+        index = ir.BlockArgument(value).arg_number
+        return _terminator(body).operands[index] == value
+    return _defined_outside(value, loop)
+
+
+def _enclosing_while(op: Any) -> Any | None:
+    """The while whose body block holds ``op`` directly, else None."""
+    parent = op.operation.parent
+    if parent is None or not isinstance(parent.opview, hlo.WhileOp):
+        return None
+    return parent.opview if op.operation.block == _body(parent) else None
+
+
+def _hoist_loop_invariants(module: ir.Module) -> int:
+    hoisted = 0
+    while True:
+        ops = [op for fn in functions(module) for op in walk_ops(fn)]
+        # Inner loops after their outer loop in program order: reversed, inner first.
+        loops = [op for op in reversed(ops) if isinstance(op, hlo.WhileOp)]
+        if not loops:
+            return hoisted
+        lifted = _lift_from_callees(module, ops)
+        moved = sum(_hoist_from_while(loop) for loop in loops)
+        hoisted += moved
+        if not lifted and not moved:
+            return hoisted
+
+
+def _hoist_from_while(loop: Any) -> int:
+    """Move the invariant float converts of ``loop``'s body before it; the count moved."""
+    body = _body(loop)
+    carried: list[Any] = []  # converts of a carry: each becomes a new carry
+    first_of: dict[tuple[Any, str], Any] = {}
+    moved = 0
+    for op in list(body.operations):
+        if not isinstance(op, hlo.ConvertOp) or not _is_float_convert(op):
+            continue
+        source = op.operand
+        if not _invariant(source, loop):
+            continue
+        key = (source, str(op.result.type))
+        if key in first_of:  # the same convert twice: one hoisted copy serves both
+            op.result.replace_all_uses_with(first_of[key].result)
+            op.operation.erase()
+            moved += 1
+            continue
+        first_of[key] = op
+        moved += 1
+        if isinstance(source.owner, ir.Block) and source.owner == body:
+            index = ir.BlockArgument(source).arg_number
+            op.operation.move_before(loop.operation)
+            op.operation.operands[0] = loop.operation.operands[index]
+            carried.append(op)
+        else:  # captured from above: it dominates the loop, so the convert can sit there
+            op.operation.move_before(loop.operation)
+    if carried:
+        _add_carries(loop, carried)
+    return moved
+
+
+def _add_carries(loop: Any, converts: Sequence[Any]) -> None:
+    """Rebuild ``loop`` with one more carry per convert (now before the loop): the
+    convert is the initial value, the body returns the carry unchanged and uses it
+    in place of the convert."""
+    old = loop.operation
+    location = old.location
+    new_types = [convert.result.type for convert in converts]
+    cond_block, body_block = old.regions[0].blocks[0], old.regions[1].blocks[0]
+    for convert, carry_type in zip(converts, new_types):
+        cond_block.add_argument(carry_type, convert.location)
+        argument = body_block.add_argument(carry_type, convert.location)
+        convert.result.replace_all_uses_with(argument)
+    new = hlo.WhileOp([r.type for r in old.results] + new_types,
+                      list(old.operands) + [convert.result for convert in converts],
+                      loc=location, ip=ir.InsertionPoint(old))
+    for attribute in old.attributes:
+        new.operation.attributes[attribute] = old.attributes[attribute]
+    cond_block.append_to(new.operation.regions[0])
+    body_block.append_to(new.operation.regions[1])
+    terminator = _terminator(body_block)
+    extra = list(body_block.arguments)[len(old.results):]
+    hlo.ReturnOp(list(terminator.operands) + extra, loc=terminator.location,
+                 ip=ir.InsertionPoint(terminator))
+    terminator.erase()
+    for index, result in enumerate(old.results):
+        result.replace_all_uses_with(new.operation.results[index])
+    old.erase()
+
+
+def _symbol_refs(attribute: ir.Attribute) -> list[str]:
+    if isinstance(attribute, ir.FlatSymbolRefAttr):
+        return [attribute.value]
+    if isinstance(attribute, ir.ArrayAttr):
+        return [name for item in attribute for name in _symbol_refs(item)]
+    return []
+
+
+def _lift_from_callees(module: ir.Module, ops: list[Any]) -> int:
+    """Move float converts of a private callee's arguments to its call sites when every
+    call sits directly in a while body and passes a loop-invariant value; the count."""
+    calls: dict[str, list[Any]] = {}
+    for op in ops:
+        if is_call(op):
+            calls.setdefault(callee_name(op), []).append(op)
+    plans = []
+    for fn in functions(module):
+        sites = calls.get(function_name(fn), [])
+        if is_public(fn) or not sites:
+            continue
+        loops = [_enclosing_while(site) for site in sites]
+        if any(loop is None for loop in loops):
+            continue
+        groups = [converts for index, converts in _argument_converts(fn).items()
+                  if all(_invariant(site.operation.operands[index[0]], loop)
+                         for site, loop in zip(sites, loops))]
+        if groups:
+            plans.append((fn, sites, groups))
+    if not plans:
+        return 0
+    # A symbol used other than by func.call (an attribute naming it) keeps its signature.
+    named: set[str] = set()
+    for op in ops:
+        if not is_call(op):
+            attributes = op.operation.attributes
+            for attribute in attributes:
+                named.update(_symbol_refs(attributes[attribute]))
+    return sum(_lift(fn, sites, groups) for fn, sites, groups in plans
+               if function_name(fn) not in named)
+
+
+def _argument_converts(fn: Any) -> dict[tuple[int, str], list[Any]]:
+    """The float converts in ``fn``'s entry block of an argument, by (index, type)."""
+    entry = fn.regions[0].blocks[0]
+    groups: dict[tuple[int, str], list[Any]] = {}
+    for op in entry.operations:
+        if (isinstance(op, hlo.ConvertOp) and _is_float_convert(op)
+                and isinstance(op.operand.owner, ir.Block) and op.operand.owner == entry):
+            index = ir.BlockArgument(op.operand).arg_number
+            groups.setdefault((index, str(op.result.type)), []).append(op)
+    return groups
+
+
+def _lift(fn: Any, sites: list[Any], groups: list[list[Any]]) -> int:
+    """Replace each group of converts of one argument by a converted argument: the
+    argument itself, retyped, when the converts are its only readers, else a new one
+    appended; every call site converts its operand instead."""
+    entry = fn.regions[0].blocks[0]
+    appended: list[int] = []  # per new trailing argument, the argument it converts
+    lifted = 0
+    for converts in groups:
+        index = ir.BlockArgument(converts[0].operand).arg_number
+        argument = entry.arguments[index]
+        converted_type = converts[0].result.type
+        readers = [convert.operation for convert in converts]
+        if all(use.owner in readers for use in argument.uses):
+            argument.set_type(converted_type)
+            for site in sites:
+                lift = hlo.ConvertOp(converted_type, site.operation.operands[index],
+                                     loc=converts[0].location,
+                                     ip=ir.InsertionPoint(site.operation))
+                site.operation.operands[index] = lift.result
+        else:
+            argument = entry.add_argument(converted_type, converts[0].location)
+            appended.append(index)
+        for convert in converts:
+            convert.result.replace_all_uses_with(argument)
+            convert.operation.erase()
+        lifted += len(converts)
+    if appended:
+        new_arguments = list(entry.arguments)[-len(appended):]
+        for site in sites:
+            _call_with_extra(site, appended, new_arguments)
+    _retype(fn, entry, len(appended))
+    return lifted
+
+
+def _call_with_extra(site: Any, indices: list[int], new_arguments: list[Any]) -> Any:
+    """``site`` rebuilt with converts of operands ``indices`` appended as operands."""
+    old = site.operation
+    point = ir.InsertionPoint(old)
+    extra = [hlo.ConvertOp(argument.type, old.operands[index], loc=argument.location,
+                           ip=point).result
+             for index, argument in zip(indices, new_arguments)]
+    new = func_dialect.CallOp([r.type for r in old.results],
+                              ir.FlatSymbolRefAttr(old.attributes["callee"]),
+                              list(old.operands) + extra, loc=old.location, ip=point)
+    for attribute in old.attributes:
+        new.operation.attributes[attribute] = old.attributes[attribute]
+    if "arg_attrs" in old.attributes:
+        new.operation.attributes["arg_attrs"] = ir.ArrayAttr.get(
+            list(ir.ArrayAttr(old.attributes["arg_attrs"])) + [ir.DictAttr.get({})] * len(extra))
+    for index, result in enumerate(old.results):
+        result.replace_all_uses_with(new.operation.results[index])
+    old.erase()
+    return new
+
+
+def _retype(fn: Any, entry: ir.Block, appended: int) -> None:
+    """Make ``fn``'s function_type (and arg_attrs) match its entry block's arguments."""
+    function_type = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
+    fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+        [argument.type for argument in entry.arguments], list(function_type.results)))
+    if appended and "arg_attrs" in fn.attributes:
+        attrs = list(ir.ArrayAttr(fn.attributes["arg_attrs"]))
+        fn.attributes["arg_attrs"] = ir.ArrayAttr.get(
+            attrs + [ir.DictAttr.get({})] * appended)

@@ -13,12 +13,15 @@
 
 // grad of a lax.scan recurrent net; the hidden-state carry of the forward loop and the stacked
 // residuals it saves for the backward loop are bf16; the weights (a loop-invariant
-// carry no 16-bit op produces) stay f32. The slicing helper, called from the backward
-// loop on bf16 stacks, is cloned; the public signature is unchanged.
+// carry no 16-bit op produces) stay f32, and their bf16 copy for the dots is converted
+// once, before the loops, and carried as a new last carry. The slicing helper, called
+// from the backward loop on bf16 stacks, is cloned; the public signature is unchanged.
 // RNN-LABEL: func.func public @main
 // RNN-SAME:    (%arg0: tensor<4x4xf32>, %arg1: tensor<3x2x4xf32>) -> (tensor<4x4xf32> {jax.result_info = "result"})
-// RNN:         stablehlo.while({{.*}}) : tensor<3x2x4xf32>, tensor<4x4xf32>, tensor<i32>, tensor<2x4xbf16>, tensor<3x2x4xbf16>, tensor<3x2x4xbf16>, tensor<3x2x4xbf16>
-// RNN:         func.call @closed_call({{.*}}) : (tensor<4x4xf32>, tensor<2x4xbf16>, tensor<2x4xf32>) -> (tensor<2x4xbf16>, tensor<2x4xbf16>, tensor<2x4xbf16>, tensor<2x4xbf16>)
+// RNN:         %[[W16:.*]] = stablehlo.convert %arg0 : (tensor<4x4xf32>) -> tensor<4x4xbf16>
+// RNN:         stablehlo.while({{.*}}, %[[FW16:.*]] = %[[W16]]) : tensor<3x2x4xf32>, tensor<4x4xf32>, tensor<i32>, tensor<2x4xbf16>, tensor<3x2x4xbf16>, tensor<3x2x4xbf16>, tensor<3x2x4xbf16>, tensor<4x4xbf16>
+// RNN-NOT:     stablehlo.convert %{{.*}} : (tensor<4x4xf32>)
+// RNN:         func.call @closed_call(%[[FW16]], {{.*}}) : (tensor<4x4xbf16>, tensor<2x4xbf16>, tensor<2x4xf32>) -> (tensor<2x4xbf16>, tensor<2x4xbf16>, tensor<2x4xbf16>, tensor<2x4xbf16>)
 // RNN:         func.call @dynamic_index_in_dim_mixed0({{.*}}) : (tensor<3x2x4xbf16>, tensor<i32>) -> tensor<2x4xbf16>
 // RNN:         return %{{.*}} : tensor<4x4xf32>
 // RNN-LABEL: func.func private @dynamic_index_in_dim(

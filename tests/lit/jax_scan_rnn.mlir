@@ -12,23 +12,38 @@
 // RUN: hlo-amp-opt %S/inputs/scan_rnn.mlir --policy bf16 --report - -o /dev/null 2>&1 \
 // RUN:   | filecheck %s --check-prefix=JSON
 
-// The while loops themselves and their signatures are untouched.
+// The weights are a carry both loops return unchanged: their bf16 convert is computed
+// once, before the first loop, and carried by both (a new last carry); neither body
+// converts them, and the callees take the bf16 weights. The signature is untouched.
 // CHECK-LABEL: func.func public @main
 // CHECK-SAME:    (%arg0: tensor<4x4xf32>, %arg1: tensor<3x2x4xf32>) -> (tensor<4x4xf32> {jax.result_info = "result"})
-// CHECK-NOT:     stablehlo.convert
-// CHECK:         func.call @closed_call(
-// CHECK-NOT:     stablehlo.convert
-// CHECK:         func.call @closed_call_0(
-// CHECK-LABEL: func.func private @closed_call(
-// CHECK:         %[[H16:.*]] = stablehlo.convert %arg1 : (tensor<2x4xf32>) -> tensor<2x4xbf16>
 // CHECK:         %[[W16:.*]] = stablehlo.convert %arg0 : (tensor<4x4xf32>) -> tensor<4x4xbf16>
-// CHECK:         stablehlo.dot_general %[[H16]], %[[W16]], {{.*}} -> tensor<2x4xf32>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         stablehlo.while({{.*}}, %[[FW16:.*]] = %[[W16]]) : tensor<3x2x4xf32>, tensor<4x4xf32>, tensor<i32>, tensor<2x4xf32>, tensor<3x2x4xf32>, tensor<3x2x4xf32>, tensor<3x2x4xf32>, tensor<4x4xbf16>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         func.call @closed_call(%[[FW16]], {{.*}}) : (tensor<4x4xbf16>, tensor<2x4xf32>, tensor<2x4xf32>) ->
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         stablehlo.return {{.*}}, %[[FW16]] : {{.*}}, tensor<4x4xbf16>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         stablehlo.while({{.*}}, %[[BW16:.*]] = %[[W16]]) : tensor<3x2x4xf32>, tensor<3x2x4xf32>, tensor<3x2x4xf32>, tensor<4x4xf32>, tensor<i32>, tensor<4x4xf32>, tensor<2x4xf32>, tensor<4x4xbf16>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         func.call @closed_call_0(%[[BW16]], {{.*}}) : (tensor<4x4xbf16>, tensor<4x4xf32>, tensor<2x4xf32>, tensor<2x4xf32>, tensor<2x4xf32>, tensor<2x4xf32>) ->
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         stablehlo.return {{.*}}, %[[BW16]] : {{.*}}, tensor<4x4xbf16>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         return
+// CHECK-LABEL: func.func private @closed_call(
+// CHECK-SAME:    %[[W:.*]]: tensor<4x4xbf16>, %[[H:.*]]: tensor<2x4xf32>, %{{.*}}: tensor<2x4xf32>)
+// CHECK:         %[[H16:.*]] = stablehlo.convert %[[H]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         stablehlo.dot_general %[[H16]], %[[W]], {{.*}} -> tensor<2x4xf32>
 // CHECK-LABEL: func.func private @closed_call_0(
+// CHECK-SAME:    %[[W:[^:]*]]: tensor<4x4xbf16>
 // CHECK:         %[[G16:.*]] = stablehlo.convert %{{.*}} : (tensor<2x4xf32>) -> tensor<2x4xbf16>
 // CHECK:         %[[X16:.*]] = stablehlo.convert %arg3 : (tensor<2x4xf32>) -> tensor<2x4xbf16>
 // CHECK:         stablehlo.dot_general %[[G16]], %[[X16]], {{.*}} -> tensor<4x4xf32>
-// CHECK:         %[[W16:.*]] = stablehlo.convert %arg0 : (tensor<4x4xf32>) -> tensor<4x4xbf16>
-// CHECK:         stablehlo.dot_general %[[G16]], %[[W16]], {{.*}} -> tensor<2x4xf32>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         stablehlo.dot_general %[[G16]], %[[W]], {{.*}} -> tensor<2x4xf32>
 
 // BWD-LABEL: func.func private @closed_call(
 // BWD:         stablehlo.dot_general {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>)

@@ -101,6 +101,28 @@ def scan_rnn() -> str:
         debug_info=True)
 
 
+# ---- nested_scan: a scan inside a scan, the weights closed over (carried unchanged) --
+
+
+def nested_scan_loss(w: jax.Array, xs: jax.Array) -> jax.Array:
+    def inner(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+        with jax.named_scope("cell"):
+            h = jnp.tanh(h @ w + x)
+        return h, None
+
+    def outer(h: jax.Array, seq: jax.Array) -> tuple[jax.Array, None]:
+        h, _ = jax.lax.scan(inner, h, seq)
+        return h, None
+
+    h, _ = jax.lax.scan(outer, jnp.zeros((2, 4)), xs)
+    return jnp.sum(h)
+
+
+def nested_scan() -> str:
+    return jax.jit(nested_scan_loss).lower(_ones(4, 4), _ones(2, 3, 2, 4)).as_text(
+        debug_info=True)
+
+
 # ---- cond: ops inside stablehlo.case branches ---------------------------------------
 
 
@@ -203,6 +225,7 @@ LOWERINGS: dict[str, Callable[[], str]] = {
     "mlp_grad": mlp_grad,
     "flax_linen": flax_linen,
     "scan_rnn": scan_rnn,
+    "nested_scan": nested_scan,
     "cond": cond,
     "inner_jit": inner_jit,
     "remat": remat,
