@@ -46,7 +46,7 @@ class Program:
     keyed on primitive parameters hit across calls.
     """
 
-    __slots__ = ("owner", "fn", "name", "key")
+    __slots__ = ("fn", "key", "name", "owner")
 
     def __init__(self, owner: ProgramOwner, fn: Callable[..., list], name: str, key: Any):
         self.owner = owner
@@ -250,7 +250,7 @@ def _lin_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Progra
 
 def _lin_transpose(cotangents: Sequence[Any], *args: Any, program: Program,
                    residual_tree: Any, nonzero_in: tuple, out_avals: tuple) -> list:
-    primals, residuals, tangents = _split_lin_args(args, residual_tree, nonzero_in)
+    primals, residuals, _ = _split_lin_args(args, residual_tree, nonzero_in)
     backward = program.derive(
         ("vjp", residual_tree, nonzero_in),
         functools.partial(_cotangent_map, residual_tree, nonzero_in, out_avals,

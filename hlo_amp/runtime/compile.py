@@ -386,7 +386,7 @@ class AmpFunction:
                 f"hlo_amp: cannot rewrite {self.__name__} under an outer transformation "
                 f"({refused}); it runs unchanged", stacklevel=3)
             return self.fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110
             # Exported alone, fn may not trace (a collective over an outer vmap's named
             # axis); the transformation's own rule exports what is needed, and raises.
             pass
