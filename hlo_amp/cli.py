@@ -2,7 +2,7 @@
 
     hlo-amp-opt [FILE|-] [-o OUT] [--policy SPEC] [--scope PATTERN=ACTION]...
                 [--op KIND=ACTION]... [--report OUT.json] [--split-input-file]
-                [--debug-info] [--pass NAME]...
+                [--debug-info] [--pass NAME]... [--verify-each]
 
 Errors (unreadable file, text that is not MLIR, a bad policy) print one line on stderr
 and exit with status 1; no output file is written.
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "pass and enables the policy's only_if_faster rule")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
                         help="run only these passes, in order (default: the full pipeline)")
+    parser.add_argument("--verify-each", action="store_true",
+                        help="verify the module after every pass, not only at the end "
+                             "(debugging: names the pass that made an invalid module; "
+                             "also HLO_AMP_VERIFY_EACH=1)")
     return parser
 
 
@@ -113,7 +117,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     report = Report(policy=policy.to_string(), rules=policy.rule_names())
     for chunk, _ in _chunks(source, args.split_input_file):
         module = parse_module(chunk, source_name=source_name)
-        run_pipeline(module, policy, report=report, passes=selected, target=target)
+        run_pipeline(module, policy, report=report, passes=selected, target=target,
+                     verify_each=args.verify_each or None)
         outputs.append(module_text(module, debug_info=args.debug_info))
     text = "// -----\n".join(outputs)
     _write(args.output, text)

@@ -89,6 +89,22 @@ def _deserialize_portable(data: bytes, source_name: str, context: ir.Context) ->
         ) from None
 
 
+def copy_module(module: ir.Module) -> ir.Module:
+    """A deep copy of ``module`` in the same context: its attributes and location, and a
+    clone of every top-level op. Prints the same as the original, debug info included;
+    several times faster than a bytecode round trip (no serialising, no parsing)."""
+    with module.context:
+        copy = ir.Module.create(loc=module.operation.location)
+        attributes = module.operation.attributes
+        for i in range(len(attributes)):
+            named = attributes[i]
+            copy.operation.attributes[named.name] = named.attr
+        at_end = ir.InsertionPoint(copy.body)
+        for op in module.body.operations:
+            op.operation.clone(ip=at_end)
+    return copy
+
+
 def module_text(module: ir.Module, *, debug_info: bool = False) -> str:
     """The module as StableHLO text; with ``debug_info`` it keeps the locations."""
     return module.operation.get_asm(enable_debug_info=debug_info,
@@ -102,16 +118,56 @@ def walk_ops(holder: object, into: tuple[type, ...] | None = None) -> list[ir.Op
     listed; the ops inside other ops' regions are not).
     """
     found: list[ir.OpView] = []
+    _visit(holder.operation if hasattr(holder, "operation") else holder, into, found)
+    return found
 
-    def visit(operation: ir.Operation) -> None:
-        for region in operation.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    found.append(inner)
-                    if into is None or isinstance(inner, into):
-                        visit(inner.operation)
 
-    visit(holder.operation if hasattr(holder, "operation") else holder)
+def _visit(operation: ir.Operation, into: tuple[type, ...] | None,
+           found: list[ir.OpView]) -> None:
+    # A module-level function, not a closure: a recursive closure is a reference cycle
+    # (function -> cell -> function) that would keep ``found`` and every OpView in it
+    # alive until the next cyclic collection, and thousands of OpViews waiting for the
+    # collector make Python run a full (slow) collection inside the pass.
+    for region in operation.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                found.append(inner)
+                if into is None or isinstance(inner, into):
+                    _visit(inner.operation, into, found)
+
+
+_ADVANCE = ir.WalkResult.ADVANCE
+_SKIP = ir.WalkResult.SKIP
+_PRE_ORDER = ir.WalkOrder.PRE_ORDER
+
+
+def walk_operations(holder: object, *, into: frozenset[str] | None = None,
+                    names: frozenset[str] | None = None) -> list[ir.Operation]:
+    """Like :func:`walk_ops`, as plain ``ir.Operation`` objects, in one C++ walk.
+
+    Two to three times faster than ``walk_ops`` and it makes no ``OpView`` per op (an
+    ``OpView`` is a garbage-collected Python object: a walk of a large module in OpViews
+    also triggers the collector). Match ops by ``op.name``, not ``isinstance``. ``into``
+    is a set of op names whose regions are entered (None: all); ``names`` keeps only the
+    ops of those names in the result (every op is still walked).
+    """
+    root = holder.operation if hasattr(holder, "operation") else holder
+    found: list[ir.Operation] = []
+    append = found.append
+    started = False
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        nonlocal started
+        if not started:  # the holder itself: always entered, never listed
+            started = True
+            return _ADVANCE
+        if names is None or op.name in names:
+            append(op)
+        if into is None or op.name in into:
+            return _ADVANCE
+        return _SKIP
+
+    root.walk(visit, _PRE_ORDER)
     return found
 
 

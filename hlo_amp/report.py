@@ -62,17 +62,36 @@ class Report:
     # low_bytes_after}], "clones": n}; None when it did not run.
     propagation: dict[str, Any] | None = None
     rules_used: set[str] = field(default_factory=set)  # rules that matched non-matrix ops
+    # location -> index of its first decision, for ``note`` (one scan per decision, not
+    # one per note); rebuilt when ``decisions`` was replaced or grew.
+    _first_at: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    _indexed: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)
 
     def add(self, decision: Decision) -> None:
         self.decisions.append(decision)
 
     def note(self, location: str, text: str) -> None:
-        """Attach a note from a later pass to the decisions at ``location``."""
-        for i, decision in enumerate(self.decisions):
-            if decision.location == location:
-                self.decisions[i] = replace(decision, notes=decision.notes + (text,))
-                return
+        """Attach a note from a later pass to the first decision at ``location``."""
+        i = self._decision_at(location)
+        if i is not None:
+            decision = self.decisions[i]
+            self.decisions[i] = replace(decision, notes=decision.notes + (text,))
+            return
         self.notes.append(f"{location}: {text}" if location else text)
+
+    def _decision_at(self, location: str) -> int | None:
+        decisions = self.decisions
+        list_id, count = self._indexed
+        if list_id != id(decisions) or count > len(decisions):
+            self._first_at, count = {}, 0
+        for i in range(count, len(decisions)):
+            self._first_at.setdefault(decisions[i].location, i)
+        self._indexed = (id(decisions), len(decisions))
+        i = self._first_at.get(location)
+        if i is not None and decisions[i].location != location:  # edited in place
+            self._indexed = (0, 0)
+            return next((j for j, d in enumerate(decisions) if d.location == location), None)
+        return i
 
     @property
     def unused_rules(self) -> list[str]:

@@ -10,8 +10,11 @@ name is the prefix (see ``join_names``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
+
+from jax._src.lib.mlir import ir
 
 # Transforms JAX writes as wrappers around a name-stack segment.
 TRANSFORMS = frozenset({
@@ -63,15 +66,104 @@ class Site:
 
 def location_name(location: object) -> str:
     """The name-stack string of an MLIR location (``""`` when it has none)."""
-    match = _NAME_RE.match(str(location))
+    if isinstance(location, ir.NameLoc):  # prints as loc("name"...)
+        name = location.name_str
+        if _plain(name):
+            return name
+    elif isinstance(location, _NAMELESS):  # prints as loc(unknown), loc("file":...), ...
+        return ""
+    return _name_of_text(str(location))
+
+
+def location_source(location: object) -> str | None:
+    """``file:line`` of the first file location inside ``location``, if any."""
+    return location_parts(location)[1]
+
+
+def location_parts(location: object) -> tuple[str, str | None]:
+    """``(location_name, location_source)`` of an MLIR location or its printed form.
+
+    Both are defined on the printed form, ``loc("name"(callsite(...)))``, but printing
+    JAX's locations (whole call-site chains, ~10 us each) is the slow part, so an
+    ``ir.Location`` is read from its tree where that gives the same strings: a name
+    and file names that print as they are (printable ASCII without quotes or
+    backslashes, which MLIR would escape). Anything else is printed and parsed.
+    """
+    if isinstance(location, ir.Location):
+        found = _parts_from_tree(location)
+        if found is not None:
+            return found
+    text = str(location)
+    return _name_of_text(text), _source_of_text(text)
+
+
+_UNSURE = object()  # a location the tree reading leaves to the printed form
+_NAMELESS = (ir.UnknownLoc, ir.FileLineColLoc, ir.CallSiteLoc, ir.FusedLoc)
+
+
+def _plain(text: str) -> bool:
+    """Whether ``text`` prints unescaped and cannot start a ``"file":line`` match."""
+    return (text.isascii() and text.isprintable() and '"' not in text
+            and "\\" not in text and not text.startswith(":"))
+
+
+def _parts_from_tree(location: ir.Location) -> tuple[str, str | None] | None:
+    name = ""
+    child: ir.Location = location
+    if isinstance(location, ir.NameLoc):  # prints as loc("name") or loc("name"(child))
+        name = location.name_str
+        if not _plain(name):
+            return None
+        child = location.child_loc
+    source = _first_file(child, 0)
+    if source is _UNSURE:
+        return None
+    return name, source  # type: ignore[return-value]
+
+
+def _first_file(location: ir.Location, depth: int) -> object:
+    """``file:line`` of the first file location in print order (callee before caller,
+    fused locations in order); None when there is none; _UNSURE when only the
+    printed form tells."""
+    if depth > 64:
+        return _UNSURE
+    if isinstance(location, ir.FileLineColLoc):
+        filename = location.filename
+        if not filename or not _plain(filename):
+            return _UNSURE
+        return f"{filename}:{location.start_line}"
+    if isinstance(location, ir.NameLoc):
+        if not _plain(location.name_str):
+            return _UNSURE
+        return _first_file(location.child_loc, depth + 1)
+    if isinstance(location, ir.CallSiteLoc):
+        found = _first_file(location.callee, depth + 1)
+        return found if found is not None else _first_file(location.caller, depth + 1)
+    if isinstance(location, ir.FusedLoc):
+        if location.metadata is not None:
+            return _UNSURE
+        for inner in location.locations:
+            found = _first_file(inner, depth + 1)
+            if found is not None:
+                return found
+        return None
+    if isinstance(location, ir.UnknownLoc):
+        return None
+    return _UNSURE
+
+
+# The printed form is parsed with these, cached per string.
+@functools.lru_cache(maxsize=4096)
+def _name_of_text(text: str) -> str:
+    match = _NAME_RE.match(text)
     if not match:
         return ""
     return match.group(1).replace('\\"', '"').replace("\\\\", "\\")
 
 
-def location_source(location: object) -> str | None:
-    """``file:line`` of the first file location inside ``location``, if any."""
-    match = _FILE_RE.search(str(location))
+@functools.lru_cache(maxsize=4096)
+def _source_of_text(text: str) -> str | None:
+    match = _FILE_RE.search(text)
     if not match:
         return None
     return f"{match.group(1)}:{match.group(2)}"
@@ -79,6 +171,8 @@ def location_source(location: object) -> str | None:
 
 def split_segments(name: str) -> list[str]:
     """Split a name stack on '/' outside parentheses ("jvp(a/b)" stays one piece)."""
+    if "(" not in name:  # no parentheses: every '/' splits
+        return [s for s in name.split("/") if s != ""]
     segments, depth, current = [], 0, []
     for char in name:
         if char == "(":
@@ -113,8 +207,12 @@ def _is_einsum_spec(segment: str) -> bool:
     return "->" in segment or "," in segment
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_name(name: str, op_kind: str | None = None) -> Site:
-    """Parse a full name stack; the last segment is the op kind unless given."""
+    """Parse a full name stack; the last segment is the op kind unless given.
+
+    Cached per (name, op_kind): a Site is immutable, and a module repeats name stacks.
+    """
     segments = split_segments(name)
     # The last segment is the op's own primitive name (dot_general,
     # conv_general_dilated, ...); any transforms wrapped around it still count.
@@ -193,5 +291,10 @@ def call_prefix(call_name: str) -> str:
 
 def site_of(op_location: object, op_kind: str, prefix: str = "") -> Site:
     """The Site of an op from its location and its function's call-site prefix."""
-    site = parse_name(join_names(prefix, location_name(op_location)), op_kind)
-    return dataclasses.replace(site, source=location_source(op_location))
+    name, source = location_parts(op_location)
+    return _site(join_names(prefix, name), op_kind, source)
+
+
+@functools.lru_cache(maxsize=4096)
+def _site(name: str, op_kind: str, source: str | None) -> Site:
+    return dataclasses.replace(parse_name(name, op_kind), source=source)

@@ -1,7 +1,16 @@
-"""The pass pipeline: ordered passes over a StableHLO module, verified after each."""
+"""The pass pipeline: ordered passes over a StableHLO module, verified once at the end.
+
+Verifying walks the whole module, so by default it runs once, on the pipeline's result;
+a debug option verifies after every pass instead, to name the pass that broke the
+module: ``run_pipeline(..., verify_each=True)``, the environment variable
+``HLO_AMP_VERIFY_EACH=1`` (which reaches ``hlo_amp.compile`` too) or
+``hlo-amp-opt --verify-each``.
+"""
 
 from __future__ import annotations
 
+import gc
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -48,17 +57,55 @@ def pass_names(policy: Policy, target: str | None = None) -> dict[str, Pass]:
     return {p.name: p for p in passes}
 
 
+VERIFY_EACH_ENV = "HLO_AMP_VERIFY_EACH"
+
+
+def verify_each_requested() -> bool:
+    """Whether ``HLO_AMP_VERIFY_EACH`` asks to verify after every pass (1, true, yes)."""
+    return os.environ.get(VERIFY_EACH_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = None,
-                 passes: Sequence[Pass] | None = None, target: str | None = None) -> Report:
-    """Run ``passes`` (default: the full pipeline) in place; verify after each."""
+                 passes: Sequence[Pass] | None = None, target: str | None = None,
+                 verify_each: bool | None = None) -> Report:
+    """Run ``passes`` (default: the full pipeline) in place, then verify the module once.
+
+    With ``verify_each`` (default: the ``HLO_AMP_VERIFY_EACH`` environment variable)
+    the module is verified after every pass instead, so an error names the pass that
+    produced the invalid module. Either way an invalid result raises ModuleError.
+    """
     if report is None:
         report = Report(policy=policy.to_string(), rules=policy.rule_names())
-    for current in passes if passes is not None else default_pipeline(policy, target):
-        current.run(module, report)
-        try:
-            module.operation.verify()
-        except ir.MLIRError as error:  # a bug in the pass, never the user's input
-            raise ModuleError(
-                f"internal error: pass {current.name} produced an invalid module: {error}"
-            ) from error
+    if verify_each is None:
+        verify_each = verify_each_requested()
+    pipeline = list(passes if passes is not None else default_pipeline(policy, target))
+    # The passes make no reference cycles: all they allocate is freed by reference
+    # counting (tests/py/test_pass_cost.py checks), so the cyclic collector has nothing
+    # to find in them. Left on, the tens of thousands of short-lived objects a large
+    # module takes trigger collections of the whole heap mid-pass: in a process that has
+    # traced a ViT one full collection costs ~150 ms, more than the passes themselves.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for current in pipeline:
+            current.run(module, report)
+            if verify_each:
+                _verify(module, f"pass {current.name}")
+        if not verify_each or not pipeline:
+            names = ", ".join(p.name for p in pipeline) or "no passes"
+            _verify(module, f"the pass pipeline ({names})",
+                    hint=f" ({VERIFY_EACH_ENV}=1 or hlo-amp-opt --verify-each names the "
+                         f"pass)")
+    finally:
+        if collecting:
+            gc.enable()
     return report
+
+
+def _verify(module: ir.Module, what: str, hint: str = "") -> None:
+    try:
+        module.operation.verify()
+    except ir.MLIRError as error:  # a bug in a pass, never the user's input
+        raise ModuleError(
+            f"internal error: {what} produced an invalid module{hint}: {error}"
+        ) from error

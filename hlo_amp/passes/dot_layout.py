@@ -54,9 +54,11 @@ from hlo_amp.cpu_dots import (
     layout_is_fast,
     needs_layout_rewrite,
 )
-from hlo_amp.modules import walk_ops
+from hlo_amp.modules import walk_operations
 
 __all__ = ["FastDotLayout"]
+
+_DOT_GENERAL = frozenset({"stablehlo.dot_general"})
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,8 @@ class FastDotLayout:
         """Rewrite `module` in place."""
         dots = [
             op
-            for op in walk_ops(module.operation)
-            if isinstance(op, hlo.DotGeneralOp) and _is_bf16_to_f32(op)
+            for op in walk_operations(module, names=_DOT_GENERAL)
+            if _is_bf16_to_f32(op)
             and needs_layout_rewrite(op) and (self.relay_slow or layout_is_fast(op))
         ]
         shared: dict[tuple[Any, ...], ir.Value] = {}

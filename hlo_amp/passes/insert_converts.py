@@ -30,25 +30,25 @@ from hlo_amp.modules import (
     element_type,
     function_name,
     functions,
-    is_call,
     is_public,
-    walk_ops,
+    walk_operations,
     with_element,
 )
 from hlo_amp.policy import COMPUTE, DTYPE_BITS, DTYPE_TO_ELEMENT, KEEP, Policy, Rule
 from hlo_amp.report import Decision, Report
-from hlo_amp.sites import call_prefix, join_names, location_name, site_of
+from hlo_amp.sites import Site, call_prefix, join_names, location_name, site_of
+
+# The candidate ops by name, with their policy op kind.
+_MATRIX_OPS = {"stablehlo.dot_general": "dot_general", "stablehlo.dot": "dot",
+               "stablehlo.convolution": "convolution"}
+_CALL = "func.call"
+_WATCHED = frozenset({*_MATRIX_OPS, _CALL})
 
 
 def op_kind(op: Any) -> str | None:
-    """The policy op kind of a candidate op, or None for any other op."""
-    if isinstance(op, hlo.DotGeneralOp):
-        return "dot_general"
-    if isinstance(op, hlo.DotOp):
-        return "dot"
-    if isinstance(op, hlo.ConvolutionOp):
-        return "convolution"
-    return None
+    """The policy op kind of a candidate op (an OpView or an Operation), or None for any
+    other op."""
+    return _MATRIX_OPS.get(op.operation.name)
 
 
 def float_bits(element: ir.Type | None) -> int | None:
@@ -138,10 +138,15 @@ def slower_on_target(op: Any, kind: str, policy: Policy, target: str | None) -> 
 
 
 def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
-            target: str | None = None) -> Plan:
-    """What to do to one op under ``action``, given its operand and result types."""
-    operands = [element_type(v) for v in list(op.operands)[:2]]
-    result = element_type(op.result)
+            target: str | None = None,
+            elements: tuple[list[ir.Type | None], ir.Type | None] | None = None) -> Plan:
+    """What to do to one op under ``action``, given its operand and result types
+    (``elements``: the element types of its first two operands and of its result, when
+    the caller has read them already)."""
+    if elements is None:
+        elements = ([element_type(v) for v in list(op.operands)[:2]],
+                    element_type(op.result))
+    operands, result = elements
     bits = [float_bits(t) for t in operands]
     result_bits = float_bits(result)
     none = (None,) * len(operands)
@@ -174,6 +179,19 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
     return Plan(action, rule, targets, result_target, f"forced to {action}")
 
 
+class _TypeNames:
+    """``str`` of element types, printed once per type (printing a type is slow)."""
+
+    def __init__(self) -> None:
+        self._names: dict[Any, str] = {}
+
+    def name(self, element: ir.Type | None) -> str:
+        found = self._names.get(element)
+        if found is None:
+            found = self._names[element] = str(element)
+        return found
+
+
 @dataclass
 class _Instance:
     """One function body to rewrite, and the call-site name its ops are seen under."""
@@ -194,6 +212,29 @@ class _CallGraph:
     instances: list[_Instance] = field(default_factory=list)
     clones: int = 0
     signatures: dict[tuple[str, str], tuple] = field(default_factory=dict)
+    # function operation -> its matrix ops (with their kind) and calls (kind None), in
+    # program order: one walk per function body, shared by both phases.
+    watched: dict[Any, list[tuple[Any, str | None]]] = field(default_factory=dict)
+    sites: dict[tuple[Any, str, str], Site] = field(default_factory=dict)
+    type_names: _TypeNames = field(default_factory=lambda: _TypeNames())
+
+    def ops_of(self, fn: Any) -> list[tuple[Any, str | None]]:
+        """The matrix ops and calls of ``fn`` (walked once; the rewrite adds only
+        converts, so the list stays good)."""
+        found = self.watched.get(fn.operation)
+        if found is None:
+            found = self.watched[fn.operation] = [
+                (op, _MATRIX_OPS.get(op.name)) for op in walk_operations(fn, names=_WATCHED)]
+        return found
+
+    def site(self, op: Any, kind: str, prefix: str) -> Site:
+        """``site_of`` an op, once per (location, kind, prefix): a private function's
+        ops are decided twice (its signature, then its rewrite)."""
+        key = (op.location, kind, prefix)
+        found = self.sites.get(key)
+        if found is None:
+            found = self.sites[key] = site_of(key[0], kind, prefix)
+        return found
 
     def signature(self, name: str, prefix: str) -> tuple:
         """The decisions a body would get under ``prefix``, nested calls included."""
@@ -203,12 +244,11 @@ class _CallGraph:
             return known
         fn = self.by_name[original]
         parts: list[Any] = []
-        for op in walk_ops(fn):
-            kind = op_kind(op)
+        for op, kind in self.ops_of(fn):
             if kind is not None:
-                site = site_of(op.location, kind, prefix)
+                site = self.site(op, kind, prefix)
                 parts.append(decide(self.policy, op, site, kind)[0].action)
-            elif is_call(op) and callee_name(op) in self.by_name:
+            elif callee_name(op) in self.by_name:
                 inner = callee_name(op)
                 parts.append(self.signature(inner, self._callee_prefix(prefix, op)))
         self.signatures[(original, prefix)] = tuple(parts)
@@ -220,8 +260,8 @@ class _CallGraph:
 
     def visit(self, fn: Any, prefix: str) -> None:
         self.instances.append(_Instance(fn, prefix))
-        for op in walk_ops(fn):
-            if not is_call(op) or callee_name(op) not in self.by_name:
+        for op, kind in self.ops_of(fn):
+            if kind is not None or callee_name(op) not in self.by_name:
                 continue
             name = callee_name(op)
             original = self.origin.get(name, name)
@@ -267,36 +307,42 @@ class InsertConverts:
             graph.visit(fn, "")
         # Phase 2: rewrite each body once, under its own context.
         for instance in graph.instances:
-            self._rewrite_body(instance, report)
+            self._rewrite_body(instance, graph, report)
         if report is not None and graph.clones:
             report.notes.append(f"specialised {graph.clones} private function(s) per "
                                 f"call-site decision")
 
-    def _rewrite_body(self, instance: _Instance, report: Report | None) -> None:
+    def _rewrite_body(self, instance: _Instance, graph: _CallGraph,
+                      report: Report | None) -> None:
         fn_name = function_name(instance.fn)
         shared: dict[tuple[Any, Any, str], ir.Value] = {}
-        for op in walk_ops(instance.fn):
-            kind = op_kind(op)
+        names = graph.type_names
+        for op, kind in graph.ops_of(instance.fn):
             if kind is None:
                 continue
-            site = site_of(op.location, kind, instance.prefix)
+            site = graph.site(op, kind, instance.prefix)
             rule, pinned = decide(self.policy, op, site, kind)
-            plan = plan_op(op, kind, self.policy, rule.action, rule.rule, self.target)
+            elements = ([element_type(v) for v in list(op.operands)[:2]],
+                        element_type(op.result))
+            plan = plan_op(op, kind, self.policy, rule.action, rule.rule, self.target,
+                           elements)
             if pinned is not None:
                 plan = dataclasses.replace(plan, reason=pinned)
-            before = tuple(str(element_type(v)) for v in list(op.operands)[:2])
-            result_before = str(element_type(op.result))
+            before = tuple(names.name(t) for t in elements[0])
+            result_before = names.name(elements[1])
             changed = any(plan.operand_targets) or plan.result_target is not None
+            after, result_after = before, result_before  # untouched unless changed
             if changed:
                 _apply(op, plan, shared)
+                after = tuple(names.name(element_type(v)) for v in list(op.operands)[:2])
+                result_after = names.name(element_type(op.result))
             if report is not None:
                 report.add(Decision(
                     function=fn_name, op_kind=kind, scope=site.scope_path,
                     direction=site.direction, operands_before=before,
-                    operands_after=tuple(str(element_type(v))
-                                         for v in list(op.operands)[:2]),
+                    operands_after=after,
                     result_before=result_before,
-                    result_after=str(element_type(op.result)), action=rule.action,
+                    result_after=result_after, action=rule.action,
                     rule=rule.rule, changed=changed, reason=plan.reason,
                     flops=estimate_flops(op, kind),
                     shape="x".join(str(s) for s in ir.RankedTensorType(op.result.type).shape)

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
 from hlo_amp.cpu_dots import matrix_result_in_16bit
@@ -46,37 +45,98 @@ from hlo_amp.modules import (
     functions,
     is_call,
     is_public,
-    walk_ops,
+    walk_operations,
     with_element,
 )
-from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name
+from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name, table_class
 from hlo_amp.policy import AMP_STOP, COMPUTE, DTYPE_TO_ELEMENT, OP_KINDS, Policy
 from hlo_amp.report import Report
-from hlo_amp.sites import call_prefix, join_names, location_name, site_of
+from hlo_amp.sites import call_prefix, join_names, location_name, parse_name
 
-_CONTROL_FLOW_OPS = (hlo.WhileOp, hlo.CaseOp, hlo.IfOp)
+_CONTROL_FLOW_OPS = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if"})
 # Ops that hold no activation of their own: not graph nodes, not counted in byte totals.
-_NOT_VALUE_OPS = (hlo.ConvertOp, hlo.ConstantOp, hlo.IotaOp, hlo.ReturnOp, func_dialect.ReturnOp,
-                  func_dialect.CallOp, *_CONTROL_FLOW_OPS)
+_NOT_VALUE_OPS = frozenset({"stablehlo.convert", "stablehlo.constant", "stablehlo.iota",
+                            "stablehlo.return", "func.return", "func.call", *_CONTROL_FLOW_OPS})
+# The ops whose operands may enter a link (loop carry, branch result, call argument or
+# result): only their uses are looked up in ``_Graph.link_use``.
+_LINK_CONSUMERS = frozenset({"stablehlo.while", "stablehlo.return", "func.call",
+                             "func.return"})
 # Reasons the painting itself gives (reset when it runs again).
 _FEEDS_DENY, _NOT_BETWEEN = "feeds a deny op", "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_DENY, _NOT_BETWEEN})
 LINK = "link"
 SINK = "sink"  # a convert to the compute dtype: where a region may end
+# Op kinds whose class depends on their body as well as the table (see op_class).
+_BODY_CLASSED = frozenset({"reduce", "reduce_window"})
 
 
-def body_ops(fn: Any) -> list[Any]:
+def body_ops(fn: Any) -> list[ir.Operation]:
     """The ops of ``fn`` in program order, descending into while/case/if regions only.
 
     Other ops' regions (reduce bodies, sort comparators) are scalar computations that a
     painted op retypes as a whole; they are not part of the dataflow graph.
     """
-    return walk_ops(fn, into=_CONTROL_FLOW_OPS)
+    return walk_operations(fn, into=_CONTROL_FLOW_OPS)
 
 
 def first_block(region: Any) -> Any:
     """The entry block of a region (every region here has exactly one)."""
     return next(iter(region.blocks))
+
+
+def last_op(block: Any) -> Any:
+    """The terminator of a block (without making a Python object per op of the block)."""
+    return block.operations[-1]
+
+
+class _Body:
+    """One function body, walked once (``body_ops``), and what the pass reads of its ops,
+    each read once: every binding call makes a Python object, and the graph, the byte
+    counts and the rewrite all look at the same ops. The rewrite only adds converts
+    (not listed) and erases converts (skipped by name, never touched again), so the
+    lists stay good for the whole pass."""
+
+    __slots__ = ("_inner_uses", "_operands", "_results", "_uses", "names", "ops")
+
+    def __init__(self, fn: Any) -> None:
+        self.ops = body_ops(fn)
+        self.names = [op.name for op in self.ops]
+        self._operands: list[tuple[ir.Value, ...]] | None = None
+        self._results: list[tuple[ir.Value, ...]] | None = None
+        self._uses: dict[ir.Value, list[tuple[int, int]]] | None = None
+        self._inner_uses: set[ir.Value] | None = None
+
+    def operands(self) -> list[tuple[ir.Value, ...]]:
+        if self._operands is None:
+            self._operands = [tuple(op.operands) for op in self.ops]
+        return self._operands
+
+    def results(self) -> list[tuple[ir.Value, ...]]:
+        if self._results is None:
+            self._results = [tuple(op.results) for op in self.ops]
+        return self._results
+
+    def uses(self) -> dict[ir.Value, list[tuple[int, int]]]:
+        """Value -> (op index, operand number) of each use by an op of this body."""
+        if self._uses is None:
+            uses: dict[ir.Value, list[tuple[int, int]]] = defaultdict(list)
+            for index, operands in enumerate(self.operands()):
+                for number, value in enumerate(operands):
+                    uses[value].append((index, number))
+            self._uses = dict(uses)
+        return self._uses
+
+    def inner_uses(self) -> set[ir.Value]:
+        """The values read inside the regions the walk does not enter (reduce bodies,
+        sort comparators): their uses are not all in ``uses``."""
+        if self._inner_uses is None:
+            self._inner_uses = set()
+            for op, name in zip(self.ops, self.names):
+                if name in _CONTROL_FLOW_OPS or not len(op.regions):
+                    continue
+                for inner in walk_operations(op):
+                    self._inner_uses.update(inner.operands)
+        return self._inner_uses
 
 
 # Element kinds of a value's type, cached per type: a module has few distinct types.
@@ -110,17 +170,7 @@ def _is_f32(value: ir.Value) -> bool:
     return _type_kind(value.type) == _F32
 
 
-def _is_float(value: ir.Value) -> bool:
-    return _type_kind(value.type) in (_F32, _FLOAT)
-
-
-def _types_ok(op: Any) -> bool:
-    """Every value is an int, bool or f32 ranked tensor, with at least one f32."""
-    kinds = {_type_kind(v.type) for v in list(op.operands) + list(op.results)}
-    return _F32 in kinds and not kinds & {_FLOAT, _BAD}
-
-
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Node:
     """An op, or a link (loop carry, branch result, call argument or result)."""
 
@@ -138,6 +188,9 @@ class _Node:
     bwd: bool = False
     painted: bool = False  # for allow ops: the result is 16-bit
     deferred: bool = False  # its policy check waits until it is painted (amp_stop only)
+    has_f32: bool = False  # an f32 operand or result (ops only: counted in the report)
+    # per f32 output, its readers (``_Graph.consumers``); set by ``solve``
+    readers: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -146,10 +199,14 @@ class _Instance:
 
     fn: Any
     prefix: str
-    ops: list[Any]
+    body: _Body
     calls: dict[int, int] = field(default_factory=dict)  # call op index -> child instance
     index: dict[Any, int] = field(default_factory=dict)  # operation -> op index (lazy)
     signature: tuple = ()
+
+    @property
+    def ops(self) -> list[ir.Operation]:
+        return self.body.ops
 
 
 @dataclass(frozen=True)
@@ -162,10 +219,10 @@ class Propagate:
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
         low = ir.Type.parse(DTYPE_TO_ELEMENT[self.policy.compute_dtype], module.context)
-        # One walk per function body, shared by everything below: the first visit of an
-        # op is the slow part of the bindings. The rewrite only adds and erases converts,
-        # which the byte count skips by class, so the lists stay good for the "after".
-        walks: dict[Any, list[Any]] = {}
+        # One walk per function body, shared by everything below: every op the bindings
+        # hand out is a new Python object. The rewrite only adds and erases converts,
+        # which the byte count skips by name, so the walks stay good for the "after".
+        walks: dict[Any, _Body] = {}
         before = intermediate_bytes(module, walks)
         graph = _Graph(self.policy, low, walks)
         graph.build(module)
@@ -185,10 +242,10 @@ class Propagate:
 class _Graph:
     """The dataflow graph over every instance of every function, and its painting."""
 
-    def __init__(self, policy: Policy, low: ir.Type, walks: dict[Any, list[Any]]) -> None:
+    def __init__(self, policy: Policy, low: ir.Type, walks: dict[Any, _Body]) -> None:
         self.policy = policy
         self.low = low
-        self.walks = walks  # function operation -> body_ops, shared with the byte count
+        self.walks = walks  # function operation -> its _Body, shared with the byte count
         self.instances: list[_Instance] = []
         self.nodes: list[_Node] = []
         self.op_node: dict[tuple[int, int], _Node] = {}  # (inst, op index) -> node
@@ -198,6 +255,10 @@ class _Graph:
         self.by_name: dict[str, Any] = {}
         self.rules_used: set[str] = set()
         self._decided: dict[tuple[str, str, str], tuple[str | None, str]] = {}
+        # value -> _type_kind of its type, read once (the graph is built and solved
+        # before the rewrite retypes anything)
+        self._kinds: dict[ir.Value, str] = {}
+        self._classes: dict[str, tuple[str, str]] = {}  # op name -> (kind, table class)
         # Whether any rule could name a non-matrix op (amp_stop aside).
         self._site_rules = bool(policy.scopes) or policy.backward is not None or any(
             kind not in OP_KINDS for kind in policy.ops)
@@ -220,7 +281,10 @@ class _Graph:
             raise RecursionError("hlo-amp-propagate: call graph too deep or recursive")
         inst = _Instance(fn, prefix, walk_once(fn, self.walks))
         self.instances.append(inst)
-        for index, op in enumerate(inst.ops):
+        for index, name in enumerate(inst.body.names):
+            if name != "func.call":
+                continue
+            op = inst.ops[index]
             if is_call(op) and callee_name(op) in self.by_name:
                 callee = self.by_name[callee_name(op)]
                 if is_public(callee):
@@ -228,6 +292,31 @@ class _Graph:
                 child_prefix = call_prefix(join_names(prefix, location_name(op.location)))
                 inst.calls[index] = self._instantiate(callee, child_prefix)
         return inst_id
+
+    def _kind(self, value: ir.Value) -> str:
+        kind = self._kinds.get(value)
+        if kind is None:
+            kind = self._kinds[value] = _type_kind(value.type)
+        return kind
+
+    def _f32(self, value: ir.Value) -> bool:
+        return self._kind(value) == _F32
+
+    def _types_ok(self, *groups: tuple[ir.Value, ...]) -> tuple[bool, bool]:
+        """(some value is f32, every value is an int, bool or f32 ranked tensor with at
+        least one f32)."""
+        has_f32, only_plain = False, True
+        known = self._kinds
+        for values in groups:
+            for value in values:
+                kind = known.get(value)
+                if kind is None:
+                    kind = known[value] = _type_kind(value.type)
+                if kind == _F32:
+                    has_f32 = True
+                elif kind != _PLAIN:
+                    only_plain = False
+        return has_f32, has_f32 and only_plain
 
     def _add(self, node: _Node) -> _Node:
         self.nodes.append(node)
@@ -237,19 +326,31 @@ class _Graph:
 
     def _op_nodes(self, inst_id: int, inst: _Instance) -> None:
         compute = self.policy.compute_dtype
-        for index, op in enumerate(inst.ops):
-            if isinstance(op, _NOT_VALUE_OPS):
+        body = inst.body
+        all_operands, all_results = body.operands(), body.results()
+        by_name = self._classes
+        for index, name in enumerate(body.names):
+            if name in _NOT_VALUE_OPS:
                 continue
-            cls = op_class(op, compute)
-            node = _Node(cls, inst_id, index, short_name(op.operation.name),
-                         inputs=[(inst_id, v) for v in op.operands],
-                         outputs=[(inst_id, v) for v in op.results])
+            op = body.ops[index]
+            operands, results = all_operands[index], all_results[index]
+            has_f32, types_ok = self._types_ok(operands, results)
+            known = by_name.get(name)
+            if known is None:
+                kind = short_name(name)
+                known = by_name[name] = (kind, table_class(kind, compute))
+            kind, cls = known
+            if kind in _BODY_CLASSED:  # reduce, reduce_window: classed by their body
+                cls = op_class(op, compute)
+            node = _Node(cls, inst_id, index, kind,
+                         inputs=[(inst_id, v) for v in operands],
+                         outputs=[(inst_id, v) for v in results], has_f32=has_f32)
             if cls == ALLOW:  # a matrix op: a seed only if insert_converts made it 16-bit
-                low = [v for v in list(op.operands)[:2] if element_type(v) == self.low]
-                if not (len(low) == 2 and op.results and _is_f32(op.results[0])):
+                low = [v for v in operands[:2] if element_type(v) == self.low]
+                if not (len(low) == 2 and results and self._f32(results[0])):
                     node.cls, node.reason = DENY, "matrix op not in 16 bit"
             elif cls in (INFER, CLEAR):
-                if not _types_ok(op):
+                if not types_ok:
                     node.cls, node.reason = DENY, "not an f32 op"
                 elif not self._site_rules:
                     node.deferred = True  # only amp_stop could name it: checked if painted
@@ -261,7 +362,7 @@ class _Graph:
                 node.reason = "deny class" if cls == DENY else "not in the op table"
             else:
                 override = self._policy_class(op, inst.prefix, node.kind)
-                if override is not None and override[0] in (INFER, CLEAR) and _types_ok(op):
+                if override is not None and override[0] in (INFER, CLEAR) and types_ok:
                     node.cls, node.reason = override
                 else:
                     node.reason = "deny class" if cls == DENY else "not in the op table"
@@ -269,13 +370,13 @@ class _Graph:
 
     def _policy_class(self, op: Any, prefix: str, kind: str) -> tuple[str, str] | None:
         """(class, reason) when a rule overrides the table for this op, else None."""
-        location = str(op.location)
-        if not self._site_rules and AMP_STOP not in location and AMP_STOP not in prefix:
-            return None  # no rule can name this op: skip parsing its site
-        key = (prefix, location, kind)
+        name = location_name(op.location)
+        if not self._site_rules and AMP_STOP not in name and AMP_STOP not in prefix:
+            return None  # no rule can name this op: its scopes come from prefix and name
+        key = (prefix, name, kind)
         decided = self._decided.get(key)
         if decided is None:
-            site = site_of(op.location, kind, prefix)
+            site = parse_name(join_names(prefix, name), kind)
             rule = self.policy.decide(site.scope, kind, site.backward)
             decided = self._decided[key] = (rule.action, rule.rule)
         action, rule = decided
@@ -289,14 +390,13 @@ class _Graph:
         return DENY, f"rule {rule}"  # keep, float32 or another dtype: stays as written
 
     def _links(self, inst_id: int, inst: _Instance) -> None:
-        for index, op in enumerate(inst.ops):
-            name = op.operation.name
+        for index, name in enumerate(inst.body.names):
             if name == "stablehlo.while":
-                self._while_links(inst_id, index, op)
+                self._while_links(inst_id, index, inst.ops[index])
             elif name in ("stablehlo.case", "stablehlo.if"):
-                self._branch_links(inst_id, index, op)
+                self._branch_links(inst_id, index, inst.ops[index])
             elif index in inst.calls:
-                self._call_links(inst_id, index, op, inst.calls[index])
+                self._call_links(inst_id, index, inst.ops[index], inst.calls[index])
 
     def _link(self, inst_id: int, index: int, kind: str, slot: int,
               inputs: list[tuple[Any, tuple[int, ir.Value], int]],
@@ -305,7 +405,7 @@ class _Graph:
         node = _Node(LINK, inst_id, index, kind, slot,
                      inputs=[key for _, key, _ in inputs], outputs=outputs)
         values = [key[1] for key in node.inputs] + [key[1] for key in outputs]
-        if not all(_is_f32(v) for v in values):
+        if not all(self._f32(v) for v in values):
             node.reason = "not an f32 value"
         self._add(node)
         for consumer, key, number in inputs:
@@ -313,7 +413,7 @@ class _Graph:
 
     def _while_links(self, inst_id: int, index: int, op: Any) -> None:
         cond, body = (first_block(region) for region in op.operation.regions)
-        body_return = list(body.operations)[-1]
+        body_return = last_op(body)
         for slot in range(len(op.operands)):
             self._link(inst_id, index, "while", slot,
                        [(op, (inst_id, op.operands[slot]), slot),
@@ -322,8 +422,7 @@ class _Graph:
                         (inst_id, op.results[slot])])
 
     def _branch_links(self, inst_id: int, index: int, op: Any) -> None:
-        returns = [list(first_block(region).operations)[-1]
-                   for region in op.operation.regions]
+        returns = [last_op(first_block(region)) for region in op.operation.regions]
         for slot in range(len(op.results)):
             self._link(inst_id, index, "case", slot,
                        [(ret, (inst_id, ret.operands[slot]), slot) for ret in returns],
@@ -335,7 +434,9 @@ class _Graph:
         for slot, argument in enumerate(entry.arguments):
             self._link(inst_id, index, "arg", slot,
                        [(op, (inst_id, op.operands[slot]), slot)], [(child, argument)])
-        returns = [o for o in self.instances[child].ops if o.operation.name == "func.return"]
+        child_body = self.instances[child].body
+        returns = [child_body.ops[i] for i, name in enumerate(child_body.names)
+                   if name == "func.return"]
         for slot in range(len(op.results)):
             self._link(inst_id, index, "result", slot,
                        [(ret, (child, ret.operands[slot]), slot) for ret in returns],
@@ -347,6 +448,34 @@ class _Graph:
         """The nodes reading a value; SINK for converts to the compute dtype; DENY for
         anything that must see f32 (deny ops, other converts, a public return)."""
         inst_id, value = key
+        body = self.instances[inst_id].body
+        if value in body.inner_uses():  # some of its uses are not in the walk
+            return self._consumers_of_uses(key)
+        uses = body.uses().get(value)
+        if not uses:
+            return []
+        names, op_node = body.names, self.op_node
+        found: list[_Node | str] = []
+        for index, number in uses:
+            name = names[index]
+            if name in _LINK_CONSUMERS:
+                link = self.link_use.get((inst_id, body.ops[index]), {}).get(number)
+                if link is not None:
+                    found.append(link)
+                    continue
+            if name == "stablehlo.convert":
+                result = body.results()[index][0]
+                is_sink = element_type(result) == self.low and self._f32(value)
+                found.append(SINK if is_sink else DENY)
+                continue
+            node = op_node.get((inst_id, index))
+            found.append(node if node is not None else DENY)
+        return found
+
+    def _consumers_of_uses(self, key: tuple[int, ir.Value]) -> list[_Node | str]:
+        """``consumers`` from the value's use list, for a value some op outside the walk
+        reads (e.g. from inside a reduce body)."""
+        inst_id, value = key
         found: list[_Node | str] = []
         for use in value.uses:
             owner = use.owner
@@ -355,7 +484,7 @@ class _Graph:
                 found.append(link)
                 continue
             if owner.operation.name == "stablehlo.convert":
-                is_sink = element_type(owner.result) == self.low and _is_f32(value)
+                is_sink = element_type(owner.result) == self.low and self._f32(value)
                 found.append(SINK if is_sink else DENY)
                 continue
             node = self._node_of(inst_id, owner)
@@ -372,9 +501,17 @@ class _Graph:
     def solve(self) -> None:
         """Paint; then, when only amp_stop could name a non-matrix op, check just the
         painted ops for it (locations are slow to read) and paint again if one is."""
-        readers = {id(node): [self.consumers(key) for key in node.outputs
-                              if _is_f32(key[1])] for node in self.nodes}
-        self._paint(readers)
+        f32 = self._f32
+        for node in self.nodes:
+            node.readers = [self.consumers(key) for key in node.outputs if f32(key[1])]
+        try:
+            self._solve()
+        finally:  # readers point at nodes, loops make cycles: undone for refcounting
+            for node in self.nodes:
+                node.readers = []
+
+    def _solve(self) -> None:
+        self._paint()
         while True:
             stopped = False
             for node in self.nodes:
@@ -391,13 +528,13 @@ class _Graph:
                 node.pinned = node.eligible = node.fwd = node.bwd = node.painted = False
                 if node.reason in _SOLVE_REASONS:
                     node.reason = ""
-            self._paint(readers)
+            self._paint()
 
-    def _paint(self, readers: dict[int, list[list[_Node | str]]]) -> None:
+    def _paint(self) -> None:
         for node in self.nodes:
             denied = any(c == DENY or (isinstance(c, _Node) and c.cls not in
                                        (INFER, CLEAR, LINK, ALLOW))
-                         for group in readers[id(node)] for c in group)
+                         for group in node.readers for c in group)
             node.pinned = denied
             if node.cls in (INFER, CLEAR, LINK) and not node.reason:
                 node.eligible = not denied
@@ -407,7 +544,7 @@ class _Graph:
         pending = [n for n in self.nodes if n.cls == ALLOW and not n.pinned]
         while pending:
             node = pending.pop()
-            for group in readers[id(node)]:
+            for group in node.readers:
                 for reader in group:
                     if isinstance(reader, _Node) and reader.eligible and not reader.fwd:
                         reader.fwd = True
@@ -415,7 +552,7 @@ class _Graph:
         # Backward: reaches a sink through eligible nodes.
         pending = []
         for node in self.nodes:
-            if node.eligible and any(SINK in group for group in readers[id(node)]):
+            if node.eligible and any(SINK in group for group in node.readers):
                 node.bwd = True
                 pending.append(node)
         while pending:
@@ -426,24 +563,24 @@ class _Graph:
                     producer.bwd = True
                     pending.append(producer)
         for node in self.nodes:
-            if node.eligible and node.fwd and node.bwd and readers[id(node)]:
+            if node.eligible and node.fwd and node.bwd and node.readers:
                 node.painted = True
             elif node.eligible and not node.reason:
                 node.reason = _NOT_BETWEEN
         for node in self.nodes:  # allow ops: a 16-bit result where a region reads it
             if node.cls == ALLOW and not node.pinned:
                 node.painted = any(r == SINK or (isinstance(r, _Node) and r.painted)
-                                   for group in readers[id(node)] for r in group)
+                                   for group in node.readers for r in group)
         for node in self.nodes:  # compares (no float result) of 16-bit values
-            if node.eligible and not node.painted and not readers[id(node)]:
-                floats = [key for key in node.inputs if _is_f32(key[1])]
+            if node.eligible and not node.painted and not node.readers:
+                floats = [key for key in node.inputs if self._f32(key[1])]
                 if (any(self.is_low(key) for key in floats)
                         and all(self.is_low(key) or self._constant(key) for key in floats)):
                     node.painted, node.reason = True, ""
         # Data movement read only by painted ops moves in 16 bit too, so the convert
         # lands on its (smaller) input: a bias before its broadcast, not after.
         for node in reversed(self.nodes):
-            groups = readers[id(node)]
+            groups = node.readers
             if (node.cls == CLEAR and node.eligible and not node.painted and groups
                     and all(r == SINK or (isinstance(r, _Node) and r.painted)
                             for group in groups for r in group)):
@@ -475,10 +612,7 @@ class _Graph:
         """Per op kind: painted, and why the rest stayed f32 (one count per instance)."""
         table: dict[str, dict[str, Any]] = {}
         for node in self.nodes:
-            if node.cls == LINK:
-                continue
-            op = self.instances[node.inst].ops[node.index]
-            if not any(_is_f32(v) for v in list(op.operands) + list(op.results)):
+            if node.cls == LINK or not node.has_f32:
                 continue
             row = table.setdefault(node.kind, {"painted": 0, "f32": {}})
             if node.painted:
@@ -546,11 +680,11 @@ class _Rewriter:
             if fn.operation in done:
                 continue
             done.add(fn.operation)
-            ops = inst.ops if fn is inst.fn else walk_once(fn, graph.walks)
+            body = inst.body if fn is inst.fn else walk_once(fn, graph.walks)
             for index, child in inst.calls.items():
-                ops[index].attributes["callee"] = ir.FlatSymbolRefAttr.get(
+                body.ops[index].attributes["callee"] = ir.FlatSymbolRefAttr.get(
                     function_name(chosen[child]), context=fn.context)
-            self._apply(fn, ops, inst_id)
+            self._apply(fn, body, inst_id)
         return clones
 
     def _retype(self, value: ir.Value) -> None:
@@ -559,7 +693,8 @@ class _Rewriter:
         self.retyped[value] = value.type
         value.set_type(with_element(value.type, self.low))
 
-    def _apply(self, fn: Any, ops: list[Any], inst_id: int) -> None:
+    def _apply(self, fn: Any, body: _Body, inst_id: int) -> None:
+        ops, names = body.ops, body.names
         inst = self.graph.instances[inst_id]
         facts = self.facts[inst_id]
         entry = first_block(fn.regions[0])
@@ -590,24 +725,41 @@ class _Rewriter:
             for slot in self.facts[child]["results"]:
                 self._retype(ops[index].results[slot])
         # 2. Converts on the boundaries: each operand gets the type its reader needs.
-        owners = self._terminator_owners(ops)
+        # (Only this op's own operands change while it is looked at, so the operand
+        # lists read when the graph was built still hold.)
+        owners = self._terminator_owners(body)
         shared: dict[tuple[Any, ir.Value, str], ir.Value] = {}
-        for index, op in enumerate(ops):
-            if op.operation.name == "stablehlo.convert":
+        retyped = self.retyped
+        painted = facts["painted"]
+        for index, (name, operands) in enumerate(zip(names, body.operands())):
+            if name == "stablehlo.convert":
                 continue
-            for number, value in enumerate(op.operands):
-                wants_low = self._wants_low(index, op, number, inst, facts, owners)
-                if wants_low is None:
-                    continue
-                want = self.retyped.get(value, value.type)  # the type before the pass
+            op = ops[index]
+            if not (index in painted or name in _LINK_CONSUMERS or index in inst.calls):
+                # An unpainted op (``_wants_low`` is False): a retyped operand goes back
+                # to its type before the pass.
+                for number, value in enumerate(operands):
+                    want = retyped.get(value)
+                    if want is not None and want != value.type:
+                        op.operands[number] = self._convert(op, value, want, shared)
+                continue
+            for number, value in enumerate(operands):
+                wants_low = self._wants_low(index, op, name, number, inst, facts, owners)
+                if wants_low is None or (not wants_low and value not in retyped):
+                    continue  # wants what it has
+                want = retyped.get(value, value.type)  # the type before the pass
                 if wants_low and _type_kind(want) == _F32:
                     want = with_element(want, self.low)
                 if want != value.type:
                     op.operands[number] = self._convert(op, value, want, shared)
-        for op in ops:  # the matrix ops' operand converts whose input is 16-bit now
-            if op.operation.name == "stablehlo.convert" and op.operand.type == op.result.type:
-                op.result.replace_all_uses_with(op.operand)
-                op.operation.erase()
+        for index, name in enumerate(names):  # the matrix ops' operand converts whose
+            if name != "stablehlo.convert":   # input is 16-bit now
+                continue
+            op = ops[index]
+            source, result = op.operands[0], op.results[0]
+            if source.type == result.type:
+                result.replace_all_uses_with(source)
+                op.erase()
         if facts["args"] or facts["results"]:
             old = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
             results = [with_element(t, self.low) if slot in facts["results"] else t
@@ -616,28 +768,25 @@ class _Rewriter:
                 [a.type for a in entry.arguments], results, context=fn.context))
 
     @staticmethod
-    def _terminator_owners(ops: list[Any]) -> dict[Any, tuple[str, int]]:
+    def _terminator_owners(body: _Body) -> dict[Any, tuple[str, int]]:
         """Each while-body / branch terminator -> ("carry", owner index)."""
         owners: dict[Any, tuple[str, int]] = {}
-        for index, op in enumerate(ops):
-            name = op.operation.name
-            regions = list(op.operation.regions)
+        for index, name in enumerate(body.names):
+            if name not in _CONTROL_FLOW_OPS:
+                continue
+            regions = list(body.ops[index].regions)
             if name == "stablehlo.while":
-                body = first_block(regions[1])
-                owners[list(body.operations)[-1].operation] = ("carry", index)
-                cond = first_block(regions[0])
-                owners[list(cond.operations)[-1].operation] = ("cond", index)
-            elif name in ("stablehlo.case", "stablehlo.if"):
+                owners[last_op(first_block(regions[1])).operation] = ("carry", index)
+                owners[last_op(first_block(regions[0])).operation] = ("cond", index)
+            else:
                 for region in regions:
-                    terminator = list(first_block(region).operations)[-1]
-                    owners[terminator.operation] = ("carry", index)
+                    owners[last_op(first_block(region)).operation] = ("carry", index)
         return owners
 
-    def _wants_low(self, index: int, op: Any, number: int, inst: _Instance,
+    def _wants_low(self, index: int, op: Any, name: str, number: int, inst: _Instance,
                    mine: dict[str, set], owners: dict[Any, tuple[str, int]]) -> bool | None:
-        """Whether operand ``number`` of ``op`` must be 16-bit (None: leave it); ``mine``
-        are the facts of the instance being rewritten."""
-        name = op.operation.name
+        """Whether operand ``number`` of ``op`` (named ``name``) must be 16-bit (None:
+        leave it); ``mine`` are the facts of the instance being rewritten."""
         if index in mine["painted"]:
             return True
         if name == "stablehlo.while":
@@ -665,40 +814,54 @@ class _Rewriter:
         return converted
 
 
-def walk_once(fn: Any, walks: dict[Any, list[Any]]) -> list[Any]:
-    """``body_ops(fn)``, walked once per function and kept in ``walks``."""
+def walk_once(fn: Any, walks: dict[Any, _Body]) -> _Body:
+    """The ``_Body`` of ``fn``, walked once per function and kept in ``walks``."""
     found = walks.get(fn.operation)
     if found is None:
-        found = walks[fn.operation] = body_ops(fn)
+        found = walks[fn.operation] = _Body(fn)
     return found
 
 
-def intermediate_bytes(module: ir.Module, walks: dict[Any, list[Any]] | None = None
+def intermediate_bytes(module: ir.Module, walks: dict[Any, _Body] | None = None
                        ) -> dict[str, tuple[int, int]]:
     """Per function: (bytes, 16-bit-or-narrower bytes) of the float values its ops make.
 
     Converts, constants and control-flow results are left out: they hold no new
     activation. Dynamic shapes count as zero.
     """
+    walks = {} if walks is None else walks
+    sizes: dict[ir.Type, tuple[int, int]] = {}  # type -> (bytes, 16-bit bytes)
     table: dict[str, tuple[int, int]] = {}
     for fn in functions(module):
         total = low = 0
-        for op in (body_ops(fn) if walks is None else walk_once(fn, walks)):
-            if isinstance(op, _NOT_VALUE_OPS):
+        body = walk_once(fn, walks)
+        for name, results in zip(body.names, body.results()):
+            if name in _NOT_VALUE_OPS:
                 continue
-            for result in op.results:
-                if not _is_float(result) or not ir.RankedTensorType(result.type).has_static_shape:
-                    continue
-                ranked = ir.RankedTensorType(result.type)
-                width = ir.FloatType(ranked.element_type).width
-                size = 1
-                for extent in ranked.shape:
-                    size *= extent
-                total += size * width // 8
-                if width <= 16:
-                    low += size * width // 8
+            for result in results:
+                result_type = result.type  # read again: the rewrite retypes values
+                size = sizes.get(result_type)
+                if size is None:
+                    size = sizes[result_type] = _float_bytes(result_type)
+                total += size[0]
+                low += size[1]
         table[function_name(fn)] = (total, low)
     return table
+
+
+def _float_bytes(value_type: ir.Type) -> tuple[int, int]:
+    """(bytes, bytes if 16-bit or narrower) of a static float tensor type, else zeros."""
+    if _type_kind(value_type) not in (_F32, _FLOAT):
+        return 0, 0
+    ranked = ir.RankedTensorType(value_type)
+    if not ranked.has_static_shape:
+        return 0, 0
+    width = ir.FloatType(ranked.element_type).width
+    size = 1
+    for extent in ranked.shape:
+        size *= extent
+    nbytes = size * width // 8
+    return nbytes, nbytes if width <= 16 else 0
 
 
 def _bytes_table(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]

@@ -13,12 +13,13 @@ from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
 import hlo_amp
-from hlo_amp.modules import function_name, functions, is_public, parse_module
+from hlo_amp.modules import function_name, functions, is_public, parse_module, walk_operations
 from hlo_amp.sites import (
     Site,
     call_prefix,
     join_names,
     location_name,
+    location_parts,
     location_source,
     parse_name,
     site_of,
@@ -349,3 +350,62 @@ def test_site_of_joins_prefix_and_keeps_op_kind() -> None:
     assert site == Site(scope=("cell",), transforms=("transpose", "jvp"), backward=True,
                         op_kind="dot_general", source="f.py:7",
                         name="jit(f)/transpose(jvp())/while/body/cell/dot_general")
+
+
+# ---- locations read from their tree, not printed ------------------------------------
+
+
+def _printed(location: Any) -> tuple[str, str | None]:
+    """What ``location_name`` / ``location_source`` parse from the printed location."""
+    text = str(location)
+    return location_name(text), location_source(text)
+
+
+def test_location_read_from_its_tree_matches_the_printed_form() -> None:
+    def step(w, x):
+        with jax.named_scope("Block_0"), jax.named_scope("attn"):
+            h = jnp.tanh(x @ w)
+        return jnp.sum(jax.lax.scan(lambda c, _: (jnp.sin(c @ w), None), h, None,
+                                    length=2)[0])
+
+    text = jax.jit(jax.grad(step)).lower(W, X).as_text(debug_info=True)
+    module = parse_module(text)
+    ops = walk_operations(module)
+    assert len(ops) > 20
+    for op in ops:
+        assert location_parts(op.location) == _printed(op.location), str(op.location)
+        assert location_name(op.location) == _printed(op.location)[0]
+        for kind in ("dot_general", "tanh"):
+            assert site_of(op.location, kind, "jit(f)/jvp()") == site_of(
+                str(op.location), kind, "jit(f)/jvp()")
+
+
+@pytest.mark.parametrize("make", [
+    lambda f, u: u,
+    lambda f, u: f,
+    lambda f, u: ir.Location.name("a/b/dot_general", childLoc=u),
+    lambda f, u: ir.Location.name("", childLoc=u),
+    lambda f, u: ir.Location.name("a/b", childLoc=f),
+    lambda f, u: ir.Location.name('say "hi"', childLoc=f),  # prints escaped
+    lambda f, u: ir.Location.name("caf\u00e9/dot", childLoc=f),  # prints escaped
+    lambda f, u: ir.Location.name("a\\b", childLoc=f),
+    lambda f, u: ir.Location.name("a:1", childLoc=f),
+    lambda f, u: ir.Location.name(":1x", childLoc=f),
+    lambda f, u: ir.Location.callsite(ir.Location.name("g", childLoc=u),
+                                      [ir.Location.file("c.py", 2, 2)]),
+    lambda f, u: ir.Location.name("n", childLoc=ir.Location.callsite(
+        ir.Location.name("fn", childLoc=ir.Location.file("x.py", 9, 1, 9, 5)),
+        [ir.Location.file("y.py", 1, 1)])),
+    lambda f, u: ir.Location.fused([f, ir.Location.file("b.py", 1, 1)]),
+    lambda f, u: ir.Location.fused([ir.Location.name("n", childLoc=u),
+                                    ir.Location.file("b.py", 1, 1)],
+                                   metadata=ir.StringAttr.get("m")),
+    lambda f, u: ir.Location.name("n", childLoc=ir.Location.file(":5", 1, 1)),
+    lambda f, u: ir.Location.name("n", childLoc=ir.Location.file("", 1, 1)),
+    lambda f, u: ir.Location.name("n", childLoc=ir.Location.file("caf\u00e9.py", 1, 1)),
+])
+def test_location_parts_of_unusual_locations(make) -> None:
+    with ir.Context(), ir.Location.unknown():
+        location = make(ir.Location.file("a.py", 3, 4), ir.Location.unknown())
+        assert location_parts(location) == _printed(location), str(location)
+        assert location_name(location) == _printed(location)[0]
