@@ -18,6 +18,7 @@ from hlo_amp.modules import (
     functions,
     is_call,
     is_public,
+    walk_operations,
     walk_ops,
 )
 from hlo_amp.report import Report
@@ -32,9 +33,13 @@ def _element(value: ir.Value) -> str:
     return str(element_type(value) or "")
 
 
+_CONVERT = frozenset({"stablehlo.convert"})
+_WHILE = frozenset({"stablehlo.while"})
+
+
 def _converts(module: ir.Module) -> list[Any]:
-    return [op for fn in functions(module) for op in walk_ops(fn)
-            if isinstance(op, hlo.ConvertOp)]
+    return [op.opview for fn in functions(module)
+            for op in walk_operations(fn, names=_CONVERT)]
 
 
 @dataclass(frozen=True)
@@ -170,11 +175,12 @@ def _enclosing_while(op: Any) -> Any | None:
 def _hoist_loop_invariants(module: ir.Module) -> int:
     hoisted = 0
     while True:
-        ops = [op for fn in functions(module) for op in walk_ops(fn)]
         # Inner loops after their outer loop in program order: reversed, inner first.
-        loops = [op for op in reversed(ops) if isinstance(op, hlo.WhileOp)]
+        loops = [op.opview for fn in functions(module)
+                 for op in walk_operations(fn, names=_WHILE)][::-1]
         if not loops:
             return hoisted
+        ops = [op for fn in functions(module) for op in walk_ops(fn)]
         lifted = _lift_from_callees(module, ops)
         moved = sum(_hoist_from_while(loop) for loop in loops)
         hoisted += moved
@@ -303,12 +309,15 @@ def _lift(fn: Any, sites: list[Any], groups: list[list[Any]]) -> int:
     entry = fn.regions[0].blocks[0]
     appended: list[int] = []  # per new trailing argument, the argument it converts
     lifted = 0
-    for converts in groups:
-        index = ir.BlockArgument(converts[0].operand).arg_number
+    indices = [ir.BlockArgument(converts[0].operand).arg_number for converts in groups]
+    for index, converts in zip(indices, groups):
         argument = entry.arguments[index]
         converted_type = converts[0].result.type
         readers = [convert.operation for convert in converts]
-        if all(use.owner in readers for use in argument.uses):
+        # Retype in place only when one type is asked of the argument: with two (bf16 and
+        # f16 converts of one weight), every call site must convert from the original.
+        if (indices.count(index) == 1
+                and all(use.owner in readers for use in argument.uses)):
             argument.set_type(converted_type)
             for site in sites:
                 lift = hlo.ConvertOp(converted_type, site.operation.operands[index],

@@ -351,3 +351,45 @@ func.func private @step(%w: tensor<4x4xf32>, %h: tensor<2x4xf32>) -> tensor<2x4x
   %d = stablehlo.dot_general %h16, %w16, contracting_dims = [1] x [0] : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>
   return %d : tensor<2x4xf32>
 }
+
+// -----
+
+// One argument converted to two types (bf16 for one dot, f16 for another): each gets its
+// own appended argument, converted at the call site from the original f32 value (never
+// f16 -> bf16), and both leave the loop.
+// CHECK-LABEL: func.func @two_types_of_one_argument
+// CHECK-DAG:     %[[B:.*]] = stablehlo.convert %arg1 : (tensor<4x4xf32>) -> tensor<4x4xbf16>
+// CHECK-DAG:     %[[H:.*]] = stablehlo.convert %arg1 : (tensor<4x4xf32>) -> tensor<4x4xf16>
+// CHECK:         stablehlo.while({{.*}}, %[[WC:.*]] = %arg1, %[[WB:.*]] = %[[B]], %[[WH:.*]] = %[[H]])
+// CHECK:         } do {
+// CHECK-NOT:       stablehlo.convert
+// CHECK:           func.call @step2(%[[WC]], %{{.*}}, %[[WB]], %[[WH]])
+// CHECK-LABEL: func.func private @step2
+// CHECK-SAME:    (%{{.*}}: tensor<4x4xf32>, %{{.*}}: tensor<2x4xf32>, %[[SB:.*]]: tensor<4x4xbf16>, %[[SH:.*]]: tensor<4x4xf16>)
+// CHECK-NOT:     stablehlo.convert %arg0
+// CHECK:         stablehlo.dot_general %{{.*}}, %[[SB]]
+// CHECK:         stablehlo.dot_general %{{.*}}, %[[SH]]
+func.func @two_types_of_one_argument(%h0: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %r:3 = stablehlo.while(%i = %c0, %h = %h0, %wc = %w) : tensor<i32>, tensor<2x4xf32>, tensor<4x4xf32>
+  cond {
+    %c3 = stablehlo.constant dense<3> : tensor<i32>
+    %p = stablehlo.compare LT, %i, %c3, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+    stablehlo.return %p : tensor<i1>
+  } do {
+    %d = func.call @step2(%wc, %h) : (tensor<4x4xf32>, tensor<2x4xf32>) -> tensor<2x4xf32>
+    %c1 = stablehlo.constant dense<1> : tensor<i32>
+    %i1 = stablehlo.add %i, %c1 : tensor<i32>
+    stablehlo.return %i1, %d, %wc : tensor<i32>, tensor<2x4xf32>, tensor<4x4xf32>
+  }
+  return %r#1 : tensor<2x4xf32>
+}
+func.func private @step2(%w: tensor<4x4xf32>, %h: tensor<2x4xf32>) -> tensor<2x4xf32> {
+  %h16 = stablehlo.convert %h : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+  %wb = stablehlo.convert %w : (tensor<4x4xf32>) -> tensor<4x4xbf16>
+  %d = stablehlo.dot_general %h16, %wb, contracting_dims = [1] x [0] : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>
+  %dh = stablehlo.convert %d : (tensor<2x4xf32>) -> tensor<2x4xf16>
+  %wh = stablehlo.convert %w : (tensor<4x4xf32>) -> tensor<4x4xf16>
+  %e = stablehlo.dot_general %dh, %wh, contracting_dims = [1] x [0] : (tensor<2x4xf16>, tensor<4x4xf16>) -> tensor<2x4xf32>
+  return %e : tensor<2x4xf32>
+}
