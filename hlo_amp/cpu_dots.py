@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.modules import element_type
 

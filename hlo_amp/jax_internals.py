@@ -7,7 +7,6 @@ Each entry and why we need it:
   swaps the rewritten module into JAX's own lowering so that JAX's compile path keeps
   shardings, donation and effects (there is no public way to compile a modified module
   with a function's calling convention).
-- ``interpreters.mlir.module_to_bytecode``: copies a module in its own context.
 - ``export._export._module_to_bytecode``: serialises a rewritten module into an
   ``Exported`` the way ``jax.export`` does.
 - ``interpreters.mlir.make_ir_context``: an MLIR context with JAX's dialects loaded.
@@ -43,7 +42,6 @@ Primitive = jax.extend.core.Primitive
 ShapedArray = core.ShapedArray
 Tracer = core.Tracer
 Lowered = stages.Lowered
-module_to_bytecode = jax_mlir.module_to_bytecode
 export_module_to_bytecode = export_internals._module_to_bytecode
 make_ir_context = jax_mlir.make_ir_context
 register_lowering = jax_mlir.register_lowering
@@ -80,8 +78,6 @@ ENTRY_POINTS: dict[str, tuple[Any, tuple[str, ...] | None]] = {
     "jax._src.stages.Lowered.__init__": (
         getattr(stages.Lowered, "__init__", None),
         ("lowering", "args_info", "out_tree", "no_kwargs")),
-    "jax._src.interpreters.mlir.module_to_bytecode": (
-        getattr(jax_mlir, "module_to_bytecode", None), ("module",)),
     "jax._src.interpreters.mlir.make_ir_context": (
         getattr(jax_mlir, "make_ir_context", None), ()),
     "jax._src.interpreters.mlir.register_lowering": (

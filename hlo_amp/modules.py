@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
-from jax._src.interpreters import mlir as jax_mlir
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import func as func_dialect
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import func as func_dialect
+
+from hlo_amp import jax_internals as internals
 
 
 class ModuleError(ValueError):
@@ -15,7 +16,7 @@ class ModuleError(ValueError):
 
 def new_context() -> ir.Context:
     """An MLIR context with the dialects JAX lowers to (stablehlo, chlo, func, sdy...)."""
-    return jax_mlir.make_ir_context()
+    return internals.make_ir_context()
 
 
 _DIAG_LOC = re.compile(r'^loc\("([^"]*)":(\d+):(\d+)')
@@ -78,10 +79,8 @@ def _is_portable(data: bytes) -> bool:
 
 
 def _deserialize_portable(data: bytes, source_name: str, context: ir.Context) -> ir.Module:
-    from jax._src.lib import _jax
-
     try:  # the context must be passed: the artifact is upgraded into it
-        return _jax.mlir.deserialize_portable_artifact(data, context)
+        return internals.deserialize_portable_artifact(data, context)
     except Exception as error:  # noqa: BLE001 - jaxlib raises its own runtime errors
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise ModuleError(

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from jax._src.lib.mlir import ir
+from jax.extend.mlir import ir
 
 ALLOW = "allow"
 INFER = "infer"
@@ -128,7 +128,8 @@ def op_class(op: Any, compute_dtype: str) -> str:
 @functools.cache
 def op_names() -> frozenset[str]:
     """Every StableHLO and CHLO op name the bindings know, without the dialect prefix."""
-    from jax._src.lib.mlir.dialects import chlo, hlo
+    from jax.extend.mlir.dialects import chlo
+    from jax.extend.mlir.dialects import stablehlo as hlo
 
     names = {
         short_name(cls.OPERATION_NAME)

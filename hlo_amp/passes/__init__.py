@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from jax._src.lib.mlir import ir
+from jax.extend.mlir import ir
 
 from hlo_amp.modules import ModuleError
 from hlo_amp.passes.cleanup import CleanupConverts

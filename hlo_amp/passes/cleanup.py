@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import func as func_dialect
-from jax._src.lib.mlir.dialects import hlo
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import func as func_dialect
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.modules import (
     callee_name,

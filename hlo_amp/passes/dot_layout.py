@@ -44,8 +44,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.cpu_dots import (
     _is_bf16_to_f32,

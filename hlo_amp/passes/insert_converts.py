@@ -20,8 +20,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu
 from hlo_amp.modules import (

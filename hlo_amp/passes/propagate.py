@@ -33,8 +33,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.cpu_dots import matrix_result_in_16bit
 from hlo_amp.modules import (
