@@ -14,7 +14,7 @@ README = pathlib.Path(__file__).parents[2] / "README.md"
 def test_readme_example_runs_and_vmaps_the_compiled_loss():
     text = README.read_text()
     section = text[text.index("## Example"):text.index("## Policies")]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
     assert len(blocks) == 2  # the train step, then vmap over a compiled loss
     scope: dict = {}
     exec(compile("\n".join(blocks), str(README), "exec"), scope)  # noqa: S102
