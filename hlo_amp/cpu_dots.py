@@ -15,8 +15,6 @@ from pathlib import Path
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.modules import element_type
-
 # YNNPACK skips dots whose largest extent is below this (its overhead dominates).
 _YNN_MIN_EXTENT = 8
 # How far `_maybe_permuted` follows layout-preserving producers before giving up.
@@ -43,19 +41,19 @@ class DotLayout:
     lhs_contracting: tuple[int, ...]
     rhs_contracting: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def lhs_free(self) -> tuple[int, ...]:
         """lhs dimensions that are neither batch nor contracting, in order."""
         used = set(self.lhs_batch) | set(self.lhs_contracting)
         return tuple(d for d in range(len(self.lhs_shape)) if d not in used)
 
-    @property
+    @functools.cached_property
     def rhs_free(self) -> tuple[int, ...]:
         """rhs dimensions that are neither batch nor contracting, in order."""
         used = set(self.rhs_batch) | set(self.rhs_contracting)
         return tuple(d for d in range(len(self.rhs_shape)) if d not in used)
 
-    @property
+    @functools.cached_property
     def mkn(self) -> tuple[int, int, int]:
         """(m, k, n) of the matrix product per batch element."""
         m = math.prod(self.lhs_shape[d] for d in self.lhs_free)
@@ -108,13 +106,14 @@ class DotLayout:
 def dot_layout(op: hlo.DotGeneralOp) -> DotLayout | None:
     """The layout facts of `op`, or None when an operand is not a static ranked tensor."""
     shapes = []
-    for value in (op.operands[0], op.operands[1]):
-        if not isinstance(value.type, ir.RankedTensorType):
+    for value in op.operands[:2]:
+        ttype = value.type
+        if not isinstance(ttype, ir.RankedTensorType):
             return None
-        ttype = ir.RankedTensorType(value.type)
-        if not ttype.has_static_shape:
+        shape = tuple(ttype.shape)
+        if shape and min(shape) < 0:  # a dynamic dimension (ShapedType's kDynamic)
             return None
-        shapes.append(tuple(ttype.shape))
+        shapes.append(shape)
     dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
     return DotLayout(
         lhs_shape=shapes[0],
@@ -136,17 +135,80 @@ def meets_ynn_size(layout: DotLayout) -> bool:
     return m > 1 and n > 1 and max(m, k, n) >= _YNN_MIN_EXTENT
 
 
-def _is_scalar(value: ir.Value) -> bool:
-    return isinstance(value.type, ir.RankedTensorType) and ir.RankedTensorType(value.type).rank == 0
+# What `_provenance` says of a value: (answer, last), where `answer` is what
+# `_maybe_permuted` returns for it when the depth limit is not reached, and `last` is
+# how many producer steps from the value the depth limit is last checked (-1: never).
+_Provenance = tuple[bool, int]
+_ROW_MAJOR: _Provenance = (False, -1)
 
 
-def _rank(value: ir.Value) -> int | None:
-    if not isinstance(value.type, ir.RankedTensorType):
-        return None
-    return ir.RankedTensorType(value.type).rank
+def _provenance(value: ir.Value, memo: dict[ir.Value, _Provenance] | None = None) -> _Provenance:
+    """Follow the layout-preserving producers of `value` (see :func:`_maybe_permuted`).
+
+    Iterative. Without `memo` the walk stops once the depth limit is passed. With it, the
+    chain is followed to its end and every value on it is recorded, so each value of a
+    module is looked at once however many dots reach it. A memo is only valid while the
+    module is not changed: values are keyed by identity, and an erased op's values may
+    share it with new ones.
+    """
+    chain: list[ir.Value] = []
+    found: _Provenance
+    while True:
+        if memo is not None:
+            hit = memo.get(value)
+            if hit is not None:
+                found = hit
+                break
+        ttype = value.type
+        if (
+            not isinstance(ttype, ir.RankedTensorType)
+            or ttype.rank <= 1
+            or isinstance(value, ir.BlockArgument)
+        ):
+            found = _ROW_MAJOR
+            break
+        if memo is None and len(chain) > _MAX_PROVENANCE_DEPTH:
+            found = (True, 0)  # past the limit whatever follows
+            break
+        owner = value.owner.operation
+        name = owner.name
+        following = None
+        if name == "stablehlo.transpose":
+            perm = list(ir.DenseI64ArrayAttr(owner.attributes["permutation"]))
+            if perm != sorted(perm):
+                found = (True, 0)
+                break
+            following = owner.operands[0]
+        elif name == "stablehlo.optimization_barrier":
+            following = owner.operands[ir.OpResult(value).result_number]
+        elif name not in _OPAQUE_PRODUCERS:
+            for operand in owner.operands:
+                otype = operand.type
+                if isinstance(otype, ir.RankedTensorType) and otype.rank != 0:
+                    if following is not None:  # two or more tensors: row-major
+                        following = None
+                        break
+                    following = operand
+        if following is None:
+            found = (False, 0)
+            break
+        chain.append(value)
+        value = following
+    answer, last = found
+    if memo is not None:
+        if hit is None:
+            memo[value] = found
+        for value in reversed(chain):
+            last += 1
+            memo[value] = (answer, last)
+    else:
+        last += len(chain)
+    return answer, last
 
 
-def _maybe_permuted(value: ir.Value, depth: int = 0) -> bool:
+def _maybe_permuted(
+    value: ir.Value, depth: int = 0, memo: dict[ir.Value, _Provenance] | None = None
+) -> bool:
     """True when XLA's import may give `value` a non-row-major layout.
 
     The import lays a transpose out so that it is a bitcast, and unary ops, converts,
@@ -154,50 +216,53 @@ def _maybe_permuted(value: ir.Value, depth: int = 0) -> bool:
     layout on. Ops with two or more tensor operands (binary arithmetic, select,
     concatenate, dot_general), reshapes to 1-D, block arguments, constants and opaque
     producers start from row-major. Deep chains count as permuted (conservative).
+    `memo` (see :func:`_provenance`) shares the walk between calls on an unchanged module.
     """
-    rank = _rank(value)
-    if rank is None or rank <= 1:
-        return False
-    if isinstance(value, ir.BlockArgument):
-        return False
-    if depth > _MAX_PROVENANCE_DEPTH:
-        return True
-    owner = ir.OpResult(value).owner
-    owner = owner.opview if hasattr(owner, "opview") else owner
-    if isinstance(owner, hlo.TransposeOp):
-        perm = list(ir.DenseI64ArrayAttr(owner.attributes["permutation"]))
-        return perm != sorted(perm) or _maybe_permuted(owner.operands[0], depth + 1)
-    if isinstance(owner, hlo.OptimizationBarrierOp):
-        index = ir.OpResult(value).result_number
-        return _maybe_permuted(owner.operands[index], depth + 1)
-    if owner.operation.name in _OPAQUE_PRODUCERS:
-        return False
-    tensors = [v for v in owner.operands if _rank(v) is not None and not _is_scalar(v)]
-    if len(tensors) != 1:
-        return False
-    return _maybe_permuted(tensors[0], depth + 1)
+    answer, last = _provenance(value, memo)
+    return answer or depth + last > _MAX_PROVENANCE_DEPTH
 
 
-def _operands_need_fresh_layout(op: hlo.DotGeneralOp) -> tuple[bool, bool]:
-    return _maybe_permuted(op.operands[0]), _maybe_permuted(op.operands[1])
+def _operands_need_fresh_layout(
+    op: hlo.DotGeneralOp, memo: dict[ir.Value, _Provenance] | None = None
+) -> tuple[bool, bool]:
+    lhs, rhs = op.operands[:2]
+    return _maybe_permuted(lhs, memo=memo), _maybe_permuted(rhs, memo=memo)
 
 
-def layout_is_fast(op: hlo.DotGeneralOp) -> bool:
-    """True when XLA:CPU hands `op`, as written, to YNNPACK if its operands are bf16.
-
-    A statement about dimensions and layouts only: element types are not looked at, so
-    a rule can ask it of an f32 dot before deciding to convert it.
-    """
-    layout = dot_layout(op)
-    if layout is None or not meets_ynn_size(layout):
-        return False
-    if any(_operands_need_fresh_layout(op)):
+def _fast_as_written(layout: DotLayout, fresh: tuple[bool, bool]) -> bool:
+    """`layout_is_fast` for a dot of YNNPACK's sizes, given its operands' fresh flags."""
+    if any(fresh):
         return False
     if not layout.decomposer_canonical():
         # DotDecomposer transposes the operands into [batch, m, k] x [batch, k, n].
         return True
     lhs_rank = len(layout.lhs_shape)
     return layout.lhs_contracting == (lhs_rank - 1,)
+
+
+def layout_is_fast(
+    op: hlo.DotGeneralOp,
+    *,
+    layout: DotLayout | None = None,
+    fresh: tuple[bool, bool] | None = None,
+) -> bool:
+    """True when XLA:CPU hands `op`, as written, to YNNPACK if its operands are bf16.
+
+    A statement about dimensions and layouts only: element types are not looked at, so
+    a rule can ask it of an f32 dot before deciding to convert it. `layout` (from
+    :func:`dot_layout`) and `fresh` (from :func:`_operands_need_fresh_layout`) may be
+    passed when the caller already has them.
+    """
+    if layout is None:
+        layout = dot_layout(op)
+    if layout is None or not meets_ynn_size(layout):
+        return False
+    if fresh is None:
+        fresh = _operands_need_fresh_layout(op)
+    return _fast_as_written(layout, fresh)
+
+
+_FOLLOWED_TO_A_TRANSPOSE = frozenset({"stablehlo.reshape", "stablehlo.convert"})
 
 
 def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
@@ -217,26 +282,35 @@ def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
         value = pending.pop()
         seen += 1
         for use in value.uses:
-            user = use.owner
-            user = user.opview if hasattr(user, "opview") else user
-            if isinstance(user, hlo.TransposeOp):
+            user = use.owner.operation
+            name = user.name
+            if name == "stablehlo.transpose":
                 return True
-            if isinstance(user, (hlo.ReshapeOp, hlo.ConvertOp)):
+            if name in _FOLLOWED_TO_A_TRANSPOSE:
                 pending.append(user.result)
     return False
 
 
-def needs_layout_rewrite(op: hlo.DotGeneralOp) -> bool:
+def needs_layout_rewrite(
+    op: hlo.DotGeneralOp,
+    *,
+    layout: DotLayout | None = None,
+    fresh: tuple[bool, bool] | None = None,
+) -> bool:
     """True when FastDotLayout rewrites `op` (element types aside).
 
     That is a dot of YNNPACK's sizes that YNNPACK would not take as written, or one
     whose transposed result would make XLA:CPU fail (see :func:`has_transposed_result`),
-    unless it already is in the NT form.
+    unless it already is in the NT form. `layout` and `fresh` as for
+    :func:`layout_is_fast`.
     """
-    layout = dot_layout(op)
+    if layout is None:
+        layout = dot_layout(op)
     if layout is None or not meets_ynn_size(layout):
         return False
-    if not layout_is_fast(op):
+    if fresh is None:
+        fresh = _operands_need_fresh_layout(op)
+    if not _fast_as_written(layout, fresh):
         return True
     return not layout.is_nt() and has_transposed_result(op)
 
@@ -285,17 +359,21 @@ def is_fast_on_cpu(
     layout = dot_layout(op)
     if layout is None or not meets_ynn_size(layout):
         return False
-    return with_layout_pass or layout_is_fast(op)
+    return with_layout_pass or layout_is_fast(op, layout=layout)
 
 
 def _is_bf16_to_f32(op: hlo.DotGeneralOp) -> bool:
-    lhs, rhs = (element_type(v) for v in op.operands)
-    out = element_type(op.result)
+    lhs, rhs = op.operands
     return (
-        isinstance(lhs, ir.BF16Type)
-        and isinstance(rhs, ir.BF16Type)
-        and isinstance(out, ir.F32Type)
+        isinstance(_element_type(lhs), ir.BF16Type)
+        and isinstance(_element_type(rhs), ir.BF16Type)
+        and isinstance(_element_type(op.result), ir.F32Type)
     )
+
+
+def _element_type(value: ir.Value) -> ir.Type | None:
+    ttype = value.type
+    return ttype.element_type if isinstance(ttype, ir.RankedTensorType) else None
 
 
 def matrix_result_in_16bit(target: str | None) -> bool:

@@ -48,10 +48,14 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.cpu_dots import (
+    _MAX_PROVENANCE_DEPTH,
+    DotLayout,
     _is_bf16_to_f32,
-    _operands_need_fresh_layout,
+    _maybe_permuted,
+    _provenance,
     dot_layout,
     layout_is_fast,
+    meets_ynn_size,
     needs_layout_rewrite,
 )
 from hlo_amp.modules import walk_operations
@@ -59,6 +63,24 @@ from hlo_amp.modules import walk_operations
 __all__ = ["FastDotLayout"]
 
 _DOT_GENERAL = frozenset({"stablehlo.dot_general"})
+
+
+def _reshape(result_type: ir.Type, value: ir.Value) -> ir.Value:
+    """A stablehlo.reshape at the current insertion point and location: the op
+    ``hlo.reshape`` builds, without the generated builder's overhead."""
+    return ir.Operation.create("stablehlo.reshape", results=[result_type], operands=[value]).result
+
+
+def _barrier(value: ir.Value) -> ir.Value:
+    """A one-value stablehlo.optimization_barrier of `value` (as :func:`_reshape`)."""
+    return ir.Operation.create(
+        "stablehlo.optimization_barrier", results=[value.type], operands=[value]
+    ).result
+
+
+def _fresh(provenance: tuple[tuple[bool, int], ...]) -> tuple[bool, ...]:
+    """Per operand, `_maybe_permuted` from its `_provenance`."""
+    return tuple(answer or last > _MAX_PROVENANCE_DEPTH for answer, last in provenance)
 
 
 @dataclass(frozen=True)
@@ -81,29 +103,53 @@ class FastDotLayout:
 
     def run(self, module: ir.Module, report: Any = None) -> None:
         """Rewrite `module` in place."""
-        dots = [
-            op
-            for op in walk_operations(module, names=_DOT_GENERAL)
-            if _is_bf16_to_f32(op)
-            and needs_layout_rewrite(op) and (self.relay_slow or layout_is_fast(op))
-        ]
+        # Decide on every dot before changing anything: the provenance memo is keyed
+        # by value and only valid on the unchanged module.
+        memo: dict[ir.Value, tuple[bool, int]] = {}
+        todo = []
+        for op in walk_operations(module, names=_DOT_GENERAL):
+            if not _is_bf16_to_f32(op):
+                continue
+            layout = dot_layout(op)
+            if layout is None or not meets_ynn_size(layout):
+                continue
+            lhs, rhs = op.operands
+            provenance = (_provenance(lhs, memo), _provenance(rhs, memo))
+            fresh = _fresh(provenance)
+            if needs_layout_rewrite(op, layout=layout, fresh=fresh) and (
+                self.relay_slow or layout_is_fast(op, layout=layout, fresh=fresh)
+            ):
+                todo.append((op, layout, provenance))
+        memo.clear()
         shared: dict[tuple[Any, ...], ir.Value] = {}
-        for op in dots:
-            self._rewrite(op, shared, report)
+        nt_dims: dict[int, ir.Attribute] = {}  # the NT dimension numbers per batch rank
+        for op, layout, provenance in todo:
+            # A dot relaid before this one may have put a reshape on an operand's
+            # producer chain (its result went through reshape(new dot)): one step
+            # longer, which flips the answer only for a chain that ends right at the
+            # depth limit. Those few are asked again; the rest keep the memo's answer.
+            fresh = tuple(
+                _maybe_permuted(value) if last == _MAX_PROVENANCE_DEPTH else flag
+                for value, (_, last), flag in zip(op.operands, provenance, _fresh(provenance))
+            )
+            self._rewrite(op, layout, fresh, shared, nt_dims, report)
 
     def _rewrite(
-        self, op: hlo.DotGeneralOp, shared: dict[tuple[Any, ...], ir.Value], report: Any
+        self,
+        op: hlo.DotGeneralOp,
+        layout: DotLayout,
+        fresh: tuple[bool, ...],
+        shared: dict[tuple[Any, ...], ir.Value],
+        nt_dims: dict[int, ir.Attribute],
+        report: Any,
     ) -> None:
-        layout = dot_layout(op)
-        assert layout is not None
-        fresh = _operands_need_fresh_layout(op)
         perms = (layout.lhs_permutation(), layout.rhs_permutation())
         lhs_shape, rhs_shape, out_shape = layout.nt_shapes()
         nb = len(layout.lhs_batch)
         block = op.operation.block
         location = op.location
         notes = []
-        with op.location, ir.InsertionPoint(op):
+        with location, ir.InsertionPoint(op):
             operands = []
             for side, value, perm, shape, needs_fresh in zip(
                 ("lhs", "rhs"), op.operands, perms, (lhs_shape, rhs_shape), fresh
@@ -111,13 +157,15 @@ class FastDotLayout:
                 operands.append(self._nt_operand(value, perm, shape, needs_fresh, block, shared))
                 if operands[-1] != value:
                     notes.append(f"{side} {list(perm)} -> {list(shape)}")
-            dims = hlo.DotDimensionNumbers.get(
-                lhs_batching_dimensions=list(range(nb)),
-                rhs_batching_dimensions=list(range(nb)),
-                lhs_contracting_dimensions=[nb + 1],
-                rhs_contracting_dimensions=[nb + 1],
-            )
-            result_type = ir.RankedTensorType(op.result.type)
+            dims = nt_dims.get(nb)
+            if dims is None:
+                dims = nt_dims[nb] = hlo.DotDimensionNumbers.get(
+                    lhs_batching_dimensions=list(range(nb)),
+                    rhs_batching_dimensions=list(range(nb)),
+                    lhs_contracting_dimensions=[nb + 1],
+                    rhs_contracting_dimensions=[nb + 1],
+                )
+            result_type = op.result.type
             if tuple(result_type.shape) == out_shape:
                 op.operands[0], op.operands[1] = operands
                 op.attributes["dot_dimension_numbers"] = dims
@@ -134,7 +182,7 @@ class FastDotLayout:
                     dims,
                     **extra,
                 )
-                restored = hlo.reshape(result_type, new.result)
+                restored = _reshape(result_type, new.result)
                 op.result.replace_all_uses_with(restored)
                 op.operation.erase()
                 notes.append(f"result {list(out_shape)} -> {list(result_type.shape)}")
@@ -162,21 +210,18 @@ class FastDotLayout:
         that is only collapsed gets a plain reshape (a bitcast); one already in shape is
         returned as is.
         """
-        ttype = ir.RankedTensorType(value.type)
+        ttype = value.type
         identity = perm == tuple(range(len(perm)))
         if identity and not needs_fresh:
             if tuple(ttype.shape) == shape:
                 return value
-            return hlo.reshape(ir.RankedTensorType.get(shape, ttype.element_type), value)
+            return _reshape(ir.RankedTensorType.get(shape, ttype.element_type), value)
         key = (block, value, perm, shape)
         if key in shared:
             return shared[key]
         current = value if identity else hlo.transpose(value, list(perm))
         flat = ir.RankedTensorType.get([math.prod(shape)], ttype.element_type)
-        current = hlo.reshape(flat, current)
-        current = hlo.optimization_barrier([current])
-        if not isinstance(current, ir.Value):
-            current = current[0]
-        current = hlo.reshape(ir.RankedTensorType.get(shape, ttype.element_type), current)
+        current = _barrier(_reshape(flat, current))
+        current = _reshape(ir.RankedTensorType.get(shape, ttype.element_type), current)
         shared[key] = current
         return current

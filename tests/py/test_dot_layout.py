@@ -23,6 +23,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
 from hlo_amp.cpu_dots import (
+    _maybe_permuted,
+    _provenance,
     cpu_has_native_bf16,
     has_transposed_result,
     is_fast_on_cpu,
@@ -452,3 +454,74 @@ def test_relay_slow_false_relays_only_dots_that_would_fail(post, relaid) -> None
     got, _ = _run(str(module), a, b)  # runs on XLA:CPU either way
     want = np.asarray(jax.jit(lambda x, y: post(jnp.dot(x.T if not relaid else x, y)))(a, b))
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-1)
+
+
+# ------------------------------------------- provenance memo (pass cost, issue 10 item 9)
+
+
+def _chain_module(start: str, steps: int) -> ir.Module:
+    """`start` ("transpose": a permuted layout; "add": row-major), then `steps`
+    negates, feeding the lhs of an NN dot."""
+    t = "tensor<64x96xbf16>"
+    first = {
+        "transpose": f"stablehlo.transpose %a, dims = [1, 0] : (tensor<96x64xbf16>) -> {t}",
+        "add": f"stablehlo.add %c, %c : {t}",
+    }[start]
+    body = [f"  %v0 = {first}"]
+    body += [f"  %v{i + 1} = stablehlo.negate %v{i} : {t}" for i in range(steps)]
+    return _parse(
+        f"""func.func @f(%a: tensor<96x64xbf16>, %b: tensor<96x80xbf16>, %c: {t}) -> tensor<64x80xf32> {{
+{chr(10).join(body)}
+  %0 = stablehlo.dot_general %v{steps}, %b, contracting_dims = [1] x [0] : ({t}, tensor<96x80xbf16>) -> tensor<64x80xf32>
+  return %0 : tensor<64x80xf32>
+}}"""
+    )
+
+
+@pytest.mark.parametrize("start", ["transpose", "add"])
+@pytest.mark.parametrize("steps", [0, 1, 15, 16, 17, 30])
+def test_memoised_provenance_agrees_with_the_plain_walk(start: str, steps: int) -> None:
+    module = _chain_module(start, steps)
+    block = module.body.operations[0].regions[0].blocks[0]
+    values = [result for op in block.operations for result in op.results]
+    values += list(block.arguments)
+    plain = {
+        (i, depth): _maybe_permuted(v, depth) for i, v in enumerate(values) for depth in (0, 5)
+    }
+    for order in (range(len(values)), reversed(range(len(values)))):  # memo filled either way
+        memo: dict = {}
+        for i in order:
+            for depth in (0, 5):
+                assert _maybe_permuted(values[i], depth, memo=memo) is plain[i, depth]
+    # Past the depth limit a chain counts as permuted, whatever started it.
+    assert plain[steps, 0] is (start == "transpose" or steps > 16)
+
+
+@pytest.mark.parametrize("negates, barriers", [(13, 3), (14, 4), (15, 4)])
+def test_operand_chain_lengthened_by_an_earlier_relaid_dot(negates: int, barriers: int) -> None:
+    # The first dot is relaid with a new result (4x24x20 becomes reshape(96x20 dot)):
+    # every producer chain through it grows by one step. The pass decides on all dots
+    # first (memoised walk), so a chain of the second dot's lhs that ends right at the
+    # depth limit (14 negates) must be asked again at rewrite time, when it is over the
+    # limit and the lhs gets a fresh layout (a fourth barrier), as a walk per dot gives.
+    negs = "\n".join(
+        f"  %v{i + 1} = stablehlo.negate %v{i} : tensor<96x20xbf16>" for i in range(negates)
+    )
+    module = _parse(
+        f"""func.func @f(%a0: tensor<24x4x9xbf16>, %b: tensor<9x20xbf16>, %c: tensor<20x32xbf16>) -> tensor<32x96xf32> {{
+  %a = stablehlo.transpose %a0, dims = [2, 1, 0] : (tensor<24x4x9xbf16>) -> tensor<9x4x24xbf16>
+  %r = stablehlo.dot_general %a, %b, contracting_dims = [0] x [0] : (tensor<9x4x24xbf16>, tensor<9x20xbf16>) -> tensor<4x24x20xf32>
+  %f = stablehlo.reshape %r : (tensor<4x24x20xf32>) -> tensor<96x20xf32>
+  %v0 = stablehlo.convert %f : (tensor<96x20xf32>) -> tensor<96x20xbf16>
+{negs}
+  %d = stablehlo.dot_general %v{negates}, %c, contracting_dims = [1] x [0] : (tensor<96x20xbf16>, tensor<20x32xbf16>) -> tensor<96x32xf32>
+  %t = stablehlo.transpose %d, dims = [1, 0] : (tensor<96x32xf32>) -> tensor<32x96xf32>
+  return %t : tensor<32x96xf32>
+}}"""
+    )
+    second = _dots(module)[1]
+    if negates == 14:
+        assert _provenance(second.operands[0]) == (False, 16)  # at the limit, not past it
+    FastDotLayout().run(module, None)
+    module.operation.verify()
+    assert str(module).count("stablehlo.optimization_barrier") == barriers
