@@ -11,6 +11,8 @@ Each entry and why we need it:
   ``Exported`` the way ``jax.export`` does.
 - ``interpreters.mlir.make_ir_context``: an MLIR context with JAX's dialects loaded.
 - ``lib._jax.mlir.deserialize_portable_artifact``: reads ``jax.export`` artifacts.
+- ``_cache_size()`` of a ``jax.jit`` function: ``AmpFunction.cache_size()`` counts the
+  executables behind calls, which live in ``jax.jit``'s own cache.
 - ``core.ShapedArray`` and ``core.Tracer``: abstract values of a program's outputs, and
   telling a traced call from a concrete one.
 - The primitive machinery behind ``runtime/amp_call.py`` — ``interpreters.ad``
@@ -66,6 +68,11 @@ def swap_module(lowered: Any, module: Any) -> Any:
     lowering._executable = None
     return stages.Lowered(lowering, lowered.args_info, lowered.out_tree,
                           no_kwargs=lowered._no_kwargs)
+
+
+def jit_cache_size(jitted: Any) -> int:
+    """How many executables a ``jax.jit`` function holds (``AmpFunction.cache_size``)."""
+    return jitted._cache_size()
 
 
 def lowering_platforms(lowered: Any) -> tuple[str, ...]:

@@ -251,6 +251,10 @@ class AmpFunction:
         key = (treedef, tuple(_leaf_signature(x) for x in leaves), static_key)
         return dyn_args, dyn_kwargs, leaves, treedef, key
 
+    def cache_size(self) -> int:
+        """How many executables are cached, one per input signature (like jax.jit's)."""
+        return internals.jit_cache_size(self._dispatch) + len(self._cache)
+
     # -- AOT --
 
     def lower(self, *args: Any, **kwargs: Any) -> AmpLowered:

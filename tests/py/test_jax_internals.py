@@ -24,6 +24,15 @@ def test_lowered_objects_have_the_private_fields_we_swap():
     assert jax_internals.lowering_platforms(lowered) == (jax.default_backend(),)
 
 
+def test_jit_cache_size_counts_signatures():
+    jitted = jax.jit(lambda a: a * 2)
+    assert jax_internals.jit_cache_size(jitted) == 0
+    jitted(jnp.ones(3))
+    jitted(jnp.ones(4))
+    jitted(jnp.ones(3))
+    assert jax_internals.jit_cache_size(jitted) == 2
+
+
 def test_swap_module_compiles_the_module_it_was_given():
     x = jnp.arange(16.0).reshape(4, 4)
     lowered = jax.jit(lambda a: a @ a).trace(x).lower()

@@ -47,11 +47,11 @@ def test_fifty_signatures_cache_and_rss() -> None:
         np.testing.assert_allclose(float(loss), want, rtol=1.6e-2)
     gc.collect()
     grown = rss_bytes() - start
-    assert len(fn._cache) == SIGNATURES
+    assert fn.cache_size() == SIGNATURES
     assert fn.lowerings == SIGNATURES
     # a repeated signature is a cache hit: no new lowering, same cache size
     fn(w, jnp.full((7, 4), 0.5, jnp.float32))
-    assert fn.lowerings == SIGNATURES and len(fn._cache) == SIGNATURES
+    assert fn.lowerings == SIGNATURES and fn.cache_size() == SIGNATURES
     per_executable = grown / (SIGNATURES - 1)
     assert per_executable < 20 * MB, f"RSS grew {grown / MB:.1f} MB over {SIGNATURES - 1}"
 
