@@ -176,7 +176,7 @@ def signatures_section(count: int) -> list[str]:
     grown = rss_bytes() - start_rss
     return [
         (f"- {count} signatures of one function (value_and_grad of a 16x16 dot): cache "
-         f"{len(fn._cache)} entries, {seconds / (count - 1) * 1e3:.0f} ms per signature "
+         f"{fn.cache_size()} entries, {seconds / (count - 1) * 1e3:.0f} ms per signature "
          f"(lower + pass + compile)"),
         (f"- RSS growth: {grown / MB:.1f} MB in all, {grown / (count - 1) / 1024:.0f} KB per "
          f"executable"),
