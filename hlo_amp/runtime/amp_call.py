@@ -24,7 +24,7 @@ import numpy as np
 
 from hlo_amp import jax_internals as internals
 
-AvalsKey = tuple[tuple[tuple[int, ...], np.dtype], ...]
+AvalsKey = tuple[tuple[tuple[int, ...], np.dtype, bool], ...]  # shape, dtype, weak type
 
 
 class ProgramOwner(Protocol):
@@ -72,12 +72,20 @@ class Program:
 
 
 def avals_key(values: Sequence[Any]) -> AvalsKey:
-    """(shape, dtype) of each value or abstract value: the export cache key."""
+    """(shape, dtype, weak type) of each value or abstract value: the export cache key.
+
+    The weak type matters: a Python scalar times a bf16 array stays bf16 under jax.jit.
+    """
     out = []
     for value in values:
         aval = value if isinstance(value, internals.ShapedArray) else jax.typeof(value)
-        out.append((tuple(aval.shape), np.dtype(aval.dtype)))
+        out.append((tuple(aval.shape), np.dtype(aval.dtype), bool(aval.weak_type)))
     return tuple(out)
+
+
+def shape_structs(avals: AvalsKey) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+            for shape, dtype, weak in avals]
 
 
 def _is_float(dtype: Any) -> bool:

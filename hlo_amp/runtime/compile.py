@@ -32,7 +32,13 @@ from hlo_amp.passes import run_pipeline
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Report
 from hlo_amp.rewrite import warn_unused_rules
-from hlo_amp.runtime.amp_call import AvalsKey, Program, amp_call_p, avals_key
+from hlo_amp.runtime.amp_call import (
+    AvalsKey,
+    Program,
+    amp_call_p,
+    avals_key,
+    shape_structs,
+)
 
 
 def rewrite_module(module: ir.Module, policy: Policy, target: str | None = None
@@ -323,7 +329,7 @@ class AmpFunction:
         key = (program.key, avals)
         exported = self._exports.get(key)
         if exported is None:
-            shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+            shapes = shape_structs(avals)
             try:
                 exported = jax_export.export(jax.jit(program.fn))(*shapes)
             except Exception as error:
@@ -350,8 +356,8 @@ class AmpFunction:
         exported = self._exports.get((program.key, avals))
         if exported is not None:
             return list(exported.out_avals)
-        shapes = jax.eval_shape(program.fn, *[jax.ShapeDtypeStruct(s, d) for s, d in avals])
-        return [internals.ShapedArray(x.shape, x.dtype) for x in shapes]
+        shapes = jax.eval_shape(program.fn, *shape_structs(avals))
+        return [internals.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type) for x in shapes]
 
     def residual_tree(self, program: Program, avals: AvalsKey) -> Any:
         key = (program.key, avals)
@@ -359,7 +365,7 @@ class AmpFunction:
             forward = functools.partial(jax.vjp, program.fn)
             self._residual_trees[key] = jax.tree_util.tree_structure(
                 jax.eval_shape(lambda *xs: forward(*xs)[1],
-                               *[jax.ShapeDtypeStruct(s, d) for s, d in avals]))
+                               *shape_structs(avals)))
         return self._residual_trees[key]
 
     def record_residual_tree(self, program: Program, avals: AvalsKey, tree: Any) -> None:

@@ -232,3 +232,15 @@ def test_cache_hits_do_not_relower(data):
         amp(params, x[0], y[0])
         per_example(params, x, y)
     assert amp.lowerings == lowerings
+
+
+def test_python_scalars_stay_weakly_typed_like_jax_jit():
+    def scale(x, lr):
+        return x @ x.T * lr
+
+    x = _rand(0, (3, 4)).astype(jnp.bfloat16)
+    amp = hlo_amp.compile(scale, "bf16")
+    assert amp(x, 0.1).dtype == jax.jit(scale)(x, 0.1).dtype == jnp.bfloat16
+    batched = jax.vmap(amp, in_axes=(0, None))(jnp.stack([x, x]), 0.1)
+    assert batched.dtype == jnp.bfloat16
+    assert jax.grad(lambda v: amp(v, 0.1).astype(jnp.float32).sum())(x).dtype == jnp.bfloat16
