@@ -244,3 +244,24 @@ def test_python_scalars_stay_weakly_typed_like_jax_jit():
     batched = jax.vmap(amp, in_axes=(0, None))(jnp.stack([x, x]), 0.1)
     assert batched.dtype == jnp.bfloat16
     assert jax.grad(lambda v: amp(v, 0.1).astype(jnp.float32).sum())(x).dtype == jnp.bfloat16
+
+
+def test_cache_hits_are_served_by_jax_jit_without_hlo_amp_python(monkeypatch):
+    """A hit runs no hlo_amp code: jax.jit's own dispatch finds the executable."""
+    calls = []
+    original = hlo_amp.AmpFunction._traced_call
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(hlo_amp.AmpFunction, "_traced_call", counting)
+    w, x = _rand(0, (8, 4)), _rand(1, (3, 8))
+    amp = hlo_amp.compile(f, "bf16")
+    first = amp(w, x)
+    assert len(calls) == 1
+    for _ in range(5):
+        assert np.array_equal(amp(w, x), first)
+    assert len(calls) == 1 and amp.cache_size() == 1
+    amp(w, _rand(2, (5, 8)))  # a new signature traces again
+    assert len(calls) == 2 and amp.cache_size() == 2

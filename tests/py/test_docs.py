@@ -1,0 +1,47 @@
+"""The docs fold: no prose sentence is stated twice between the README and docs/*.md."""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).parents[2]
+DOCS = ["README.md", "docs/compile.md", "docs/scaler.md", "docs/demo.md"]
+
+
+def prose_sentences(text: str) -> list[str]:
+    """Sentences of 20+ characters outside code blocks, whitespace and case folded."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    out = []
+    for paragraph in re.split(r"\n\s*\n", prose):
+        paragraph = " ".join(paragraph.split())
+        for sentence in re.split(r"(?<=[.!?:;])\s+(?=[A-Z`(*\-|])", paragraph):
+            if len(sentence) >= 20:
+                out.append(sentence.lower())
+    return out
+
+
+def repeated(files: dict[str, str], threshold: float = 0.85) -> list[tuple[str, str, str]]:
+    found = []
+    sentences = {name: prose_sentences(text) for name, text in files.items()}
+    for a, b in itertools.combinations(sentences, 2):
+        for one in sentences[a]:
+            for other in sentences[b]:
+                matcher = difflib.SequenceMatcher(None, one, other)
+                if (matcher.real_quick_ratio() > threshold and matcher.quick_ratio() > threshold
+                        and matcher.ratio() > threshold):
+                    found.append((a, b, one))
+    return found
+
+
+def test_no_sentence_twice_between_readme_and_docs():
+    files = {name: (ROOT / name).read_text() for name in DOCS}
+    assert repeated(files) == []
+
+
+def test_the_check_finds_a_repeated_sentence():
+    sentence = "The pass keeps every sharding annotation of the lowered module."
+    files = {"a.md": f"Intro.\n\n{sentence}\n", "b.md": f"Other words here.\n\n{sentence}\n"}
+    assert repeated(files) == [("a.md", "b.md", sentence.lower())]
