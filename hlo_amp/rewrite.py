@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import sysconfig
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -22,28 +25,44 @@ def rewrite(module: str | bytes, policy: Policy | str | Mapping[str, Any] = "bf1
     amp_policy = as_policy(policy)
     parsed = parse_module(module)
     report = run_pipeline(parsed, amp_policy)
-    warn_unused_rules(report, stacklevel=2)
+    warn_unused_rules(report)
     text = module_text(parsed, debug_info=debug_info)
     return (text, report) if return_report else text
 
 
-def warn_unused_rules(report: Report, *, stacklevel: int = 1) -> None:
-    """Warn when policy rules matched no op (a likely typo in a scope pattern).
-
-    ``stacklevel`` counts from the caller of this function, as in ``warnings.warn``.
-    """
+def warn_unused_rules(report: Report) -> None:
+    """Warn when policy rules matched no op (a likely typo in a scope pattern), or when
+    the policy converts nothing and no rule says why; at the user's line."""
     unused = report.unused_rules
     if unused:
-        warnings.warn(
+        warn_at_user_code(
             f"hlo_amp: policy rule(s) matched no op: {', '.join(unused)} "
-            f"(policy {report.policy!r})",
-            UserWarning, stacklevel=stacklevel + 1)
+            f"(policy {report.policy!r})")
     if _converts_nothing_unasked(report):
-        warnings.warn(
+        warn_at_user_code(
             f"hlo_amp: policy {report.policy!r} converts none of the program's "
             f"{len(report.decisions)} dot/convolution ops: no rule names their op kind; "
-            f"use a preset such as 'bf16' or add op rules (op:dot_general=compute)",
-            UserWarning, stacklevel=stacklevel + 1)
+            f"use a preset such as 'bf16' or add op rules (op:dot_general=compute)")
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import jax
+    import jaxlib
+
+    return tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+                 for module in (sys.modules[__package__], jax, jaxlib)) + (
+        os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,)
+
+
+def warn_at_user_code(message: str) -> None:
+    """``warnings.warn`` attributed to the first frame outside hlo_amp, JAX and the
+    standard library: the user's call, ``.lower()`` or traced call, however deep the
+    transformation stack between them is."""
+    library = _library_dirs()
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(library):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def _converts_nothing_unasked(report: Report) -> bool:

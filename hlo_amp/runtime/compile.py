@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import re
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +30,7 @@ from hlo_amp.modules import copy_module, module_text, new_context
 from hlo_amp.passes import run_pipeline
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Report
-from hlo_amp.rewrite import warn_unused_rules
+from hlo_amp.rewrite import warn_at_user_code, warn_unused_rules
 from hlo_amp.runtime.amp_call import (
     AvalsKey,
     Program,
@@ -273,7 +272,7 @@ class AmpFunction:
         target = "cpu" if platforms == ("cpu",) else None
         module, report, pass_seconds = rewrite_module(
             original.compiler_ir("stablehlo"), self.policy, target)
-        warn_unused_rules(report, stacklevel=2)
+        warn_unused_rules(report)
         rewritten = internals.swap_module(original, module)
         return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds)
 
@@ -286,9 +285,9 @@ class AmpFunction:
             except ExportRefused as refused:
                 leaves = jax.tree_util.tree_leaves((args, kwargs))
                 if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
-                    warnings.warn(
+                    warn_at_user_code(
                         f"hlo_amp: cannot rewrite {self.__name__} under an outer "
-                        f"transformation ({refused}); it runs unchanged", stacklevel=2)
+                        f"transformation ({refused}); it runs unchanged")
                     return self.fn(*args, **kwargs)
                 self._through_lowering = True
         dyn_args, dyn_kwargs, leaves, _, key = self._flatten(args, kwargs)
@@ -341,7 +340,7 @@ class AmpFunction:
             module = internals.deserialize_portable_artifact(
                 exported.mlir_module_serialized, new_context())
             target = "cpu" if tuple(exported.platforms) == ("cpu",) else None
-            warn_unused_rules(run_pipeline(module, self.policy, target=target), stacklevel=5)
+            warn_unused_rules(run_pipeline(module, self.policy, target=target))
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
             self._exports[key] = exported
@@ -389,9 +388,9 @@ class AmpFunction:
         except ExportRefused as refused:  # e.g. host callbacks, which jax.export refuses
             if own_dispatch:
                 raise
-            warnings.warn(
+            warn_at_user_code(
                 f"hlo_amp: cannot rewrite {self.__name__} under an outer transformation "
-                f"({refused}); it runs unchanged", stacklevel=3)
+                f"({refused}); it runs unchanged")
             return self.fn(*args, **kwargs)
         except Exception:  # noqa: BLE001, S110
             # Exported alone, fn may not trace (a collective over an outer vmap's named
