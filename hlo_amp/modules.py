@@ -111,28 +111,14 @@ def module_text(module: ir.Module, *, debug_info: bool = False) -> str:
 
 
 def walk_ops(holder: object, into: tuple[type, ...] | None = None) -> list[ir.OpView]:
-    """Every op nested in the regions of ``holder`` (an op or op view), in program order.
+    """Every op nested in the regions of ``holder`` (an op or op view), in program order,
+    as op views (``isinstance`` works); :func:`walk_operations` without the views.
 
     With ``into``, only the regions of ops of those classes are entered (their ops are
     listed; the ops inside other ops' regions are not).
     """
-    found: list[ir.OpView] = []
-    _visit(holder.operation if hasattr(holder, "operation") else holder, into, found)
-    return found
-
-
-def _visit(operation: ir.Operation, into: tuple[type, ...] | None,
-           found: list[ir.OpView]) -> None:
-    # A module-level function, not a closure: a recursive closure is a reference cycle
-    # (function -> cell -> function) that would keep ``found`` and every OpView in it
-    # alive until the next cyclic collection, and thousands of OpViews waiting for the
-    # collector make Python run a full (slow) collection inside the pass.
-    for region in operation.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                found.append(inner)
-                if into is None or isinstance(inner, into):
-                    _visit(inner.operation, into, found)
+    names = None if into is None else frozenset(cls.OPERATION_NAME for cls in into)
+    return [op.opview for op in walk_operations(holder, into=names)]
 
 
 _ADVANCE = ir.WalkResult.ADVANCE
@@ -206,6 +192,21 @@ def clone_private(fn: func_dialect.FuncOp, suffix: str, taken: dict[str, object]
     clone.attributes["sym_visibility"] = ir.StringAttr.get("private", context=clone.context)
     taken[name] = clone.opview
     return clone.opview
+
+
+def terminator(block: ir.Block) -> ir.Operation:
+    """The last op of ``block`` (without making a Python object per op of the block)."""
+    operations = block.operations
+    return operations[len(operations) - 1].operation
+
+
+def set_function_type(fn: func_dialect.FuncOp, results: list[ir.Type] | None = None) -> None:
+    """Make ``fn``'s function_type match its entry block's arguments, with ``results``
+    (default: the results it has)."""
+    old = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
+    arguments = [argument.type for argument in fn.regions[0].blocks[0].arguments]
+    fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+        arguments, list(old.results) if results is None else results, context=fn.context))
 
 
 def functions(module: ir.Module) -> list[func_dialect.FuncOp]:

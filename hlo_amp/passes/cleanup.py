@@ -18,6 +18,8 @@ from hlo_amp.modules import (
     functions,
     is_call,
     is_public,
+    set_function_type,
+    terminator,
     walk_operations,
     walk_ops,
 )
@@ -133,11 +135,6 @@ def _body(loop: Any) -> ir.Block:
     return loop.operation.regions[1].blocks[0]
 
 
-def _terminator(block: ir.Block) -> ir.Operation:
-    operations = block.operations
-    return operations[len(operations) - 1].operation
-
-
 def _owner_op(value: ir.Value) -> ir.Operation:
     owner = value.owner
     if isinstance(owner, ir.Block):
@@ -160,7 +157,7 @@ def _invariant(value: ir.Value, loop: Any) -> bool:
     body = _body(loop)
     if isinstance(value.owner, ir.Block) and value.owner == body:
         index = ir.BlockArgument(value).arg_number
-        return _terminator(body).operands[index] == value
+        return terminator(body).operands[index] == value
     return _defined_outside(value, loop)
 
 
@@ -239,11 +236,11 @@ def _add_carries(loop: Any, converts: Sequence[Any]) -> None:
         new.operation.attributes[attribute] = old.attributes[attribute]
     cond_block.append_to(new.operation.regions[0])
     body_block.append_to(new.operation.regions[1])
-    terminator = _terminator(body_block)
+    old_return = terminator(body_block)
     extra = list(body_block.arguments)[len(old.results):]
-    hlo.ReturnOp(list(terminator.operands) + extra, loc=terminator.location,
-                 ip=ir.InsertionPoint(terminator))
-    terminator.erase()
+    hlo.ReturnOp(list(old_return.operands) + extra, loc=old_return.location,
+                 ip=ir.InsertionPoint(old_return))
+    old_return.erase()
     for index, result in enumerate(old.results):
         result.replace_all_uses_with(new.operation.results[index])
     old.erase()
@@ -335,7 +332,7 @@ def _lift(fn: Any, sites: list[Any], groups: list[list[Any]]) -> int:
         new_arguments = list(entry.arguments)[-len(appended):]
         for site in sites:
             _call_with_extra(site, appended, new_arguments)
-    _retype(fn, entry, len(appended))
+    _retype(fn, len(appended))
     return lifted
 
 
@@ -360,11 +357,9 @@ def _call_with_extra(site: Any, indices: list[int], new_arguments: list[Any]) ->
     return new
 
 
-def _retype(fn: Any, entry: ir.Block, appended: int) -> None:
+def _retype(fn: Any, appended: int) -> None:
     """Make ``fn``'s function_type (and arg_attrs) match its entry block's arguments."""
-    function_type = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
-    fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
-        [argument.type for argument in entry.arguments], list(function_type.results)))
+    set_function_type(fn)
     if appended and "arg_attrs" in fn.attributes:
         attrs = list(ir.ArrayAttr(fn.attributes["arg_attrs"]))
         fn.attributes["arg_attrs"] = ir.ArrayAttr.get(

@@ -45,6 +45,8 @@ from hlo_amp.modules import (
     functions,
     is_call,
     is_public,
+    set_function_type,
+    terminator,
     walk_operations,
     with_element,
 )
@@ -82,11 +84,6 @@ def body_ops(fn: Any) -> list[ir.Operation]:
 def first_block(region: Any) -> Any:
     """The entry block of a region (every region here has exactly one)."""
     return next(iter(region.blocks))
-
-
-def last_op(block: Any) -> Any:
-    """The terminator of a block (without making a Python object per op of the block)."""
-    return block.operations[-1]
 
 
 class _Body:
@@ -413,7 +410,7 @@ class _Graph:
 
     def _while_links(self, inst_id: int, index: int, op: Any) -> None:
         cond, body = (first_block(region) for region in op.operation.regions)
-        body_return = last_op(body)
+        body_return = terminator(body)
         for slot in range(len(op.operands)):
             self._link(inst_id, index, "while", slot,
                        [(op, (inst_id, op.operands[slot]), slot),
@@ -422,7 +419,7 @@ class _Graph:
                         (inst_id, op.results[slot])])
 
     def _branch_links(self, inst_id: int, index: int, op: Any) -> None:
-        returns = [last_op(first_block(region)) for region in op.operation.regions]
+        returns = [terminator(first_block(region)) for region in op.operation.regions]
         for slot in range(len(op.results)):
             self._link(inst_id, index, "case", slot,
                        [(ret, (inst_id, ret.operands[slot]), slot) for ret in returns],
@@ -762,10 +759,8 @@ class _Rewriter:
                 op.erase()
         if facts["args"] or facts["results"]:
             old = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
-            results = [with_element(t, self.low) if slot in facts["results"] else t
-                       for slot, t in enumerate(old.results)]
-            fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
-                [a.type for a in entry.arguments], results, context=fn.context))
+            set_function_type(fn, [with_element(t, self.low) if slot in facts["results"]
+                                   else t for slot, t in enumerate(old.results)])
 
     @staticmethod
     def _terminator_owners(body: _Body) -> dict[Any, tuple[str, int]]:
@@ -776,11 +771,11 @@ class _Rewriter:
                 continue
             regions = list(body.ops[index].regions)
             if name == "stablehlo.while":
-                owners[last_op(first_block(regions[1])).operation] = ("carry", index)
-                owners[last_op(first_block(regions[0])).operation] = ("cond", index)
+                owners[terminator(first_block(regions[1])).operation] = ("carry", index)
+                owners[terminator(first_block(regions[0])).operation] = ("cond", index)
             else:
                 for region in regions:
-                    owners[last_op(first_block(region)).operation] = ("carry", index)
+                    owners[terminator(first_block(region)).operation] = ("carry", index)
         return owners
 
     def _wants_low(self, index: int, op: Any, name: str, number: int, inst: _Instance,
