@@ -240,6 +240,17 @@ def _fast_as_written(layout: DotLayout, fresh: tuple[bool, bool]) -> bool:
     return layout.lhs_contracting == (lhs_rank - 1,)
 
 
+def _sized_layout(op: hlo.DotGeneralOp, layout: DotLayout | None,
+                  fresh: tuple[bool, bool] | None) -> tuple[DotLayout, tuple[bool, bool]] | None:
+    """(layout, fresh) of a dot of YNNPACK's sizes, computing what was not given; None
+    for other dots."""
+    if layout is None:
+        layout = dot_layout(op)
+    if layout is None or not meets_ynn_size(layout):
+        return None
+    return layout, _operands_need_fresh_layout(op) if fresh is None else fresh
+
+
 def layout_is_fast(
     op: hlo.DotGeneralOp,
     *,
@@ -253,13 +264,8 @@ def layout_is_fast(
     :func:`dot_layout`) and `fresh` (from :func:`_operands_need_fresh_layout`) may be
     passed when the caller already has them.
     """
-    if layout is None:
-        layout = dot_layout(op)
-    if layout is None or not meets_ynn_size(layout):
-        return False
-    if fresh is None:
-        fresh = _operands_need_fresh_layout(op)
-    return _fast_as_written(layout, fresh)
+    known = _sized_layout(op, layout, fresh)
+    return known is not None and _fast_as_written(*known)
 
 
 _FOLLOWED_TO_A_TRANSPOSE = frozenset({"stablehlo.reshape", "stablehlo.convert"})
@@ -304,15 +310,12 @@ def needs_layout_rewrite(
     unless it already is in the NT form. `layout` and `fresh` as for
     :func:`layout_is_fast`.
     """
-    if layout is None:
-        layout = dot_layout(op)
-    if layout is None or not meets_ynn_size(layout):
+    known = _sized_layout(op, layout, fresh)
+    if known is None:
         return False
-    if fresh is None:
-        fresh = _operands_need_fresh_layout(op)
-    if not _fast_as_written(layout, fresh):
+    if not _fast_as_written(*known):
         return True
-    return not layout.is_nt() and has_transposed_result(op)
+    return not known[0].is_nt() and has_transposed_result(op)
 
 
 @functools.cache
