@@ -40,23 +40,39 @@ from jax._src.lib import _jax
 
 SUPPORTED_JAX = "0.10.2 to 0.12.x"
 
-Primitive = jax.extend.core.Primitive
-ShapedArray = core.ShapedArray
-Tracer = core.Tracer
-Lowered = stages.Lowered
-export_module_to_bytecode = export_internals._module_to_bytecode
-make_ir_context = jax_mlir.make_ir_context
-register_lowering = jax_mlir.register_lowering
-lower_fun = jax_mlir.lower_fun
-Zero = ad.Zero
-instantiate_zeros = ad.instantiate_zeros
-primitive_jvps = ad.primitive_jvps
-primitive_transposes = ad.primitive_transposes
-fancy_primitive_batchers = batching.fancy_primitive_batchers
+# name -> (the object or None when this jax lacks it, parameter names it must accept, or
+# None for "exists"). Filled by ``_needs`` below, so the table and the names agree and a
+# missing entry reaches ``check()`` instead of failing this import.
+ENTRY_POINTS: dict[str, tuple[Any, tuple[str, ...] | None]] = {}
 
 
-def deserialize_portable_artifact(data: bytes, context: Any) -> Any:
-    return _jax.mlir.deserialize_portable_artifact(data, context)
+def _needs(module: Any, qualified: str, attribute: str,
+           parameters: tuple[str, ...] | None = None) -> Any:
+    found = getattr(module, attribute, None)
+    ENTRY_POINTS[f"{qualified}.{attribute}"] = (found, parameters)
+    return found
+
+
+Primitive = _needs(jax.extend.core, "jax.extend.core", "Primitive")
+ShapedArray = _needs(core, "jax._src.core", "ShapedArray", ("shape", "dtype"))
+Tracer = _needs(core, "jax._src.core", "Tracer")
+_needs(stages.Lowered, "jax._src.stages.Lowered", "__init__",
+       ("lowering", "args_info", "out_tree", "no_kwargs"))
+export_module_to_bytecode = _needs(export_internals, "jax._src.export._export",
+                                   "_module_to_bytecode", ("module",))
+make_ir_context = _needs(jax_mlir, "jax._src.interpreters.mlir", "make_ir_context", ())
+register_lowering = _needs(jax_mlir, "jax._src.interpreters.mlir", "register_lowering",
+                           ("prim", "rule"))
+lower_fun = _needs(jax_mlir, "jax._src.interpreters.mlir", "lower_fun",
+                   ("fun", "multiple_results"))
+deserialize_portable_artifact = _needs(getattr(_jax, "mlir", None), "jax._src.lib._jax.mlir",
+                                       "deserialize_portable_artifact")
+Zero = _needs(ad, "jax._src.interpreters.ad", "Zero")
+instantiate_zeros = _needs(ad, "jax._src.interpreters.ad", "instantiate_zeros", ("tangent",))
+primitive_jvps = _needs(ad, "jax._src.interpreters.ad", "primitive_jvps")
+primitive_transposes = _needs(ad, "jax._src.interpreters.ad", "primitive_transposes")
+fancy_primitive_batchers = _needs(batching, "jax._src.interpreters.batching",
+                                  "fancy_primitive_batchers")
 
 
 def swap_module(lowered: Any, module: Any) -> Any:
@@ -78,35 +94,6 @@ def jit_cache_size(jitted: Any) -> int:
 def lowering_platforms(lowered: Any) -> tuple[str, ...]:
     """The platforms a ``jax.jit(...).lower()`` result was lowered for."""
     return tuple(getattr(lowered._lowering, "_platforms", ()) or ())
-
-
-# name -> (the object, parameter names it must accept, or None for "exists")
-ENTRY_POINTS: dict[str, tuple[Any, tuple[str, ...] | None]] = {
-    "jax._src.stages.Lowered.__init__": (
-        getattr(stages.Lowered, "__init__", None),
-        ("lowering", "args_info", "out_tree", "no_kwargs")),
-    "jax._src.interpreters.mlir.make_ir_context": (
-        getattr(jax_mlir, "make_ir_context", None), ()),
-    "jax._src.interpreters.mlir.register_lowering": (
-        getattr(jax_mlir, "register_lowering", None), ("prim", "rule")),
-    "jax._src.interpreters.mlir.lower_fun": (
-        getattr(jax_mlir, "lower_fun", None), ("fun", "multiple_results")),
-    "jax._src.export._export._module_to_bytecode": (
-        getattr(export_internals, "_module_to_bytecode", None), ("module",)),
-    "jax._src.lib._jax.mlir.deserialize_portable_artifact": (
-        getattr(getattr(_jax, "mlir", None), "deserialize_portable_artifact", None), None),
-    "jax._src.interpreters.ad.Zero": (getattr(ad, "Zero", None), None),
-    "jax._src.interpreters.ad.instantiate_zeros": (
-        getattr(ad, "instantiate_zeros", None), ("tangent",)),
-    "jax._src.interpreters.ad.primitive_jvps": (getattr(ad, "primitive_jvps", None), None),
-    "jax._src.interpreters.ad.primitive_transposes": (
-        getattr(ad, "primitive_transposes", None), None),
-    "jax._src.interpreters.batching.fancy_primitive_batchers": (
-        getattr(batching, "fancy_primitive_batchers", None), None),
-    "jax.extend.core.Primitive": (getattr(jax.extend.core, "Primitive", None), None),
-    "jax._src.core.ShapedArray": (getattr(core, "ShapedArray", None), ("shape", "dtype")),
-    "jax._src.core.Tracer": (getattr(core, "Tracer", None), None),
-}
 
 
 def missing_entry_points() -> list[str]:
