@@ -269,9 +269,8 @@ class AmpFunction:
         lower_seconds = time.perf_counter() - start
         self.lowerings += 1
         platforms = internals.lowering_platforms(original) or (jax.default_backend(),)
-        target = "cpu" if platforms == ("cpu",) else None
         module, report, pass_seconds = rewrite_module(
-            original.compiler_ir("stablehlo"), self.policy, target)
+            original.compiler_ir("stablehlo"), self.policy, _target(platforms))
         warn_unused_rules(report)
         rewritten = internals.swap_module(original, module)
         return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds)
@@ -282,17 +281,11 @@ class AmpFunction:
         if not self._through_lowering:
             try:
                 return self._dispatch(*args, **kwargs)
-            except ExportRefused as refused:
-                leaves = jax.tree_util.tree_leaves((args, kwargs))
-                if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
-                    warn_at_user_code(
-                        f"hlo_amp: cannot rewrite {self.__name__} under an outer "
-                        f"transformation ({refused}); it runs unchanged")
-                    return self.fn(*args, **kwargs)
+            except ExportRefused:
                 self._through_lowering = True
         dyn_args, dyn_kwargs, leaves, _, key = self._flatten(args, kwargs)
         if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
-            return self._traced_call(args, kwargs)
+            return self._traced_call(args, kwargs)  # warns, and runs fn unchanged
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self.lower(*args, **kwargs).compile()
@@ -339,8 +332,8 @@ class AmpFunction:
             # The serialised portable artifact reads back 3x faster than the text.
             module = internals.deserialize_portable_artifact(
                 exported.mlir_module_serialized, new_context())
-            target = "cpu" if tuple(exported.platforms) == ("cpu",) else None
-            warn_unused_rules(run_pipeline(module, self.policy, target=target))
+            warn_unused_rules(run_pipeline(module, self.policy,
+                                           target=_target(exported.platforms)))
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
             self._exports[key] = exported
@@ -398,6 +391,11 @@ class AmpFunction:
             pass
         outs = amp_call_p.bind(*leaves, program=program)
         return jax.tree_util.tree_unflatten(self._out_trees[(key, avals)], outs)
+
+
+def _target(platforms: Sequence[str]) -> str | None:
+    """The pipeline's target: "cpu" when the program is lowered for CPU alone."""
+    return "cpu" if tuple(platforms) == ("cpu",) else None
 
 
 class ExportRefused(Exception):
