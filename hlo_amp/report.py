@@ -57,6 +57,8 @@ class Report:
     rules: list[str] = field(default_factory=list)  # every rule of the policy
     notes: list[str] = field(default_factory=list)
     xla_checked: bool = False
+    # Converted ops XLA's HLO could not decide, counted by why (runtime/kept_by_xla.py).
+    unknown_to_xla: dict[str, int] = field(default_factory=dict)
     # The propagation pass (mixed_* modes): {"ops": {kind: {"painted": n, "f32": {why: n}}},
     # "functions": [{function, bytes_before, low_bytes_before, bytes_after,
     # low_bytes_after}], "clones": n}; None when it did not run.
@@ -122,6 +124,10 @@ class Report:
             checked = [d for d in self.decisions if d.kept_by_xla is not None]
             kept = sum(bool(d.kept_by_xla) for d in checked)
             line += f"; kept by XLA: {kept}/{len(checked)}"
+            unknown = sum(self.unknown_to_xla.values())
+            if unknown:
+                why = "; ".join(self.unknown_to_xla)
+                line += f" ({unknown} unknown: {why})"
         if self.propagation is not None:
             line += "; " + self.activations_clause()
         return line
@@ -163,6 +169,7 @@ class Report:
             "decisions": [asdict(d) for d in self.decisions],
             "unused_rules": self.unused_rules,
             "notes": list(self.notes),
+            "unknown_to_xla": dict(self.unknown_to_xla),
             "propagation": self.propagation,
         }
 

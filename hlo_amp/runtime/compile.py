@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,6 +37,7 @@ from hlo_amp.runtime.amp_call import (
     avals_key,
     shape_structs,
 )
+from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla, xla_matmuls  # noqa: F401
 
 
 def rewrite_module(module: ir.Module, policy: Policy, target: str | None = None
@@ -47,67 +47,6 @@ def rewrite_module(module: ir.Module, policy: Policy, target: str | None = None
     rewritten = copy_module(module)  # JAX's cached lowering stays untouched
     report = run_pipeline(rewritten, policy, target=target)
     return rewritten, report, time.perf_counter() - start
-
-
-# ---- what XLA kept ----------------------------------------------------------------------
-
-_HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
-_HLO_MATMUL = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\w+\[[^\]]*\][^ ]*\s+(dot|convolution)\(([^)]*)\)"
-)
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_LOW_TYPES = ("bf16", "f16", "f8")
-
-
-def xla_matmuls(hlo_text: str) -> list[tuple[str, bool]]:
-    """(op_name, computes in 16-bit or narrower) for each dot/conv in optimized HLO."""
-    types: dict[str, str] = {}
-    for line in hlo_text.splitlines():
-        match = _HLO_DEF.match(line)
-        if match:
-            types[match.group(1)] = match.group(2)
-    found = []
-    for line in hlo_text.splitlines():
-        match = _HLO_MATMUL.match(line)
-        if not match:
-            continue
-        operands = []
-        for operand in match.group(2).split(","):
-            operand = operand.strip()
-            inline = re.match(r"^(\w+)\[", operand)  # "bf16[2,3]{1,0} %x" form
-            name = operand.split()[-1].lstrip("%") if operand else ""
-            operands.append(inline.group(1) if inline else types.get(name, "?"))
-        op_name = _OP_NAME.search(line)
-        low = bool(operands) and all(t.startswith(_LOW_TYPES) for t in operands)
-        found.append((op_name.group(1) if op_name else "", low))
-    return found
-
-
-def mark_kept_by_xla(report: Report, hlo_text: str) -> None:
-    """Fill ``kept_by_xla`` for each converted decision from XLA's optimized HLO.
-
-    Decisions and HLO ops are matched by name-stack (``op_name`` metadata); when
-    several share a name, the count of low-precision HLO ops is what is compared.
-    """
-    by_name: dict[str, list[bool]] = {}
-    for op_name, low in xla_matmuls(hlo_text):
-        by_name.setdefault(op_name, []).append(low)
-    groups: dict[str, list[int]] = {}
-    for index, decision in enumerate(report.decisions):
-        if decision.low_precision and decision.changed:
-            groups.setdefault(decision.location, []).append(index)
-    for location, indices in groups.items():
-        matches = by_name.get(location)
-        if matches is None:  # ops from private functions carry only their inner name
-            matches = [low for name, lows in by_name.items() if name and
-                       location.endswith("/" + name) for low in lows]
-        if not matches:
-            continue  # folded away or renamed: unknown, left as None
-        kept = sum(matches)
-        for rank, index in enumerate(indices):
-            report.decisions[index] = dataclasses.replace(
-                report.decisions[index], kept_by_xla=rank < kept)
-    report.xla_checked = True
 
 
 # ---- AOT objects -----------------------------------------------------------------------

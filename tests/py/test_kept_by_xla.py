@@ -1,0 +1,145 @@
+""""kept by XLA" matches ops inside loops, calls, remat and cond branches (issue 13 item 2).
+
+XLA's op names add ``closed_call/`` in scan bodies and ``jit(inner)/`` for inner jits, and
+name a dot after a transpose it absorbed; every converted op must still get a verdict,
+and what cannot be matched is counted as unknown, never guessed as upcast.
+"""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hlo_amp
+from hlo_amp.report import Decision, Report
+from hlo_amp.runtime.kept_by_xla import MERGED, UNMATCHED, mark_kept_by_xla, scope_key
+
+
+class _Cell(nn.Module):
+    @nn.compact
+    def __call__(self, carry, x):
+        h = nn.tanh(nn.Dense(32, name="wh")(carry) + nn.Dense(32, name="wx")(x))
+        return h, h
+
+
+class _Recurrent(nn.Module):
+    """An ``nn.scan`` layer, then an ``nn.RNN`` of LSTM cells, then a head."""
+
+    @nn.compact
+    def __call__(self, xs):
+        scan = nn.scan(_Cell, variable_broadcast="params", split_rngs={"params": False},
+                       in_axes=1, out_axes=1)
+        _, ys = scan(name="scan")(jnp.zeros((xs.shape[0], 32)), xs)
+        ys = nn.RNN(nn.LSTMCell(32), name="rnn")(ys)
+        return nn.Dense(4, name="head")(ys).sum()
+
+
+@pytest.fixture(scope="module")
+def recurrent_grad():
+    model = _Recurrent()
+    xs = jax.random.normal(jax.random.PRNGKey(1), (8, 5, 16))
+    params = model.init(jax.random.PRNGKey(0), xs)
+    return jax.grad(lambda p, xs: model.apply(p, xs)), params, xs
+
+
+def _kept_counts(report: Report) -> tuple[int, int]:
+    match = re.search(r"kept by XLA: (\d+)/(\d+)", report.summary())
+    assert match, report.summary()
+    return int(match.group(1)), int(match.group(2))
+
+
+def test_every_op_in_scan_and_rnn_bodies_gets_a_verdict(recurrent_grad):
+    fn, params, xs = recurrent_grad
+    report = hlo_amp.compile(fn, "bf16").lower(params, xs).compile().report()
+    converted = [d for d in report.decisions if d.changed]
+    in_loops = [d for d in converted if "/while/body/" in d.location]
+    assert len(in_loops) >= 24  # 2 scan + 8 LSTM dots forward, more backward
+    assert all(d.kept_by_xla is not None for d in converted), report.summary()
+    # XLA:CPU runs bf16 x bf16 -> f32 dots in bf16, in loop bodies as elsewhere.
+    assert all(d.kept_by_xla for d in in_loops)
+    assert _kept_counts(report) == (len(converted), len(converted))
+    assert "unknown" not in report.summary()
+
+
+def test_upcast_inside_loops_is_reported_as_upcast(recurrent_grad):
+    fn, params, xs = recurrent_grad
+    report = hlo_amp.compile(fn, "f16").lower(params, xs).compile().report()
+    converted = [d for d in report.decisions if d.changed]
+    # XLA:CPU computes every f16 dot in f32: each loop-body op is upcast, not unknown.
+    assert converted and all(d.kept_by_xla is False for d in converted)
+    assert _kept_counts(report) == (0, len(converted))
+
+
+def _calls_and_branches(w, x):
+    @jax.jit
+    def inner(w, x):
+        with jax.named_scope("inner_scope"):
+            return jnp.tanh(x @ w)
+
+    with jax.named_scope("a"):
+        y = jax.checkpoint(lambda x: jnp.sin(x @ w))(x)
+    with jax.named_scope("b"):
+        y = jax.lax.cond(y.sum() > 0, lambda y: y @ w, lambda y: (y @ w) * 2, y)
+    with jax.named_scope("c"):
+        y = inner(w, inner(w, y) * 2)
+    with jax.named_scope("d"):
+        y = jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ w), y)
+    return (y ** 2).sum()
+
+
+def test_remat_cond_inner_jit_and_fori_are_matched():
+    w = jax.random.normal(jax.random.PRNGKey(0), (32, 32)) / 6
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 32))
+    for fn in (_calls_and_branches, jax.grad(_calls_and_branches)):
+        report = hlo_amp.compile(fn, "bf16").lower(w, x).compile().report()
+        unknown = [d for d in report.decisions if d.changed and d.kept_by_xla is None]
+        # Only the recomputed forward dot of the checkpoint may go: XLA merges it with
+        # the forward dot it equals.
+        assert all("rematted_computation" in d.location for d in unknown), unknown
+        for scope in ("a", "b", "c", "d"):
+            in_scope = [d for d in report.decisions if d.scope.split("/")[0] == scope]
+            assert any(d.kept_by_xla for d in in_scope), (scope, report.summary())
+        if unknown:
+            assert f"({len(unknown)} unknown: {UNMATCHED})" in report.summary()
+
+
+def test_scope_key_drops_call_segments_and_the_op_name():
+    assert (scope_key("jit(loss)/jvp(M)/while/body/closed_call/scan/wx/dot_general")
+            == scope_key("jit(loss)/jvp(M)/while/body/scan/wx/dot_general")
+            == "jvp(M)/while/body/scan/wx")
+    assert scope_key("jit(f)/c/jit(inner)/s/transpose") == scope_key("c/s/dot_general")
+    assert scope_key("jit(f)/c/jit(inner)/s/transpose") != scope_key("c/t/dot_general")
+
+
+def _decision(location: str) -> Decision:
+    return Decision(function="main", op_kind="dot_general", scope="", direction="forward",
+                    operands_before=("f32", "f32"), operands_after=("bf16", "bf16"),
+                    result_before="f32", result_after="f32", action="compute",
+                    rule="op:dot_general", changed=True, reason="", flops=0,
+                    location=location)
+
+
+_HLO = """
+ENTRY %main {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = bf16[4,4]{1,0} parameter(1)
+  %d1 = f32[4,4]{1,0} dot(bf16[4,4]{1,0} %b, bf16[4,4]{1,0} %b), metadata={op_name="jit(f)/s/dot_general"}
+  %d2 = f32[4,4]{1,0} dot(f32[4,4]{1,0} %a, f32[4,4]{1,0} %a), metadata={op_name="jit(f)/t/dot_general"}
+  ROOT %d3 = f32[4,4]{1,0} dot(f32[4,4]{1,0} %a, f32[4,4]{1,0} %a), metadata={op_name="jit(f)/t/dot_general"}
+}
+"""
+
+
+def test_fewer_dots_in_xla_than_in_the_report_stay_unknown():
+    # Scope s: three converted dots, XLA kept one (and merged two): True, None, None.
+    # Scope t: two converted dots, XLA has both in f32: upcast, False, False.
+    report = Report(decisions=[_decision("jit(f)/s/dot_general")] * 3
+                    + [_decision("jit(f)/t/dot_general")] * 2)
+    mark_kept_by_xla(report, _HLO)
+    assert [d.kept_by_xla for d in report.decisions] == [True, None, None, False, False]
+    assert report.unknown_to_xla == {MERGED: 2}
+    assert f"kept by XLA: 1/3 (2 unknown: {MERGED})" in report.summary()
