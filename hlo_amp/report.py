@@ -64,36 +64,48 @@ class Report:
     # low_bytes_after}], "clones": n}; None when it did not run.
     propagation: dict[str, Any] | None = None
     rules_used: set[str] = field(default_factory=set)  # rules that matched non-matrix ops
-    # location -> index of its first decision, for ``note`` (one scan per decision, not
-    # one per note); rebuilt when ``decisions`` was replaced or grew.
-    _first_at: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    # location -> indices of its decisions, for ``note`` (one scan per decision, not one
+    # per note); rebuilt when ``decisions`` was replaced, shrank or edited in place.
+    _at: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
     _indexed: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)
+    _noted: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, decision: Decision) -> None:
         self.decisions.append(decision)
 
     def note(self, location: str, text: str) -> None:
-        """Attach a note from a later pass to the first decision at ``location``."""
-        i = self._decision_at(location)
-        if i is not None:
+        """Attach a note from a later pass to a decision at ``location`` (its name stack).
+
+        Ops sharing a name stack (a dot and its two backward dots) are noted in turn, in
+        the order the pass visits them, which is the order the decisions were made in.
+        """
+        indices = self._decisions_at(location)
+        if indices:
+            turn = self._noted.get(location, 0)
+            self._noted[location] = turn + 1
+            i = indices[turn % len(indices)]
             decision = self.decisions[i]
             self.decisions[i] = replace(decision, notes=decision.notes + (text,))
             return
         self.notes.append(f"{location}: {text}" if location else text)
 
-    def _decision_at(self, location: str) -> int | None:
+    def _decisions_at(self, location: str) -> list[int]:
         decisions = self.decisions
         list_id, count = self._indexed
         if list_id != id(decisions) or count > len(decisions):
-            self._first_at, count = {}, 0
+            self._at, self._noted, count = {}, {}, 0
         for i in range(count, len(decisions)):
-            self._first_at.setdefault(decisions[i].location, i)
+            self._at.setdefault(decisions[i].location, []).append(i)
         self._indexed = (id(decisions), len(decisions))
-        i = self._first_at.get(location)
-        if i is not None and decisions[i].location != location:  # edited in place
-            self._indexed = (0, 0)
-            return next((j for j, d in enumerate(decisions) if d.location == location), None)
-        return i
+        indices = self._at.get(location)
+        if indices is None and location:
+            # An op of a private function names itself without its caller's prefix.
+            indices = self._at[location] = [
+                i for i, d in enumerate(decisions) if d.location.endswith("/" + location)]
+        if any(not decisions[i].location.endswith(location) for i in indices or ()):
+            self._indexed = (0, 0)  # edited in place: scan again next time
+            return [i for i, d in enumerate(decisions) if d.location == location]
+        return indices or []
 
     @property
     def unused_rules(self) -> list[str]:
@@ -152,11 +164,16 @@ class Report:
             lines.append(f"  {kind}: {row['painted']} painted" + (f"; f32: {rest}" if rest
                                                                     else ""))
         lines.append("intermediate bytes in 16-bit, per function (before -> after):")
+        unchanged = 0
         for row in self.propagation["functions"]:
-            if row["bytes_after"]:
+            if row["low_bytes_after"] == row["low_bytes_before"]:
+                unchanged += bool(row["bytes_after"])
+            elif row["bytes_after"]:
                 lines.append(f"  {row['function']}: {_size(row['low_bytes_before'])} of "
                              f"{_size(row['bytes_before'])} -> {_size(row['low_bytes_after'])}"
                              f" of {_size(row['bytes_after'])}")
+        if unchanged:
+            lines.append(f"  ({unchanged} more function(s) unchanged)")
         if self.propagation.get("clones"):
             lines.append(f"  ({self.propagation['clones']} private function(s) cloned per "
                          f"painting)")
@@ -177,12 +194,13 @@ class Report:
         return json.dumps(self.to_dict(), indent=indent)
 
     def __str__(self) -> str:
-        header = ("function", "op", "scope", "dir", "shape", "before", "after", "action",
-                  "rule", "why", "GFLOP")
+        header = ("function", "op", "scope", "line", "dir", "shape", "before", "after",
+                  "action", "rule", "why", "GFLOP")
         rows = [header]
         for d in self.decisions:
             rows.append((
-                d.function, d.op_kind, d.scope or "-", d.direction[:3], d.shape,
+                d.function, d.op_kind, d.scope or "-", _short_source(d.source),
+                d.direction[:3], d.shape,
                 "x".join(d.operands_before) + "->" + d.result_before,
                 "x".join(d.operands_after) + "->" + d.result_after,
                 d.action or "-", d.rule, d.reason + _xla_mark(d),
@@ -199,7 +217,17 @@ class Report:
             lines.append("unused rules (matched no op): " + ", ".join(self.unused_rules))
         lines.extend(self.propagation_lines())
         lines.extend(self.notes)
+        lines.extend(self.op_note_lines())
         return "\n".join(lines)
+
+    def op_note_lines(self) -> list[str]:
+        """Later passes' notes on single ops, counted by what they say (details in JSON)."""
+        counts: dict[str, int] = {}
+        for d in self.decisions:
+            for note in d.notes:
+                head = note.split(" (", 1)[0]
+                counts[head] = counts.get(head, 0) + 1
+        return [f"{n} op(s): {head} (per op in to_json())" for head, n in counts.items()]
 
 
 def _size(count: int) -> str:
@@ -208,6 +236,11 @@ def _size(count: int) -> str:
     if count < 1024 ** 2:
         return f"{count / 1024:.1f} KiB"
     return f"{count / 1024 ** 2:.1f} MiB"
+
+
+def _short_source(source: str | None) -> str:
+    """``model.py:12`` of a full ``/path/to/model.py:12``; ``-`` when unknown."""
+    return source.rsplit("/", 1)[-1] if source else "-"
 
 
 def _xla_mark(decision: Decision) -> str:

@@ -115,35 +115,46 @@ def _parts_from_tree(location: ir.Location) -> tuple[str, str | None] | None:
         if not _plain(name):
             return None
         child = location.child_loc
-    source = _first_file(child, 0)
+    source = _first_file(child, 0, skip_packages=True)
+    if source is None:  # every frame is in an installed package: the innermost one
+        source = _first_file(child, 0, skip_packages=False)
     if source is _UNSURE:
         return None
     return name, source  # type: ignore[return-value]
 
 
-def _first_file(location: ir.Location, depth: int) -> object:
+def _in_package(filename: str) -> bool:
+    """Whether ``filename`` is in an installed package (Flax's Dense, not the user's model)."""
+    return "/site-packages/" in filename or "/dist-packages/" in filename
+
+
+def _first_file(location: ir.Location, depth: int, skip_packages: bool) -> object:
     """``file:line`` of the first file location in print order (callee before caller,
-    fused locations in order); None when there is none; _UNSURE when only the
-    printed form tells."""
+    fused locations in order), past installed packages' files if ``skip_packages``;
+    None when there is none; _UNSURE when only the printed form tells."""
     if depth > 64:
         return _UNSURE
     if isinstance(location, ir.FileLineColLoc):
         filename = location.filename
         if not filename or not _plain(filename):
             return _UNSURE
+        if skip_packages and _in_package(filename):
+            return None
         return f"{filename}:{location.start_line}"
     if isinstance(location, ir.NameLoc):
         if not _plain(location.name_str):
             return _UNSURE
-        return _first_file(location.child_loc, depth + 1)
+        return _first_file(location.child_loc, depth + 1, skip_packages)
     if isinstance(location, ir.CallSiteLoc):
-        found = _first_file(location.callee, depth + 1)
-        return found if found is not None else _first_file(location.caller, depth + 1)
+        found = _first_file(location.callee, depth + 1, skip_packages)
+        if found is not None:
+            return found
+        return _first_file(location.caller, depth + 1, skip_packages)
     if isinstance(location, ir.FusedLoc):
         if location.metadata is not None:
             return _UNSURE
         for inner in location.locations:
-            found = _first_file(inner, depth + 1)
+            found = _first_file(inner, depth + 1, skip_packages)
             if found is not None:
                 return found
         return None
@@ -163,9 +174,10 @@ def _name_of_text(text: str) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _source_of_text(text: str) -> str | None:
-    match = _FILE_RE.search(text)
-    if not match:
+    matches = list(_FILE_RE.finditer(text))
+    if not matches:
         return None
+    match = next((m for m in matches if not _in_package(m.group(1))), matches[0])
     return f"{match.group(1)}:{match.group(2)}"
 
 

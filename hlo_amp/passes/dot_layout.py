@@ -59,6 +59,10 @@ from hlo_amp.cpu_dots import (
     needs_layout_rewrite,
 )
 from hlo_amp.modules import walk_operations
+from hlo_amp.sites import location_name
+
+# The note a relaid dot gets in the report (details of the permutation follow it).
+RELAID = "dot relaid to the NT form [batch, m, k] x [batch, n, k] for XLA:CPU's bf16 path"
 
 __all__ = ["FastDotLayout"]
 
@@ -188,10 +192,8 @@ class FastDotLayout:
                 notes.append(f"result {list(out_shape)} -> {list(result_type.shape)}")
         if report is not None and hasattr(report, "note"):
             report.note(
-                str(location),
-                "dot relaid to the NT form [batch, m, k] x [batch, n, k] for XLA:CPU's bf16 path ("
-                + "; ".join(notes)
-                + ")",
+                location_name(location),
+                f"{RELAID} ({'; '.join(notes)})",
             )
 
     @staticmethod

@@ -333,7 +333,7 @@ def _decision(location: str) -> Decision:
                     rule="default", changed=True, reason="", flops=1, location=location)
 
 
-def test_report_note_goes_to_the_first_decision_at_its_location():
+def test_report_note_goes_to_the_decisions_at_its_location_in_turn():
     report = Report()
     report.add(_decision("a"))
     report.add(_decision("b"))
@@ -343,7 +343,7 @@ def test_report_note_goes_to_the_first_decision_at_its_location():
     report.note("c", "two")
     report.note("a", "three")
     report.note("missing", "four")
-    assert [d.notes for d in report.decisions] == [("one", "three"), (), (), ("two",)]
+    assert [d.notes for d in report.decisions] == [("one",), (), ("three",), ("two",)]
     assert report.notes == ["missing: four"]
     report.decisions = [_decision("z"), _decision("a")]  # replaced: indexed afresh
     report.note("a", "five")

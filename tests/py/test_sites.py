@@ -325,6 +325,12 @@ def test_parse_name_op_kind() -> None:
         ('loc("-":79:3)', "", "-:79"),
         ("loc(unknown)", "", None),
         ('loc("say \\"hi\\""("f.py":1:1))', 'say "hi"', "f.py:1"),
+        # The user's line, past the frames of installed packages (Flax's Dense) ...
+        (('loc("a"(callsite("Dense"("/v/site-packages/flax/linear.py":3:4) at '
+         '"Model"("/x/model.py":9:2))))'), "a", "/x/model.py:9"),
+        # ... unless every frame is in one.
+        (('loc("a"(callsite("Dense"("/v/site-packages/flax/linear.py":3:4) at '
+         '"f"("/v/dist-packages/g.py":5:2))))'), "a", "/v/site-packages/flax/linear.py:3"),
     ],
 )
 def test_location_name_and_source(location: str, name: str, source: str | None) -> None:
@@ -403,6 +409,11 @@ def test_location_read_from_its_tree_matches_the_printed_form() -> None:
     lambda f, u: ir.Location.name("n", childLoc=ir.Location.file(":5", 1, 1)),
     lambda f, u: ir.Location.name("n", childLoc=ir.Location.file("", 1, 1)),
     lambda f, u: ir.Location.name("n", childLoc=ir.Location.file("caf\u00e9.py", 1, 1)),
+    lambda f, u: ir.Location.name("n", childLoc=ir.Location.callsite(
+        ir.Location.file("/v/site-packages/flax/linear.py", 3, 1), [f])),
+    lambda f, u: ir.Location.name("n", childLoc=ir.Location.callsite(
+        ir.Location.file("/v/site-packages/flax/linear.py", 3, 1),
+        [ir.Location.file("/v/dist-packages/g.py", 5, 1)])),
 ])
 def test_location_parts_of_unusual_locations(make) -> None:
     with ir.Context(), ir.Location.unknown():
