@@ -8,6 +8,8 @@ from typing import Any
 
 # Op-kind column order in summaries.
 _KIND_ORDER = ("dot_general", "dot", "convolution")
+# Where an op's FLOPs go in ``Report.flops_by_scope`` and ``Report.plot``.
+PRECISIONS = ("16-bit or narrower", "f32 by policy", "f32: XLA upcast it")
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,61 @@ class Report:
             lines.append(f"  ({self.propagation['clones']} private function(s) cloned per "
                          f"painting)")
         return lines
+
+    def flops_by_scope(self, depth: int = 1) -> dict[str, dict[str, int]]:
+        """FLOPs per scope (its first ``depth`` segments) split by precision, biggest first.
+
+        Each value maps ``PRECISIONS`` to FLOPs: the ops in 16 bit or narrower, the ops the
+        policy left or put in f32, and the converted ops XLA computes in f32 anyway.
+        """
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"depth must be a whole number >= 1 (scope segments); got "
+                             f"{depth!r}")
+        table: dict[str, dict[str, int]] = {}
+        for d in self.decisions:
+            scope = "/".join(d.scope.split("/")[:depth]) if d.scope else "(top level)"
+            if not d.low_precision:
+                precision = PRECISIONS[1]
+            else:
+                precision = PRECISIONS[2] if d.kept_by_xla is False else PRECISIONS[0]
+            row = table.setdefault(scope, dict.fromkeys(PRECISIONS, 0))
+            row[precision] += d.flops or 0
+        return dict(sorted(table.items(), key=lambda item: -sum(item[1].values())))
+
+    def plot(self, path: Any, depth: int = 1, top: int = 25) -> Any:
+        """Write a PNG bar chart of ``flops_by_scope(depth)`` (the ``top`` biggest scopes)."""
+        rows = self.flops_by_scope(depth)
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError:
+            raise ImportError("Report.plot needs matplotlib, which is not installed: "
+                              "pip install matplotlib (or hlo_amp[examples])") from None
+        names = list(rows)[:top]
+        if len(rows) > top:  # the long tail as one bar, so the total stays honest
+            tail = f"({len(rows) - top} more)"
+            rows[tail] = {p: sum(rows[n][p] for n in list(rows)[top:]) for p in PRECISIONS}
+            names.append(tail)
+        figure = Figure(figsize=(8, 1.2 + 0.3 * len(names)))
+        FigureCanvasAgg(figure)
+        axes = figure.add_subplot()
+        biggest = max((sum(rows[n].values()) for n in names), default=0)
+        scale, unit = next(((f, u) for f, u in ((1e12, "TFLOP"), (1e9, "GFLOP"),
+                                                 (1e6, "MFLOP")) if biggest >= f), (1e3, "kFLOP"))
+        left = [0.0] * len(names)
+        for precision, colour in zip(PRECISIONS, ("tab:green", "tab:gray", "tab:red")):
+            widths = [rows[n][precision] / scale for n in names]
+            axes.barh(names, widths, left=left, color=colour, label=precision)
+            left = [a + b for a, b in zip(left, widths)]
+        axes.set_xlim(0, 1.05 * biggest / scale or 1)
+        axes.invert_yaxis()  # biggest scope on top
+        axes.set_xlabel(f"{unit} per call")
+        axes.set_title(f"{self.policy}: FLOPs per scope (depth {depth})", fontsize=10)
+        axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.5 / (4 + len(names))),
+                    ncol=3, fontsize=8, frameon=False)
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        return path
 
     def to_dict(self) -> dict[str, Any]:
         return {

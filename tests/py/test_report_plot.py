@@ -1,0 +1,83 @@
+"""``Report.flops_by_scope`` and ``Report.plot``: where the FLOPs are, by precision
+(issue 13 item 4)."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hlo_amp
+from hlo_amp.report import PRECISIONS
+
+LOW, BY_POLICY, UPCAST = PRECISIONS
+
+
+def _model(w, x):
+    with jax.named_scope("enc"):
+        with jax.named_scope("attn"):
+            x = jnp.tanh(x @ w)
+        with jax.named_scope("mlp"):
+            x = jnp.tanh(x @ w) @ w
+    with jax.named_scope("head"):
+        return (x @ w).sum()
+
+
+W = jnp.ones((64, 64)) / 64
+X = jnp.ones((32, 64))
+DOT_FLOPS = 2 * 32 * 64 * 64
+
+
+def _report(policy: str):
+    return hlo_amp.compile(_model, policy).lower(W, X).compile().report()
+
+
+def test_flops_by_scope_splits_by_depth_and_precision():
+    report = _report("bf16,scope:enc/mlp=float32")
+    by_two = report.flops_by_scope(depth=2)
+    assert by_two == {
+        "enc/mlp": {LOW: 0, BY_POLICY: 2 * DOT_FLOPS, UPCAST: 0},
+        "enc/attn": {LOW: DOT_FLOPS, BY_POLICY: 0, UPCAST: 0},
+        "head": {LOW: DOT_FLOPS, BY_POLICY: 0, UPCAST: 0},
+    }
+    assert next(iter(by_two)) == "enc/mlp"  # biggest first
+    by_one = report.flops_by_scope()
+    assert by_one["enc"] == {LOW: DOT_FLOPS, BY_POLICY: 2 * DOT_FLOPS, UPCAST: 0}
+
+
+def test_ops_xla_upcast_are_their_own_part():
+    # XLA:CPU computes f16 dots in f32: each converted op lands in the upcast part.
+    report = _report("f16,scope:head=float32")
+    rows = report.flops_by_scope()
+    assert rows["enc"] == {LOW: 0, BY_POLICY: 0, UPCAST: 3 * DOT_FLOPS}
+    assert rows["head"] == {LOW: 0, BY_POLICY: DOT_FLOPS, UPCAST: 0}
+
+
+def test_plot_writes_a_png(tmp_path):
+    report = _report("bf16,scope:head=float32")
+    path = report.plot(tmp_path / "flops.png", depth=2)
+    data = (tmp_path / "flops.png").read_bytes()
+    assert path == tmp_path / "flops.png" and data.startswith(b"\x89PNG")
+    # The long tail folds into one bar: the picture still draws with top=1.
+    report.plot(tmp_path / "top1.png", depth=2, top=1)
+    assert (tmp_path / "top1.png").read_bytes() != data
+
+
+@pytest.mark.parametrize("depth", [0, -1, 1.5, "2", True])
+def test_bad_depth_is_one_clear_error(depth):
+    report = _report("bf16")
+    with pytest.raises(ValueError, match=r"depth must be a whole number >= 1.*got"):
+        report.flops_by_scope(depth)
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
+    report = _report("bf16")
+    for name in list(sys.modules):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    with pytest.raises(ImportError, match="Report.plot needs matplotlib.*pip install"):
+        report.plot(tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
