@@ -36,6 +36,11 @@ class Decision:
     notes: tuple[str, ...] = ()
 
     @property
+    def fp8(self) -> bool:
+        """Whether the op's operands end up in an fp8 type."""
+        return any(t.startswith("f8") for t in self.operands_after)
+
+    @property
     def low_precision(self) -> bool:
         """Whether the op's operands end up 16 bits wide or narrower."""
         return bool(self.operands_after) and all(
@@ -61,6 +66,7 @@ class Report:
     xla_checked: bool = False
     # Converted ops XLA's HLO could not decide, counted by why (runtime/kept_by_xla.py).
     unknown_to_xla: dict[str, int] = field(default_factory=dict)
+    xla_target: str | None = None  # "cpu" when XLA compiled for CPU alone
     # The propagation pass (mixed_* modes): {"ops": {kind: {"painted": n, "f32": {why: n}}},
     # "functions": [{function, bytes_before, low_bytes_before, bytes_after,
     # low_bytes_after}], "clones": n}; None when it did not run.
@@ -142,6 +148,13 @@ class Report:
             if unknown:
                 why = "; ".join(self.unknown_to_xla)
                 line += f" ({unknown} unknown: {why})"
+            fp8 = [d for d in checked if d.fp8]
+            if fp8 or any(d.fp8 and d.changed for d in self.decisions):
+                line += f"; fp8 GEMMs kept by XLA: {sum(bool(d.kept_by_xla) for d in fp8)}"
+                line += f"/{len(fp8)}"
+                if self.xla_target == "cpu":
+                    line += (" (XLA:CPU computes fp8 dots in a wider type: a numerics "
+                             "preview, not a speed-up)")
         if self.propagation is not None:
             line += "; " + self.activations_clause()
         return line

@@ -86,7 +86,8 @@ class AmpLowered:
     """A lowered and rewritten function, like ``jax.jit(f).lower(...)``'s result."""
 
     def __init__(self, original: Any, rewritten: Any, report: Report,
-                 pass_seconds: float, lower_seconds: float):
+                 pass_seconds: float, lower_seconds: float, target: str | None = None):
+        self._target = target
         self._original = original
         self._rewritten = rewritten
         self._report = report
@@ -110,7 +111,7 @@ class AmpLowered:
         seconds = time.perf_counter() - start
         report = copy.deepcopy(self._report)
         try:
-            mark_kept_by_xla(report, compiled.as_text())
+            mark_kept_by_xla(report, compiled.as_text(), self._target)
         except Exception as error:  # noqa: BLE001  (advisory; never fail a compile on it)
             report.notes.append(f"could not read XLA's optimized HLO: {error}")
         return AmpCompiled(compiled, report, seconds)
@@ -208,11 +209,12 @@ class AmpFunction:
         lower_seconds = time.perf_counter() - start
         self.lowerings += 1
         platforms = internals.lowering_platforms(original) or (jax.default_backend(),)
+        target = _target(platforms)
         module, report, pass_seconds = rewrite_module(
-            original.compiler_ir("stablehlo"), self.policy, _target(platforms))
+            original.compiler_ir("stablehlo"), self.policy, target)
         warn_unused_rules(report)
         rewritten = internals.swap_module(original, module)
-        return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds)
+        return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds, target)
 
     # -- calls --
 

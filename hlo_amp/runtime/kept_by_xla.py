@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass
 
 from hlo_amp.report import Report
 
@@ -26,6 +27,9 @@ _HLO_MATMUL = re.compile(
 )
 # One operand: "%x", or "bf16[2,3]{1,0} %x" (commas inside brackets are not separators).
 _OPERAND = re.compile(r"(?:\w+\[[^\]]*\](?:\{[^}]*\})?\s+)?%?[\w.\-]+")
+_CUSTOM_CALL = re.compile(r"custom-call\(([^)]*)\)")
+# XLA:GPU's GEMM rewriter turns dots into these (``$f8`` for fp8 GEMMs on Hopper).
+_CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _LOW_TYPES = ("bf16", "f16", "f8")
 # Name-stack segments one side has and the other may not (see the module docstring).
@@ -35,27 +39,56 @@ UNMATCHED = "no dot of its scope left in XLA's HLO (merged or removed)"
 MERGED = "XLA merged or removed some dots of its scope"
 
 
-def xla_matmuls(hlo_text: str) -> list[tuple[str, bool]]:
-    """(op_name, computes in 16-bit or narrower) for each dot/conv in optimized HLO."""
+@dataclass(frozen=True)
+class XlaGemm:
+    """A matrix op in XLA's optimized HLO: a ``dot``/``convolution`` or a cuBLAS call."""
+
+    op_name: str  # the name stack in its metadata
+    operand_types: tuple[str, ...]  # element types of its two matrix operands
+
+    @property
+    def low(self) -> bool:
+        """Whether it computes in 16 bit or narrower."""
+        return bool(self.operand_types) and all(
+            t.startswith(_LOW_TYPES) for t in self.operand_types)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether it is an fp8 GEMM (cuBLASLt's ``$f8`` call, or a dot of fp8 operands)."""
+        return bool(self.operand_types) and all(t.startswith("f8") for t in self.operand_types)
+
+
+def xla_gemms(hlo_text: str) -> list[XlaGemm]:
+    """Every dot, convolution and cuBLAS GEMM call in optimized HLO, in text order."""
     types: dict[str, str] = {}
-    for line in hlo_text.splitlines():
+    lines = hlo_text.splitlines()
+    for line in lines:
         match = _HLO_DEF.match(line)
         if match:
             types[match.group(1)] = match.group(2)
     found = []
-    for line in hlo_text.splitlines():
+    for line in lines:
         match = _HLO_MATMUL.match(line)
-        if not match:
+        operands = match.group(2) if match else None
+        if match is None and "custom-call(" in line and _CUBLAS.search(line):
+            call = _CUSTOM_CALL.search(line)
+            # cuBLAS calls take (a, b, then scales / bias): only a and b are matrices.
+            operands = ",".join(_OPERAND.findall(call.group(1))[:2]) if call else None
+        if operands is None:
             continue
-        operands = []
-        for operand in _OPERAND.findall(match.group(2)):
+        operand_types = []
+        for operand in _OPERAND.findall(operands):
             inline = re.match(r"^(\w+)\[", operand)  # "bf16[2,3]{1,0} %x" form
             name = operand.split()[-1].lstrip("%")
-            operands.append(inline.group(1) if inline else types.get(name, "?"))
+            operand_types.append(inline.group(1) if inline else types.get(name, "?"))
         op_name = _OP_NAME.search(line)
-        low = bool(operands) and all(t.startswith(_LOW_TYPES) for t in operands)
-        found.append((op_name.group(1) if op_name else "", low))
+        found.append(XlaGemm(op_name.group(1) if op_name else "", tuple(operand_types)))
     return found
+
+
+def xla_matmuls(hlo_text: str) -> list[tuple[str, bool]]:
+    """(op_name, computes in 16-bit or narrower) for each matrix op in optimized HLO."""
+    return [(gemm.op_name, gemm.low) for gemm in xla_gemms(hlo_text)]
 
 
 def scope_key(name: str) -> str:
@@ -64,17 +97,19 @@ def scope_key(name: str) -> str:
     return "/".join(segments[:-1])
 
 
-def mark_kept_by_xla(report: Report, hlo_text: str) -> None:
+def mark_kept_by_xla(report: Report, hlo_text: str, target: str | None = None) -> None:
     """Fill ``kept_by_xla`` for each converted decision from XLA's optimized HLO.
 
-    Per scope, the report's converted 16-bit ops are compared with XLA's dots: as many as
-    XLA runs in 16 bit are kept (True); when XLA has every op of the scope, the rest were
-    upcast (False); when it has fewer (merged or dead), the rest stay unknown (None), and
-    ``report.unknown_reasons`` counts why.
+    Per scope, the report's converted ops are compared with XLA's matrix ops: an fp8 op
+    counts as kept only against an fp8 GEMM, a 16-bit op against any 16-bit or narrower
+    one. As many as XLA has are kept (True); when XLA has every op of the scope, the rest
+    were upcast (False); when it has fewer (merged or dead), the rest stay unknown (None),
+    and ``report.unknown_to_xla`` counts why. ``target="cpu"`` notes that XLA:CPU has no
+    fp8 GEMM.
     """
-    xla_by_scope: dict[str, list[bool]] = {}
-    for op_name, low in xla_matmuls(hlo_text):
-        xla_by_scope.setdefault(scope_key(op_name), []).append(low)
+    xla_by_scope: dict[str, list[XlaGemm]] = {}
+    for gemm in xla_gemms(hlo_text):
+        xla_by_scope.setdefault(scope_key(gemm.op_name), []).append(gemm)
     converted: dict[str, list[int]] = {}
     total: dict[str, int] = {}
     for index, decision in enumerate(report.decisions):
@@ -84,20 +119,26 @@ def mark_kept_by_xla(report: Report, hlo_text: str) -> None:
             converted.setdefault(key, []).append(index)
     unknown: dict[str, int] = {}
     for key, indices in converted.items():
-        matches = xla_by_scope.get(key)
-        if matches is None:  # a location without its caller's prefix (hlo-amp-opt inputs)
-            matches = [low for name, lows in xla_by_scope.items()
-                       if key and name.endswith("/" + key) for low in lows]
-        if not matches:
+        gemms = xla_by_scope.get(key)
+        if gemms is None:  # a location without its caller's prefix (hlo-amp-opt inputs)
+            gemms = [g for name, found in xla_by_scope.items()
+                     if key and name.endswith("/" + key) for g in found]
+        if not gemms:
             unknown[UNMATCHED] = unknown.get(UNMATCHED, 0) + len(indices)
             continue
-        kept = min(sum(matches), len(indices))
-        complete = len(matches) >= total[key]
-        for rank, index in enumerate(indices):
-            verdict = True if rank < kept else (False if complete else None)
-            report.decisions[index] = dataclasses.replace(
-                report.decisions[index], kept_by_xla=verdict)
-        if not complete and len(indices) > kept:
-            unknown[MERGED] = unknown.get(MERGED, 0) + len(indices) - kept
+        complete = len(gemms) >= total[key]
+        fp8_ops = [i for i in indices if report.decisions[i].fp8]
+        fp8_kept = min(sum(g.fp8 for g in gemms), len(fp8_ops))
+        low_ops = [i for i in indices if i not in fp8_ops]
+        low_kept = min(sum(g.low for g in gemms) - fp8_kept, len(low_ops))
+        for ops, kept in ((fp8_ops, fp8_kept), (low_ops, low_kept)):
+            for rank, index in enumerate(ops):
+                verdict = True if rank < kept else (False if complete else None)
+                report.decisions[index] = dataclasses.replace(
+                    report.decisions[index], kept_by_xla=verdict)
+            if not complete and len(ops) > kept:
+                unknown[MERGED] = unknown.get(MERGED, 0) + len(ops) - kept
     report.unknown_to_xla = unknown
+    report.xla_target = target
     report.xla_checked = True
+

@@ -7,6 +7,7 @@ and what cannot be matched is counted as unknown, never guessed as upcast.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -143,3 +144,56 @@ def test_fewer_dots_in_xla_than_in_the_report_stay_unknown():
     assert [d.kept_by_xla for d in report.decisions] == [True, None, None, False, False]
     assert report.unknown_to_xla == {MERGED: 2}
     assert f"kept by XLA: 1/3 (2 unknown: {MERGED})" in report.summary()
+
+
+# ---- fp8 (issue 11 item 3) ---------------------------------------------------------------
+
+# XLA:GPU's optimized HLO on Hopper: cuBLASLt's fp8 call for scope q (the form of XLA's
+# gemm_rewriter_fp8_test.cc), a bf16 cuBLAS call for scope k and for scope v.
+_GPU_HLO = """
+ENTRY %main {
+  %x = f8e4m3fn[16,32]{1,0} parameter(0)
+  %y = f8e4m3fn[16,32]{1,0} parameter(1)
+  %b = bf16[16,32]{1,0} parameter(2)
+  %sx = f32[] parameter(3)
+  %q = (f32[16,16]{1,0}, s8[33554432]{0}) custom-call(%x, %y, %sx, %sx), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"alpha_real":1}}, metadata={op_name="jit(f)/q/dot_general"}
+  %k = (f32[16,16]{1,0}, s8[4194304]{0}) custom-call(%b, %b), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/k/dot_general"}
+  %v = (f32[16,16]{1,0}, s8[4194304]{0}) custom-call(%b, %b), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(f)/v/dot_general"}
+}
+"""
+
+
+def _fp8_decision(location: str, operands: tuple[str, str]) -> Decision:
+    return dataclasses.replace(_decision(location), operands_after=operands,
+                               action="float8_e4m3fn")
+
+
+def test_fp8_ops_count_as_kept_only_against_an_fp8_gemm():
+    report = Report(decisions=[
+        _fp8_decision("jit(f)/q/dot_general", ("f8E4M3FN", "f8E4M3FN")),
+        _fp8_decision("jit(f)/k/dot_general", ("f8E5M2", "f8E4M3FN")),  # XLA ran it in bf16
+        _decision("jit(f)/v/dot_general"),  # a bf16 op next to them, kept as bf16
+    ])
+    mark_kept_by_xla(report, _GPU_HLO, target=None)
+    assert [d.kept_by_xla for d in report.decisions] == [True, False, True]
+    summary = report.summary()
+    assert "kept by XLA: 2/3" in summary
+    assert "fp8 GEMMs kept by XLA: 1/2" in summary
+    assert "numerics preview" not in summary  # only said for XLA:CPU
+
+
+def test_gpu_gemm_calls_are_read_with_their_matrix_operands():
+    from hlo_amp.runtime.kept_by_xla import xla_gemms
+
+    gemms = xla_gemms(_GPU_HLO)
+    assert [(g.op_name.split("/")[1], g.operand_types, g.fp8, g.low) for g in gemms] == [
+        ("q", ("f8e4m3fn", "f8e4m3fn"), True, True),
+        ("k", ("bf16", "bf16"), False, True),
+        ("v", ("bf16", "bf16"), False, True),
+    ]
+
+
+def test_non_fp8_reports_have_no_fp8_clause():
+    report = Report(decisions=[_decision("jit(f)/k/dot_general")])
+    mark_kept_by_xla(report, _GPU_HLO, target=None)
+    assert "fp8" not in report.summary()
