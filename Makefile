@@ -21,7 +21,6 @@ test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q tests/py
 
 bench: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,examples,bench]'
 	$(BIN)/python -m benchmarks.run
 
 lint: $(STAMP)

@@ -4,6 +4,7 @@ from hlo_amp import jax_internals as _jax_internals
 
 _jax_internals.check()  # an unsupported jax fails here, in one line, not deep in a call
 
+from hlo_amp.module_scopes import module_scopes
 from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import rewrite
@@ -29,6 +30,7 @@ __all__ = [
     "compile",
     "dynamic_scale_grad",
     "dynamic_scale_value_and_grad",
+    "module_scopes",
     "rewrite",
     "select_tree",
 ]

@@ -8,7 +8,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).parents[2]
-DOCS = ["README.md", "docs/compile.md", "docs/scaler.md", "docs/demo.md"]
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 
 def prose_sentences(text: str) -> list[str]:
