@@ -9,7 +9,9 @@ arrays. `variant_step` turns it into the step each benchmark variant runs:
 * ``jmp bf16``     — the model at inferred dtype; params and inputs cast to bf16 at the
   boundary with ``jmp.get_policy('params=float32,compute=bfloat16,output=float32')``;
 * ``hlo_amp bf16`` — the f32 step, unchanged, through ``hlo_amp.compile(step, "bf16")``
-  (``only_if_faster`` and ``mixed_bfloat16``: the same step with those policies);
+  (``only_if_faster``, ``mixed_bfloat16`` and ``fp8``: the same step with those policies;
+  ``fp8`` is for Hopper GPUs: on CPU it shows the cost of the in-program quantisation,
+  the dots running in f32 on dequantised values);
 * ``Keras mixed_bfloat16`` — the same model written with Keras 3 layers on the JAX
   backend, every layer at ``dtype="mixed_bfloat16"``, trained through
   ``model.stateless_call`` in a ``jax.jit``-ed step with the same optax adam
@@ -130,13 +132,14 @@ def make_step(graphdef: Any, tx: optax.GradientTransformation,
 
 
 VARIANTS = ("f32", "flax bf16", "jmp bf16", "hlo_amp bf16", "hlo_amp bf16 only_if_faster",
-            "hlo_amp mixed_bfloat16", "Keras mixed_bfloat16", "jaxamp")
+            "hlo_amp mixed_bfloat16", "hlo_amp fp8", "Keras mixed_bfloat16", "jaxamp")
 # Only on GPU: the f32 step, XLA told to run f32 dots with the bf16×bf16→f32 algorithm.
 GPU_VARIANTS = ("f32 + XLA bf16 dot algorithm",)
 # The policy each hlo_amp variant compiles with.
 HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16",
                     "hlo_amp bf16 only_if_faster": "bf16,only_if_faster=true",
-                    "hlo_amp mixed_bfloat16": "mixed_bfloat16"}
+                    "hlo_amp mixed_bfloat16": "mixed_bfloat16",
+                    "hlo_amp fp8": "fp8"}
 # XLA compile options of the variants that are the f32 step compiled differently.
 XLA_OPTIONS = {"f32 + XLA bf16 dot algorithm": {"xla_gpu_default_to_alg_dot_bf16_bf16_f32": True}}
 KERAS_POLICY = {"Keras mixed_bfloat16": "mixed_bfloat16"}

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("input", nargs="?", default="-", help="input .mlir file, or - for stdin")
     parser.add_argument("-o", dest="output", default="-", help="output file (default stdout)")
     parser.add_argument("--policy", default="bf16",
-                        help="a preset (bf16, f16, f32, mixed_bfloat16, mixed_float16) or a "
+                        help="a preset (bf16, f16, f32, mixed_bfloat16, mixed_float16, fp8) or a "
                              "policy string, e.g. 'bf16,scope:head=float32'")
     parser.add_argument("--scope", action="append", default=[], metavar="PATTERN=ACTION",
                         help="add a scope rule; may be repeated")

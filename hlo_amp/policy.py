@@ -14,12 +14,14 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
     ITEM    := PRESET | "compute=" DTYPE | "backward=" ACTION | "f64=" BOOL
              | "only_if_faster=" BOOL | "propagate=" BOOL
              | "explicit_precision=" ("keep" | "ignore")
+             | "first_matrix_op=" (ACTION | "none") | "last_matrix_op=" (ACTION | "none")
              | "op:" KIND "=" ACTION | "scope:" PATTERN "=" ACTION
-    PRESET  := "bf16" | "f16" | "f32" | "mixed_bfloat16" | "mixed_float16"
+    PRESET  := "bf16" | "f16" | "f32" | "mixed_bfloat16" | "mixed_float16" | "fp8"
                (only as the first item)
     KIND    := any StableHLO or CHLO op name ("dot_general", "exponential", "reduce", ...)
-    ACTION  := "compute" | "keep" | DTYPE
+    ACTION  := "compute" | "keep" | DTYPE | FP8
     DTYPE   := "bfloat16" | "float16" | "float32" | "float64" (or bf16, f16, f32, f64)
+    FP8     := "float8_e4m3fn" | "float8_e5m2" (or f8e4m3fn, e4m3fn, f8e5m2, e5m2)
 
 Example: ``"bf16,scope:head=float32,scope:Block_*/attn=keep,op:convolution=keep"``.
 
@@ -34,6 +36,20 @@ activations between matrix ops in 16 bit (the fast mode, passes/propagate.py). O
 on other op kinds (``op:exponential=compute``, ``op:add=float32``) move that kind between
 the propagation classes of ``op_classes.py``: ``compute`` (or the compute dtype) lets it
 be painted, ``keep``/``float32`` keeps it f32; they need ``propagate=true``.
+
+fp8 (passes/fp8.py): the action ``float8_e4m3fn`` quantises both operands of a
+``dot_general`` to e4m3fn; ``float8_e5m2`` quantises the operand that carries the incoming
+gradient of a backward dot to e5m2 and everything else to e4m3fn (Transformer Engine's
+and Flax's HYBRID recipe; cuBLASLt has no e5m2 x e5m2 GEMM, so there is no all-e5m2
+action). Both use per-tensor current scaling computed in the program. A dot that cannot
+take XLA:GPU's fp8 GEMM form, and any convolution or ``stablehlo.dot``, computes in the
+compute dtype instead, with the reason in the report. The ``fp8`` preset is ``bf16``
+with ``op:dot_general=float8_e5m2``, convolutions in bf16 (``compute``) and
+``first_matrix_op=compute,last_matrix_op=compute``: the first and the last matrix op of
+the forward program (the embedding or stem, and the head), and their backward dots,
+stay in the compute dtype. ``first_matrix_op``/``last_matrix_op`` name an action for
+those two ops under any preset (``none`` removes the rule); scope rules and ``amp_stop``
+beat them, they beat op rules: ``"fp8,scope:attn=bfloat16,last_matrix_op=none"``.
 """
 
 from __future__ import annotations
@@ -61,6 +77,15 @@ _DTYPE_ALIASES = {
 }
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 COMPUTE_DTYPES = ("bfloat16", "float16")
+# fp8 actions (passes/fp8.py), their StableHLO element types, and the spellings accepted.
+FP8_ACTIONS = ("float8_e4m3fn", "float8_e5m2")
+FP8_TO_ELEMENT = {"float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}
+_FP8_ALIASES = {
+    "float8_e4m3fn": "float8_e4m3fn", "f8e4m3fn": "float8_e4m3fn", "e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2", "f8e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
+}
+# Other fp8 formats (ml_dtypes and MLIR have several): named so the error says "fp8".
+_FP8_LIKE = re.compile(r"^(float8|fp8|f8|e\dm\d)")
 # Policy dtype name -> StableHLO element-type spelling.
 DTYPE_TO_ELEMENT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
 # Bit width of each float dtype, used to tell "wider than the compute dtype".
@@ -76,7 +101,12 @@ _PRIMITIVE_KINDS = {
 # The op rules of the 16-bit presets, and of a Policy built without ops.
 PRESET_OPS = {kind: COMPUTE for kind in OP_KINDS}
 EXPLICIT_PRECISION = ("keep", "ignore")
-PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16")
+# The fp8 preset's op rules: dot_general in fp8 (e4m3fn, e5m2 gradients), the rest bf16.
+FP8_OPS = {"dot_general": "float8_e5m2", "dot": COMPUTE, "convolution": COMPUTE}
+PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16", "fp8")
+# Positional rules: the first and the last matrix op of the forward program.
+FIRST_MATRIX_OP = "first_matrix_op"
+LAST_MATRIX_OP = "last_matrix_op"
 
 
 def canonical_dtype(name: Any, *, what: str = "dtype") -> str:
@@ -97,16 +127,36 @@ def canonical_dtype(name: Any, *, what: str = "dtype") -> str:
 
 
 def canonical_action(action: Any, *, where: str) -> str:
-    """Return ``"compute"``, ``"keep"`` or a canonical dtype name."""
+    """Return ``"compute"``, ``"keep"``, a canonical dtype name or an fp8 action."""
     if isinstance(action, str) and action.strip().lower() in (COMPUTE, KEEP):
         return action.strip().lower()
+    key = action
+    if not isinstance(action, str):
+        try:
+            key = jax.numpy.dtype(action).name  # jnp.float8_e4m3fn and friends
+        except TypeError:
+            key = repr(action)
+    text = str(key).strip().lower()
+    if text in _FP8_ALIASES:
+        return _FP8_ALIASES[text]
+    if _FP8_LIKE.match(text):
+        raise ValueError(
+            f"Unknown fp8 format {action!r} for {where}; accepted fp8 actions: "
+            f"{', '.join(FP8_ACTIONS)} (the two formats XLA:GPU's cuBLASLt fp8 GEMM "
+            f"takes); other actions: compute, keep, {', '.join(DTYPES)}"
+        )
     try:
         return canonical_dtype(action)
     except ValueError:
         raise ValueError(
             f"Unknown action {action!r} for {where}; accepted: compute, keep, "
-            f"{', '.join(DTYPES)}"
+            f"{', '.join(DTYPES)}, {', '.join(FP8_ACTIONS)}"
         ) from None
+
+
+def is_fp8(action: str | None) -> bool:
+    """Whether ``action`` is an fp8 action (``float8_e4m3fn`` or ``float8_e5m2``)."""
+    return action in FP8_ACTIONS
 
 
 def canonical_op_kind(kind: Any) -> tuple[str, ...]:
@@ -188,6 +238,10 @@ class Policy:
     # "keep": dots the program wrote with HIGHEST precision or an explicit algorithm stay
     # as written unless a scope rule names them; "ignore": treat them like any other.
     explicit_precision: str = "keep"
+    # Actions for the first and the last matrix op of the forward program (and their
+    # backward dots); None: no such rule. The fp8 preset keeps both in the compute dtype.
+    first_matrix_op: str | None = None
+    last_matrix_op: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -195,9 +249,14 @@ class Policy:
         except ValueError:
             compute = None
         if compute not in COMPUTE_DTYPES:
+            hint = ""
+            if isinstance(self.compute_dtype, str) and _FP8_LIKE.match(
+                    self.compute_dtype.strip().lower()):
+                hint = (" (fp8 is an action, not a compute dtype: use the fp8 preset or "
+                        "op:dot_general=float8_e4m3fn)")
             raise ValueError(
                 f"Unsupported compute_dtype {self.compute_dtype!r}; accepted: "
-                f"{', '.join(COMPUTE_DTYPES)}"
+                f"{', '.join(COMPUTE_DTYPES)}{hint}"
             )
         if self.ops is None:
             object.__setattr__(self, "ops", PRESET_OPS)
@@ -236,6 +295,13 @@ class Policy:
         backward = None
         if self.backward is not None:
             backward = canonical_action(self.backward, where="backward")
+        for name in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().lower() == "none":
+                value = None
+            if value is not None:
+                value = canonical_action(value, where=name)
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "ops", _FrozenDict(ops))
         object.__setattr__(self, "scopes", _FrozenDict(scopes))
@@ -254,7 +320,11 @@ class Policy:
     @classmethod
     def preset(cls, name: str) -> Policy:
         """The named preset: ``"bf16"``, ``"f16"``, ``"f32"`` (changes nothing),
-        ``"mixed_bfloat16"`` or ``"mixed_float16"`` (also 16-bit activations)."""
+        ``"mixed_bfloat16"`` or ``"mixed_float16"`` (also 16-bit activations), ``"fp8"``
+        (dot_general in fp8, the first and last matrix ops and convolutions in bf16)."""
+        if name == "fp8":
+            return cls("bfloat16", ops=FP8_OPS, first_matrix_op=COMPUTE,
+                       last_matrix_op=COMPUTE)
         if name == "mixed_bfloat16":
             return cls("bfloat16", ops=PRESET_OPS, propagate=True)
         if name == "mixed_float16":
@@ -304,6 +374,8 @@ class Policy:
                 fields["backward"] = value
             elif key == "explicit_precision":
                 fields["explicit_precision"] = value.lower()
+            elif key in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
+                fields[key] = None if value.lower() == "none" else value
             elif key in ("f64", "only_if_faster", "propagate"):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"Unknown value {value!r} for {key} in {spec!r}; "
@@ -313,8 +385,9 @@ class Policy:
             else:
                 raise ValueError(
                     f"Unknown key {key!r} in {spec!r}; accepted: compute, backward, f64, "
-                    f"only_if_faster, propagate, explicit_precision, "
-                    f"op:KIND, scope:PATTERN (or a preset {', '.join(PRESETS)} first)"
+                    f"only_if_faster, propagate, explicit_precision, first_matrix_op, "
+                    f"last_matrix_op, op:KIND, scope:PATTERN (or a preset "
+                    f"{', '.join(PRESETS)} first)"
                 )
         return cls.from_dict(fields)
 
@@ -329,12 +402,15 @@ class Policy:
             "only_if_faster": self.only_if_faster,
             "propagate": self.propagate,
             "explicit_precision": self.explicit_precision,
+            "first_matrix_op": self.first_matrix_op,
+            "last_matrix_op": self.last_matrix_op,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
         allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64",
-                   "only_if_faster", "propagate", "explicit_precision")
+                   "only_if_faster", "propagate", "explicit_precision", FIRST_MATRIX_OP,
+                   LAST_MATRIX_OP)
         if not isinstance(data, Mapping):
             raise ValueError(f"A policy dict was expected, got {data!r}")  # noqa: TRY004
         unknown = [k for k in data if k not in allowed]
@@ -347,7 +423,14 @@ class Policy:
     def to_string(self) -> str:
         """The string form; ``Policy.parse(p.to_string()) == p``."""
         matrix_compute = all(self.ops.get(kind) == COMPUTE for kind in OP_KINDS)
-        if matrix_compute:  # a 16-bit preset, then only the rules it does not state
+        ends: str | None = None  # the preset's first/last matrix op rules
+        if all(self.ops.get(kind) == action for kind, action in FP8_OPS.items()):
+            items = ["fp8"] + [f"op:{k}={a}" for k, a in self.ops.items()
+                               if k not in OP_KINDS]
+            ends = COMPUTE
+            if self.propagate:
+                items.append("propagate=true")
+        elif matrix_compute:  # a 16-bit preset, then only the rules it does not state
             preset = "bf16"
             if self.propagate:
                 preset = "mixed_float16" if self.compute_dtype == "float16" else "mixed_bfloat16"
@@ -358,6 +441,10 @@ class Policy:
             if self.propagate:
                 items.append("propagate=true")
         items.insert(1, f"compute={self.compute_dtype}")
+        for name in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
+            value = getattr(self, name)
+            if value != ends:
+                items.append(f"{name}={value or 'none'}")
         items += [f"scope:{p}={a}" for p, a in self.scopes.items()]
         if self.backward is not None:
             items.append(f"backward={self.backward}")
@@ -374,8 +461,21 @@ class Policy:
 
     # ---- decisions ----------------------------------------------------------------
 
-    def decide(self, scope: tuple[str, ...], op_kind: str, backward: bool) -> Rule:
-        """The action for an op of ``op_kind`` under ``scope``; see module docstring."""
+    @property
+    def uses_fp8(self) -> bool:
+        """Whether any rule of this policy has an fp8 action."""
+        actions = [a for k, a in self.ops.items() if k in OP_KINDS]
+        actions += [*self.scopes.values(), self.backward, self.first_matrix_op,
+                    self.last_matrix_op]
+        return any(is_fp8(a) for a in actions)
+
+    def decide(self, scope: tuple[str, ...], op_kind: str, backward: bool,
+               positions: tuple[str, ...] = ()) -> Rule:
+        """The action for an op of ``op_kind`` under ``scope``; see module docstring.
+
+        ``positions`` holds ``"first_matrix_op"`` and/or ``"last_matrix_op"`` when the
+        op is (or is a backward dot of) the first or last matrix op of the program.
+        """
         if backward and self.backward is not None and AMP_STOP not in scope:
             return Rule(self.backward, "backward")
         # The innermost amp_stop shields its inside; only rules matching inside it count.
@@ -394,6 +494,10 @@ class Policy:
             return Rule(self.scopes[best[2]], f"scope:{best[2]}")
         if stop is not None:
             return Rule(KEEP, AMP_STOP)
+        for position in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
+            action = getattr(self, position)
+            if position in positions and action is not None:
+                return Rule(action, position)
         if op_kind in self.ops:
             return Rule(self.ops[op_kind], f"op:{op_kind}")
         return Rule(None, "default")
@@ -403,6 +507,8 @@ class Policy:
         names = [f"op:{k}" for k in self.ops] + [f"scope:{p}" for p in self.scopes]
         if self.backward is not None:
             names.append("backward")
+        names += [name for name in (FIRST_MATRIX_OP, LAST_MATRIX_OP)
+                  if getattr(self, name) is not None]
         return names
 
 

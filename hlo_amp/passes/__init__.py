@@ -19,6 +19,7 @@ from jax.extend.mlir import ir
 from hlo_amp.modules import ModuleError
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.dot_layout import FastDotLayout
+from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.insert_converts import InsertConverts
 from hlo_amp.passes.propagate import Propagate
 from hlo_amp.policy import Policy
@@ -36,11 +37,15 @@ def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
 
     For ``target="cpu"`` bf16 dots are also relaid into the form XLA:CPU runs in bf16:
     without it some layouts are upcast, and a bf16 dot whose result XLA transposes
-    fails at run time (see passes/dot_layout.py).
+    fails at run time (see passes/dot_layout.py). A policy with fp8 actions adds the
+    fp8 pass after propagation (which leaves fp8 dots' f32 operands alone): it quantises
+    the dots insert_converts marked (see passes/fp8.py).
     """
     passes: list[Pass] = [InsertConverts(policy, target)]
     if policy.propagate:
         passes.append(Propagate(policy, target))
+    if policy.uses_fp8:
+        passes.append(Fp8Quantize())
     passes.append(CleanupConverts())
     if target == "cpu":
         # Relay every slow layout, even where the bf16 path is slower than f32: relaying
@@ -53,7 +58,7 @@ def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
 def pass_names(policy: Policy, target: str | None = None) -> dict[str, Pass]:
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
     passes: list[Any] = [InsertConverts(policy, target), Propagate(policy, target),
-                         CleanupConverts(), FastDotLayout()]
+                         Fp8Quantize(), CleanupConverts(), FastDotLayout()]
     return {p.name: p for p in passes}
 
 

@@ -8,6 +8,18 @@ the policy decides an action from the op's Site:
 - a dtype: convert operands and result to that dtype, then convert the result back, so
   consumers see the type the program wrote.
 - ``keep`` or no rule: leave the op alone.
+- ``float8_e4m3fn`` / ``float8_e5m2``: a ``dot_general`` that can run as XLA:GPU's fp8
+  GEMM (hlo_amp/fp8_gemm.py) is marked with its operand formats (attribute
+  ``hlo_amp.fp8``) for the fp8 pass, which emits the quantise/dequantise chain; the
+  report already shows the fp8 operand types. With ``float8_e5m2`` the operand of a
+  backward dot that carries the incoming gradient (hlo_amp/gradients.py) is e5m2, the
+  rest e4m3fn. Anything else under an fp8 action computes in the compute dtype, and the
+  report says why.
+
+The policy's ``first_matrix_op``/``last_matrix_op`` rules apply to the first and last
+float matrix op of each public function's forward program, in program order (calls to
+private functions followed), and to the backward ops with the same scope, op kind and
+source call stack (their transposes).
 
 Ops inside private functions are decided in the context of their call site; a function
 called from sites that need different decisions is cloned per decision vector, so
@@ -24,6 +36,8 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu
+from hlo_amp.fp8_gemm import FP8_MARK, dequantized_format, fp8_obstacle
+from hlo_amp.gradients import GradientFlow
 from hlo_amp.modules import (
     callee_name,
     clone_private,
@@ -34,7 +48,18 @@ from hlo_amp.modules import (
     walk_operations,
     with_element,
 )
-from hlo_amp.policy import COMPUTE, DTYPE_BITS, DTYPE_TO_ELEMENT, KEEP, Policy, Rule
+from hlo_amp.policy import (
+    COMPUTE,
+    DTYPE_BITS,
+    DTYPE_TO_ELEMENT,
+    FIRST_MATRIX_OP,
+    FP8_TO_ELEMENT,
+    KEEP,
+    LAST_MATRIX_OP,
+    Policy,
+    Rule,
+    is_fp8,
+)
 from hlo_amp.report import Decision, Report
 from hlo_amp.sites import Site, call_prefix, join_names, location_name, site_of
 
@@ -99,10 +124,12 @@ def asks_for_precision(op: Any) -> str | None:
     return None
 
 
-def decide(policy: Policy, op: Any, site: Any, kind: str) -> tuple[Rule, str | None]:
+def decide(policy: Policy, op: Any, site: Any, kind: str,
+           positions: tuple[str, ...] = ()) -> tuple[Rule, str | None]:
     """The policy's rule for a matrix op, and why it is kept when the program pinned its
-    precision (only a scope rule overrides that, unless explicit_precision=ignore)."""
-    rule = policy.decide(site.scope, kind, site.backward)
+    precision (only a scope rule overrides that, unless explicit_precision=ignore).
+    ``positions``: whether it is the first and/or last matrix op (see the module doc)."""
+    rule = policy.decide(site.scope, kind, site.backward, positions)
     if (policy.explicit_precision == "keep" and rule.action not in (None, KEEP)
             and not rule.rule.startswith("scope:")):
         asked = asks_for_precision(op)
@@ -120,6 +147,9 @@ class Plan:
     operand_targets: tuple[str | None, ...]  # per operand: new element type or None
     result_target: str | None  # new result element type, or None to keep it
     reason: str
+    # fp8: the (lhs, rhs) fp8 element types and the type they are dequantised to; the
+    # fp8 pass emits the chain. None for every other plan.
+    fp8: tuple[str, str, str] | None = None
 
 
 def slower_on_target(op: Any, kind: str, policy: Policy, target: str | None) -> str | None:
@@ -139,13 +169,18 @@ def slower_on_target(op: Any, kind: str, policy: Policy, target: str | None) -> 
 
 def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
             target: str | None = None,
-            elements: tuple[list[ir.Type | None], ir.Type | None] | None = None) -> Plan:
+            elements: tuple[list[ir.Type | None], ir.Type | None] | None = None,
+            gradient: int | None = None, backward: bool = False) -> Plan:
     """What to do to one op under ``action``, given its operand and result types
     (``elements``: the element types of its first two operands and of its result, when
-    the caller has read them already)."""
+    the caller has read them already). For fp8 actions, ``gradient`` is the operand that
+    carries the incoming gradient of a ``backward`` dot (None: no single one)."""
     if elements is None:
         elements = ([element_type(v) for v in list(op.operands)[:2]],
                     element_type(op.result))
+    if is_fp8(action):
+        return _plan_fp8(op, kind, policy, action, rule, target, elements, gradient,
+                         backward)
     operands, result = elements
     bits = [float_bits(t) for t in operands]
     result_bits = float_bits(result)
@@ -177,6 +212,64 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
     if all(t is None for t in targets) and result_target is None:
         return Plan(action, rule, none, None, f"already {action}")
     return Plan(action, rule, targets, result_target, f"forced to {action}")
+
+
+_E4M3, _E5M2 = FP8_TO_ELEMENT["float8_e4m3fn"], FP8_TO_ELEMENT["float8_e5m2"]
+# The reason of a dot whose operands already are dequantised fp8 (the pipeline run on its
+# own output): nothing to do, but the report still shows the fp8 types.
+ALREADY_FP8 = "already fp8"
+
+
+def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
+              target: str | None, elements: tuple[list[ir.Type | None], ir.Type | None],
+              gradient: int | None, backward: bool) -> Plan:
+    """An fp8 plan for a dot that can run as an XLA:GPU fp8 GEMM; else the compute
+    dtype's plan with the reason the dot cannot."""
+    operands, result = elements
+    none = (None,) * len(operands)
+    bits = [float_bits(t) for t in operands]
+    if any(b is None for b in bits) or float_bits(result) is None:
+        return Plan(action, rule, none, None, "not a float op")
+    already = tuple(dequantized_format(v) for v in list(op.operands)[:2])
+    if kind == "dot_general" and all(already):
+        return Plan(action, rule, none, None, ALREADY_FP8,
+                    fp8=(already[0], already[1], str(operands[0])))
+    obstacle = (f"fp8 takes dot_general only, not {kind}" if kind != "dot_general"
+                else fp8_obstacle(op))
+    if obstacle is not None:
+        fallback = plan_op(op, kind, policy, COMPUTE, rule, target, elements)
+        return dataclasses.replace(fallback, action=action,
+                                   reason=f"fp8 fallback: {obstacle}; {fallback.reason}")
+    if policy.only_if_faster and target == "cpu":
+        return Plan(action, rule, none, None,
+                    "left as written: XLA:CPU has no fp8 dot (it runs the dequantised "
+                    "operands in f32)")
+    formats = [_E4M3, _E4M3]
+    how = ""
+    if action == "float8_e5m2" and backward:
+        if gradient is None:
+            how = " (no single incoming-gradient operand found: e4m3fn for both)"
+        else:
+            formats[gradient] = _E5M2
+            how = f" ({('lhs', 'rhs')[gradient]} is the incoming gradient)"
+    # The type the fp8 operands are widened to. XLA:GPU folds the widening and the
+    # scales into the fp8 GEMM, whatever the type; where it cannot, a bf16 GEMM is the
+    # cheaper fallback. XLA:CPU has no fp8 dot: there the operands are dequantised to
+    # f32, exactly the values the Hopper GEMM multiplies (its scales are applied in
+    # f32), and the dot runs in f32 (a bf16 dot here would round the dequantised values
+    # once more, and its layout is at XLA:CPU's mercy: see passes/dot_layout.py).
+    result_name = str(result)
+    if target == "cpu":
+        dequantize = "f32"
+    elif result_name in ("bf16", "f16"):
+        dequantize = result_name
+    else:
+        dequantize = "bf16" if policy.compute_dtype == "bfloat16" else "f32"
+    short = {_E4M3: "e4m3fn", _E5M2: "e5m2"}
+    return Plan(action, rule, none, None,
+                f"fp8 {short[formats[0]]} x {short[formats[1]]}{how}, per-tensor scales, "
+                f"{dequantize} dequantise, {result_name} result",
+                fp8=(formats[0], formats[1], dequantize))
 
 
 class _TypeNames:
@@ -217,6 +310,8 @@ class _CallGraph:
     watched: dict[Any, list[tuple[Any, str | None]]] = field(default_factory=dict)
     sites: dict[tuple[Any, str, str], Site] = field(default_factory=dict)
     type_names: _TypeNames = field(default_factory=lambda: _TypeNames())
+    # (original function name, index in ops_of, call-site prefix) -> first/last rules
+    positions: dict[tuple[str, int, str], tuple[str, ...]] = field(default_factory=dict)
 
     def ops_of(self, fn: Any) -> list[tuple[Any, str | None]]:
         """The matrix ops and calls of ``fn`` (walked once; the rewrite adds only
@@ -244,10 +339,11 @@ class _CallGraph:
             return known
         fn = self.by_name[original]
         parts: list[Any] = []
-        for op, kind in self.ops_of(fn):
+        for index, (op, kind) in enumerate(self.ops_of(fn)):
             if kind is not None:
                 site = self.site(op, kind, prefix)
-                parts.append(decide(self.policy, op, site, kind)[0].action)
+                positions = self.positions.get((original, index, prefix), ())
+                parts.append(decide(self.policy, op, site, kind, positions)[0].action)
             elif callee_name(op) in self.by_name:
                 inner = callee_name(op)
                 parts.append(self.signature(inner, self._callee_prefix(prefix, op)))
@@ -275,6 +371,44 @@ class _CallGraph:
             if target != name:
                 op.attributes["callee"] = ir.FlatSymbolRefAttr.get(target, context=op.context)
 
+    def find_ends(self, public: list[Any]) -> None:
+        """Fill ``positions``: per public function, the first and last float matrix op
+        of its forward program, and the backward ops with their scope, kind and source
+        call stack (before any cloning: keys use original names)."""
+        for fn in public:
+            order: list[tuple[tuple[str, int, str], Any, str]] = []
+            self._program_order(function_name(fn), "", order, ())
+            forward = []
+            for key, op, kind in order:
+                if (not self.site(op, kind, key[2]).backward
+                        and all(float_bits(element_type(v)) for v in list(op.operands)[:2])):
+                    forward.append((key, op, kind))
+            if not forward:
+                continue
+            stacks: dict[tuple[str, str, str], tuple[str, ...]] = {}
+            for position, (key, op, kind) in ((FIRST_MATRIX_OP, forward[0]),
+                                              (LAST_MATRIX_OP, forward[-1])):
+                self.positions[key] = self.positions.get(key, ()) + (position,)
+                stack = _stack_key(self.site(op, kind, key[2]), op, kind)
+                stacks[stack] = stacks.get(stack, ()) + (position,)
+            if len(stacks) == 1 and forward[0][0] != forward[-1][0]:
+                continue  # first and last look alike: their backward ops cannot be told
+            for key, op, kind in order:
+                site = self.site(op, kind, key[2])
+                found = stacks.get(_stack_key(site, op, kind)) if site.backward else None
+                if found:
+                    self.positions[key] = self.positions.get(key, ()) + found
+
+    def _program_order(self, name: str, prefix: str,
+                       out: list[tuple[tuple[str, int, str], Any, str]],
+                       stack: tuple[str, ...]) -> None:
+        for index, (op, kind) in enumerate(self.ops_of(self.by_name[name])):
+            if kind is not None:
+                out.append(((name, index, prefix), op, kind))
+            elif callee_name(op) in self.by_name and callee_name(op) not in stack:
+                self._program_order(callee_name(op), self._callee_prefix(prefix, op), out,
+                                    stack + (name,))
+
     def _instantiate(self, original: str) -> str:
         if original not in self.used_names:
             self.used_names.add(original)
@@ -284,6 +418,14 @@ class _CallGraph:
         self.used_names.add(name)
         self.clones += 1
         return name
+
+
+def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:
+    """What a forward op shares with its backward ops: scope, kind and the source call
+    stack of its location (JAX gives a transposed op its primal's stack)."""
+    location = op.location
+    stack = str(location.child_loc) if isinstance(location, ir.NameLoc) else str(location)
+    return site.scope_path, kind, stack
 
 
 @dataclass(frozen=True)
@@ -303,36 +445,59 @@ class InsertConverts:
         # another function gets a private clone under the call site's context.
         public = [fn for fn in functions(module) if is_public(fn)]
         graph.used_names.update(function_name(fn) for fn in public)
+        if (self.policy.first_matrix_op, self.policy.last_matrix_op) != (None, None):
+            graph.find_ends(public)
         for fn in public:
             graph.visit(fn, "")
+        # Which operand of a backward dot is the gradient: only e5m2 asks, and the
+        # dataflow is read before any body is rewritten.
+        flow = None
+        if self._asks_for_e5m2():
+            flow = GradientFlow([(i.fn, i.prefix) for i in graph.instances])
         # Phase 2: rewrite each body once, under its own context.
         for instance in graph.instances:
-            self._rewrite_body(instance, graph, report)
+            self._rewrite_body(instance, graph, report, flow)
         if report is not None and graph.clones:
             report.notes.append(f"specialised {graph.clones} private function(s) per "
                                 f"call-site decision")
 
+    def _asks_for_e5m2(self) -> bool:
+        policy = self.policy
+        actions = [*policy.ops.values(), *policy.scopes.values(), policy.backward,
+                   policy.first_matrix_op, policy.last_matrix_op]
+        return "float8_e5m2" in actions
+
     def _rewrite_body(self, instance: _Instance, graph: _CallGraph,
-                      report: Report | None) -> None:
+                      report: Report | None, flow: GradientFlow | None = None) -> None:
         fn_name = function_name(instance.fn)
+        original = graph.origin.get(fn_name, fn_name)
         shared: dict[tuple[Any, Any, str], ir.Value] = {}
         names = graph.type_names
-        for op, kind in graph.ops_of(instance.fn):
+        for index, (op, kind) in enumerate(graph.ops_of(instance.fn)):
             if kind is None:
                 continue
             site = graph.site(op, kind, instance.prefix)
-            rule, pinned = decide(self.policy, op, site, kind)
+            positions = graph.positions.get((original, index, instance.prefix), ())
+            rule, pinned = decide(self.policy, op, site, kind, positions)
             elements = ([element_type(v) for v in list(op.operands)[:2]],
                         element_type(op.result))
+            gradient = None
+            if flow is not None and site.backward and rule.action == "float8_e5m2":
+                gradient = flow.incoming_gradient(op)
             plan = plan_op(op, kind, self.policy, rule.action, rule.rule, self.target,
-                           elements)
+                           elements, gradient=gradient, backward=site.backward)
             if pinned is not None:
                 plan = dataclasses.replace(plan, reason=pinned)
             before = tuple(names.name(t) for t in elements[0])
             result_before = names.name(elements[1])
             changed = any(plan.operand_targets) or plan.result_target is not None
             after, result_after = before, result_before  # untouched unless changed
-            if changed:
+            if plan.fp8 is not None:  # the fp8 pass quantises; the types it will have
+                after = plan.fp8[:2]
+                changed = plan.reason != ALREADY_FP8
+                if changed:
+                    _mark_fp8(op, plan.fp8)
+            elif changed:
                 _apply(op, plan, shared)
                 after = tuple(names.name(element_type(v)) for v in list(op.operands)[:2])
                 result_after = names.name(element_type(op.result))
@@ -349,6 +514,13 @@ class InsertConverts:
                     if isinstance(op.result.type, ir.RankedTensorType) else "?",
                     location=site.name, source=site.source,
                 ))
+
+
+def _mark_fp8(op: Any, formats: tuple[str, str, str]) -> None:
+    """Tell the fp8 pass to quantise ``op``: [lhs fp8 type, rhs fp8 type, dequantise]."""
+    with op.context:
+        op.attributes[FP8_MARK] = ir.ArrayAttr.get(
+            [ir.TypeAttr.get(ir.Type.parse(name)) for name in formats])
 
 
 def _apply(op: Any, plan: Plan, shared: dict[tuple[Any, Any, str], ir.Value]) -> None:

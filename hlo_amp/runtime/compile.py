@@ -37,7 +37,7 @@ from hlo_amp.runtime.amp_call import (
     avals_key,
     shape_structs,
 )
-from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla, xla_matmuls  # noqa: F401
+from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
 
 
 def rewrite_module(module: ir.Module, policy: Policy, target: str | None = None

@@ -184,8 +184,8 @@ def test_policy_rejects(kwargs: dict, needles: tuple[str, ...]) -> None:
     ("bf16,scope:attn", ("Malformed item 'scope:attn'", "KEY=VALUE")),
     ("bf16,f64=maybe", ("'maybe'", "true, false")),
     ("bf16,colour=red", ("Unknown key 'colour'", "scope:PATTERN")),
-    ("fp8", ("Unknown preset 'fp8'", "bf16, f16, f32")),
-    ("bf16,fp8", ("Unknown preset 'fp8'",)),
+    ("fp16", ("Unknown preset 'fp16'", "bf16, f16, f32")),
+    ("bf16,fp16", ("Unknown preset 'fp16'",)),
     ("bf16,f32", ("Preset 'f32'", "first item")),
 ])
 def test_policy_string_rejects(spec: str, needles: tuple[str, ...]) -> None:

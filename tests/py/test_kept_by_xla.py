@@ -197,3 +197,21 @@ def test_non_fp8_reports_have_no_fp8_clause():
     report = Report(decisions=[_decision("jit(f)/k/dot_general")])
     mark_kept_by_xla(report, _GPU_HLO, target=None)
     assert "fp8" not in report.summary()
+
+
+def test_fp8_on_cpu_is_a_numerics_preview():
+    def loss(w, x):
+        for name in ("first", "middle", "last"):
+            with jax.named_scope(name):
+                x = jnp.tanh(x @ w)
+        return (x ** 2).sum()
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (64, 64)) / 8
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 64))
+    report = hlo_amp.compile(jax.grad(loss), "fp8").lower(w, x).compile().report()
+    fp8 = [d for d in report.decisions if d.fp8]
+    assert fp8 and all(d.scope == "middle" for d in fp8)  # first and last stay bf16
+    # XLA:CPU has no fp8 dot: it multiplies the dequantised operands in f32.
+    assert all(d.kept_by_xla is False for d in fp8)
+    assert (f"fp8 GEMMs kept by XLA: 0/{len(fp8)} (XLA:CPU computes fp8 dots in a wider "
+            "type: a numerics preview, not a speed-up)") in report.summary()

@@ -173,8 +173,9 @@ def test_constructor_and_dict_errors() -> None:
         Policy(ops={jax.lax.add_p: "compute"})
     with pytest.raises(ValueError, match=r"Unknown action 'fast' for scope rule 'head'"):
         Policy(scopes={"head": "fast"})
-    with pytest.raises(ValueError, match=r"Unknown preset 'fp8'; accepted: bf16, f16, f32"):
-        Policy.preset("fp8")
+    with pytest.raises(ValueError, match=r"Unknown preset 'int8'; accepted: bf16, f16, f32, "
+                                         r"mixed_bfloat16, mixed_float16, fp8"):
+        Policy.preset("int8")
     with pytest.raises(ValueError, match=r"Unsupported policy 42; accepted: a Policy"):
         as_policy(42)  # type: ignore[arg-type]
 
@@ -416,3 +417,105 @@ def test_explicit_precision_item() -> None:
     with pytest.raises(ValueError) as error:
         Policy.parse("bf16,explicit_precision=maybe")
     assert "Unknown explicit_precision 'maybe'; accepted: keep, ignore" in str(error.value)
+
+
+# ---- fp8 (issue 11, item 2) -------------------------------------------------------------
+
+
+def test_fp8_preset() -> None:
+    policy = Policy.parse("fp8")
+    assert policy == Policy.preset("fp8")
+    assert policy.compute_dtype == "bfloat16"
+    assert dict(policy.ops) == {"dot_general": "float8_e5m2", "dot": "compute",
+                                "convolution": "compute"}
+    assert (policy.first_matrix_op, policy.last_matrix_op) == ("compute", "compute")
+    assert policy.uses_fp8 and not Policy.parse("bf16").uses_fp8
+    assert policy.to_string() == "fp8,compute=bfloat16"
+    assert "first_matrix_op" in policy.rule_names() and "last_matrix_op" in policy.rule_names()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "fp8",
+        "fp8,scope:attn=bfloat16",
+        "fp8,first_matrix_op=none,last_matrix_op=none",
+        "fp8,first_matrix_op=float32,last_matrix_op=keep",
+        "fp8,compute=float16,propagate=true",
+        "fp8,op:dot_general=float8_e4m3fn",
+        "bf16,scope:mlp=float8_e4m3fn,scope:Block_*/attn=float8_e5m2",
+        "bf16,backward=float8_e5m2,last_matrix_op=compute",
+        "mixed_bfloat16,op:dot_general=e4m3fn,op:exponential=compute",
+        "f32,op:dot_general=f8e5m2",
+    ],
+)
+def test_fp8_string_and_dict_round_trips(spec: str) -> None:
+    policy = Policy.parse(spec)
+    assert Policy.parse(policy.to_string()) == policy
+    assert Policy.from_dict(policy.to_dict()) == policy
+    assert Policy.from_dict(json.loads(json.dumps(policy.to_dict()))) == policy
+    assert Policy(**policy.to_dict()) == policy
+
+
+def test_fp8_action_spellings() -> None:
+    for spelling in ("float8_e4m3fn", "F8E4M3FN", "e4m3fn", jnp.float8_e4m3fn):
+        assert Policy(ops={"dot_general": spelling}).ops["dot_general"] == "float8_e4m3fn"
+    for spelling in ("float8_e5m2", "f8e5m2", "E5M2", jnp.float8_e5m2):
+        assert Policy(scopes={"a": spelling}).scopes["a"] == "float8_e5m2"
+    assert Policy.parse("bf16,first_matrix_op=e4m3fn").first_matrix_op == "float8_e4m3fn"
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("fp8,op:dot_general=float8_e4m3", ("Unknown fp8 format 'float8_e4m3' for op rule "
+                                            "'dot_general'; accepted fp8 actions: "
+                                            "float8_e4m3fn, float8_e5m2")),
+        ("bf16,scope:attn=fp8", ("Unknown fp8 format 'fp8' for scope rule 'attn'; accepted "
+                                 "fp8 actions: float8_e4m3fn, float8_e5m2")),
+        ("fp8,scope:a=float8_e4m3fnuz", "Unknown fp8 format 'float8_e4m3fnuz'"),
+        ("fp8,backward=f8E3M4", "Unknown fp8 format 'f8E3M4' for backward"),
+        ("fp8,last_matrix_op=e4m3", "Unknown fp8 format 'e4m3' for last_matrix_op"),
+        ("fp8,first_matrix_op=fast", ("Unknown action 'fast' for first_matrix_op; accepted: "
+                                      "compute, keep, bfloat16, float16, float32, float64, "
+                                      "float8_e4m3fn, float8_e5m2")),
+        ("bf16,compute=float8_e4m3fn", ("Unsupported compute_dtype 'float8_e4m3fn'; accepted: "
+                                        "bfloat16, float16 (fp8 is an action")),
+        ("mixed_bfloat16,op:add=float8_e4m3fn", ("Unsupported action 'float8_e4m3fn' for op "
+                                                 "rule 'add'")),
+        ("fp9", "Unknown preset 'fp9'"),
+    ],
+)
+def test_fp8_errors_name_the_input_and_the_accepted(spec: str, fragment: str) -> None:
+    with pytest.raises(ValueError) as error:
+        Policy.parse(spec)
+    assert fragment in str(error.value)
+
+
+def test_unknown_fp8_dtype_object_is_an_error() -> None:
+    with pytest.raises(ValueError, match="Unknown fp8 format .*accepted fp8 actions: "
+                                         "float8_e4m3fn, float8_e5m2"):
+        Policy(ops={"dot_general": jnp.float8_e4m3fnuz})
+
+
+def test_first_and_last_matrix_op_rules_in_decide() -> None:
+    policy = Policy.parse("fp8,scope:head=float32")
+    first, last = ("first_matrix_op",), ("last_matrix_op",)
+    assert policy.decide(("stem",), "dot_general", False, first) == Rule(
+        "compute", "first_matrix_op")
+    assert policy.decide(("stem",), "dot_general", True, first) == Rule(
+        "compute", "first_matrix_op")
+    assert policy.decide(("out",), "convolution", False, last) == Rule(
+        "compute", "last_matrix_op")
+    assert policy.decide(("mlp",), "dot_general", False) == Rule("float8_e5m2",
+                                                                 "op:dot_general")
+    # Scope rules and amp_stop beat them; they beat op rules; backward= beats all.
+    assert policy.decide(("head",), "dot_general", False, last) == Rule("float32",
+                                                                        "scope:head")
+    assert policy.decide(("amp_stop",), "dot_general", False, first) == Rule("keep", "amp_stop")
+    both = Policy.parse("fp8,first_matrix_op=float16,last_matrix_op=none,backward=keep")
+    assert both.decide((), "dot_general", False, first + last) == Rule("float16",
+                                                                        "first_matrix_op")
+    assert both.decide((), "dot_general", False, last) == Rule("float8_e5m2",
+                                                               "op:dot_general")
+    assert both.decide((), "dot_general", True, first) == Rule("keep", "backward")

@@ -1,0 +1,155 @@
+"""Which values of a lowered train step carry the incoming gradient (the cotangent).
+
+The fp8 recipe quantises the operand of a backward dot that carries the gradient to
+e5m2 (more range) and the other operand, a forward value, to e4m3fn (more precision).
+JAX's name stack says which *ops* belong to the backward pass (``transpose(...)``), not
+which *operand* of a backward dot is the gradient, so this follows the dataflow.
+
+Every value gets one of three kinds, in program order:
+
+- CONST: constants, iota, and what is computed from them alone (outside the backward);
+  and every value that is not a float tensor (loop counters, indices, masks);
+- GRAD: a result of an op with a GRAD operand, or of a backward op (its name stack has
+  ``transpose(...)``) none of whose operands is PRIMAL -- the seed cotangent JAX starts
+  the backward pass from (``broadcast(1.0)``, ``1/n`` of a mean) and the zeros it
+  accumulates into;
+- PRIMAL: everything else: the function's arguments, forward results, and backward ops
+  computing from forward values only.
+
+A backward dot's incoming gradient is its one GRAD operand; with none or two (remat's
+recomputed forward, or a function whose arguments say nothing) there is no single
+gradient operand and the caller treats the dot like a forward one. Ops inside remat's
+``rematted_computation`` are the forward recomputed, so they do not count as backward.
+``optimization_barrier`` passes each operand's kind to the result at its position; a
+while loop's carry (body argument and result) gets the kind of its initial value joined
+with the kind the body returns at its position (GRAD beats PRIMAL beats CONST); a
+private function's arguments get the joined kinds of its call sites' operands, its call
+results the kinds of its returned values. The whole is iterated until nothing changes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from jax.extend.mlir import ir
+
+from hlo_amp.modules import (
+    callee_name,
+    element_type,
+    function_name,
+    terminator,
+    walk_operations,
+)
+from hlo_amp.sites import join_names, location_name, parse_name
+
+CONST, PRIMAL, GRAD = 0, 1, 2
+_NO_OPERANDS_CONST = frozenset({"stablehlo.constant", "stablehlo.iota"})
+_PER_POSITION = frozenset({"stablehlo.optimization_barrier", "stablehlo.while"})
+_RETURNS = frozenset({"func.return"})
+_MAX_ROUNDS = 10
+
+
+@functools.lru_cache(maxsize=8192)
+def _is_backward(name: str) -> bool:
+    return parse_name(name).backward and "rematted_computation" not in name
+
+
+def _is_float(value: ir.Value, cache: dict[ir.Type, bool]) -> bool:
+    """Whether ``value`` is a float tensor (only those carry a gradient)."""
+    found = cache.get(value.type)
+    if found is None:
+        found = cache[value.type] = isinstance(element_type(value), ir.FloatType)
+    return found
+
+
+class GradientFlow:
+    """The kind (CONST, PRIMAL, GRAD) of every value of the given function bodies."""
+
+    def __init__(self, bodies: Sequence[tuple[Any, str]]) -> None:
+        """``bodies``: (func.func, call-site prefix) pairs, callers before callees."""
+        self.kinds: dict[ir.Value, int] = {}
+        self._floats: dict[ir.Type, bool] = {}
+        arguments: dict[str, list[int]] = {}
+        returns: dict[str, tuple[int, ...]] = {}
+        for _ in range(_MAX_ROUNDS):
+            before = dict(self.kinds)
+            seen_arguments: dict[str, list[int]] = {}
+            seen_returns: dict[str, tuple[int, ...]] = {}
+            for fn, prefix in bodies:
+                self._run(fn, prefix, arguments, returns, seen_arguments, seen_returns)
+            if (seen_arguments == arguments and seen_returns == returns
+                    and before == self.kinds):
+                break
+            arguments, returns = seen_arguments, seen_returns
+
+    def kind(self, value: ir.Value) -> int:
+        return self.kinds.get(value, PRIMAL)
+
+    def incoming_gradient(self, op: Any) -> int | None:
+        """The index (0 or 1) of the one operand of ``op`` that carries the gradient."""
+        kinds = [self.kind(v) for v in list(op.operands)[:2]]
+        if kinds.count(GRAD) == 1:
+            return kinds.index(GRAD)
+        return None
+
+    def _run(self, fn: Any, prefix: str, arguments: dict[str, list[int]],
+             returns: dict[str, tuple[int, ...]], seen_arguments: dict[str, list[int]],
+             seen_returns: dict[str, tuple[int, ...]]) -> None:
+        kinds = self.kinds
+        floats = self._floats
+        name = function_name(fn)
+        given = arguments.get(name)
+        for index, argument in enumerate(fn.regions[0].blocks[0].arguments):
+            kinds[argument] = given[index] if given and index < len(given) else PRIMAL
+            if not _is_float(argument, floats):
+                kinds[argument] = CONST
+        for op in walk_operations(fn):
+            op_name = op.name
+            operand_kinds = [kinds.get(v, PRIMAL) for v in op.operands]
+            if op_name in _RETURNS:  # only a function's own body ends in func.return
+                seen_returns[name] = tuple(operand_kinds)
+                continue
+            if op_name == "func.call":
+                callee = callee_name(op)
+                joined = seen_arguments.setdefault(callee, [CONST] * len(operand_kinds))
+                for index, kind in enumerate(operand_kinds):
+                    joined[index] = max(joined[index], kind)
+                known = returns.get(callee)
+                if known is not None and len(known) == len(op.results):
+                    for result, kind in zip(op.results, known):
+                        kinds[result] = kind if _is_float(result, floats) else CONST
+                    continue
+            results = op.results
+            if not len(results) and op_name != "stablehlo.while":
+                continue
+            if op_name in _PER_POSITION:
+                if op_name == "stablehlo.while":  # join with what the body returned
+                    returned = terminator(op.regions[1].blocks[0]).operands
+                    operand_kinds = [max(kind, kinds.get(returned[position], CONST))
+                                     if position < len(returned) else kind
+                                     for position, kind in enumerate(operand_kinds)]
+                    for region in op.regions:
+                        for block in region.blocks:
+                            for position, argument in enumerate(block.arguments):
+                                kinds[argument] = (operand_kinds[position]
+                                                   if position < len(operand_kinds)
+                                                   and _is_float(argument, floats)
+                                                   else CONST)
+                for position, result in enumerate(results):
+                    kinds[result] = (operand_kinds[position] if position < len(operand_kinds)
+                                     and _is_float(result, floats) else CONST)
+                continue
+            if GRAD in operand_kinds:
+                kind = GRAD
+            elif PRIMAL not in operand_kinds and _is_backward(
+                    join_names(prefix, location_name(op.location))):
+                kind = GRAD  # the seed cotangent, or zeros the backward accumulates into
+            elif not operand_kinds or op_name in _NO_OPERANDS_CONST or (
+                    PRIMAL not in operand_kinds):
+                kind = CONST
+            else:
+                kind = PRIMAL
+            for result in results:
+                kinds[result] = kind if _is_float(result, floats) else CONST

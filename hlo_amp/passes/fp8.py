@@ -1,0 +1,165 @@
+"""fp8 dots: per-tensor current scaling, emitted in the form XLA:GPU makes one fp8 GEMM.
+
+insert_converts decides which ``dot_general`` ops run in fp8 and marks them with the
+attribute ``hlo_amp.fp8 = [lhs type, rhs type, dequantise type]`` (it also checked that
+the dot can take XLA's fp8 GEMM form: hlo_amp/fp8_gemm.py). This pass replaces each
+marked operand ``x`` by its quantised-then-dequantised value, computed in the program
+itself (no state to thread through the train step):
+
+    amax  = reduce_max(abs(x))                        (f32)
+    s     = amax * (1 / fmax)                         (fmax: 448 for e4m3fn, 57344 e5m2)
+    s     = convert(convert(s) -> D) -> f32           (the scale D can hold exactly)
+    s     = s > 0 and is_finite(s) ? s : 1.0          (all-zero, inf or NaN amax: scale 1)
+    q     = convert(clamp(-fmax, x / broadcast(s), fmax)) -> fp8
+    x_dq  = convert(q) -> D  *  broadcast(convert(s) -> D)
+
+and the dot reads ``x_dq`` (D = bf16 by default, so on CPU the dot runs XLA:CPU's fast
+bf16 x bf16 -> f32 path; its result type stays what the program wrote). The
+``convert(q)`` -> ``multiply`` by a ``broadcast`` of a scalar -> dot chain is exactly
+what ``MatchFp8Param`` in XLA's gemm_rewriter.cc matches: on Hopper the dot becomes one
+``__cublas$lt$matmul$f8`` custom call reading the fp8 tensors, with both scales as its
+a_scale/b_scale operands (see fp8_gemm.py for the conditions). Values saturate at
+``fmax`` (Transformer Engine's and Flax's ``clip``), a NaN stays NaN, so a step with a
+NaN operand gives non-finite gradients and the loss scaler skips it.
+
+One quantisation per (value, fp8 type, dequantise type) and block: a weight read by the
+forward dot and by the backward dot computing dx is quantised once. Ops get the dot's
+location, so the quantise and dequantise ops sit in the dot's scope.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from hlo_amp.fp8_gemm import FP8_MARK, FP8_MAX
+from hlo_amp.modules import functions, walk_operations, with_element
+from hlo_amp.report import Report
+
+_DOT = frozenset({"stablehlo.dot_general"})
+
+
+@dataclass(frozen=True)
+class Fp8Quantize:
+    """Quantise the operands of the dots insert_converts marked for fp8."""
+
+    name: str = "hlo-amp-fp8"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        pairs: dict[str, int] = {}
+        quantised = 0
+        with module.context:
+            for fn in functions(module):
+                cache: dict[tuple[Any, ...], ir.Value] = {}
+                for op in walk_operations(fn, names=_DOT):
+                    if FP8_MARK not in op.attributes:
+                        continue
+                    formats = [str(ir.TypeAttr(t).value)
+                               for t in ir.ArrayAttr(op.attributes[FP8_MARK])]
+                    del op.attributes[FP8_MARK]
+                    lhs, rhs, dequantize = formats
+                    before = len(cache)
+                    for index, element in enumerate((lhs, rhs)):
+                        op.operands[index] = _dequantized(op, index, element, dequantize,
+                                                          cache)
+                    quantised += sum(1 for key in list(cache)[before:] if key[0] == "dq")
+                    pair = f"{_short(lhs)} x {_short(rhs)}"
+                    pairs[pair] = pairs.get(pair, 0) + 1
+        if report is not None and pairs:
+            report.notes.append(_summary(report, pairs, quantised))
+
+
+def _short(element: str) -> str:
+    return {"f8E4M3FN": "e4m3fn", "f8E5M2": "e5m2"}.get(element, element)
+
+
+def _summary(report: Report, pairs: dict[str, int], quantised: int) -> str:
+    """``fp8: 48 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 16, e5m2 x e4m3fn 32), ...``"""
+    count = sum(pairs.values())
+    kinds = ", ".join(f"{pair} {n}" for pair, n in sorted(pairs.items()))
+    total = sum(d.flops or 0 for d in report.decisions)
+    fp8_flops = sum(d.flops or 0 for d in report.decisions
+                    if any(t.startswith("f8") for t in d.operands_after))
+    share = f"{100.0 * fp8_flops / total:.0f}%" if total else "n/a"
+    fallbacks = sum(1 for d in report.decisions if d.reason.startswith("fp8 fallback"))
+    line = (f"fp8: {count} dot_general as fp8 GEMMs ({kinds}), {share} of FLOPs; "
+            f"{quantised} tensor(s) quantised with per-tensor current scaling")
+    if fallbacks:
+        line += f"; {fallbacks} fp8 fallback(s) to the compute dtype (reasons per op)"
+    return line
+
+
+def _scalar(value: float, element: ir.Type) -> ir.Value:
+    scalar = ir.RankedTensorType.get([], element)
+    return hlo.constant(ir.DenseElementsAttr.get_splat(scalar, ir.FloatAttr.get(element,
+                                                                                value)))
+
+
+def _scale(op: Any, x32: ir.Value, dequantize: ir.Type, cache: dict[tuple[Any, ...],
+           ir.Value], key: tuple[Any, ...]) -> tuple[ir.Value, ir.Value]:
+    """(scale in f32, scale in the dequantise type) of ``x32`` for an fp8 type of
+    largest value ``fmax`` (key[-1]); the scalar ops go right before ``op``."""
+    found = cache.get(("scale",) + key)
+    if found is not None:
+        return found, cache[("scale_dq",) + key]
+    f32 = ir.F32Type.get()
+    scalar = ir.RankedTensorType.get([], f32)
+    rank = ir.RankedTensorType(x32.type).rank
+    magnitude = hlo.abs(x32)
+    reduce = hlo.ReduceOp([scalar], [magnitude], [_scalar(0.0, f32)],
+                          ir.DenseI64ArrayAttr.get(list(range(rank))))
+    body = reduce.regions[0].blocks.append(scalar, scalar)
+    with ir.InsertionPoint(body):
+        hlo.return_([hlo.maximum(body.arguments[0], body.arguments[1])])
+    amax = reduce.results[0]
+    # amax / fmax as XLA computes it anyway (its simplifier turns a division by a
+    # constant into a product with the f32 reciprocal), so the scale is the same bits
+    # whichever backend compiles it and a NumPy model of the recipe can match it.
+    scale = hlo.multiply(amax, _scalar(1.0 / key[-1], f32))
+    if dequantize != f32:  # the scale the dequantise type holds, used on both sides
+        scale = hlo.convert(scalar, hlo.convert(ir.RankedTensorType.get([], dequantize),
+                                                scale))
+    usable = hlo.and_(
+        hlo.compare(scale, _scalar(0.0, f32),
+                    hlo.ComparisonDirectionAttr.get("GT"),
+                    compare_type=hlo.ComparisonTypeAttr.get("FLOAT")),
+        hlo.is_finite(scale))
+    scale = hlo.select(usable, scale, _scalar(1.0, f32))
+    scale_dq = scale
+    if dequantize != f32:
+        scale_dq = hlo.convert(ir.RankedTensorType.get([], dequantize), scale)
+    cache[("scale",) + key] = scale
+    cache[("scale_dq",) + key] = scale_dq
+    return scale, scale_dq
+
+
+def _dequantized(op: Any, index: int, element: str, dequantize: str,
+                 cache: dict[tuple[Any, ...], ir.Value]) -> ir.Value:
+    """``convert(q) * broadcast(scale)`` for operand ``index`` of ``op``, q its fp8
+    quantisation to ``element``; shared per (block, value, types)."""
+    value = op.operands[index]
+    block = op.block
+    key = (block, value, element, dequantize)
+    found = cache.get(("dq",) + key)
+    if found is not None:
+        return found
+    fp8 = ir.Type.parse(element)
+    dq_type = ir.Type.parse(dequantize)
+    f32 = ir.F32Type.get()
+    fmax = FP8_MAX[element]
+    shape = ir.RankedTensorType(value.type)
+    with op.location, ir.InsertionPoint(op):
+        x32 = value
+        if shape.element_type != f32:
+            x32 = hlo.convert(with_element(value.type, f32), value)
+        scale, scale_dq = _scale(op, x32, dq_type, cache, (block, value, dequantize, fmax))
+        scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
+        clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))
+        quantised = hlo.convert(with_element(value.type, fp8), clamped)
+        widened = hlo.convert(with_element(value.type, dq_type), quantised)
+        result = hlo.multiply(widened, hlo.broadcast_in_dim(widened.type, scale_dq, []))
+    cache[("dq",) + key] = result
+    return result

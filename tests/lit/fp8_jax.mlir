@@ -1,0 +1,118 @@
+// Real JAX lowerings under the fp8 preset (tests/lit/inputs/make_fp8_inputs.py).
+//
+// fp8_mlp_grad: value_and_grad of stem -> attn -> mlp -> head and an SGD update. The
+// preset keeps the first (stem) and the last (head) matrix op, and their backward dots,
+// in bf16; the rest are fp8 GEMMs, e4m3fn forward, and backward with the incoming
+// gradient (the cotangent JAX computes from its seed) in e5m2.
+// RUN: hlo-amp-opt %S/inputs/fp8_mlp_grad.mlir --policy fp8 --debug-info \
+// RUN:   | filecheck %s --enable-var-scope
+// RUN: hlo-amp-opt %S/inputs/fp8_mlp_grad.mlir --policy fp8 --report %t.json -o /dev/null
+// RUN: filecheck %s --input-file %t.json --check-prefix=JSON
+//
+// Without the first/last rules the stem is fp8 too, and the head (4 outputs) falls back.
+// RUN: hlo-amp-opt %S/inputs/fp8_mlp_grad.mlir --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
+// RUN:   --report %t.ends.json -o /dev/null
+// RUN: filecheck %s --input-file %t.ends.json --check-prefix=ENDS
+//
+// fp8_scan_grad: the layers in a scan. The backward dots sit in a private function called
+// from the backward while loop; the gradient reaches them as a loop carry and an
+// argument, and is still found.
+// RUN: hlo-amp-opt %S/inputs/fp8_scan_grad.mlir --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=SCAN
+
+// The signature is the program's.
+// CHECK-LABEL: func.func public @main
+// CHECK-SAME:    -> (tensor<32x32xf32> {jax.result_info = "result[0]['w0']"}, tensor<32x32xf32> {jax.result_info = "result[0]['wa']"}, tensor<32x32xf32> {jax.result_info = "result[0]['wm']"}, tensor<32x4xf32> {jax.result_info = "result[0]['wo']"}, tensor<f32> {jax.result_info = "result[1]"})
+
+// stem (first matrix op): bf16.
+// CHECK:         %[[X16:.*]] = stablehlo.convert %arg4 : (tensor<16x32xf32>) -> tensor<16x32xbf16>
+// CHECK:         stablehlo.dot_general %[[X16]], %{{.*}} : (tensor<16x32xbf16>, tensor<32x32xbf16>) -> tensor<16x32xf32> loc(#[[STEM:loc[0-9]+]])
+
+// attn, mlp: e4m3fn x e4m3fn.
+// CHECK:         stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E4M3FN> loc(#[[ATTN:loc[0-9]+]])
+// CHECK:         %[[A_W:.*]] = stablehlo.convert %{{.*}} : (tensor<32x32xf32>) -> tensor<32x32xf8E4M3FN> loc(#[[ATTN]])
+// CHECK:         stablehlo.dot_general %[[A_HDQ:.*]], %[[A_WDQ:.*]], contracting_dims = [1] x [0], {{.*}} : (tensor<16x32xbf16>, tensor<32x32xbf16>) -> tensor<16x32xf32> loc(#[[ATTN]])
+// CHECK:         stablehlo.convert %{{.*}} -> tensor<16x32xf8E4M3FN> loc(#[[MLP:loc[0-9]+]])
+// CHECK:         stablehlo.convert %{{.*}} -> tensor<32x32xf8E4M3FN> loc(#[[MLP]])
+// CHECK:         stablehlo.dot_general %[[M_HDQ:.*]], %[[M_WDQ:.*]], contracting_dims = [1] x [0], {{.*}} -> tensor<16x32xf32> loc(#[[MLP]])
+
+// head (last matrix op) and its two backward dots: bf16.
+// CHECK:         stablehlo.dot_general {{.*}} : (tensor<16x32xbf16>, tensor<32x4xbf16>) -> tensor<16x4xf32> loc(#[[HEAD:loc[0-9]+]])
+// CHECK:         stablehlo.dot_general {{.*}} : (tensor<16x4xbf16>, tensor<16x32xbf16>) -> tensor<4x32xf32> loc(#[[HEAD_BWD:loc[0-9]+]])
+// CHECK:         stablehlo.dot_general {{.*}} : (tensor<16x4xbf16>, tensor<32x4xbf16>) -> tensor<16x32xf32> loc(#[[HEAD_BWD]])
+
+// mlp backward: the cotangent in e5m2, quantised once for dW and dx, which reuse the
+// forward's e4m3fn activation and weight.
+// CHECK:         stablehlo.constant dense<1.74386169E-5> : tensor<f32> loc(#[[MLP_BWD:loc[0-9]+]])
+// CHECK:         stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2> loc(#[[MLP_BWD]])
+// CHECK:         %[[G:.*]] = stablehlo.multiply %{{.*}} : tensor<16x32xbf16> loc(#[[MLP_BWD]])
+// CHECK:         stablehlo.dot_general %[[G]], %[[M_HDQ]], contracting_dims = [0] x [0], {{.*}} -> tensor<32x32xf32> loc(#[[MLP_BWD]])
+// CHECK:         stablehlo.dot_general %[[G]], %[[M_WDQ]], contracting_dims = [1] x [1], {{.*}} -> tensor<16x32xf32> loc(#[[MLP_BWD]])
+
+// attn backward: the same.
+// CHECK:         stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2> loc(#[[ATTN_BWD:loc[0-9]+]])
+// CHECK:         %[[GA:.*]] = stablehlo.multiply %{{.*}} : tensor<16x32xbf16> loc(#[[ATTN_BWD]])
+// CHECK:         stablehlo.dot_general %[[GA]], %[[A_HDQ]], {{.*}} loc(#[[ATTN_BWD]])
+// CHECK:         stablehlo.dot_general %[[GA]], %[[A_WDQ]], {{.*}} loc(#[[ATTN_BWD]])
+
+// stem backward (dW only: x is not differentiated): bf16, like its forward dot.
+// CHECK-NOT:     xf8E
+// CHECK:         stablehlo.dot_general %{{.*}}, %[[X16]], contracting_dims = [0] x [0], {{.*}} : (tensor<16x32xbf16>, tensor<16x32xbf16>) -> tensor<32x32xf32> loc(#[[STEM_BWD:loc[0-9]+]])
+// CHECK-NOT:     stablehlo.dot_general
+// CHECK:         return
+
+// CHECK-DAG:   #[[STEM]] = loc("jit(fp8_mlp_step)/jvp(stem)/dot_general"
+// CHECK-DAG:   #[[ATTN]] = loc("jit(fp8_mlp_step)/jvp(attn)/dot_general"
+// CHECK-DAG:   #[[MLP]] = loc("jit(fp8_mlp_step)/jvp(mlp)/dot_general"
+// CHECK-DAG:   #[[HEAD]] = loc("jit(fp8_mlp_step)/jvp(head)/dot_general"
+// CHECK-DAG:   #[[HEAD_BWD]] = loc("jit(fp8_mlp_step)/transpose(jvp(head))/dot_general"
+// CHECK-DAG:   #[[MLP_BWD]] = loc("jit(fp8_mlp_step)/transpose(jvp(mlp))/dot_general"
+// CHECK-DAG:   #[[ATTN_BWD]] = loc("jit(fp8_mlp_step)/transpose(jvp(attn))/dot_general"
+// CHECK-DAG:   #[[STEM_BWD]] = loc("jit(fp8_mlp_step)/transpose(jvp(stem))/dot_general"
+
+// The report names the positional rules.
+// JSON:      "policy": "fp8,compute=bfloat16",
+// JSON:      "summary": "converted 11/11 ops; low precision: 11/11 dot_general; {{[0-9]+}}% of FLOPs in 16-bit or narrower
+// JSON:      "scope": "stem",
+// JSON-NEXT: "direction": "forward",
+// JSON:      "action": "compute",
+// JSON-NEXT: "rule": "first_matrix_op",
+// JSON:      "scope": "attn",
+// JSON-NEXT: "direction": "forward",
+// JSON:      "action": "float8_e5m2",
+// JSON-NEXT: "rule": "op:dot_general",
+// JSON:      "scope": "head",
+// JSON-NEXT: "direction": "forward",
+// JSON:      "rule": "last_matrix_op",
+// JSON:      "scope": "head",
+// JSON-NEXT: "direction": "backward",
+// JSON:      "rule": "last_matrix_op",
+// JSON:      "scope": "mlp",
+// JSON-NEXT: "direction": "backward",
+// JSON:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor scales, bf16 dequantise, f32 result",
+// JSON:      "scope": "stem",
+// JSON-NEXT: "direction": "backward",
+// JSON:      "rule": "first_matrix_op",
+// JSON:      "unused_rules": [],
+// JSON:      "fp8: 6 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 2, e5m2 x e4m3fn 4), {{[0-9]+}}% of FLOPs; 6 tensor(s) quantised with per-tensor current scaling"
+
+// ENDS:      "scope": "stem",
+// ENDS:      "rule": "op:dot_general",
+// ENDS:      "reason": "fp8 e4m3fn x e4m3fn, per-tensor scales, bf16 dequantise, f32 result",
+// ENDS:      "scope": "head",
+// ENDS:      "reason": "fp8 fallback: n=4 under 16 (cuBLASLt pads fp8 GEMMs to multiples of 16); bf16 operands, f32 accumulation",
+// ENDS:      "scope": "stem",
+// ENDS-NEXT: "direction": "backward",
+// ENDS:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor scales, bf16 dequantise, f32 result",
+
+// SCAN-LABEL: func.func private @closed_call(
+// SCAN:         stablehlo.dot_general {{.*}} : (tensor<16x32xbf16>, tensor<32x32xbf16>) -> tensor<16x32xf32>
+// SCAN-LABEL: func.func private @closed_call_1(
+// SCAN:         %[[G8:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2>
+// SCAN:         %[[GW:.*]] = stablehlo.convert %[[G8]] : (tensor<16x32xf8E5M2>) -> tensor<16x32xbf16>
+// SCAN:         %[[G:.*]] = stablehlo.multiply %[[GW]], %{{.*}} : tensor<16x32xbf16>
+// SCAN:         stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E4M3FN>
+// SCAN:         stablehlo.dot_general %[[G]], %{{.*}}, contracting_dims = [0] x [0]
+// SCAN:         stablehlo.convert %{{.*}} : (tensor<32x32xf32>) -> tensor<32x32xf8E4M3FN>
+// SCAN:         stablehlo.dot_general %[[G]], %{{.*}}, contracting_dims = [1] x [1]
+// SCAN:         return

@@ -1,0 +1,300 @@
+"""fp8 (passes/fp8.py): numerics against f64 and against a NumPy model of the recipe, the
+amax guard, the emitted form XLA:GPU turns into an fp8 GEMM, and training on digits.
+
+Everything runs on CPU: XLA:CPU has no fp8 dot, so there the fp8 operands are dequantised
+to f32 (the values a Hopper GEMM multiplies) and the dot runs in f32.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import hlo_amp
+from hlo_amp.passes import default_pipeline, pass_names
+from hlo_amp.policy import Policy
+from hlo_amp.runtime.scaler import all_finite
+
+# Every dot in fp8: a single dot is the program's first and last matrix op.
+FP8 = "fp8,first_matrix_op=none,last_matrix_op=none"
+
+
+def _matmul(policy: str):
+    return hlo_amp.compile(lambda x, w: x @ w, policy)
+
+
+def _quantise(x: np.ndarray, fmt: type, fmax: float) -> np.ndarray:
+    """The recipe in NumPy (f32 throughout, as on CPU): per-tensor current scaling."""
+    x = np.asarray(x, np.float32)
+    scale = np.float32(np.abs(x).max()) * np.float32(1.0 / fmax)
+    if not (scale > 0 and np.isfinite(scale)):
+        scale = np.float32(1.0)
+    q = np.clip(x / scale, -fmax, fmax).astype(fmt)
+    return q.astype(np.float32) * scale
+
+
+# ---- numerics ----------------------------------------------------------------------------
+
+# Why the bound below holds for every output element, for a K-long dot of x (m x K) and
+# w (K x n), both quantised to e4m3fn with per-tensor scales s = amax / 448:
+#
+# * x / s lies in [-448, 448]. Where |x / s| >= 2**-6 (e4m3fn's smallest normal) the
+#   format has 3 stored mantissa bits, so rounding to nearest errs by at most half an
+#   ulp: |q - x/s| <= 2**-4 |x/s|. Below 2**-6 the spacing is 2**-9 (subnormals), so
+#   |q - x/s| <= 2**-10. Times s: |x_hat - x| <= u |x| + t  with u = 2**-4, t = 2**-10 s.
+#   (Dequantising to f32 is exact: 4 significant bits times the scale's 24.)
+# * |x_hat w_hat - x w| <= |x_hat - x| |w_hat| + |x| |w_hat - w|
+#                       <= (2u + u**2) |x||w| + (1 + u)(t_x |w| + t_w |x|) + t_x t_w.
+# * Summed over K products, plus f32 accumulation (K * 2**-24 relative to sum |x_hat
+#   w_hat|, taken twice to be safe):
+#   |y_hat - y| <= (2u + u**2 + 2K 2**-24) sum_k |x||w| + (1+u)(t_x sum_k |w| + t_w
+#   sum_k |x|) + K t_x t_w.
+# The bound grows with K through the sums of |x||w|; it is a worst case. The typical
+# error is smaller by about sqrt(K): each rounding is an independent error of relative
+# variance E[d**2] = ulp**2 / 12 / v**2 averaged over a binade, 2**-6 / 12 * E[1/m**2]
+# with the significand m in [1, 2) (E[1/m**2] = 0.54 for Benford-distributed m, 0.5 for
+# uniform), so var(y_hat - y) = 2 E[d**2] sum_k (x w)**2. The test checks that too: it
+# fails if the dot ran in bf16 (256 times less variance) or e5m2 (4 times more).
+U = 2.0**-4
+E_D2 = 2.0**-6 / 12 * 0.52
+
+
+@pytest.mark.parametrize("k", [16, 256, 4096])
+def test_single_dot_error_against_f64_is_e4m3s(k: int) -> None:
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((64, k)).astype(np.float32)
+    w = rng.standard_normal((k, 48)).astype(np.float32)
+    y = np.asarray(_matmul(FP8)(x, w), np.float64)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    err = np.abs(y - x64 @ w64)
+
+    t_x = 2.0**-10 * np.abs(x).max() / 448
+    t_w = 2.0**-10 * np.abs(w).max() / 448
+    ax, aw = np.abs(x64), np.abs(w64)
+    bound = ((2 * U + U**2 + 2 * k * 2.0**-24) * (ax @ aw)
+             + (1 + U) * (t_x * aw.sum(0)[None, :] + t_w * ax.sum(1)[:, None]) + k * t_x * t_w)
+    assert (err <= bound).all(), float((err / bound).max())
+
+    predicted = 2 * E_D2 * ((x64**2) @ (w64**2))
+    ratio = float(np.mean(err**2) / np.mean(predicted))
+    assert 0.6 < ratio < 1.6, ratio
+
+
+def test_single_dot_matches_a_numpy_model_of_the_recipe() -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((32, 512)) * 3).astype(np.float32)
+    w = (rng.standard_normal((512, 64)) / 20).astype(np.float32)
+    y = np.asarray(_matmul(FP8)(x, w), np.float64)
+    model = (_quantise(x, ml_dtypes.float8_e4m3fn, 448.0).astype(np.float64)
+             @ _quantise(w, ml_dtypes.float8_e4m3fn, 448.0).astype(np.float64))
+    # Same quantised values; only the f32 summation order differs.
+    tolerance = 512 * 2.0**-24 * (np.abs(x) @ np.abs(w))
+    assert (np.abs(y - model) <= tolerance).all()
+    assert not np.allclose(y, x.astype(np.float64) @ w, rtol=1e-3, atol=0)  # it is fp8
+
+
+def test_backward_dot_quantises_the_gradient_to_e5m2() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 64)).astype(np.float32) / 8
+    g = rng.standard_normal((32, 64)).astype(np.float32)
+
+    def loss(w: jax.Array, x: jax.Array, g: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.tanh(x @ w) * g)
+
+    grad = hlo_amp.compile(jax.grad(loss), FP8)
+    report = grad.lower(w, x, g).report()
+    backward = [d for d in report.decisions if d.direction == "backward"]
+    assert [d.operands_after for d in backward] == [("f8E5M2", "f8E4M3FN")]
+    got = np.asarray(grad(w, x, g), np.float64)
+    # The model: dW = x^T @ ct with x in e4m3fn and ct = g * tanh'(x @ w) in e5m2 (the
+    # forward dot's output feeds tanh' in f32, from the e4m3fn forward product).
+    h = _quantise(x, ml_dtypes.float8_e4m3fn, 448.0) @ _quantise(w, ml_dtypes.float8_e4m3fn,
+                                                                 448.0)
+    ct = (g * (1 - np.tanh(h) ** 2)).astype(np.float32)
+    model = (_quantise(x, ml_dtypes.float8_e4m3fn, 448.0).astype(np.float64).T
+             @ _quantise(ct, ml_dtypes.float8_e5m2, 57344.0).astype(np.float64))
+    scale = np.abs(x).T @ np.abs(ct)
+    assert np.abs(got - model).max() <= 1e-4 * scale.max()
+
+
+# ---- the amax guard ------------------------------------------------------------------------
+
+
+def test_all_zero_operand_gives_exact_zeros() -> None:
+    w = np.random.default_rng(2).standard_normal((64, 32)).astype(np.float32)
+    y = np.asarray(_matmul(FP8)(np.zeros((16, 64), np.float32), w))
+    assert (y == 0).all()
+
+
+def test_inf_operand_saturates_and_stays_finite() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x[3, 5] = np.inf
+    y = np.asarray(_matmul(FP8)(x, w))
+    assert np.isfinite(y).all()  # scale 1 (amax is inf); inf saturates at 448
+
+
+def test_nan_operand_reaches_the_output_so_the_loss_scaler_skips() -> None:
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x[3, 5] = np.nan
+    y = np.asarray(_matmul(FP8)(x, w))
+    assert np.isnan(y[3]).all() and np.isfinite(np.delete(y, 3, axis=0)).all()
+    assert not bool(all_finite({"g": jnp.asarray(y)}))
+
+
+def test_tiny_and_huge_tensors_keep_their_relative_precision() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    reference = x.astype(np.float64) @ w
+    for factor in (1e-30, 1e30):
+        y = np.asarray(_matmul(FP8)(x * np.float32(factor), w), np.float64) / factor
+        assert np.abs(y - reference).max() <= 0.15 * np.abs(reference).max(), factor
+
+
+# ---- what is emitted -----------------------------------------------------------------------
+
+
+def _train_step_text() -> str:
+    def loss(p: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+        with jax.named_scope("stem"):
+            h = jax.nn.gelu(x @ p["w0"])
+        with jax.named_scope("block"):
+            h = jax.nn.gelu(jnp.einsum("btd,de->bte", h, p["w1"]))
+        with jax.named_scope("head"):
+            return jnp.mean((h.mean(1) @ p["w2"] - y) ** 2)
+
+    def step(p: dict, x: jax.Array, y: jax.Array):
+        return jax.grad(loss)(p, x, y)
+
+    p = {"w0": jnp.ones((32, 64)), "w1": jnp.ones((64, 64)), "w2": jnp.ones((64, 10))}
+    return jax.jit(step).lower(p, jnp.ones((4, 16, 32)), jnp.ones((4, 10))).as_text(
+        debug_info=True)
+
+
+_DEF = re.compile(r"^\s*(%[\w#]+) = (\S+) (.*)$")
+
+
+def _fp8_operand(defs: dict[str, tuple[str, str]], name: str) -> str | None:
+    """The fp8 type ``name`` is dequantised from, read as XLA's MatchFp8Param reads it:
+    multiply(convert(fp8 value) -> wider, broadcast_in_dim(scalar)), either order."""
+    op, rest = defs.get(name, ("", ""))
+    if op != "stablehlo.multiply":
+        return None
+    a, b = re.findall(r"%[\w#]+", rest)[:2]
+    for convert, broadcast in ((a, b), (b, a)):
+        c_op, c_rest = defs.get(convert, ("", ""))
+        b_op, b_rest = defs.get(broadcast, ("", ""))
+        source = re.search(r"\(tensor<[^>]*x(f8E4M3FN|f8E5M2)>\)", c_rest)
+        scalar = "(tensor<f32>)" in b_rest or "(tensor<bf16>)" in b_rest
+        if (c_op == "stablehlo.convert" and source and b_op == "stablehlo.broadcast_in_dim"
+                and scalar):
+            return source.group(1)
+    return None
+
+
+def test_every_fp8_dot_has_the_form_xlas_gemm_rewriter_matches() -> None:
+    # No target: the module as XLA:GPU would get it (operands dequantised to bf16).
+    text, report = hlo_amp.rewrite(_train_step_text(), "fp8", return_report=True)
+    defs = {}
+    for line in text.splitlines():
+        match = _DEF.match(line)
+        if match:
+            defs[match.group(1)] = (match.group(2), match.group(3))
+    pairs = []
+    for op, rest in defs.values():
+        if op == "stablehlo.dot_general":
+            lhs, rhs = re.findall(r"%[\w#]+", rest)[:2]
+            pairs.append((_fp8_operand(defs, lhs), _fp8_operand(defs, rhs)))
+    quantised = [p for p in pairs if p != (None, None)]
+    assert all(None not in p for p in quantised)  # both operands or neither
+    assert all("f8E4M3FN" in p for p in quantised)  # cuBLASLt: never e5m2 x e5m2
+    expected = [d.operands_after for d in report.decisions
+                if any(t.startswith("f8") for t in d.operands_after)]
+    assert sorted(quantised) == sorted(expected)
+    assert ("f8E5M2", "f8E4M3FN") in quantised  # the block's backward dots
+    assert len(quantised) == 3  # block forward + 2 backward; stem and head kept bf16
+    assert "hlo_amp.fp8" not in text
+
+
+def test_xla_cpu_keeps_the_fp8_rounding() -> None:
+    x = jnp.ones((16, 64))
+    compiled = _matmul(FP8).lower(x, jnp.ones((64, 32))).compile().as_text()
+    assert "f8e4m3fn[" in compiled  # the quantising convert survives XLA:CPU's passes
+
+
+def test_pipeline_runs_the_fp8_pass_only_for_fp8_policies() -> None:
+    assert "hlo-amp-fp8" in [p.name for p in default_pipeline(Policy.parse("fp8"))]
+    assert "hlo-amp-fp8" in [p.name for p in default_pipeline(
+        Policy.parse("bf16,scope:mlp=float8_e4m3fn"))]
+    assert "hlo-amp-fp8" not in [p.name for p in default_pipeline(Policy.parse("bf16"))]
+    assert "hlo-amp-fp8" in pass_names(Policy.parse("bf16"))
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+def _digits() -> tuple[np.ndarray, ...]:
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    x = (x - x.mean()) / x.std()
+    return train_test_split(x, digits.target.astype(np.int32), test_size=0.2,
+                            random_state=0, stratify=digits.target)
+
+
+def _mlp_accuracy(policy: str | None, steps: int = 400) -> tuple[float, object]:
+    x_train, x_test, y_train, y_test = _digits()
+    sizes = [64, 128, 128, 128, 10]
+    keys = jax.random.split(jax.random.PRNGKey(0), len(sizes) - 1)
+    params = [jax.random.normal(k, (a, b)) / np.sqrt(a) for k, a, b in
+              zip(keys, sizes, sizes[1:])]
+    tx = optax.adam(2e-3)
+
+    def loss_fn(params: list, x: jax.Array, y: jax.Array) -> jax.Array:
+        for i, w in enumerate(params[:-1]):
+            with jax.named_scope(f"layer_{i}"):
+                x = jax.nn.gelu(x @ w)
+        with jax.named_scope("head"):
+            logits = x @ params[-1]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(params: list, opt_state: object, x: jax.Array, y: jax.Array):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = tx.init(params)
+    compiled = jax.jit(step) if policy is None else hlo_amp.compile(step, policy)
+    report = None if policy is None else compiled.lower(
+        params, opt_state, x_train[:128], y_train[:128]).report()
+    order = np.random.default_rng(0)
+    for _ in range(steps):
+        idx = order.choice(len(x_train), 128, replace=False)
+        params, opt_state, _ = compiled(params, opt_state, x_train[idx], y_train[idx])
+    logits = jnp.asarray(x_test)
+    for w in params[:-1]:
+        logits = jax.nn.gelu(logits @ w)
+    accuracy = float((jnp.argmax(logits @ params[-1], -1) == y_test).mean())
+    return accuracy, report
+
+
+def test_mlp_on_digits_trains_to_f32_accuracy_in_fp8() -> None:
+    f32, _ = _mlp_accuracy(None)
+    fp8, report = _mlp_accuracy("fp8")
+    fp8_dots = [d for d in report.decisions if any(t.startswith("f8") for t in
+                                                   d.operands_after)]
+    assert len(fp8_dots) == 6  # layers 1 and 2, forward and both backward dots
+    assert f32 > 0.9
+    assert abs(fp8 - f32) <= 0.02, (fp8, f32)
