@@ -2,9 +2,11 @@
 
 Every model takes ``dtype`` (the computation dtype, ``None`` = infer from inputs and
 params, ``jnp.float32`` = full precision, ``jnp.bfloat16`` = hand-written mixed precision)
-and keeps its parameters in f32. Parts of the network sit under ``jax.named_scope`` so an
-hlo_amp policy can name them: ``patch_embed``, ``block_{i}``, ``block_{i}/attn``,
-``block_{i}/mlp``, ``head``.
+and keeps its parameters in f32. The ViT pushes no scope itself: traced under
+``hlo_amp.module_scopes(model)``, its parts are named by their path in the model, as a
+policy names them: ``patch_embed``, ``blocks/{i}``, ``blocks/{i}/attn`` (``attn/qkv``,
+``attn/out``), ``blocks/{i}/mlp`` (``mlp/fc1``, ``mlp/fc2``), ``norm``, ``head``. The MLP
+and CNN keep hand-written scopes (``layer_{i}``, ``conv_{i}``, ``head``).
 """
 
 from __future__ import annotations
@@ -77,15 +79,13 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, *, train: bool, key: jax.Array | None) -> jax.Array:
         keys = jax.random.split(key, 4) if train else [None] * 4
-        with jax.named_scope("attn"):
-            y = self.attn(self.ln1(x), train=train, key=keys[0])
-            if train:
-                y = self.drop(y, deterministic=False, rngs=keys[1])
+        y = self.attn(self.ln1(x), train=train, key=keys[0])
+        if train:
+            y = self.drop(y, deterministic=False, rngs=keys[1])
         x = x + y
-        with jax.named_scope("mlp"):
-            y = self.mlp(self.ln2(x), train=train, key=keys[2])
-            if train:
-                y = self.drop(y, deterministic=False, rngs=keys[3])
+        y = self.mlp(self.ln2(x), train=train, key=keys[2])
+        if train:
+            y = self.drop(y, deterministic=False, rngs=keys[3])
         return x + y
 
 
@@ -116,21 +116,18 @@ class ViT(nnx.Module):
         """images: (batch, height, width, channels) → logits (batch, classes)."""
         if train and key is None:
             raise ValueError("ViT(train=True) needs a dropout key")
-        with jax.named_scope("patch_embed"):
-            x = self.patch_embed(images)
-            b = x.shape[0]
-            x = x.reshape(b, -1, x.shape[-1])
-            cls = jnp.broadcast_to(_cast(self.cls[...], self.dtype), (b, 1, x.shape[-1]))
-            x = jnp.concatenate([cls.astype(x.dtype), x], axis=1)
-            x = x + _cast(self.pos[...], self.dtype).astype(x.dtype)
-            if train:
-                x = self.drop(x, deterministic=False, rngs=jax.random.fold_in(key, 10_000))
+        x = self.patch_embed(images)
+        b = x.shape[0]
+        x = x.reshape(b, -1, x.shape[-1])
+        cls = jnp.broadcast_to(_cast(self.cls[...], self.dtype), (b, 1, x.shape[-1]))
+        x = jnp.concatenate([cls.astype(x.dtype), x], axis=1)
+        x = x + _cast(self.pos[...], self.dtype).astype(x.dtype)
+        if train:
+            x = self.drop(x, deterministic=False, rngs=jax.random.fold_in(key, 10_000))
         for i, block in enumerate(self.blocks):
-            with jax.named_scope(f"block_{i}"):
-                x = block(x, train=train, key=jax.random.fold_in(key, i) if train else None)
-        with jax.named_scope("head"):
-            x = self.norm(x)
-            return self.head(x[:, 0])
+            x = block(x, train=train, key=jax.random.fold_in(key, i) if train else None)
+        x = self.norm(x)
+        return self.head(x[:, 0])
 
 
 class MLP(nnx.Module):

@@ -1,6 +1,7 @@
 """Train a small Vision Transformer on scikit-learn's 8×8 digits four ways and compare.
 
     python examples/vit_digits.py [--steps 1000] [--batch 64] [--lr 1e-3] [--out out]
+    python examples/vit_digits.py --autopolicy 0.016   # + a policy found for that budget
 
 The same model, seed, data order and step count are trained with
 
@@ -12,11 +13,20 @@ The same model, seed, data order and step count are trained with
 * ``hlo_amp mixed_bfloat16`` — ``hlo_amp.compile(step, "mixed_bfloat16")``: bf16 matmuls
   and the activations between them kept in bf16;
 * ``hlo_amp mixed_float16`` (``--variants ...,mixed_f16``, not in the default) —
-  ``hlo_amp.compile(step, "mixed_float16")`` with the loss scaler, like ``f16``.
+  ``hlo_amp.compile(step, "mixed_float16")`` with the loss scaler, like ``f16``;
+* ``hlo_amp fp8`` (``--variants f32,bf16,fp8``, not in the default) —
+  ``hlo_amp.compile(step, "fp8")``: per-tensor-scaled fp8 dots (on CPU a numerics preview,
+  computed in f32; see docs/fp8.md).
+
+With ``--autopolicy BUDGET`` it first runs ``hlo_amp.autopolicy`` on the train step (its
+first batch, scopes at ``--autopolicy-depth``, default 2), prints the attribution table and
+the chosen policy, writes them and a bar chart under ``--out``, and trains that policy as
+one more variant, ``hlo_amp autopolicy``.
 
 It prints one table (test accuracy, final loss, step time, XLA temp memory, pass and
-compile time) and writes the bf16 step's rewritten StableHLO, its report and a plot of
-the loss curves under ``--out``. ``run_variant("mixed_bf16", steps=1000)`` trains one
+compile time) and writes the bf16 step's rewritten StableHLO, its report, the report's
+picture of FLOPs per scope by precision (``vit_bf16_flops.png``) and a plot of the loss
+curves under ``--out``. ``run_variant("mixed_bf16", steps=1000)`` trains one
 variant from Python (a test) and returns its test accuracy.
 """
 
@@ -53,10 +63,12 @@ from hlo_amp.runtime.scaler import (
 
 # Variant name (``--variants``) -> hlo_amp policy; ``f32`` is plain ``jax.jit``.
 POLICIES = {"bf16": "bf16", "f16": "f16", "mixed_bf16": "mixed_bfloat16",
-            "mixed_f16": "mixed_float16"}
+            "mixed_f16": "mixed_float16", "fp8": "fp8"}
 LABELS = {"f32": "f32", "bf16": "hlo_amp bf16", "f16": "hlo_amp f16",
-          "mixed_bf16": "hlo_amp mixed_bfloat16", "mixed_f16": "hlo_amp mixed_float16"}
+          "mixed_bf16": "hlo_amp mixed_bfloat16", "mixed_f16": "hlo_amp mixed_float16",
+          "fp8": "hlo_amp fp8"}
 SCALED = frozenset({"f16", "mixed_f16"})  # trained with the dynamic loss scaler
+AUTO = "auto"  # the --autopolicy variant; main() adds it to POLICIES and LABELS
 DEFAULT_VARIANTS = ("f32", "bf16", "f16", "mixed_bf16")
 
 
@@ -78,6 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("out"), help="where artefacts go")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated subset of {','.join(LABELS)}")
+    p.add_argument("--autopolicy", type=float, default=None, metavar="BUDGET",
+                   help="also train the policy hlo_amp.autopolicy finds for this error "
+                        "budget (max over the step's outputs of max|a-e|/max|e| vs f32)")
+    p.add_argument("--autopolicy-depth", type=int, default=2,
+                   help="name-stack depth of the scopes --autopolicy may keep f32")
     return p.parse_args(argv)
 
 
@@ -155,9 +172,12 @@ class Run:
     report: Any = None  # hlo_amp variants: the pass's report after XLA compiled the step
 
 
-def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray) -> tuple[Run, Any]:
-    """Train one variant from the same initial parameters; returns the run and lowered step."""
-    x_train, x_test, y_train, y_test = (jnp.asarray(a) for a in data)
+def initial_state(args: argparse.Namespace) -> tuple[Any, Any, Any, tuple[Callable, ...]]:
+    """The model's graph and parameters, the optimizer state and the step functions.
+
+    The functions are traced under ``hlo_amp.module_scopes``, so the report and the
+    policies name the model's parts by path (``patch_embed``, ``blocks/1/attn``, ``head``).
+    """
     model = ViT(image_size=8, channels=1, patch=args.patch, dim=args.dim, depth=args.depth,
                 heads=args.heads, mlp_dim=args.mlp_dim, classes=10, dropout=args.dropout,
                 rngs=nnx.Rngs(args.seed))
@@ -167,8 +187,14 @@ def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray) -
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
                                                   end_value=args.lr * 0.01)
     tx = optax.adamw(schedule, weight_decay=1e-4)
-    opt_state = tx.init(params)
-    step, step_scaled, evaluate = make_fns(graphdef, tx)
+    scoped = hlo_amp.module_scopes(model)
+    return graphdef, params, tx.init(params), tuple(map(scoped, make_fns(graphdef, tx)))
+
+
+def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray) -> tuple[Run, Any]:
+    """Train one variant from the same initial parameters; returns the run and lowered step."""
+    x_train, x_test, y_train, y_test = (jnp.asarray(a) for a in data)
+    _, params, opt_state, (step, step_scaled, evaluate) = initial_state(args)
     run = Run(name)
     key0 = jax.random.PRNGKey(args.seed + 1)
     scaler = DynamicScalerState()
@@ -318,6 +344,19 @@ def run_variant(name: str, steps: int = 1000, **options: Any) -> float:
     return run.accuracy
 
 
+def choose_policy(args: argparse.Namespace, data: tuple, order: np.ndarray) -> Any:
+    """``hlo_amp.autopolicy`` on the train step and its first batch, from bf16; the chosen
+    policy becomes the ``auto`` variant."""
+    x_train, y_train = jnp.asarray(data[0]), jnp.asarray(data[2])
+    _, params, opt_state, (step, _, _) = initial_state(args)
+    batch = (x_train[order[0]], y_train[order[0]], jax.random.PRNGKey(args.seed + 1))
+    result = hlo_amp.autopolicy(step, params, opt_state, *batch, budget=args.autopolicy,
+                                depth=args.autopolicy_depth, base="bf16")
+    POLICIES[AUTO] = result.policy.to_string()
+    LABELS[AUTO] = "hlo_amp autopolicy"
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     variants = parse_variants(args.variants)
@@ -327,6 +366,14 @@ def main(argv: list[str] | None = None) -> None:
           f"{len(data[0])} train / {len(data[1])} test images; ViT dim {args.dim}, "
           f"depth {args.depth}, heads {args.heads}, patch {args.patch}; "
           f"{args.steps} steps of batch {args.batch}", flush=True)
+    chosen = None
+    if args.autopolicy is not None:
+        print(f"autopolicy: budget {args.autopolicy:g}, scopes at depth "
+              f"{args.autopolicy_depth} of the bf16 train step ...", flush=True)
+        chosen = choose_policy(args, data, order)
+        print(chosen.attribution)
+        print(chosen)
+        variants = [v for v in variants if v != AUTO] + [AUTO]
     runs: list[Run] = []
     lowered_bf16 = None
     for name in variants:
@@ -352,7 +399,9 @@ def main(argv: list[str] | None = None) -> None:
         report = by_name["bf16"].report
         (args.out / "vit_bf16_report.txt").write_text(str(report) + "\n")
         (args.out / "vit_bf16_report.json").write_text(_json_text(report.to_json()))
-        written += [mlir, args.out / "vit_bf16_report.txt", args.out / "vit_bf16_report.json"]
+        flops_png = report.plot(args.out / "vit_bf16_flops.png", depth=3)  # blocks/i/attn
+        written += [mlir, args.out / "vit_bf16_report.txt", args.out / "vit_bf16_report.json",
+                    flops_png]
         print()
         print("bf16 report summary:", report.summary())
     mixed = by_name.get("mixed_bf16")
@@ -360,6 +409,14 @@ def main(argv: list[str] | None = None) -> None:
         if lowered_bf16 is None:
             print()
         print("mixed_bfloat16 report summary:", mixed.report.summary())
+    if chosen is not None:
+        stem = args.out / "vit_autopolicy"
+        stem.with_suffix(".txt").write_text(f"{chosen.attribution}\n\n{chosen}\n")
+        stem.with_suffix(".json").write_text(chosen.to_json())
+        chosen.attribution.plot(args.out / "vit_attribution.png", budget=chosen.budget)
+        written += [stem.with_suffix(".txt"), stem.with_suffix(".json"),
+                    args.out / "vit_attribution.png"]
+        print(f"autopolicy variant trained with: {POLICIES[AUTO]}")
     png = args.out / "loss_curves.png"
     plot(runs, png)
     written.append(png)

@@ -5,6 +5,7 @@ from hlo_amp import jax_internals as _jax_internals
 _jax_internals.check()  # an unsupported jax fails here, in one line, not deep in a call
 
 from hlo_amp.module_scopes import module_scopes
+from hlo_amp.numerics import Attribution, AutoPolicy, Comparison, attribute, autopolicy, compare
 from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import rewrite
@@ -21,12 +22,18 @@ __all__ = [
     "AmpCompiled",
     "AmpFunction",
     "AmpLowered",
+    "Attribution",
+    "AutoPolicy",
+    "Comparison",
     "Decision",
     "DynamicScalerState",
     "Policy",
     "Report",
     "all_finite",
     "amp_stop",
+    "attribute",
+    "autopolicy",
+    "compare",
     "compile",
     "dynamic_scale_grad",
     "dynamic_scale_value_and_grad",

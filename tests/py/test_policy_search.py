@@ -1,0 +1,385 @@
+"""hlo_amp.compare, attribute and autopolicy (issue 12) on tiny programs.
+
+The synthetic program has three benign scopes and one, ``cancel``, built to be
+bf16-fragile: a K=1024 dot of values 1 + 1e-3 * noise against alternating signs, whose
+exact result is the sum of the noise and whose bf16 operands round the noise away.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import hlo_amp
+from hlo_amp.numerics import RTOL, tolerance
+
+K = 1024
+
+
+def _weights() -> dict[str, jax.Array]:
+    k = jax.random.split(jax.random.key(0), 5)
+    return {"embed": jax.random.normal(k[0], (32, 32)) / 32 ** 0.5,
+            "mix": jax.random.normal(k[1], (32, 32)) / 32 ** 0.5,
+            "head": jax.random.normal(k[2], (32, 8)) / 32 ** 0.5,
+            "u": 1 + 1e-3 * jax.random.normal(k[3], (8, K)),
+            "sign": jnp.tile(jnp.array([1.0, -1.0]), K // 2)}
+
+
+X = jax.random.normal(jax.random.key(1), (16, 32))
+W = _weights()
+
+
+def make_program():
+    """A fresh function object each call, so compile counts start from an empty cache."""
+
+    def program(x, w):
+        with jax.named_scope("embed"):
+            h = jnp.tanh(x @ w["embed"])
+        with jax.named_scope("mix"):
+            h = jnp.tanh(h @ w["mix"])
+        with jax.named_scope("cancel"):
+            c = w["u"] @ w["sign"]
+        with jax.named_scope("head"):
+            y = h @ w["head"]
+        return {"y": y, "c": c}
+
+    return program
+
+
+# ---- attribute and autopolicy ------------------------------------------------------------
+
+
+def test_attribute_ranks_the_fragile_scope_first():
+    result = hlo_amp.attribute(make_program(), "bf16", X, W)
+    assert result.ranking[0] == "cancel"
+    assert sorted(result.ranking) == ["cancel", "embed", "head", "mix"]
+    rows = {row.scope: row for row in result.scopes}
+    assert rows["cancel"].only_low > 0.5  # the cancelled sum loses its digits
+    assert all(rows[s].only_low < 0.01 for s in ("embed", "mix", "head"))
+    assert rows["cancel"].only_f32 < 0.01  # keeping it f32 alone fixes the program
+    assert rows["embed"].only_f32 > 0.5  # keeping another f32 does not
+    assert result.error == pytest.approx(rows["cancel"].only_low, rel=0.05)
+    # one compile as written, one for bf16, two per scope; never one per combination
+    assert result.compiles == 2 + 2 * 4
+    assert result.dtypes == ["bf16"] and result.rtol == RTOL["bf16"]
+
+
+def test_autopolicy_keeps_exactly_the_fragile_scope_f32_and_meets_the_budget():
+    fn = make_program()
+    result = hlo_amp.autopolicy(fn, X, W, budget=0.01)
+    assert result.f32_scopes == ["cancel"]
+    assert dict(result.policy.scopes) == {"cancel": "float32"}
+    assert result.policy.compute_dtype == "bfloat16" and result.met
+    assert result.error <= 0.01
+    assert hlo_amp.Policy.parse(str(result.policy)) == result.policy  # pasteable
+    # the attribution's compiles, no search over combinations; the confirmation is the
+    # attribution's "only cancel f32" executable, from the cache
+    assert result.compiles == result.attribution.compiles == 2 + 2 * 4
+    assert [t.f32_scopes for t in result.trail] == [(), ("cancel",)]
+    assert [t.met for t in result.trail] == [False, True]
+    # an independent compare of the chosen policy agrees (and, cached, compiles nothing)
+    check = hlo_amp.compare(fn, str(result.policy), X, W, f64=False)
+    assert check.error == pytest.approx(result.error) and check.compiles == 0
+
+
+def test_autopolicy_steps_up_until_the_budget_is_met():
+    fn = make_program()
+    attribution = hlo_amp.attribute(fn, "bf16", X, W)
+    benign = sorted(row.only_f32 for row in attribution.scopes if row.scope != "cancel")
+    budget = attribution.scopes[0].only_f32 * 0.9  # just below: cancel alone is not enough
+    result = hlo_amp.autopolicy(fn, X, W, budget=budget)
+    assert result.f32_scopes[0] == "cancel" and len(result.f32_scopes) >= 2
+    assert result.met and result.error <= budget
+    assert benign[0] > budget  # (each benign scope alone, cancel low, is far over)
+    tried = {t.f32_scopes: t.met for t in result.trail}
+    assert tried[tuple(result.f32_scopes[:-1])] is False  # one fewer was tried and failed
+    # the pair is the one new policy: "cancel" alone is the attribution's, cached
+    assert [len(t.f32_scopes) for t in result.trail] == [0, 1, 2]
+    assert result.compiles == 1
+
+
+def test_of_single_scopes_within_budget_the_one_with_fewer_flops_is_kept_f32():
+    """bf16 rounds 1 + 2^-9 (in ``small``, one row) and 1 + 3 * 2^-10 (in ``large``, 64
+    rows) to 1; their errors add, and either alone is within the budget."""
+
+    def fn(a, b, m):
+        with jax.named_scope("small"):
+            y = a @ jnp.array([1.0, -1.0])
+        with jax.named_scope("large"):
+            z = b @ jnp.array([1.0, -1.0])
+        return jnp.concatenate([y + z, m])
+
+    a = jnp.array([[1 + 2.0 ** -9, 1.0]])
+    b = jnp.tile(jnp.array([[1 + 3 * 2.0 ** -10, 1.0]]), (64, 1))
+    result = hlo_amp.autopolicy(fn, a, b, jnp.ones(1), budget=0.004)
+    assert result.attribution.ranking == ["large", "small"]  # large contributes more
+    rows = {row.scope: row for row in result.attribution.scopes}
+    assert rows["large"].flops > rows["small"].flops
+    assert rows["large"].only_f32 <= 0.004 and rows["small"].only_f32 <= 0.004
+    assert result.f32_scopes == ["small"] and result.met
+    assert result.error == pytest.approx(3 * 2.0 ** -10 - 1e-5)
+
+
+def test_autopolicy_within_budget_returns_the_base_policy():
+    result = hlo_amp.autopolicy(make_program(), X, W, budget=2.0, base="f16")
+    assert result.policy == hlo_amp.Policy.preset("f16")
+    assert result.f32_scopes == [] and result.met and len(result.trail) == 1
+
+
+def test_autopolicy_says_when_no_scope_rule_can_meet_the_budget():
+    def fn(x, w):  # the fragile dot outside any named scope
+        with jax.named_scope("head"):
+            y = x @ w["head"]
+        return y, w["u"] @ w["sign"]
+
+    result = hlo_amp.autopolicy(fn, X, {"head": W["embed"], "u": W["u"], "sign": W["sign"]},
+                                budget=0.01)
+    assert not result.met and result.error > 0.5
+    assert result.f32_scopes == ["head"]
+    assert any("no policy" in note for note in result.notes)
+    rows = {row.scope: row for row in result.attribution.scopes}
+    assert rows["(top level)"].only_f32 is None and rows["(top level)"].pattern is None
+    assert "NOT within" in str(result)
+
+
+def test_two_fragile_scopes_hiding_each_other_are_both_kept_f32():
+    """Keeping either one f32 removes nothing (the other's error remains), so what they
+    do alone is what ranks them."""
+
+    def fn(x, w):
+        with jax.named_scope("embed"):
+            y = x @ w["embed"]
+        with jax.named_scope("cancel_a"):
+            a = w["u"] @ w["sign"]
+        with jax.named_scope("cancel_b"):
+            b = (w["u"] * 0.5) @ w["sign"]
+        return y, a + b
+
+    attribution = hlo_amp.attribute(fn, "bf16", X, W)
+    assert sorted(attribution.ranking[:2]) == ["cancel_a", "cancel_b"]
+    rows = {row.scope: row for row in attribution.scopes}
+    assert rows["cancel_a"].only_f32 > 0.3 and rows["cancel_a"].contribution > 0.3
+    result = hlo_amp.autopolicy(fn, X, W, budget=0.01)
+    assert sorted(result.f32_scopes) == ["cancel_a", "cancel_b"] and result.met
+
+
+def test_a_rule_names_exactly_its_scope():
+    """``out`` also matches inside ``blocks/out``; a guard keeps that scope's ops out."""
+
+    def fn(x, w):
+        with jax.named_scope("blocks"), jax.named_scope("out"):
+            c = w["u"] @ w["sign"]  # the fragile one
+        with jax.named_scope("out"):
+            y = x @ w["head"]
+        return y, c
+
+    weights = {"head": W["embed"], "u": W["u"], "sign": W["sign"]}
+    attribution = hlo_amp.attribute(fn, "bf16", X, weights)
+    rows = {row.scope: row for row in attribution.scopes}
+    assert attribution.ranking[0] == "blocks"
+    assert rows["out"].only_f32 > 0.5  # without the guard, blocks/out went f32 too
+    assert attribution.guards == {"blocks": "compute"}
+    result = hlo_amp.autopolicy(fn, X, weights, budget=0.01)
+    assert result.f32_scopes == ["blocks"] and result.met
+
+
+def test_depth_groups_scopes_by_leading_segments():
+    def fn(x, w):
+        for i in range(2):
+            with jax.named_scope(f"block_{i}"):
+                with jax.named_scope("attn"):
+                    x = jnp.tanh(x @ w["embed"])
+                with jax.named_scope("mlp"):
+                    x = jnp.tanh(x @ w["mix"])
+        with jax.named_scope("head"):
+            return x @ w["head"]
+
+    one = hlo_amp.attribute(fn, "bf16", X, W, depth=1)
+    two = hlo_amp.attribute(fn, "bf16", X, W, depth=2)
+    assert sorted(one.ranking) == ["block_0", "block_1", "head"]
+    assert sorted(two.ranking) == ["block_0/attn", "block_0/mlp", "block_1/attn",
+                                   "block_1/mlp", "head"]
+    # as written, bf16 and "only head f32" are depth 1's executables, from the cache
+    assert two.compiles == 2 * 5 - 1
+
+
+def test_attribute_and_autopolicy_on_a_train_step():
+    tx = optax.sgd(0.1)
+
+    def loss_fn(w, x):
+        with jax.named_scope("body"):
+            h = jnp.tanh(x @ w["embed"])
+        with jax.named_scope("cancel"):
+            c = w["u"] @ w["sign"]
+        with jax.named_scope("head"):
+            return jnp.mean((h @ w["head"]) ** 2) + jnp.sum(c)
+
+    def train_step(w, opt_state, x):
+        loss, grads = jax.value_and_grad(loss_fn)(w, x)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(w, updates), opt_state, loss
+
+    weights = {"embed": W["embed"], "head": W["head"], "u": W["u"], "sign": W["sign"]}
+    args = (weights, tx.init(weights), X)
+    result = hlo_amp.autopolicy(train_step, *args, budget=0.01)
+    assert result.attribution.ranking[0] == "cancel"
+    assert result.f32_scopes == ["cancel"] and result.met
+    compared = hlo_amp.compare(train_step, result.policy, *args)
+    assert {leaf.name for leaf in compared.leaves} >= {"0/u", "0/embed", "2"}
+    assert compared.error <= 0.01
+
+
+# ---- compare -----------------------------------------------------------------------------
+
+
+def _cancelling(x, m):
+    """[x0 - x1, m]: with x0 = 1 + d and x1 = 1, the first entry is d exactly in f32."""
+    with jax.named_scope("dot"):
+        d = x @ jnp.array([[1.0], [-1.0]])
+    return jnp.concatenate([d.ravel(), m])
+
+
+@pytest.mark.parametrize(("policy", "d", "m", "ok"), [
+    ("bf16", 2.0 ** -9, 0.25, True),  # bf16 rounds 1 + 2^-9 to 1: error 2^-9
+    ("bf16", 2.0 ** -9, 0.0625, False),  # 2^-9 > 1e-5 + 1.6e-2 * 0.0625
+    ("f16", 2.0 ** -12, 0.5, True),  # f16 rounds 1 + 2^-12 to 1: error 2^-12
+    ("f16", 2.0 ** -12, 0.125, False),  # 2^-12 > 1e-5 + 1e-3 * 0.125
+    ("bf16", 2.0 ** -12, 0.125, True),  # the same error is inside bf16's tolerance
+])
+def test_compare_verdicts_flip_around_the_dtype_tolerance(policy, d, m, ok):
+    x = jnp.array([[1.0 + d, 1.0]])
+    result = hlo_amp.compare(_cancelling, policy, x, jnp.array([m]))
+    (leaf,) = result.leaves
+    assert leaf.max_abs == pytest.approx(d) and leaf.max_rel == pytest.approx(d / m)
+    assert leaf.ok is ok and result.ok is ok
+    assert result.rtol == RTOL[{"bf16": "bf16", "f16": "f16"}[policy]]
+    assert result.error == pytest.approx((d - 1e-5) / m)
+    assert (result.error <= result.rtol) is ok  # the error is the smallest passing rtol
+    assert ("within" if ok else "OUTSIDE") in str(result)
+
+
+def test_compare_reports_f64_and_leaves_the_callers_x64_alone():
+    fn = make_program()
+    result = hlo_amp.compare(fn, "bf16", X, W, reference="f64")
+    assert jax.config.jax_enable_x64 is False and jnp.ones(1).dtype == jnp.float32
+    rows = {leaf.name: leaf for leaf in result.leaves}
+    assert result.reference == "f64" and result.compiles == 3  # f32, bf16, f64
+    assert 0 < rows["y"].f32_vs_f64 < 1e-6 and rows["y"].policy_vs_f64 > 1e-4
+    assert rows["c"].f32_vs_f64 > 1e-4  # the cancelled sum is ill-conditioned in f32 too
+    assert any("ill-conditioned" in note for note in result.notes)
+    data = json.loads(result.to_json())
+    assert data["reference"] == "f64" and {leaf["name"] for leaf in data["leaves"]} == {"c", "y"}
+    assert "policy vs f64" in str(result)
+
+
+def test_a_program_without_dots_has_zero_error_and_says_why():
+    def fn(x):
+        return jnp.tanh(x) * 2.0, jnp.argmax(x, axis=-1)
+
+    result = hlo_amp.compare(fn, "bf16", X)
+    assert result.error == 0 and result.ok and result.leaves[0].max_abs == 0
+    assert result.leaves[1].ok is None and "equal" in result.leaves[1].note
+    assert any("no dot_general or convolution" in note for note in result.notes)
+    attribution = hlo_amp.attribute(fn, "bf16", X)
+    assert attribution.scopes == [] and attribution.error == 0
+    assert any("nothing to attribute" in note for note in attribution.notes)
+    chosen = hlo_amp.autopolicy(fn, X, budget=1e-3)
+    assert chosen.policy == hlo_amp.Policy.preset("bf16") and chosen.met
+    assert any("no dot_general" in note for note in chosen.notes)
+
+
+def test_tolerance_takes_the_loosest_dtype():
+    assert tolerance([]) == RTOL["f32"]
+    assert tolerance(["bf16", "f16"]) == RTOL["bf16"]
+    assert tolerance(["f8E4M3FN"]) == RTOL["f8E4M3"]
+
+
+# ---- bad arguments -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("depth", "match"), [
+    (0, r"Unknown depth 0; accepted: 1 to 1"), (3, r"Unknown depth 3; accepted: 1 to 1"),
+    ("1", r"Unknown depth '1'"), (True, r"Unknown depth True")])
+def test_unknown_depth(depth, match):
+    with pytest.raises(ValueError, match=match):
+        hlo_amp.attribute(make_program(), "bf16", X, W, depth=depth)
+
+
+@pytest.mark.parametrize("budget", [0, -0.1, float("nan"), float("inf"), "1e-2", None])
+def test_budget_must_be_positive(budget):
+    with pytest.raises(ValueError, match=r"Invalid budget .*; accepted: a finite number > 0"):
+        hlo_amp.autopolicy(make_program(), X, W, budget=budget)
+
+
+def test_non_float_output():
+    def fn(x, w):
+        return jnp.argmax(x @ w["embed"], axis=-1)
+
+    for call in (lambda: hlo_amp.compare(fn, "bf16", X, W),
+                 lambda: hlo_amp.attribute(fn, "bf16", X, W),
+                 lambda: hlo_amp.autopolicy(fn, X, W, budget=0.1)):
+        with pytest.raises(ValueError, match=r"fn returned none \(output: int32\[16\]\); "
+                                             r"accepted: a function with at least one float"):
+            call()
+
+
+def test_other_bad_arguments():
+    with pytest.raises(ValueError, match=r"Unknown reference 'f16'; accepted: 'f32', 'f64'"):
+        hlo_amp.compare(make_program(), "bf16", X, W, reference="f16")
+    with pytest.raises(ValueError, match=r"Invalid rtol -1; accepted"):
+        hlo_amp.compare(make_program(), "bf16", X, W, rtol=-1)
+    with pytest.raises(ValueError, match=r"Unknown preset 'bf8'"):
+        hlo_amp.autopolicy(make_program(), X, W, budget=0.1, base="bf8")
+
+
+# ---- output forms ------------------------------------------------------------------------
+
+
+def test_table_json_and_png(tmp_path):
+    attribution = hlo_amp.attribute(make_program(), "bf16", X, W)
+    text = str(attribution)
+    assert text.splitlines()[1].split() == ["rank", "scope", "ops", "FLOPs", "only", "it",
+                                            "bf16", "only", "it", "f32", "contribution"]
+    assert text.splitlines()[3].split()[:2] == ["1", "cancel"]
+    data = json.loads(attribution.to_json())
+    assert [row["scope"] for row in data["scopes"]] == attribution.ranking
+    png = attribution.plot(tmp_path / "attribution.png", budget=0.01)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
+    attribution = hlo_amp.attribute(make_program(), "bf16", X, W)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="needs matplotlib: pip install matplotlib"):
+        attribution.plot(tmp_path / "a.png")
+
+
+def test_a_compiled_function_is_measured_as_written():
+    fn = make_program()
+    direct = hlo_amp.compare(fn, "bf16", X, W, f64=False)
+    wrapped = hlo_amp.compare(hlo_amp.compile(fn, "f16"), "bf16", X, W, f64=False)
+    assert wrapped.error == direct.error and wrapped.compiles == 0
+    assert np.isfinite(direct.error)
+
+
+def test_executables_are_cached_per_function_and_freed_with_it():
+    import gc
+    import weakref
+
+    from hlo_amp import numerics
+
+    fn = make_program()
+    first = hlo_amp.compare(fn, "bf16", X, W, f64=False)
+    again = hlo_amp.compare(fn, "bf16", X, W, f64=False)
+    other = hlo_amp.compare(fn, "bf16", X[:8], W, f64=False)  # a new input signature
+    assert (first.compiles, again.compiles, other.compiles) == (2, 0, 2)
+    alive = weakref.ref(fn)
+    del fn
+    gc.collect()
+    assert alive() is None and all(ref() is not None for ref in numerics._LOWERINGS.keyrefs())
