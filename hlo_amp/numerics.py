@@ -35,8 +35,8 @@ from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import warn_unused_rules
 from hlo_amp.runtime.compile import (
     AmpFunction,
-    _leaf_signature,
-    _target,
+    leaf_signature,
+    pipeline_target,
     rewrite_module,
 )
 
@@ -65,7 +65,7 @@ class _Lowering:
         self.lowered = jax.jit(fn).trace(*args).lower()
         self.module = self.lowered.compiler_ir("stablehlo")
         platforms = internals.lowering_platforms(self.lowered) or (jax.default_backend(),)
-        self.target = _target(platforms)
+        self.target = pipeline_target(platforms)
         # policy string ("" = as written, "f64") -> (executable, report or None)
         self.executables: OrderedDict[str, tuple[Any, Report | None]] = OrderedDict()
         self.rewrites: OrderedDict[str, tuple[Any, Report]] = OrderedDict()
@@ -126,7 +126,7 @@ _LOWERINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _lowering(fn: Callable[..., Any], args: tuple) -> tuple[_Lowering, bool]:
     """The cached lowering of ``fn`` for ``args``' signature; whether it was made now."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    key = (treedef, tuple(_leaf_signature(leaf) for leaf in leaves),
+    key = (treedef, tuple(leaf_signature(leaf) for leaf in leaves),
            bool(jax.config.jax_enable_x64))
     try:
         per_fn = _LOWERINGS.setdefault(fn, {})

@@ -130,7 +130,7 @@ def _normalise_argnums(argnums: int | Sequence[int], count: int) -> tuple[int, .
     return tuple(sorted({a + count if a < 0 else a for a in argnums}))
 
 
-def _leaf_signature(leaf: Any) -> Any:
+def leaf_signature(leaf: Any) -> Any:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
         return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)),
@@ -193,7 +193,7 @@ class AmpFunction:
         """Dynamic args and kwargs, their leaves and treedef, and the cache key."""
         dyn_args, dyn_kwargs, static_key = self._split(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        key = (treedef, tuple(_leaf_signature(x) for x in leaves), static_key)
+        key = (treedef, tuple(leaf_signature(x) for x in leaves), static_key)
         return dyn_args, dyn_kwargs, leaves, treedef, key
 
     def cache_size(self) -> int:
@@ -209,7 +209,7 @@ class AmpFunction:
         lower_seconds = time.perf_counter() - start
         self.lowerings += 1
         platforms = internals.lowering_platforms(original) or (jax.default_backend(),)
-        target = _target(platforms)
+        target = pipeline_target(platforms)
         module, report, pass_seconds = rewrite_module(
             original.compiler_ir("stablehlo"), self.policy, target)
         warn_unused_rules(report)
@@ -274,7 +274,7 @@ class AmpFunction:
             module = internals.deserialize_portable_artifact(
                 exported.mlir_module_serialized, new_context())
             warn_unused_rules(run_pipeline(module, self.policy,
-                                           target=_target(exported.platforms)))
+                                           target=pipeline_target(exported.platforms)))
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
             self._exports[key] = exported
@@ -334,7 +334,7 @@ class AmpFunction:
         return jax.tree_util.tree_unflatten(self._out_trees[(key, avals)], outs)
 
 
-def _target(platforms: Sequence[str]) -> str | None:
+def pipeline_target(platforms: Sequence[str]) -> str | None:
     """The pipeline's target: "cpu" when the program is lowered for CPU alone."""
     return "cpu" if tuple(platforms) == ("cpu",) else None
 

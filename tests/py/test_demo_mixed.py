@@ -1,7 +1,8 @@
 """The demo ViT (examples/vit_digits.py, real digits data) trained 1,000 steps in the
-mixed_* modes reaches f32's test accuracy within one point.
+mixed_* modes reaches f32's test accuracy within one point, and with "fp8" within two
+(issue 11's bound for 8-bit dots).
 
-The slowest test here (about 2-3 minutes on 2 cores): three 1,000-step trainings of the
+The slowest test here (about 3-4 minutes on 2 cores): four 1,000-step trainings of the
 NNX ViT on the 1,437 training images, scored on the 360 held-out ones.
 """
 
@@ -22,3 +23,9 @@ def test_mixed_modes_train_to_f32_accuracy(variant: str, f32_accuracy: float) ->
     accuracy = run_variant(variant, steps=1000)  # mixed_f16 runs with the loss scaler
     assert f32_accuracy > 0.9  # the reference itself learned
     assert abs(accuracy - f32_accuracy) <= 0.01, (variant, accuracy, f32_accuracy)
+
+
+def test_fp8_trains_to_within_two_points_of_f32(f32_accuracy: float) -> None:
+    accuracy = run_variant("fp8", steps=1000)
+    assert f32_accuracy > 0.9
+    assert abs(accuracy - f32_accuracy) <= 0.02, (accuracy, f32_accuracy)
