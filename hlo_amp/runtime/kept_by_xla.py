@@ -35,8 +35,8 @@ _LOW_TYPES = ("bf16", "f16", "f8")
 # Name-stack segments one side has and the other may not (see the module docstring).
 _CALL_SEGMENT = re.compile(r"^(?:closed_call|core_call|p?jit\(.*\))$")
 
-UNMATCHED = "no dot of its scope left in XLA's HLO (merged or removed)"
-MERGED = "XLA merged or removed some dots of its scope"
+UNMATCHED = "no matrix op of its scope left in XLA's HLO (merged or removed)"
+MERGED = "XLA merged or removed some matrix ops of its scope"
 
 
 @dataclass(frozen=True)
