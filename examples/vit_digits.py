@@ -404,11 +404,12 @@ def main(argv: list[str] | None = None) -> None:
                     flops_png]
         print()
         print("bf16 report summary:", report.summary())
-    mixed = by_name.get("mixed_bf16")
-    if mixed is not None and mixed.report is not None:
-        if lowered_bf16 is None:
-            print()
-        print("mixed_bfloat16 report summary:", mixed.report.summary())
+    others = [r for r in runs if r.name != "bf16" and r.report is not None]
+    if others and lowered_bf16 is None:
+        print()
+    for run in others:  # the other hlo_amp variants' summaries (fp8: its kept-by-XLA line)
+        print(f"{LABELS[run.name].removeprefix('hlo_amp ')} report summary:",
+              run.report.summary())
     if chosen is not None:
         stem = args.out / "vit_autopolicy"
         stem.with_suffix(".txt").write_text(f"{chosen.attribution}\n\n{chosen}\n")
