@@ -1,4 +1,5 @@
-// Real JAX lowerings under the fp8 preset (tests/lit/inputs/make_fp8_inputs.py).
+// Real JAX lowerings under the fp8 preset (tests/lit/inputs/make_inputs.py: fp8_mlp_grad,
+// fp8_scan_grad).
 //
 // fp8_mlp_grad: value_and_grad of stem -> attn -> mlp -> head and an SGD update. The
 // preset keeps the first (stem) and the last (head) matrix op, and their backward dots,

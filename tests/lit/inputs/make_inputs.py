@@ -1,4 +1,5 @@
-"""Regenerate the saved JAX lowerings that the lit tests in tests/lit/jax_*.mlir read.
+"""Regenerate the saved JAX lowerings that the lit tests tests/lit/jax_*.mlir and fp8_jax.mlir
+read.
 
 Run from the repository root (the tests never run this; they read the saved files):
 
@@ -221,6 +222,62 @@ def transformer_block() -> str:
     return jax.jit(block_loss).lower(params, _ones(2, 4)).as_text(debug_info=True)
 
 
+# ---- fp8 inputs (tests/lit/fp8_jax.mlir): matrices 16 wide or more, as XLA's fp8 GEMM
+# ---- needs every canonical dimension of a dot to be at least 16 (2x4 ones fall back) --
+
+
+def _ramp(*shape: int) -> jax.Array:
+    size = 1
+    for n in shape:
+        size *= n
+    return jnp.linspace(-1.0, 1.0, num=size).reshape(shape)
+
+
+# ---- fp8_mlp_grad: a train step whose first (stem) and last (head) dots are kept -----
+
+
+def fp8_mlp_loss(params: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Array:
+    with jax.named_scope("stem"):
+        h = jnp.tanh(x @ params["w0"])
+    with jax.named_scope("attn"):
+        h = jnp.tanh(h @ params["wa"])
+    with jax.named_scope("mlp"):
+        h = jnp.tanh(h @ params["wm"])
+    with jax.named_scope("head"):
+        out = h @ params["wo"]  # 4 outputs: under the fp8 GEMM's 16
+    return jnp.mean((out - y) ** 2)
+
+
+def fp8_mlp_step(params: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> Any:
+    loss, grads = jax.value_and_grad(fp8_mlp_loss)(params, x, y)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+def fp8_mlp_grad() -> str:
+    params = {"w0": _ramp(32, 32), "wa": _ramp(32, 32), "wm": _ramp(32, 32),
+              "wo": _ramp(32, 4)}
+    return jax.jit(fp8_mlp_step).lower(params, _ramp(16, 32), _ramp(16, 4)).as_text(
+        debug_info=True)
+
+
+# ---- fp8_scan_grad: the layers in a scan, so the backward dots sit in a private ------
+# ---- function called from a while body: the gradient operand comes in as an argument -
+
+
+def fp8_scan_loss(ws: jax.Array, x: jax.Array) -> jax.Array:
+    def layer(h: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
+        with jax.named_scope("layer"):
+            return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(layer, x, ws)
+    return jnp.sum(h ** 2)
+
+
+def fp8_scan_grad() -> str:
+    return jax.jit(jax.grad(fp8_scan_loss)).lower(_ramp(2, 32, 32), _ramp(16, 32)).as_text(
+        debug_info=True)
+
+
 LOWERINGS: dict[str, Callable[[], str]] = {
     "mlp_grad": mlp_grad,
     "flax_linen": flax_linen,
@@ -231,6 +288,8 @@ LOWERINGS: dict[str, Callable[[], str]] = {
     "remat": remat,
     "conv_net": conv_net,
     "transformer_block": transformer_block,
+    "fp8_mlp_grad": fp8_mlp_grad,
+    "fp8_scan_grad": fp8_scan_grad,
 }
 
 
