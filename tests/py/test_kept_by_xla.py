@@ -116,14 +116,6 @@ def test_scope_key_drops_call_segments_and_the_op_name():
     assert scope_key("jit(f)/c/jit(inner)/s/transpose") != scope_key("c/t/dot_general")
 
 
-def _decision(location: str) -> Decision:
-    return Decision(function="main", op_kind="dot_general", scope="", direction="forward",
-                    operands_before=("f32", "f32"), operands_after=("bf16", "bf16"),
-                    result_before="f32", result_after="f32", action="compute",
-                    rule="op:dot_general", changed=True, reason="", flops=0,
-                    location=location)
-
-
 _HLO = """
 ENTRY %main {
   %a = f32[4,4]{1,0} parameter(0)
@@ -135,11 +127,11 @@ ENTRY %main {
 """
 
 
-def test_fewer_dots_in_xla_than_in_the_report_stay_unknown():
+def test_fewer_dots_in_xla_than_in_the_report_stay_unknown(converted_decision):
     # Scope s: three converted dots, XLA kept one (and merged two): True, None, None.
     # Scope t: two converted dots, XLA has both in f32: upcast, False, False.
-    report = Report(decisions=[_decision("jit(f)/s/dot_general")] * 3
-                    + [_decision("jit(f)/t/dot_general")] * 2)
+    report = Report(decisions=[converted_decision("jit(f)/s/dot_general")] * 3
+                    + [converted_decision("jit(f)/t/dot_general")] * 2)
     mark_kept_by_xla(report, _HLO)
     assert [d.kept_by_xla for d in report.decisions] == [True, None, None, False, False]
     assert report.unknown_to_xla == {MERGED: 2}
@@ -163,16 +155,16 @@ ENTRY %main {
 """
 
 
-def _fp8_decision(location: str, operands: tuple[str, str]) -> Decision:
-    return dataclasses.replace(_decision(location), operands_after=operands,
+def _fp8(decision: Decision, operands: tuple[str, str]) -> Decision:
+    return dataclasses.replace(decision, operands_after=operands,
                                action="float8_e4m3fn")
 
 
-def test_fp8_ops_count_as_kept_only_against_an_fp8_gemm():
+def test_fp8_ops_count_as_kept_only_against_an_fp8_gemm(converted_decision):
     report = Report(decisions=[
-        _fp8_decision("jit(f)/q/dot_general", ("f8E4M3FN", "f8E4M3FN")),
-        _fp8_decision("jit(f)/k/dot_general", ("f8E5M2", "f8E4M3FN")),  # XLA ran it in bf16
-        _decision("jit(f)/v/dot_general"),  # a bf16 op next to them, kept as bf16
+        _fp8(converted_decision("jit(f)/q/dot_general"), ("f8E4M3FN", "f8E4M3FN")),
+        _fp8(converted_decision("jit(f)/k/dot_general"), ("f8E5M2", "f8E4M3FN")),  # XLA ran it in bf16
+        converted_decision("jit(f)/v/dot_general"),  # a bf16 op next to them, kept as bf16
     ])
     mark_kept_by_xla(report, _GPU_HLO, target=None)
     assert [d.kept_by_xla for d in report.decisions] == [True, False, True]
@@ -193,8 +185,8 @@ def test_gpu_gemm_calls_are_read_with_their_matrix_operands():
     ]
 
 
-def test_non_fp8_reports_have_no_fp8_clause():
-    report = Report(decisions=[_decision("jit(f)/k/dot_general")])
+def test_non_fp8_reports_have_no_fp8_clause(converted_decision):
+    report = Report(decisions=[converted_decision("jit(f)/k/dot_general")])
     mark_kept_by_xla(report, _GPU_HLO, target=None)
     assert "fp8" not in report.summary()
 

@@ -39,7 +39,7 @@ from hlo_amp.modules import (
 from hlo_amp.passes import VERIFY_EACH_ENV, default_pipeline, run_pipeline
 from hlo_amp.passes.propagate import _Graph
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
-from hlo_amp.report import Decision, Report
+from hlo_amp.report import Report
 
 MODULE = """\
 func.func @main(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
@@ -326,28 +326,35 @@ def test_rewrite_same_with_use_lists_only(lowered, monkeypatch, text):
 # ---- the report ---------------------------------------------------------------------
 
 
-def _decision(location: str) -> Decision:
-    return Decision(function="main", op_kind="dot_general", scope="", direction="forward",
-                    operands_before=("f32", "f32"), operands_after=("bf16", "bf16"),
-                    result_before="f32", result_after="f32", action="compute",
-                    rule="default", changed=True, reason="", flops=1, location=location)
-
-
-def test_report_note_goes_to_the_decisions_at_its_location_in_turn():
+def test_report_note_goes_to_the_decisions_at_its_location_in_turn(converted_decision):
     report = Report()
-    report.add(_decision("a"))
-    report.add(_decision("b"))
-    report.add(_decision("a"))
+    report.add(converted_decision("a"))
+    report.add(converted_decision("b"))
+    report.add(converted_decision("a"))
     report.note("a", "one")
-    report.add(_decision("c"))  # added after the index was built
+    report.add(converted_decision("c"))  # added after the index was built
     report.note("c", "two")
     report.note("a", "three")
     report.note("missing", "four")
     assert [d.notes for d in report.decisions] == [("one",), (), ("three",), ("two",)]
     assert report.notes == ["missing: four"]
-    report.decisions = [_decision("z"), _decision("a")]  # replaced: indexed afresh
+    report.decisions = [converted_decision("z"), converted_decision("a")]  # replaced: indexed afresh
     report.note("a", "five")
     assert [d.notes for d in report.decisions] == [(), ("five",)]
+
+
+def test_note_goes_to_ops_of_one_name_in_turn_and_finds_private_functions(
+        converted_decision):
+    report = Report(decisions=[converted_decision("jit(f)/a/dot_general"),
+                               converted_decision("jit(f)/a/dot_general"),
+                               converted_decision("jit(f)/while/body/b/dot_general")])
+    report.note("jit(f)/a/dot_general", "first")
+    report.note("jit(f)/a/dot_general", "second")
+    report.note("b/dot_general", "in a scan body")  # a private function's own name
+    report.note("elsewhere/dot_general", "no such op")
+    assert [d.notes for d in report.decisions] == [("first",), ("second",),
+                                                  ("in a scan body",)]
+    assert report.notes == ["elsewhere/dot_general: no such op"]
 
 
 def test_compile_report_unchanged_by_the_shortcuts():

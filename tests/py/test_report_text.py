@@ -18,7 +18,7 @@ import pytest
 
 import hlo_amp
 from hlo_amp.passes.dot_layout import RELAID
-from hlo_amp.report import Decision, Report
+from hlo_amp.report import Report
 
 THIS_FILE = os.path.basename(__file__)
 
@@ -119,24 +119,3 @@ def test_per_op_notes_attach_to_their_op_and_are_counted(wmt_report):
     notes = [n for d in data["decisions"] for n in d["notes"] if n.startswith(RELAID)]
     assert len(notes) == len(noted) and all(" -> " in n for n in notes)
     assert all(d["location"].startswith("jit(step)/") for d in data["decisions"])
-
-
-def _decision(location: str) -> Decision:
-    return Decision(function="main", op_kind="dot_general", scope="", direction="backward",
-                    operands_before=("f32", "f32"), operands_after=("bf16", "bf16"),
-                    result_before="f32", result_after="f32", action="compute",
-                    rule="op:dot_general", changed=True, reason="", flops=0,
-                    location=location)
-
-
-def test_note_goes_to_ops_of_one_name_in_turn_and_finds_private_functions():
-    report = Report(decisions=[_decision("jit(f)/a/dot_general"),
-                               _decision("jit(f)/a/dot_general"),
-                               _decision("jit(f)/while/body/b/dot_general")])
-    report.note("jit(f)/a/dot_general", "first")
-    report.note("jit(f)/a/dot_general", "second")
-    report.note("b/dot_general", "in a scan body")  # a private function's own name
-    report.note("elsewhere/dot_general", "no such op")
-    assert [d.notes for d in report.decisions] == [("first",), ("second",),
-                                                  ("in a scan body",)]
-    assert report.notes == ["elsewhere/dot_general: no such op"]
