@@ -53,8 +53,8 @@ FP8_MARK = "hlo_amp.fp8"
 
 # Largest finite value of each fp8 format (ml_dtypes' finfo(...).max).
 FP8_MAX = {"f8E4M3FN": 448.0, "f8E5M2": 57344.0}
-# Significand bits (implicit bit included): e4m3 rounds to 2**-4 relative, e5m2 to 2**-3.
-FP8_SIGNIFICAND = {"f8E4M3FN": 4, "f8E5M2": 3}
+# How a dot's report reason starts when it could not take the fp8 GEMM form.
+FP8_FALLBACK = "fp8 fallback"
 
 # cuBLASLt fp8 GEMMs pad every non-batch dimension to a multiple of this.
 MIN_GEMM_EXTENT = 16

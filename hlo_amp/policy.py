@@ -78,8 +78,11 @@ _DTYPE_ALIASES = {
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 COMPUTE_DTYPES = ("bfloat16", "float16")
 # fp8 actions (passes/fp8.py), their StableHLO element types, and the spellings accepted.
-FP8_ACTIONS = ("float8_e4m3fn", "float8_e5m2")
 FP8_TO_ELEMENT = {"float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}
+FP8_ACTIONS = tuple(FP8_TO_ELEMENT)
+FP8_E5M2 = "float8_e5m2"  # the action whose gradient operand is e5m2
+# Element type -> the format's short name in reasons and notes ("e4m3fn").
+FP8_SHORT = {e: a.removeprefix("float8_") for a, e in FP8_TO_ELEMENT.items()}
 _FP8_ALIASES = {
     "float8_e4m3fn": "float8_e4m3fn", "f8e4m3fn": "float8_e4m3fn", "e4m3fn": "float8_e4m3fn",
     "float8_e5m2": "float8_e5m2", "f8e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
@@ -109,15 +112,20 @@ FIRST_MATRIX_OP = "first_matrix_op"
 LAST_MATRIX_OP = "last_matrix_op"
 
 
-def canonical_dtype(name: Any, *, what: str = "dtype") -> str:
-    """Return the canonical float dtype name for ``name`` (str, numpy or jnp dtype)."""
+def _dtype_key(name: Any) -> str:
+    """``name`` (str, numpy or jnp dtype, jnp.float8_e4m3fn...) as a lower-case string."""
     key = name
     if not isinstance(name, str):
         try:
             key = jax.numpy.dtype(name).name
         except TypeError:
             key = repr(name)
-    canon = _DTYPE_ALIASES.get(str(key).strip().lower())
+    return str(key).strip().lower()
+
+
+def canonical_dtype(name: Any, *, what: str = "dtype") -> str:
+    """Return the canonical float dtype name for ``name`` (str, numpy or jnp dtype)."""
+    canon = _DTYPE_ALIASES.get(_dtype_key(name))
     if canon is None:
         raise ValueError(
             f"Unknown {what} {name!r}; accepted: {', '.join(DTYPES)} "
@@ -130,13 +138,7 @@ def canonical_action(action: Any, *, where: str) -> str:
     """Return ``"compute"``, ``"keep"``, a canonical dtype name or an fp8 action."""
     if isinstance(action, str) and action.strip().lower() in (COMPUTE, KEEP):
         return action.strip().lower()
-    key = action
-    if not isinstance(action, str):
-        try:
-            key = jax.numpy.dtype(action).name  # jnp.float8_e4m3fn and friends
-        except TypeError:
-            key = repr(action)
-    text = str(key).strip().lower()
+    text = _dtype_key(action)
     if text in _FP8_ALIASES:
         return _FP8_ALIASES[text]
     if _FP8_LIKE.match(text):
@@ -375,7 +377,7 @@ class Policy:
             elif key == "explicit_precision":
                 fields["explicit_precision"] = value.lower()
             elif key in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
-                fields[key] = None if value.lower() == "none" else value
+                fields[key] = value  # "none" is read in __post_init__
             elif key in ("f64", "only_if_faster", "propagate"):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"Unknown value {value!r} for {key} in {spec!r}; "
@@ -462,12 +464,15 @@ class Policy:
     # ---- decisions ----------------------------------------------------------------
 
     @property
+    def actions(self) -> list[str | None]:
+        """The action of every rule: op, scope, backward, first and last matrix op."""
+        return [*self.ops.values(), *self.scopes.values(), self.backward,
+                self.first_matrix_op, self.last_matrix_op]
+
+    @property
     def uses_fp8(self) -> bool:
         """Whether any rule of this policy has an fp8 action."""
-        actions = [a for k, a in self.ops.items() if k in OP_KINDS]
-        actions += [*self.scopes.values(), self.backward, self.first_matrix_op,
-                    self.last_matrix_op]
-        return any(is_fp8(a) for a in actions)
+        return any(is_fp8(a) for a in self.actions)
 
     def decide(self, scope: tuple[str, ...], op_kind: str, backward: bool,
                positions: tuple[str, ...] = ()) -> Rule:

@@ -35,8 +35,9 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.fp8_gemm import FP8_MARK, FP8_MAX
+from hlo_amp.fp8_gemm import FP8_FALLBACK, FP8_MARK, FP8_MAX
 from hlo_amp.modules import functions, walk_operations, with_element
+from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
 
 _DOT = frozenset({"stablehlo.dot_general"})
@@ -53,27 +54,21 @@ class Fp8Quantize:
         quantised = 0
         with module.context:
             for fn in functions(module):
-                cache: dict[tuple[Any, ...], ir.Value] = {}
+                dequantized: dict[tuple[Any, ...], ir.Value] = {}
                 for op in walk_operations(fn, names=_DOT):
                     if FP8_MARK not in op.attributes:
                         continue
-                    formats = [str(ir.TypeAttr(t).value)
-                               for t in ir.ArrayAttr(op.attributes[FP8_MARK])]
+                    lhs, rhs, dequantize = [ir.TypeAttr(t).value
+                                            for t in ir.ArrayAttr(op.attributes[FP8_MARK])]
                     del op.attributes[FP8_MARK]
-                    lhs, rhs, dequantize = formats
-                    before = len(cache)
-                    for index, element in enumerate((lhs, rhs)):
-                        op.operands[index] = _dequantized(op, index, element, dequantize,
-                                                          cache)
-                    quantised += sum(1 for key in list(cache)[before:] if key[0] == "dq")
-                    pair = f"{_short(lhs)} x {_short(rhs)}"
+                    for index, fp8 in enumerate((lhs, rhs)):
+                        op.operands[index] = _dequantized(op, index, fp8, dequantize,
+                                                          dequantized)
+                    pair = f"{FP8_SHORT[str(lhs)]} x {FP8_SHORT[str(rhs)]}"
                     pairs[pair] = pairs.get(pair, 0) + 1
+                quantised += len(dequantized)
         if report is not None and pairs:
             report.notes.append(_summary(report, pairs, quantised))
-
-
-def _short(element: str) -> str:
-    return {"f8E4M3FN": "e4m3fn", "f8E5M2": "e5m2"}.get(element, element)
 
 
 def _summary(report: Report, pairs: dict[str, int], quantised: int) -> str:
@@ -81,10 +76,9 @@ def _summary(report: Report, pairs: dict[str, int], quantised: int) -> str:
     count = sum(pairs.values())
     kinds = ", ".join(f"{pair} {n}" for pair, n in sorted(pairs.items()))
     total = sum(d.flops or 0 for d in report.decisions)
-    fp8_flops = sum(d.flops or 0 for d in report.decisions
-                    if any(t.startswith("f8") for t in d.operands_after))
+    fp8_flops = sum(d.flops or 0 for d in report.decisions if d.fp8)
     share = f"{100.0 * fp8_flops / total:.0f}%" if total else "n/a"
-    fallbacks = sum(1 for d in report.decisions if d.reason.startswith("fp8 fallback"))
+    fallbacks = sum(1 for d in report.decisions if d.reason.startswith(FP8_FALLBACK))
     line = (f"fp8: {count} dot_general as fp8 GEMMs ({kinds}), {share} of FLOPs; "
             f"{quantised} tensor(s) quantised with per-tensor current scaling")
     if fallbacks:
@@ -98,13 +92,9 @@ def _scalar(value: float, element: ir.Type) -> ir.Value:
                                                                                 value)))
 
 
-def _scale(op: Any, x32: ir.Value, dequantize: ir.Type, cache: dict[tuple[Any, ...],
-           ir.Value], key: tuple[Any, ...]) -> tuple[ir.Value, ir.Value]:
+def _scale(x32: ir.Value, dequantize: ir.Type, fmax: float) -> tuple[ir.Value, ir.Value]:
     """(scale in f32, scale in the dequantise type) of ``x32`` for an fp8 type of
-    largest value ``fmax`` (key[-1]); the scalar ops go right before ``op``."""
-    found = cache.get(("scale",) + key)
-    if found is not None:
-        return found, cache[("scale_dq",) + key]
+    largest value ``fmax``, built at the current insertion point."""
     f32 = ir.F32Type.get()
     scalar = ir.RankedTensorType.get([], f32)
     rank = ir.RankedTensorType(x32.type).rank
@@ -118,7 +108,7 @@ def _scale(op: Any, x32: ir.Value, dequantize: ir.Type, cache: dict[tuple[Any, .
     # amax / fmax as XLA computes it anyway (its simplifier turns a division by a
     # constant into a product with the f32 reciprocal), so the scale is the same bits
     # whichever backend compiles it and a NumPy model of the recipe can match it.
-    scale = hlo.multiply(amax, _scalar(1.0 / key[-1], f32))
+    scale = hlo.multiply(amax, _scalar(1.0 / fmax, f32))
     if dequantize != f32:  # the scale the dequantise type holds, used on both sides
         scale = hlo.convert(scalar, hlo.convert(ir.RankedTensorType.get([], dequantize),
                                                 scale))
@@ -131,35 +121,31 @@ def _scale(op: Any, x32: ir.Value, dequantize: ir.Type, cache: dict[tuple[Any, .
     scale_dq = scale
     if dequantize != f32:
         scale_dq = hlo.convert(ir.RankedTensorType.get([], dequantize), scale)
-    cache[("scale",) + key] = scale
-    cache[("scale_dq",) + key] = scale_dq
     return scale, scale_dq
 
 
-def _dequantized(op: Any, index: int, element: str, dequantize: str,
-                 cache: dict[tuple[Any, ...], ir.Value]) -> ir.Value:
+def _dequantized(op: Any, index: int, fp8: ir.Type, dequantize: ir.Type,
+                 dequantized: dict[tuple[Any, ...], ir.Value]) -> ir.Value:
     """``convert(q) * broadcast(scale)`` for operand ``index`` of ``op``, q its fp8
-    quantisation to ``element``; shared per (block, value, types)."""
+    quantisation; shared per (block, value, types)."""
     value = op.operands[index]
     block = op.block
-    key = (block, value, element, dequantize)
-    found = cache.get(("dq",) + key)
+    key = (block, value, str(fp8), str(dequantize))
+    found = dequantized.get(key)
     if found is not None:
         return found
-    fp8 = ir.Type.parse(element)
-    dq_type = ir.Type.parse(dequantize)
     f32 = ir.F32Type.get()
-    fmax = FP8_MAX[element]
+    fmax = FP8_MAX[str(fp8)]
     shape = ir.RankedTensorType(value.type)
     with op.location, ir.InsertionPoint(op):
         x32 = value
         if shape.element_type != f32:
             x32 = hlo.convert(with_element(value.type, f32), value)
-        scale, scale_dq = _scale(op, x32, dq_type, cache, (block, value, dequantize, fmax))
+        scale, scale_dq = _scale(x32, dequantize, fmax)
         scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
         clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))
         quantised = hlo.convert(with_element(value.type, fp8), clamped)
-        widened = hlo.convert(with_element(value.type, dq_type), quantised)
+        widened = hlo.convert(with_element(value.type, dequantize), quantised)
         result = hlo.multiply(widened, hlo.broadcast_in_dim(widened.type, scale_dq, []))
-    cache[("dq",) + key] = result
+    dequantized[key] = result
     return result

@@ -36,7 +36,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu
-from hlo_amp.fp8_gemm import FP8_MARK, dequantized_format, fp8_obstacle
+from hlo_amp.fp8_gemm import FP8_FALLBACK, FP8_MARK, dequantized_format, fp8_obstacle
 from hlo_amp.gradients import GradientFlow
 from hlo_amp.modules import (
     callee_name,
@@ -53,9 +53,12 @@ from hlo_amp.policy import (
     DTYPE_BITS,
     DTYPE_TO_ELEMENT,
     FIRST_MATRIX_OP,
+    FP8_E5M2,
+    FP8_SHORT,
     FP8_TO_ELEMENT,
     KEEP,
     LAST_MATRIX_OP,
+    OP_KINDS,
     Policy,
     Rule,
     is_fp8,
@@ -64,16 +67,9 @@ from hlo_amp.report import Decision, Report
 from hlo_amp.sites import Site, call_prefix, join_names, location_name, site_of
 
 # The candidate ops by name, with their policy op kind.
-_MATRIX_OPS = {"stablehlo.dot_general": "dot_general", "stablehlo.dot": "dot",
-               "stablehlo.convolution": "convolution"}
+_MATRIX_OPS = {f"stablehlo.{kind}": kind for kind in OP_KINDS}
 _CALL = "func.call"
 _WATCHED = frozenset({*_MATRIX_OPS, _CALL})
-
-
-def op_kind(op: Any) -> str | None:
-    """The policy op kind of a candidate op (an OpView or an Operation), or None for any
-    other op."""
-    return _MATRIX_OPS.get(op.operation.name)
 
 
 def float_bits(element: ir.Type | None) -> int | None:
@@ -214,7 +210,7 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
     return Plan(action, rule, targets, result_target, f"forced to {action}")
 
 
-_E4M3, _E5M2 = FP8_TO_ELEMENT["float8_e4m3fn"], FP8_TO_ELEMENT["float8_e5m2"]
+_E4M3, _E5M2 = FP8_TO_ELEMENT["float8_e4m3fn"], FP8_TO_ELEMENT[FP8_E5M2]
 # The reason of a dot whose operands already are dequantised fp8 (the pipeline run on its
 # own output): nothing to do, but the report still shows the fp8 types.
 ALREADY_FP8 = "already fp8"
@@ -239,14 +235,14 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
     if obstacle is not None:
         fallback = plan_op(op, kind, policy, COMPUTE, rule, target, elements)
         return dataclasses.replace(fallback, action=action,
-                                   reason=f"fp8 fallback: {obstacle}; {fallback.reason}")
+                                   reason=f"{FP8_FALLBACK}: {obstacle}; {fallback.reason}")
     if policy.only_if_faster and target == "cpu":
         return Plan(action, rule, none, None,
                     "left as written: XLA:CPU has no fp8 dot (it runs the dequantised "
                     "operands in f32)")
     formats = [_E4M3, _E4M3]
     how = ""
-    if action == "float8_e5m2" and backward:
+    if action == FP8_E5M2 and backward:
         if gradient is None:
             how = " (no single incoming-gradient operand found: e4m3fn for both)"
         else:
@@ -265,9 +261,8 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
         dequantize = result_name
     else:
         dequantize = "bf16" if policy.compute_dtype == "bfloat16" else "f32"
-    short = {_E4M3: "e4m3fn", _E5M2: "e5m2"}
     return Plan(action, rule, none, None,
-                f"fp8 {short[formats[0]]} x {short[formats[1]]}{how}, per-tensor scales, "
+                f"fp8 {FP8_SHORT[formats[0]]} x {FP8_SHORT[formats[1]]}{how}, per-tensor scales, "
                 f"{dequantize} dequantise, {result_name} result",
                 fp8=(formats[0], formats[1], dequantize))
 
@@ -452,7 +447,7 @@ class InsertConverts:
         # Which operand of a backward dot is the gradient: only e5m2 asks, and the
         # dataflow is read before any body is rewritten.
         flow = None
-        if self._asks_for_e5m2():
+        if FP8_E5M2 in self.policy.actions:
             flow = GradientFlow([(i.fn, i.prefix) for i in graph.instances])
         # Phase 2: rewrite each body once, under its own context.
         for instance in graph.instances:
@@ -460,12 +455,6 @@ class InsertConverts:
         if report is not None and graph.clones:
             report.notes.append(f"specialised {graph.clones} private function(s) per "
                                 f"call-site decision")
-
-    def _asks_for_e5m2(self) -> bool:
-        policy = self.policy
-        actions = [*policy.ops.values(), *policy.scopes.values(), policy.backward,
-                   policy.first_matrix_op, policy.last_matrix_op]
-        return "float8_e5m2" in actions
 
     def _rewrite_body(self, instance: _Instance, graph: _CallGraph,
                       report: Report | None, flow: GradientFlow | None = None) -> None:
@@ -482,7 +471,7 @@ class InsertConverts:
             elements = ([element_type(v) for v in list(op.operands)[:2]],
                         element_type(op.result))
             gradient = None
-            if flow is not None and site.backward and rule.action == "float8_e5m2":
+            if flow is not None and site.backward and rule.action == FP8_E5M2:
                 gradient = flow.incoming_gradient(op)
             plan = plan_op(op, kind, self.policy, rule.action, rule.rule, self.target,
                            elements, gradient=gradient, backward=site.backward)
