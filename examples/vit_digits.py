@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         chosen = choose_policy(args, data, order)
         print(chosen.attribution)
         print(chosen)
-        variants = [v for v in variants if v != AUTO] + [AUTO]
+        variants = [*variants, AUTO]
     runs: list[Run] = []
     lowered_bf16 = None
     for name in variants:

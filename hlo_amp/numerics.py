@@ -21,7 +21,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlo_amp import jax_internals as internals
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy, as_policy, match_start
-from hlo_amp.report import Decision, Report
+from hlo_amp.report import Decision, Report, matplotlib_figure, text_table
 from hlo_amp.rewrite import warn_unused_rules
 from hlo_amp.runtime.compile import (
     AmpFunction,
     leaf_signature,
-    pipeline_target,
-    rewrite_module,
+    lowering_target,
+    rewrite_lowered,
 )
 
 ATOL = 1e-5
@@ -63,9 +62,7 @@ class _Lowering:
     def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
         # No reference to fn is kept: the cache is weakly keyed by it.
         self.lowered = jax.jit(fn).trace(*args).lower()
-        self.module = self.lowered.compiler_ir("stablehlo")
-        platforms = internals.lowering_platforms(self.lowered) or (jax.default_backend(),)
-        self.target = pipeline_target(platforms)
+        self.target = lowering_target(self.lowered)
         # policy string ("" = as written, "f64") -> (executable, report or None)
         self.executables: OrderedDict[str, tuple[Any, Report | None]] = OrderedDict()
         self.rewrites: OrderedDict[str, tuple[Any, Report]] = OrderedDict()
@@ -82,8 +79,8 @@ class _Lowering:
         key = policy.to_string()
         found = self.rewrites.get(key)
         if found is None:
-            module, report, _ = rewrite_module(self.module, policy, self.target)
-            found = (internals.swap_module(self.lowered, module), report)
+            rewritten, report, _ = rewrite_lowered(self.lowered, policy, self.target)
+            found = (rewritten, report)
             _keep(self.rewrites, key, found)
         return found
 
@@ -123,8 +120,8 @@ def _keep(cache: OrderedDict, key: str, value: Any) -> None:
 _LOWERINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _lowering(fn: Callable[..., Any], args: tuple) -> tuple[_Lowering, bool]:
-    """The cached lowering of ``fn`` for ``args``' signature; whether it was made now."""
+def _lowering(fn: Callable[..., Any], args: tuple) -> _Lowering:
+    """The cached lowering of ``fn`` for ``args``' signature."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     key = (treedef, tuple(leaf_signature(leaf) for leaf in leaves),
            bool(jax.config.jax_enable_x64))
@@ -135,8 +132,7 @@ def _lowering(fn: Callable[..., Any], args: tuple) -> tuple[_Lowering, bool]:
     found = per_fn.get(key)
     if found is None:
         found = per_fn[key] = _Lowering(fn, args)
-        return found, True
-    return found, False
+    return found
 
 
 class _Session:
@@ -150,8 +146,8 @@ class _Session:
         self.start = time.perf_counter()
         self.fn = fn
         self.args = args
-        self.lowering, self.lowered_now = _lowering(fn, args)
-        self.compiles_before = 0 if self.lowered_now else self.lowering.compiles
+        self.lowering = _lowering(fn, args)
+        self.compiles_before = self.lowering.compiles
         self.names, self.kinds = _output_leaves(self.lowering.lowered.out_info, what)
         self.as_written: list[np.ndarray] | None = None
         # (policy string, reference, atol) -> error; outputs are not kept, as a large
@@ -357,14 +353,6 @@ def _g(value: float | None) -> str:
     return f"{value:.2e}"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    cells = [tuple(map(str, header))] + [tuple(map(str, row)) for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
-
-
 def _json_number(value: Any) -> Any:
     """inf and NaN as strings, so the JSON is standard."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -430,7 +418,7 @@ class Comparison:
             rows.append(row)
         dtype = "/".join(self.dtypes) or "f32"
         lines = [f"policy {self.policy} against {self.reference} ({dtype}: "
-                 + f"|a-e| <= {self.atol:g} + {self.rtol:g}*max|e|)", *_table(header, rows)]
+                 + f"|a-e| <= {self.atol:g} + {self.rtol:g}*max|e|)", *text_table(header, rows)]
         verdict = "within" if self.ok else "OUTSIDE"
         lines.append(f"error {_g(self.error)}: {verdict} the {dtype} tolerance; "
                      f"{self.compiles} XLA compile(s), {self.seconds:.2f} s")
@@ -463,10 +451,10 @@ def compare(fn: Callable[..., Any], policy: Policy | str | Mapping[str, Any], *a
     f64_outputs = session.run_f64() if f64 or reference == "f64" else None
     leaves = _errors(session, got, session.reference(reference), rtol, atol)
     if f64_outputs is not None:
-        vs_policy = _errors(session, got, f64_outputs, rtol, atol)
+        vs_policy = (leaves if reference == "f64"
+                     else _errors(session, got, f64_outputs, rtol, atol))
         vs_f32 = _errors(session, f32, f64_outputs, rtol, atol)
-        leaves = [LeafError(**{**asdict(leaf), "f32_vs_f64": floor.max_rel,
-                               "policy_vs_f64": mine.max_rel})
+        leaves = [replace(leaf, f32_vs_f64=floor.max_rel, policy_vs_f64=mine.max_rel)
                   for leaf, mine, floor in zip(leaves, vs_policy, vs_f32)]
         apart = max((leaf.max_rel or 0.0 for leaf in vs_f32), default=0.0)
         if apart > _F64_AGREES:
@@ -549,7 +537,7 @@ class Attribution:
                  f"(against {self.reference}; error = max over outputs of "
                  f"(max|a-e| - {self.atol:g}) / max|e|; {low} tolerance {self.rtol:g})")
         lines = [title]
-        lines += _table(("rank", "scope", "ops", "FLOPs", f"only it {low}", "only it f32",
+        lines += text_table(("rank", "scope", "ops", "FLOPs", f"only it {low}", "only it f32",
                          "contribution"), rows)
         lines.append(f"every scope {low}: error {_g(self.error)}; "
                      f"{self.compiles} XLA compile(s), {self.seconds:.1f} s")
@@ -558,14 +546,7 @@ class Attribution:
 
     def plot(self, path: str | Path, budget: float | None = None) -> Path:
         """Write a PNG bar chart of the two errors per scope (needs matplotlib)."""
-        try:
-            import matplotlib
-        except ImportError:
-            raise ImportError("Attribution.plot needs matplotlib: pip install matplotlib "
-                              "(or the examples extra, pip install 'hlo_amp[examples]')"
-                              ) from None
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        figure_type = matplotlib_figure("Attribution.plot")
         import matplotlib.ticker
 
         rows = list(reversed(self.scopes))  # worst on top
@@ -580,7 +561,8 @@ class Attribution:
             return value if math.isfinite(value) else max(positive) * 10
 
         low = "/".join(self.dtypes) or "low"
-        fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 2.2))
+        fig = figure_type(figsize=(7, 0.45 * len(rows) + 2.2))
+        ax = fig.add_subplot()
         y = np.arange(len(rows))
         ax.barh(y + 0.2, [bar(r.only_low) for r in rows], 0.4, label=f"only this scope {low}")
         ax.barh(y - 0.2, [bar(r.only_f32) for r in rows], 0.4, label="only this scope f32")
@@ -597,7 +579,6 @@ class Attribution:
         fig.tight_layout()
         out = Path(path)
         fig.savefig(out, dpi=110)
-        plt.close(fig)
         return out
 
 
@@ -764,7 +745,7 @@ class AutoPolicy:
                  "yes" if t.met else "no") for i, t in enumerate(self.trail)]
         lines = [f"autopolicy: budget {self.budget:g} (error = max over outputs, against "
                  + f"{self.attribution.reference})"]
-        lines += _table(("try", "f32 scopes", "predicted", "error", "within"), rows)
+        lines += text_table(("try", "f32 scopes", "predicted", "error", "within"), rows)
         state = "within" if self.met else "NOT within"
         lines.append(f"chosen ({len(self.f32_scopes)} f32 scope(s), error "
                      f"{_g(self.error)}, {state} budget): {self.policy.to_string()}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -217,19 +218,13 @@ class Report:
     def plot(self, path: Any, depth: int = 1, top: int = 25) -> Any:
         """Write a PNG bar chart of ``flops_by_scope(depth)`` (the ``top`` biggest scopes)."""
         rows = self.flops_by_scope(depth)
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError:
-            raise ImportError("Report.plot needs matplotlib, which is not installed: "
-                              "pip install matplotlib (or hlo_amp[examples])") from None
+        figure_type = matplotlib_figure("Report.plot")
         names = list(rows)[:top]
         if len(rows) > top:  # the long tail as one bar, so the total stays honest
             tail = f"({len(rows) - top} more)"
             rows[tail] = {p: sum(rows[n][p] for n in list(rows)[top:]) for p in PRECISIONS}
             names.append(tail)
-        figure = Figure(figsize=(8, 1.2 + 0.3 * len(names)))
-        FigureCanvasAgg(figure)
+        figure = figure_type(figsize=(8, 1.2 + 0.3 * len(names)))
         axes = figure.add_subplot()
         biggest = max((sum(rows[n].values()) for n in names), default=0)
         scale, unit = next(((f, u) for f, u in ((1e12, "TFLOP"), (1e9, "GFLOP"),
@@ -276,10 +271,7 @@ class Report:
                 d.action or "-", d.rule, d.reason + _xla_mark(d),
                 "?" if d.flops is None else f"{d.flops / 1e9:.3f}",
             ))
-        widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-                 for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = text_table(header, rows[1:])
         lines.append("")
         lines.append(f"policy: {self.policy}")
         lines.append(self.summary())
@@ -306,6 +298,34 @@ def _size(count: int) -> str:
     if count < 1024 ** 2:
         return f"{count / 1024:.1f} KiB"
     return f"{count / 1024 ** 2:.1f} MiB"
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """Left-aligned columns under a header and a rule of dashes, one line per row."""
+    cells = [tuple(map(str, header))] + [tuple(map(str, row)) for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def matplotlib_figure(what: str) -> Any:
+    """A ``Figure`` class drawing with the Agg canvas: no pyplot, so the caller's
+    backend is left alone. matplotlib is optional; without it, one ImportError."""
+    try:
+        import matplotlib  # noqa: F401  (first: a missing package fails here)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError(f"{what} needs matplotlib: pip install matplotlib (or the "
+                          f"examples extra, pip install 'hlo_amp[examples]')") from None
+
+    def figure(**options: Any) -> Any:
+        made = Figure(**options)
+        FigureCanvasAgg(made)
+        return made
+
+    return figure
 
 
 def _short_source(source: str | None) -> str:

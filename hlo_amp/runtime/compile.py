@@ -49,6 +49,19 @@ def rewrite_module(module: ir.Module, policy: Policy, target: str | None = None
     return rewritten, report, time.perf_counter() - start
 
 
+def rewrite_lowered(lowered: Any, policy: Policy, target: str | None
+                    ) -> tuple[Any, Report, float]:
+    """A JAX ``Lowered`` whose module is ``lowered``'s rewritten under ``policy``; the
+    report and the pass seconds. ``lowered`` itself is untouched."""
+    module, report, seconds = rewrite_module(lowered.compiler_ir("stablehlo"), policy, target)
+    return internals.swap_module(lowered, module), report, seconds
+
+
+def lowering_target(lowered: Any) -> str | None:
+    """The pipeline's target for a JAX ``Lowered`` (see ``pipeline_target``)."""
+    return pipeline_target(internals.lowering_platforms(lowered) or (jax.default_backend(),))
+
+
 # ---- AOT objects -----------------------------------------------------------------------
 
 
@@ -208,12 +221,9 @@ class AmpFunction:
         original = self._jitted.trace(*args, **kwargs).lower()
         lower_seconds = time.perf_counter() - start
         self.lowerings += 1
-        platforms = internals.lowering_platforms(original) or (jax.default_backend(),)
-        target = pipeline_target(platforms)
-        module, report, pass_seconds = rewrite_module(
-            original.compiler_ir("stablehlo"), self.policy, target)
+        target = lowering_target(original)
+        rewritten, report, pass_seconds = rewrite_lowered(original, self.policy, target)
         warn_unused_rules(report)
-        rewritten = internals.swap_module(original, module)
         return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds, target)
 
     # -- calls --
