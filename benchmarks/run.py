@@ -120,7 +120,7 @@ def _lower_compile(result: Result, step: Any, variant: str, params: Any, opt_sta
 
     import hlo_amp
     from benchmarks.workloads import HLO_AMP_POLICIES, XLA_OPTIONS
-    from hlo_amp.runtime.kept_by_xla import xla_matmuls
+    from hlo_amp.runtime.kept_by_xla import xla_gemms
 
     if variant in HLO_AMP_POLICIES:
         lowered = hlo_amp.compile(step, HLO_AMP_POLICIES[variant]).lower(params, opt_state, x, y)
@@ -139,8 +139,8 @@ def _lower_compile(result: Result, step: Any, variant: str, params: Any, opt_sta
     result.temp_bytes = int(memory.temp_size_in_bytes)
     result.arg_bytes = int(memory.argument_size_in_bytes)
     result.out_bytes = int(memory.output_size_in_bytes)
-    matmuls = xla_matmuls(compiled.as_text())
-    result.matmuls, result.low = len(matmuls), sum(low for _, low in matmuls)
+    gemms = xla_gemms(compiled.as_text())
+    result.matmuls, result.low = len(gemms), sum(gemm.low for gemm in gemms)
     return result, compiled, [params, opt_state]
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.modules import element_type
+
 # YNNPACK skips dots whose largest extent is below this (its overhead dominates).
 _YNN_MIN_EXTENT = 8
 # How far `_maybe_permuted` follows layout-preserving producers before giving up.
@@ -368,15 +370,10 @@ def is_fast_on_cpu(
 def _is_bf16_to_f32(op: hlo.DotGeneralOp) -> bool:
     lhs, rhs = op.operands
     return (
-        isinstance(_element_type(lhs), ir.BF16Type)
-        and isinstance(_element_type(rhs), ir.BF16Type)
-        and isinstance(_element_type(op.result), ir.F32Type)
+        isinstance(element_type(lhs), ir.BF16Type)
+        and isinstance(element_type(rhs), ir.BF16Type)
+        and isinstance(element_type(op.result), ir.F32Type)
     )
-
-
-def _element_type(value: ir.Value) -> ir.Type | None:
-    ttype = value.type
-    return ttype.element_type if isinstance(ttype, ir.RankedTensorType) else None
 
 
 def matrix_result_in_16bit(target: str | None) -> bool:

@@ -158,9 +158,8 @@ def walk_operations(holder: object, *, into: frozenset[str] | None = None,
 
 def element_type(value: ir.Value) -> ir.Type | None:
     """The element type of a ranked tensor value, else None."""
-    if not isinstance(value.type, ir.RankedTensorType):
-        return None
-    return ir.RankedTensorType(value.type).element_type
+    tensor_type = value.type
+    return tensor_type.element_type if isinstance(tensor_type, ir.RankedTensorType) else None
 
 
 def with_element(tensor_type: ir.Type, element: ir.Type) -> ir.RankedTensorType:

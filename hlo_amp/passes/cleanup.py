@@ -21,7 +21,6 @@ from hlo_amp.modules import (
     set_function_type,
     terminator,
     walk_operations,
-    walk_ops,
 )
 from hlo_amp.report import Report
 
@@ -73,7 +72,8 @@ class CleanupConverts:
 def _fold_and_merge(module: ir.Module) -> tuple[int, int, int]:
     folded = merged = 0
     seen: dict[tuple[Any, Any, str], Any] = {}
-    for convert in _converts(module):
+    converts = _converts(module)
+    for convert in converts:
         source = convert.operand
         result = convert.result
         # Same type in and out: the convert does nothing.
@@ -98,14 +98,15 @@ def _fold_and_merge(module: ir.Module) -> tuple[int, int, int]:
             merged += 1
         else:
             seen.setdefault(key, convert)
-    return folded, merged, _erase_dead_converts(module)
+    return folded, merged, _erase_dead_converts(converts)
 
 
-def _erase_dead_converts(module: ir.Module) -> int:
+def _erase_dead_converts(converts: list[Any]) -> int:
     # Consumers follow their producers in program order, so one backward sweep also
-    # catches a convert that only fed a convert erased just before.
+    # catches a convert that only fed a convert erased just before. Folding and merging
+    # only replace uses, so the converts walked for them are still all there are.
     removed = 0
-    for convert in reversed(_converts(module)):
+    for convert in reversed(converts):
         if not list(convert.result.uses):
             convert.operation.erase()
             removed += 1
@@ -172,12 +173,11 @@ def _enclosing_while(op: Any) -> Any | None:
 def _hoist_loop_invariants(module: ir.Module) -> int:
     hoisted = 0
     while True:
+        ops = [op for fn in functions(module) for op in walk_operations(fn)]
         # Inner loops after their outer loop in program order: reversed, inner first.
-        loops = [op.opview for fn in functions(module)
-                 for op in walk_operations(fn, names=_WHILE)][::-1]
+        loops = [op.opview for op in ops if op.name in _WHILE][::-1]
         if not loops:
             return hoisted
-        ops = [op for fn in functions(module) for op in walk_ops(fn)]
         lifted = _lift_from_callees(module, ops)
         moved = sum(_hoist_from_while(loop) for loop in loops)
         hoisted += moved

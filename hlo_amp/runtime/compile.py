@@ -1,14 +1,15 @@
 """``hlo_amp.compile``: lower a JAX function, run the AMP passes, compile and run it.
 
-Concrete calls go through ``jax.jit(fn).trace(...).lower()``: the lowered module is
-copied, rewritten and handed back to JAX's own compile path, so shardings, donation,
-effects (``jax.debug.print``) and the output pytree are JAX's own. Executables are
-cached per input signature, like ``jax.jit``.
+A call goes through ``jax.jit``'s own dispatch (its C++ cache): the jitted function binds
+the ``hlo_amp_call`` primitive (runtime/amp_call.py), whose program is ``fn`` exported
+with ``jax.export`` and rewritten, cached per input signature. Under ``jax.jit``,
+``vmap``, ``jvp`` and ``grad`` the primitive's rules export and rewrite the transformed
+program (reverse mode: a forward with residuals and a backward, so the forward is never
+recomputed). Shardings, donation and the output pytree are JAX's own.
 
-Calls with tracers (inside an outer ``jax.jit``, ``jax.grad``, ``vmap``) go through
-``jax.export``: the exported module is rewritten and inlined with ``Exported.call``.
-Under differentiation a ``custom_vjp`` uses two rewritten modules, the forward
-(returning the residuals) and the backward, so the forward is never recomputed.
+``.lower()`` and functions ``jax.export`` refuses (host callbacks, a mesh of their own)
+go through ``jax.jit(fn).trace(...).lower()``: the lowered module is copied, rewritten
+and handed back to JAX's compile path.
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ def lowering_target(lowered: Any) -> str | None:
 class AmpCompiled:
     """A compiled, rewritten function: call it, or read XLA's optimized HLO."""
 
-    def __init__(self, compiled: Any, report: Report, compile_seconds: float):
+    def __init__(self, compiled: Any, report: Report, compile_seconds: float,
+                 target: str | None = None):
         self._compiled = compiled
-        self._report = report
+        self._pass_report = report
+        self._report: Report | None = None  # with XLA's verdicts, made when first asked
+        self._target = target
         self.compile_seconds = compile_seconds
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -88,6 +92,13 @@ class AmpCompiled:
 
     def report(self) -> Report:
         """The pass's report, with ``kept_by_xla`` filled in from the optimized HLO."""
+        if self._report is None:
+            report = copy.deepcopy(self._pass_report)
+            try:
+                mark_kept_by_xla(report, self._compiled.as_text(), self._target)
+            except Exception as error:  # noqa: BLE001  (advisory; never fail on it)
+                report.notes.append(f"could not read XLA's optimized HLO: {error}")
+            self._report = report
         return self._report
 
     @property
@@ -122,12 +133,7 @@ class AmpLowered:
         start = time.perf_counter()
         compiled = self._rewritten.compile()
         seconds = time.perf_counter() - start
-        report = copy.deepcopy(self._report)
-        try:
-            mark_kept_by_xla(report, compiled.as_text(), self._target)
-        except Exception as error:  # noqa: BLE001  (advisory; never fail a compile on it)
-            report.notes.append(f"could not read XLA's optimized HLO: {error}")
-        return AmpCompiled(compiled, report, seconds)
+        return AmpCompiled(compiled, self._report, seconds, self._target)
 
     @property
     def jax_lowered(self) -> Any:

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from hlo_amp.report import Report
+from hlo_amp.sites import split_segments
 
 _HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
 _HLO_MATMUL = re.compile(
@@ -32,7 +33,8 @@ _CUSTOM_CALL = re.compile(r"custom-call\(([^)]*)\)")
 _CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _LOW_TYPES = ("bf16", "f16", "f8")
-# Name-stack segments one side has and the other may not (see the module docstring).
+# Name-stack segments one side has and the other may not (see the module docstring); the
+# call segments of sites.STRUCTURAL that XLA adds or drops, not the transforms.
 _CALL_SEGMENT = re.compile(r"^(?:closed_call|core_call|p?jit\(.*\))$")
 
 UNMATCHED = "no matrix op of its scope left in XLA's HLO (merged or removed)"
@@ -86,14 +88,9 @@ def xla_gemms(hlo_text: str) -> list[XlaGemm]:
     return found
 
 
-def xla_matmuls(hlo_text: str) -> list[tuple[str, bool]]:
-    """(op_name, computes in 16-bit or narrower) for each matrix op in optimized HLO."""
-    return [(gemm.op_name, gemm.low) for gemm in xla_gemms(hlo_text)]
-
-
 def scope_key(name: str) -> str:
     """A name stack without call segments and without its last (op name) segment."""
-    segments = [s for s in name.split("/") if s and not _CALL_SEGMENT.match(s)]
+    segments = [s for s in split_segments(name) if not _CALL_SEGMENT.match(s)]
     return "/".join(segments[:-1])
 
 
