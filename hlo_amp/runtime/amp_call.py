@@ -79,8 +79,14 @@ def avals_key(values: Sequence[Any]) -> AvalsKey:
     out = []
     for value in values:
         aval = value if isinstance(value, internals.ShapedArray) else jax.typeof(value)
-        out.append((tuple(aval.shape), np.dtype(aval.dtype), bool(aval.weak_type)))
+        out.append((tuple(aval.shape), _dtype_key(aval.dtype), bool(aval.weak_type)))
     return tuple(out)
+
+
+def _dtype_key(dtype: Any) -> Any:
+    """A hashable dtype: numpy's for array dtypes, JAX's own for extended ones (PRNG key
+    types such as ``key<fry>``, which numpy cannot interpret)."""
+    return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
 
 
 def shape_structs(avals: AvalsKey) -> list[jax.ShapeDtypeStruct]:
