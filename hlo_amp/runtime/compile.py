@@ -38,6 +38,7 @@ from hlo_amp.runtime.amp_call import (
     avals_key,
     shape_structs,
 )
+from hlo_amp.runtime.frameworks import FilterCall, NnxCall, argument_style
 from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
 
 
@@ -163,11 +164,14 @@ class AmpFunction:
     def __init__(self, fn: Callable[..., Any], policy: Policy | str | Mapping[str, Any],
                  *, static_argnums: int | Sequence[int] = (),
                  static_argnames: str | Sequence[str] = (),
-                 donate_argnums: int | Sequence[int] = ()):
+                 donate_argnums: int | Sequence[int] = (),
+                 filter: bool | None = None):
         if not callable(fn):
             raise TypeError(f"hlo_amp.compile expects a callable, got {fn!r}")
         self.fn = fn
         self.policy = as_policy(policy)
+        self.filter = filter
+        self._framework_calls: dict[str, Any] = {}  # "nnx" / "filter" -> its call
         self.static_argnums = ((static_argnums,) if isinstance(static_argnums, int)
                                else tuple(static_argnums))
         self.static_argnames = ((static_argnames,) if isinstance(static_argnames, str)
@@ -197,6 +201,34 @@ class AmpFunction:
         # jax.jit's lowering instead and dispatched from our own cache.
         self._through_lowering = False
 
+    # -- NNX's and Equinox's contracts (runtime/frameworks.py) --
+
+    def _framework_call(self, style: str) -> NnxCall | FilterCall:
+        call = self._framework_calls.get(style)
+        if call is None:
+            if style == "nnx":
+                call = NnxCall(self.fn, self._inner, static_argnums=self.static_argnums,
+                               static_argnames=self.static_argnames,
+                               donate_argnums=self.donate_argnums)
+            else:
+                if self.static_argnums or self.static_argnames:
+                    raise TypeError(
+                        f"hlo_amp.compile({self.__name__}): static_argnums/static_argnames "
+                        f"and filtered arguments (Equinox modules, filter=True) do not mix: "
+                        f"every non-array leaf is static already; drop static_argnums")
+                call = FilterCall(self.fn, self._inner, donate_argnums=self.donate_argnums)
+            self._framework_calls[style] = call
+        return call
+
+    def _inner(self, fn: Callable[..., Any], **jit_options: Any) -> AmpFunction:
+        """The rewritten function a framework's wrapper calls with pure arguments."""
+        options = {"static_argnums": self.static_argnums,
+                   "static_argnames": self.static_argnames,
+                   "donate_argnums": self.donate_argnums, **jit_options}
+        inner = AmpFunction(fn, self.policy, filter=False, **options)
+        inner.__name__ = self.__name__
+        return inner
+
     # -- signatures --
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
@@ -217,12 +249,16 @@ class AmpFunction:
 
     def cache_size(self) -> int:
         """How many executables are cached, one per input signature (like jax.jit's)."""
-        return internals.jit_cache_size(self._dispatch) + len(self._cache)
+        return (internals.jit_cache_size(self._dispatch) + len(self._cache)
+                + sum(call.inner.cache_size() for call in self._framework_calls.values()))
 
     # -- AOT --
 
     def lower(self, *args: Any, **kwargs: Any) -> AmpLowered:
         """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``)."""
+        style = argument_style(args, kwargs, self.filter)
+        if style != "jax":
+            return self._framework_call(style).lower(args, kwargs)
         start = time.perf_counter()
         original = self._jitted.trace(*args, **kwargs).lower()
         lower_seconds = time.perf_counter() - start
@@ -235,6 +271,9 @@ class AmpFunction:
     # -- calls --
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        style = argument_style(args, kwargs, self.filter)
+        if style != "jax":
+            return self._framework_call(style)(*args, **kwargs)
         if not self._through_lowering:
             try:
                 return self._dispatch(*args, **kwargs)
@@ -367,14 +406,25 @@ def _export_refused(error: Exception) -> bool:
     ))
 
 
-def compile(fn: Callable[..., Any], policy: Policy | str | Mapping[str, Any] = "bf16", *,
+def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = None,
+            policy: Policy | str | Mapping[str, Any] = "bf16", *,
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (),
-            donate_argnums: int | Sequence[int] = ()) -> AmpFunction:
+            donate_argnums: int | Sequence[int] = (),
+            filter: bool | None = None) -> Any:
     """Like ``jax.jit(fn)``, but dot/conv ops run in the policy's precision.
 
     ``policy`` is a Policy, a string (``"bf16"``, ``"bf16,scope:head=float32"``) or a
     dict. The result has ``.lower(*args)`` for the rewritten module and its report.
+
+    Arguments are taken as ``jax.jit`` takes them, Flax NNX graph objects as ``nnx.jit``
+    does (updated in place), Equinox modules as ``eqx.filter_jit`` does (non-array leaves
+    static); ``filter=True`` asks for the last for any pytree (runtime/frameworks.py).
+    As a decorator: ``@hlo_amp.compile(policy="mixed_bfloat16")`` (or ``("bf16")``).
     """
-    return AmpFunction(fn, policy, static_argnums=static_argnums,
-                       static_argnames=static_argnames, donate_argnums=donate_argnums)
+    options = {"static_argnums": static_argnums, "static_argnames": static_argnames,
+               "donate_argnums": donate_argnums, "filter": filter}
+    if fn is None or isinstance(fn, (Policy, str, Mapping)):
+        chosen = policy if fn is None else fn  # @hlo_amp.compile("bf16")
+        return functools.partial(compile, policy=chosen, **options)
+    return AmpFunction(fn, policy, **options)
