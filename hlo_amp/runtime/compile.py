@@ -38,6 +38,7 @@ from hlo_amp.runtime.amp_call import (
     avals_key,
     shape_structs,
 )
+from hlo_amp.runtime.arguments import argument_problem
 from hlo_amp.runtime.frameworks import FilterCall, NnxCall, argument_style
 from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
 
@@ -257,8 +258,15 @@ class AmpFunction:
     def lower(self, *args: Any, **kwargs: Any) -> AmpLowered:
         """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``)."""
         style = argument_style(args, kwargs, self.filter)
-        if style != "jax":
-            return self._framework_call(style).lower(args, kwargs)
+        try:
+            if style != "jax":
+                return self._framework_call(style).lower(args, kwargs)
+            return self._lower(args, kwargs)
+        except (TypeError, ValueError):
+            self._raise_for_arguments(args, kwargs, style)
+            raise
+
+    def _lower(self, args: tuple, kwargs: dict) -> AmpLowered:
         start = time.perf_counter()
         original = self._jitted.trace(*args, **kwargs).lower()
         lower_seconds = time.perf_counter() - start
@@ -272,8 +280,24 @@ class AmpFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         style = argument_style(args, kwargs, self.filter)
-        if style != "jax":
-            return self._framework_call(style)(*args, **kwargs)
+        try:
+            if style != "jax":
+                return self._framework_call(style)(*args, **kwargs)
+            return self._call(args, kwargs)
+        except (TypeError, ValueError):
+            self._raise_for_arguments(args, kwargs, style)
+            raise
+
+    def _raise_for_arguments(self, args: tuple, kwargs: dict, style: str) -> None:
+        """After a failed call: one message naming an argument it cannot take, if any."""
+        problem = argument_problem(
+            self.__name__, args, kwargs, static_argnums=self.static_argnums,
+            static_argnames=self.static_argnames,
+            style=style if style != "nnx" else "statics only")
+        if problem:
+            raise TypeError(problem) from None
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         if not self._through_lowering:
             try:
                 return self._dispatch(*args, **kwargs)

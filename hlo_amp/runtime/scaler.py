@@ -70,7 +70,11 @@ def _normalise_leaf(value: Any, dtype: np.dtype) -> Any:
     utilities pass to constructors are returned as they are, so unflattening a
     `DynamicScalerState` with any leaves keeps working.
     """
-    if isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
+    # Bools pass: tree utilities rebuild the state with bool leaves (Equinox's filter
+    # masks in eqx.partition / filter_jit), which must stay Python bools.
+    if isinstance(value, (bool, np.bool_)):
+        return value
+    if isinstance(value, (int, float, np.integer, np.floating)):
         return jnp.asarray(value, dtype=dtype)
     return value
 

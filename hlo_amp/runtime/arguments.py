@@ -1,0 +1,106 @@
+"""One actionable message for an argument a compiled function cannot take.
+
+Run only after a call failed (a correct call pays nothing): it names the argument's
+position or path and type and says what would work, instead of JAX's message about the
+internal jitted function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+_CONTRACTS = ("a compiled function takes arrays and pytrees of them (as jax.jit does), "
+              "Flax NNX graph objects (as nnx.jit does) and Equinox modules (as "
+              "eqx.filter_jit does)")
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else (
+        f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, jax.Array):
+        return f"a jax.Array of dtype {value.dtype}"
+    return f"a {_type_name(value)}"
+
+
+def _is_jax_value(leaf: Any) -> bool:
+    try:
+        jax.typeof(leaf)
+    except TypeError:
+        return False
+    return True
+
+
+def _unhashable(value: Any) -> str | None:
+    try:
+        hash(value)
+    except TypeError as error:
+        return str(error)
+    return None
+
+
+def _arrays_inside(value: Any) -> list[tuple[str, Any]]:
+    found = jax.tree_util.tree_flatten_with_path(value)[0]
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in found
+            if isinstance(leaf, jax.Array)]
+
+
+def _static_problem(name: str, where: str, root: str, fix: str, value: Any) -> str | None:
+    error = _unhashable(value)
+    if error is None:
+        return None
+    arrays = _arrays_inside(value)
+    if arrays:
+        path, leaf = arrays[0]
+        return (f"hlo_amp.compile({name}): static argument {where} holds {_describe(leaf)} "
+                f"at {root}{path}; arrays (PRNG keys included) cannot be static: they are "
+                f"traced, not hashed. Pass it as a dynamic argument ({fix}).")
+    return (f"hlo_amp.compile({name}): static argument {where} is {_describe(value)}, "
+            f"which is not hashable ({error}); static arguments key the compile cache. "
+            f"Pass a hashable value (a tuple instead of a list, a frozen dataclass), or make "
+            f"it a dynamic argument ({fix}).")
+
+
+def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Sequence[int],
+                     static_argnames: Sequence[str], style: str) -> str | None:
+    """The message for the first argument the call cannot take, or None if all are fine."""
+    statics = {i + len(args) if i < 0 else i for i in static_argnums}
+    for i, arg in enumerate(args):
+        if i in statics:
+            problem = _static_problem(name, f"{i}", f"args[{i}]", f"drop {i} from static_argnums",
+                                      arg)
+            if problem:
+                return problem
+    for key, value in kwargs.items():
+        if key in static_argnames:
+            problem = _static_problem(name, f"{key!r}", f"kwargs[{key!r}]",
+                                      f"drop {key!r} from static_argnames", value)
+            if problem:
+                return problem
+    dynamic = ([(f"args[{i}]", a) for i, a in enumerate(args) if i not in statics]
+               + [(f"kwargs[{k!r}]", v) for k, v in kwargs.items() if k not in static_argnames])
+    for root, value in dynamic:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            where = root + jax.tree_util.keystr(path)
+            if style == "filter":
+                error = None if _is_jax_value(leaf) else _unhashable(leaf)
+                if error:
+                    return (f"hlo_amp.compile({name}): argument {where} is "
+                            f"{_describe(leaf)}, which the eqx.filter_jit-style call makes "
+                            f"static, but it is not hashable ({error}). Make it hashable, or "
+                            f"an array (static leaves key the compile cache).")
+            elif not _is_jax_value(leaf):
+                position = root.removeprefix("args[").split("]")[0]
+                static_hint = (f"static_argnums=({position},)" if root.startswith("args[")
+                               else f"static_argnames=({root[8:-2]!r},)")
+                return (f"hlo_amp.compile({name}): argument {where} is {_describe(leaf)}, "
+                        f"not an array; {_CONTRACTS}. If it is configuration, pass it with "
+                        f"{static_hint}; if it is a container, register it as a pytree; or "
+                        f"compile with filter=True to make every non-array leaf static.")
+    return None

@@ -1,0 +1,549 @@
+"""Train steps written the way each framework writes them, with dropout and RNG state.
+
+Each model carries a typed PRNG key (``jax.random.key``) or ``nnx.Rngs`` and trains a few
+steps under bf16, mixed_bfloat16, f16 (with the dynamic loss scaler in every step) and
+fp8; its losses are compared with the same step under f32 ``jax.jit`` (``nnx.jit``,
+``eqx.filter_jit`` for those frameworks), and the report shows the dots in the mode's
+precision. Under the f32 preset every model's losses and final state are bit-identical to
+the framework's own jit. These are the tests that would have caught the typed-key
+regression (issue 18).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import hlo_amp
+
+STEPS = 3
+WIDTH, CLASSES, BATCH = 32, 10, 16
+MODES = ("bf16", "mixed_bfloat16", "f16", "fp8")
+# Loss after STEPS steps against f32 jax.jit, relative (dropout masks are identical: the
+# RNG is integer arithmetic, which no policy touches).
+LOSS_RTOL = {"bf16": 5e-2, "mixed_bfloat16": 5e-2, "f16": 1e-2, "fp8": 1.5e-1}
+TX = optax.adamw(1e-2)
+
+
+def _batch(seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((BATCH, WIDTH)), jnp.float32)
+    return x, jnp.arange(BATCH) % CLASSES
+
+
+def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _key_data(tree: Any) -> Any:
+    """Typed keys as their raw bits, so trees compare with numpy."""
+    return jax.tree.map(lambda a: jax.random.key_data(a)
+                        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a, tree)
+
+
+def _assert_bit_equal(a: Any, b: Any) -> None:
+    jax.tree.map(np.testing.assert_array_equal, _key_data(a), _key_data(b))
+
+
+def _scaled_update(loss_fn: Callable, params: Any, opt_state: Any, scaler: Any,
+                   *args: Any) -> tuple:
+    """One optimizer step through the dynamic loss scaler; a step whose gradients are not
+    finite leaves params and optimizer state as they were."""
+    scaler, ((loss, aux), grads) = hlo_amp.dynamic_scale_value_and_grad(
+        loss_fn, has_aux=True)(params, *args, dynamic_scaler_state=scaler)
+    updates, new_opt_state = TX.update(grads, opt_state, params)
+    finite = hlo_amp.all_finite(grads)
+    params = hlo_amp.select_tree(finite, optax.apply_updates(params, updates), params)
+    opt_state = hlo_amp.select_tree(finite, new_opt_state, opt_state)
+    return params, opt_state, scaler, loss, aux
+
+
+# ---- the models, as each framework's users write them -----------------------------------
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.relu(nn.Dense(WIDTH, name="fc1")(x))
+        x = nn.Dropout(0.1, deterministic=False)(x)
+        x = nn.relu(nn.Dense(WIDTH, name="fc2")(x))
+        return nn.Dense(CLASSES, name="head")(x)
+
+
+def linen_case() -> tuple[Callable, Callable, Callable, tuple]:
+    """Flax Linen, the dropout key in the batch (``rngs={"dropout": key}``)."""
+    model = LinenMLP()
+    x, y = _batch()
+    params = model.init(jax.random.key(0), x)
+
+    def loss_fn(params, batch):
+        logits = model.apply(params, batch["x"], rngs={"dropout": batch["key"]})
+        return _cross_entropy(logits, batch["y"]), None
+
+    def step(params, opt_state, scaler, batch):
+        params, opt_state, scaler, loss, _ = _scaled_update(loss_fn, params, opt_state,
+                                                           scaler, batch)
+        return params, opt_state, scaler, loss
+
+    def run(jit: Callable) -> tuple[list[float], Any]:
+        state = (params, TX.init(params), hlo_amp.DynamicScalerState())
+        key, losses = jax.random.key(7), []
+        compiled = jit(step)
+        for _ in range(STEPS):
+            key, sub = jax.random.split(key)
+            *state, loss = compiled(*state, {"x": x, "y": y, "key": sub})
+            losses.append(float(loss))
+        return losses, state[0]
+
+    return run, jax.jit, step, (params, TX.init(params), hlo_amp.DynamicScalerState(),
+                                {"x": x, "y": y, "key": jax.random.key(1)})
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.norm = nnx.BatchNorm(WIDTH, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.fc2 = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.fc2(self.drop(nnx.relu(self.norm(self.fc1(x)))))
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = nnx.List([NnxBlock(rngs) for _ in range(2)])
+        self.head = nnx.Linear(WIDTH, CLASSES, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _nnx_model_and_optimizer() -> tuple[NnxModel, nnx.Optimizer]:
+    model = NnxModel(nnx.Rngs(0, dropout=1))
+    return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+
+def nnx_step(model: NnxModel, optimizer: nnx.Optimizer, scaler: Any, x: jax.Array,
+             y: jax.Array) -> tuple[jax.Array, Any]:
+    """The NNX guide's stateful step, its gradient taken through the loss scaler."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, rest):
+        inner = nnx.merge(graphdef, params, rest, copy=True)  # new Variables in this trace
+        return _cross_entropy(inner(x), y), nnx.state(inner, nnx.Not(nnx.Param))
+
+    scaler, ((loss, rest), grads) = hlo_amp.dynamic_scale_value_and_grad(
+        loss_fn, has_aux=True)(params, rest, dynamic_scaler_state=scaler)
+    nnx.update(model, rest)  # RNG counters and batch statistics
+    finite = hlo_amp.all_finite(grads)
+    optimizer.update(model, jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads))
+    return loss, scaler
+
+
+def nnx_case() -> tuple[Callable, Callable, Callable, tuple]:
+    """Flax NNX, stateful: nnx.Rngs, nnx.Dropout, nnx.BatchNorm, nnx.Optimizer."""
+    x, y = _batch()
+
+    def run(jit: Callable) -> tuple[list[float], Any]:
+        model, optimizer = _nnx_model_and_optimizer()
+        compiled, scaler, losses = jit(nnx_step), hlo_amp.DynamicScalerState(), []
+        for _ in range(STEPS):
+            loss, scaler = compiled(model, optimizer, scaler, x, y)
+            losses.append(float(loss))
+        return losses, nnx.state((model, optimizer))
+
+    model, optimizer = _nnx_model_and_optimizer()
+    return run, nnx.jit, nnx_step, (model, optimizer, hlo_amp.DynamicScalerState(), x, y)
+
+
+def nnx_functional_case() -> tuple[Callable, Callable, Callable, tuple]:
+    """Flax NNX, functional: nnx.split the objects, a pure step over the state."""
+    x, y = _batch()
+    graphdef, state = nnx.split(_nnx_model_and_optimizer())
+
+    def step(state, scaler, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, scaler = nnx_step(model, optimizer, scaler, x, y)
+        return nnx.state((model, optimizer)), scaler, loss
+
+    def run(jit: Callable) -> tuple[list[float], Any]:
+        compiled, current, scaler, losses = jit(step), state, hlo_amp.DynamicScalerState(), []
+        for _ in range(STEPS):
+            current, scaler, loss = compiled(current, scaler, x, y)
+            losses.append(float(loss))
+        return losses, current
+
+    return run, jax.jit, step, (state, hlo_amp.DynamicScalerState(), x, y)
+
+
+class EqxMLP(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+    head: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+    activation: Callable = eqx.field(static=False)  # a function leaf: static under filtering
+    depth: int = 3
+
+    def __init__(self, key: jax.Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.fc1 = eqx.nn.Linear(WIDTH, WIDTH, key=k1)
+        self.fc2 = eqx.nn.Linear(WIDTH, WIDTH, key=k2)
+        self.head = eqx.nn.Linear(WIDTH, CLASSES, key=k3)
+        self.drop = eqx.nn.Dropout(0.1, inference=False)
+        self.activation = jax.nn.relu
+
+    def __call__(self, x: jax.Array, key: jax.Array) -> jax.Array:
+        x = self.drop(self.activation(self.fc1(x)), key=key)
+        return self.head(self.activation(self.fc2(x)))
+
+
+def eqx_case() -> tuple[Callable, Callable, Callable, tuple]:
+    """Equinox: non-array leaves (a function, an int, Dropout's flag), a key argument."""
+    x, y = _batch()
+    model = EqxMLP(jax.random.key(0))
+
+    def loss_fn(model, x, y, key):
+        logits = jax.vmap(model)(x, jax.random.split(key, x.shape[0]))
+        return _cross_entropy(logits, y), None
+
+    def step(model, opt_state, scaler, x, y, key):
+        params, static = eqx.partition(model, eqx.is_array)
+        params, opt_state, scaler, loss, _ = _scaled_update(
+            lambda p, *a: loss_fn(eqx.combine(p, static), *a), params, opt_state, scaler,
+            x, y, key)
+        return eqx.combine(params, static), opt_state, scaler, loss
+
+    def run(jit: Callable) -> tuple[list[float], Any]:
+        state = (model, TX.init(eqx.filter(model, eqx.is_array)), hlo_amp.DynamicScalerState())
+        key, losses, compiled = jax.random.key(7), [], jit(step)
+        for _ in range(STEPS):
+            key, sub = jax.random.split(key)
+            *state, loss = compiled(*state, x, y, sub)
+            losses.append(float(loss))
+        assert state[0].activation is jax.nn.relu and state[0].depth == 3
+        return losses, eqx.filter(state[0], eqx.is_array)
+
+    return run, eqx.filter_jit, step, (model, TX.init(eqx.filter(model, eqx.is_array)),
+                                       hlo_amp.DynamicScalerState(), x, y, jax.random.key(1))
+
+
+def _haiku_forward(x: jax.Array) -> jax.Array:
+    x = jax.nn.relu(hk.Linear(WIDTH, name="fc1")(x))
+    x = hk.dropout(hk.next_rng_key(), 0.1, x)
+    x = jax.nn.relu(hk.Linear(WIDTH, name="fc2")(x))
+    return hk.Linear(CLASSES, name="head")(x)
+
+
+def haiku_case() -> tuple[Callable, Callable, Callable, tuple]:
+    """Haiku: hk.next_rng_key() inside, the typed key given to apply."""
+    forward = hk.transform(_haiku_forward)
+    x, y = _batch()
+    params = forward.init(jax.random.key(0), x)
+
+    def loss_fn(params, key, x, y):
+        return _cross_entropy(forward.apply(params, key, x), y), None
+
+    def step(params, opt_state, scaler, key, x, y):
+        params, opt_state, scaler, loss, _ = _scaled_update(loss_fn, params, opt_state,
+                                                           scaler, key, x, y)
+        return params, opt_state, scaler, loss
+
+    def run(jit: Callable) -> tuple[list[float], Any]:
+        state = (params, TX.init(params), hlo_amp.DynamicScalerState())
+        sequence, losses, compiled = hk.PRNGSequence(jax.random.key(7)), [], jit(step)
+        for _ in range(STEPS):
+            *state, loss = compiled(*state, next(sequence), x, y)
+            losses.append(float(loss))
+        return losses, state[0]
+
+    return run, jax.jit, step, (params, TX.init(params), hlo_amp.DynamicScalerState(),
+                                jax.random.key(1), x, y)
+
+
+CASES = {"linen": linen_case, "nnx": nnx_case, "nnx_functional": nnx_functional_case,
+         "equinox": eqx_case, "haiku": haiku_case}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[list[float], Any]]:
+    """Each model trained with its framework's own f32 jit."""
+    found = {}
+    for name, case in CASES.items():
+        run, framework_jit, _, _ = case()
+        found[name] = run(framework_jit)
+    return found
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_f32_preset_is_bit_identical_to_the_framework_jit(name, references):
+    run, _, _, _ = CASES[name]()
+    losses, state = run(lambda step: hlo_amp.compile(step, "f32"))
+    want_losses, want_state = references[name]
+    assert losses == want_losses
+    _assert_bit_equal(state, want_state)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", CASES)
+def test_trains_in_every_mode_like_f32(name, mode, references):
+    run, _, _, _ = CASES[name]()
+    losses, _state = run(lambda step: hlo_amp.compile(step, mode))
+    want_losses, _ = references[name]
+    assert np.all(np.isfinite(losses))
+    np.testing.assert_allclose(losses, want_losses, rtol=LOSS_RTOL[mode])
+    assert losses[-1] < losses[0] * 1.05  # it trains, at least does not diverge
+    _, _, step, args = CASES[name]()
+    report = hlo_amp.compile(step, mode).lower(*args).report()
+    dots = [d for d in report.decisions if d.op_kind == "dot_general"]
+    assert len(dots) >= 8  # 3 forward, 3 weight gradients, 2 input gradients (not of x)
+    if mode == "fp8":
+        assert sum(d.fp8 for d in dots) >= 3  # the middle layer, forward and backward
+        assert all(d.low_precision for d in dots)  # first/last matrix op bf16 by the preset
+    else:
+        assert all(d.low_precision for d in dots), [d for d in dots if not d.low_precision]
+
+
+def test_nnx_rng_counters_and_batch_stats_advance_as_under_nnx_jit():
+    x, y = _batch()
+    want_model, want_opt = _nnx_model_and_optimizer()
+    got_model, got_opt = _nnx_model_and_optimizer()
+    step = hlo_amp.compile(nnx_step, "bf16")
+    scaler = hlo_amp.DynamicScalerState()
+    for _ in range(2):
+        nnx.jit(nnx_step)(want_model, want_opt, scaler, x, y)
+        step(got_model, got_opt, scaler, x, y)
+    _assert_bit_equal(nnx.state(got_model, nnx.RngState), nnx.state(want_model, nnx.RngState))
+    counts = nnx.state(got_model, nnx.RngCount)
+    assert all(int(c) == 2 for c in jax.tree.leaves(counts))  # one dropout draw per step
+    assert int(got_opt.step[...]) == 2
+    mean = got_model.blocks[0].norm.mean[...]
+    assert not np.allclose(mean, 0.0)  # batch statistics were written back
+    np.testing.assert_allclose(mean, want_model.blocks[0].norm.mean[...], rtol=5e-2, atol=1e-2)
+
+
+def test_nnx_shared_references_stay_shared_and_outputs_come_back_as_nnx_jit_returns():
+    shared = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+    pair = nnx.List([shared, shared])  # one module twice
+
+    def step(pair, other):
+        pair[0].kernel[...] = pair[0].kernel[...] * 2.0
+        return pair[1], {"sum": other.kernel[...].sum()}
+
+    want_pair = nnx.List([nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))] * 2)
+    want_out = nnx.jit(step)(want_pair, want_pair[0])
+    got_out = hlo_amp.compile(step, "bf16")(pair, shared)
+    assert pair[0] is pair[1] is shared  # the caller's objects, updated in place
+    np.testing.assert_array_equal(shared.kernel[...], want_pair[0].kernel[...])
+    assert isinstance(got_out[0], nnx.Linear) and type(got_out[0]) is type(want_out[0])
+    np.testing.assert_array_equal(got_out[0].kernel[...], want_out[0].kernel[...])
+    np.testing.assert_array_equal(got_out[1]["sum"], want_out[1]["sum"])
+
+
+def test_nnx_scope_rules_name_instance_paths_without_a_wrapper():
+    model, optimizer = _nnx_model_and_optimizer()
+    x, y = _batch()
+    step = hlo_amp.compile(nnx_step, "bf16,scope:blocks/1/fc1=float32")
+    report = step.lower(model, optimizer, hlo_amp.DynamicScalerState(), x, y).report()
+    scoped = {d.scope: d for d in report.decisions if d.op_kind == "dot_general"}
+    assert {"blocks/0/fc1", "blocks/1/fc1", "blocks/1/fc2", "head"} <= set(scoped)
+    for decision in report.decisions:
+        if decision.op_kind == "dot_general":
+            assert decision.low_precision == (decision.scope != "blocks/1/fc1"), decision
+    # lowering did not touch the caller's objects
+    assert all(int(c) == 0 for c in jax.tree.leaves(nnx.state(model, nnx.RngCount)))
+
+
+def test_decorator_with_a_policy_static_and_donated_arguments():
+    @hlo_amp.compile(policy="mixed_bfloat16", static_argnums=3, donate_argnums=1)
+    def step(model, optimizer, x, scale):
+        def loss_fn(model):
+            return (model(x) * scale).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    @nnx.jit(static_argnums=3, donate_argnums=1)
+    def reference(model, optimizer, x, scale):
+        return step.fn(model, optimizer, x, scale)
+
+    x, _ = _batch()
+    model, optimizer = _nnx_model_and_optimizer()
+    want_model, want_optimizer = _nnx_model_and_optimizer()
+    for scale in (1.0, 2.0, 2.0):
+        got = step(model, optimizer, x, scale)
+        want = reference(want_model, want_optimizer, x, scale)
+        np.testing.assert_allclose(got, want, rtol=5e-2, atol=1e-3)
+    assert step.cache_size() == 2  # one executable per static value
+    assert isinstance(hlo_amp.compile("bf16")(nnx_step), hlo_amp.AmpFunction)
+
+
+def test_equinox_module_passes_straight_in_and_filter_is_automatic():
+    model = EqxMLP(jax.random.key(0))
+    x, _ = _batch()
+
+    def forward(model, x, key):
+        return jax.vmap(model)(x, jax.random.split(key, x.shape[0])), model
+
+    out, same = hlo_amp.compile(forward, "f32")(model, x, jax.random.key(3))
+    want, _ = eqx.filter_jit(forward)(model, x, jax.random.key(3))
+    np.testing.assert_array_equal(out, want)
+    assert same.activation is jax.nn.relu and same.depth == 3 and same.drop.inference is False
+    # filter=True treats a Python int as static (a new value recompiles), as filter_jit does
+    counted = hlo_amp.compile(lambda x, n: x * n, "f32", filter=True)
+    assert float(counted(jnp.float32(2.0), 3)) == 6.0
+    assert float(counted(jnp.float32(2.0), 4)) == 8.0
+    assert counted.cache_size() == 2
+    # without it, jax.jit's meaning: the int is traced, one executable
+    traced = hlo_amp.compile(lambda x, n: x * n, "f32")
+    traced(jnp.float32(2.0), 3)
+    traced(jnp.float32(2.0), 4)
+    assert traced.cache_size() == 1
+
+
+# ---- typed keys on every path -----------------------------------------------------------
+
+
+def _dropout_layer(key: jax.Array, w: jax.Array, x: jax.Array) -> jax.Array:
+    keep = jax.random.bernoulli(key, 0.9, (x.shape[0], w.shape[1]))
+    return jnp.tanh(x @ w) * keep
+
+
+W = jnp.asarray(np.random.default_rng(1).standard_normal((WIDTH, 24)) / 8, jnp.float32)
+X = _batch()[0]
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_keys_as_arguments_outputs_and_in_pytrees_bit_identical_under_f32(impl):
+    key = jax.random.key(0, impl=impl)
+
+    def step(state, x):
+        key, sub = jax.random.split(state["key"])
+        keys = jax.random.split(sub, 3)  # an array of keys, returned too
+        y = sum(_dropout_layer(k, state["w"], x) for k in keys)
+        return {"key": key, "w": state["w"] * 0.5, "keys": keys}, y
+
+    state = {"key": key, "w": W}
+    want = jax.jit(step)(state, X)
+    got = hlo_amp.compile(step, "f32")(state, X)
+    _assert_bit_equal(got, want)
+    assert got[0]["key"].dtype == key.dtype and got[0]["keys"].shape == (3,)
+    low = hlo_amp.compile(step, "bf16")(state, X)
+    _assert_bit_equal(low[0]["keys"], want[0]["keys"])  # keys are never converted
+    np.testing.assert_allclose(low[1], want[1], rtol=5e-2, atol=5e-2)
+
+
+def test_typed_keys_under_vmap_grad_jvp_and_jit():
+    keys = jax.random.split(jax.random.key(0), 4)
+    amp = hlo_amp.compile(_dropout_layer, "f32")
+    _assert_bit_equal(jax.vmap(amp, in_axes=(0, None, None))(keys, W, X),
+                      jax.vmap(jax.jit(_dropout_layer), in_axes=(0, None, None))(keys, W, X))
+    _assert_bit_equal(jax.jit(amp)(keys[0], W, X), jax.jit(_dropout_layer)(keys[0], W, X))
+
+    def loss(f):
+        return lambda key, w: f(key, w, X).sum()
+
+    # reverse mode runs a forward and a backward program, as jax.grad of a jitted f does
+    grads = jax.grad(loss(amp), argnums=(0, 1), allow_int=True)(keys[0], W)
+    want = jax.grad(loss(jax.jit(_dropout_layer)), argnums=(0, 1), allow_int=True)(keys[0], W)
+    assert grads[0].dtype == jax.dtypes.float0 == want[0].dtype  # the key's cotangent
+    np.testing.assert_array_equal(grads[1], want[1])
+    out, tangent = jax.jvp(lambda w: amp(keys[1], w, X), (W,), (W,))
+    want_out, want_tangent = jax.jvp(lambda w: jax.jit(_dropout_layer)(keys[1], w, X), (W,),
+                                     (W,))
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_allclose(tangent, want_tangent, rtol=1e-6)
+    # a key as residual and output of a differentiated function
+    pair = hlo_amp.compile(lambda w, k: (_dropout_layer(k, w, X).sum(), jax.random.split(k)),
+                           "bf16")
+    (_value, split), vjp = jax.vjp(pair, W, keys[2])
+    dw, dk = vjp((jnp.float32(1.0), np.zeros(split.shape, jax.dtypes.float0)))
+    assert dk.dtype == jax.dtypes.float0 and dw.shape == W.shape
+    _assert_bit_equal(split, jax.random.split(keys[2]))
+
+
+def test_typed_keys_with_donation_and_lower():
+    def step(state, x):
+        key, sub = jax.random.split(state["key"])
+        return {"key": key, "w": state["w"] + 1.0}, _dropout_layer(sub, state["w"], x)
+
+    amp = hlo_amp.compile(step, "bf16", donate_argnums=0)
+    state = {"key": jax.random.key(0), "w": W + 0.0}
+    want_state, want_out = jax.jit(step)({"key": jax.random.key(0), "w": W + 0.0}, X)
+    new_state, out = amp(state, X)
+    np.testing.assert_allclose(out, want_out, rtol=5e-2, atol=5e-2)
+    assert state["w"].is_deleted()  # donated, as under jax.jit
+    _assert_bit_equal(new_state["key"], want_state["key"])
+    lowered = amp.lower(new_state, X)
+    assert "bf16" in lowered.as_text()
+    compiled = lowered.compile()
+    again, _ = compiled(new_state, X)
+    assert again["key"].dtype == want_state["key"].dtype
+
+
+def test_typed_keys_through_compare_and_module_scopes():
+    comparison = hlo_amp.compare(_dropout_layer, "bf16", jax.random.key(0), W, X)
+    assert comparison.ok and comparison.error > 0  # bf16 differs, within its tolerance
+    model = NnxModel(nnx.Rngs(0, dropout=jax.random.key(1)))
+    graphdef, state = nnx.split(model)
+
+    def forward(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    with hlo_amp.module_scopes(model):
+        lowered = hlo_amp.compile(forward, "bf16,scope:head=float32").lower(state, X)
+    head = [d for d in lowered.report().decisions if d.scope == "head"]
+    assert head and not any(d.low_precision for d in head)
+
+
+# ---- errors a user can act on -----------------------------------------------------------
+
+
+class _Config:
+    pass
+
+
+@pytest.mark.parametrize(("call", "words"), [
+    (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16")(W, _Config()),
+     ["args[1]", "_Config", "static_argnums=(1,)", "filter=True"]),
+    (lambda: hlo_amp.compile(lambda p: X @ p["w"], "bf16")({"w": W, "act": "relu"}),
+     ["args[0]['act']", "str", "not an array"]),
+    (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16", static_argnums=1)(W, [1, 2]),
+     ["static argument 1", "list", "not hashable", "tuple"]),
+    (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16", static_argnums=1)(
+        W, {"key": jax.random.key(0)}),
+     ["static argument 1", "key<fry>", "args[1]['key']", "dynamic argument"]),
+    (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16", filter=True)(W, {"a": bytearray()}),
+     ["args[1]['a']", "bytearray", "not hashable"]),
+    (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16").lower(W, _Config()),
+     ["args[1]", "_Config"]),
+])
+def test_an_argument_it_cannot_take_gets_one_message_naming_it(call, words):
+    with pytest.raises(TypeError) as error:
+        call()
+    message = str(error.value)
+    assert message.startswith("hlo_amp.compile(")
+    for word in words:
+        assert word in message, (word, message)
+    assert "NoneType" not in message and "dispatched" not in message
+
+
+def test_errors_inside_the_step_are_not_rewritten():
+    def broken(w, x):
+        raise TypeError("the user's own error")
+
+    with pytest.raises(TypeError, match="the user's own error"):
+        hlo_amp.compile(broken, "bf16")(W, X)
