@@ -154,14 +154,25 @@ def _provenance(value: ir.Value, memo: dict[ir.Value, _Provenance] | None = None
     share it with new ones.
     """
     chain: list[ir.Value] = []
+    # Calls being looked through (XLA inlines them, so a layout flows through a call):
+    # inside a callee, a value's answer depends on the call site, so it is not memoised.
+    calls: list[ir.Operation] = []
+    context_free = 0  # how many of chain's first values are memoisable
     found: _Provenance
     while True:
-        if memo is not None:
+        if not calls:
+            context_free = len(chain)
+        if memo is not None and not calls:
             hit = memo.get(value)
             if hit is not None:
                 found = hit
                 break
         ttype = value.type
+        if isinstance(value, ir.BlockArgument) and calls and _is_entry_argument(value):
+            call = calls.pop()  # back out of the callee to the call site's operand
+            chain.append(value)
+            value = call.operands[ir.BlockArgument(value).arg_number]
+            continue
         if (
             not isinstance(ttype, ir.RankedTensorType)
             or ttype.rank <= 1
@@ -183,10 +194,14 @@ def _provenance(value: ir.Value, memo: dict[ir.Value, _Provenance] | None = None
             following = owner.operands[0]
         elif name == "stablehlo.optimization_barrier":
             following = owner.operands[ir.OpResult(value).result_number]
+        elif name == "func.call" and (returned := _returned_value(owner, value)) is not None:
+            calls.append(owner)
+            following = returned
         elif name not in _OPAQUE_PRODUCERS:
             for operand in owner.operands:
                 otype = operand.type
-                if isinstance(otype, ir.RankedTensorType) and otype.rank != 0:
+                if (isinstance(otype, ir.RankedTensorType) and otype.rank != 0
+                        and not _takes_any_layout(operand)):
                     if following is not None:  # two or more tensors: row-major
                         following = None
                         break
@@ -198,14 +213,53 @@ def _provenance(value: ir.Value, memo: dict[ir.Value, _Provenance] | None = None
         value = following
     answer, last = found
     if memo is not None:
-        if hit is None:
+        if hit is None and not calls:
             memo[value] = found
-        for value in reversed(chain):
+        for index in reversed(range(len(chain))):
             last += 1
-            memo[value] = (answer, last)
+            if index < context_free:
+                memo[chain[index]] = (answer, last)
     else:
         last += len(chain)
     return answer, last
+
+
+def _is_entry_argument(value: ir.Value) -> bool:
+    """Whether ``value`` is an argument of a function's body (not of a loop body)."""
+    parent = ir.BlockArgument(value).owner.owner  # an op view: its .name may be a symbol
+    return parent is not None and parent.operation.name == "func.func"
+
+
+def _returned_value(call: ir.Operation, result: ir.Value) -> ir.Value | None:
+    """The value the callee of ``call`` returns for ``result``, or None if not found."""
+    module = call.parent
+    while module is not None and module.operation.name != "builtin.module":
+        module = module.parent
+    if module is None:
+        return None
+    callee_name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+    try:
+        callee = ir.SymbolTable(module)[callee_name]
+    except KeyError:
+        return None
+    blocks = callee.regions[0].blocks
+    if len(blocks) != 1:
+        return None
+    terminator = list(blocks[0].operations)[-1]
+    return terminator.operands[ir.OpResult(result).result_number]
+
+
+_ANY_LAYOUT_PRODUCERS = frozenset({
+    "stablehlo.broadcast_in_dim", "stablehlo.constant", "stablehlo.iota"})
+
+
+def _takes_any_layout(value: ir.Value) -> bool:
+    """Whether XLA lays ``value`` out to suit its consumer: a broadcast (a bias, a ReLU's
+    zero) beside a transposed activation leaves the activation's layout in charge, so
+    ``add(transpose(dot), broadcast(bias))`` keeps the transpose's permuted layout (in
+    the mixed_* modes through bf16 bias adds and ReLUs into the next bf16 dot)."""
+    return (not isinstance(value, ir.BlockArgument)
+            and value.owner.operation.name in _ANY_LAYOUT_PRODUCERS)
 
 
 def _maybe_permuted(
@@ -215,8 +269,9 @@ def _maybe_permuted(
 
     The import lays a transpose out so that it is a bitcast, and unary ops, converts,
     broadcasts, slices, pads, reductions and reshapes that can stay bitcasts pass that
-    layout on. Ops with two or more tensor operands (binary arithmetic, select,
-    concatenate, dot_general), reshapes to 1-D, block arguments, constants and opaque
+    layout on, and so do binary ops whose other operands are broadcasts or constants
+    (a bias add, a ReLU). Ops with two or more other tensor operands (binary arithmetic,
+    select, concatenate, dot_general), reshapes to 1-D, block arguments, constants and opaque
     producers start from row-major. Deep chains count as permuted (conservative).
     `memo` (see :func:`_provenance`) shares the walk between calls on an unchanged module.
     """
