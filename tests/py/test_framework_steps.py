@@ -11,6 +11,11 @@ regression (issue 18).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -547,3 +552,92 @@ def test_errors_inside_the_step_are_not_rewritten():
 
     with pytest.raises(TypeError, match="the user's own error"):
         hlo_amp.compile(broken, "bf16")(W, X)
+
+
+# ---- the NNX guide's data/model-parallel step on 8 host devices -------------------------
+
+MESH_SCRIPT = textwrap.dedent('''
+import json
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import hlo_amp
+
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+init = nnx.initializers.lecun_normal()
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(32, 64, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                              bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",)), rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.fc2 = nnx.Linear(64, 64, kernel_init=nnx.with_partitioning(init, ("model", None)), rngs=rngs)
+        self.head = nnx.Linear(64, 10, kernel_init=nnx.with_partitioning(init, (None, "model")), rngs=rngs)
+    def __call__(self, x):
+        return self.head(jax.nn.gelu(self.fc2(self.drop(jax.nn.relu(self.fc1(x))))))
+
+def create(mesh):
+    with jax.set_mesh(mesh):  # flax shards partitioned variables as it creates them
+        model = MLP(nnx.Rngs(0, dropout=1))
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+def train_step(model, optimizer, x, y):
+    def loss_fn(model):
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+rng = np.random.default_rng(0)
+x = jax.device_put(jnp.asarray(rng.standard_normal((32, 32)), jnp.float32), NamedSharding(mesh, P("data", None)))
+y = jax.device_put(jnp.arange(32) % 10, NamedSharding(mesh, P("data")))
+results = {"devices": jax.device_count()}
+runs = {}
+for name, jit in [("nnx.jit", nnx.jit), ("f32", lambda f: hlo_amp.compile(f, "f32")),
+                  ("bf16", lambda f: hlo_amp.compile(f, "bf16,scope:head=float32"))]:
+    model, optimizer = create(mesh)
+    step = jit(train_step)
+    losses = [float(step(model, optimizer, x, y)) for _ in range(3)]
+    kernel = model.fc1.kernel[...]
+    runs[name] = (losses, model, optimizer)
+    results.setdefault("shardings", {})[name] = [
+        str(a.sharding) for a in jax.tree.leaves(nnx.state((model, optimizer), nnx.Param))]
+    results[name] = {"losses": losses, "fc1_sharding": str(kernel.sharding.spec),
+                     "fc2_sharding": str(model.fc2.kernel[...].sharding.spec),
+                     "count": int(model.drop.rngs.count[...]) if hasattr(model.drop.rngs, "count") else None}
+def leaves(tree):
+    return [np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a) for a in jax.tree.leaves(tree)]
+ref, f32 = runs["nnx.jit"], runs["f32"]
+results["f32_bit_identical"] = all(np.array_equal(a, b) for a, b in zip(leaves(nnx.state((ref[1], ref[2]))), leaves(nnx.state((f32[1], f32[2])))))
+step = hlo_amp.compile(train_step, "bf16,scope:head=float32")
+model, optimizer = create(mesh)
+report = step.lower(model, optimizer, x, y).report()
+results["head_f32"] = all(not d.low_precision for d in report.decisions if d.scope == "head")
+results["others_bf16"] = all(d.low_precision for d in report.decisions if d.op_kind == "dot_general" and d.scope != "head")
+results["scopes"] = sorted({d.scope for d in report.decisions})
+print(json.dumps(results))
+''')
+
+
+def test_nnx_guide_step_on_a_data_model_mesh_of_8_host_devices(tmp_path):
+    """``--xla_force_host_platform_device_count`` must be set before jax is imported:
+    the step runs in a subprocess that prints JSON (as tests/py/test_sharding.py does)."""
+    script = tmp_path / "nnx_mesh.py"
+    script.write_text(MESH_SCRIPT)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["devices"] == 8
+    assert results["f32_bit_identical"]  # params, optimizer state and RNG state
+    assert results["f32"]["losses"] == results["nnx.jit"]["losses"]
+    for name in ("f32", "bf16"):  # the caller's parameters keep nnx.jit's shardings
+        assert results["shardings"][name] == results["shardings"]["nnx.jit"]
+        assert results[name]["fc1_sharding"] == "P(None, 'model')"
+        assert results[name]["count"] == 3  # one dropout draw per step, written back
+    np.testing.assert_allclose(results["bf16"]["losses"], results["nnx.jit"]["losses"],
+                               rtol=5e-2)
+    assert results["head_f32"] and results["others_bf16"]
+    assert results["scopes"] == ["fc1", "fc2", "head"]  # module paths, no wrapper
