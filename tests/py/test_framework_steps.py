@@ -514,6 +514,42 @@ def test_typed_keys_through_compare_and_module_scopes():
     assert head and not any(d.low_precision for d in head)
 
 
+def _two_scopes(key: jax.Array, w: jax.Array, x: jax.Array) -> jax.Array:
+    with jax.named_scope("a"):
+        hidden = jnp.tanh(x @ w)
+    with jax.named_scope("b"):
+        hidden = hidden @ w.T
+    return hidden * jax.random.bernoulli(key, 0.9, hidden.shape)
+
+
+def test_typed_keys_through_attribute_and_autopolicy():
+    attribution = hlo_amp.attribute(_two_scopes, "bf16", jax.random.key(0), W, X, depth=1)
+    assert sorted(attribution.ranking) == ["a", "b"]
+    found = hlo_amp.autopolicy(_two_scopes, jax.random.key(0), W, X, budget=1e-1, depth=1)
+    assert found.policy.compute_dtype == "bfloat16"
+
+
+def test_typed_keys_on_the_fallback_path_for_host_callbacks():
+    """jax.export refuses host callbacks; such functions go through jax.jit's lowering."""
+    seen = []
+
+    def with_callback(key, w, x):
+        jax.debug.callback(lambda v: seen.append(float(v)), x.sum())
+        return _two_scopes(key, w, x)
+
+    key = jax.random.key(3)
+    amp = hlo_amp.compile(with_callback, "f32")
+    np.testing.assert_array_equal(amp(key, W, X), jax.jit(with_callback)(key, W, X))
+    assert amp._through_lowering and len(seen) == 2
+    low = hlo_amp.compile(with_callback, "bf16")
+    np.testing.assert_allclose(low(key, W, X), jax.jit(with_callback)(key, W, X),
+                               rtol=5e-2, atol=5e-2)
+    with pytest.warns(UserWarning, match="runs unchanged"):  # as documented for callbacks
+        grads = jax.grad(lambda w: low(key, w, X).sum())(W)
+    np.testing.assert_allclose(grads, jax.grad(lambda w: _two_scopes(key, w, X).sum())(W),
+                               rtol=5e-2, atol=5e-2)
+
+
 # ---- errors a user can act on -----------------------------------------------------------
 
 
