@@ -173,6 +173,7 @@ class AmpFunction:
         self.policy = as_policy(policy)
         self.filter = filter
         self._framework_calls: dict[str, Any] = {}  # "nnx" / "filter" -> its call
+        self._styles: dict[Any, str] = {}  # argument structure -> "jax" / "nnx" / "filter"
         self.static_argnums = ((static_argnums,) if isinstance(static_argnums, int)
                                else tuple(static_argnums))
         self.static_argnames = ((static_argnames,) if isinstance(static_argnames, str)
@@ -257,7 +258,7 @@ class AmpFunction:
 
     def lower(self, *args: Any, **kwargs: Any) -> AmpLowered:
         """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``)."""
-        style = argument_style(args, kwargs, self.filter)
+        style = argument_style(args, kwargs, self.filter, self._styles)
         try:
             if style != "jax":
                 return self._framework_call(style).lower(args, kwargs)
@@ -279,7 +280,7 @@ class AmpFunction:
     # -- calls --
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        style = argument_style(args, kwargs, self.filter)
+        style = argument_style(args, kwargs, self.filter, self._styles)
         try:
             if style != "jax":
                 return self._framework_call(style)(*args, **kwargs)

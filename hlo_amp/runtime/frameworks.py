@@ -45,11 +45,28 @@ def _eqx() -> Any:
     return sys.modules.get("equinox")
 
 
-def argument_style(args: tuple, kwargs: dict, filter_leaves: bool | None) -> str:
-    """``"nnx"``, ``"filter"`` or ``"jax"``: how this call's arguments are taken."""
+def argument_style(args: tuple, kwargs: dict, filter_leaves: bool | None,
+                   known: dict | None = None) -> str:
+    """``"nnx"``, ``"filter"`` or ``"jax"``: how this call's arguments are taken.
+
+    ``known`` caches the answer per tree structure and leaf types (which decide it), so a
+    repeated signature pays one flatten instead of a Python walk over every node.
+    """
     nnx, eqx = _nnx(), _eqx()
     if nnx is None and eqx is None:
         return "filter" if filter_leaves else "jax"  # no framework object can exist
+    if known is None:
+        return _find_style(args, kwargs, filter_leaves, nnx, eqx)
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    key = (treedef, tuple(map(type, leaves)))
+    style = known.get(key)
+    if style is None:
+        style = known[key] = _find_style(args, kwargs, filter_leaves, nnx, eqx)
+    return style
+
+
+def _find_style(args: tuple, kwargs: dict, filter_leaves: bool | None, nnx: Any,
+                eqx: Any) -> str:
     is_graph = nnx.graph.is_graph_node if nnx is not None else (lambda _: False)
     is_module = (lambda x: isinstance(x, eqx.Module)) if eqx is not None else (lambda _: False)
     found = jax.tree_util.tree_leaves((args, kwargs),
