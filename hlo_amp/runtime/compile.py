@@ -187,7 +187,7 @@ class AmpFunction:
         self._exports: dict[Any, Any] = {}
         self._out_trees: dict[Any, Any] = {}
         self._residual_trees: dict[Any, Any] = {}
-        self.lowerings = 0  # how many times fn was lowered (cache misses)
+        self._own_lowerings = 0
         functools.update_wrapper(self, fn)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
@@ -204,6 +204,12 @@ class AmpFunction:
         self._through_lowering = False
 
     # -- NNX's and Equinox's contracts (runtime/frameworks.py) --
+
+    @property
+    def lowerings(self) -> int:
+        """How many times fn was lowered (cache misses), framework-style calls included."""
+        return self._own_lowerings + sum(call.inner.lowerings
+                                         for call in self._framework_calls.values())
 
     def _framework_call(self, style: str) -> NnxCall | FilterCall:
         call = self._framework_calls.get(style)
@@ -271,7 +277,7 @@ class AmpFunction:
         start = time.perf_counter()
         original = self._jitted.trace(*args, **kwargs).lower()
         lower_seconds = time.perf_counter() - start
-        self.lowerings += 1
+        self._own_lowerings += 1
         target = lowering_target(original)
         rewritten, report, pass_seconds = rewrite_lowered(original, self.policy, target)
         warn_unused_rules(report)
@@ -349,7 +355,7 @@ class AmpFunction:
                 if _export_refused(error):
                     raise ExportRefused(str(error).splitlines()[0]) from error
                 raise
-            self.lowerings += 1
+            self._own_lowerings += 1
             # The serialised portable artifact reads back 3x faster than the text.
             module = internals.deserialize_portable_artifact(
                 exported.mlir_module_serialized, new_context())
@@ -451,5 +457,11 @@ def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = N
                "donate_argnums": donate_argnums, "filter": filter}
     if fn is None or isinstance(fn, (Policy, str, Mapping)):
         chosen = policy if fn is None else fn  # @hlo_amp.compile("bf16")
+        try:
+            as_policy(chosen)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"hlo_amp.compile expects a callable, got {fn!r}; as a decorator it takes "
+                f"a policy: @hlo_amp.compile(policy='bf16') ({error})") from None
         return functools.partial(compile, policy=chosen, **options)
     return AmpFunction(fn, policy, **options)

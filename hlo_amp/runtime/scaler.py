@@ -70,11 +70,7 @@ def _normalise_leaf(value: Any, dtype: np.dtype) -> Any:
     utilities pass to constructors are returned as they are, so unflattening a
     `DynamicScalerState` with any leaves keeps working.
     """
-    # Bools pass: tree utilities rebuild the state with bool leaves (Equinox's filter
-    # masks in eqx.partition / filter_jit), which must stay Python bools.
-    if isinstance(value, (bool, np.bool_)):
-        return value
-    if isinstance(value, (int, float, np.integer, np.floating)):
+    if isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
         return jnp.asarray(value, dtype=dtype)
     return value
 
@@ -123,6 +119,27 @@ class DynamicScalerState(_ScalerFields):
     def _replace(self, **changes: Any) -> Self:
         """Return a copy with `changes` applied, normalising like the constructor."""
         return type(self)(**{**self._asdict(), **changes})
+
+
+def _state_children(state: DynamicScalerState) -> tuple[tuple, None]:
+    return tuple(state), None
+
+
+def _state_with_keys(state: DynamicScalerState) -> tuple[tuple, None]:
+    return tuple((jax.tree_util.GetAttrKey(name), value)
+                 for name, value in zip(_ScalerFields._fields, state, strict=True)), None
+
+
+def _state_from_children(_: None, children: Any) -> DynamicScalerState:
+    # Unflattening keeps the leaves as given, unlike the constructor: tree utilities
+    # rebuild the state with any leaves, e.g. Equinox's bool filter masks in
+    # eqx.partition / eqx.filter_jit, which must stay Python bools.
+    return tuple.__new__(DynamicScalerState, tuple(children))
+
+
+# Registered like a NamedTuple (same leaves, same key paths), minus the normalisation.
+jax.tree_util.register_pytree_with_keys(DynamicScalerState, _state_with_keys,
+                                        _state_from_children, _state_children)
 
 
 def _canonical_state(state: DynamicScalerState) -> DynamicScalerState:

@@ -404,9 +404,15 @@ def test_equinox_rule_names_one_instance() -> None:
     model = EqxModel(jax.random.PRNGKey(0))
     _check_one_instance(hlo_amp.module_scopes(model)(_eqx_step), (model, X), "blocks/1/attn",
                         "blocks/0/attn", xla=True)
-    # Equinox scopes only its built-in layers, by class: no rule reaches one instance.
+    # An Equinox model among a compiled function's arguments gets module paths with no
+    # wrapper (runtime/frameworks.py); traced by jax.jit alone, Equinox scopes only its
+    # built-in layers, by class, and no rule reaches one instance.
     plain = {d.scope for d in _decisions(_eqx_step, "bf16", model, X)}
-    assert plain == {"", "eqx.nn.Linear"}
+    wrapped = {d.scope for d in _decisions(hlo_amp.module_scopes(model)(_eqx_step), "bf16",
+                                           model, X)}
+    assert plain == wrapped and "blocks/1/attn" in plain
+    unscoped = _text(jax.jit(_eqx_step).lower(model, X))
+    assert "blocks/1/attn" not in unscoped and "eqx.nn.Linear" in unscoped
 
 
 def test_equinox_paths_are_relative_to_the_root() -> None:
