@@ -67,7 +67,10 @@ def argument_style(args: tuple, kwargs: dict, filter_leaves: bool | None,
 
 def _find_style(args: tuple, kwargs: dict, filter_leaves: bool | None, nnx: Any,
                 eqx: Any) -> str:
-    is_graph = nnx.graph.is_graph_node if nnx is not None else (lambda _: False)
+    # Variables alone (an nnx.split State) stay pytrees, as under jax.jit: only modules,
+    # optimizers, Rngs and other graph objects take nnx.jit's contract.
+    is_graph = ((lambda x: nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable))
+                if nnx is not None else (lambda _: False))
     is_module = (lambda x: isinstance(x, eqx.Module)) if eqx is not None else (lambda _: False)
     found = jax.tree_util.tree_leaves((args, kwargs),
                                       is_leaf=lambda x: is_graph(x) or is_module(x))
