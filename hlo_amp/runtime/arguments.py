@@ -70,7 +70,7 @@ def _static_problem(name: str, where: str, root: str, fix: str, value: Any) -> s
 def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Sequence[int],
                      static_argnames: Sequence[str], style: str) -> str | None:
     """The message for the first argument the call cannot take, or None if all are fine."""
-    statics = {i + len(args) if i < 0 else i for i in static_argnums}
+    statics = set(static_argnums)  # normalised by the caller (non-negative positions)
     for i, arg in enumerate(args):
         if i in statics:
             problem = _static_problem(name, f"{i}", f"args[{i}]", f"drop {i} from static_argnums",

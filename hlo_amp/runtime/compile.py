@@ -298,7 +298,8 @@ class AmpFunction:
     def _raise_for_arguments(self, args: tuple, kwargs: dict, style: str) -> None:
         """After a failed call: one message naming an argument it cannot take, if any."""
         problem = argument_problem(
-            self.__name__, args, kwargs, static_argnums=self.static_argnums,
+            self.__name__, args, kwargs,
+            static_argnums=_normalise_argnums(self.static_argnums, len(args)),
             static_argnames=self.static_argnames,
             style=style if style != "nnx" else "statics only")
         if problem:
