@@ -34,6 +34,7 @@ class Decision:
     location: str = ""  # the op's name-stack string
     source: str | None = None  # "file.py:12"
     kept_by_xla: bool | None = None  # filled in after XLA compiles, when checked
+    xla_form: str | None = None  # how XLA runs it, e.g. "cuBLAS bf16×bf16", when checked
     notes: tuple[str, ...] = ()
 
     @property
@@ -68,6 +69,7 @@ class Report:
     # Converted ops XLA's HLO could not decide, counted by why (runtime/kept_by_xla.py).
     unknown_to_xla: dict[str, int] = field(default_factory=dict)
     xla_target: str | None = None  # "cpu" when XLA compiled for CPU alone
+    xla_device: str | None = None  # "H100" when compiled for a GPU without one
     # The propagation pass (mixed_* modes): {"ops": {kind: {"painted": n, "f32": {why: n}}},
     # "functions": [{function, bytes_before, low_bytes_before, bytes_after,
     # low_bytes_after}], "clones": n}; None when it did not run.
@@ -144,7 +146,8 @@ class Report:
         if self.xla_checked:
             checked = [d for d in self.decisions if d.kept_by_xla is not None]
             kept = sum(bool(d.kept_by_xla) for d in checked)
-            line += f"; kept by XLA: {kept}/{len(checked)}"
+            where = f" ({self.xla_device}, compiled without a device)" if self.xla_device else ""
+            line += f"; kept by XLA{where}: {kept}/{len(checked)}"
             unknown = sum(self.unknown_to_xla.values())
             if unknown:
                 why = "; ".join(self.unknown_to_xla)
@@ -252,6 +255,7 @@ class Report:
             "unused_rules": self.unused_rules,
             "notes": list(self.notes),
             "unknown_to_xla": dict(self.unknown_to_xla),
+            "xla_device": self.xla_device,
             "propagation": self.propagation,
         }
 
@@ -336,4 +340,6 @@ def _short_source(source: str | None) -> str:
 def _xla_mark(decision: Decision) -> str:
     if decision.kept_by_xla is None:
         return ""
-    return "" if decision.kept_by_xla else " (XLA upcast it)"
+    if decision.kept_by_xla:
+        return ""
+    return f" (XLA upcast it: {decision.xla_form})" if decision.xla_form else " (XLA upcast it)"

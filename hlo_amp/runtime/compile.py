@@ -39,6 +39,7 @@ from hlo_amp.runtime.amp_call import (
     shape_structs,
 )
 from hlo_amp.runtime.arguments import argument_problem
+from hlo_amp.runtime.device_targets import DeviceTarget, lower_for_target, resolve_target
 from hlo_amp.runtime.frameworks import FilterCall, NnxCall, argument_style
 from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
 
@@ -72,14 +73,22 @@ class AmpCompiled:
     """A compiled, rewritten function: call it, or read XLA's optimized HLO."""
 
     def __init__(self, compiled: Any, report: Report, compile_seconds: float,
-                 target: str | None = None):
+                 target: str | None = None, device: DeviceTarget | None = None):
         self._compiled = compiled
         self._pass_report = report
         self._report: Report | None = None  # with XLA's verdicts, made when first asked
         self._target = target
+        self.device = device  # set when compiled for a device this machine lacks
         self.compile_seconds = compile_seconds
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.device is not None:
+            raise RuntimeError(
+                f"this function was compiled for {self.device.description} (target="
+                f"{self.device.name!r}) without a device; it can be read (as_text(), "
+                "memory_analysis(), report()) but not run here. Call the compiled function "
+                "itself, or .lower() without target=, to run on this machine's "
+                f"{jax.default_backend()}")
         return self._compiled(*args, **kwargs)
 
     def as_text(self) -> str:
@@ -97,7 +106,8 @@ class AmpCompiled:
         if self._report is None:
             report = copy.deepcopy(self._pass_report)
             try:
-                mark_kept_by_xla(report, self._compiled.as_text(), self._target)
+                mark_kept_by_xla(report, self._compiled.as_text(), self._target,
+                                 device=self.device.device if self.device else None)
             except Exception as error:  # noqa: BLE001  (advisory; never fail on it)
                 report.notes.append(f"could not read XLA's optimized HLO: {error}")
             self._report = report
@@ -112,8 +122,10 @@ class AmpLowered:
     """A lowered and rewritten function, like ``jax.jit(f).lower(...)``'s result."""
 
     def __init__(self, original: Any, rewritten: Any, report: Report,
-                 pass_seconds: float, lower_seconds: float, target: str | None = None):
+                 pass_seconds: float, lower_seconds: float, target: str | None = None,
+                 device: DeviceTarget | None = None):
         self._target = target
+        self.device = device  # set when lowered for a device this machine lacks
         self._original = original
         self._rewritten = rewritten
         self._report = report
@@ -133,9 +145,10 @@ class AmpLowered:
 
     def compile(self) -> AmpCompiled:
         start = time.perf_counter()
-        compiled = self._rewritten.compile()
+        options = self.device.compiler_options if self.device else None
+        compiled = self._rewritten.compile(options)
         seconds = time.perf_counter() - start
-        return AmpCompiled(compiled, self._report, seconds, self._target)
+        return AmpCompiled(compiled, self._report, seconds, self._target, self.device)
 
     @property
     def jax_lowered(self) -> Any:
@@ -262,26 +275,39 @@ class AmpFunction:
 
     # -- AOT --
 
-    def lower(self, *args: Any, **kwargs: Any) -> AmpLowered:
-        """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``)."""
+    def lower(self, *args: Any, target: str | DeviceTarget | None = None,
+              **kwargs: Any) -> AmpLowered:
+        """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``).
+
+        ``target="h100"`` (``"h200"``, ``"a100"``, or a ``GpuTargetConfig`` file's path)
+        lowers and compiles for that GPU without one: arrays or ``jax.ShapeDtypeStruct``
+        arguments, replicated on one device of it; the result can be read, not run.
+        """
+        device = resolve_target(target) if target is not None else None
         style = argument_style(args, kwargs, self.filter, self._styles)
         try:
             if style != "jax":
-                return self._framework_call(style).lower(args, kwargs)
-            return self._lower(args, kwargs)
+                return self._framework_call(style).lower(args, kwargs, device)
+            return self._lower(args, kwargs, device)
         except (TypeError, ValueError):
             self._raise_for_arguments(args, kwargs, style)
             raise
 
-    def _lower(self, args: tuple, kwargs: dict) -> AmpLowered:
+    def _lower(self, args: tuple, kwargs: dict, device: DeviceTarget | None = None
+               ) -> AmpLowered:
         start = time.perf_counter()
-        original = self._jitted.trace(*args, **kwargs).lower()
+        if device is None:
+            original = self._jitted.trace(*args, **kwargs).lower()
+            target = lowering_target(original)
+        else:
+            original = lower_for_target(self._jitted, args, kwargs, device)
+            target = device.pipeline_target
         lower_seconds = time.perf_counter() - start
         self._own_lowerings += 1
-        target = lowering_target(original)
         rewritten, report, pass_seconds = rewrite_lowered(original, self.policy, target)
         warn_unused_rules(report)
-        return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds, target)
+        return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds, target,
+                          device)
 
     # -- calls --
 

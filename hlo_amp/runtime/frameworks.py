@@ -139,9 +139,10 @@ class NnxCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.wrapped(*args, **kwargs)
 
-    def lower(self, args: tuple, kwargs: dict) -> Any:
+    def lower(self, args: tuple, kwargs: dict, device: Any = None) -> Any:
         """The inner function lowered for the pure (state) arguments ``nnx.jit`` would hand
-        it for these; the caller's objects are not changed."""
+        it for these; the caller's objects are not changed. ``device``: a
+        ``DeviceTarget`` to lower for without having it."""
         from flax.nnx import graphlib
 
         args, kwargs = graphlib.clone((args, kwargs))  # as nnx.jit's own eval_shape does
@@ -150,7 +151,7 @@ class NnxCall:
                 pure_args, pure_kwargs = self.wrapped._get_pure_args_kwargs(args, kwargs)
             else:
                 pure_args, pure_kwargs = self.wrapped._maybe_to_tree(args, kwargs)
-            return self.inner.lower(*pure_args, **pure_kwargs)
+            return self.inner.lower(*pure_args, target=device, **pure_kwargs)
 
 
 # ---- eqx.filter_jit's contract ------------------------------------------------------------
@@ -262,8 +263,8 @@ class FilterCall:
             static_kwargs[name] = rest
         return donated, kept, StaticArguments((tuple(static_args), static_kwargs))
 
-    def lower(self, args: tuple, kwargs: dict) -> Any:
-        return self.inner.lower(*self.split_arguments(args, kwargs))
+    def lower(self, args: tuple, kwargs: dict, device: Any = None) -> Any:
+        return self.inner.lower(*self.split_arguments(args, kwargs), target=device)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         arrays, static_out = self.inner(*self.split_arguments(args, kwargs))

@@ -19,7 +19,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from hlo_amp.report import Report
+from hlo_amp.report import Decision, Report
 from hlo_amp.sites import split_segments
 
 _HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
@@ -29,9 +29,14 @@ _HLO_MATMUL = re.compile(
 # One operand: "%x", or "bf16[2,3]{1,0} %x" (commas inside brackets are not separators).
 _OPERAND = re.compile(r"(?:\w+\[[^\]]*\](?:\{[^}]*\})?\s+)?%?[\w.\-]+")
 _CUSTOM_CALL = re.compile(r"custom-call\(([^)]*)\)")
-# XLA:GPU's GEMM rewriter turns dots into these (``$f8`` for fp8 GEMMs on Hopper).
-_CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
+# XLA:GPU's library calls for matrix ops: cuBLAS GEMMs (``$f8`` for fp8 GEMMs on Hopper)
+# and cuDNN convolutions (forward, filter and input gradients).
+_LIBRARY_CALL = re.compile(r'custom_call_target="__(cublas|cudnn)\$([^"]*)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# A computation's header: ``%name (params) -> type {`` or ``ENTRY %name ...{``.
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+# Fusions whose dots Triton emits (XLA's GEMM fusion, with default flags on GPU).
+_TRITON_FUSION = re.compile(r'calls=%?([\w.\-]+).*"kind":"__triton')
 _LOW_TYPES = ("bf16", "f16", "f8")
 # Name-stack segments one side has and the other may not (see the module docstring); the
 # call segments of sites.STRUCTURAL that XLA adds or drops, not the transforms.
@@ -43,10 +48,13 @@ MERGED = "XLA merged or removed some matrix ops of its scope"
 
 @dataclass(frozen=True)
 class XlaGemm:
-    """A matrix op in XLA's optimized HLO: a ``dot``/``convolution`` or a cuBLAS call."""
+    """A matrix op in XLA's optimized HLO: a ``dot``/``convolution``, a cuBLAS GEMM or a
+    cuDNN convolution call."""
 
     op_name: str  # the name stack in its metadata
     operand_types: tuple[str, ...]  # element types of its two matrix operands
+    runner: str = "XLA"  # "cuBLAS", "cuBLAS fp8", "cuDNN", "Triton" or "XLA" (a plain op)
+    conv: bool = False  # a convolution (XLA's op or a cuDNN call), not a GEMM
 
     @property
     def low(self) -> bool:
@@ -59,23 +67,43 @@ class XlaGemm:
         """Whether it is an fp8 GEMM (cuBLASLt's ``$f8`` call, or a dot of fp8 operands)."""
         return bool(self.operand_types) and all(t.startswith("f8") for t in self.operand_types)
 
+    @property
+    def form(self) -> str:
+        """How XLA runs it, in words: ``cuDNN conv f32×f32``, ``cuBLAS bf16×bf16``."""
+        return f"{self.runner} {'×'.join(self.operand_types)}"
+
 
 def xla_gemms(hlo_text: str) -> list[XlaGemm]:
-    """Every dot, convolution and cuBLAS GEMM call in optimized HLO, in text order."""
+    """Every dot, convolution, cuBLAS GEMM and cuDNN convolution call in optimized HLO,
+    in text order."""
     types: dict[str, str] = {}
     lines = hlo_text.splitlines()
+    triton: set[str] = set()
     for line in lines:
         match = _HLO_DEF.match(line)
         if match:
             types[match.group(1)] = match.group(2)
+        fusion = _TRITON_FUSION.search(line)
+        if fusion:
+            triton.add(fusion.group(1))
     found = []
+    computation = ""
     for line in lines:
+        header = _COMPUTATION.match(line)
+        if header and "=" not in line.split("{", 1)[0]:
+            computation = header.group(1)
+            continue
         match = _HLO_MATMUL.match(line)
         operands = match.group(2) if match else None
-        if match is None and "custom-call(" in line and _CUBLAS.search(line):
+        runner = "Triton" if computation in triton else "XLA"
+        library = _LIBRARY_CALL.search(line) if match is None else None
+        if library and "custom-call(" in line:
             call = _CUSTOM_CALL.search(line)
-            # cuBLAS calls take (a, b, then scales / bias): only a and b are matrices.
+            # Library calls take (a, b, then scales / bias): only a and b are matrices.
             operands = ",".join(_OPERAND.findall(call.group(1))[:2]) if call else None
+            name, target = library.groups()
+            runner = ("cuDNN" if name == "cudnn"
+                      else "cuBLAS fp8" if target.endswith("$f8") else "cuBLAS")
         if operands is None:
             continue
         operand_types = []
@@ -84,7 +112,9 @@ def xla_gemms(hlo_text: str) -> list[XlaGemm]:
             name = operand.split()[-1].lstrip("%")
             operand_types.append(inline.group(1) if inline else types.get(name, "?"))
         op_name = _OP_NAME.search(line)
-        found.append(XlaGemm(op_name.group(1) if op_name else "", tuple(operand_types)))
+        conv = runner == "cuDNN" or bool(match and match.group(1) == "convolution")
+        found.append(XlaGemm(op_name.group(1) if op_name else "", tuple(operand_types),
+                             runner, conv))
     return found
 
 
@@ -94,15 +124,51 @@ def scope_key(name: str) -> str:
     return "/".join(segments[:-1])
 
 
-def mark_kept_by_xla(report: Report, hlo_text: str, target: str | None = None) -> None:
+def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool
+            ) -> list[tuple[bool | None, str | None]]:
+    """(kept, XLA's form) per converted decision of one scope, against the scope's ops.
+
+    An fp8 op is kept by an fp8 GEMM, a 16-bit op by any 16-bit or narrower one; each XLA
+    op keeps at most one decision, one of its own kind (a convolution, a dot) where there
+    is one. Ops left over are not kept (False, with the form of a leftover XLA op of their
+    kind) when XLA has every op of the scope, else unknown (None).
+    """
+    free = list(gemms)
+    result: list[tuple[bool | None, str | None]] = [(None, None)] * len(decisions)
+    order = sorted(range(len(decisions)), key=lambda i: not decisions[i].fp8)
+    for same_kind in (True, False):
+        for i in order:
+            if result[i][0]:
+                continue
+            decision = decisions[i]
+            for gemm in free:
+                if ((gemm.fp8 if decision.fp8 else gemm.low)
+                        and (not same_kind or gemm.conv == (decision.op_kind == "convolution"))):
+                    free.remove(gemm)
+                    result[i] = (True, gemm.form)
+                    break
+    for i, (kept, _) in enumerate(result):
+        if kept or not complete:
+            continue
+        conv = decisions[i].op_kind == "convolution"
+        # An fp8 op XLA ran as a 16-bit GEMM shows that form first, then the wide ones.
+        rest = sorted(free, key=lambda g: (g.conv != conv, not g.low))
+        result[i] = (False, rest[0].form if rest else None)
+    return result
+
+
+def mark_kept_by_xla(report: Report, hlo_text: str, target: str | None = None,
+                     device: str | None = None) -> None:
     """Fill ``kept_by_xla`` for each converted decision from XLA's optimized HLO.
 
     Per scope, the report's converted ops are compared with XLA's matrix ops: an fp8 op
     counts as kept only against an fp8 GEMM, a 16-bit op against any 16-bit or narrower
     one. As many as XLA has are kept (True); when XLA has every op of the scope, the rest
     were upcast (False); when it has fewer (merged or dead), the rest stay unknown (None),
-    and ``report.unknown_to_xla`` counts why. ``target="cpu"`` notes that XLA:CPU has no
-    fp8 GEMM.
+    and ``report.unknown_to_xla`` counts why. Each decided op also gets ``xla_form``, how
+    XLA runs it (``cuBLAS bf16×bf16``; for an op not kept, the form of one of its scope's
+    ops that is not). ``target="cpu"`` notes that XLA:CPU has no fp8 GEMM; ``device``
+    names a GPU compiled for without one (``"H100"``).
     """
     xla_by_scope: dict[str, list[XlaGemm]] = {}
     for gemm in xla_gemms(hlo_text):
@@ -124,18 +190,15 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: str | None = None) -
             unknown[UNMATCHED] = unknown.get(UNMATCHED, 0) + len(indices)
             continue
         complete = len(gemms) >= total[key]
-        fp8_ops = [i for i in indices if report.decisions[i].fp8]
-        fp8_kept = min(sum(g.fp8 for g in gemms), len(fp8_ops))
-        low_ops = [i for i in indices if i not in fp8_ops]
-        low_kept = min(sum(g.low for g in gemms) - fp8_kept, len(low_ops))
-        for ops, kept in ((fp8_ops, fp8_kept), (low_ops, low_kept)):
-            for rank, index in enumerate(ops):
-                verdict = True if rank < kept else (False if complete else None)
-                report.decisions[index] = dataclasses.replace(
-                    report.decisions[index], kept_by_xla=verdict)
-            if not complete and len(ops) > kept:
-                unknown[MERGED] = unknown.get(MERGED, 0) + len(ops) - kept
+        verdicts = _assign([report.decisions[i] for i in indices], gemms, complete)
+        for index, (verdict, form) in zip(indices, verdicts):
+            report.decisions[index] = dataclasses.replace(
+                report.decisions[index], kept_by_xla=verdict, xla_form=form)
+        undecided = sum(verdict is None for verdict, _ in verdicts)
+        if undecided:
+            unknown[MERGED] = unknown.get(MERGED, 0) + undecided
     report.unknown_to_xla = unknown
     report.xla_target = target
+    report.xla_device = device
     report.xla_checked = True
 

@@ -1,0 +1,206 @@
+"""Compiling for a GPU this machine does not have: named targets, their mesh, XLA's flags.
+
+XLA compiles for a GPU described by a ``GpuTargetConfig`` text proto with no device
+present: ``jax.experimental.topologies`` makes a topology (and a mesh on it) from the
+proto, JAX lowers for ``"cuda"`` with arguments placed on that mesh, and XLA:GPU runs its
+whole pipeline (GEMM rewriting to cuBLAS, cuDNN convolutions, fusion, buffer assignment).
+Only the CUDA PJRT plugin is needed (``pip install 'hlo_amp[gpu]'``), no driver, no GPU.
+
+What such a compile cannot tell: kernel choices a real GPU would autotune. There is no
+autotuning without a device, and XLA's Triton GEMM fusion then fails on some programs
+(``Couldn't find output tile sizes``), so every GEMM is compiled as a cuBLAS call
+(``xla_gpu_enable_triton_gemm=false``); a real run may pick Triton for some of them.
+``cost_analysis()`` is empty; ``memory_analysis()`` and the optimized HLO are XLA's own.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+
+# XLA's flags for every deviceless GPU compile (see the module docstring).
+DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+@dataclass(frozen=True)
+class DeviceTarget:
+    """A device to compile for without having it."""
+
+    name: str  # what the user wrote: "h100", or a config file's path
+    device: str  # short name in reports: "H100"
+    description: str  # "NVIDIA H100 80GB HBM3"
+    platform: str  # JAX's lowering platform: "cuda"
+    target_config: str  # the GpuTargetConfig text proto
+    pipeline_target: str = "gpu"  # the pass pipeline's target facts
+    # Published dense peaks, FLOP/s by operand type ("f32" is TF32 on tensor cores where
+    # XLA's default precision uses them), and HBM bytes/s; empty for a user's own file.
+    peak_flops: dict[str, float] = field(default_factory=dict)
+    hbm_bytes_per_second: float | None = None
+
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        return dict(DEVICELESS_GPU_OPTIONS)
+
+
+@dataclass(frozen=True)
+class _GpuFacts:
+    """The ``gpu_device_info`` fields XLA reads, from NVIDIA's public specifications."""
+
+    description: str
+    compute_capability: tuple[int, int]
+    core_count: int  # SMs
+    fpus_per_core: int
+    clock_ghz: float
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    l2_bytes: int
+    shared_memory_per_core: int
+    shared_memory_per_block_optin: int
+
+
+def _target_config(facts: _GpuFacts) -> str:
+    """A ``GpuTargetConfig`` text proto. ``runtime_version`` is required: without it XLA's
+    GEMM rewriter silently leaves fp8 off; the cuDNN version is a current 9.x."""
+    major, minor = facts.compute_capability
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {facts.shared_memory_per_core}
+  threads_per_core_limit: 2048
+  core_count: {facts.core_count}
+  fpus_per_core: {facts.fpus_per_core}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(facts.memory_bandwidth)}
+  l2_cache_size: {facts.l2_bytes}
+  clock_rate_ghz: {facts.clock_ghz}
+  device_memory_size: {facts.memory_bytes}
+  shared_memory_per_block_optin: {facts.shared_memory_per_block_optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  runtime_version: "12.8.0"
+  dnn_version: "9.10.0"
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
+device_description_str: "{facts.description}"
+"""
+
+
+_GPUS: dict[str, tuple[str, _GpuFacts, dict[str, float]]] = {
+    # name: (short name, facts, dense peaks in FLOP/s: H100/H200 SXM, A100 SXM datasheets)
+    "h100": ("H100", _GpuFacts("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84942979072,
+                               3.35e12, 52428800, 233472, 232448),
+             {"f32": 494.7e12, "bf16": 989.4e12, "f16": 989.4e12, "f8": 1978.9e12}),
+    "h200": ("H200", _GpuFacts("NVIDIA H200 141GB HBM3e", (9, 0), 132, 128, 1.98,
+                               151397597184, 4.8e12, 52428800, 233472, 232448),
+             {"f32": 494.7e12, "bf16": 989.4e12, "f16": 989.4e12, "f8": 1978.9e12}),
+    "a100": ("A100", _GpuFacts("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 85100068864,
+                               2.039e12, 41943040, 167936, 166912),
+             {"f32": 156e12, "bf16": 312e12, "f16": 312e12}),
+}
+GPU_NAMES = tuple(_GPUS)
+
+
+def resolve_target(target: str | DeviceTarget) -> DeviceTarget:
+    """``"h100"``, ``"h200"``, ``"a100"`` or the path of a ``GpuTargetConfig`` text proto."""
+    if isinstance(target, DeviceTarget):
+        return target
+    if not isinstance(target, str):
+        raise TypeError(f"target={target!r}: expected one of {', '.join(GPU_NAMES)} or the "
+                        "path of a GpuTargetConfig .txtpb file")
+    key = target.strip().lower()
+    if key in _GPUS:
+        device, facts, peaks = _GPUS[key]
+        return DeviceTarget(key, device, facts.description, "cuda", _target_config(facts),
+                            peak_flops=dict(peaks), hbm_bytes_per_second=facts.memory_bandwidth)
+    path = Path(target)
+    if not path.is_file():
+        raise ValueError(f"target={target!r} is neither a known GPU ({', '.join(GPU_NAMES)}) "
+                         "nor an existing GpuTargetConfig text-proto file")
+    text = path.read_text()
+    description = _proto_string(text, "device_description_str") or path.stem
+    return DeviceTarget(str(path), description, description, "cuda", text)
+
+
+def _proto_string(text: str, key: str) -> str | None:
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(f"{key}:"):
+            return stripped.split(":", 1)[1].strip().strip('"')
+    return None
+
+
+class NoCompilerForTarget(RuntimeError):
+    """The XLA backend for the target is not installed (the CUDA PJRT plugin)."""
+
+
+def target_mesh(target: DeviceTarget) -> jax.sharding.Mesh:
+    """A one-device mesh on the target's topology (abstract devices, nothing to run on)."""
+    return _mesh(target.platform, target.target_config, target.description)
+
+
+@functools.cache
+def _mesh(platform: str, target_config: str, description: str) -> jax.sharding.Mesh:
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform=platform, target_config=target_config, topology="1x1x1")
+    except Exception as error:  # noqa: BLE001 - the plugin is missing or refuses the proto
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise NoCompilerForTarget(
+            f"cannot compile for {description} without a device: {first}. It needs "
+            "the CUDA PJRT plugin matching your jaxlib: pip install 'hlo_amp[gpu]'") from None
+    return topologies.make_mesh(topology, (1,), ("device",))
+
+
+def abstract_arguments(tree: Any, target: DeviceTarget) -> Any:
+    """``tree`` with every array leaf an abstract value placed on the target's mesh.
+
+    Leaves already placed on that mesh (``jax.ShapeDtypeStruct(..., sharding=...)`` with
+    ``target_mesh(target)``) keep their sharding; every other array is replicated.
+    """
+    mesh = target_mesh(target)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def place(leaf: Any) -> Any:
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            if isinstance(leaf, (bool, int, float, complex)):  # traced like jax.jit does
+                return jax.ShapeDtypeStruct((), jax.numpy.asarray(leaf).dtype,
+                                            sharding=replicated, weak_type=True)
+            return leaf
+        sharding = getattr(leaf, "sharding", None)
+        if not (isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh):
+            sharding = replicated
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding,
+                                    weak_type=bool(getattr(leaf, "weak_type", False)))
+
+    return jax.tree_util.tree_map(place, tree)
+
+
+def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: DeviceTarget) -> Any:
+    """``jitted`` (a ``jax.jit`` function) traced on abstract arguments and lowered for
+    ``target``: a JAX ``Lowered`` whose ``compile(target.compiler_options)`` runs XLA for
+    that device."""
+    args, kwargs = abstract_arguments((args, kwargs), target)
+    return jitted.trace(*args, **kwargs).lower(lowering_platforms=(target.platform,))
+
+
+def compile_for_target(jitted: Any, *args: Any, target: str | DeviceTarget = "h100",
+                       **kwargs: Any) -> Any:
+    """A ``jax.jit`` function compiled for ``target`` without the device: JAX's
+    ``Compiled`` (``as_text()``, ``memory_analysis()``); the peer of
+    ``AmpFunction.lower(..., target=...).compile()`` for comparisons on one footing."""
+    device = resolve_target(target)
+    return lower_for_target(jitted, args, kwargs, device).compile(device.compiler_options)
