@@ -10,7 +10,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,examples]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,examples,gpu]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -3,6 +3,11 @@
     hlo-amp-opt [FILE|-] [-o OUT] [--policy SPEC] [--scope PATTERN=ACTION]...
                 [--op KIND=ACTION]... [--report OUT.json] [--split-input-file]
                 [--debug-info] [--pass NAME]... [--verify-each]
+                [--xla-target h100|h200|a100|CONFIG.txtpb]
+
+``--xla-target`` also compiles the rewritten module with XLA for that GPU, on any
+machine (no device, no run; needs the ``gpu`` extra), and fills the report's
+kept-by-XLA verdicts from the optimized HLO.
 
 Errors (unreadable file, text that is not MLIR, a bad policy) print one line on stderr
 and exit with status 1; no output file is written.
@@ -20,7 +25,15 @@ from collections.abc import Sequence
 from hlo_amp.modules import ModuleError, module_text, parse_module
 from hlo_amp.passes import pass_names, run_pipeline
 from hlo_amp.policy import Policy, as_policy
+from hlo_amp.quiet_stderr import fd2_muted
 from hlo_amp.report import Report
+from hlo_amp.runtime.device_targets import (
+    DeviceTarget,
+    NoCompilerForTarget,
+    compile_module_for_target,
+    resolve_target,
+)
+from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
 
 _SPLIT_MARKER = re.compile(r"^// -----\s*$", re.MULTILINE)
 
@@ -57,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", choices=("cpu", "gpu"), default=None,
                         help="the backend the module is for: 'cpu' adds the CPU dot-layout "
                              "pass and enables the policy's only_if_faster rule")
+    parser.add_argument("--xla-target", metavar="GPU",
+                        help="also compile the rewritten module with XLA for this GPU, "
+                             "without one (h100, h200, a100, or a GpuTargetConfig .txtpb "
+                             "file), and report whether XLA keeps each converted op in its "
+                             "dtype (needs the gpu extra: pip install 'hlo_amp[gpu]')")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
                         help="run only these passes, in order (default: the full pipeline)")
     parser.add_argument("--verify-each", action="store_true",
@@ -105,7 +123,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         policy = _policy_from(args)
     except ValueError as error:
         raise CliError(f"hlo-amp-opt: error: bad policy: {error}") from None
-    target = None if args.target == "gpu" else args.target
+    device = _device_target(args)
+    target = "gpu" if device is not None else args.target
     available = pass_names(policy, target)
     unknown = [name for name in args.passes if name not in available]
     if unknown:
@@ -114,13 +133,17 @@ def run(argv: Sequence[str] | None = None) -> int:
     selected = [available[name] for name in args.passes] or None
     source, source_name = _read(args.input)
     outputs: list[str] = []
+    modules = []
     report = Report(policy=policy.to_string(), rules=policy.rule_names())
     for chunk, _ in _chunks(source, args.split_input_file):
         module = parse_module(chunk, source_name=source_name)
         run_pipeline(module, policy, report=report, passes=selected, target=target,
                      verify_each=args.verify_each or None)
         outputs.append(module_text(module, debug_info=args.debug_info))
+        modules.append(module)
     text = "// -----\n".join(outputs)
+    if device is not None:
+        _mark_for_device(report, modules, device)
     _write(args.output, text)
     if args.report:
         payload = report.to_json() + "\n"
@@ -129,6 +152,35 @@ def run(argv: Sequence[str] | None = None) -> int:
         else:
             _write(args.report, payload)
     return 0
+
+
+def _device_target(args: argparse.Namespace) -> DeviceTarget | None:
+    if args.xla_target is None:
+        return None
+    if args.target == "cpu":
+        raise CliError("hlo-amp-opt: error: --xla-target compiles for a GPU; it cannot be "
+                       "combined with --target cpu")
+    try:
+        return resolve_target(args.xla_target)
+    except (TypeError, ValueError) as error:
+        raise CliError(f"hlo-amp-opt: error: --xla-target: {error}") from None
+
+
+def _mark_for_device(report: Report, modules: list, device: DeviceTarget) -> None:
+    """Compile each rewritten module for ``device`` and fill the report's verdicts."""
+    texts = []
+    for module in modules:
+        try:
+            with fd2_muted():  # the CUDA plugin's driver probes on a machine without one
+                executable = compile_module_for_target(module, device)
+        except NoCompilerForTarget as error:
+            raise CliError(f"hlo-amp-opt: error: {error}") from None
+        except Exception as error:  # noqa: BLE001 - XLA's refusal, in one line
+            first = (str(error).splitlines() or [type(error).__name__])[0]
+            raise CliError(f"hlo-amp-opt: error: XLA could not compile the rewritten module "
+                           f"for {device.description}: {first}") from None
+        texts.extend(hlo.to_string() for hlo in executable.hlo_modules())
+    mark_kept_by_xla(report, "\n".join(texts), "gpu", device=device.device)
 
 
 def _write(path: str, text: str) -> None:

@@ -204,3 +204,18 @@ def compile_for_target(jitted: Any, *args: Any, target: str | DeviceTarget = "h1
     ``AmpFunction.lower(..., target=...).compile()`` for comparisons on one footing."""
     device = resolve_target(target)
     return lower_for_target(jitted, args, kwargs, device).compile(device.compiler_options)
+
+
+def compile_module_for_target(module: Any, target: DeviceTarget) -> Any:
+    """A StableHLO ``ir.Module`` (one device, as ``hlo-amp-opt`` reads it) compiled by XLA
+    for ``target``: an executable with ``hlo_modules()`` and
+    ``get_compiled_memory_stats()``; nothing to run."""
+    import numpy as np
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    device = target_mesh(target).devices.flat[0]
+    options = compiler.get_compile_options(
+        1, 1, device_assignment=np.array([[device]]),
+        env_options_overrides=target.compiler_options)
+    return device.client.compile(module, xla_client.DeviceList((device,)), options)
