@@ -160,9 +160,21 @@ def _mesh(platform: str, target_config: str, description: str) -> jax.sharding.M
     except Exception as error:  # noqa: BLE001 - the plugin is missing or refuses the proto
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise NoCompilerForTarget(
-            f"cannot compile for {description} without a device: {first}. It needs "
-            "the CUDA PJRT plugin matching your jaxlib: pip install 'hlo_amp[gpu]'") from None
+            f"cannot compile for {description} without a device: {first}. {_plugin_advice()}"
+        ) from None
     return topologies.make_mesh(topology, (1,), ("device",))
+
+
+def _plugin_advice() -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return ("It needs the CUDA PJRT plugin matching your jaxlib: "
+                "pip install 'hlo_amp[gpu]'")
+    # Installed but not registered: on a machine without a CUDA runtime the plugin's
+    # version check fails unless CPU was asked for explicitly.
+    return ("The CUDA plugin is installed but did not register: on a machine without a "
+            "GPU, start Python with JAX_PLATFORMS=cpu")
 
 
 def abstract_arguments(tree: Any, target: DeviceTarget) -> Any:

@@ -171,7 +171,7 @@ def test_missing_cuda_plugin_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
     step, args = WORKLOADS["mlp"]
     try:
         with pytest.raises(device_targets.NoCompilerForTarget,
-                           match=r"pip install 'hlo_amp\[gpu\]'"):
+                           match=r"cannot compile for NVIDIA H100.*without a device"):
             hlo_amp.compile(step, "bf16").lower(*args, target="h100")
     finally:
         device_targets._mesh.cache_clear()
