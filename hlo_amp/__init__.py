@@ -4,7 +4,7 @@ from hlo_amp.quiet_stderr import import_jax_for_cli as _import_jax_for_cli
 
 _import_jax_for_cli()  # before any jax import: the CLI's stderr stays one line per error
 
-from hlo_amp import jax_internals as _jax_internals  # noqa: E402
+from hlo_amp import jax_internals as _jax_internals
 
 _jax_internals.check()  # an unsupported jax fails here, in one line, not deep in a call
 

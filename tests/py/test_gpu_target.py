@@ -14,6 +14,7 @@ GEMM (the Linen transformer, the remat'd block).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -26,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from gpu_workloads import workloads
 
 import hlo_amp
 from hlo_amp.runtime import device_targets
-from gpu_workloads import workloads
 
 POLICIES = ("bf16", "f16", "mixed_bfloat16", "mixed_float16", "fp8")
 WORKLOADS = {name: (step, args) for name, step, args in workloads()}
@@ -92,7 +93,7 @@ def test_h100_verdicts_match_the_optimized_hlo(workload: str, policy: str) -> No
     kept_low = [d for d in dots if not d.fp8 and d.kept_by_xla]
     assert len(kept_low) <= low["gemm"] + fp8["gemm fp8"] + low["conv"]
     for decision in kept_low + kept_fp8:
-        runner, operands = decision.xla_form.rsplit(" ", 1)
+        operands = decision.xla_form.rsplit(" ", 1)[1]
         assert operands.split("×")[0] in ("bf16", "f16") or decision.fp8
     # Convolutions: issue 20 makes them cuDNN-native 16-bit; today the accurate modes
     # (operands converted, f32 result) are upcast by XLA to f32×f32 cuDNN calls.
@@ -133,7 +134,7 @@ def test_memory_analysis_and_f32_and_jax_jit_peers_on_one_footing() -> None:
 
 
 def test_a_compiled_for_a_gpu_function_cannot_be_called() -> None:
-    step, args = WORKLOADS["mlp"]
+    _, args = WORKLOADS["mlp"]
     with pytest.raises(RuntimeError, match=r"compiled for NVIDIA H100.*without a device"):
         compiled("mlp", "bf16")(*args)
 
@@ -224,9 +225,28 @@ def test_cli_xla_target_bad_input_is_one_line(tmp_path: Path) -> None:
                                                          jnp.ones((8, 2))).as_text())
     proc = _cli(str(module), "--xla-target", "h900", "-o", str(tmp_path / "o.mlir"))
     assert proc.returncode == 1
-    assert proc.stderr.splitlines() == [
+    assert proc.stderr.splitlines() == [(
         "hlo-amp-opt: error: --xla-target: target='h900' is neither a known GPU (h100, h200, "
-        "a100) nor an existing GpuTargetConfig text-proto file"]
+        "a100) nor an existing GpuTargetConfig text-proto file")]
     proc = _cli(str(module), "--xla-target", "h100", "--target", "cpu")
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1
     assert "cannot be combined with --target cpu" in proc.stderr
+
+
+def test_a_dot_xla_fuses_into_a_triton_gemm_is_named_so() -> None:
+    """With XLA's default flags (Triton GEMM on, as a real GPU after autotuning may
+    choose) the dot is emitted inside a Triton fusion; the verdict says so."""
+    from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
+
+    def f(a: jax.Array, b: jax.Array) -> jax.Array:
+        with jax.named_scope("proj"):
+            return jnp.tanh(a @ b)
+
+    a, b = jnp.ones((256, 512)), jnp.ones((512, 128))
+    lowered = hlo_amp.compile(f, "bf16").lower(a, b, target="h100")
+    triton = lowered.jax_lowered.compile()  # no options: XLA's default GPU pipeline
+    report = copy.deepcopy(lowered.report())
+    mark_kept_by_xla(report, triton.as_text(), "gpu", device="H100")
+    assert "__triton" in triton.as_text() and "__cublas" not in triton.as_text()
+    [decision] = report.decisions
+    assert decision.kept_by_xla and decision.xla_form == "Triton bf16×bf16"
