@@ -2,8 +2,10 @@
 
 Holds `DynamicScalerState`, the `dynamic_scale_value_and_grad` / `dynamic_scale_grad`
 transforms and the helpers `all_finite` / `select_tree`. The API follows jaxamp 0.0.4
-(same names, same field names and defaults, same return layout) so code written for
-jaxamp runs unchanged; it needs only jax.
+(same names, same field names and defaults, same return layout, jaxamp's `filter=`)
+so code written for jaxamp runs unchanged; it needs only jax, and equinox for
+`filter=True`. jaxamp defaults to `filter=True` and, in `dynamic_scale_value_and_grad`,
+`redo_on_nan=10`; here both default off, and `hlo_amp.jaxamp_compat` has jaxamp's.
 
 How one scaled step works:
 
@@ -225,12 +227,25 @@ def _unscale(grads: PyTree, scaler: jax.Array) -> PyTree:
     return jax.tree_util.tree_map(one, grads)
 
 
+def _filter_value_and_grad() -> Callable[..., Any]:
+    """``equinox.filter_value_and_grad``, imported only when ``filter=True`` asks for it."""
+    try:
+        import equinox
+    except ImportError:
+        raise ImportError(
+            "filter=True differentiates with equinox.filter_value_and_grad, and equinox is "
+            "not installed: pip install equinox, or pass filter=False (jax.value_and_grad)"
+        ) from None
+    return equinox.filter_value_and_grad
+
+
 def _scaled_value_and_grad(
     fun: Callable[..., Any],
     *,
     has_aux: bool,
     redo_on_nan: int,
-    argnums: int | Sequence[int],
+    argnums: int | Sequence[int] | None,
+    filter: bool,
     grad_kwargs: dict[str, Any],
 ) -> Callable[..., tuple[DynamicScalerState, tuple[tuple[jax.Array, Any], PyTree]]]:
     """The shared core: returns f(*args, dynamic_scaler_state, **kw) -> (state, ((v, aux), g))."""
@@ -257,7 +272,16 @@ def _scaled_value_and_grad(
         wide = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
         return wide * _hlo_amp_scaler.astype(wide.dtype), (wide, aux)
 
-    value_and_grad = jax.value_and_grad(scaled_loss, argnums=argnums, has_aux=True, **grad_kwargs)
+    if filter:
+        # jaxamp hands argnums to equinox among the other keywords, and equinox refuses
+        # it with its own message: the same here. Without it, the first argument.
+        extra = {} if argnums is None else {"argnums": argnums}
+        value_and_grad = _filter_value_and_grad()(
+            scaled_loss, has_aux=True, **extra, **grad_kwargs)
+    else:
+        value_and_grad = jax.value_and_grad(
+            scaled_loss, argnums=0 if argnums is None else argnums, has_aux=True,
+            **grad_kwargs)
 
     def attempt(
         state: DynamicScalerState, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -302,7 +326,8 @@ def dynamic_scale_value_and_grad(
     *,
     has_aux: bool = False,
     redo_on_nan: int = 0,
-    argnums: int | Sequence[int] = 0,
+    filter: bool = False,
+    argnums: int | Sequence[int] | None = None,
     **kwargs: Any,
 ) -> Callable[..., tuple[DynamicScalerState, Any]]:
     """Like `jax.value_and_grad(fun)`, with dynamic loss scaling.
@@ -315,7 +340,12 @@ def dynamic_scale_value_and_grad(
             once the scaler is pinned at `min_scaler`. If every try fails the
             non-finite result is returned, and the state holds one back-off (and one
             `total_resets`) per failed try.
-        argnums: as in `jax.value_and_grad`.
+        filter: as in jaxamp: differentiate with `equinox.filter_value_and_grad`
+            (every floating array leaf of the first argument; other leaves such as
+            activation functions and ints get `None` grads) instead of
+            `jax.value_and_grad`. Needs equinox; with it, `argnums` is refused, as
+            equinox refuses it.
+        argnums: as in `jax.value_and_grad` (default 0).
         **kwargs: passed on to `jax.value_and_grad` (e.g. `allow_int`).
 
     Returns:
@@ -327,7 +357,8 @@ def dynamic_scale_value_and_grad(
         `optax.apply_if_finite` or `select_tree(all_finite(grads), new, old)`.
     """
     core = _scaled_value_and_grad(
-        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, argnums=argnums, grad_kwargs=kwargs
+        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, argnums=argnums, filter=filter,
+        grad_kwargs=kwargs,
     )
 
     @functools.wraps(fun)
@@ -343,7 +374,8 @@ def dynamic_scale_grad(
     *,
     has_aux: bool = False,
     redo_on_nan: int = 0,
-    argnums: int | Sequence[int] = 0,
+    filter: bool = False,
+    argnums: int | Sequence[int] | None = None,
     **kwargs: Any,
 ) -> Callable[..., tuple[DynamicScalerState, Any]]:
     """Like `jax.grad(fun)`, with dynamic loss scaling.
@@ -352,7 +384,8 @@ def dynamic_scale_grad(
     function gives `(new_state, grads)`, or `(new_state, (grads, aux))` with `has_aux`.
     """
     core = _scaled_value_and_grad(
-        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, argnums=argnums, grad_kwargs=kwargs
+        fun, has_aux=has_aux, redo_on_nan=redo_on_nan, argnums=argnums, filter=filter,
+        grad_kwargs=kwargs,
     )
 
     @functools.wraps(fun)

@@ -559,3 +559,117 @@ def test_f16_train_step_under_hlo_amp_compile() -> None:
     text = compiled.lower(params, opt.init(params), DynamicScalerState(), batch).as_text()
     assert "xf16>" in text, "the f16 policy should put dots in f16"
     _check_against_f32(*_train_scaled(compiled, opt, params, batch), batch)
+
+
+# --------------------------------------------------------------- filter= (jaxamp's)
+
+
+def _eqx_model() -> Any:
+    """An Equinox MLP holding non-array leaves: an activation function and an int."""
+    import equinox as eqx
+
+    class Mlp(eqx.Module):
+        w1: jax.Array
+        w2: jax.Array
+        activation: Callable[[jax.Array], jax.Array]
+        power: int
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.activation(x @ self.w1) @ self.w2
+
+    k1, k2 = jax.random.split(jax.random.key(3))
+    return Mlp(jax.random.normal(k1, (8, 16)) / np.sqrt(8),
+               jax.random.normal(k2, (16, 1)) / 4, jax.nn.gelu, 2)
+
+
+def _eqx_loss(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.abs(model(x) - y) ** model.power)
+
+
+def test_filter_true_matches_equinox_filter_value_and_grad() -> None:
+    import equinox as eqx
+
+    model = _eqx_model()
+    x, y = _regression_data()
+    ref_value, ref_grads = eqx.filter_value_and_grad(_eqx_loss)(model, x, y)
+
+    vg = dynamic_scale_value_and_grad(_eqx_loss, filter=True)
+    state, (value, grads) = vg(model, x, y, dynamic_scaler_state=DynamicScalerState())
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(ref_grads)
+    assert grads.activation is None and grads.power is None  # equinox's None grads
+    np.testing.assert_allclose(value, ref_value, **TOL[jnp.float32])
+    for got, want in zip(jax.tree_util.tree_leaves(grads),
+                         jax.tree_util.tree_leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, **TOL[jnp.float32])
+    assert_state(state, count=1, total_resets=0)
+
+    state, g = dynamic_scale_grad(_eqx_loss, filter=True, redo_on_nan=2)(
+        model, x, y, dynamic_scaler_state=state)
+    np.testing.assert_allclose(g.w1, ref_grads.w1, **TOL[jnp.float32])
+    assert_state(state, count=2, total_resets=0)
+
+
+def test_filter_true_inside_hlo_amp_compile_and_filter_jit() -> None:
+    import equinox as eqx
+
+    from hlo_amp.runtime.compile import compile as amp_compile
+
+    model = _eqx_model()
+    x, y = _regression_data()
+    vg = dynamic_scale_value_and_grad(_eqx_loss, filter=True, redo_on_nan=3)
+
+    def step(model: Any, x: jax.Array, y: jax.Array, state: DynamicScalerState) -> Any:
+        state, (loss, grads) = vg(model, x, y, dynamic_scaler_state=state)
+        return state, loss, grads
+
+    def reference(model: Any, x: jax.Array, y: jax.Array) -> Any:
+        return eqx.filter_value_and_grad(_eqx_loss)(model, x, y)
+
+    state = DynamicScalerState()
+    assert "xf16>" in amp_compile(step, "f16").lower(model, x, y, state).as_text()
+    # Each wrapper runs both steps, so the f16 one is compared with the same f16 program
+    # differentiated by equinox without a scaler.
+    for wrap, tol in ((lambda f: amp_compile(f, "f16"), TOL[jnp.float16]),
+                      (eqx.filter_jit, TOL[jnp.float32])):
+        new_state, loss, grads = wrap(step)(model, x, y, state)
+        ref_loss, ref_grads = wrap(reference)(model, x, y)
+        assert grads.activation is None and grads.power is None
+        np.testing.assert_allclose(loss, ref_loss, **tol)
+        np.testing.assert_allclose(grads.w1, ref_grads.w1, **tol)
+        np.testing.assert_allclose(grads.w2, ref_grads.w2, **tol)
+        assert_state(new_state, count=1, total_resets=0)
+
+
+def test_without_filter_the_error_is_jax_value_and_grads() -> None:
+    model = _eqx_model()
+    x, y = _regression_data()
+    with pytest.raises(TypeError) as expected:
+        jax.value_and_grad(_eqx_loss)(model, x, y)
+    with pytest.raises(TypeError) as got:
+        dynamic_scale_value_and_grad(_eqx_loss)(model, x, y,
+                                                dynamic_scaler_state=DynamicScalerState())
+    assert str(got.value) == str(expected.value)
+    with pytest.raises(TypeError) as got_grad:
+        dynamic_scale_grad(_eqx_loss)(model, x, y, dynamic_scaler_state=DynamicScalerState())
+    assert str(got_grad.value) == str(expected.value)
+
+
+def test_filter_true_refuses_argnums_as_equinox_does() -> None:
+    import equinox as eqx
+
+    with pytest.raises(ValueError) as expected:
+        eqx.filter_value_and_grad(_eqx_loss, argnums=1)
+    with pytest.raises(ValueError) as got:
+        dynamic_scale_value_and_grad(_eqx_loss, filter=True, argnums=1)
+    assert str(got.value) == str(expected.value)
+
+
+def test_filter_true_without_equinox_says_how_to_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "equinox", None)  # import fails
+    with pytest.raises(ImportError, match=r"equinox is not installed.*filter=False"):
+        dynamic_scale_value_and_grad(_mlp_loss, filter=True)
+    # The keyword's default needs no equinox.
+    grad_fn = dynamic_scale_grad(_mlp_loss)
+    _, grads = grad_fn(_mlp_params(jax.random.key(0)), _regression_data(),
+                       dynamic_scaler_state=DynamicScalerState())
+    assert set(grads) == {"w1", "b1", "w2", "b2", "w3", "b3"}
