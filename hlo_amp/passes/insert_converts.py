@@ -163,6 +163,17 @@ def slower_on_target(op: Any, kind: str, policy: Policy, target: str | None) -> 
     return None
 
 
+def low_result_on_target(kind: str, target: str | None) -> bool:
+    """Whether ``target`` runs this op kind in 16 bit only with a 16-bit result.
+
+    GPU: cuDNN runs same-type 16-bit convolutions only (bf16→bf16, f16→f16, accumulating
+    in f32 inside), and XLA:GPU upcasts ``convolution(bf16, bf16) -> f32`` to f32×f32; so
+    there a convolution produces the 16-bit type and a convert follows it. cuBLASLt has
+    bf16×bf16→f32 GEMMs: dots keep the f32 result. CPU: today's forms (see cpu_dots).
+    """
+    return target == "gpu" and kind == "convolution"
+
+
 def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
             target: str | None = None,
             elements: tuple[list[ir.Type | None], ir.Type | None] | None = None,
@@ -194,14 +205,20 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
         targets = tuple(
             DTYPE_TO_ELEMENT[policy.compute_dtype] if b > target_bits else None for b in bits
         )
-        if all(t is None for t in targets):
+        compute = DTYPE_TO_ELEMENT[policy.compute_dtype]
+        # In the mixed_* modes the propagation pass gives such ops their 16-bit result.
+        result_target = (compute if low_result_on_target(kind, target) and not
+                         policy.propagate and result_bits > target_bits else None)
+        if all(t is None for t in targets) and result_target is None:
             return Plan(action, rule, none, None, "already low precision")
         slower = policy.only_if_faster and slower_on_target(op, kind, policy, target)
         if slower:
             return Plan(action, rule, none, None, slower)
-        return Plan(action, rule, targets, None,
-                    f"{DTYPE_TO_ELEMENT[policy.compute_dtype]} operands, "
-                    f"{result} accumulation")
+        if result_target is not None:
+            return Plan(action, rule, targets, result_target,
+                        f"{compute} operands and result (cuDNN's form), converted to "
+                        f"{result}")
+        return Plan(action, rule, targets, None, f"{compute} operands, {result} accumulation")
     element = DTYPE_TO_ELEMENT[action]
     targets = tuple(element if str(t) != element else None for t in operands)
     result_target = element if str(result) != element else None

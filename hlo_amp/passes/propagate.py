@@ -37,6 +37,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.cpu_dots import matrix_result_in_16bit
+from hlo_amp.passes.insert_converts import low_result_on_target
 from hlo_amp.modules import (
     callee_name,
     clone_private,
@@ -226,7 +227,8 @@ class Propagate:
         graph.solve()
         counts = graph.counts()
         with ir.Location.unknown(module.context):  # types are built outside any op
-            clones = _Rewriter(graph, low, matrix_result_in_16bit(self.target)).rewrite(module)
+            clones = _Rewriter(graph, low, matrix_result_in_16bit(self.target),
+                               self.target).rewrite(module)
         if report is not None:
             report.propagation = {
                 "ops": counts,
@@ -624,10 +626,12 @@ class _Graph:
 class _Rewriter:
     """Apply a painting: clone private functions per painting, retype, insert converts."""
 
-    def __init__(self, graph: _Graph, low: ir.Type, result_in_16bit: bool) -> None:
+    def __init__(self, graph: _Graph, low: ir.Type, result_in_16bit: bool,
+                 target: str | None = None) -> None:
         self.graph = graph
         self.low = low
         self.result_in_16bit = result_in_16bit
+        self.target = target
         self.retyped: dict[ir.Value, ir.Type] = {}  # value -> its type before the pass
         self.facts: dict[int, dict[str, set]] = defaultdict(
             lambda: {key: set() for key in ("painted", "carries", "args", "results",
@@ -637,6 +641,11 @@ class _Rewriter:
         """Rewrite every instance; returns how many functions were cloned."""
         graph = self.graph
         for node in graph.nodes:
+            if (not node.painted and node.cls == ALLOW and self.result_in_16bit
+                    and low_result_on_target(node.kind, self.target)):
+                # Outside a region too, the target runs this op kind in 16 bit only with
+                # a 16-bit result: it returns that, and its f32 readers get a convert.
+                self.facts[node.inst]["allow"].add(node.index)
             if not node.painted:
                 continue
             facts = self.facts[node.inst]

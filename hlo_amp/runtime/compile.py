@@ -448,8 +448,11 @@ class AmpFunction:
 
 
 def pipeline_target(platforms: Sequence[str]) -> str | None:
-    """The pipeline's target: "cpu" when the program is lowered for CPU alone."""
-    return "cpu" if tuple(platforms) == ("cpu",) else None
+    """The pipeline's target: "cpu" or "gpu" when the program is lowered for that kind of
+    device alone; None (no target facts) for several platforms."""
+    kinds = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu"}
+    found = {kinds.get(p) for p in platforms}
+    return found.pop() if len(found) == 1 else None
 
 
 class ExportRefused(Exception):

@@ -6,10 +6,11 @@ a device (the ``gpu`` extra's CUDA plugin). The report's per-op verdicts are che
 against the optimized HLO, parsed here independently of ``kept_by_xla``: the operand
 types of every cuBLAS GEMM and cuDNN convolution call.
 
-Today's gaps are asserted as they are, each naming the issue that changes it (issue 20,
-"GPU-correct rewrites"): 16-bit convolutions are upcast to f32×f32 cuDNN calls, and fp8
-makes XLA fail with a cycle on programs that quantise a GEMM's output for the next fp8
-GEMM (the Linen transformer, the remat'd block).
+Every converted dot and convolution is kept by XLA:GPU in its dtype (convolutions in
+cuDNN's same-type form, issue 20). Today's remaining gap is asserted as it is, naming the
+issue that changes it (issue 20, "GPU-correct rewrites", fp8 direct form): fp8 makes XLA
+fail with a cycle on programs that quantise a GEMM's output for the next fp8 GEMM (the
+Linen transformer, the remat'd block).
 """
 
 from __future__ import annotations
@@ -95,16 +96,11 @@ def test_h100_verdicts_match_the_optimized_hlo(workload: str, policy: str) -> No
     for decision in kept_low + kept_fp8:
         operands = decision.xla_form.rsplit(" ", 1)[1]
         assert operands.split("×")[0] in ("bf16", "f16") or decision.fp8
-    # Convolutions: issue 20 makes them cuDNN-native 16-bit; today the accurate modes
-    # (operands converted, f32 result) are upcast by XLA to f32×f32 cuDNN calls.
-    if convs and not policy.startswith("mixed"):
-        assert low["conv"] == 0 and wide["conv"] >= len(convs)
-        assert all(d.kept_by_xla is False and d.xla_form == "cuDNN f32×f32" for d in convs)
-    elif convs:
-        kept = [d for d in convs if d.kept_by_xla]
-        assert len(kept) <= low["conv"] + low["gemm"]
-        upcast = [d for d in convs if d.kept_by_xla is False]
-        assert len(upcast) <= wide["conv"] + wide["gemm"]
+    # Convolutions run as same-type 16-bit cuDNN calls, forward and both gradients.
+    if convs:
+        assert all(d.kept_by_xla and d.xla_form.startswith("cuDNN") for d in convs)
+        assert low["conv"] >= len(convs)
+    assert all(d.kept_by_xla for d in converted if d.kept_by_xla is not None)
     # Every verdict the report gives has its form among the calls parsed here.
     forms = Counter(d.xla_form for d in converted if d.kept_by_xla)
     runner_kind = {"cuBLAS": "gemm", "cuBLAS fp8": "gemm fp8", "cuDNN": "conv"}
@@ -215,8 +211,8 @@ def test_cli_xla_target_reports_verdicts(tmp_path: Path) -> None:
     report = json.loads(report_path.read_text())
     assert report["xla_device"] == "H100"
     verdicts = {(d["op_kind"], d["kept_by_xla"]) for d in report["decisions"] if d["changed"]}
-    # The same truth as the API's (issue 20 will make the convolutions kept).
-    assert verdicts == {("dot_general", True), ("convolution", False)}
+    # The same truth as the API's: every converted op kept, convolutions included.
+    assert verdicts == {("dot_general", True), ("convolution", True)}
 
 
 def test_cli_xla_target_bad_input_is_one_line(tmp_path: Path) -> None:
