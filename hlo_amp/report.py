@@ -136,7 +136,9 @@ class Report:
         parts = []
         for kind in kinds:
             of_kind = [d for d in self.decisions if d.op_kind == kind]
-            parts.append(f"{sum(d.low_precision for d in of_kind)}/{len(of_kind)} {kind}")
+            fp8 = sum(d.fp8 for d in of_kind)
+            parts.append(f"{sum(d.low_precision for d in of_kind)}/{len(of_kind)} {kind}"
+                         + (f" ({fp8} fp8)" if fp8 else ""))
         total = sum(d.flops or 0 for d in self.decisions)
         low = sum(d.flops or 0 for d in self.decisions if d.low_precision)
         share = f"{100.0 * low / total:.0f}%" if total else "n/a"

@@ -298,3 +298,18 @@ def test_mlp_on_digits_trains_to_f32_accuracy_in_fp8() -> None:
     assert len(fp8_dots) == 6  # layers 1 and 2, forward and both backward dots
     assert f32 > 0.9
     assert abs(fp8 - f32) <= 0.02, (fp8, f32)
+
+
+def test_summary_counts_fp8_dots_before_compiling() -> None:
+    """Issue 20 item 4: the pass's own summary says how many dots are fp8, not only
+    "16-bit or narrower"; the count is the report's fp8 decisions."""
+    def mlp(w1, w2, w3, x):
+        return jnp.tanh(jnp.tanh(x @ w1) @ w2) @ w3
+
+    ws = [jnp.ones((64, 64)) / 8] * 3
+    report = hlo_amp.compile(mlp, "fp8").lower(*ws, jnp.ones((32, 64))).report()
+    fp8 = sum(d.fp8 for d in report.decisions if d.op_kind == "dot_general")
+    assert fp8 == 1  # first and last matrix ops stay bf16 (the preset)
+    assert f"3/3 dot_general ({fp8} fp8);" in report.summary()
+    bf16 = hlo_amp.compile(mlp, "bf16").lower(*ws, jnp.ones((32, 64))).report()
+    assert "fp8" not in bf16.summary()

@@ -187,7 +187,7 @@ def test_report_json_and_unused_rules() -> None:
     report = _report("bf16,scope:head=keep,scope:nowhere=keep,backward=compute")
     data = json.loads(report.to_json())
     assert set(data) == {"policy", "summary", "decisions", "unused_rules", "notes",
-                         "unknown_to_xla", "propagation"}
+                         "unknown_to_xla", "xla_device", "propagation"}
     assert data["propagation"] is None  # the accurate mode does not run the pass
     assert data["summary"] == report.summary()
     assert len(data["decisions"]) == 4
