@@ -8,6 +8,7 @@ from hlo_amp import jax_internals as _jax_internals
 
 _jax_internals.check()  # an unsupported jax fails here, in one line, not deep in a call
 
+from hlo_amp.jaxamp_compat import amp
 from hlo_amp.module_scopes import module_scopes
 from hlo_amp.numerics import Attribution, AutoPolicy, Comparison, attribute, autopolicy, compare
 from hlo_amp.policy import Policy, amp_stop
@@ -34,6 +35,7 @@ __all__ = [
     "Policy",
     "Report",
     "all_finite",
+    "amp",
     "amp_stop",
     "attribute",
     "autopolicy",
