@@ -124,6 +124,29 @@ def _scale(x32: ir.Value, dequantize: ir.Type, fmax: float) -> tuple[ir.Value, i
     return scale, scale_dq
 
 
+_MATRIX = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
+# How many producers to look through before assuming a matrix op is among them.
+_SEARCH_LIMIT = 256
+
+
+def _from_matrix_op(value: ir.Value) -> bool:
+    """Whether ``value`` is computed from a matrix op's result in its block (XLA fuses
+    bias, activation and data movement into a GEMM's epilogue, so any path counts)."""
+    seen: set[Any] = set()
+    stack = [value]
+    while stack:
+        owner = stack.pop().owner
+        operation = owner if isinstance(owner, ir.Operation) else getattr(owner, "operation",
+                                                                          None)
+        if not isinstance(operation, ir.Operation) or operation in seen:
+            continue  # a block argument, or already looked at
+        if operation.name in _MATRIX or len(seen) >= _SEARCH_LIMIT:
+            return True
+        seen.add(operation)
+        stack.extend(operation.operands)
+    return False
+
+
 def _dequantized(op: Any, index: int, fp8: ir.Type, dequantize: ir.Type,
                  dequantized: dict[tuple[Any, ...], ir.Value]) -> ir.Value:
     """``convert(q) * broadcast(scale)`` for operand ``index`` of ``op``, q its fp8
@@ -141,6 +164,13 @@ def _dequantized(op: Any, index: int, fp8: ir.Type, dequantize: ir.Type,
         x32 = value
         if shape.element_type != f32:
             x32 = hlo.convert(with_element(value.type, f32), value)
+        if _from_matrix_op(value):
+            # XLA:GPU's GEMM rewriter would fuse this quantisation (the D scale) and the
+            # amax of the producing GEMM's output into that GEMM, although the scale is
+            # computed from that very amax: "A cycle is detected". The barrier keeps the
+            # quantisation out of the producer; it then runs as its own fusion.
+            x32 = hlo.optimization_barrier([x32])
+            x32 = x32[0] if isinstance(x32, (list, tuple)) else x32
         scale, scale_dq = _scale(x32, dequantize, fmax)
         scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
         clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))

@@ -73,7 +73,7 @@
 
 // The report names the positional rules.
 // JSON:      "policy": "fp8,compute=bfloat16",
-// JSON:      "summary": "converted 11/11 ops; low precision: 11/11 dot_general; {{[0-9]+}}% of FLOPs in 16-bit or narrower
+// JSON:      "summary": "converted 11/11 ops; low precision: 11/11 dot_general (6 fp8); {{[0-9]+}}% of FLOPs in 16-bit or narrower
 // JSON:      "scope": "stem",
 // JSON-NEXT: "direction": "forward",
 // JSON:      "action": "compute",

@@ -7,10 +7,11 @@ against the optimized HLO, parsed here independently of ``kept_by_xla``: the ope
 types of every cuBLAS GEMM and cuDNN convolution call.
 
 Every converted dot and convolution is kept by XLA:GPU in its dtype (convolutions in
-cuDNN's same-type form, issue 20). Today's remaining gap is asserted as it is, naming the
-issue that changes it (issue 20, "GPU-correct rewrites", fp8 direct form): fp8 makes XLA
-fail with a cycle on programs that quantise a GEMM's output for the next fp8 GEMM (the
-Linen transformer, the remat'd block).
+cuDNN's same-type form, issue 20), and every fp8 program compiles (the quantisation of a
+GEMM's output sits behind an optimization barrier, issue 20). Today's remaining gap is
+asserted as it is, naming the issue that changes it (issue 20, "GPU-correct rewrites",
+fp8 direct form): on the Linen transformer XLA merges or runs in bf16 a quarter of the
+attention projections' fp8 dots.
 """
 
 from __future__ import annotations
@@ -35,10 +36,8 @@ from hlo_amp.runtime import device_targets
 
 POLICIES = ("bf16", "f16", "mixed_bfloat16", "mixed_float16", "fp8")
 WORKLOADS = {name: (step, args) for name, step, args in workloads()}
-# Issue 20 ("GPU-correct rewrites", fp8 direct form): XLA:GPU's GEMM rewriter fuses an
-# fp8 GEMM's output amax and D scale into the GEMM call, a cycle when the scale depends
-# on that amax. These workloads have such a chain today.
-FP8_CYCLE = {"linen_transformer", "remat_block"}
+# Workloads where fewer than 90% of the fp8 dots are fp8 GEMMs today (issue 20's target).
+FP8_SHORT_OF_TARGET = {"linen_transformer"}
 HLO_AMP_OPT = str(Path(sys.executable).parent / "hlo-amp-opt")
 
 _CALL = re.compile(r'custom-call\(([^)]*)\).*custom_call_target="__(cublas|cudnn)\$([^"]*)"')
@@ -67,7 +66,7 @@ def compiled(workload: str, policy: str) -> hlo_amp.AmpCompiled:
     return hlo_amp.compile(step, policy).lower(*args, target="h100").compile()
 
 
-CASES = [(w, p) for w in WORKLOADS for p in POLICIES if not (p == "fp8" and w in FP8_CYCLE)]
+CASES = [(w, p) for w in WORKLOADS for p in POLICIES]
 
 
 @pytest.mark.parametrize(("workload", "policy"), CASES)
@@ -84,10 +83,16 @@ def test_h100_verdicts_match_the_optimized_hlo(workload: str, policy: str) -> No
 
     dots = [d for d in converted if d.op_kind != "convolution"]
     convs = [d for d in converted if d.op_kind == "convolution"]
-    # Dots keep the accurate form on cuBLAS: none is upcast. fp8 dots are fp8 GEMM calls.
-    assert not [d for d in dots if d.kept_by_xla is False]
+    # Dots keep the accurate form on cuBLAS: none is upcast. fp8 dots are fp8 GEMM calls,
+    # except on the Linen transformer, where XLA runs some attention projections as bf16
+    # GEMMs (issue 20, fp8 direct form; test_fp8_dots_run_as_fp8_gemms).
+    upcast = [d for d in dots if d.kept_by_xla is False]
+    if policy == "fp8" and workload in FP8_SHORT_OF_TARGET:
+        assert all(d.fp8 and d.xla_form.startswith("cuBLAS bf16") for d in upcast)
+    else:
+        assert not upcast
     kept_fp8 = [d for d in dots if d.fp8 and d.kept_by_xla]
-    assert len(kept_fp8) <= fp8["gemm fp8"]
+    assert len(kept_fp8) == fp8["gemm fp8"]
     if any(d.fp8 for d in dots):  # fp8's first and last matrix ops stay bf16 (the preset)
         assert kept_fp8 and fp8["gemm fp8"] > 0
         assert all(d.xla_form.startswith("cuBLAS fp8 f8") for d in kept_fp8)
@@ -100,7 +105,7 @@ def test_h100_verdicts_match_the_optimized_hlo(workload: str, policy: str) -> No
     if convs:
         assert all(d.kept_by_xla and d.xla_form.startswith("cuDNN") for d in convs)
         assert low["conv"] >= len(convs)
-    assert all(d.kept_by_xla for d in converted if d.kept_by_xla is not None)
+    assert all(d.kept_by_xla for d in converted if d.kept_by_xla is not None and d not in upcast)
     # Every verdict the report gives has its form among the calls parsed here.
     forms = Counter(d.xla_form for d in converted if d.kept_by_xla)
     runner_kind = {"cuBLAS": "gemm", "cuBLAS fp8": "gemm fp8", "cuDNN": "conv"}
@@ -110,11 +115,20 @@ def test_h100_verdicts_match_the_optimized_hlo(workload: str, policy: str) -> No
         assert parsed[form] >= count, (form, count, parsed)
 
 
-@pytest.mark.parametrize("workload", sorted(FP8_CYCLE))
-def test_fp8_chains_make_xla_gpu_fail_today(workload: str) -> None:
-    """Issue 20 (fp8 direct form, self-amax cycle) turns this into a compile that works."""
-    with pytest.raises(jax.errors.JaxRuntimeError, match="cycle is detected"):
-        compiled(workload, "fp8")
+@pytest.mark.parametrize("workload", [w for w in WORKLOADS if w != "cnn"])
+def test_fp8_dots_run_as_fp8_gemms(workload: str) -> None:
+    """Every workload compiles under fp8 (before issue 20's barrier, the Linen transformer
+    and the remat'd block made XLA fail: "A cycle is detected"); at least 90% of the fp8
+    dots are cuBLASLt fp8 GEMMs, except where XLA merges the attention projections."""
+    report = compiled(workload, "fp8").report()
+    fp8 = [d for d in report.decisions if d.fp8]
+    kept = sum(bool(d.kept_by_xla) for d in fp8)
+    if workload in FP8_SHORT_OF_TARGET:  # issue 20 (fp8 direct form) raises this share
+        assert 0.5 <= kept / len(fp8) < 0.9
+        missed = {d.scope.rsplit("/", 1)[-1] for d in fp8 if not d.kept_by_xla}
+        assert missed <= {"query", "key", "value"}
+    else:
+        assert kept / len(fp8) >= 0.9
 
 
 def test_memory_analysis_and_f32_and_jax_jit_peers_on_one_footing() -> None:
