@@ -49,8 +49,9 @@ __all__ = [
     "use_precision",
 ]
 
-# jaxamp's amp() computes in float16 unless told otherwise.
-DEFAULT_COMPUTE_DTYPE = jnp.float16
+# bfloat16 unless told otherwise, as hlo_amp.amp is specified (jaxamp 0.0.4's default is
+# float16, which needs its loss scaler; bfloat16 trains without one).
+DEFAULT_COMPUTE_DTYPE = jnp.bfloat16
 AMP_DEFAULT = "amp_default"
 _COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 

@@ -63,8 +63,8 @@ def test_readme_tldr_runs() -> None:
                                    atol=2e-2 * float(jnp.abs(want[name]).max()))
     assert int(scaler_state.count) == 1 and int(scaler_state.total_resets) == 0
     decisions = _forward_decisions(amp_loss, model, minibatch)
-    assert len(decisions) == 3  # jaxamp's default: every dot in float16, its default
-    assert all(d.operands_after == ("f16", "f16") for d in decisions)
+    assert len(decisions) == 3  # the default policy: every dot in bfloat16, the default
+    assert all(d.operands_after == ("bf16", "bf16") for d in decisions)
 
 
 def test_readme_training_loop_runs() -> None:
@@ -156,7 +156,7 @@ def test_readme_compute_dtype_and_amp_stop() -> None:
     (stopped,) = _forward_decisions(jaxamp.amp(high_precision_matmul), W, x)
     assert (stopped.rule, stopped.operands_after) == ("amp_stop", ("f32", "f32"))
     low, high = _forward_decisions(jaxamp.amp(high_precision_with_context), W, x)
-    assert low.operands_after == ("f16", "f16") and low.rule == "op:dot_general"
+    assert low.operands_after == ("bf16", "bf16") and low.rule == "op:dot_general"
     assert (high.rule, high.operands_after) == ("amp_stop", ("f32", "f32"))
     # The decorator keeps its function's result, and the parenthesised form works too.
     np.testing.assert_array_equal(high_precision_matmul(W, x), jnp.dot(W, x))
@@ -263,7 +263,7 @@ def test_elementwise_rules_and_amp_default() -> None:
 def test_default_policy_mirrors_jaxamps() -> None:
     policy = jaxamp.to_policy()
     assert policy == jaxamp.to_policy(jaxamp.default_amp_policy)
-    assert policy.compute_dtype == "float16" and policy.propagate
+    assert policy.compute_dtype == "bfloat16" and policy.propagate
     for kind in ("dot_general", "dot", "convolution", "add", "subtract"):
         assert policy.ops[kind] == "compute", kind
     for kind in ("multiply", "divide", "exponential", "log"):
@@ -380,8 +380,8 @@ def test_bad_compute_dtype(compute_dtype: Any) -> None:
     ({"amp_default": jaxamp.use_precision(jnp.float32)}, ValueError,
      ["amp_default", "use_original_precision or use_compute_precision"]),
     ([(lax.dot_general_p, jaxamp.use_compute_precision)], TypeError, ["dict", "list"]),
-    ({lax.add_p: jaxamp.use_precision(jnp.bfloat16)}, ValueError,
-     ["amp_policy", "'bfloat16'", "add"]),
+    ({lax.add_p: jaxamp.use_precision(jnp.float16)}, ValueError,
+     ["amp_policy", "'float16'", "add"]),
 ])
 def test_bad_policy_values(amp_policy: Any, error_type: type, words: list[str]) -> None:
     with pytest.raises(error_type) as error:
