@@ -6,15 +6,23 @@ auto-mixed-precision "paint" algorithm. The seeds are the matrix ops that pass p
 ``op_classes.py``, which op and scope rules override. Then, on the def-use graph of each
 function (``while``/``case``/``if`` bodies and calls to private functions included):
 
-1. An op or loop carry is *pinned* when one of its f32 results feeds a deny op, an op
-   outside the table, a convert to another type, or a public ``return``: deny wins.
-2. The *eligible* nodes are unpinned infer/clear ops whose float values are all f32 and
-   whose scope the policy leaves to the table, plus unpinned loop carries, branch
-   results and call arguments/results (links).
-3. A node is painted when it is reachable from an allow op through eligible nodes *and*
-   reaches a 16-bit sink (a convert to the compute dtype, i.e. a matrix op's operand)
-   through eligible nodes: it sits between 16-bit ops. A compare whose float operands
-   are all 16-bit is painted too.
+1. Deny ops convert their own inputs: a deny op (or one outside the table) reading a
+   16-bit value gets a convert up in front of it and pins nothing, as in TensorFlow's
+   algorithm and PyTorch autocast. A value is *pinned* (stays f32) only when something
+   must read it exactly as f32: a convert to another type, a public ``return``, an op
+   outside the graph.
+2. Deny spreads forward only: the infer ops, and the clear ops and links that lead
+   (through clear ops and links) to arithmetic, downstream of a deny op stay f32
+   (TensorFlow's forward deny propagation): the centring and scaling after a layer
+   norm's mean, the divide after a softmax's sum.
+3. The *eligible* nodes are the other unpinned infer/clear ops whose float values are
+   all f32 and whose scope the policy leaves to the table, plus loop carries, branch
+   results and call arguments/results (links). A node is painted when it is reachable
+   from an allow op through eligible nodes *and* reaches a 16-bit sink (a convert to
+   the compute dtype, i.e. a matrix op's operand) through eligible nodes: it sits
+   between 16-bit ops (an activation gradient between two matrix ops, though it also
+   feeds a bias gradient's sum). A compare whose float operands are all 16-bit is
+   painted too.
 4. An allow op's result becomes 16-bit when it is not pinned and feeds a painted op or
    a sink: on GPU the op returns the 16-bit type itself, on CPU it keeps its f32
    result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
@@ -65,8 +73,11 @@ _NOT_VALUE_OPS = frozenset({"stablehlo.convert", "stablehlo.constant", "stablehl
 _LINK_CONSUMERS = frozenset({"stablehlo.while", "stablehlo.return", "func.call",
                              "func.return"})
 # Reasons the painting itself gives (reset when it runs again).
-_FEEDS_DENY, _NOT_BETWEEN = "feeds a deny op", "not between 16-bit ops"
-_SOLVE_REASONS = frozenset({_FEEDS_DENY, _NOT_BETWEEN})
+_FEEDS_EXACT = "feeds an op that reads f32 exactly"
+_AFTER_DENY = "downstream of a deny op"
+_NOT_BETWEEN = "not between 16-bit ops"
+_SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, _NOT_BETWEEN})
+_DENY_CLASS = "deny class"  # the reason of an op the table (not a rule) keeps f32
 LINK = "link"
 SINK = "sink"  # a convert to the compute dtype: where a region may end
 # Op kinds whose class depends on their body as well as the table (see op_class).
@@ -358,13 +369,13 @@ class _Graph:
                     if override is not None:
                         node.cls, node.reason = override
             elif not self._site_rules:
-                node.reason = "deny class" if cls == DENY else "not in the op table"
+                node.reason = _DENY_CLASS if cls == DENY else "not in the op table"
             else:
                 override = self._policy_class(op, inst.prefix, node.kind)
                 if override is not None and override[0] in (INFER, CLEAR) and types_ok:
                     node.cls, node.reason = override
                 else:
-                    node.reason = "deny class" if cls == DENY else "not in the op table"
+                    node.reason = _DENY_CLASS if cls == DENY else "not in the op table"
             self.op_node[(inst_id, index)] = self._add(node)
 
     def _policy_class(self, op: Any, prefix: str, kind: str) -> tuple[str, str] | None:
@@ -530,15 +541,21 @@ class _Graph:
             self._paint()
 
     def _paint(self) -> None:
+        # Only readers that must see the exact f32 value pin it: converts to another
+        # type, public returns, ops outside the graph. Deny and unknown ops convert their
+        # own 16-bit inputs up (TensorFlow's and PyTorch autocast's way), so they pin
+        # nothing.
         for node in self.nodes:
-            denied = any(c == DENY or (isinstance(c, _Node) and c.cls not in
-                                       (INFER, CLEAR, LINK, ALLOW))
-                         for group in node.readers for c in group)
-            node.pinned = denied
+            node.pinned = any(c == DENY for group in node.readers for c in group)
+        denied = self._downstream_of_deny()
+        for node in self.nodes:
             if node.cls in (INFER, CLEAR, LINK) and not node.reason:
-                node.eligible = not denied
-                if denied:
-                    node.reason = _FEEDS_DENY
+                if node.pinned:
+                    node.reason = _FEEDS_EXACT
+                elif id(node) in denied:
+                    node.reason = _AFTER_DENY
+                else:
+                    node.eligible = True
         # Forward: reachable from an allow op through eligible nodes.
         pending = [n for n in self.nodes if n.cls == ALLOW and not n.pinned]
         while pending:
@@ -587,6 +604,34 @@ class _Graph:
         for node in self.nodes:
             if node.painted:
                 node.reason = ""
+
+    def _downstream_of_deny(self) -> set[int]:
+        """ids of the infer, clear and link nodes a deny op's value reaches through infer,
+        clear and link nodes: what a deny op computes stays f32 downstream (TensorFlow's
+        forward deny propagation). As there, data movement is entered only when it leads
+        (through data movement) to arithmetic, so a transpose between a sum and a matrix
+        op may still move 16-bit values."""
+        leads: set[int] = set()  # clear/link nodes upstream of arithmetic via clear/link
+        pending = [n for n in self.nodes if n.cls not in (CLEAR, LINK, ALLOW)]
+        while pending:
+            node = pending.pop()
+            for key in node.inputs:
+                producer = self.producer.get(key)
+                if (producer is not None and producer.cls in (CLEAR, LINK)
+                        and id(producer) not in leads):
+                    leads.add(id(producer))
+                    pending.append(producer)
+        denied: set[int] = set()
+        pending = [n for n in self.nodes if n.cls == DENY and n.reason == _DENY_CLASS]
+        while pending:
+            node = pending.pop()
+            for group in node.readers:
+                for reader in group:
+                    if (isinstance(reader, _Node) and id(reader) not in denied
+                            and (reader.cls == INFER or id(reader) in leads)):
+                        denied.add(id(reader))
+                        pending.append(reader)
+        return denied
 
     def _constant(self, key: tuple[int, ir.Value], depth: int = 0) -> bool:
         """A constant, possibly broadcast or reshaped: rounding it is exact enough."""

@@ -173,13 +173,15 @@ func.func @exp_between_dots(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tenso
 
 // -----
 
-// Deny wins where a value feeds both kinds: the dot result feeds a sum and a tanh that
-// leads to a dot; it stays f32, so the sum sees f32 and the tanh is not painted.
-// CHECK-LABEL: func.func @deny_wins
-// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
-// CHECK:         stablehlo.tanh %[[D]] : tensor<2x4xf32>
-// CHECK:         stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.add across dimensions = [0, 1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<f32>
-func.func @deny_wins(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> (tensor<2x3xf32>, tensor<f32>) {
+// A deny op converts its own input and pins nothing (TensorFlow's and PyTorch autocast's
+// way): the dot result feeds a sum and a tanh that leads to a dot; it is 16-bit, the
+// tanh is painted, and the sum reads an f32 convert of it.
+// CHECK-LABEL: func.func @deny_converts_its_input
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         stablehlo.tanh %[[D]] : tensor<2x4xbf16>
+// CHECK:         %[[U:.*]] = stablehlo.convert %[[D]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         stablehlo.reduce(%[[U]] init: %{{.*}}) applies stablehlo.add across dimensions = [0, 1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<f32>
+func.func @deny_converts_its_input(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> (tensor<2x3xf32>, tensor<f32>) {
   %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
   %1 = stablehlo.tanh %0 : tensor<2x4xf32> loc("jit(f)/tanh")
   %2 = stablehlo.dot_general %1, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
@@ -190,9 +192,38 @@ func.func @deny_wins(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf
 
 // -----
 
+// Deny spreads forward, through infer ops only (TensorFlow's rule): the multiply by the
+// broadcast sum and the tanh after it stay f32 and convert for the dot; a reshape of the
+// sum that leads only to a dot is data movement, not arithmetic: it moves 16-bit values.
+// CHECK-LABEL: func.func @deny_spreads_forward
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CHECK:         %[[S:.*]] = stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// CHECK:         %[[M:.*]] = stablehlo.multiply %[[D]], %{{.*}} : tensor<2x4xf32>
+// CHECK:         %[[T:.*]] = stablehlo.tanh %[[M]] : tensor<2x4xf32>
+// CHECK:         %[[T16:.*]] = stablehlo.convert %[[T]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[T16]], {{.*}} -> tensor<2x3xf32>
+// CHECK:         %[[S16:.*]] = stablehlo.convert %[[S]] : (tensor<2xf32>) -> tensor<2xbf16>
+// CHECK:         %[[R:.*]] = stablehlo.reshape %[[S16]] : (tensor<2xbf16>) -> tensor<2x1xbf16>
+// CHECK:         stablehlo.dot_general %[[R]], {{.*}} -> tensor<2x3xf32>
+func.func @deny_spreads_forward(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>, %w3: tensor<1x3xf32>) -> (tensor<2x3xf32>, tensor<2x3xf32>) {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/reduce_sum")
+  %1 = stablehlo.reduce(%0 init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/reduce_sum")
+  %2 = stablehlo.broadcast_in_dim %1, dims = [0] : (tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/broadcast_in_dim")
+  %3 = stablehlo.multiply %0, %2 : tensor<2x4xf32> loc("jit(f)/mul")
+  %4 = stablehlo.tanh %3 : tensor<2x4xf32> loc("jit(f)/tanh")
+  %5 = stablehlo.dot_general %4, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  %6 = stablehlo.reshape %1 : (tensor<2xf32>) -> tensor<2x1xf32> loc("jit(f)/reshape")
+  %7 = stablehlo.dot_general %6, %w3, contracting_dims = [1] x [0] : (tensor<2x1xf32>, tensor<1x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %5, %7 : tensor<2x3xf32>, tensor<2x3xf32>
+}
+
+// -----
+
 // Softmax as jax.nn.softmax lowers it (max, subtract, exp, sum, divide): the exp and
-// the sum stay f32; so does everything that leads into the exp (deny wins) and the
-// divide after it (nothing 16-bit feeds it); its result is converted for the next dot.
+// the sum stay f32; the max and the subtract lead only into the exp (not between 16-bit
+// ops) and the divide is downstream of them (deny spreads forward); its result is
+// converted for the next dot.
 // CHECK-LABEL: func.func @softmax
 // CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
 // CHECK:         stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.maximum {{.*}} -> tensor<2xf32>
@@ -220,7 +251,8 @@ func.func @softmax(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %v: tensor<4x3xf32>
 // -----
 
 // Layer norm as JAX lowers it (mean, centre, variance, rsqrt, scale): the sums and the
-// rsqrt stay f32, and so does the rest (its input feeds the mean: deny wins).
+// rsqrt stay f32, and so does the rest: it is downstream of the mean (deny spreads
+// forward through infer ops).
 // CHECK-LABEL: func.func @layer_norm
 // CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
 // CHECK:         stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>

@@ -1,10 +1,11 @@
 """The mixed_* modes (passes/propagate.py): numerics, contracts, idempotence, report.
 
 Numerics use the scaled tolerance ``max|got − want| ≤ atol + rtol·max|want|`` (element-wise
-tolerances fail every 16-bit dot on values that cancel to ~0), atol 1e-5, rtol 1.6e-2 for
-bf16 and 3e-3 for f16: the accurate f16 mode itself misses 1e-3 on the attention gradient
-(2.5e-3 of its scale, from the f16 dots alone), so f16 gets about six units of its 4.9e-4
-roundoff.
+tolerances fail every 16-bit dot on values that cancel to ~0), atol 1e-5, rtol about six
+units of the compute dtype's roundoff: 2.3e-2 for bf16 (3.9e-3) and 3e-3 for f16
+(4.9e-4). The accurate modes themselves need most of it on the attention's key-weight
+gradient (bf16: 2.05e-2 of its scale, f16: 2.5e-3, from the 16-bit dots alone), and the
+fast mode may not be more accurate than the accurate one.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ PAINTED_MODELS = ("mlp", "cnn", "attention", "scan_rnn", "remat")
 
 
 def _close(got, want, dtype: str) -> None:
-    rtol = {"bfloat16": 1.6e-2, "float16": 3e-3}[dtype]
+    rtol = {"bfloat16": 2.3e-2, "float16": 3e-3}[dtype]
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         assert g.shape == w.shape and g.dtype == w.dtype
