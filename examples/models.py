@@ -2,7 +2,10 @@
 
 Every model takes ``dtype`` (the computation dtype, ``None`` = infer from inputs and
 params, ``jnp.float32`` = full precision, ``jnp.bfloat16`` = hand-written mixed precision)
-and keeps its parameters in f32. The ViT pushes no scope itself: traced under
+and keeps its parameters in f32. The ViT is written as the Flax NNX guide writes a
+model: its ``nnx.Dropout`` layers hold their RNG streams, ``model.train()`` /
+``model.eval()`` switch them. It pushes no scope itself: passed to ``hlo_amp.compile``
+(which takes NNX objects as ``nnx.jit`` does) or traced under
 ``hlo_amp.module_scopes(model)``, its parts are named by their path in the model, as a
 policy names them: ``patch_embed``, ``blocks/{i}``, ``blocks/{i}/attn`` (``attn/qkv``,
 ``attn/out``), ``blocks/{i}/mlp`` (``mlp/fc1``, ``mlp/fc2``), ``norm``, ``head``. The MLP
@@ -25,6 +28,12 @@ def _cast(x: jax.Array, dtype: Dtype | None) -> jax.Array:
     return x if dtype is None else x.astype(dtype)
 
 
+def _dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout:
+    """``nnx.Dropout`` with its own RNG stream forked from ``rngs``; at rate 0 it holds no
+    RNG state, so a dropout-free model is all ``nnx.Param`` (the benchmarks split it so)."""
+    return nnx.Dropout(rate, rngs=rngs if rate else None)
+
+
 class Attention(nnx.Module):
     """Multi-head self-attention: fused qkv projection, softmax in f32, output projection."""
 
@@ -33,20 +42,17 @@ class Attention(nnx.Module):
         if dim % heads:
             raise ValueError(f"embed dim {dim} is not divisible by {heads} heads")
         self.heads = heads
-        self.dtype = dtype
         self.qkv = nnx.Linear(dim, 3 * dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.out = nnx.Linear(dim, dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.drop = nnx.Dropout(dropout)
+        self.drop = _dropout(dropout, rngs)
 
-    def __call__(self, x: jax.Array, *, train: bool, key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
         qkv = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads).astype(q.dtype)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-        if train:
-            weights = self.drop(weights, deterministic=False, rngs=jax.random.fold_in(key, 0))
-        y = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+        y = jnp.einsum("bhqk,bkhd->bqhd", self.drop(weights), v).reshape(b, t, d)
         return self.out(y)
 
 
@@ -57,13 +63,10 @@ class Mlp(nnx.Module):
                  rngs: nnx.Rngs):
         self.fc1 = nnx.Linear(dim, hidden, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.fc2 = nnx.Linear(hidden, dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.drop = nnx.Dropout(dropout)
+        self.drop = _dropout(dropout, rngs)
 
-    def __call__(self, x: jax.Array, *, train: bool, key: jax.Array | None) -> jax.Array:
-        y = jax.nn.gelu(self.fc1(x))
-        if train:
-            y = self.drop(y, deterministic=False, rngs=jax.random.fold_in(key, 1))
-        return self.fc2(y)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc2(self.drop(jax.nn.gelu(self.fc1(x))))
 
 
 class Block(nnx.Module):
@@ -75,22 +78,20 @@ class Block(nnx.Module):
         self.attn = Attention(dim, heads, dropout, dtype=dtype, rngs=rngs)
         self.ln2 = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.mlp = Mlp(dim, mlp_dim, dropout, dtype=dtype, rngs=rngs)
-        self.drop = nnx.Dropout(dropout)
+        self.drop_attn = _dropout(dropout, rngs)
+        self.drop_mlp = _dropout(dropout, rngs)
 
-    def __call__(self, x: jax.Array, *, train: bool, key: jax.Array | None) -> jax.Array:
-        keys = jax.random.split(key, 4) if train else [None] * 4
-        y = self.attn(self.ln1(x), train=train, key=keys[0])
-        if train:
-            y = self.drop(y, deterministic=False, rngs=keys[1])
-        x = x + y
-        y = self.mlp(self.ln2(x), train=train, key=keys[2])
-        if train:
-            y = self.drop(y, deterministic=False, rngs=keys[3])
-        return x + y
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.drop_attn(self.attn(self.ln1(x)))
+        return x + self.drop_mlp(self.mlp(self.ln2(x)))
 
 
 class ViT(nnx.Module):
-    """Vision Transformer: conv patch embedding, cls token, learned positions, pre-LN blocks."""
+    """Vision Transformer: conv patch embedding, cls token, learned positions, pre-LN blocks.
+
+    Dropout layers draw from the ``rngs`` given here (its ``dropout`` stream if it has
+    one); ``model.train()`` and ``model.eval()`` switch them on and off.
+    """
 
     def __init__(self, *, image_size: int, channels: int, patch: int, dim: int, depth: int,
                  heads: int, mlp_dim: int, classes: int, dropout: float = 0.0,
@@ -105,27 +106,22 @@ class ViT(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.cls = nnx.Param(init(rngs.params(), (1, 1, dim), jnp.float32))
         self.pos = nnx.Param(init(rngs.params(), (1, tokens, dim), jnp.float32))
+        self.drop = _dropout(dropout, rngs)
         self.blocks = nnx.List([Block(dim, heads, mlp_dim, dropout, dtype=dtype, rngs=rngs)
                                 for _ in range(depth)])
         self.norm = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.head = nnx.Linear(dim, classes, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.drop = nnx.Dropout(dropout)
 
-    def __call__(self, images: jax.Array, *, train: bool = False,
-                 key: jax.Array | None = None) -> jax.Array:
+    def __call__(self, images: jax.Array) -> jax.Array:
         """images: (batch, height, width, channels) → logits (batch, classes)."""
-        if train and key is None:
-            raise ValueError("ViT(train=True) needs a dropout key")
         x = self.patch_embed(images)
         b = x.shape[0]
         x = x.reshape(b, -1, x.shape[-1])
         cls = jnp.broadcast_to(_cast(self.cls[...], self.dtype), (b, 1, x.shape[-1]))
         x = jnp.concatenate([cls.astype(x.dtype), x], axis=1)
-        x = x + _cast(self.pos[...], self.dtype).astype(x.dtype)
-        if train:
-            x = self.drop(x, deterministic=False, rngs=jax.random.fold_in(key, 10_000))
-        for i, block in enumerate(self.blocks):
-            x = block(x, train=train, key=jax.random.fold_in(key, i) if train else None)
+        x = self.drop(x + _cast(self.pos[...], self.dtype).astype(x.dtype))
+        for block in self.blocks:
+            x = block(x)
         x = self.norm(x)
         return self.head(x[:, 0])
 

@@ -1,22 +1,26 @@
 """Train a small Vision Transformer on scikit-learn's 8×8 digits four ways and compare.
 
-    python examples/vit_digits.py [--steps 1000] [--batch 64] [--lr 1e-3] [--out out]
+    python examples/vit_digits.py [--steps 1000] [--batch 64] [--lr 2e-3] [--out out]
     python examples/vit_digits.py --autopolicy 0.016   # + a policy found for that budget
 
-The same model, seed, data order and step count are trained with
+The model (``examples/models.py``) and ``train_step`` are written as the Flax NNX guide
+writes them: ``nnx.Dropout`` layers holding their RNG streams, a stateful
+``nnx.Optimizer``, ``model.train()`` / ``model.eval()``. The same model, seed, data order
+and step count are trained with
 
-* ``f32``      — ``jax.jit(step)``, the reference;
-* ``hlo_amp bf16`` — ``hlo_amp.compile(step, "bf16")``: the train step's matmuls are
-  rewritten to bf16 with f32 accumulation, no model code changes;
-* ``hlo_amp f16``  — ``hlo_amp.compile(step, "f16")`` with the dynamic loss scaler; a
-  step with non-finite gradients is skipped (``select_tree``);
-* ``hlo_amp mixed_bfloat16`` — ``hlo_amp.compile(step, "mixed_bfloat16")``: bf16 matmuls
-  and the activations between them kept in bf16;
+* ``f32``      — ``nnx.jit(train_step)``, the reference;
+* ``hlo_amp bf16`` — ``hlo_amp.compile(train_step, "bf16")``: the step's matmuls are
+  rewritten to bf16 with f32 accumulation; that line is the only difference from f32;
+* ``hlo_amp f16``  — ``hlo_amp.compile(train_step_scaled, "f16")``: f16 needs the
+  dynamic loss scaler, so this step takes its gradient through it, and the optimizer
+  skips a step whose gradients are not finite (``optax.apply_if_finite``);
+* ``hlo_amp mixed_bfloat16`` — ``hlo_amp.compile(train_step, "mixed_bfloat16")``: bf16
+  matmuls and the activations between them kept in bf16;
 * ``hlo_amp mixed_float16`` (``--variants ...,mixed_f16``, not in the default) —
-  ``hlo_amp.compile(step, "mixed_float16")`` with the loss scaler, like ``f16``;
+  ``hlo_amp.compile(train_step_scaled, "mixed_float16")``, like ``f16``;
 * ``hlo_amp fp8`` (``--variants f32,bf16,fp8``, not in the default) —
-  ``hlo_amp.compile(step, "fp8")``: per-tensor-scaled fp8 dots (on CPU a numerics preview,
-  computed in f32; see docs/fp8.md).
+  ``hlo_amp.compile(train_step, "fp8")``: per-tensor-scaled fp8 dots (on CPU a numerics
+  preview, computed in f32; see docs/fp8.md).
 
 With ``--autopolicy BUDGET`` it first runs ``hlo_amp.autopolicy`` on the train step (its
 first batch, scopes at ``--autopolicy-depth``, default 2), prints the attribution table and
@@ -54,14 +58,9 @@ from sklearn.model_selection import train_test_split
 
 import hlo_amp
 from examples.models import ViT
-from hlo_amp.runtime.scaler import (
-    DynamicScalerState,
-    all_finite,
-    dynamic_scale_value_and_grad,
-    select_tree,
-)
+from hlo_amp import DynamicScalerState, dynamic_scale_value_and_grad
 
-# Variant name (``--variants``) -> hlo_amp policy; ``f32`` is plain ``jax.jit``.
+# Variant name (``--variants``) -> hlo_amp policy; ``f32`` is plain ``nnx.jit``.
 POLICIES = {"bf16": "bf16", "f16": "f16", "mixed_bf16": "mixed_bfloat16",
             "mixed_f16": "mixed_float16", "fp8": "fp8"}
 LABELS = {"f32": "f32", "bf16": "hlo_amp bf16", "f16": "hlo_amp f16",
@@ -120,40 +119,47 @@ def batches(n: int, batch: int, steps: int, seed: int) -> np.ndarray:
     return np.stack(out[:steps])
 
 
-# ---- the functional train step -----------------------------------------------------------
+# ---- the train step, written once as the Flax NNX guide writes it -------------------------
 
 
-def make_fns(graphdef: Any, tx: optax.GradientTransformation
-             ) -> tuple[Callable, Callable, Callable]:
-    """Pure functions of arrays: train step, f16 train step (loss scaled), eval."""
+def loss_fn(model: ViT, x: jax.Array, y: jax.Array) -> jax.Array:
+    logits = model(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    def loss_fn(params: Any, x: jax.Array, y: jax.Array, key: jax.Array) -> jax.Array:
-        model = nnx.merge(graphdef, params)
-        logits = model(x, train=True, key=key)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    def step(params: Any, opt_state: Any, x: jax.Array, y: jax.Array, key: jax.Array
-             ) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+def train_step(model: ViT, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array
+               ) -> jax.Array:
+    """One AdamW step; the model and optimizer are updated in place."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
 
-    scaled = dynamic_scale_value_and_grad(loss_fn)
 
-    def step_scaled(params: Any, opt_state: Any, scaler: DynamicScalerState, x: jax.Array,
-                    y: jax.Array, key: jax.Array) -> tuple[Any, Any, DynamicScalerState, jax.Array]:
-        scaler, (loss, grads) = scaled(params, x, y, key, dynamic_scaler_state=scaler)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        params, opt_state = select_tree(all_finite(grads), (new_params, new_opt_state),
-                                        (params, opt_state))
-        return params, opt_state, scaler, loss
+def eval_step(model: ViT, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Accuracy of ``model`` (in eval mode: no dropout) on a batch."""
+    return (jnp.argmax(model(x), -1) == y).mean()
 
-    def evaluate(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, params)(x, train=False)
-        return (jnp.argmax(logits, -1) == y).mean()
 
-    return step, step_scaled, evaluate
+def train_step_scaled(model: ViT, optimizer: nnx.Optimizer, scaler: DynamicScalerState,
+                      x: jax.Array, y: jax.Array) -> tuple[jax.Array, DynamicScalerState]:
+    """``train_step`` with the dynamic loss scaler that f16 needs.
+
+    The scaler differentiates with ``jax.value_and_grad``, which takes arrays, not NNX
+    modules: the parameters are split out of the model, the loss is taken on a copy
+    merged from them, and the copy's other state (its dropout RNG counts) is written
+    back. The optimizer skips non-finite gradients (``make_optimizer(scaled=True)``).
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_of_params(params: nnx.State, rest: nnx.State) -> tuple[jax.Array, nnx.State]:
+        copy = nnx.merge(graphdef, params, rest, copy=True)
+        return loss_fn(copy, x, y), nnx.state(copy, nnx.Not(nnx.Param))
+
+    scaler, ((loss, rest), grads) = dynamic_scale_value_and_grad(
+        loss_of_params, has_aux=True)(params, rest, dynamic_scaler_state=scaler)
+    nnx.update(model, rest)
+    optimizer.update(model, grads)
+    return loss, scaler
 
 
 @dataclass
@@ -172,90 +178,98 @@ class Run:
     report: Any = None  # hlo_amp variants: the pass's report after XLA compiled the step
 
 
-def initial_state(args: argparse.Namespace) -> tuple[Any, Any, Any, tuple[Callable, ...]]:
-    """The model's graph and parameters, the optimizer state and the step functions.
+def make_model(args: argparse.Namespace) -> ViT:
+    """The ViT, initialised from ``--seed``; its dropout layers draw from the next seed."""
+    return ViT(image_size=8, channels=1, patch=args.patch, dim=args.dim, depth=args.depth,
+               heads=args.heads, mlp_dim=args.mlp_dim, classes=10, dropout=args.dropout,
+               rngs=nnx.Rngs(params=args.seed, dropout=args.seed + 1))
 
-    The functions are traced under ``hlo_amp.module_scopes``, so the report and the
-    policies name the model's parts by path (``patch_embed``, ``blocks/1/attn``, ``head``).
-    """
-    model = ViT(image_size=8, channels=1, patch=args.patch, dim=args.dim, depth=args.depth,
-                heads=args.heads, mlp_dim=args.mlp_dim, classes=10, dropout=args.dropout,
-                rngs=nnx.Rngs(args.seed))
-    graphdef, params = nnx.split(model, nnx.Param)
+
+def make_optimizer(model: ViT, args: argparse.Namespace, *, scaled: bool = False
+                   ) -> nnx.Optimizer:
+    """AdamW, linear warm-up then cosine decay. ``scaled``: a step whose gradients are not
+    finite (the loss scaler backs off) updates nothing."""
     # A run shorter than the warm-up (a quick check) warms up for half its steps.
     warmup = args.warmup if args.warmup < args.steps else args.steps // 2
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
                                                   end_value=args.lr * 0.01)
     tx = optax.adamw(schedule, weight_decay=1e-4)
-    scoped = hlo_amp.module_scopes(model)
-    return graphdef, params, tx.init(params), tuple(map(scoped, make_fns(graphdef, tx)))
+    if scaled:
+        # More than the 15 halvings from the scaler's 2**15 to its floor of 1: gradients
+        # still not finite after that are divergence, and should show.
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=20)
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray) -> tuple[Run, Any]:
-    """Train one variant from the same initial parameters; returns the run and lowered step."""
-    x_train, x_test, y_train, y_test = (jnp.asarray(a) for a in data)
-    _, params, opt_state, (step, step_scaled, evaluate) = initial_state(args)
-    run = Run(name)
-    key0 = jax.random.PRNGKey(args.seed + 1)
-    scaler = DynamicScalerState()
-    xb, yb = x_train[order[0]], y_train[order[0]]
-    lowered_amp = None
-
+def jit_variant(name: str) -> tuple[Callable, Callable]:
+    """The variant's train and eval steps: ``nnx.jit`` for f32, ``hlo_amp.compile`` with
+    the variant's policy for the others. The steps themselves are the same functions."""
     if name == "f32":
-        start = time.perf_counter()
-        compiled = jax.jit(step).lower(params, opt_state, xb, yb, key0).compile()
-        run.compile_seconds = time.perf_counter() - start
-        eval_fn = jax.jit(evaluate)
-    else:
+        return nnx.jit(train_step), nnx.jit(eval_step)
+    step = train_step_scaled if name in SCALED else train_step
+    return hlo_amp.compile(step, POLICIES[name]), hlo_amp.compile(eval_step, POLICIES[name])
+
+
+def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray, *,
+          measure: bool = True) -> tuple[Run, Any]:
+    """Train one variant from the same initial model; returns the run and, for hlo_amp
+    variants measured, the lowered step.
+
+    ``measure``: also lower and compile the step ahead of time for the table's compile
+    and memory columns and the report (one XLA compile more than training needs).
+    """
+    x_train, x_test, y_train, y_test = (jnp.asarray(a) for a in data)
+    model = make_model(args)
+    optimizer = make_optimizer(model, args, scaled=name in SCALED)
+    scaler = DynamicScalerState() if name in SCALED else None
+    model.train()  # dropout on, as the step is lowered and trained
+    run = Run(name)
+    step, evaluate = jit_variant(name)
+    extra = (scaler,) if name in SCALED else ()
+    lowered_amp = None
+    if measure:
+        batch = (x_train[order[0]], y_train[order[0]])
         try:
-            amp = hlo_amp.compile(step_scaled if name in SCALED else step, POLICIES[name])
-            lower_args = ((params, opt_state, scaler, xb, yb, key0) if name in SCALED
-                          else (params, opt_state, xb, yb, key0))
-            lowered_amp = amp.lower(*lower_args)
-            compiled = lowered_amp.compile()
-            eval_fn = hlo_amp.compile(evaluate, POLICIES[name])
+            start = time.perf_counter()
+            lowered = step.lower(model, optimizer, *extra, *batch)
+            compiled = lowered.compile()
         except Exception as error:  # noqa: BLE001 - shown in the table, the others go on
             run.error = f"failed to compile: {str(error).splitlines()[0]}"
             print(f"  [{name:>4}] {run.error}", flush=True)
             return run, None
-        run.pass_seconds = lowered_amp.pass_seconds
-        run.compile_seconds = compiled.compile_seconds
-        run.report = compiled.report()
-    run.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
+        if name == "f32":
+            run.compile_seconds = time.perf_counter() - start  # lowering included
+        else:
+            lowered_amp = lowered
+            run.pass_seconds = lowered.pass_seconds
+            run.compile_seconds = compiled.compile_seconds
+            run.report = compiled.report()
+        run.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
 
     try:
-        _loop(name, args, run, compiled, params, opt_state, scaler, x_train, y_train, x_test,
-              y_test, order, key0, eval_fn)
-    except jax.errors.JaxRuntimeError as error:  # shown in the table, the other variants go on
+        for i in range(args.steps):
+            xb, yb = x_train[order[i]], y_train[order[i]]
+            start = time.perf_counter()
+            if name in SCALED:
+                loss, scaler = step(model, optimizer, scaler, xb, yb)
+            else:
+                loss = step(model, optimizer, xb, yb)
+            loss = float(jax.block_until_ready(loss))
+            run.step_seconds.append(time.perf_counter() - start)
+            run.losses.append(loss)
+            if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
+                scale = f"  loss scale {float(scaler.scaler):g}" if name in SCALED else ""
+                print(f"  [{name:>4}] step {i + 1:5d}/{args.steps}  loss {loss:.4f}  "
+                      f"{1e3 * statistics.median(run.step_seconds):.2f} ms/step{scale}",
+                      flush=True)
+        model.eval()
+        run.accuracy = float(evaluate(model, x_test, y_test))
+    except Exception as error:  # noqa: BLE001 - shown in the table, the others go on
         run.error = str(error).splitlines()[0]
-        print(f"  [{name:>4}] FAILED at run time: {run.error}", flush=True)
-    return run, lowered_amp
-
-
-def _loop(name: str, args: argparse.Namespace, run: Run, compiled: Any, params: Any,
-          opt_state: Any, scaler: DynamicScalerState, x_train: jax.Array, y_train: jax.Array,
-          x_test: jax.Array, y_test: jax.Array, order: np.ndarray, key0: jax.Array,
-          eval_fn: Callable) -> None:
-    """The timed train loop, then test accuracy; fills ``run``."""
-    for i in range(args.steps):
-        idx = order[i]
-        xb, yb = x_train[idx], y_train[idx]
-        key = jax.random.fold_in(key0, i)
-        start = time.perf_counter()
-        if name in SCALED:
-            params, opt_state, scaler, loss = compiled(params, opt_state, scaler, xb, yb, key)
-        else:
-            params, opt_state, loss = compiled(params, opt_state, xb, yb, key)
-        loss = float(jax.block_until_ready(loss))
-        run.step_seconds.append(time.perf_counter() - start)
-        run.losses.append(loss)
-        if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
-            extra = f"  loss scale {float(scaler.scaler):g}" if name in SCALED else ""
-            print(f"  [{name:>4}] step {i + 1:5d}/{args.steps}  loss {loss:.4f}  "
-                  f"{1e3 * statistics.median(run.step_seconds):.2f} ms/step{extra}", flush=True)
-    run.accuracy = float(eval_fn(params, x_test, y_test))
+        print(f"  [{name:>4}] FAILED: {run.error}", flush=True)
     if name in SCALED:
         run.skipped = int(scaler.total_resets)
+    return run, lowered_amp
 
 
 def table(runs: list[Run]) -> str:
@@ -306,7 +320,7 @@ def plot(runs: list[Run], path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(f"train loss (moving mean, {k} steps)")
     ax.set_yscale("log")
-    ax.set_title("ViT on sklearn digits: train loss, f32 jit vs hlo_amp policies")
+    ax.set_title("ViT on sklearn digits: train loss, f32 nnx.jit vs hlo_amp policies")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -323,7 +337,7 @@ def parse_variants(spec: str) -> list[str]:
 
 
 def run_variant(name: str, steps: int = 1000, **options: Any) -> float:
-    """Train one variant (``f32``, ``bf16``, ``f16``, ``mixed_bf16``, ``mixed_f16``) and
+    """Train one variant (``f32``, ``bf16``, ``f16``, ``mixed_bf16``, ``mixed_f16``, ``fp8``) and
     return its test accuracy in [0, 1]; ``options`` override the other CLI defaults
     (``batch=32``, ``seed=1``, ``log_every=10**9`` for no progress lines).
 
@@ -338,7 +352,8 @@ def run_variant(name: str, steps: int = 1000, **options: Any) -> float:
             raise TypeError(f"run_variant: unknown option {key!r}")
         setattr(args, key, value)
     data = load_data(args.seed)
-    run, _ = train(name, args, data, batches(len(data[0]), args.batch, args.steps, args.seed))
+    order = batches(len(data[0]), args.batch, args.steps, args.seed)
+    run, _ = train(name, args, data, order, measure=False)
     if run.error:
         raise RuntimeError(f"{LABELS[name]}: {run.error}")
     return run.accuracy
@@ -346,12 +361,27 @@ def run_variant(name: str, steps: int = 1000, **options: Any) -> float:
 
 def choose_policy(args: argparse.Namespace, data: tuple, order: np.ndarray) -> Any:
     """``hlo_amp.autopolicy`` on the train step and its first batch, from bf16; the chosen
-    policy becomes the ``auto`` variant."""
+    policy becomes the ``auto`` variant.
+
+    autopolicy takes arrays and pytrees, as ``jax.jit`` does, not NNX objects: it gets the
+    same ``train_step`` as a pure function of the model's and optimizer's state (whose
+    updated parameters and AdamW moments are among the outputs it measures), traced under
+    ``hlo_amp.module_scopes`` so its scopes are the model's paths.
+    """
     x_train, y_train = jnp.asarray(data[0]), jnp.asarray(data[2])
-    _, params, opt_state, (step, _, _) = initial_state(args)
-    batch = (x_train[order[0]], y_train[order[0]], jax.random.PRNGKey(args.seed + 1))
-    result = hlo_amp.autopolicy(step, params, opt_state, *batch, budget=args.autopolicy,
-                                depth=args.autopolicy_depth, base="bf16")
+    model = make_model(args)
+    model.train()
+    graphdef, state = nnx.split((model, make_optimizer(model, args)))
+
+    def pure_step(state: nnx.State, x: jax.Array, y: jax.Array) -> tuple[nnx.State, jax.Array]:
+        model, optimizer = nnx.merge(graphdef, state)
+        loss = train_step(model, optimizer, x, y)
+        return nnx.state((model, optimizer)), loss
+
+    result = hlo_amp.autopolicy(hlo_amp.module_scopes(model)(pure_step), state,
+                                x_train[order[0]], y_train[order[0]],
+                                budget=args.autopolicy, depth=args.autopolicy_depth,
+                                base="bf16")
     POLICIES[AUTO] = result.policy.to_string()
     LABELS[AUTO] = "hlo_amp autopolicy"
     return result

@@ -2,7 +2,7 @@
 mixed_* modes reaches f32's test accuracy within one point, and with "fp8" within two
 (issue 11's bound for 8-bit dots).
 
-The slowest test here (about 3-4 minutes on 2 cores): four 1,000-step trainings of the
+The slowest test here (about 4-6 minutes on 2 cores): four 1,000-step trainings of the
 NNX ViT on the 1,437 training images, scored on the 360 held-out ones.
 """
 

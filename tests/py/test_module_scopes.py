@@ -696,23 +696,24 @@ def test_unknown_model_type_is_a_type_error(given: Any, named: str) -> None:
 
 
 def test_demo_vit_train_step_paths() -> None:
-    """The demo's ViT pushes no scopes itself; its train step (make_fns) under the helper,
-    as examples/vit_digits.py wraps it, gets its parts' paths."""
+    """The demo's ViT pushes no scopes itself; its stateful train step, given the model and
+    optimizer as examples/vit_digits.py gives them, gets its parts' paths."""
     from examples.models import ViT
-    from examples.vit_digits import make_fns
+    from examples.vit_digits import train_step
 
     model = ViT(image_size=4, channels=1, patch=2, dim=8, depth=2, heads=2, mlp_dim=8,
                 classes=3, dropout=0.1, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx = optax.sgd(0.1)
-    step, _, _ = map(hlo_amp.module_scopes(model), make_fns(graphdef, tx))
-    args = (params, tx.init(params), jnp.ones((2, 4, 4, 1)), jnp.arange(2),
-            jax.random.PRNGKey(0))
-    assert _forward_scopes(step, *args) == {"patch_embed", "head"} | {
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    x, y = jnp.ones((2, 4, 4, 1)), jnp.arange(2)
+    assert _forward_scopes(train_step, model, optimizer, x, y) == {"patch_embed", "head"} | {
         f"blocks/{i}/{part}" for i in range(2)
         for part in ("attn", "attn/qkv", "attn/out", "mlp/fc1", "mlp/fc2")}
-    plain, _, _ = make_fns(graphdef, tx)
-    assert _forward_scopes(plain, *args) == {""}
+    graphdef, state = nnx.split((model, optimizer))
+
+    def pure_step(state: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return train_step(*nnx.merge(graphdef, state), x, y)
+
+    assert _forward_scopes(pure_step, state, x, y) == {""}
 
 
 def test_docs_example_runs_and_names_one_instance() -> None:
