@@ -19,6 +19,10 @@ arrays. `variant_step` turns it into the step each benchmark variant runs:
 * ``f32 + XLA bf16 dot algorithm`` (GPU only) — the f32 step compiled with
   ``xla_gpu_default_to_alg_dot_bf16_bf16_f32``: XLA runs its f32 dots as bf16×bf16→f32.
 
+The workloads are an MLP, a ViT, a CNN (``examples.models``) and a GPT-style decoder stack
+(`Decoder` below: causal self-attention and a GELU MLP, pre-LayerNorm, 512 tokens), the
+last for the GPU rows compiled without a device (``--device h100-aot``).
+
 ``python -m benchmarks.workloads stress --layers 24`` lowers and rewrites a deep
 transformer train step in a fresh process and prints JSON (pass time, op count, peak RSS).
 """
@@ -57,27 +61,33 @@ class Workload:
     classes: int
     description: str
     keras_build: Callable[[str], Any] | None = None  # Keras dtype policy name -> keras.Model
+    tokens: bool = False  # inputs are token ids and labels one per token (the decoder)
 
     def model(self, dtype: Any) -> tuple[Any, Any]:
         return nnx.split(self.build(dtype), nnx.Param)
 
     def batch(self, seed: int = 0) -> tuple[jax.Array, jax.Array]:
         kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+        if self.tokens:  # next-token labels: random ids, as the inputs
+            x = jax.random.randint(kx, self.input_shape, 0, self.classes)
+            return x, jax.random.randint(ky, self.input_shape, 0, self.classes)
         x = jax.random.normal(kx, self.input_shape, jnp.float32)
         y = jax.random.randint(ky, self.input_shape[:1], 0, self.classes)
         return x, y
 
 
 def workloads(quick: bool) -> list[Workload]:
-    """The MLP, ViT and CNN train steps; ``quick`` shrinks them to run in seconds."""
+    """The MLP, ViT, CNN and decoder train steps; ``quick`` shrinks them to run in seconds."""
     if quick:
         mlp = {"features": 256, "width": 512, "depth": 4, "batch": 64}
         vit = {"dim": 128, "mlp_dim": 512, "depth": 2, "heads": 4, "batch": 16}
         cnn = {"widths": (16, 32, 64), "batch": 16}
+        gpt = {"vocab": 1024, "seq": 128, "dim": 128, "depth": 2, "heads": 4, "batch": 4}
     else:
         mlp = {"features": 1024, "width": 2048, "depth": 4, "batch": 256}
         vit = {"dim": 384, "mlp_dim": 1536, "depth": 6, "heads": 8, "batch": 128}
         cnn = {"widths": (32, 64, 128), "batch": 128}
+        gpt = {"vocab": 8192, "seq": 512, "dim": 512, "depth": 4, "heads": 8, "batch": 8}
     return [
         Workload(
             "mlp",
@@ -106,7 +116,83 @@ def workloads(quick: bool) -> list[Workload]:
             f"CNN 3×conv3×3 {cnn['widths']} + avg-pool, 32×32×3, batch {cnn['batch']}",
             lambda pol: keras_cnn(channels=3, image_size=32, widths=cnn["widths"], classes=10,
                                   policy=pol)),
+        Workload(
+            "decoder",
+            lambda dt: Decoder(vocab=gpt["vocab"], seq=gpt["seq"], dim=gpt["dim"],
+                               depth=gpt["depth"], heads=gpt["heads"], mlp_dim=4 * gpt["dim"],
+                               dtype=dt, rngs=nnx.Rngs(0)),
+            (gpt["batch"], gpt["seq"]), gpt["vocab"],
+            f"GPT-style decoder, {gpt['depth']} causal pre-LN blocks, embed {gpt['dim']}, "
+            f"MLP {4 * gpt['dim']}, {gpt['heads']} heads, {gpt['seq']} tokens, vocab "
+            f"{gpt['vocab']}, batch {gpt['batch']}",
+            lambda pol: keras_decoder(vocab=gpt["vocab"], seq=gpt["seq"], dim=gpt["dim"],
+                                      depth=gpt["depth"], heads=gpt["heads"],
+                                      mlp_dim=4 * gpt["dim"], policy=pol),
+            tokens=True),
     ]
+
+
+# ---- a GPT-style decoder stack (Flax NNX), written as examples.models writes the ViT ------
+
+
+class CausalAttention(nnx.Module):
+    """Multi-head causal self-attention: fused qkv, scores masked and softmaxed in f32."""
+
+    def __init__(self, dim: int, heads: int, *, dtype: Any, rngs: nnx.Rngs):
+        if dim % heads:
+            raise ValueError(f"embed dim {dim} is not divisible by {heads} heads")
+        self.heads = heads
+        self.qkv = nnx.Linear(dim, 3 * dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.out = nnx.Linear(dim, dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        qkv = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads).astype(q.dtype)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return self.out(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d))
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-LayerNorm: x + attention(ln(x)), then x + fc2(gelu(fc1(ln(x))))."""
+
+    def __init__(self, dim: int, heads: int, mlp_dim: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.attn = CausalAttention(dim, heads, dtype=dtype, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.fc1 = nnx.Linear(dim, mlp_dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.fc2 = nnx.Linear(mlp_dim, dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
+
+
+class Decoder(nnx.Module):
+    """Token embedding + learned positions, ``depth`` decoder blocks, final LayerNorm, and
+    a head over the vocabulary: next-token logits ``(batch, seq, vocab)``."""
+
+    def __init__(self, *, vocab: int, seq: int, dim: int, depth: int, heads: int,
+                 mlp_dim: int, dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.embed = nnx.Embed(vocab, dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq, dim)))
+        self.blocks = nnx.List([DecoderBlock(dim, heads, mlp_dim, dtype=dtype, rngs=rngs)
+                                for _ in range(depth)])
+        self.norm = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        if self.dtype is None:  # infer from the table (nnx.Embed gives f32 for a bf16 one)
+            x = x.astype(self.embed.embedding[...].dtype)
+        x = x + self.pos[...][: tokens.shape[1]].astype(x.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
 
 
 def make_step(graphdef: Any, tx: optax.GradientTransformation,
@@ -135,6 +221,9 @@ VARIANTS = ("f32", "flax bf16", "jmp bf16", "hlo_amp bf16", "hlo_amp bf16 only_i
             "hlo_amp mixed_bfloat16", "hlo_amp fp8", "Keras mixed_bfloat16", "jaxamp")
 # Only on GPU: the f32 step, XLA told to run f32 dots with the bf16×bf16→f32 algorithm.
 GPU_VARIANTS = ("f32 + XLA bf16 dot algorithm",)
+# Compiled (not run) for a GPU without the device: ``--device h100-aot`` / ``h200-aot``.
+AOT_VARIANTS = ("f32", "f32 + XLA bf16 dot algorithm", "flax bf16", "jmp bf16",
+                "Keras mixed_bfloat16", "hlo_amp bf16", "hlo_amp mixed_bfloat16", "hlo_amp fp8")
 # The policy each hlo_amp variant compiles with.
 HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16",
                     "hlo_amp bf16 only_if_faster": "bf16,only_if_faster=true",
@@ -146,7 +235,9 @@ KERAS_POLICY = {"Keras mixed_bfloat16": "mixed_bfloat16"}
 
 
 def variants(device: str) -> tuple[str, ...]:
-    """The variants benchmarked on ``device`` (``cpu`` or ``gpu``)."""
+    """The variants benchmarked on ``device`` (``cpu``, ``gpu``, or ``h100-aot``-style)."""
+    if device.endswith("-aot"):
+        return AOT_VARIANTS
     return VARIANTS + GPU_VARIANTS if device == "gpu" else VARIANTS
 
 
@@ -228,13 +319,14 @@ def _keras_layers() -> tuple[type, type, type]:
     ops = keras.ops
 
     class Attention(keras.layers.Layer):
-        """Multi-head self-attention like `examples.models.Attention`: fused qkv, f32 softmax."""
+        """Multi-head self-attention like `examples.models.Attention`: fused qkv, f32 softmax
+        (``causal``: masked as `CausalAttention`)."""
 
-        def __init__(self, dim: int, heads: int, **kwargs: Any):
+        def __init__(self, dim: int, heads: int, causal: bool = False, **kwargs: Any):
             super().__init__(**kwargs)
             if dim % heads:
                 raise ValueError(f"embed dim {dim} is not divisible by {heads} heads")
-            self.dim, self.heads = dim, heads
+            self.dim, self.heads, self.causal = dim, heads, causal
             self.qkv = keras.layers.Dense(3 * dim, kernel_initializer="lecun_normal",
                                           dtype=self.dtype_policy, name="qkv")
             self.out = keras.layers.Dense(dim, kernel_initializer="lecun_normal",
@@ -249,7 +341,11 @@ def _keras_layers() -> tuple[type, type, type]:
             qkv = ops.reshape(self.qkv(x), (-1, t, 3, h, d // h))
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             scores = ops.einsum("bqhd,bkhd->bhqk", q, k) / ops.cast((d // h) ** 0.5, q.dtype)
-            weights = ops.cast(ops.softmax(ops.cast(scores, "float32"), axis=-1), v.dtype)
+            scores = ops.cast(scores, "float32")
+            if self.causal:
+                scores = ops.where(ops.tril(ops.ones((t, t), dtype="bool")), scores,
+                                   float(jnp.finfo(jnp.float32).min))
+            weights = ops.cast(ops.softmax(scores, axis=-1), v.dtype)
             y = ops.reshape(ops.einsum("bhqk,bkhd->bqhd", weights, v), (-1, t, d))
             return self.out(y)
 
@@ -273,6 +369,23 @@ def _keras_layers() -> tuple[type, type, type]:
             return x[:, 0]
 
     return Attention, ClsAndPositions, ClsToken
+
+
+@functools.cache
+def _keras_positions() -> type:
+    """A Keras layer adding learned positions (init normal(0.02)), as `Decoder` does."""
+    keras = _keras()
+
+    class Positions(keras.layers.Layer):
+        def build(self, input_shape: tuple) -> None:
+            init = keras.initializers.RandomNormal(stddev=0.02)
+            self.pos = self.add_weight(shape=tuple(input_shape[1:]), initializer=init,
+                                       name="pos")
+
+        def call(self, x: Any) -> Any:
+            return x + keras.ops.cast(self.pos, x.dtype)
+
+    return Positions
 
 
 def _gelu(x: Any) -> Any:
@@ -335,6 +448,30 @@ def keras_cnn(*, channels: int, image_size: int, widths: tuple[int, ...], classe
     x = layers.Flatten(dtype=policy)(x)
     out = layers.Dense(classes, kernel_initializer="lecun_normal", dtype=policy, name="head")(x)
     return keras.Model(inputs, out, name="cnn")
+
+
+def keras_decoder(*, vocab: int, seq: int, dim: int, depth: int, heads: int, mlp_dim: int,
+                  policy: str) -> Any:
+    """`Decoder` in Keras: embedding + positions, pre-LN causal blocks, LayerNorm, head."""
+    keras = _keras()
+    layers = keras.layers
+    attention = _keras_layers()[0]
+    inputs = keras.Input((seq,), dtype="int32")
+    x = layers.Embedding(vocab, dim, dtype=policy, name="embed")(inputs)
+    x = _keras_positions()(dtype=policy, name="pos")(x)
+    for i in range(depth):
+        y = layers.LayerNormalization(epsilon=1e-6, dtype=policy, name=f"block_{i}_ln1")(x)
+        y = attention(dim, heads, causal=True, dtype=policy, name=f"block_{i}_attn")(y)
+        x = layers.Add(dtype=policy)([x, y])
+        y = layers.LayerNormalization(epsilon=1e-6, dtype=policy, name=f"block_{i}_ln2")(x)
+        y = layers.Dense(mlp_dim, activation=_gelu, kernel_initializer="lecun_normal",
+                         dtype=policy, name=f"block_{i}_fc1")(y)
+        y = layers.Dense(dim, kernel_initializer="lecun_normal", dtype=policy,
+                         name=f"block_{i}_fc2")(y)
+        x = layers.Add(dtype=policy)([x, y])
+    x = layers.LayerNormalization(epsilon=1e-6, dtype=policy, name="norm")(x)
+    out = layers.Dense(vocab, kernel_initializer="lecun_normal", dtype=policy, name="head")(x)
+    return keras.Model(inputs, out, name="decoder")
 
 
 # ---- the deep-transformer stress: lower + rewrite only -------------------------------------
