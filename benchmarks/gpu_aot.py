@@ -1,0 +1,491 @@
+"""What a train step compiled for a GPU without the device would cost: a model read from
+XLA:GPU's optimized HLO.
+
+``estimate(hlo_text, target)`` lists the step's kernels and adds them up:
+
+* **Kernels** are the instructions of the ENTRY computation, and of the bodies (and
+  conditions) of its ``while`` loops, that launch work: fusions, custom calls (cuBLAS
+  GEMMs, cuDNN convolutions, others), copies and any other instruction that is not free
+  (parameters, constants, tuples, get-tuple-element, bitcasts are free). A loop's kernels
+  count once per iteration: the ``known_trip_count`` XLA prints in the ``while``'s
+  ``backend_config`` (nested loops multiply; a loop without one counts once and is
+  reported in ``unknown_trip_counts``). Of a ``conditional``, the branch moving the most
+  bytes counts; ``call``/``async-start`` computations are walked as if inlined.
+* **HBM bytes** of a kernel: the bytes of its distinct operands plus those of its result
+  (a cuBLAS call's workspace excluded). Inside a fusion, a parameter only sliced
+  (``dynamic-slice``, ``slice``, ``gather``) counts the slices, and a
+  ``dynamic-update-slice`` into a parameter (done in place by XLA) counts the update
+  only, so a scan's per-step reads and writes are not counted as the whole stacked array.
+* **Matrix FLOPs**: a GEMM's ``2 · (lhs elements) · (rhs non-contracting, non-batch
+  elements)``, its dimensions from the cuBLAS call's ``dot_dimension_numbers``; a cuDNN
+  convolution's ``2 · (forward output elements) · (filter elements) / (output
+  features)``, the forward convolution read from ``dim_labels`` (the gradient calls
+  name its input, filter and output among their operands and result). ``dot`` and
+  ``convolution`` instructions inside fusions (Triton GEMMs) count the same way. The
+  GEMM's class is its two matrix operands' element types: all 16-bit, all fp8, or wide.
+* **Roofline time** of a kernel: ``max(bytes / HBM bandwidth, FLOPs / peak)``, the peak
+  of its operand class (``f32`` is TF32 on tensor cores, XLA's default precision;
+  ``HIGHEST``/``ALG_DOT_F32_F32_F32`` the non-tensor f32 peak); summed over kernels
+  times their execution counts. Kernels without matrix FLOPs are memory-bound in it.
+
+Blind spots, each of which makes a real step differ from the estimate:
+
+* no caches: every kernel reads its operands from HBM and writes its result back; L2 (50
+  MiB on H100) reuse between kernels, and re-reads inside a kernel (a GEMM's tiles, a
+  fusion that reads an operand twice), are not modelled; fusion-internal traffic is free;
+* peaks are NVIDIA's dense datasheet numbers (H100/H200 SXM), reached by no real kernel;
+  small GEMMs, launch latency (several µs per kernel), occupancy, tile quantisation and
+  elementwise arithmetic are ignored, so many-small-kernel steps look too fast;
+* no autotuning without a device, so Triton GEMM fusion is off: every GEMM is a cuBLAS
+  call here, and a real run may choose Triton kernels (fused prologues/epilogues change
+  the bytes); cuDNN algorithm choice (workspace, Winograd) is not known either;
+* overlap is ideal within a kernel (max of the two bounds) and absent between kernels
+  (streams, async copies); host work, collectives and several devices are absent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+# Instructions that launch nothing: no bytes moved, no kernel.
+FREE = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
+    "after-all", "add-dependency", "partition-id", "replica-id", "domain",
+    "async-done", "async-update",
+})
+_SIZES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+          "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25, "token": 0}
+_LOW16 = ("bf16", "f16")
+# NVIDIA's dense non-tensor-core f32 peaks (FLOP/s), for GEMMs XLA runs at full f32
+# precision; DeviceTarget.peak_flops["f32"] is TF32, XLA's default for f32 dots.
+F32_NON_TENSOR = {"H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"(\w+)\[([^\]]*)\]")
+_REF = re.compile(r"%([\w.\-]+)")
+
+
+def _dtype_bytes(dtype: str) -> float:
+    if dtype.startswith(("f8", "f4", "f6")):
+        return {"f8": 1, "f6": 0.75, "f4": 0.5}[dtype[:2]]
+    return _SIZES.get(dtype, 4)
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(d.replace("<=", "")) for d in text.split(",") if d.strip())
+
+
+@dataclass(frozen=True)
+class Array:
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        return math.ceil(_dtype_bytes(self.dtype) * math.prod(self.shape))
+
+
+@dataclass
+class Instruction:
+    name: str
+    op: str
+    arrays: list[Array]  # the result's arrays (several for a tuple)
+    operands: list[str]
+    attrs: str  # everything after the operand list
+    root: bool = False
+    args: str = ""  # the operand list's text: "0" for parameter(0)
+
+    @property
+    def bytes(self) -> int:
+        return sum(a.bytes for a in self.arrays)
+
+    def attr(self, key: str) -> str | None:
+        match = re.search(rf"\b{key}=%?([\w.\-]+)", self.attrs)
+        return match.group(1) if match else None
+
+    def backend_config(self) -> dict[str, Any]:
+        start = self.attrs.find("backend_config=")
+        if start < 0:
+            return {}
+        try:
+            return json.JSONDecoder().raw_decode(self.attrs, start + len("backend_config="))[0]
+        except ValueError:
+            return {}
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at ``text[start]``."""
+    depth, pairs = 0, {"(": ")", "{": "}", "[": "]"}
+    closing = set(pairs.values())
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in pairs:
+            depth += 1
+        elif c in closing:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
+def _parse_instruction(line: str) -> Instruction | None:
+    match = _INSTRUCTION.match(line)
+    if not match:
+        return None
+    name, rest = match.group(1), match.group(2)
+    end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+    if end < 0:
+        return None
+    shape_text, rest = rest[:end], rest[end:].lstrip()
+    op_match = re.match(r"([\w\-]+)\(", rest)
+    if not op_match:
+        return None
+    open_at = op_match.end() - 1
+    close_at = _balanced(rest, open_at)
+    arrays = [Array(d, _dims(s)) for d, s in _ARRAY.findall(shape_text)]
+    args = rest[open_at + 1:close_at - 1]
+    return Instruction(name, op_match.group(1), arrays, _REF.findall(args), rest[close_at:],
+                       root=line.lstrip().startswith("ROOT "), args=args)
+
+
+def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """Computations of an HLO module's text, by name, and the ENTRY computation's name."""
+    computations: dict[str, list[Instruction]] = {}
+    current: list[Instruction] | None = None
+    entry = ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and "=" not in line.split("(", 1)[0]:
+            current = computations.setdefault(header.group(2), [])
+            if header.group(1):
+                entry = header.group(2)
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        if current is not None:
+            instruction = _parse_instruction(line)
+            if instruction is not None:
+                current.append(instruction)
+    if not entry:
+        raise ValueError("no ENTRY computation in this HLO text")
+    return computations, entry
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of the step, as the model sees it."""
+
+    name: str
+    op: str  # "fusion", "custom-call", "copy", ...
+    bytes: int  # HBM bytes read + written by one execution
+    count: int  # executions per step (loop trip counts multiplied)
+    flops: int = 0  # matrix FLOPs of one execution (GEMM, convolution)
+    matrix: str | None = None  # "GEMM", "GEMM fp8", "conv" for a library call or Triton GEMM
+    operand_types: tuple[str, ...] = ()  # element types of its two matrix operands
+    full_f32: bool = False  # an f32 GEMM XLA runs at full f32 precision (not TF32)
+
+    @property
+    def dtype_class(self) -> str:
+        """``fp8``, ``16-bit`` or ``wide`` (f32 or mixed widths)."""
+        types = self.operand_types
+        if types and all(t.startswith("f8") for t in types):
+            return "fp8"
+        if types and all(t in _LOW16 for t in types):
+            return "16-bit"
+        return "wide"
+
+    @property
+    def dtype_label(self) -> str:
+        types = self.operand_types
+        return types[0] if len(set(types)) == 1 else "×".join(types)
+
+    def peak(self, peaks: dict[str, float], device: str) -> float:
+        cls = self.dtype_class
+        if cls == "fp8" and "f8" in peaks:
+            return peaks["f8"]
+        if cls == "16-bit":
+            return peaks.get("f16" if set(self.operand_types) == {"f16"} else "bf16",
+                             peaks.get("f32", 1.0))
+        if self.full_f32:
+            return F32_NON_TENSOR.get(device, peaks.get("f32", 1.0))
+        return peaks.get("f32", 1.0)
+
+    def seconds(self, peaks: dict[str, float], device: str, bandwidth: float) -> float:
+        """Roofline time of one execution."""
+        compute = self.flops / self.peak(peaks, device) if self.flops else 0.0
+        return max(self.bytes / bandwidth, compute)
+
+
+@dataclass
+class Estimate:
+    """The model's figures for one compiled step (see the module docstring)."""
+
+    kernels: list[Kernel]
+    device: str
+    hbm_bytes_per_second: float
+    peak_flops: dict[str, float]
+    unknown_trip_counts: int = 0
+    calls: Counter = field(default_factory=Counter)  # ("GEMM"|"GEMM fp8"|"conv", dtype) -> n
+
+    @property
+    def matrix_flops(self) -> int:
+        return sum(k.flops * k.count for k in self.kernels)
+
+    def _flops_of(self, cls: str) -> int:
+        return sum(k.flops * k.count for k in self.kernels if k.dtype_class == cls)
+
+    @property
+    def share_16bit(self) -> float:
+        """Share of GEMM + convolution FLOPs whose operands are bf16/f16."""
+        return self._flops_of("16-bit") / self.matrix_flops if self.matrix_flops else 0.0
+
+    @property
+    def share_fp8(self) -> float:
+        """Share of GEMM + convolution FLOPs whose operands are fp8."""
+        return self._flops_of("fp8") / self.matrix_flops if self.matrix_flops else 0.0
+
+    @property
+    def hbm_bytes(self) -> int:
+        return sum(k.bytes * k.count for k in self.kernels)
+
+    @property
+    def roofline_seconds(self) -> float:
+        return sum(k.count * k.seconds(self.peak_flops, self.device, self.hbm_bytes_per_second)
+                   for k in self.kernels)
+
+    @property
+    def launches(self) -> int:
+        return sum(k.count for k in self.kernels)
+
+
+def _is_workspace(array: Array, index: int) -> bool:
+    return index > 0 and array.dtype in ("s8", "u8") and len(array.shape) == 1
+
+
+def _gemm_flops(lhs: Array, rhs: Array, dims: dict[str, Any]) -> int:
+    skip = {int(d) for d in dims.get("rhs_contracting_dimensions", [])}
+    skip |= {int(d) for d in dims.get("rhs_batch_dimensions", [])}
+    free = math.prod(n for i, n in enumerate(rhs.shape) if i not in skip)
+    return 2 * math.prod(lhs.shape) * free
+
+
+def _dot_dims(attrs: str) -> dict[str, list[int]]:
+    """``lhs_contracting_dims={1}``-style attributes of a ``dot`` as gemm dimension numbers."""
+    out = {}
+    for side in ("rhs_contracting", "rhs_batch"):
+        match = re.search(rf"{side}_dims=\{{([\d,]*)\}}", attrs)
+        out[f"{side}_dimensions"] = _dims(match.group(1)) if match else ()
+    return out
+
+
+def _conv_flops(call: Instruction, shapes: list[Array], target: str) -> int:
+    """FLOPs of a cuDNN convolution call (see the module docstring)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", call.attrs)
+    if not labels or len(shapes) < 2 or not call.arrays:
+        return 0
+    result = call.arrays[0]
+    if "BackwardFilter" in target:
+        output, kernel = shapes[1], result
+    elif "BackwardInput" in target:
+        output, kernel = shapes[0], shapes[1]
+    else:
+        output, kernel = result, shapes[1]
+    rhs = labels.group(2)
+    out_features = kernel.shape[rhs.index("o")] if "o" in rhs else 1
+    return 2 * math.prod(output.shape) * math.prod(kernel.shape) // max(1, out_features)
+
+
+class _Walker:
+    def __init__(self, computations: dict[str, list[Instruction]]):
+        self.computations = computations
+        self.defs = {i.name: i for comp in computations.values() for i in comp}
+        self.unknown_trip_counts = 0
+
+    def shape(self, name: str) -> Array | None:
+        """The (first) array ``name`` defines."""
+        inst = self.defs.get(name)
+        return inst.arrays[0] if inst is not None and inst.arrays else None
+
+    def size(self, name: str) -> int | None:
+        """Bytes of everything ``name`` defines (all of a tuple's arrays)."""
+        inst = self.defs.get(name)
+        return inst.bytes if inst is not None else None
+
+    def walk(self, computation: str, count: int, out: list[Kernel]) -> None:
+        for inst in self.computations.get(computation, []):
+            if inst.op in FREE:
+                continue
+            if inst.op == "while":
+                trips = inst.backend_config().get("known_trip_count", {}).get("n")
+                if trips is None:
+                    self.unknown_trip_counts += 1
+                n = int(trips) if trips is not None else 1
+                self.walk(inst.attr("body") or "", count * n, out)
+                self.walk(inst.attr("condition") or "", count * (n + 1), out)
+            elif inst.op == "conditional":
+                self._conditional(inst, count, out)
+            elif inst.op in ("call", "async-start"):
+                self.walk(inst.attr("to_apply") or inst.attr("calls") or "", count, out)
+            else:
+                out.append(self.kernel(inst, count))
+
+    def _conditional(self, inst: Instruction, count: int, out: list[Kernel]) -> None:
+        match = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
+        branches = (_REF.findall(match.group(1)) if match else
+                    [b for b in (inst.attr("true_computation"),
+                                 inst.attr("false_computation")) if b])
+        options = []
+        for branch in branches:
+            kernels: list[Kernel] = []
+            self.walk(branch, count, kernels)
+            options.append(kernels)
+        if options:
+            out.extend(max(options, key=lambda ks: sum(k.bytes * k.count for k in ks)))
+
+    def kernel(self, inst: Instruction, count: int) -> Kernel:
+        operands = list(dict.fromkeys(inst.operands))  # each distinct operand read once
+        if inst.op == "fusion":
+            return self._fusion(inst, count)
+        written = sum(a.bytes for i, a in enumerate(inst.arrays) if not _is_workspace(a, i))
+        read = sum(n for n in map(self.size, operands) if n is not None)
+        if inst.op != "custom-call":
+            return Kernel(inst.name, inst.op, read + written, count)
+        target = re.search(r'custom_call_target="([^"]*)"', inst.attrs)
+        target = target.group(1) if target else ""
+        shapes = [s for s in map(self.shape, inst.operands[:2]) if s is not None]
+        types = tuple(s.dtype for s in shapes)
+        if target.startswith("__cublas$") and len(shapes) == 2:
+            config = inst.backend_config().get("gemm_backend_config", {})
+            precision = config.get("precision_config", {})
+            full = ("HIGHEST" in precision.get("operand_precision", [])
+                    or precision.get("algorithm") == "ALG_DOT_F32_F32_F32")
+            flops = _gemm_flops(shapes[0], shapes[1], config.get("dot_dimension_numbers", {}))
+            kind = "GEMM fp8" if target.endswith("$f8") else "GEMM"
+            return Kernel(inst.name, inst.op, read + written, count, flops, kind, types, full)
+        if target.startswith("__cudnn$conv") and len(shapes) == 2:
+            return Kernel(inst.name, inst.op, read + written, count,
+                          _conv_flops(inst, shapes, target), "conv", types)
+        return Kernel(inst.name, inst.op, read + written, count)
+
+    def _fusion(self, inst: Instruction, count: int) -> Kernel:
+        body = self.computations.get(inst.attr("calls") or "", [])
+        params = {int(i.args): i for i in body if i.op == "parameter" and i.args.isdigit()}
+        users: dict[str, list[tuple[Instruction, int]]] = {}
+        for i in body:
+            for position, operand in enumerate(i.operands):
+                users.setdefault(operand, []).append((i, position))
+        in_place: set[str] = set()
+        written = 0
+        root = next((i for i in body if i.root), None)
+        outputs = ([self._def_in(body, o) for o in root.operands] if root and root.op == "tuple"
+                   else [root])
+        for output in outputs:
+            if output is None:
+                continue
+            update = self._in_place_update(body, output)
+            if update is not None:
+                written += update[0]
+                in_place.add(update[1])
+            else:
+                written += output.bytes
+        read, seen = 0, set()
+        for position, operand in enumerate(inst.operands):
+            full = self.size(operand)
+            if full is None or operand in seen:  # an operand passed twice is read once
+                continue
+            seen.add(operand)
+            param = params.get(position)
+            read += full if param is None else min(full, self._read_bytes(param, users, in_place))
+        flops, matrix, types = self._fused_matrix_ops(body)
+        return Kernel(inst.name, inst.op, read + written, count, flops, matrix, types)
+
+    @staticmethod
+    def _def_in(body: list[Instruction], name: str) -> Instruction | None:
+        return next((i for i in body if i.name == name), None)
+
+    def _in_place_update(self, body: list[Instruction], output: Instruction
+                         ) -> tuple[int, str] | None:
+        """(update bytes, buffer parameter's name) if ``output`` is a dynamic-update-slice
+        (through bitcasts) into a fusion parameter: XLA writes it in place."""
+        while output is not None and output.op == "bitcast":
+            output = self._def_in(body, output.operands[0])
+        if output is None or output.op != "dynamic-update-slice" or len(output.operands) < 2:
+            return None
+        buffer = self._def_in(body, output.operands[0])
+        while buffer is not None and buffer.op == "bitcast":
+            buffer = self._def_in(body, buffer.operands[0])
+        update = self._def_in(body, output.operands[1])
+        if buffer is None or buffer.op != "parameter" or update is None:
+            return None
+        return update.bytes, buffer.name
+
+    def _read_bytes(self, value: Instruction, users: dict, in_place: set[str]) -> int:
+        """Bytes a fusion reads of ``value``: the slices taken if it is only sliced, none
+        if it is only the buffer of an in-place update, else all of it."""
+        uses = users.get(value.name, [])
+        if not uses:
+            return 0
+        if value.name in in_place and all(u.op in ("dynamic-update-slice", "bitcast")
+                                          for u, _ in uses):
+            return 0
+        if all(u.op in ("dynamic-slice", "slice", "gather") and pos == 0 for u, pos in uses):
+            return sum(u.bytes for u, _ in uses)
+        if all(u.op == "bitcast" for u, _ in uses):
+            return sum(self._read_bytes(u, users, in_place | ({u.name} if value.name in in_place
+                                                              else set()))
+                       for u, _ in uses)
+        return value.bytes
+
+    def _fused_matrix_ops(self, body: list[Instruction], depth: int = 0
+                          ) -> tuple[int, str | None, tuple[str, ...]]:
+        """FLOPs, kind and operand types of dots/convolutions inside a fusion (Triton)."""
+        flops, kind, types = 0, None, ()
+        local = {i.name: i for i in body}
+        for i in body:
+            if i.op == "fusion" and depth < 4:
+                inner = self._fused_matrix_ops(
+                    self.computations.get(i.attr("calls") or "", []), depth + 1)
+                flops += inner[0]
+                kind, types = kind or inner[1], types or inner[2]
+            if i.op not in ("dot", "convolution") or len(i.operands) < 2:
+                continue
+            shapes = [local[o].arrays[0] if o in local and local[o].arrays else self.shape(o)
+                      for o in i.operands[:2]]
+            if None in shapes:
+                continue
+            if i.op == "dot":
+                flops += _gemm_flops(shapes[0], shapes[1], _dot_dims(i.attrs))
+                kind = kind or "GEMM"
+            else:
+                flops += _conv_flops(i, shapes, "convForward")
+                kind = kind or "conv"
+            types = types or tuple(s.dtype for s in shapes)
+        return flops, kind, types
+
+
+def estimate(hlo_text: str, target: Any = "h100") -> Estimate:
+    """The model's figures for XLA:GPU's optimized HLO of one step compiled for ``target``
+    (a name for ``resolve_target`` or a ``DeviceTarget`` with peaks and bandwidth)."""
+    from hlo_amp.runtime.device_targets import resolve_target
+
+    device = resolve_target(target)
+    if not device.peak_flops or not device.hbm_bytes_per_second:
+        raise ValueError(f"target {device.name!r} has no published peaks or HBM bandwidth")
+    computations, entry = parse_module(hlo_text)
+    walker = _Walker(computations)
+    kernels: list[Kernel] = []
+    walker.walk(entry, 1, kernels)
+    calls: Counter = Counter()
+    for k in kernels:
+        if k.matrix:
+            calls[(k.matrix, k.dtype_label)] += k.count
+    return Estimate(kernels, device.device, device.hbm_bytes_per_second,
+                    dict(device.peak_flops), walker.unknown_trip_counts, calls)
