@@ -1,10 +1,17 @@
 """Benchmark hlo_amp against f32, hand-written Flax bf16, jmp and Keras on three train steps.
 
     python -m benchmarks.run [--quick] [--device cpu|gpu] [--steps N] [--out benchmarks]
+    python -m benchmarks.run --device h100-aot|h200-aot [--workloads ...]
 
 All variants of one workload live in one process and are timed interleaved (one step of
 each in turn), so load on the machine hits them alike. Writes ``RESULTS.md`` and
 ``results.png`` under ``--out``. Targets are printed beside the figures, never asserted.
+
+``--device h100-aot`` (``h200-aot``) runs nothing: it compiles every variant for that GPU
+without the device (XLA:GPU, Triton GEMM off) and tabulates, per variant, what XLA's
+optimized HLO and buffer assignment say: cuBLAS/cuDNN calls by operand type, XLA temp
+memory, and `benchmarks.gpu_aot`'s HBM-traffic and roofline estimates. Its section of
+``RESULTS.md`` is replaced; the rest of the file is kept.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ TARGET_SPEEDUP = {"mlp": 1.5, "vit": 1.3}
 # mixed_bfloat16's XLA temp memory: at most this share of f32's, on these workloads.
 TARGET_MIXED_TEMP = {"vit": 0.7, "cnn": 0.7}
 MIXED = "hlo_amp mixed_bfloat16"
+AOT_DEVICES = {"h100-aot": "h100", "h200-aot": "h200"}
+# Compiled without a device: mixed_bfloat16's XLA temp memory at most this share of f32's.
+TARGET_AOT_MIXED_TEMP = {"vit": 0.65, "cnn": 0.65, "decoder": 0.65}
+# fp8: at least this share of the dots the fp8 policy quantises run as cuBLAS fp8 GEMMs.
+TARGET_FP8_GEMMS = 0.9
 CONVERT = re.compile(r"\bstablehlo\.convert\b")
 
 
@@ -37,11 +49,14 @@ HAND_WRITTEN = "<!-- hand-written below this line; benchmarks/run.py keeps it --
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes and few steps (~2 min)")
-    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "gpu", *AOT_DEVICES), default="cpu",
+                   help="cpu/gpu: run and time here; h100-aot/h200-aot: compile for that GPU "
+                        "without one and estimate (nothing runs)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant "
                    "(default 20, 10 with --quick)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    p.add_argument("--workloads", default="mlp,vit,cnn")
+    p.add_argument("--workloads", default=None,
+                   help="default mlp,vit,cnn (and decoder with --device h100-aot/h200-aot)")
     p.add_argument("--variants", default=None,
                    help="comma-separated subset of the variants (default: all), e.g. "
                         "'f32,hlo_amp bf16,hlo_amp fp8'; f32 is always run first")
@@ -325,6 +340,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cuda" if args.device == "gpu" else "cpu")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.device in AOT_DEVICES:
+        aot_main(args, argv)
+        return
+    args.workloads = args.workloads or "mlp,vit,cnn"
     import jax
 
     try:
@@ -432,10 +451,12 @@ def main(argv: list[str] | None = None) -> None:
              "on a CPU without `avx512_bf16`/`amx_bf16`; they are left out here because "
              + ("this CPU lists " + ", ".join(f"`{f}`" for f in cpu_flags) if cpu_flags
                 else "the dots ran on the GPU") + ".")]),
-        *([("- GPU rows are not in this file: it was made on CPU. They come from "
+        *([("- Measured GPU rows are not in this file: it was made on CPU. They come from "
             "`python -m benchmarks.run --device gpu` on a GPU machine (variants f32 with "
             "XLA's default TF32, f32 with `xla_gpu_default_to_alg_dot_bf16_bf16_f32`, Flax "
-            "bf16, Keras mixed_bfloat16, hlo_amp bf16 and mixed_bfloat16).")]
+            "bf16, Keras mixed_bfloat16, hlo_amp bf16 and mixed_bfloat16). Rows compiled "
+            "for an H100 without a device (`--device h100-aot`), nothing run, are in their "
+            "own section below.")]
           if args.device == "cpu" else []),
         ("- `Keras mixed_bfloat16`: the same models written with Keras 3 layers (JAX "
          "backend), every layer at `dtype=\"mixed_bfloat16\"` (f32 variables cast to bf16 "
@@ -470,6 +491,221 @@ def main(argv: list[str] | None = None) -> None:
         kept = results_md.read_text()[results_md.read_text().index(HAND_WRITTEN):]
     results_md.write_text("\n".join(md) + ("\n" + kept if kept else ""))
     print(f"wrote {args.out / 'RESULTS.md'} and {png}")
+
+
+# ---- a GPU compiled without the device (--device h100-aot / h200-aot) -----------------------
+
+
+@dataclass
+class AotResult:
+    variant: str
+    error: str | None = None
+    compile_s: float = float("nan")
+    temp_bytes: int = 0
+    estimate: Any = None  # benchmarks.gpu_aot.Estimate
+    fp8_dots: tuple[int, int, int] | None = None  # (run as fp8 GEMMs, quantised, unknown)
+
+
+def aot_compile(workload: Any, variant: str, target: Any, x: Any, y: Any) -> AotResult:
+    """Compile one variant for ``target`` (a DeviceTarget) without the device; estimate."""
+    import jax
+
+    import hlo_amp
+    from benchmarks.gpu_aot import estimate
+    from benchmarks.workloads import HLO_AMP_POLICIES, XLA_OPTIONS, variant_step
+    from hlo_amp.runtime.device_targets import lower_for_target
+
+    result = AotResult(variant)
+    try:
+        step, params, opt_state = variant_step(workload, variant)
+    except ImportError as error:
+        result.error = f"not installed ({error.name or error})" if isinstance(
+            error, ModuleNotFoundError) else f"unavailable: {error}"
+        return result
+    start = time.perf_counter()
+    try:
+        if variant in HLO_AMP_POLICIES:
+            compiled = hlo_amp.compile(step, HLO_AMP_POLICIES[variant]).lower(
+                params, opt_state, x, y, target=target).compile()
+        else:  # compile_for_target takes no XLA options: lower, then compile with them
+            lowered = lower_for_target(jax.jit(step), (params, opt_state, x, y), {}, target)
+            compiled = lowered.compile({**target.compiler_options,
+                                        **XLA_OPTIONS.get(variant, {})})
+    except Exception as error:  # noqa: BLE001 - recorded in the table
+        result.error = f"failed to compile: {str(error).splitlines()[0][:160]}"
+        return result
+    result.compile_s = time.perf_counter() - start
+    result.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
+    result.estimate = estimate(compiled.as_text(), target)
+    if variant == "hlo_amp fp8":
+        quantised = [d for d in compiled.report().decisions
+                     if d.fp8 and d.changed and d.op_kind != "convolution"]
+        result.fp8_dots = (sum(d.kept_by_xla is True for d in quantised), len(quantised),
+                           sum(d.kept_by_xla is None for d in quantised))
+    return result
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}×" if base else "-"
+
+
+def _calls(estimate: Any) -> str:
+    """``GEMM bf16 ×111, conv bf16 ×2``: library calls per step by operand types."""
+    order = sorted(estimate.calls.items(), key=lambda kv: (kv[0][0].startswith("conv"), -kv[1]))
+    return ", ".join(f"{kind.split()[0]} {dtype} ×{n}" for (kind, dtype), n in order) or "none"
+
+
+def aot_table(results: list[AotResult]) -> list[str]:
+    base = next((r for r in results if r.variant == "f32" and not r.error), None)
+    head = ["variant", "16-bit FLOP share", "fp8 FLOP share", "cuBLAS/cuDNN calls by dtype",
+            "XLA temp MiB", "vs f32", "HBM GB (est.)", "vs f32", "roofline ms", "vs f32"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.variant} | {r.error} |" + " |" * (len(head) - 2))
+            continue
+        e, b = r.estimate, base.estimate if base else None
+        lines.append("| " + " | ".join([
+            r.variant, f"{100 * e.share_16bit:.1f}%", f"{100 * e.share_fp8:.1f}%", _calls(e),
+            _mib(r.temp_bytes), _ratio(r.temp_bytes, base.temp_bytes) if base else "-",
+            f"{e.hbm_bytes / 1e9:.2f}", _ratio(e.hbm_bytes, b.hbm_bytes) if b else "-",
+            f"{1e3 * e.roofline_seconds:.3f}",
+            _ratio(e.roofline_seconds, b.roofline_seconds) if b else "-"]) + " |")
+    return lines
+
+
+def aot_targets(name: str, results: list[AotResult]) -> list[str]:
+    """mixed_bfloat16's temp memory and roofline time against its peers; fp8's GEMMs."""
+    by = {r.variant: r for r in results if not r.error}
+    mixed, f32, flax, accurate = (by.get(v) for v in (MIXED, "f32", "flax bf16",
+                                                      "hlo_amp bf16"))
+    out = []
+    if mixed is None:
+        out.append(f"- {MIXED} did not compile: no mixed_bfloat16 target check")
+    else:
+        if name in TARGET_AOT_MIXED_TEMP:
+            share = TARGET_AOT_MIXED_TEMP[name]
+            for peer, limit, label in ((flax, 1.0, "flax bf16's"), (f32, share, f"{share}× f32's"),
+                                       (accurate, 1.0, "hlo_amp bf16's (the accurate mode)")):
+                if peer is None:
+                    out.append(f"- {MIXED} XLA temp memory vs {label}: peer did not compile")
+                    continue
+                out.append(_line(f"{MIXED} XLA temp memory", f"≤ {label}",
+                                 f"{_mib(mixed.temp_bytes)} vs {_mib(peer.temp_bytes)} MiB "
+                                 f"({mixed.temp_bytes / max(1, peer.temp_bytes):.2f}×)",
+                                 mixed.temp_bytes <= limit * peer.temp_bytes))
+        if flax is None:
+            out.append(f"- {MIXED} roofline step time vs flax bf16: flax bf16 did not compile")
+        else:
+            m, f = mixed.estimate.roofline_seconds, flax.estimate.roofline_seconds
+            out.append(_line(f"{MIXED} roofline step time", "≤ flax bf16's",
+                             f"{1e3 * m:.3f} vs {1e3 * f:.3f} ms ({m / f:.2f}×)", m <= f))
+    fp8 = by.get("hlo_amp fp8")
+    if fp8 is None or fp8.fp8_dots is None:
+        out.append("- hlo_amp fp8 did not compile: no fp8 target check")
+    elif not fp8.fp8_dots[1]:
+        out.append("- hlo_amp fp8: no dot quantised to fp8 here (the preset keeps the first "
+                   "and last matrix op and convolutions in bf16): no fp8 target check")
+    else:
+        kept, quantised, unknown = fp8.fp8_dots
+        calls = sum(n for (kind, _), n in fp8.estimate.calls.items() if kind == "GEMM fp8")
+        out.append(_line("hlo_amp fp8 dots run as `__cublas$lt$matmul$f8`",
+                         f"≥ {TARGET_FP8_GEMMS:.0%} of the dots it quantises",
+                         f"{kept}/{quantised} ({kept / quantised:.0%})"
+                         + (f", {unknown} not matched (merged by XLA)" if unknown else "")
+                         + f"; {calls} fp8 GEMM calls in the HLO",
+                         kept >= TARGET_FP8_GEMMS * quantised))
+    return out
+
+
+AOT_BEGIN = "<!-- benchmarks.run --device {key}: begin (replaced by each run) -->"
+AOT_END = "<!-- benchmarks.run --device {key}: end -->"
+
+
+def write_aot_section(results_md: Path, key: str, lines: list[str]) -> None:
+    """Put ``lines`` into RESULTS.md between this device's markers, below the hand-written
+    line (so CPU runs keep it); replace only that section when it exists."""
+    begin, end = AOT_BEGIN.format(key=key), AOT_END.format(key=key)
+    section = "\n".join([begin, *lines, end])
+    text = results_md.read_text() if results_md.exists() else "# hlo_amp benchmark results\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        if HAND_WRITTEN not in text:
+            text = text.rstrip("\n") + "\n\n" + HAND_WRITTEN + "\n"
+        ends = [text.index(m) + len(m) for m in re.findall(
+            r"<!-- benchmarks\.run --device [\w-]+: end -->", text)]
+        at = max(ends) if ends else text.index(HAND_WRITTEN) + len(HAND_WRITTEN)
+        text = text[:at] + "\n\n" + section + "\n\n" + text[at:].lstrip("\n")
+    results_md.write_text(text)
+
+
+def aot_header(target: Any, command: str, jax_version: str) -> list[str]:
+    peaks = ", ".join(f"{'f32 (TF32)' if k == 'f32' else k} {v / 1e12:.1f}"
+                      for k, v in target.peak_flops.items())
+    return [
+        f"## {target.device}, compiled without a device",
+        "",
+        (f"- compiled for {target.device} without a device (XLA:GPU, Triton GEMM off): "
+         f"`{target.description}` as hlo_amp/runtime/device_targets.py describes it; nothing "
+         "ran, every figure is XLA's compile output or a model of it"),
+        (f"- jax {jax_version}, Python {platform.python_version()}, "
+         f"date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}"),
+        f"- command: `JAX_PLATFORMS=cpu {command.strip()}`",
+        (f"- peaks used (dense, datasheet): {peaks} TFLOP/s; HBM "
+         f"{target.hbm_bytes_per_second / 1e12:.2f} TB/s"),
+        ("- 16-bit / fp8 FLOP share: of all GEMM + convolution FLOPs (cuBLAS and cuDNN calls, "
+         "shapes from the optimized HLO), those whose two matrix operands are bf16/f16, fp8; "
+         "calls by dtype: per step, by the operand types (`f8e5m2×f8e4m3fn`: gradient × "
+         "weight); XLA temp: `memory_analysis().temp_size_in_bytes`"),
+        ("- HBM GB (est.): over the optimized HLO's top-level kernels (fusions, custom calls, "
+         "copies; while bodies times their trip counts), operand + result bytes. Roofline: "
+         "per kernel the larger of bytes ÷ HBM bandwidth and matrix FLOPs ÷ the peak of its "
+         "operand type, summed (`benchmarks/gpu_aot.py`)"),
+        ("- blind spots: no L2/cache reuse (every kernel reads and writes HBM), traffic inside "
+         "a fusion is free, elementwise FLOPs, launch latency and small-kernel inefficiency are "
+         "ignored, peaks are datasheet numbers no kernel reaches, and without a device there "
+         "is no autotuning (Triton GEMM off: every GEMM a cuBLAS call, where a real run may "
+         "pick Triton). Ratios between variants are the point, not absolute times"),
+        "",
+    ]
+
+
+def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
+    import jax
+
+    from benchmarks.workloads import workloads
+    from hlo_amp.runtime.device_targets import resolve_target
+
+    target = resolve_target(AOT_DEVICES[args.device])
+    wanted = [w.strip() for w in (args.workloads or "mlp,vit,cnn,decoder").split(",")
+              if w.strip()]
+    command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
+    print(f"compiling for {target.device} without a device; jax {jax.__version__}", flush=True)
+    md = aot_header(target, command, jax.__version__)
+    start = time.perf_counter()
+    for workload in workloads(args.quick):
+        if workload.name not in wanted:
+            continue
+        print(f"== {workload.name}: {workload.description}", flush=True)
+        x, y = workload.batch()
+        results = []
+        for variant in chosen_variants(args.device, args.variants):
+            results.append(aot_compile(workload, variant, target, x, y))
+            r = results[-1]
+            print(f"  {variant}: " + (r.error or f"compiled in {r.compile_s:.1f} s"), flush=True)
+        table, checks = aot_table(results), aot_targets(workload.name, results)
+        print("\n".join(table + [""] + checks + [""]), flush=True)
+        md += [f"### {workload.name}: {workload.description}", "", *table, "", "Targets:", "",
+               *checks, ""]
+    elapsed = time.perf_counter() - start
+    md.append(f"Compiling and estimating all rows took {elapsed:.0f} s on "
+              f"{machine('cpu')}" + (" (reduced sizes)." if args.quick else "."))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_aot_section(args.out / "RESULTS.md", args.device, md)
+    print(f"wrote the {target.device} section of {args.out / 'RESULTS.md'} "
+          f"({elapsed:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""The benchmark's model of a step compiled for an H100 without a device (benchmarks/gpu_aot.py).
+
+Small programs compiled by XLA:GPU for the H100 target, with FLOPs and bytes worked out
+here from the shapes: a GEMM's FLOPs and traffic, a convolution's forward and gradient
+calls, loop bodies counted once per iteration, a scan's in-place stacking counted per
+slice, the 16-bit share, and the RESULTS.md section that ``--device h100-aot`` replaces.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks.gpu_aot import F32_NON_TENSOR, estimate
+from benchmarks.run import HAND_WRITTEN, write_aot_section
+from hlo_amp.runtime.device_targets import compile_for_target, resolve_target
+
+H100 = resolve_target("h100")
+M, K, N = 256, 512, 384  # multiples of 8: XLA pads no 16-bit GEMM
+
+
+def _hlo(fn, *args) -> str:
+    return compile_for_target(jax.jit(fn), *args, target="h100").as_text()
+
+
+def _gemms(result):
+    return [k for k in result.kernels if k.matrix and k.matrix.startswith("GEMM")]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_one_gemm_flops_bytes_and_share(dtype) -> None:
+    a, b = jnp.ones((M, K), dtype), jnp.ones((K, N), dtype)
+    result = estimate(_hlo(lambda a, b: a @ b, a, b), "h100")
+    [gemm] = _gemms(result)
+    size = jnp.dtype(dtype).itemsize
+    assert gemm.flops == 2 * M * N * K == result.matrix_flops
+    assert gemm.count == 1
+    assert gemm.bytes >= (M * K + K * N + M * N) * size  # workspace not counted:
+    assert gemm.bytes < (M * K + K * N + M * N) * size + 4096
+    low = dtype == jnp.bfloat16
+    assert result.share_16bit == (1.0 if low else 0.0) and result.share_fp8 == 0.0
+    assert dict(result.calls) == {("GEMM", "bf16" if low else "f32"): 1}
+    peak = H100.peak_flops["bf16" if low else "f32"]  # f32: TF32, XLA's default precision
+    expected = max(gemm.bytes / H100.hbm_bytes_per_second, gemm.flops / peak)
+    assert gemm.seconds(H100.peak_flops, "H100", H100.hbm_bytes_per_second) == expected
+    assert result.roofline_seconds >= expected
+
+
+def test_full_f32_precision_uses_the_non_tensor_peak() -> None:
+    a, b = jnp.ones((M, K)), jnp.ones((K, N))
+    tf32 = estimate(_hlo(lambda a, b: a @ b, a, b))
+    full = estimate(_hlo(lambda a, b: jnp.dot(a, b, precision="highest"), a, b))
+    [fast], [slow] = _gemms(tf32), _gemms(full)
+    assert slow.full_f32 and not fast.full_f32 and slow.flops == fast.flops
+    assert full.roofline_seconds == slow.flops / F32_NON_TENSOR["H100"]  # compute-bound
+    assert tf32.roofline_seconds < full.roofline_seconds / 2  # TF32: 494.7 TFLOP/s
+
+
+def test_loop_kernels_count_once_per_iteration() -> None:
+    w = jnp.ones((K, K), jnp.bfloat16) / K
+    x = jnp.ones((M, K), jnp.bfloat16)
+
+    def looped(trips):
+        return lambda x, w: jax.lax.fori_loop(0, trips, lambda i, h: jnp.tanh(h @ w), x)
+
+    def unrolled(x, w):
+        for _ in range(6):
+            x = jnp.tanh(x @ w)
+        return x
+
+    loop6, loop3 = estimate(_hlo(looped(6), x, w)), estimate(_hlo(looped(3), x, w))
+    flat = estimate(_hlo(unrolled, x, w))
+    assert loop6.unknown_trip_counts == 0
+    assert [k.count for k in _gemms(loop6)] == [6]  # one GEMM kernel in the body, 6 times
+    per_gemm = 2 * M * K * K
+    assert loop6.matrix_flops == flat.matrix_flops == 6 * per_gemm == 2 * loop3.matrix_flops
+    gemm_bytes = [sum(k.bytes * k.count for k in _gemms(r)) for r in (loop6, flat, loop3)]
+    assert gemm_bytes[0] == gemm_bytes[1] == 2 * gemm_bytes[2]
+    assert loop6.hbm_bytes > 1.8 * loop3.hbm_bytes
+
+
+def test_scan_stacking_counts_each_slice_not_the_whole_array() -> None:
+    """ys written in place one slice per step: bytes grow linearly with the length."""
+    w = jnp.ones((256, 256)) / 256
+
+    def scan(length):
+        def fn(h, xs):
+            def cell(h, x):
+                h = jnp.tanh(h @ w + x)
+                return h, h
+            return jax.lax.scan(cell, h, xs)[1]
+        return fn, (jnp.ones((64, 256)), jnp.ones((length, 64, 256)))
+
+    short, long = (estimate(_hlo(fn, *args)) for fn, args in (scan(8), scan(32)))
+    assert long.matrix_flops == 4 * short.matrix_flops
+    # Counting the whole (length, 64, 256) stack per step would grow it 16x here.
+    assert long.hbm_bytes < 4.5 * short.hbm_bytes
+
+
+def test_convolution_flops_forward_and_both_gradients() -> None:
+    n, h, w, cin, cout = 8, 16, 16, 32, 64
+    x = jnp.ones((n, h, w, cin), jnp.bfloat16)
+    kernel = jnp.ones((3, 3, cin, cout), jnp.bfloat16)
+
+    def conv(x, kernel):
+        return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def loss(x, kernel):
+        return conv(x, kernel).astype(jnp.float32).sum()
+
+    flops = 2 * n * h * w * cout * 3 * 3 * cin
+    forward = estimate(_hlo(conv, x, kernel))
+    assert [k.flops for k in forward.kernels if k.matrix == "conv"] == [flops]
+    grads = estimate(_hlo(jax.grad(loss, argnums=(0, 1)), x, kernel))
+    convs = [k for k in grads.kernels if k.matrix == "conv"]
+    assert len(convs) == 2 and all(k.flops == flops for k in convs)  # dx and dW
+    assert grads.share_16bit == 1.0
+    assert grads.calls[("conv", "bf16")] == 2
+
+
+def test_results_section_replaced_and_cpu_rows_kept(tmp_path) -> None:
+    path = tmp_path / "RESULTS.md"
+    cpu = "# hlo_amp benchmark results\n\n## mlp: CPU rows\n\n| f32 | 1 |\n"
+    hand = "## The mixed_bfloat16 mode (analysis)\n\nhand text\n"
+    path.write_text(f"{cpu}\n{HAND_WRITTEN}\n\n{hand}")
+    write_aot_section(path, "h100-aot", ["## H100, compiled without a device", "old"])
+    write_aot_section(path, "h200-aot", ["## H200, compiled without a device", "h200"])
+    write_aot_section(path, "h100-aot", ["## H100, compiled without a device", "new"])
+    text = path.read_text()
+    assert text.startswith(cpu) and text.endswith(hand)
+    assert text.count("## H100, compiled without a device") == 1
+    assert "new" in text and "old" not in text and "h200" in text
+    assert text.index(HAND_WRITTEN) < text.index("H100") < text.index("H200") < text.index(hand)
