@@ -567,9 +567,10 @@ def aot_table(results: list[AotResult]) -> list[str]:
         e, b = r.estimate, base.estimate if base else None
         lines.append("| " + " | ".join([
             r.variant, f"{100 * e.share_16bit:.1f}%", f"{100 * e.share_fp8:.1f}%", _calls(e),
-            _mib(r.temp_bytes), _ratio(r.temp_bytes, base.temp_bytes) if base else "-",
+            _mib(r.temp_bytes), _ratio(r.temp_bytes, base.temp_bytes)
+            if base and base.temp_bytes >= 2**20 else "-",
             f"{e.hbm_bytes / 1e9:.2f}", _ratio(e.hbm_bytes, b.hbm_bytes) if b else "-",
-            f"{1e3 * e.roofline_seconds:.3f}",
+            f"{1e3 * e.roofline_seconds:.4g}",
             _ratio(e.roofline_seconds, b.roofline_seconds) if b else "-"]) + " |")
     return lines
 
@@ -592,14 +593,14 @@ def aot_targets(name: str, results: list[AotResult]) -> list[str]:
                     continue
                 out.append(_line(f"{MIXED} XLA temp memory", f"≤ {label}",
                                  f"{_mib(mixed.temp_bytes)} vs {_mib(peer.temp_bytes)} MiB "
-                                 f"({mixed.temp_bytes / max(1, peer.temp_bytes):.2f}×)",
+                                 f"({mixed.temp_bytes / max(1, peer.temp_bytes):.3f}×)",
                                  mixed.temp_bytes <= limit * peer.temp_bytes))
         if flax is None:
             out.append(f"- {MIXED} roofline step time vs flax bf16: flax bf16 did not compile")
         else:
             m, f = mixed.estimate.roofline_seconds, flax.estimate.roofline_seconds
             out.append(_line(f"{MIXED} roofline step time", "≤ flax bf16's",
-                             f"{1e3 * m:.3f} vs {1e3 * f:.3f} ms ({m / f:.2f}×)", m <= f))
+                             f"{1e3 * m:.4g} vs {1e3 * f:.4g} ms ({m / f:.3f}×)", m <= f))
     fp8 = by.get("hlo_amp fp8")
     if fp8 is None or fp8.fp8_dots is None:
         out.append("- hlo_amp fp8 did not compile: no fp8 target check")
@@ -641,6 +642,19 @@ def write_aot_section(results_md: Path, key: str, lines: list[str]) -> None:
     results_md.write_text(text)
 
 
+def _source_state() -> str:
+    """`` at commit abc1234`` (with uncommitted changes under hlo_amp/ said), or nothing."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hlo_amp"], cwd=root,
+                               check=True, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return f" at commit {head}" + (" with uncommitted changes under hlo_amp/" if dirty else "")
+
+
 def aot_header(target: Any, command: str, jax_version: str) -> list[str]:
     peaks = ", ".join(f"{'f32 (TF32)' if k == 'f32' else k} {v / 1e12:.1f}"
                       for k, v in target.peak_flops.items())
@@ -652,7 +666,7 @@ def aot_header(target: Any, command: str, jax_version: str) -> list[str]:
          "ran, every figure is XLA's compile output or a model of it"),
         (f"- jax {jax_version}, Python {platform.python_version()}, "
          f"date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}"),
-        f"- command: `JAX_PLATFORMS=cpu {command.strip()}`",
+        f"- command: `JAX_PLATFORMS=cpu {command.strip()}`{_source_state()}",
         (f"- peaks used (dense, datasheet): {peaks} TFLOP/s; HBM "
          f"{target.hbm_bytes_per_second / 1e12:.2f} TB/s"),
         ("- 16-bit / fp8 FLOP share: of all GEMM + convolution FLOPs (cuBLAS and cuDNN calls, "
@@ -696,6 +710,10 @@ def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
             r = results[-1]
             print(f"  {variant}: " + (r.error or f"compiled in {r.compile_s:.1f} s"), flush=True)
         table, checks = aot_table(results), aot_targets(workload.name, results)
+        f32 = next((r for r in results if r.variant == "f32" and not r.error), None)
+        if f32 is not None and f32.temp_bytes < 2**20:
+            table.append(f"\nf32's XLA temp is {f32.temp_bytes} bytes (XLA:GPU keeps this step's "
+                         "intermediates in its output buffers): no temp ratios against it.")
         print("\n".join(table + [""] + checks + [""]), flush=True)
         md += [f"### {workload.name}: {workload.description}", "", *table, "", "Targets:", "",
                *checks, ""]
