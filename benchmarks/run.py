@@ -582,28 +582,29 @@ def aot_targets(name: str, results: list[AotResult]) -> list[str]:
                                                       "hlo_amp bf16"))
     out = []
     if mixed is None:
-        out.append(f"- {MIXED} did not compile: no mixed_bfloat16 target check")
+        out.append(f"- {MIXED}: no row (not selected or not compiled), no mixed_bfloat16 "
+                   "target check")
     else:
         if name in TARGET_AOT_MIXED_TEMP:
             share = TARGET_AOT_MIXED_TEMP[name]
             for peer, limit, label in ((flax, 1.0, "flax bf16's"), (f32, share, f"{share}× f32's"),
                                        (accurate, 1.0, "hlo_amp bf16's (the accurate mode)")):
                 if peer is None:
-                    out.append(f"- {MIXED} XLA temp memory vs {label}: peer did not compile")
+                    out.append(f"- {MIXED} XLA temp memory vs {label}: no row for it, no check")
                     continue
                 out.append(_line(f"{MIXED} XLA temp memory", f"≤ {label}",
                                  f"{_mib(mixed.temp_bytes)} vs {_mib(peer.temp_bytes)} MiB "
                                  f"({mixed.temp_bytes / max(1, peer.temp_bytes):.3f}×)",
                                  mixed.temp_bytes <= limit * peer.temp_bytes))
         if flax is None:
-            out.append(f"- {MIXED} roofline step time vs flax bf16: flax bf16 did not compile")
+            out.append(f"- {MIXED} roofline step time vs flax bf16: no flax bf16 row, no check")
         else:
             m, f = mixed.estimate.roofline_seconds, flax.estimate.roofline_seconds
             out.append(_line(f"{MIXED} roofline step time", "≤ flax bf16's",
                              f"{1e3 * m:.4g} vs {1e3 * f:.4g} ms ({m / f:.3f}×)", m <= f))
     fp8 = by.get("hlo_amp fp8")
     if fp8 is None or fp8.fp8_dots is None:
-        out.append("- hlo_amp fp8 did not compile: no fp8 target check")
+        out.append("- hlo_amp fp8: no row (not selected or not compiled), no fp8 target check")
     elif not fp8.fp8_dots[1]:
         out.append("- hlo_amp fp8: no dot quantised to fp8 here (the preset keeps the first "
                    "and last matrix op and convolutions in bf16): no fp8 target check")
