@@ -513,7 +513,7 @@ def aot_compile(workload: Any, variant: str, target: Any, x: Any, y: Any) -> Aot
     import hlo_amp
     from benchmarks.gpu_aot import estimate
     from benchmarks.workloads import HLO_AMP_POLICIES, XLA_OPTIONS, variant_step
-    from hlo_amp.runtime.device_targets import lower_for_target
+    from hlo_amp.runtime.device_targets import compile_for_target
 
     result = AotResult(variant)
     try:
@@ -527,10 +527,10 @@ def aot_compile(workload: Any, variant: str, target: Any, x: Any, y: Any) -> Aot
         if variant in HLO_AMP_POLICIES:
             compiled = hlo_amp.compile(step, HLO_AMP_POLICIES[variant]).lower(
                 params, opt_state, x, y, target=target).compile()
-        else:  # compile_for_target takes no XLA options: lower, then compile with them
-            lowered = lower_for_target(jax.jit(step), (params, opt_state, x, y), {}, target)
-            compiled = lowered.compile({**target.compiler_options,
-                                        **XLA_OPTIONS.get(variant, {})})
+        else:
+            compiled = compile_for_target(jax.jit(step), params, opt_state, x, y,
+                                          target=target,
+                                          compiler_options=XLA_OPTIONS.get(variant))
     except Exception as error:  # noqa: BLE001 - recorded in the table
         result.error = f"failed to compile: {str(error).splitlines()[0][:160]}"
         return result

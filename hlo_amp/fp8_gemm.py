@@ -89,9 +89,12 @@ def fp8_obstacle(op: Any) -> str | None:
 
 
 def dequantized_format(value: ir.Value) -> str | None:
-    """The fp8 type ``value`` was dequantised from when it is ``convert(q: fp8) *
-    broadcast(scale)`` (either order), the operand form the GEMM rewriter matches;
-    else None."""
+    """The fp8 type of an operand already in fp8: an fp8 tensor (the direct form the fp8
+    pass writes), or ``convert(q: fp8) * broadcast(scale)`` (either order, the
+    dequantised form the GEMM rewriter also matches); else None."""
+    own = str(element_type(value))
+    if own in FP8_MAX:
+        return own
     owner = value.owner
     if isinstance(owner, ir.Block) or owner.name != "stablehlo.multiply":
         return None

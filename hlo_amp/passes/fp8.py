@@ -54,19 +54,18 @@ class Fp8Quantize:
         quantised = 0
         with module.context:
             for fn in functions(module):
-                dequantized: dict[tuple[Any, ...], ir.Value] = {}
+                quantized: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
                 for op in walk_operations(fn, names=_DOT):
                     if FP8_MARK not in op.attributes:
                         continue
                     lhs, rhs, dequantize = [ir.TypeAttr(t).value
                                             for t in ir.ArrayAttr(op.attributes[FP8_MARK])]
                     del op.attributes[FP8_MARK]
-                    for index, fp8 in enumerate((lhs, rhs)):
-                        op.operands[index] = _dequantized(op, index, fp8, dequantize,
-                                                          dequantized)
+                    _direct(op, [_quantized(op, index, fp8, dequantize, quantized)
+                                 for index, fp8 in enumerate((lhs, rhs))])
                     pair = f"{FP8_SHORT[str(lhs)]} x {FP8_SHORT[str(rhs)]}"
                     pairs[pair] = pairs.get(pair, 0) + 1
-                quantised += len(dequantized)
+                quantised += len(quantized)
         if report is not None and pairs:
             report.notes.append(_summary(report, pairs, quantised))
 
@@ -147,14 +146,14 @@ def _from_matrix_op(value: ir.Value) -> bool:
     return False
 
 
-def _dequantized(op: Any, index: int, fp8: ir.Type, dequantize: ir.Type,
-                 dequantized: dict[tuple[Any, ...], ir.Value]) -> ir.Value:
-    """``convert(q) * broadcast(scale)`` for operand ``index`` of ``op``, q its fp8
-    quantisation; shared per (block, value, types)."""
+def _quantized(op: Any, index: int, fp8: ir.Type, dequantize: ir.Type,
+               quantized: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]]
+               ) -> tuple[ir.Value, ir.Value]:
+    """(q, scale): operand ``index`` of ``op`` quantised to ``fp8`` and its f32 scale
+    (a value the dequantise type holds exactly); shared per (block, value, types)."""
     value = op.operands[index]
-    block = op.block
-    key = (block, value, str(fp8), str(dequantize))
-    found = dequantized.get(key)
+    key = (op.block, value, str(fp8), str(dequantize))
+    found = quantized.get(key)
     if found is not None:
         return found
     f32 = ir.F32Type.get()
@@ -171,11 +170,26 @@ def _dequantized(op: Any, index: int, fp8: ir.Type, dequantize: ir.Type,
             # quantisation out of the producer; it then runs as its own fusion.
             x32 = hlo.optimization_barrier([x32])
             x32 = x32[0] if isinstance(x32, (list, tuple)) else x32
-        scale, scale_dq = _scale(x32, dequantize, fmax)
+        scale, _ = _scale(x32, dequantize, fmax)
         scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
         clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))
-        quantised = hlo.convert(with_element(value.type, fp8), clamped)
-        widened = hlo.convert(with_element(value.type, dequantize), quantised)
-        result = hlo.multiply(widened, hlo.broadcast_in_dim(widened.type, scale_dq, []))
-    dequantized[key] = result
-    return result
+        found = (hlo.convert(with_element(value.type, fp8), clamped), scale)
+    quantized[key] = found
+    return found
+
+
+def _direct(op: Any, operands: list[tuple[ir.Value, ir.Value]]) -> None:
+    """Rewrite ``op`` to ``dot_general(q_lhs, q_rhs) * (scale_lhs * scale_rhs)``: the dot
+    reads the fp8 tensors themselves and keeps its result type; the product of the two
+    scales (f32, exact: each holds at most 8 significant bits) multiplies its result."""
+    (q_lhs, s_lhs), (q_rhs, s_rhs) = operands
+    result = op.results[0]
+    element = ir.RankedTensorType(result.type).element_type
+    with op.location, ir.InsertionPoint(op):
+        op.operands[0], op.operands[1] = q_lhs, q_rhs
+        scale = hlo.multiply(s_lhs, s_rhs)
+        if element != ir.F32Type.get():
+            scale = hlo.convert(ir.RankedTensorType.get([], element), scale)
+    with op.location, ir.InsertionPoint.after(op):
+        scaled = hlo.multiply(result, hlo.broadcast_in_dim(result.type, scale, []))
+    result.replace_all_uses_except(scaled, scaled.owner.operation)

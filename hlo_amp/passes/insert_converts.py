@@ -279,8 +279,8 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
     else:
         dequantize = "bf16" if policy.compute_dtype == "bfloat16" else "f32"
     return Plan(action, rule, none, None,
-                f"fp8 {FP8_SHORT[formats[0]]} x {FP8_SHORT[formats[1]]}{how}, per-tensor scales, "
-                f"{dequantize} dequantise, {result_name} result",
+                f"fp8 {FP8_SHORT[formats[0]]} x {FP8_SHORT[formats[1]]}{how}, per-tensor "
+                f"{dequantize} scales, {result_name} result",
                 fp8=(formats[0], formats[1], dequantize))
 
 

@@ -45,7 +45,6 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.cpu_dots import matrix_result_in_16bit
-from hlo_amp.passes.insert_converts import low_result_on_target
 from hlo_amp.modules import (
     callee_name,
     clone_private,
@@ -60,6 +59,7 @@ from hlo_amp.modules import (
     with_element,
 )
 from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name, table_class
+from hlo_amp.passes.insert_converts import low_result_on_target
 from hlo_amp.policy import AMP_STOP, COMPUTE, DTYPE_TO_ELEMENT, OP_KINDS, Policy
 from hlo_amp.report import Report
 from hlo_amp.sites import call_prefix, join_names, location_name, parse_name

@@ -143,9 +143,13 @@ class AmpLowered:
     def report(self) -> Report:
         return self._report
 
-    def compile(self) -> AmpCompiled:
+    def compile(self, compiler_options: dict[str, Any] | None = None) -> AmpCompiled:
+        """XLA's compile of the rewritten module; ``compiler_options`` (XLA flags, as for
+        ``jax.jit(...).lower(...).compile``) override a device target's defaults, e.g.
+        ``{"xla_gpu_enable_triton_gemm": True}``."""
         start = time.perf_counter()
-        options = self.device.compiler_options if self.device else None
+        options = {**(self.device.compiler_options if self.device else {}),
+                   **(compiler_options or {})} or None
         compiled = self._rewritten.compile(options)
         seconds = time.perf_counter() - start
         return AmpCompiled(compiled, self._report, seconds, self._target, self.device)

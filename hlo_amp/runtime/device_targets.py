@@ -210,12 +210,14 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: DeviceTarge
 
 
 def compile_for_target(jitted: Any, *args: Any, target: str | DeviceTarget = "h100",
-                       **kwargs: Any) -> Any:
+                       compiler_options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """A ``jax.jit`` function compiled for ``target`` without the device: JAX's
     ``Compiled`` (``as_text()``, ``memory_analysis()``); the peer of
-    ``AmpFunction.lower(..., target=...).compile()`` for comparisons on one footing."""
+    ``AmpFunction.lower(..., target=...).compile()`` for comparisons on one footing.
+    ``compiler_options`` override the target's XLA flags."""
     device = resolve_target(target)
-    return lower_for_target(jitted, args, kwargs, device).compile(device.compiler_options)
+    options = {**device.compiler_options, **(compiler_options or {})}
+    return lower_for_target(jitted, args, kwargs, device).compile(options)
 
 
 def compile_module_for_target(module: Any, target: DeviceTarget) -> Any:

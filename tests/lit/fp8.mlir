@@ -1,6 +1,7 @@
-// The fp8 pass (hlo-amp-fp8) after insert_converts: per-tensor current scaling emitted as
-// XLA:GPU's gemm rewriter matches it (hlo_amp/fp8_gemm.py): per operand
-// fp8 -> convert to a wider type -> multiply by a broadcast scalar scale -> dot_general.
+// The fp8 pass (hlo-amp-fp8) after insert_converts: per-tensor current scaling in the
+// direct form XLA:GPU keeps as one fp8 GEMM in cuBLASLt and in Triton alike: the dot
+// reads the fp8 tensors, and its result is multiplied by the product of the two scalar
+// scales (hlo_amp/fp8_gemm.py).
 // The locations pick the direction: transpose(jvp(...)) is the backward pass.
 //
 // RUN: hlo-amp-opt %s --split-input-file --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
@@ -17,7 +18,8 @@
 // RUN:   --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=MARK
 //
-// For XLA:CPU (no fp8 dot) the operands are dequantised to f32.
+// For XLA:CPU the form is the same; the scales are not rounded to bf16 (XLA:CPU
+// widens the fp8 dot to f32, where the scales apply exactly).
 // RUN: hlo-amp-opt %s --split-input-file --target cpu \
 // RUN:   --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=CPU
@@ -37,8 +39,8 @@
 // RUN: filecheck %s --input-file %t.json --check-prefix=JSON
 
 // A forward dot: both operands e4m3fn. amax = max|x|, scale = amax * (1/448) rounded to the
-// bf16 it is dequantised with, 1 when that is 0 or not finite; q = convert(clamp(x /
-// scale)); the dot reads convert(q) * broadcast(scale) and keeps its f32 result.
+// bf16 the GPU applies it in, 1 when that is 0 or not finite; q = convert(clamp(x /
+// scale)); the dot reads q and w's q and keeps its f32 result, times the scale product.
 // CHECK-LABEL: func.func @forward
 // CHECK-SAME:    (%[[X:.*]]: tensor<32x64xf32>, %[[W:.*]]: tensor<64x16xf32>)
 // CHECK:         %[[ABS:.*]] = stablehlo.abs %[[X]] : tensor<32x64xf32>
@@ -53,21 +55,19 @@
 // CHECK:         %[[OK:.*]] = stablehlo.and %[[POS]], %[[FIN]]
 // CHECK:         %[[ONE:.*]] = stablehlo.constant dense<1.000000e+00> : tensor<f32>
 // CHECK:         %[[S:.*]] = stablehlo.select %[[OK]], %[[S1]], %[[ONE]] : tensor<i1>, tensor<f32>
-// CHECK:         %[[SDQ:.*]] = stablehlo.convert %[[S]] : (tensor<f32>) -> tensor<bf16>
 // CHECK:         %[[SB:.*]] = stablehlo.broadcast_in_dim %[[S]], dims = [] : (tensor<f32>) -> tensor<32x64xf32>
 // CHECK:         %[[SCALED:.*]] = stablehlo.divide %[[X]], %[[SB]] : tensor<32x64xf32>
 // CHECK:         %[[LO:.*]] = stablehlo.constant dense<-4.480000e+02> : tensor<f32>
 // CHECK:         %[[HI:.*]] = stablehlo.constant dense<4.480000e+02> : tensor<f32>
 // CHECK:         %[[CL:.*]] = stablehlo.clamp %[[LO]], %[[SCALED]], %[[HI]]
 // CHECK:         %[[Q:.*]] = stablehlo.convert %[[CL]] : (tensor<32x64xf32>) -> tensor<32x64xf8E4M3FN>
-// CHECK:         %[[QW:.*]] = stablehlo.convert %[[Q]] : (tensor<32x64xf8E4M3FN>) -> tensor<32x64xbf16>
-// CHECK:         %[[SDQB:.*]] = stablehlo.broadcast_in_dim %[[SDQ]], dims = [] : (tensor<bf16>) -> tensor<32x64xbf16>
-// CHECK:         %[[XDQ:.*]] = stablehlo.multiply %[[QW]], %[[SDQB]] : tensor<32x64xbf16>
 // CHECK:         stablehlo.abs %[[W]] : tensor<64x16xf32>
+// CHECK:         %[[WS:.*]] = stablehlo.select
 // CHECK:         %[[WQ:.*]] = stablehlo.convert %{{.*}} : (tensor<64x16xf32>) -> tensor<64x16xf8E4M3FN>
-// CHECK:         %[[WW:.*]] = stablehlo.convert %[[WQ]] : (tensor<64x16xf8E4M3FN>) -> tensor<64x16xbf16>
-// CHECK:         %[[WDQ:.*]] = stablehlo.multiply %[[WW]], %{{.*}} : tensor<64x16xbf16>
-// CHECK:         %[[R:.*]] = stablehlo.dot_general %[[XDQ]], %[[WDQ]], contracting_dims = [1] x [0] : (tensor<32x64xbf16>, tensor<64x16xbf16>) -> tensor<32x16xf32>
+// CHECK:         %[[SS:.*]] = stablehlo.multiply %[[S]], %[[WS]] : tensor<f32>
+// CHECK:         %[[D:.*]] = stablehlo.dot_general %[[Q]], %[[WQ]], contracting_dims = [1] x [0] : (tensor<32x64xf8E4M3FN>, tensor<64x16xf8E4M3FN>) -> tensor<32x16xf32>
+// CHECK:         %[[SSB:.*]] = stablehlo.broadcast_in_dim %[[SS]], dims = [] : (tensor<f32>) -> tensor<32x16xf32>
+// CHECK:         %[[R:.*]] = stablehlo.multiply %[[D]], %[[SSB]] : tensor<32x16xf32>
 // CHECK-NOT:     hlo_amp.fp8
 // CHECK:         return %[[R]] : tensor<32x16xf32>
 // MARK-LABEL:  func.func @forward
@@ -76,9 +76,7 @@
 // CPU-LABEL:   func.func @forward
 // CPU-NOT:       bf16
 // CPU:           %[[Q:.*]] = stablehlo.convert %{{.*}} : (tensor<32x64xf32>) -> tensor<32x64xf8E4M3FN>
-// CPU:           %[[QW:.*]] = stablehlo.convert %[[Q]] : (tensor<32x64xf8E4M3FN>) -> tensor<32x64xf32>
-// CPU:           %[[XDQ:.*]] = stablehlo.multiply %[[QW]], %{{.*}} : tensor<32x64xf32>
-// CPU:           stablehlo.dot_general %[[XDQ]], %{{.*}} : (tensor<32x64xf32>, tensor<64x16xf32>) -> tensor<32x16xf32>
+// CPU:           stablehlo.dot_general %[[Q]], %{{.*}} : (tensor<32x64xf8E4M3FN>, tensor<64x16xf8E4M3FN>) -> tensor<32x16xf32>
 func.func @forward(%x: tensor<32x64xf32>, %w: tensor<64x16xf32>) -> tensor<32x16xf32> {
   %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<32x64xf32>, tensor<64x16xf32>) -> tensor<32x16xf32> loc("jit(f)/jvp(mlp)/dot_general")
   return %0 : tensor<32x16xf32>
@@ -92,19 +90,15 @@ func.func @forward(%x: tensor<32x64xf32>, %w: tensor<64x16xf32>) -> tensor<32x16
 // CHECK-LABEL: func.func @backward
 // CHECK-SAME:    (%[[X:.*]]: tensor<32x64xf32>, %[[W:.*]]: tensor<64x16xf32>, %[[RES:.*]]: tensor<32x16xf32>)
 // CHECK:         %[[CT:.*]] = stablehlo.multiply %{{.*}}, %[[RES]] : tensor<32x16xf32>
-// CHECK:         stablehlo.convert %{{.*}} : (tensor<32x64xf32>) -> tensor<32x64xf8E4M3FN>
-// CHECK:         %[[XDQ:.*]] = stablehlo.multiply %{{.*}} : tensor<32x64xbf16>
+// CHECK:         %[[XQ:.*]] = stablehlo.convert %{{.*}} : (tensor<32x64xf32>) -> tensor<32x64xf8E4M3FN>
 // CHECK:         stablehlo.abs %[[CT]] : tensor<32x16xf32>
 // CHECK:         stablehlo.constant dense<1.74386169E-5> : tensor<f32>
 // CHECK:         stablehlo.constant dense<-5.734400e+04> : tensor<f32>
 // CHECK:         %[[G8:.*]] = stablehlo.convert %{{.*}} : (tensor<32x16xf32>) -> tensor<32x16xf8E5M2>
-// CHECK:         %[[GW:.*]] = stablehlo.convert %[[G8]] : (tensor<32x16xf8E5M2>) -> tensor<32x16xbf16>
-// CHECK:         %[[GDQ:.*]] = stablehlo.multiply %[[GW]], %{{.*}} : tensor<32x16xbf16>
-// CHECK:         stablehlo.dot_general %[[XDQ]], %[[GDQ]], contracting_dims = [0] x [0] : (tensor<32x64xbf16>, tensor<32x16xbf16>) -> tensor<64x16xf32>
-// CHECK:         stablehlo.convert %{{.*}} : (tensor<64x16xf32>) -> tensor<64x16xf8E4M3FN>
-// CHECK:         %[[WDQ:.*]] = stablehlo.multiply %{{.*}} : tensor<64x16xbf16>
-// CHECK-NOT:     xf8E5M2>
-// CHECK:         stablehlo.dot_general %[[GDQ]], %[[WDQ]], contracting_dims = [1] x [1] : (tensor<32x16xbf16>, tensor<64x16xbf16>) -> tensor<32x64xf32>
+// CHECK:         stablehlo.dot_general %[[XQ]], %[[G8]], contracting_dims = [0] x [0] : (tensor<32x64xf8E4M3FN>, tensor<32x16xf8E5M2>) -> tensor<64x16xf32>
+// CHECK:         %[[WQ:.*]] = stablehlo.convert %{{.*}} : (tensor<64x16xf32>) -> tensor<64x16xf8E4M3FN>
+// CHECK-NOT:     -> tensor<32x16xf8E5M2>
+// CHECK:         stablehlo.dot_general %[[G8]], %[[WQ]], contracting_dims = [1] x [1] : (tensor<32x16xf8E5M2>, tensor<64x16xf8E4M3FN>) -> tensor<32x64xf32>
 // CHECK:         return
 // MARK-LABEL:  func.func @backward
 // MARK:          stablehlo.dot_general {{.*}} {hlo_amp.fp8 = [f8E4M3FN, f8E5M2, bf16]}
@@ -127,10 +121,10 @@ func.func @backward(%x: tensor<32x64xf32>, %w: tensor<64x16xf32>, %r: tensor<32x
 // DotDecomposer merges them with a transpose and a reshape, which the fp8 GEMM pattern
 // lets through (an einsum "bqhd,bkhd->bhqk" as JAX lowers it).
 // CHECK-LABEL: func.func @attention_scores
-// CHECK:         stablehlo.dot_general %{{.*}}, %{{.*}}, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3] : (tensor<2x17x4x16xbf16>, tensor<2x17x4x16xbf16>) -> tensor<2x4x17x17xf32>
+// CHECK:         stablehlo.dot_general %{{.*}}, %{{.*}}, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3] : (tensor<2x17x4x16xf8E4M3FN>, tensor<2x17x4x16xf8E4M3FN>) -> tensor<2x4x17x17xf32>
 // CHECK-LABEL: func.func @two_contracting
 // CHECK:         stablehlo.convert %{{.*}} : (tensor<32x4x8xf32>) -> tensor<32x4x8xf8E4M3FN>
-// CHECK:         stablehlo.dot_general %{{.*}}, %{{.*}}, contracting_dims = [1, 2] x [0, 1] : (tensor<32x4x8xbf16>, tensor<4x8x16xbf16>) -> tensor<32x16xf32>
+// CHECK:         stablehlo.dot_general %{{.*}}, %{{.*}}, contracting_dims = [1, 2] x [0, 1] : (tensor<32x4x8xf8E4M3FN>, tensor<4x8x16xf8E4M3FN>) -> tensor<32x16xf32>
 func.func @attention_scores(%q: tensor<2x17x4x16xf32>, %k: tensor<2x17x4x16xf32>) -> tensor<2x4x17x17xf32> {
   %0 = stablehlo.dot_general %q, %k, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3] : (tensor<2x17x4x16xf32>, tensor<2x17x4x16xf32>) -> tensor<2x4x17x17xf32> loc("jit(f)/jvp(attn)/bqhd,bkhd->bhqk/dot_general")
   return %0 : tensor<2x4x17x17xf32>
@@ -189,13 +183,13 @@ func.func @conv(%x: tensor<1x8x8x16xf32>, %k: tensor<3x3x16x16xf32>) -> tensor<1
 // SCOPE-LABEL: func.func @scoped
 // SCOPE:         stablehlo.dot_general {{.*}} : (tensor<32x64xbf16>, tensor<64x64xbf16>) -> tensor<32x64xbf16>
 // SCOPE:         stablehlo.convert {{.*}} -> tensor<64x64xf8E4M3FN>
-// SCOPE:         stablehlo.dot_general {{.*}} : (tensor<32x64xbf16>, tensor<64x64xbf16>) -> tensor<32x64xf32>
+// SCOPE:         stablehlo.dot_general {{.*}} : (tensor<32x64xf8E4M3FN>, tensor<64x64xf8E4M3FN>) -> tensor<32x64xf32>
 // SCOPE:         stablehlo.dot_general {{.*}} : (tensor<32x64xbf16>, tensor<32x64xbf16>) -> tensor<64x64xbf16>
 // SCOPE:         return
 // CHECK-LABEL: func.func @scoped
-// CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xbf16>, tensor<64x64xbf16>) -> tensor<32x64xf32>
-// CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xbf16>, tensor<64x64xbf16>) -> tensor<32x64xf32>
-// CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xbf16>, tensor<32x64xbf16>) -> tensor<64x64xf32>
+// CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xf8E4M3FN>, tensor<64x64xf8E4M3FN>) -> tensor<32x64xf32>
+// CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xf8E4M3FN>, tensor<64x64xf8E4M3FN>) -> tensor<32x64xf32>
+// CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xf8E4M3FN>, tensor<32x64xf8E4M3FN>) -> tensor<64x64xf32>
 // CHECK:         return
 func.func @scoped(%x: tensor<32x64xf32>, %wa: tensor<64x64xf32>, %wm: tensor<64x64xf32>, %g: tensor<32x64xf32>) -> (tensor<32x64xf32>, tensor<64x64xf32>) {
   %0 = stablehlo.dot_general %x, %wa, contracting_dims = [1] x [0] : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32> loc("jit(f)/jvp(attn)/dot_general")
@@ -212,15 +206,15 @@ func.func @scoped(%x: tensor<32x64xf32>, %wa: tensor<64x64xf32>, %wm: tensor<64x
 // JSON:      "action": "float8_e5m2",
 // JSON-NEXT: "rule": "op:dot_general",
 // JSON-NEXT: "changed": true,
-// JSON-NEXT: "reason": "fp8 e4m3fn x e4m3fn, per-tensor scales, bf16 dequantise, f32 result",
+// JSON-NEXT: "reason": "fp8 e4m3fn x e4m3fn, per-tensor bf16 scales, f32 result",
 // JSON:      "direction": "backward",
 // JSON:      "operands_after": [
 // JSON-NEXT:   "f8E4M3FN",
 // JSON-NEXT:   "f8E5M2"
-// JSON:      "reason": "fp8 e4m3fn x e5m2 (rhs is the incoming gradient), per-tensor scales, bf16 dequantise, f32 result",
-// JSON:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor scales, bf16 dequantise, f32 result",
-// JSON:      "reason": "fp8 e4m3fn x e4m3fn, per-tensor scales, bf16 dequantise, f32 result",
-// JSON:      "reason": "fp8 e4m3fn x e4m3fn, per-tensor scales, bf16 dequantise, f32 result",
+// JSON:      "reason": "fp8 e4m3fn x e5m2 (rhs is the incoming gradient), per-tensor bf16 scales, f32 result",
+// JSON:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor bf16 scales, f32 result",
+// JSON:      "reason": "fp8 e4m3fn x e4m3fn, per-tensor bf16 scales, f32 result",
+// JSON:      "reason": "fp8 e4m3fn x e4m3fn, per-tensor bf16 scales, f32 result",
 // JSON:      "operands_after": [
 // JSON-NEXT:   "bf16",
 // JSON-NEXT:   "bf16"

@@ -30,12 +30,12 @@
 // CHECK:         stablehlo.dot_general %[[X16]], %{{.*}} : (tensor<16x32xbf16>, tensor<32x32xbf16>) -> tensor<16x32xf32> loc(#[[STEM:loc[0-9]+]])
 
 // attn, mlp: e4m3fn x e4m3fn.
-// CHECK:         stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E4M3FN> loc(#[[ATTN:loc[0-9]+]])
+// CHECK:         %[[A_H:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E4M3FN> loc(#[[ATTN:loc[0-9]+]])
 // CHECK:         %[[A_W:.*]] = stablehlo.convert %{{.*}} : (tensor<32x32xf32>) -> tensor<32x32xf8E4M3FN> loc(#[[ATTN]])
-// CHECK:         stablehlo.dot_general %[[A_HDQ:.*]], %[[A_WDQ:.*]], contracting_dims = [1] x [0], {{.*}} : (tensor<16x32xbf16>, tensor<32x32xbf16>) -> tensor<16x32xf32> loc(#[[ATTN]])
-// CHECK:         stablehlo.convert %{{.*}} -> tensor<16x32xf8E4M3FN> loc(#[[MLP:loc[0-9]+]])
-// CHECK:         stablehlo.convert %{{.*}} -> tensor<32x32xf8E4M3FN> loc(#[[MLP]])
-// CHECK:         stablehlo.dot_general %[[M_HDQ:.*]], %[[M_WDQ:.*]], contracting_dims = [1] x [0], {{.*}} -> tensor<16x32xf32> loc(#[[MLP]])
+// CHECK:         stablehlo.dot_general %[[A_H]], %[[A_W]], contracting_dims = [1] x [0], {{.*}} : (tensor<16x32xf8E4M3FN>, tensor<32x32xf8E4M3FN>) -> tensor<16x32xf32> loc(#[[ATTN]])
+// CHECK:         %[[M_H:.*]] = stablehlo.convert %{{.*}} -> tensor<16x32xf8E4M3FN> loc(#[[MLP:loc[0-9]+]])
+// CHECK:         %[[M_W:.*]] = stablehlo.convert %{{.*}} -> tensor<32x32xf8E4M3FN> loc(#[[MLP]])
+// CHECK:         stablehlo.dot_general %[[M_H]], %[[M_W]], contracting_dims = [1] x [0], {{.*}} -> tensor<16x32xf32> loc(#[[MLP]])
 
 // head (last matrix op) and its two backward dots: bf16.
 // CHECK:         stablehlo.dot_general {{.*}} : (tensor<16x32xbf16>, tensor<32x4xbf16>) -> tensor<16x4xf32> loc(#[[HEAD:loc[0-9]+]])
@@ -45,16 +45,14 @@
 // mlp backward: the cotangent in e5m2, quantised once for dW and dx, which reuse the
 // forward's e4m3fn activation and weight.
 // CHECK:         stablehlo.constant dense<1.74386169E-5> : tensor<f32> loc(#[[MLP_BWD:loc[0-9]+]])
-// CHECK:         stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2> loc(#[[MLP_BWD]])
-// CHECK:         %[[G:.*]] = stablehlo.multiply %{{.*}} : tensor<16x32xbf16> loc(#[[MLP_BWD]])
-// CHECK:         stablehlo.dot_general %[[G]], %[[M_HDQ]], contracting_dims = [0] x [0], {{.*}} -> tensor<32x32xf32> loc(#[[MLP_BWD]])
-// CHECK:         stablehlo.dot_general %[[G]], %[[M_WDQ]], contracting_dims = [1] x [1], {{.*}} -> tensor<16x32xf32> loc(#[[MLP_BWD]])
+// CHECK:         %[[G:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2> loc(#[[MLP_BWD]])
+// CHECK:         stablehlo.dot_general %[[G]], %[[M_H]], contracting_dims = [0] x [0], {{.*}} -> tensor<32x32xf32> loc(#[[MLP_BWD]])
+// CHECK:         stablehlo.dot_general %[[G]], %[[M_W]], contracting_dims = [1] x [1], {{.*}} -> tensor<16x32xf32> loc(#[[MLP_BWD]])
 
 // attn backward: the same.
-// CHECK:         stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2> loc(#[[ATTN_BWD:loc[0-9]+]])
-// CHECK:         %[[GA:.*]] = stablehlo.multiply %{{.*}} : tensor<16x32xbf16> loc(#[[ATTN_BWD]])
-// CHECK:         stablehlo.dot_general %[[GA]], %[[A_HDQ]], {{.*}} loc(#[[ATTN_BWD]])
-// CHECK:         stablehlo.dot_general %[[GA]], %[[A_WDQ]], {{.*}} loc(#[[ATTN_BWD]])
+// CHECK:         %[[GA:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2> loc(#[[ATTN_BWD:loc[0-9]+]])
+// CHECK:         stablehlo.dot_general %[[GA]], %[[A_H]], {{.*}} loc(#[[ATTN_BWD]])
+// CHECK:         stablehlo.dot_general %[[GA]], %[[A_W]], {{.*}} loc(#[[ATTN_BWD]])
 
 // stem backward (dW only: x is not differentiated): bf16, like its forward dot.
 // CHECK-NOT:     xf8E
@@ -90,7 +88,7 @@
 // JSON:      "rule": "last_matrix_op",
 // JSON:      "scope": "mlp",
 // JSON-NEXT: "direction": "backward",
-// JSON:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor scales, bf16 dequantise, f32 result",
+// JSON:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor bf16 scales, f32 result",
 // JSON:      "scope": "stem",
 // JSON-NEXT: "direction": "backward",
 // JSON:      "rule": "first_matrix_op",
@@ -99,19 +97,17 @@
 
 // ENDS:      "scope": "stem",
 // ENDS:      "rule": "op:dot_general",
-// ENDS:      "reason": "fp8 e4m3fn x e4m3fn, per-tensor scales, bf16 dequantise, f32 result",
+// ENDS:      "reason": "fp8 e4m3fn x e4m3fn, per-tensor bf16 scales, f32 result",
 // ENDS:      "scope": "head",
 // ENDS:      "reason": "fp8 fallback: n=4 under 16 (cuBLASLt pads fp8 GEMMs to multiples of 16); bf16 operands, f32 accumulation",
 // ENDS:      "scope": "stem",
 // ENDS-NEXT: "direction": "backward",
-// ENDS:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor scales, bf16 dequantise, f32 result",
+// ENDS:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor bf16 scales, f32 result",
 
 // SCAN-LABEL: func.func private @closed_call(
-// SCAN:         stablehlo.dot_general {{.*}} : (tensor<16x32xbf16>, tensor<32x32xbf16>) -> tensor<16x32xf32>
+// SCAN:         stablehlo.dot_general {{.*}} : (tensor<16x32xf8E4M3FN>, tensor<32x32xf8E4M3FN>) -> tensor<16x32xf32>
 // SCAN-LABEL: func.func private @closed_call_1(
-// SCAN:         %[[G8:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2>
-// SCAN:         %[[GW:.*]] = stablehlo.convert %[[G8]] : (tensor<16x32xf8E5M2>) -> tensor<16x32xbf16>
-// SCAN:         %[[G:.*]] = stablehlo.multiply %[[GW]], %{{.*}} : tensor<16x32xbf16>
+// SCAN:         %[[G:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2>
 // SCAN:         stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E4M3FN>
 // SCAN:         stablehlo.dot_general %[[G]], %{{.*}}, contracting_dims = [0] x [0]
 // SCAN:         stablehlo.convert %{{.*}} : (tensor<32x32xf32>) -> tensor<32x32xf8E4M3FN>

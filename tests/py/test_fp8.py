@@ -187,37 +187,34 @@ def _train_step_text() -> str:
 _DEF = re.compile(r"^\s*(%[\w#]+) = (\S+) (.*)$")
 
 
-def _fp8_operand(defs: dict[str, tuple[str, str]], name: str) -> str | None:
-    """The fp8 type ``name`` is dequantised from, read as XLA's MatchFp8Param reads it:
-    multiply(convert(fp8 value) -> wider, broadcast_in_dim(scalar)), either order."""
-    op, rest = defs.get(name, ("", ""))
-    if op != "stablehlo.multiply":
-        return None
-    a, b = re.findall(r"%[\w#]+", rest)[:2]
-    for convert, broadcast in ((a, b), (b, a)):
-        c_op, c_rest = defs.get(convert, ("", ""))
-        b_op, b_rest = defs.get(broadcast, ("", ""))
-        source = re.search(r"\(tensor<[^>]*x(f8E4M3FN|f8E5M2)>\)", c_rest)
-        scalar = "(tensor<f32>)" in b_rest or "(tensor<bf16>)" in b_rest
-        if (c_op == "stablehlo.convert" and source and b_op == "stablehlo.broadcast_in_dim"
-                and scalar):
-            return source.group(1)
-    return None
+def _fp8_dot(defs: dict[str, tuple[str, str]], name: str) -> tuple[str | None, ...]:
+    """The operand formats of dot ``name`` (None: not fp8) after checking the direct
+    form when it has any: ``dot_general(f8, f8)`` whose one reader multiplies it by a
+    broadcast f32 scalar (the product of the two scales)."""
+    _, rest = defs[name]
+    operand_types = re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) ->", rest).groups()
+    formats = tuple(next(iter(re.findall(r"x(f8E4M3FN|f8E5M2)>", t)), None)
+                    for t in operand_types)
+    if formats != (None, None):
+        readers = [(o, r) for o, r in defs.values() if name in re.findall(r"%[\w#]+", r)]
+        assert len(readers) == 1 and readers[0][0] == "stablehlo.multiply", readers
+        (other,) = [v for v in re.findall(r"%[\w#]+", readers[0][1])[:2] if v != name]
+        scale_op, scale_rest = defs[other]
+        assert scale_op == "stablehlo.broadcast_in_dim" and "(tensor<f32>)" in scale_rest
+    return formats
 
 
-def test_every_fp8_dot_has_the_form_xlas_gemm_rewriter_matches() -> None:
-    # No target: the module as XLA:GPU would get it (operands dequantised to bf16).
+def test_every_fp8_dot_reads_fp8_tensors_directly() -> None:
+    """The direct form (issue 20): XLA:GPU keeps it as one fp8 GEMM in cuBLASLt and in
+    Triton alike, folding the scale product into the call."""
     text, report = hlo_amp.rewrite(_train_step_text(), "fp8", return_report=True)
     defs = {}
     for line in text.splitlines():
         match = _DEF.match(line)
         if match:
             defs[match.group(1)] = (match.group(2), match.group(3))
-    pairs = []
-    for op, rest in defs.values():
-        if op == "stablehlo.dot_general":
-            lhs, rhs = re.findall(r"%[\w#]+", rest)[:2]
-            pairs.append((_fp8_operand(defs, lhs), _fp8_operand(defs, rhs)))
+    pairs = [_fp8_dot(defs, name) for name, (op, _) in defs.items()
+             if op == "stablehlo.dot_general"]
     quantised = [p for p in pairs if p != (None, None)]
     assert all(None not in p for p in quantised)  # both operands or neither
     assert all("f8E4M3FN" in p for p in quantised)  # cuBLASLt: never e5m2 x e5m2
