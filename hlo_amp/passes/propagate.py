@@ -19,10 +19,12 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    all f32 and whose scope the policy leaves to the table, plus loop carries, branch
    results and call arguments/results (links). A node is painted when it is reachable
    from an allow op through eligible nodes *and* reaches a 16-bit sink (a convert to
-   the compute dtype, i.e. a matrix op's operand) through eligible nodes: it sits
-   between 16-bit ops (an activation gradient between two matrix ops, though it also
-   feeds a bias gradient's sum). A compare whose float operands are all 16-bit is
-   painted too.
+   the compute dtype, i.e. a matrix op's operand) through eligible nodes or through the
+   f32 ops of step 1-2, which convert their own inputs: it sits between 16-bit ops (an
+   activation gradient between two matrix ops, though it also feeds a bias gradient's
+   sum; a pre-LN residual stream, though a layer norm's mean reads it; attention scores
+   and their max before the softmax's exp). A compare whose float operands are all
+   16-bit is painted too.
 4. An allow op's result becomes 16-bit when it is not pinned and feeds a painted op or
    a sink: on GPU the op returns the 16-bit type itself, on CPU it keeps its f32
    result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
@@ -565,19 +567,26 @@ class _Graph:
                     if isinstance(reader, _Node) and reader.eligible and not reader.fwd:
                         reader.fwd = True
                         pending.append(reader)
-        # Backward: reaches a sink through eligible nodes.
+        # Backward: reaches a sink through eligible nodes, or through the f32 ops after
+        # a deny op that convert their own inputs (a layer norm in front of a matrix op).
         pending = []
+        seen: set[int] = set()
         for node in self.nodes:
-            if node.eligible and any(SINK in group for group in node.readers):
-                node.bwd = True
+            if node.cls != ALLOW and any(SINK in group for group in node.readers):
+                node.bwd = node.eligible
+                seen.add(id(node))
                 pending.append(node)
         while pending:
             node = pending.pop()
             for key in node.inputs:
                 producer = self.producer.get(key)
-                if producer is not None and producer.eligible and not producer.bwd:
-                    producer.bwd = True
-                    pending.append(producer)
+                if (producer is None or id(producer) in seen or producer.cls == ALLOW
+                        or not (producer.eligible or id(producer) in denied
+                                or producer.cls == DENY)):
+                    continue
+                seen.add(id(producer))
+                producer.bwd = producer.eligible
+                pending.append(producer)
         for node in self.nodes:
             if node.eligible and node.fwd and node.bwd and node.readers:
                 node.painted = True

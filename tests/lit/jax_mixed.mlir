@@ -54,8 +54,8 @@
 // Layer norm, GELU and softmax exactly as JAX lowers them: the layer norm's sums and
 // rsqrt (and, deny winning, everything that feeds them) stay f32; the GELU between the
 // two dots is bf16 from the first dot's 16-bit result to the second dot's operand; the
-// softmax's max, exp, sum and divide stay f32, its input dot keeps an f32 result, and
-// only its output is converted for the last dot.
+// softmax's input dot, max and subtract are bf16 (they reach the last dot through the
+// exp), its exp, sum and divide stay f32, and its output is converted for the last dot.
 // BLOCK-LABEL: func.func public @main
 // BLOCK:         stablehlo.reduce(%arg4 init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
 // BLOCK:         stablehlo.rsqrt %{{.*}} : tensor<2x1xf32>
@@ -66,9 +66,11 @@
 // BLOCK:         stablehlo.multiply %[[H]], %[[H]] : tensor<2x4xbf16>
 // BLOCK:         stablehlo.tanh %{{.*}} : tensor<2x4xbf16>
 // BLOCK:         %[[G:.*]] = stablehlo.multiply %[[H]], %{{.*}} : tensor<2x4xbf16>
-// BLOCK:         %[[L:.*]] = stablehlo.dot_general %[[G]], {{.*}} -> tensor<2x4xf32>
-// BLOCK:         stablehlo.reduce(%[[L]] init: %{{.*}}) applies stablehlo.maximum {{.*}} -> tensor<2xf32>
-// BLOCK:         %[[E:.*]] = stablehlo.exponential %{{.*}} : tensor<2x4xf32>
+// BLOCK:         %[[L:.*]] = stablehlo.dot_general %[[G]], {{.*}} -> tensor<2x4xbf16>
+// BLOCK:         stablehlo.reduce(%[[L]] init: %{{.*}}) applies stablehlo.maximum {{.*}} -> tensor<2xbf16>
+// BLOCK:         %[[S:.*]] = stablehlo.subtract %[[L]], %{{.*}} : tensor<2x4xbf16>
+// BLOCK:         %[[S32:.*]] = stablehlo.convert %[[S]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// BLOCK:         %[[E:.*]] = stablehlo.exponential %[[S32]] : tensor<2x4xf32>
 // BLOCK:         stablehlo.reduce(%[[E]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
 // BLOCK:         %[[P:.*]] = stablehlo.divide %[[E]], %{{.*}} : tensor<2x4xf32>
 // BLOCK:         %[[P16:.*]] = stablehlo.convert %[[P]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>

@@ -124,7 +124,8 @@ func.func @clear_ops(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf
 // -----
 
 // Every deny op stays f32 with f32 inputs, and the dot before them keeps its f32 result.
-// With op:exponential=compute the exponential may be painted; log is still deny.
+// With op:exponential=compute the exponential may be painted: it reaches the last dot
+// through the deny ops, which convert their own input; log is still deny.
 // CHECK-LABEL: func.func @deny_ops
 // CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
 // CHECK:         %[[E:.*]] = stablehlo.exponential %[[D]] : tensor<2x4xf32>
@@ -138,8 +139,10 @@ func.func @clear_ops(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf
 // CHECK:         %[[OB16:.*]] = stablehlo.convert %[[OB]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
 // CHECK:         stablehlo.dot_general %[[OB16]], {{.*}} -> tensor<2x3xf32>
 // OPRULE-LABEL: func.func @deny_ops
-// OPRULE:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
-// OPRULE:         stablehlo.exponential %[[D]] : tensor<2x4xf32>
+// OPRULE:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// OPRULE:         %[[E:.*]] = stablehlo.exponential %[[D]] : tensor<2x4xbf16>
+// OPRULE:         %[[E32:.*]] = stablehlo.convert %[[E]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// OPRULE:         stablehlo.log %[[E32]] : tensor<2x4xf32>
 func.func @deny_ops(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
   %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
   %1 = stablehlo.exponential %0 : tensor<2x4xf32> loc("jit(f)/exp")
@@ -221,14 +224,16 @@ func.func @deny_spreads_forward(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: t
 // -----
 
 // Softmax as jax.nn.softmax lowers it (max, subtract, exp, sum, divide): the exp and
-// the sum stay f32; the max and the subtract lead only into the exp (not between 16-bit
-// ops) and the divide is downstream of them (deny spreads forward); its result is
-// converted for the next dot.
+// the sum stay f32 and convert their own input; the scores, their max and the subtract
+// feed the next dot through the exp, so they are bf16 (as in Flax); the divide is
+// downstream of the exp and the sum (deny spreads forward); its result is converted for
+// the next dot.
 // CHECK-LABEL: func.func @softmax
-// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
-// CHECK:         stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.maximum {{.*}} -> tensor<2xf32>
-// CHECK:         %[[S:.*]] = stablehlo.subtract %[[D]], %{{.*}} : tensor<2x4xf32>
-// CHECK:         %[[E:.*]] = stablehlo.exponential %[[S]] : tensor<2x4xf32>
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.maximum {{.*}} -> tensor<2xbf16>
+// CHECK:         %[[S:.*]] = stablehlo.subtract %[[D]], %{{.*}} : tensor<2x4xbf16>
+// CHECK:         %[[S32:.*]] = stablehlo.convert %[[S]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         %[[E:.*]] = stablehlo.exponential %[[S32]] : tensor<2x4xf32>
 // CHECK:         stablehlo.reduce(%[[E]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
 // CHECK:         %[[Q:.*]] = stablehlo.divide %[[E]], %{{.*}} : tensor<2x4xf32>
 // CHECK:         %[[Q16:.*]] = stablehlo.convert %[[Q]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
@@ -279,6 +284,32 @@ func.func @layer_norm(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3x
   %10 = stablehlo.multiply %4, %9 : tensor<2x4xf32> loc("jit(f)/ln/mul")
   %11 = stablehlo.dot_general %10, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
   return %11 : tensor<2x3xf32>
+}
+
+// -----
+
+// A pre-LN residual block: the residual add sits between two dots (the one feeding it
+// and the one after the layer norm), so it is bf16 although the layer norm's mean and
+// centring, which read it, are f32 and convert it themselves.
+// CHECK-LABEL: func.func @residual_before_layer_norm
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[R:.*]] = stablehlo.add %[[D]], %{{.*}} : tensor<2x4xbf16>
+// CHECK:         %[[R32:.*]] = stablehlo.convert %[[R]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         stablehlo.reduce(%[[R32]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// CHECK:         %[[C:.*]] = stablehlo.subtract %[[R32]], %{{.*}} : tensor<2x4xf32>
+// CHECK:         %[[N16:.*]] = stablehlo.convert %[[C]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[N16]], {{.*}} -> tensor<2x3xf32>
+func.func @residual_before_layer_norm(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %res: tensor<2x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = stablehlo.add %0, %res : tensor<2x4xf32> loc("jit(f)/add")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/ln/reduce_sum")
+  %four = stablehlo.constant dense<4.000000e+00> : tensor<2xf32> loc("jit(f)/ln/div")
+  %2 = stablehlo.reduce(%1 init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/ln/reduce_sum")
+  %3 = stablehlo.divide %2, %four : tensor<2xf32> loc("jit(f)/ln/div")
+  %4 = stablehlo.broadcast_in_dim %3, dims = [0] : (tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/ln/broadcast_in_dim")
+  %5 = stablehlo.subtract %1, %4 : tensor<2x4xf32> loc("jit(f)/ln/sub")
+  %6 = stablehlo.dot_general %5, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %6 : tensor<2x3xf32>
 }
 
 // -----
