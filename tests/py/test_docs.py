@@ -45,3 +45,23 @@ def test_the_check_finds_a_repeated_sentence():
     sentence = "The pass keeps every sharding annotation of the lowered module."
     files = {"a.md": f"Intro.\n\n{sentence}\n", "b.md": f"Other words here.\n\n{sentence}\n"}
     assert repeated(files) == [("a.md", "b.md", sentence.lower())]
+
+
+def test_design_doc_cites_only_paths_and_names_that_exist():
+    """docs/design.md is the map a newcomer follows: every file it cites exists, and so
+    does every function it names in its file."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    cited = set(re.findall(r"(?<![\w/])((?:hlo_amp|tests|benchmarks|docs|passes|runtime)/"
+                           r"[\w/.]+\.(?:py|mlir|md))", text))
+    cited |= {f"docs/{name}" for name in re.findall(r"(?<![\w/])(\w+\.md)\b", text)
+              if name != "DOT_LAYOUT.md"}
+    missing = [path for path in cited
+               if not any((ROOT / prefix / path).exists() for prefix in ("", "hlo_amp"))]
+    assert cited and not missing, missing
+    source = "\n".join(p.read_text() for p in (ROOT / "hlo_amp").rglob("*.py"))
+    names = {"default_pipeline", "pass_names", "lowering_target", "matrix_result_in_16bit",
+             "mark_kept_by_xla", "resolve_target", "compile_for_target", "amp_call_p"}
+    assert all(name in text for name in names)
+    defined = re.compile(r"^(?:def (\w+)|(\w+) = )", re.MULTILINE).findall(source)
+    assert names <= {name for pair in defined for name in pair}
+    assert "shared/DESIGN" not in (ROOT / "README.md").read_text()

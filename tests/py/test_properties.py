@@ -8,7 +8,7 @@ lax.cond, inner jax.jit and jax.checkpoint, nested in jax.named_scope names draw
 - the pass is idempotent on its own output;
 - 'f32' is bit-identical to jax.jit;
 - 'bf16' stays within bf16 tolerance of f32 on well-scaled inputs;
-- the report's decisions equal an independent oracle's (DESIGN.md §3), as multisets.
+- the report's decisions equal an independent oracle's (the precedence in hlo_amp/policy.py's docstring), as multisets.
 
 Profiles: the default runs ~15 examples per test; ``HYPOTHESIS_PROFILE=slow`` runs
 thousands.
@@ -186,7 +186,7 @@ def _matches_at(pattern: str, scope: tuple[str, ...], start: int) -> bool:
 
 
 def oracle(policy: dict, kind: str, scope: tuple[str, ...]) -> Expected:
-    """DESIGN.md §3, written independently of hlo_amp.policy.
+    """The precedence rules of hlo_amp/policy.py's docstring, written independently of it.
 
     Walk the scopes from the outside in; the first scope whose rule applies decides.
     A rule applies only if it matches inside the innermost amp_stop (if any). If no
