@@ -10,14 +10,15 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,examples,gpu]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,examples,gpu,tpu]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/vit_digits.py
 
 # JAX_PLATFORMS=cpu: the gpu extra's CUDA plugin registers (for compiling for a GPU
-# without one) only when CPU is asked for explicitly on a machine without a GPU.
+# without one) only when CPU is asked for explicitly on a machine without a GPU; the tpu
+# extra's libtpu compiles for a TPU topology without one the same way.
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu $(BIN)/lit -v tests/lit
 	PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q tests/py

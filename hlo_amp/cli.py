@@ -31,6 +31,7 @@ from hlo_amp.runtime.device_targets import (
     DeviceTarget,
     NoCompilerForTarget,
     compile_module_for_target,
+    refuse_policy_on_device,
     resolve_target,
 )
 from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
@@ -70,11 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", choices=("cpu", "gpu"), default=None,
                         help="the backend the module is for: 'cpu' adds the CPU dot-layout "
                              "pass and enables the policy's only_if_faster rule")
-    parser.add_argument("--xla-target", metavar="GPU",
-                        help="also compile the rewritten module with XLA for this GPU, "
-                             "without one (h100, h200, a100, or a GpuTargetConfig .txtpb "
-                             "file), and report whether XLA keeps each converted op in its "
-                             "dtype (needs the gpu extra: pip install 'hlo_amp[gpu]')")
+    parser.add_argument("--xla-target", metavar="DEVICE",
+                        help="also compile the rewritten module with XLA for this GPU or "
+                             "TPU, without one (h100, h200, a100, a GpuTargetConfig .txtpb "
+                             "file; tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, or a slice such as "
+                             "tpu-v5e:2x2), and report whether XLA keeps each converted op "
+                             "in its dtype (needs the gpu or tpu extra: pip install "
+                             "'hlo_amp[gpu]' / 'hlo_amp[tpu]')")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
                         help="run only these passes, in order (default: the full pipeline)")
     parser.add_argument("--verify-each", action="store_true",
@@ -124,7 +127,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         raise CliError(f"hlo-amp-opt: error: bad policy: {error}") from None
     device = _device_target(args)
-    target = "gpu" if device is not None else args.target
+    if device is not None:
+        try:
+            refuse_policy_on_device(policy, device)
+        except ValueError as error:
+            raise CliError(f"hlo-amp-opt: error: --xla-target: {error}") from None
+    target = device.pipeline_target if device is not None else args.target
     available = pass_names(policy, target)
     unknown = [name for name in args.passes if name not in available]
     if unknown:
@@ -158,8 +166,8 @@ def _device_target(args: argparse.Namespace) -> DeviceTarget | None:
     if args.xla_target is None:
         return None
     if args.target == "cpu":
-        raise CliError("hlo-amp-opt: error: --xla-target compiles for a GPU; it cannot be "
-                       "combined with --target cpu")
+        raise CliError("hlo-amp-opt: error: --xla-target compiles for a GPU or TPU; it "
+                       "cannot be combined with --target cpu")
     try:
         return resolve_target(args.xla_target)
     except (TypeError, ValueError) as error:
@@ -171,7 +179,7 @@ def _mark_for_device(report: Report, modules: list, device: DeviceTarget) -> Non
     texts = []
     for module in modules:
         try:
-            with fd2_muted():  # the CUDA plugin's driver probes on a machine without one
+            with fd2_muted():  # the CUDA plugin's driver probes, libtpu's host probes
                 executable = compile_module_for_target(module, device)
         except NoCompilerForTarget as error:
             raise CliError(f"hlo-amp-opt: error: {error}") from None
@@ -180,7 +188,7 @@ def _mark_for_device(report: Report, modules: list, device: DeviceTarget) -> Non
             raise CliError(f"hlo-amp-opt: error: XLA could not compile the rewritten module "
                            f"for {device.description}: {first}") from None
         texts.extend(hlo.to_string() for hlo in executable.hlo_modules())
-    mark_kept_by_xla(report, "\n".join(texts), "gpu", device=device.device)
+    mark_kept_by_xla(report, "\n".join(texts), device.pipeline_target, device=device.device)
 
 
 def _write(path: str, text: str) -> None:

@@ -39,7 +39,12 @@ from hlo_amp.runtime.amp_call import (
     shape_structs,
 )
 from hlo_amp.runtime.arguments import argument_problem
-from hlo_amp.runtime.device_targets import DeviceTarget, lower_for_target, resolve_target
+from hlo_amp.runtime.device_targets import (
+    DeviceTarget,
+    lower_for_target,
+    refuse_policy_on_device,
+    resolve_target,
+)
 from hlo_amp.runtime.frameworks import FilterCall, NnxCall, argument_style
 from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
 
@@ -304,6 +309,7 @@ class AmpFunction:
             original = self._jitted.trace(*args, **kwargs).lower()
             target = lowering_target(original)
         else:
+            refuse_policy_on_device(self.policy, device)
             original = lower_for_target(self._jitted, args, kwargs, device)
             target = device.pipeline_target
         lower_seconds = time.perf_counter() - start
@@ -452,9 +458,9 @@ class AmpFunction:
 
 
 def pipeline_target(platforms: Sequence[str]) -> str | None:
-    """The pipeline's target: "cpu" or "gpu" when the program is lowered for that kind of
-    device alone; None (no target facts) for several platforms."""
-    kinds = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu"}
+    """The pipeline's target: "cpu", "gpu" or "tpu" when the program is lowered for that
+    kind of device alone; None (no target facts) for several platforms."""
+    kinds = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
     found = {kinds.get(p) for p in platforms}
     return found.pop() if len(found) == 1 else None
 

@@ -1,4 +1,4 @@
-"""Compiling for a GPU this machine does not have: named targets, their mesh, XLA's flags.
+"""Compiling for a GPU or TPU this machine does not have: named targets, their mesh, flags.
 
 XLA compiles for a GPU described by a ``GpuTargetConfig`` text proto with no device
 present: ``jax.experimental.topologies`` makes a topology (and a mesh on it) from the
@@ -11,16 +11,30 @@ autotuning without a device, and XLA's Triton GEMM fusion then fails on some pro
 (``Couldn't find output tile sizes``), so every GEMM is compiled as a cuBLAS call
 (``xla_gpu_enable_triton_gemm=false``); a real run may pick Triton for some of them.
 ``cost_analysis()`` is empty; ``memory_analysis()`` and the optimized HLO are XLA's own.
+
+TPUs the same way with libtpu (``pip install 'hlo_amp[tpu]'``): ``get_topology_desc``
+makes a generation's smallest slice (``v5e:2x2``) from its name, and one of its devices
+holds the replicated arguments. libtpu looks for a TPU VM's metadata server unless
+``TPU_SKIP_MDS_QUERY`` is set, so it is set before the first TPU topology is made (and at
+import where ``JAX_PLATFORMS`` excludes TPUs, with ``ALLOW_MULTIPLE_LIBTPU_LOAD``).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
+
+# Where JAX was told not to use a TPU, libtpu serves only deviceless compiles: it need not
+# ask for a TPU VM's metadata, and several processes (a test and the CLI it runs) may load
+# it without its lockfile refusing the second (set before jax initialises its backends).
+if "tpu" not in os.environ.get("JAX_PLATFORMS", "tpu"):
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 # XLA's flags for every deviceless GPU compile (see the module docstring).
 DEVICELESS_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
@@ -40,10 +54,20 @@ class DeviceTarget:
     # XLA's default precision uses them), and HBM bytes/s; empty for a user's own file.
     peak_flops: dict[str, float] = field(default_factory=dict)
     hbm_bytes_per_second: float | None = None
+    topology: str = ""  # TPU: the slice compiled for, "v5e:2x2"; GPU: ""
+    # Compute dtypes the device has no matrix unit for (refused, with why).
+    unsupported: tuple[tuple[str, str], ...] = ()
 
     @property
     def compiler_options(self) -> dict[str, Any]:
-        return dict(DEVICELESS_GPU_OPTIONS)
+        return dict(DEVICELESS_GPU_OPTIONS) if self.platform == "cuda" else {}
+
+    def refusal(self, dtypes: set[str]) -> str | None:
+        """Why this device cannot run a policy computing in ``dtypes``, else None."""
+        for dtype, why in self.unsupported:
+            if dtype in dtypes:
+                return f"{self.device} has no {dtype} matrix unit ({why})"
+        return None
 
 
 @dataclass(frozen=True)
@@ -111,26 +135,70 @@ _GPUS: dict[str, tuple[str, _GpuFacts, dict[str, float]]] = {
 }
 GPU_NAMES = tuple(_GPUS)
 
+# TPU generations: (JAX's device name prefix, the smallest slice libtpu describes without
+# a device, bf16 peak FLOP/s per chip, HBM bytes/s per chip; Google Cloud's public specs).
+# A jax.jit f32 dot runs as one bf16 pass on TPU (DEFAULT precision), hence f32 = bf16.
+_TPUS: dict[str, tuple[str, str, float, float]] = {
+    "tpu-v4": ("TPU v4", "v4:2x2x1", 275e12, 1228e9),
+    "tpu-v5e": ("TPU v5e", "v5e:2x2", 197e12, 819e9),
+    "tpu-v5p": ("TPU v5p", "v5p:2x2x1", 459e12, 2765e9),
+    "tpu-v6e": ("TPU v6e", "v6e:2x2", 918e12, 1640e9),
+}
+TPU_NAMES = tuple(_TPUS)
+# XLA:TPU compiles f16 and fp8 dots on every generation here (the optimized HLO keeps the
+# types), but none of them has an f16 or fp8 matrix unit (bf16 and int8 only), so the
+# compile would report ops "kept" that the chip emulates.
+_TPU_UNSUPPORTED = (
+    ("float16", "TPU matrix units take bf16, not f16"),
+    ("float8_e4m3fn", "fp8 matrix units arrive after v6e"),
+    ("float8_e5m2", "fp8 matrix units arrive after v6e"),
+)
+
+
+def _tpu_target(name: str) -> DeviceTarget:
+    generation, _, shape = name.partition(":")
+    device, slice_name, bf16, hbm = _TPUS[generation]
+    topology = f"{slice_name.split(':')[0]}:{shape}" if shape else slice_name
+    return DeviceTarget(name, device, f"Google {device} ({topology})", "tpu", "",
+                        pipeline_target="tpu", peak_flops={"f32": bf16, "bf16": bf16},
+                        hbm_bytes_per_second=hbm, topology=topology,
+                        unsupported=_TPU_UNSUPPORTED)
+
 
 def resolve_target(target: str | DeviceTarget) -> DeviceTarget:
-    """``"h100"``, ``"h200"``, ``"a100"`` or the path of a ``GpuTargetConfig`` text proto."""
+    """``"h100"``, ``"h200"``, ``"a100"``, the path of a ``GpuTargetConfig`` text proto, or
+    a TPU generation (``"tpu-v5e"``; with a slice: ``"tpu-v5e:2x2"``)."""
     if isinstance(target, DeviceTarget):
         return target
     if not isinstance(target, str):
-        raise TypeError(f"target={target!r}: expected one of {', '.join(GPU_NAMES)} or the "
-                        "path of a GpuTargetConfig .txtpb file")
+        raise TypeError(f"target={target!r}: expected one of {', '.join(GPU_NAMES + TPU_NAMES)}"
+                        " or the path of a GpuTargetConfig .txtpb file")
     key = target.strip().lower()
+    if key.partition(":")[0] in _TPUS:
+        return _tpu_target(key)
     if key in _GPUS:
         device, facts, peaks = _GPUS[key]
         return DeviceTarget(key, device, facts.description, "cuda", _target_config(facts),
                             peak_flops=dict(peaks), hbm_bytes_per_second=facts.memory_bandwidth)
     path = Path(target)
     if not path.is_file():
-        raise ValueError(f"target={target!r} is neither a known GPU ({', '.join(GPU_NAMES)}) "
-                         "nor an existing GpuTargetConfig text-proto file")
+        raise ValueError(f"target={target!r} is neither a known GPU ({', '.join(GPU_NAMES)}), "
+                         f"a TPU ({', '.join(TPU_NAMES)}, optionally with a slice such as "
+                         "tpu-v5e:2x2) nor an existing GpuTargetConfig text-proto file")
     text = path.read_text()
     description = _proto_string(text, "device_description_str") or path.stem
     return DeviceTarget(str(path), description, description, "cuda", text)
+
+
+def refuse_policy_on_device(policy: Any, target: DeviceTarget) -> None:
+    """A ValueError when ``policy`` computes in a dtype ``target`` has no matrix unit for
+    (f16 and fp8 on TPUs), naming what is accepted."""
+    dtypes = {policy.compute_dtype, *(a for a in policy.actions if isinstance(a, str))}
+    why = target.refusal(dtypes)
+    if why:
+        raise ValueError(f"policy {policy.to_string()!r} cannot be compiled for "
+                         f"{target.name}: {why}; on {target.device} use bf16, "
+                         "mixed_bfloat16 or f32")
 
 
 def _proto_string(text: str, key: str) -> str | None:
@@ -147,7 +215,28 @@ class NoCompilerForTarget(RuntimeError):
 
 def target_mesh(target: DeviceTarget) -> jax.sharding.Mesh:
     """A one-device mesh on the target's topology (abstract devices, nothing to run on)."""
+    if target.platform == "tpu":
+        return _tpu_mesh(target.topology, target.description)
     return _mesh(target.platform, target.target_config, target.description)
+
+
+@functools.cache
+def _tpu_mesh(topology_name: str, description: str) -> jax.sharding.Mesh:
+    import numpy as np
+    from jax.experimental import topologies
+
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    try:
+        topology = topologies.get_topology_desc(topology_name, "tpu")
+    except Exception as error:  # noqa: BLE001 - libtpu missing, or a slice it refuses
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        advice = ("It needs libtpu matching your jaxlib: pip install 'hlo_amp[tpu]'"
+                  if "tpu" in first.lower() and "unknown backend" in first.lower()
+                  or "libtpu" in first.lower() else "")
+        raise NoCompilerForTarget(
+            f"cannot compile for {description} without a device: {first}. {advice}".strip()
+        ) from None
+    return jax.sharding.Mesh(np.array(topology.devices[:1]), ("device",))
 
 
 @functools.cache

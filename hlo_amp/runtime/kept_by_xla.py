@@ -112,9 +112,12 @@ def xla_gemms(hlo_text: str) -> list[XlaGemm]:
             name = operand.split()[-1].lstrip("%")
             operand_types.append(inline.group(1) if inline else types.get(name, "?"))
         op_name = _OP_NAME.search(line)
-        conv = runner == "cuDNN" or bool(match and match.group(1) == "convolution")
-        found.append(XlaGemm(op_name.group(1) if op_name else "", tuple(operand_types),
-                             runner, conv))
+        name = op_name.group(1) if op_name else ""
+        # XLA:TPU emits dots as convolutions too (``dim_labels=bf_io->bf``); JAX's name
+        # for the op says which it was.
+        conv = runner == "cuDNN" or bool(match and match.group(1) == "convolution"
+                                         and not name.rsplit("/", 1)[-1].startswith("dot"))
+        found.append(XlaGemm(name, tuple(operand_types), runner, conv))
     return found
 
 
