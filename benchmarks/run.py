@@ -35,7 +35,7 @@ TARGET_SPEEDUP = {"mlp": 1.5, "vit": 1.3}
 # mixed_bfloat16's XLA temp memory: at most this share of f32's, on these workloads.
 TARGET_MIXED_TEMP = {"vit": 0.7, "cnn": 0.7}
 MIXED = "hlo_amp mixed_bfloat16"
-AOT_DEVICES = {"h100-aot": "h100", "h200-aot": "h200"}
+AOT_DEVICES = {"h100-aot": "h100", "h200-aot": "h200", "tpu-v5e-aot": "tpu-v5e"}
 # Compiled without a device: mixed_bfloat16's XLA temp memory at most this share of f32's.
 TARGET_AOT_MIXED_TEMP = {"vit": 0.65, "cnn": 0.65, "decoder": 0.65}
 # fp8: at least this share of the dots the fp8 policy quantises run as cuBLAS fp8 GEMMs.
@@ -50,8 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes and few steps (~2 min)")
     p.add_argument("--device", choices=("cpu", "gpu", *AOT_DEVICES), default="cpu",
-                   help="cpu/gpu: run and time here; h100-aot/h200-aot: compile for that GPU "
-                        "without one and estimate (nothing runs)")
+                   help="cpu/gpu: run and time here; h100-aot/h200-aot/tpu-v5e-aot: compile for "
+                        "that GPU or TPU without one and estimate (nothing runs)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant "
                    "(default 20, 10 with --quick)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
@@ -657,6 +657,8 @@ def _source_state() -> str:
 
 
 def aot_header(target: Any, command: str, jax_version: str) -> list[str]:
+    if target.platform == "tpu":
+        return _tpu_aot_header(target, command, jax_version)
     peaks = ", ".join(f"{'f32 (TF32)' if k == 'f32' else k} {v / 1e12:.1f}"
                       for k, v in target.peak_flops.items())
     return [
@@ -687,6 +689,31 @@ def aot_header(target: Any, command: str, jax_version: str) -> list[str]:
     ]
 
 
+def _tpu_aot_header(target: Any, command: str, jax_version: str) -> list[str]:
+    return [
+        f"## {target.device}, compiled without a device",
+        "",
+        (f"- compiled for {target.device} without a device (XLA:TPU through libtpu, slice "
+         f"`{target.topology}`, one chip's program): nothing ran, every figure is XLA's "
+         "compile output or a model of it"),
+        (f"- jax {jax_version}, Python {platform.python_version()}, "
+         f"date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}"),
+        f"- command: `JAX_PLATFORMS=cpu {command.strip()}`{_source_state()}",
+        (f"- peaks used (public, per chip): bf16 {target.peak_flops['bf16'] / 1e12:.0f} "
+         "TFLOP/s, also for f32 dots (XLA:TPU runs them as one bf16 pass at DEFAULT "
+         f"precision); HBM {target.hbm_bytes_per_second / 1e9:.0f} GB/s"),
+        ("- 16-bit FLOP share: of all matrix FLOPs (XLA:TPU emits dots and convolutions as "
+         "`convolution`, shapes from the optimized HLO), those whose two operands are bf16; "
+         "XLA temp: `memory_analysis().temp_size_in_bytes`. No fp8 row: no TPU generation "
+         "here has an fp8 matrix unit"),
+        ("- HBM GB (est.) and roofline: as for the GPU rows (`benchmarks/gpu_aot.py`), over "
+         "XLA:TPU's top-level fusions; blind spots: VMEM/CMEM reuse, the MXU's f32 passes "
+         "(an f32 operand fed as bf16) and the vector units' time are not modelled. Ratios "
+         "between variants are the point, not absolute times"),
+        "",
+    ]
+
+
 def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
     import jax
 
@@ -713,7 +740,7 @@ def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
         table, checks = aot_table(results), aot_targets(workload.name, results)
         f32 = next((r for r in results if r.variant == "f32" and not r.error), None)
         if f32 is not None and f32.temp_bytes < 2**20:
-            table.append(f"\nf32's XLA temp is {f32.temp_bytes} bytes (XLA:GPU keeps this step's "
+            table.append(f"\nf32's XLA temp is {f32.temp_bytes} bytes (XLA keeps this step's "
                          "intermediates in its output buffers): no temp ratios against it.")
         print("\n".join(table + [""] + checks + [""]), flush=True)
         md += [f"### {workload.name}: {workload.description}", "", *table, "", "Targets:", "",

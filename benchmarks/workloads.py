@@ -236,6 +236,9 @@ KERAS_POLICY = {"Keras mixed_bfloat16": "mixed_bfloat16"}
 
 def variants(device: str) -> tuple[str, ...]:
     """The variants benchmarked on ``device`` (``cpu``, ``gpu``, or ``h100-aot``-style)."""
+    if device.startswith("tpu-") and device.endswith("-aot"):
+        # No fp8 matrix unit and no XLA:GPU dot-algorithm flag on TPUs (device_targets).
+        return tuple(v for v in AOT_VARIANTS if v not in ("hlo_amp fp8", *XLA_OPTIONS))
     if device.endswith("-aot"):
         return AOT_VARIANTS
     return VARIANTS + GPU_VARIANTS if device == "gpu" else VARIANTS

@@ -60,7 +60,8 @@ def test_design_doc_cites_only_paths_and_names_that_exist():
     assert cited and not missing, missing
     source = "\n".join(p.read_text() for p in (ROOT / "hlo_amp").rglob("*.py"))
     names = {"default_pipeline", "pass_names", "lowering_target", "matrix_result_in_16bit",
-             "mark_kept_by_xla", "resolve_target", "compile_for_target", "amp_call_p"}
+             "mark_kept_by_xla", "resolve_target", "compile_for_target", "amp_call_p",
+             "refuse_policy_on_device"}
     assert all(name in text for name in names)
     defined = re.compile(r"^(?:def (\w+)|(\w+) = )", re.MULTILINE).findall(source)
     assert names <= {name for pair in defined for name in pair}

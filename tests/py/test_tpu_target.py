@@ -119,3 +119,24 @@ def test_unknown_tpu_names_what_is_accepted() -> None:
     f = hlo_amp.compile(lambda a: a @ a, "bf16")
     with pytest.raises(ValueError, match=r"tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e"):
         f.lower(jnp.ones((8, 8)), target="tpu-v9")
+
+
+def test_aot_estimate_reads_tpu_matrix_ops_and_the_variants_skip_fp8() -> None:
+    """benchmarks --device tpu-v5e-aot: a dot XLA:TPU emits as a convolution counts its
+    2·M·N·K FLOPs in its operands' class; no fp8 or XLA:GPU-flag variant is compiled."""
+    from benchmarks.gpu_aot import estimate
+    from benchmarks.workloads import variants
+    from hlo_amp.runtime.device_targets import compile_for_target
+
+    def f(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.tanh(jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                                preferred_element_type=jnp.float32))
+
+    compiled_dot = compile_for_target(jax.jit(f), jnp.ones((256, 512)), jnp.ones((512, 128)),
+                                      target="tpu-v5e")
+    found = estimate(compiled_dot.as_text(), "tpu-v5e")
+    assert found.matrix_flops == 2 * 256 * 512 * 128 and found.share_16bit == 1.0
+    assert found.device == "TPU v5e" and found.roofline_seconds > 0
+    chosen = variants("tpu-v5e-aot")
+    assert "hlo_amp fp8" not in chosen and "hlo_amp mixed_bfloat16" in chosen
+    assert not any("XLA bf16 dot algorithm" in v for v in chosen)
