@@ -32,7 +32,7 @@ precision or an explicit algorithm are kept unless a scope rule names them
 
 Two modes: ``bf16``/``f16`` convert only the operands of matrix ops (f32 results, the
 accurate mode); ``mixed_bfloat16``/``mixed_float16`` (``propagate=true``) also keep the
-activations between matrix ops in 16 bit (the fast mode, passes/propagate.py). Op rules
+activations between matrix ops in 16 bit (the fast mode, passes/propagate/). Op rules
 on other op kinds (``op:exponential=compute``, ``op:add=float32``) move that kind between
 the propagation classes of ``op_classes.py``: ``compute`` (or the compute dtype) lets it
 be painted, ``keep``/``float32`` keeps it f32; they need ``propagate=true``.
@@ -235,7 +235,7 @@ class Policy:
     # Cost-aware: when compiling for a backend that would not run an op faster in the
     # compute dtype (XLA:CPU without native bf16, CPU convolutions), leave it as written.
     only_if_faster: bool = False
-    # The mixed_* modes: keep activations 16-bit between matrix ops (passes/propagate.py).
+    # The mixed_* modes: keep activations 16-bit between matrix ops (passes/propagate/).
     propagate: bool = False
     # "keep": dots the program wrote with HIGHEST precision or an explicit algorithm stay
     # as written unless a scope rule names them; "ignore": treat them like any other.

@@ -37,7 +37,7 @@ from hlo_amp.modules import (
     walk_ops,
 )
 from hlo_amp.passes import VERIFY_EACH_ENV, default_pipeline, run_pipeline
-from hlo_amp.passes.propagate import _Graph
+from hlo_amp.passes.propagate.graph import Graph
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
 from hlo_amp.report import Report
 
@@ -295,7 +295,7 @@ def test_consumers_match_the_use_lists(lowered, text):
     passes = default_pipeline(policy)
     passes[0].run(module)
     low = ir.Type.parse(DTYPE_TO_ELEMENT[policy.compute_dtype], module.context)
-    graph = _Graph(policy, low, {})
+    graph = Graph(policy, low, {})
     graph.build(module)
     checked = 0
     for node in graph.nodes:
@@ -317,7 +317,7 @@ def test_rewrite_same_with_use_lists_only(lowered, monkeypatch, text):
     # report
     text = lowered if text == "lowered" else text
     fast = hlo_amp.rewrite(text, "mixed_bfloat16", debug_info=True, return_report=True)
-    monkeypatch.setattr(_Graph, "consumers", _Graph._consumers_of_uses)
+    monkeypatch.setattr(Graph, "consumers", Graph._consumers_of_uses)
     slow = hlo_amp.rewrite(text, "mixed_bfloat16", debug_info=True, return_report=True)
     assert fast[0] == slow[0]
     assert fast[1].to_json() == slow[1].to_json()

@@ -1,0 +1,93 @@
+"""Low-precision dataflow: 16-bit regions from the matrix ops through the ops around them.
+
+Runs after ``insert_converts`` in the mixed_* modes, in the manner of TensorFlow's
+auto-mixed-precision "paint" algorithm. The seeds are the matrix ops that pass put in
+16 bit (16-bit operands, f32 result: class ``allow``); every other op has a class from
+``op_classes.py``, which op and scope rules override. Then, on the def-use graph of each
+function (``while``/``case``/``if`` bodies and calls to private functions included):
+
+1. Deny ops convert their own inputs: a deny op (or one outside the table) reading a
+   16-bit value gets a convert up in front of it and pins nothing, as in TensorFlow's
+   algorithm and PyTorch autocast. A value is *pinned* (stays f32) only when something
+   must read it exactly as f32: a convert to another type, a public ``return``, an op
+   outside the graph.
+2. Deny spreads forward only: the infer ops, and the clear ops and links that lead
+   (through clear ops and links) to arithmetic, downstream of a deny op stay f32
+   (TensorFlow's forward deny propagation): the centring and scaling after a layer
+   norm's mean, the divide after a softmax's sum.
+3. The *eligible* nodes are the other unpinned infer/clear ops whose float values are
+   all f32 and whose scope the policy leaves to the table, plus loop carries, branch
+   results and call arguments/results (links). A node is painted when it is reachable
+   from an allow op through eligible nodes *and* reaches a 16-bit sink (a convert to
+   the compute dtype, i.e. a matrix op's operand) through eligible nodes or through the
+   f32 ops of step 1-2, which convert their own inputs: it sits between 16-bit ops (an
+   activation gradient between two matrix ops, though it also feeds a bias gradient's
+   sum; a pre-LN residual stream, though a layer norm's mean reads it; attention scores
+   and their max before the softmax's exp). A compare whose float operands are all
+   16-bit is painted too.
+4. An allow op's result becomes 16-bit when it is not pinned and feeds a painted op or
+   a sink: on GPU the op returns the 16-bit type itself, on CPU it keeps its f32
+   result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
+
+Converts go only on region boundaries, one per value, target type and block; a painted
+op's f32 operand is converted down, a 16-bit value read by an unpainted op is converted
+back up, and the old operand converts of the matrix ops become no-ops and are erased. A
+private function whose call sites need different paintings is cloned per painting;
+public signatures never change. Painting is a pure function of the graph, so running
+the pass on its own output changes nothing.
+
+One pass in five parts, each importing only those before it: ``body`` (function bodies
+walked once, value kinds), ``graph`` (nodes, links and their readers), ``solve`` (the
+painting, steps 1-3), ``rewrite`` (step 4, clones and converts) and ``accounting``
+(the report's op counts and bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jax.extend.mlir import ir
+
+from hlo_amp.cpu_dots import matrix_result_in_16bit
+from hlo_amp.passes.propagate.accounting import bytes_table, intermediate_bytes, op_counts
+from hlo_amp.passes.propagate.body import Body
+from hlo_amp.passes.propagate.graph import Graph
+from hlo_amp.passes.propagate.rewrite import Rewriter
+from hlo_amp.passes.propagate.solve import solve
+from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
+from hlo_amp.report import Report
+
+__all__ = ["Propagate"]
+
+
+@dataclass(frozen=True)
+class Propagate:
+    """Keep activations in the compute dtype between the matrix ops (mixed_* modes)."""
+
+    policy: Policy
+    target: str | None = None  # "cpu": matrix ops keep f32 results followed by a convert
+    name: str = "hlo-amp-propagate"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        low = ir.Type.parse(DTYPE_TO_ELEMENT[self.policy.compute_dtype], module.context)
+        # One walk per function body, shared by everything below: every op the bindings
+        # hand out is a new Python object. The rewrite only adds and erases converts,
+        # which the byte count skips by name, so the walks stay good for the "after".
+        walks: dict[Any, Body] = {}
+        before = intermediate_bytes(module, walks)
+        graph = Graph(self.policy, low, walks)
+        graph.build(module)
+        solve(graph)
+        counts = op_counts(graph)
+        with ir.Location.unknown(module.context):  # types are built outside any op
+            clones = Rewriter(graph, low, matrix_result_in_16bit(self.target),
+                              self.target).rewrite(module)
+        if report is not None:
+            report.propagation = {
+                "ops": counts,
+                "functions": bytes_table(before, intermediate_bytes(module, walks)),
+                "clones": clones,
+            }
+            report.rules_used.update(graph.rules_used)
+

@@ -1,0 +1,339 @@
+"""The def-use graph the pass paints: nodes for ops and links, over every call path."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.extend.mlir import ir
+
+from hlo_amp.modules import (
+    callee_name,
+    element_type,
+    function_name,
+    functions,
+    is_call,
+    is_public,
+    terminator,
+)
+from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name, table_class
+from hlo_amp.passes.propagate.body import (
+    F32,
+    LINK_CONSUMERS,
+    NOT_VALUE_OPS,
+    PLAIN,
+    Body,
+    first_block,
+    type_kind,
+    walk_once,
+)
+from hlo_amp.policy import AMP_STOP, COMPUTE, OP_KINDS, Policy
+from hlo_amp.sites import call_prefix, join_names, location_name, parse_name
+
+DENY_CLASS = "deny class"  # the reason of an op the table (not a rule) keeps f32
+LINK = "link"
+SINK = "sink"  # a convert to the compute dtype: where a region may end
+# Op kinds whose class depends on their body as well as the table (see op_class).
+_BODY_CLASSED = frozenset({"reduce", "reduce_window"})
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """An op, or a link (loop carry, branch result, call argument or result)."""
+
+    cls: str  # ALLOW, INFER, CLEAR, DENY, OTHER or LINK
+    inst: int
+    index: int  # op index in the instance's body_ops (the owning op for links)
+    kind: str  # op kind for ops, "while"/"case"/"arg"/"result" for links
+    slot: int = -1  # carry, result or argument number for links
+    inputs: list[tuple[int, ir.Value]] = field(default_factory=list)
+    outputs: list[tuple[int, ir.Value]] = field(default_factory=list)
+    reason: str = ""  # why it is not eligible, when it is not
+    pinned: bool = False
+    eligible: bool = False
+    fwd: bool = False
+    bwd: bool = False
+    painted: bool = False  # for allow ops: the result is 16-bit
+    deferred: bool = False  # its policy check waits until it is painted (amp_stop only)
+    has_f32: bool = False  # an f32 operand or result (ops only: counted in the report)
+    # per f32 output, its readers (``Graph.consumers``); set by ``solve``
+    readers: list[list[Any]] = field(default_factory=list)
+
+
+@dataclass
+class Instance:
+    """One function body seen from one call path."""
+
+    fn: Any
+    prefix: str
+    body: Body
+    calls: dict[int, int] = field(default_factory=dict)  # call op index -> child instance
+    index: dict[Any, int] = field(default_factory=dict)  # operation -> op index (lazy)
+    signature: tuple = ()
+
+    @property
+    def ops(self) -> list[ir.Operation]:
+        return self.body.ops
+
+
+class Graph:
+    """The dataflow graph over every instance of every function (painted by ``solve``)."""
+
+    def __init__(self, policy: Policy, low: ir.Type, walks: dict[Any, Body]) -> None:
+        self.policy = policy
+        self.low = low
+        self.walks = walks  # function operation -> its Body, shared with the byte count
+        self.instances: list[Instance] = []
+        self.nodes: list[Node] = []
+        self.op_node: dict[tuple[int, int], Node] = {}  # (inst, op index) -> node
+        self.producer: dict[tuple[int, ir.Value], Node] = {}
+        # (inst, consuming op) -> {operand number: node}: uses that enter a link
+        self.link_use: dict[tuple[int, Any], dict[int, Node]] = defaultdict(dict)
+        self.by_name: dict[str, Any] = {}
+        self.rules_used: set[str] = set()
+        self._decided: dict[tuple[str, str, str], tuple[str | None, str]] = {}
+        # value -> type_kind of its type, read once (the graph is built and solved
+        # before the rewrite retypes anything)
+        self._kinds: dict[ir.Value, str] = {}
+        self._classes: dict[str, tuple[str, str]] = {}  # op name -> (kind, table class)
+        # Whether any rule could name a non-matrix op (amp_stop aside).
+        self._site_rules = bool(policy.scopes) or policy.backward is not None or any(
+            kind not in OP_KINDS for kind in policy.ops)
+
+    # ---- building -------------------------------------------------------------------
+
+    def build(self, module: ir.Module) -> None:
+        self.by_name = {function_name(fn): fn for fn in functions(module)}
+        for fn in functions(module):
+            if is_public(fn):
+                self._instantiate(fn, "")
+        for inst_id, inst in enumerate(self.instances):
+            self._op_nodes(inst_id, inst)
+        for inst_id, inst in enumerate(self.instances):
+            self._links(inst_id, inst)
+
+    def _instantiate(self, fn: Any, prefix: str) -> int:
+        inst_id = len(self.instances)
+        if len(self.instances) > 100_000:
+            raise RecursionError("hlo-amp-propagate: call graph too deep or recursive")
+        inst = Instance(fn, prefix, walk_once(fn, self.walks))
+        self.instances.append(inst)
+        for index, name in enumerate(inst.body.names):
+            if name != "func.call":
+                continue
+            op = inst.ops[index]
+            if is_call(op) and callee_name(op) in self.by_name:
+                callee = self.by_name[callee_name(op)]
+                if is_public(callee):
+                    continue  # a public callee keeps its signature: a boundary
+                child_prefix = call_prefix(join_names(prefix, location_name(op.location)))
+                inst.calls[index] = self._instantiate(callee, child_prefix)
+        return inst_id
+
+    def _kind(self, value: ir.Value) -> str:
+        kind = self._kinds.get(value)
+        if kind is None:
+            kind = self._kinds[value] = type_kind(value.type)
+        return kind
+
+    def f32(self, value: ir.Value) -> bool:
+        return self._kind(value) == F32
+
+    def _types_ok(self, *groups: tuple[ir.Value, ...]) -> tuple[bool, bool]:
+        """(some value is f32, every value is an int, bool or f32 ranked tensor with at
+        least one f32)."""
+        has_f32, only_plain = False, True
+        known = self._kinds
+        for values in groups:
+            for value in values:
+                kind = known.get(value)
+                if kind is None:
+                    kind = known[value] = type_kind(value.type)
+                if kind == F32:
+                    has_f32 = True
+                elif kind != PLAIN:
+                    only_plain = False
+        return has_f32, has_f32 and only_plain
+
+    def _add(self, node: Node) -> Node:
+        self.nodes.append(node)
+        for key in node.outputs:
+            self.producer[key] = node
+        return node
+
+    def _op_nodes(self, inst_id: int, inst: Instance) -> None:
+        compute = self.policy.compute_dtype
+        body = inst.body
+        all_operands, all_results = body.operands(), body.results()
+        by_name = self._classes
+        for index, name in enumerate(body.names):
+            if name in NOT_VALUE_OPS:
+                continue
+            op = body.ops[index]
+            operands, results = all_operands[index], all_results[index]
+            has_f32, types_ok = self._types_ok(operands, results)
+            known = by_name.get(name)
+            if known is None:
+                kind = short_name(name)
+                known = by_name[name] = (kind, table_class(kind, compute))
+            kind, cls = known
+            if kind in _BODY_CLASSED:  # reduce, reduce_window: classed by their body
+                cls = op_class(op, compute)
+            node = Node(cls, inst_id, index, kind,
+                         inputs=[(inst_id, v) for v in operands],
+                         outputs=[(inst_id, v) for v in results], has_f32=has_f32)
+            if cls == ALLOW:  # a matrix op: a seed only if insert_converts made it 16-bit
+                low = [v for v in operands[:2] if element_type(v) == self.low]
+                if not (len(low) == 2 and results and self.f32(results[0])):
+                    node.cls, node.reason = DENY, "matrix op not in 16 bit"
+            elif cls in (INFER, CLEAR):
+                if not types_ok:
+                    node.cls, node.reason = DENY, "not an f32 op"
+                elif not self._site_rules:
+                    node.deferred = True  # only amp_stop could name it: checked if painted
+                else:
+                    override = self.policy_class(op, inst.prefix, node.kind)
+                    if override is not None:
+                        node.cls, node.reason = override
+            elif not self._site_rules:
+                node.reason = DENY_CLASS if cls == DENY else "not in the op table"
+            else:
+                override = self.policy_class(op, inst.prefix, node.kind)
+                if override is not None and override[0] in (INFER, CLEAR) and types_ok:
+                    node.cls, node.reason = override
+                else:
+                    node.reason = DENY_CLASS if cls == DENY else "not in the op table"
+            self.op_node[(inst_id, index)] = self._add(node)
+
+    def policy_class(self, op: Any, prefix: str, kind: str) -> tuple[str, str] | None:
+        """(class, reason) when a rule overrides the table for this op, else None."""
+        name = location_name(op.location)
+        if not self._site_rules and AMP_STOP not in name and AMP_STOP not in prefix:
+            return None  # no rule can name this op: its scopes come from prefix and name
+        key = (prefix, name, kind)
+        decided = self._decided.get(key)
+        if decided is None:
+            site = parse_name(join_names(prefix, name), kind)
+            rule = self.policy.decide(site.scope, kind, site.backward)
+            decided = self._decided[key] = (rule.action, rule.rule)
+        action, rule = decided
+        if action is None:
+            return None
+        self.rules_used.add(rule)
+        if action in (COMPUTE, self.policy.compute_dtype):
+            if rule.startswith("op:"):
+                return INFER, ""  # the user moved this kind into the paintable classes
+            return None  # a scope that computes in 16 bit: the table decides
+        return DENY, f"rule {rule}"  # keep, float32 or another dtype: stays as written
+
+    def _links(self, inst_id: int, inst: Instance) -> None:
+        for index, name in enumerate(inst.body.names):
+            if name == "stablehlo.while":
+                self._while_links(inst_id, index, inst.ops[index])
+            elif name in ("stablehlo.case", "stablehlo.if"):
+                self._branch_links(inst_id, index, inst.ops[index])
+            elif index in inst.calls:
+                self._call_links(inst_id, index, inst.ops[index], inst.calls[index])
+
+    def _link(self, inst_id: int, index: int, kind: str, slot: int,
+              inputs: list[tuple[Any, tuple[int, ir.Value], int]],
+              outputs: list[tuple[int, ir.Value]]) -> None:
+        """A link node; ``inputs`` are (consuming op, value key, operand number)."""
+        node = Node(LINK, inst_id, index, kind, slot,
+                     inputs=[key for _, key, _ in inputs], outputs=outputs)
+        values = [key[1] for key in node.inputs] + [key[1] for key in outputs]
+        if not all(self.f32(v) for v in values):
+            node.reason = "not an f32 value"
+        self._add(node)
+        for consumer, key, number in inputs:
+            self.link_use[(key[0], consumer.operation)][number] = node
+
+    def _while_links(self, inst_id: int, index: int, op: Any) -> None:
+        cond, body = (first_block(region) for region in op.operation.regions)
+        body_return = terminator(body)
+        for slot in range(len(op.operands)):
+            self._link(inst_id, index, "while", slot,
+                       [(op, (inst_id, op.operands[slot]), slot),
+                        (body_return, (inst_id, body_return.operands[slot]), slot)],
+                       [(inst_id, body.arguments[slot]), (inst_id, cond.arguments[slot]),
+                        (inst_id, op.results[slot])])
+
+    def _branch_links(self, inst_id: int, index: int, op: Any) -> None:
+        returns = [terminator(first_block(region)) for region in op.operation.regions]
+        for slot in range(len(op.results)):
+            self._link(inst_id, index, "case", slot,
+                       [(ret, (inst_id, ret.operands[slot]), slot) for ret in returns],
+                       [(inst_id, op.results[slot])])
+
+    def _call_links(self, inst_id: int, index: int, op: Any, child: int) -> None:
+        callee = self.instances[child].fn
+        entry = first_block(callee.regions[0])
+        for slot, argument in enumerate(entry.arguments):
+            self._link(inst_id, index, "arg", slot,
+                       [(op, (inst_id, op.operands[slot]), slot)], [(child, argument)])
+        child_body = self.instances[child].body
+        returns = [child_body.ops[i] for i, name in enumerate(child_body.names)
+                   if name == "func.return"]
+        for slot in range(len(op.results)):
+            self._link(inst_id, index, "result", slot,
+                       [(ret, (child, ret.operands[slot]), slot) for ret in returns],
+                       [(inst_id, op.results[slot])])
+
+
+    # ---- readers --------------------------------------------------------------------
+
+    def consumers(self, key: tuple[int, ir.Value]) -> list[Node | str]:
+        """The nodes reading a value; SINK for converts to the compute dtype; DENY for
+        anything that must see f32 (deny ops, other converts, a public return)."""
+        inst_id, value = key
+        body = self.instances[inst_id].body
+        if value in body.inner_uses():  # some of its uses are not in the walk
+            return self._consumers_of_uses(key)
+        uses = body.uses().get(value)
+        if not uses:
+            return []
+        names, op_node = body.names, self.op_node
+        found: list[Node | str] = []
+        for index, number in uses:
+            name = names[index]
+            if name in LINK_CONSUMERS:
+                link = self.link_use.get((inst_id, body.ops[index]), {}).get(number)
+                if link is not None:
+                    found.append(link)
+                    continue
+            if name == "stablehlo.convert":
+                result = body.results()[index][0]
+                is_sink = element_type(result) == self.low and self.f32(value)
+                found.append(SINK if is_sink else DENY)
+                continue
+            node = op_node.get((inst_id, index))
+            found.append(node if node is not None else DENY)
+        return found
+
+    def _consumers_of_uses(self, key: tuple[int, ir.Value]) -> list[Node | str]:
+        """``consumers`` from the value's use list, for a value some op outside the walk
+        reads (e.g. from inside a reduce body)."""
+        inst_id, value = key
+        found: list[Node | str] = []
+        for use in value.uses:
+            owner = use.owner
+            link = self.link_use.get((inst_id, owner.operation), {}).get(use.operand_number)
+            if link is not None:
+                found.append(link)
+                continue
+            if owner.operation.name == "stablehlo.convert":
+                is_sink = element_type(owner.result) == self.low and self.f32(value)
+                found.append(SINK if is_sink else DENY)
+                continue
+            node = self._node_of(inst_id, owner)
+            found.append(node if node is not None else DENY)
+        return found
+
+    def _node_of(self, inst_id: int, op: Any) -> Node | None:
+        inst = self.instances[inst_id]
+        if not inst.index:
+            inst.index = {o.operation: i for i, o in enumerate(inst.ops)}
+        index = inst.index.get(op.operation)
+        return None if index is None else self.op_node.get((inst_id, index))
+

@@ -1,0 +1,227 @@
+"""Applying a painting: clones per painting, retyped values, converts on boundaries."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from hlo_amp.modules import (
+    clone_private,
+    function_name,
+    set_function_type,
+    terminator,
+    with_element,
+)
+from hlo_amp.op_classes import ALLOW
+from hlo_amp.passes.insert_converts import low_result_on_target
+from hlo_amp.passes.propagate.body import (
+    CONTROL_FLOW_OPS,
+    F32,
+    LINK_CONSUMERS,
+    Body,
+    first_block,
+    is_f32,
+    type_kind,
+    walk_once,
+)
+from hlo_amp.passes.propagate.graph import LINK, Graph, Instance
+
+
+class Rewriter:
+    """Apply a painting: clone private functions per painting, retype, insert converts."""
+
+    def __init__(self, graph: Graph, low: ir.Type, result_in_16bit: bool,
+                 target: str | None = None) -> None:
+        self.graph = graph
+        self.low = low
+        self.result_in_16bit = result_in_16bit
+        self.target = target
+        self.retyped: dict[ir.Value, ir.Type] = {}  # value -> its type before the pass
+        self.facts: dict[int, dict[str, set]] = defaultdict(
+            lambda: {key: set() for key in ("painted", "carries", "args", "results",
+                                            "allow")})
+
+    def rewrite(self, module: ir.Module) -> int:
+        """Rewrite every instance; returns how many functions were cloned."""
+        graph = self.graph
+        for node in graph.nodes:
+            if (not node.painted and node.cls == ALLOW and self.result_in_16bit
+                    and low_result_on_target(node.kind, self.target)):
+                # Outside a region too, the target runs this op kind in 16 bit only with
+                # a 16-bit result: it returns that, and its f32 readers get a convert.
+                self.facts[node.inst]["allow"].add(node.index)
+            if not node.painted:
+                continue
+            facts = self.facts[node.inst]
+            if node.cls == ALLOW:
+                facts["allow"].add(node.index)
+            elif node.cls != LINK:
+                facts["painted"].add(node.index)
+            elif node.kind in ("while", "case"):
+                facts["carries"].add((node.index, node.slot))
+            else:  # call argument or result: a fact about the callee's signature
+                child = graph.instances[node.inst].calls[node.index]
+                self.facts[child]["args" if node.kind == "arg" else "results"].add(node.slot)
+        # Signatures bottom-up: children were instantiated after their parents.
+        for inst_id in reversed(range(len(graph.instances))):
+            inst = graph.instances[inst_id]
+            facts = self.facts[inst_id]
+            own = tuple(tuple(sorted(facts[key])) for key in
+                        ("painted", "carries", "args", "results", "allow"))
+            children = tuple(graph.instances[c].signature for _, c in sorted(inst.calls.items()))
+            inst.signature = (own, children)
+        # One function per (function, signature): the first keeps the name, the others
+        # are cloned from pristine bodies before anything is rewritten.
+        targets: dict[tuple[str, tuple], Any] = {}
+        taken: set[str] = set()
+        chosen: list[Any] = []
+        for inst in graph.instances:
+            name = function_name(inst.fn)
+            key = (name, inst.signature)
+            if key not in targets:
+                targets[key] = (inst.fn if name not in taken
+                               else clone_private(inst.fn, "mixed", graph.by_name))
+                taken.add(name)
+            chosen.append(targets[key])
+        clones = len(targets) - len(taken)
+        done: set[Any] = set()
+        for inst_id, inst in enumerate(graph.instances):
+            fn = chosen[inst_id]
+            if fn.operation in done:
+                continue
+            done.add(fn.operation)
+            body = inst.body if fn is inst.fn else walk_once(fn, graph.walks)
+            for index, child in inst.calls.items():
+                body.ops[index].attributes["callee"] = ir.FlatSymbolRefAttr.get(
+                    function_name(chosen[child]), context=fn.context)
+            self._apply(fn, body, inst_id)
+        return clones
+
+    def _retype(self, value: ir.Value) -> None:
+        if value in self.retyped or not is_f32(value):
+            return
+        self.retyped[value] = value.type
+        value.set_type(with_element(value.type, self.low))
+
+    def _apply(self, fn: Any, body: Body, inst_id: int) -> None:
+        ops, names = body.ops, body.names
+        inst = self.graph.instances[inst_id]
+        facts = self.facts[inst_id]
+        entry = first_block(fn.regions[0])
+        # 1. Retype what is 16-bit now.
+        for index in facts["painted"]:
+            op = ops[index]
+            for result in op.results:
+                self._retype(result)
+            for region in op.operation.regions:  # reduce bodies: a scalar max/min
+                for block in region.blocks:
+                    for argument in block.arguments:
+                        self._retype(argument)
+                    for inner in block.operations:
+                        for result in inner.results:
+                            self._retype(result)
+        if self.result_in_16bit:
+            for index in facts["allow"]:
+                self._retype(ops[index].results[0])
+        for index, slot in facts["carries"]:
+            op = ops[index]
+            self._retype(op.results[slot])
+            if op.operation.name == "stablehlo.while":
+                for region in op.operation.regions:
+                    self._retype(first_block(region).arguments[slot])
+        for slot in facts["args"]:
+            self._retype(entry.arguments[slot])
+        for index, child in inst.calls.items():
+            for slot in self.facts[child]["results"]:
+                self._retype(ops[index].results[slot])
+        # 2. Converts on the boundaries: each operand gets the type its reader needs.
+        # (Only this op's own operands change while it is looked at, so the operand
+        # lists read when the graph was built still hold.)
+        owners = self._terminator_owners(body)
+        shared: dict[tuple[Any, ir.Value, str], ir.Value] = {}
+        retyped = self.retyped
+        painted = facts["painted"]
+        for index, (name, operands) in enumerate(zip(names, body.operands())):
+            if name == "stablehlo.convert":
+                continue
+            op = ops[index]
+            if not (index in painted or name in LINK_CONSUMERS or index in inst.calls):
+                # An unpainted op (``_wants_low`` is False): a retyped operand goes back
+                # to its type before the pass.
+                for number, value in enumerate(operands):
+                    want = retyped.get(value)
+                    if want is not None and want != value.type:
+                        op.operands[number] = self._convert(op, value, want, shared)
+                continue
+            for number, value in enumerate(operands):
+                wants_low = self._wants_low(index, op, name, number, inst, facts, owners)
+                if wants_low is None or (not wants_low and value not in retyped):
+                    continue  # wants what it has
+                want = retyped.get(value, value.type)  # the type before the pass
+                if wants_low and type_kind(want) == F32:
+                    want = with_element(want, self.low)
+                if want != value.type:
+                    op.operands[number] = self._convert(op, value, want, shared)
+        for index, name in enumerate(names):  # the matrix ops' operand converts whose
+            if name != "stablehlo.convert":   # input is 16-bit now
+                continue
+            op = ops[index]
+            source, result = op.operands[0], op.results[0]
+            if source.type == result.type:
+                result.replace_all_uses_with(source)
+                op.erase()
+        if facts["args"] or facts["results"]:
+            old = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
+            set_function_type(fn, [with_element(t, self.low) if slot in facts["results"]
+                                   else t for slot, t in enumerate(old.results)])
+
+    @staticmethod
+    def _terminator_owners(body: Body) -> dict[Any, tuple[str, int]]:
+        """Each while-body / branch terminator -> ("carry", owner index)."""
+        owners: dict[Any, tuple[str, int]] = {}
+        for index, name in enumerate(body.names):
+            if name not in CONTROL_FLOW_OPS:
+                continue
+            regions = list(body.ops[index].regions)
+            if name == "stablehlo.while":
+                owners[terminator(first_block(regions[1])).operation] = ("carry", index)
+                owners[terminator(first_block(regions[0])).operation] = ("cond", index)
+            else:
+                for region in regions:
+                    owners[terminator(first_block(region)).operation] = ("carry", index)
+        return owners
+
+    def _wants_low(self, index: int, op: Any, name: str, number: int, inst: Instance,
+                   mine: dict[str, set], owners: dict[Any, tuple[str, int]]) -> bool | None:
+        """Whether operand ``number`` of ``op`` (named ``name``) must be 16-bit (None:
+        leave it); ``mine`` are the facts of the instance being rewritten."""
+        if index in mine["painted"]:
+            return True
+        if name == "stablehlo.while":
+            return (index, number) in mine["carries"]
+        if name == "stablehlo.return":
+            owner = owners.get(op.operation)
+            if owner is None or owner[0] == "cond":
+                return None
+            return (owner[1], number) in mine["carries"]
+        if name == "func.return":
+            return number in mine["results"]
+        if index in inst.calls:
+            return number in self.facts[inst.calls[index]]["args"]
+        return False
+
+    def _convert(self, consumer: Any, value: ir.Value, want: ir.Type,
+                 shared: dict[tuple[Any, ir.Value, str], ir.Value]) -> ir.Value:
+        block = consumer.operation.block
+        key = (block, value, str(want))
+        converted = shared.get(key)
+        if converted is None:
+            with consumer.location, ir.InsertionPoint(consumer):
+                converted = hlo.convert(want, value)
+            shared[key] = converted
+        return converted
+
+

@@ -1,0 +1,169 @@
+"""Painting the graph: which ops and links hold 16-bit values (steps 1-3 of the pass)."""
+
+from __future__ import annotations
+
+from jax.extend.mlir import ir
+
+from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER
+from hlo_amp.passes.propagate.graph import DENY_CLASS, LINK, SINK, Graph, Node
+
+# Reasons the painting itself gives (reset when it runs again).
+_FEEDS_EXACT = "feeds an op that reads f32 exactly"
+_AFTER_DENY = "downstream of a deny op"
+NOT_BETWEEN = "not between 16-bit ops"
+_SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
+
+
+def solve(graph: Graph) -> None:
+    """Paint; then, when only amp_stop could name a non-matrix op, check just the
+    painted ops for it (locations are slow to read) and paint again if one is."""
+    f32 = graph.f32
+    for node in graph.nodes:
+        node.readers = [graph.consumers(key) for key in node.outputs if f32(key[1])]
+    try:
+        _solve(graph)
+    finally:  # readers point at nodes, loops make cycles: undone for refcounting
+        for node in graph.nodes:
+            node.readers = []
+
+
+def _solve(graph: Graph) -> None:
+    _paint(graph)
+    while True:
+        stopped = False
+        for node in graph.nodes:
+            if node.painted and node.deferred:
+                node.deferred = False
+                inst = graph.instances[node.inst]
+                override = graph.policy_class(inst.ops[node.index], inst.prefix, node.kind)
+                if override is not None:
+                    node.cls, node.reason = override
+                    stopped = True
+        if not stopped:
+            return
+        for node in graph.nodes:  # start over from the build-time classes
+            node.pinned = node.eligible = node.fwd = node.bwd = node.painted = False
+            if node.reason in _SOLVE_REASONS:
+                node.reason = ""
+        _paint(graph)
+
+
+def _paint(graph: Graph) -> None:
+    # Only readers that must see the exact f32 value pin it: converts to another
+    # type, public returns, ops outside the graph. Deny and unknown ops convert their
+    # own 16-bit inputs up (TensorFlow's and PyTorch autocast's way), so they pin
+    # nothing.
+    for node in graph.nodes:
+        node.pinned = any(c == DENY for group in node.readers for c in group)
+    denied = _downstream_of_deny(graph)
+    for node in graph.nodes:
+        if node.cls in (INFER, CLEAR, LINK) and not node.reason:
+            if node.pinned:
+                node.reason = _FEEDS_EXACT
+            elif id(node) in denied:
+                node.reason = _AFTER_DENY
+            else:
+                node.eligible = True
+    # Forward: reachable from an allow op through eligible nodes.
+    pending = [n for n in graph.nodes if n.cls == ALLOW and not n.pinned]
+    while pending:
+        node = pending.pop()
+        for group in node.readers:
+            for reader in group:
+                if isinstance(reader, Node) and reader.eligible and not reader.fwd:
+                    reader.fwd = True
+                    pending.append(reader)
+    # Backward: reaches a sink through eligible nodes, or through the f32 ops after
+    # a deny op that convert their own inputs (a layer norm in front of a matrix op).
+    pending = []
+    seen: set[int] = set()
+    for node in graph.nodes:
+        if node.cls != ALLOW and any(SINK in group for group in node.readers):
+            node.bwd = node.eligible
+            seen.add(id(node))
+            pending.append(node)
+    while pending:
+        node = pending.pop()
+        for key in node.inputs:
+            producer = graph.producer.get(key)
+            if (producer is None or id(producer) in seen or producer.cls == ALLOW
+                    or not (producer.eligible or id(producer) in denied
+                            or producer.cls == DENY)):
+                continue
+            seen.add(id(producer))
+            producer.bwd = producer.eligible
+            pending.append(producer)
+    for node in graph.nodes:
+        if node.eligible and node.fwd and node.bwd and node.readers:
+            node.painted = True
+        elif node.eligible and not node.reason:
+            node.reason = NOT_BETWEEN
+    for node in graph.nodes:  # allow ops: a 16-bit result where a region reads it
+        if node.cls == ALLOW and not node.pinned:
+            node.painted = any(r == SINK or (isinstance(r, Node) and r.painted)
+                               for group in node.readers for r in group)
+    for node in graph.nodes:  # compares (no float result) of 16-bit values
+        if node.eligible and not node.painted and not node.readers:
+            floats = [key for key in node.inputs if graph.f32(key[1])]
+            if (any(_is_low(graph, key) for key in floats)
+                    and all(_is_low(graph, key) or _constant(key) for key in floats)):
+                node.painted, node.reason = True, ""
+    # Data movement read only by painted ops moves in 16 bit too, so the convert
+    # lands on its (smaller) input: a bias before its broadcast, not after.
+    for node in reversed(graph.nodes):
+        groups = node.readers
+        if (node.cls == CLEAR and node.eligible and not node.painted and groups
+                and all(r == SINK or (isinstance(r, Node) and r.painted)
+                        for group in groups for r in group)):
+            node.painted = True
+    for node in graph.nodes:
+        if node.painted:
+            node.reason = ""
+
+
+def _downstream_of_deny(graph: Graph) -> set[int]:
+    """ids of the infer, clear and link nodes a deny op's value reaches through infer,
+    clear and link nodes: what a deny op computes stays f32 downstream (TensorFlow's
+    forward deny propagation). As there, data movement is entered only when it leads
+    (through data movement) to arithmetic, so a transpose between a sum and a matrix
+    op may still move 16-bit values."""
+    leads: set[int] = set()  # clear/link nodes upstream of arithmetic via clear/link
+    pending = [n for n in graph.nodes if n.cls not in (CLEAR, LINK, ALLOW)]
+    while pending:
+        node = pending.pop()
+        for key in node.inputs:
+            producer = graph.producer.get(key)
+            if (producer is not None and producer.cls in (CLEAR, LINK)
+                    and id(producer) not in leads):
+                leads.add(id(producer))
+                pending.append(producer)
+    denied: set[int] = set()
+    pending = [n for n in graph.nodes if n.cls == DENY and n.reason == DENY_CLASS]
+    while pending:
+        node = pending.pop()
+        for group in node.readers:
+            for reader in group:
+                if (isinstance(reader, Node) and id(reader) not in denied
+                        and (reader.cls == INFER or id(reader) in leads)):
+                    denied.add(id(reader))
+                    pending.append(reader)
+    return denied
+
+
+def _constant(key: tuple[int, ir.Value], depth: int = 0) -> bool:
+    """A constant, possibly broadcast or reshaped: rounding it is exact enough."""
+    value = key[1]
+    if isinstance(value, ir.BlockArgument) or depth > 4:
+        return False
+    owner = value.owner
+    name = owner.name
+    if name == "stablehlo.constant":
+        return True
+    if name in ("stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
+        return _constant((key[0], owner.operands[0]), depth + 1)
+    return False
+
+
+def _is_low(graph: Graph, key: tuple[int, ir.Value]) -> bool:
+    producer = graph.producer.get(key)
+    return producer is not None and producer.painted
