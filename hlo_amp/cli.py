@@ -68,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="treat '// -----' separated chunks as separate modules")
     parser.add_argument("--debug-info", action="store_true",
                         help="keep locations (scope metadata) in the output")
-    parser.add_argument("--target", choices=("cpu", "gpu"), default=None,
+    parser.add_argument("--target", choices=("cpu", "gpu", "tpu"), default=None,
                         help="the backend the module is for: 'cpu' adds the CPU dot-layout "
-                             "pass and enables the policy's only_if_faster rule")
+                             "pass and enables the policy's only_if_faster rule; 'gpu' gives "
+                             "convolutions cuDNN's 16-bit result; 'tpu' keeps the accurate "
+                             "form everywhere")
     parser.add_argument("--xla-target", metavar="DEVICE",
                         help="also compile the rewritten module with XLA for this GPU or "
                              "TPU, without one (h100, h200, a100, a GpuTargetConfig .txtpb "

@@ -1,8 +1,9 @@
 // Target facts for convolutions. On GPU cuDNN runs only same-type 16-bit convolutions
 // (XLA:GPU upcasts convolution(bf16, bf16) -> f32 to f32×f32), so there a convolution
 // returns the 16-bit type and a convert follows it, forward and backward; dots keep the
-// accurate form (bf16 operands, f32 result: cuBLASLt runs that). On CPU, and with no
-// target, convolutions keep today's form (16-bit operands, f32 result).
+// accurate form (bf16 operands, f32 result: cuBLASLt runs that). On CPU, on TPU (XLA:TPU
+// keeps bf16×bf16→f32 convolutions and dots) and with no target, convolutions keep that
+// form too (16-bit operands, f32 result).
 //
 // RUN: hlo-amp-opt %s --split-input-file --pass hlo-amp-insert-converts --policy bf16 \
 // RUN:   --target gpu | filecheck %s --enable-var-scope --check-prefix=GPU
@@ -12,6 +13,8 @@
 // RUN:   --target cpu | filecheck %s --enable-var-scope --check-prefix=CPU
 // RUN: hlo-amp-opt %s --split-input-file --pass hlo-amp-insert-converts --policy bf16 \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=CPU
+// RUN: hlo-amp-opt %s --split-input-file --pass hlo-amp-insert-converts --policy bf16 \
+// RUN:   --target tpu | filecheck %s --enable-var-scope --check-prefix=CPU
 // Idempotence for the GPU target. The pass run on its own (located) output changes nothing.
 // RUN: hlo-amp-opt %s --split-input-file --debug-info --pass hlo-amp-insert-converts \
 // RUN:   --policy bf16 --target gpu | hlo-amp-opt --split-input-file \
