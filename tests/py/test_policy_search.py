@@ -372,7 +372,7 @@ def test_executables_are_cached_per_function_and_freed_with_it():
     import gc
     import weakref
 
-    from hlo_amp import numerics
+    from hlo_amp.numerics import measure as numerics
 
     fn = make_program()
     first = hlo_amp.compare(fn, "bf16", X, W, f64=False)

@@ -1,0 +1,217 @@
+"""``attribute``: the error each named scope contributes, measured per scope."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hlo_amp.numerics.measure import (
+    ATOL,
+    Session,
+    check_reference,
+    check_tolerance,
+    run_dtypes,
+    tolerance,
+)
+from hlo_amp.numerics.render import json_number, plot_attribution, short
+from hlo_amp.policy import Policy, as_policy, match_start
+from hlo_amp.report import Decision, Report, text_table
+
+TOP_LEVEL = "(top level)"
+
+
+@dataclass(frozen=True)
+class ScopeError:
+    """The error one scope contributes: with only it in low precision, and with only it
+    kept f32 (every other scope at the policy's precision)."""
+
+    scope: str  # "block_0/attn"; "(top level)" for matrix ops outside any named scope
+    ops: int  # dot/conv ops in the scope (forward and backward)
+    flops: int
+    only_low: float  # the error when only this scope runs at the policy's precision
+    only_f32: float | None  # the error when only this scope is f32; None: no rule names it
+    pattern: str | None  # the scope rule that names it; None for "(top level)"
+    # What ranks it: max(only_low, error of the policy - only_f32). The error is a max
+    # over elements, not a sum, so the two differ: a scope can do little alone and much
+    # with the others (its f32 removes more than it adds alone), or much alone and little
+    # when removed (another scope's error hides the gain); either way it counts.
+    contribution: float = 0.0
+
+
+@dataclass
+class Attribution:
+    """What ``attribute`` measured, scopes ranked by the error they contribute."""
+
+    policy: str
+    depth: int
+    reference: str
+    dtypes: list[str]
+    rtol: float
+    atol: float
+    error: float  # the error of the policy as given (every scope low)
+    scopes: list[ScopeError]  # worst first
+    compiles: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    guards: dict[str, str] = field(default_factory=dict)  # rules that keep others' rules out
+
+    @property
+    def ranking(self) -> list[str]:
+        return [row.scope for row in self.scopes]
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_number({
+            "policy": self.policy, "depth": self.depth, "reference": self.reference,
+            "dtypes": self.dtypes, "rtol": self.rtol, "atol": self.atol,
+            "error": self.error, "scopes": [asdict(row) for row in self.scopes],
+            "compiles": self.compiles, "seconds": self.seconds, "notes": self.notes,
+        })
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        low = "/".join(self.dtypes) or "low"
+        total = sum(row.flops for row in self.scopes) or 1
+        rows = [(rank, row.scope, row.ops, f"{100 * row.flops / total:.0f}%",
+                 short(row.only_low), short(row.only_f32), short(row.contribution))
+                for rank, row in enumerate(self.scopes, 1)]
+        title = (f"error per scope at depth {self.depth} under {self.policy} "
+                 f"(against {self.reference}; error = max over outputs of "
+                 f"(max|a-e| - {self.atol:g}) / max|e|; {low} tolerance {self.rtol:g})")
+        lines = [title]
+        lines += text_table(("rank", "scope", "ops", "FLOPs", f"only it {low}", "only it f32",
+                         "contribution"), rows)
+        lines.append(f"every scope {low}: error {short(self.error)}; "
+                     f"{self.compiles} XLA compile(s), {self.seconds:.1f} s")
+        lines += self.notes
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path, budget: float | None = None) -> Path:
+        """Write a PNG bar chart of the two errors per scope (needs matplotlib)."""
+        return plot_attribution(self, path, budget)
+
+
+def _segments(scope: str) -> tuple[str, ...]:
+    return tuple(scope.split("/")) if scope else ()
+
+
+def _pattern(group: str) -> str | None:
+    """The scope rule pattern naming exactly ``group``'s segments, or None when no rule
+    can (whitespace, or '[' which a glob reads as a character class)."""
+    if not group or any(ch.isspace() or ch == "[" for ch in group):
+        return None
+    return "/".join(seg.replace("*", "[*]").replace("?", "[?]") for seg in group.split("/"))
+
+
+def _groups(report: Report, depth: Any) -> dict[str, list[Decision]]:
+    """Decisions by the first ``depth`` segments of their scope ("" for top level)."""
+    deepest = max((len(_segments(d.scope)) for d in report.decisions), default=0)
+    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1 or (
+            report.decisions and depth > deepest):
+        example = max((d.scope for d in report.decisions), key=lambda s: len(_segments(s)),
+                      default="")
+        accepted = (f"1 to {deepest} (fn's deepest scope is {example!r})" if deepest
+                    else "an int >= 1 (fn's matrix ops have no named scope)")
+        raise ValueError(f"Unknown depth {depth!r}; accepted: {accepted}")
+    groups: dict[str, list[Decision]] = {}
+    for d in report.decisions:
+        groups.setdefault("/".join(_segments(d.scope)[:int(depth)]), []).append(d)
+    return groups
+
+
+def _guards(groups: dict[str, list[Decision]], patterns: dict[str, str], base: Policy
+            ) -> tuple[dict[str, str], list[str]]:
+    """Rules that keep each group's own rule from reaching into another group.
+
+    A rule ``X`` matches ``X``'s segments anywhere in a scope (``head`` also inside
+    ``blocks/0/head``) and a shorter group is a prefix of a longer one; where a group is
+    reached that way it gets a rule of its own, with the policy's action for its ops, at
+    its outermost segment, which wins over any rule matching further in.
+    """
+    guards, notes = {}, []
+    for h, decisions in groups.items():
+        if h not in patterns:
+            continue
+        reached = [g for g, pattern in patterns.items() if g != h and any(
+            match_start(pattern, _segments(d.scope)) is not None for d in decisions)]
+        if not reached:
+            continue
+        actions = {d.action or "keep" for d in decisions
+                   if d.rule not in ("backward", "amp_stop")}
+        if len(actions) == 1:
+            guards[patterns[h]] = actions.pop()
+        elif actions:
+            notes.append(f"note: the rule for {reached[0]!r} also reaches {h!r}, whose ops "
+                         f"{base.to_string()} treats differently ({', '.join(sorted(actions))})"
+                         f"; its rows include {h!r}'s ops")
+    return guards, notes
+
+
+def with_scopes(base: Policy, rules: Mapping[str, str]) -> Policy:
+    """``base`` with ``rules`` written before its own scope rules, so that of two
+    patterns matching at the same segment with as many parts, ``rules``' wins."""
+    scopes = dict(rules)
+    for pattern, action in base.scopes.items():
+        scopes.setdefault(pattern, action)
+    return Policy.from_dict({**base.to_dict(), "scopes": scopes})
+
+
+def attribution_of(session: Session, base: Policy, depth: Any, reference: str, atol: float
+                   ) -> Attribution:
+    """``attribute`` within ``session``, whose executables ``autopolicy`` reuses."""
+    report = session.report(base)
+    groups = _groups(report, depth)  # a bad depth fails here, before any compile
+    patterns = {g: p for g in groups if (p := _pattern(g)) is not None}
+    guards, notes = _guards(groups, patterns, base)
+    base_error = session.error(base, reference, atol)
+    rows = []
+    for group, decisions in groups.items():
+        others = {patterns[h]: "float32" for h in patterns if h != group}
+        only_low = session.error(with_scopes(base, {**guards, **others}), reference, atol)
+        only_f32 = None
+        pattern = patterns.get(group)
+        if pattern is not None:
+            only_f32 = session.error(with_scopes(base, {**guards, pattern: "float32"}),
+                                     reference, atol)
+        removed = 0.0 if only_f32 is None else base_error - only_f32
+        rows.append(ScopeError(group or TOP_LEVEL, len(decisions),
+                               sum(d.flops or 0 for d in decisions), only_low, only_f32,
+                               pattern, max(only_low, removed)))
+    # Worst first; of equal contributions the one whose f32 helps most, then the smaller.
+    rows.sort(key=lambda r: (-r.contribution,
+                             math.inf if r.only_f32 is None else r.only_f32, r.flops))
+    if not report.decisions:
+        notes.append("note: fn has no dot_general or convolution op: there is nothing to "
+                     "attribute, and the policy's error is zero")
+    unnamed = [row.scope for row in rows if row.pattern is None]
+    if unnamed:
+        notes.append(f"note: {', '.join(repr(s) for s in unnamed)}: no scope rule can name "
+                     f"these ops (wrap them in jax.named_scope), so they stay at the "
+                     f"policy's precision in every other row and autopolicy cannot keep "
+                     f"them f32")
+    dtypes = run_dtypes(report, base)
+    attribution = Attribution(base.to_string(), int(depth), reference, dtypes,
+                              tolerance(dtypes), atol, base_error, rows,
+                              session.compiles, session.seconds, notes, guards)
+    return attribution
+
+
+def attribute(fn: Callable[..., Any], policy: Policy | str | Mapping[str, Any], *args: Any,
+              depth: int = 1, reference: str = "f32", atol: float = ATOL) -> Attribution:
+    """For every scope at ``depth`` of the report's name stacks, the error of ``fn``'s
+    outputs when only that scope runs under ``policy`` and when only it is kept f32;
+    scopes ranked by the first (what they contribute). Costs ``2 * scopes + 2`` XLA
+    compiles at most, one per distinct policy, each on a copy of one lowering."""
+    policy = as_policy(policy)
+    reference = check_reference(reference)
+    atol = check_tolerance(atol, "atol", zero_ok=True)
+    session = Session(fn, args, "attribute")
+    return attribution_of(session, policy, depth, reference, atol)
+
