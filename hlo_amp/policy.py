@@ -55,6 +55,7 @@ beat them, they beat op rules: ``"fp8,scope:attn=bfloat16,last_matrix_op=none"``
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -219,6 +220,9 @@ class Rule:
 
     action: str | None  # None: the op is not a candidate (left alone)
     rule: str  # e.g. "scope:attn", "op:dot_general", "amp_stop", "default"
+    # Why the action is not the rule's own, for the report ("kept: the program asked
+    # for HIGHEST precision"); None when it is.
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -424,29 +428,21 @@ class Policy:
 
     def to_string(self) -> str:
         """The string form; ``Policy.parse(p.to_string()) == p``."""
-        matrix_compute = all(self.ops.get(kind) == COMPUTE for kind in OP_KINDS)
-        ends: str | None = None  # the preset's first/last matrix op rules
-        if all(self.ops.get(kind) == action for kind, action in FP8_OPS.items()):
-            items = ["fp8"] + [f"op:{k}={a}" for k, a in self.ops.items()
-                               if k not in OP_KINDS]
-            ends = COMPUTE
-            if self.propagate:
-                items.append("propagate=true")
-        elif matrix_compute:  # a 16-bit preset, then only the rules it does not state
-            preset = "bf16"
-            if self.propagate:
-                preset = "mixed_float16" if self.compute_dtype == "float16" else "mixed_bfloat16"
-            items = [preset] + [f"op:{k}={a}" for k, a in self.ops.items()
-                                if k not in OP_KINDS]
-        else:  # start from the empty preset and state every op rule, so it is exact
-            items = ["f32"] + [f"op:{k}={a}" for k, a in self.ops.items()]
-            if self.propagate:
-                items.append("propagate=true")
-        items.insert(1, f"compute={self.compute_dtype}")
-        for name in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
-            value = getattr(self, name)
-            if value != ends:
-                items.append(f"{name}={value or 'none'}")
+        # The first preset whose op rules this policy has; then only what differs from it
+        # (the empty preset f32 always fits: it states every op rule, so it is exact).
+        mixed = "mixed_float16" if self.compute_dtype == "float16" else "mixed_bfloat16"
+        for name in ("fp8", mixed if self.propagate else "bf16", "f32"):
+            base = _preset(name)
+            if all(self.ops.get(kind) == action for kind, action in base.ops.items()):
+                break
+        items = [name, f"compute={self.compute_dtype}"]
+        items += [f"op:{k}={a}" for k, a in self.ops.items() if k not in base.ops]
+        if self.propagate and not base.propagate:
+            items.append("propagate=true")
+        for position in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
+            value = getattr(self, position)
+            if value != getattr(base, position):
+                items.append(f"{position}={value or 'none'}")
         items += [f"scope:{p}={a}" for p, a in self.scopes.items()]
         if self.backward is not None:
             items.append(f"backward={self.backward}")
@@ -475,12 +471,24 @@ class Policy:
         return any(is_fp8(a) for a in self.actions)
 
     def decide(self, scope: tuple[str, ...], op_kind: str, backward: bool,
-               positions: tuple[str, ...] = ()) -> Rule:
+               positions: tuple[str, ...] = (), pinned: str | None = None) -> Rule:
         """The action for an op of ``op_kind`` under ``scope``; see module docstring.
 
         ``positions`` holds ``"first_matrix_op"`` and/or ``"last_matrix_op"`` when the
         op is (or is a backward dot of) the first or last matrix op of the program.
+        ``pinned`` says what the program asked for when it pinned the op's precision
+        ("HIGHEST precision"): then only a scope rule changes it, unless
+        ``explicit_precision=ignore``.
         """
+        rule = self._matching_rule(scope, op_kind, backward, positions)
+        if (pinned is not None and self.explicit_precision == "keep"
+                and rule.action not in (None, KEEP) and not rule.rule.startswith("scope:")):
+            return Rule(KEEP, rule.rule, f"kept: the program asked for {pinned}")
+        return rule
+
+    def _matching_rule(self, scope: tuple[str, ...], op_kind: str, backward: bool,
+                       positions: tuple[str, ...]) -> Rule:
+        """The rule that decides the op, by the precedence of the module docstring."""
         if backward and self.backward is not None and AMP_STOP not in scope:
             return Rule(self.backward, "backward")
         # The innermost amp_stop shields its inside; only rules matching inside it count.
@@ -515,6 +523,12 @@ class Policy:
         names += [name for name in (FIRST_MATRIX_OP, LAST_MATRIX_OP)
                   if getattr(self, name) is not None]
         return names
+
+
+@functools.cache
+def _preset(name: str) -> Policy:
+    """``Policy.preset(name)``, built once (``to_string`` compares against presets)."""
+    return Policy.preset(name)
 
 
 class _FrozenDict(dict):

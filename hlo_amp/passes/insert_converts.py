@@ -60,7 +60,6 @@ from hlo_amp.policy import (
     LAST_MATRIX_OP,
     OP_KINDS,
     Policy,
-    Rule,
     is_fp8,
 )
 from hlo_amp.report import Decision, Report
@@ -118,20 +117,6 @@ def asks_for_precision(op: Any) -> str | None:
         if entries and all("HIGHEST" in entry for entry in entries):
             return "HIGHEST precision"
     return None
-
-
-def decide(policy: Policy, op: Any, site: Any, kind: str,
-           positions: tuple[str, ...] = ()) -> tuple[Rule, str | None]:
-    """The policy's rule for a matrix op, and why it is kept when the program pinned its
-    precision (only a scope rule overrides that, unless explicit_precision=ignore).
-    ``positions``: whether it is the first and/or last matrix op (see the module doc)."""
-    rule = policy.decide(site.scope, kind, site.backward, positions)
-    if (policy.explicit_precision == "keep" and rule.action not in (None, KEEP)
-            and not rule.rule.startswith("scope:")):
-        asked = asks_for_precision(op)
-        if asked is not None:
-            return Rule(KEEP, rule.rule), f"kept: the program asked for {asked}"
-    return rule, None
 
 
 @dataclass(frozen=True)
@@ -355,7 +340,8 @@ class _CallGraph:
             if kind is not None:
                 site = self.site(op, kind, prefix)
                 positions = self.positions.get((original, index, prefix), ())
-                parts.append(decide(self.policy, op, site, kind, positions)[0].action)
+                parts.append(self.policy.decide(site.scope, kind, site.backward, positions,
+                                                asks_for_precision(op)).action)
             elif callee_name(op) in self.by_name:
                 inner = callee_name(op)
                 parts.append(self.signature(inner, self._callee_prefix(prefix, op)))
@@ -484,7 +470,8 @@ class InsertConverts:
                 continue
             site = graph.site(op, kind, instance.prefix)
             positions = graph.positions.get((original, index, instance.prefix), ())
-            rule, pinned = decide(self.policy, op, site, kind, positions)
+            rule = self.policy.decide(site.scope, kind, site.backward, positions,
+                                      asks_for_precision(op))
             elements = ([element_type(v) for v in list(op.operands)[:2]],
                         element_type(op.result))
             gradient = None
@@ -492,8 +479,8 @@ class InsertConverts:
                 gradient = flow.incoming_gradient(op)
             plan = plan_op(op, kind, self.policy, rule.action, rule.rule, self.target,
                            elements, gradient=gradient, backward=site.backward)
-            if pinned is not None:
-                plan = dataclasses.replace(plan, reason=pinned)
+            if rule.reason is not None:
+                plan = dataclasses.replace(plan, reason=rule.reason)
             before = tuple(names.name(t) for t in elements[0])
             result_before = names.name(elements[1])
             changed = any(plan.operand_targets) or plan.result_target is not None
