@@ -11,6 +11,9 @@ from typing import Any
 _KIND_ORDER = ("dot_general", "dot", "convolution")
 # Where an op's FLOPs go in ``Report.flops_by_scope`` and ``Report.plot``.
 PRECISIONS = ("16-bit or narrower", "f32 by policy", "f32: XLA upcast it")
+# Prefixes of the float element types 16 bits wide or narrower (bf16, f16, the fp8, fp6
+# and fp4 formats), in MLIR's spelling ("f8E4M3FN") and XLA's ("f8e4m3fn").
+_NARROW_FLOATS = ("bf16", "f16", "f8", "f6", "f4")
 
 
 @dataclass(frozen=True)
@@ -45,16 +48,13 @@ class Decision:
     @property
     def low_precision(self) -> bool:
         """Whether the op's operands end up 16 bits wide or narrower."""
-        return bool(self.operands_after) and all(
-            _bits(t) <= 16 for t in self.operands_after
-        )
+        return bool(self.operands_after) and all(map(is_narrow, self.operands_after))
 
 
-def _bits(element_type: str) -> int:
-    digits = "".join(ch for ch in element_type if ch.isdigit())
-    if element_type.startswith(("f8", "f4")):
-        return 8
-    return int(digits) if digits else 64
+def is_narrow(element_type: str) -> bool:
+    """Whether ``element_type`` (MLIR's spelling or XLA's HLO text) is a float 16 bits
+    wide or narrower: "low precision" for a Decision and for XLA's verdict alike."""
+    return element_type.startswith(_NARROW_FLOATS)
 
 
 @dataclass

@@ -19,7 +19,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from hlo_amp.report import Decision, Report
+from hlo_amp.report import Decision, Report, is_narrow
 from hlo_amp.sites import split_segments
 
 _HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
@@ -37,7 +37,6 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 # Fusions whose dots Triton emits (XLA's GEMM fusion, with default flags on GPU).
 _TRITON_FUSION = re.compile(r'calls=%?([\w.\-]+).*"kind":"__triton')
-_LOW_TYPES = ("bf16", "f16", "f8")
 # Name-stack segments one side has and the other may not (see the module docstring); the
 # call segments of sites.STRUCTURAL that XLA adds or drops, not the transforms.
 _CALL_SEGMENT = re.compile(r"^(?:closed_call|core_call|p?jit\(.*\))$")
@@ -59,8 +58,7 @@ class XlaGemm:
     @property
     def low(self) -> bool:
         """Whether it computes in 16 bit or narrower."""
-        return bool(self.operand_types) and all(
-            t.startswith(_LOW_TYPES) for t in self.operand_types)
+        return bool(self.operand_types) and all(map(is_narrow, self.operand_types))
 
     @property
     def fp8(self) -> bool:
