@@ -54,53 +54,45 @@ beat them, they beat op rules: ``"fp8,scope:attn=bfloat16,last_matrix_op=none"``
 
 from __future__ import annotations
 
-import fnmatch
 import functools
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 
-from hlo_amp.op_classes import op_names
+from hlo_amp.policy_terms import (
+    AMP_STOP,
+    COMPUTE,
+    COMPUTE_DTYPES,
+    DTYPE_BITS,
+    DTYPE_TO_ELEMENT,
+    DTYPES,
+    FIRST_MATRIX_OP,
+    FP8_ACTIONS,
+    FP8_E5M2,
+    FP8_LIKE,
+    FP8_SHORT,
+    FP8_TO_ELEMENT,
+    KEEP,
+    LAST_MATRIX_OP,
+    OP_KINDS,
+    canonical_action,
+    canonical_dtype,
+    canonical_op_kind,
+    check_pattern,
+    is_fp8,
+    match_start,
+)
 
-COMPUTE = "compute"
-KEEP = "keep"
-AMP_STOP = "amp_stop"
-
-# Canonical dtype names and the spellings accepted for each.
-_DTYPE_ALIASES = {
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "f16": "float16", "half": "float16",
-    "float32": "float32", "f32": "float32", "float": "float32",
-    "float64": "float64", "f64": "float64", "double": "float64",
-}
-DTYPES = ("bfloat16", "float16", "float32", "float64")
-COMPUTE_DTYPES = ("bfloat16", "float16")
-# fp8 actions (passes/fp8.py), their StableHLO element types, and the spellings accepted.
-FP8_TO_ELEMENT = {"float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}
-FP8_ACTIONS = tuple(FP8_TO_ELEMENT)
-FP8_E5M2 = "float8_e5m2"  # the action whose gradient operand is e5m2
-# Element type -> the format's short name in reasons and notes ("e4m3fn").
-FP8_SHORT = {e: a.removeprefix("float8_") for a, e in FP8_TO_ELEMENT.items()}
-_FP8_ALIASES = {
-    "float8_e4m3fn": "float8_e4m3fn", "f8e4m3fn": "float8_e4m3fn", "e4m3fn": "float8_e4m3fn",
-    "float8_e5m2": "float8_e5m2", "f8e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
-}
-# Other fp8 formats (ml_dtypes and MLIR have several): named so the error says "fp8".
-_FP8_LIKE = re.compile(r"^(float8|fp8|f8|e\dm\d)")
-# Policy dtype name -> StableHLO element-type spelling.
-DTYPE_TO_ELEMENT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
-# Bit width of each float dtype, used to tell "wider than the compute dtype".
-DTYPE_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "float64": 64}
-
-OP_KINDS = ("dot_general", "dot", "convolution")
-# JAX primitives mapped to the StableHLO op kinds they lower to.
-_PRIMITIVE_KINDS = {
-    "dot_general": ("dot_general", "dot"),
-    "conv_general_dilated": ("convolution",),
-}
+# The terms are re-exported: passes and users name them through hlo_amp.policy.
+__all__ = [
+    "AMP_STOP", "COMPUTE", "COMPUTE_DTYPES", "DTYPES", "DTYPE_BITS", "DTYPE_TO_ELEMENT",
+    "EXPLICIT_PRECISION", "FIRST_MATRIX_OP", "FP8_ACTIONS", "FP8_E5M2", "FP8_OPS", "FP8_SHORT",
+    "FP8_TO_ELEMENT", "KEEP", "LAST_MATRIX_OP", "OP_KINDS", "PRESETS", "PRESET_OPS", "Policy",
+    "Rule", "amp_stop", "as_policy", "canonical_action", "canonical_dtype", "canonical_op_kind",
+    "is_fp8", "match_start"
+]
 
 # The op rules of the 16-bit presets, and of a Policy built without ops.
 PRESET_OPS = {kind: COMPUTE for kind in OP_KINDS}
@@ -108,110 +100,6 @@ EXPLICIT_PRECISION = ("keep", "ignore")
 # The fp8 preset's op rules: dot_general in fp8 (e4m3fn, e5m2 gradients), the rest bf16.
 FP8_OPS = {"dot_general": "float8_e5m2", "dot": COMPUTE, "convolution": COMPUTE}
 PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16", "fp8")
-# Positional rules: the first and the last matrix op of the forward program.
-FIRST_MATRIX_OP = "first_matrix_op"
-LAST_MATRIX_OP = "last_matrix_op"
-
-
-def _dtype_key(name: Any) -> str:
-    """``name`` (str, numpy or jnp dtype, jnp.float8_e4m3fn...) as a lower-case string."""
-    key = name
-    if not isinstance(name, str):
-        try:
-            key = jax.numpy.dtype(name).name
-        except TypeError:
-            key = repr(name)
-    return str(key).strip().lower()
-
-
-def canonical_dtype(name: Any, *, what: str = "dtype") -> str:
-    """Return the canonical float dtype name for ``name`` (str, numpy or jnp dtype)."""
-    canon = _DTYPE_ALIASES.get(_dtype_key(name))
-    if canon is None:
-        raise ValueError(
-            f"Unknown {what} {name!r}; accepted: {', '.join(DTYPES)} "
-            f"(or bf16, f16, f32, f64)"
-        )
-    return canon
-
-
-def canonical_action(action: Any, *, where: str) -> str:
-    """Return ``"compute"``, ``"keep"``, a canonical dtype name or an fp8 action."""
-    if isinstance(action, str) and action.strip().lower() in (COMPUTE, KEEP):
-        return action.strip().lower()
-    text = _dtype_key(action)
-    if text in _FP8_ALIASES:
-        return _FP8_ALIASES[text]
-    if _FP8_LIKE.match(text):
-        raise ValueError(
-            f"Unknown fp8 format {action!r} for {where}; accepted fp8 actions: "
-            f"{', '.join(FP8_ACTIONS)} (the two formats XLA:GPU's cuBLASLt fp8 GEMM "
-            f"takes); other actions: compute, keep, {', '.join(DTYPES)}"
-        )
-    try:
-        return canonical_dtype(action)
-    except ValueError:
-        raise ValueError(
-            f"Unknown action {action!r} for {where}; accepted: compute, keep, "
-            f"{', '.join(DTYPES)}, {', '.join(FP8_ACTIONS)}"
-        ) from None
-
-
-def is_fp8(action: str | None) -> bool:
-    """Whether ``action`` is an fp8 action (``float8_e4m3fn`` or ``float8_e5m2``)."""
-    return action in FP8_ACTIONS
-
-
-def canonical_op_kind(kind: Any) -> tuple[str, ...]:
-    """Map an op-rule key (a StableHLO op kind or a JAX primitive) to op kinds."""
-    if hasattr(kind, "bind") and isinstance(getattr(kind, "name", None), str):
-        name = kind.name  # a JAX primitive such as jax.lax.dot_general_p
-        if name in _PRIMITIVE_KINDS:
-            return _PRIMITIVE_KINDS[name]
-        raise ValueError(
-            f"Unsupported primitive {name!r} in op rules; accepted primitives: "
-            f"{', '.join(p + '_p' for p in _PRIMITIVE_KINDS)}"
-        )
-    if isinstance(kind, str):
-        text = kind.strip().removeprefix("stablehlo.").removeprefix("chlo.")
-        if text in OP_KINDS or text in op_names():
-            return (text,)
-        if text.removesuffix("_p") in _PRIMITIVE_KINDS:
-            return _PRIMITIVE_KINDS[text.removesuffix("_p")]
-    raise ValueError(
-        f"Unknown op kind {kind!r}; accepted: {', '.join(OP_KINDS)}, "
-        f"jax.lax.dot_general_p, jax.lax.conv_general_dilated_p, or with propagate=true "
-        f"any StableHLO or CHLO op name ({', '.join(sorted(op_names() - set(OP_KINDS)))})"
-    )
-
-
-_PATTERN_OK = re.compile(r"^[^/\s]+(/[^/\s]+)*$")
-
-
-def _check_pattern(pattern: Any) -> str:
-    if not isinstance(pattern, str) or not _PATTERN_OK.match(pattern.strip()):
-        raise ValueError(
-            f"Malformed scope pattern {pattern!r}; accepted: one or more non-empty "
-            f"segments separated by '/', each a name or a glob like 'Block_*'"
-        )
-    text = pattern.strip()
-    if text.count("[") != text.count("]"):
-        raise ValueError(f"Malformed scope pattern {pattern!r}: unbalanced '[' in glob")
-    return text
-
-
-def match_start(pattern: str, scope: tuple[str, ...]) -> int | None:
-    """Index of the outermost scope segment where ``pattern`` matches, else None.
-
-    A pattern of k '/'-separated parts matches k consecutive whole segments, each
-    part matched as a glob against one segment ("attn" never matches "attn_norm").
-    """
-    parts = pattern.split("/")
-    k = len(parts)
-    for start in range(len(scope) - k + 1):
-        if all(fnmatch.fnmatchcase(scope[start + i], parts[i]) for i in range(k)):
-            return start
-    return None
 
 
 @dataclass(frozen=True)
@@ -256,7 +144,7 @@ class Policy:
             compute = None
         if compute not in COMPUTE_DTYPES:
             hint = ""
-            if isinstance(self.compute_dtype, str) and _FP8_LIKE.match(
+            if isinstance(self.compute_dtype, str) and FP8_LIKE.match(
                     self.compute_dtype.strip().lower()):
                 hint = (" (fp8 is an action, not a compute dtype: use the fp8 preset or "
                         "op:dot_general=float8_e4m3fn)")
@@ -280,7 +168,7 @@ class Policy:
                 ops[kind] = canonical_action(action, where=f"op rule {kind!r}")
         scopes: dict[str, str] = {}
         for pattern, action in self.scopes.items():
-            text = _check_pattern(pattern)
+            text = check_pattern(pattern)
             scopes[text] = canonical_action(action, where=f"scope rule {text!r}")
         propagate = bool(self.propagate)
         for kind, action in ops.items():
