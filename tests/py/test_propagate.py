@@ -1,4 +1,4 @@
-"""The mixed_* modes (passes/propagate.py): numerics, contracts, idempotence, report.
+"""The mixed_* modes (passes/propagate/): numerics, contracts, idempotence, report.
 
 Numerics use the scaled tolerance ``max|got − want| ≤ atol + rtol·max|want|`` (element-wise
 tolerances fail every 16-bit dot on values that cancel to ~0), atol 1e-5, rtol about six
