@@ -555,9 +555,11 @@ def _calls(estimate: Any) -> str:
     return ", ".join(f"{kind.split()[0]} {dtype} ×{n}" for (kind, dtype), n in order) or "none"
 
 
-def aot_table(results: list[AotResult]) -> list[str]:
+def aot_table(results: list[AotResult], calls: str = "cuBLAS/cuDNN calls") -> list[str]:
+    """One row per variant; ``calls`` names the matrix-op column (XLA:TPU has no library
+    calls: its matrix ops are convolutions)."""
     base = next((r for r in results if r.variant == "f32" and not r.error), None)
-    head = ["variant", "16-bit FLOP share", "fp8 FLOP share", "cuBLAS/cuDNN calls by dtype",
+    head = ["variant", "16-bit FLOP share", "fp8 FLOP share", f"{calls} by dtype",
             "XLA temp MiB", "vs f32", "HBM GB (est.)", "vs f32", "roofline ms", "vs f32"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -575,8 +577,9 @@ def aot_table(results: list[AotResult]) -> list[str]:
     return lines
 
 
-def aot_targets(name: str, results: list[AotResult]) -> list[str]:
-    """mixed_bfloat16's temp memory and roofline time against its peers; fp8's GEMMs."""
+def aot_targets(name: str, results: list[AotResult], fp8: bool = True) -> list[str]:
+    """mixed_bfloat16's temp memory and roofline time against its peers; fp8's GEMMs
+    (``fp8=False``: a device without fp8, no check)."""
     by = {r.variant: r for r in results if not r.error}
     mixed, f32, flax, accurate = (by.get(v) for v in (MIXED, "f32", "flax bf16",
                                                       "hlo_amp bf16"))
@@ -602,6 +605,9 @@ def aot_targets(name: str, results: list[AotResult]) -> list[str]:
             m, f = mixed.estimate.roofline_seconds, flax.estimate.roofline_seconds
             out.append(_line(f"{MIXED} roofline step time", "≤ flax bf16's",
                              f"{1e3 * m:.4g} vs {1e3 * f:.4g} ms ({m / f:.3f}×)", m <= f))
+    if not fp8:
+        out.append("- hlo_amp fp8: not compiled, this device has no fp8 matrix unit")
+        return out
     fp8 = by.get("hlo_amp fp8")
     if fp8 is None or fp8.fp8_dots is None:
         out.append("- hlo_amp fp8: no row (not selected or not compiled), no fp8 target check")
@@ -737,7 +743,9 @@ def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
             results.append(aot_compile(workload, variant, target, x, y))
             r = results[-1]
             print(f"  {variant}: " + (r.error or f"compiled in {r.compile_s:.1f} s"), flush=True)
-        table, checks = aot_table(results), aot_targets(workload.name, results)
+        tpu = target.platform == "tpu"
+        table = aot_table(results, "XLA:TPU matrix ops" if tpu else "cuBLAS/cuDNN calls")
+        checks = aot_targets(workload.name, results, fp8=not tpu)
         f32 = next((r for r in results if r.variant == "f32" and not r.error), None)
         if f32 is not None and f32.temp_bytes < 2**20:
             table.append(f"\nf32's XLA temp is {f32.temp_bytes} bytes (XLA keeps this step's "
