@@ -47,6 +47,33 @@ def test_the_check_finds_a_repeated_sentence():
     assert repeated(files) == [("a.md", "b.md", sentence.lower())]
 
 
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but - and _ dropped."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_and_anchors_resolve():
+    """Every relative link of the README and docs/*.md names a file that exists, and a
+    #fragment names a heading of that file."""
+    broken = []
+    for name in DOCS:
+        page = ROOT / name
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{name}: {target}")
+            elif fragment and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", linked.read_text(),
+                                                           flags=re.DOTALL), re.MULTILINE)
+                if fragment not in {_anchor(h) for h in headings}:
+                    broken.append(f"{name}: {target}")
+    assert not broken, broken
+
+
 def _design_citations(text: str) -> tuple[set[str], set[str], set[str]]:
     """(paths, dotted hlo_amp names, backticked identifiers) docs/design.md cites."""
     paths = set(re.findall(r"(?<![\w/.])((?:hlo_amp|tests|benchmarks|docs|examples|passes|runtime"

@@ -1,5 +1,5 @@
-"""The README's example section runs as written: the NNX-guide train step, the pytree
-train step, and vmap over a compiled function."""
+"""The examples run as written: the README's NNX-guide train step, and docs/compile.md's
+pytree train step and vmap over a compiled function."""
 
 from __future__ import annotations
 
@@ -11,15 +11,26 @@ import numpy as np
 import optax
 from flax import nnx
 
-README = pathlib.Path(__file__).parents[2] / "README.md"
+ROOT = pathlib.Path(__file__).parents[2]
+README = ROOT / "README.md"
+COMPILE_DOC = ROOT / "docs" / "compile.md"
+
+
+def _python_blocks(path: pathlib.Path, heading: str) -> list[str]:
+    """The python code blocks of the section under ``heading``, up to the next one."""
+    text = path.read_text()
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    section = text[start:end if end != -1 else len(text)]
+    return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
 
 
 def _example_blocks() -> list[str]:
-    text = README.read_text()
-    section = text[text.index("## Example"):text.index("## Policies")]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    assert len(blocks) == 3  # the NNX step, the pytree step, vmap over a compiled loss
-    return blocks
+    readme = _python_blocks(README, "## Example")
+    assert len(readme) == 1  # the NNX step
+    pytree = _python_blocks(COMPILE_DOC, "## Without a framework")
+    assert len(pytree) == 2  # the pytree step, vmap over a compiled loss
+    return readme + pytree
 
 
 def test_readme_nnx_example_differs_from_f32_by_the_decorator_alone():
@@ -48,10 +59,10 @@ def test_readme_nnx_example_differs_from_f32_by_the_decorator_alone():
     np.testing.assert_allclose(float(loss), want[-1], rtol=5e-2)
 
 
-def test_readme_pytree_example_runs_and_vmaps_the_compiled_loss():
-    blocks = _example_blocks()
+def test_compile_doc_pytree_example_runs_and_vmaps_the_compiled_loss():
+    blocks = _example_blocks()[1:]
     scope: dict = {}
-    exec(compile("\n".join(blocks), str(README), "exec"), scope)  # noqa: S102
+    exec(compile("\n".join(blocks), str(COMPILE_DOC), "exec"), scope)  # noqa: S102
     params, per_batch = scope["params"], scope["per_batch"]
     assert per_batch.shape == (8,)
     grads = scope["per_example_grads"]
