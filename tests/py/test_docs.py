@@ -108,7 +108,7 @@ def test_design_doc_cites_only_paths_and_names_that_exist():
     """docs/design.md is the map a newcomer follows: every file and folder it cites
     exists, every ``hlo_amp.x.y`` it names is a module or a name defined there, every
     ``Class.member`` is defined, and every other backticked identifier occurs in the
-    package's source (a renamed or removed function fails here)."""
+    package's source or the lit files (a renamed or removed function fails here)."""
     text = (ROOT / "docs" / "design.md").read_text()
     paths, dotted, names = _design_citations(text)
     missing = sorted(path for path in paths if not _exists(path))
@@ -125,7 +125,8 @@ def test_design_doc_cites_only_paths_and_names_that_exist():
                 or parts[-1] in defined), name
     unknown = []
     words = set(re.findall(r"\w+", source))
-    lit = "\n".join(p.read_text() for p in (ROOT / "tests" / "lit").glob("*.mlir"))
+    lit = "\n".join(p.read_text() for p in (ROOT / "tests" / "lit").glob("*.*")
+                    if p.suffix in (".mlir", ".py"))
     for name in names:
         owner, _, member = name.rpartition(".")
         if owner[:1].isupper() and owner not in {"HLO_AMP_VERIFY_EACH"}:
