@@ -55,7 +55,7 @@ class DeviceTarget:
     peak_flops: dict[str, float] = field(default_factory=dict)
     hbm_bytes_per_second: float | None = None
     topology: str = ""  # TPU: the slice compiled for, "v5e:2x2"; GPU: ""
-    # Compute dtypes the device has no matrix unit for (refused, with why).
+    # Compute dtypes XLA runs on this device only by upcasting (refused, with why).
     unsupported: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -66,7 +66,7 @@ class DeviceTarget:
         """Why this device cannot run a policy computing in ``dtypes``, else None."""
         for dtype, why in self.unsupported:
             if dtype in dtypes:
-                return f"{self.device} has no {dtype} matrix unit ({why})"
+                return f"it computes in {dtype}, and {why}"
         return None
 
 
@@ -136,33 +136,46 @@ _GPUS: dict[str, tuple[str, _GpuFacts, dict[str, float]]] = {
 GPU_NAMES = tuple(_GPUS)
 
 # TPU generations: (JAX's device name prefix, the smallest slice libtpu describes without
-# a device, bf16 peak FLOP/s per chip, HBM bytes/s per chip; Google Cloud's public specs).
-# A jax.jit f32 dot runs as one bf16 pass on TPU (DEFAULT precision), hence f32 = bf16.
-_TPUS: dict[str, tuple[str, str, float, float]] = {
-    "tpu-v4": ("TPU v4", "v4:2x2x1", 275e12, 1228e9),
-    "tpu-v5e": ("TPU v5e", "v5e:2x2", 197e12, 819e9),
-    "tpu-v5p": ("TPU v5p", "v5p:2x2x1", 459e12, 2765e9),
-    "tpu-v6e": ("TPU v6e", "v6e:2x2", 918e12, 1640e9),
+# a device, bf16 peak FLOP/s per chip, HBM bytes/s per chip; Google Cloud's public specs;
+# whether the matrix unit has fp8 modes). A jax.jit f32 dot runs as one bf16 pass on TPU
+# (DEFAULT precision), hence f32 = bf16.
+_TPUS: dict[str, tuple[str, str, float, float, bool]] = {
+    "tpu-v4": ("TPU v4", "v4:2x2x1", 275e12, 1228e9, False),
+    "tpu-v5e": ("TPU v5e", "v5e:2x2", 197e12, 819e9, True),
+    "tpu-v5p": ("TPU v5p", "v5p:2x2x1", 459e12, 2765e9, True),
+    "tpu-v6e": ("TPU v6e", "v6e:2x2", 918e12, 1640e9, True),
 }
 TPU_NAMES = tuple(_TPUS)
-# XLA:TPU compiles f16 and fp8 dots on every generation here (the optimized HLO keeps the
-# types), but none of them has an f16 or fp8 matrix unit (bf16 and int8 only), so the
-# compile would report ops "kept" that the chip emulates.
-_TPU_UNSUPPORTED = (
-    ("float16", "TPU matrix units take bf16, not f16"),
-    ("float8_e4m3fn", "fp8 matrix units arrive after v6e"),
-    ("float8_e5m2", "fp8 matrix units arrive after v6e"),
-)
+
+# What XLA:TPU does with the forms hlo_amp writes is invisible in its optimized HLO (the
+# convolution keeps f16 or fp8 operand types) but plain in libtpu's LLO
+# (--xla_jf_dump_llo_text; libtpu 0.0.42.1 and 0.0.50.1, a 512x512 dot per generation):
+# bf16 runs as bf16 matrix-unit (MXU) instructions; f16 operands are unpacked and the dot
+# runs as f32 MXU instructions, twice as many. v5e, v5p and v6e have fp8 MXU modes for
+# e5m2 and Google's e4m3b11fnuz only: a dot with an e4m3fn operand (both of hlo_amp's fp8
+# actions have one) runs as f32 instructions, as every fp8 dot does on v4. Compiling
+# such a policy would report ops "kept" that the chip runs slower than bf16.
+_TPU_F16 = ("float16", ("XLA:TPU upcasts f16 dots to f32 matrix-unit instructions "
+                        "(the matrix unit takes bf16, not f16)"))
+
+
+def _tpu_fp8(device: str, fp8_modes: bool) -> tuple[tuple[str, str], ...]:
+    why = (f"XLA:TPU upcasts a dot with an e4m3fn operand to f32 matrix-unit instructions "
+           f"({device}'s fp8 modes are e5m2 and e4m3b11fnuz; hlo_amp's fp8 dots read "
+           "e4m3fn)" if fp8_modes else
+           f"XLA:TPU upcasts fp8 dots to f32 matrix-unit instructions ({device} has no "
+           "fp8 matrix unit)")
+    return (("float8_e4m3fn", why), ("float8_e5m2", why))
 
 
 def _tpu_target(name: str) -> DeviceTarget:
     generation, _, shape = name.partition(":")
-    device, slice_name, bf16, hbm = _TPUS[generation]
+    device, slice_name, bf16, hbm, fp8_modes = _TPUS[generation]
     topology = f"{slice_name.split(':')[0]}:{shape}" if shape else slice_name
     return DeviceTarget(name, device, f"Google {device} ({topology})", "tpu", "",
                         pipeline_target="tpu", peak_flops={"f32": bf16, "bf16": bf16},
                         hbm_bytes_per_second=hbm, topology=topology,
-                        unsupported=_TPU_UNSUPPORTED)
+                        unsupported=(_TPU_F16, *_tpu_fp8(device, fp8_modes)))
 
 
 def resolve_target(target: str | DeviceTarget) -> DeviceTarget:
@@ -225,9 +238,14 @@ def _tpu_mesh(topology_name: str, description: str) -> jax.sharding.Mesh:
     import numpy as np
     from jax.experimental import topologies
 
+    from hlo_amp.quiet_stderr import fd2_muted
+
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     try:
-        topology = topologies.get_topology_desc(topology_name, "tpu")
+        # libtpu prints its host probes (accelerator type, worker hostnames: none here,
+        # harmless) straight to fd 2 when it loads; failures still arrive as exceptions.
+        with fd2_muted():
+            topology = topologies.get_topology_desc(topology_name, "tpu")
     except Exception as error:  # noqa: BLE001 - libtpu missing, or a slice it refuses
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         advice = ("It needs libtpu matching your jaxlib: pip install 'hlo_amp[tpu]'"

@@ -85,13 +85,68 @@ def test_every_generation_and_a_named_slice(target: str) -> None:
     assert device.topology.startswith(device.name.split("-", 1)[1].split(":")[0] + ":")
 
 
-@pytest.mark.parametrize(("policy", "dtype"), [("f16", "float16"),
-                                               ("mixed_float16", "float16"),
-                                               ("fp8", "float8_e")])
-def test_f16_and_fp8_are_refused_with_the_reason(policy: str, dtype: str) -> None:
+@pytest.mark.parametrize(("target", "policy", "dtype", "why"), [
+    ("tpu-v5e", "f16", "float16", "XLA:TPU upcasts f16 dots"),
+    ("tpu-v6e", "mixed_float16", "float16", "XLA:TPU upcasts f16 dots"),
+    ("tpu-v5e", "fp8", "float8_e5m2", "e4m3fn operand .*TPU v5e's fp8 modes are e5m2 and e4m3b11"),
+    ("tpu-v5p", "op:dot_general=float8_e4m3fn", "float8_e4m3fn", "TPU v5p's fp8 modes"),
+    ("tpu-v4", "fp8", "float8_e5m2", "upcasts fp8 dots .*TPU v4 has no fp8 matrix unit"),
+])
+def test_f16_and_fp8_are_refused_with_the_reason(target: str, policy: str, dtype: str,
+                                                 why: str) -> None:
     step, args = WORKLOADS["mlp"]
-    with pytest.raises(ValueError, match=rf"TPU v5e has no {dtype}\w* matrix unit .*use bf16"):
-        hlo_amp.compile(step, policy).lower(*args, target="tpu-v5e")
+    with pytest.raises(ValueError, match=rf"cannot be compiled for {target}: it computes in "
+                                         rf"{dtype}, and .*{why}.*; on TPU v\w+ use bf16, "
+                                         r"mixed_bfloat16 or f32$"):
+        hlo_amp.compile(step, policy).lower(*args, target=target)
+
+
+# Compiles one dot per operand-type pair for every generation with libtpu's LLO dump on
+# (flags libtpu reads once, when it loads: hence a fresh process) and prints the operand
+# type of the matrix-unit instructions XLA:TPU chose for each.
+_MXU_PROBE = r"""
+import json, os, re, sys
+os.environ["LIBTPU_INIT_ARGS"] = f"--xla_jf_dump_to={sys.argv[1]} --xla_jf_dump_llo_text=true"
+import jax, jax.numpy as jnp
+from hlo_amp.runtime.device_targets import TPU_NAMES, compile_for_target
+found = {}
+for target in TPU_NAMES:
+    for pair in json.loads(sys.argv[2]):
+        for name in os.listdir(sys.argv[1]):
+            os.remove(os.path.join(sys.argv[1], name))
+        a, b = (jax.ShapeDtypeStruct((256, 256), getattr(jnp, t)) for t in pair)
+        compile_for_target(jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)),
+                           a, b, target=target)
+        llo = "".join(open(os.path.join(sys.argv[1], name)).read()
+                      for name in os.listdir(sys.argv[1]) if "fusion" in name
+                      and name.endswith("post-MXU-assigner.txt"))
+        found[target + " " + "x".join(pair)] = sorted(
+            set(re.findall(r"\bvmatmul\.(?:mubr\.)?([a-z]+\d+\w*?)\.", llo)))
+print(json.dumps(found))
+"""
+_PAIRS = [("bfloat16", "bfloat16"), ("float16", "float16"),
+          ("float8_e4m3fn", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e5m2"),
+          ("float8_e5m2", "float8_e5m2")]
+
+
+def test_refusals_are_what_xla_tpu_runs_on_the_matrix_unit(tmp_path: Path) -> None:
+    """The TPU target facts against libtpu's LLO, per generation: bf16 runs as bf16
+    matrix-unit instructions; a refused dtype is one whose dots run as f32 instructions
+    (f16; e4m3fn, the float8_e4m3fn action; e4m3fn with e5m2, the float8_e5m2 action's
+    gradient dot); where the reason names fp8 modes, an e5m2 dot runs as fp8."""
+    proc = subprocess.run([sys.executable, "-c", _MXU_PROBE, str(tmp_path), json.dumps(_PAIRS)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = json.loads(proc.stdout.splitlines()[-1])
+    for target in device_targets.TPU_NAMES:
+        reasons = dict(device_targets.resolve_target(target).unsupported)
+        mxu = {pair: runs[f"{target} {pair}"] for pair in map("x".join, _PAIRS)}
+        assert mxu["bfloat16xbfloat16"] == ["bf16"], target
+        assert ("float16" in reasons) == (mxu["float16xfloat16"] == ["f32"]), target
+        assert ("float8_e4m3fn" in reasons) == (mxu["float8_e4m3fnxfloat8_e4m3fn"] == ["f32"])
+        assert ("float8_e5m2" in reasons) == (mxu["float8_e4m3fnxfloat8_e5m2"] == ["f32"])
+        fp8_modes = "fp8 modes are e5m2" in reasons.get("float8_e5m2", "")
+        assert fp8_modes == (mxu["float8_e5m2xfloat8_e5m2"] == ["f8e5m2"]), target
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -112,7 +167,7 @@ def test_cli_xla_target_tpu(tmp_path: Path) -> None:
     assert verdicts == {("dot_general", True), ("convolution", True)}
     proc = _cli(str(module), "--policy", "fp8", "--xla-target", "tpu-v5e")
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1
-    assert "TPU v5e has no float8_e" in proc.stderr
+    assert "TPU v5e's fp8 modes are e5m2 and e4m3b11fnuz" in proc.stderr
 
 
 def test_unknown_tpu_names_what_is_accepted() -> None:
