@@ -32,14 +32,26 @@ HLO_AMP_OPT = str(Path(sys.executable).parent / "hlo-amp-opt")
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
 _CONV = re.compile(r"=\s*\w+\[[^\]]*\]\S*\s+convolution\(([^)]*)\)")
+_JAX_OP = re.compile(r'op_name="(?:[^"]*/)?([^"/]*)"')
 
 
 def matrix_ops(hlo: str) -> list[tuple[str, ...]]:
     """The operand element types of every convolution in XLA:TPU's optimized HLO (its
     form for dots and convolutions alike)."""
+    return [types for types, _ in matrix_ops_by_jax_op(hlo)]
+
+
+def matrix_ops_by_jax_op(hlo: str) -> list[tuple[tuple[str, ...], str]]:
+    """(operand element types, the JAX op it came from: "dot_general", "conv_general_dilated"
+    or, for a dot XLA transposed, "transpose") of every convolution in optimized HLO."""
     types = {m.group(1): m.group(2) for m in map(_DEF.match, hlo.splitlines()) if m}
-    return [tuple(types[o.strip().split()[-1].lstrip("%")] for o in m.group(1).split(","))
-            for m in map(_CONV.search, hlo.splitlines()) if m]
+    found = []
+    for line in hlo.splitlines():
+        match, op = _CONV.search(line), _JAX_OP.search(line)
+        if match:
+            found.append((tuple(types[o.strip().split()[-1].lstrip("%")]
+                                for o in match.group(1).split(",")), op.group(1) if op else ""))
+    return found
 
 
 @functools.cache
@@ -55,11 +67,14 @@ def test_v5e_verdicts_match_the_optimized_hlo(workload: str, policy: str) -> Non
     converted = [d for d in report.decisions if d.changed and d.low_precision]
     assert converted and report.xla_device == "TPU v5e"
     assert "kept by XLA (TPU v5e, compiled without a device)" in report.summary()
-    ops = Counter("×".join(types) for types in matrix_ops(result.as_text()))
+    ops = matrix_ops_by_jax_op(result.as_text())
     # XLA:TPU keeps the accurate form (bf16 operands, f32 accumulation) for every
-    # converted dot and convolution, forward and backward.
+    # converted dot and convolution, forward and backward, and merges none of them: the
+    # HLO has one bf16 matrix op per converted op, convolutions where JAX had them.
     assert all(d.kept_by_xla and d.xla_form == "XLA bf16×bf16" for d in converted)
-    assert ops["bf16×bf16"] >= len(converted)
+    assert Counter("×".join(types) for types, _ in ops) == {"bf16×bf16": len(converted)}
+    assert (sum(op.startswith("conv") for _, op in ops)
+            == sum(d.op_kind == "convolution" for d in converted))
     assert result.memory_analysis() is not None
 
 
