@@ -56,7 +56,7 @@ from typing import Any
 FREE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
     "after-all", "add-dependency", "partition-id", "replica-id", "domain",
-    "async-done", "async-update",
+    "async-done", "async-update", "fusion-update", "fusion-done",
 })
 _SIZES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -352,28 +352,35 @@ class _Walker:
 
     def kernel(self, inst: Instruction, count: int) -> Kernel:
         operands = list(dict.fromkeys(inst.operands))  # each distinct operand read once
-        if inst.op == "fusion":
+        # An async fusion (fusion-start ... fusion-done, XLA 0.12's in-place updates of a
+        # scan's stacked outputs) is the kernel its start launches.
+        if inst.op in ("fusion", "fusion-start"):
             return self._fusion(inst, count)
         written = sum(a.bytes for i, a in enumerate(inst.arrays) if not _is_workspace(a, i))
         read = sum(n for n in map(self.size, operands) if n is not None)
-        if inst.op != "custom-call":
-            return Kernel(inst.name, inst.op, read + written, count)
+        call = self._library_call(inst, [self.shape(o) for o in inst.operands[:2]])
+        return Kernel(inst.name, inst.op, read + written, count, *(call or ()))
+
+    @staticmethod
+    def _library_call(inst: Instruction, shapes: list[Array | None]
+                      ) -> tuple[int, str, tuple[str, ...], bool] | None:
+        """(FLOPs, kind, operand types, full f32) of a cuBLAS GEMM or cuDNN convolution
+        call whose two matrix operands have ``shapes``; None for any other instruction."""
+        if inst.op != "custom-call" or None in shapes or len(shapes) != 2:
+            return None
         target = re.search(r'custom_call_target="([^"]*)"', inst.attrs)
         target = target.group(1) if target else ""
-        shapes = [s for s in map(self.shape, inst.operands[:2]) if s is not None]
         types = tuple(s.dtype for s in shapes)
-        if target.startswith("__cublas$") and len(shapes) == 2:
+        if target.startswith("__cublas$"):
             config = inst.backend_config().get("gemm_backend_config", {})
             precision = config.get("precision_config", {})
             full = ("HIGHEST" in precision.get("operand_precision", [])
                     or precision.get("algorithm") == "ALG_DOT_F32_F32_F32")
             flops = _gemm_flops(shapes[0], shapes[1], config.get("dot_dimension_numbers", {}))
-            kind = "GEMM fp8" if target.endswith("$f8") else "GEMM"
-            return Kernel(inst.name, inst.op, read + written, count, flops, kind, types, full)
-        if target.startswith("__cudnn$conv") and len(shapes) == 2:
-            return Kernel(inst.name, inst.op, read + written, count,
-                          _conv_flops(inst, shapes, target), "conv", types)
-        return Kernel(inst.name, inst.op, read + written, count)
+            return flops, "GEMM fp8" if target.endswith("$f8") else "GEMM", types, full
+        if target.startswith("__cudnn$conv"):
+            return _conv_flops(inst, shapes, target), "conv", types, False
+        return None
 
     def _fusion(self, inst: Instruction, count: int) -> Kernel:
         body = self.computations.get(inst.attr("calls") or "", [])
@@ -394,8 +401,9 @@ class _Walker:
             if update is not None:
                 written += update[0]
                 in_place.add(update[1])
-            else:
-                written += output.bytes
+            else:  # a library call's workspace (XLA 0.12's dynamic-slice fusions) is not
+                written += sum(a.bytes for i, a in enumerate(output.arrays)
+                               if not _is_workspace(a, i))
         read, seen = 0, set()
         for position, operand in enumerate(inst.operands):
             full = self.size(operand)
@@ -404,8 +412,8 @@ class _Walker:
             seen.add(operand)
             param = params.get(position)
             read += full if param is None else min(full, self._read_bytes(param, users, in_place))
-        flops, matrix, types = self._fused_matrix_ops(body)
-        return Kernel(inst.name, inst.op, read + written, count, flops, matrix, types)
+        flops, matrix, types, full = self._fused_matrix_ops(body)
+        return Kernel(inst.name, inst.op, read + written, count, flops, matrix, types, full)
 
     @staticmethod
     def _def_in(body: list[Instruction], name: str) -> Instruction | None:
@@ -445,21 +453,30 @@ class _Walker:
         return value.bytes
 
     def _fused_matrix_ops(self, body: list[Instruction], depth: int = 0
-                          ) -> tuple[int, str | None, tuple[str, ...]]:
-        """FLOPs, kind and operand types of dots/convolutions inside a fusion (Triton)."""
-        flops, kind, types = 0, None, ()
+                          ) -> tuple[int, str | None, tuple[str, ...], bool]:
+        """FLOPs, kind, operand types and full-f32-ness of the dots/convolutions inside a
+        fusion (Triton), and of the library calls in one (XLA 0.12's dynamic-slice
+        fusions wrap a cuBLAS GEMM and the slicing of its operands)."""
+        flops, kind, types, full = 0, None, (), False
         local = {i.name: i for i in body}
         for i in body:
             if i.op == "fusion" and depth < 4:
                 inner = self._fused_matrix_ops(
                     self.computations.get(i.attr("calls") or "", []), depth + 1)
                 flops += inner[0]
-                kind, types = kind or inner[1], types or inner[2]
-            if i.op not in ("dot", "convolution") or len(i.operands) < 2:
+                kind, types, full = kind or inner[1], types or inner[2], full or inner[3]
+            if i.op not in ("dot", "convolution", "custom-call") or len(i.operands) < 2:
                 continue
             shapes = [local[o].arrays[0] if o in local and local[o].arrays else self.shape(o)
                       for o in i.operands[:2]]
             if None in shapes:
+                continue
+            call = self._library_call(i, shapes)
+            if call is not None:
+                flops += call[0]
+                kind, types, full = kind or call[1], types or call[2], full or call[3]
+                continue
+            if i.op == "custom-call":
                 continue
             if i.op == "dot":
                 flops += _gemm_flops(shapes[0], shapes[1], _dot_dims(i.attrs))
@@ -468,7 +485,7 @@ class _Walker:
                 flops += _conv_flops(i, shapes, "convForward")
                 kind = kind or "conv"
             types = types or tuple(s.dtype for s in shapes)
-        return flops, kind, types
+        return flops, kind, types, full
 
 
 def estimate(hlo_text: str, target: Any = "h100") -> Estimate:
