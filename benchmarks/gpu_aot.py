@@ -9,7 +9,8 @@ XLA:GPU's optimized HLO.
   (parameters, constants, tuples, get-tuple-element, bitcasts are free). A loop's kernels
   count once per iteration: the ``known_trip_count`` XLA prints in the ``while``'s
   ``backend_config`` (nested loops multiply; a loop without one counts once and is
-  reported in ``unknown_trip_counts``). Of a ``conditional``, the branch moving the most
+  reported in ``unknown_trip_counts``; XLA:TPU prints none, so there the count is read
+  from the condition, ``i < N`` with ``i`` starting at a constant). Of a ``conditional``, the branch moving the most
   bytes counts; ``call``/``async-start`` computations are walked as if inlined.
 * **HBM bytes** of a kernel: the bytes of its distinct operands plus those of its result
   (a cuBLAS call's workspace excluded). Inside a fusion, a parameter only sliced
@@ -20,8 +21,11 @@ XLA:GPU's optimized HLO.
   elements)``, its dimensions from the cuBLAS call's ``dot_dimension_numbers``; a cuDNN
   convolution's ``2 · (forward output elements) · (filter elements) / (output
   features)``, the forward convolution read from ``dim_labels`` (the gradient calls
-  name its input, filter and output among their operands and result). ``dot`` and
-  ``convolution`` instructions inside fusions (Triton GEMMs) count the same way. The
+  name its input, filter and output among their operands and result). ``dot``
+  instructions inside fusions (Triton GEMMs) count the same way; an HLO ``convolution``
+  (XLA:TPU's form of every matrix op) counts the products it computes: window positions
+  on input elements, not on padding or ``lhs_dilate`` holes (XLA:TPU's batched dots are
+  convolutions over a batch dilated into holes). The
   GEMM's class is its two matrix operands' element types: all 16-bit, all fp8, or wide.
 * **Roofline time** of a kernel: ``max(bytes / HBM bandwidth, FLOPs / peak)``, the peak
   of its operand class (``f32`` is TF32 on tensor cores, XLA's default precision;
@@ -303,6 +307,58 @@ def _conv_flops(call: Instruction, shapes: list[Array], target: str) -> int:
     return 2 * math.prod(output.shape) * math.prod(kernel.shape) // max(1, out_features)
 
 
+def _hlo_conv_flops(conv: Instruction, shapes: list[Array]) -> int:
+    """FLOPs of an HLO ``convolution`` counting only the products XLA computes: per
+    output element, the window positions that land on an input element, not on padding
+    or on the holes of ``lhs_dilate``. XLA:TPU writes batched dots so (the batch as a
+    window of its size over an input dilated by as much: one real product per window)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", conv.attrs)
+    if not labels or len(shapes) < 2 or not conv.arrays:
+        return 0
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    lhs, rhs, out = shapes[0], shapes[1], conv.arrays[0]
+    window: dict[str, list[int]] = {}
+    match = re.search(r"window=\{([^}]*)\}", conv.attrs)
+    for key, value in re.findall(r"(\w+)=([\dx_\-]+)", match.group(1) if match else ""):
+        window[key] = [int(v) for v in re.split(r"[x_]", value)]
+    spatial = [c for c in out_labels if c.isdigit()]
+    macs = math.prod(out.shape[out_labels.index(c)] for c in "bf" if c in out_labels)
+    macs *= rhs.shape[rhs_labels.index("i")] if "i" in rhs_labels else 1
+    for d, label in enumerate(spatial):
+        size = window.get("size", [1] * len(spatial))[d]
+        stride = window.get("stride", [1] * len(spatial))[d]
+        lhs_dilate = window.get("lhs_dilate", [1] * len(spatial))[d]
+        rhs_dilate = window.get("rhs_dilate", [1] * len(spatial))[d]
+        pad_low = window.get("pad", [0] * 2 * len(spatial))[2 * d]
+        extent = (lhs.shape[lhs_labels.index(label)] - 1) * lhs_dilate
+        macs *= sum(1 for o in range(out.shape[out_labels.index(label)]) for k in range(size)
+                    if 0 <= (p := o * stride + k * rhs_dilate - pad_low) <= extent
+                    and p % lhs_dilate == 0)
+    return 2 * macs
+
+
+def _trip_count(condition: list[Instruction], init: Instruction | None,
+                defs: dict[str, Instruction]) -> int | None:
+    """A loop's trip count from its condition, for HLO without ``known_trip_count``
+    (XLA:TPU's): ``i < N`` on a tuple element whose initial value is a constant."""
+    root = next((i for i in condition if i.root), None)
+    local = {i.name: i for i in condition}
+    if (root is None or root.op != "compare" or "direction=LT" not in root.attrs
+            or len(root.operands) != 2 or init is None or init.op != "tuple"):
+        return None
+    counter, bound = (local.get(o) for o in root.operands)
+    if (counter is None or bound is None or counter.op != "get-tuple-element"
+            or bound.op != "constant"):
+        return None
+    index = re.search(r"index=(\d+)", counter.attrs)
+    start = defs.get(init.operands[int(index.group(1))]) if index else None
+    while start is not None and start.op in ("copy", "bitcast") and start.operands:
+        start = defs.get(start.operands[0])  # XLA:TPU copies the counter's constant in
+    if start is None or start.op != "constant":
+        return None
+    return max(0, int(bound.args) - int(start.args))
+
+
 class _Walker:
     def __init__(self, computations: dict[str, list[Instruction]]):
         self.computations = computations
@@ -325,6 +381,9 @@ class _Walker:
                 continue
             if inst.op == "while":
                 trips = inst.backend_config().get("known_trip_count", {}).get("n")
+                if trips is None and inst.operands:
+                    trips = _trip_count(self.computations.get(inst.attr("condition") or "", []),
+                                        self.defs.get(inst.operands[0]), self.defs)
                 if trips is None:
                     self.unknown_trip_counts += 1
                 n = int(trips) if trips is not None else 1
@@ -482,7 +541,7 @@ class _Walker:
                 flops += _gemm_flops(shapes[0], shapes[1], _dot_dims(i.attrs))
                 kind = kind or "GEMM"
             else:
-                flops += _conv_flops(i, shapes, "convForward")
+                flops += _hlo_conv_flops(i, shapes)
                 kind = kind or "conv"
             types = types or tuple(s.dtype for s in shapes)
         return flops, kind, types, full

@@ -210,3 +210,36 @@ def test_aot_estimate_reads_tpu_matrix_ops_and_the_variants_skip_fp8() -> None:
     chosen = variants("tpu-v5e-aot")
     assert "hlo_amp fp8" not in chosen and "hlo_amp mixed_bfloat16" in chosen
     assert not any("XLA bf16 dot algorithm" in v for v in chosen)
+
+
+def test_aot_estimate_counts_batched_dots_and_loops_as_xla_tpu_writes_them() -> None:
+    """XLA:TPU writes a batched dot as a convolution whose batch is a window over an input
+    dilated by as much (one real product per window): its FLOPs are 2·B·M·N·K, not the
+    window's size times that; and its loops carry no known_trip_count: the trip count is
+    read from the condition (``i < 12``, i from a constant 0)."""
+    from benchmarks.gpu_aot import estimate
+    from hlo_amp.runtime.device_targets import compile_for_target
+
+    def attention(q: jax.Array, k: jax.Array) -> jax.Array:
+        return jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)
+
+    q = jax.ShapeDtypeStruct((8, 4, 17, 64), jnp.float32)
+    hlo = compile_for_target(jax.jit(attention), q, q, target="tpu-v5e").as_text()
+    assert "lhs_dilate" in hlo  # the form this test is about
+    assert estimate(hlo, "tpu-v5e").matrix_flops == 2 * 8 * 4 * 17 * 17 * 64
+
+    w = jnp.ones((128, 128), jnp.bfloat16)
+
+    def scan(h: jax.Array, xs: jax.Array) -> jax.Array:
+        def cell(h, x):
+            h = jnp.tanh(jnp.dot(h.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+                         + x)
+            return h, h
+        return jax.lax.scan(cell, h, xs)[1]
+
+    hlo = compile_for_target(jax.jit(scan), jnp.ones((16, 128)), jnp.ones((12, 16, 128)),
+                             target="tpu-v5e").as_text()
+    assert "known_trip_count" not in hlo
+    found = estimate(hlo, "tpu-v5e")
+    assert found.matrix_flops == 12 * 2 * 16 * 128 * 128 and found.unknown_trip_counts == 0
