@@ -577,9 +577,10 @@ def aot_table(results: list[AotResult], calls: str = "cuBLAS/cuDNN calls") -> li
     return lines
 
 
-def aot_targets(name: str, results: list[AotResult], fp8: bool = True) -> list[str]:
+def aot_targets(name: str, results: list[AotResult], fp8: bool = True,
+                no_fp8: str = "this device has no fp8 matrix unit") -> list[str]:
     """mixed_bfloat16's temp memory and roofline time against its peers; fp8's GEMMs
-    (``fp8=False``: a device without fp8, no check)."""
+    (``fp8=False``: a device hlo_amp's fp8 is refused on, for the reason ``no_fp8``)."""
     by = {r.variant: r for r in results if not r.error}
     mixed, f32, flax, accurate = (by.get(v) for v in (MIXED, "f32", "flax bf16",
                                                       "hlo_amp bf16"))
@@ -606,7 +607,7 @@ def aot_targets(name: str, results: list[AotResult], fp8: bool = True) -> list[s
             out.append(_line(f"{MIXED} roofline step time", "≤ flax bf16's",
                              f"{1e3 * m:.4g} vs {1e3 * f:.4g} ms ({m / f:.3f}×)", m <= f))
     if not fp8:
-        out.append("- hlo_amp fp8: not compiled, this device has no fp8 matrix unit")
+        out.append(f"- hlo_amp fp8: not compiled, {no_fp8}")
         return out
     fp8 = by.get("hlo_amp fp8")
     if fp8 is None or fp8.fp8_dots is None:
@@ -709,15 +710,22 @@ def _tpu_aot_header(target: Any, command: str, jax_version: str) -> list[str]:
          "TFLOP/s, also for f32 dots (XLA:TPU runs them as one bf16 pass at DEFAULT "
          f"precision); HBM {target.hbm_bytes_per_second / 1e9:.0f} GB/s"),
         ("- 16-bit FLOP share: of all matrix FLOPs (XLA:TPU emits dots and convolutions as "
-         "`convolution`, shapes from the optimized HLO), those whose two operands are bf16; "
-         "XLA temp: `memory_analysis().temp_size_in_bytes`. No fp8 row: no TPU generation "
-         "here has an fp8 matrix unit"),
+         "`convolution`, shapes from the optimized HLO; only the products computed: its "
+         "batched dots are convolutions over a batch dilated into holes), those whose two "
+         "operands are bf16; XLA temp: `memory_analysis().temp_size_in_bytes`. No fp8 row: "
+         f"{_no_fp8(target)}"),
         ("- HBM GB (est.) and roofline: as for the GPU rows (`benchmarks/gpu_aot.py`), over "
          "XLA:TPU's top-level fusions; blind spots: VMEM/CMEM reuse, the MXU's f32 passes "
          "(an f32 operand fed as bf16) and the vector units' time are not modelled. Ratios "
          "between variants are the point, not absolute times"),
         "",
     ]
+
+
+def _no_fp8(target: Any) -> str:
+    """Why hlo_amp's fp8 preset is not compiled for ``target`` (its refusal, in words)."""
+    why = target.refusal({"float8_e5m2"})
+    return why.split(", and ", 1)[-1] if why else "this device has no fp8 matrix unit"
 
 
 def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
@@ -745,7 +753,7 @@ def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
             print(f"  {variant}: " + (r.error or f"compiled in {r.compile_s:.1f} s"), flush=True)
         tpu = target.platform == "tpu"
         table = aot_table(results, "XLA:TPU matrix ops" if tpu else "cuBLAS/cuDNN calls")
-        checks = aot_targets(workload.name, results, fp8=not tpu)
+        checks = aot_targets(workload.name, results, fp8=not tpu, no_fp8=_no_fp8(target))
         f32 = next((r for r in results if r.variant == "f32" and not r.error), None)
         if f32 is not None and f32.temp_bytes < 2**20:
             table.append(f"\nf32's XLA temp is {f32.temp_bytes} bytes (XLA keeps this step's "
