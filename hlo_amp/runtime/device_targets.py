@@ -248,9 +248,13 @@ def _tpu_mesh(topology_name: str, description: str) -> jax.sharding.Mesh:
             topology = topologies.get_topology_desc(topology_name, "tpu")
     except Exception as error:  # noqa: BLE001 - libtpu missing, or a slice it refuses
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        missing = ("tpu" in first.lower() and "unknown backend" in first.lower()
+                   or "libtpu" in first.lower())
+        default = next((t[1] for t in _TPUS.values()
+                        if t[1].split(":")[0] == topology_name.split(":")[0]), "")
         advice = ("It needs libtpu matching your jaxlib: pip install 'hlo_amp[tpu]'"
-                  if "tpu" in first.lower() and "unknown backend" in first.lower()
-                  or "libtpu" in first.lower() else "")
+                  if missing else f"A slice that works: tpu-{default} (the default)"
+                  if default and default != topology_name else "")
         raise NoCompilerForTarget(
             f"cannot compile for {description} without a device: {first}. {advice}".strip()
         ) from None

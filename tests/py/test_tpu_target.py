@@ -189,6 +189,10 @@ def test_unknown_tpu_names_what_is_accepted() -> None:
     f = hlo_amp.compile(lambda a: a @ a, "bf16")
     with pytest.raises(ValueError, match=r"tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e"):
         f.lower(jnp.ones((8, 8)), target="tpu-v9")
+    # A slice libtpu does not describe: its reason, and one that works.
+    with pytest.raises(device_targets.NoCompilerForTarget,
+                       match=r"v5e:9x9.*A slice that works: tpu-v5e:2x2"):
+        f.lower(jnp.ones((8, 8)), target="tpu-v5e:9x9")
 
 
 def test_aot_estimate_reads_tpu_matrix_ops_and_the_variants_skip_fp8() -> None:
