@@ -2,12 +2,13 @@
 
     hlo-amp-opt [FILE|-] [-o OUT] [--policy SPEC] [--scope PATTERN=ACTION]...
                 [--op KIND=ACTION]... [--report OUT.json] [--split-input-file]
-                [--debug-info] [--pass NAME]... [--verify-each]
-                [--xla-target h100|h200|a100|CONFIG.txtpb]
+                [--debug-info] [--pass NAME]... [--verify-each] [--target cpu|gpu|tpu]
+                [--xla-target h100|h200|a100|CONFIG.txtpb|tpu-v4|tpu-v5e|tpu-v5p|tpu-v6e]
 
-``--xla-target`` also compiles the rewritten module with XLA for that GPU, on any
-machine (no device, no run; needs the ``gpu`` extra), and fills the report's
-kept-by-XLA verdicts from the optimized HLO.
+``--xla-target`` also compiles the rewritten module with XLA for that GPU or TPU, on any
+machine (no device, no run; needs the ``gpu`` or ``tpu`` extra), and fills the report's
+kept-by-XLA verdicts from the optimized HLO. A TPU name may carry a slice
+(``tpu-v5e:2x2``).
 
 Errors (unreadable file, text that is not MLIR, a bad policy) print one line on stderr
 and exit with status 1; no output file is written.

@@ -1,8 +1,10 @@
-"""What XLA:CPU runs fast: the layout and hardware facts behind bf16 dot speed.
+"""What XLA:CPU runs fast: the layout and hardware facts behind bf16 dot speed; and, at
+the end, the form a matrix op takes per target (CPU, GPU, TPU).
 
-Shared by the fast-dot-layout pass (which relays dots into the fast form) and the
+Shared by the fast-dot-layout pass (which relays dots into the fast form), the
 insert-converts pass (whose ``only_if_faster`` option leaves a dot in f32 when the
-CPU cannot run it faster in bf16). Findings and measurements: benchmarks/DOT_LAYOUT.md.
+CPU cannot run it faster in bf16) and the propagate pass. Findings and measurements:
+benchmarks/DOT_LAYOUT.md, docs/gpu_target.md.
 """
 
 from __future__ import annotations
@@ -434,9 +436,22 @@ def _is_bf16_to_f32(op: hlo.DotGeneralOp) -> bool:
 def matrix_result_in_16bit(target: str | None) -> bool:
     """Whether a matrix op inside a 16-bit region should return the 16-bit type itself.
 
-    On GPU (``target`` None or ``"gpu"``) yes: XLA:GPU accumulates 16-bit GEMMs in f32,
-    and a separate ``convert`` of a GEMM result is not fused into the cuBLAS epilogue.
+    On GPU and TPU (``target`` None, ``"gpu"`` or ``"tpu"``) yes: XLA:GPU and XLA:TPU
+    accumulate 16-bit matrix ops in f32, and on GPU a separate ``convert`` of a GEMM
+    result is not fused into the cuBLAS epilogue.
     On CPU no: XLA:CPU upcasts every 16-bit-result dot to f32 (slower than f32 alone),
     so the dot keeps its f32 result and a ``convert`` follows it.
     """
     return target != "cpu"
+
+
+def low_result_on_target(kind: str, target: str | None) -> bool:
+    """Whether ``target`` runs this op kind in 16 bit only with a 16-bit result.
+
+    GPU: cuDNN runs same-type 16-bit convolutions only (bf16→bf16, f16→f16, accumulating
+    in f32 inside), and XLA:GPU upcasts ``convolution(bf16, bf16) -> f32`` to f32×f32; so
+    there a convolution produces the 16-bit type and a convert follows it. cuBLASLt has
+    bf16×bf16→f32 GEMMs: dots keep the f32 result. TPU keeps bf16×bf16→f32 dots and
+    convolutions (docs/gpu_target.md). CPU: the forms above.
+    """
+    return target == "gpu" and kind == "convolution"

@@ -2,29 +2,30 @@
 
 insert_converts decides which ``dot_general`` ops run in fp8 and marks them with the
 attribute ``hlo_amp.fp8 = [lhs type, rhs type, dequantise type]`` (it also checked that
-the dot can take XLA's fp8 GEMM form: hlo_amp/fp8_gemm.py). This pass replaces each
-marked operand ``x`` by its quantised-then-dequantised value, computed in the program
-itself (no state to thread through the train step):
+the dot can take XLA's fp8 GEMM form: hlo_amp/fp8_gemm.py). This pass quantises each
+marked operand ``x`` in the program itself (no state to thread through the train step)
+and rewrites the dot to read the fp8 tensors directly:
 
     amax  = reduce_max(abs(x))                        (f32)
     s     = amax * (1 / fmax)                         (fmax: 448 for e4m3fn, 57344 e5m2)
     s     = convert(convert(s) -> D) -> f32           (the scale D can hold exactly)
     s     = s > 0 and is_finite(s) ? s : 1.0          (all-zero, inf or NaN amax: scale 1)
     q     = convert(clamp(-fmax, x / broadcast(s), fmax)) -> fp8
-    x_dq  = convert(q) -> D  *  broadcast(convert(s) -> D)
+    y     = dot_general(q_lhs, q_rhs) -> result type  *  broadcast(s_lhs * s_rhs)
 
-and the dot reads ``x_dq`` (D = bf16 by default, so on CPU the dot runs XLA:CPU's fast
-bf16 x bf16 -> f32 path; its result type stays what the program wrote). The
-``convert(q)`` -> ``multiply`` by a ``broadcast`` of a scalar -> dot chain is exactly
-what ``MatchFp8Param`` in XLA's gemm_rewriter.cc matches: on Hopper the dot becomes one
-``__cublas$lt$matmul$f8`` custom call reading the fp8 tensors, with both scales as its
-a_scale/b_scale operands (see fp8_gemm.py for the conditions). Values saturate at
-``fmax`` (Transformer Engine's and Flax's ``clip``), a NaN stays NaN, so a step with a
-NaN operand gives non-finite gradients and the loss scaler skips it.
+(D, the dequantise type, is bf16 by default; the dot's result type stays what the
+program wrote.) That is Flax's and Transformer Engine's form: XLA:GPU's gemm_rewriter.cc
+makes the dot one ``__cublas$lt$matmul$f8`` custom call and folds the scale product into
+it, and with Triton GEMM on it stays a Triton fp8 fusion (the older dequantise-then-dot
+form became a bf16 GEMM there; docs/fp8.md). An operand computed from a matrix op is
+quantised behind an ``optimization_barrier`` so the rewriter cannot fuse a scale into
+the GEMM whose own amax computes it. Values saturate at ``fmax`` (Transformer Engine's
+and Flax's ``clip``), a NaN stays NaN, so a step with a NaN operand gives non-finite
+gradients and the loss scaler skips it.
 
 One quantisation per (value, fp8 type, dequantise type) and block: a weight read by the
 forward dot and by the backward dot computing dx is quantised once. Ops get the dot's
-location, so the quantise and dequantise ops sit in the dot's scope.
+location, so the quantise ops and the scale multiply sit in the dot's scope.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu
+from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu, low_result_on_target
 from hlo_amp.fp8_gemm import FP8_FALLBACK, FP8_MARK, dequantized_format, fp8_obstacle
 from hlo_amp.gradients import GradientFlow
 from hlo_amp.modules import (
@@ -146,17 +146,6 @@ def slower_on_target(op: Any, kind: str, policy: Policy, target: str | None) -> 
     if kind == "dot_general" and not is_fast_on_cpu(op, native_bf16=True):
         return "left as written: XLA:CPU has no fast bf16 path for this dot's shape"
     return None
-
-
-def low_result_on_target(kind: str, target: str | None) -> bool:
-    """Whether ``target`` runs this op kind in 16 bit only with a 16-bit result.
-
-    GPU: cuDNN runs same-type 16-bit convolutions only (bf16→bf16, f16→f16, accumulating
-    in f32 inside), and XLA:GPU upcasts ``convolution(bf16, bf16) -> f32`` to f32×f32; so
-    there a convolution produces the 16-bit type and a convert follows it. cuBLASLt has
-    bf16×bf16→f32 GEMMs: dots keep the f32 result. CPU: today's forms (see cpu_dots).
-    """
-    return target == "gpu" and kind == "convolution"
 
 
 def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,

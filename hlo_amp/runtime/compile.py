@@ -288,9 +288,11 @@ class AmpFunction:
               **kwargs: Any) -> AmpLowered:
         """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``).
 
-        ``target="h100"`` (``"h200"``, ``"a100"``, or a ``GpuTargetConfig`` file's path)
-        lowers and compiles for that GPU without one: arrays or ``jax.ShapeDtypeStruct``
-        arguments, replicated on one device of it; the result can be read, not run.
+        ``target="h100"`` (``"h200"``, ``"a100"``, a ``GpuTargetConfig`` file's path, or a
+        TPU: ``"tpu-v4"``, ``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``, ``"tpu-v5e:2x2"``)
+        lowers and compiles for that device without one: arrays or
+        ``jax.ShapeDtypeStruct`` arguments, replicated on one device of it; the result can
+        be read, not run.
         """
         device = resolve_target(target) if target is not None else None
         style = argument_style(args, kwargs, self.filter, self._styles)

@@ -8,6 +8,7 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.cpu_dots import low_result_on_target
 from hlo_amp.modules import (
     clone_private,
     function_name,
@@ -16,7 +17,6 @@ from hlo_amp.modules import (
     with_element,
 )
 from hlo_amp.op_classes import ALLOW
-from hlo_amp.passes.insert_converts import low_result_on_target
 from hlo_amp.passes.propagate.body import (
     CONTROL_FLOW_OPS,
     F32,
