@@ -21,7 +21,7 @@ demo: $(STAMP)
 # extra's libtpu compiles for a TPU topology without one the same way.
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu $(BIN)/lit -v tests/lit
-	PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q tests/py
+	PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests/py
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run

@@ -1,12 +1,13 @@
 """Small train steps of six model kinds, for compiling for a GPU without one (tests).
 
-Each is ``(name, step, args)``: an SGD step ``(params, x, y) -> (params, loss)`` written
-as its framework writes the model, on arrays small enough to compile in seconds.
+``WORKLOADS[name]`` is ``(step, args)``: an SGD step ``(params, x, y) -> (params, loss)``
+written as its framework writes the model, on arrays small enough to compile in seconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -103,16 +104,40 @@ def _remat_case() -> tuple:
     return "remat_block", _sgd(loss_fn), (params, x, jnp.arange(64) % 10)
 
 
-def workloads() -> list[tuple[str, Callable[..., Any], tuple]]:
-    """MLP, CNN, ViT (NNX), a Linen transformer, a scan RNN and a remat'd block."""
-    return [
-        _nnx_case("mlp", MLP(features=128, width=256, depth=3, classes=10, rngs=nnx.Rngs(0)),
-                  (32, 128)),
-        _nnx_case("cnn", CNN(channels=3, image_size=16, widths=(16, 32), classes=10,
-                             rngs=nnx.Rngs(0)), (8, 16, 16, 3)),
-        _nnx_case("vit", ViT(image_size=16, channels=3, patch=4, dim=64, depth=2, heads=4,
-                             mlp_dim=128, classes=10, rngs=nnx.Rngs(0)), (8, 16, 16, 3)),
-        _linen_case(),
-        _scan_rnn_case(),
-        _remat_case(),
-    ]
+_BUILDERS: dict[str, Callable[[], tuple]] = {
+    "mlp": lambda: _nnx_case("mlp", MLP(features=128, width=256, depth=3, classes=10,
+                                        rngs=nnx.Rngs(0)), (32, 128)),
+    "cnn": lambda: _nnx_case("cnn", CNN(channels=3, image_size=16, widths=(16, 32),
+                                        classes=10, rngs=nnx.Rngs(0)), (8, 16, 16, 3)),
+    "vit": lambda: _nnx_case("vit", ViT(image_size=16, channels=3, patch=4, dim=64, depth=2,
+                                        heads=4, mlp_dim=128, classes=10, rngs=nnx.Rngs(0)),
+                             (8, 16, 16, 3)),
+    "linen_transformer": _linen_case,
+    "scan_rnn": _scan_rnn_case,
+    "remat_block": _remat_case,
+}
+
+
+class _Workloads(Mapping):
+    """name -> (step, args), each built on first use and kept: building all six takes
+    about 10 s (eager initialisers), which a pytest-xdist worker that runs no GPU or TPU
+    test should not pay at collection."""
+
+    def __getitem__(self, name: str) -> tuple[Callable[..., Any], tuple]:
+        return _built(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_BUILDERS)
+
+    def __len__(self) -> int:
+        return len(_BUILDERS)
+
+
+@functools.cache
+def _built(name: str) -> tuple[Callable[..., Any], tuple]:
+    _, step, args = _BUILDERS[name]()
+    return step, args
+
+
+# MLP, CNN, ViT (NNX), a Linen transformer, a scan RNN and a remat'd block.
+WORKLOADS: Mapping[str, tuple[Callable[..., Any], tuple]] = _Workloads()

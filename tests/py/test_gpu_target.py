@@ -30,13 +30,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from gpu_workloads import workloads
+from gpu_workloads import WORKLOADS
 
 import hlo_amp
 from hlo_amp.runtime import device_targets
 
 POLICIES = ("bf16", "f16", "mixed_bfloat16", "mixed_float16", "fp8")
-WORKLOADS = {name: (step, args) for name, step, args in workloads()}
 # Workloads where fewer than 90% of the fp8 dots are fp8 GEMMs today (issue 20's target).
 FP8_SHORT_OF_TARGET = {"linen_transformer"}
 HLO_AMP_OPT = str(Path(sys.executable).parent / "hlo-amp-opt")

@@ -21,13 +21,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from gpu_workloads import workloads
+from gpu_workloads import WORKLOADS
 
 import hlo_amp
 from hlo_amp.runtime import device_targets
 
 POLICIES = ("bf16", "mixed_bfloat16")
-WORKLOADS = {name: (step, args) for name, step, args in workloads()}
 HLO_AMP_OPT = str(Path(sys.executable).parent / "hlo-amp-opt")
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
