@@ -513,7 +513,7 @@ def aot_compile(workload: Any, variant: str, target: Any, x: Any, y: Any) -> Aot
     import hlo_amp
     from benchmarks.gpu_aot import estimate
     from benchmarks.workloads import HLO_AMP_POLICIES, XLA_OPTIONS, variant_step
-    from hlo_amp.runtime.device_targets import compile_for_target
+    from hlo_amp import compile_for_target
 
     result = AotResult(variant)
     try:

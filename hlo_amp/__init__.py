@@ -15,6 +15,7 @@ from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import rewrite
 from hlo_amp.runtime.compile import AmpCompiled, AmpFunction, AmpLowered, compile
+from hlo_amp.runtime.device_targets import compile_for_target
 from hlo_amp.runtime.scaler import (
     DynamicScalerState,
     all_finite,
@@ -41,6 +42,7 @@ __all__ = [
     "autopolicy",
     "compare",
     "compile",
+    "compile_for_target",
     "dynamic_scale_grad",
     "dynamic_scale_value_and_grad",
     "module_scopes",

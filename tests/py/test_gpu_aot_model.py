@@ -14,7 +14,8 @@ import pytest
 
 from benchmarks.gpu_aot import F32_NON_TENSOR, estimate
 from benchmarks.run import HAND_WRITTEN, write_aot_section
-from hlo_amp.runtime.device_targets import compile_for_target, resolve_target
+from hlo_amp import compile_for_target
+from hlo_amp.runtime.device_targets import resolve_target
 
 H100 = resolve_target("h100")
 M, K, N = 256, 512, 384  # multiples of 8: XLA pads no 16-bit GEMM

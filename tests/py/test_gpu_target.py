@@ -130,7 +130,7 @@ def test_fp8_dots_run_as_fp8_gemms(workload: str) -> None:
 def test_memory_analysis_and_f32_and_jax_jit_peers_on_one_footing() -> None:
     step, args = WORKLOADS["mlp"]
     f32 = hlo_amp.compile(step, "f32").lower(*args, target="h100").compile()
-    peer = device_targets.compile_for_target(jax.jit(step), *args, target="h100")
+    peer = hlo_amp.compile_for_target(jax.jit(step), *args, target="h100")
     # f32 rewrites nothing: the same module, so XLA allocates the same temp bytes.
     assert (f32.memory_analysis().temp_size_in_bytes
             == peer.memory_analysis().temp_size_in_bytes > 0)

@@ -199,7 +199,7 @@ def test_aot_estimate_reads_tpu_matrix_ops_and_the_variants_skip_fp8() -> None:
     2·M·N·K FLOPs in its operands' class; no fp8 or XLA:GPU-flag variant is compiled."""
     from benchmarks.gpu_aot import estimate
     from benchmarks.workloads import variants
-    from hlo_amp.runtime.device_targets import compile_for_target
+    from hlo_amp import compile_for_target
 
     def f(a: jax.Array, b: jax.Array) -> jax.Array:
         return jnp.tanh(jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
@@ -221,7 +221,7 @@ def test_aot_estimate_counts_batched_dots_and_loops_as_xla_tpu_writes_them() -> 
     window's size times that; and its loops carry no known_trip_count: the trip count is
     read from the condition (``i < 12``, i from a constant 0)."""
     from benchmarks.gpu_aot import estimate
-    from hlo_amp.runtime.device_targets import compile_for_target
+    from hlo_amp import compile_for_target
 
     def attention(q: jax.Array, k: jax.Array) -> jax.Array:
         return jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
