@@ -123,11 +123,14 @@ func.func @clear_ops(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf
 
 // -----
 
-// Every deny op stays f32 with f32 inputs, and the dot before them keeps its f32 result.
-// With op:exponential=compute the exponential may be painted: it reaches the last dot
-// through the deny ops, which convert their own input; log is still deny.
+// Every deny op stays f32 and computes from f32 inputs. The dot before them reaches the
+// last dot through them (they convert their own input), so its result sits between
+// matrix ops: 16-bit, converted up in front of the exponential (as PyTorch autocast's
+// matmul result before its f32 exp). With op:exponential=compute the exponential may be
+// painted too; log is still deny.
 // CHECK-LABEL: func.func @deny_ops
-// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CHECK:         %[[D16:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[D:.*]] = stablehlo.convert %[[D16]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
 // CHECK:         %[[E:.*]] = stablehlo.exponential %[[D]] : tensor<2x4xf32>
 // CHECK:         %[[L:.*]] = stablehlo.log %[[E]] : tensor<2x4xf32>
 // CHECK:         %[[R:.*]] = stablehlo.rsqrt %[[L]] : tensor<2x4xf32>
@@ -160,9 +163,13 @@ func.func @deny_ops(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf3
 // -----
 
 // op:exponential=compute moves exp into the paintable classes: painted between dots.
+// Without it exp is deny: f32 from the 16-bit dot result it converts up.
 // CHECK-LABEL: func.func @exp_between_dots
-// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
-// CHECK:         stablehlo.exponential %[[D]] : tensor<2x4xf32>
+// CHECK:         %[[D16:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[D:.*]] = stablehlo.convert %[[D16]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         %[[E:.*]] = stablehlo.exponential %[[D]] : tensor<2x4xf32>
+// CHECK:         %[[E16:.*]] = stablehlo.convert %[[E]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[E16]], {{.*}} -> tensor<2x3xf32>
 // OPRULE-LABEL: func.func @exp_between_dots
 // OPRULE:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
 // OPRULE:         %[[E:.*]] = stablehlo.exponential %[[D]] : tensor<2x4xbf16>
@@ -198,8 +205,11 @@ func.func @deny_converts_its_input(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2
 // Deny spreads forward, through infer ops only (TensorFlow's rule): the multiply by the
 // broadcast sum and the tanh after it stay f32 and convert for the dot; a reshape of the
 // sum that leads only to a dot is data movement, not arithmetic: it moves 16-bit values.
+// The first dot's result reaches both dots through those f32 ops: 16-bit, converted up
+// once for them.
 // CHECK-LABEL: func.func @deny_spreads_forward
-// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CHECK:         %[[D16:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[D:.*]] = stablehlo.convert %[[D16]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
 // CHECK:         %[[S:.*]] = stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
 // CHECK:         %[[M:.*]] = stablehlo.multiply %[[D]], %{{.*}} : tensor<2x4xf32>
 // CHECK:         %[[T:.*]] = stablehlo.tanh %[[M]] : tensor<2x4xf32>
@@ -257,9 +267,11 @@ func.func @softmax(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %v: tensor<4x3xf32>
 
 // Layer norm as JAX lowers it (mean, centre, variance, rsqrt, scale): the sums and the
 // rsqrt stay f32, and so does the rest: it is downstream of the mean (deny spreads
-// forward through infer ops).
+// forward through infer ops). The dot before it is 16-bit: its result reaches the next
+// dot through the layer norm, which converts it up.
 // CHECK-LABEL: func.func @layer_norm
-// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CHECK:         %[[D16:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[D:.*]] = stablehlo.convert %[[D16]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
 // CHECK:         stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
 // CHECK:         %[[C:.*]] = stablehlo.subtract %[[D]], %{{.*}} : tensor<2x4xf32>
 // CHECK:         stablehlo.multiply %[[C]], %[[C]] : tensor<2x4xf32>

@@ -12,6 +12,7 @@ _FEEDS_EXACT = "feeds an op that reads f32 exactly"
 _AFTER_DENY = "downstream of a deny op"
 NOT_BETWEEN = "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
+_OP_RULE = "rule op:"  # the reason of an op an op rule keeps f32: a class move, no bound
 
 
 def solve(graph: Graph) -> None:
@@ -86,9 +87,18 @@ def _paint(graph: Graph) -> None:
         node = pending.pop()
         for key in node.inputs:
             producer = graph.producer.get(key)
-            if (producer is None or id(producer) in seen or producer.cls == ALLOW
-                    or not (producer.eligible or id(producer) in denied
-                            or producer.cls == DENY)):
+            if producer is None or id(producer) in seen:
+                continue
+            if producer.cls == ALLOW:
+                # A matrix result that f32 ops read on their way to another matrix op
+                # (they convert their own inputs) sits between 16-bit ops as well: the
+                # activation gradient entering a layer norm's or a softmax's backward.
+                # Not when the reader is f32 by a scope rule or amp_stop: those bound.
+                producer.bwd = producer.bwd or (
+                    id(node) in denied or (node.cls == DENY and (
+                        node.reason == DENY_CLASS or node.reason.startswith(_OP_RULE))))
+                continue
+            if not (producer.eligible or id(producer) in denied or producer.cls == DENY):
                 continue
             seen.add(id(producer))
             producer.bwd = producer.eligible
@@ -100,8 +110,8 @@ def _paint(graph: Graph) -> None:
             node.reason = NOT_BETWEEN
     for node in graph.nodes:  # allow ops: a 16-bit result where a region reads it
         if node.cls == ALLOW and not node.pinned:
-            node.painted = any(r == SINK or (isinstance(r, Node) and r.painted)
-                               for group in node.readers for r in group)
+            node.painted = node.bwd or any(r == SINK or (isinstance(r, Node) and r.painted)
+                                           for group in node.readers for r in group)
     for node in graph.nodes:  # compares (no float result) of 16-bit values
         if node.eligible and not node.painted and not node.readers:
             floats = [key for key in node.inputs if graph.f32(key[1])]
