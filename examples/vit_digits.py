@@ -339,7 +339,7 @@ def parse_variants(spec: str) -> list[str]:
 def run_variant(name: str, steps: int = 1000, **options: Any) -> float:
     """Train one variant (``f32``, ``bf16``, ``f16``, ``mixed_bf16``, ``mixed_f16``, ``fp8``) and
     return its test accuracy in [0, 1]; ``options`` override the other CLI defaults
-    (``batch=32``, ``seed=1``, ``log_every=10**9`` for no progress lines).
+    (for example ``batch=32``, ``seed=1``, or ``log_every=10**9`` for no progress lines).
 
     Raises RuntimeError if the variant failed to compile or to run.
     """
