@@ -12,7 +12,6 @@ _FEEDS_EXACT = "feeds an op that reads f32 exactly"
 _AFTER_DENY = "downstream of a deny op"
 NOT_BETWEEN = "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
-_OP_RULE = "rule op:"  # the reason of an op an op rule keeps f32: a class move, no bound
 
 
 def solve(graph: Graph) -> None:
@@ -93,10 +92,8 @@ def _paint(graph: Graph) -> None:
                 # A matrix result that f32 ops read on their way to another matrix op
                 # (they convert their own inputs) sits between 16-bit ops as well: the
                 # activation gradient entering a layer norm's or a softmax's backward.
-                # Not when the reader is f32 by a scope rule or amp_stop: those bound.
-                producer.bwd = producer.bwd or (
-                    id(node) in denied or (node.cls == DENY and (
-                        node.reason == DENY_CLASS or node.reason.startswith(_OP_RULE))))
+                # Not when a rule keeps the reader f32: rules bound regions.
+                producer.bwd = producer.bwd or id(node) in denied or _deny_class(node)
                 continue
             if not (producer.eligible or id(producer) in denied or producer.cls == DENY):
                 continue
@@ -148,7 +145,7 @@ def _downstream_of_deny(graph: Graph) -> set[int]:
                 leads.add(id(producer))
                 pending.append(producer)
     denied: set[int] = set()
-    pending = [n for n in graph.nodes if n.cls == DENY and n.reason == DENY_CLASS]
+    pending = [n for n in graph.nodes if _deny_class(n)]
     while pending:
         node = pending.pop()
         for group in node.readers:
@@ -158,6 +155,11 @@ def _downstream_of_deny(graph: Graph) -> set[int]:
                     denied.add(id(reader))
                     pending.append(reader)
     return denied
+
+
+def _deny_class(node: Node) -> bool:
+    """An op the op table (not a rule) keeps f32: it converts its own 16-bit inputs."""
+    return node.cls == DENY and node.reason == DENY_CLASS
 
 
 def _constant(key: tuple[int, ir.Value], depth: int = 0) -> bool:
