@@ -29,14 +29,14 @@ def _cross_entropy(logits: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
 
 
-def _nnx_case(name: str, model: nnx.Module, x_shape: tuple[int, ...]) -> tuple:
+def _nnx_case(model: nnx.Module, x_shape: tuple[int, ...]) -> tuple:
     graphdef, params = nnx.split(model)
 
     def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return _cross_entropy(nnx.merge(graphdef, params)(x), y)
 
     x = jax.random.normal(jax.random.key(1), x_shape)
-    return name, _sgd(loss_fn), (params, x, jnp.arange(x_shape[0]) % 10)
+    return _sgd(loss_fn), (params, x, jnp.arange(x_shape[0]) % 10)
 
 
 class LinenTransformer(linen.Module):
@@ -64,7 +64,7 @@ def _linen_case() -> tuple:
     def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return _cross_entropy(model.apply(params, x), y)
 
-    return "linen_transformer", _sgd(loss_fn), (params, x, jnp.arange(8) % 10)
+    return _sgd(loss_fn), (params, x, jnp.arange(8) % 10)
 
 
 def _scan_rnn_case() -> tuple:
@@ -81,7 +81,7 @@ def _scan_rnn_case() -> tuple:
         return _cross_entropy(h @ params["w_out"], y)
 
     x = jax.random.normal(keys[3], (12, 16, 32))  # (time, batch, features)
-    return "scan_rnn", _sgd(loss_fn), (params, x, jnp.arange(16) % 10)
+    return _sgd(loss_fn), (params, x, jnp.arange(16) % 10)
 
 
 def _remat_case() -> tuple:
@@ -101,16 +101,16 @@ def _remat_case() -> tuple:
             return _cross_entropy(x @ params["head"], y)
 
     x = jax.random.normal(keys[3], (64, 128))
-    return "remat_block", _sgd(loss_fn), (params, x, jnp.arange(64) % 10)
+    return _sgd(loss_fn), (params, x, jnp.arange(64) % 10)
 
 
 _BUILDERS: dict[str, Callable[[], tuple]] = {
-    "mlp": lambda: _nnx_case("mlp", MLP(features=128, width=256, depth=3, classes=10,
-                                        rngs=nnx.Rngs(0)), (32, 128)),
-    "cnn": lambda: _nnx_case("cnn", CNN(channels=3, image_size=16, widths=(16, 32),
-                                        classes=10, rngs=nnx.Rngs(0)), (8, 16, 16, 3)),
-    "vit": lambda: _nnx_case("vit", ViT(image_size=16, channels=3, patch=4, dim=64, depth=2,
-                                        heads=4, mlp_dim=128, classes=10, rngs=nnx.Rngs(0)),
+    "mlp": lambda: _nnx_case(MLP(features=128, width=256, depth=3, classes=10,
+                                 rngs=nnx.Rngs(0)), (32, 128)),
+    "cnn": lambda: _nnx_case(CNN(channels=3, image_size=16, widths=(16, 32), classes=10,
+                                 rngs=nnx.Rngs(0)), (8, 16, 16, 3)),
+    "vit": lambda: _nnx_case(ViT(image_size=16, channels=3, patch=4, dim=64, depth=2,
+                                 heads=4, mlp_dim=128, classes=10, rngs=nnx.Rngs(0)),
                              (8, 16, 16, 3)),
     "linen_transformer": _linen_case,
     "scan_rnn": _scan_rnn_case,
@@ -135,8 +135,7 @@ class _Workloads(Mapping):
 
 @functools.cache
 def _built(name: str) -> tuple[Callable[..., Any], tuple]:
-    _, step, args = _BUILDERS[name]()
-    return step, args
+    return _BUILDERS[name]()
 
 
 # MLP, CNN, ViT (NNX), a Linen transformer, a scan RNN and a remat'd block.
