@@ -156,6 +156,36 @@ def walk_operations(holder: object, *, into: frozenset[str] | None = None,
     return found
 
 
+# During one pipeline run every matrix op insert_converts decided carries its index in
+# Report.decisions under this (discardable) attribute: later passes name the op by it, as
+# op names differ between passes (a private function shared by several call sites names
+# its ops without the caller's prefix; propagate's clones copy it). run_pipeline strips it.
+DECISION_KEY = "hlo_amp.decision"
+_MATRIX_OP_NAMES = frozenset({"stablehlo.dot_general", "stablehlo.dot",
+                              "stablehlo.convolution"})
+
+
+def mark_decision(op: ir.Operation | ir.OpView, index: int) -> None:
+    """Give ``op`` its decision's index (``DECISION_KEY``)."""
+    op.attributes[DECISION_KEY] = ir.IntegerAttr.get(
+        ir.IntegerType.get_signless(64, op.context), index)
+
+
+def decision_of(op: ir.Operation | ir.OpView) -> int | None:
+    """The index ``mark_decision`` gave ``op``, None when it has none."""
+    attributes = op.attributes
+    if DECISION_KEY not in attributes:
+        return None
+    return ir.IntegerAttr(attributes[DECISION_KEY]).value
+
+
+def strip_decision_marks(module: ir.Module) -> None:
+    """Remove every ``DECISION_KEY``: it means nothing outside the run that wrote it."""
+    for op in walk_operations(module, names=_MATRIX_OP_NAMES):
+        if DECISION_KEY in op.attributes:
+            del op.attributes[DECISION_KEY]
+
+
 def element_type(value: ir.Value) -> ir.Type | None:
     """The element type of a ranked tensor value, else None."""
     tensor_type = value.type

@@ -75,48 +75,23 @@ class Report:
     # low_bytes_after}], "clones": n}; None when it did not run.
     propagation: dict[str, Any] | None = None
     rules_used: set[str] = field(default_factory=set)  # rules that matched non-matrix ops
-    # location -> indices of its decisions, for ``note`` (one scan per decision, not one
-    # per note); rebuilt when ``decisions`` was replaced, shrank or edited in place.
-    _at: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
-    _indexed: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)
-    _noted: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
-    def add(self, decision: Decision) -> None:
+    def add(self, decision: Decision) -> int:
+        """Append ``decision``; its index, which the pass marks its op with."""
         self.decisions.append(decision)
+        return len(self.decisions) - 1
 
-    def note(self, location: str, text: str) -> None:
-        """Attach a note from a later pass to a decision at ``location`` (its name stack).
-
-        Ops sharing a name stack (a dot and its two backward dots) are noted in turn, in
-        the order the pass visits them, which is the order the decisions were made in.
-        """
-        indices = self._decisions_at(location)
-        if indices:
-            turn = self._noted.get(location, 0)
-            self._noted[location] = turn + 1
-            i = indices[turn % len(indices)]
-            decision = self.decisions[i]
-            self.decisions[i] = replace(decision, notes=decision.notes + (text,))
+    def note(self, text: str, decision: int | None = None, location: str = "") -> None:
+        """Attach a later pass's note to decision number ``decision`` (its op's mark,
+        ``hlo_amp.modules.decision_of``), once however many copies of the op note it.
+        An op without one (a module another run rewrote) notes the report, under
+        ``location``."""
+        if decision is not None and 0 <= decision < len(self.decisions):
+            found = self.decisions[decision]
+            if text not in found.notes:
+                self.decisions[decision] = replace(found, notes=found.notes + (text,))
             return
         self.notes.append(f"{location}: {text}" if location else text)
-
-    def _decisions_at(self, location: str) -> list[int]:
-        decisions = self.decisions
-        list_id, count = self._indexed
-        if list_id != id(decisions) or count > len(decisions):
-            self._at, self._noted, count = {}, {}, 0
-        for i in range(count, len(decisions)):
-            self._at.setdefault(decisions[i].location, []).append(i)
-        self._indexed = (id(decisions), len(decisions))
-        indices = self._at.get(location)
-        if indices is None and location:
-            # An op of a private function names itself without its caller's prefix.
-            indices = self._at[location] = [
-                i for i, d in enumerate(decisions) if d.location.endswith("/" + location)]
-        if any(not decisions[i].location.endswith(location) for i in indices or ()):
-            self._indexed = (0, 0)  # edited in place: scan again next time
-            return [i for i, d in enumerate(decisions) if d.location == location]
-        return indices or []
 
     @property
     def unused_rules(self) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import ModuleError
+from hlo_amp.modules import ModuleError, strip_decision_marks
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
@@ -96,6 +96,7 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
             current.run(module, report)
             if verify_each:
                 _verify(module, f"pass {current.name}")
+        strip_decision_marks(module)
         if not verify_each or not pipeline:
             names = ", ".join(p.name for p in pipeline) or "no passes"
             _verify(module, f"the pass pipeline ({names})",

@@ -58,7 +58,7 @@ from hlo_amp.cpu_dots import (
     meets_ynn_size,
     needs_layout_rewrite,
 )
-from hlo_amp.modules import walk_operations
+from hlo_amp.modules import decision_of, walk_operations
 from hlo_amp.sites import location_name
 
 # The note a relaid dot gets in the report (details of the permutation follow it).
@@ -152,6 +152,7 @@ class FastDotLayout:
         nb = len(layout.lhs_batch)
         block = op.operation.block
         location = op.location
+        decision = decision_of(op)
         notes = []
         with location, ir.InsertionPoint(op):
             operands = []
@@ -191,10 +192,7 @@ class FastDotLayout:
                 op.operation.erase()
                 notes.append(f"result {list(out_shape)} -> {list(result_type.shape)}")
         if report is not None and hasattr(report, "note"):
-            report.note(
-                location_name(location),
-                f"{RELAID} ({'; '.join(notes)})",
-            )
+            report.note(f"{RELAID} ({'; '.join(notes)})", decision, location_name(location))
 
     @staticmethod
     def _nt_operand(

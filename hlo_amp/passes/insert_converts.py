@@ -45,6 +45,7 @@ from hlo_amp.modules import (
     function_name,
     functions,
     is_public,
+    mark_decision,
     walk_operations,
     with_element,
 )
@@ -484,7 +485,7 @@ class InsertConverts:
                 after = tuple(names.name(element_type(v)) for v in list(op.operands)[:2])
                 result_after = names.name(element_type(op.result))
             if report is not None:
-                report.add(Decision(
+                index = report.add(Decision(
                     function=fn_name, op_kind=kind, scope=site.scope_path,
                     direction=site.direction, operands_before=before,
                     operands_after=after,
@@ -496,6 +497,7 @@ class InsertConverts:
                     if isinstance(op.result.type, ir.RankedTensorType) else "?",
                     location=site.name, source=site.source,
                 ))
+                mark_decision(op, index)
 
 
 def _mark_fp8(op: Any, formats: tuple[str, str, str]) -> None:

@@ -80,7 +80,7 @@ def _rewrite(text: str) -> tuple[str, list[tuple[str, str]]]:
         def __init__(self) -> None:
             self.notes: list[tuple[str, str]] = []
 
-        def note(self, location: str, text: str) -> None:
+        def note(self, text: str, decision: int | None = None, location: str = "") -> None:
             self.notes.append((location, text))
 
     report = Notes()

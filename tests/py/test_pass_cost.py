@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import pytest
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
@@ -28,6 +29,7 @@ import hlo_amp
 from hlo_amp import cli
 from hlo_amp import passes as passes_module
 from hlo_amp.modules import (
+    DECISION_KEY,
     ModuleError,
     copy_module,
     functions,
@@ -37,8 +39,9 @@ from hlo_amp.modules import (
     walk_ops,
 )
 from hlo_amp.passes import VERIFY_EACH_ENV, default_pipeline, run_pipeline
+from hlo_amp.passes.dot_layout import RELAID
 from hlo_amp.passes.propagate.graph import Graph
-from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
+from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy, as_policy
 from hlo_amp.report import Report
 
 MODULE = """\
@@ -326,35 +329,61 @@ def test_rewrite_same_with_use_lists_only(lowered, monkeypatch, text):
 # ---- the report ---------------------------------------------------------------------
 
 
-def test_report_note_goes_to_the_decisions_at_its_location_in_turn(converted_decision):
+def test_report_note_goes_to_its_decision_once_else_to_the_report(converted_decision):
     report = Report()
-    report.add(converted_decision("a"))
-    report.add(converted_decision("b"))
-    report.add(converted_decision("a"))
-    report.note("a", "one")
-    report.add(converted_decision("c"))  # added after the index was built
-    report.note("c", "two")
-    report.note("a", "three")
-    report.note("missing", "four")
-    assert [d.notes for d in report.decisions] == [("one",), (), ("three",), ("two",)]
-    assert report.notes == ["missing: four"]
-    report.decisions = [converted_decision("z"), converted_decision("a")]  # replaced: indexed afresh
-    report.note("a", "five")
-    assert [d.notes for d in report.decisions] == [(), ("five",)]
+    assert [report.add(converted_decision(name)) for name in "aba"] == [0, 1, 2]
+    report.note("one", 2, "a")
+    report.note("one", 2, "a")  # a second copy of the op (propagate's clone): noted once
+    report.note("two", 2, "a")
+    report.note("three", None, "elsewhere/dot_general")  # a module another run rewrote
+    report.note("four", 7, "")  # a mark from another report
+    assert [d.notes for d in report.decisions] == [(), (), ("one", "two")]
+    assert report.notes == ["elsewhere/dot_general: three", "four"]
 
 
-def test_note_goes_to_ops_of_one_name_in_turn_and_finds_private_functions(
-        converted_decision):
-    report = Report(decisions=[converted_decision("jit(f)/a/dot_general"),
-                               converted_decision("jit(f)/a/dot_general"),
-                               converted_decision("jit(f)/while/body/b/dot_general")])
-    report.note("jit(f)/a/dot_general", "first")
-    report.note("jit(f)/a/dot_general", "second")
-    report.note("b/dot_general", "in a scan body")  # a private function's own name
-    report.note("elsewhere/dot_general", "no such op")
-    assert [d.notes for d in report.decisions] == [("first",), ("second",),
-                                                  ("in a scan body",)]
-    assert report.notes == ["elsewhere/dot_general: no such op"]
+_NT = (((1,), (1,)), ((), ()))  # already the form XLA:CPU runs in bf16: left alone
+_TN = (((0,), (0,)), ((), ()))  # a weight gradient's form: relaid on CPU
+
+
+def _relaid_notes(report: Report) -> list[tuple[str, ...]]:
+    return [tuple(n for n in d.notes if n.startswith(RELAID)) for d in report.decisions]
+
+
+def test_relaid_note_lands_on_its_own_op_among_ops_of_one_name():
+    # Two dots with one name stack ("jit(f)/s/dot_general"): only the second is relaid,
+    # and its note is its own, not the first one's (notes once went by name, in turn).
+    def f(a, b, c):
+        with jax.named_scope("s"):
+            return lax.dot_general(a, b, _NT), lax.dot_general(a, c, _TN)
+
+    a, b, c = jnp.ones((64, 48)), jnp.ones((40, 48)), jnp.ones((64, 40))
+    module = parse_module(jax.jit(f).lower(a, b, c).as_text(debug_info=True))
+    report = run_pipeline(module, as_policy("bf16"), target="cpu")
+    assert len({d.location for d in report.decisions}) == 1
+    assert [bool(n) for n in _relaid_notes(report)] == [False, True]
+    assert not report.notes
+    assert DECISION_KEY not in str(module)  # the marks end with the run
+
+
+def test_relaid_note_of_a_private_function_shared_by_two_call_sites():
+    # One private function, called under two scopes with the same decisions: one
+    # instance, named in its body without either caller's prefix.
+    inner = jax.jit(lambda a, c: lax.dot_general(a, c, _TN))
+
+    def f(a, c):
+        with jax.named_scope("first"):
+            x = inner(a, c)
+        with jax.named_scope("second"):
+            return x, inner(a * 2, c)
+
+    a, c = jnp.ones((64, 48)), jnp.ones((64, 40))
+    text = jax.jit(f).lower(a, c).as_text(debug_info=True)
+    assert text.count("func.func private") == 1
+    module = parse_module(text)
+    report = run_pipeline(module, as_policy("bf16"), target="cpu")
+    assert [len(n) for n in _relaid_notes(report)] == [1] * len(report.decisions) != []
+    assert not report.notes
+    assert DECISION_KEY not in str(module)
 
 
 def test_compile_report_unchanged_by_the_shortcuts():

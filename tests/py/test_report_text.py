@@ -111,7 +111,7 @@ def test_per_op_notes_attach_to_their_op_and_are_counted(wmt_report):
     assert noted, "XLA:CPU relays some of this model's dots"
     # Attached to ops, never left over as report-level notes keyed by a location.
     assert not any(RELAID in note for note in wmt_report.notes)
-    # Each relaid op is noted once (ops sharing a name stack are noted in turn).
+    # Each relaid op is noted once, on its own decision (found by its mark, not its name).
     assert all(sum(n.startswith(RELAID) for n in d.notes) == 1 for d in noted)
     assert f"{len(noted)} op(s): {RELAID} (per op in to_json())" in str(wmt_report)
     # The JSON keeps every detail: each note with its permutation, each full location.
