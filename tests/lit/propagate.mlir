@@ -202,6 +202,34 @@ func.func @deny_converts_its_input(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2
 
 // -----
 
+// Where deny's forward spread ends: an f32 value downstream of a deny op that a matrix op
+// reads and f32 ops read as well (the residual gradient a layer norm's backward adds to)
+// is stored once in 16 bit: the multiply is painted (the sum converted before its
+// broadcast), the dot reads it as it is, and the tanh converts it up. (Read only by matrix ops and deny ops, as in @deny_spreads_forward
+// below, it stays f32.)
+// CHECK-LABEL: func.func @after_deny_read_by_dot_and_f32
+// CHECK:         %[[D16:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[D:.*]] = stablehlo.convert %[[D16]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         %[[S:.*]] = stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// CHECK:         %[[S16:.*]] = stablehlo.convert %[[S]] : (tensor<2xf32>) -> tensor<2xbf16>
+// CHECK:         %[[B16:.*]] = stablehlo.broadcast_in_dim %[[S16]], {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[M:.*]] = stablehlo.multiply %[[D16]], %[[B16]] : tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[M]], {{.*}} -> tensor<2x3xf32>
+// CHECK:         %[[M32:.*]] = stablehlo.convert %[[M]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         stablehlo.tanh %[[M32]] : tensor<2x4xf32>
+func.func @after_deny_read_by_dot_and_f32(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> (tensor<2x3xf32>, tensor<2x4xf32>) {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/reduce_sum")
+  %1 = stablehlo.reduce(%0 init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/reduce_sum")
+  %2 = stablehlo.broadcast_in_dim %1, dims = [0] : (tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/broadcast_in_dim")
+  %3 = stablehlo.multiply %0, %2 : tensor<2x4xf32> loc("jit(f)/mul")
+  %4 = stablehlo.dot_general %3, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  %5 = stablehlo.tanh %3 : tensor<2x4xf32> loc("jit(f)/tanh")
+  return %4, %5 : tensor<2x3xf32>, tensor<2x4xf32>
+}
+
+// -----
+
 // Deny spreads forward, through infer ops only (TensorFlow's rule): the multiply by the
 // broadcast sum and the tanh after it stay f32 and convert for the dot; a reshape of the
 // sum that leads only to a dot is data movement, not arithmetic: it moves 16-bit values.

@@ -105,6 +105,17 @@ def _paint(graph: Graph) -> None:
             node.painted = True
         elif node.eligible and not node.reason:
             node.reason = NOT_BETWEEN
+    # An f32 value downstream of a deny op that a matrix op reads (through data
+    # movement) and f32 ops read as well is stored once, in 16 bit, as a Flax or Keras
+    # layer's output is: the activation gradient a layer norm's backward adds to the
+    # residual stream, which the next block's backward adds to again. XLA computes the
+    # op in f32 and rounds once (excess precision). Read only by the matrix op and by
+    # deny ops, a value gains nothing from it: XLA fuses its convert into the readers.
+    for node in graph.nodes:
+        if node.reason == _AFTER_DENY and _feeds_matrix_op(node) and any(
+                isinstance(r, Node) and r.cls in (INFER, CLEAR, LINK)
+                for group in node.readers for r in group):
+            node.painted, node.reason = True, ""
     for node in graph.nodes:  # allow ops: a 16-bit result where a region reads it
         if node.cls == ALLOW and not node.pinned:
             node.painted = node.bwd or any(r == SINK or (isinstance(r, Node) and r.painted)
@@ -116,10 +127,13 @@ def _paint(graph: Graph) -> None:
                     and all(_is_low(graph, key) or _constant(key) for key in floats)):
                 node.painted, node.reason = True, ""
     # Data movement read only by painted ops moves in 16 bit too, so the convert
-    # lands on its (smaller) input: a bias before its broadcast, not after.
+    # lands on its (smaller) input: a bias before its broadcast, not after; a sum's
+    # broadcast too, where a value after a deny op is painted (as the pass run again
+    # on its own output would paint it).
     for node in reversed(graph.nodes):
         groups = node.readers
-        if (node.cls == CLEAR and node.eligible and not node.painted and groups
+        if (node.cls == CLEAR and (node.eligible or node.reason == _AFTER_DENY)
+                and not node.painted and groups
                 and all(r == SINK or (isinstance(r, Node) and r.painted)
                         for group in groups for r in group)):
             node.painted = True
@@ -155,6 +169,22 @@ def _downstream_of_deny(graph: Graph) -> set[int]:
                     denied.add(id(reader))
                     pending.append(reader)
     return denied
+
+
+def _feeds_matrix_op(node: Node) -> bool:
+    """Whether a convert to the compute dtype (a matrix op's operand) reads ``node``'s
+    value, directly or through data movement."""
+    pending, seen = [node], {id(node)}
+    while pending:
+        for group in pending.pop().readers:
+            for reader in group:
+                if reader == SINK:
+                    return True
+                if (isinstance(reader, Node) and reader.cls in (CLEAR, LINK)
+                        and id(reader) not in seen):
+                    seen.add(id(reader))
+                    pending.append(reader)
+    return False
 
 
 def _deny_class(node: Node) -> bool:
