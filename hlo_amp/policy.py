@@ -3,10 +3,12 @@
 A policy has a compute dtype and two rule tables. Op rules are keyed by StableHLO op
 kind (``"dot_general"``, ``"convolution"``, ``"dot"``) or by a JAX primitive
 (``jax.lax.dot_general_p``). Scope rules are keyed by a scope pattern matched against
-whole segments of an op's ``jax.named_scope`` path. Scope rules beat op rules, the
-outermost matching scope wins (of two patterns matching from the same segment, the one
-with more segments: ``c/a`` beats ``c``; of equal length, the one written first), and
-``amp_stop`` keeps its inside as written unless a rule matching inside it names the op.
+whole segments of an op's ``jax.named_scope`` path, anywhere in it unless anchored
+(``/head`` only from the outermost segment, ``head$`` only up to the innermost). Scope
+rules beat op rules, the outermost matching scope wins (of two patterns matching from
+the same segment, the one with more segments: ``c/a`` beats ``c``, anchors not counted;
+of equal length, the one written first), and ``amp_stop`` keeps its inside as written
+unless a rule matching inside it names the op.
 
 String grammar (``Policy.parse``), comma separated, spaces ignored::
 
@@ -22,8 +24,11 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
     ACTION  := "compute" | "keep" | DTYPE | FP8
     DTYPE   := "bfloat16" | "float16" | "float32" | "float64" (or bf16, f16, f32, f64)
     FP8     := "float8_e4m3fn" | "float8_e5m2" (or f8e4m3fn, e4m3fn, f8e5m2, e5m2)
+    PATTERN := ["/"] GLOB ("/" GLOB)* ["$"]
+               (a leading "/" matches from the outermost segment only, a trailing "$"
+               up to the innermost only; GLOB: one segment's name or glob, "Block_*")
 
-Example: ``"bf16,scope:head=float32,scope:Block_*/attn=keep,op:convolution=keep"``.
+Example: ``"bf16,scope:head=float32,scope:/Block_*/attn=keep,op:convolution=keep"``.
 
 ``Policy(compute_dtype=..., scopes=...)`` without ``ops`` has the presets' op rules (dots
 and convolutions compute); ``ops={}`` means none. Dots the program pinned to HIGHEST
@@ -83,6 +88,7 @@ from hlo_amp.policy_terms import (
     check_pattern,
     is_fp8,
     match_start,
+    pattern_parts,
 )
 
 # The terms are re-exported: passes and users name them through hlo_amp.policy.
@@ -386,9 +392,10 @@ class Policy:
             start = match_start(pattern, scope)
             if start is None:
                 continue
-            if stop is not None and start <= stop and pattern != AMP_STOP:
+            parts = pattern_parts(pattern)[0]
+            if stop is not None and start <= stop and parts != (AMP_STOP,):
                 continue  # amp_stop shields its inside from rules set outside it
-            key = (start, -len(pattern.split("/")), pattern)
+            key = (start, -len(parts), pattern)  # anchors do not count as parts
             if best is None or key[:2] < best[:2]:
                 best = key
         if best is not None:

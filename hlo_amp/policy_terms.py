@@ -9,6 +9,7 @@ builds its rule tables from these and re-exports them.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from typing import Any
 
@@ -130,31 +131,46 @@ def canonical_op_kind(kind: Any) -> tuple[str, ...]:
     )
 
 
-_PATTERN_OK = re.compile(r"^[^/\s]+(/[^/\s]+)*$")
+_PATTERN_OK = re.compile(r"^/?[^/\s]+(/[^/\s]+)*$")
 
 
 def check_pattern(pattern: Any) -> str:
     """``pattern`` stripped, or a ValueError naming what a scope pattern may be."""
-    if not isinstance(pattern, str) or not _PATTERN_OK.match(pattern.strip()):
+    text = pattern.strip() if isinstance(pattern, str) else ""
+    if not _PATTERN_OK.match(text.removesuffix("$")):
         raise ValueError(
             f"Malformed scope pattern {pattern!r}; accepted: one or more non-empty "
-            f"segments separated by '/', each a name or a glob like 'Block_*'"
+            f"segments separated by '/', each a name or a glob like 'Block_*', "
+            f"optionally anchored by a leading '/' at the outermost segment ('/head') "
+            f"and/or a trailing '$' at the innermost ('head$', '/head$')"
         )
-    text = pattern.strip()
     if text.count("[") != text.count("]"):
         raise ValueError(f"Malformed scope pattern {pattern!r}: unbalanced '[' in glob")
     return text
+
+
+@functools.lru_cache(maxsize=4096)
+def pattern_parts(pattern: str) -> tuple[tuple[str, ...], bool, bool]:
+    """A checked pattern's globs, whether it is anchored at the outermost segment
+    (leading '/') and whether at the innermost (trailing '$')."""
+    first, last = pattern.startswith("/"), pattern.endswith("$")
+    body = pattern.removesuffix("$").removeprefix("/")
+    return tuple(body.split("/")), first, last
 
 
 def match_start(pattern: str, scope: tuple[str, ...]) -> int | None:
     """Index of the outermost scope segment where ``pattern`` matches, else None.
 
     A pattern of k '/'-separated parts matches k consecutive whole segments, each
-    part matched as a glob against one segment ("attn" never matches "attn_norm").
+    part matched as a glob against one segment ("attn" never matches "attn_norm");
+    a leading '/' lets it match only from the first segment, a trailing '$' only up
+    to the last.
     """
-    parts = pattern.split("/")
+    parts, first, last = pattern_parts(pattern)
     k = len(parts)
     for start in range(len(scope) - k + 1):
+        if (first and start != 0) or (last and start != len(scope) - k):
+            continue
         if all(fnmatch.fnmatchcase(scope[start + i], parts[i]) for i in range(k)):
             return start
     return None

@@ -20,7 +20,7 @@ from hlo_amp.numerics.measure import (
     tolerance,
 )
 from hlo_amp.numerics.render import json_number, plot_attribution, short
-from hlo_amp.policy import Policy, as_policy, match_start
+from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Decision, Report, text_table
 
 TOP_LEVEL = "(top level)"
@@ -59,7 +59,6 @@ class Attribution:
     compiles: int
     seconds: float
     notes: list[str] = field(default_factory=list)
-    guards: dict[str, str] = field(default_factory=dict)  # rules that keep others' rules out
 
     @property
     def ranking(self) -> list[str]:
@@ -102,12 +101,20 @@ def _segments(scope: str) -> tuple[str, ...]:
     return tuple(scope.split("/")) if scope else ()
 
 
-def _pattern(group: str) -> str | None:
-    """The scope rule pattern naming exactly ``group``'s segments, or None when no rule
-    can (whitespace, or '[' which a glob reads as a character class)."""
-    if not group or any(ch.isspace() or ch == "[" for ch in group):
+def _pattern(group: str, depth: int) -> str | None:
+    """The anchored pattern naming exactly ``group``'s ops, or None when no rule can
+    (whitespace, or '[' or ']' which a glob reads as a character class).
+
+    A leading '/' keeps it from matching further in (``head`` inside ``blocks/0/head``);
+    a group shorter than ``depth`` holds only ops whose scope is exactly its segments,
+    so a trailing '$' keeps it out of longer groups it prefixes (``head/dense``).
+    """
+    segments = group.split("/")
+    if not group or any(ch.isspace() or ch in "[]" for ch in group) or "" in segments:
         return None
-    return "/".join(seg.replace("*", "[*]").replace("?", "[?]") for seg in group.split("/"))
+    globs = [seg.replace("*", "[*]").replace("?", "[?]").replace("$", "[$]")
+             for seg in segments]
+    return "/" + "/".join(globs) + ("$" if len(segments) < depth else "")
 
 
 def _groups(report: Report, depth: Any) -> dict[str, list[Decision]]:
@@ -126,34 +133,6 @@ def _groups(report: Report, depth: Any) -> dict[str, list[Decision]]:
     return groups
 
 
-def _guards(groups: dict[str, list[Decision]], patterns: dict[str, str], base: Policy
-            ) -> tuple[dict[str, str], list[str]]:
-    """Rules that keep each group's own rule from reaching into another group.
-
-    A rule ``X`` matches ``X``'s segments anywhere in a scope (``head`` also inside
-    ``blocks/0/head``) and a shorter group is a prefix of a longer one; where a group is
-    reached that way it gets a rule of its own, with the policy's action for its ops, at
-    its outermost segment, which wins over any rule matching further in.
-    """
-    guards, notes = {}, []
-    for h, decisions in groups.items():
-        if h not in patterns:
-            continue
-        reached = [g for g, pattern in patterns.items() if g != h and any(
-            match_start(pattern, _segments(d.scope)) is not None for d in decisions)]
-        if not reached:
-            continue
-        actions = {d.action or "keep" for d in decisions
-                   if d.rule not in ("backward", "amp_stop")}
-        if len(actions) == 1:
-            guards[patterns[h]] = actions.pop()
-        elif actions:
-            notes.append(f"note: the rule for {reached[0]!r} also reaches {h!r}, whose ops "
-                         f"{base.to_string()} treats differently ({', '.join(sorted(actions))})"
-                         f"; its rows include {h!r}'s ops")
-    return guards, notes
-
-
 def with_scopes(base: Policy, rules: Mapping[str, str]) -> Policy:
     """``base`` with ``rules`` written before its own scope rules, so that of two
     patterns matching at the same segment with as many parts, ``rules``' wins."""
@@ -168,18 +147,18 @@ def attribution_of(session: Session, base: Policy, depth: Any, reference: str, a
     """``attribute`` within ``session``, whose executables ``autopolicy`` reuses."""
     report = session.report(base)
     groups = _groups(report, depth)  # a bad depth fails here, before any compile
-    patterns = {g: p for g in groups if (p := _pattern(g)) is not None}
-    guards, notes = _guards(groups, patterns, base)
+    patterns = {g: p for g in groups if (p := _pattern(g, int(depth))) is not None}
+    notes: list[str] = []
     base_error = session.error(base, reference, atol)
     rows = []
     for group, decisions in groups.items():
         others = {patterns[h]: "float32" for h in patterns if h != group}
-        only_low = session.error(with_scopes(base, {**guards, **others}), reference, atol)
+        only_low = session.error(with_scopes(base, others), reference, atol)
         only_f32 = None
         pattern = patterns.get(group)
         if pattern is not None:
-            only_f32 = session.error(with_scopes(base, {**guards, pattern: "float32"}),
-                                     reference, atol)
+            only_f32 = session.error(with_scopes(base, {pattern: "float32"}), reference,
+                                     atol)
         removed = 0.0 if only_f32 is None else base_error - only_f32
         rows.append(ScopeError(group or TOP_LEVEL, len(decisions),
                                sum(d.flops or 0 for d in decisions), only_low, only_f32,
@@ -199,7 +178,7 @@ def attribution_of(session: Session, base: Policy, depth: Any, reference: str, a
     dtypes = run_dtypes(report, base)
     attribution = Attribution(base.to_string(), int(depth), reference, dtypes,
                               tolerance(dtypes), atol, base_error, rows,
-                              session.compiles, session.seconds, notes, guards)
+                              session.compiles, session.seconds, notes)
     return attribution
 
 

@@ -123,7 +123,7 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
 
     def attempt(rows: list[ScopeError], guess: float | None) -> bool:
         rules = {row.pattern: "float32" for row in rows}
-        candidate = with_scopes(policy, {**attribution.guards, **rules})
+        candidate = with_scopes(policy, rules)
         error = session.error(candidate, reference, atol)
         trail.append(Trial(candidate.to_string(), tuple(r.scope for r in rows), error,
                            guess, error <= budget))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hlo_amp
-from hlo_amp.policy import OP_KINDS, Policy, Rule, as_policy
+from hlo_amp.policy import OP_KINDS, Policy, Rule, as_policy, match_start
 
 ALL_COMPUTE = {kind: "compute" for kind in OP_KINDS}
 
@@ -133,6 +133,12 @@ def test_jax_primitives_as_op_keys() -> None:
         ("bf16,scope:=keep", "''", ["segments"]),
         ("bf16,scope:a b=keep", "'a b'", ["segments"]),
         ("bf16,scope:Block_[0=keep", "'Block_[0'", ["'['"]),
+        ("bf16,scope:/=keep", "'/'", ["segments", "leading '/'", "trailing '$'"]),
+        ("bf16,scope:$=keep", "'$'", ["segments", "leading '/'", "trailing '$'"]),
+        ("bf16,scope:/$=keep", "'/$'", ["segments", "trailing '$'"]),
+        ("bf16,scope://x=keep", "'//x'", ["segments", "leading '/'"]),
+        ("bf16,scope:x/$=keep", "'x/$'", ["segments", "trailing '$'"]),
+        ("bf16,scope:/a//b$=keep", "'/a//b$'", ["segments"]),
         ("bogus", "'bogus'", ["bf16", "f16", "f32"]),
         ("", "''", ["bf16", "f16", "f32"]),
         ("bf16,scope:head", "'scope:head'", ["KEY=VALUE"]),
@@ -218,6 +224,7 @@ def test_as_policy_accepts_every_form() -> None:
 @pytest.mark.parametrize(
     "spec",
     ["bf16", "f16", "f32", "bf16,scope:head=float32,scope:Block_*/attn=keep",
+     "bf16,scope:/head$=float32,scope:/Block_*/attn=keep,scope:mlp$=compute,scope:head=keep",
      "f32,op:convolution=compute,compute=float16,backward=keep,f64=true",
      "bf16,op:dot=float16,scope:amp_stop=compute",
      "mixed_bfloat16,scope:head=float32,op:exponential=compute",
@@ -233,7 +240,9 @@ def test_string_and_dict_round_trips(spec: str) -> None:
 
 _ACTIONS = st.sampled_from(["compute", "keep", "bfloat16", "float16", "float32", "float64"])
 _SEGMENT = st.text(alphabet="abcXYZ019_*?-.", min_size=1, max_size=6)
-_PATTERN = st.lists(_SEGMENT, min_size=1, max_size=3).map("/".join)
+_PATTERN = st.builds(lambda first, parts, last: ("/" if first else "") + "/".join(parts)
+                     + ("$" if last else ""),
+                     st.booleans(), st.lists(_SEGMENT, min_size=1, max_size=3), st.booleans())
 _POLICIES = st.builds(
     Policy,
     compute_dtype=st.sampled_from(["bfloat16", "float16"]),
@@ -307,6 +316,58 @@ def test_equal_length_patterns_at_the_same_start_first_written_wins() -> None:
     for first, second in (("c", "c*"), ("c*", "c")):
         policy = Policy(scopes={first: "keep", second: "float32"})
         assert policy.decide(("c", "d"), "dot_general", False) == Rule("keep", f"scope:{first}")
+
+
+@pytest.mark.parametrize(("pattern", "scope", "start"), [
+    ("/head", ("head",), 0),
+    ("/head", ("head", "dense"), 0),
+    ("/head", ("blocks", "0", "head"), None),  # unanchored "head" matches here, at 2
+    ("head", ("blocks", "0", "head"), 2),
+    ("head$", ("blocks", "0", "head"), 2),
+    ("head$", ("head", "dense"), None),
+    ("head$", ("head", "x", "head"), 2),  # the innermost, not the first "head"
+    ("dense$", ("head", "dense"), 1),
+    ("/head$", ("head",), 0),
+    ("/head$", ("head", "dense"), None),
+    ("/head$", ("blocks", "head"), None),
+    ("/head/dense$", ("head", "dense"), 0),
+    ("/Block_*/attn", ("Block_3", "attn", "q"), 0),
+    ("/Block_*/attn", ("enc", "Block_3", "attn"), None),
+    ("Block_*/attn$", ("enc", "Block_3", "attn"), 1),
+    ("Block_*/attn$", ("Block_3", "attn", "q"), None),
+    ("/Block_?$", ("Block_3",), 0),
+    ("/Block_?$", ("Block_33",), None),
+    ("/a/b", ("a",), None),  # longer than the scope
+    ("a$b", ("a$b",), 0),  # '$' inside a segment is literal
+    ("a[$]", ("x", "a$"), 1),  # and a literal trailing '$' is written '[$]'
+])
+def test_anchored_patterns(pattern: str, scope: tuple[str, ...], start: int | None) -> None:
+    assert match_start(pattern, scope) == start
+    action = Policy(ops={}, scopes={pattern: "keep"}).decide(scope, "dot_general", False)
+    assert action == (Rule(None, "default") if start is None else Rule("keep", f"scope:{pattern}"))
+
+
+def test_anchored_and_unanchored_patterns_follow_the_same_precedence() -> None:
+    # the outermost start wins: "/blocks" at 0 over "head" at 2
+    policy = Policy(scopes={"head": "float32", "/blocks": "keep"})
+    assert policy.decide(("blocks", "0", "head"), "dot_general", False).rule == "scope:/blocks"
+    assert policy.decide(("head",), "dot_general", False).rule == "scope:head"
+    # at the same start, more parts win, anchors not counted as parts: "a/b" beats "/a"
+    for scopes in ({"/a": "keep", "a/b": "float32"}, {"a/b": "float32", "/a": "keep"}):
+        policy = Policy(scopes=scopes)
+        assert policy.decide(("a", "b"), "dot_general", False) == Rule("float32", "scope:a/b")
+        assert policy.decide(("a", "c"), "dot_general", False) == Rule("keep", "scope:/a")
+    # at the same start with as many parts, the first written wins, anchored or not
+    for first, second in (("head", "/head$"), ("/head$", "head")):
+        policy = Policy(scopes={first: "keep", second: "float32"})
+        assert policy.decide(("head",), "dot_general", False) == Rule("keep", f"scope:{first}")
+
+
+def test_an_anchored_amp_stop_rule_names_the_ops_inside_it() -> None:
+    policy = Policy.parse("bf16,scope:amp_stop$=compute")
+    assert policy.decide(("x", "amp_stop"), "dot_general", False) == Rule(
+        "compute", "scope:amp_stop$")
+    assert policy.decide(("amp_stop", "x"), "dot_general", False) == Rule("keep", "amp_stop")
 
 
 def test_scope_rules_beat_op_rules() -> None:

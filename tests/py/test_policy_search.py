@@ -7,6 +7,7 @@ exact result is the sum of the noise and whose bf16 operands round the noise awa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -74,7 +75,7 @@ def test_autopolicy_keeps_exactly_the_fragile_scope_f32_and_meets_the_budget():
     fn = make_program()
     result = hlo_amp.autopolicy(fn, X, W, budget=0.01)
     assert result.f32_scopes == ["cancel"]
-    assert dict(result.policy.scopes) == {"cancel": "float32"}
+    assert dict(result.policy.scopes) == {"/cancel": "float32"}  # anchored: cancel only
     assert result.policy.compute_dtype == "bfloat16" and result.met
     assert result.error <= 0.01
     assert hlo_amp.Policy.parse(str(result.policy)) == result.policy  # pasteable
@@ -170,7 +171,7 @@ def test_two_fragile_scopes_hiding_each_other_are_both_kept_f32():
 
 
 def test_a_rule_names_exactly_its_scope():
-    """``out`` also matches inside ``blocks/out``; a guard keeps that scope's ops out."""
+    """``out`` also matches inside ``blocks/out``; the anchored ``/out`` does not."""
 
     def fn(x, w):
         with jax.named_scope("blocks"), jax.named_scope("out"):
@@ -183,10 +184,55 @@ def test_a_rule_names_exactly_its_scope():
     attribution = hlo_amp.attribute(fn, "bf16", X, weights)
     rows = {row.scope: row for row in attribution.scopes}
     assert attribution.ranking[0] == "blocks"
-    assert rows["out"].only_f32 > 0.5  # without the guard, blocks/out went f32 too
-    assert attribution.guards == {"blocks": "compute"}
+    assert rows["out"].only_f32 > 0.5  # had its rule reached blocks/out, that went f32 too
+    assert rows["blocks"].only_f32 < 0.01
+    # the rule keeps blocks/out at the policy's action (what a guard rule used to do)
+    only_out = hlo_amp.Policy.parse(f"bf16,scope:{rows['out'].pattern}=float32")
+    assert only_out.decide(("blocks", "out"), "dot_general", False).action == "compute"
+    assert only_out.decide(("out",), "dot_general", False).action == "float32"
+    assert not any("reaches" in note for note in attribution.notes)
     result = hlo_amp.autopolicy(fn, X, weights, budget=0.01)
     assert result.f32_scopes == ["blocks"] and result.met
+    assert dict(result.policy.scopes) == {rows["blocks"].pattern: "float32"}
+
+
+@pytest.mark.parametrize("fragile", [("blocks", "0", "head"), ("head", "dense")])
+def test_at_depth_each_group_has_its_own_rule(fragile):
+    """At depth 2, ``head`` (ops directly in it) prefixes ``head/dense`` and is nested as
+    ``blocks/0/head``; each group's rule names its ops and no other group's."""
+
+    def fn(x, w):
+        with jax.named_scope("head"):
+            y = x @ w["head"]
+            with jax.named_scope("dense"):
+                z = x @ w["embed"]
+        with jax.named_scope("blocks"), jax.named_scope("0"), jax.named_scope("head"):
+            b = x @ w["mix"]
+        with contextlib.ExitStack() as stack:
+            for name in fragile:
+                stack.enter_context(jax.named_scope(name))
+            c = w["u"] @ w["sign"]
+        return y, z, b, c
+
+    attribution = hlo_amp.attribute(fn, "bf16", X, W, depth=2)
+    rows = {row.scope: row for row in attribution.scopes}
+    assert sorted(rows) == ["blocks/0", "head", "head/dense"]
+    group = "/".join(fragile[:2])
+    assert attribution.ranking[0] == group
+    assert rows[group].only_f32 < 0.01  # its own rule reaches the fragile dot
+    for other in set(rows) - {group}:  # and no other group's rule does
+        assert rows[other].only_f32 > 0.5, other
+        assert rows[other].only_low < 0.01, other
+    # each pattern decides its own group's scopes f32 and the others' as bf16 does
+    scopes = {"head": ("head",), "head/dense": ("head", "dense"),
+              "blocks/0": ("blocks", "0", "head")}
+    for name, row in rows.items():
+        policy = hlo_amp.Policy.parse(f"bf16,scope:{row.pattern}=float32")
+        for other, scope in scopes.items():
+            want = "float32" if other == name else "compute"
+            assert policy.decide(scope, "dot_general", False).action == want, (name, other)
+    assert not any("reaches" in note for note in attribution.notes)
+    assert attribution.compiles == 2 + 2 * 3  # every rule is its own policy
 
 
 def test_depth_groups_scopes_by_leading_segments():
@@ -205,8 +251,12 @@ def test_depth_groups_scopes_by_leading_segments():
     assert sorted(one.ranking) == ["block_0", "block_1", "head"]
     assert sorted(two.ranking) == ["block_0/attn", "block_0/mlp", "block_1/attn",
                                    "block_1/mlp", "head"]
-    # as written, bf16 and "only head f32" are depth 1's executables, from the cache
-    assert two.compiles == 2 * 5 - 1
+    # as written and bf16 are depth 1's executables, from the cache; "only head f32" is
+    # not: at depth 2 head's rule is /head$ (ops directly in head), at depth 1 /head
+    assert {row.scope: row.pattern for row in one.scopes}["head"] == "/head"
+    assert {row.scope: row.pattern for row in two.scopes}["head"] == "/head$"
+    assert {row.scope: row.pattern for row in two.scopes}["block_0/attn"] == "/block_0/attn"
+    assert two.compiles == 2 * 5
 
 
 def test_attribute_and_autopolicy_on_a_train_step():
