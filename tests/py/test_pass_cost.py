@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import pytest
+from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
