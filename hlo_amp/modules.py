@@ -8,6 +8,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func as func_dialect
 
 from hlo_amp import jax_internals as internals
+from hlo_amp.op_classes import MATRIX_OP_NAMES
 
 
 class ModuleError(ValueError):
@@ -161,8 +162,6 @@ def walk_operations(holder: object, *, into: frozenset[str] | None = None,
 # op names differ between passes (a private function shared by several call sites names
 # its ops without the caller's prefix; propagate's clones copy it). run_pipeline strips it.
 DECISION_KEY = "hlo_amp.decision"
-_MATRIX_OP_NAMES = frozenset({"stablehlo.dot_general", "stablehlo.dot",
-                              "stablehlo.convolution"})
 
 
 def mark_decision(op: ir.Operation | ir.OpView, index: int) -> None:
@@ -181,7 +180,7 @@ def decision_of(op: ir.Operation | ir.OpView) -> int | None:
 
 def strip_decision_marks(module: ir.Module) -> None:
     """Remove every ``DECISION_KEY``: it means nothing outside the run that wrote it."""
-    for op in walk_operations(module, names=_MATRIX_OP_NAMES):
+    for op in walk_operations(module, names=MATRIX_OP_NAMES):
         if DECISION_KEY in op.attributes:
             del op.attributes[DECISION_KEY]
 

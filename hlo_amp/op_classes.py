@@ -68,6 +68,10 @@ OP_CLASSES: dict[str, str] = {
     "batch_norm_inference": DENY, "batch_norm_grad": DENY, "custom_call": DENY,
 }
 
+# The matrix ops by their MLIR names ("stablehlo.dot_general", ...).
+MATRIX_OP_NAMES = frozenset(f"stablehlo.{kind}" for kind, cls in OP_CLASSES.items()
+                            if cls == ALLOW)
+
 # Stricter under f16 only (see the module docstring).
 F16_DENY = frozenset({"divide", "tan"})
 

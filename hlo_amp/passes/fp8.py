@@ -38,6 +38,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.fp8_gemm import FP8_FALLBACK, FP8_MARK, FP8_MAX
 from hlo_amp.modules import functions, walk_operations, with_element
+from hlo_amp.op_classes import MATRIX_OP_NAMES
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
 
@@ -124,7 +125,6 @@ def _scale(x32: ir.Value, dequantize: ir.Type, fmax: float) -> tuple[ir.Value, i
     return scale, scale_dq
 
 
-_MATRIX = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
 # How many producers to look through before assuming a matrix op is among them.
 _SEARCH_LIMIT = 256
 
@@ -140,7 +140,7 @@ def _from_matrix_op(value: ir.Value) -> bool:
                                                                           None)
         if not isinstance(operation, ir.Operation) or operation in seen:
             continue  # a block argument, or already looked at
-        if operation.name in _MATRIX or len(seen) >= _SEARCH_LIMIT:
+        if operation.name in MATRIX_OP_NAMES or len(seen) >= _SEARCH_LIMIT:
             return True
         seen.add(operation)
         stack.extend(operation.operands)

@@ -112,9 +112,9 @@ def _paint(graph: Graph) -> None:
     # op in f32 and rounds once (excess precision). Read only by the matrix op and by
     # deny ops, a value gains nothing from it: XLA fuses its convert into the readers.
     for node in graph.nodes:
-        if node.reason == _AFTER_DENY and _feeds_matrix_op(node) and any(
+        if node.reason == _AFTER_DENY and any(
                 isinstance(r, Node) and r.cls in (INFER, CLEAR, LINK)
-                for group in node.readers for r in group):
+                for group in node.readers for r in group) and _feeds_matrix_op(node):
             node.painted, node.reason = True, ""
     for node in graph.nodes:  # allow ops: a 16-bit result where a region reads it
         if node.cls == ALLOW and not node.pinned:
