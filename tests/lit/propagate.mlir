@@ -230,6 +230,36 @@ func.func @after_deny_read_by_dot_and_f32(%x: tensor<2x4xf32>, %w: tensor<4x4xf3
 
 // -----
 
+// A value with nothing 16-bit upstream that a painted op reads is stored once in 16 bit:
+// the embedding plus positions (%0) that the residual add after the first dot reads and
+// a layer norm's sum and centring read in f32. The add is painted (its inputs converted
+// before it), the sum and the multiply convert it up. (Without the residual add, as in
+// @deny_spreads_forward's sum, nothing paints it.)
+// CHECK-LABEL: func.func @before_region_read_by_painted_and_f32
+// CHECK:         %[[E16:.*]] = stablehlo.convert %arg0 : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         %[[P16:.*]] = stablehlo.convert %arg1 : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         %[[X16:.*]] = stablehlo.add %[[E16]], %[[P16]] : tensor<2x4xbf16>
+// CHECK:         %[[X:.*]] = stablehlo.convert %[[X16]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         stablehlo.reduce(%[[X]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// CHECK:         %[[N:.*]] = stablehlo.multiply %[[X]], %{{.*}} : tensor<2x4xf32>
+// CHECK:         %[[N16:.*]] = stablehlo.convert %[[N]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         %[[D:.*]] = stablehlo.dot_general %[[N16]], {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[R:.*]] = stablehlo.add %[[X16]], %[[D]] : tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[R]], {{.*}} -> tensor<2x3xf32>
+func.func @before_region_read_by_painted_and_f32(%e: tensor<2x4xf32>, %p: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.add %e, %p : tensor<2x4xf32> loc("jit(f)/add")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/reduce_sum")
+  %1 = stablehlo.reduce(%0 init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/reduce_sum")
+  %2 = stablehlo.broadcast_in_dim %1, dims = [0] : (tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/broadcast_in_dim")
+  %3 = stablehlo.multiply %0, %2 : tensor<2x4xf32> loc("jit(f)/mul")
+  %4 = stablehlo.dot_general %3, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %5 = stablehlo.add %0, %4 : tensor<2x4xf32> loc("jit(f)/add")
+  %6 = stablehlo.dot_general %5, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %6 : tensor<2x3xf32>
+}
+
+// -----
+
 // Deny spreads forward, through infer ops only (TensorFlow's rule): the multiply by the
 // broadcast sum and the tanh after it stay f32 and convert for the dot; a reshape of the
 // sum that leads only to a dot is data movement, not arithmetic: it moves 16-bit values.

@@ -116,6 +116,16 @@ def _paint(graph: Graph) -> None:
                 isinstance(r, Node) and r.cls in (INFER, CLEAR, LINK)
                 for group in node.readers for r in group) and _feeds_matrix_op(node):
             node.painted, node.reason = True, ""
+    # An f32 value with nothing 16-bit upstream that a painted op reads is stored once,
+    # in 16 bit, as Flax stores a bf16 embedding's output: a decoder's token embedding
+    # plus positions, which block 0's residual add reads and its layer norm reads in
+    # f32. Otherwise XLA keeps the f32 value for the layer norm's backward and a 16-bit
+    # copy for the add (4 MiB more at the decoder's peak). Not a value that only
+    # matrix operands (converts, not painted ops) read: f32 parameters stay f32.
+    for node in graph.nodes:
+        if node.cls == INFER and node.reason == NOT_BETWEEN and not node.fwd and any(
+                isinstance(r, Node) and r.painted for group in node.readers for r in group):
+            node.painted, node.reason = True, ""
     for node in graph.nodes:  # allow ops: a 16-bit result where a region reads it
         if node.cls == ALLOW and not node.pinned:
             node.painted = node.bwd or any(r == SINK or (isinstance(r, Node) and r.painted)
