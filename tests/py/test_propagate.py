@@ -262,3 +262,38 @@ def test_amp_stop_bounds_region():
     stopped = reports[True].propagation["ops"]
     assert stopped["tanh"] == {"painted": 0, "f32": {"rule amp_stop": 1}}
     assert stopped["dot_general"]["painted"] == 0  # its only reader is in amp_stop
+
+
+def _embedding_lm():
+    """Token embedding plus positions, a layer norm, a residual MLP block and a head:
+    block 0's input has nothing 16-bit upstream."""
+    rng = np.random.default_rng(0)
+    params = {"embed": rng.normal(size=(32, 16)), "pos": 0.1 * rng.normal(size=(8, 16)),
+              "w1": rng.normal(size=(16, 16)) / 4, "w2": rng.normal(size=(16, 16)) / 4,
+              "head": rng.normal(size=(16, 32)) / 4}
+    params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+    tokens = jnp.asarray(rng.integers(0, 32, 8), jnp.int32)
+
+    def loss(params, tokens):
+        x = params["embed"][tokens] + params["pos"]
+        centred = x - x.mean(-1, keepdims=True)
+        h = centred * jax.lax.rsqrt((centred**2).mean(-1, keepdims=True) + 1e-5)
+        x = x + jnp.tanh(h @ params["w1"]) @ params["w2"]
+        logits = x @ params["head"]
+        return -jax.nn.log_softmax(logits)[jnp.arange(8), tokens].mean()
+
+    return jax.value_and_grad(loss), params, tokens
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_embedding_plus_positions_is_stored_in_16bit(policy):
+    step, params, tokens = _embedding_lm()
+    dtype = Policy.parse(policy).compute_dtype
+    low = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    text = hlo_amp.rewrite(jax.jit(step).lower(params, tokens).as_text(), policy)
+    adds = [line for line in text.splitlines()
+            if " = stablehlo.add " in line
+            and ("tensor<8x16xf32>" in line or f"tensor<8x16x{low}>" in line)]
+    # the first [8, 16] add is the embedding plus positions, which the residual add reads
+    assert adds and adds[0].rstrip().endswith(f"tensor<8x16x{low}>"), adds[:1]
+    _close(hlo_amp.compile(step, policy)(params, tokens), jax.jit(step)(params, tokens), dtype)
