@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from jax.extend.mlir import ir
 
 from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER
@@ -54,7 +56,7 @@ def _paint(graph: Graph) -> None:
     # own 16-bit inputs up (TensorFlow's and PyTorch autocast's way), so they pin
     # nothing.
     for node in graph.nodes:
-        node.pinned = any(c == DENY for group in node.readers for c in group)
+        node.pinned = DENY in _readers(node)
     denied = _downstream_of_deny(graph)
     for node in graph.nodes:
         if node.cls in (INFER, CLEAR, LINK) and not node.reason:
@@ -68,17 +70,16 @@ def _paint(graph: Graph) -> None:
     pending = [n for n in graph.nodes if n.cls == ALLOW and not n.pinned]
     while pending:
         node = pending.pop()
-        for group in node.readers:
-            for reader in group:
-                if isinstance(reader, Node) and reader.eligible and not reader.fwd:
-                    reader.fwd = True
-                    pending.append(reader)
+        for reader in _readers(node):
+            if isinstance(reader, Node) and reader.eligible and not reader.fwd:
+                reader.fwd = True
+                pending.append(reader)
     # Backward: reaches a sink through eligible nodes, or through the f32 ops after
     # a deny op that convert their own inputs (a layer norm in front of a matrix op).
     pending = []
     seen: set[int] = set()
     for node in graph.nodes:
-        if node.cls != ALLOW and any(SINK in group for group in node.readers):
+        if node.cls != ALLOW and SINK in _readers(node):
             node.bwd = node.eligible
             seen.add(id(node))
             pending.append(node)
@@ -114,7 +115,7 @@ def _paint(graph: Graph) -> None:
     for node in graph.nodes:
         if node.reason == _AFTER_DENY and any(
                 isinstance(r, Node) and r.cls in (INFER, CLEAR, LINK)
-                for group in node.readers for r in group) and _feeds_matrix_op(node):
+                for r in _readers(node)) and _feeds_matrix_op(node):
             node.painted, node.reason = True, ""
     # An f32 value with nothing 16-bit upstream that a painted op reads is stored once,
     # in 16 bit, as Flax stores a bf16 embedding's output: a decoder's token embedding
@@ -123,13 +124,12 @@ def _paint(graph: Graph) -> None:
     # copy for the add (4 MiB more at the decoder's peak). Not a value that only
     # matrix operands (converts, not painted ops) read: f32 parameters stay f32.
     for node in graph.nodes:
-        if node.cls == INFER and node.reason == NOT_BETWEEN and not node.fwd and any(
-                isinstance(r, Node) and r.painted for group in node.readers for r in group):
+        if (node.cls == INFER and node.reason == NOT_BETWEEN and not node.fwd
+                and any(map(_is_painted, _readers(node)))):
             node.painted, node.reason = True, ""
     for node in graph.nodes:  # allow ops: a 16-bit result where a region reads it
         if node.cls == ALLOW and not node.pinned:
-            node.painted = node.bwd or any(r == SINK or (isinstance(r, Node) and r.painted)
-                                           for group in node.readers for r in group)
+            node.painted = node.bwd or any(r == SINK or _is_painted(r) for r in _readers(node))
     for node in graph.nodes:  # compares (no float result) of 16-bit values
         if node.eligible and not node.painted and not node.readers:
             floats = [key for key in node.inputs if graph.f32(key[1])]
@@ -141,11 +141,9 @@ def _paint(graph: Graph) -> None:
     # broadcast too, where a value after a deny op is painted (as the pass run again
     # on its own output would paint it).
     for node in reversed(graph.nodes):
-        groups = node.readers
         if (node.cls == CLEAR and (node.eligible or node.reason == _AFTER_DENY)
-                and not node.painted and groups
-                and all(r == SINK or (isinstance(r, Node) and r.painted)
-                        for group in groups for r in group)):
+                and not node.painted and node.readers
+                and all(r == SINK or _is_painted(r) for r in _readers(node))):
             node.painted = True
     for node in graph.nodes:
         if node.painted:
@@ -172,12 +170,11 @@ def _downstream_of_deny(graph: Graph) -> set[int]:
     pending = [n for n in graph.nodes if _deny_class(n)]
     while pending:
         node = pending.pop()
-        for group in node.readers:
-            for reader in group:
-                if (isinstance(reader, Node) and id(reader) not in denied
-                        and (reader.cls == INFER or id(reader) in leads)):
-                    denied.add(id(reader))
-                    pending.append(reader)
+        for reader in _readers(node):
+            if (isinstance(reader, Node) and id(reader) not in denied
+                    and (reader.cls == INFER or id(reader) in leads)):
+                denied.add(id(reader))
+                pending.append(reader)
     return denied
 
 
@@ -186,15 +183,23 @@ def _feeds_matrix_op(node: Node) -> bool:
     value, directly or through data movement."""
     pending, seen = [node], {id(node)}
     while pending:
-        for group in pending.pop().readers:
-            for reader in group:
-                if reader == SINK:
-                    return True
-                if (isinstance(reader, Node) and reader.cls in (CLEAR, LINK)
-                        and id(reader) not in seen):
-                    seen.add(id(reader))
-                    pending.append(reader)
+        for reader in _readers(pending.pop()):
+            if reader == SINK:
+                return True
+            if (isinstance(reader, Node) and reader.cls in (CLEAR, LINK)
+                    and id(reader) not in seen):
+                seen.add(id(reader))
+                pending.append(reader)
     return False
+
+
+def _readers(node: Node) -> Iterator[Node | str]:
+    """Every reader of the node's f32 results: nodes, or the SINK and DENY markers."""
+    return (reader for group in node.readers for reader in group)
+
+
+def _is_painted(reader: Node | str) -> bool:
+    return isinstance(reader, Node) and reader.painted
 
 
 def _deny_class(node: Node) -> bool:
