@@ -14,7 +14,7 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
 
     SPEC    := ITEM ("," ITEM)*
     ITEM    := PRESET | "compute=" DTYPE | "backward=" ACTION | "f64=" BOOL
-             | "only_if_faster=" BOOL | "propagate=" BOOL
+             | "only_if_faster=" BOOL | "propagate=" BOOL | "keep_f32_results=" BOOL
              | "explicit_precision=" ("keep" | "ignore")
              | "first_matrix_op=" (ACTION | "none") | "last_matrix_op=" (ACTION | "none")
              | "op:" KIND "=" ACTION | "scope:" PATTERN "=" ACTION
@@ -40,7 +40,11 @@ accurate mode); ``mixed_bfloat16``/``mixed_float16`` (``propagate=true``) also k
 activations between matrix ops in 16 bit (the fast mode, passes/propagate/). Op rules
 on other op kinds (``op:exponential=compute``, ``op:add=float32``) move that kind between
 the propagation classes of ``op_classes.py``: ``compute`` (or the compute dtype) lets it
-be painted, ``keep``/``float32`` keeps it f32; they need ``propagate=true``.
+be painted, ``keep``/``float32`` keeps it f32; they need ``propagate=true``. There, on
+GPU and TPU, every matrix op returns the 16-bit type, also where only f32 ops read it (a
+weight gradient read by the optimizer, the logits read by the loss), as TensorFlow's
+and PyTorch's AMP do; ``keep_f32_results=true`` keeps the accurate mode's f32 result
+for those (about 10% more bytes written on an MLP's train step on H100).
 
 fp8 (passes/fp8.py): the action ``float8_e4m3fn`` quantises both operands of a
 ``dot_general`` to e4m3fn; ``float8_e5m2`` quantises the operand that carries the incoming
@@ -135,6 +139,9 @@ class Policy:
     only_if_faster: bool = False
     # The mixed_* modes: keep activations 16-bit between matrix ops (passes/propagate/).
     propagate: bool = False
+    # mixed_* modes: a matrix op that only f32 ops read keeps an f32 result (a weight
+    # gradient, the logits); False: it returns the 16-bit type, as TF/PyTorch AMP do.
+    keep_f32_results: bool = False
     # "keep": dots the program wrote with HIGHEST precision or an explicit algorithm stay
     # as written unless a scope rule names them; "ignore": treat them like any other.
     explicit_precision: str = "keep"
@@ -192,6 +199,12 @@ class Policy:
                     f"ops other than {', '.join(OP_KINDS)}: compute (or {compute}), "
                     f"keep, float32"
                 )
+        if self.keep_f32_results and not propagate:
+            raise ValueError(
+                "keep_f32_results applies to the propagation pass; add propagate=true or "
+                "start from mixed_bfloat16/mixed_float16 (the accurate modes bf16/f16 "
+                "always keep f32 results)"
+            )
         backward = None
         if self.backward is not None:
             backward = canonical_action(self.backward, where="backward")
@@ -209,6 +222,7 @@ class Policy:
         object.__setattr__(self, "include_f64", bool(self.include_f64))
         object.__setattr__(self, "only_if_faster", bool(self.only_if_faster))
         object.__setattr__(self, "propagate", propagate)
+        object.__setattr__(self, "keep_f32_results", bool(self.keep_f32_results))
         if self.explicit_precision not in EXPLICIT_PRECISION:
             raise ValueError(
                 f"Unknown explicit_precision {self.explicit_precision!r}; accepted: "
@@ -276,7 +290,7 @@ class Policy:
                 fields["explicit_precision"] = value.lower()
             elif key in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
                 fields[key] = value  # "none" is read in __post_init__
-            elif key in ("f64", "only_if_faster", "propagate"):
+            elif key in ("f64", "only_if_faster", "propagate", "keep_f32_results"):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"Unknown value {value!r} for {key} in {spec!r}; "
                                      f"accepted: true, false")
@@ -285,8 +299,8 @@ class Policy:
             else:
                 raise ValueError(
                     f"Unknown key {key!r} in {spec!r}; accepted: compute, backward, f64, "
-                    f"only_if_faster, propagate, explicit_precision, first_matrix_op, "
-                    f"last_matrix_op, op:KIND, scope:PATTERN (or a preset "
+                    f"only_if_faster, propagate, keep_f32_results, explicit_precision, "
+                    f"first_matrix_op, last_matrix_op, op:KIND, scope:PATTERN (or a preset "
                     f"{', '.join(PRESETS)} first)"
                 )
         return cls.from_dict(fields)
@@ -301,6 +315,7 @@ class Policy:
             "include_f64": self.include_f64,
             "only_if_faster": self.only_if_faster,
             "propagate": self.propagate,
+            "keep_f32_results": self.keep_f32_results,
             "explicit_precision": self.explicit_precision,
             "first_matrix_op": self.first_matrix_op,
             "last_matrix_op": self.last_matrix_op,
@@ -309,8 +324,8 @@ class Policy:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
         allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64",
-                   "only_if_faster", "propagate", "explicit_precision", FIRST_MATRIX_OP,
-                   LAST_MATRIX_OP)
+                   "only_if_faster", "propagate", "keep_f32_results", "explicit_precision",
+                   FIRST_MATRIX_OP, LAST_MATRIX_OP)
         if not isinstance(data, Mapping):
             raise ValueError(f"A policy dict was expected, got {data!r}")  # noqa: TRY004
         unknown = [k for k in data if k not in allowed]
@@ -344,6 +359,8 @@ class Policy:
             items.append("f64=true")
         if self.only_if_faster:
             items.append("only_if_faster=true")
+        if self.keep_f32_results:
+            items.append("keep_f32_results=true")
         if self.explicit_precision != "keep":
             items.append(f"explicit_precision={self.explicit_precision}")
         return ",".join(items)

@@ -33,16 +33,22 @@
 // RNN:         stablehlo.tanh %{{.*}} : tensor<2x4xbf16>
 
 // grad of conv -> tanh -> dense: the conv, tanh and the reshape into the dense layer
-// are one bf16 region; the dense layer's weight-gradient dot, read by the f32 gradient
-// output, keeps an f32 result; the backward data path (dot, reshape, tanh') is bf16.
+// are one bf16 region; the dense layer's weight-gradient dot returns bf16 (as
+// TensorFlow's and PyTorch's AMP write it) and is converted up for the transpose into
+// the f32 gradient output; the backward data path (dot, reshape, tanh') is bf16. The
+// filter-gradient convolution, returned as it is, keeps its f32 result.
 // CONV-LABEL: func.func public @main
 // CONV:         %[[C:.*]] = stablehlo.convolution({{.*}}) {{.*}} -> tensor<1x4x4x3xbf16>
 // CONV:         %[[T:.*]] = stablehlo.tanh %[[C]] : tensor<1x4x4x3xbf16>
 // CONV:         %[[R:.*]] = stablehlo.reshape %[[T]] : (tensor<1x4x4x3xbf16>) -> tensor<1x48xbf16>
-// CONV:         stablehlo.dot_general %{{.*}}, %[[R]], {{.*}} -> tensor<2x48xf32>
+// CONV:         %[[DW:.*]] = stablehlo.dot_general %{{.*}}, %[[R]], {{.*}} -> tensor<2x48xbf16>
+// CONV:         %[[DW32:.*]] = stablehlo.convert %[[DW]] : (tensor<2x48xbf16>) -> tensor<2x48xf32>
+// CONV:         %[[DWT:.*]] = stablehlo.transpose %[[DW32]], dims = [1, 0] : (tensor<2x48xf32>) -> tensor<48x2xf32>
 // CONV:         %[[G:.*]] = stablehlo.dot_general {{.*}} -> tensor<1x48xbf16>
 // CONV:         %[[GR:.*]] = stablehlo.reshape %[[G]] : (tensor<1x48xbf16>) -> tensor<1x4x4x3xbf16>
 // CONV:         stablehlo.multiply %[[GR]], %{{.*}} : tensor<1x4x4x3xbf16>
+// CONV:         %[[DF:.*]] = stablehlo.convolution({{.*}}) {{.*}} -> tensor<3x3x2x3xf32>
+// CONV:         return %[[DF]], %[[DWT]] : tensor<3x3x2x3xf32>, tensor<48x2xf32>
 
 // jax.checkpoint: the sine/cosine (deny) stay f32 and the optimization_barrier that
 // remat puts on its residuals is kept exactly, f32 operands and all.
@@ -55,7 +61,8 @@
 // rsqrt (and, deny winning, everything that feeds them) stay f32; the GELU between the
 // two dots is bf16 from the first dot's 16-bit result to the second dot's operand; the
 // softmax's input dot, max and subtract are bf16 (they reach the last dot through the
-// exp), its exp, sum and divide stay f32, and its output is converted for the last dot.
+// exp), its exp, sum and divide stay f32, and its output is converted for the last dot,
+// which returns bf16: the f32 sum of the loss converts it up.
 // BLOCK-LABEL: func.func public @main
 // BLOCK:         stablehlo.reduce(%arg4 init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
 // BLOCK:         stablehlo.rsqrt %{{.*}} : tensor<2x1xf32>
@@ -74,7 +81,9 @@
 // BLOCK:         stablehlo.reduce(%[[E]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
 // BLOCK:         %[[P:.*]] = stablehlo.divide %[[E]], %{{.*}} : tensor<2x4xf32>
 // BLOCK:         %[[P16:.*]] = stablehlo.convert %[[P]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
-// BLOCK:         stablehlo.dot_general %[[P16]], {{.*}} -> tensor<2x4xf32>
+// BLOCK:         %[[O:.*]] = stablehlo.dot_general %[[P16]], {{.*}} -> tensor<2x4xbf16>
+// BLOCK:         %[[O32:.*]] = stablehlo.convert %[[O]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// BLOCK:         stablehlo.reduce(%[[O32]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<f32>
 
 // JSON:      "propagation": {
 // JSON:        "ops": {

@@ -26,6 +26,9 @@
 // RUN:   --policy 'mixed_bfloat16,op:tanh=float32,op:exponential=compute' \
 // RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=OPRULE
+// RUN: hlo-amp-opt %s --split-input-file --policy 'mixed_bfloat16,keep_f32_results=true' \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=KEEP
 // The accurate mode never runs the pass: activations stay f32.
 // RUN: hlo-amp-opt %s --split-input-file --policy bf16 \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=ACCURATE
@@ -57,10 +60,12 @@
 // F16:           %[[T:.*]] = stablehlo.tanh %[[S]] : tensor<2x4xf16>
 // F16:           stablehlo.dot_general %[[T]], {{.*}} -> tensor<2x3xf32>
 // A scope rule bounds the region: tanh and the second dot sit in "head" and stay f32,
-// and the add that feeds them stays f32 with them (deny wins).
+// and the add that feeds them stays f32 with them (deny wins); the first dot returns
+// bf16 and the f32 add converts it up, as an f32 region reads a 16-bit producer.
 // SCOPE-LABEL: func.func @infer_between_dots
-// SCOPE:         stablehlo.dot_general {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>
-// SCOPE:         stablehlo.add %{{.*}}, %{{.*}} : tensor<2x4xf32>
+// SCOPE:         %[[D1:.*]] = stablehlo.dot_general {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xbf16>
+// SCOPE:         %[[D132:.*]] = stablehlo.convert %[[D1]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// SCOPE:         stablehlo.add %[[D132]], %{{.*}} : tensor<2x4xf32>
 // SCOPE:         %[[T:.*]] = stablehlo.tanh %{{.*}} : tensor<2x4xf32>
 // SCOPE:         stablehlo.dot_general %[[T]], {{.*}} : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32>
 // OPRULE-LABEL: func.func @infer_between_dots
@@ -81,13 +86,25 @@ func.func @infer_between_dots(%x: tensor<2x4xf32>, %w1: tensor<4x4xf32>, %b: ten
 // -----
 
 // An infer op next to a 16-bit op on one side only is left alone: after the last dot
-// (nothing 16-bit reads it) and before the first (nothing 16-bit feeds it).
+// (nothing 16-bit reads it) and before the first (nothing 16-bit feeds it). The last
+// dot still returns bf16, as TensorFlow's and PyTorch's AMP write every matmul result:
+// the f32 tanh converts it up itself. keep_f32_results keeps its f32 result, and so
+// does the CPU target (no bytes to gain there, only rounding).
 // CHECK-LABEL: func.func @infer_one_side
 // CHECK:         %[[T0:.*]] = stablehlo.tanh %{{.*}} : tensor<2x4xf32>
 // CHECK:         %[[T016:.*]] = stablehlo.convert %[[T0]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
-// CHECK:         %[[D:.*]] = stablehlo.dot_general %[[T016]], {{.*}} -> tensor<2x3xf32>
-// CHECK:         %[[T:.*]] = stablehlo.tanh %[[D]] : tensor<2x3xf32>
+// CHECK:         %[[D:.*]] = stablehlo.dot_general %[[T016]], {{.*}} -> tensor<2x3xbf16>
+// CHECK:         %[[D32:.*]] = stablehlo.convert %[[D]] : (tensor<2x3xbf16>) -> tensor<2x3xf32>
+// CHECK:         %[[T:.*]] = stablehlo.tanh %[[D32]] : tensor<2x3xf32>
 // CHECK:         return %[[T]] : tensor<2x3xf32>
+// KEEP-LABEL: func.func @infer_one_side
+// KEEP:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x3xf32>
+// KEEP:         %[[T:.*]] = stablehlo.tanh %[[D]] : tensor<2x3xf32>
+// KEEP:         return %[[T]] : tensor<2x3xf32>
+// CPU-LABEL: func.func @infer_one_side
+// CPU:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x3xf32>
+// CPU:         %[[T:.*]] = stablehlo.tanh %[[D]] : tensor<2x3xf32>
+// CPU:         return %[[T]] : tensor<2x3xf32>
 func.func @infer_one_side(%x: tensor<2x4xf32>, %w: tensor<4x3xf32>) -> tensor<2x3xf32> {
   %0 = stablehlo.tanh %x : tensor<2x4xf32> loc("jit(f)/tanh")
   %1 = stablehlo.dot_general %0, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")

@@ -24,6 +24,7 @@ import hlo_amp
 from hlo_amp.modules import module_text, parse_module
 from hlo_amp.passes import default_pipeline, run_pipeline
 from hlo_amp.policy import Policy
+from hlo_amp.runtime.compile import rewrite_lowered
 
 # The models the issue names; each has an infer op between two matrix ops.
 PAINTED_MODELS = ("mlp", "cnn", "attention", "scan_rnn", "remat")
@@ -160,12 +161,41 @@ def test_train_step_keeps_signature_dtypes_and_f32_state():
     original = jax.jit(step).lower(*args).as_text()
     signature = original.split("{", 2)[1].split("\n")[0]
     assert lowered.as_text().split("{", 2)[1].split("\n")[0] == signature
-    # the weight-gradient dots feed the f32 update: they keep f32 results even on GPU
-    text = hlo_amp.rewrite(original, "mixed_bfloat16")
-    weight_grads = [line for line in text.splitlines()
-                    if "dot_general" in line and "contracting_dims = [0] x [0]" in line]
-    assert weight_grads and all(line.rstrip().endswith("xf32>") for line in weight_grads)
     assert _painted(lowered.report()) > 0
+
+
+def _weight_grad_dots(text: str) -> list[str]:
+    """The result types of the weight-gradient dots (contracting the batch)."""
+    return [line.split(") -> ")[-1].split(" loc(")[0] for line in text.splitlines()
+            if "dot_general" in line and "contracting_dims = [0] x [0]" in line]
+
+
+def test_weight_gradient_dots_return_16bit_on_gpu_unless_kept_f32():
+    # On GPU the weight-gradient dots, read only by the f32 update, return bf16 as
+    # TF's and PyTorch's AMP write them; keep_f32_results and the CPU target keep f32.
+    step, args = _train_step()
+    original = jax.jit(step).lower(*args).as_text()
+    weight_grads = _weight_grad_dots(_rewrite(original, "mixed_bfloat16", None))
+    assert len(weight_grads) == 2
+    assert all(result.endswith("xbf16>") for result in weight_grads)
+    for text in (_rewrite(original, "mixed_bfloat16,keep_f32_results=true", None),
+                 _rewrite(original, "mixed_bfloat16", "cpu")):
+        weight_grads = _weight_grad_dots(text)
+        assert len(weight_grads) == 2
+        assert all(result.endswith("xf32>") for result in weight_grads)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16",
+                                    "mixed_bfloat16,keep_f32_results=true"])
+def test_gpu_form_train_step_runs_close_to_f32(policy):
+    # The module as the pass writes it for GPU, run here on CPU: 16-bit weight
+    # gradients and logits still give f32 parameters, state and loss within tolerance.
+    step, args = _train_step()
+    want = jax.jit(step)(*args)
+    rewritten, _, _ = rewrite_lowered(jax.jit(step).lower(*args), Policy.parse(policy), None)
+    assert "xbf16>" in rewritten.as_text() or "xf16>" in rewritten.as_text()
+    _close(rewritten.compile()(*args), want,
+           "bfloat16" if "bfloat16" in policy else "float16")
 
 
 def test_gpu_dots_return_16bit_and_cpu_dots_keep_f32():
@@ -262,6 +292,25 @@ def test_amp_stop_bounds_region():
     stopped = reports[True].propagation["ops"]
     assert stopped["tanh"] == {"painted": 0, "f32": {"rule amp_stop": 1}}
     assert stopped["dot_general"]["painted"] == 0  # its only reader is in amp_stop
+
+
+def test_amp_stop_after_the_last_dot_reads_its_f32_result():
+    # Nothing 16-bit follows the dot, so the tanh is not painted: amp_stop is found on
+    # the reader of the dot's 16-bit result all the same, and the dot keeps f32.
+    def fn(p, x, stop):
+        h = x @ p["w"]
+        if stop:
+            with hlo_amp.amp_stop():
+                return jnp.tanh(h) * 2.0
+        return jnp.tanh(h) * 2.0
+
+    params, x = {"w": jnp.ones((8, 8)) / 8}, jnp.ones((4, 8))
+    painted = {}
+    for stop in (False, True):
+        text = jax.jit(fn, static_argnums=2).lower(params, x, stop).as_text(debug_info=True)
+        _, report = hlo_amp.rewrite(text, "mixed_bfloat16", return_report=True)
+        painted[stop] = report.propagation["ops"]["dot_general"]["painted"]
+    assert painted == {False: 1, True: 0}
 
 
 def _embedding_lm():

@@ -25,9 +25,12 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    sum; a pre-LN residual stream, though a layer norm's mean reads it; attention scores
    and their max before the softmax's exp). A compare whose float operands are all
    16-bit is painted too.
-4. An allow op's result becomes 16-bit when it is not pinned and feeds a painted op or
-   a sink: on GPU the op returns the 16-bit type itself, on CPU it keeps its f32
-   result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
+4. An allow op's result becomes 16-bit when it is not pinned: on GPU and TPU the op
+   returns the 16-bit type itself, also where only f32 ops read it (a weight gradient
+   read by the optimizer, the logits read by the loss), as TensorFlow's and PyTorch's
+   AMP write every matrix result; those readers convert it up. On CPU, and with the
+   policy's ``keep_f32_results``, only where it feeds a painted op or a sink; on CPU
+   it keeps its f32 result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
 
 Converts go only on region boundaries, one per value, target type and block; a painted
 op's f32 operand is converted down, a 16-bit value read by an unpainted op is converted
@@ -78,11 +81,11 @@ class Propagate:
         before = intermediate_bytes(module, walks)
         graph = Graph(self.policy, low, walks)
         graph.build(module)
-        solve(graph)
+        in_16bit = matrix_result_in_16bit(self.target)
+        solve(graph, low_results=in_16bit and not self.policy.keep_f32_results)
         counts = op_counts(graph)
         with ir.Location.unknown(module.context):  # types are built outside any op
-            clones = Rewriter(graph, low, matrix_result_in_16bit(self.target),
-                              self.target).rewrite(module)
+            clones = Rewriter(graph, low, in_16bit, self.target).rewrite(module)
         if report is not None:
             report.propagation = {
                 "ops": counts,

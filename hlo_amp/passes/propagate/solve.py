@@ -16,25 +16,30 @@ NOT_BETWEEN = "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
 
 
-def solve(graph: Graph) -> None:
+def solve(graph: Graph, low_results: bool = True) -> None:
     """Paint; then, when only amp_stop could name a non-matrix op, check just the
-    painted ops for it (locations are slow to read) and paint again if one is."""
+    painted ops for it (locations are slow to read) and paint again if one is.
+
+    ``low_results``: every unpinned matrix op returns the 16-bit type, also where only
+    f32 ops read it; otherwise only where a 16-bit region reads it."""
     f32 = graph.f32
     for node in graph.nodes:
         node.readers = [graph.consumers(key) for key in node.outputs if f32(key[1])]
     try:
-        _solve(graph)
+        _solve(graph, low_results)
     finally:  # readers point at nodes, loops make cycles: undone for refcounting
         for node in graph.nodes:
             node.readers = []
 
 
-def _solve(graph: Graph) -> None:
-    _paint(graph)
+def _solve(graph: Graph, low_results: bool) -> None:
+    _paint(graph, low_results)
     while True:
         stopped = False
         for node in graph.nodes:
-            if node.painted and node.deferred:
+            # Painted ops, and the ops that read a 16-bit matrix result: an amp_stop
+            # there keeps that result f32 (a rule's region reads what was written).
+            if node.deferred and (node.painted or _reads_low_matrix_result(graph, node)):
                 node.deferred = False
                 inst = graph.instances[node.inst]
                 override = graph.policy_class(inst.ops[node.index], inst.prefix, node.kind)
@@ -47,10 +52,10 @@ def _solve(graph: Graph) -> None:
             node.pinned = node.eligible = node.fwd = node.bwd = node.painted = False
             if node.reason in _SOLVE_REASONS:
                 node.reason = ""
-        _paint(graph)
+        _paint(graph, low_results)
 
 
-def _paint(graph: Graph) -> None:
+def _paint(graph: Graph, low_results: bool) -> None:
     # Only readers that must see the exact f32 value pin it: converts to another
     # type, public returns, ops outside the graph. Deny and unknown ops convert their
     # own 16-bit inputs up (TensorFlow's and PyTorch autocast's way), so they pin
@@ -127,9 +132,17 @@ def _paint(graph: Graph) -> None:
         if (node.cls == INFER and node.reason == NOT_BETWEEN and not node.fwd
                 and any(map(_is_painted, _readers(node)))):
             node.painted, node.reason = True, ""
-    for node in graph.nodes:  # allow ops: a 16-bit result where a region reads it
+    # Allow ops: a 16-bit result where a region reads it; with ``low_results`` also
+    # where only f32 ops read it (a weight gradient read by the optimizer, the logits
+    # read by the loss), as TensorFlow's and PyTorch's AMP write every matrix result:
+    # the f32 readers convert it up themselves, and the op writes half the bytes. Not
+    # where a rule keeps a reader f32 (a scope rule, an op rule, amp_stop): the ops the
+    # user kept read the f32 value the program wrote.
+    for node in graph.nodes:
         if node.cls == ALLOW and not node.pinned:
-            node.painted = node.bwd or any(r == SINK or _is_painted(r) for r in _readers(node))
+            node.painted = (
+                (low_results and not any(map(_kept_by_rule, _readers(node))))
+                or node.bwd or any(r == SINK or _is_painted(r) for r in _readers(node)))
     for node in graph.nodes:  # compares (no float result) of 16-bit values
         if node.eligible and not node.painted and not node.readers:
             floats = [key for key in node.inputs if graph.f32(key[1])]
@@ -200,6 +213,20 @@ def _readers(node: Node) -> Iterator[Node | str]:
 
 def _is_painted(reader: Node | str) -> bool:
     return isinstance(reader, Node) and reader.painted
+
+
+def _kept_by_rule(reader: Node | str) -> bool:
+    """A reader that a rule (not the op table) keeps f32."""
+    return isinstance(reader, Node) and reader.cls == DENY and reader.reason.startswith("rule ")
+
+
+def _reads_low_matrix_result(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` reads the 16-bit result of an allow op."""
+    for key in node.inputs:
+        producer = graph.producer.get(key)
+        if producer is not None and producer.cls == ALLOW and producer.painted:
+            return True
+    return False
 
 
 def _deny_class(node: Node) -> bool:
