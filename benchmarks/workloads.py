@@ -219,15 +219,19 @@ def make_step(graphdef: Any, tx: optax.GradientTransformation,
 
 VARIANTS = ("f32", "flax bf16", "jmp bf16", "hlo_amp bf16", "hlo_amp bf16 only_if_faster",
             "hlo_amp mixed_bfloat16", "hlo_amp fp8", "Keras mixed_bfloat16", "jaxamp")
-# Only on GPU: the f32 step, XLA told to run f32 dots with the bf16×bf16→f32 algorithm.
-GPU_VARIANTS = ("f32 + XLA bf16 dot algorithm",)
+# Only on GPU: the f32 step, XLA told to run f32 dots with the bf16×bf16→f32 algorithm;
+# the fast mode with keep_f32_results (on CPU it is the fast mode itself).
+GPU_VARIANTS = ("f32 + XLA bf16 dot algorithm", "hlo_amp mixed_bfloat16 keep_f32_results")
 # Compiled (not run) for a GPU without the device: ``--device h100-aot`` / ``h200-aot``.
 AOT_VARIANTS = ("f32", "f32 + XLA bf16 dot algorithm", "flax bf16", "jmp bf16",
-                "Keras mixed_bfloat16", "hlo_amp bf16", "hlo_amp mixed_bfloat16", "hlo_amp fp8")
+                "Keras mixed_bfloat16", "hlo_amp bf16", "hlo_amp mixed_bfloat16",
+                "hlo_amp mixed_bfloat16 keep_f32_results", "hlo_amp fp8")
 # The policy each hlo_amp variant compiles with.
 HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16",
                     "hlo_amp bf16 only_if_faster": "bf16,only_if_faster=true",
                     "hlo_amp mixed_bfloat16": "mixed_bfloat16",
+                    # the weight gradients' and logits' GEMMs keep f32 results (GPU, TPU)
+                    "hlo_amp mixed_bfloat16 keep_f32_results": "mixed_bfloat16,keep_f32_results=true",
                     "hlo_amp fp8": "fp8"}
 # XLA compile options of the variants that are the f32 step compiled differently.
 XLA_OPTIONS = {"f32 + XLA bf16 dot algorithm": {"xla_gpu_default_to_alg_dot_bf16_bf16_f32": True}}
