@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.gpu_aot import F32_NON_TENSOR, estimate
+from benchmarks.kernel_diff import surplus
 from benchmarks.run import HAND_WRITTEN, write_aot_section
 from hlo_amp import compile_for_target
 from hlo_amp.runtime.device_targets import resolve_target
@@ -134,3 +135,16 @@ def test_results_section_replaced_and_cpu_rows_kept(tmp_path) -> None:
     assert text.count("## H100, compiled without a device") == 1
     assert "new" in text and "old" not in text and "h200" in text
     assert text.index(HAND_WRITTEN) < text.index("H100") < text.index("H200") < text.index(hand)
+
+
+def test_kernel_diff_names_the_kernels_one_side_has_more_of() -> None:
+    # A GEMM with an f32 result against one with a bf16 result: the surplus on each side
+    # is exactly that GEMM; a step against itself has none.
+    a, b = jnp.ones((M, K), jnp.bfloat16), jnp.ones((K, N), jnp.bfloat16)
+    wide = estimate(_hlo(lambda a, b: jnp.tanh(jnp.dot(a, b, preferred_element_type=jnp.float32)),
+                         a, b), "h100")
+    low = estimate(_hlo(lambda a, b: jnp.tanh(a @ b).astype(jnp.float32), a, b), "h100")
+    assert surplus(wide.kernels, wide.kernels) == []
+    [(gemm, count)] = [(k, n) for k, n in surplus(wide.kernels, low.kernels) if k.matrix]
+    [(other, _)] = [(k, n) for k, n in surplus(low.kernels, wide.kernels) if k.matrix]
+    assert count == 1 and gemm.bytes - other.bytes == M * N * 2  # f32 vs bf16 result
