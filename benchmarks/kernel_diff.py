@@ -38,8 +38,8 @@ def surplus(kernels: list[Any], others: list[Any]) -> list[tuple[Any, int]]:
 def _lines(label: str, rows: list[tuple[Any, int]], estimate: Any) -> list[str]:
     seconds = sum(n * k.seconds(estimate.peak_flops, estimate.device,
                                 estimate.hbm_bytes_per_second) for k, n in rows)
-    lines = [f"more in {label}: {sum(n * k.bytes for k, n in rows) / 1e6:.3f} MB, "
-             f"{seconds * 1e6:.2f} µs"]
+    total = sum(n * k.bytes for k, n in rows) / 1e6
+    lines = [f"more in {label}: {total:.3f} MB, {seconds * 1e6:.2f} µs"]
     for kernel, n in sorted(rows, key=lambda row: -row[0].bytes * row[1]):
         types = "×".join(kernel.operand_types) or "-"
         lines.append(f"  {n}× {kernel.name[:48]:48s} {kernel.op:12s} {types:12s} "
