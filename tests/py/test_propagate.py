@@ -21,10 +21,11 @@ import pytest
 from test_numerics import MODELS, _loss
 
 import hlo_amp
-from hlo_amp.modules import module_text, parse_module
+from hlo_amp.jax_internals import swap_module
+from hlo_amp.modules import copy_module, module_text, parse_module
 from hlo_amp.passes import default_pipeline, run_pipeline
+from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.policy import Policy
-from hlo_amp.runtime.compile import rewrite_lowered
 
 # The models the issue names; each has an infer op between two matrix ops.
 PAINTED_MODELS = ("mlp", "cnn", "attention", "scan_rnn", "remat")
@@ -185,17 +186,39 @@ def test_weight_gradient_dots_return_16bit_on_gpu_unless_kept_f32():
         assert all(result.endswith("xf32>") for result in weight_grads)
 
 
+def _gpu_form(fn, policy: str, *args):
+    """``fn`` rewritten as the pass writes it for GPU, run on XLA:CPU: the CPU dot-layout
+    pass added after the pipeline so that XLA:CPU can run its batched 16-bit dots."""
+    lowered = jax.jit(fn).lower(*args)
+    module = copy_module(lowered.compiler_ir("stablehlo"))
+    amp_policy = Policy.parse(policy)
+    run_pipeline(module, amp_policy, target=None,
+                 passes=[*default_pipeline(amp_policy, None), FastDotLayout()])
+    assert "xbf16>" in module_text(module) or "xf16>" in module_text(module)
+    return swap_module(lowered, module).compile()(*args)
+
+
+def _dtype(policy: str) -> str:
+    return "bfloat16" if "bfloat16" in policy else "float16"
+
+
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16",
                                     "mixed_bfloat16,keep_f32_results=true"])
 def test_gpu_form_train_step_runs_close_to_f32(policy):
-    # The module as the pass writes it for GPU, run here on CPU: 16-bit weight
-    # gradients and logits still give f32 parameters, state and loss within tolerance.
+    # 16-bit weight gradients and logits still give f32 parameters, state and loss
+    # within the mode's tolerance.
     step, args = _train_step()
-    want = jax.jit(step)(*args)
-    rewritten, _, _ = rewrite_lowered(jax.jit(step).lower(*args), Policy.parse(policy), None)
-    assert "xbf16>" in rewritten.as_text() or "xf16>" in rewritten.as_text()
-    _close(rewritten.compile()(*args), want,
-           "bfloat16" if "bfloat16" in policy else "float16")
+    _close(_gpu_form(step, policy, *args), jax.jit(step)(*args), _dtype(policy))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gpu_form_gradients_close_to_f32(name, policy):
+    # The numerics set's gradients in the GPU form (the CPU tests above run the CPU
+    # form, whose matrix ops keep f32 results outside regions).
+    fn, params, x = MODELS[name]()
+    grad = jax.grad(_loss(fn))
+    _close(_gpu_form(grad, policy, params, x), jax.jit(grad)(params, x), _dtype(policy))
 
 
 def test_gpu_dots_return_16bit_and_cpu_dots_keep_f32():
