@@ -317,22 +317,27 @@ def test_amp_stop_bounds_region():
     assert stopped["dot_general"]["painted"] == 0  # its only reader is in amp_stop
 
 
-def test_amp_stop_after_the_last_dot_reads_its_f32_result():
-    # Nothing 16-bit follows the dot, so the tanh is not painted: amp_stop is found on
-    # the reader of the dot's 16-bit result all the same, and the dot keeps f32.
-    def fn(p, x, stop):
+@pytest.mark.parametrize("after", [jnp.tanh, jnp.exp])
+@pytest.mark.parametrize("bound", ["amp_stop", "scope rule"])
+def test_rule_region_after_the_last_dot_reads_its_f32_result(after, bound):
+    # Nothing 16-bit follows the dot (an infer op, tanh, or a deny op, exp): on GPU it
+    # returns bf16 all the same, unless a rule keeps its reader f32 (amp_stop is read
+    # lazily, on the readers of 16-bit matrix results too).
+    def fn(p, x, bounded):
         h = x @ p["w"]
-        if stop:
-            with hlo_amp.amp_stop():
-                return jnp.tanh(h) * 2.0
-        return jnp.tanh(h) * 2.0
+        if not bounded:
+            return after(h) * 2.0
+        with hlo_amp.amp_stop() if bound == "amp_stop" else jax.named_scope("head"):
+            return after(h) * 2.0
 
+    rule = ",scope:head=float32" if bound == "scope rule" else ""
     params, x = {"w": jnp.ones((8, 8)) / 8}, jnp.ones((4, 8))
     painted = {}
-    for stop in (False, True):
-        text = jax.jit(fn, static_argnums=2).lower(params, x, stop).as_text(debug_info=True)
-        _, report = hlo_amp.rewrite(text, "mixed_bfloat16", return_report=True)
-        painted[stop] = report.propagation["ops"]["dot_general"]["painted"]
+    for bounded in (False, True):
+        text = jax.jit(fn, static_argnums=2).lower(params, x, bounded).as_text(debug_info=True)
+        policy = "mixed_bfloat16" + (rule if bounded else "")
+        _, report = hlo_amp.rewrite(text, policy, return_report=True)
+        painted[bounded] = report.propagation["ops"]["dot_general"]["painted"]
     assert painted == {False: 1, True: 0}
 
 

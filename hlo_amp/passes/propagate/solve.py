@@ -141,7 +141,7 @@ def _paint(graph: Graph, low_results: bool) -> None:
     for node in graph.nodes:
         if node.cls == ALLOW and not node.pinned:
             node.painted = (
-                (low_results and not any(map(_kept_by_rule, _readers(node))))
+                (low_results and not any(_kept_by_rule(graph, r) for r in _readers(node)))
                 or node.bwd or any(r == SINK or _is_painted(r) for r in _readers(node)))
     for node in graph.nodes:  # compares (no float result) of 16-bit values
         if node.eligible and not node.painted and not node.readers:
@@ -215,9 +215,18 @@ def _is_painted(reader: Node | str) -> bool:
     return isinstance(reader, Node) and reader.painted
 
 
-def _kept_by_rule(reader: Node | str) -> bool:
-    """A reader that a rule (not the op table) keeps f32."""
-    return isinstance(reader, Node) and reader.cls == DENY and reader.reason.startswith("rule ")
+def _kept_by_rule(graph: Graph, reader: Node | str) -> bool:
+    """A reader that a rule (scope, op, amp_stop) keeps f32. A deny-table op keeps its
+    table reason when a rule names it too, so the rules are asked for it here."""
+    if not isinstance(reader, Node) or reader.cls != DENY:
+        return False
+    if reader.reason.startswith("rule "):
+        return True
+    if reader.reason != DENY_CLASS:
+        return False
+    inst = graph.instances[reader.inst]
+    override = graph.policy_class(inst.ops[reader.index], inst.prefix, reader.kind)
+    return override is not None and override[0] == DENY
 
 
 def _reads_low_matrix_result(graph: Graph, node: Node) -> bool:
