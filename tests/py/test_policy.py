@@ -40,6 +40,14 @@ def test_presets_parse(spec: str, compute: str, ops: dict[str, str]) -> None:
     assert policy == Policy.preset(spec)
 
 
+def test_keep_f32_results_item_and_field() -> None:
+    policy = Policy.parse("mixed_float16,keep_f32_results=true")
+    assert policy.keep_f32_results and policy.propagate
+    assert policy == Policy("float16", ops=ALL_COMPUTE, propagate=True, keep_f32_results=True)
+    assert policy != Policy.preset("mixed_float16")
+    assert not Policy.preset("mixed_float16").keep_f32_results
+
+
 def test_propagate_item_and_field() -> None:
     assert Policy.parse("bf16,propagate=true") == Policy.preset("mixed_bfloat16")
     assert Policy.parse("mixed_float16,propagate=false") == Policy.preset("f16")
@@ -64,6 +72,8 @@ def test_op_rules_accept_every_stablehlo_op_name() -> None:
         ("bf16,op:exponential=compute", "add propagate=true or start from mixed_bfloat16"),
         ("mixed_bfloat16,op:add=float16", "accepted for ops other than"),
         ("mixed_bfloat16,propagate=sometimes", "accepted: true, false"),
+        ("mixed_bfloat16,keep_f32_results=yes", "accepted: true, false"),
+        ("bf16,keep_f32_results=true", "keep_f32_results applies to the propagation pass"),
         ("mixed_float32", "Unknown preset 'mixed_float32'"),
     ],
 )
@@ -228,7 +238,8 @@ def test_as_policy_accepts_every_form() -> None:
      "f32,op:convolution=compute,compute=float16,backward=keep,f64=true",
      "bf16,op:dot=float16,scope:amp_stop=compute",
      "mixed_bfloat16,scope:head=float32,op:exponential=compute",
-     "mixed_float16,op:add=keep", "f32,op:dot_general=compute,propagate=true"],
+     "mixed_float16,op:add=keep", "f32,op:dot_general=compute,propagate=true",
+     "mixed_bfloat16,keep_f32_results=true"],
 )
 def test_string_and_dict_round_trips(spec: str) -> None:
     policy = Policy.parse(spec)
