@@ -16,7 +16,7 @@ NOT_BETWEEN = "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
 
 
-def solve(graph: Graph, low_results: bool = True) -> None:
+def solve(graph: Graph, *, low_results: bool) -> None:
     """Paint; then, when only amp_stop could name a non-matrix op, check just the
     painted ops for it (locations are slow to read) and paint again if one is.
 
