@@ -455,3 +455,18 @@ def low_result_on_target(kind: str, target: str | None) -> bool:
     convolutions (docs/gpu_target.md). CPU: the forms above.
     """
     return target == "gpu" and kind == "convolution"
+
+
+def deny_pins_its_inputs(target: str | None) -> bool:
+    """Whether, in the mixed modes, an f32-only (deny) op keeps the value it reads f32.
+
+    GPU and TPU: no; deny ops convert their own 16-bit inputs (TensorFlow's AMP and
+    PyTorch autocast), so a residual stream or an activation gradient that a layer
+    norm's mean or a bias gradient's sum also reads is stored in 16 bit.
+    CPU: yes. XLA:CPU computes 16-bit elementwise ops in f32, so a 16-bit value saves
+    storage only, and where f32 ops read it too its fusions materialise f32 copies
+    (a softmax's broadcast 1/sum, an average pool's padded gradient): with deny ops
+    converting their own inputs the ViT step's temp memory was 2139 MB against 1876 MB
+    (benchmarks/RESULTS.md, CPU section).
+    """
+    return target == "cpu"

@@ -9,8 +9,10 @@ CHLO name without the dialect prefix) has a class:
   on a path between 16-bit ops.
 - ``clear``: data movement that does not change values (a max/min ``reduce`` or
   ``reduce_window`` picks one of its inputs); painted like ``infer``.
-- ``deny``: computed in f32 (a 16-bit input is converted up in front of the op), and
-  the infer ops downstream of it stay f32 (see ``passes/propagate/solve.py``): exponentials and logs (error grows with the argument), powers,
+- ``deny``: computed in f32 (on GPU and TPU a 16-bit input is converted up in front
+  of the op, on CPU the value it reads stays f32), and the infer ops downstream of it
+  stay f32 (see ``passes/propagate/solve.py``): exponentials and logs (error grows with
+  the argument), powers,
   ``rsqrt``, sums (``reduce`` with an add body: sums, means, variances; ``reduce_window``
   with an add body over more than ``SHORT_SUM`` elements: cumulative sums), scatters,
   sorts, and JAX's own precision idioms (``reduce_precision``,

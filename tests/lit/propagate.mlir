@@ -1,6 +1,7 @@
 // The propagation pass (mixed_* modes): 16-bit regions from the converted matrix ops
 // through infer/clear ops, never through deny ops. Default target (GPU): matrix ops in a
-// region return the 16-bit type; --target cpu keeps their f32 result and a convert.
+// region return the 16-bit type; --target cpu keeps their f32 result and a convert, and
+// there a deny op pins the value it reads (cpu_dots.deny_pins_its_inputs).
 //
 // RUN: hlo-amp-opt %s --split-input-file --policy mixed_bfloat16 \
 // RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
@@ -208,6 +209,14 @@ func.func @exp_between_dots(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tenso
 // CHECK:         stablehlo.tanh %[[D]] : tensor<2x4xbf16>
 // CHECK:         %[[U:.*]] = stablehlo.convert %[[D]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
 // CHECK:         stablehlo.reduce(%[[U]] init: %{{.*}}) applies stablehlo.add across dimensions = [0, 1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<f32>
+// On CPU the sum pins the dot's f32 result, and the tanh after it stays f32 (converted
+// for the next dot).
+// CPU-LABEL:   func.func @deny_converts_its_input
+// CPU:           %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CPU:           %[[T:.*]] = stablehlo.tanh %[[D]] : tensor<2x4xf32>
+// CPU:           %[[T16:.*]] = stablehlo.convert %[[T]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CPU:           stablehlo.dot_general %[[T16]], {{.*}} -> tensor<2x3xf32>
+// CPU:           stablehlo.reduce(%[[D]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<f32>
 func.func @deny_converts_its_input(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> (tensor<2x3xf32>, tensor<f32>) {
   %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
   %1 = stablehlo.tanh %0 : tensor<2x4xf32> loc("jit(f)/tanh")
@@ -386,6 +395,14 @@ func.func @layer_norm(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3x
 // CHECK:         %[[C:.*]] = stablehlo.subtract %[[R32]], %{{.*}} : tensor<2x4xf32>
 // CHECK:         %[[N16:.*]] = stablehlo.convert %[[C]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
 // CHECK:         stablehlo.dot_general %[[N16]], {{.*}} -> tensor<2x3xf32>
+// On CPU the layer norm's mean pins the residual add: f32, converted once for the dot.
+// CPU-LABEL:   func.func @residual_before_layer_norm
+// CPU:           %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xf32>
+// CPU:           %[[R:.*]] = stablehlo.add %[[D]], %{{.*}} : tensor<2x4xf32>
+// CPU:           stablehlo.reduce(%[[R]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
+// CPU:           %[[C:.*]] = stablehlo.subtract %[[R]], %{{.*}} : tensor<2x4xf32>
+// CPU:           %[[C16:.*]] = stablehlo.convert %[[C]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CPU:           stablehlo.dot_general %[[C16]], {{.*}} -> tensor<2x3xf32>
 func.func @residual_before_layer_norm(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %res: tensor<2x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
   %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
   %1 = stablehlo.add %0, %res : tensor<2x4xf32> loc("jit(f)/add")

@@ -11,6 +11,7 @@ fast mode may not be more accurate than the accurate one.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import jax
@@ -232,6 +233,36 @@ def test_gpu_dots_return_16bit_and_cpu_dots_keep_f32():
     for text in (gpu, cpu):  # the tanh between the dots is bf16 on both targets
         assert any("stablehlo.tanh" in line and "tensor<4x32xbf16>" in line
                    for line in text.splitlines())
+
+
+_UP_CONVERT = re.compile(r"(%[\w#]+) = stablehlo\.convert %\S+ : \(tensor<[^>]*x(?:bf16|f16)>\) -> tensor<[^>]*xf32>")
+_DENY_READ = re.compile(r"stablehlo\.(?:exponential|log|rsqrt) (%[\w#]+)|"
+                        r"stablehlo\.reduce\((%[\w#]+) init: %\S+\) applies stablehlo\.add")
+
+
+def _deny_reads_of_16bit(text: str) -> int:
+    """How many sums, exps, logs and rsqrts read a 16-bit value converted up (per
+    function: SSA names restart in each)."""
+    count = 0
+    for function in text.split("func.func")[1:]:
+        up = set(_UP_CONVERT.findall(function))
+        count += sum(bool({*m.groups()} & up) for m in _DENY_READ.finditer(function))
+    return count
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_deny_ops_pin_their_inputs_on_cpu_only(lowerings, policy):
+    # GPU/TPU: deny ops convert their own 16-bit inputs (a layer norm's mean reading the
+    # residual stream, a bias gradient's sum reading an activation gradient). CPU: they
+    # pin what they read, because XLA:CPU computes 16-bit elementwise ops in f32 and
+    # materialises f32 copies for such readers (cpu_dots.deny_pins_its_inputs).
+    gpu = {name: _deny_reads_of_16bit(_rewrite(text, policy, None))
+           for name, text in lowerings.items()}
+    assert sum(gpu.values()) > 0, gpu
+    for name, text in lowerings.items():
+        rewritten = _rewrite(text, policy, "cpu")
+        assert "bf16" in rewritten or "f16" in rewritten, name
+        assert _deny_reads_of_16bit(rewritten) == 0, name
 
 
 def test_report_counts_bytes_and_summary():

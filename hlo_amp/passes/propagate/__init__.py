@@ -10,7 +10,8 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    16-bit value gets a convert up in front of it and pins nothing, as in TensorFlow's
    algorithm and PyTorch autocast. A value is *pinned* (stays f32) only when something
    must read it exactly as f32: a convert to another type, a public ``return``, an op
-   outside the graph.
+   outside the graph. On CPU a deny op pins what it reads, and steps 2-3 see no f32 ops
+   that convert their own inputs (``cpu_dots.deny_pins_its_inputs``).
 2. Deny spreads forward only: the infer ops, and the clear ops and links that lead
    (through clear ops and links) to arithmetic, downstream of a deny op stay f32
    (TensorFlow's forward deny propagation): the centring and scaling after a layer
@@ -52,7 +53,7 @@ from typing import Any
 
 from jax.extend.mlir import ir
 
-from hlo_amp.cpu_dots import matrix_result_in_16bit
+from hlo_amp.cpu_dots import deny_pins_its_inputs, matrix_result_in_16bit
 from hlo_amp.passes.propagate.accounting import bytes_table, intermediate_bytes, op_counts
 from hlo_amp.passes.propagate.body import Body
 from hlo_amp.passes.propagate.graph import Graph
@@ -82,7 +83,8 @@ class Propagate:
         graph = Graph(self.policy, low, walks)
         graph.build(module)
         in_16bit = matrix_result_in_16bit(self.target)
-        solve(graph, low_results=in_16bit and not self.policy.keep_f32_results)
+        solve(graph, low_results=in_16bit and not self.policy.keep_f32_results,
+              pin_at_deny=deny_pins_its_inputs(self.target))
         counts = op_counts(graph)
         with ir.Location.unknown(module.context):  # types are built outside any op
             clones = Rewriter(graph, low, in_16bit, self.target).rewrite(module)

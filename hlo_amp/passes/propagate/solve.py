@@ -16,24 +16,27 @@ NOT_BETWEEN = "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
 
 
-def solve(graph: Graph, *, low_results: bool) -> None:
+def solve(graph: Graph, *, low_results: bool, pin_at_deny: bool) -> None:
     """Paint; then, when only amp_stop could name a non-matrix op, check just the
     painted ops for it (locations are slow to read) and paint again if one is.
 
     ``low_results``: every unpinned matrix op returns the 16-bit type, also where only
-    f32 ops read it; otherwise only where a 16-bit region reads it."""
+    f32 ops read it; otherwise only where a 16-bit region reads it.
+    ``pin_at_deny``: a deny op pins the value it reads (stays f32) and nothing spreads
+    from it (``cpu_dots.deny_pins_its_inputs``); otherwise deny ops convert their
+    own 16-bit inputs."""
     f32 = graph.f32
     for node in graph.nodes:
         node.readers = [graph.consumers(key) for key in node.outputs if f32(key[1])]
     try:
-        _solve(graph, low_results)
+        _solve(graph, low_results, pin_at_deny)
     finally:  # readers point at nodes, loops make cycles: undone for refcounting
         for node in graph.nodes:
             node.readers = []
 
 
-def _solve(graph: Graph, low_results: bool) -> None:
-    _paint(graph, low_results)
+def _solve(graph: Graph, low_results: bool, pin_at_deny: bool) -> None:
+    _paint(graph, low_results, pin_at_deny)
     while True:
         stopped = False
         for node in graph.nodes:
@@ -52,17 +55,20 @@ def _solve(graph: Graph, low_results: bool) -> None:
             node.pinned = node.eligible = node.fwd = node.bwd = node.painted = False
             if node.reason in _SOLVE_REASONS:
                 node.reason = ""
-        _paint(graph, low_results)
+        _paint(graph, low_results, pin_at_deny)
 
 
-def _paint(graph: Graph, low_results: bool) -> None:
+def _paint(graph: Graph, low_results: bool, pin_at_deny: bool) -> None:
     # Only readers that must see the exact f32 value pin it: converts to another
     # type, public returns, ops outside the graph. Deny and unknown ops convert their
     # own 16-bit inputs up (TensorFlow's and PyTorch autocast's way), so they pin
-    # nothing.
+    # nothing; with ``pin_at_deny`` (CPU) they and the ops outside the table pin what
+    # they read, and deny spreads nowhere (its readers' regions start at f32 values).
     for node in graph.nodes:
-        node.pinned = DENY in _readers(node)
-    denied = _downstream_of_deny(graph)
+        node.pinned = DENY in _readers(node) or (pin_at_deny and any(
+            isinstance(r, Node) and r.cls not in (INFER, CLEAR, LINK, ALLOW)
+            for r in _readers(node)))
+    denied = set() if pin_at_deny else _downstream_of_deny(graph)
     for node in graph.nodes:
         if node.cls in (INFER, CLEAR, LINK) and not node.reason:
             if node.pinned:
@@ -80,11 +86,13 @@ def _paint(graph: Graph, low_results: bool) -> None:
                 reader.fwd = True
                 pending.append(reader)
     # Backward: reaches a sink through eligible nodes, or through the f32 ops after
-    # a deny op that convert their own inputs (a layer norm in front of a matrix op).
+    # a deny op that convert their own inputs (a layer norm in front of a matrix op);
+    # with ``pin_at_deny`` through eligible nodes only.
+    through_f32 = not pin_at_deny
     pending = []
     seen: set[int] = set()
     for node in graph.nodes:
-        if node.cls != ALLOW and SINK in _readers(node):
+        if node.cls != ALLOW and SINK in _readers(node) and (node.eligible or through_f32):
             node.bwd = node.eligible
             seen.add(id(node))
             pending.append(node)
@@ -101,7 +109,8 @@ def _paint(graph: Graph, low_results: bool) -> None:
                 # Not when a rule keeps the reader f32: rules bound regions.
                 producer.bwd = producer.bwd or id(node) in denied or _deny_class(node)
                 continue
-            if not (producer.eligible or id(producer) in denied or producer.cls == DENY):
+            if not (producer.eligible or (through_f32 and (
+                    id(producer) in denied or producer.cls == DENY))):
                 continue
             seen.add(id(producer))
             producer.bwd = producer.eligible
