@@ -21,6 +21,10 @@ CHLO name without the dialect prefix) has a class:
 An add ``reduce_window`` over at most ``SHORT_SUM`` (16) elements, i.e. an average-pool
 window and its gradient, is ``infer``: it is a short chain of adds, as exact in 16 bit as
 ``add`` itself, and keeping it f32 would cut every conv net's regions at each pool.
+So is an add ``scatter`` whose indices name one position (per batch element, when it
+has batching dimensions): no two updates meet, so it is one add per element, not a sum
+(the gradient of ``take_along_axis``: a cross-entropy's label pick). A scatter whose
+updates may meet (an embedding's gradient) is a sum: ``deny``.
 
 Any op kind not in the table is never painted and keeps its inputs f32, like ``deny``.
 
@@ -33,9 +37,11 @@ Sums and means stay f32 under both.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 ALLOW = "allow"
 INFER = "infer"
@@ -121,10 +127,26 @@ def short_window_sum(op: Any) -> bool:
     return window <= SHORT_SUM
 
 
+def single_update_scatter(op: Any) -> bool:
+    """A one-input add scatter whose indices name one position (per batch element): no
+    two updates meet, so each element gets at most one add."""
+    if (_body_names(op) != ["stablehlo.add", "stablehlo.return"]
+            or len(op.operation.operands) != 3):
+        return False
+    numbers = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    shape = ir.RankedTensorType(op.operation.operands[1].type).shape
+    skip = {numbers.index_vector_dim, *numbers.scatter_indices_batching_dims}
+    extents = [extent for dim, extent in enumerate(shape) if dim not in skip]
+    return all(extent >= 0 for extent in extents) and math.prod(extents) == 1
+
+
 def op_class(op: Any, compute_dtype: str) -> str:
-    """The class of one op: the table, with reduce/reduce_window classed by their body."""
+    """The class of one op: the table, with reduce/reduce_window classed by their body
+    and an add scatter by whether its updates can meet."""
     kind = short_name(op.operation.name)
     found = table_class(kind, compute_dtype)
+    if kind == "scatter" and single_update_scatter(op):
+        return INFER
     if kind in ("reduce", "reduce_window") and found == CLEAR and not picks_an_input(op):
         if kind == "reduce_window" and short_window_sum(op):
             return INFER

@@ -549,3 +549,40 @@ func.func @case_result(%i: tensor<i32>, %x: tensor<2x4xf32>, %w: tensor<4x4xf32>
   %2 = stablehlo.dot_general %1, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
   return %2 : tensor<2x4xf32>
 }
+
+// -----
+
+// An add scatter whose indices name one position (the gradient of take_along_axis) is one
+// add per element, not a sum: painted between the dots. One whose updates may meet (two
+// positions, an embedding's gradient) is a sum: f32, converting its own inputs.
+// CHECK-LABEL: func.func @scatter_one_position
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[S:.*]] = "stablehlo.scatter"(%[[D]], %{{.*}}, %{{.*}})
+// CHECK:         stablehlo.add %{{.*}}, %{{.*}} : tensor<bf16>
+// CHECK:         (tensor<2x4xbf16>, tensor<1xi32>, tensor<2xbf16>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[S]], {{.*}} -> tensor<2x3xf32>
+// CHECK-LABEL: func.func @scatter_two_positions
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[D32:.*]] = stablehlo.convert %[[D]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         "stablehlo.scatter"(%[[D32]], %{{.*}}, %{{.*}})
+// CHECK:         (tensor<2x4xf32>, tensor<2x1xi32>, tensor<2x2xf32>) -> tensor<2x4xf32>
+func.func @scatter_one_position(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %i: tensor<1xi32>, %u: tensor<2xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = "stablehlo.scatter"(%0, %i, %u) <{indices_are_sorted = true, scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [0], inserted_window_dims = [1], scatter_dims_to_operand_dims = [1]>, unique_indices = true}> ({
+  ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+    %s = stablehlo.add %a, %b : tensor<f32>
+    stablehlo.return %s : tensor<f32>
+  }) : (tensor<2x4xf32>, tensor<1xi32>, tensor<2xf32>) -> tensor<2x4xf32> loc("jit(f)/scatter-add")
+  %2 = stablehlo.dot_general %1, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %2 : tensor<2x3xf32>
+}
+func.func @scatter_two_positions(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %i: tensor<2x1xi32>, %u: tensor<2x2xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = "stablehlo.scatter"(%0, %i, %u) <{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [0], inserted_window_dims = [1], scatter_dims_to_operand_dims = [1], index_vector_dim = 1>, unique_indices = false}> ({
+  ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+    %s = stablehlo.add %a, %b : tensor<f32>
+    stablehlo.return %s : tensor<f32>
+  }) : (tensor<2x4xf32>, tensor<2x1xi32>, tensor<2x2xf32>) -> tensor<2x4xf32> loc("jit(f)/scatter-add")
+  %2 = stablehlo.dot_general %1, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %2 : tensor<2x3xf32>
+}

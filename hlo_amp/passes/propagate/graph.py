@@ -35,7 +35,7 @@ DENY_CLASS = "deny class"  # the reason of an op the table (not a rule) keeps f3
 LINK = "link"
 SINK = "sink"  # a convert to the compute dtype: where a region may end
 # Op kinds whose class depends on their body as well as the table (see op_class).
-_BODY_CLASSED = frozenset({"reduce", "reduce_window"})
+_BODY_CLASSED = frozenset({"reduce", "reduce_window", "scatter"})
 
 
 @dataclass(eq=False, slots=True)
@@ -178,7 +178,7 @@ class Graph:
                 kind = short_name(name)
                 known = by_name[name] = (kind, table_class(kind, compute))
             kind, cls = known
-            if kind in _BODY_CLASSED:  # reduce, reduce_window: classed by their body
+            if kind in _BODY_CLASSED:  # reduce, reduce_window, scatter: by their body
                 cls = op_class(op, compute)
             node = Node(cls, inst_id, index, kind,
                          inputs=[(inst_id, v) for v in operands],
