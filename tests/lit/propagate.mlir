@@ -586,3 +586,27 @@ func.func @scatter_two_positions(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %i: t
   %2 = stablehlo.dot_general %1, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
   return %2 : tensor<2x3xf32>
 }
+
+// -----
+
+// A weight gradient as JAX's dot transpose writes it: a dot, then a transpose, read by
+// the f32 optimizer. On GPU the transpose moves the 16-bit result and the convert comes
+// after it (XLA folds a transpose that directly follows a dot into the GEMM); with
+// keep_f32_results and on CPU the dot keeps its f32 result.
+// CHECK-LABEL: func.func @weight_grad_transpose
+// CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<3x4xbf16>
+// CHECK:         %[[T:.*]] = stablehlo.transpose %[[D]], dims = [1, 0] : (tensor<3x4xbf16>) -> tensor<4x3xbf16>
+// CHECK:         %[[T32:.*]] = stablehlo.convert %[[T]] : (tensor<4x3xbf16>) -> tensor<4x3xf32>
+// CHECK:         stablehlo.multiply %[[T32]], %{{.*}} : tensor<4x3xf32>
+// KEEP-LABEL:    func.func @weight_grad_transpose
+// KEEP:          %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<3x4xf32>
+// KEEP:          stablehlo.transpose %[[D]], dims = [1, 0] : (tensor<3x4xf32>) -> tensor<4x3xf32>
+// CPU-LABEL:     func.func @weight_grad_transpose
+// CPU:           %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<3x4xf32>
+// CPU:           stablehlo.transpose %[[D]], dims = [1, 0] : (tensor<3x4xf32>) -> tensor<4x3xf32>
+func.func @weight_grad_transpose(%x: tensor<2x4xf32>, %dy: tensor<2x3xf32>, %m: tensor<4x3xf32>) -> tensor<4x3xf32> {
+  %0 = stablehlo.dot_general %dy, %x, contracting_dims = [0] x [0] : (tensor<2x3xf32>, tensor<2x4xf32>) -> tensor<3x4xf32> loc("jit(f)/transpose(jvp())/dot_general")
+  %1 = stablehlo.transpose %0, dims = [1, 0] : (tensor<3x4xf32>) -> tensor<4x3xf32> loc("jit(f)/transpose(jvp())/transpose")
+  %2 = stablehlo.multiply %1, %m : tensor<4x3xf32> loc("jit(f)/mul")
+  return %2 : tensor<4x3xf32>
+}

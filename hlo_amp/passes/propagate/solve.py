@@ -152,6 +152,16 @@ def _paint(graph: Graph, low_results: bool, pin_at_deny: bool) -> None:
             node.painted = (
                 (low_results and not any(_kept_by_rule(graph, r) for r in _readers(node)))
                 or node.bwd or any(r == SINK or _is_painted(r) for r in _readers(node)))
+    # With 16-bit matrix results: data movement that only reorders or narrows one (the
+    # transpose JAX writes after a weight-gradient dot) moves 16-bit values, so the f32
+    # readers' convert comes after it. XLA folds a transpose that directly follows a dot
+    # into the GEMM, as in Flax's program; a convert between them splits the optimizer's
+    # fusion around a transpose instead.
+    if low_results:
+        for node in graph.nodes:
+            if (node.cls == CLEAR and node.eligible and not node.painted and node.readers
+                    and _moves_low_matrix_result(graph, node)):
+                node.painted = True
     for node in graph.nodes:  # compares (no float result) of 16-bit values
         if node.eligible and not node.painted and not node.readers:
             floats = [key for key in node.inputs if graph.f32(key[1])]
@@ -245,6 +255,29 @@ def _reads_low_matrix_result(graph: Graph, node: Node) -> bool:
         if producer is not None and producer.cls == ALLOW and producer.painted:
             return True
     return False
+
+
+def _moves_low_matrix_result(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` reads one float value, a 16-bit matrix result (or such a value
+    moved already), and writes no more elements than it reads."""
+    floats = [key for key in node.inputs if graph.f32(key[1])]
+    if len(floats) != 1 or len(node.outputs) != 1:
+        return False
+    producer = graph.producer.get(floats[0])
+    if producer is None or not producer.painted or producer.cls not in (ALLOW, CLEAR):
+        return False
+    if producer.cls == CLEAR and not _moves_low_matrix_result(graph, producer):
+        return False
+    source, result = (ir.ShapedType(key[1].type) for key in (floats[0], node.outputs[0]))
+    return (source.has_static_shape and result.has_static_shape
+            and _elements(result) <= _elements(source))
+
+
+def _elements(shaped: ir.ShapedType) -> int:
+    count = 1
+    for extent in shaped.shape:
+        count *= extent
+    return count
 
 
 def _deny_class(node: Node) -> bool:
