@@ -29,7 +29,8 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
 4. An allow op's result becomes 16-bit when it is not pinned: on GPU and TPU the op
    returns the 16-bit type itself, also where only f32 ops read it (a weight gradient
    read by the optimizer, the logits read by the loss), as TensorFlow's and PyTorch's
-   AMP write every matrix result; those readers convert it up. On CPU, and with the
+   AMP write every matrix result; those readers convert it up (after a transpose or
+   reshape of it, which then moves 16-bit values). On CPU, and with the
    policy's ``keep_f32_results``, only where it feeds a painted op or a sink; on CPU
    it keeps its f32 result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
 
