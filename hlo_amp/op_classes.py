@@ -133,8 +133,11 @@ def single_update_scatter(op: Any) -> bool:
     if (_body_names(op) != ["stablehlo.add", "stablehlo.return"]
             or len(op.operation.operands) != 3):
         return False
+    indices = op.operation.operands[1].type
+    if not ir.RankedTensorType.isinstance(indices):
+        return False
     numbers = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
-    shape = ir.RankedTensorType(op.operation.operands[1].type).shape
+    shape = ir.RankedTensorType(indices).shape
     skip = {numbers.index_vector_dim, *numbers.scatter_indices_batching_dims}
     extents = [extent for dim, extent in enumerate(shape) if dim not in skip]
     return all(extent >= 0 for extent in extents) and math.prod(extents) == 1
