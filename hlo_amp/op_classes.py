@@ -134,7 +134,7 @@ def single_update_scatter(op: Any) -> bool:
             or len(op.operation.operands) != 3):
         return False
     indices = op.operation.operands[1].type
-    if not ir.RankedTensorType.isinstance(indices):
+    if not isinstance(indices, ir.RankedTensorType):
         return False
     numbers = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
     shape = ir.RankedTensorType(indices).shape
