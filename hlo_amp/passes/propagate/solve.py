@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from jax.extend.mlir import ir
@@ -270,14 +271,7 @@ def _moves_low_matrix_result(graph: Graph, node: Node) -> bool:
         return False
     source, result = (ir.ShapedType(key[1].type) for key in (floats[0], node.outputs[0]))
     return (source.has_static_shape and result.has_static_shape
-            and _elements(result) <= _elements(source))
-
-
-def _elements(shaped: ir.ShapedType) -> int:
-    count = 1
-    for extent in shaped.shape:
-        count *= extent
-    return count
+            and math.prod(result.shape) <= math.prod(source.shape))
 
 
 def _deny_class(node: Node) -> bool:
