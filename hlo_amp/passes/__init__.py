@@ -22,6 +22,7 @@ from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.insert_converts import InsertConverts
 from hlo_amp.passes.propagate import Propagate
+from hlo_amp.passes.scatter_select import ScatterToSelect
 from hlo_amp.policy import Policy
 from hlo_amp.report import Report
 
@@ -43,7 +44,9 @@ def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
     """
     passes: list[Pass] = [InsertConverts(policy, target)]
     if policy.propagate:
-        passes.append(Propagate(policy, target))
+        # then the one-position scatters (a label pick's gradient) fuse with the 16-bit
+        # values around them (see passes/scatter_select.py)
+        passes += [Propagate(policy, target), ScatterToSelect()]
     if policy.uses_fp8:
         passes.append(Fp8Quantize())
     passes.append(CleanupConverts())
@@ -58,7 +61,7 @@ def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
 def pass_names(policy: Policy, target: str | None = None) -> dict[str, Pass]:
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
     passes: list[Any] = [InsertConverts(policy, target), Propagate(policy, target),
-                         Fp8Quantize(), CleanupConverts(), FastDotLayout()]
+                         ScatterToSelect(), Fp8Quantize(), CleanupConverts(), FastDotLayout()]
     return {p.name: p for p in passes}
 
 

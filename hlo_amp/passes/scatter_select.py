@@ -1,0 +1,165 @@
+"""Write an add scatter of one update per position into a constant as a select.
+
+JAX writes the gradient of ``take_along_axis`` (a cross-entropy's label pick) as an add
+scatter of one value per row into zeros. XLA runs a scatter in place, as a kernel of its
+own after the operand is written: the decoder's logits gradient (softmax part plus the
+label part) is written in f32 and read back twice, and its 16-bit copy for the two
+matrix ops comes after. ``select(iota == index, c + update, c)`` gives the same values
+bit for bit (each element gets its one update or none; an index outside the operand
+matches no position, as XLA's scatter skips it), and XLA fuses it with the softmax
+part and the convert into one kernel.
+
+Only a scatter into a broadcast constant is rewritten: there the result is written in
+full either way. Into a computed operand (a cache updated in place in a loop) the
+scatter touches one slot and the select form would rewrite the whole buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from hlo_amp.modules import functions, walk_operations
+from hlo_amp.op_classes import single_update_scatter
+from hlo_amp.report import Report
+
+_SCATTER = frozenset({"stablehlo.scatter"})
+_FLOATS = (ir.F16Type, ir.BF16Type, ir.F32Type, ir.F64Type)
+
+
+@dataclass(frozen=True)
+class ScatterToSelect:
+    """Rewrite one-position add scatters of floats into a constant as selects."""
+
+    name: str = "hlo-amp-scatter-select"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        scatters = [op.opview for fn in functions(module)
+                    for op in walk_operations(fn, names=_SCATTER)]
+        for op in scatters:
+            placement = _placement(op)
+            if placement is not None:
+                with op.location, ir.InsertionPoint(op):
+                    _rewrite(op, placement)
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where the updates land, in operand dimensions."""
+
+    indexed: tuple[tuple[int, int], ...]  # (operand dim, index vector component)
+    at_zero: tuple[int, ...]  # size-1 window dims no index addresses: position 0
+    # indices dims that are batching dims (in order), the operand dim of each
+    index_batch_to_operand: tuple[int, ...]
+    # the updates dims that are not size-1 scatter dims (in order), the operand dim of each
+    update_dims: tuple[int, ...]
+    update_to_operand: tuple[int, ...]
+
+
+def _placement(op: Any) -> _Placement | None:
+    """The placement of a rewritable scatter, or None to leave it."""
+    if not single_update_scatter(op) or not _broadcast_constant(op.operation.operands[0]):
+        return None
+    types = [v.type for v in op.operation.operands]
+    if not all(isinstance(t, ir.RankedTensorType) for t in types):
+        return None
+    operand, indices, updates = (ir.RankedTensorType(t) for t in types)
+    if not (all(t.has_static_shape for t in (operand, indices, updates))
+            and isinstance(operand.element_type, _FLOATS)
+            and isinstance(indices.element_type, ir.IntegerType)):
+        return None
+    numbers = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    inserted = list(numbers.inserted_window_dims)
+    operand_batch = list(numbers.input_batching_dims)
+    index_batch = list(numbers.scatter_indices_batching_dims)
+    addressed = list(numbers.scattered_dims_to_operand_dims)
+    if any(dim not in inserted for dim in addressed):
+        return None  # an index starting a longer window: not a position
+    window = [d for d in range(operand.rank) if d not in inserted and d not in operand_batch]
+    update_window = list(numbers.update_window_dims)
+    if len(update_window) != len(window) or any(
+            updates.shape[u] != operand.shape[d] for u, d in zip(update_window, window)):
+        return None  # a window shorter than its dim could start anywhere
+    index_dims = [d for d in range(indices.rank) if d != numbers.index_vector_dim]
+    update_scatter = [d for d in range(updates.rank) if d not in update_window]
+    if len(update_scatter) != len(index_dims):
+        return None
+    mapped = {u: operand_batch[index_batch.index(i)]
+              for u, i in zip(update_scatter, index_dims) if i in index_batch}
+    mapped.update(zip(update_window, window))
+    kept = sorted(mapped)
+    return _Placement(
+        indexed=tuple((dim, component) for component, dim in enumerate(addressed)),
+        at_zero=tuple(d for d in inserted if d not in addressed),
+        index_batch_to_operand=tuple(operand_batch[index_batch.index(d)]
+                                     for d in sorted(index_batch)),
+        update_dims=tuple(kept),
+        update_to_operand=tuple(mapped[d] for d in kept),
+    )
+
+
+def _broadcast_constant(value: ir.Value) -> bool:
+    """A splat constant, or a constant broadcast: the scatter's result is written whole."""
+    if isinstance(value, ir.BlockArgument):
+        return False
+    owner = value.owner
+    if owner.name == "stablehlo.broadcast_in_dim":
+        return _broadcast_constant(owner.operands[0])
+    if owner.name != "stablehlo.constant":
+        return False
+    attribute = owner.attributes["value"]
+    return isinstance(attribute, ir.DenseElementsAttr) and attribute.is_splat
+
+
+def _rewrite(op: Any, placement: _Placement) -> None:
+    operand, indices, updates = op.operation.operands
+    operand_type = ir.RankedTensorType(operand.type)
+    indices_type = ir.RankedTensorType(indices.type)
+    updates_type = ir.RankedTensorType(updates.type)
+    shape = operand_type.shape
+    index_type = indices_type.element_type
+    positions_type = ir.RankedTensorType.get(shape, index_type)
+    numbers = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    vector_dim = numbers.index_vector_dim
+    batch_dims = sorted(numbers.scatter_indices_batching_dims)
+
+    def equal_along(dim: int, position: ir.Value) -> ir.Value:
+        iota = hlo.IotaOp(positions_type, ir.IntegerAttr.get(ir.IntegerType.get_signless(64), dim))
+        return hlo.CompareOp(iota.result, position,
+                             hlo.ComparisonDirectionAttr.get("EQ")).result
+
+    masks = []
+    for dim, component in placement.indexed:
+        starts, limits = [0] * indices_type.rank, list(indices_type.shape)
+        if vector_dim < indices_type.rank:
+            starts[vector_dim], limits[vector_dim] = component, component + 1
+        piece = hlo.SliceOp(indices, _ints(starts), _ints(limits),
+                            _ints([1] * indices_type.rank)).result
+        per_batch = hlo.ReshapeOp(ir.RankedTensorType.get(
+            [indices_type.shape[d] for d in batch_dims], index_type), piece).result
+        position = hlo.BroadcastInDimOp(positions_type, per_batch,
+                                        _ints(placement.index_batch_to_operand)).result
+        masks.append(equal_along(dim, position))
+    for dim in placement.at_zero:
+        zero = hlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+            positions_type, ir.IntegerAttr.get(index_type, 0))).result
+        masks.append(equal_along(dim, zero))
+    mask = masks[0]
+    for other in masks[1:]:
+        mask = hlo.AndOp(mask, other).result
+    kept = hlo.ReshapeOp(ir.RankedTensorType.get(
+        [updates_type.shape[d] for d in placement.update_dims], updates_type.element_type),
+        updates).result
+    placed = hlo.BroadcastInDimOp(operand_type, kept, _ints(placement.update_to_operand)).result
+    # operand + update, in the scatter body's order, then the operand elsewhere
+    added = hlo.AddOp(operand, placed).result
+    result = hlo.SelectOp(mask, added, operand).result
+    op.operation.results[0].replace_all_uses_with(result)
+    op.operation.erase()
+
+
+def _ints(values: Any) -> ir.DenseI64ArrayAttr:
+    return ir.DenseI64ArrayAttr.get(list(values))
