@@ -116,10 +116,16 @@ def _body_names(op: Any) -> list[str]:
     return [inner.operation.name for inner in blocks[0].operations]
 
 
+def body_is_one_add(op: Any) -> bool:
+    """A one-result op whose body is one add: a sum (reduce, reduce_window) or an add
+    scatter."""
+    return _body_names(op) == ["stablehlo.add", "stablehlo.return"]
+
+
 def short_window_sum(op: Any) -> bool:
     """A single-input add reduce_window over at most SHORT_SUM elements (a pooling
     window): a short chain of adds, as exact in 16 bit as ``add`` itself."""
-    if _body_names(op) != ["stablehlo.add", "stablehlo.return"]:
+    if not body_is_one_add(op):
         return False
     window = 1
     for extent in ir.DenseI64ArrayAttr(op.attributes["window_dimensions"]):
@@ -130,7 +136,7 @@ def short_window_sum(op: Any) -> bool:
 def single_update_scatter(op: Any) -> bool:
     """A one-input add scatter whose indices name one position (per batch element): no
     two updates meet, so each element gets at most one add."""
-    if (_body_names(op) != ["stablehlo.add", "stablehlo.return"]
+    if (not body_is_one_add(op)
             or len(op.operation.operands) != 3):
         return False
     indices = op.operation.operands[1].type

@@ -38,14 +38,13 @@ def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
 
     For ``target="cpu"`` bf16 dots are also relaid into the form XLA:CPU runs in bf16:
     without it some layouts are upcast, and a bf16 dot whose result XLA transposes
-    fails at run time (see passes/dot_layout.py). A policy with fp8 actions adds the
-    fp8 pass after propagation (which leaves fp8 dots' f32 operands alone): it quantises
-    the dots insert_converts marked (see passes/fp8.py).
+    fails at run time (see passes/dot_layout.py). The mixed_* modes add propagation and
+    then the scatter-to-select rewrite (passes/scatter_select.py). A policy with fp8
+    actions adds the fp8 pass after propagation (which leaves fp8 dots' f32 operands
+    alone): it quantises the dots insert_converts marked (see passes/fp8.py).
     """
     passes: list[Pass] = [InsertConverts(policy, target)]
     if policy.propagate:
-        # then the one-position scatters (a label pick's gradient) fuse with the 16-bit
-        # values around them (see passes/scatter_select.py)
         passes += [Propagate(policy, target), ScatterToSelect()]
     if policy.uses_fp8:
         passes.append(Fp8Quantize())

@@ -610,3 +610,50 @@ func.func @weight_grad_transpose(%x: tensor<2x4xf32>, %dy: tensor<2x3xf32>, %m: 
   %2 = stablehlo.multiply %1, %m : tensor<4x3xf32> loc("jit(f)/mul")
   return %2 : tensor<4x3xf32>
 }
+
+// -----
+
+// The logits gradient: f32 after a deny op (exp), read by a matrix op and by a sum (the
+// bias gradient) only. Computed in f32 and rounded once; the dot and the sum read that
+// one 16-bit copy, the sum through a barrier (XLA would fold its convert back to f32
+// and keep the f32 value for it). On the CPU target the deny op pins; nothing changes.
+// CHECK-LABEL: func.func @sum_reads_the_16bit_copy
+// CHECK:         %[[D:.*]] = stablehlo.add %{{.*}}, %{{.*}} : tensor<8x32xf32>
+// CHECK-NEXT:    %[[LOW:.*]] = stablehlo.convert %[[D]] : (tensor<8x32xf32>) -> tensor<8x32xbf16>
+// CHECK-NEXT:    %[[KEPT:.*]] = stablehlo.optimization_barrier %[[LOW]] : tensor<8x32xbf16>
+// CHECK-NEXT:    %[[WIDE:.*]] = stablehlo.convert %[[KEPT]] : (tensor<8x32xbf16>) -> tensor<8x32xf32>
+// CHECK-NOT:     stablehlo.convert %[[D]]
+// CHECK-DAG:     stablehlo.dot_general %{{.*}}, %[[KEPT]]
+// CHECK-DAG:     stablehlo.reduce(%[[WIDE]] init:
+// KEEP-LABEL:    func.func @sum_reads_the_16bit_copy
+// KEEP:          stablehlo.optimization_barrier
+// CPU-LABEL:     func.func @sum_reads_the_16bit_copy
+// CPU-NOT:       stablehlo.optimization_barrier
+// CPU:           stablehlo.reduce(%{{.*}} init:
+// CPU-SAME:      (tensor<8x32xf32>, tensor<f32>)
+func.func @sum_reads_the_16bit_copy(%l: tensor<8x32xf32>, %h: tensor<8x16xf32>) -> (tensor<16x32xf32>, tensor<32xf32>) {
+  %e = stablehlo.exponential %l : tensor<8x32xf32>
+  %d = stablehlo.add %e, %l : tensor<8x32xf32>
+  %dw = stablehlo.dot_general %h, %d, contracting_dims = [0] x [0] : (tensor<8x16xf32>, tensor<8x32xf32>) -> tensor<16x32xf32>
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+  %db = stablehlo.reduce(%d init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<8x32xf32>, tensor<f32>) -> tensor<32xf32>
+  return %dw, %db : tensor<16x32xf32>, tensor<32xf32>
+}
+
+// -----
+
+// Another f32 op (exp) reads the value too: XLA keeps it in f32 anyway, so the sum
+// reads it as it is.
+// CHECK-LABEL: func.func @sum_and_another_f32_reader
+// CHECK-NOT:     stablehlo.optimization_barrier
+// CHECK:         stablehlo.reduce(%{{.*}} init:
+// CHECK-SAME:    (tensor<8x32xf32>, tensor<f32>)
+func.func @sum_and_another_f32_reader(%l: tensor<8x32xf32>, %h: tensor<8x16xf32>) -> (tensor<16x32xf32>, tensor<32xf32>, tensor<8x32xf32>) {
+  %e = stablehlo.exponential %l : tensor<8x32xf32>
+  %d = stablehlo.add %e, %l : tensor<8x32xf32>
+  %dw = stablehlo.dot_general %h, %d, contracting_dims = [0] x [0] : (tensor<8x16xf32>, tensor<8x32xf32>) -> tensor<16x32xf32>
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+  %db = stablehlo.reduce(%d init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<8x32xf32>, tensor<f32>) -> tensor<32xf32>
+  %e2 = stablehlo.exponential %d : tensor<8x32xf32>
+  return %dw, %db, %e2 : tensor<16x32xf32>, tensor<32xf32>, tensor<8x32xf32>
+}

@@ -235,6 +235,42 @@ def test_gpu_dots_return_16bit_and_cpu_dots_keep_f32():
                    for line in text.splitlines())
 
 
+def _confident_head():
+    """A linear head that predicts the one label of every example with p ≈ 0.995, and the
+    gradient of the mean integer-label cross-entropy in (w, b)."""
+    def grad(params, x, y):
+        def loss(params):
+            logits = x @ params["w"] + params["b"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return jax.grad(loss)(params)
+
+    y = jnp.full(64, 3)
+    x = jax.nn.one_hot(y, 8) + 0.01 * jax.random.normal(jax.random.key(4), (64, 8))
+    params = {"w": 7.3 * jnp.eye(8), "b": jnp.zeros(8)}
+    return grad, (params, x, y)
+
+
+def test_logits_gradient_is_rounded_once_and_the_bias_sum_reads_it():
+    # The logits gradient (exp's part plus the label's) is an f32 value that the head's
+    # GEMMs and its bias-gradient sum read: on GPU/TPU it is stored once in 16 bit and
+    # the sum reads that copy through a barrier; on CPU the sum reads the f32 value.
+    grad, args = _confident_head()
+    text = jax.jit(grad).lower(*args).as_text()
+    assert "optimization_barrier" in _rewrite(text, "mixed_bfloat16", None)
+    assert "optimization_barrier" not in _rewrite(text, "mixed_bfloat16", "cpu")
+    # Rounded once, after the f32 add: the label class's bias gradient, mean(p - 1)
+    # ≈ -0.005, keeps its value. Rounding p/N first and subtracting 1/N in 16 bit
+    # would lose most of it (p/N rounds with an error of 2^-9·p/N, 40% of (1-p)/N).
+    want = jax.jit(grad)(*args)
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        got = _gpu_form(grad, policy, *args)
+        _close(got, want, _dtype(policy))
+        label_class = float(got["b"][3]), float(want["b"][3])
+        assert -0.01 < label_class[1] < -0.001, label_class
+        assert abs(label_class[0] - label_class[1]) < 0.05 * abs(label_class[1]), (
+            policy, *label_class)
+
+
 _UP_CONVERT = re.compile(r"(%[\w#]+) = stablehlo\.convert %\S+ : \(tensor<[^>]*x(?:bf16|f16)>\) -> tensor<[^>]*xf32>")
 _DENY_READ = re.compile(r"stablehlo\.(?:exponential|log|rsqrt) (%[\w#]+)|"
                         r"stablehlo\.reduce\((%[\w#]+) init: %\S+\) applies stablehlo\.add")

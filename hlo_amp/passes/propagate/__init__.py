@@ -33,6 +33,10 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    reshape of it, which then moves 16-bit values). On CPU, and with the
    policy's ``keep_f32_results``, only where it feeds a painted op or a sink; on CPU
    it keeps its f32 result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
+5. An f32 value after a deny op that only matrix ops and sums read (the logits
+   gradient: the head's GEMMs and its bias gradient) is rounded once after it is
+   computed; the sums read that 16-bit copy through an ``optimization_barrier``, which
+   keeps XLA from folding their convert back up into a read of the f32 value.
 
 Converts go only on region boundaries, one per value, target type and block; a painted
 op's f32 operand is converted down, a 16-bit value read by an unpainted op is converted
@@ -43,7 +47,8 @@ the pass on its own output changes nothing.
 
 One pass in five parts, each importing only those before it: ``body`` (function bodies
 walked once, value kinds), ``graph`` (nodes, links and their readers), ``solve`` (the
-painting, steps 1-3), ``rewrite`` (step 4, clones and converts) and ``accounting``
+painting, steps 1-3 and which values step 5 copies), ``rewrite`` (steps 4-5, clones,
+converts and barriers) and ``accounting``
 (the report's op counts and bytes).
 """
 
@@ -78,7 +83,8 @@ class Propagate:
         low = ir.Type.parse(DTYPE_TO_ELEMENT[self.policy.compute_dtype], module.context)
         # One walk per function body, shared by everything below: every op the bindings
         # hand out is a new Python object. The rewrite only adds and erases converts,
-        # which the byte count skips by name, so the walks stay good for the "after".
+        # which the byte count skips by name (and step 5's barriers, which hold such a
+        # convert's value), so the walks stay good for the "after".
         walks: dict[Any, Body] = {}
         before = intermediate_bytes(module, walks)
         graph = Graph(self.policy, low, walks)

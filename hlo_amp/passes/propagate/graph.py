@@ -55,6 +55,8 @@ class Node:
     fwd: bool = False
     bwd: bool = False
     painted: bool = False  # for allow ops: the result is 16-bit
+    # an f32 value that matrix ops and sums read: the sums read its 16-bit copy
+    sums_read_low_copy: bool = False
     deferred: bool = False  # its policy check waits until it is painted (amp_stop only)
     has_f32: bool = False  # an f32 operand or result (ops only: counted in the report)
     # per f32 output, its readers (``Graph.consumers``); set by ``solve``

@@ -42,7 +42,7 @@ class Rewriter:
         self.retyped: dict[ir.Value, ir.Type] = {}  # value -> its type before the pass
         self.facts: dict[int, dict[str, set]] = defaultdict(
             lambda: {key: set() for key in ("painted", "carries", "args", "results",
-                                            "allow")})
+                                            "allow", "sum_copies")})
 
     def rewrite(self, module: ir.Module) -> int:
         """Rewrite every instance; returns how many functions were cloned."""
@@ -53,6 +53,8 @@ class Rewriter:
                 # Outside a region too, the target runs this op kind in 16 bit only with
                 # a 16-bit result: it returns that, and its f32 readers get a convert.
                 self.facts[node.inst]["allow"].add(node.index)
+            if node.sums_read_low_copy:
+                self.facts[node.inst]["sum_copies"].add(node.index)
             if not node.painted:
                 continue
             facts = self.facts[node.inst]
@@ -70,7 +72,7 @@ class Rewriter:
             inst = graph.instances[inst_id]
             facts = self.facts[inst_id]
             own = tuple(tuple(sorted(facts[key])) for key in
-                        ("painted", "carries", "args", "results", "allow"))
+                        ("painted", "carries", "args", "results", "allow", "sum_copies"))
             children = tuple(graph.instances[c].signature for _, c in sorted(inst.calls.items()))
             inst.signature = (own, children)
         # One function per (function, signature): the first keeps the name, the others
@@ -173,10 +175,30 @@ class Rewriter:
             if source.type == result.type:
                 result.replace_all_uses_with(source)
                 op.erase()
+        for index in sorted(facts["sum_copies"]):
+            self._sums_read_low_copy(ops[index])
         if facts["args"] or facts["results"]:
             old = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
             set_function_type(fn, [with_element(t, self.low) if slot in facts["results"]
                                    else t for slot, t in enumerate(old.results)])
+
+    def _sums_read_low_copy(self, op: Any) -> None:
+        """The matrix ops and the sums reading ``op``'s f32 result read one 16-bit copy
+        of it; the sums through an ``optimization_barrier``, so that XLA does not fold
+        their convert back up (f32 -> 16 -> f32) into a read of the f32 value."""
+        value = op.results[0]
+        readers = [(use.owner, use.operand_number) for use in value.uses]
+        with op.location, ir.InsertionPoint.after(op):
+            low = hlo.convert(with_element(value.type, self.low), value)
+            kept = hlo.optimization_barrier([low])
+            kept = kept[0] if isinstance(kept, (list, tuple)) else kept
+            wide = hlo.convert(value.type, kept)
+        for owner, number in readers:
+            if owner.operation.name == "stablehlo.convert" and owner.result.type == low.type:
+                owner.result.replace_all_uses_with(kept)
+                owner.operation.erase()
+            else:  # a sum (``solve`` allows no other reader)
+                owner.operands[number] = wide
 
     @staticmethod
     def _terminator_owners(body: Body) -> dict[Any, tuple[str, int]]:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from jax.extend.mlir import ir
 
-from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER
+from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
 from hlo_amp.passes.propagate.graph import DENY_CLASS, LINK, SINK, Graph, Node
 
 # Reasons the painting itself gives (reset when it runs again).
@@ -54,6 +54,7 @@ def _solve(graph: Graph, low_results: bool, pin_at_deny: bool) -> None:
             return
         for node in graph.nodes:  # start over from the build-time classes
             node.pinned = node.eligible = node.fwd = node.bwd = node.painted = False
+            node.sums_read_low_copy = False
             if node.reason in _SOLVE_REASONS:
                 node.reason = ""
         _paint(graph, low_results, pin_at_deny)
@@ -132,6 +133,19 @@ def _paint(graph: Graph, low_results: bool, pin_at_deny: bool) -> None:
                 isinstance(r, Node) and r.cls in (INFER, CLEAR, LINK)
                 for r in _readers(node)) and _feeds_matrix_op(node):
             node.painted, node.reason = True, ""
+    # An f32 value downstream of a deny op that only matrix ops (through their converts)
+    # and sums read: the logits gradient, which the head's two GEMMs and its bias
+    # gradient read. XLA keeps the f32 value for the sum (it folds the sum's round trip
+    # through 16 bit back to f32) and writes a 16-bit copy for the GEMMs besides: 128 MiB
+    # more at a decoder's peak. The sums read the 16-bit copy instead (through a barrier
+    # XLA does not fold): computed in f32, rounded once, stored once in 16 bit, and
+    # summed in f32 from the 16-bit values, as every sum of the mode is.
+    for node in graph.nodes:
+        if node.reason == _AFTER_DENY and not node.painted and len(node.outputs) == 1:
+            readers = list(_readers(node))
+            sums = [r for r in readers if _is_sum(graph, r)]
+            if SINK in readers and sums and len(sums) + readers.count(SINK) == len(readers):
+                node.sums_read_low_copy = True
     # An f32 value with nothing 16-bit upstream that a painted op reads is stored once,
     # in 16 bit, as Flax stores a bf16 embedding's output: a decoder's token embedding
     # plus positions, which block 0's residual add reads and its layer norm reads in
@@ -272,6 +286,13 @@ def _moves_low_matrix_result(graph: Graph, node: Node) -> bool:
     source, result = (ir.ShapedType(key[1].type) for key in (floats[0], node.outputs[0]))
     return (source.has_static_shape and result.has_static_shape
             and math.prod(result.shape) <= math.prod(source.shape))
+
+
+def _is_sum(graph: Graph, reader: Node | str) -> bool:
+    """An add reduce the op table (not a rule) keeps f32."""
+    if not (isinstance(reader, Node) and reader.kind == "reduce" and _deny_class(reader)):
+        return False
+    return body_is_one_add(graph.instances[reader.inst].ops[reader.index])
 
 
 def _deny_class(node: Node) -> bool:
