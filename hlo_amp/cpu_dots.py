@@ -470,3 +470,19 @@ def deny_pins_its_inputs(target: str | None) -> bool:
     (benchmarks/RESULTS.md, CPU section).
     """
     return target == "cpu"
+
+
+def sums_read_a_16bit_copy(target: str | None) -> bool:
+    """Whether, in the mixed modes, sums that read an f32 value which matrix ops read in
+    16 bit (the logits gradient: the head's GEMMs and its bias gradient) read the 16-bit
+    copy, behind an ``optimization_barrier``.
+
+    GPU: yes. XLA:GPU folds the sum's round trip (f32 -> 16 -> f32) back into a read of
+    the f32 value (``SimplifyFPConversions``), so it writes the value in f32 for the sum
+    and in 16 bit for the GEMMs: on the decoder's step 128 MiB more at the peak and
+    1.813 against 1.753 ms of roofline (benchmarks/RESULTS.md).
+    TPU: no. XLA:TPU fuses the convert into the matrix op's operand fusion; the barrier
+    makes it write the copy (decoder: 23.25 -> 25.98 ms, temp 328.6 -> 404.5 MiB).
+    CPU: no such value (``deny_pins_its_inputs``). None (no target facts): no.
+    """
+    return target == "gpu"

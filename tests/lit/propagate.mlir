@@ -30,6 +30,12 @@
 // RUN: hlo-amp-opt %s --split-input-file --policy 'mixed_bfloat16,keep_f32_results=true' \
 // RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=KEEP
+// RUN: hlo-amp-opt %s --split-input-file --policy mixed_bfloat16 --target gpu \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=GPU
+// RUN: hlo-amp-opt %s --split-input-file --policy mixed_bfloat16 --target tpu \
+// RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=TPU
 // The accurate mode never runs the pass: activations stay f32.
 // RUN: hlo-amp-opt %s --split-input-file --policy bf16 \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=ACCURATE
@@ -614,19 +620,26 @@ func.func @weight_grad_transpose(%x: tensor<2x4xf32>, %dy: tensor<2x3xf32>, %m: 
 // -----
 
 // The logits gradient: f32 after a deny op (exp), read by a matrix op and by a sum (the
-// bias gradient) only. Computed in f32 and rounded once; the dot and the sum read that
-// one 16-bit copy, the sum through a barrier (XLA would fold its convert back to f32
-// and keep the f32 value for it). On the CPU target the deny op pins; nothing changes.
+// bias gradient) only. On GPU computed in f32 and rounded once; the dot and the sum read
+// that one 16-bit copy, the sum through a barrier (XLA:GPU would fold its convert back
+// to f32 and keep the f32 value for it). TPU and no target: the sum reads the f32
+// value (XLA:TPU fuses the convert into the dot). On the CPU target the deny op pins.
+// GPU-LABEL:   func.func @sum_reads_the_16bit_copy
+// GPU:         %[[D:.*]] = stablehlo.add %{{.*}}, %{{.*}} : tensor<8x32xf32>
+// GPU-NEXT:    %[[LOW:.*]] = stablehlo.convert %[[D]] : (tensor<8x32xf32>) -> tensor<8x32xbf16>
+// GPU-NEXT:    %[[KEPT:.*]] = stablehlo.optimization_barrier %[[LOW]] : tensor<8x32xbf16>
+// GPU-NEXT:    %[[WIDE:.*]] = stablehlo.convert %[[KEPT]] : (tensor<8x32xbf16>) -> tensor<8x32xf32>
+// GPU-NOT:     stablehlo.convert %[[D]]
+// GPU-DAG:     stablehlo.dot_general %{{.*}}, %[[KEPT]]
+// GPU-DAG:     stablehlo.reduce(%[[WIDE]] init:
 // CHECK-LABEL: func.func @sum_reads_the_16bit_copy
-// CHECK:         %[[D:.*]] = stablehlo.add %{{.*}}, %{{.*}} : tensor<8x32xf32>
-// CHECK-NEXT:    %[[LOW:.*]] = stablehlo.convert %[[D]] : (tensor<8x32xf32>) -> tensor<8x32xbf16>
-// CHECK-NEXT:    %[[KEPT:.*]] = stablehlo.optimization_barrier %[[LOW]] : tensor<8x32xbf16>
-// CHECK-NEXT:    %[[WIDE:.*]] = stablehlo.convert %[[KEPT]] : (tensor<8x32xbf16>) -> tensor<8x32xf32>
-// CHECK-NOT:     stablehlo.convert %[[D]]
-// CHECK-DAG:     stablehlo.dot_general %{{.*}}, %[[KEPT]]
-// CHECK-DAG:     stablehlo.reduce(%[[WIDE]] init:
-// KEEP-LABEL:    func.func @sum_reads_the_16bit_copy
-// KEEP:          stablehlo.optimization_barrier
+// CHECK-NOT:   stablehlo.optimization_barrier
+// CHECK:       stablehlo.reduce(%{{.*}} init:
+// CHECK-SAME:  (tensor<8x32xf32>, tensor<f32>)
+// TPU-LABEL:   func.func @sum_reads_the_16bit_copy
+// TPU-NOT:     stablehlo.optimization_barrier
+// TPU:         stablehlo.reduce(%{{.*}} init:
+// TPU-SAME:    (tensor<8x32xf32>, tensor<f32>)
 // CPU-LABEL:     func.func @sum_reads_the_16bit_copy
 // CPU-NOT:       stablehlo.optimization_barrier
 // CPU:           stablehlo.reduce(%{{.*}} init:
@@ -644,10 +657,10 @@ func.func @sum_reads_the_16bit_copy(%l: tensor<8x32xf32>, %h: tensor<8x16xf32>) 
 
 // Another f32 op (exp) reads the value too: XLA keeps it in f32 anyway, so the sum
 // reads it as it is.
-// CHECK-LABEL: func.func @sum_and_another_f32_reader
-// CHECK-NOT:     stablehlo.optimization_barrier
-// CHECK:         stablehlo.reduce(%{{.*}} init:
-// CHECK-SAME:    (tensor<8x32xf32>, tensor<f32>)
+// GPU-LABEL: func.func @sum_and_another_f32_reader
+// GPU-NOT:     stablehlo.optimization_barrier
+// GPU:         stablehlo.reduce(%{{.*}} init:
+// GPU-SAME:    (tensor<8x32xf32>, tensor<f32>)
 func.func @sum_and_another_f32_reader(%l: tensor<8x32xf32>, %h: tensor<8x16xf32>) -> (tensor<16x32xf32>, tensor<32xf32>, tensor<8x32xf32>) {
   %e = stablehlo.exponential %l : tensor<8x32xf32>
   %d = stablehlo.add %e, %l : tensor<8x32xf32>

@@ -187,14 +187,15 @@ def test_weight_gradient_dots_return_16bit_on_gpu_unless_kept_f32():
         assert all(result.endswith("xf32>") for result in weight_grads)
 
 
-def _gpu_form(fn, policy: str, *args):
-    """``fn`` rewritten as the pass writes it for GPU, run on XLA:CPU: the CPU dot-layout
-    pass added after the pipeline so that XLA:CPU can run its batched 16-bit dots."""
+def _gpu_form(fn, policy: str, *args, target: str | None = None):
+    """``fn`` rewritten as the pass writes it for GPU (no target facts, or ``"gpu"``'s),
+    run on XLA:CPU: the CPU dot-layout pass added after the pipeline so that XLA:CPU
+    can run its batched 16-bit dots."""
     lowered = jax.jit(fn).lower(*args)
     module = copy_module(lowered.compiler_ir("stablehlo"))
     amp_policy = Policy.parse(policy)
-    run_pipeline(module, amp_policy, target=None,
-                 passes=[*default_pipeline(amp_policy, None), FastDotLayout()])
+    run_pipeline(module, amp_policy, target=target,
+                 passes=[*default_pipeline(amp_policy, target), FastDotLayout()])
     assert "xbf16>" in module_text(module) or "xf16>" in module_text(module)
     return swap_module(lowered, module).compile()(*args)
 
@@ -252,18 +253,19 @@ def _confident_head():
 
 def test_logits_gradient_is_rounded_once_and_the_bias_sum_reads_it():
     # The logits gradient (exp's part plus the label's) is an f32 value that the head's
-    # GEMMs and its bias-gradient sum read: on GPU/TPU it is stored once in 16 bit and
-    # the sum reads that copy through a barrier; on CPU the sum reads the f32 value.
+    # GEMMs and its bias-gradient sum read: on GPU it is stored once in 16 bit and the
+    # sum reads that copy through a barrier; elsewhere the sum reads the f32 value.
     grad, args = _confident_head()
     text = jax.jit(grad).lower(*args).as_text()
-    assert "optimization_barrier" in _rewrite(text, "mixed_bfloat16", None)
-    assert "optimization_barrier" not in _rewrite(text, "mixed_bfloat16", "cpu")
+    assert "optimization_barrier" in _rewrite(text, "mixed_bfloat16", "gpu")
+    for target in ("tpu", "cpu", None):
+        assert "optimization_barrier" not in _rewrite(text, "mixed_bfloat16", target)
     # Rounded once, after the f32 add: the label class's bias gradient, mean(p - 1)
     # ≈ -0.005, keeps its value. Rounding p/N first and subtracting 1/N in 16 bit
     # would lose most of it (p/N rounds with an error of 2^-9·p/N, 40% of (1-p)/N).
     want = jax.jit(grad)(*args)
     for policy in ("mixed_bfloat16", "mixed_float16"):
-        got = _gpu_form(grad, policy, *args)
+        got = _gpu_form(grad, policy, *args, target="gpu")
         _close(got, want, _dtype(policy))
         label_class = float(got["b"][3]), float(want["b"][3])
         assert -0.01 < label_class[1] < -0.001, label_class

@@ -33,10 +33,11 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    reshape of it, which then moves 16-bit values). On CPU, and with the
    policy's ``keep_f32_results``, only where it feeds a painted op or a sink; on CPU
    it keeps its f32 result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
-5. An f32 value after a deny op that only matrix ops and sums read (the logits
+5. On GPU, an f32 value after a deny op that only matrix ops and sums read (the logits
    gradient: the head's GEMMs and its bias gradient) is rounded once after it is
    computed; the sums read that 16-bit copy through an ``optimization_barrier``, which
-   keeps XLA from folding their convert back up into a read of the f32 value.
+   keeps XLA from folding their convert back up into a read of the f32 value
+   (``cpu_dots.sums_read_a_16bit_copy``).
 
 Converts go only on region boundaries, one per value, target type and block; a painted
 op's f32 operand is converted down, a 16-bit value read by an unpainted op is converted
@@ -59,7 +60,11 @@ from typing import Any
 
 from jax.extend.mlir import ir
 
-from hlo_amp.cpu_dots import deny_pins_its_inputs, matrix_result_in_16bit
+from hlo_amp.cpu_dots import (
+    deny_pins_its_inputs,
+    matrix_result_in_16bit,
+    sums_read_a_16bit_copy,
+)
 from hlo_amp.passes.propagate.accounting import bytes_table, intermediate_bytes, op_counts
 from hlo_amp.passes.propagate.body import Body
 from hlo_amp.passes.propagate.graph import Graph
@@ -91,7 +96,8 @@ class Propagate:
         graph.build(module)
         in_16bit = matrix_result_in_16bit(self.target)
         solve(graph, low_results=in_16bit and not self.policy.keep_f32_results,
-              pin_at_deny=deny_pins_its_inputs(self.target))
+              pin_at_deny=deny_pins_its_inputs(self.target),
+              sum_copies=sums_read_a_16bit_copy(self.target))
         counts = op_counts(graph)
         with ir.Location.unknown(module.context):  # types are built outside any op
             clones = Rewriter(graph, low, in_16bit, self.target).rewrite(module)

@@ -17,7 +17,8 @@ NOT_BETWEEN = "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
 
 
-def solve(graph: Graph, *, low_results: bool, pin_at_deny: bool) -> None:
+def solve(graph: Graph, *, low_results: bool, pin_at_deny: bool,
+          sum_copies: bool) -> None:
     """Paint; then, when only amp_stop could name a non-matrix op, check just the
     painted ops for it (locations are slow to read) and paint again if one is.
 
@@ -25,19 +26,21 @@ def solve(graph: Graph, *, low_results: bool, pin_at_deny: bool) -> None:
     f32 ops read it; otherwise only where a 16-bit region reads it.
     ``pin_at_deny``: a deny op pins the value it reads (stays f32) and nothing spreads
     from it (``cpu_dots.deny_pins_its_inputs``); otherwise deny ops convert their
-    own 16-bit inputs."""
+    own 16-bit inputs.
+    ``sum_copies``: sums that read an f32 value after a deny op which matrix ops read
+    too read its 16-bit copy (``cpu_dots.sums_read_a_16bit_copy``)."""
     f32 = graph.f32
     for node in graph.nodes:
         node.readers = [graph.consumers(key) for key in node.outputs if f32(key[1])]
     try:
-        _solve(graph, low_results, pin_at_deny)
+        _solve(graph, low_results, pin_at_deny, sum_copies)
     finally:  # readers point at nodes, loops make cycles: undone for refcounting
         for node in graph.nodes:
             node.readers = []
 
 
-def _solve(graph: Graph, low_results: bool, pin_at_deny: bool) -> None:
-    _paint(graph, low_results, pin_at_deny)
+def _solve(graph: Graph, low_results: bool, pin_at_deny: bool, sum_copies: bool) -> None:
+    _paint(graph, low_results, pin_at_deny, sum_copies)
     while True:
         stopped = False
         for node in graph.nodes:
@@ -57,10 +60,10 @@ def _solve(graph: Graph, low_results: bool, pin_at_deny: bool) -> None:
             node.sums_read_low_copy = False
             if node.reason in _SOLVE_REASONS:
                 node.reason = ""
-        _paint(graph, low_results, pin_at_deny)
+        _paint(graph, low_results, pin_at_deny, sum_copies)
 
 
-def _paint(graph: Graph, low_results: bool, pin_at_deny: bool) -> None:
+def _paint(graph: Graph, low_results: bool, pin_at_deny: bool, sum_copies: bool) -> None:
     # Only readers that must see the exact f32 value pin it: converts to another
     # type, public returns, ops outside the graph. Deny and unknown ops convert their
     # own 16-bit inputs up (TensorFlow's and PyTorch autocast's way), so they pin
@@ -139,8 +142,9 @@ def _paint(graph: Graph, low_results: bool, pin_at_deny: bool) -> None:
     # through 16 bit back to f32) and writes a 16-bit copy for the GEMMs besides: 128 MiB
     # more at a decoder's peak. The sums read the 16-bit copy instead (through a barrier
     # XLA does not fold): computed in f32, rounded once, stored once in 16 bit, and
-    # summed in f32 from the 16-bit values, as every sum of the mode is.
-    for node in graph.nodes:
+    # summed in f32 from the 16-bit values, as every sum of the mode is. GPU only
+    # (``sum_copies``): XLA:TPU fuses the convert into the matrix op's operand instead.
+    for node in graph.nodes if sum_copies else ():
         if node.reason == _AFTER_DENY and not node.painted and len(node.outputs) == 1:
             readers = list(_readers(node))
             sums = [r for r in readers if _is_sum(graph, r)]
