@@ -670,3 +670,24 @@ func.func @sum_and_another_f32_reader(%l: tensor<8x32xf32>, %h: tensor<8x16xf32>
   %e2 = stablehlo.exponential %d : tensor<8x32xf32>
   return %dw, %db, %e2 : tensor<16x32xf32>, tensor<32xf32>, tensor<8x32xf32>
 }
+
+// -----
+
+// The same value as a call's second result (a link, not an op): left as it is (the
+// barrier goes after ops only; the call's first result, returned, keeps its f32 value).
+// GPU-LABEL: func.func @sum_reads_a_call_result
+// GPU-NOT:     stablehlo.optimization_barrier
+// GPU:         return %[[R:.*]]#0,
+// GPU-SAME:    tensor<8x32xf32>, tensor<16x32xf32>, tensor<32xf32>
+func.func @sum_reads_a_call_result(%l: tensor<8x32xf32>, %h: tensor<8x16xf32>) -> (tensor<8x32xf32>, tensor<16x32xf32>, tensor<32xf32>) {
+  %r:2 = call @logits_grad(%l) : (tensor<8x32xf32>) -> (tensor<8x32xf32>, tensor<8x32xf32>)
+  %dw = stablehlo.dot_general %h, %r#1, contracting_dims = [0] x [0] : (tensor<8x16xf32>, tensor<8x32xf32>) -> tensor<16x32xf32>
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+  %db = stablehlo.reduce(%r#1 init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<8x32xf32>, tensor<f32>) -> tensor<32xf32>
+  return %r#0, %dw, %db : tensor<8x32xf32>, tensor<16x32xf32>, tensor<32xf32>
+}
+func.func private @logits_grad(%l: tensor<8x32xf32>) -> (tensor<8x32xf32>, tensor<8x32xf32>) {
+  %e = stablehlo.exponential %l : tensor<8x32xf32>
+  %d = stablehlo.add %e, %l : tensor<8x32xf32>
+  return %l, %d : tensor<8x32xf32>, tensor<8x32xf32>
+}

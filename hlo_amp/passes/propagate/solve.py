@@ -145,7 +145,8 @@ def _paint(graph: Graph, low_results: bool, pin_at_deny: bool, sum_copies: bool)
     # summed in f32 from the 16-bit values, as every sum of the mode is. GPU only
     # (``sum_copies``): XLA:TPU fuses the convert into the matrix op's operand instead.
     for node in graph.nodes if sum_copies else ():
-        if node.reason == _AFTER_DENY and not node.painted and len(node.outputs) == 1:
+        if (node.reason == _AFTER_DENY and node.cls != LINK and not node.painted
+                and len(node.outputs) == 1):
             readers = list(_readers(node))
             sums = [r for r in readers if _is_sum(graph, r)]
             if SINK in readers and sums and len(sums) + readers.count(SINK) == len(readers):
