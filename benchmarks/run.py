@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (10 if args.quick else 20)
     wanted = [w.strip() for w in args.workloads.split(",") if w.strip()]
     label = machine(args.device)
-    command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = recorded_command(argv if argv is not None else sys.argv[1:])
     print(f"{label}; jax {jax.__version__}; {steps} timed steps after {args.warmup} warm-up",
           flush=True)
     from hlo_amp.cpu_dots import native_bf16_flags
@@ -728,6 +728,20 @@ def _no_fp8(target: Any) -> str:
     return why.split(", and ", 1)[-1] if why else "this device has no fp8 matrix unit"
 
 
+def recorded_command(argv: list[str]) -> str:
+    """The command line RESULTS.md records: where the file was written (``--out``) is
+    left out, as it changes nothing measured and the committed file lives elsewhere."""
+    kept, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--out":
+            skip = True
+        elif not word.startswith("--out="):
+            kept.append(word)
+    return "python -m benchmarks.run " + shlex.join(kept)
+
+
 def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
     import jax
 
@@ -737,7 +751,7 @@ def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
     target = resolve_target(AOT_DEVICES[args.device])
     wanted = [w.strip() for w in (args.workloads or "mlp,vit,cnn,decoder").split(",")
               if w.strip()]
-    command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = recorded_command(argv if argv is not None else sys.argv[1:])
     print(f"compiling for {target.device} without a device; jax {jax.__version__}", flush=True)
     md = aot_header(target, command, jax.__version__)
     start = time.perf_counter()

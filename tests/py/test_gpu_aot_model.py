@@ -148,3 +148,11 @@ def test_kernel_diff_names_the_kernels_one_side_has_more_of() -> None:
     [(gemm, count)] = [(k, n) for k, n in surplus(wide.kernels, low.kernels) if k.matrix]
     [(other, _)] = [(k, n) for k, n in surplus(low.kernels, wide.kernels) if k.matrix]
     assert count == 1 and gemm.bytes - other.bytes == M * N * 2  # f32 vs bf16 result
+
+
+def test_recorded_command_leaves_out_where_results_were_written() -> None:
+    from benchmarks.run import recorded_command
+
+    assert recorded_command(["--device", "h100-aot", "--out", "/tmp/x", "--stress-layers", "0"]
+                            ) == "python -m benchmarks.run --device h100-aot --stress-layers 0"
+    assert recorded_command(["--out=/tmp/x", "--quick"]) == "python -m benchmarks.run --quick"
