@@ -39,11 +39,16 @@ class ScatterToSelect:
     def run(self, module: ir.Module, report: Report | None = None) -> None:
         scatters = [op.opview for fn in functions(module)
                     for op in walk_operations(fn, names=_SCATTER)]
+        rewritten = 0
         for op in scatters:
             placement = _placement(op)
             if placement is not None:
                 with op.location, ir.InsertionPoint(op):
                     _rewrite(op, placement)
+                rewritten += 1
+        if report is not None and rewritten:
+            report.notes.append(f"scatter-select: wrote {rewritten} one-position add "
+                                f"scatter(s) into a constant as select")
 
 
 @dataclass(frozen=True)

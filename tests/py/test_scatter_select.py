@@ -94,6 +94,10 @@ def test_mixed_mode_writes_the_label_gradient_as_select_accurate_mode_does_not()
              for policy in ("mixed_bfloat16", "bf16")}
     assert "stablehlo.scatter" not in texts["mixed_bfloat16"]
     assert "stablehlo.scatter" in texts["bf16"]
+    scatters = texts["bf16"].count('"stablehlo.scatter"(')
+    notes = hlo_amp.compile(grad, "mixed_bfloat16").lower(w, x, labels).report().notes
+    assert f"scatter-select: wrote {scatters} one-position add scatter(s) into a constant " \
+        "as select" in notes, (scatters, notes)
     got = hlo_amp.compile(grad, "mixed_bfloat16")(w, x, labels)
     want = jax.jit(grad)(w, x, labels)
     assert got.dtype == jnp.float32
