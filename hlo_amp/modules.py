@@ -191,6 +191,21 @@ def element_type(value: ir.Value) -> ir.Type | None:
     return tensor_type.element_type if isinstance(tensor_type, ir.RankedTensorType) else None
 
 
+_CONSTANT_CARRIERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                                "stablehlo.convert"})
+
+
+def from_constant(value: ir.Value, depth: int = 0) -> bool:
+    """Whether ``value`` is a constant, possibly broadcast, reshaped or converted (at
+    most four such steps)."""
+    if isinstance(value, ir.BlockArgument) or depth > 4:
+        return False
+    owner = value.owner
+    if owner.name == "stablehlo.constant":
+        return True
+    return owner.name in _CONSTANT_CARRIERS and from_constant(owner.operands[0], depth + 1)
+
+
 def with_element(tensor_type: ir.Type, element: ir.Type) -> ir.RankedTensorType:
     """``tensor_type`` with its element type replaced (shape and encoding kept)."""
     ranked = ir.RankedTensorType(tensor_type)

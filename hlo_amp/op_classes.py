@@ -136,8 +136,7 @@ def short_window_sum(op: Any) -> bool:
 def single_update_scatter(op: Any) -> bool:
     """A one-input add scatter whose indices name one position (per batch element): no
     two updates meet, so each element gets at most one add."""
-    if (not body_is_one_add(op)
-            or len(op.operation.operands) != 3):
+    if not body_is_one_add(op) or len(op.operation.operands) != 3:
         return False
     indices = op.operation.operands[1].type
     if not isinstance(indices, ir.RankedTensorType):

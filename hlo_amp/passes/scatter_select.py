@@ -9,8 +9,8 @@ bit for bit (each element gets its one update or none; an index outside the oper
 matches no position, as XLA's scatter skips it), and XLA fuses it with the softmax
 part and the convert into one kernel.
 
-Only a scatter into a broadcast constant is rewritten: there the result is written in
-full either way. Into a computed operand (a cache updated in place in a loop) the
+Only a scatter into a constant (broadcast, reshaped or converted) is rewritten: there
+the result is written in full either way. Into a computed operand (a cache updated in place in a loop) the
 scatter touches one slot and the select form would rewrite the whole buffer.
 """
 
@@ -22,12 +22,11 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.modules import functions, walk_operations
+from hlo_amp.modules import from_constant, functions, walk_operations
 from hlo_amp.op_classes import single_update_scatter
 from hlo_amp.report import Report
 
 _SCATTER = frozenset({"stablehlo.scatter"})
-_FLOATS = (ir.F16Type, ir.BF16Type, ir.F32Type, ir.F64Type)
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,9 @@ class _Placement:
 
     indexed: tuple[tuple[int, int], ...]  # (operand dim, index vector component)
     at_zero: tuple[int, ...]  # size-1 window dims no index addresses: position 0
+    index_vector_dim: int
     # indices dims that are batching dims (in order), the operand dim of each
+    index_batch_dims: tuple[int, ...]
     index_batch_to_operand: tuple[int, ...]
     # the updates dims that are not size-1 scatter dims (in order), the operand dim of each
     update_dims: tuple[int, ...]
@@ -66,14 +67,14 @@ class _Placement:
 
 def _placement(op: Any) -> _Placement | None:
     """The placement of a rewritable scatter, or None to leave it."""
-    if not single_update_scatter(op) or not _broadcast_constant(op.operation.operands[0]):
-        return None
+    if not single_update_scatter(op) or not from_constant(op.operation.operands[0]):
+        return None  # into a computed buffer: see the module's docstring
     types = [v.type for v in op.operation.operands]
     if not all(isinstance(t, ir.RankedTensorType) for t in types):
         return None
     operand, indices, updates = (ir.RankedTensorType(t) for t in types)
     if not (all(t.has_static_shape for t in (operand, indices, updates))
-            and isinstance(operand.element_type, _FLOATS)
+            and isinstance(operand.element_type, ir.FloatType)
             and isinstance(indices.element_type, ir.IntegerType)):
         return None
     numbers = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
@@ -99,24 +100,13 @@ def _placement(op: Any) -> _Placement | None:
     return _Placement(
         indexed=tuple((dim, component) for component, dim in enumerate(addressed)),
         at_zero=tuple(d for d in inserted if d not in addressed),
+        index_vector_dim=numbers.index_vector_dim,
+        index_batch_dims=tuple(sorted(index_batch)),
         index_batch_to_operand=tuple(operand_batch[index_batch.index(d)]
                                      for d in sorted(index_batch)),
         update_dims=tuple(kept),
         update_to_operand=tuple(mapped[d] for d in kept),
     )
-
-
-def _broadcast_constant(value: ir.Value) -> bool:
-    """A splat constant, or a constant broadcast: the scatter's result is written whole."""
-    if isinstance(value, ir.BlockArgument):
-        return False
-    owner = value.owner
-    if owner.name == "stablehlo.broadcast_in_dim":
-        return _broadcast_constant(owner.operands[0])
-    if owner.name != "stablehlo.constant":
-        return False
-    attribute = owner.attributes["value"]
-    return isinstance(attribute, ir.DenseElementsAttr) and attribute.is_splat
 
 
 def _rewrite(op: Any, placement: _Placement) -> None:
@@ -127,9 +117,7 @@ def _rewrite(op: Any, placement: _Placement) -> None:
     shape = operand_type.shape
     index_type = indices_type.element_type
     positions_type = ir.RankedTensorType.get(shape, index_type)
-    numbers = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
-    vector_dim = numbers.index_vector_dim
-    batch_dims = sorted(numbers.scatter_indices_batching_dims)
+    vector_dim = placement.index_vector_dim
 
     def equal_along(dim: int, position: ir.Value) -> ir.Value:
         iota = hlo.IotaOp(positions_type, ir.IntegerAttr.get(ir.IntegerType.get_signless(64), dim))
@@ -144,7 +132,7 @@ def _rewrite(op: Any, placement: _Placement) -> None:
         piece = hlo.SliceOp(indices, _ints(starts), _ints(limits),
                             _ints([1] * indices_type.rank)).result
         per_batch = hlo.ReshapeOp(ir.RankedTensorType.get(
-            [indices_type.shape[d] for d in batch_dims], index_type), piece).result
+            [indices_type.shape[d] for d in placement.index_batch_dims], index_type), piece).result
         position = hlo.BroadcastInDimOp(positions_type, per_batch,
                                         _ints(placement.index_batch_to_operand)).result
         masks.append(equal_along(dim, position))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from jax.extend.mlir import ir
 
+from hlo_amp.modules import from_constant
 from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
 from hlo_amp.passes.propagate.graph import DENY_CLASS, LINK, SINK, Graph, Node
 
@@ -17,30 +19,38 @@ NOT_BETWEEN = "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
 
 
-def solve(graph: Graph, *, low_results: bool, pin_at_deny: bool,
-          sum_copies: bool) -> None:
-    """Paint; then, when only amp_stop could name a non-matrix op, check just the
-    painted ops for it (locations are slow to read) and paint again if one is.
+@dataclass(frozen=True)
+class PaintForm:
+    """What the target wants of the painting (its facts in ``cpu_dots``).
 
     ``low_results``: every unpinned matrix op returns the 16-bit type, also where only
     f32 ops read it; otherwise only where a 16-bit region reads it.
     ``pin_at_deny``: a deny op pins the value it reads (stays f32) and nothing spreads
-    from it (``cpu_dots.deny_pins_its_inputs``); otherwise deny ops convert their
-    own 16-bit inputs.
+    from it (``deny_pins_its_inputs``); otherwise deny ops convert their own 16-bit
+    inputs.
     ``sum_copies``: sums that read an f32 value after a deny op which matrix ops read
-    too read its 16-bit copy (``cpu_dots.sums_read_a_16bit_copy``)."""
+    too read its 16-bit copy (``sums_read_a_16bit_copy``)."""
+
+    low_results: bool
+    pin_at_deny: bool
+    sum_copies: bool
+
+
+def solve(graph: Graph, form: PaintForm) -> None:
+    """Paint in ``form``; then, when only amp_stop could name a non-matrix op, check
+    just the painted ops for it (locations are slow to read) and paint again if one is."""
     f32 = graph.f32
     for node in graph.nodes:
         node.readers = [graph.consumers(key) for key in node.outputs if f32(key[1])]
     try:
-        _solve(graph, low_results, pin_at_deny, sum_copies)
+        _solve(graph, form)
     finally:  # readers point at nodes, loops make cycles: undone for refcounting
         for node in graph.nodes:
             node.readers = []
 
 
-def _solve(graph: Graph, low_results: bool, pin_at_deny: bool, sum_copies: bool) -> None:
-    _paint(graph, low_results, pin_at_deny, sum_copies)
+def _solve(graph: Graph, form: PaintForm) -> None:
+    _paint(graph, form)
     while True:
         stopped = False
         for node in graph.nodes:
@@ -60,10 +70,11 @@ def _solve(graph: Graph, low_results: bool, pin_at_deny: bool, sum_copies: bool)
             node.sums_read_low_copy = False
             if node.reason in _SOLVE_REASONS:
                 node.reason = ""
-        _paint(graph, low_results, pin_at_deny, sum_copies)
+        _paint(graph, form)
 
 
-def _paint(graph: Graph, low_results: bool, pin_at_deny: bool, sum_copies: bool) -> None:
+def _paint(graph: Graph, form: PaintForm) -> None:
+    low_results, pin_at_deny = form.low_results, form.pin_at_deny
     # Only readers that must see the exact f32 value pin it: converts to another
     # type, public returns, ops outside the graph. Deny and unknown ops convert their
     # own 16-bit inputs up (TensorFlow's and PyTorch autocast's way), so they pin
@@ -144,7 +155,7 @@ def _paint(graph: Graph, low_results: bool, pin_at_deny: bool, sum_copies: bool)
     # XLA does not fold): computed in f32, rounded once, stored once in 16 bit, and
     # summed in f32 from the 16-bit values, as every sum of the mode is. GPU only
     # (``sum_copies``): XLA:TPU fuses the convert into the matrix op's operand instead.
-    for node in graph.nodes if sum_copies else ():
+    for node in graph.nodes if form.sum_copies else ():
         if (node.reason == _AFTER_DENY and node.cls != LINK and not node.painted
                 and len(node.outputs) == 1):
             readers = list(_readers(node))
@@ -186,7 +197,8 @@ def _paint(graph: Graph, low_results: bool, pin_at_deny: bool, sum_copies: bool)
         if node.eligible and not node.painted and not node.readers:
             floats = [key for key in node.inputs if graph.f32(key[1])]
             if (any(_is_low(graph, key) for key in floats)
-                    and all(_is_low(graph, key) or _constant(key) for key in floats)):
+                    # a constant operand: rounding it is exact enough
+                    and all(_is_low(graph, key) or from_constant(key[1]) for key in floats)):
                 node.painted, node.reason = True, ""
     # Data movement read only by painted ops moves in 16 bit too, so the convert
     # lands on its (smaller) input: a bias before its broadcast, not after; a sum's
@@ -303,20 +315,6 @@ def _is_sum(graph: Graph, reader: Node | str) -> bool:
 def _deny_class(node: Node) -> bool:
     """An op the op table (not a rule) keeps f32: it converts its own 16-bit inputs."""
     return node.cls == DENY and node.reason == DENY_CLASS
-
-
-def _constant(key: tuple[int, ir.Value], depth: int = 0) -> bool:
-    """A constant, possibly broadcast or reshaped: rounding it is exact enough."""
-    value = key[1]
-    if isinstance(value, ir.BlockArgument) or depth > 4:
-        return False
-    owner = value.owner
-    name = owner.name
-    if name == "stablehlo.constant":
-        return True
-    if name in ("stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
-        return _constant((key[0], owner.operands[0]), depth + 1)
-    return False
 
 
 def _is_low(graph: Graph, key: tuple[int, ir.Value]) -> bool:
