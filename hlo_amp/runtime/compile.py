@@ -45,7 +45,13 @@ from hlo_amp.runtime.device_targets import (
     refuse_policy_on_device,
     resolve_target,
 )
-from hlo_amp.runtime.frameworks import FilterCall, NnxCall, argument_style
+from hlo_amp.runtime.frameworks import (
+    FilterCall,
+    JitDecorator,
+    NnxCall,
+    argument_style,
+    unwrap_jit,
+)
 from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
 
 
@@ -168,9 +174,20 @@ class AmpLowered:
 
 
 def _normalise_argnums(argnums: int | Sequence[int], count: int) -> tuple[int, ...]:
+    """``argnums`` as positions among ``count`` positional arguments; those beyond them
+    (an argument given by keyword or left to its default) are dropped, as jax.jit does."""
     if isinstance(argnums, int):
         argnums = (argnums,)
-    return tuple(sorted({a + count if a < 0 else a for a in argnums}))
+    return tuple(sorted({a + count if a < 0 else a for a in argnums} & set(range(count))))
+
+
+def _as_tuple(value: Any, scalar: type) -> tuple:
+    return (value,) if isinstance(value, scalar) else tuple(value)
+
+
+def _union(ours: Any, theirs: tuple, scalar: type) -> tuple:
+    """``hlo_amp.compile``'s option and a decorator's: both apply, in order, once each."""
+    return tuple(dict.fromkeys((*_as_tuple(ours, scalar), *theirs)))
 
 
 def leaf_signature(leaf: Any) -> Any:
@@ -191,6 +208,18 @@ class AmpFunction:
                  filter: bool | None = None):
         if not callable(fn):
             raise TypeError(f"hlo_amp.compile expects a callable, got {fn!r}")
+        # A step decorated with @nnx.jit / @eqx.filter_jit / @jax.jit: compile what the
+        # decorator wraps, with its static and donated arguments, so it runs as the
+        # undecorated step would (the decorator's own jit would hide the step from the
+        # framework contracts below, and its static arguments would meet tracers).
+        self.decorator: JitDecorator | None = unwrap_jit(
+            fn, getattr(fn, "__name__", type(fn).__name__))
+        if self.decorator is not None:
+            fn = self.decorator.fn
+            static_argnums = _union(static_argnums, self.decorator.static_argnums, int)
+            static_argnames = _union(static_argnames, self.decorator.static_argnames, str)
+            donate_argnums = _union(donate_argnums, self.decorator.donate_argnums, int)
+            filter = self.decorator.filter if filter is None else filter
         self.fn = fn
         self.policy = as_policy(policy)
         self.filter = filter
@@ -210,7 +239,9 @@ class AmpFunction:
         self._out_trees: dict[Any, Any] = {}
         self._residual_trees: dict[Any, Any] = {}
         self._own_lowerings = 0
-        functools.update_wrapper(self, fn)
+        # Not the function's __dict__: a callable object's attributes (nnx.jit's
+        # static_argnums, filter_jit's fn) would overwrite this object's own.
+        functools.update_wrapper(self, fn, updated=())
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
         def dispatched(*args: Any, **kwargs: Any) -> Any:
@@ -237,16 +268,18 @@ class AmpFunction:
         call = self._framework_calls.get(style)
         if call is None:
             if style == "nnx":
+                modes = dict(self.decorator.nnx_modes) if self.decorator else None
                 call = NnxCall(self.fn, self._inner, static_argnums=self.static_argnums,
                                static_argnames=self.static_argnames,
-                               donate_argnums=self.donate_argnums)
+                               donate_argnums=self.donate_argnums, modes=modes)
             else:
                 if self.static_argnums or self.static_argnames:
                     raise TypeError(
                         f"hlo_amp.compile({self.__name__}): static_argnums/static_argnames "
                         f"and filtered arguments (Equinox modules, filter=True) do not mix: "
                         f"every non-array leaf is static already; drop static_argnums")
-                call = FilterCall(self.fn, self._inner, donate_argnums=self.donate_argnums)
+                call = FilterCall(self.fn, self._inner, donate_argnums=self.donate_argnums,
+                                  donation=self.decorator.donation if self.decorator else None)
             self._framework_calls[style] = call
         return call
 
@@ -494,6 +527,8 @@ def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = N
     does (updated in place), Equinox modules as ``eqx.filter_jit`` does (non-array leaves
     static); ``filter=True`` asks for the last for any pytree (runtime/frameworks.py).
     As a decorator: ``@hlo_amp.compile(policy="mixed_bfloat16")`` (or ``("bf16")``).
+    An ``nnx.jit`` / ``eqx.filter_jit`` / ``jax.jit`` function is compiled as the function
+    it wraps, with its decorator's static and donated arguments (``unwrap_jit``).
     """
     options = {"static_argnums": static_argnums, "static_argnames": static_argnames,
                "donate_argnums": donate_argnums, "filter": filter}

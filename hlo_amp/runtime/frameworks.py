@@ -21,13 +21,20 @@ scalars keeps ``jax.jit``'s meaning (traced, weakly typed) unless ``filter=True`
 NNX and Equinox modules found in the arguments also get module-path scopes while the step
 traces (``blocks/1/attn``), as under ``hlo_amp.module_scopes``, so scope rules name
 instances with no wrapper.
+
+A step already decorated with ``@nnx.jit``, ``@eqx.filter_jit`` or ``@jax.jit`` is
+compiled as the function the decorator wraps, with the decorator's static and donated
+arguments (``unwrap_jit``): the same program, report and contract as the undecorated step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -113,6 +120,173 @@ def with_module_paths(fn: Callable[..., Any]) -> Callable[..., Any]:
     return scoped
 
 
+# ---- steps already decorated with a framework's jit ---------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FilteredDonation:
+    """``eqx.filter_jit(donate=...)``: whether the first argument's arrays and the other
+    arguments' arrays (keyword arguments included) are donated."""
+
+    first: bool
+    rest: bool
+    first_name: str | None  # the first parameter's name: it may come by keyword
+    quiet: bool  # "all" / "all-except-first" hide JAX's "not usable" warning; "warn*" not
+
+    def __call__(self, key: tuple[str, Any]) -> bool:
+        """Whether the arrays of argument ``key`` (``("arg", i)`` / ``("kw", name)``) are
+        donated."""
+        is_first = key == ("arg", 0) or (self.first_name is not None
+                                          and key == ("kw", self.first_name))
+        return self.first if is_first else self.rest
+
+
+@dataclasses.dataclass(frozen=True)
+class JitDecorator:
+    """The function a framework's jit decorator wraps, and the options it was given that
+    ``hlo_amp.compile`` carries over."""
+
+    name: str  # "nnx.jit", "eqx.filter_jit", "jax.jit"
+    fn: Callable[..., Any]
+    static_argnums: tuple[int, ...] = ()
+    static_argnames: tuple[str, ...] = ()
+    donate_argnums: tuple[int, ...] = ()
+    filter: bool | None = None  # True for eqx.filter_jit: non-array leaves are static
+    donation: FilteredDonation | None = None  # eqx.filter_jit's donate=
+    nnx_modes: tuple[tuple[str, bool], ...] = ()  # nnx.jit's graph / graph_updates
+
+
+def unwrap_jit(fn: Any, name: str) -> JitDecorator | None:
+    """What ``fn`` wraps if it is an ``nnx.jit``, ``eqx.filter_jit`` or ``jax.jit``
+    function, else None. ``name`` names the step in errors.
+
+    Raises a TypeError naming the decorator's options that ``hlo_amp.compile`` cannot
+    carry over (shardings, device, ...), rather than run the step without them.
+    """
+    nnx_jit = sys.modules.get("flax.nnx.transforms.compilation")
+    eqx_jit = sys.modules.get("equinox._jit")
+    wrappers = tuple(getattr(nnx_jit, c, None) for c in ("JitWrapped", "SimpleJitWrapped"))
+    if nnx_jit is not None and isinstance(fn, tuple(c for c in wrappers if c is not None)):
+        return _unwrap_nnx(fn, name)
+    partial = getattr(nnx_jit, "SimpleJitPartialWrapped", None)
+    if partial is not None and isinstance(fn, partial):
+        raise TypeError(
+            f"hlo_amp.compile({name}): it is an nnx.jit_partial function, whose partial "
+            f"arguments hlo_amp.compile cannot carry over; compile the function itself: "
+            f"hlo_amp.compile(fn) and pass those arguments in each call")
+    wrapper = getattr(eqx_jit, "_JitWrapper", None)
+    if wrapper is not None and isinstance(fn, wrapper):
+        return _unwrap_eqx(fn, name)
+    # By type, not by attributes: functools.wraps copies a jitted function's attributes
+    # onto a user's wrapper, whose own code must run.
+    if type(fn).__name__ == "PjitFunction" and _jit_info(fn) is not None:
+        return _unwrap_jax(fn, name)
+    return None
+
+
+def _jit_info(jitted: Any) -> Any:
+    """The options a ``jax.jit`` function was made with, or None.
+
+    ``_jit_info`` is JAX's own record of them (``jax._src.pjit``), not public API: where a
+    jax version lacks it, an nnx.jit / eqx.filter_jit step gets the "replace the
+    decorator" error and a jax.jit one compiles nested, as before.
+    """
+    info = getattr(jitted, "_jit_info", None)
+    return info if hasattr(info, "static_argnums") else None
+
+
+def _replace_decorator(name: str, decorator: str, problem: str) -> TypeError:
+    return TypeError(
+        f"hlo_amp.compile({name}): {name} is decorated with @{decorator}, {problem}; "
+        f"replace @{decorator} with @hlo_amp.compile(policy=...), which takes "
+        f"static_argnums, static_argnames and donate_argnums (arrays keep the shardings "
+        f"jax.device_put gave them)")
+
+
+def _options_it_cannot_carry(info: Any) -> list[str]:
+    """The ``jax.jit`` options in ``info`` other than their defaults that hlo_amp.compile
+    has no equivalent of (``inline`` changes nothing for a top-level call)."""
+    found = [f"{option}={getattr(info, option)!r}"
+             for option, default in (("device", None), ("backend", None),
+                                     ("keep_unused", False), ("compiler_options_kvs", ()))
+             if getattr(info, option, default) not in (default, None)]
+    if any(layout is not None for layout in (*getattr(info, "in_layouts_leaves", ()),
+                                             *getattr(info, "out_layouts_leaves", ()))):
+        found.append("in_layouts/out_layouts")
+    return found
+
+
+def _positional_donations(info: Any, decorator: str, name: str) -> tuple[int, ...]:
+    """``info``'s donated arguments as positions; keyword-only ones cannot be carried."""
+    signature = getattr(info, "fun_signature", None)
+    if signature is not None:
+        keyword_only = [p for p in getattr(info, "donate_argnames", ())
+                        if p in signature.parameters
+                        and signature.parameters[p].kind is inspect.Parameter.KEYWORD_ONLY]
+        if keyword_only:
+            raise _replace_decorator(
+                name, decorator, f"which donates keyword-only argument(s) {keyword_only} "
+                "that hlo_amp.compile cannot donate (it takes donate_argnums)")
+    return tuple(info.donate_argnums)
+
+
+def _unwrap_nnx(wrapped: Any, name: str) -> JitDecorator:
+    info = _jit_info(getattr(wrapped, "jitted_fn", None))
+    fn = getattr(wrapped, "fun", None)
+    if info is None or not callable(fn):
+        raise _replace_decorator(name, "nnx.jit",
+                                 "whose options this jax/flax version does not expose")
+    cannot = _options_it_cannot_carry(info)
+    for option in ("in_shardings", "out_shardings"):  # NNX's own, before JAX's form
+        if getattr(wrapped, option, None) is not None:
+            cannot.insert(0, f"{option}={getattr(wrapped, option)!r}")
+    if cannot:
+        raise _replace_decorator(name, "nnx.jit", f"which was given {', '.join(cannot)}, "
+                                 "options hlo_amp.compile cannot carry over")
+    # JitWrapped is NNX's graph mode with graph updates; SimpleJitWrapped the others.
+    graph = getattr(wrapped, "graph", True)
+    updates = type(wrapped).__name__ == "JitWrapped"
+    return JitDecorator("nnx.jit", fn, static_argnums=tuple(info.static_argnums),
+                        static_argnames=tuple(info.static_argnames),
+                        donate_argnums=_positional_donations(info, "nnx.jit", name),
+                        nnx_modes=(("graph", graph), ("graph_updates", updates)))
+
+
+def _unwrap_eqx(wrapped: Any, name: str) -> JitDecorator:
+    info = _jit_info(getattr(wrapped, "_cached", None))
+    fn = getattr(wrapped, "__wrapped__", None)
+    if info is None or not callable(fn) or not hasattr(wrapped, "donate_first"):
+        raise _replace_decorator(name, "eqx.filter_jit",
+                                 "whose options this jax/equinox version does not expose")
+    cannot = _options_it_cannot_carry(info)
+    if cannot:
+        raise _replace_decorator(name, "eqx.filter_jit", f"which was given "
+                                 f"{', '.join(cannot)}, options hlo_amp.compile cannot "
+                                 "carry over")
+    signature = getattr(wrapped, "_signature", None)
+    first = next(iter(signature.parameters), None) if signature is not None else None
+    donation = FilteredDonation(first=bool(wrapped.donate_first),
+                                rest=bool(wrapped.donate_rest), first_name=first,
+                                quiet=bool(getattr(wrapped, "filter_warning", False)))
+    return JitDecorator("eqx.filter_jit", fn, filter=True,
+                        donation=donation if donation.first or donation.rest else None)
+
+
+def _unwrap_jax(jitted: Any, name: str) -> JitDecorator | None:
+    info = _jit_info(jitted)
+    if _options_it_cannot_carry(info) or getattr(info, "user_specified_in_shardings", True) \
+            or any(type(s).__name__ != "UnspecifiedValue"
+                   for s in getattr(info, "out_shardings_leaves", (None,))):
+        return None  # compiled nested, as an inner jit, where those options still apply
+    fn = getattr(jitted, "__wrapped__", None)
+    if not callable(fn):
+        return None
+    return JitDecorator("jax.jit", fn,
+                        static_argnums=tuple(info.static_argnums),
+                        static_argnames=tuple(info.static_argnames),
+                        donate_argnums=_positional_donations(info, "jax.jit", name))
+
+
 # ---- nnx.jit's contract -------------------------------------------------------------------
 
 
@@ -125,11 +299,14 @@ class NnxCall:
     """
 
     def __init__(self, fn: Callable[..., Any], make_inner: Callable[[Callable], Any], *,
-                 static_argnums: tuple, static_argnames: tuple, donate_argnums: tuple):
+                 static_argnums: tuple, static_argnames: tuple, donate_argnums: tuple,
+                 modes: dict | None = None):
         from flax import nnx
 
+        # ``modes``: a decorated step's graph / graph_updates; else the context's, as nnx.jit
         self.wrapped = nnx.jit(with_module_paths(fn), static_argnums=static_argnums,
-                               static_argnames=static_argnames, donate_argnums=donate_argnums)
+                               static_argnames=static_argnames, donate_argnums=donate_argnums,
+                               **(modes or {}))
         # nnx.jit's inner jax.jit function wraps the pure function (NNX's JitFn): split
         # state in, split state and outputs out.
         pure_fn = self.wrapped.jitted_fn.__wrapped__
@@ -232,11 +409,16 @@ class FilterCall:
     (donated arrays, other arrays, static rest)."""
 
     def __init__(self, fn: Callable[..., Any], make_inner: Callable[..., Any], *,
-                 donate_argnums: tuple):
+                 donate_argnums: tuple, donation: FilteredDonation | None = None):
         self.fn = with_module_paths(fn)
         self.donate_argnums = frozenset(donate_argnums)
+        self.donation = donation  # eqx.filter_jit(donate=...) of a decorated step
         self.inner = make_inner(self._pure, static_argnums=(2,),
-                                donate_argnums=(0,) if donate_argnums else ())
+                                donate_argnums=(0,) if donate_argnums or donation else ())
+
+    def _donated(self, key: tuple[str, Any]) -> bool:
+        return ((key[0] == "arg" and key[1] in self.donate_argnums)
+                or (self.donation is not None and self.donation(key)))
 
     def _pure(self, donated: dict, kept: dict, static: StaticArguments) -> tuple:
         args, kwargs = static.tree
@@ -254,12 +436,12 @@ class FilterCall:
         static_args = []
         for i, arg in enumerate(args):
             arrays, rest = split_traced(arg)
-            (donated if i in self.donate_argnums else kept)[("arg", i)] = arrays
+            (donated if self._donated(("arg", i)) else kept)[("arg", i)] = arrays
             static_args.append(rest)
         static_kwargs = {}
         for name, value in kwargs.items():
             arrays, rest = split_traced(value)
-            kept[("kw", name)] = arrays
+            (donated if self._donated(("kw", name)) else kept)[("kw", name)] = arrays
             static_kwargs[name] = rest
         return donated, kept, StaticArguments((tuple(static_args), static_kwargs))
 
@@ -267,7 +449,11 @@ class FilterCall:
         return self.inner.lower(*self.split_arguments(args, kwargs), target=device)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        arrays, static_out = self.inner(*self.split_arguments(args, kwargs))
+        quiet = self.donation is not None and self.donation.quiet
+        with warnings.catch_warnings() if quiet else contextlib.nullcontext():
+            if quiet:  # as eqx.filter_jit(donate="all") does
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            arrays, static_out = self.inner(*self.split_arguments(args, kwargs))
         return _combine(arrays, static_out.value)
 
 

@@ -419,6 +419,129 @@ def test_equinox_module_passes_straight_in_and_filter_is_automatic():
     assert traced.cache_size() == 1
 
 
+# ---- steps already decorated with the framework's jit (issue 33) -------------------------
+
+
+@nnx.jit(static_argnames="updates", donate_argnums=1)
+def nnx_guide_step(model: NnxModel, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array,
+                   updates: int = 1) -> jax.Array:
+    """The NNX guide's step with its decorator kept; ``updates`` is static (a Python loop)."""
+    def loss_fn(model):
+        return _cross_entropy(model(x), y)
+
+    for _ in range(updates):
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+    return loss
+
+
+def _eqx_loss(model: EqxMLP, x: jax.Array, y: jax.Array, key: jax.Array) -> jax.Array:
+    return _cross_entropy(jax.vmap(model)(x, jax.random.split(key, x.shape[0])), y)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def eqx_guide_step(batch: tuple, model: EqxMLP, opt_state: Any) -> tuple:
+    """Equinox's idiom: the batch first, kept; the model and optimizer state donated."""
+    x, y, key = batch
+    loss, grads = eqx.filter_value_and_grad(_eqx_loss)(model, x, y, key)
+    updates, opt_state = TX.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+
+def _train_nnx(step: Callable) -> tuple[list[float], Any]:
+    model, optimizer = _nnx_model_and_optimizer()
+    x, y = _batch()
+    kernel, count = model.head.kernel[...], optimizer.step[...]
+    losses = [float(step(model, optimizer, x, y, updates=1)) for _ in range(2)]
+    assert not np.allclose(model.head.kernel[...], kernel)  # the caller's model, in place
+    assert int(optimizer.step[...]) == 2
+    assert count.is_deleted()  # donate_argnums=1 of @nnx.jit: the optimizer's old state
+    return losses, nnx.state((model, optimizer))
+
+
+def _train_eqx(step: Callable) -> tuple[list[float], Any]:
+    model = EqxMLP(jax.random.key(0))
+    opt_state = TX.init(eqx.filter(model, eqx.is_array))
+    x, y = _batch()
+    losses = []
+    for seed in range(2):
+        first = model.fc1.weight
+        model, opt_state, loss = step((x, y, jax.random.key(seed)), model, opt_state)
+        losses.append(float(loss))
+        assert first.is_deleted()  # donate="all-except-first": the model was donated
+    assert not x.is_deleted()  # the batch was not
+    assert model.activation is jax.nn.relu and model.depth == 3  # non-array leaves
+    return losses, eqx.filter(model, eqx.is_array)
+
+
+# Each decorated step, how it trains, and the decorator's options as hlo_amp.compile's
+DECORATED = {"nnx.jit": (nnx_guide_step, _train_nnx,
+                         {"static_argnames": "updates", "donate_argnums": 1}),
+             "eqx.filter_jit": (eqx_guide_step, _train_eqx, {"donate_argnums": (1, 2)})}
+
+
+def _decorated_args(name: str) -> tuple[tuple, dict]:
+    if name == "nnx.jit":
+        return (*_nnx_model_and_optimizer(), *_batch()), {"updates": 1}
+    model = EqxMLP(jax.random.key(0))
+    return ((*_batch(), jax.random.key(0)), model, TX.init(eqx.filter(model, eqx.is_array))), {}
+
+
+@pytest.fixture(scope="module")
+def undecorated_runs() -> dict[str, tuple[list[float], Any]]:
+    """The decorated steps' wrapped functions compiled under bf16, and the NNX step under
+    its own f32 ``nnx.jit``."""
+    found = {name: train(hlo_amp.compile(decorated.__wrapped__, "bf16", **options))
+             for name, (decorated, train, options) in DECORATED.items()}
+    found["nnx.jit f32"] = _train_nnx(nnx_guide_step)
+    return found
+
+
+@pytest.mark.parametrize("name", DECORATED)
+def test_a_decorated_step_compiles_as_the_step_it_wraps(name, undecorated_runs):
+    """``hlo_amp.compile(decorated)`` (and ``@hlo_amp.compile`` stacked above the
+    decorator, the same call) runs the wrapped step with the decorator's static and
+    donated arguments: the undecorated step's program, losses, updates and report."""
+    decorated, train, options = DECORATED[name]
+    compiled = hlo_amp.compile(policy="bf16")(decorated)
+    losses, state = train(compiled)
+    want_losses, want_state = undecorated_runs[name]
+    assert losses == want_losses
+    _assert_bit_equal(state, want_state)
+    args, kwargs = _decorated_args(name)
+    report = compiled.lower(*args, **kwargs).report()
+    undecorated = hlo_amp.compile(decorated.__wrapped__, "bf16", **options)
+    assert report.decisions == undecorated.lower(*args, **kwargs).report().decisions
+    dots = [d for d in report.decisions if d.op_kind == "dot_general"]
+    assert len(dots) >= 8 and all(d.low_precision for d in dots)
+    assert {d.function for d in dots} == {"main"}  # no inner jit left around the step
+
+
+def test_a_compiled_step_inside_the_framework_jit_still_runs_rewritten(undecorated_runs):
+    """The reverse nesting, ``nnx.jit(hlo_amp.compile(step))``: the compiled step binds
+    its rewritten program inside the outer jit."""
+    step = hlo_amp.compile(nnx_guide_step.__wrapped__, "bf16", static_argnames="updates")
+    losses, _ = _train_nnx(nnx.jit(step, static_argnames="updates", donate_argnums=1))
+    np.testing.assert_allclose(losses, undecorated_runs["nnx.jit"][0], rtol=1e-6)
+    f32_losses = undecorated_runs["nnx.jit f32"][0]
+    np.testing.assert_allclose(losses, f32_losses, rtol=LOSS_RTOL["bf16"])
+    assert not np.allclose(losses, f32_losses, rtol=1e-6, atol=0)  # bf16, not f32
+
+
+def test_a_jax_jit_decorated_function_keeps_its_static_and_donated_arguments():
+    @jax.jit(static_argnums=2, donate_argnums=0)
+    def scaled(w, x, scale):
+        return w * 0.5, jnp.tanh(x @ w) * scale
+
+    w = W + 0.0
+    new_w, out = hlo_amp.compile(scaled, "bf16")(w, X, 3)
+    assert w.is_deleted()  # donated, as the decorator asked
+    np.testing.assert_array_equal(new_w, W * 0.5)
+    np.testing.assert_allclose(out, jnp.tanh(X @ W) * 3, rtol=5e-2, atol=5e-2)
+    report = hlo_amp.compile(scaled, "bf16").lower(W, X, 3).report()
+    assert [(d.function, d.low_precision) for d in report.decisions] == [("main", True)]
+
+
 # ---- typed keys on every path -----------------------------------------------------------
 
 
@@ -571,6 +694,10 @@ class _Config:
      ["args[1]['a']", "bytearray", "not hashable"]),
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16").lower(W, _Config()),
      ["args[1]", "_Config"]),
+    (lambda: hlo_amp.compile(nnx.jit(lambda w: X @ w, in_shardings=(None,)), "bf16"),
+     ["@nnx.jit", "in_shardings=(None,)", "replace @nnx.jit with @hlo_amp.compile"]),
+    (lambda: hlo_amp.compile(eqx.filter_jit(lambda w: X @ w, keep_unused=True), "bf16"),
+     ["@eqx.filter_jit", "keep_unused=True", "replace @eqx.filter_jit with @hlo_amp"]),
 ])
 def test_an_argument_it_cannot_take_gets_one_message_naming_it(call, words):
     with pytest.raises(TypeError) as error:
