@@ -10,6 +10,7 @@ _jax_internals.check()  # an unsupported jax fails here, in one line, not deep i
 
 from hlo_amp.jaxamp_compat import amp
 from hlo_amp.module_scopes import module_scopes
+from hlo_amp.modules import PassError
 from hlo_amp.numerics import Attribution, AutoPolicy, Comparison, attribute, autopolicy, compare
 from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
@@ -33,6 +34,7 @@ __all__ = [
     "Comparison",
     "Decision",
     "DynamicScalerState",
+    "PassError",
     "Policy",
     "Report",
     "all_finite",

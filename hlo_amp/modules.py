@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import re
+import threading
+from collections.abc import Iterator
+from types import TracebackType
 
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func as func_dialect
@@ -13,6 +17,142 @@ from hlo_amp.op_classes import MATRIX_OP_NAMES
 
 class ModuleError(ValueError):
     """A module that could not be read, or that the pass cannot work on."""
+
+
+class PassError(ModuleError):
+    """A pass failed on a module it should have handled: a bug in hlo_amp, never the
+    user's input. Names the pass and the op it was working on."""
+
+    def __init__(self, pass_name: str, op: str | None, detail: str) -> None:
+        self.pass_name, self.op, self.detail = pass_name, op, detail
+        where = f" at {op}" if op else ""
+        super().__init__(f"internal error in pass {pass_name}{where}: {detail}")
+
+
+# ---- holding IR safely ----------------------------------------------------------------
+#
+# The bindings hand out Python objects that point into the module's C++ memory. Two
+# things about them decide how the passes are written (docs/design.md, "How the passes
+# hold IR"):
+# - An ``ir.Operation``'s hash is a hash of its contents (name, attributes, operand and
+#   result types), so it changes when a pass edits the op: an op is never a dict key or a
+#   set element; ``op_key`` (its address) is. A value's hash is its address.
+# - Erasing an op frees it; a Python object still pointing at it, or at one of its
+#   results, reads freed memory when used (a segfault, or a silently wrong answer when
+#   a new op reuses the address). So no pass erases: it ``discard``s an op it has made
+#   dead, and ``run_pipeline`` erases the discarded ops after the pass has returned, when
+#   none of its objects is left. Nothing is freed while a pass runs, so every map it
+#   keys by values or ops stays true for the whole pass.
+
+DISCARDED_KEY = "hlo_amp.discarded"
+
+
+class _Pending(threading.local):
+    def __init__(self) -> None:
+        self.ops: list[ir.Operation] = []
+
+
+_PENDING = _Pending()
+
+
+def op_key(op: ir.Operation | ir.OpView) -> int:
+    """A dict key for ``op`` that stays the same while it lives: its address."""
+    return _address(op.operation)
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
+
+def _address(operation: ir.Operation) -> int:
+    # The bindings' C API capsule holds the MlirOperation pointer; its name differs
+    # between jaxlib builds, so it is read from the capsule.
+    capsule = operation._CAPIPtr
+    return _capsule_pointer(capsule, _capsule_name(capsule))
+
+
+def discard(op: ir.Operation | ir.OpView) -> None:
+    """Mark ``op``, whose results the pass no longer uses, for erasure once the pass has
+    returned (``erase_discarded``). Until then it stays in its block; readers of use
+    lists skip it with ``is_discarded``."""
+    operation = op.operation
+    operation.attributes[DISCARDED_KEY] = ir.UnitAttr.get(operation.context)
+    _PENDING.ops.append(operation)
+
+
+def is_discarded(op: ir.Operation | ir.OpView) -> bool:
+    return DISCARDED_KEY in op.operation.attributes
+
+
+def live_uses(value: ir.Value) -> Iterator[ir.OpOperand]:
+    """The uses of ``value`` by ops not discarded."""
+    return (use for use in value.uses if not is_discarded(use.owner))
+
+
+def drop_discarded() -> None:
+    """Forget the ops discarded so far, unerased (a pass failed: its module is dropped)."""
+    _PENDING.ops = []
+
+
+def erase_discarded(pass_name: str) -> int:
+    """Erase every op ``discard`` marked since the last call; how many. Ops nested in
+    others go first (erasing an op frees what it holds), then each op once nothing
+    reads its results. A discarded op that is still read raises PassError, naming it
+    and its reader, instead of leaving a reader of freed memory."""
+    pending, _PENDING.ops = _PENDING.ops, []
+    depth = {}
+    for operation in pending:
+        level, parent = 0, operation.parent
+        while parent is not None:
+            level, parent = level + 1, parent.parent
+        depth[_address(operation)] = level
+    pending.sort(key=lambda operation: -depth[_address(operation)])
+    erased = 0
+    while pending:
+        kept = []
+        for operation in pending:
+            if any(True for result in operation.results for _ in result.uses):
+                kept.append(operation)
+            else:
+                operation.erase()
+                erased += 1
+        if len(kept) == len(pending):
+            operation = kept[0]
+            reader = next(use.owner for result in operation.results for use in result.uses)
+            raise PassError(pass_name, describe_op(operation),
+                            f"it discarded this op, but {describe_op(reader)} still reads it")
+        pending = kept
+    return erased
+
+
+def describe_op(op: ir.Operation | ir.OpView) -> str:
+    """``op``'s name and location, in one line, for an error message."""
+    operation = op.operation
+    location = str(operation.location)
+    if len(location) > 160:
+        location = location[:157] + "..."
+    return f"{operation.name} {location}"
+
+
+def op_in_traceback(traceback: TracebackType | None) -> str | None:
+    """The op the innermost frame of ``traceback`` that holds one was working on
+    (a local that is an ``ir.Operation`` or ``ir.OpView``), described; None if none."""
+    frames = []
+    while traceback is not None:
+        frames.append(traceback.tb_frame)
+        traceback = traceback.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if isinstance(value, (ir.Operation, ir.OpView)):
+                try:
+                    return describe_op(value)
+                except RuntimeError:  # an op the bindings know is gone
+                    continue
+    return None
 
 
 def new_context() -> ir.Context:

@@ -16,7 +16,14 @@ from typing import Any, Protocol
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import ModuleError, strip_decision_marks
+from hlo_amp.modules import (
+    ModuleError,
+    PassError,
+    drop_discarded,
+    erase_discarded,
+    op_in_traceback,
+    strip_decision_marks,
+)
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
@@ -93,9 +100,10 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
     # traced a ViT one full collection costs ~150 ms, more than the passes themselves.
     collecting = gc.isenabled()
     gc.disable()
+    drop_discarded()  # a pass run outside a pipeline (a test) leaves its own marks only
     try:
         for current in pipeline:
-            current.run(module, report)
+            run_pass(current, module, report)
             if verify_each:
                 _verify(module, f"pass {current.name}")
         strip_decision_marks(module)
@@ -108,6 +116,23 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
         if collecting:
             gc.enable()
     return report
+
+
+def run_pass(current: Pass, module: ir.Module, report: Report | None) -> None:
+    """Run one pass, then erase the ops it discarded (hlo_amp/modules.py: nothing is
+    freed while a pass holds objects pointing into the module). A pass that fails
+    raises PassError, naming itself and the op it was working on; a ModuleError it
+    raises on purpose (a module it cannot work on) goes through as it is."""
+    try:
+        current.run(module, report)
+    except ModuleError:
+        drop_discarded()
+        raise
+    except Exception as error:
+        drop_discarded()
+        raise PassError(current.name, op_in_traceback(error.__traceback__),
+                        f"{type(error).__name__}: {error}") from error
+    erase_discarded(current.name)
 
 
 def _verify(module: ir.Module, what: str, hint: str = "") -> None:

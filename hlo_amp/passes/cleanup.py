@@ -13,11 +13,14 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.modules import (
     callee_name,
+    discard,
     element_type,
+    erase_discarded,
     function_name,
     functions,
     is_call,
     is_public,
+    live_uses,
     set_function_type,
     terminator,
     walk_operations,
@@ -52,11 +55,14 @@ class CleanupConverts:
     name: str = "hlo-amp-cleanup"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
+        # Each step below is a function that returns before the ops it discarded are
+        # erased (modules.erase_discarded): no object of a step outlives its erasures.
         folded, merged, removed = _fold_and_merge(module)
         hoisted = 0
         if self.hoist_loop_invariants:
+            erase_discarded(self.name)
             with module.context:
-                hoisted = _hoist_loop_invariants(module)
+                hoisted = _hoist_loop_invariants(module, self.name)
             if hoisted:
                 # Converts hoisted from two loops may now convert the same value twice.
                 more = _fold_and_merge(module)
@@ -103,12 +109,12 @@ def _fold_and_merge(module: ir.Module) -> tuple[int, int, int]:
 
 def _erase_dead_converts(converts: list[Any]) -> int:
     # Consumers follow their producers in program order, so one backward sweep also
-    # catches a convert that only fed a convert erased just before. Folding and merging
-    # only replace uses, so the converts walked for them are still all there are.
+    # catches a convert that only fed a convert discarded just before. Folding and
+    # merging only replace uses, so the converts walked for them are still all there are.
     removed = 0
     for convert in reversed(converts):
-        if not list(convert.result.uses):
-            convert.operation.erase()
+        if next(live_uses(convert.result), None) is None:
+            discard(convert)
             removed += 1
     return removed
 
@@ -170,19 +176,25 @@ def _enclosing_while(op: Any) -> Any | None:
     return parent.opview if op.operation.block == _body(parent) else None
 
 
-def _hoist_loop_invariants(module: ir.Module) -> int:
+def _hoist_loop_invariants(module: ir.Module, pass_name: str) -> int:
     hoisted = 0
     while True:
-        ops = [op for fn in functions(module) for op in walk_operations(fn)]
-        # Inner loops after their outer loop in program order: reversed, inner first.
-        loops = [op.opview for op in ops if op.name in _WHILE][::-1]
-        if not loops:
-            return hoisted
-        lifted = _lift_from_callees(module, ops)
-        moved = sum(_hoist_from_while(loop) for loop in loops)
+        lifted, moved = _hoist_round(module)
+        erase_discarded(pass_name)  # the round's objects are gone: its dead ops can go
         hoisted += moved
         if not lifted and not moved:
             return hoisted
+
+
+def _hoist_round(module: ir.Module) -> tuple[int, int]:
+    """One lift from callees and one hoist from every loop: (lifted, moved)."""
+    ops = [op for fn in functions(module) for op in walk_operations(fn)]
+    # Inner loops after their outer loop in program order: reversed, inner first.
+    loops = [op.opview for op in ops if op.name in _WHILE][::-1]
+    if not loops:
+        return 0, 0
+    lifted = _lift_from_callees(module, ops)
+    return lifted, sum(_hoist_from_while(loop) for loop in loops)
 
 
 def _hoist_from_while(loop: Any) -> int:
@@ -200,7 +212,7 @@ def _hoist_from_while(loop: Any) -> int:
         key = (source, str(op.result.type))
         if key in first_of:  # the same convert twice: one hoisted copy serves both
             op.result.replace_all_uses_with(first_of[key].result)
-            op.operation.erase()
+            discard(op)
             moved += 1
             continue
         first_of[key] = op
@@ -240,10 +252,10 @@ def _add_carries(loop: Any, converts: Sequence[Any]) -> None:
     extra = list(body_block.arguments)[len(old.results):]
     hlo.ReturnOp(list(old_return.operands) + extra, loc=old_return.location,
                  ip=ir.InsertionPoint(old_return))
-    old_return.erase()
+    discard(old_return)
     for index, result in enumerate(old.results):
         result.replace_all_uses_with(new.operation.results[index])
-    old.erase()
+    discard(old)
 
 
 def _symbol_refs(attribute: ir.Attribute) -> list[str]:
@@ -314,7 +326,7 @@ def _lift(fn: Any, sites: list[Any], groups: list[list[Any]]) -> int:
         # Retype in place only when one type is asked of the argument: with two (bf16 and
         # f16 converts of one weight), every call site must convert from the original.
         if (indices.count(index) == 1
-                and all(use.owner in readers for use in argument.uses)):
+                and all(use.owner in readers for use in live_uses(argument))):
             argument.set_type(converted_type)
             for site in sites:
                 lift = hlo.ConvertOp(converted_type, site.operation.operands[index],
@@ -326,7 +338,7 @@ def _lift(fn: Any, sites: list[Any], groups: list[list[Any]]) -> int:
             appended.append(index)
         for convert in converts:
             convert.result.replace_all_uses_with(argument)
-            convert.operation.erase()
+            discard(convert)
         lifted += len(converts)
     if appended:
         new_arguments = list(entry.arguments)[-len(appended):]
@@ -353,7 +365,7 @@ def _call_with_extra(site: Any, indices: list[int], new_arguments: list[Any]) ->
             list(ir.ArrayAttr(old.attributes["arg_attrs"])) + [ir.DictAttr.get({})] * len(extra))
     for index, result in enumerate(old.results):
         result.replace_all_uses_with(new.operation.results[index])
-    old.erase()
+    discard(old)
     return new
 
 

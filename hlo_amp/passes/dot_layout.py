@@ -58,7 +58,7 @@ from hlo_amp.cpu_dots import (
     meets_ynn_size,
     needs_layout_rewrite,
 )
-from hlo_amp.modules import decision_of, walk_operations
+from hlo_amp.modules import decision_of, discard, walk_operations
 from hlo_amp.sites import location_name
 
 # The note a relaid dot gets in the report (details of the permutation follow it).
@@ -189,7 +189,7 @@ class FastDotLayout:
                 )
                 restored = _reshape(result_type, new.result)
                 op.result.replace_all_uses_with(restored)
-                op.operation.erase()
+                discard(op)
                 notes.append(f"result {list(out_shape)} -> {list(result_type.shape)}")
         if report is not None and hasattr(report, "note"):
             report.note(f"{RELAID} ({'; '.join(notes)})", decision, location_name(location))

@@ -46,6 +46,7 @@ from hlo_amp.modules import (
     functions,
     is_public,
     mark_decision,
+    op_key,
     walk_operations,
     with_element,
 )
@@ -292,9 +293,9 @@ class _CallGraph:
     instances: list[_Instance] = field(default_factory=list)
     clones: int = 0
     signatures: dict[tuple[str, str], tuple] = field(default_factory=dict)
-    # function operation -> its matrix ops (with their kind) and calls (kind None), in
+    # op_key of a function -> its matrix ops (with their kind) and calls (kind None), in
     # program order: one walk per function body, shared by both phases.
-    watched: dict[Any, list[tuple[Any, str | None]]] = field(default_factory=dict)
+    watched: dict[int, list[tuple[Any, str | None]]] = field(default_factory=dict)
     sites: dict[tuple[Any, str, str], Site] = field(default_factory=dict)
     type_names: _TypeNames = field(default_factory=lambda: _TypeNames())
     # (original function name, index in ops_of, call-site prefix) -> first/last rules
@@ -303,9 +304,9 @@ class _CallGraph:
     def ops_of(self, fn: Any) -> list[tuple[Any, str | None]]:
         """The matrix ops and calls of ``fn`` (walked once; the rewrite adds only
         converts, so the list stays good)."""
-        found = self.watched.get(fn.operation)
+        found = self.watched.get(op_key(fn))
         if found is None:
-            found = self.watched[fn.operation] = [
+            found = self.watched[op_key(fn)] = [
                 (op, _MATRIX_OPS.get(op.name)) for op in walk_operations(fn, names=_WATCHED)]
         return found
 

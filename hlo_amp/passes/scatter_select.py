@@ -22,7 +22,7 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.modules import from_constant, functions, walk_operations
+from hlo_amp.modules import discard, from_constant, functions, walk_operations
 from hlo_amp.op_classes import single_update_scatter
 from hlo_amp.report import Report
 
@@ -151,7 +151,7 @@ def _rewrite(op: Any, placement: _Placement) -> None:
     added = hlo.AddOp(operand, placed).result
     result = hlo.SelectOp(mask, added, operand).result
     op.operation.results[0].replace_all_uses_with(result)
-    op.operation.erase()
+    discard(op)
 
 
 def _ints(values: Any) -> ir.DenseI64ArrayAttr:

@@ -31,6 +31,7 @@ from hlo_amp.cpu_dots import (
     layout_is_fast,
     needs_layout_rewrite,
 )
+from hlo_amp.passes import run_pass
 from hlo_amp.passes.dot_layout import FastDotLayout
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -84,7 +85,7 @@ def _rewrite(text: str) -> tuple[str, list[tuple[str, str]]]:
             self.notes.append((location, text))
 
     report = Notes()
-    FastDotLayout().run(module, report)
+    run_pass(FastDotLayout(), module, report)
     module.operation.verify()
     return str(module), report.notes
 
@@ -269,7 +270,7 @@ def test_pass_is_a_frozen_dataclass_named_for_the_cli() -> None:
 
 def test_rewrite_keeps_location_precision_and_result_and_shares_operands() -> None:
     module = _parse(_MODULE)
-    FastDotLayout().run(module, None)
+    run_pass(FastDotLayout(), module, None)
     module.operation.verify()
     dots = _dots(module)
     assert len(dots) == 4
@@ -305,7 +306,7 @@ def test_rewrite_is_idempotent_and_reports_each_dot() -> None:
 def test_report_may_be_none_or_lack_note() -> None:
     for report in (None, object()):
         module = _parse(_MODULE)
-        FastDotLayout().run(module, report)
+        run_pass(FastDotLayout(), module, report)
         module.operation.verify()
 
 
@@ -446,7 +447,7 @@ def test_relay_slow_false_relays_only_dots_that_would_fail(post, relaid) -> None
     a, b = _randn(*shapes[0]), _randn(*shapes[1])
     text = jax.jit(_bf16_dot(dims, post)).lower(a, b).as_text()
     module = _parse(text)
-    FastDotLayout(relay_slow=False).run(module, None)
+    run_pass(FastDotLayout(relay_slow=False), module, None)
     module.operation.verify()
     # Relaid dots are in NT form; the untouched weight gradient keeps [0] x [0].
     assert ("contracting_dims = [1] x [1]" in str(module)) == relaid
@@ -522,6 +523,6 @@ def test_operand_chain_lengthened_by_an_earlier_relaid_dot(negates: int, barrier
     second = _dots(module)[1]
     if negates == 14:
         assert _provenance(second.operands[0]) == (False, 16)  # at the limit, not past it
-    FastDotLayout().run(module, None)
+    run_pass(FastDotLayout(), module, None)
     module.operation.verify()
     assert str(module).count("stablehlo.optimization_barrier") == barriers

@@ -1,8 +1,11 @@
 """Property tests: random JAX programs under random scopes and random policies.
 
-Programs are built from dot / einsum / conv, elementwise ops, reductions, lax.scan,
-lax.cond, inner jax.jit and jax.checkpoint, nested in jax.named_scope names drawn from
-['a', 'b', 'c', 'amp_stop']. For each program and policy:
+Programs are built from dot / einsum / conv, elementwise ops, reductions, a causal
+mask and softmax, an iota, a constant array, lax.scan, lax.cond, inner jax.jit,
+jax.checkpoint and layers (the same body applied two or three times, as a model's
+blocks: its masks, iotas and constants lowered once per layer or shared), nested in
+jax.named_scope names drawn from ['a', 'b', 'c', 'amp_stop']. For each program and
+policy:
 
 - the rewritten module re-parses and verifies;
 - the pass is idempotent on its own output;
@@ -48,7 +51,7 @@ N = 4  # every tensor in a program is N x N (conv: 1x1xNxN)
 
 # ---- random programs ------------------------------------------------------------------
 
-LEAVES = st.sampled_from(["dot", "einsum", "conv", "ew", "reduce"])
+LEAVES = st.sampled_from(["dot", "einsum", "conv", "ew", "reduce", "mask", "iota", "const"])
 
 
 def _compound(children: st.SearchStrategy) -> st.SearchStrategy:
@@ -59,11 +62,16 @@ def _compound(children: st.SearchStrategy) -> st.SearchStrategy:
         st.tuples(st.just("cond"), body, body),
         st.tuples(st.just("jit"), body),
         st.tuples(st.just("ckpt"), body),
+        st.tuples(st.just("layers"), st.integers(2, 3), body),
     )
 
 
 NODES = st.recursive(LEAVES, _compound, max_leaves=8)
 PROGRAMS = st.lists(NODES, min_size=1, max_size=4)
+
+
+# One array for every "const" leaf: a constant that several layers read.
+CONST = (np.arange(N * N, dtype=np.float32).reshape(N, N) % 3 - 1) / 4 + 1
 
 
 def _conv(x: jax.Array, k: jax.Array) -> jax.Array:
@@ -88,6 +96,12 @@ def _apply_node(node: Any, x: jax.Array, w: jax.Array, k: jax.Array) -> jax.Arra
         return jnp.sin(x) * 0.9 + 0.1
     if node == "reduce":
         return x - jnp.mean(x, axis=0, keepdims=True)
+    if node == "mask":  # a decoder's causal mask and softmax
+        return jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((N, N), bool)), x, -1e9), -1)
+    if node == "iota":
+        return x + 0.1 * jnp.arange(N, dtype=x.dtype)[None, :]
+    if node == "const":
+        return x * jnp.asarray(CONST)
     kind = node[0]
     if kind == "scope":
         with jax.named_scope(node[1]):
@@ -102,6 +116,11 @@ def _apply_node(node: Any, x: jax.Array, w: jax.Array, k: jax.Array) -> jax.Arra
         return jax.lax.cond(w[0, 0] > 0,
                             lambda y: _apply(node[1], y, w, k),
                             lambda y: _apply(node[2], y, w, k), x)
+
+    if kind == "layers":
+        for _ in range(node[1]):
+            x = _apply(node[2], x, w, k)
+        return x
 
     def inner(y):
         return _apply(node[1], y, w, k)
@@ -133,6 +152,8 @@ def matmul_sites(nodes: list, scope: tuple[str, ...] = ()) -> list[tuple[str, tu
                 sites += matmul_sites(node[2], scope + (node[1],))
             elif node[0] == "cond":
                 sites += matmul_sites(node[1], scope) + matmul_sites(node[2], scope)
+            elif node[0] == "layers":
+                sites += node[1] * matmul_sites(node[2], scope)
             else:
                 sites += matmul_sites(node[1], scope)
     return sites
@@ -151,6 +172,8 @@ def executed_matmuls(nodes: list) -> int:
                 count += 2 * executed_matmuls(node[1])
             elif node[0] == "cond":
                 count += max(executed_matmuls(node[1]), executed_matmuls(node[2]))
+            elif node[0] == "layers":
+                count += node[1] * executed_matmuls(node[2])
             else:
                 count += executed_matmuls(node[1])
     return count

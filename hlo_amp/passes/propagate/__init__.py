@@ -87,10 +87,10 @@ class Propagate:
     def run(self, module: ir.Module, report: Report | None = None) -> None:
         low = ir.Type.parse(DTYPE_TO_ELEMENT[self.policy.compute_dtype], module.context)
         # One walk per function body, shared by everything below: every op the bindings
-        # hand out is a new Python object. The rewrite only adds and erases converts,
+        # hand out is a new Python object. The rewrite only adds and discards converts,
         # which the byte count skips by name (and step 5's barriers, which hold such a
         # convert's value), so the walks stay good for the "after".
-        walks: dict[Any, Body] = {}
+        walks: dict[int, Body] = {}
         before = intermediate_bytes(module, walks)
         graph = Graph(self.policy, low, walks)
         graph.build(module)

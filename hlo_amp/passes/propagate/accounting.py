@@ -29,7 +29,7 @@ def op_counts(graph: Graph) -> dict[str, dict[str, Any]]:
     return dict(sorted(table.items()))
 
 
-def intermediate_bytes(module: ir.Module, walks: dict[Any, Body] | None = None
+def intermediate_bytes(module: ir.Module, walks: dict[int, Body] | None = None
                        ) -> dict[str, tuple[int, int]]:
     """Per function: (bytes, 16-bit-or-narrower bytes) of the float values its ops make.
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import walk_operations
+from hlo_amp.modules import op_key, walk_operations
 
 CONTROL_FLOW_OPS = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if"})
 # Ops that hold no activation of their own: not graph nodes, not counted in byte totals.
@@ -37,7 +37,7 @@ class Body:
     """One function body, walked once (``body_ops``), and what the pass reads of its ops,
     each read once: every binding call makes a Python object, and the graph, the byte
     counts and the rewrite all look at the same ops. The rewrite only adds converts
-    (not listed) and erases converts (skipped by name, never touched again), so the
+    (not listed) and discards converts (skipped by name; erased after the pass), so the
     lists stay good for the whole pass."""
 
     __slots__ = ("_inner_uses", "_operands", "_results", "_uses", "names", "ops")
@@ -83,11 +83,11 @@ class Body:
         return self._inner_uses
 
 
-def walk_once(fn: Any, walks: dict[Any, Body]) -> Body:
+def walk_once(fn: Any, walks: dict[int, Body]) -> Body:
     """The ``Body`` of ``fn``, walked once per function and kept in ``walks``."""
-    found = walks.get(fn.operation)
+    found = walks.get(op_key(fn))
     if found is None:
-        found = walks[fn.operation] = Body(fn)
+        found = walks[op_key(fn)] = Body(fn)
     return found
 
 

@@ -15,6 +15,7 @@ from hlo_amp.modules import (
     functions,
     is_call,
     is_public,
+    op_key,
     terminator,
 )
 from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name, table_class
@@ -71,7 +72,7 @@ class Instance:
     prefix: str
     body: Body
     calls: dict[int, int] = field(default_factory=dict)  # call op index -> child instance
-    index: dict[Any, int] = field(default_factory=dict)  # operation -> op index (lazy)
+    index: dict[int, int] = field(default_factory=dict)  # op_key -> op index (lazy)
     signature: tuple = ()
 
     @property
@@ -82,16 +83,17 @@ class Instance:
 class Graph:
     """The dataflow graph over every instance of every function (painted by ``solve``)."""
 
-    def __init__(self, policy: Policy, low: ir.Type, walks: dict[Any, Body]) -> None:
+    def __init__(self, policy: Policy, low: ir.Type, walks: dict[int, Body]) -> None:
         self.policy = policy
         self.low = low
-        self.walks = walks  # function operation -> its Body, shared with the byte count
+        self.walks = walks  # op_key of a function -> its Body, shared with the byte count
         self.instances: list[Instance] = []
         self.nodes: list[Node] = []
         self.op_node: dict[tuple[int, int], Node] = {}  # (inst, op index) -> node
         self.producer: dict[tuple[int, ir.Value], Node] = {}
         # (inst, consuming op) -> {operand number: node}: uses that enter a link
-        self.link_use: dict[tuple[int, Any], dict[int, Node]] = defaultdict(dict)
+        # (instance, op_key of the consuming op) -> operand number -> link node
+        self.link_use: dict[tuple[int, int], dict[int, Node]] = defaultdict(dict)
         self.by_name: dict[str, Any] = {}
         self.rules_used: set[str] = set()
         self._decided: dict[tuple[str, str, str], tuple[str | None, str]] = {}
@@ -249,7 +251,7 @@ class Graph:
             node.reason = "not an f32 value"
         self._add(node)
         for consumer, key, number in inputs:
-            self.link_use[(key[0], consumer.operation)][number] = node
+            self.link_use[(key[0], op_key(consumer))][number] = node
 
     def _while_links(self, inst_id: int, index: int, op: Any) -> None:
         cond, body = (first_block(region) for region in op.operation.regions)
@@ -300,7 +302,7 @@ class Graph:
         for index, number in uses:
             name = names[index]
             if name in LINK_CONSUMERS:
-                link = self.link_use.get((inst_id, body.ops[index]), {}).get(number)
+                link = self.link_use.get((inst_id, op_key(body.ops[index])), {}).get(number)
                 if link is not None:
                     found.append(link)
                     continue
@@ -320,7 +322,7 @@ class Graph:
         found: list[Node | str] = []
         for use in value.uses:
             owner = use.owner
-            link = self.link_use.get((inst_id, owner.operation), {}).get(use.operand_number)
+            link = self.link_use.get((inst_id, op_key(owner)), {}).get(use.operand_number)
             if link is not None:
                 found.append(link)
                 continue
@@ -335,7 +337,7 @@ class Graph:
     def _node_of(self, inst_id: int, op: Any) -> Node | None:
         inst = self.instances[inst_id]
         if not inst.index:
-            inst.index = {o.operation: i for i, o in enumerate(inst.ops)}
-        index = inst.index.get(op.operation)
+            inst.index = {op_key(o): i for i, o in enumerate(inst.ops)}
+        index = inst.index.get(op_key(op))
         return None if index is None else self.op_node.get((inst_id, index))
 

@@ -11,7 +11,10 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from hlo_amp.cpu_dots import low_result_on_target
 from hlo_amp.modules import (
     clone_private,
+    discard,
     function_name,
+    is_discarded,
+    op_key,
     set_function_type,
     terminator,
     with_element,
@@ -89,12 +92,12 @@ class Rewriter:
                 taken.add(name)
             chosen.append(targets[key])
         clones = len(targets) - len(taken)
-        done: set[Any] = set()
+        done: set[str] = set()  # by name: a function's hash changes as it is rewritten
         for inst_id, inst in enumerate(graph.instances):
             fn = chosen[inst_id]
-            if fn.operation in done:
+            if function_name(fn) in done:
                 continue
-            done.add(fn.operation)
+            done.add(function_name(fn))
             body = inst.body if fn is inst.fn else walk_once(fn, graph.walks)
             for index, child in inst.calls.items():
                 body.ops[index].attributes["callee"] = ir.FlatSymbolRefAttr.get(
@@ -174,7 +177,7 @@ class Rewriter:
             source, result = op.operands[0], op.results[0]
             if source.type == result.type:
                 result.replace_all_uses_with(source)
-                op.erase()
+                discard(op)
         for index in sorted(facts["sum_copies"]):
             self._sums_read_low_copy(ops[index])
         if facts["args"] or facts["results"]:
@@ -187,7 +190,8 @@ class Rewriter:
         of it; the sums through an ``optimization_barrier``, so that XLA does not fold
         their convert back up (f32 -> 16 -> f32) into a read of the f32 value."""
         value = op.results[0]
-        readers = [(use.owner, use.operand_number) for use in value.uses]
+        readers = [(use.owner, use.operand_number) for use in value.uses
+                   if not is_discarded(use.owner)]
         with op.location, ir.InsertionPoint.after(op):
             low = hlo.convert(with_element(value.type, self.low), value)
             kept = hlo.optimization_barrier([low])
@@ -196,28 +200,28 @@ class Rewriter:
         for owner, number in readers:
             if owner.operation.name == "stablehlo.convert" and owner.result.type == low.type:
                 owner.result.replace_all_uses_with(kept)
-                owner.operation.erase()
+                discard(owner)
             else:  # a sum (``solve`` allows no other reader)
                 owner.operands[number] = wide
 
     @staticmethod
-    def _terminator_owners(body: Body) -> dict[Any, tuple[str, int]]:
-        """Each while-body / branch terminator -> ("carry", owner index)."""
-        owners: dict[Any, tuple[str, int]] = {}
+    def _terminator_owners(body: Body) -> dict[int, tuple[str, int]]:
+        """Each while-body / branch terminator (by ``op_key``) -> ("carry", owner index)."""
+        owners: dict[int, tuple[str, int]] = {}
         for index, name in enumerate(body.names):
             if name not in CONTROL_FLOW_OPS:
                 continue
             regions = list(body.ops[index].regions)
             if name == "stablehlo.while":
-                owners[terminator(first_block(regions[1])).operation] = ("carry", index)
-                owners[terminator(first_block(regions[0])).operation] = ("cond", index)
+                owners[op_key(terminator(first_block(regions[1])))] = ("carry", index)
+                owners[op_key(terminator(first_block(regions[0])))] = ("cond", index)
             else:
                 for region in regions:
-                    owners[terminator(first_block(region)).operation] = ("carry", index)
+                    owners[op_key(terminator(first_block(region)))] = ("carry", index)
         return owners
 
     def _wants_low(self, index: int, op: Any, name: str, number: int, inst: Instance,
-                   mine: dict[str, set], owners: dict[Any, tuple[str, int]]) -> bool | None:
+                   mine: dict[str, set], owners: dict[int, tuple[str, int]]) -> bool | None:
         """Whether operand ``number`` of ``op`` (named ``name``) must be 16-bit (None:
         leave it); ``mine`` are the facts of the instance being rewritten."""
         if index in mine["painted"]:
@@ -225,7 +229,7 @@ class Rewriter:
         if name == "stablehlo.while":
             return (index, number) in mine["carries"]
         if name == "stablehlo.return":
-            owner = owners.get(op.operation)
+            owner = owners.get(op_key(op))
             if owner is None or owner[0] == "cond":
                 return None
             return (owner[1], number) in mine["carries"]

@@ -1,0 +1,213 @@
+"""The crash net: every test and benchmark workload, and random programs, through the
+whole pipeline in every target form (none, cpu, gpu, tpu) and every mode, each run in a
+child process (pipeline_worker.py), so that a pass that crashes the interpreter fails
+a test here instead of killing the pytest worker.
+
+Also the case that once crashed: a decoder of several layers, each with a causal mask
+(the mask's ``tril`` and ``where`` are private functions called once per layer), on
+the fast mode's GPU and TPU forms, through ``hlo-amp-opt`` and ``hlo_amp.compile(...)
+.lower(target=...)`` in a subprocess that must exit 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from pipeline_worker import MODES, SEGFAULT, TARGETS, PipelineWorker
+from test_properties import PROGRAMS, _inputs, make_fn
+
+ROOT = Path(__file__).resolve().parents[2]
+LIT_INPUTS = sorted((ROOT / "tests" / "lit" / "inputs").glob("*.mlir"))
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def decoder_step(layers: int, mask: str = "tril", seq: int = 16, dim: int = 32):
+    """(step, args): an SGD step of ``layers`` causal attention layers; ``mask`` is how
+    each layer writes its mask: ``tril`` (jnp.tril, a private function per call),
+    ``iota`` (two iotas compared) or ``constant`` (one array every layer reads)."""
+
+    def causal(scores):
+        if mask == "tril":
+            keep = jnp.tril(jnp.ones((seq, seq), bool))
+        elif mask == "iota":
+            keep = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
+        else:
+            keep = jnp.asarray(np.tril(np.ones((seq, seq), bool)))
+        return jnp.where(keep, scores, -1e9)
+
+    def layer(x, w):
+        s = jnp.einsum("bqd,bkd->bqk", x @ w["q"], x @ w["k"])
+        return x + jax.nn.softmax(causal(s), -1) @ (x @ w["v"])
+
+    def loss(ws, x):
+        for w in ws:
+            x = layer(x, w)
+        return (x ** 2).mean()
+
+    def step(ws, x):
+        value, grads = jax.value_and_grad(loss)(ws, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, ws, grads), value
+
+    key = jax.random.key(0)
+    ws = [{n: jax.random.normal(jax.random.fold_in(key, 3 * i + j), (dim, dim)) / 6
+           for j, n in enumerate("qkv")} for i in range(layers)]
+    return step, (ws, jnp.ones((2, seq, dim)))
+
+
+def _lowered(step, args) -> str:
+    return jax.jit(step).lower(*args).as_text(debug_info=True)
+
+
+def _lowered_abstract(build) -> str:
+    """``build() -> (step, args)`` lowered on the arguments' shapes: the models are
+    initialised abstractly (jax.eval_shape), which costs a fraction of running the
+    initialisers on the CPU."""
+    steps = []
+
+    def arguments():
+        step, args = build()
+        steps.append(step)
+        return args
+
+    args = jax.eval_shape(arguments)
+    return _lowered(steps[0], args)
+
+
+def _gpu_workload(name: str) -> str:
+    from gpu_workloads import _BUILDERS
+
+    return _lowered_abstract(_BUILDERS[name])
+
+
+def _benchmark_workload(name: str) -> str:
+    from benchmarks.workloads import variant_step, workloads
+
+    def build():
+        workload = next(w for w in workloads(quick=True) if w.name == name)
+        step, params, opt_state = variant_step(workload, "f32")
+        return step, (params, opt_state, *workload.batch())
+
+    return _lowered_abstract(build)
+
+
+MODULES = {
+    **{f"lit:{path.stem}": functools.partial(path.read_text) for path in LIT_INPUTS},
+    **{f"tests:{name}": functools.partial(_gpu_workload, name)
+       for name in ("mlp", "cnn", "vit", "linen_transformer", "scan_rnn", "remat_block")},
+    **{f"benchmarks:{name}": functools.partial(_benchmark_workload, name)
+       for name in ("mlp", "vit", "cnn", "decoder")},
+    **{f"decoder:{layers}x{mask}": functools.partial(
+        lambda layers, mask: _lowered(*decoder_step(layers, mask)), layers, mask)
+       for layers, mask in ((1, "tril"), (2, "tril"), (3, "tril"), (2, "iota"),
+                            (2, "constant"))},
+}
+
+
+@pytest.fixture(scope="module")
+def worker():
+    child = PipelineWorker()
+    yield child
+    child.close()
+
+
+def test_the_net_holds_every_test_and_benchmark_workload():
+    """The list above names every lit input and every workload of tests/py/gpu_workloads.py
+    and benchmarks/workloads.py: a new workload is in the net without a new line."""
+    from benchmarks.workloads import workloads
+    from gpu_workloads import _BUILDERS
+
+    names = {key.split(":", 1)[1] for key in MODULES if key.startswith("tests:")}
+    assert names == set(_BUILDERS)
+    names = {key.split(":", 1)[1] for key in MODULES if key.startswith("benchmarks:")}
+    assert names == {w.name for w in workloads(quick=True)}
+    assert len(LIT_INPUTS) >= 10
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_target_form_and_mode(worker, name):
+    outcome = worker.run(MODULES[name]())
+    assert outcome.failures() == []
+    assert set(outcome.results) == {(t, m) for t in TARGETS for m in MODES}
+
+
+@given(program=PROGRAMS)
+def test_random_programs_in_every_form(worker, program):
+    """A random program's train step (forward and gradients) in every form."""
+    fn = make_fn(program)
+    x, w, k = _inputs()
+    step = jax.value_and_grad(lambda w, k, x: fn(x, w, k).sum(), argnums=(0, 1))
+    outcome = worker.run(_lowered(step, (w, k, x)))
+    assert outcome.failures() == [], program
+
+
+def test_the_worker_reports_a_crash_and_recovers(worker):
+    """A child that dies mid-run is reported with the run it died in; the next module
+    gets a fresh child (so the net itself would catch a segfault)."""
+    outcome = worker.run(SEGFAULT, targets=["gpu"], modes=["bf16"])
+    assert outcome.crash is not None and "SIGSEGV" in outcome.crash
+    assert "target=gpu mode=bf16" in outcome.crash
+    outcome = worker.run(MODULES["decoder:1xtril"](), targets=["gpu"], modes=["bf16"])
+    assert outcome.failures() == [] and outcome.results == {("gpu", "bf16"): "ok"}
+
+
+_EVERY_FORM = textwrap.dedent("""
+    import sys, warnings
+    warnings.simplefilter("ignore")
+    from hlo_amp.modules import parse_module
+    from hlo_amp.passes import run_pipeline
+    from hlo_amp.policy import Policy
+    text = open(sys.argv[1]).read()
+    for target in (None, "cpu", "gpu", "tpu"):
+        for mode in %r:
+            run_pipeline(parse_module(text), Policy.parse(mode), target=target)
+            print(target, mode)
+""" % (MODES,))
+
+
+def test_causal_decoder_every_form_and_mode_exits_0(tmp_path):
+    """The pass pipeline on a 3-layer causal decoder's train step, every target form
+    and mode in one subprocess, which must exit 0 (before the fix the fast mode's gpu
+    and tpu forms died of SIGSEGV)."""
+    path = tmp_path / "decoder.mlir"
+    path.write_text(_lowered(*decoder_step(3)))
+    done = subprocess.run([sys.executable, "-c", _EVERY_FORM, str(path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(done.stdout.splitlines()) == len(TARGETS) * len(MODES)
+
+
+_LOWER = textwrap.dedent("""
+    import sys, warnings
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, sys.argv[2])
+    import hlo_amp
+    from test_crash_net import decoder_step
+    step, args = decoder_step(2)
+    for mode in ("bf16", "mixed_bfloat16"):
+        report = hlo_amp.compile(step, mode).lower(*args, target=sys.argv[1]).report()
+        assert all(d.operands_after[0] == "bf16" for d in report.decisions), report
+        print(mode, len(report.decisions))
+""")
+DOTS = "stablehlo.dot_general"
+
+
+@pytest.mark.parametrize("target", ["h100", "tpu-v5e"])
+def test_causal_decoder_lowered_for_a_device_exits_0(target):
+    """The user's path of the crash: ``hlo_amp.compile(step, mode).lower(..., target=)``
+    on a 2-layer causal decoder, in a subprocess that must exit 0 with every dot bf16."""
+    done = subprocess.run([sys.executable, "-c", _LOWER, target, str(Path(__file__).parent)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    dots = str(_lowered(*decoder_step(2)).count(f"= {DOTS}"))
+    assert dots != "0" and done.stdout.split() == ["bf16", dots, "mixed_bfloat16", dots]
