@@ -13,12 +13,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev,examples,gpu,tpu]'
 	touch $(STAMP)
 
+# No JAX_PLATFORMS: the demo trains on a GPU or TPU where there is one; where there is
+# none, importing hlo_amp starts jax on CPU, quietly (hlo_amp/quiet_stderr.py).
 demo: $(STAMP)
 	$(BIN)/python examples/vit_digits.py
 
-# JAX_PLATFORMS=cpu: the gpu extra's CUDA plugin registers (for compiling for a GPU
-# without one) only when CPU is asked for explicitly on a machine without a GPU; the tpu
-# extra's libtpu compiles for a TPU topology without one the same way.
+# JAX_PLATFORMS=cpu on every machine: the tests expect CPU runs, and with CPU asked for the
+# gpu extra's CUDA plugin registers (for compiling for a GPU without one) without its CUDA
+# version check; the tpu extra's libtpu compiles for a TPU topology without one the same way.
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu $(BIN)/lit -v tests/lit
 	PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests/py

@@ -48,6 +48,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `make demo` runs this file
 
+# hlo_amp before jax: without a GPU or TPU it starts jax on CPU and drops the CUDA stub's
+# lines jax's import prints (README, "Checking a GPU or TPU you do not have").
+import hlo_amp  # noqa: I001
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,7 +59,6 @@ from flax import nnx
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-import hlo_amp
 from examples.models import ViT
 from hlo_amp import DynamicScalerState, dynamic_scale_value_and_grad
 

@@ -1,8 +1,8 @@
 """hlo_amp: automatic mixed precision for JAX, done as a compiler pass on StableHLO."""
 
-from hlo_amp.quiet_stderr import import_jax_for_cli as _import_jax_for_cli
+from hlo_amp.quiet_stderr import start_jax as _start_jax
 
-_import_jax_for_cli()  # before any jax import: the CLI's stderr stays one line per error
+_start_jax()  # before jax starts: no CUDA/libtpu errors without a GPU or TPU; CLI stderr terse
 
 from hlo_amp import jax_internals as _jax_internals
 

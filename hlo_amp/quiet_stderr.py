@@ -1,19 +1,126 @@
-"""Muting the C-level log lines the CUDA plugin prints to fd 2 on a machine without a GPU.
+"""A quiet start of jax on a machine without a GPU or TPU, with the deviceless compilers in.
 
-With the ``gpu`` extra installed (the CUDA PJRT plugin, for compiling for a GPU without
-one), importing jax and initialising its backends on a machine with no CUDA driver print
-``cudart_stub.cc ... Could not find cuda drivers`` lines straight to file descriptor 2,
-past Python's ``sys.stderr`` and every log-level setting. ``hlo-amp-opt`` promises one
-line on stderr per error, so it mutes fd 2 while jax loads. This module imports nothing
-of jax: ``hlo_amp/__init__`` uses it before jax is imported.
+With the ``gpu`` extra (the CUDA PJRT plugin) and the ``tpu`` extra (libtpu) installed for
+compiling for a GPU or TPU without one, jax on a machine with neither prints:
+
+* at ``import jax``: ``cudart_stub.cc ... Could not find cuda drivers`` lines, each after
+  absl's ``WARNING: All log messages before absl::InitializeLog()``, once per CUDA plugin
+  extension jaxlib loads; C++ logging, straight to file descriptor 2 (no log level or
+  environment variable turns it off);
+* at its first computation, when ``JAX_PLATFORMS`` is unset: ``Jax plugin configuration
+  error`` and a traceback ending ``Unable to load CUDA`` (``xla_bridge.discover_pjrt_plugins``
+  logging the plugin's failed CUDA version check; the plugin is then not registered and
+  ``target="h100"`` fails), and libtpu's ``Failed to find host bounds`` and ``unexpected
+  worker hostname`` lines (jax initialising the ``tpu`` backend it tries on every machine).
+
+``JAX_PLATFORMS=cpu`` avoids the second group: the plugin skips its version check and
+registers (deviceless GPU compiles work), and libtpu loads only for a TPU topology.
+``start_jax()`` (run by ``hlo_amp/__init__`` before anything else) chooses that itself
+where no accelerator device exists and the user chose no platform, and drops exactly the
+stub lines; every other byte on fd 2 still reaches stderr. Where a GPU or TPU device file
+exists, or a jax plugin for other hardware is installed, it changes nothing: jax starts as
+it always does, its errors included. ``hlo-amp-opt`` also mutes fd 2 while jax loads so
+that its stderr is one line per error. This module imports nothing of jax at import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import sys
+import threading
 from collections.abc import Iterator
+
+# Device files of accelerators jax would use: NVIDIA (jax's own list: hardware_utils), WSL2,
+# AMD (ROCm's kfd), TPUs (v4 and older as /dev/accel*, v5e and newer as VFIO groups).
+_DEVICE_PATTERNS = ("/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd",
+                    "/dev/accel*", "/dev/vfio/[0-9]*")
+# TPU chips by PCI ids, as jax's hardware_utils finds them (Google's vendor id; its gVNIC
+# network card shares the vendor, so the device id decides).
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"}
+# Plugins whose hardware the device files above stand for (jax_plugins.xla_cuda12, ...).
+_KNOWN_PLUGINS = ("xla_cuda", "xla_rocm")
+
+
+def accelerator_devices() -> list[str]:
+    """The GPU and TPU device files (and TPU PCI devices) of this machine; cheap, no jax."""
+    found = [path for pattern in _DEVICE_PATTERNS for path in glob.glob(pattern)]
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as v, open(os.path.join(os.path.dirname(vendor), "device")) as d:
+                if v.read().strip() == _GOOGLE_PCI_VENDOR and d.read().strip() in _TPU_PCI_DEVICES:
+                    found.append(os.path.dirname(vendor))
+        except OSError:
+            continue
+    return found
+
+
+def _other_plugins() -> list[str]:
+    """Installed jax plugins other than CUDA's and ROCm's: hardware we cannot detect. Only
+    the ``jax_plugins`` namespace package, where plugins install themselves (their
+    ``jax_plugins`` entry points would cost a scan of every installed package's metadata,
+    0.1 s per process)."""
+    import importlib.util
+    import pkgutil
+
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    names = [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]
+    return [name for name in names if not name.startswith(_KNOWN_PLUGINS)]
+
+
+def _no_accelerator() -> bool:
+    """Linux (the CUDA plugin's only platform), no accelerator device, no other plugin, and
+    no request to initialise a TPU anyway."""
+    return (sys.platform.startswith("linux") and "JAX_FORCE_TPU_INIT" not in os.environ
+            and not accelerator_devices() and not _other_plugins())
+
+
+def _is_stub_noise(line: bytes) -> bool:
+    """The CUDA stub's line on a machine without a CUDA driver, or absl's preamble to it."""
+    return (b"cudart_stub.cc" in line and b"Could not find cuda drivers" in line
+            or line.startswith(b"WARNING: All log messages before absl::InitializeLog()"))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+@contextlib.contextmanager
+def fd2_filtered() -> Iterator[None]:
+    """Inside the block fd 2 goes through a pipe whose reader forwards every line to the
+    real stderr as it arrives (a crash loses nothing but a partial line), except the CUDA
+    stub's lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+
+    def forward() -> None:
+        pending = b""
+        while chunk := os.read(read_end, 65536):
+            *lines, pending = (pending + chunk).split(b"\n")
+            _write_all(saved, b"".join(line + b"\n" for line in lines
+                                       if not _is_stub_noise(line)))
+        if pending and not _is_stub_noise(pending):
+            _write_all(saved, pending)
+
+    reader = threading.Thread(target=forward, name="hlo_amp-fd2-filter", daemon=True)
+    reader.start()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last write end closes: the reader sees EOF
+        reader.join(timeout=10)
+        if not reader.is_alive():  # else a child holds the pipe: the reader keeps both fds
+            os.close(read_end)
+            os.close(saved)
 
 
 @contextlib.contextmanager
@@ -47,3 +154,35 @@ def import_jax_for_cli() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     with fd2_muted():
         import jax  # noqa: F401
+
+
+def start_jax() -> None:
+    """Import jax for hlo_amp; without an accelerator, on CPU and quietly (module docstring).
+
+    Works when the user imported jax first, as long as no computation has run yet: jax
+    reads ``jax_platforms`` and discovers its plugins at the first one, not at import."""
+    if is_cli_process():  # it mutes fd 2 around its own compiles too
+        import_jax_for_cli()
+        return
+    if not _no_accelerator():
+        return
+    chosen = "JAX_PLATFORMS" in os.environ or (
+        "jax" in sys.modules and sys.modules["jax"].config.jax_platforms is not None)
+    if not chosen:  # the environment too: device_targets and child processes read it
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    with fd2_filtered():
+        import jax
+    try:  # private: a jax without it starts as it always did, noise and all
+        from jax._src import xla_bridge
+    except ImportError:
+        return
+    if getattr(xla_bridge, "backends_are_initialized", lambda: True)():
+        return  # too late: jax has started, and printed whatever it prints
+    if not chosen:
+        jax.config.update("jax_platforms", "cpu")
+    discover = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+    if jax.config.jax_platforms == "cpu" and discover is not None:
+        # What the first computation would do, now, to drop the stub line the CUDA plugin
+        # prints as it registers; with CPU asked for it skips its CUDA version check.
+        with fd2_filtered():
+            discover()
