@@ -21,12 +21,26 @@ Each entry and why we need it:
   (``register_lowering``, ``lower_fun``): how a rewritten program composes with
   ``vmap``, ``jvp``, ``linearize`` and ``grad``.
 
+- ``ir.Operation._CAPIPtr`` (the MLIR bindings' C API capsule): ``operation_address``,
+  an op's address, the only key that names an op for as long as it lives (an
+  ``ir.Operation``'s own hash follows its contents; hlo_amp/modules.py ``op_key``).
+- ``_jit_info`` of a ``jax.jit`` function (``jax._src.pjit``): the static and donated
+  arguments of a step decorated with ``jax.jit``, ``nnx.jit`` or ``eqx.filter_jit``
+  (runtime/frameworks.py ``unwrap_jit``); where it is missing, a decorated NNX or
+  Equinox step gets the error that says to replace the decorator.
+- ``xla_bridge.backends_are_initialized`` and
+  ``xla_bridge._discover_and_register_pjrt_plugins``: hlo_amp/quiet_stderr.py's
+  ``start_jax`` loads the plugins early, behind a filter of the CUDA stub's lines, on a
+  machine without a GPU or TPU; looked up there with ``getattr``, so a jax without them
+  only brings the noise back.
+
 The MLIR bindings themselves come from the public ``jax.extend.mlir``.
 ``check()`` runs at import and turns a missing entry into one clear error.
 """
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 from typing import Any
 
@@ -37,6 +51,7 @@ from jax._src.export import _export as export_internals
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib import _jax
+from jax.extend.mlir import ir
 
 SUPPORTED_JAX = "0.10.2 to 0.12.x"
 
@@ -73,6 +88,21 @@ primitive_jvps = _needs(ad, "jax._src.interpreters.ad", "primitive_jvps")
 primitive_transposes = _needs(ad, "jax._src.interpreters.ad", "primitive_transposes")
 fancy_primitive_batchers = _needs(batching, "jax._src.interpreters.batching",
                                   "fancy_primitive_batchers")
+_needs(ir.Operation, "jax.extend.mlir.ir.Operation", "_CAPIPtr")
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
+
+def operation_address(operation: Any) -> int:
+    """The address of the MLIR operation an ``ir.Operation`` wraps (read from its C API
+    capsule, whose name differs between jaxlib builds)."""
+    capsule = operation._CAPIPtr
+    return _capsule_pointer(capsule, _capsule_name(capsule))
 
 
 def swap_module(lowered: Any, module: Any) -> Any:

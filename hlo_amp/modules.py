@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import re
 import threading
 from collections.abc import Iterator
@@ -57,22 +56,7 @@ _PENDING = _Pending()
 
 def op_key(op: ir.Operation | ir.OpView) -> int:
     """A dict key for ``op`` that stays the same while it lives: its address."""
-    return _address(op.operation)
-
-
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_capsule_name = ctypes.pythonapi.PyCapsule_GetName
-_capsule_name.restype = ctypes.c_char_p
-_capsule_name.argtypes = [ctypes.py_object]
-
-
-def _address(operation: ir.Operation) -> int:
-    # The bindings' C API capsule holds the MlirOperation pointer; its name differs
-    # between jaxlib builds, so it is read from the capsule.
-    capsule = operation._CAPIPtr
-    return _capsule_pointer(capsule, _capsule_name(capsule))
+    return internals.operation_address(op.operation)
 
 
 def discard(op: ir.Operation | ir.OpView) -> None:
@@ -109,8 +93,8 @@ def erase_discarded(pass_name: str) -> int:
         level, parent = 0, operation.parent
         while parent is not None:
             level, parent = level + 1, parent.parent
-        depth[_address(operation)] = level
-    pending.sort(key=lambda operation: -depth[_address(operation)])
+        depth[op_key(operation)] = level
+    pending.sort(key=lambda operation: -depth[op_key(operation)])
     erased = 0
     while pending:
         kept = []

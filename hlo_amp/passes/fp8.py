@@ -37,7 +37,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.fp8_gemm import FP8_FALLBACK, FP8_MARK, FP8_MAX
-from hlo_amp.modules import functions, walk_operations, with_element
+from hlo_amp.modules import functions, op_key, walk_operations, with_element
 from hlo_amp.op_classes import MATRIX_OP_NAMES
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
@@ -132,17 +132,17 @@ _SEARCH_LIMIT = 256
 def _from_matrix_op(value: ir.Value) -> bool:
     """Whether ``value`` is computed from a matrix op's result in its block (XLA fuses
     bias, activation and data movement into a GEMM's epilogue, so any path counts)."""
-    seen: set[Any] = set()
+    seen: set[int] = set()  # op_key of each op looked at
     stack = [value]
     while stack:
         owner = stack.pop().owner
         operation = owner if isinstance(owner, ir.Operation) else getattr(owner, "operation",
                                                                           None)
-        if not isinstance(operation, ir.Operation) or operation in seen:
+        if not isinstance(operation, ir.Operation) or op_key(operation) in seen:
             continue  # a block argument, or already looked at
         if operation.name in MATRIX_OP_NAMES or len(seen) >= _SEARCH_LIMIT:
             return True
-        seen.add(operation)
+        seen.add(op_key(operation))
         stack.extend(operation.operands)
     return False
 

@@ -45,7 +45,7 @@ class PipelineWorker:
 
     def _start(self) -> subprocess.Popen:
         if self._child is None or self._child.poll() is not None:
-            self._stderr = tempfile.TemporaryFile()
+            self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - the child's, kept
             env = dict(os.environ, PYTHONFAULTHANDLER="1")
             self._child = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,

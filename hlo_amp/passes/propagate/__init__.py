@@ -56,7 +56,6 @@ converts and barriers) and ``accounting``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from jax.extend.mlir import ir
 

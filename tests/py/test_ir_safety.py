@@ -1,0 +1,137 @@
+"""How the passes hold IR (docs/design.md): no op is a dict key, nothing is erased while
+a pass runs, and a pass that fails raises PassError naming the pass and the op."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from jax.extend.mlir import ir
+from test_crash_net import MODULES
+
+import hlo_amp
+from hlo_amp import cli
+from hlo_amp.modules import PassError, discard, parse_module, walk_operations
+from hlo_amp.passes import default_pipeline, run_pipeline
+from hlo_amp.policy import Policy
+
+PACKAGE = Path(hlo_amp.__file__).parent
+
+MODULE = """
+func.func public @main(%x: tensor<4x4xf32>, %w: tensor<4x4xf32>) -> tensor<4x4xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
+  %1 = stablehlo.tanh %0 : tensor<4x4xf32>
+  return %1 : tensor<4x4xf32>
+}
+"""
+
+
+def test_only_erase_discarded_erases():
+    """Every ``.erase()`` call in the package is in modules.erase_discarded."""
+    callers = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "erase"):
+                    callers.append(f"{path.relative_to(PACKAGE)}:{function.name}")
+    assert callers == ["modules.py:erase_discarded"]
+
+
+@pytest.fixture
+def ops_unhashable(monkeypatch):
+    """Hashing an op raises: a pass that keys a dict or set by an op fails loudly."""
+
+    def refuse(self):
+        raise AssertionError(f"an op was hashed: {self.name}")
+
+    monkeypatch.setattr(ir.Operation, "__hash__", refuse)
+    monkeypatch.setattr(ir.OpView, "__hash__", refuse)
+
+
+@pytest.mark.parametrize("name", ["decoder:2xtril", "tests:scan_rnn", "lit:nested_scan",
+                                  "lit:fp8_scan_grad", "benchmarks:cnn"])
+@pytest.mark.parametrize("target", [None, "cpu", "gpu"])
+def test_no_pass_hashes_an_op(ops_unhashable, name, target):
+    text = MODULES[name]()
+    for mode in ("mixed_bfloat16", "fp8"):
+        run_pipeline(parse_module(text), Policy.parse(mode), target=target)
+
+
+def test_the_fixture_catches_an_op_key():
+    module = parse_module(MODULE)
+    op = walk_operations(module)[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ir.Operation, "__hash__", lambda self: 1 // 0)
+        with pytest.raises(ZeroDivisionError):
+            _ = {op.operation: 0}
+
+
+@dataclass(frozen=True)
+class FailOnTanh:
+    name: str = "test-fail-on-tanh"
+
+    def run(self, module, report=None) -> None:
+        for op in walk_operations(module):
+            if op.name == "stablehlo.tanh":
+                raise KeyError("no rule for this op")
+
+
+@dataclass(frozen=True)
+class DiscardStillRead:
+    """Discards the dot, whose result the tanh still reads."""
+
+    name: str = "test-discard-still-read"
+
+    def run(self, module, report=None) -> None:
+        for op in walk_operations(module):
+            if op.name == "stablehlo.dot_general":
+                discard(op)
+
+
+def test_a_failing_pass_raises_pass_error_naming_pass_and_op():
+    policy = Policy.parse("bf16")
+    with pytest.raises(PassError) as caught:
+        run_pipeline(parse_module(MODULE), policy,
+                     passes=[*default_pipeline(policy), FailOnTanh()])
+    error = caught.value
+    assert error.pass_name == "test-fail-on-tanh"
+    assert error.op.startswith("stablehlo.tanh")
+    assert "KeyError" in str(error) and "no rule for this op" in str(error)
+    assert isinstance(error, hlo_amp.PassError)
+
+
+def test_discarding_an_op_still_read_is_a_pass_error_not_a_dangling_use():
+    policy = Policy.parse("bf16")
+    module = parse_module(MODULE)
+    with pytest.raises(PassError, match="test-discard-still-read at stablehlo.dot_general"
+                                        ".* stablehlo.tanh .*still reads it"):
+        run_pipeline(module, policy, passes=[DiscardStillRead()])
+    assert [op.name for op in walk_operations(module)][1:3] == [
+        "stablehlo.dot_general", "stablehlo.tanh"]  # nothing erased
+    module.operation.verify()
+
+
+def test_discarded_ops_are_gone_after_the_pass():
+    module = parse_module(MODULE.replace("%1 = stablehlo.tanh %0", "%1 = stablehlo.tanh %x"))
+    run_pipeline(module, Policy.parse("bf16"), passes=[DiscardStillRead()])
+    names = [op.name for op in walk_operations(module)]
+    assert "stablehlo.dot_general" not in names and "stablehlo.tanh" in names
+    assert "hlo_amp.discarded" not in str(module)
+
+
+def test_cli_prints_one_line_for_a_pass_error(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "in.mlir"
+    path.write_text(MODULE)
+    real = cli.pass_names
+    monkeypatch.setattr(cli, "pass_names", lambda policy, target=None: {
+        **real(policy, target), "test-fail-on-tanh": FailOnTanh()})
+    assert cli.main([str(path), "--pass", "test-fail-on-tanh"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "hlo-amp-opt: internal error in pass test-fail-on-tanh at stablehlo.tanh"), err
