@@ -100,12 +100,27 @@ def _benchmark_workload(name: str) -> str:
     return _lowered_abstract(build)
 
 
+def _third_party(name: str) -> str:
+    import test_third_party as tp
+
+    if name.startswith("equinox"):
+        loss_fn, params, batch = tp._equinox_case(use_attention=name == "equinox_attention")
+        extra = {}
+    else:
+        model, params, extra, batch = tp._linen_case(name.removeprefix("linen_"))
+        loss_fn = tp.linen_loss(model, name == "linen_resnet")
+    return _lowered(tp.make_step(loss_fn), (params, extra, tp.TX.init(params), batch))
+
+
 MODULES = {
     **{f"lit:{path.stem}": functools.partial(path.read_text) for path in LIT_INPUTS},
     **{f"tests:{name}": functools.partial(_gpu_workload, name)
        for name in ("mlp", "cnn", "vit", "linen_transformer", "scan_rnn", "remat_block")},
     **{f"benchmarks:{name}": functools.partial(_benchmark_workload, name)
        for name in ("mlp", "vit", "cnn", "decoder")},
+    **{f"third_party:{name}": functools.partial(_third_party, name)
+       for name in ("linen_attention", "linen_resnet", "linen_lstm", "linen_remat",
+                    "equinox_conv_mlp", "equinox_attention")},
     **{f"decoder:{layers}x{mask}": functools.partial(
         lambda layers, mask: _lowered(*decoder_step(layers, mask)), layers, mask)
        for layers, mask in ((1, "tril"), (2, "tril"), (3, "tril"), (2, "iota"),
