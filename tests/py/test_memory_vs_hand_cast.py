@@ -1,0 +1,104 @@
+"""AMP needs no more XLA temp memory than the cast a user writes by hand (issue 33, 4).
+
+Three small public models (tests/py/hand_cast_workloads.py: a MobileNetV3Small cut from
+Keras's own blocks, flax's examples/vae, flax's examples/mnist NNX CNN) compiled without
+a device for H100 and TPU v5e, as f32 ``jax.jit``, as the hand-cast bf16 peer (Keras
+``mixed_bfloat16``, Flax ``dtype=bfloat16``) and through hlo_amp in both 16-bit modes.
+Compared, from ``memory_analysis().temp_size_in_bytes`` (a compile-time fact):
+
+- the fast mode's temp against the peer's: ``mixed_bfloat16 <= peer``;
+- each mode's temp against f32's plus the bytes of a 16-bit copy of every parameter
+  (what casting the parameters at use may add).
+
+Cases XLA keeps out of reach are listed in ``UNMET`` with the reason and are not
+asserted. The full-size MobileNetV3Small step on H100 is the case the residual rule of
+``hlo-amp-propagate`` fixed: mixed_bfloat16 needed 8,477,256 B of temp against f32's
+5,232,456 plus 3,056,212 B of parameter copies, and 8,067,656 B since (opt-in, two
+compiles of the full model: ``HLO_AMP_FULL_MODELS=1``). Its accurate mode, 8,476,744 B,
+is still over: it holds the f32 activations and their bf16 copies for the filter
+gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import pytest
+from hand_cast_workloads import NAMES, hand_cast_case, param_bytes_16bit
+
+import hlo_amp
+
+TARGETS = ("h100", "tpu-v5e")
+MODES = ("bf16", "mixed_bfloat16")
+# (model, target, check) -> why it is not asserted: XLA's own choices, measured.
+UNMET = {
+    # XLA:GPU fuses the batch norm, hard-swish and zero pad in front of a stride-2
+    # depthwise convolution into one fusion and keeps its padded bf16 output for the
+    # filter gradient; for the Keras peer it keeps the unpadded activation and pads again
+    # in the backward pass (on the full model 411,648 B of the 414,976 B gap).
+    ("mobilenet", "h100", "mixed<=peer"):
+        "XLA:GPU keeps the padded input of a stride-2 depthwise convolution",
+    # XLA:GPU pads bf16 GEMMs to multiples of 8 (cublas_pad_for_gemms): the accurate
+    # mode's f32 weight gradient [196, 128] is written padded, in temp, where f32's
+    # unpadded gradient is written into the optimizer's output buffer.
+    ("vae", "h100", "bf16<=f32+params"):
+        "XLA:GPU pads the bf16 weight-gradient GEMM; its f32 result sits in temp",
+}
+
+
+@functools.cache
+def _temps(name: str, target: str) -> dict[str, int]:
+    step, args = hand_cast_case(name, "f32")
+    peer_step, peer_args = hand_cast_case(name, "peer")
+    temp = {
+        "f32": hlo_amp.compile_for_target(jax.jit(step), *args, target=target),
+        "peer": hlo_amp.compile_for_target(jax.jit(peer_step), *peer_args, target=target),
+        **{mode: hlo_amp.compile(step, mode).lower(*args, target=target).compile()
+           for mode in MODES},
+    }
+    return {key: int(c.memory_analysis().temp_size_in_bytes) for key, c in temp.items()}
+
+
+def _params(name: str) -> int:
+    args = hand_cast_case(name, "f32")[1]
+    # Keras: the trainable variables (the batch-norm statistics are never cast)
+    return param_bytes_16bit((args[0][0],) if name == "mobilenet" else args)
+
+
+def _check(name: str, target: str, check: str) -> None:
+    if (name, target, check) in UNMET:
+        pytest.skip(UNMET[(name, target, check)])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", NAMES)
+def test_fast_mode_needs_no_more_temp_than_the_hand_cast(name: str, target: str) -> None:
+    _check(name, target, "mixed<=peer")
+    temp = _temps(name, target)
+    assert temp["mixed_bfloat16"] <= temp["peer"], temp
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode", MODES)
+def test_modes_add_at_most_the_parameters_16bit_copies(name: str, target: str,
+                                                       mode: str) -> None:
+    _check(name, target, f"{mode.split('_')[0]}<=f32+params")
+    temp = _temps(name, target)
+    assert temp[mode] <= temp["f32"] + _params(name), (temp, _params(name))
+
+
+@pytest.mark.skipif(not os.environ.get("HLO_AMP_FULL_MODELS"),
+                    reason="two compiles of the full model, about a minute: HLO_AMP_FULL_MODELS=1")
+def test_full_mobilenet_fast_mode_on_h100() -> None:
+    """keras.applications.MobileNetV3Small at the issue's shapes (64x64, batch 8): the
+    fast mode kept batch-norm outputs and the activations after them f32 from the
+    forward to the backward pass (8,477,256 B of temp); they are now stored in 16 bit."""
+    step, args = hand_cast_case("mobilenet", "f32", small=False)
+    f32 = hlo_amp.compile_for_target(jax.jit(step), *args, target="h100")
+    mixed = hlo_amp.compile(step, "mixed_bfloat16").lower(*args, target="h100").compile()
+    allowance = param_bytes_16bit((args[0][0],))
+    assert (mixed.memory_analysis().temp_size_in_bytes
+            <= f32.memory_analysis().temp_size_in_bytes + allowance)
