@@ -66,11 +66,18 @@ def _params(name: str) -> int:
     return param_bytes_16bit((args[0][0],) if name == "mobilenet" else args)
 
 
+# XLA:TPU reports 0 B of temp for every variant of the three models at these sizes (the
+# checks hold there trivially, measured on v5e); MobileNet's TPU compiles, half a minute
+# of `make test`, are left out for that reason, the two cheap ones are kept.
+SKIPPED_FOR_TIME = {("mobilenet", "tpu-v5e")}
+
+
 def _cases(check: str, modes: tuple[str, ...] = ("",)) -> list[tuple[str, ...]]:
     """(name, target[, mode]) for every case of ``check`` not in UNMET."""
     return [(name, target, *((mode,) if mode else ()))
             for name in NAMES for target in TARGETS for mode in modes
-            if (name, target, check.replace("MODE", mode.split("_")[0])) not in UNMET]
+            if (name, target, check.replace("MODE", mode.split("_")[0])) not in UNMET
+            and (name, target) not in SKIPPED_FOR_TIME]
 
 
 @pytest.mark.parametrize("name, target", _cases("mixed<=peer"))
