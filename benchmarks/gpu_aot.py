@@ -67,7 +67,7 @@ _SIZES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
           "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25, "token": 0}
 _LOW16 = ("bf16", "f16")
 # NVIDIA's dense non-tensor-core f32 peaks (FLOP/s), for GEMMs XLA runs at full f32
-# precision; DeviceTarget.peak_flops["f32"] is TF32, XLA's default for f32 dots.
+# precision; Target.peak_flops["f32"] is TF32, XLA's default for f32 dots.
 F32_NON_TENSOR = {"H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*->.*\{\s*$")
@@ -549,10 +549,10 @@ class _Walker:
 
 def estimate(hlo_text: str, target: Any = "h100") -> Estimate:
     """The model's figures for XLA:GPU's optimized HLO of one step compiled for ``target``
-    (a name for ``resolve_target`` or a ``DeviceTarget`` with peaks and bandwidth)."""
-    from hlo_amp.runtime.device_targets import resolve_target
+    (a name for ``targets.device_target`` or a ``Target`` with peaks and bandwidth)."""
+    from hlo_amp.targets import device_target
 
-    device = resolve_target(target)
+    device = device_target(target)
     if not device.peak_flops or not device.hbm_bytes_per_second:
         raise ValueError(f"target {device.name!r} has no published peaks or HBM bandwidth")
     computations, entry = parse_module(hlo_text)

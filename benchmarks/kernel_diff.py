@@ -50,7 +50,7 @@ def _lines(label: str, rows: list[tuple[Any, int]], estimate: Any) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.run import AOT_DEVICES, aot_compile
     from benchmarks.workloads import workloads
-    from hlo_amp.runtime.device_targets import resolve_target
+    from hlo_amp.targets import device_target
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workload")
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     if not chosen:
         parser.error(f"unknown workload {args.workload!r}; accepted: "
                      f"{', '.join(w.name for w in workloads(False))}")
-    target = resolve_target(AOT_DEVICES[args.device])
+    target = device_target(AOT_DEVICES[args.device])
     x, y = chosen[0].batch()
     results = [aot_compile(chosen[0], name, target, x, y) for name in names]
     for result in results:

@@ -87,7 +87,7 @@ class Result:
 
 def cpu_bf16_line(cpu_name: str) -> str:
     """One line for RESULTS.md: the CPU and its native bf16 support."""
-    from hlo_amp.cpu_dots import native_bf16_flags
+    from hlo_amp.targets.cpu import native_bf16_flags
 
     found = native_bf16_flags()
     have = ", ".join(f"`{f}`" for f in found) if found else "neither `avx512_bf16` nor `amx_bf16`"
@@ -135,7 +135,7 @@ def _lower_compile(result: Result, step: Any, variant: str, params: Any, opt_sta
 
     import hlo_amp
     from benchmarks.workloads import HLO_AMP_POLICIES, XLA_OPTIONS
-    from hlo_amp.runtime.kept_by_xla import xla_gemms
+    from hlo_amp.targets.kept_by_xla import xla_gemms
 
     if variant in HLO_AMP_POLICIES:
         lowered = hlo_amp.compile(step, HLO_AMP_POLICIES[variant]).lower(params, opt_state, x, y)
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     command = recorded_command(argv if argv is not None else sys.argv[1:])
     print(f"{label}; jax {jax.__version__}; {steps} timed steps after {args.warmup} warm-up",
           flush=True)
-    from hlo_amp.cpu_dots import native_bf16_flags
+    from hlo_amp.targets.cpu import native_bf16_flags
 
     cpu_name, cpu_flags = machine("cpu"), native_bf16_flags()
     print(f"CPU {cpu_name}: native bf16 flags {', '.join(cpu_flags) or 'none'} "
@@ -507,7 +507,7 @@ class AotResult:
 
 
 def aot_compile(workload: Any, variant: str, target: Any, x: Any, y: Any) -> AotResult:
-    """Compile one variant for ``target`` (a DeviceTarget) without the device; estimate."""
+    """Compile one variant for ``target`` (a Target) without the device; estimate."""
     import jax
 
     import hlo_amp
@@ -672,7 +672,7 @@ def aot_header(target: Any, command: str, jax_version: str) -> list[str]:
         f"## {target.device}, compiled without a device",
         "",
         (f"- compiled for {target.device} without a device (XLA:GPU, Triton GEMM off): "
-         f"`{target.description}` as hlo_amp/runtime/device_targets.py describes it; nothing "
+         f"`{target.description}` as hlo_amp/targets/gpu.py describes it; nothing "
          "ran, every figure is XLA's compile output or a model of it"),
         (f"- jax {jax_version}, Python {platform.python_version()}, "
          f"date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}"),
@@ -746,9 +746,9 @@ def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
     import jax
 
     from benchmarks.workloads import workloads
-    from hlo_amp.runtime.device_targets import resolve_target
+    from hlo_amp.targets import device_target
 
-    target = resolve_target(AOT_DEVICES[args.device])
+    target = device_target(AOT_DEVICES[args.device])
     wanted = [w.strip() for w in (args.workloads or "mlp,vit,cnn,decoder").split(",")
               if w.strip()]
     command = recorded_command(argv if argv is not None else sys.argv[1:])

@@ -241,7 +241,7 @@ KERAS_POLICY = {"Keras mixed_bfloat16": "mixed_bfloat16"}
 def variants(device: str) -> tuple[str, ...]:
     """The variants benchmarked on ``device`` (``cpu``, ``gpu``, or ``h100-aot``-style)."""
     if device.startswith("tpu-") and device.endswith("-aot"):
-        # No fp8 matrix unit and no XLA:GPU dot-algorithm flag on TPUs (device_targets).
+        # No fp8 matrix unit and no XLA:GPU dot-algorithm flag on TPUs (hlo_amp/targets/tpu.py).
         return tuple(v for v in AOT_VARIANTS if v not in ("hlo_amp fp8", *XLA_OPTIONS))
     if device.endswith("-aot"):
         return AOT_VARIANTS

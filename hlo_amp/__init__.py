@@ -16,7 +16,7 @@ from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import rewrite
 from hlo_amp.runtime.compile import AmpCompiled, AmpFunction, AmpLowered, compile
-from hlo_amp.runtime.device_targets import compile_for_target
+from hlo_amp.runtime.deviceless import compile_for_target
 from hlo_amp.runtime.scaler import (
     DynamicScalerState,
     all_finite,

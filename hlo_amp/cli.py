@@ -28,14 +28,9 @@ from hlo_amp.passes import pass_names, run_pipeline
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.quiet_stderr import fd2_muted
 from hlo_amp.report import Report
-from hlo_amp.runtime.device_targets import (
-    DeviceTarget,
-    NoCompilerForTarget,
-    compile_module_for_target,
-    refuse_policy_on_device,
-    resolve_target,
-)
-from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
+from hlo_amp.runtime.deviceless import NoCompilerForTarget, compile_module_for_target
+from hlo_amp.targets import Target, as_target, device_target, refuse_policy_on_device
+from hlo_amp.targets.kept_by_xla import mark_kept_by_xla
 
 _SPLIT_MARKER = re.compile(r"^// -----\s*$", re.MULTILINE)
 
@@ -135,7 +130,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             refuse_policy_on_device(policy, device)
         except ValueError as error:
             raise CliError(f"hlo-amp-opt: error: --xla-target: {error}") from None
-    target = device.pipeline_target if device is not None else args.target
+    target = device if device is not None else as_target(args.target)
     available = pass_names(policy, target)
     unknown = [name for name in args.passes if name not in available]
     if unknown:
@@ -165,19 +160,19 @@ def run(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _device_target(args: argparse.Namespace) -> DeviceTarget | None:
+def _device_target(args: argparse.Namespace) -> Target | None:
     if args.xla_target is None:
         return None
     if args.target == "cpu":
         raise CliError("hlo-amp-opt: error: --xla-target compiles for a GPU or TPU; it "
                        "cannot be combined with --target cpu")
     try:
-        return resolve_target(args.xla_target)
+        return device_target(args.xla_target)
     except (TypeError, ValueError) as error:
         raise CliError(f"hlo-amp-opt: error: --xla-target: {error}") from None
 
 
-def _mark_for_device(report: Report, modules: list, device: DeviceTarget) -> None:
+def _mark_for_device(report: Report, modules: list, device: Target) -> None:
     """Compile each rewritten module for ``device`` and fill the report's verdicts."""
     texts = []
     for module in modules:
@@ -191,7 +186,7 @@ def _mark_for_device(report: Report, modules: list, device: DeviceTarget) -> Non
             raise CliError(f"hlo-amp-opt: error: XLA could not compile the rewritten module "
                            f"for {device.description}: {first}") from None
         texts.extend(hlo.to_string() for hlo in executable.hlo_modules())
-    mark_kept_by_xla(report, "\n".join(texts), device.pipeline_target, device=device.device)
+    mark_kept_by_xla(report, "\n".join(texts), device, device=device.device)
 
 
 def _write(path: str, text: str) -> None:

@@ -32,6 +32,7 @@ from hlo_amp.passes.propagate import Propagate
 from hlo_amp.passes.scatter_select import ScatterToSelect
 from hlo_amp.policy import Policy
 from hlo_amp.report import Report
+from hlo_amp.targets import Target, as_target
 
 
 class Pass(Protocol):
@@ -40,32 +41,33 @@ class Pass(Protocol):
     def run(self, module: ir.Module, report: Report | None = None) -> None: ...
 
 
-def default_pipeline(policy: Policy, target: str | None = None) -> list[Pass]:
-    """The passes ``hlo_amp.compile`` and ``hlo-amp-opt`` run, in order.
+def default_pipeline(policy: Policy, target: str | Target | None = None) -> list[Pass]:
+    """The passes ``hlo_amp.compile`` and ``hlo-amp-opt`` run, in order, for ``target``
+    (a `Target`, or what ``targets.as_target`` takes: None, "cpu", "gpu", "tpu", a
+    device name).
 
-    For ``target="cpu"`` bf16 dots are also relaid into the form XLA:CPU runs in bf16:
-    without it some layouts are upcast, and a bf16 dot whose result XLA transposes
-    fails at run time (see passes/dot_layout.py). The mixed_* modes add propagation and
+    Where the target relays dots (CPU) bf16 dots are also relaid into the form XLA:CPU
+    runs in bf16: without it some layouts are upcast, and a bf16 dot whose result XLA
+    transposes fails at run time (see passes/dot_layout.py). The mixed_* modes add propagation and
     then the scatter-to-select rewrite (passes/scatter_select.py). A policy with fp8
     actions adds the fp8 pass after propagation (which leaves fp8 dots' f32 operands
     alone): it quantises the dots insert_converts marked (see passes/fp8.py).
     """
+    target = as_target(target)
     passes: list[Pass] = [InsertConverts(policy, target)]
     if policy.propagate:
         passes += [Propagate(policy, target), ScatterToSelect()]
     if policy.uses_fp8:
         passes.append(Fp8Quantize())
     passes.append(CleanupConverts())
-    if target == "cpu":
-        # Relay every slow layout, even where the bf16 path is slower than f32: relaying
-        # only the known-failing ones (relay_slow=False) still let a ViT train step fail
-        # at run time in XLA:CPU (benchmarks/DOT_LAYOUT.md), and running beats speed.
+    if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
     return passes
 
 
-def pass_names(policy: Policy, target: str | None = None) -> dict[str, Pass]:
+def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, Pass]:
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
+    target = as_target(target)
     passes: list[Any] = [InsertConverts(policy, target), Propagate(policy, target),
                          ScatterToSelect(), Fp8Quantize(), CleanupConverts(), FastDotLayout()]
     return {p.name: p for p in passes}
@@ -80,7 +82,8 @@ def verify_each_requested() -> bool:
 
 
 def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = None,
-                 passes: Sequence[Pass] | None = None, target: str | None = None,
+                 passes: Sequence[Pass] | None = None,
+                 target: str | Target | None = None,
                  verify_each: bool | None = None) -> Report:
     """Run ``passes`` (default: the full pipeline) in place, then verify the module once.
 

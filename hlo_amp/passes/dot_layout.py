@@ -47,7 +47,9 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.cpu_dots import (
+from hlo_amp.modules import decision_of, discard, walk_operations
+from hlo_amp.sites import location_name
+from hlo_amp.targets.cpu import (
     _MAX_PROVENANCE_DEPTH,
     DotLayout,
     _is_bf16_to_f32,
@@ -58,8 +60,6 @@ from hlo_amp.cpu_dots import (
     meets_ynn_size,
     needs_layout_rewrite,
 )
-from hlo_amp.modules import decision_of, discard, walk_operations
-from hlo_amp.sites import location_name
 
 # The note a relaid dot gets in the report (details of the permutation follow it).
 RELAID = "dot relaid to the NT form [batch, m, k] x [batch, n, k] for XLA:CPU's bf16 path"

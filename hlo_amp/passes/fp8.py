@@ -2,7 +2,7 @@
 
 insert_converts decides which ``dot_general`` ops run in fp8 and marks them with the
 attribute ``hlo_amp.fp8 = [lhs type, rhs type, dequantise type]`` (it also checked that
-the dot can take XLA's fp8 GEMM form: hlo_amp/fp8_gemm.py). This pass quantises each
+the dot can take XLA's fp8 GEMM form: hlo_amp/targets/gpu.py). This pass quantises each
 marked operand ``x`` in the program itself (no state to thread through the train step)
 and rewrites the dot to read the fp8 tensors directly:
 
@@ -36,11 +36,11 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.fp8_gemm import FP8_FALLBACK, FP8_MARK, FP8_MAX
 from hlo_amp.modules import functions, op_key, walk_operations, with_element
 from hlo_amp.op_classes import MATRIX_OP_NAMES
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
+from hlo_amp.targets.gpu import FP8_FALLBACK, FP8_MARK, FP8_MAX
 
 _DOT = frozenset({"stablehlo.dot_general"})
 

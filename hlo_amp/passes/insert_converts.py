@@ -9,7 +9,7 @@ the policy decides an action from the op's Site:
   consumers see the type the program wrote.
 - ``keep`` or no rule: leave the op alone.
 - ``float8_e4m3fn`` / ``float8_e5m2``: a ``dot_general`` that can run as XLA:GPU's fp8
-  GEMM (hlo_amp/fp8_gemm.py) is marked with its operand formats (attribute
+  GEMM (hlo_amp/targets/gpu.py) is marked with its operand formats (attribute
   ``hlo_amp.fp8``) for the fp8 pass, which emits the quantise/dequantise chain; the
   report already shows the fp8 operand types. With ``float8_e5m2`` the operand of a
   backward dot that carries the incoming gradient (hlo_amp/gradients.py) is e5m2, the
@@ -35,8 +35,6 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.cpu_dots import cpu_has_native_bf16, is_fast_on_cpu, low_result_on_target
-from hlo_amp.fp8_gemm import FP8_FALLBACK, FP8_MARK, dequantized_format, fp8_obstacle
 from hlo_amp.gradients import GradientFlow
 from hlo_amp.modules import (
     callee_name,
@@ -66,6 +64,8 @@ from hlo_amp.policy import (
 )
 from hlo_amp.report import Decision, Report
 from hlo_amp.sites import Site, call_prefix, join_names, location_name, site_of
+from hlo_amp.targets import NO_TARGET, Target
+from hlo_amp.targets.gpu import FP8_FALLBACK, FP8_MARK, dequantized_format, fp8_obstacle
 
 # The candidate ops by name, with their policy op kind.
 _MATRIX_OPS = {f"stablehlo.{kind}": kind for kind in OP_KINDS}
@@ -135,23 +135,8 @@ class Plan:
     fp8: tuple[str, str, str] | None = None
 
 
-def slower_on_target(op: Any, kind: str, policy: Policy, target: str | None) -> str | None:
-    """Why ``target`` would not run ``op`` faster in the compute dtype, else None."""
-    if target != "cpu":
-        return None
-    if kind == "convolution":
-        return "left as written: XLA:CPU convolutions gain nothing in 16-bit"
-    if policy.compute_dtype == "float16":
-        return "left as written: XLA:CPU upcasts every f16 dot to f32"
-    if not cpu_has_native_bf16():
-        return "left as written: this CPU has no native bf16 dot (bf16 runs slower)"
-    if kind == "dot_general" and not is_fast_on_cpu(op, native_bf16=True):
-        return "left as written: XLA:CPU has no fast bf16 path for this dot's shape"
-    return None
-
-
 def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
-            target: str | None = None,
+            target: Target = NO_TARGET,
             elements: tuple[list[ir.Type | None], ir.Type | None] | None = None,
             gradient: int | None = None, backward: bool = False) -> Plan:
     """What to do to one op under ``action``, given its operand and result types
@@ -183,11 +168,12 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
         )
         compute = DTYPE_TO_ELEMENT[policy.compute_dtype]
         # In the mixed_* modes the propagation pass gives such ops their 16-bit result.
-        result_target = (compute if low_result_on_target(kind, target) and not
+        result_target = (compute if target.low_result(kind) and not
                          policy.propagate and result_bits > target_bits else None)
         if all(t is None for t in targets) and result_target is None:
             return Plan(action, rule, none, None, "already low precision")
-        slower = policy.only_if_faster and slower_on_target(op, kind, policy, target)
+        slower = policy.only_if_faster and target.slower_in_16bit(op, kind,
+                                                                  policy.compute_dtype)
         if slower:
             return Plan(action, rule, none, None, slower)
         if result_target is not None:
@@ -210,7 +196,7 @@ ALREADY_FP8 = "already fp8"
 
 
 def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
-              target: str | None, elements: tuple[list[ir.Type | None], ir.Type | None],
+              target: Target, elements: tuple[list[ir.Type | None], ir.Type | None],
               gradient: int | None, backward: bool) -> Plan:
     """An fp8 plan for a dot that can run as an XLA:GPU fp8 GEMM; else the compute
     dtype's plan with the reason the dot cannot."""
@@ -229,10 +215,9 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
         fallback = plan_op(op, kind, policy, COMPUTE, rule, target, elements)
         return dataclasses.replace(fallback, action=action,
                                    reason=f"{FP8_FALLBACK}: {obstacle}; {fallback.reason}")
-    if policy.only_if_faster and target == "cpu":
-        return Plan(action, rule, none, None,
-                    "left as written: XLA:CPU has no fp8 dot (it runs the dequantised "
-                    "operands in f32)")
+    slower = policy.only_if_faster and target.fp8_slower()
+    if slower:
+        return Plan(action, rule, none, None, slower)
     formats = [_E4M3, _E4M3]
     how = ""
     if action == FP8_E5M2 and backward:
@@ -241,19 +226,10 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
         else:
             formats[gradient] = _E5M2
             how = f" ({('lhs', 'rhs')[gradient]} is the incoming gradient)"
-    # The type the fp8 operands are widened to. XLA:GPU folds the widening and the
-    # scales into the fp8 GEMM, whatever the type; where it cannot, a bf16 GEMM is the
-    # cheaper fallback. XLA:CPU has no fp8 dot: there the operands are dequantised to
-    # f32, exactly the values the Hopper GEMM multiplies (its scales are applied in
-    # f32), and the dot runs in f32 (a bf16 dot here would round the dequantised values
-    # once more, and its layout is at XLA:CPU's mercy: see passes/dot_layout.py).
+    # The type the fp8 operands are widened to (Target.fp8_dequantize says why, per
+    # target).
     result_name = str(result)
-    if target == "cpu":
-        dequantize = "f32"
-    elif result_name in ("bf16", "f16"):
-        dequantize = result_name
-    else:
-        dequantize = "bf16" if policy.compute_dtype == "bfloat16" else "f32"
+    dequantize = target.fp8_dequantize(result_name, policy.compute_dtype)
     return Plan(action, rule, none, None,
                 f"fp8 {FP8_SHORT[formats[0]]} x {FP8_SHORT[formats[1]]}{how}, per-tensor "
                 f"{dequantize} scales, {result_name} result",
@@ -422,7 +398,7 @@ class InsertConverts:
     """Insert ``stablehlo.convert`` around dot/conv ops as the policy decides."""
 
     policy: Policy
-    target: str | None = None  # "cpu" enables the policy's only_if_faster cost rule
+    target: Target = NO_TARGET  # its only_if_faster rule, 16-bit result and fp8 forms
     name: str = "hlo-amp-insert-converts"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:

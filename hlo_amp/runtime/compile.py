@@ -39,12 +39,7 @@ from hlo_amp.runtime.amp_call import (
     shape_structs,
 )
 from hlo_amp.runtime.arguments import argument_problem
-from hlo_amp.runtime.device_targets import (
-    DeviceTarget,
-    lower_for_target,
-    refuse_policy_on_device,
-    resolve_target,
-)
+from hlo_amp.runtime.deviceless import lower_for_target
 from hlo_amp.runtime.frameworks import (
     FilterCall,
     JitDecorator,
@@ -52,10 +47,17 @@ from hlo_amp.runtime.frameworks import (
     argument_style,
     unwrap_jit,
 )
-from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
+from hlo_amp.targets import (
+    NO_TARGET,
+    Target,
+    device_target,
+    platforms_target,
+    refuse_policy_on_device,
+)
+from hlo_amp.targets.kept_by_xla import mark_kept_by_xla
 
 
-def rewrite_module(module: ir.Module, policy: Policy, target: str | None = None
+def rewrite_module(module: ir.Module, policy: Policy, target: str | Target | None = None
                    ) -> tuple[ir.Module, Report, float]:
     """Copy ``module``, run the pipeline on the copy; return it, the report, seconds."""
     start = time.perf_counter()
@@ -64,7 +66,7 @@ def rewrite_module(module: ir.Module, policy: Policy, target: str | None = None
     return rewritten, report, time.perf_counter() - start
 
 
-def rewrite_lowered(lowered: Any, policy: Policy, target: str | None
+def rewrite_lowered(lowered: Any, policy: Policy, target: str | Target | None
                     ) -> tuple[Any, Report, float]:
     """A JAX ``Lowered`` whose module is ``lowered``'s rewritten under ``policy``; the
     report and the pass seconds. ``lowered`` itself is untouched."""
@@ -72,9 +74,9 @@ def rewrite_lowered(lowered: Any, policy: Policy, target: str | None
     return internals.swap_module(lowered, module), report, seconds
 
 
-def lowering_target(lowered: Any) -> str | None:
-    """The pipeline's target for a JAX ``Lowered`` (see ``pipeline_target``)."""
-    return pipeline_target(internals.lowering_platforms(lowered) or (jax.default_backend(),))
+def lowering_target(lowered: Any) -> Target:
+    """The pipeline's target for a JAX ``Lowered`` (``targets.platforms_target``)."""
+    return platforms_target(internals.lowering_platforms(lowered) or (jax.default_backend(),))
 
 
 # ---- AOT objects -----------------------------------------------------------------------
@@ -84,7 +86,7 @@ class AmpCompiled:
     """A compiled, rewritten function: call it, or read XLA's optimized HLO."""
 
     def __init__(self, compiled: Any, report: Report, compile_seconds: float,
-                 target: str | None = None, device: DeviceTarget | None = None):
+                 target: Target = NO_TARGET, device: Target | None = None):
         self._compiled = compiled
         self._pass_report = report
         self._report: Report | None = None  # with XLA's verdicts, made when first asked
@@ -133,8 +135,8 @@ class AmpLowered:
     """A lowered and rewritten function, like ``jax.jit(f).lower(...)``'s result."""
 
     def __init__(self, original: Any, rewritten: Any, report: Report,
-                 pass_seconds: float, lower_seconds: float, target: str | None = None,
-                 device: DeviceTarget | None = None):
+                 pass_seconds: float, lower_seconds: float, target: Target = NO_TARGET,
+                 device: Target | None = None):
         self._target = target
         self.device = device  # set when lowered for a device this machine lacks
         self._original = original
@@ -317,7 +319,7 @@ class AmpFunction:
 
     # -- AOT --
 
-    def lower(self, *args: Any, target: str | DeviceTarget | None = None,
+    def lower(self, *args: Any, target: str | Target | None = None,
               **kwargs: Any) -> AmpLowered:
         """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``).
 
@@ -327,7 +329,7 @@ class AmpFunction:
         ``jax.ShapeDtypeStruct`` arguments, replicated on one device of it; the result can
         be read, not run.
         """
-        device = resolve_target(target) if target is not None else None
+        device = device_target(target) if target is not None else None
         style = argument_style(args, kwargs, self.filter, self._styles)
         try:
             if style != "jax":
@@ -337,7 +339,7 @@ class AmpFunction:
             self._raise_for_arguments(args, kwargs, style)
             raise
 
-    def _lower(self, args: tuple, kwargs: dict, device: DeviceTarget | None = None
+    def _lower(self, args: tuple, kwargs: dict, device: Target | None = None
                ) -> AmpLowered:
         start = time.perf_counter()
         if device is None:
@@ -346,7 +348,7 @@ class AmpFunction:
         else:
             refuse_policy_on_device(self.policy, device)
             original = lower_for_target(self._jitted, args, kwargs, device)
-            target = device.pipeline_target
+            target = device
         lower_seconds = time.perf_counter() - start
         self._own_lowerings += 1
         rewritten, report, pass_seconds = rewrite_lowered(original, self.policy, target)
@@ -432,7 +434,7 @@ class AmpFunction:
             module = internals.deserialize_portable_artifact(
                 exported.mlir_module_serialized, new_context())
             warn_unused_rules(run_pipeline(module, self.policy,
-                                           target=pipeline_target(exported.platforms)))
+                                           target=platforms_target(exported.platforms)))
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
             self._exports[key] = exported
@@ -490,14 +492,6 @@ class AmpFunction:
             pass
         outs = amp_call_p.bind(*leaves, program=program)
         return jax.tree_util.tree_unflatten(self._out_trees[(key, avals)], outs)
-
-
-def pipeline_target(platforms: Sequence[str]) -> str | None:
-    """The pipeline's target: "cpu", "gpu" or "tpu" when the program is lowered for that
-    kind of device alone; None (no target facts) for several platforms."""
-    kinds = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
-    found = {kinds.get(p) for p in platforms}
-    return found.pop() if len(found) == 1 else None
 
 
 class ExportRefused(Exception):

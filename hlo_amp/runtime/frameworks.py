@@ -319,7 +319,7 @@ class NnxCall:
     def lower(self, args: tuple, kwargs: dict, device: Any = None) -> Any:
         """The inner function lowered for the pure (state) arguments ``nnx.jit`` would hand
         it for these; the caller's objects are not changed. ``device``: a
-        ``DeviceTarget`` to lower for without having it."""
+        ``Target`` to lower for without having it."""
         from flax.nnx import graphlib
 
         args, kwargs = graphlib.clone((args, kwargs))  # as nnx.jit's own eval_shape does

@@ -1,7 +1,7 @@
 // The fp8 pass (hlo-amp-fp8) after insert_converts: per-tensor current scaling in the
 // direct form XLA:GPU keeps as one fp8 GEMM in cuBLASLt and in Triton alike: the dot
 // reads the fp8 tensors, and its result is multiplied by the product of the two scalar
-// scales (hlo_amp/fp8_gemm.py).
+// scales (hlo_amp/targets/gpu.py).
 // The locations pick the direction: transpose(jvp(...)) is the backward pass.
 //
 // RUN: hlo-amp-opt %s --split-input-file --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \

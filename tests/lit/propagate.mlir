@@ -1,7 +1,7 @@
 // The propagation pass (mixed_* modes): 16-bit regions from the converted matrix ops
 // through infer/clear ops, never through deny ops. Default target (GPU): matrix ops in a
 // region return the 16-bit type; --target cpu keeps their f32 result and a convert, and
-// there a deny op pins the value it reads (cpu_dots.deny_pins_its_inputs).
+// there a deny op pins the value it reads (CpuTarget.deny_pins_its_inputs).
 //
 // RUN: hlo-amp-opt %s --split-input-file --policy mixed_bfloat16 \
 // RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hlo_amp
-from hlo_amp.passes import insert_converts
+from hlo_amp.targets import cpu as cpu_target
 
 
 def _mlp_grad(params, x):
@@ -26,7 +26,7 @@ def _params():
 
 @pytest.mark.parametrize("native", [False, True])
 def test_cpu_cost_rule_follows_the_hardware(monkeypatch, native):
-    monkeypatch.setattr(insert_converts, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(cpu_target, "cpu_has_native_bf16", lambda: native)
     params, x = _params()
     report = hlo_amp.compile(_mlp_grad, "bf16,only_if_faster=true").lower(params, x).report()
     assert len(report.decisions) == 5
@@ -38,14 +38,14 @@ def test_cpu_cost_rule_follows_the_hardware(monkeypatch, native):
 
 
 def test_without_the_option_every_dot_is_converted(monkeypatch):
-    monkeypatch.setattr(insert_converts, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_target, "cpu_has_native_bf16", lambda: False)
     params, x = _params()
     report = hlo_amp.compile(_mlp_grad, "bf16").lower(params, x).report()
     assert all(d.low_precision for d in report.decisions), str(report)
 
 
 def test_tiny_dots_stay_f32_even_with_native_bf16(monkeypatch):
-    monkeypatch.setattr(insert_converts, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_target, "cpu_has_native_bf16", lambda: True)
     x = jnp.ones((4, 4))
     report = hlo_amp.compile(lambda a, b: a @ b, "bf16,only_if_faster=true").lower(x, x).report()
     (decision,) = report.decisions
@@ -61,7 +61,7 @@ def test_cost_rule_does_not_apply_off_cpu():
 
 
 def test_cost_rule_keeps_results_exact_when_it_declines(monkeypatch):
-    monkeypatch.setattr(insert_converts, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_target, "cpu_has_native_bf16", lambda: False)
     params, x = _params()
     got = hlo_amp.compile(_mlp_grad, "bf16,only_if_faster=true")(params, x)
     want = jax.jit(_mlp_grad)(params, x)

@@ -135,9 +135,9 @@ def test_design_doc_cites_only_paths_and_names_that_exist():
         elif not set(name.split(".")) <= words and name not in lit:
             unknown.append(name)
     assert not unknown, unknown
-    must = {"default_pipeline", "pass_names", "lowering_target", "pipeline_target",
-            "matrix_result_in_16bit", "low_result_on_target", "mark_kept_by_xla",
-            "resolve_target", "compile_for_target", "amp_call_p", "refuse_policy_on_device",
+    must = {"default_pipeline", "pass_names", "lowering_target", "platforms_target",
+            "matrix_result_in_16bit", "low_result", "mark_kept_by_xla",
+            "device_target", "compile_for_target", "amp_call_p", "refuse_policy_on_device",
             "run_pipeline", "site_of", "swap_module", "rewrite_lowered", "xla_gemms"}
     assert all(name in text for name in must)
     assert must <= defined

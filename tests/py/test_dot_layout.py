@@ -22,7 +22,9 @@ from jax._src.lib import xla_client
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from hlo_amp.cpu_dots import (
+from hlo_amp.passes import run_pass
+from hlo_amp.passes.dot_layout import FastDotLayout
+from hlo_amp.targets.cpu import (
     _maybe_permuted,
     _provenance,
     cpu_has_native_bf16,
@@ -31,8 +33,6 @@ from hlo_amp.cpu_dots import (
     layout_is_fast,
     needs_layout_rewrite,
 )
-from hlo_amp.passes import run_pass
-from hlo_amp.passes.dot_layout import FastDotLayout
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 

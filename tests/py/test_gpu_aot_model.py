@@ -16,9 +16,9 @@ from benchmarks.gpu_aot import F32_NON_TENSOR, estimate
 from benchmarks.kernel_diff import surplus
 from benchmarks.run import HAND_WRITTEN, write_aot_section
 from hlo_amp import compile_for_target
-from hlo_amp.runtime.device_targets import resolve_target
+from hlo_amp.targets import device_target
 
-H100 = resolve_target("h100")
+H100 = device_target("h100")
 M, K, N = 256, 512, 384  # multiples of 8: XLA pads no 16-bit GEMM
 
 

@@ -34,7 +34,8 @@ from flax import nnx
 from gpu_workloads import WORKLOADS
 
 import hlo_amp
-from hlo_amp.runtime import device_targets
+from hlo_amp import targets
+from hlo_amp.runtime import deviceless
 
 POLICIES = ("bf16", "f16", "mixed_bfloat16", "mixed_float16", "fp8")
 # Workloads where fewer than 90% of the fp8 dots get a per-op verdict of fp8 GEMM (the
@@ -162,7 +163,7 @@ def test_h200_a100_and_a_config_file(tmp_path: Path) -> None:
     assert a100.report().xla_device == "A100"
     assert all(types == ("bf16", "bf16") for _, types in library_calls(a100.as_text()))
     config = tmp_path / "my_gpu.txtpb"
-    config.write_text(device_targets.resolve_target("h100").target_config.replace(
+    config.write_text(targets.device_target("h100").target_config.replace(
         'device_description_str: "NVIDIA H100 80GB HBM3"',
         'device_description_str: "My H100"'))
     mine = amp.lower(*args, target=str(config)).compile().report()
@@ -182,14 +183,14 @@ def test_missing_cuda_plugin_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
         raise RuntimeError("Unknown backend cuda")
 
     monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
-    device_targets._mesh.cache_clear()
+    deviceless._mesh.cache_clear()
     step, args = WORKLOADS["mlp"]
     try:
-        with pytest.raises(device_targets.NoCompilerForTarget,
+        with pytest.raises(deviceless.NoCompilerForTarget,
                            match=r"cannot compile for NVIDIA H100.*without a device"):
             hlo_amp.compile(step, "bf16").lower(*args, target="h100")
     finally:
-        device_targets._mesh.cache_clear()
+        deviceless._mesh.cache_clear()
 
 
 def test_nnx_stateful_step_lowers_for_a_gpu() -> None:
@@ -251,7 +252,7 @@ def test_cli_xla_target_bad_input_is_one_line(tmp_path: Path) -> None:
 def test_a_dot_xla_fuses_into_a_triton_gemm_is_named_so() -> None:
     """With XLA's default flags (Triton GEMM on, as a real GPU after autotuning may
     choose) the dot is emitted inside a Triton fusion; the verdict says so."""
-    from hlo_amp.runtime.kept_by_xla import mark_kept_by_xla
+    from hlo_amp.targets.kept_by_xla import mark_kept_by_xla
 
     def f(a: jax.Array, b: jax.Array) -> jax.Array:
         with jax.named_scope("proj"):

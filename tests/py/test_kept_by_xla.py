@@ -17,7 +17,7 @@ import pytest
 
 import hlo_amp
 from hlo_amp.report import Decision, Report
-from hlo_amp.runtime.kept_by_xla import MERGED, UNMATCHED, mark_kept_by_xla, scope_key
+from hlo_amp.targets.kept_by_xla import MERGED, UNMATCHED, mark_kept_by_xla, scope_key
 
 
 class _Cell(nn.Module):
@@ -175,7 +175,7 @@ def test_fp8_ops_count_as_kept_only_against_an_fp8_gemm(converted_decision):
 
 
 def test_gpu_gemm_calls_are_read_with_their_matrix_operands():
-    from hlo_amp.runtime.kept_by_xla import xla_gemms
+    from hlo_amp.targets.kept_by_xla import xla_gemms
 
     gemms = xla_gemms(_GPU_HLO)
     assert [(g.op_name.split("/")[1], g.operand_types, g.fp8, g.low) for g in gemms] == [

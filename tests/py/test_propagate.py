@@ -293,7 +293,7 @@ def test_deny_ops_pin_their_inputs_on_cpu_only(lowerings, policy):
     # GPU/TPU: deny ops convert their own 16-bit inputs (a layer norm's mean reading the
     # residual stream, a bias gradient's sum reading an activation gradient). CPU: they
     # pin what they read, because XLA:CPU computes 16-bit elementwise ops in f32 and
-    # materialises f32 copies for such readers (cpu_dots.deny_pins_its_inputs).
+    # materialises f32 copies for such readers (CpuTarget.deny_pins_its_inputs).
     gpu = {name: _deny_reads_of_16bit(_rewrite(text, policy, None))
            for name, text in lowerings.items()}
     assert sum(gpu.values()) > 0, gpu

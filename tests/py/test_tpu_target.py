@@ -24,7 +24,8 @@ import pytest
 from gpu_workloads import WORKLOADS
 
 import hlo_amp
-from hlo_amp.runtime import device_targets
+from hlo_amp import targets
+from hlo_amp.runtime import deviceless
 
 POLICIES = ("bf16", "mixed_bfloat16")
 HLO_AMP_OPT = str(Path(sys.executable).parent / "hlo-amp-opt")
@@ -92,7 +93,7 @@ def test_f32_on_tpu_is_partly_bf16_already_and_the_pass_converts_the_rest() -> N
 @pytest.mark.parametrize("target", ["tpu-v4", "tpu-v5p", "tpu-v6e", "tpu-v5e:2x2"])
 def test_every_generation_and_a_named_slice(target: str) -> None:
     step, args = WORKLOADS["mlp"]
-    device = device_targets.resolve_target(target)
+    device = targets.device_target(target)
     report = hlo_amp.compile(step, "bf16").lower(*args, target=target).compile().report()
     assert report.xla_device == device.device and device.platform == "tpu"
     assert all(d.kept_by_xla for d in report.decisions if d.changed)
@@ -122,7 +123,8 @@ _MXU_PROBE = r"""
 import json, os, re, sys
 os.environ["LIBTPU_INIT_ARGS"] = f"--xla_jf_dump_to={sys.argv[1]} --xla_jf_dump_llo_text=true"
 import jax, jax.numpy as jnp
-from hlo_amp.runtime.device_targets import TPU_NAMES, compile_for_target
+from hlo_amp.runtime.deviceless import compile_for_target
+from hlo_amp.targets import TPU_NAMES
 found = {}
 for target in TPU_NAMES:
     for pair in json.loads(sys.argv[2]):
@@ -152,8 +154,8 @@ def test_refusals_are_what_xla_tpu_runs_on_the_matrix_unit(tmp_path: Path) -> No
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = json.loads(proc.stdout.splitlines()[-1])
-    for target in device_targets.TPU_NAMES:
-        reasons = dict(device_targets.resolve_target(target).unsupported)
+    for target in targets.TPU_NAMES:
+        reasons = dict(targets.device_target(target).unsupported)
         mxu = {pair: runs[f"{target} {pair}"] for pair in map("x".join, _PAIRS)}
         assert mxu["bfloat16xbfloat16"] == ["bf16"], target
         assert ("float16" in reasons) == (mxu["float16xfloat16"] == ["f32"]), target
@@ -189,7 +191,7 @@ def test_unknown_tpu_names_what_is_accepted() -> None:
     with pytest.raises(ValueError, match=r"tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e"):
         f.lower(jnp.ones((8, 8)), target="tpu-v9")
     # A slice libtpu does not describe: its reason, and one that works.
-    with pytest.raises(device_targets.NoCompilerForTarget,
+    with pytest.raises(deviceless.NoCompilerForTarget,
                        match=r"v5e:9x9.*A slice that works: tpu-v5e:2x2"):
         f.lower(jnp.ones((8, 8)), target="tpu-v5e:9x9")
 

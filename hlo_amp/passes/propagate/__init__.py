@@ -59,11 +59,6 @@ from dataclasses import dataclass
 
 from jax.extend.mlir import ir
 
-from hlo_amp.cpu_dots import (
-    deny_pins_its_inputs,
-    matrix_result_in_16bit,
-    sums_read_a_16bit_copy,
-)
 from hlo_amp.passes.propagate.accounting import bytes_table, intermediate_bytes, op_counts
 from hlo_amp.passes.propagate.body import Body
 from hlo_amp.passes.propagate.graph import Graph
@@ -71,6 +66,7 @@ from hlo_amp.passes.propagate.rewrite import Rewriter
 from hlo_amp.passes.propagate.solve import PaintForm, solve
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
 from hlo_amp.report import Report
+from hlo_amp.targets import NO_TARGET, Target
 
 __all__ = ["Propagate"]
 
@@ -80,7 +76,7 @@ class Propagate:
     """Keep activations in the compute dtype between the matrix ops (mixed_* modes)."""
 
     policy: Policy
-    target: str | None = None  # "cpu": matrix ops keep f32 results followed by a convert
+    target: Target = NO_TARGET  # its paint form and matrix-result form
     name: str = "hlo-amp-propagate"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
@@ -93,10 +89,10 @@ class Propagate:
         before = intermediate_bytes(module, walks)
         graph = Graph(self.policy, low, walks)
         graph.build(module)
-        in_16bit = matrix_result_in_16bit(self.target)
+        in_16bit = self.target.matrix_result_in_16bit
         solve(graph, PaintForm(low_results=in_16bit and not self.policy.keep_f32_results,
-                               pin_at_deny=deny_pins_its_inputs(self.target),
-                               sum_copies=sums_read_a_16bit_copy(self.target)))
+                               pin_at_deny=self.target.deny_pins_its_inputs,
+                               sum_copies=self.target.sums_read_a_16bit_copy))
         counts = op_counts(graph)
         with ir.Location.unknown(module.context):  # types are built outside any op
             clones = Rewriter(graph, low, in_16bit, self.target).rewrite(module)

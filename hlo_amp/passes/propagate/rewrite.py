@@ -8,7 +8,6 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.cpu_dots import low_result_on_target
 from hlo_amp.modules import (
     clone_private,
     discard,
@@ -31,13 +30,14 @@ from hlo_amp.passes.propagate.body import (
     walk_once,
 )
 from hlo_amp.passes.propagate.graph import LINK, Graph, Instance
+from hlo_amp.targets import NO_TARGET, Target
 
 
 class Rewriter:
     """Apply a painting: clone private functions per painting, retype, insert converts."""
 
     def __init__(self, graph: Graph, low: ir.Type, result_in_16bit: bool,
-                 target: str | None = None) -> None:
+                 target: Target = NO_TARGET) -> None:
         self.graph = graph
         self.low = low
         self.result_in_16bit = result_in_16bit
@@ -52,7 +52,7 @@ class Rewriter:
         graph = self.graph
         for node in graph.nodes:
             if (not node.painted and node.cls == ALLOW and self.result_in_16bit
-                    and low_result_on_target(node.kind, self.target)):
+                    and self.target.low_result(node.kind)):
                 # Outside a region too, the target runs this op kind in 16 bit only with
                 # a 16-bit result: it returns that, and its f32 readers get a convert.
                 self.facts[node.inst]["allow"].add(node.index)

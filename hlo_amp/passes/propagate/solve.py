@@ -21,15 +21,15 @@ _SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
 
 @dataclass(frozen=True)
 class PaintForm:
-    """What the target wants of the painting (its facts in ``cpu_dots``).
+    """What the target wants of the painting (its `Target`'s facts, hlo_amp/targets/).
 
     ``low_results``: every unpinned matrix op returns the 16-bit type, also where only
     f32 ops read it; otherwise only where a 16-bit region reads it.
     ``pin_at_deny``: a deny op pins the value it reads (stays f32) and nothing spreads
-    from it (``deny_pins_its_inputs``); otherwise deny ops convert their own 16-bit
+    from it (``Target.deny_pins_its_inputs``); otherwise deny ops convert their own 16-bit
     inputs.
     ``sum_copies``: sums that read an f32 value after a deny op which matrix ops read
-    too read its 16-bit copy (``sums_read_a_16bit_copy``)."""
+    too read its 16-bit copy (``Target.sums_read_a_16bit_copy``)."""
 
     low_results: bool
     pin_at_deny: bool

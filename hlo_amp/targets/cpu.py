@@ -1,23 +1,30 @@
-"""What XLA:CPU runs fast: the layout and hardware facts behind bf16 dot speed; and, at
-the end, the form a matrix op takes per target (CPU, GPU, TPU).
+"""XLA:CPU as a target: which bf16 dots it runs fast (layouts, sizes, this host's bf16
+instructions) and `CpuTarget`, the facts the passes consult on CPU.
 
-Shared by the fast-dot-layout pass (which relays dots into the fast form), the
-insert-converts pass (whose ``only_if_faster`` option leaves a dot in f32 when the
-CPU cannot run it faster in bf16) and the propagate pass. Findings and measurements:
-benchmarks/DOT_LAYOUT.md, docs/gpu_target.md.
+Read by the fast-dot-layout pass (which relays dots into the fast form), the
+insert-converts pass (whose ``only_if_faster`` option leaves a dot in f32 when the CPU
+cannot run it faster in bf16) and the propagate pass. Findings and measurements:
+benchmarks/DOT_LAYOUT.md (XLA:CPU's dot emitter and YNNPACK, jaxlib 0.10.2),
+benchmarks/RESULTS.md (CPU section).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.modules import element_type
+from hlo_amp.targets.dot_dims import DotLayout, dot_layout
+from hlo_amp.targets.target import Target
+
+__all__ = ["CPU", "CpuTarget", "DotLayout", "cpu_has_native_bf16", "dot_layout",
+           "has_transposed_result", "is_fast_on_cpu", "layout_is_fast", "meets_ynn_size",
+           "native_bf16_flags", "needs_layout_rewrite"]
 
 # YNNPACK skips dots whose largest extent is below this (its overhead dominates).
 _YNN_MIN_EXTENT = 8
@@ -32,101 +39,6 @@ _OPAQUE_PRODUCERS = (
     "func.call",
     "call",
 )
-
-
-@dataclass(frozen=True)
-class DotLayout:
-    """The shape facts about one dot_general that decide XLA:CPU's dot path."""
-
-    lhs_shape: tuple[int, ...]
-    rhs_shape: tuple[int, ...]
-    lhs_batch: tuple[int, ...]
-    rhs_batch: tuple[int, ...]
-    lhs_contracting: tuple[int, ...]
-    rhs_contracting: tuple[int, ...]
-
-    @functools.cached_property
-    def lhs_free(self) -> tuple[int, ...]:
-        """lhs dimensions that are neither batch nor contracting, in order."""
-        used = set(self.lhs_batch) | set(self.lhs_contracting)
-        return tuple(d for d in range(len(self.lhs_shape)) if d not in used)
-
-    @functools.cached_property
-    def rhs_free(self) -> tuple[int, ...]:
-        """rhs dimensions that are neither batch nor contracting, in order."""
-        used = set(self.rhs_batch) | set(self.rhs_contracting)
-        return tuple(d for d in range(len(self.rhs_shape)) if d not in used)
-
-    @functools.cached_property
-    def mkn(self) -> tuple[int, int, int]:
-        """(m, k, n) of the matrix product per batch element."""
-        m = math.prod(self.lhs_shape[d] for d in self.lhs_free)
-        k = math.prod(self.lhs_shape[d] for d in self.lhs_contracting)
-        n = math.prod(self.rhs_shape[d] for d in self.rhs_free)
-        return m, k, n
-
-    def decomposer_canonical(self) -> bool:
-        """True when XLA's DotDecomposer leaves the dot as written."""
-
-        def canonical(rank: int, batch: tuple[int, ...], contracting: tuple[int, ...]) -> bool:
-            return (
-                len(contracting) == 1
-                and rank <= len(batch) + 2
-                and batch == tuple(range(len(batch)))
-            )
-
-        return canonical(len(self.lhs_shape), self.lhs_batch, self.lhs_contracting) and canonical(
-            len(self.rhs_shape), self.rhs_batch, self.rhs_contracting
-        )
-
-    def lhs_permutation(self) -> tuple[int, ...]:
-        """lhs order YNNPACK takes: batch (paired order), free (kept order), contracting."""
-        return self.lhs_batch + self.lhs_free + self.lhs_contracting
-
-    def rhs_permutation(self) -> tuple[int, ...]:
-        """rhs order of the NT form: batch (paired order), free (kept order), contracting
-        (in the order that pairs with the lhs)."""
-        return self.rhs_batch + self.rhs_free + self.rhs_contracting
-
-    def is_nt(self) -> bool:
-        """True when the dot reads [batch, m, k] x [batch, n, k] with one free and one
-        contracting dimension per operand, the form DotDecomposer leaves alone."""
-        single = (
-            len(self.lhs_free) == 1 and len(self.rhs_free) == 1 and len(self.lhs_contracting) == 1
-        )
-        return (
-            single
-            and self.lhs_permutation() == tuple(range(len(self.lhs_shape)))
-            and self.rhs_permutation() == tuple(range(len(self.rhs_shape)))
-        )
-
-    def nt_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """(lhs, rhs, result) shapes of the NT form: [batch, m, k] x [batch, n, k] -> [batch, m, n]."""
-        batch = tuple(self.lhs_shape[d] for d in self.lhs_batch)
-        m, k, n = self.mkn
-        return batch + (m, k), batch + (n, k), batch + (m, n)
-
-
-def dot_layout(op: hlo.DotGeneralOp) -> DotLayout | None:
-    """The layout facts of `op`, or None when an operand is not a static ranked tensor."""
-    shapes = []
-    for value in op.operands[:2]:
-        ttype = value.type
-        if not isinstance(ttype, ir.RankedTensorType):
-            return None
-        shape = tuple(ttype.shape)
-        if shape and min(shape) < 0:  # a dynamic dimension (ShapedType's kDynamic)
-            return None
-        shapes.append(shape)
-    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-    return DotLayout(
-        lhs_shape=shapes[0],
-        rhs_shape=shapes[1],
-        lhs_batch=tuple(dims.lhs_batching_dimensions),
-        rhs_batch=tuple(dims.rhs_batching_dimensions),
-        lhs_contracting=tuple(dims.lhs_contracting_dimensions),
-        rhs_contracting=tuple(dims.rhs_contracting_dimensions),
-    )
 
 
 def meets_ynn_size(layout: DotLayout) -> bool:
@@ -433,56 +345,60 @@ def _is_bf16_to_f32(op: hlo.DotGeneralOp) -> bool:
     )
 
 
-def matrix_result_in_16bit(target: str | None) -> bool:
-    """Whether a matrix op inside a 16-bit region should return the 16-bit type itself.
+@dataclass(frozen=True)
+class CpuTarget(Target):
+    """XLA:CPU (jaxlib 0.10.2, its dot emitter and YNNPACK)."""
 
-    On GPU and TPU (``target`` None, ``"gpu"`` or ``"tpu"``) yes: XLA:GPU and XLA:TPU
-    accumulate 16-bit matrix ops in f32, and on GPU a separate ``convert`` of a GEMM
-    result is not fused into the cuBLAS epilogue.
-    On CPU no: XLA:CPU upcasts every 16-bit-result dot to f32 (slower than f32 alone),
-    so the dot keeps its f32 result and a ``convert`` follows it.
-    """
-    return target != "cpu"
+    name: str = "cpu"
+    family: ClassVar[str | None] = "cpu"
+
+    @property
+    def matrix_result_in_16bit(self) -> bool:
+        """No: XLA:CPU upcasts every 16-bit-result dot to f32 (slower than f32 alone), so
+        the dot keeps its f32 result and a ``convert`` follows it
+        (benchmarks/DOT_LAYOUT.md)."""
+        return False
+
+    @property
+    def deny_pins_its_inputs(self) -> bool:
+        """Yes. XLA:CPU computes 16-bit elementwise ops in f32, so a 16-bit value saves
+        storage only, and where f32 ops read it too its fusions materialise f32 copies
+        (a softmax's broadcast 1/sum, an average pool's padded gradient): with deny ops
+        converting their own inputs the ViT step's temp memory was 2139 MB against 1876 MB
+        (benchmarks/RESULTS.md, CPU section)."""
+        return True
+
+    @property
+    def relays_dots(self) -> bool:
+        """Yes: relay every slow layout, even where the bf16 path is slower than f32:
+        relaying only the known-failing ones (relay_slow=False) still let a ViT train step
+        fail at run time in XLA:CPU (benchmarks/DOT_LAYOUT.md), and running beats speed."""
+        return True
+
+    def slower_in_16bit(self, op: Any, kind: str, compute_dtype: str) -> str | None:
+        """XLA:CPU's convolutions and f16 dots gain nothing; bf16 dots only with native bf16
+        instructions and a shape YNNPACK takes (benchmarks/DOT_LAYOUT.md)."""
+        if kind == "convolution":
+            return "left as written: XLA:CPU convolutions gain nothing in 16-bit"
+        if compute_dtype == "float16":
+            return "left as written: XLA:CPU upcasts every f16 dot to f32"
+        if not cpu_has_native_bf16():
+            return "left as written: this CPU has no native bf16 dot (bf16 runs slower)"
+        if kind == "dot_general" and not is_fast_on_cpu(op, native_bf16=True):
+            return "left as written: XLA:CPU has no fast bf16 path for this dot's shape"
+        return None
+
+    def fp8_slower(self) -> str | None:
+        """XLA:CPU has no fp8 dot: it runs the dequantised operands in f32."""
+        return ("left as written: XLA:CPU has no fp8 dot (it runs the dequantised "
+                "operands in f32)")
+
+    def fp8_dequantize(self, result: str, compute_dtype: str) -> str:
+        """f32: XLA:CPU has no fp8 dot, so the operands are dequantised to f32, exactly the
+        values the Hopper GEMM multiplies (its scales are applied in f32), and the dot runs
+        in f32 (a bf16 dot would round the dequantised values once more, and its layout is
+        at XLA:CPU's mercy: see passes/dot_layout.py)."""
+        return "f32"
 
 
-def low_result_on_target(kind: str, target: str | None) -> bool:
-    """Whether ``target`` runs this op kind in 16 bit only with a 16-bit result.
-
-    GPU: cuDNN runs same-type 16-bit convolutions only (bf16→bf16, f16→f16, accumulating
-    in f32 inside), and XLA:GPU upcasts ``convolution(bf16, bf16) -> f32`` to f32×f32; so
-    there a convolution produces the 16-bit type and a convert follows it. cuBLASLt has
-    bf16×bf16→f32 GEMMs: dots keep the f32 result. TPU keeps bf16×bf16→f32 dots and
-    convolutions (docs/gpu_target.md). CPU: the forms above.
-    """
-    return target == "gpu" and kind == "convolution"
-
-
-def deny_pins_its_inputs(target: str | None) -> bool:
-    """Whether, in the mixed modes, an f32-only (deny) op keeps the value it reads f32.
-
-    GPU and TPU: no; deny ops convert their own 16-bit inputs (TensorFlow's AMP and
-    PyTorch autocast), so a residual stream or an activation gradient that a layer
-    norm's mean or a bias gradient's sum also reads is stored in 16 bit.
-    CPU: yes. XLA:CPU computes 16-bit elementwise ops in f32, so a 16-bit value saves
-    storage only, and where f32 ops read it too its fusions materialise f32 copies
-    (a softmax's broadcast 1/sum, an average pool's padded gradient): with deny ops
-    converting their own inputs the ViT step's temp memory was 2139 MB against 1876 MB
-    (benchmarks/RESULTS.md, CPU section).
-    """
-    return target == "cpu"
-
-
-def sums_read_a_16bit_copy(target: str | None) -> bool:
-    """Whether, in the mixed modes, sums that read an f32 value which matrix ops read in
-    16 bit (the logits gradient: the head's GEMMs and its bias gradient) read the 16-bit
-    copy, behind an ``optimization_barrier``.
-
-    GPU: yes. XLA:GPU folds the sum's round trip (f32 -> 16 -> f32) back into a read of
-    the f32 value (``SimplifyFPConversions``), so it writes the value in f32 for the sum
-    and in 16 bit for the GEMMs: on the decoder's step 128 MiB more at the peak and
-    1.813 against 1.753 ms of roofline (benchmarks/RESULTS.md).
-    TPU: no. XLA:TPU fuses the convert into the matrix op's operand fusion; the barrier
-    makes it write the copy (decoder: 23.25 -> 25.98 ms, temp 328.6 -> 404.5 MiB).
-    CPU: no such value (``deny_pins_its_inputs``). None (no target facts): no.
-    """
-    return target == "gpu"
+CPU = CpuTarget()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from hlo_amp.report import Decision, Report, is_narrow
 from hlo_amp.sites import split_segments
+from hlo_amp.targets.target import Target
 
 _HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
 _HLO_MATMUL = re.compile(
@@ -158,7 +159,7 @@ def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool
     return result
 
 
-def mark_kept_by_xla(report: Report, hlo_text: str, target: str | None = None,
+def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None = None,
                      device: str | None = None) -> None:
     """Fill ``kept_by_xla`` for each converted decision from XLA's optimized HLO.
 
@@ -168,8 +169,8 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: str | None = None,
     were upcast (False); when it has fewer (merged or dead), the rest stay unknown (None),
     and ``report.unknown_to_xla`` counts why. Each decided op also gets ``xla_form``, how
     XLA runs it (``cuBLAS bf16×bf16``; for an op not kept, the form of one of its scope's
-    ops that is not). ``target="cpu"`` notes that XLA:CPU has no fp8 GEMM; ``device``
-    names a GPU compiled for without one (``"H100"``).
+    ops that is not). A CPU ``target`` (or ``"cpu"``) notes that XLA:CPU has no fp8
+    GEMM; ``device`` names a GPU compiled for without one (``"H100"``).
     """
     xla_by_scope: dict[str, list[XlaGemm]] = {}
     for gemm in xla_gemms(hlo_text):
@@ -199,7 +200,7 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: str | None = None,
         if undecided:
             unknown[MERGED] = unknown.get(MERGED, 0) + undecided
     report.unknown_to_xla = unknown
-    report.xla_target = target
+    report.xla_target = target.family if isinstance(target, Target) else target
     report.xla_device = device
     report.xla_checked = True
 

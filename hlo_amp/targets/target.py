@@ -1,0 +1,108 @@
+"""`Target`: what one backend does with the modules hlo_amp writes, as the passes, the
+deviceless compiles and the report consult it.
+
+This base class is the target with no facts (``None`` at the public entry points:
+several platforms, or ``hlo_amp.rewrite``): matrix ops in a 16-bit region return the
+16-bit type, nothing is left in f32 for speed, no dot is relaid. ``CpuTarget``,
+``GpuTarget`` and ``TpuTarget`` (targets/cpu.py, gpu.py, tpu.py) override the facts their
+backend differs in; a device compiled for without having it (``"h100"``,
+``"tpu-v5e"``) is one of those with its device fields set. Each fact's docstring says
+where it was measured or read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Target:
+    """No target facts; the base of every backend family's target."""
+
+    # What the user wrote ("cpu", "h100", a GpuTargetConfig file's path, "tpu-v5e:2x2").
+    name: str = "none"
+    # A device compiled for without having it (empty for a family target such as "gpu"):
+    device: str = ""  # short name in reports: "H100"
+    description: str = ""  # "NVIDIA H100 80GB HBM3"
+    # Published dense peaks, FLOP/s by operand type ("f32" is TF32 on tensor cores where
+    # XLA's default precision uses them), and HBM bytes/s (the roofline's); empty for a
+    # user's own GPU config file.
+    peak_flops: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+    hbm_bytes_per_second: float | None = None
+    # Compute dtypes XLA runs on this device only by upcasting (refused, with why).
+    unsupported: tuple[tuple[str, str], ...] = ()
+
+    # The backend family: "cpu", "gpu", "tpu"; None for no target facts.
+    family: ClassVar[str | None] = None
+    # JAX's lowering platform for a deviceless compile ("cuda", "tpu"); "" for none.
+    platform: ClassVar[str] = ""
+
+    # -- the facts the passes consult ---------------------------------------------------
+
+    @property
+    def matrix_result_in_16bit(self) -> bool:
+        """Whether a matrix op inside a 16-bit region returns the 16-bit type itself.
+
+        Yes unless a backend says otherwise: XLA:GPU and XLA:TPU accumulate 16-bit matrix
+        ops in f32 (docs/gpu_target.md), and on GPU a separate ``convert`` of a GEMM result
+        is not fused into the cuBLAS epilogue.
+        """
+        return True
+
+    def low_result(self, kind: str) -> bool:
+        """Whether this target runs ``kind`` in 16 bit only with a 16-bit result (then the
+        op produces the 16-bit type and a convert follows it). No by default."""
+        return False
+
+    @property
+    def deny_pins_its_inputs(self) -> bool:
+        """Whether, in the mixed modes, an f32-only (deny) op keeps the value it reads f32.
+
+        No by default: deny ops convert their own 16-bit inputs (TensorFlow's AMP and
+        PyTorch autocast), so a residual stream a layer norm also reads is stored in 16 bit.
+        """
+        return False
+
+    @property
+    def sums_read_a_16bit_copy(self) -> bool:
+        """Whether, in the mixed modes, sums that read an f32 value which matrix ops read
+        in 16 bit read the 16-bit copy, behind an ``optimization_barrier``. No by default."""
+        return False
+
+    @property
+    def relays_dots(self) -> bool:
+        """Whether the pipeline ends with the fast-dot-layout pass (passes/dot_layout.py)."""
+        return False
+
+    def slower_in_16bit(self, op: Any, kind: str, compute_dtype: str) -> str | None:
+        """Why this target would not run ``op`` faster in ``compute_dtype`` (the policy's
+        ``only_if_faster`` rule), in words; None when it would, or when unknown."""
+        return None
+
+    def fp8_slower(self) -> str | None:
+        """Why this target runs an fp8 dot no faster (``only_if_faster``); None: unknown."""
+        return None
+
+    def fp8_dequantize(self, result: str, compute_dtype: str) -> str:
+        """The type an fp8 dot's operands are widened to (``result``: the dot's result
+        element type). XLA:GPU folds the widening and the scales into the fp8 GEMM,
+        whatever the type; where it cannot, a bf16 GEMM is the cheaper fallback
+        (xla/service/gpu/transforms/gemm_rewriter.cc, see targets/gpu.py)."""
+        if result in ("bf16", "f16"):
+            return result
+        return "bf16" if compute_dtype == "bfloat16" else "f32"
+
+    # -- deviceless compiles ------------------------------------------------------------
+
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """XLA flags for every compile of this device without the device."""
+        return {}
+
+    def refusal(self, dtypes: set[str]) -> str | None:
+        """Why this device cannot run a policy computing in ``dtypes``, else None."""
+        for dtype, why in self.unsupported:
+            if dtype in dtypes:
+                return f"it computes in {dtype}, and {why}"
+        return None

@@ -1,0 +1,86 @@
+"""XLA:TPU as a target: `TpuTarget`, and the TPU generations compiled for without the
+device (one entry each in ``_TPUS``).
+
+On TPU dots and convolutions keep the accurate form, bf16×bf16→f32, as XLA:TPU runs them
+(the ``--target tpu`` run of tests/lit/gpu_conv.mlir), and a matrix op inside a 16-bit
+region returns the 16-bit type, as on GPU: the base `Target`'s facts. What differs is
+what a TPU refuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hlo_amp.targets.target import Target
+
+
+@dataclass(frozen=True)
+class TpuTarget(Target):
+    """XLA:TPU; with ``topology`` set, one TPU slice compiled for without the device."""
+
+    name: str = "tpu"
+    topology: str = ""  # the slice compiled for: "v5e:2x2"
+    family: ClassVar[str | None] = "tpu"
+    platform: ClassVar[str] = "tpu"
+
+    @property
+    def sums_read_a_16bit_copy(self) -> bool:
+        """No. XLA:TPU fuses the convert into the matrix op's operand fusion; a barrier
+        makes it write the copy (decoder: 23.25 -> 25.98 ms, temp 328.6 -> 404.5 MiB,
+        benchmarks/RESULTS.md)."""
+        return False
+
+
+TPU = TpuTarget()
+
+# TPU generations: (JAX's device name prefix, the smallest slice libtpu describes without
+# a device, bf16 peak FLOP/s per chip, HBM bytes/s per chip; Google Cloud's public specs;
+# whether the matrix unit has fp8 modes). A jax.jit f32 dot runs as one bf16 pass on TPU
+# (DEFAULT precision), hence f32 = bf16.
+_TPUS: dict[str, tuple[str, str, float, float, bool]] = {
+    "tpu-v4": ("TPU v4", "v4:2x2x1", 275e12, 1228e9, False),
+    "tpu-v5e": ("TPU v5e", "v5e:2x2", 197e12, 819e9, True),
+    "tpu-v5p": ("TPU v5p", "v5p:2x2x1", 459e12, 2765e9, True),
+    "tpu-v6e": ("TPU v6e", "v6e:2x2", 918e12, 1640e9, True),
+}
+TPU_NAMES = tuple(_TPUS)
+
+# What XLA:TPU does with the forms hlo_amp writes is invisible in its optimized HLO (the
+# convolution keeps f16 or fp8 operand types) but plain in libtpu's LLO
+# (--xla_jf_dump_llo_text; libtpu 0.0.42.1 and 0.0.50.1, a 512x512 dot per generation):
+# bf16 runs as bf16 matrix-unit (MXU) instructions; f16 operands are unpacked and the dot
+# runs as f32 MXU instructions, twice as many. v5e, v5p and v6e have fp8 MXU modes for
+# e5m2 and Google's e4m3b11fnuz only: a dot with an e4m3fn operand (both of hlo_amp's fp8
+# actions have one) runs as f32 instructions, as every fp8 dot does on v4. Compiling
+# such a policy would report ops "kept" that the chip runs slower than bf16.
+_TPU_F16 = ("float16", ("XLA:TPU upcasts f16 dots to f32 matrix-unit instructions "
+                        "(the matrix unit takes bf16, not f16)"))
+
+
+def _tpu_fp8(device: str, fp8_modes: bool) -> tuple[tuple[str, str], ...]:
+    why = (f"XLA:TPU upcasts a dot with an e4m3fn operand to f32 matrix-unit instructions "
+           f"({device}'s fp8 modes are e5m2 and e4m3b11fnuz; hlo_amp's fp8 dots read "
+           "e4m3fn)" if fp8_modes else
+           f"XLA:TPU upcasts fp8 dots to f32 matrix-unit instructions ({device} has no "
+           "fp8 matrix unit)")
+    return (("float8_e4m3fn", why), ("float8_e5m2", why))
+
+
+def tpu_device(name: str) -> TpuTarget | None:
+    """A TPU generation (``"tpu-v5e"``), optionally with a slice (``"tpu-v5e:2x2"``); None
+    for a name not in ``_TPUS``."""
+    generation, _, shape = name.partition(":")
+    if generation not in _TPUS:
+        return None
+    device, slice_name, bf16, hbm, fp8_modes = _TPUS[generation]
+    topology = f"{slice_name.split(':')[0]}:{shape}" if shape else slice_name
+    return TpuTarget(name, device, f"Google {device} ({topology})",
+                     peak_flops={"f32": bf16, "bf16": bf16}, hbm_bytes_per_second=hbm,
+                     topology=topology, unsupported=(_TPU_F16, *_tpu_fp8(device, fp8_modes)))
+
+
+def default_slice(topology: str) -> str:
+    """The slice ``_TPUS`` compiles a generation for, given any slice of it ("" if none)."""
+    return next((t[1] for t in _TPUS.values()
+                 if t[1].split(":")[0] == topology.split(":")[0]), "")
