@@ -19,9 +19,9 @@ from hlo_amp.numerics.measure import (
     run_dtypes,
     tolerance,
 )
-from hlo_amp.numerics.render import json_number, plot_attribution, short
+from hlo_amp.numerics.render import json_number, short
 from hlo_amp.policy import Policy, as_policy
-from hlo_amp.report import Decision, Report, text_table
+from hlo_amp.report import Decision, Report, matplotlib_figure, text_table
 
 TOP_LEVEL = "(top level)"
 
@@ -194,3 +194,42 @@ def attribute(fn: Callable[..., Any], policy: Policy | str | Mapping[str, Any], 
     session = Session(fn, args, "attribute")
     return attribution_of(session, policy, depth, reference, atol)
 
+
+def plot_attribution(attribution: Attribution, path: str | Path, budget: float | None = None
+                     ) -> Path:
+    """Write a PNG bar chart of the two errors per scope (needs matplotlib)."""
+    figure_type = matplotlib_figure("Attribution.plot")
+    import matplotlib.ticker
+
+    rows = list(reversed(attribution.scopes))  # worst on top
+    positive = [v for row in rows for v in (row.only_low, row.only_f32 or 0.0)
+                if v and math.isfinite(v)] + [attribution.error or 1e-7]
+    left = 10 ** math.floor(math.log10(min(positive)))  # bars start at a decade
+    floor = 1.5 * left  # a zero error is drawn as a stub, visible on the log axis
+
+    def bar(value: float | None) -> float:
+        if value is None or value == 0:
+            return floor
+        return value if math.isfinite(value) else max(positive) * 10
+
+    low = "/".join(attribution.dtypes) or "low"
+    fig = figure_type(figsize=(7, 0.45 * len(rows) + 2.2))
+    ax = fig.add_subplot()
+    y = np.arange(len(rows))
+    ax.barh(y + 0.2, [bar(r.only_low) for r in rows], 0.4, label=f"only this scope {low}")
+    ax.barh(y - 0.2, [bar(r.only_f32) for r in rows], 0.4, label="only this scope f32")
+    ax.axvline(attribution.error, color="k", ls="--", lw=1, label=f"every scope {low}")
+    if budget is not None:
+        ax.axvline(budget, color="r", ls=":", lw=1, label="budget")
+    ax.set_yticks(y, [r.scope for r in rows])
+    ax.set_xscale("log")
+    ax.set_xlim(left=left)
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # they overlap
+    ax.set_xlabel(f"error (max over outputs, scaled; against {attribution.reference})")
+    ax.set_title(f"error per scope at depth {attribution.depth}, {attribution.policy}",
+                 fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    return out
