@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hlo_amp
-from hlo_amp.modules import copy_module, parse_module, walk_operations
+from hlo_amp.ir.modules import copy_module, parse_module, walk_operations
 from hlo_amp.passes import run_pipeline
 from hlo_amp.policy import as_policy
 

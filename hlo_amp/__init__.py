@@ -8,9 +8,9 @@ from hlo_amp import jax_internals as _jax_internals
 
 _jax_internals.check()  # an unsupported jax fails here, in one line, not deep in a call
 
+from hlo_amp.ir.modules import PassError
 from hlo_amp.jaxamp_compat import amp
 from hlo_amp.module_scopes import module_scopes
-from hlo_amp.modules import PassError
 from hlo_amp.numerics import Attribution, AutoPolicy, Comparison, attribute, autopolicy, compare
 from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from hlo_amp.modules import ModuleError, module_text, parse_module
+from hlo_amp.ir.modules import ModuleError, module_text, parse_module
 from hlo_amp.passes import pass_names, run_pipeline
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.quiet_stderr import fd2_muted

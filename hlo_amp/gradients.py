@@ -35,14 +35,14 @@ from typing import Any
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import (
+from hlo_amp.ir.modules import (
     callee_name,
     element_type,
     function_name,
     terminator,
     walk_operations,
 )
-from hlo_amp.sites import join_names, location_name, parse_name
+from hlo_amp.ir.sites import join_names, location_name, parse_name
 
 CONST, PRIMAL, GRAD = 0, 1, 2
 _NO_OPERANDS_CONST = frozenset({"stablehlo.constant", "stablehlo.iota"})

@@ -23,7 +23,7 @@ Each entry and why we need it:
 
 - ``ir.Operation._CAPIPtr`` (the MLIR bindings' C API capsule): ``operation_address``,
   an op's address, the only key that names an op for as long as it lives (an
-  ``ir.Operation``'s own hash follows its contents; hlo_amp/modules.py ``op_key``).
+  ``ir.Operation``'s own hash follows its contents; hlo_amp/ir/modules.py ``op_key``).
 - ``_jit_info`` of a ``jax.jit`` function (``jax._src.pjit``): the static and donated
   arguments of a step decorated with ``jax.jit``, ``nnx.jit`` or ``eqx.filter_jit``
   (runtime/frameworks.py ``unwrap_jit``); where it is missing, a decorated NNX or

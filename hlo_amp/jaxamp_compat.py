@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hlo_amp import policy as _policy
-from hlo_amp.op_classes import INFER, OP_CLASSES
+from hlo_amp.ir.op_classes import INFER, OP_CLASSES
 from hlo_amp.runtime import scaler as _scaler
 from hlo_amp.runtime.compile import compile as _compile
 from hlo_amp.runtime.scaler import DynamicScalerState, all_finite, select_tree

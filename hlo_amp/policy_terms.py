@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from hlo_amp.op_classes import op_names
+from hlo_amp.ir.op_classes import op_names
 
 COMPUTE = "compute"
 KEEP = "keep"

@@ -83,7 +83,7 @@ class Report:
 
     def note(self, text: str, decision: int | None = None, location: str = "") -> None:
         """Attach a later pass's note to decision number ``decision`` (its op's mark,
-        ``hlo_amp.modules.decision_of``), once however many copies of the op note it.
+        ``hlo_amp.ir.modules.decision_of``), once however many copies of the op note it.
         An op without one (a module another run rewrote) notes the report, under
         ``location``."""
         if decision is not None and 0 <= decision < len(self.decisions):

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import (
+from hlo_amp.ir.modules import (
     ModuleError,
     PassError,
     drop_discarded,
@@ -122,7 +122,7 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
 
 
 def run_pass(current: Pass, module: ir.Module, report: Report | None) -> None:
-    """Run one pass, then erase the ops it discarded (hlo_amp/modules.py: nothing is
+    """Run one pass, then erase the ops it discarded (hlo_amp/ir/modules.py: nothing is
     freed while a pass holds objects pointing into the module). A pass that fails
     raises PassError, naming itself and the op it was working on; a ModuleError it
     raises on purpose (a module it cannot work on) goes through as it is."""

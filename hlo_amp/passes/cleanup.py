@@ -11,7 +11,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func as func_dialect
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.modules import (
+from hlo_amp.ir.modules import (
     callee_name,
     discard,
     element_type,

@@ -47,8 +47,8 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.modules import decision_of, discard, walk_operations
-from hlo_amp.sites import location_name
+from hlo_amp.ir.modules import decision_of, discard, walk_operations
+from hlo_amp.ir.sites import location_name
 from hlo_amp.targets.cpu import (
     _MAX_PROVENANCE_DEPTH,
     DotLayout,

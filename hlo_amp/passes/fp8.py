@@ -36,8 +36,8 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.modules import functions, op_key, walk_operations, with_element
-from hlo_amp.op_classes import MATRIX_OP_NAMES
+from hlo_amp.ir.modules import functions, op_key, walk_operations, with_element
+from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
 from hlo_amp.targets.gpu import FP8_FALLBACK, FP8_MARK, FP8_MAX

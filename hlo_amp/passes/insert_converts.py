@@ -36,7 +36,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.gradients import GradientFlow
-from hlo_amp.modules import (
+from hlo_amp.ir.modules import (
     callee_name,
     clone_private,
     element_type,
@@ -48,6 +48,7 @@ from hlo_amp.modules import (
     walk_operations,
     with_element,
 )
+from hlo_amp.ir.sites import Site, call_prefix, join_names, location_name, site_of
 from hlo_amp.policy import (
     COMPUTE,
     DTYPE_BITS,
@@ -63,7 +64,6 @@ from hlo_amp.policy import (
     is_fp8,
 )
 from hlo_amp.report import Decision, Report
-from hlo_amp.sites import Site, call_prefix, join_names, location_name, site_of
 from hlo_amp.targets import NO_TARGET, Target
 from hlo_amp.targets.gpu import FP8_FALLBACK, FP8_MARK, dequantized_format, fp8_obstacle
 

@@ -22,8 +22,8 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.modules import discard, from_constant, functions, walk_operations
-from hlo_amp.op_classes import single_update_scatter
+from hlo_amp.ir.modules import discard, from_constant, functions, walk_operations
+from hlo_amp.ir.op_classes import single_update_scatter
 from hlo_amp.report import Report
 
 _SCATTER = frozenset({"stablehlo.scatter"})

@@ -26,7 +26,7 @@ from jax import export as jax_export
 from jax.extend.mlir import ir
 
 from hlo_amp import jax_internals as internals
-from hlo_amp.modules import copy_module, module_text, new_context
+from hlo_amp.ir.modules import copy_module, module_text, new_context
 from hlo_amp.passes import run_pipeline
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Report

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.modules import element_type
+from hlo_amp.ir.modules import element_type
 from hlo_amp.targets.dot_dims import DotLayout, dot_layout
 from hlo_amp.targets.target import Target
 

@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import element_type
+from hlo_amp.ir.modules import element_type
 from hlo_amp.targets.dot_dims import dot_layout
 from hlo_amp.targets.target import Target
 

@@ -19,8 +19,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from hlo_amp.ir.sites import split_segments
 from hlo_amp.report import Decision, Report, is_narrow
-from hlo_amp.sites import split_segments
 from hlo_amp.targets.target import Target
 
 _HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")

@@ -86,7 +86,7 @@ def _serve() -> None:
     import warnings
 
     warnings.simplefilter("ignore")
-    from hlo_amp.modules import parse_module
+    from hlo_amp.ir.modules import parse_module
     from hlo_amp.passes import run_pipeline
     from hlo_amp.policy import Policy
 

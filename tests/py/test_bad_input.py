@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import hlo_amp
-from hlo_amp.modules import ModuleError
+from hlo_amp.ir.modules import ModuleError
 
 CLI = str(Path(sys.executable).parent / "hlo-amp-opt")
 

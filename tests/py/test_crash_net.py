@@ -179,7 +179,7 @@ def test_the_worker_reports_a_crash_and_recovers(worker):
 _EVERY_FORM = textwrap.dedent("""
     import sys, warnings
     warnings.simplefilter("ignore")
-    from hlo_amp.modules import parse_module
+    from hlo_amp.ir.modules import parse_module
     from hlo_amp.passes import run_pipeline
     from hlo_amp.policy import Policy
     text = open(sys.argv[1]).read()

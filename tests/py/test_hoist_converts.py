@@ -26,7 +26,14 @@ from jax._src.lib.mlir.dialects import hlo
 
 import hlo_amp
 import hlo_amp.passes as passes_module
-from hlo_amp.modules import callee_name, function_name, functions, is_call, parse_module, walk_ops
+from hlo_amp.ir.modules import (
+    callee_name,
+    function_name,
+    functions,
+    is_call,
+    parse_module,
+    walk_ops,
+)
 from hlo_amp.passes import default_pipeline, run_pipeline
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.policy import Policy

@@ -13,7 +13,7 @@ from test_crash_net import MODULES
 
 import hlo_amp
 from hlo_amp import cli
-from hlo_amp.modules import PassError, discard, parse_module, walk_operations
+from hlo_amp.ir.modules import PassError, discard, parse_module, walk_operations
 from hlo_amp.passes import default_pipeline, run_pipeline
 from hlo_amp.policy import Policy
 
@@ -40,7 +40,7 @@ def test_only_erase_discarded_erases():
                 if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                         and node.func.attr == "erase"):
                     callers.append(f"{path.relative_to(PACKAGE)}:{function.name}")
-    assert callers == ["modules.py:erase_discarded"]
+    assert callers == ["ir/modules.py:erase_discarded"]
 
 
 @pytest.fixture

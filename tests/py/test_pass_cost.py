@@ -28,7 +28,7 @@ from jax._src.lib.mlir.dialects import hlo
 import hlo_amp
 from hlo_amp import cli
 from hlo_amp import passes as passes_module
-from hlo_amp.modules import (
+from hlo_amp.ir.modules import (
     DECISION_KEY,
     ModuleError,
     copy_module,

@@ -22,8 +22,8 @@ import pytest
 from test_numerics import MODELS, _loss
 
 import hlo_amp
+from hlo_amp.ir.modules import copy_module, module_text, parse_module
 from hlo_amp.jax_internals import swap_module
-from hlo_amp.modules import copy_module, module_text, parse_module
 from hlo_amp.passes import default_pipeline, run_pipeline
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.policy import Policy

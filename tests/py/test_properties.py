@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hlo_amp
-from hlo_amp.modules import parse_module
+from hlo_amp.ir.modules import parse_module
 
 settings.register_profile(
     "default", max_examples=15, deadline=None,

@@ -16,7 +16,7 @@ from jax._src import config as jax_config
 from jax._src.lib.mlir import ir
 
 import hlo_amp
-from hlo_amp.modules import ModuleError, functions, module_text, parse_module
+from hlo_amp.ir.modules import ModuleError, functions, module_text, parse_module
 from hlo_amp.report import Decision, Report
 
 

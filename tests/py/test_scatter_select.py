@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import hlo_amp
+from hlo_amp.ir.modules import copy_module, module_text
 from hlo_amp.jax_internals import swap_module
-from hlo_amp.modules import copy_module, module_text
 from hlo_amp.passes import run_pipeline
 from hlo_amp.passes.scatter_select import ScatterToSelect
 from hlo_amp.policy import Policy

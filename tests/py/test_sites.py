@@ -13,8 +13,8 @@ from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
 import hlo_amp
-from hlo_amp.modules import function_name, functions, is_public, parse_module, walk_operations
-from hlo_amp.sites import (
+from hlo_amp.ir.modules import function_name, functions, is_public, parse_module, walk_operations
+from hlo_amp.ir.sites import (
     Site,
     call_prefix,
     join_names,

@@ -6,8 +6,8 @@ from typing import Any
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import function_name, functions
-from hlo_amp.op_classes import ALLOW
+from hlo_amp.ir.modules import function_name, functions
+from hlo_amp.ir.op_classes import ALLOW
 from hlo_amp.passes.propagate.body import F32, FLOAT, NOT_VALUE_OPS, Body, type_kind, walk_once
 from hlo_amp.passes.propagate.graph import LINK, Graph
 from hlo_amp.passes.propagate.solve import NOT_BETWEEN

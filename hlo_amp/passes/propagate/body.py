@@ -7,7 +7,7 @@ from typing import Any
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import op_key, walk_operations
+from hlo_amp.ir.modules import op_key, walk_operations
 
 CONTROL_FLOW_OPS = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if"})
 # Ops that hold no activation of their own: not graph nodes, not counted in byte totals.

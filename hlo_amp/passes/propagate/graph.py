@@ -8,7 +8,7 @@ from typing import Any
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import (
+from hlo_amp.ir.modules import (
     callee_name,
     element_type,
     function_name,
@@ -18,7 +18,8 @@ from hlo_amp.modules import (
     op_key,
     terminator,
 )
-from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name, table_class
+from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name, table_class
+from hlo_amp.ir.sites import call_prefix, join_names, location_name, parse_name
 from hlo_amp.passes.propagate.body import (
     F32,
     LINK_CONSUMERS,
@@ -30,7 +31,6 @@ from hlo_amp.passes.propagate.body import (
     walk_once,
 )
 from hlo_amp.policy import AMP_STOP, COMPUTE, OP_KINDS, Policy
-from hlo_amp.sites import call_prefix, join_names, location_name, parse_name
 
 DENY_CLASS = "deny class"  # the reason of an op the table (not a rule) keeps f32
 LINK = "link"

@@ -8,7 +8,7 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.modules import (
+from hlo_amp.ir.modules import (
     clone_private,
     discard,
     function_name,
@@ -18,7 +18,7 @@ from hlo_amp.modules import (
     terminator,
     with_element,
 )
-from hlo_amp.op_classes import ALLOW
+from hlo_amp.ir.op_classes import ALLOW
 from hlo_amp.passes.propagate.body import (
     CONTROL_FLOW_OPS,
     F32,

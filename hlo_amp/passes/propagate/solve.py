@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from jax.extend.mlir import ir
 
-from hlo_amp.modules import from_constant
-from hlo_amp.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
+from hlo_amp.ir.modules import from_constant
+from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
 from hlo_amp.passes.propagate.graph import DENY_CLASS, LINK, SINK, Graph, Node
 
 # Reasons the painting itself gives (reset when it runs again).

@@ -11,7 +11,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func as func_dialect
 
 from hlo_amp import jax_internals as internals
-from hlo_amp.op_classes import MATRIX_OP_NAMES
+from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
 
 
 class ModuleError(ValueError):
