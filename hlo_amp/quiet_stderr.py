@@ -168,7 +168,7 @@ def start_jax() -> None:
         return
     chosen = "JAX_PLATFORMS" in os.environ or (
         "jax" in sys.modules and sys.modules["jax"].config.jax_platforms is not None)
-    if not chosen:  # the environment too: device_targets and child processes read it
+    if not chosen:  # the environment too: runtime/deviceless.py and child processes read it
         os.environ["JAX_PLATFORMS"] = "cpu"
     with fd2_filtered():
         import jax

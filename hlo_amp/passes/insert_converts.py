@@ -130,8 +130,9 @@ class Plan:
     operand_targets: tuple[str | None, ...]  # per operand: new element type or None
     result_target: str | None  # new result element type, or None to keep it
     reason: str
-    # fp8: the (lhs, rhs) fp8 element types and the type they are dequantised to; the
-    # fp8 pass emits the chain. None for every other plan.
+    # fp8: the (lhs, rhs) fp8 element types and the dequantise type D (the type the
+    # scales are rounded to); the fp8 pass writes the quantisation and the direct-form
+    # dot. None for every other plan.
     fp8: tuple[str, str, str] | None = None
 
 

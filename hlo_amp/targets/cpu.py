@@ -394,10 +394,9 @@ class CpuTarget(Target):
                 "operands in f32)")
 
     def fp8_dequantize(self, result: str, compute_dtype: str) -> str:
-        """f32: XLA:CPU has no fp8 dot, so the operands are dequantised to f32, exactly the
-        values the Hopper GEMM multiplies (its scales are applied in f32), and the dot runs
-        in f32 (a bf16 dot would round the dequantised values once more, and its layout is
-        at XLA:CPU's mercy: see passes/dot_layout.py)."""
+        """f32: XLA:CPU has no fp8 dot; it widens the fp8 operands to f32 and runs the dot
+        in f32 (docs/fp8.md, "Cost: CPU and Hopper"), so the scales stay f32, as the
+        Hopper GEMM applies them, and nothing is rounded to bf16 on the way."""
         return "f32"
 
 

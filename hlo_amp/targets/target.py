@@ -85,10 +85,11 @@ class Target:
         return None
 
     def fp8_dequantize(self, result: str, compute_dtype: str) -> str:
-        """The type an fp8 dot's operands are widened to (``result``: the dot's result
-        element type). XLA:GPU folds the widening and the scales into the fp8 GEMM,
-        whatever the type; where it cannot, a bf16 GEMM is the cheaper fallback
-        (xla/service/gpu/transforms/gemm_rewriter.cc, see targets/gpu.py)."""
+        """The dequantise type D of an fp8 dot: the type its scales are rounded to
+        (docs/fp8.md; ``result``: the dot's result element type). The dot itself reads
+        the fp8 tensors (the direct form); XLA:GPU folds the scale product into the fp8
+        GEMM whatever D is (xla/service/gpu/transforms/gemm_rewriter.cc, see
+        targets/gpu.py)."""
         if result in ("bf16", "f16"):
             return result
         return "bf16" if compute_dtype == "bfloat16" else "f32"
