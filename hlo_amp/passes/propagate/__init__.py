@@ -11,7 +11,7 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    algorithm and PyTorch autocast. A value is *pinned* (stays f32) only when something
    must read it exactly as f32: a convert to another type, a public ``return``, an op
    outside the graph. On CPU a deny op pins what it reads, and steps 2-3 see no f32 ops
-   that convert their own inputs (``cpu_dots.deny_pins_its_inputs``).
+   that convert their own inputs (``Target.deny_pins_its_inputs``).
 2. Deny spreads forward only: the infer ops, and the clear ops and links that lead
    (through clear ops and links) to arithmetic, downstream of a deny op stay f32
    (TensorFlow's forward deny propagation): the centring and scaling after a layer
@@ -32,12 +32,12 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    AMP write every matrix result; those readers convert it up (after a transpose or
    reshape of it, which then moves 16-bit values). On CPU, and with the
    policy's ``keep_f32_results``, only where it feeds a painted op or a sink; on CPU
-   it keeps its f32 result and a convert follows (``cpu_dots.matrix_result_in_16bit``).
+   it keeps its f32 result and a convert follows (``Target.matrix_result_in_16bit``).
 5. On GPU, an f32 value after a deny op that only matrix ops and sums read (the logits
    gradient: the head's GEMMs and its bias gradient) is rounded once after it is
    computed; the sums read that 16-bit copy through an ``optimization_barrier``, which
    keeps XLA from folding their convert back up into a read of the f32 value
-   (``cpu_dots.sums_read_a_16bit_copy``).
+   (``Target.sums_read_a_16bit_copy``).
 
 Converts go only on region boundaries, one per value, target type and block; a painted
 op's f32 operand is converted down, a 16-bit value read by an unpainted op is converted
