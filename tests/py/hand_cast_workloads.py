@@ -23,7 +23,6 @@ a user writes by hand. The models, re-created from their public definitions:
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import linen, nnx
+
+from benchmarks.workloads import _keras
 
 NAMES = ("mobilenet", "vae", "mnist")
 
@@ -157,16 +158,6 @@ def _mnist_case(dtype: Any, small: bool) -> tuple[Callable[..., Any], tuple]:
 
 
 # ---- Keras MobileNetV3Small -----------------------------------------------------------------
-
-
-@functools.cache
-def _keras() -> Any:
-    os.environ["KERAS_BACKEND"] = "jax"
-    import keras
-
-    if keras.backend.backend() != "jax":
-        raise ImportError(f"keras runs on {keras.backend.backend()!r}, not jax")
-    return keras
 
 
 def _mini_mobilenet(image: int) -> Any:
