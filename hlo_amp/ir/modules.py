@@ -88,13 +88,7 @@ def erase_discarded(pass_name: str) -> int:
     reads its results. A discarded op that is still read raises PassError, naming it
     and its reader, instead of leaving a reader of freed memory."""
     pending, _PENDING.ops = _PENDING.ops, []
-    depth = {}
-    for operation in pending:
-        level, parent = 0, operation.parent
-        while parent is not None:
-            level, parent = level + 1, parent.parent
-        depth[op_key(operation)] = level
-    pending.sort(key=lambda operation: -depth[op_key(operation)])
+    pending.sort(key=_depth, reverse=True)
     erased = 0
     while pending:
         kept = []
@@ -111,6 +105,14 @@ def erase_discarded(pass_name: str) -> int:
                             f"it discarded this op, but {describe_op(reader)} still reads it")
         pending = kept
     return erased
+
+
+def _depth(operation: ir.Operation) -> int:
+    """How many ops enclose ``operation``."""
+    level, parent = 0, operation.parent
+    while parent is not None:
+        level, parent = level + 1, parent.parent
+    return level
 
 
 def describe_op(op: ir.Operation | ir.OpView) -> str:

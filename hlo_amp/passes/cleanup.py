@@ -104,10 +104,10 @@ def _fold_and_merge(module: ir.Module) -> tuple[int, int, int]:
             merged += 1
         else:
             seen.setdefault(key, convert)
-    return folded, merged, _erase_dead_converts(converts)
+    return folded, merged, _discard_dead_converts(converts)
 
 
-def _erase_dead_converts(converts: list[Any]) -> int:
+def _discard_dead_converts(converts: list[Any]) -> int:
     # Consumers follow their producers in program order, so one backward sweep also
     # catches a convert that only fed a convert discarded just before. Folding and
     # merging only replace uses, so the converts walked for them are still all there are.
