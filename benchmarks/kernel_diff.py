@@ -3,7 +3,7 @@
 ``python -m benchmarks.kernel_diff decoder`` compiles one workload's train step twice
 for a device without it (``--device``, default ``h100-aot``; variants as
 ``benchmarks.run`` names them, default ``flax bf16`` against ``hlo_amp mixed_bfloat16``),
-estimates both with ``benchmarks/gpu_aot.py`` and prints the kernels one side has more
+estimates both with ``hlo_amp/targets/roofline.py`` and prints the kernels one side has more
 of than the other. Kernels are matched by what the model charges for them (op, matrix
 kind, operand types, FLOPs, bytes), not by name: names differ between compiles.
 """
@@ -18,7 +18,7 @@ KernelKey = tuple[str, str, tuple[str, ...], int, int]
 
 
 def kernel_key(kernel: Any) -> KernelKey:
-    """What the model charges for a kernel (``benchmarks.gpu_aot.Kernel``)."""
+    """What the model charges for a kernel (``hlo_amp.targets.roofline.Kernel``)."""
     return (kernel.op, kernel.matrix or "", kernel.operand_types, kernel.flops, kernel.bytes)
 
 

@@ -10,7 +10,7 @@ each in turn), so load on the machine hits them alike. Writes ``RESULTS.md`` and
 ``--device h100-aot`` (``h200-aot``) runs nothing: it compiles every variant for that GPU
 without the device (XLA:GPU, Triton GEMM off) and tabulates, per variant, what XLA's
 optimized HLO and buffer assignment say: cuBLAS/cuDNN calls by operand type, XLA temp
-memory, and `benchmarks.gpu_aot`'s HBM-traffic and roofline estimates. Its section of
+memory, and `hlo_amp.targets.roofline`'s HBM-traffic and roofline estimates. Its section of
 ``RESULTS.md`` is replaced; the rest of the file is kept.
 """
 
@@ -502,7 +502,7 @@ class AotResult:
     error: str | None = None
     compile_s: float = float("nan")
     temp_bytes: int = 0
-    estimate: Any = None  # benchmarks.gpu_aot.Estimate
+    estimate: Any = None  # hlo_amp.targets.roofline.Estimate
     fp8_dots: tuple[int, int, int] | None = None  # (run as fp8 GEMMs, quantised, unknown)
 
 
@@ -511,7 +511,7 @@ def aot_compile(workload: Any, variant: str, target: Any, x: Any, y: Any) -> Aot
     import jax
 
     import hlo_amp
-    from benchmarks.gpu_aot import estimate
+    from hlo_amp.targets.roofline import estimate
     from benchmarks.workloads import HLO_AMP_POLICIES, XLA_OPTIONS, variant_step
     from hlo_amp import compile_for_target
 
@@ -686,7 +686,7 @@ def aot_header(target: Any, command: str, jax_version: str) -> list[str]:
         ("- HBM GB (est.): over the optimized HLO's top-level kernels (fusions, custom calls, "
          "copies; while bodies times their trip counts), operand + result bytes. Roofline: "
          "per kernel the larger of bytes ÷ HBM bandwidth and matrix FLOPs ÷ the peak of its "
-         "operand type, summed (`benchmarks/gpu_aot.py`)"),
+         "operand type, summed (`hlo_amp/targets/roofline.py`)"),
         ("- blind spots: no L2/cache reuse (every kernel reads and writes HBM), traffic inside "
          "a fusion is free, elementwise FLOPs, launch latency and small-kernel inefficiency are "
          "ignored, peaks are datasheet numbers no kernel reaches, and without a device there "
@@ -714,7 +714,7 @@ def _tpu_aot_header(target: Any, command: str, jax_version: str) -> list[str]:
          "batched dots are convolutions over a batch dilated into holes), those whose two "
          "operands are bf16; XLA temp: `memory_analysis().temp_size_in_bytes`. No fp8 row: "
          f"{_no_fp8(target)}"),
-        ("- HBM GB (est.) and roofline: as for the GPU rows (`benchmarks/gpu_aot.py`), over "
+        ("- HBM GB (est.) and roofline: as for the GPU rows (`hlo_amp/targets/roofline.py`), over "
          "XLA:TPU's top-level fusions; blind spots: VMEM/CMEM reuse, the MXU's f32 passes "
          "(an f32 operand fed as bf16) and the vector units' time are not modelled. Ratios "
          "between variants are the point, not absolute times"),

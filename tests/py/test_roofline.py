@@ -1,4 +1,4 @@
-"""The benchmark's model of a step compiled for an H100 without a device (benchmarks/gpu_aot.py).
+"""The benchmark's model of a step compiled for an H100 without a device (hlo_amp/targets/roofline.py).
 
 Small programs compiled by XLA:GPU for the H100 target, with FLOPs and bytes worked out
 here from the shapes: a GEMM's FLOPs and traffic, a convolution's forward and gradient
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.gpu_aot import F32_NON_TENSOR, estimate
+from hlo_amp.targets.roofline import F32_NON_TENSOR, estimate
 from benchmarks.kernel_diff import surplus
 from benchmarks.run import HAND_WRITTEN, write_aot_section
 from hlo_amp import compile_for_target

@@ -1,5 +1,6 @@
-"""What a train step compiled for a GPU without the device would cost: a model read from
-XLA:GPU's optimized HLO.
+"""The roofline: what a step compiled for a device would cost there, read from XLA's
+optimized HLO (XLA:GPU's; XLA:TPU's the same way, see ``_hlo_conv_flops``). The benchmarks'
+HBM and roofline columns and ``autopolicy(..., target=...)`` read it.
 
 ``estimate(hlo_text, target)`` lists the step's kernels and adds them up:
 
