@@ -30,6 +30,11 @@ class Target:
     # user's own GPU config file.
     peak_flops: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
     hbm_bytes_per_second: float | None = None
+    # Devices in the topology compiled for (8 for "h100x8", 16 for "tpu-v5e:4x4").
+    devices: int = 1
+    # Bytes/s one device sends over the link its collectives use (one direction; between
+    # nodes the network's), for the roofline's collective time; None: not published.
+    link_bytes_per_second: float | None = None
     # Compute dtypes XLA runs on this device only by upcasting (refused, with why).
     unsupported: tuple[tuple[str, str], ...] = ()
 
