@@ -511,9 +511,9 @@ def aot_compile(workload: Any, variant: str, target: Any, x: Any, y: Any) -> Aot
     import jax
 
     import hlo_amp
-    from hlo_amp.targets.roofline import estimate
     from benchmarks.workloads import HLO_AMP_POLICIES, XLA_OPTIONS, variant_step
     from hlo_amp import compile_for_target
+    from hlo_amp.targets.roofline import estimate
 
     result = AotResult(variant)
     try:

@@ -29,7 +29,7 @@ from hlo_amp.policy import Policy, as_policy
 from hlo_amp.quiet_stderr import fd2_muted
 from hlo_amp.report import Report
 from hlo_amp.runtime.deviceless import NoCompilerForTarget, compile_module_for_target
-from hlo_amp.targets import Target, as_target, device_target, refuse_policy_on_device
+from hlo_amp.targets import CpuTarget, Target, as_target, device_target, refuse_policy_on_device
 from hlo_amp.targets.kept_by_xla import mark_kept_by_xla
 
 _SPLIT_MARKER = re.compile(r"^// -----\s*$", re.MULTILINE)
@@ -163,7 +163,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 def _device_target(args: argparse.Namespace) -> Target | None:
     if args.xla_target is None:
         return None
-    if args.target == "cpu":
+    if isinstance(as_target(args.target), CpuTarget):
         raise CliError("hlo-amp-opt: error: --xla-target compiles for a GPU or TPU; it "
                        "cannot be combined with --target cpu")
     try:

@@ -2,9 +2,9 @@
 
 insert_converts decides which ``dot_general`` ops run in fp8 and marks them with the
 attribute ``hlo_amp.fp8 = [lhs type, rhs type, dequantise type]`` (it also checked that
-the dot can take XLA's fp8 GEMM form: hlo_amp/targets/gpu.py). This pass quantises each
-marked operand ``x`` in the program itself (no state to thread through the train step)
-and rewrites the dot to read the fp8 tensors directly:
+the dot can take XLA's fp8 GEMM form: ``Target.fp8_obstacle``, targets/fp8_gemm.py). This
+pass quantises each marked operand ``x`` in the program itself (no state to thread
+through the train step) and rewrites the dot to read the fp8 tensors directly:
 
     amax  = reduce_max(abs(x))                        (f32)
     s     = amax * (1 / fmax)                         (fmax: 448 for e4m3fn, 57344 e5m2)
@@ -40,7 +40,7 @@ from hlo_amp.ir.modules import functions, op_key, walk_operations, with_element
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
-from hlo_amp.targets.gpu import FP8_FALLBACK, FP8_MARK, FP8_MAX
+from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MARK, FP8_MAX
 
 _DOT = frozenset({"stablehlo.dot_general"})
 

@@ -9,8 +9,8 @@ the policy decides an action from the op's Site:
   consumers see the type the program wrote.
 - ``keep`` or no rule: leave the op alone.
 - ``float8_e4m3fn`` / ``float8_e5m2``: a ``dot_general`` that can run as XLA:GPU's fp8
-  GEMM (hlo_amp/targets/gpu.py) is marked with its operand formats (attribute
-  ``hlo_amp.fp8``) for the fp8 pass, which emits the quantise/dequantise chain; the
+  GEMM (`Target.fp8_obstacle`, hlo_amp/targets/fp8_gemm.py) is marked with its operand
+  formats (attribute ``hlo_amp.fp8``) for the fp8 pass, which emits the quantise/dequantise chain; the
   report already shows the fp8 operand types. With ``float8_e5m2`` the operand of a
   backward dot that carries the incoming gradient (hlo_amp/gradients.py) is e5m2, the
   rest e4m3fn. Anything else under an fp8 action computes in the compute dtype, and the
@@ -65,7 +65,7 @@ from hlo_amp.policy import (
 )
 from hlo_amp.report import Decision, Report
 from hlo_amp.targets import NO_TARGET, Target
-from hlo_amp.targets.gpu import FP8_FALLBACK, FP8_MARK, dequantized_format, fp8_obstacle
+from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MARK, dequantized_format
 
 # The candidate ops by name, with their policy op kind.
 _MATRIX_OPS = {f"stablehlo.{kind}": kind for kind in OP_KINDS}
@@ -211,7 +211,7 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
         return Plan(action, rule, none, None, ALREADY_FP8,
                     fp8=(already[0], already[1], str(operands[0])))
     obstacle = (f"fp8 takes dot_general only, not {kind}" if kind != "dot_general"
-                else fp8_obstacle(op))
+                else target.fp8_obstacle(op))
     if obstacle is not None:
         fallback = plan_op(op, kind, policy, COMPUTE, rule, target, elements)
         return dataclasses.replace(fallback, action=action,

@@ -1,7 +1,7 @@
 """The dimension facts of one ``stablehlo.dot_general`` (batch, free and contracting
 dimensions, the canonical m, k, n), as XLA's DotDecomposer
 (xla/hlo/transforms/expanders/dot_decomposer.cc) and the targets' dot rules read them:
-XLA:CPU's bf16 dot layouts (targets/cpu.py) and cuBLASLt's fp8 GEMM form (targets/gpu.py).
+XLA:CPU's bf16 dot layouts (targets/cpu.py) and cuBLASLt's fp8 GEMM form (targets/fp8_gemm.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,11 @@ from dataclasses import dataclass
 
 from hlo_amp.ir.sites import split_segments
 from hlo_amp.report import Decision, Report, is_narrow
-from hlo_amp.targets.target import Target
+from hlo_amp.targets import CpuTarget, GpuTarget, Target, TpuTarget, as_target
+
+# Where the backend is not known (no target facts), any backend's matrix calls.
+_ANY_BACKEND_CALLS = tuple(c for family in (CpuTarget, GpuTarget, TpuTarget)
+                           for c in family.matrix_calls)
 
 _HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
 _HLO_MATMUL = re.compile(
@@ -30,9 +34,7 @@ _HLO_MATMUL = re.compile(
 # One operand: "%x", or "bf16[2,3]{1,0} %x" (commas inside brackets are not separators).
 _OPERAND = re.compile(r"(?:\w+\[[^\]]*\](?:\{[^}]*\})?\s+)?%?[\w.\-]+")
 _CUSTOM_CALL = re.compile(r"custom-call\(([^)]*)\)")
-# XLA:GPU's library calls for matrix ops: cuBLAS GEMMs (``$f8`` for fp8 GEMMs on Hopper)
-# and cuDNN convolutions (forward, filter and input gradients).
-_LIBRARY_CALL = re.compile(r'custom_call_target="__(cublas|cudnn)\$([^"]*)"')
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # A computation's header: ``%name (params) -> type {`` or ``ENTRY %name ...{``.
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -72,9 +74,12 @@ class XlaGemm:
         return f"{self.runner} {'×'.join(self.operand_types)}"
 
 
-def xla_gemms(hlo_text: str) -> list[XlaGemm]:
-    """Every dot, convolution, cuBLAS GEMM and cuDNN convolution call in optimized HLO,
-    in text order."""
+def xla_gemms(hlo_text: str, target: Target | None = None) -> list[XlaGemm]:
+    """Every dot and convolution in optimized HLO, and every custom call ``target`` runs
+    a matrix op as (`Target.matrix_calls`: cuBLAS GEMMs, cuDNN convolutions; any
+    backend's without target facts), in text order."""
+    calls = (target.matrix_calls if target is not None and target.family
+             else _ANY_BACKEND_CALLS)
     types: dict[str, str] = {}
     lines = hlo_text.splitlines()
     triton: set[str] = set()
@@ -95,14 +100,14 @@ def xla_gemms(hlo_text: str) -> list[XlaGemm]:
         match = _HLO_MATMUL.match(line)
         operands = match.group(2) if match else None
         runner = "Triton" if computation in triton else "XLA"
-        library = _LIBRARY_CALL.search(line) if match is None else None
-        if library and "custom-call(" in line:
+        library = _CALL_TARGET.search(line) if match is None else None
+        form = next((c for c in calls if c[0] and library
+                     and library.group(1).startswith(c[0])), None)
+        if form and "custom-call(" in line:
             call = _CUSTOM_CALL.search(line)
             # Library calls take (a, b, then scales / bias): only a and b are matrices.
             operands = ",".join(_OPERAND.findall(call.group(1))[:2]) if call else None
-            name, target = library.groups()
-            runner = ("cuDNN" if name == "cudnn"
-                      else "cuBLAS fp8" if target.endswith("$f8") else "cuBLAS")
+            runner = form[1]
         if operands is None:
             continue
         operand_types = []
@@ -114,7 +119,7 @@ def xla_gemms(hlo_text: str) -> list[XlaGemm]:
         name = op_name.group(1) if op_name else ""
         # XLA:TPU emits dots as convolutions too (``dim_labels=bf_io->bf``); JAX's name
         # for the op says which it was.
-        conv = runner == "cuDNN" or bool(match and match.group(1) == "convolution"
+        conv = form[2] if form else bool(match and match.group(1) == "convolution"
                                          and not name.rsplit("/", 1)[-1].startswith("dot"))
         found.append(XlaGemm(name, tuple(operand_types), runner, conv))
     return found
@@ -172,8 +177,9 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
     ops that is not). A CPU ``target`` (or ``"cpu"``) notes that XLA:CPU has no fp8
     GEMM; ``device`` names a GPU compiled for without one (``"H100"``).
     """
+    target = as_target(target)
     xla_by_scope: dict[str, list[XlaGemm]] = {}
-    for gemm in xla_gemms(hlo_text):
+    for gemm in xla_gemms(hlo_text, target):
         xla_by_scope.setdefault(scope_key(gemm.op_name), []).append(gemm)
     converted: dict[str, list[int]] = {}
     total: dict[str, int] = {}
@@ -200,7 +206,7 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
         if undecided:
             unknown[MERGED] = unknown.get(MERGED, 0) + undecided
     report.unknown_to_xla = unknown
-    report.xla_target = target.family if isinstance(target, Target) else target
+    report.xla_target = target.family
     report.xla_device = device
     report.xla_checked = True
 

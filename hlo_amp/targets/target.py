@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from hlo_amp.targets.fp8_gemm import fp8_obstacle
+
 
 @dataclass(frozen=True)
 class Target:
@@ -42,6 +44,10 @@ class Target:
     family: ClassVar[str | None] = None
     # JAX's lowering platform for a deviceless compile ("cuda", "tpu"); "" for none.
     platform: ClassVar[str] = ""
+    # The custom calls this backend's optimized HLO runs a matrix op as: (custom-call
+    # target prefix, the runner's name in the report, whether it is a convolution); the
+    # first prefix that matches wins. Read by targets/kept_by_xla.py.
+    matrix_calls: ClassVar[tuple[tuple[str, str, bool], ...]] = ()
 
     # -- the facts the passes consult ---------------------------------------------------
 
@@ -84,6 +90,13 @@ class Target:
         """Why this target would not run ``op`` faster in ``compute_dtype`` (the policy's
         ``only_if_faster`` rule), in words; None when it would, or when unknown."""
         return None
+
+    def fp8_obstacle(self, op: Any) -> str | None:
+        """Why ``op`` (a ``stablehlo.dot_general``) cannot take the fp8 GEMM form, in words
+        for the report; None when it can. XLA has one fp8 GEMM form, XLA:GPU's cuBLASLt
+        call (targets/fp8_gemm.py, read from gemm_rewriter.cc); a target that runs fp8 dots
+        by upcasting quantises the same dots, so a run there shows the GPU's numerics."""
+        return fp8_obstacle(op)
 
     def fp8_slower(self) -> str | None:
         """Why this target runs an fp8 dot no faster (``only_if_faster``); None: unknown."""

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from hlo_amp.targets.roofline import F32_NON_TENSOR, estimate
 from benchmarks.kernel_diff import surplus
 from benchmarks.run import HAND_WRITTEN, write_aot_section
 from hlo_amp import compile_for_target
 from hlo_amp.targets import device_target
+from hlo_amp.targets.roofline import F32_NON_TENSOR, estimate
 
 H100 = device_target("h100")
 M, K, N = 256, 512, 384  # multiples of 8: XLA pads no 16-bit GEMM

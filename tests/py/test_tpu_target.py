@@ -199,9 +199,9 @@ def test_unknown_tpu_names_what_is_accepted() -> None:
 def test_aot_estimate_reads_tpu_matrix_ops_and_the_variants_skip_fp8() -> None:
     """benchmarks --device tpu-v5e-aot: a dot XLA:TPU emits as a convolution counts its
     2·M·N·K FLOPs in its operands' class; no fp8 or XLA:GPU-flag variant is compiled."""
-    from hlo_amp.targets.roofline import estimate
     from benchmarks.workloads import variants
     from hlo_amp import compile_for_target
+    from hlo_amp.targets.roofline import estimate
 
     def f(a: jax.Array, b: jax.Array) -> jax.Array:
         return jnp.tanh(jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
@@ -222,8 +222,8 @@ def test_aot_estimate_counts_batched_dots_and_loops_as_xla_tpu_writes_them() -> 
     dilated by as much (one real product per window): its FLOPs are 2·B·M·N·K, not the
     window's size times that; and its loops carry no known_trip_count: the trip count is
     read from the condition (``i < 12``, i from a constant 0)."""
-    from hlo_amp.targets.roofline import estimate
     from hlo_amp import compile_for_target
+    from hlo_amp.targets.roofline import estimate
 
     def attention(q: jax.Array, k: jax.Array) -> jax.Array:
         return jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
