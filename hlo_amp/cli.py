@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", choices=("cpu", "gpu", "tpu"), default=None,
                         help="the backend the module is for: 'cpu' adds the CPU dot-layout "
                              "pass and enables the policy's only_if_faster rule; 'gpu' gives "
-                             "convolutions cuDNN's 16-bit result; 'tpu' keeps the accurate "
-                             "form everywhere")
+                             "convolutions cuDNN's 16-bit result; 'tpu' keeps bf16xbf16->f32 "
+                             "dots and convolutions (in the mixed modes a matrix op in a "
+                             "16-bit region returns 16 bit, as on GPU)")
     parser.add_argument("--xla-target", metavar="DEVICE",
                         help="also compile the rewritten module with XLA for this GPU or "
                              "TPU, without one (h100, h200, a100, a GpuTargetConfig .txtpb "

@@ -66,10 +66,10 @@ class Report:
     rules: list[str] = field(default_factory=list)  # every rule of the policy
     notes: list[str] = field(default_factory=list)
     xla_checked: bool = False
-    # Converted ops XLA's HLO could not decide, counted by why (runtime/kept_by_xla.py).
+    # Converted ops XLA's HLO could not decide, counted by why (targets/kept_by_xla.py).
     unknown_to_xla: dict[str, int] = field(default_factory=dict)
     xla_target: str | None = None  # "cpu" when XLA compiled for CPU alone
-    xla_device: str | None = None  # "H100" when compiled for a GPU without one
+    xla_device: str | None = None  # "H100", "TPU v5e": compiled without the device
     # The propagation pass (mixed_* modes): {"ops": {kind: {"painted": n, "f32": {why: n}}},
     # "functions": [{function, bytes_before, low_bytes_before, bytes_after,
     # low_bytes_after}], "clones": n}; None when it did not run.

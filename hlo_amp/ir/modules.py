@@ -39,8 +39,9 @@ class PassError(ModuleError):
 # - Erasing an op frees it; a Python object still pointing at it, or at one of its
 #   results, reads freed memory when used (a segfault, or a silently wrong answer when
 #   a new op reuses the address). So no pass erases: it ``discard``s an op it has made
-#   dead, and ``run_pipeline`` erases the discarded ops after the pass has returned, when
-#   none of its objects is left. Nothing is freed while a pass runs, so every map it
+#   dead, and ``run_pass`` erases the discarded ops after the pass has returned, when
+#   none of its objects is left (cleanup also between its steps, each a function that
+#   has returned). Nothing is freed while a pass runs, so every map it
 #   keys by values or ops stays true for the whole pass.
 
 DISCARDED_KEY = "hlo_amp.discarded"

@@ -13,8 +13,8 @@ whose result cancels to ~0). A result's ``error`` is the smallest ``rtol`` every
 leaf passes with, ``max((max|a - e| - atol)+ / max|e|)``, which is what a budget bounds.
 
 Parts, each importing only those before it: ``measure`` (the lowering cache, sessions,
-leaf errors and tolerances), ``render`` (table numbers, JSON, the plot), ``compare``,
-``attribute`` and ``autopolicy``.
+leaf errors and tolerances), ``render`` (table numbers, JSON), ``compare``,
+``attribute`` (with its plot) and ``autopolicy``.
 """
 
 from hlo_amp.numerics.attribute import TOP_LEVEL, Attribution, ScopeError, attribute, with_scopes

@@ -10,8 +10,9 @@ the policy decides an action from the op's Site:
 - ``keep`` or no rule: leave the op alone.
 - ``float8_e4m3fn`` / ``float8_e5m2``: a ``dot_general`` that can run as XLA:GPU's fp8
   GEMM (`Target.fp8_obstacle`, hlo_amp/targets/fp8_gemm.py) is marked with its operand
-  formats (attribute ``hlo_amp.fp8``) for the fp8 pass, which emits the quantise/dequantise chain; the
-  report already shows the fp8 operand types. With ``float8_e5m2`` the operand of a
+  formats (attribute ``hlo_amp.fp8``) for the fp8 pass, which quantises the operands and
+  writes the direct form (``dot_general(f8, f8)`` times the scale product); the report
+  already shows the fp8 operand types. With ``float8_e5m2`` the operand of a
   backward dot that carries the incoming gradient (hlo_amp/gradients.py) is e5m2, the
   rest e4m3fn. Anything else under an fp8 action computes in the compute dtype, and the
   report says why.
@@ -191,8 +192,9 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
 
 
 _E4M3, _E5M2 = FP8_TO_ELEMENT["float8_e4m3fn"], FP8_TO_ELEMENT[FP8_E5M2]
-# The reason of a dot whose operands already are dequantised fp8 (the pipeline run on its
-# own output): nothing to do, but the report still shows the fp8 types.
+# The reason of a dot whose operands already are fp8 (the direct form: the pipeline run on
+# its own output), or dequantised fp8: nothing to do, but the report still shows the fp8
+# types.
 ALREADY_FP8 = "already fp8"
 
 
@@ -227,8 +229,8 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
         else:
             formats[gradient] = _E5M2
             how = f" ({('lhs', 'rhs')[gradient]} is the incoming gradient)"
-    # The type the fp8 operands are widened to (Target.fp8_dequantize says why, per
-    # target).
+    # The dequantise type D: the type the scales are rounded to (Target.fp8_dequantize
+    # says why, per target).
     result_name = str(result)
     dequantize = target.fp8_dequantize(result_name, policy.compute_dtype)
     return Plan(action, rule, none, None,

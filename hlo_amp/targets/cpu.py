@@ -389,9 +389,10 @@ class CpuTarget(Target):
         return None
 
     def fp8_slower(self) -> str | None:
-        """XLA:CPU has no fp8 dot: it runs the dequantised operands in f32."""
-        return ("left as written: XLA:CPU has no fp8 dot (it runs the dequantised "
-                "operands in f32)")
+        """XLA:CPU has no fp8 dot: it widens the fp8 operands to f32 and runs the dot in
+        f32."""
+        return ("left as written: XLA:CPU has no fp8 dot (it widens the fp8 operands to "
+                "f32 and runs the dot in f32)")
 
     def fp8_dequantize(self, result: str, compute_dtype: str) -> str:
         """f32: XLA:CPU has no fp8 dot; it widens the fp8 operands to f32 and runs the dot

@@ -11,9 +11,9 @@ tensorflow/tensorflow, 2025):
 - ``xla/service/gpu/transforms/gemm_rewriter.cc``: with ``GemmRewriterOptions::kFp8Only``
   (run before the Triton GEMM fusion) ``HandleDot`` rewrites a dot into the
   ``__cublas$lt$matmul$f8`` custom call when ``MatchFp8Param`` matches *both* operands:
-  walking up from the dot operand, an fp8 value, then a ``convert`` to a wider type, then
-  ``multiply`` (either order) or ``divide`` by a ``broadcast`` of a *scalar* scale, then
-  only ops that commute with dequantisation (bitcast, broadcast, copy, dynamic-slice,
+  walking up from the dot operand, an fp8 value (the direct form the fp8 pass writes), or
+  a ``convert`` of one to a wider type ``multiply``-ed (either order) or ``divide``-d by a
+  ``broadcast`` of a *scalar* scale, through only ops that commute with dequantisation (bitcast, broadcast, copy, dynamic-slice,
   pad, reshape, select with a zero operand, slice, transpose; all-gather, all-to-all and
   collective-permute under SPMD). ``CreateF8CustomCall`` then requires: compute
   capability >= 8.9 (Ada/Hopper) and CUDA >= 12; both fp8 types in {F8E4M3FN, F8E5M2}
@@ -21,8 +21,8 @@ tensorflow/tensorflow, 2025):
   F16 or F32 (or fp8); exactly one contracting dimension per operand and operands of
   rank batch + 2 (one free dimension each) after canonicalisation. It pads every
   non-batch dimension to a multiple of 16 (cuBLASLt's fp8 requirement) and slices the
-  result back. The scales become the custom call's a_scale/b_scale operands, so the
-  dequantising multiplies disappear into the GEMM.
+  result back. The scales become the custom call's a_scale/b_scale operands, and the
+  multiply of the result by a broadcast scalar scale product is folded into the call.
 - ``xla/hlo/transforms/expanders/dot_decomposer.cc`` (run early by
   ``xla/service/gpu/gpu_compiler.cc``, after ``DotDimensionSorter``): any dot that is not
   canonical is rewritten as transpose + reshape of each operand into

@@ -70,7 +70,7 @@ class XlaGemm:
 
     @property
     def form(self) -> str:
-        """How XLA runs it, in words: ``cuDNN conv f32×f32``, ``cuBLAS bf16×bf16``."""
+        """How XLA runs it, in words: ``cuDNN f32×f32``, ``cuBLAS bf16×bf16``."""
         return f"{self.runner} {'×'.join(self.operand_types)}"
 
 
@@ -175,7 +175,7 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
     and ``report.unknown_to_xla`` counts why. Each decided op also gets ``xla_form``, how
     XLA runs it (``cuBLAS bf16×bf16``; for an op not kept, the form of one of its scope's
     ops that is not). A CPU ``target`` (or ``"cpu"``) notes that XLA:CPU has no fp8
-    GEMM; ``device`` names a GPU compiled for without one (``"H100"``).
+    GEMM; ``device`` names a GPU or TPU compiled for without one (``"H100"``, ``"TPU v5e"``).
     """
     target = as_target(target)
     xla_by_scope: dict[str, list[XlaGemm]] = {}

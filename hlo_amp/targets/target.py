@@ -93,8 +93,9 @@ class Target:
 
     def fp8_obstacle(self, op: Any) -> str | None:
         """Why ``op`` (a ``stablehlo.dot_general``) cannot take the fp8 GEMM form, in words
-        for the report; None when it can. XLA has one fp8 GEMM form, XLA:GPU's cuBLASLt
-        call (targets/fp8_gemm.py, read from gemm_rewriter.cc); a target that runs fp8 dots
+        for the report; None when it can. XLA has one fp8 GEMM form, which XLA:GPU runs
+        as a cuBLASLt ``$f8`` call or, with Triton GEMMs on, a Triton fp8 fusion
+        (targets/fp8_gemm.py, read from gemm_rewriter.cc); a target that runs fp8 dots
         by upcasting quantises the same dots, so a run there shows the GPU's numerics."""
         return fp8_obstacle(op)
 
@@ -107,7 +108,7 @@ class Target:
         (docs/fp8.md; ``result``: the dot's result element type). The dot itself reads
         the fp8 tensors (the direct form); XLA:GPU folds the scale product into the fp8
         GEMM whatever D is (xla/service/gpu/transforms/gemm_rewriter.cc, see
-        targets/gpu.py)."""
+        targets/fp8_gemm.py)."""
         if result in ("bf16", "f16"):
             return result
         return "bf16" if compute_dtype == "bfloat16" else "f32"
