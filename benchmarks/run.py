@@ -451,10 +451,11 @@ def main(argv: list[str] | None = None) -> None:
              "on a CPU without `avx512_bf16`/`amx_bf16`; they are left out here because "
              + ("this CPU lists " + ", ".join(f"`{f}`" for f in cpu_flags) if cpu_flags
                 else "the dots ran on the GPU") + ".")]),
-        *([("- Measured GPU rows are not in this file: it was made on CPU. They come from "
+        *([("- This file was made on CPU; measured GPU rows come from "
             "`python -m benchmarks.run --device gpu` on a GPU machine (variants f32 with "
             "XLA's default TF32, f32 with `xla_gpu_default_to_alg_dot_bf16_bf16_f32`, Flax "
-            "bf16, Keras mixed_bfloat16, hlo_amp bf16 and mixed_bfloat16). Rows compiled "
+            "bf16, Keras mixed_bfloat16, hlo_amp bf16 and mixed_bfloat16; the last such "
+            "run, on an H100, is in its own section below). Rows compiled "
             "for an H100 without a device (`--device h100-aot`), nothing run, are in their "
             "own section below.")]
           if args.device == "cpu" else []),
