@@ -19,6 +19,24 @@ from hlo_amp.targets.fp8_gemm import fp8_obstacle
 
 
 @dataclass(frozen=True)
+class PaintForm:
+    """What the target wants of the mixed modes' painting (passes/propagate/solve.py),
+    made from its facts by `Target.paint_form`.
+
+    ``low_results``: every unpinned matrix op returns the 16-bit type, also where only
+    f32 ops read it; otherwise only where a 16-bit region reads it.
+    ``pin_at_deny``: a deny op pins the value it reads (stays f32) and nothing spreads
+    from it (``Target.deny_pins_its_inputs``); otherwise deny ops convert their own 16-bit
+    inputs.
+    ``sum_copies``: sums that read an f32 value after a deny op which matrix ops read
+    too read its 16-bit copy (``Target.sums_read_a_16bit_copy``)."""
+
+    low_results: bool
+    pin_at_deny: bool
+    sum_copies: bool
+
+
+@dataclass(frozen=True)
 class Target:
     """No target facts; the base of every backend family's target."""
 
@@ -80,6 +98,13 @@ class Target:
         """Whether, in the mixed modes, sums that read an f32 value which matrix ops read
         in 16 bit read the 16-bit copy, behind an ``optimization_barrier``. No by default."""
         return False
+
+    def paint_form(self, keep_f32_results: bool = False) -> PaintForm:
+        """The painting the mixed modes do for this target: its three facts above, and the
+        policy's ``keep_f32_results`` (matrix ops read only by f32 ops keep f32 results)."""
+        return PaintForm(low_results=self.matrix_result_in_16bit and not keep_f32_results,
+                         pin_at_deny=self.deny_pins_its_inputs,
+                         sum_copies=self.sums_read_a_16bit_copy)
 
     @property
     def relays_dots(self) -> bool:

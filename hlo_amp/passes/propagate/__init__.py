@@ -63,7 +63,7 @@ from hlo_amp.passes.propagate.accounting import bytes_table, intermediate_bytes,
 from hlo_amp.passes.propagate.body import Body
 from hlo_amp.passes.propagate.graph import Graph
 from hlo_amp.passes.propagate.rewrite import Rewriter
-from hlo_amp.passes.propagate.solve import PaintForm, solve
+from hlo_amp.passes.propagate.solve import solve
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
 from hlo_amp.report import Report
 from hlo_amp.targets import NO_TARGET, Target
@@ -90,9 +90,7 @@ class Propagate:
         graph = Graph(self.policy, low, walks)
         graph.build(module)
         in_16bit = self.target.matrix_result_in_16bit
-        solve(graph, PaintForm(low_results=in_16bit and not self.policy.keep_f32_results,
-                               pin_at_deny=self.target.deny_pins_its_inputs,
-                               sum_copies=self.target.sums_read_a_16bit_copy))
+        solve(graph, self.target.paint_form(self.policy.keep_f32_results))
         counts = op_counts(graph)
         with ir.Location.unknown(module.context):  # types are built outside any op
             clones = Rewriter(graph, low, in_16bit, self.target).rewrite(module)

@@ -4,36 +4,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from jax.extend.mlir import ir
 
 from hlo_amp.ir.modules import from_constant
 from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
 from hlo_amp.passes.propagate.graph import DENY_CLASS, LINK, SINK, Graph, Node
+from hlo_amp.targets.target import PaintForm
 
 # Reasons the painting itself gives (reset when it runs again).
 _FEEDS_EXACT = "feeds an op that reads f32 exactly"
 _AFTER_DENY = "downstream of a deny op"
 NOT_BETWEEN = "not between 16-bit ops"
 _SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
-
-
-@dataclass(frozen=True)
-class PaintForm:
-    """What the target wants of the painting (its `Target`'s facts, hlo_amp/targets/).
-
-    ``low_results``: every unpinned matrix op returns the 16-bit type, also where only
-    f32 ops read it; otherwise only where a 16-bit region reads it.
-    ``pin_at_deny``: a deny op pins the value it reads (stays f32) and nothing spreads
-    from it (``Target.deny_pins_its_inputs``); otherwise deny ops convert their own 16-bit
-    inputs.
-    ``sum_copies``: sums that read an f32 value after a deny op which matrix ops read
-    too read its 16-bit copy (``Target.sums_read_a_16bit_copy``)."""
-
-    low_results: bool
-    pin_at_deny: bool
-    sum_copies: bool
 
 
 def solve(graph: Graph, form: PaintForm) -> None:
