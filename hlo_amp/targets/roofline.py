@@ -32,6 +32,13 @@ HBM and roofline columns and ``autopolicy(..., target=...)`` read it.
   of its operand class (``f32`` is TF32 on tensor cores, XLA's default precision;
   ``HIGHEST``/``ALG_DOT_F32_F32_F32`` the non-tensor f32 peak); summed over kernels
   times their execution counts. Kernels without matrix FLOPs are memory-bound in it.
+* **Collective time** per device (``collective_seconds``): each collective of the step
+  (targets/collectives.py: its bytes per device, the larger of operand and result) over
+  the target's ``link_bytes_per_second`` (one direction), times the ring algorithm's
+  factor for its replica group of n devices: all-reduce 2(n-1)/n, all-gather,
+  reduce-scatter and all-to-all (n-1)/n, collective-permute 1; n is the target's
+  ``devices`` where the HLO names no groups. ``roofline_seconds`` is
+  ``kernel_seconds`` (compute and HBM) plus it; for one device nothing changes.
 
 Blind spots, each of which makes a real step differ from the estimate:
 
@@ -45,7 +52,12 @@ Blind spots, each of which makes a real step differ from the estimate:
   call here, and a real run may choose Triton kernels (fused prologues/epilogues change
   the bytes); cuDNN algorithm choice (workspace, Winograd) is not known either;
 * overlap is ideal within a kernel (max of the two bounds) and absent between kernels
-  (streams, async copies); host work, collectives and several devices are absent.
+  (streams, async copies); host work is absent;
+* communication overlaps nothing: XLA's async collectives run beside compute, so a real
+  step hides part of ``collective_seconds``; one link bandwidth prices every collective
+  (no NVLink/network or ICI-torus topology, no latency per collective, no in-network
+  reduction such as NVLink SHARP, the ring algorithm whatever NCCL or XLA:TPU choose);
+  a collective's kernel also counts as HBM traffic in ``kernel_seconds``.
 """
 
 from __future__ import annotations
@@ -62,11 +74,16 @@ FREE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
     "after-all", "add-dependency", "partition-id", "replica-id", "domain",
     "async-done", "async-update", "fusion-update", "fusion-done",
+    # An async collective's kernel is its start (its result read from the done's).
+    "all-gather-done", "all-reduce-done", "collective-permute-done", "reduce-scatter-done",
 })
 _SIZES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
           "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25, "token": 0}
 _LOW16 = ("bf16", "f16")
+# Async collective starts whose result is (operands, results): the operands are not written.
+_ALIASING_STARTS = frozenset({"all-gather-start", "collective-permute-start",
+                              "reduce-scatter-start"})
 # NVIDIA's dense non-tensor-core f32 peaks (FLOP/s), for GEMMs XLA runs at full f32
 # precision; Target.peak_flops["f32"] is TF32, XLA's default for f32 dots.
 F32_NON_TENSOR = {"H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
@@ -239,6 +256,11 @@ class Estimate:
     peak_flops: dict[str, float]
     unknown_trip_counts: int = 0
     calls: Counter = field(default_factory=Counter)  # ("GEMM"|"GEMM fp8"|"conv", dtype) -> n
+    # The step's collectives (targets/collectives.py) and what prices them: the target's
+    # devices (a collective whose HLO names no replica groups spans them all) and link.
+    collectives: list[Any] = field(default_factory=list)
+    devices: int = 1
+    link_bytes_per_second: float | None = None
 
     @property
     def matrix_flops(self) -> int:
@@ -262,9 +284,39 @@ class Estimate:
         return sum(k.bytes * k.count for k in self.kernels)
 
     @property
-    def roofline_seconds(self) -> float:
+    def kernel_seconds(self) -> float:
+        """Compute and HBM time of the kernels (a collective's kernel as HBM traffic)."""
         return sum(k.count * k.seconds(self.peak_flops, self.device, self.hbm_bytes_per_second)
                    for k in self.kernels)
+
+    @property
+    def collective_bytes(self) -> int:
+        """Bytes of the step's collectives per device (``Collective.bytes`` × count)."""
+        return sum(c.bytes * c.count for c in self.collectives)
+
+    @property
+    def collective_seconds(self) -> float:
+        """Link time of the step's collectives per device: bytes × the ring algorithm's
+        factor (``collectives.link_factor``) / the link's bandwidth. Zero without
+        collectives, or where the target publishes no link bandwidth
+        (``unpriced_collectives`` then counts them)."""
+        from hlo_amp.targets.collectives import link_factor
+
+        if not self.link_bytes_per_second:
+            return 0.0
+        return sum(c.count * c.bytes * link_factor(c.kind, c.group_size or self.devices)
+                   for c in self.collectives) / self.link_bytes_per_second
+
+    @property
+    def unpriced_collectives(self) -> int:
+        """Collective executions left out of ``collective_seconds`` (no link bandwidth)."""
+        return 0 if self.link_bytes_per_second else sum(c.count for c in self.collectives)
+
+    @property
+    def roofline_seconds(self) -> float:
+        """The step's time per device: ``kernel_seconds + collective_seconds`` (the
+        benchmarks' roofline column; for one device, the kernels' time alone)."""
+        return self.kernel_seconds + self.collective_seconds
 
     @property
     def launches(self) -> int:
@@ -408,7 +460,12 @@ class _Walker:
             self.walk(branch, count, kernels)
             options.append(kernels)
         if options:
-            out.extend(max(options, key=lambda ks: sum(k.bytes * k.count for k in ks)))
+            out.extend(max(options, key=self.branch_weight))
+
+    @staticmethod
+    def branch_weight(kernels: list[Any]) -> int:
+        """What a branch of a ``conditional`` weighs: the branch weighing most counts."""
+        return sum(k.bytes * k.count for k in kernels)
 
     def kernel(self, inst: Instruction, count: int) -> Kernel:
         operands = list(dict.fromkeys(inst.operands))  # each distinct operand read once
@@ -418,6 +475,8 @@ class _Walker:
             return self._fusion(inst, count)
         written = sum(a.bytes for i, a in enumerate(inst.arrays) if not _is_workspace(a, i))
         read = sum(n for n in map(self.size, operands) if n is not None)
+        if inst.op in _ALIASING_STARTS:  # its result tuple repeats its operands
+            written = max(0, written - read)
         call = self._library_call(inst, [self.shape(o) for o in inst.operands[:2]])
         return Kernel(inst.name, inst.op, read + written, count, *(call or ()))
 
@@ -550,7 +609,8 @@ class _Walker:
 
 def estimate(hlo_text: str, target: Any = "h100") -> Estimate:
     """The model's figures for XLA:GPU's optimized HLO of one step compiled for ``target``
-    (a name for ``targets.device_target`` or a ``Target`` with peaks and bandwidth)."""
+    (a name for ``targets.device_target`` or a ``Target`` with peaks and bandwidth; its
+    ``devices`` and ``link_bytes_per_second`` price the collectives)."""
     from hlo_amp.targets import device_target
 
     device = device_target(target)
@@ -564,5 +624,8 @@ def estimate(hlo_text: str, target: Any = "h100") -> Estimate:
     for k in kernels:
         if k.matrix:
             calls[(k.matrix, k.dtype_label)] += k.count
+    from hlo_amp.targets.collectives import read_collectives
+
     return Estimate(kernels, device.device, device.hbm_bytes_per_second,
-                    dict(device.peak_flops), walker.unknown_trip_counts, calls)
+                    dict(device.peak_flops), walker.unknown_trip_counts, calls,
+                    read_collectives(hlo_text), device.devices, device.link_bytes_per_second)
