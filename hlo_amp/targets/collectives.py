@@ -2,9 +2,10 @@
 all-to-all and collective-permute in XLA's optimized HLO, per device, for the report's
 ``collectives`` and the roofline's communication time (targets/roofline.py).
 
-``read_collectives(hlo_text)`` walks the program as the roofline does (ENTRY, the bodies
-of ``while`` loops times their trip counts, ``call``/``async-start`` computations
-inlined, the heaviest branch of a ``conditional``), reusing its parser, and finds:
+``read_collectives(hlo_text)`` walks the program as the roofline does
+(targets/hlo_text.py: ENTRY, the bodies of ``while`` loops times their trip counts,
+``call``/``async-start`` computations inlined, the heaviest branch of a ``conditional``)
+and finds:
 
 * the plain ops (``all-gather(...)``: XLA:CPU, XLA:TPU's synchronous form);
 * the async pairs ``all-gather-start``/``-done``, ``all-reduce-start``,
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlo_amp.ir.sites import parse_name, split_segments
-from hlo_amp.targets.roofline import Instruction, _Walker, parse_module
+from hlo_amp.targets.hlo_text import HloWalker, Instruction, parse_module
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _LOW16 = ("bf16", "f16")
@@ -147,8 +148,8 @@ def _member_names(op_name: str) -> list[str]:
     return [op_name] if op_name else []
 
 
-class _CollectiveWalker(_Walker):
-    """The roofline's walk, collecting a list of ``Collective`` per instruction."""
+class _CollectiveWalker(HloWalker):
+    """The roofline's walk (``HloWalker``), a list of ``Collective`` per instruction."""
 
     def __init__(self, computations: dict[str, list[Instruction]], entry: str):
         super().__init__(computations)
