@@ -331,3 +331,13 @@ def test_report_summary_clause() -> None:
         f"; collectives: 3 per step, {total / 2 ** 20:.2g} MiB per device, {share}% of "
         f"bytes in 16-bit")
     assert "  all-gather: 1, " in str(report)
+
+
+def test_an_async_collective_is_one_hbm_kernel() -> None:
+    """Its start reads the operands and writes the results (its tuple repeats the
+    operands, not written again); its done launches nothing."""
+    kernels = {k.name: k for k in estimate(GPU_ASYNC, "h100").kernels}
+    assert not {"ag-done", "ar-done", "cp-done"} & set(kernels)
+    operands, results = (128 * 64 + 64 * 32) * 2, (256 * 64 + 128 * 32) * 2
+    assert kernels["ag-start"].bytes == operands + results
+    assert kernels["ar-start"].bytes == kernels["cp-start"].bytes == 2 * 64 * 128 * 4
