@@ -45,6 +45,9 @@ _LOW16 = ("bf16", "f16")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+# ``replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``, with device_ids=(...) maybe.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}")
 # Instructions a value passes through unchanged in what it is (an argument's cast or copy).
 _PASS_THROUGH = frozenset({"convert", "bitcast", "copy", "reshape", "transpose", "fusion"})
 
@@ -109,8 +112,7 @@ def group_size(attrs: str) -> int | None:
     ``{{0,1},{2,3}}``, ``[2,4]<=[8]`` (iota: 2 groups of 4) and
     ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (the named axes' sizes multiplied).
     None for ``{}`` (all devices) or no groups (a collective-permute)."""
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*"
-                     r"\{([^}]*)\}", attrs)
+    mesh = _MESH_GROUPS.search(attrs)
     if mesh:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
         axes = re.findall(r"'([^']+)'", mesh.group(2))
@@ -218,10 +220,13 @@ class _CollectiveWalker(HloWalker):
                                                  for n in _member_names(name)) if s))
         source = _SOURCE.search(inst.attrs)
         return Collective(
-            kind, types, total, count, None if kind == "collective-permute" else
-            group_size(inst.attrs), inst.name, scopes,
-            tuple(dict.fromkeys(p for p in map(self.parameter, inst.operands) if p)), name,
-            f"{source.group(1)}:{source.group(2)}" if source else None, low)
+            kind=kind, element_types=types, bytes=total, count=count,
+            group_size=None if kind == "collective-permute" else group_size(inst.attrs),
+            name=inst.name, scopes=scopes,
+            parameters=tuple(dict.fromkeys(p for p in map(self.parameter, inst.operands)
+                                           if p)),
+            op_name=name, source=f"{source.group(1)}:{source.group(2)}" if source else None,
+            bytes_16bit=low)
 
     def parameter(self, name: str) -> str | None:
         """The step's argument ``name`` is a cast or copy of, by its metadata name."""
