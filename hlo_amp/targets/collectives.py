@@ -13,7 +13,8 @@ and finds:
   at their start, their result read from the matching ``-done``;
 * ops wrapped in an ``async-start`` computation, and ops inside fusions (XLA:TPU fuses a
   collective with the computation it overlaps, and writes one collective into several
-  fusions, its start, its overlap and its done, under one ``channel_id``: it counts once).
+  fusions, its start, its overlap and its done, under one ``channel_id``: it counts once;
+  XLA:GPU reuses a ``channel_id`` across distinct collectives, each of which counts).
 
 **Bytes** of a collective are per device and per execution: the larger of its operands'
 and its results' bytes, which is the whole array the collective assembles or reduces:
@@ -161,7 +162,7 @@ class _CollectiveWalker(HloWalker):
         self.home = {i.name: name for name, comp in computations.items() for i in comp}
         self.walk_id = 0
         self.serial = 0
-        self.seen: set[tuple[int, str, str]] = set()
+        self.seen: set[tuple] = set()  # fused collectives found, see _fused
 
     def walk(self, computation: str, count: int, out: list) -> None:
         outer, self.serial = self.walk_id, self.serial + 1
@@ -175,30 +176,31 @@ class _CollectiveWalker(HloWalker):
 
     def kernel(self, inst: Instruction, count: int) -> list[Collective]:  # type: ignore[override]
         if _kind(inst.op):
-            return [c for c in [self.collective(inst, count)] if c is not None]
+            return [self.collective(inst, count)]
         if inst.op in ("fusion", "fusion-start"):
             return self._fused(inst.attr("calls") or "", count, 0)
         return []
 
     def _fused(self, computation: str, count: int, depth: int) -> list[Collective]:
+        """The collectives inside a fusion. XLA:TPU writes one collective into several
+        fusions (its start, the computation it overlaps, its done): a copy with the same
+        channel, kind, name and shapes as one already found in this walk counts once.
+        (Not at the top level: XLA:GPU reuses channel ids across collectives.)"""
         found: list[Collective] = []
         for inst in self.computations.get(computation, []):
             if _kind(inst.op):
-                collective = self.collective(inst, count)
-                if collective is not None:
-                    found.append(collective)
+                channel, op_name = _CHANNEL.search(inst.attrs), _OP_NAME.search(inst.attrs)
+                key = (self.walk_id, inst.op, channel.group(1) if channel else inst.name,
+                       op_name.group(1) if op_name else "", tuple(inst.arrays))
+                if key not in self.seen:
+                    self.seen.add(key)
+                    found.append(self.collective(inst, count))
             elif inst.op == "fusion" and depth < 4:
                 found.extend(self._fused(inst.attr("calls") or "", count, depth + 1))
         return found
 
-    def collective(self, inst: Instruction, count: int) -> Collective | None:
+    def collective(self, inst: Instruction, count: int) -> Collective:
         kind = _kind(inst.op) or ""
-        channel = _CHANNEL.search(inst.attrs)
-        if channel:  # one collective written into several fusions (XLA:TPU) counts once
-            key = (self.walk_id, kind, channel.group(1))
-            if key in self.seen:
-                return None
-            self.seen.add(key)
         operands = [self.defs[o] for o in inst.operands if o in self.defs]
         read = sum(o.bytes for o in operands)
         done = self.done.get(inst.name) if inst.op.endswith("-start") else None

@@ -194,6 +194,18 @@ def test_gpu_async_forms() -> None:
         "collective-permute", 64 * 128 * 4, None)
 
 
+def test_collectives_sharing_a_channel_id_each_count() -> None:
+    """XLA:GPU numbers a shard_map's collectives all ``channel_id=1``: two equal gathers
+    at the top level are two collectives (only XLA:TPU's fused copies count once)."""
+    lines = GPU_ASYNC.splitlines()
+    gather = [ln for ln in lines if "%ag-" in ln.split("=")[0]]
+    again = [ln.replace("%ag-", "%ag2-") for ln in gather]
+    at = lines.index(gather[-1]) + 1
+    twice = "\n".join(lines[:at] + again + lines[at:])
+    found = read_collectives(twice)
+    assert [c.name for c in found if c.kind == "all-gather"] == ["ag-start", "ag2-start"]
+
+
 TPU_FUSED = """\
 HloModule tpu_step
 
