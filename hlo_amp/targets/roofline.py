@@ -7,7 +7,9 @@ HBM and roofline columns and ``autopolicy(..., target=...)`` read it.
 * **Kernels** are the instructions of the ENTRY computation, and of the bodies (and
   conditions) of its ``while`` loops, that launch work: fusions, custom calls (cuBLAS
   GEMMs, cuDNN convolutions, others), copies and any other instruction that is not free
-  (parameters, constants, tuples, get-tuple-element, bitcasts are free). A loop's kernels
+  (parameters, constants, tuples, get-tuple-element, bitcasts are free; an async
+  collective is the kernel of its start, its ``-done`` free). The walk and the parser are
+  targets/hlo_text.py's. A loop's kernels
   count once per iteration: the ``known_trip_count`` XLA prints in the ``while``'s
   ``backend_config`` (nested loops multiply; a loop without one counts once and is
   reported in ``unknown_trip_counts``; XLA:TPU prints none, so there the count is read
