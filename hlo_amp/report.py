@@ -75,6 +75,9 @@ class Report:
     # low_bytes_after}], "clones": n}; None when it did not run.
     propagation: dict[str, Any] | None = None
     rules_used: set[str] = field(default_factory=set)  # rules that matched non-matrix ops
+    # The compiled step's collectives (targets/collectives.py ``Collective``), read from
+    # XLA's optimized HLO by AmpCompiled.report(); empty before XLA compiles or unsharded.
+    collectives: list[Any] = field(default_factory=list)
 
     def add(self, decision: Decision) -> int:
         """Append ``decision``; its index, which the pass marks its op with."""
@@ -107,7 +110,8 @@ class Report:
         kinds = [k for k in _KIND_ORDER if any(d.op_kind == k for d in self.decisions)]
         kinds += sorted({d.op_kind for d in self.decisions} - set(kinds))
         if not kinds:
-            return "no dot or convolution ops found"
+            line = "no dot or convolution ops found"
+            return line + ("; " + self.collectives_clause() if self.collectives else "")
         parts = []
         for kind in kinds:
             of_kind = [d for d in self.decisions if d.op_kind == kind]
@@ -138,7 +142,31 @@ class Report:
                              "preview, not a speed-up)")
         if self.propagation is not None:
             line += "; " + self.activations_clause()
+        if self.collectives:
+            line += "; " + self.collectives_clause()
         return line
+
+    def collectives_clause(self) -> str:
+        """``collectives: 41 per step, 468 MiB per device, 62% of bytes in 16-bit`` (bytes
+        per device and step; 16-bit: bf16 and f16 arrays)."""
+        count = sum(c.count for c in self.collectives)
+        total = sum(c.bytes * c.count for c in self.collectives)
+        low = sum(c.bytes_16bit * c.count for c in self.collectives)
+        share = f"{100.0 * low / total:.0f}%" if total else "n/a"
+        return (f"collectives: {count} per step, {_mib(total)} per device, {share} of bytes "
+                f"in 16-bit")
+
+    def collective_lines(self) -> list[str]:
+        """Per kind of collective: executions, bytes per device and step, element types."""
+        if not self.collectives:
+            return []
+        lines = ["collectives per kind (per device and step; each one in to_json()):"]
+        for kind in dict.fromkeys(c.kind for c in self.collectives):
+            of_kind = [c for c in self.collectives if c.kind == kind]
+            types = ", ".join(dict.fromkeys(t for c in of_kind for t in c.element_types))
+            lines.append(f"  {kind}: {sum(c.count for c in of_kind)}, "
+                         f"{_mib(sum(c.bytes * c.count for c in of_kind))} ({types})")
+        return lines
 
     def activations_clause(self) -> str:
         """``activations: 71% of intermediate bytes in 16-bit (was 0%)``."""
@@ -234,6 +262,7 @@ class Report:
             "unknown_to_xla": dict(self.unknown_to_xla),
             "xla_device": self.xla_device,
             "propagation": self.propagation,
+            "collectives": [asdict(c) for c in self.collectives],
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -259,6 +288,7 @@ class Report:
         if self.unused_rules:
             lines.append("unused rules (matched no op): " + ", ".join(self.unused_rules))
         lines.extend(self.propagation_lines())
+        lines.extend(self.collective_lines())
         lines.extend(self.notes)
         lines.extend(self.op_note_lines())
         return "\n".join(lines)
@@ -279,6 +309,11 @@ def _size(count: int) -> str:
     if count < 1024 ** 2:
         return f"{count / 1024:.1f} KiB"
     return f"{count / 1024 ** 2:.1f} MiB"
+
+
+def _mib(count: int) -> str:
+    mib = count / 1024 ** 2
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2g} MiB"
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:

@@ -54,6 +54,7 @@ from hlo_amp.targets import (
     platforms_target,
     refuse_policy_on_device,
 )
+from hlo_amp.targets.collectives import read_collectives
 from hlo_amp.targets.kept_by_xla import mark_kept_by_xla
 
 
@@ -115,12 +116,15 @@ class AmpCompiled:
         return self._compiled.cost_analysis()
 
     def report(self) -> Report:
-        """The pass's report, with ``kept_by_xla`` filled in from the optimized HLO."""
+        """The pass's report, with ``kept_by_xla`` and ``collectives`` filled in from the
+        optimized HLO."""
         if self._report is None:
             report = copy.deepcopy(self._pass_report)
             try:
-                mark_kept_by_xla(report, self._compiled.as_text(), self._target,
+                hlo_text = self._compiled.as_text()
+                mark_kept_by_xla(report, hlo_text, self._target,
                                  device=self.device.device if self.device else None)
+                report.collectives = read_collectives(hlo_text)
             except Exception as error:  # noqa: BLE001  (advisory; never fail on it)
                 report.notes.append(f"could not read XLA's optimized HLO: {error}")
             self._report = report

@@ -7,7 +7,9 @@ HBM and roofline columns and ``autopolicy(..., target=...)`` read it.
 * **Kernels** are the instructions of the ENTRY computation, and of the bodies (and
   conditions) of its ``while`` loops, that launch work: fusions, custom calls (cuBLAS
   GEMMs, cuDNN convolutions, others), copies and any other instruction that is not free
-  (parameters, constants, tuples, get-tuple-element, bitcasts are free). A loop's kernels
+  (parameters, constants, tuples, get-tuple-element, bitcasts are free; an async
+  collective is the kernel of its start, its ``-done`` free). The walk and the parser are
+  targets/hlo_text.py's. A loop's kernels
   count once per iteration: the ``known_trip_count`` XLA prints in the ``while``'s
   ``backend_config`` (nested loops multiply; a loop without one counts once and is
   reported in ``unknown_trip_counts``; XLA:TPU prints none, so there the count is read
@@ -32,6 +34,13 @@ HBM and roofline columns and ``autopolicy(..., target=...)`` read it.
   of its operand class (``f32`` is TF32 on tensor cores, XLA's default precision;
   ``HIGHEST``/``ALG_DOT_F32_F32_F32`` the non-tensor f32 peak); summed over kernels
   times their execution counts. Kernels without matrix FLOPs are memory-bound in it.
+* **Collective time** per device (``collective_seconds``): each collective of the step
+  (targets/collectives.py: its bytes per device, the larger of operand and result) over
+  the target's ``link_bytes_per_second`` (one direction), times the ring algorithm's
+  factor for its replica group of n devices: all-reduce 2(n-1)/n, all-gather,
+  reduce-scatter and all-to-all (n-1)/n, collective-permute 1; n is the target's
+  ``devices`` where the HLO names no groups. ``roofline_seconds`` is
+  ``kernel_seconds`` (compute and HBM) plus it; for one device nothing changes.
 
 Blind spots, each of which makes a real step differ from the estimate:
 
@@ -45,143 +54,32 @@ Blind spots, each of which makes a real step differ from the estimate:
   call here, and a real run may choose Triton kernels (fused prologues/epilogues change
   the bytes); cuDNN algorithm choice (workspace, Winograd) is not known either;
 * overlap is ideal within a kernel (max of the two bounds) and absent between kernels
-  (streams, async copies); host work, collectives and several devices are absent.
+  (streams, async copies); host work is absent;
+* communication overlaps nothing: XLA's async collectives run beside compute, so a real
+  step hides part of ``collective_seconds``; one link bandwidth prices every collective
+  (no NVLink/network or ICI-torus topology, no latency per collective, no in-network
+  reduction such as NVLink SHARP, the ring algorithm whatever NCCL or XLA:TPU choose);
+  a collective's kernel also counts as HBM traffic in ``kernel_seconds``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-# Instructions that launch nothing: no bytes moved, no kernel.
-FREE = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
-    "after-all", "add-dependency", "partition-id", "replica-id", "domain",
-    "async-done", "async-update", "fusion-update", "fusion-done",
-})
-_SIZES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-          "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25, "token": 0}
+from hlo_amp.targets.collectives import link_factor, read_collectives
+from hlo_amp.targets.hlo_text import Array, HloWalker, Instruction, dims, parse_module
+
 _LOW16 = ("bf16", "f16")
+# Async collective starts whose result is (operands, results): the operands are not written.
+_ALIASING_STARTS = frozenset({"all-gather-start", "collective-permute-start",
+                              "reduce-scatter-start"})
 # NVIDIA's dense non-tensor-core f32 peaks (FLOP/s), for GEMMs XLA runs at full f32
 # precision; Target.peak_flops["f32"] is TF32, XLA's default for f32 dots.
 F32_NON_TENSOR = {"H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
-
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*->.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_ARRAY = re.compile(r"(\w+)\[([^\]]*)\]")
-_REF = re.compile(r"%([\w.\-]+)")
-
-
-def _dtype_bytes(dtype: str) -> float:
-    if dtype.startswith(("f8", "f4", "f6")):
-        return {"f8": 1, "f6": 0.75, "f4": 0.5}[dtype[:2]]
-    return _SIZES.get(dtype, 4)
-
-
-def _dims(text: str) -> tuple[int, ...]:
-    return tuple(int(d.replace("<=", "")) for d in text.split(",") if d.strip())
-
-
-@dataclass(frozen=True)
-class Array:
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def bytes(self) -> int:
-        return math.ceil(_dtype_bytes(self.dtype) * math.prod(self.shape))
-
-
-@dataclass
-class Instruction:
-    name: str
-    op: str
-    arrays: list[Array]  # the result's arrays (several for a tuple)
-    operands: list[str]
-    attrs: str  # everything after the operand list
-    root: bool = False
-    args: str = ""  # the operand list's text: "0" for parameter(0)
-
-    @property
-    def bytes(self) -> int:
-        return sum(a.bytes for a in self.arrays)
-
-    def attr(self, key: str) -> str | None:
-        match = re.search(rf"\b{key}=%?([\w.\-]+)", self.attrs)
-        return match.group(1) if match else None
-
-    def backend_config(self) -> dict[str, Any]:
-        start = self.attrs.find("backend_config=")
-        if start < 0:
-            return {}
-        try:
-            return json.JSONDecoder().raw_decode(self.attrs, start + len("backend_config="))[0]
-        except ValueError:
-            return {}
-
-
-def _balanced(text: str, start: int) -> int:
-    """Index just past the bracket group opening at ``text[start]``."""
-    depth, pairs = 0, {"(": ")", "{": "}", "[": "]"}
-    closing = set(pairs.values())
-    for i in range(start, len(text)):
-        c = text[i]
-        if c in pairs:
-            depth += 1
-        elif c in closing:
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(text)
-
-
-def _parse_instruction(line: str) -> Instruction | None:
-    match = _INSTRUCTION.match(line)
-    if not match:
-        return None
-    name, rest = match.group(1), match.group(2)
-    end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
-    if end < 0:
-        return None
-    shape_text, rest = rest[:end], rest[end:].lstrip()
-    op_match = re.match(r"([\w\-]+)\(", rest)
-    if not op_match:
-        return None
-    open_at = op_match.end() - 1
-    close_at = _balanced(rest, open_at)
-    arrays = [Array(d, _dims(s)) for d, s in _ARRAY.findall(shape_text)]
-    args = rest[open_at + 1:close_at - 1]
-    return Instruction(name, op_match.group(1), arrays, _REF.findall(args), rest[close_at:],
-                       root=line.lstrip().startswith("ROOT "), args=args)
-
-
-def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
-    """Computations of an HLO module's text, by name, and the ENTRY computation's name."""
-    computations: dict[str, list[Instruction]] = {}
-    current: list[Instruction] | None = None
-    entry = ""
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and "=" not in line.split("(", 1)[0]:
-            current = computations.setdefault(header.group(2), [])
-            if header.group(1):
-                entry = header.group(2)
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        if current is not None:
-            instruction = _parse_instruction(line)
-            if instruction is not None:
-                current.append(instruction)
-    if not entry:
-        raise ValueError("no ENTRY computation in this HLO text")
-    return computations, entry
 
 
 @dataclass(frozen=True)
@@ -239,6 +137,11 @@ class Estimate:
     peak_flops: dict[str, float]
     unknown_trip_counts: int = 0
     calls: Counter = field(default_factory=Counter)  # ("GEMM"|"GEMM fp8"|"conv", dtype) -> n
+    # The step's collectives (targets/collectives.py) and what prices them: the target's
+    # devices (a collective whose HLO names no replica groups spans them all) and link.
+    collectives: list[Any] = field(default_factory=list)
+    devices: int = 1
+    link_bytes_per_second: float | None = None
 
     @property
     def matrix_flops(self) -> int:
@@ -262,9 +165,37 @@ class Estimate:
         return sum(k.bytes * k.count for k in self.kernels)
 
     @property
-    def roofline_seconds(self) -> float:
+    def kernel_seconds(self) -> float:
+        """Compute and HBM time of the kernels (a collective's kernel as HBM traffic)."""
         return sum(k.count * k.seconds(self.peak_flops, self.device, self.hbm_bytes_per_second)
                    for k in self.kernels)
+
+    @property
+    def collective_bytes(self) -> int:
+        """Bytes of the step's collectives per device (``Collective.bytes`` × count)."""
+        return sum(c.bytes * c.count for c in self.collectives)
+
+    @property
+    def collective_seconds(self) -> float:
+        """Link time of the step's collectives per device: bytes × the ring algorithm's
+        factor (``collectives.link_factor``) / the link's bandwidth. Zero without
+        collectives, or where the target publishes no link bandwidth
+        (``unpriced_collectives`` then counts them)."""
+        if not self.link_bytes_per_second:
+            return 0.0
+        return sum(c.count * c.bytes * link_factor(c.kind, c.group_size or self.devices)
+                   for c in self.collectives) / self.link_bytes_per_second
+
+    @property
+    def unpriced_collectives(self) -> int:
+        """Collective executions left out of ``collective_seconds`` (no link bandwidth)."""
+        return 0 if self.link_bytes_per_second else sum(c.count for c in self.collectives)
+
+    @property
+    def roofline_seconds(self) -> float:
+        """The step's time per device: ``kernel_seconds + collective_seconds`` (the
+        benchmarks' roofline column; for one device, the kernels' time alone)."""
+        return self.kernel_seconds + self.collective_seconds
 
     @property
     def launches(self) -> int:
@@ -287,7 +218,7 @@ def _dot_dims(attrs: str) -> dict[str, list[int]]:
     out = {}
     for side in ("rhs_contracting", "rhs_batch"):
         match = re.search(rf"{side}_dims=\{{([\d,]*)\}}", attrs)
-        out[f"{side}_dimensions"] = _dims(match.group(1)) if match else ()
+        out[f"{side}_dimensions"] = dims(match.group(1)) if match else ()
     return out
 
 
@@ -338,77 +269,8 @@ def _hlo_conv_flops(conv: Instruction, shapes: list[Array]) -> int:
     return 2 * macs
 
 
-def _trip_count(condition: list[Instruction], init: Instruction | None,
-                defs: dict[str, Instruction]) -> int | None:
-    """A loop's trip count from its condition, for HLO without ``known_trip_count``
-    (XLA:TPU's): ``i < N`` on a tuple element whose initial value is a constant."""
-    root = next((i for i in condition if i.root), None)
-    local = {i.name: i for i in condition}
-    if (root is None or root.op != "compare" or "direction=LT" not in root.attrs
-            or len(root.operands) != 2 or init is None or init.op != "tuple"):
-        return None
-    counter, bound = (local.get(o) for o in root.operands)
-    if (counter is None or bound is None or counter.op != "get-tuple-element"
-            or bound.op != "constant"):
-        return None
-    index = re.search(r"index=(\d+)", counter.attrs)
-    start = defs.get(init.operands[int(index.group(1))]) if index else None
-    while start is not None and start.op in ("copy", "bitcast") and start.operands:
-        start = defs.get(start.operands[0])  # XLA:TPU copies the counter's constant in
-    if start is None or start.op != "constant":
-        return None
-    return max(0, int(bound.args) - int(start.args))
-
-
-class _Walker:
-    def __init__(self, computations: dict[str, list[Instruction]]):
-        self.computations = computations
-        self.defs = {i.name: i for comp in computations.values() for i in comp}
-        self.unknown_trip_counts = 0
-
-    def shape(self, name: str) -> Array | None:
-        """The (first) array ``name`` defines."""
-        inst = self.defs.get(name)
-        return inst.arrays[0] if inst is not None and inst.arrays else None
-
-    def size(self, name: str) -> int | None:
-        """Bytes of everything ``name`` defines (all of a tuple's arrays)."""
-        inst = self.defs.get(name)
-        return inst.bytes if inst is not None else None
-
-    def walk(self, computation: str, count: int, out: list[Kernel]) -> None:
-        for inst in self.computations.get(computation, []):
-            if inst.op in FREE:
-                continue
-            if inst.op == "while":
-                trips = inst.backend_config().get("known_trip_count", {}).get("n")
-                if trips is None and inst.operands:
-                    trips = _trip_count(self.computations.get(inst.attr("condition") or "", []),
-                                        self.defs.get(inst.operands[0]), self.defs)
-                if trips is None:
-                    self.unknown_trip_counts += 1
-                n = int(trips) if trips is not None else 1
-                self.walk(inst.attr("body") or "", count * n, out)
-                self.walk(inst.attr("condition") or "", count * (n + 1), out)
-            elif inst.op == "conditional":
-                self._conditional(inst, count, out)
-            elif inst.op in ("call", "async-start"):
-                self.walk(inst.attr("to_apply") or inst.attr("calls") or "", count, out)
-            else:
-                out.append(self.kernel(inst, count))
-
-    def _conditional(self, inst: Instruction, count: int, out: list[Kernel]) -> None:
-        match = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
-        branches = (_REF.findall(match.group(1)) if match else
-                    [b for b in (inst.attr("true_computation"),
-                                 inst.attr("false_computation")) if b])
-        options = []
-        for branch in branches:
-            kernels: list[Kernel] = []
-            self.walk(branch, count, kernels)
-            options.append(kernels)
-        if options:
-            out.extend(max(options, key=lambda ks: sum(k.bytes * k.count for k in ks)))
+class _Walker(HloWalker):
+    """The roofline's walk: a ``Kernel`` per instruction that launches one."""
 
     def kernel(self, inst: Instruction, count: int) -> Kernel:
         operands = list(dict.fromkeys(inst.operands))  # each distinct operand read once
@@ -418,6 +280,8 @@ class _Walker:
             return self._fusion(inst, count)
         written = sum(a.bytes for i, a in enumerate(inst.arrays) if not _is_workspace(a, i))
         read = sum(n for n in map(self.size, operands) if n is not None)
+        if inst.op in _ALIASING_STARTS:  # its result tuple repeats its operands
+            written = max(0, written - read)
         call = self._library_call(inst, [self.shape(o) for o in inst.operands[:2]])
         return Kernel(inst.name, inst.op, read + written, count, *(call or ()))
 
@@ -550,7 +414,8 @@ class _Walker:
 
 def estimate(hlo_text: str, target: Any = "h100") -> Estimate:
     """The model's figures for XLA:GPU's optimized HLO of one step compiled for ``target``
-    (a name for ``targets.device_target`` or a ``Target`` with peaks and bandwidth)."""
+    (a name for ``targets.device_target`` or a ``Target`` with peaks and bandwidth; its
+    ``devices`` and ``link_bytes_per_second`` price the collectives)."""
     from hlo_amp.targets import device_target
 
     device = device_target(target)
@@ -565,4 +430,5 @@ def estimate(hlo_text: str, target: Any = "h100") -> Estimate:
         if k.matrix:
             calls[(k.matrix, k.dtype_label)] += k.count
     return Estimate(kernels, device.device, device.hbm_bytes_per_second,
-                    dict(device.peak_flops), walker.unknown_trip_counts, calls)
+                    dict(device.peak_flops), walker.unknown_trip_counts, calls,
+                    read_collectives(hlo_text), device.devices, device.link_bytes_per_second)
