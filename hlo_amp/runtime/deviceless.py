@@ -264,4 +264,8 @@ def _examples(devices: int) -> list[str]:
     """Target names with ``devices`` devices, for messages."""
     names = [f"h100x{devices}"] if devices <= 8 else (
         [f"h100:{devices // 8}x8"] if devices % 8 == 0 else [])
-    return names + ["a tpu-v5e slice of as many chips" if devices > 1 else "h100"]
+    sides = [(a, devices // a) for a in range(2, devices, 2)
+             if devices % a == 0 and (devices // a) % 2 == 0 and a <= devices // a]
+    if sides:
+        names.append("tpu-v5e:{}x{}".format(*sides[-1]))
+    return names or [f"a target of {devices} devices"]

@@ -242,8 +242,9 @@ def test_cli_xla_target_bad_input_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [(
         "hlo-amp-opt: error: --xla-target: target='h900' is neither a known GPU (h100, h200, "
-        "a100), a TPU (tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, optionally with a slice such as "
-        "tpu-v5e:2x2) nor an existing GpuTargetConfig text-proto file")]
+        "a100; several: h100x8, h100:2x8), a TPU (tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, "
+        "optionally with a slice such as tpu-v5e:4x4) nor an existing GpuTargetConfig "
+        "text-proto file")]
     proc = _cli(str(module), "--xla-target", "h100", "--target", "cpu")
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1
     assert "cannot be combined with --target cpu" in proc.stderr
