@@ -15,8 +15,12 @@ autotuning without a device, and XLA's Triton GEMM fusion then fails on some pro
 ``cost_analysis()`` is empty; ``memory_analysis()`` and the optimized HLO are XLA's own.
 
 TPUs the same way with libtpu (``pip install 'hlo_amp[tpu]'``): ``get_topology_desc``
-makes a generation's smallest slice (``v5e:2x2``) from its name, and one of its devices
-holds the replicated arguments. libtpu looks for a TPU VM's metadata server unless
+makes a slice (``v5e:4x4``, or a generation's smallest, ``v5e:2x2``) from its name.
+
+A one-device target (``"h100"``, ``"tpu-v5e"``) compiles on the topology's first device
+with the arguments replicated; a node, nodes or a slice (``"h100x8"``, ``"h100:2x8"``,
+``"tpu-v5e:4x4"``) on all of them, arguments sharded on a mesh of that many devices
+keeping their shardings, so XLA's SPMD partitioner runs as under ``jax.jit``. libtpu looks for a TPU VM's metadata server unless
 ``TPU_SKIP_MDS_QUERY`` is set, so it is set before the first TPU topology is made (and at
 import where ``JAX_PLATFORMS`` excludes TPUs, with ``ALLOW_MULTIPLE_LIBTPU_LOAD``).
 """
@@ -172,14 +176,16 @@ def abstract_arguments(tree: Any, target: Target) -> Any:
         if not isinstance(sharding, jax.sharding.NamedSharding):
             return replicated
         mesh = sharding.mesh
-        if isinstance(mesh, jax.sharding.AbstractMesh) or mesh.size != target.devices:
+        if mesh.size != target.devices:
             return replicated
         axes = tuple(mesh.shape.items())
-        if axes not in meshes:
-            meshes[axes] = target_mesh(target, dict(axes))
-        if mesh == meshes[axes]:
+        key = (axes, tuple(mesh.axis_types))
+        if key not in meshes:  # the same axes on the target's devices, Explicit ones kept
+            meshes[key] = jax.sharding.Mesh(target_mesh(target, dict(axes)).devices,
+                                            mesh.axis_names, axis_types=mesh.axis_types)
+        if mesh == meshes[key]:
             return sharding
-        return jax.sharding.NamedSharding(meshes[axes], sharding.spec,
+        return jax.sharding.NamedSharding(meshes[key], sharding.spec,
                                           memory_kind=sharding.memory_kind)
 
     def place(leaf: Any) -> Any:

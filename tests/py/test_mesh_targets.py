@@ -171,13 +171,23 @@ def test_sharded_train_step_keeps_its_shardings(target: str, axes: dict, policy:
 def test_arguments_of_another_size_or_unsharded_are_replicated() -> None:
     mesh = hlo_amp.target_mesh("h100x8", {"fsdp": 4, "tp": 2})
     other = hlo_amp.target_mesh("tpu-v5e:2x2", {"fsdp": 4})  # 4 devices, not 8
-    args = (jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(mesh, P("fsdp"))),
-            jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(other, P("fsdp"))),
-            jnp.ones((16, 16)))
+    abstract = jax.sharding.AbstractMesh((2, 4), ("data", "model"),
+                                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+    def sds(sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=sharding)
+
+    args = (sds(NamedSharding(mesh, P("fsdp"))), sds(NamedSharding(other, P("fsdp"))),
+            jnp.ones((16, 16)), sds(NamedSharding(abstract, P("data", "model"))))
     placed = deviceless.abstract_arguments(args, targets.device_target("h100x8"))
     assert placed[0].sharding == args[0].sharding
-    assert [a.sharding.spec for a in placed[1:]] == [P(), P()]
+    assert [a.sharding.spec for a in placed[1:3]] == [P(), P()]
     assert all(a.sharding.mesh.devices.size == 8 for a in placed)
+    # An abstract mesh of 8: the same axes, their types kept, on the target's devices.
+    assert placed[3].sharding.spec == P("data", "model")
+    rebuilt = placed[3].sharding.mesh
+    assert (rebuilt.axis_names, rebuilt.axis_types) == (abstract.axis_names,
+                                                        abstract.axis_types)
 
 
 def test_with_sharding_constraint_and_shard_map_compile() -> None:
