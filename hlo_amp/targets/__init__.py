@@ -58,8 +58,8 @@ def device_target(target: str | Target) -> Target:
         return found
     path = Path(target)
     if not path.is_file():
-        raise ValueError(f"target={target!r} is neither a known GPU ({', '.join(GPU_NAMES)}; "
-                         "several: h100x8, h100:2x8), "
+        raise ValueError(f"target={target!r} is neither a known GPU ({', '.join(GPU_NAMES)}), "
+                         "a node or nodes of them (h100x8, h100:2x8), "
                          f"a TPU ({', '.join(TPU_NAMES)}, optionally with a slice such as "
                          "tpu-v5e:4x4) nor an existing GpuTargetConfig text-proto file")
     return gpu_from_config_file(path)
