@@ -168,6 +168,21 @@ def test_sharded_train_step_keeps_its_shardings(target: str, axes: dict, policy:
     assert all(d.kept_by_xla for d in changed if d.op_kind == "dot_general")
 
 
+@pytest.mark.parametrize(("target", "axes"), [
+    ("h100:2x8", {"data": 2, "fsdp": 4, "tp": 2}), ("a100x4", {"fsdp": 2, "tp": 2}),
+    ("tpu-v4:2x2x2", {"fsdp": 8, "tp": 2}), ("tpu-v5p:2x2x4", {"fsdp": 8, "tp": 2}),
+    ("tpu-v6e:4x4", {"fsdp": 8, "tp": 2})])
+def test_nodes_and_slices_compile_each_devices_share(target: str, axes: dict) -> None:
+    mesh = hlo_amp.target_mesh(target, axes)
+    w = jax.ShapeDtypeStruct((128, 256), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", "tp")))
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    compiled = hlo_amp.compile(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)),
+                               "bf16").lower(w, x, target=target).compile()
+    shares = {shape for _, shape in entry_parameters(compiled.as_text())}
+    assert shares == {(128 // axes["fsdp"], 256 // axes["tp"]), (64 // axes["fsdp"], 128)}
+    assert all(d.kept_by_xla for d in compiled.report().decisions if d.changed)
+
+
 def test_arguments_of_another_size_or_unsharded_are_replicated() -> None:
     mesh = hlo_amp.target_mesh("h100x8", {"fsdp": 4, "tp": 2})
     other = hlo_amp.target_mesh("tpu-v5e:2x2", {"fsdp": 4})  # 4 devices, not 8
