@@ -9,6 +9,7 @@ what a TPU refuses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -122,9 +123,7 @@ def _slice_chips(name: str, generation: str, shape: str, slices: _Slices) -> int
     if len(parts) != slices.dims or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"target={name!r}: {rule}")
     sizes = [int(p) for p in parts]
-    chips = 1
-    for size in sizes:
-        chips *= size
+    chips = math.prod(sizes)
     if any(size % _HOST_BOUNDS for size in sizes[:2]) or chips > slices.max_chips:
         raise ValueError(f"target={name!r} is {chips} chips: {rule}")
     return chips
