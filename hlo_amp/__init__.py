@@ -16,7 +16,7 @@ from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import rewrite
 from hlo_amp.runtime.compile import AmpCompiled, AmpFunction, AmpLowered, compile
-from hlo_amp.runtime.deviceless import compile_for_target
+from hlo_amp.runtime.deviceless import compile_for_target, target_mesh
 from hlo_amp.runtime.scaler import (
     DynamicScalerState,
     all_finite,
@@ -50,4 +50,5 @@ __all__ = [
     "module_scopes",
     "rewrite",
     "select_tree",
+    "target_mesh",
 ]

@@ -8,7 +8,8 @@
 ``--xla-target`` also compiles the rewritten module with XLA for that GPU or TPU, on any
 machine (no device, no run; needs the ``gpu`` or ``tpu`` extra), and fills the report's
 kept-by-XLA verdicts from the optimized HLO. A TPU name may carry a slice
-(``tpu-v5e:2x2``).
+(``tpu-v5e:4x4``), a GPU name a count (``h100x8``; nodes: ``h100:2x8``): a module sharded
+over N devices (``mhlo.num_partitions = N``) is partitioned by XLA over N of them.
 
 Errors (unreadable file, text that is not MLIR, a bad policy) print one line on stderr
 and exit with status 1; no output file is written.
@@ -73,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--xla-target", metavar="DEVICE",
                         help="also compile the rewritten module with XLA for this GPU or "
                              "TPU, without one (h100, h200, a100, a GpuTargetConfig .txtpb "
-                             "file; tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, or a slice such as "
-                             "tpu-v5e:2x2), and report whether XLA keeps each converted op "
+                             "file; a node h100x8 or nodes h100:2x8; tpu-v4, tpu-v5e, tpu-v5p, "
+                             "tpu-v6e, or a slice such as tpu-v5e:4x4), and report whether XLA keeps each converted op "
                              "in its dtype (needs the gpu or tpu extra: pip install "
                              "'hlo_amp[gpu]' / 'hlo_amp[tpu]')")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
@@ -182,6 +183,9 @@ def _mark_for_device(report: Report, modules: list, device: Target) -> None:
                 executable = compile_module_for_target(module, device)
         except NoCompilerForTarget as error:
             raise CliError(f"hlo-amp-opt: error: {error}") from None
+        except ValueError as error:  # a module partitioned over more devices than these
+            raise CliError(f"hlo-amp-opt: error: --xla-target {device.name}: {error}"
+                           ) from None
         except Exception as error:  # noqa: BLE001 - XLA's refusal, in one line
             first = (str(error).splitlines() or [type(error).__name__])[0]
             raise CliError(f"hlo-amp-opt: error: XLA could not compile the rewritten module "

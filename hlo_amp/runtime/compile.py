@@ -328,10 +328,12 @@ class AmpFunction:
         """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``).
 
         ``target="h100"`` (``"h200"``, ``"a100"``, a ``GpuTargetConfig`` file's path, or a
-        TPU: ``"tpu-v4"``, ``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``, ``"tpu-v5e:2x2"``)
-        lowers and compiles for that device without one: arrays or
-        ``jax.ShapeDtypeStruct`` arguments, replicated on one device of it; the result can
-        be read, not run.
+        TPU: ``"tpu-v4"``, ``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``) lowers and compiles
+        for that device without one: arrays or ``jax.ShapeDtypeStruct`` arguments,
+        replicated on one device of it; the result can be read, not run. A node, nodes or
+        a slice (``"h100x8"``, ``"h100:2x8"``, ``"tpu-v5e:4x4"``) compiles for all its
+        devices, arguments sharded on ``hlo_amp.target_mesh(target, axes)`` keeping their
+        shardings.
         """
         device = device_target(target) if target is not None else None
         style = argument_style(args, kwargs, self.filter, self._styles)

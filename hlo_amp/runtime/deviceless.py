@@ -15,8 +15,12 @@ autotuning without a device, and XLA's Triton GEMM fusion then fails on some pro
 ``cost_analysis()`` is empty; ``memory_analysis()`` and the optimized HLO are XLA's own.
 
 TPUs the same way with libtpu (``pip install 'hlo_amp[tpu]'``): ``get_topology_desc``
-makes a generation's smallest slice (``v5e:2x2``) from its name, and one of its devices
-holds the replicated arguments. libtpu looks for a TPU VM's metadata server unless
+makes a slice (``v5e:4x4``, or a generation's smallest, ``v5e:2x2``) from its name.
+
+A one-device target (``"h100"``, ``"tpu-v5e"``) compiles on the topology's first device
+with the arguments replicated; a node, nodes or a slice (``"h100x8"``, ``"h100:2x8"``,
+``"tpu-v5e:4x4"``) on all of them, arguments sharded on a mesh of that many devices
+keeping their shardings, so XLA's SPMD partitioner runs as under ``jax.jit``. libtpu looks for a TPU VM's metadata server unless
 ``TPU_SKIP_MDS_QUERY`` is set, so it is set before the first TPU topology is made (and at
 import where ``JAX_PLATFORMS`` excludes TPUs, with ``ALLOW_MULTIPLE_LIBTPU_LOAD``).
 """
@@ -24,10 +28,13 @@ import where ``JAX_PLATFORMS`` excludes TPUs, with ``ALLOW_MULTIPLE_LIBTPU_LOAD`
 from __future__ import annotations
 
 import functools
+import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from hlo_amp.targets import GpuTarget, Target, TpuTarget, device_target
 from hlo_amp.targets.tpu import default_slice
@@ -43,18 +50,65 @@ class NoCompilerForTarget(RuntimeError):
     """The XLA backend for the target is not installed (the CUDA PJRT plugin)."""
 
 
-def target_mesh(target: Target) -> jax.sharding.Mesh:
-    """A one-device mesh on the target's topology (abstract devices, nothing to run on)."""
-    if isinstance(target, TpuTarget):
-        return _tpu_mesh(target.topology, target.description)
-    if not isinstance(target, GpuTarget) or not target.target_config:
+def target_mesh(target: str | Target, axes: Mapping[str, int] | None = None
+                ) -> jax.sharding.Mesh:
+    """A ``jax.sharding.Mesh`` over the abstract devices of ``target`` (``"h100x8"``,
+    ``"tpu-v5e:4x4"``; nothing to run on): ``axes`` maps axis names to sizes whose product
+    is the target's device count (``{"fsdp": 4, "tp": 2}`` on ``"h100x8"``); without them,
+    one axis ``"device"`` over all its devices (one device for ``"h100"``, ``"tpu-v5e"``).
+
+    Arguments placed on it (``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
+    mesh, P("fsdp", "tp")))``) keep their sharding through ``.lower(..., target=...)``.
+    """
+    device = device_target(target)
+    if axes is None:
+        axes = {"device": device.devices}
+    if not isinstance(axes, Mapping) or not all(
+            isinstance(name, str) and isinstance(size, int) and size > 0
+            for name, size in axes.items()):
+        raise TypeError(f"axes={axes!r}: expected a dict of axis names to positive sizes, "
+                        "e.g. {'fsdp': 4, 'tp': 2}")
+    shape = tuple(axes.values())
+    if math.prod(shape) != device.devices:
+        raise ValueError(
+            f"axes={dict(axes)!r} make a mesh of {math.prod(shape)} devices; target "
+            f"{device.name!r} has {device.devices}: their sizes must multiply to "
+            f"{device.devices}")
+    return jax.sharding.Mesh(_device_grid(_topology_devices(device), shape), tuple(axes))
+
+
+def _device_grid(devices: tuple, shape: tuple[int, ...]) -> np.ndarray:
+    """``devices`` arranged as ``shape``: in the physical layout's order where JAX knows
+    it (TPU torus axes, GPUs node by node), as ``jax.make_mesh`` does; else in order."""
+    from jax.experimental import mesh_utils
+
+    if len(devices) > 1:
+        try:
+            return mesh_utils.create_device_mesh(shape, list(devices),
+                                                 allow_split_physical_axes=True)
+        except (AssertionError, ValueError, NotImplementedError):
+            pass  # v4's libtpu topology has one device per TensorCore, not per chip
+    return np.array(devices, dtype=object).reshape(shape)
+
+
+def _topology_devices(target: Target) -> tuple:
+    """The target's abstract devices: the first of its topology for a one-device target,
+    all of them for a node, nodes or a slice."""
+    if isinstance(target, TpuTarget) and target.topology:
+        devices = _tpu_topology(target.topology, target.description)
+    elif isinstance(target, GpuTarget) and target.target_config:
+        devices = _gpu_topology(target.platform, target.target_config, target.topology,
+                                target.description)
+    else:
         raise ValueError(f"target {target.name!r} is not a device to compile for")
-    return _mesh(target.platform, target.target_config, target.description)
+    if target.devices > 1 and len(devices) != target.devices:
+        raise NoCompilerForTarget(f"{target.description}: the topology XLA made has "
+                                  f"{len(devices)} devices, not {target.devices}")
+    return devices[:target.devices]
 
 
 @functools.cache
-def _tpu_mesh(topology_name: str, description: str) -> jax.sharding.Mesh:
-    import numpy as np
+def _tpu_topology(topology_name: str, description: str) -> tuple:
     from jax.experimental import topologies
 
     from hlo_amp.quiet_stderr import fd2_muted
@@ -76,22 +130,23 @@ def _tpu_mesh(topology_name: str, description: str) -> jax.sharding.Mesh:
         raise NoCompilerForTarget(
             f"cannot compile for {description} without a device: {first}. {advice}".strip()
         ) from None
-    return jax.sharding.Mesh(np.array(topology.devices[:1]), ("device",))
+    return tuple(topology.devices)
 
 
 @functools.cache
-def _mesh(platform: str, target_config: str, description: str) -> jax.sharding.Mesh:
+def _gpu_topology(platform: str, target_config: str, topology_name: str,
+                  description: str) -> tuple:
     from jax.experimental import topologies
 
     try:
         topology = topologies.get_topology_desc(
-            platform=platform, target_config=target_config, topology="1x1x1")
+            platform=platform, target_config=target_config, topology=topology_name)
     except Exception as error:  # noqa: BLE001 - the plugin is missing or refuses the proto
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise NoCompilerForTarget(
             f"cannot compile for {description} without a device: {first}. {_plugin_advice()}"
         ) from None
-    return topologies.make_mesh(topology, (1,), ("device",))
+    return tuple(topology.devices)
 
 
 def _plugin_advice() -> str:
@@ -107,13 +162,31 @@ def _plugin_advice() -> str:
 
 
 def abstract_arguments(tree: Any, target: Target) -> Any:
-    """``tree`` with every array leaf an abstract value placed on the target's mesh.
+    """``tree`` with every array leaf an abstract value placed on the target's devices.
 
-    Leaves already placed on that mesh (``jax.ShapeDtypeStruct(..., sharding=...)`` with
-    ``target_mesh(target)``) keep their sharding; every other array is replicated.
+    A leaf with a ``NamedSharding`` whose mesh has as many devices as the target keeps it,
+    rebuilt on ``target_mesh(target, <its axes>)`` (a mesh made by ``target_mesh``, or real
+    arrays sharded over this machine's devices with the same axis names and sizes), as
+    ``jax.jit`` keeps an argument's sharding; every other array is replicated.
     """
-    mesh = target_mesh(target)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    replicated = jax.sharding.NamedSharding(target_mesh(target), jax.sharding.PartitionSpec())
+    meshes: dict[tuple, jax.sharding.Mesh] = {}
+
+    def on_target(sharding: Any) -> Any:
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            return replicated
+        mesh = sharding.mesh
+        if mesh.size != target.devices:
+            return replicated
+        axes = tuple(mesh.shape.items())
+        key = (axes, tuple(mesh.axis_types))
+        if key not in meshes:  # the same axes on the target's devices, Explicit ones kept
+            meshes[key] = jax.sharding.Mesh(target_mesh(target, dict(axes)).devices,
+                                            mesh.axis_names, axis_types=mesh.axis_types)
+        if mesh == meshes[key]:
+            return sharding
+        return jax.sharding.NamedSharding(meshes[key], sharding.spec,
+                                          memory_kind=sharding.memory_kind)
 
     def place(leaf: Any) -> Any:
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -121,10 +194,8 @@ def abstract_arguments(tree: Any, target: Target) -> Any:
                 return jax.ShapeDtypeStruct((), jax.numpy.asarray(leaf).dtype,
                                             sharding=replicated, weak_type=True)
             return leaf
-        sharding = getattr(leaf, "sharding", None)
-        if not (isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh):
-            sharding = replicated
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding,
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                    sharding=on_target(getattr(leaf, "sharding", None)),
                                     weak_type=bool(getattr(leaf, "weak_type", False)))
 
     return jax.tree_util.tree_map(place, tree)
@@ -150,15 +221,57 @@ def compile_for_target(jitted: Any, *args: Any, target: str | Target = "h100",
 
 
 def compile_module_for_target(module: Any, target: Target) -> Any:
-    """A StableHLO ``ir.Module`` (one device, as ``hlo-amp-opt`` reads it) compiled by XLA
-    for ``target``: an executable with ``hlo_modules()`` and
-    ``get_compiled_memory_stats()``; nothing to run."""
-    import numpy as np
+    """A StableHLO ``ir.Module`` (as ``hlo-amp-opt`` reads it) compiled by XLA for
+    ``target``: an executable with ``hlo_modules()`` and ``get_compiled_memory_stats()``;
+    nothing to run. A module with ``mhlo.num_partitions = N`` (``jax.jit(...).lower``'s on
+    an N-device mesh) is partitioned by XLA over the first N of the target's devices."""
     from jax._src import compiler
     from jax._src.lib import xla_client
 
-    device = target_mesh(target).devices.flat[0]
+    partitions = module_partitions(module)
+    devices = _topology_devices(target)
+    if partitions > len(devices):
+        raise ValueError(
+            f"the module is partitioned over {partitions} devices (mhlo.num_partitions); "
+            f"target {target.name!r} has {len(devices)}: compile it for a target with "
+            f"{partitions} devices ({', '.join(_examples(partitions))})")
+    chosen = tuple(devices[:partitions])
     options = compiler.get_compile_options(
-        1, 1, device_assignment=np.array([[device]]),
+        1, partitions, device_assignment=np.array([chosen]),
         env_options_overrides=target.compiler_options)
-    return device.client.compile(module, xla_client.DeviceList((device,)), options)
+    if partitions > 1:  # the shardings the module carries are Shardy's or GSPMD's
+        options.executable_build_options.use_shardy_partitioner = _has_shardy_shardings(
+            module)
+    return chosen[0].client.compile(module, xla_client.DeviceList(chosen), options)
+
+
+def module_partitions(module: Any) -> int:
+    """``mhlo.num_partitions`` of a StableHLO module (1 when absent)."""
+    from jax.extend.mlir import ir
+
+    attributes = module.operation.attributes
+    if "mhlo.num_partitions" not in attributes:
+        return 1
+    return ir.IntegerAttr(attributes["mhlo.num_partitions"]).value
+
+
+def _has_shardy_shardings(module: Any) -> bool:
+    """Whether the module's shardings are Shardy's (an ``sdy.mesh``, ``sdy.sharding``
+    attributes) rather than GSPMD's (``mhlo.sharding``)."""
+    for op in module.body.operations:
+        if op.operation.name.startswith("sdy."):
+            return True
+        if op.operation.name == "func.func" and "sdy." in str(op.operation.attributes):
+            return True
+    return False
+
+
+def _examples(devices: int) -> list[str]:
+    """Target names with ``devices`` devices, for messages."""
+    names = [f"h100x{devices}"] if devices <= 8 else (
+        [f"h100:{devices // 8}x8"] if devices % 8 == 0 else [])
+    sides = [(a, devices // a) for a in range(2, devices, 2)
+             if devices % a == 0 and (devices // a) % 2 == 0 and a <= devices // a]
+    if sides:
+        names.append("tpu-v5e:{}x{}".format(*sides[-1]))
+    return names or [f"a target of {devices} devices"]

@@ -44,8 +44,9 @@ def as_target(target: str | Target | None) -> Target:
 
 def device_target(target: str | Target) -> Target:
     """A device to compile for without having it: ``"h100"``, ``"h200"``, ``"a100"``, the
-    path of a ``GpuTargetConfig`` text proto, or a TPU generation (``"tpu-v5e"``; with a
-    slice: ``"tpu-v5e:2x2"``)."""
+    path of a ``GpuTargetConfig`` text proto, or a TPU generation (``"tpu-v5e"``); or
+    several: a node of GPUs (``"h100x8"``), nodes (``"h100:2x8"``), a TPU slice
+    (``"tpu-v5e:4x4"``)."""
     if isinstance(target, Target):
         return target
     if not isinstance(target, str):
@@ -58,8 +59,9 @@ def device_target(target: str | Target) -> Target:
     path = Path(target)
     if not path.is_file():
         raise ValueError(f"target={target!r} is neither a known GPU ({', '.join(GPU_NAMES)}), "
+                         "a node or nodes of them (h100x8, h100:2x8), "
                          f"a TPU ({', '.join(TPU_NAMES)}, optionally with a slice such as "
-                         "tpu-v5e:2x2) nor an existing GpuTargetConfig text-proto file")
+                         "tpu-v5e:4x4) nor an existing GpuTargetConfig text-proto file")
     return gpu_from_config_file(path)
 
 

@@ -6,6 +6,7 @@ file). What XLA:GPU turns into a Hopper fp8 GEMM is targets/fp8_gemm.py.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,6 +25,8 @@ class GpuTarget(Target):
 
     name: str = "gpu"
     target_config: str = field(default="", repr=False)  # the GpuTargetConfig text proto
+    # XLA's GPU topology: slices x nodes x GPUs per node ("1x2x8": two nodes of 8).
+    topology: str = "1x1x1"
     family: ClassVar[str | None] = "gpu"
     platform: ClassVar[str] = "cuda"
     # cuBLAS(Lt) GEMMs and cuDNN convolutions (forward, filter and input gradients), the
@@ -121,15 +124,50 @@ _GPUS: dict[str, tuple[str, _GpuFacts, dict[str, float]]] = {
 }
 GPU_NAMES = tuple(_GPUS)
 
+# Bytes/s one GPU sends (one direction): to the GPUs of its node over NVLink through
+# NVSwitch, and to other nodes over its own network adapter.
+_LINKS: dict[str, tuple[float, float]] = {
+    # NVLink 4: 18 links, 900 GB/s bidirectional per GPU (H100 SXM datasheet); DGX H100 /
+    # H200: one ConnectX-7 400 Gb/s InfiniBand NDR adapter per GPU (DGX BasePOD guide).
+    "h100": (450e9, 50e9),
+    "h200": (450e9, 50e9),
+    # NVLink 3: 12 links, 600 GB/s bidirectional per GPU (A100 SXM datasheet); DGX A100:
+    # one ConnectX-6 200 Gb/s InfiniBand HDR adapter per GPU.
+    "a100": (300e9, 25e9),
+}
+# GPUs in one NVLink node: an HGX/DGX board holds 8 SXM GPUs behind its NVSwitches. XLA
+# itself takes any count ("1x1x3" too); more than 8 per node is no machine.
+MAX_GPUS_PER_NODE = 8
+# "h100", "h100x8" (one node of 8), "h100:2x8" (2 nodes of 8).
+_GPU_NAME = re.compile(r"^(?P<gpu>[a-z]\d+)(?:x(?P<count>\d+)|:(?P<nodes>\d+)x(?P<per_node>\d+))?$")
+GPU_FORMS = ("NAME (one GPU), NAMExN (one node of N GPUs on NVLink, N from 1 to "
+             f"{MAX_GPUS_PER_NODE}) or NAME:MxN (M nodes of N)")
+
 
 def gpu_device(key: str) -> GpuTarget | None:
-    """A named GPU (``"h100"``), or None for a name not in ``_GPUS``."""
-    if key not in _GPUS:
+    """A named GPU (``"h100"``), a node of them (``"h100x8"``) or several nodes
+    (``"h100:2x8"``); None for a name that is not one of ``_GPUS``'s. A known GPU with a
+    count XLA's topology or a node cannot have is a ValueError naming what is accepted."""
+    match = _GPU_NAME.match(key)
+    if match is None or match["gpu"] not in _GPUS:
+        if key.split("x")[0].split(":")[0] in _GPUS:
+            raise ValueError(f"target={key!r}: a GPU target is {GPU_FORMS}, e.g. h100, "
+                             "h100x8, h100:2x8")
         return None
-    device, facts, peaks = _GPUS[key]
-    return GpuTarget(key, device, facts.description, peak_flops=dict(peaks),
-                     hbm_bytes_per_second=facts.memory_bandwidth,
-                     target_config=_target_config(facts))
+    name = match["gpu"]
+    nodes = int(match["nodes"] or 1)
+    per_node = int(match["count"] or match["per_node"] or 1)
+    if not 1 <= per_node <= MAX_GPUS_PER_NODE or nodes < 1:
+        raise ValueError(f"target={key!r} is {nodes} node(s) of {per_node} GPUs; a GPU "
+                         f"target is {GPU_FORMS}, e.g. h100x8 or h100:2x8")
+    device, facts, peaks = _GPUS[name]
+    nvlink, network = _LINKS[name]
+    count = nodes * per_node
+    where = (f"{nodes} nodes of {per_node}" if nodes > 1 else f"{count}" if count > 1 else "")
+    return GpuTarget(key, device, facts.description + (f" x {where}" if where else ""),
+                     peak_flops=dict(peaks), hbm_bytes_per_second=facts.memory_bandwidth,
+                     devices=count, link_bytes_per_second=network if nodes > 1 else nvlink,
+                     target_config=_target_config(facts), topology=f"1x{nodes}x{per_node}")
 
 
 def gpu_from_config_file(path: Path) -> GpuTarget:

@@ -5,7 +5,8 @@ Both sides are named by JAX's name stack (the report by the op's location, XLA b
 
 * segments for calls the StableHLO location does not carry: ``closed_call`` after a
   ``while/body`` (scan and fori bodies are private functions), ``jit(inner)`` for an
-  inner ``jax.jit``, and the outer ``jit(f)`` that ``hlo-amp-opt`` inputs may lack;
+  inner ``jax.jit``, ``shard_map`` for a ``shard_map`` body (its ops' locations start
+  inside it), and the outer ``jit(f)`` that ``hlo-amp-opt`` inputs may lack;
 * the last segment: a dot whose result XLA transposes takes the transpose's name
   (``…/dense/transpose``), so ops are matched by scope, not by op name;
 * counts: XLA merges equal dots (the recomputed forward of a ``remat``) and drops dead
@@ -42,7 +43,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _TRITON_FUSION = re.compile(r'calls=%?([\w.\-]+).*"kind":"__triton')
 # Name-stack segments one side has and the other may not (see the module docstring); the
 # call segments of sites.STRUCTURAL that XLA adds or drops, not the transforms.
-_CALL_SEGMENT = re.compile(r"^(?:closed_call|core_call|p?jit\(.*\))$")
+_CALL_SEGMENT = re.compile(r"^(?:closed_call|core_call|shard_map|p?jit\(.*\))$")
 
 UNMATCHED = "no matrix op of its scope left in XLA's HLO (merged or removed)"
 MERGED = "XLA merged or removed some matrix ops of its scope"

@@ -9,6 +9,7 @@ what a TPU refuses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,6 +47,33 @@ _TPUS: dict[str, tuple[str, str, float, float, bool]] = {
 }
 TPU_NAMES = tuple(_TPUS)
 
+
+@dataclass(frozen=True)
+class _Slices:
+    """The slices of a generation: libtpu's names and what the ICI gives each chip."""
+
+    dims: int  # a slice is AxB (2D torus) or AxBxC (3D)
+    max_chips: int  # the largest slice Google Cloud lists
+    devices_per_chip: int  # JAX devices libtpu's deviceless topology makes per chip
+    ici_bytes_per_second: float  # per chip, one direction (half the bidirectional figure)
+
+
+_SLICES: dict[str, _Slices] = {
+    # Google Cloud's former system-architecture table: v4 "Interchip Interconnect BW 2400
+    # Gbps" (not on the v4 page, which gives none; unverified here). Pod: 4096 chips (v4
+    # page). libtpu's v4 topology has one device per TensorCore, two per chip.
+    "tpu-v4": _Slices(3, 4096, 2, 300e9),
+    # v5e page: bidirectional ICI 400 GBps per chip; TPU Pod size 256 chips.
+    "tpu-v5e": _Slices(2, 256, 1, 200e9),
+    # v5p page: bidirectional ICI 1200 GBps per chip; largest slice 16x16x24 (6144 chips).
+    "tpu-v5p": _Slices(3, 6144, 1, 600e9),
+    # v6e page: bidirectional ICI 800 GBps per chip; TPU Pod size 256 chips.
+    "tpu-v6e": _Slices(2, 256, 1, 400e9),
+}
+# libtpu refuses a slice whose first two dimensions its chips-per-host bounds (2x2x1) do
+# not divide: "v5e:3x7", "v4:1x2x2".
+_HOST_BOUNDS = 2
+
 # What XLA:TPU does with the forms hlo_amp writes is invisible in its optimized HLO (the
 # convolution keeps f16 or fp8 operand types) but plain in libtpu's LLO
 # (--xla_jf_dump_llo_text; libtpu 0.0.42.1 and 0.0.50.1, a 512x512 dot per generation):
@@ -68,16 +96,37 @@ def _tpu_fp8(device: str, fp8_modes: bool) -> tuple[tuple[str, str], ...]:
 
 
 def tpu_device(name: str) -> TpuTarget | None:
-    """A TPU generation (``"tpu-v5e"``), optionally with a slice (``"tpu-v5e:2x2"``); None
-    for a name not in ``_TPUS``."""
+    """A TPU generation (``"tpu-v5e"``: one chip of its smallest slice), or a whole slice
+    (``"tpu-v5e:4x4"``, 16 chips); None for a name not in ``_TPUS``, a ValueError naming
+    what is accepted for a slice libtpu does not describe."""
     generation, _, shape = name.partition(":")
     if generation not in _TPUS:
         return None
     device, slice_name, bf16, hbm, fp8_modes = _TPUS[generation]
+    slices = _SLICES[generation]
+    chips = _slice_chips(name, generation, shape, slices) if shape else 1
     topology = f"{slice_name.split(':')[0]}:{shape}" if shape else slice_name
+    devices = chips * slices.devices_per_chip if shape else 1
     return TpuTarget(name, device, f"Google {device} ({topology})",
                      peak_flops={"f32": bf16, "bf16": bf16}, hbm_bytes_per_second=hbm,
+                     devices=devices, link_bytes_per_second=slices.ici_bytes_per_second,
                      topology=topology, unsupported=(_TPU_F16, *_tpu_fp8(device, fp8_modes)))
+
+
+def _slice_chips(name: str, generation: str, shape: str, slices: _Slices) -> int:
+    """The chips in slice ``shape`` of ``generation``, or a ValueError naming the rule."""
+    example = _TPUS[generation][1].split(":")[1]
+    form = "AxB" if slices.dims == 2 else "AxBxC"
+    rule = (f"a {generation} slice is {form} chips with A and B even and at most "
+            f"{slices.max_chips} chips in all, e.g. {generation}:{example}")
+    parts = shape.split("x")
+    if len(parts) != slices.dims or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"target={name!r}: {rule}")
+    sizes = [int(p) for p in parts]
+    chips = math.prod(sizes)
+    if any(size % _HOST_BOUNDS for size in sizes[:2]) or chips > slices.max_chips:
+        raise ValueError(f"target={name!r} is {chips} chips: {rule}")
+    return chips
 
 
 def default_slice(topology: str) -> str:

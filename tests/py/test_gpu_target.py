@@ -183,14 +183,14 @@ def test_missing_cuda_plugin_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
         raise RuntimeError("Unknown backend cuda")
 
     monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
-    deviceless._mesh.cache_clear()
+    deviceless._gpu_topology.cache_clear()
     step, args = WORKLOADS["mlp"]
     try:
         with pytest.raises(deviceless.NoCompilerForTarget,
                            match=r"cannot compile for NVIDIA H100.*without a device"):
             hlo_amp.compile(step, "bf16").lower(*args, target="h100")
     finally:
-        deviceless._mesh.cache_clear()
+        deviceless._gpu_topology.cache_clear()
 
 
 def test_nnx_stateful_step_lowers_for_a_gpu() -> None:
@@ -242,8 +242,9 @@ def test_cli_xla_target_bad_input_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [(
         "hlo-amp-opt: error: --xla-target: target='h900' is neither a known GPU (h100, h200, "
-        "a100), a TPU (tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, optionally with a slice such as "
-        "tpu-v5e:2x2) nor an existing GpuTargetConfig text-proto file")]
+        "a100), a node or nodes of them (h100x8, h100:2x8), a TPU (tpu-v4, tpu-v5e, tpu-v5p, "
+        "tpu-v6e, optionally with a slice such as tpu-v5e:4x4) nor an existing "
+        "GpuTargetConfig text-proto file")]
     proc = _cli(str(module), "--xla-target", "h100", "--target", "cpu")
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1
     assert "cannot be combined with --target cpu" in proc.stderr

@@ -1,0 +1,299 @@
+"""A Llama-style decoder train step, sharded FSDP x TP, compiled for a mesh target.
+
+The model is written the way such models are written in JAX: a pytree of f32 arrays and
+pure functions. RMSNorm, rotary position embeddings (RoPE, the rotate-half form), grouped
+query attention (GQA) with a causal mask, a SwiGLU MLP, pre-norm residual blocks, an
+untied output head, softmax cross-entropy on the next token, and AdamW. The default size
+is about 1B parameters (16 layers, d_model 2048, 32 heads over 8 KV heads, SwiGLU 8192,
+vocab 32k, 2048 tokens; Llama 3.2 1B's shape with a 32k vocabulary); ``SMALL`` is for
+quick runs.
+
+Parameters (and the optimizer's moments) are ``NamedSharding``s on
+``hlo_amp.target_mesh(target, {"fsdp": F, "tp": T})``: the Megatron split (column-parallel
+q/k/v, gate and up projections, row-parallel output and down projections) on ``tp``, and
+the other dimension on ``fsdp``; the batch is split on ``fsdp``.
+
+Variants, each compiled for a target without the device by `compile_variant`:
+
+* ``f32`` — the f32 step under ``jax.jit``;
+* ``hand-cast bf16`` — the peer written by hand: parameters cast to bf16 where they are
+  used, activations bf16, RMSNorm, RoPE, softmax and the loss in f32 (what a bf16 Llama
+  port does);
+* ``hlo_amp bf16``, ``hlo_amp mixed_bfloat16`` — the f32 step, unchanged, through
+  ``hlo_amp.compile(step, policy)``.
+
+    python -m benchmarks.llm --target h100x8 --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import hlo_amp
+from hlo_amp.targets import device_target
+
+
+@dataclass(frozen=True)
+class Config:
+    """The model's shape and the batch."""
+
+    vocab: int = 32000
+    dim: int = 2048
+    layers: int = 16
+    heads: int = 32
+    kv_heads: int = 8
+    hidden: int = 8192  # SwiGLU's inner width
+    seq: int = 2048
+    batch: int = 16  # global: split over the fsdp axis
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    remat: bool = True  # recompute each block in the backward pass, as large steps do
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.1
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+SMALL = Config(vocab=1024, dim=256, layers=2, heads=4, kv_heads=2, hidden=512, seq=128,
+               batch=16)
+VARIANTS = ("f32", "hand-cast bf16", "hlo_amp bf16", "hlo_amp mixed_bfloat16")
+HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16", "hlo_amp mixed_bfloat16": "mixed_bfloat16"}
+
+
+# ---- parameters and their shardings ---------------------------------------------------------
+
+
+def param_shapes(config: Config) -> dict[str, Any]:
+    """The parameter tree's shapes: embedding, stacked-free list of blocks, norm, head."""
+    d, hd = config.dim, config.head_dim
+    block = {"attn_norm": (d,), "wq": (d, config.heads * hd), "wk": (d, config.kv_heads * hd),
+             "wv": (d, config.kv_heads * hd), "wo": (config.heads * hd, d), "mlp_norm": (d,),
+             "w_gate": (d, config.hidden), "w_up": (d, config.hidden),
+             "w_down": (config.hidden, d)}
+    return {"embed": (config.vocab, d), "blocks": [dict(block) for _ in range(config.layers)],
+            "final_norm": (d,), "head": (d, config.vocab)}
+
+
+# Megatron's split on tp, the other dimension on fsdp; norms replicated.
+PARAM_SPECS = {"embed": P("tp", "fsdp"), "head": P("fsdp", "tp"), "final_norm": P(),
+               "attn_norm": P(), "mlp_norm": P(), "wq": P("fsdp", "tp"), "wk": P("fsdp", "tp"),
+               "wv": P("fsdp", "tp"), "wo": P("tp", "fsdp"), "w_gate": P("fsdp", "tp"),
+               "w_up": P("fsdp", "tp"), "w_down": P("tp", "fsdp")}
+
+
+def param_count(config: Config) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(
+        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)))
+
+
+def _specs(config: Config) -> dict[str, Any]:
+    shapes = param_shapes(config)
+    return {"embed": PARAM_SPECS["embed"], "final_norm": PARAM_SPECS["final_norm"],
+            "head": PARAM_SPECS["head"],
+            "blocks": [{name: PARAM_SPECS[name] for name in block}
+                       for block in shapes["blocks"]]}
+
+
+def init_params(config: Config, key: jax.Array) -> dict[str, Any]:
+    """Random f32 parameters (normal, std 0.02; norms at 1)."""
+    shapes = param_shapes(config)
+    leaves, tree = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+    values = [jnp.ones(s, jnp.float32) if len(s) == 1
+              else 0.02 * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, values)
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in f32, returned in x's dtype (Llama's reference does the same)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight).astype(x.dtype)
+
+
+def rope_tables(config: Config) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of each position x frequency, [seq, head_dim], f32."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = jnp.arange(config.seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [batch, seq, heads, head_dim]; the rotate-half form, in f32."""
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def attention(x: jax.Array, block: dict, config: Config, rope: tuple, dtype: Any
+              ) -> jax.Array:
+    """Grouped-query causal self-attention."""
+    b, s, _ = x.shape
+    hd, kv, groups = config.head_dim, config.kv_heads, config.heads // config.kv_heads
+    q = (x @ block["wq"].astype(dtype)).reshape(b, s, config.heads, hd)
+    k = (x @ block["wk"].astype(dtype)).reshape(b, s, kv, hd)
+    v = (x @ block["wv"].astype(dtype)).reshape(b, s, kv, hd)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    q = q.reshape(b, s, kv, groups, hd)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k) / jnp.asarray(math.sqrt(hd), dtype)
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", weights, v).reshape(b, s, config.heads * hd)
+    return out @ block["wo"].astype(dtype)
+
+
+def mlp(x: jax.Array, block: dict, dtype: Any) -> jax.Array:
+    """SwiGLU."""
+    gate = jax.nn.silu(x @ block["w_gate"].astype(dtype))
+    return (gate * (x @ block["w_up"].astype(dtype))) @ block["w_down"].astype(dtype)
+
+
+def forward(params: dict, tokens: jax.Array, config: Config, dtype: Any = jnp.float32,
+            mesh: Any = None) -> jax.Array:
+    """Logits [batch, seq, vocab] in f32; ``dtype`` is the activations' (and the cast
+    parameters') type: f32 for the plain model, bf16 for the hand-cast peer."""
+    rope = rope_tables(config)
+    x = params["embed"].astype(dtype)[tokens]
+
+    def residual(h: jax.Array) -> jax.Array:  # the residual stream: batch over fsdp
+        if mesh is None:
+            return h
+        return jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("fsdp", None, None)))
+
+    def block_fn(h: jax.Array, block: dict) -> jax.Array:
+        h = residual(h + attention(rms_norm(h, block["attn_norm"], config.norm_eps), block,
+                                   config, rope, dtype))
+        return residual(h + mlp(rms_norm(h, block["mlp_norm"], config.norm_eps), block, dtype))
+
+    if config.remat:
+        block_fn = jax.checkpoint(block_fn)
+    x = residual(x)
+    for block in params["blocks"]:
+        x = block_fn(x, block)
+    x = rms_norm(x, params["final_norm"], config.norm_eps)
+    return (x @ params["head"].astype(dtype)).astype(jnp.float32)
+
+
+def loss_fn(params: dict, tokens: jax.Array, config: Config, dtype: Any = jnp.float32,
+            mesh: Any = None) -> jax.Array:
+    """Next-token cross-entropy, in f32; ``tokens`` is [batch, seq + 1]."""
+    logits = forward(params, tokens[:, :-1], config, dtype, mesh)
+    targets = tokens[:, 1:]
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
+
+
+def make_train_step(config: Config, dtype: Any = jnp.float32, mesh: Any = None) -> Callable:
+    """(params, opt_state, tokens) -> (params, opt_state, loss), AdamW."""
+    b1, b2, eps = 0.9, 0.95, 1e-8
+
+    def train_step(params: dict, opt_state: dict, tokens: jax.Array) -> tuple:
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, config, dtype, mesh)
+        count = opt_state["count"] + 1
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, opt_state["mu"], grads)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, opt_state["nu"], grads)
+        scale_mu, scale_nu = 1 - b1 ** count, 1 - b2 ** count
+
+        def update(p: jax.Array, m: jax.Array, v: jax.Array) -> jax.Array:
+            step = (m / scale_mu) / (jnp.sqrt(v / scale_nu) + eps)
+            return p - config.learning_rate * (step + config.weight_decay * p)
+
+        params = jax.tree.map(update, params, mu, nu)
+        return params, {"count": count, "mu": mu, "nu": nu}, loss
+
+    return train_step
+
+
+# ---- compiling for a target ------------------------------------------------------------------------
+
+
+def default_axes(devices: int) -> dict[str, int]:
+    """FSDP over most devices, TP 2 where the count is even."""
+    tp = 2 if devices % 2 == 0 else 1
+    return {"fsdp": devices // tp, "tp": tp}
+
+
+def abstract_state(config: Config, mesh: Any) -> tuple[Any, Any, Any]:
+    """(params, opt_state, tokens) as sharded ``jax.ShapeDtypeStruct``s on ``mesh``."""
+    fsdp, tp = mesh.shape["fsdp"], mesh.shape["tp"]
+    for name, size, axis in (("batch", config.batch, fsdp), ("heads", config.heads, tp),
+                             ("kv_heads", config.kv_heads, tp), ("vocab", config.vocab, tp),
+                             ("dim", config.dim, fsdp)):
+        if size % axis:
+            raise ValueError(f"{name}={size} does not split over a mesh axis of {axis} "
+                             f"(mesh {dict(mesh.shape)}); choose sizes it divides")
+
+    def sds(shape: tuple, spec: P, dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+    params = jax.tree.map(sds, param_shapes(config), _specs(config), is_leaf=is_shape)
+    opt_state = {"count": sds((), P(), jnp.int32), "mu": params, "nu": params}
+    tokens = sds((config.batch, config.seq + 1), P("fsdp", None), jnp.int32)
+    return params, opt_state, tokens
+
+
+def compile_variant(variant: str, target: str, config: Config = Config(),
+                    axes: dict[str, int] | None = None) -> Any:
+    """``variant`` of the train step compiled for ``target`` (``"h100x8"``,
+    ``"tpu-v5e:4x4"``) without the device: JAX's ``Compiled`` for the jax.jit variants,
+    hlo_amp's ``AmpCompiled`` (with ``report()``) for the hlo_amp ones."""
+    device = device_target(target)
+    mesh = hlo_amp.target_mesh(device, axes or default_axes(device.devices))
+    args = abstract_state(config, mesh)
+    if variant == "f32" or variant in HLO_AMP_POLICIES:
+        step = make_train_step(config, jnp.float32, mesh)
+    elif variant == "hand-cast bf16":
+        step = make_train_step(config, jnp.bfloat16, mesh)
+    else:
+        raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
+    if variant in HLO_AMP_POLICIES:
+        return hlo_amp.compile(step, HLO_AMP_POLICIES[variant]).lower(
+            *args, target=device).compile()
+    return hlo_amp.compile_for_target(jax.jit(step), *args, target=device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="h100x8")
+    parser.add_argument("--small", action="store_true", help="the SMALL preset")
+    parser.add_argument("--variant", action="append", choices=VARIANTS,
+                        help="compile only these (default: all)")
+    args = parser.parse_args(argv)
+    config = SMALL if args.small else Config()
+    print(f"{param_count(config) / 1e9:.3f}B parameters, target {args.target}")
+    for variant in args.variant or VARIANTS:
+        start = time.perf_counter()
+        compiled = compile_variant(variant, args.target, config)
+        memory = compiled.memory_analysis()
+        print(f"{variant:24s} compiled in {time.perf_counter() - start:6.1f} s; per device: "
+              f"arguments {memory.argument_size_in_bytes / 2**20:9.1f} MiB, temporaries "
+              f"{memory.temp_size_in_bytes / 2**20:9.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
