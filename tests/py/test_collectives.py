@@ -307,7 +307,8 @@ def test_roofline_adds_collective_time() -> None:
     assert priced.collective_seconds == pytest.approx(expected)
     assert priced.roofline_seconds == pytest.approx(priced.kernel_seconds + expected)
     assert priced.collective_bytes == sum(c.bytes * c.count for c in found)
-    unpriced = estimate(GPU_LOOP, "h100")  # one device, no link bandwidth published
+    # A device without a published link bandwidth (a user's GpuTargetConfig file).
+    unpriced = estimate(GPU_LOOP, dataclasses.replace(h100x8, link_bytes_per_second=None))
     assert unpriced.collective_seconds == 0.0 and unpriced.unpriced_collectives == 18
     assert unpriced.kernel_seconds == pytest.approx(priced.kernel_seconds)
 
