@@ -28,7 +28,9 @@ Variants, each compiled for a target without the device by `compile_variant`:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hlo_amp
-from hlo_amp.targets import device_target
+from hlo_amp.targets import device_target, refuse_policy_on_device
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,12 @@ class Config:
 
 SMALL = Config(vocab=1024, dim=256, layers=2, heads=4, kv_heads=2, hidden=512, seq=128,
                batch=16)
-VARIANTS = ("f32", "hand-cast bf16", "hlo_amp bf16", "hlo_amp mixed_bfloat16")
-HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16", "hlo_amp mixed_bfloat16": "mixed_bfloat16"}
+HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16", "hlo_amp mixed_bfloat16": "mixed_bfloat16",
+                    "hlo_amp mixed reduce=bfloat16": "mixed_bfloat16,reduce=bfloat16",
+                    "hlo_amp fp8": "fp8"}
+VARIANTS = ("f32", "hand-cast bf16", *HLO_AMP_POLICIES)
+# The benchmark's devices: one 8-GPU node, a 16-chip v5e slice (TPUs refuse fp8).
+DEVICES = {"h100x8-aot": "h100x8", "tpu-v5e-16-aot": "tpu-v5e:4x4"}
 
 
 # ---- parameters and their shardings ---------------------------------------------------------
@@ -258,10 +264,12 @@ def abstract_state(config: Config, mesh: Any) -> tuple[Any, Any, Any]:
 
 
 def compile_variant(variant: str, target: str, config: Config = Config(),
-                    axes: dict[str, int] | None = None) -> Any:
+                    axes: dict[str, int] | None = None,
+                    seconds: dict[str, float] | None = None) -> Any:
     """``variant`` of the train step compiled for ``target`` (``"h100x8"``,
     ``"tpu-v5e:4x4"``) without the device: JAX's ``Compiled`` for the jax.jit variants,
-    hlo_amp's ``AmpCompiled`` (with ``report()``) for the hlo_amp ones."""
+    hlo_amp's ``AmpCompiled`` (with ``report()``) for the hlo_amp ones. ``seconds``, if
+    given, receives ``lower``, ``pass`` (hlo_amp only) and ``compile``."""
     device = device_target(target)
     mesh = hlo_amp.target_mesh(device, axes or default_axes(device.devices))
     args = abstract_state(config, mesh)
@@ -271,28 +279,153 @@ def compile_variant(variant: str, target: str, config: Config = Config(),
         step = make_train_step(config, jnp.bfloat16, mesh)
     else:
         raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
+    seconds = {} if seconds is None else seconds
     if variant in HLO_AMP_POLICIES:
-        return hlo_amp.compile(step, HLO_AMP_POLICIES[variant]).lower(
-            *args, target=device).compile()
-    return hlo_amp.compile_for_target(jax.jit(step), *args, target=device)
+        lowered = hlo_amp.compile(step, HLO_AMP_POLICIES[variant]).lower(*args, target=device)
+        compiled = lowered.compile()
+        seconds.update({"lower": lowered.lower_seconds, "pass": lowered.pass_seconds,
+                        "compile": compiled.compile_seconds})
+        return compiled
+    from hlo_amp.runtime.deviceless import lower_for_target
+
+    start = time.perf_counter()
+    lowered = lower_for_target(jax.jit(step), args, {}, device)
+    middle = time.perf_counter()
+    compiled = lowered.compile(device.compiler_options)
+    seconds.update({"lower": middle - start, "compile": time.perf_counter() - middle})
+    return compiled
+
+
+def row(variant: str, target: str, config: Config) -> dict[str, Any]:
+    """One benchmark row: per-device memory, collective bytes by element type, FLOP
+    shares, the roofline step estimate (compute, HBM and link time) and the seconds."""
+    from hlo_amp.targets.collectives import read_collectives
+    from hlo_amp.targets.roofline import estimate
+
+    seconds: dict[str, float] = {}
+    compiled = compile_variant(variant, target, config, seconds=seconds)
+    hlo = compiled.as_text()
+    memory = compiled.memory_analysis()
+    by_type: dict[str, int] = {}
+    for collective in read_collectives(hlo):
+        kind = "+".join(sorted(set(collective.element_types))) or "?"
+        by_type[kind] = by_type.get(kind, 0) + collective.bytes * collective.count
+    model = estimate(hlo, device_target(target))
+    return {"variant": variant, "temp": memory.temp_size_in_bytes,
+            "arguments": memory.argument_size_in_bytes, "collectives": by_type,
+            "share_16bit": model.share_16bit, "share_fp8": model.share_fp8,
+            "kernel_s": model.kernel_seconds, "link_s": model.collective_seconds,
+            "step_s": model.roofline_seconds, **{f"{k}_s": v for k, v in seconds.items()}}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows as a markdown table, ratios against the f32 row."""
+    base = next((r for r in rows if r["variant"] == "f32"), None)
+    out = [("| variant | temp MiB/device | vs f32 | args MiB/device | collective MiB/device "
+            "by type | 16-bit / fp8 FLOPs | roofline ms (compute+HBM, link) | vs f32 | lower s "
+            "| pass s (share of compile) | compile s |"),
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        kinds = ", ".join(f"{_mib(b)} {t}" for t, b in sorted(r["collectives"].items()))
+
+        def ratio(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key] / base[key]:.2f}×" if base and base[key] else "-"
+        pass_cell = (f"{r['pass_s']:.2f} ({100 * r['pass_s'] / r['compile_s']:.1f}%)"
+                     if "pass_s" in r else "-")
+        out.append(
+            f"| {r['variant']} | {_mib(r['temp'])} | {ratio('temp')} | {_mib(r['arguments'])} "
+            f"| {kinds or '-'} | {100 * r['share_16bit']:.0f}% / {100 * r['share_fp8']:.0f}% "
+            f"| {1e3 * r['step_s']:.4g} ({1e3 * r['kernel_s']:.4g}, {1e3 * r['link_s']:.3g}) "
+            f"| {ratio('step_s')} | {r['lower_s']:.1f} | {pass_cell} | {r['compile_s']:.1f} |")
+    return out
+
+
+def _machine() -> str:
+    """This machine's CPU and whether it has AVX512-BF16 (compile times depend on it)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                  if line.startswith("model name")), "unknown CPU")
+    flags = "with `avx512_bf16`" if "avx512_bf16" in info else "without `avx512_bf16`"
+    return f"{model}, {len(os.sched_getaffinity(0))} CPUs, {flags}"
+
+
+def section(device: str, config: Config, rows: list[dict[str, Any]],
+            refused: dict[str, str], command: str) -> list[str]:
+    """The RESULTS.md section for one device: header lines, the table, the refusals."""
+    target = device_target(DEVICES.get(device, device))
+    key = device.removesuffix("-aot")
+    return [f"<!-- benchmarks.llm --device {key}: begin (replaced by each run) -->",
+            (f"## LLM-scale: Llama-style decoder on {target.description}, compiled without "
+            "a device"),
+            "",
+            (f"- model: {param_count(config) / 1e9:.2f}B parameters ({config.layers} layers, "
+            f"d {config.dim}, {config.heads} heads / {config.kv_heads} KV, SwiGLU "
+            f"{config.hidden}, vocab {config.vocab}, seq {config.seq}, global batch "
+            f"{config.batch}); FSDP × TP {default_axes(target.devices)}; AdamW; remat "
+            "per block"),
+            f"- command: `{command}`; jax {jax.__version__}; compiled on {_machine()}",
+            ("- per device: XLA's temp and argument bytes (`memory_analysis()`); collective "
+            "bytes from the optimized HLO (`hlo_amp/targets/collectives.py`, result bytes "
+            "for all-gathers, operand bytes otherwise, loops × trip count); FLOP shares and "
+            "the roofline from `hlo_amp/targets/roofline.py` (compute and HBM per kernel, "
+            "plus link time at the target's published bandwidth, no overlap)"),
+            "", *table(rows), "",
+            *[f"- {variant}: not compiled: {why}" for variant, why in refused.items()],
+            f"<!-- benchmarks.llm --device {key}: end -->"]
+
+
+def write_section(path: Path, lines: list[str], key: str) -> None:
+    """Replace this device's section of ``path`` (or append it)."""
+    text = path.read_text() if path.exists() else ""
+    begin = f"<!-- benchmarks.llm --device {key}: begin"
+    end = f"<!-- benchmarks.llm --device {key}: end -->"
+    block = "\n".join(lines)
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="h100x8")
+    parser.add_argument("--device", default="h100x8-aot",
+                        help=f"{', '.join(DEVICES)}, or any target name (h100x8, "
+                        "tpu-v5e:4x4)")
     parser.add_argument("--small", action="store_true", help="the SMALL preset")
+    parser.add_argument("--layers", type=int, help="override the preset's layer count")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="compile only these (default: all)")
+    parser.add_argument("--results", type=Path,
+                        help="write the table into this markdown file (benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
     config = SMALL if args.small else Config()
-    print(f"{param_count(config) / 1e9:.3f}B parameters, target {args.target}")
+    if args.layers:
+        config = dataclasses.replace(config, layers=args.layers)
+    target = device_target(DEVICES.get(args.device, args.device))
+    print(f"{param_count(config) / 1e9:.3f}B parameters, {target.description}", flush=True)
+    rows, refused = [], {}
     for variant in args.variant or VARIANTS:
-        start = time.perf_counter()
-        compiled = compile_variant(variant, args.target, config)
-        memory = compiled.memory_analysis()
-        print(f"{variant:24s} compiled in {time.perf_counter() - start:6.1f} s; per device: "
-              f"arguments {memory.argument_size_in_bytes / 2**20:9.1f} MiB, temporaries "
-              f"{memory.temp_size_in_bytes / 2**20:9.1f} MiB")
+        if variant in HLO_AMP_POLICIES:
+            try:
+                refuse_policy_on_device(hlo_amp.Policy.parse(HLO_AMP_POLICIES[variant]), target)
+            except ValueError as error:
+                refused[variant] = str(error)
+                print(f"{variant:32s} refused: {error}", flush=True)
+                continue
+        rows.append(row(variant, target.name, config))
+        print("\n".join(table(rows)[-1:]), flush=True)
+    if args.results:
+        command = "python -m benchmarks.llm " + " ".join(argv if argv is not None
+                                                          else sys.argv[1:])
+        write_section(args.results, section(args.device, config, rows, refused, command),
+                      args.device.removesuffix("-aot"))
+        print(f"wrote {args.results}")
 
 
 if __name__ == "__main__":
