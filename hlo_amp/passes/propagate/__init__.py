@@ -15,7 +15,13 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
 2. Deny spreads forward only: the infer ops, and the clear ops and links that lead
    (through clear ops and links) to arithmetic, downstream of a deny op stay f32
    (TensorFlow's forward deny propagation): the centring and scaling after a layer
-   norm's mean, the divide after a softmax's sum.
+   norm's mean, the divide after a softmax's sum. A residual among them, a full-shape
+   f32 value of the forward pass that the backward pass reads and that leads through
+   forward ops to a matrix op (a batch norm's output, the activation after it), is
+   painted all the same (``solve._read_by_backward``): stored in 16 bit, as Keras and
+   Flax store a norm layer's output, not held in f32 from the forward to the backward
+   pass. A statistic (a softmax's sum broadcast, a value a broadcast spreads) is not
+   (``solve._is_statistic``).
 3. The *eligible* nodes are the other unpinned infer/clear ops whose float values are
    all f32 and whose scope the policy leaves to the table, plus loop carries, branch
    results and call arguments/results (links). A node is painted when it is reachable
