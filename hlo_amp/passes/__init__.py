@@ -25,6 +25,7 @@ from hlo_amp.ir.modules import (
     strip_decision_marks,
 )
 from hlo_amp.passes.cleanup import CleanupConverts
+from hlo_amp.passes.comm_precision import CommPrecision
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.insert_converts import InsertConverts
@@ -59,7 +60,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
         passes += [Propagate(policy, target), ScatterToSelect()]
     if policy.uses_fp8:
         passes.append(Fp8Quantize())
-    passes.append(CleanupConverts())
+    passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
     return passes
@@ -69,7 +70,8 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
     target = as_target(target)
     passes: list[Any] = [InsertConverts(policy, target), Propagate(policy, target),
-                         ScatterToSelect(), Fp8Quantize(), CleanupConverts(), FastDotLayout()]
+                         ScatterToSelect(), Fp8Quantize(), CommPrecision(policy),
+                         CleanupConverts(), FastDotLayout()]
     return {p.name: p for p in passes}
 
 
