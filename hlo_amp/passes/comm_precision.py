@@ -42,7 +42,7 @@ from hlo_amp.ir.modules import (
     walk_operations,
     with_element,
 )
-from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
+from hlo_amp.policy import DTYPE_TO_ELEMENT, KEEP, Policy
 from hlo_amp.report import Report
 
 # Ops that only move, replicate or re-place elements: one operand, one result, same
@@ -69,6 +69,9 @@ class CommPrecision:
     name: str = "hlo-amp-comm-precision"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
+        if not any(action not in (None, KEEP, "float32", "float64")
+                   for action in self.policy.actions):
+            return  # the f32 preset changes nothing, a program's own converts included
         moved = sum(_move_converts_up(fn) for fn in functions(module))
         retyped = 0
         if self.policy.reduce is not None:
