@@ -45,15 +45,20 @@ from hlo_amp.ir.modules import (
 from hlo_amp.policy import DTYPE_TO_ELEMENT, KEEP, Policy
 from hlo_amp.report import Report
 
-# Ops that only move, replicate or re-place elements: one operand, one result, same
-# element type. A convert commutes with each of them.
+# Ops that only move, replicate or pick elements of their first operand (the others,
+# if any, are integer indices): one result of the first operand's element type. A
+# convert commutes with each of them.
 _MOVERS = frozenset({
     "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
+    "stablehlo.slice", "stablehlo.reverse", "stablehlo.dynamic_slice", "stablehlo.gather",
     "stablehlo.all_gather", "stablehlo.all_to_all", "stablehlo.collective_permute",
     "sdy.sharding_constraint", "sdy.reshard", "stablehlo.custom_call",
 })
 _MOVER_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
 _CONVERT = "stablehlo.convert"
+_SAME_RANK = frozenset({"stablehlo.slice", "stablehlo.reverse", "stablehlo.pad",
+                        "stablehlo.concatenate", "stablehlo.dynamic_slice",
+                        "stablehlo.dynamic_update_slice"})
 _SHAPE_CHANGERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.transpose",
                              "stablehlo.reshape", "stablehlo.reduce"})
 _DOT = "stablehlo.dot_general"
@@ -90,10 +95,12 @@ class CommPrecision:
 
 
 def _is_mover(op: ir.Operation) -> bool:
-    if op.name not in _MOVERS or len(op.operands) != 1 or len(op.results) != 1:
+    if op.name not in _MOVERS or not op.operands or len(op.results) != 1:
         return False
     if op.regions and any(len(region.blocks) for region in op.regions):
         return False
+    if any(isinstance(element_type(index), ir.FloatType) for index in op.operands[1:]):
+        return False  # a second float operand (a padding value): not one value moved
     if op.name == "stablehlo.custom_call":
         target = op.attributes["call_target_name"]
         return ir.StringAttr(target).value in _MOVER_CALLS
@@ -228,7 +235,7 @@ def _result_axes(op: ir.Operation, known: dict[Any, Axes]) -> Axes | None:
         out = [lhs[a] | rhs[b] for a, b in zip(lb, rb)]
         out += [lhs[d] for d in range(lhs_rank) if d not in lb and d not in lc]
         out += [rhs[d] for d in range(rhs_rank) if d not in rb and d not in rc]
-        return tuple(out)
+        return _one_dim_per_axis(out)
     if not op.operands:
         return None
     if first is None and name in _SHAPE_CHANGERS:
@@ -246,15 +253,32 @@ def _result_axes(op: ir.Operation, known: dict[Any, Axes]) -> Axes | None:
     if name == "stablehlo.reduce":
         reduced = set(_i64s(op.attributes["dimensions"]))
         return tuple(a for d, a in enumerate(first) if d not in reduced)
-    # Elementwise ops (every operand has the result's shape): the union per dimension.
-    shape = list(ir.RankedTensorType(op.results[0].type).shape)
-    if any(_rank(value) != rank or list(ir.RankedTensorType(value.type).shape) != shape
-           for value in op.operands):
-        return None
+    if name in _SAME_RANK:  # slicing, padding or joining keeps each dimension's axes
+        if any(_rank(value) not in (rank, 0) for value in op.operands):
+            return None
+    else:  # elementwise ops (every operand has the result's shape)
+        shape = list(ir.RankedTensorType(op.results[0].type).shape)
+        if any(_rank(value) != rank or list(ir.RankedTensorType(value.type).shape) != shape
+               for value in op.operands):
+            return None
+    # The union per dimension.
     shaped = [axes for axes in operands if axes is not None and len(axes) == rank]
     if not shaped:
         return None
-    return tuple(frozenset().union(*(axes[d] for axes in shaped)) for d in range(rank))
+    return _one_dim_per_axis([frozenset().union(*(axes[d] for axes in shaped))
+                              for d in range(rank)])
+
+
+def _one_dim_per_axis(dims: list[frozenset[str]]) -> Axes:
+    """A mesh axis shards one dimension of a value: where two operands put it on two
+    (an FSDP weight's output dimension next to the batch), the partitioner gathers one;
+    keep the first (batch and the lhs's dimensions come first in a dot's result)."""
+    seen: set[str] = set()
+    out = []
+    for axes in dims:
+        out.append(frozenset(axes - seen))
+        seen |= axes
+    return tuple(out)
 
 
 def _summed_across_devices(op: ir.Operation, known: dict[Any, Axes]) -> bool:

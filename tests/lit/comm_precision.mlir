@@ -8,6 +8,9 @@
 // RUN: hlo-amp-opt %s --split-input-file --policy mixed_bfloat16 | filecheck %s --enable-var-scope --check-prefix=MIXED
 // RUN: hlo-amp-opt %s --split-input-file --policy bf16,reduce=bfloat16 --pass hlo-amp-comm-precision \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=REDUCE
+// The f32 preset changes nothing, a program's own converts included:
+// RUN: hlo-amp-opt %s --split-input-file --policy f32 --pass hlo-amp-comm-precision \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=F32
 // Idempotence:
 // RUN: hlo-amp-opt %s --split-input-file --policy bf16 | hlo-amp-opt --split-input-file --policy bf16 \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=BF16
@@ -88,6 +91,8 @@ module @shard_map_module attributes {mhlo.num_partitions = 8 : i32} {
 // CHECK:         %[[K:.*]] = stablehlo.custom_call @Sharding(%arg1) {mhlo.sharding = "{replicated}"} : (tensor<4x8xf32>) -> tensor<4x8xf32>
 // CHECK:         stablehlo.convert %[[K]] : (tensor<4x8xf32>) -> tensor<4x8xbf16>
 // CHECK:         stablehlo.exponential %[[K]]
+// F32-LABEL: func.func public @gspmd
+// F32:         stablehlo.custom_call @Sharding(%arg0) {mhlo.sharding = "{replicated}"} : (tensor<4x8xf32>) -> tensor<4x8xf32>
 func.func public @gspmd(%arg0: tensor<4x8xf32>, %arg1: tensor<4x8xf32>) -> (tensor<2x4x8xbf16>, tensor<4x8xbf16>, tensor<4x8xf32>) {
   %c = stablehlo.custom_call @Sharding(%arg0) {mhlo.sharding = "{replicated}"} : (tensor<4x8xf32>) -> tensor<4x8xf32>
   %b = stablehlo.broadcast_in_dim %c, dims = [1, 2] : (tensor<4x8xf32>) -> tensor<2x4x8xf32>
@@ -127,4 +132,24 @@ module @dp_module attributes {mhlo.num_partitions = 8 : i32} {
     %dw = stablehlo.dot_general %x16, %dy16, contracting_dims = [0] x [0] : (tensor<16x8xbf16>, tensor<16x4xbf16>) -> tensor<8x4xf32>
     return %y, %dw : tensor<16x4xf32>, tensor<8x4xf32>
   }
+}
+
+// -----
+
+// An embedding lookup read only by a bf16 convert: the table is converted, the gather
+// picks bf16 rows (the partitioner gathers or exchanges the rows in bf16). The indices
+// stay as they are.
+// CHECK-LABEL: func.func public @embedding
+// CHECK:         %[[T16:.*]] = stablehlo.convert %arg0 : (tensor<16x8xf32>) -> tensor<16x8xbf16>
+// CHECK:         %[[G:.*]] = "stablehlo.gather"(%[[T16]], %arg1)
+// CHECK-SAME:      (tensor<16x8xbf16>, tensor<4x1xi32>) -> tensor<4x8xbf16>
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         return %[[G]]
+// F32-LABEL: func.func public @embedding
+// F32:         "stablehlo.gather"(%arg0, %arg1)
+// F32:         stablehlo.convert
+func.func public @embedding(%table: tensor<16x8xf32>, %ids: tensor<4x1xi32>) -> tensor<4x8xbf16> {
+  %g = "stablehlo.gather"(%table, %ids) <{dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, indices_are_sorted = false, slice_sizes = array<i64: 1, 8>}> : (tensor<16x8xf32>, tensor<4x1xi32>) -> tensor<4x8xf32>
+  %g16 = stablehlo.convert %g : (tensor<4x8xf32>) -> tensor<4x8xbf16>
+  return %g16 : tensor<4x8xbf16>
 }
