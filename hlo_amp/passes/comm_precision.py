@@ -45,13 +45,14 @@ from hlo_amp.ir.modules import (
 from hlo_amp.policy import DTYPE_TO_ELEMENT, KEEP, Policy
 from hlo_amp.report import Report
 
-# Ops that only move, replicate or pick elements of their first operand (the others,
-# if any, are integer indices): one result of the first operand's element type. A
-# convert commutes with each of them.
+# Ops that only move or replicate the elements of their first operand (the others, if
+# any, are integer indices): one result of the first operand's element type, no smaller
+# than it. A convert commutes with each of them. Ops that pick part of their operand
+# (slice, dynamic_slice, gather) are left out: above them the convert would convert the
+# whole operand (an embedding table, a scan's whole sequence) to use a part.
 _MOVERS = frozenset({
     "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
-    "stablehlo.slice", "stablehlo.reverse", "stablehlo.dynamic_slice", "stablehlo.gather",
-    "stablehlo.all_gather", "stablehlo.all_to_all", "stablehlo.collective_permute",
+    "stablehlo.reverse", "stablehlo.all_gather", "stablehlo.all_to_all", "stablehlo.collective_permute",
     "sdy.sharding_constraint", "sdy.reshard", "stablehlo.custom_call",
 })
 _MOVER_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})

@@ -136,18 +136,12 @@ module @dp_module attributes {mhlo.num_partitions = 8 : i32} {
 
 // -----
 
-// An embedding lookup read only by a bf16 convert: the table is converted, the gather
-// picks bf16 rows (the partitioner gathers or exchanges the rows in bf16). The indices
-// stay as they are.
+// An embedding lookup read only by a bf16 convert stays as written: above the gather the
+// convert would convert the whole table to use a few rows.
 // CHECK-LABEL: func.func public @embedding
-// CHECK:         %[[T16:.*]] = stablehlo.convert %arg0 : (tensor<16x8xf32>) -> tensor<16x8xbf16>
-// CHECK:         %[[G:.*]] = "stablehlo.gather"(%[[T16]], %arg1)
-// CHECK-SAME:      (tensor<16x8xbf16>, tensor<4x1xi32>) -> tensor<4x8xbf16>
-// CHECK-NOT:     stablehlo.convert
-// CHECK:         return %[[G]]
-// F32-LABEL: func.func public @embedding
-// F32:         "stablehlo.gather"(%arg0, %arg1)
-// F32:         stablehlo.convert
+// CHECK:         %[[G:.*]] = "stablehlo.gather"(%arg0, %arg1)
+// CHECK-SAME:      (tensor<16x8xf32>, tensor<4x1xi32>) -> tensor<4x8xf32>
+// CHECK:         stablehlo.convert %[[G]] : (tensor<4x8xf32>) -> tensor<4x8xbf16>
 func.func public @embedding(%table: tensor<16x8xf32>, %ids: tensor<4x1xi32>) -> tensor<4x8xbf16> {
   %g = "stablehlo.gather"(%table, %ids) <{dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, indices_are_sorted = false, slice_sizes = array<i64: 1, 8>}> : (tensor<16x8xf32>, tensor<4x1xi32>) -> tensor<4x8xf32>
   %g16 = stablehlo.convert %g : (tensor<4x8xf32>) -> tensor<4x8xbf16>
