@@ -46,6 +46,10 @@ weight gradient read by the optimizer, the logits read by the loss), as TensorFl
 and PyTorch's AMP do; ``keep_f32_results=true`` keeps the accurate mode's f32 result
 for those (+8% HBM bytes, +9.5% roofline time on benchmarks/' MLP step for H100).
 
+``reduce=float32|bfloat16`` (passes/comm_precision.py): the result type of the dots whose
+contracting dimension is sharded, so of the all-reduce XLA's partitioner puts after them
+(data-parallel weight gradients); not set, the mode's own (f32 in the accurate modes).
+
 fp8 (passes/fp8.py): the action ``float8_e4m3fn`` quantises both operands of a
 ``dot_general`` to e4m3fn; ``float8_e5m2`` quantises the operand that carries the incoming
 gradient of a backward dot to e5m2 and everything else to e4m3fn (Transformer Engine's
