@@ -15,7 +15,7 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
     SPEC    := ITEM ("," ITEM)*
     ITEM    := PRESET | "compute=" DTYPE | "backward=" ACTION | "f64=" BOOL
              | "only_if_faster=" BOOL | "propagate=" BOOL | "keep_f32_results=" BOOL
-             | "explicit_precision=" ("keep" | "ignore")
+             | "explicit_precision=" ("keep" | "ignore") | "reduce=" DTYPE
              | "first_matrix_op=" (ACTION | "none") | "last_matrix_op=" (ACTION | "none")
              | "op:" KIND "=" ACTION | "scope:" PATTERN "=" ACTION
     PRESET  := "bf16" | "f16" | "f32" | "mixed_bfloat16" | "mixed_float16" | "fp8"
@@ -45,6 +45,10 @@ GPU and TPU, every matrix op returns the 16-bit type, also where only f32 ops re
 weight gradient read by the optimizer, the logits read by the loss), as TensorFlow's
 and PyTorch's AMP do; ``keep_f32_results=true`` keeps the accurate mode's f32 result
 for those (+8% HBM bytes, +9.5% roofline time on benchmarks/' MLP step for H100).
+
+``reduce=float32|bfloat16`` (passes/comm_precision.py): the result type of the dots whose
+contracting dimension is sharded, so of the all-reduce XLA's partitioner puts after them
+(data-parallel weight gradients); not set, the mode's own (f32 in the accurate modes).
 
 fp8 (passes/fp8.py): the action ``float8_e4m3fn`` quantises both operands of a
 ``dot_general`` to e4m3fn; ``float8_e5m2`` quantises the operand that carries the incoming
@@ -149,6 +153,11 @@ class Policy:
     # backward dots); None: no such rule. The fp8 preset keeps both in the compute dtype.
     first_matrix_op: str | None = None
     last_matrix_op: str | None = None
+    # The result type of the dots whose partial results are summed across devices (a
+    # sharded contracting dimension: data-parallel weight gradients), so the type of
+    # that all-reduce (passes/comm_precision.py): "float32", or the 16-bit compute dtype
+    # (half the bytes). None: the mode's own (f32 in the accurate modes).
+    reduce: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -223,6 +232,17 @@ class Policy:
         object.__setattr__(self, "only_if_faster", bool(self.only_if_faster))
         object.__setattr__(self, "propagate", propagate)
         object.__setattr__(self, "keep_f32_results", bool(self.keep_f32_results))
+        if self.reduce is not None:
+            try:
+                reduce = canonical_dtype(self.reduce, what="reduce")
+            except ValueError:
+                reduce = None
+            if reduce not in ("float32", compute):
+                raise ValueError(
+                    f"Unsupported reduce {self.reduce!r}; accepted: float32, {compute} "
+                    f"(the compute dtype), or None for the mode's own"
+                )
+            object.__setattr__(self, "reduce", reduce)
         if self.explicit_precision not in EXPLICIT_PRECISION:
             raise ValueError(
                 f"Unknown explicit_precision {self.explicit_precision!r}; accepted: "
@@ -288,6 +308,8 @@ class Policy:
                 fields["backward"] = value
             elif key == "explicit_precision":
                 fields["explicit_precision"] = value.lower()
+            elif key == "reduce":
+                fields["reduce"] = value
             elif key in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
                 fields[key] = value  # "none" is read in __post_init__
             elif key in ("f64", "only_if_faster", "propagate", "keep_f32_results"):
@@ -299,7 +321,7 @@ class Policy:
             else:
                 raise ValueError(
                     f"Unknown key {key!r} in {spec!r}; accepted: compute, backward, f64, "
-                    f"only_if_faster, propagate, keep_f32_results, explicit_precision, "
+                    f"only_if_faster, propagate, keep_f32_results, explicit_precision, reduce, "
                     f"first_matrix_op, last_matrix_op, op:KIND, scope:PATTERN (or a preset "
                     f"{', '.join(PRESETS)} first)"
                 )
@@ -319,13 +341,14 @@ class Policy:
             "explicit_precision": self.explicit_precision,
             "first_matrix_op": self.first_matrix_op,
             "last_matrix_op": self.last_matrix_op,
+            "reduce": self.reduce,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
         allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64",
                    "only_if_faster", "propagate", "keep_f32_results", "explicit_precision",
-                   FIRST_MATRIX_OP, LAST_MATRIX_OP)
+                   FIRST_MATRIX_OP, LAST_MATRIX_OP, "reduce")
         if not isinstance(data, Mapping):
             raise ValueError(f"A policy dict was expected, got {data!r}")  # noqa: TRY004
         unknown = [k for k in data if k not in allowed]
@@ -363,6 +386,8 @@ class Policy:
             items.append("keep_f32_results=true")
         if self.explicit_precision != "keep":
             items.append(f"explicit_precision={self.explicit_precision}")
+        if self.reduce is not None:
+            items.append(f"reduce={self.reduce}")
         return ",".join(items)
 
     def __str__(self) -> str:

@@ -25,6 +25,7 @@ from hlo_amp.ir.modules import (
     strip_decision_marks,
 )
 from hlo_amp.passes.cleanup import CleanupConverts
+from hlo_amp.passes.comm_precision import CommPrecision
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.insert_converts import InsertConverts
@@ -51,7 +52,9 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     transposes fails at run time (see passes/dot_layout.py). The mixed_* modes add propagation and
     then the scatter-to-select rewrite (passes/scatter_select.py). A policy with fp8
     actions adds the fp8 pass after propagation (which leaves fp8 dots' f32 operands
-    alone): it quantises the dots insert_converts marked (see passes/fp8.py).
+    alone): it quantises the dots insert_converts marked (see passes/fp8.py). Then
+    comm_precision moves 16-bit converts above data movement (sharding constraints,
+    collectives) and applies the policy's ``reduce`` (passes/comm_precision.py).
     """
     target = as_target(target)
     passes: list[Pass] = [InsertConverts(policy, target)]
@@ -59,7 +62,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
         passes += [Propagate(policy, target), ScatterToSelect()]
     if policy.uses_fp8:
         passes.append(Fp8Quantize())
-    passes.append(CleanupConverts())
+    passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
     return passes
@@ -69,7 +72,8 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
     target = as_target(target)
     passes: list[Any] = [InsertConverts(policy, target), Propagate(policy, target),
-                         ScatterToSelect(), Fp8Quantize(), CleanupConverts(), FastDotLayout()]
+                         ScatterToSelect(), Fp8Quantize(), CommPrecision(policy),
+                         CleanupConverts(), FastDotLayout()]
     return {p.name: p for p in passes}
 
 

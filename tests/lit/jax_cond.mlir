@@ -8,9 +8,11 @@
 
 // CHECK-LABEL: func.func public @main
 // CHECK:         "stablehlo.case"
+// The weight's convert goes before the transpose JAX writes (hlo-amp-comm-precision).
+// CHECK:           %[[W16:.*]] = stablehlo.convert %arg2 : (tensor<4x4xf32>) -> tensor<4x4xbf16>
+// CHECK:           %[[WT:.*]] = stablehlo.transpose %[[W16]], dims = [1, 0] : (tensor<4x4xbf16>) -> tensor<4x4xbf16>
 // CHECK:           %[[X16:.*]] = stablehlo.convert %{{.*}} : (tensor<2x4xf32>) -> tensor<2x4xbf16>
-// CHECK:           %[[W16:.*]] = stablehlo.convert %{{.*}} : (tensor<4x4xf32>) -> tensor<4x4xbf16>
-// CHECK:           %[[D:.*]] = stablehlo.dot_general %[[X16]], %[[W16]], {{.*}} -> tensor<2x4xf32>
+// CHECK:           %[[D:.*]] = stablehlo.dot_general %[[X16]], %[[WT]], {{.*}} -> tensor<2x4xf32>
 // CHECK:           stablehlo.return %[[D]]
 // CHECK:         }, {
 // CHECK-NOT:       stablehlo.convert

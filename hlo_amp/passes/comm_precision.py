@@ -1,0 +1,365 @@
+"""Choose the precision of what crosses devices.
+
+Two steps, one concern (the bytes collectives move):
+
+* Converts move up through data movement. A narrowing float convert (f32 -> bf16) whose
+  operand is the result of a sharding constraint (``sdy.sharding_constraint``,
+  ``sdy.reshard``, ``custom_call @Sharding``, ``@SPMDFullToShardShape``,
+  ``@SPMDShardToFullShape``), a reshape, a transpose, a broadcast or a data-moving
+  collective (``all_gather``, ``all_to_all``, ``collective_permute``) goes before that op
+  when every reader of the op's result is such a convert to the same type: the op then
+  moves 16-bit data. Rounding commutes with moving elements, so the values are the same
+  bit for bit; the all-gather that XLA's partitioner puts at a constraint to replicated
+  (sequence-parallel K and V) gathers 16 bit (jax-ml/jax#23543). Sums (``all_reduce``,
+  ``reduce_scatter``) are not data movement and are left alone here.
+
+* ``reduce=`` (Policy.reduce) sets the result type of the matrix ops whose partial
+  results XLA's SPMD partitioner sums across devices: dots whose contracting dimension
+  is sharded (per the function's argument shardings and the sharding constraints,
+  propagated forward). The all-reduce (or reduce-scatter) the partitioner inserts after
+  such a dot has the dot's result type. ``reduce=bfloat16`` makes those dots (when their
+  operands are already 16-bit) return 16 bit and converts back after: half the bytes,
+  each device's partial sum rounded once and the sum done in 16 bit. ``reduce=float32``
+  makes them return f32 where the fast mode gave them a 16-bit result. Not set: the
+  mode's own result type (f32 in the accurate mode).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from hlo_amp.ir.modules import (
+    discard,
+    element_type,
+    functions,
+    live_uses,
+    walk_operations,
+    with_element,
+)
+from hlo_amp.policy import DTYPE_TO_ELEMENT, KEEP, Policy
+from hlo_amp.report import Report
+
+# Ops that only move or replicate the elements of their first operand (the others, if
+# any, are integer indices): one result of the first operand's element type, no smaller
+# than it. A convert commutes with each of them. Ops that pick part of their operand
+# (slice, dynamic_slice, gather) are left out: above them the convert would convert the
+# whole operand (an embedding table, a scan's whole sequence) to use a part.
+_MOVERS = frozenset({
+    "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
+    "stablehlo.reverse", "stablehlo.all_gather", "stablehlo.all_to_all", "stablehlo.collective_permute",
+    "sdy.sharding_constraint", "sdy.reshard", "stablehlo.custom_call",
+})
+_MOVER_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
+_CONVERT = "stablehlo.convert"
+_SAME_RANK = frozenset({"stablehlo.slice", "stablehlo.reverse", "stablehlo.pad",
+                        "stablehlo.concatenate", "stablehlo.dynamic_slice",
+                        "stablehlo.dynamic_update_slice"})
+_SHAPE_CHANGERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.transpose",
+                             "stablehlo.reshape", "stablehlo.reduce"})
+_DOT = "stablehlo.dot_general"
+_MANUAL = "sdy.manual_computation"
+
+
+@dataclass(frozen=True)
+class CommPrecision:
+    """Move 16-bit converts above data movement; apply the policy's ``reduce`` dtype to
+    dots whose contracting dimension is sharded. See the module docstring."""
+
+    policy: Policy
+    name: str = "hlo-amp-comm-precision"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        if not any(action not in (None, KEEP, "float32", "float64")
+                   for action in self.policy.actions):
+            return  # the f32 preset changes nothing, a program's own converts included
+        moved = sum(_move_converts_up(fn) for fn in functions(module))
+        retyped = 0
+        if self.policy.reduce is not None:
+            with module.context:
+                wanted = ir.Type.parse(DTYPE_TO_ELEMENT[self.policy.reduce])
+                retyped = sum(_retype_reduced_dots(fn, wanted) for fn in functions(module))
+        if report is not None and (moved or retyped):
+            note = f"comm-precision: moved {moved} 16-bit convert(s) above data movement"
+            if retyped:
+                note += (f", {retyped} dot(s) with a sharded contracting dimension return "
+                         f"{self.policy.reduce} (reduce={self.policy.reduce})")
+            report.notes.append(note)
+
+
+# ---- converts above data movement ----------------------------------------------------
+
+
+def _is_mover(op: ir.Operation) -> bool:
+    if op.name not in _MOVERS or not op.operands or len(op.results) != 1:
+        return False
+    if op.regions and any(len(region.blocks) for region in op.regions):
+        return False
+    if any(isinstance(element_type(index), ir.FloatType) for index in op.operands[1:]):
+        return False  # a second float operand (a padding value): not one value moved
+    if op.name == "stablehlo.custom_call":
+        target = op.attributes["call_target_name"]
+        return ir.StringAttr(target).value in _MOVER_CALLS
+    return True
+
+
+def _narrowing_target(converts: list[ir.Operation], source: ir.Type) -> ir.Type | None:
+    """The one float type all ``converts`` narrow ``source`` to, else None."""
+    targets = {str(element_type(c.results[0])) for c in converts}
+    if len(targets) != 1:
+        return None
+    target = element_type(converts[0].results[0])
+    if not (isinstance(source, ir.FloatType) and isinstance(target, ir.FloatType)):
+        return None
+    return target if target.width < source.width else None
+
+
+def _move_converts_up(fn: Any) -> int:
+    """Move converts above movers in ``fn``, bottom up (a chain moves in one sweep)."""
+    moved = 0
+    for op in reversed(walk_operations(fn)):
+        if not _is_mover(op):
+            continue
+        result, source = op.results[0], op.operands[0]
+        source_element = element_type(source)
+        if source_element is None or str(source_element) != str(element_type(result)):
+            continue
+        readers = [use.owner for use in live_uses(result)]
+        if not readers or any(reader.name != _CONVERT for reader in readers):
+            continue
+        target = _narrowing_target(readers, source_element)
+        if target is None:
+            continue
+        with op.location, ir.InsertionPoint(op):
+            narrow = hlo.ConvertOp(with_element(source.type, target), source)
+            result.set_type(with_element(result.type, target))
+        op.operands[0] = narrow.result
+        for reader in readers:
+            reader.results[0].replace_all_uses_with(result)
+            discard(reader)
+        moved += 1
+    return moved
+
+
+# ---- dots whose partial results are summed across devices ---------------------------
+
+# Per value, the mesh axes each dimension is sharded over (GSPMD's mhlo.sharding has
+# no axis names: a tiled dimension gets the axis "?").
+Axes = tuple[frozenset[str], ...]
+
+_SDY_DIMS = re.compile(r"\[((?:\{[^{}]*\}\s*,?\s*)*)\]")
+_QUOTED = re.compile(r'"([^"]+)"')
+_GSPMD_TILES = re.compile(r"devices=\[([0-9,]+)\]")
+
+
+def _sdy_axes(text: str, rank: int) -> Axes | None:
+    """The per-dimension axes of a ``#sdy.sharding<@mesh, [{"a"}, {}]>`` text."""
+    match = _SDY_DIMS.search(text)
+    if match is None:
+        return None
+    dims = re.findall(r"\{([^{}]*)\}", match.group(1))
+    if len(dims) != rank:
+        return None
+    return tuple(frozenset(name.split(":")[0] for name in _QUOTED.findall(d)) for d in dims)
+
+
+def _gspmd_axes(text: str, rank: int) -> Axes | None:
+    """The per-dimension axes of an ``mhlo.sharding`` text ("{devices=[8,1]<=[8]}")."""
+    match = _GSPMD_TILES.search(text)
+    if match is None:
+        return tuple(frozenset() for _ in range(rank)) if "replicated" in text else None
+    tiles = [int(t) for t in match.group(1).split(",")][:rank]
+    return tuple(frozenset({"?"}) if t > 1 else frozenset() for t in tiles)
+
+
+def _declared_axes(attributes: Any, rank: int) -> Axes | None:
+    for name, parse in (("sdy.sharding", _sdy_axes), ("sharding", _sdy_axes),
+                        ("mhlo.sharding", _gspmd_axes)):
+        if name in attributes:
+            return parse(str(attributes[name]), rank)
+    return None
+
+
+def _rank(value: ir.Value) -> int | None:
+    value_type = value.type
+    return ir.RankedTensorType(value_type).rank if isinstance(
+        value_type, ir.RankedTensorType) else None
+
+
+def _i64s(attribute: Any) -> list[int]:
+    return [int(x) for x in ir.DenseI64ArrayAttr(attribute)]
+
+
+def _reshape_axes(axes: Axes, source: list[int], result: list[int]) -> Axes:
+    """A sharded source dimension goes to the result dimension that starts at the same
+    row-major offset (the major dimension of a split or merged group)."""
+    starts: dict[int, int] = {}
+    size = 1
+    for dim, extent in enumerate(result):
+        starts.setdefault(size, dim)
+        size *= extent
+    out = [frozenset[str]() for _ in result]
+    size = 1
+    for dim, extent in enumerate(source):
+        target = starts.get(size)
+        if axes[dim] and target is not None:
+            out[target] |= axes[dim]
+        size *= extent
+    return tuple(out)
+
+
+def _result_axes(op: ir.Operation, known: dict[Any, Axes]) -> Axes | None:
+    """The result's sharded axes, from the op's operands' (forward propagation)."""
+    if not op.results or _rank(op.results[0]) is None:
+        return None
+    rank = _rank(op.results[0])
+    name = op.name
+    if name in ("sdy.sharding_constraint", "sdy.reshard", "stablehlo.custom_call"):
+        return _declared_axes(op.attributes, rank)
+    operands = [known.get(value) for value in op.operands]
+    first = operands[0] if operands else None
+    if name == _DOT:
+        numbers = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+        lhs, rhs = operands[0], operands[1]
+        if lhs is None and rhs is None:
+            return None
+        lhs_rank, rhs_rank = _rank(op.operands[0]), _rank(op.operands[1])
+        lhs = lhs or tuple(frozenset() for _ in range(lhs_rank))
+        rhs = rhs or tuple(frozenset() for _ in range(rhs_rank))
+        lb, rb = numbers.lhs_batching_dimensions, numbers.rhs_batching_dimensions
+        lc, rc = numbers.lhs_contracting_dimensions, numbers.rhs_contracting_dimensions
+        out = [lhs[a] | rhs[b] for a, b in zip(lb, rb)]
+        out += [lhs[d] for d in range(lhs_rank) if d not in lb and d not in lc]
+        out += [rhs[d] for d in range(rhs_rank) if d not in rb and d not in rc]
+        return _one_dim_per_axis(out)
+    if not op.operands:
+        return None
+    if first is None and name in _SHAPE_CHANGERS:
+        return None
+    if name == "stablehlo.broadcast_in_dim":
+        out = [frozenset[str]() for _ in range(rank)]
+        for source, target in enumerate(_i64s(op.attributes["broadcast_dimensions"])):
+            out[target] = first[source]
+        return tuple(out)
+    if name == "stablehlo.transpose":
+        return tuple(first[d] for d in _i64s(op.attributes["permutation"]))
+    if name == "stablehlo.reshape":
+        return _reshape_axes(first, list(ir.RankedTensorType(op.operands[0].type).shape),
+                             list(ir.RankedTensorType(op.results[0].type).shape))
+    if name == "stablehlo.reduce":
+        reduced = set(_i64s(op.attributes["dimensions"]))
+        return tuple(a for d, a in enumerate(first) if d not in reduced)
+    if name in _SAME_RANK:  # slicing, padding or joining keeps each dimension's axes
+        if any(_rank(value) not in (rank, 0) for value in op.operands):
+            return None
+    else:  # elementwise ops (every operand has the result's shape)
+        shape = list(ir.RankedTensorType(op.results[0].type).shape)
+        if any(_rank(value) != rank or list(ir.RankedTensorType(value.type).shape) != shape
+               for value in op.operands):
+            return None
+    # The union per dimension.
+    shaped = [axes for axes in operands if axes is not None and len(axes) == rank]
+    if not shaped:
+        return None
+    return _one_dim_per_axis([frozenset().union(*(axes[d] for axes in shaped))
+                              for d in range(rank)])
+
+
+def _one_dim_per_axis(dims: list[frozenset[str]]) -> Axes:
+    """A mesh axis shards one dimension of a value: where two operands put it on two
+    (an FSDP weight's output dimension next to the batch), the partitioner gathers one;
+    keep the first (batch and the lhs's dimensions come first in a dot's result)."""
+    seen: set[str] = set()
+    out = []
+    for axes in dims:
+        out.append(frozenset(axes - seen))
+        seen |= axes
+    return tuple(out)
+
+
+def _summed_across_devices(op: ir.Operation, known: dict[Any, Axes]) -> bool:
+    """Whether the partitioner sums ``op``'s partial results across devices: a mesh axis
+    shards a contracting dimension of both operands, or of one operand while the other
+    does not use that axis at all (it is replicated there and gets sliced). An axis that
+    shards one operand's contracting dimension and another dimension of the other
+    operand (FSDP: a weight sharded over the data axis) makes XLA gather the weight."""
+    lhs, rhs = known.get(op.operands[0]), known.get(op.operands[1])
+    if lhs is None and rhs is None:
+        return False
+    numbers = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    pairs = zip(numbers.lhs_contracting_dimensions, numbers.rhs_contracting_dimensions)
+    lhs_all = frozenset().union(*lhs) if lhs else frozenset()
+    rhs_all = frozenset().union(*rhs) if rhs else frozenset()
+    for lc, rc in pairs:
+        left = lhs[lc] if lhs else frozenset()
+        right = rhs[rc] if rhs else frozenset()
+        if left & right or (left - rhs_all) or (right - lhs_all):
+            return True
+    return False
+
+
+def _function_axes(fn: Any) -> dict[Any, Axes]:
+    """Sharded axes of the values of ``fn``'s body (not inside nested regions)."""
+    known: dict[Any, Axes] = {}
+    entry = fn.regions[0].blocks[0]
+    for index, argument in enumerate(entry.arguments):
+        rank = _rank(argument)
+        if rank is None:
+            continue
+        axes = _declared_axes(_argument_attributes(fn, index), rank)
+        if axes is not None:
+            known[argument] = axes
+    for op in _body_ops(entry):
+        axes = _result_axes(op, known)
+        if axes is not None:
+            known[op.results[0]] = axes
+    return known
+
+
+def _argument_attributes(fn: Any, index: int) -> dict[str, Any]:
+    if "arg_attrs" not in fn.attributes:
+        return {}
+    dictionary = ir.DictAttr(ir.ArrayAttr(fn.attributes["arg_attrs"])[index])
+    return {named.name: named.attr for named in (dictionary[i] for i in range(len(dictionary)))}
+
+
+def _body_ops(block: ir.Block) -> Iterable[ir.Operation]:
+    for op in block.operations:
+        yield op.operation
+
+
+def _retype_reduced_dots(fn: Any, wanted: ir.Type) -> int:
+    """Give ``wanted`` as the result element of the 16-bit dots in ``fn``'s body whose
+    partial results are summed across devices; a convert back keeps the readers' type."""
+    known = _function_axes(fn)
+    retyped = 0
+    for op in list(_body_ops(fn.regions[0].blocks[0])):
+        if op.name != _DOT or not _summed_across_devices(op, known):
+            continue
+        operand_elements = {str(element_type(value)) for value in op.operands}
+        result = op.results[0]
+        have = element_type(result)
+        if str(have) == str(wanted) or len(operand_elements) != 1:
+            continue
+        operand_element = element_type(op.operands[0])
+        if not isinstance(operand_element, ir.FloatType) or operand_element.width != 16:
+            continue  # a dot the policy kept in f32: its reduction stays as written
+        if str(wanted) not in (str(operand_element), "f32"):
+            continue
+        old_type = result.type
+        readers = list(live_uses(result))
+        with op.location, ir.InsertionPoint.after(op):
+            result.set_type(with_element(old_type, wanted))
+            back = hlo.ConvertOp(old_type, result)
+        for use in readers:
+            use.owner.operands[use.operand_number] = back.result
+        retyped += 1
+    return retyped
+
+
+__all__ = ["CommPrecision"]
