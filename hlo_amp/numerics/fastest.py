@@ -240,8 +240,11 @@ def check_max_compiles(value: Any) -> int:
 
 def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, depth: Any,
                       base: Policy, reference: str, atol: float, target: Any,
-                      max_compiles: Any, progress: bool) -> TargetAutoPolicy:
-    """The search in this module's docstring; arguments already checked but target."""
+                      max_compiles: Any, progress: bool,
+                      target_fn: Callable[..., Any] | None = None) -> TargetAutoPolicy:
+    """The search in this module's docstring; arguments already checked but target.
+    ``target_fn``: what to compile for the target where it is not ``fn`` (the CLI's
+    module, exported once per platform)."""
     device = check_target(target)
     max_compiles = check_max_compiles(max_compiles)
     refuse_policy_on_device(base, device)  # f16 on a TPU: refused before any compile
@@ -253,7 +256,7 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
     patterns = {g: p for g in groups if (p := _pattern(g, int(depth))) is not None}
     named = list(patterns)
     no_fp8 = fp8_refusal(device)
-    model = _TargetModel(fn, args, device)
+    model = _TargetModel(target_fn or fn, args, device)
     low = SHORT.get(base.compute_dtype, base.compute_dtype)
     names = {F32: "f32", COMPUTE: low, FP8: "fp8"}
 
