@@ -312,7 +312,8 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
         why: dict[str, str] = {}
         moves: list[Move] = []
         current = start_error
-        while spent() < max_compiles - 8:
+        cut = False
+        while True:
             candidates = []
             for g in named:
                 here = levels[g].index(state[g])
@@ -326,6 +327,9 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
                     candidates.append((ratio, gain, g, level, i))
             if not candidates:
                 break
+            if spent() >= max_compiles - 8:  # what step 3 needs is kept for it
+                cut = True
+                break
             ratio, gain, g, level, i = max(candidates, key=lambda c: (c[0], c[1]))
             trial = {**state, g: level}
             measured = error(policy_of(trial), f"trying {g} {names[level]}")
@@ -336,11 +340,8 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
             else:
                 floor[g] = i
                 why[g] = f"{names[level]} breaks the budget ({short(measured)})"
-        if spent() >= max_compiles - 8:
-            notes_bound = [(f"note: stopped at max_compiles={max_compiles}; moves not yet "
-                           "tried were left out")]
-        else:
-            notes_bound = []
+        notes_bound = [(f"note: stopped at max_compiles={max_compiles} with {len(candidates)} "
+                       "move(s) not tried")] if cut else []
 
         chosen = policy_of(state)
         chosen_time = seconds(chosen, f"the chosen policy on {device.device}")

@@ -103,9 +103,13 @@ def test_table_json_and_progress(capsys):
 def test_max_compiles_bounds_the_search():
     with pytest.raises(ValueError, match=r"max_compiles 5.*accepted: an int >= \d+"):
         _search(0.01, "h100", max_compiles=5)
-    needed = 2 + 2 * (3 + 3 + 1 + 1) + 8  # levels below f32: embed, mix 2, cancel, head 1
-    result = _search(10.0, COMPUTE_BOUND_H100, max_compiles=needed + 1)
+    # step 1 and step 3 take 10 + 2 per level below f32 (embed, mix 2 each, cancel, head 1)
+    needed = 10 + 2 * (2 + 2 + 1 + 1)
+    fresh = make_program()  # nothing cached: every compile counts
+    result = hlo_amp.autopolicy(fresh, X, W, budget=10.0, target=COMPUTE_BOUND_H100,
+                                max_compiles=needed + 1, progress=False)
     assert result.compiles <= needed + 1
+    assert any("stopped at max_compiles" in n for n in result.notes)
     assert result.met  # a search cut short still returns a policy within budget
 
 
