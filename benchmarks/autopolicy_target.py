@@ -35,6 +35,18 @@ def cpu_line() -> str:
     return f"{model} ({bf16}), {len(jax.devices('cpu'))} JAX CPU device(s)"
 
 
+def forward(graphdef: object) -> object:
+    """(params, x, y) -> (logits, mean cross-entropy): the model's forward pass."""
+    import optax
+    from flax import nnx
+
+    def fn(params: object, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = nnx.merge(graphdef, params)(x).astype(jnp.float32)
+        return logits, optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return fn
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--full", action="store_true", help="the benchmarks' full sizes")
@@ -42,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--targets", default="h100,tpu-v5e")
     p.add_argument("--workloads", default="decoder,vit")
+    p.add_argument("--fn", choices=("forward", "step"), default="forward",
+                   help="forward: (logits, loss) of the model; step: the Adam train step "
+                        "(new params, optimizer state, loss)")
     args = p.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
@@ -52,20 +67,28 @@ def main(argv: list[str] | None = None) -> None:
            f"UTC, commit {commit}"),
            (f"- command: `JAX_PLATFORMS=cpu python -m benchmarks.autopolicy_target "
            f"{' '.join(argv if argv is not None else sys.argv[1:])}`"),
-           (f"- budget {args.budget:g} (error = max over outputs of the train step "
-           "(new params, optimizer state, loss), against f32); scopes at depth "
+           (f"- function: {args.fn} ("
+            + ("the model's logits and loss" if args.fn == "forward" else
+               "the Adam train step: new params, optimizer state, loss")
+            + f"); budget {args.budget:g} (error = max over its outputs, against f32); "
+           "scopes at depth "
            f"{args.depth}; search: {hlo_amp.numerics.fastest.SEARCH}"), ""]
     chosen = {w.name: w for w in workloads(quick=not args.full)}
     for name in args.workloads.split(","):
         workload = chosen[name]
         step, params, opt_state = variant_step(workload, "f32")
-        # NNX pushes no scopes: module_scopes names each submodule call by its path
-        step = hlo_amp.module_scopes(workload.build(jnp.float32))(step)
         x, y = workload.batch()
+        if args.fn == "forward":
+            graphdef, params = workload.model(jnp.float32)
+            fn, fn_args = forward(graphdef), (params, x, y)
+        else:
+            fn, fn_args = step, (params, opt_state, x, y)
+        # NNX pushes no scopes: module_scopes names each submodule call by its path
+        fn = hlo_amp.module_scopes(workload.build(jnp.float32))(fn)
         out += [f"### {workload.name}: {workload.description}", ""]
         for target in args.targets.split(","):
             start = time.perf_counter()
-            result = hlo_amp.autopolicy(step, params, opt_state, x, y, budget=args.budget,
+            result = hlo_amp.autopolicy(fn, *fn_args, budget=args.budget,
                                         depth=args.depth, target=target)
             seconds = time.perf_counter() - start
             out += [f"#### {result.target}", "", "```", str(result), "```", "",
