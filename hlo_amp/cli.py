@@ -181,7 +181,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None) -> int:
     """``--autopolicy``: the search of hlo_amp/numerics/fastest.py on the module's main."""
     from hlo_amp.numerics.fastest import DEFAULT_MAX_COMPILES, target_autopolicy
-    from hlo_amp.numerics.measure import ATOL
+    from hlo_amp.numerics.measure import ATOL, check_tolerance
     from hlo_amp.runtime.module_call import ModuleFunction
 
     if args.budget is None:
@@ -191,14 +191,14 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
                        "tpu-v5e, ...): the device whose step time it minimises")
     source, _ = _read(args.input)
     try:
-        if not args.budget > 0 or args.budget == float("inf"):
-            raise ValueError(f"Invalid budget {args.budget!r}; accepted: a finite number > 0")
+        check_tolerance(args.budget, "budget", zero_ok=False)
         main = ModuleFunction(source)
         inputs = main.inputs_from(args.inputs, args.seed)
         result = target_autopolicy(
             main.for_platform("cpu"), inputs, budget=args.budget, depth=args.depth,
             base=policy, reference="f32", atol=ATOL, target=device,
-            max_compiles=args.max_compiles or DEFAULT_MAX_COMPILES, progress=True,
+            max_compiles=(DEFAULT_MAX_COMPILES if args.max_compiles is None
+                          else args.max_compiles), progress=True,
             target_fn=main.for_platform(device.platform))
     except (ValueError, TypeError) as error:
         first = (str(error).splitlines() or [type(error).__name__])[0]

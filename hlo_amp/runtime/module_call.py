@@ -32,7 +32,11 @@ class ModuleFunction:
         from jax._src.lib.mlir import ir
 
         with jax_mlir.make_ir_context():
-            module = ir.Module.parse(source)
+            try:
+                module = ir.Module.parse(source)
+            except Exception as error:  # noqa: BLE001 - MLIR's parse error, in one line
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise ValueError(f"cannot parse the module: {first}") from None
             main = next((op for op in module.body.operations
                          if "sym_name" in op.attributes
                          and ir.StringAttr(op.attributes["sym_name"]).value == "main"), None)

@@ -167,9 +167,29 @@ def test_cli_autopolicy_writes_the_policy(tmp_path, capsys):
     (["--autopolicy", "--budget", "0.1", "--xla-target", "h999"], "h999"),
     (["--autopolicy", "--budget", "0.1", "--xla-target", "tpu-v5e", "--inputs", "nope.npz"],
      "cannot read inputs 'nope.npz'"),
+    (["--autopolicy", "--budget", "0.1", "--xla-target", "tpu-v5e", "--max-compiles", "0"],
+     "Invalid max_compiles 0"),
 ])
 def test_cli_autopolicy_bad_arguments(tmp_path, capsys, args, match):
+    """Each a user error: one line on stderr, status 1."""
     assert cli.main([str(_module_file(tmp_path)), *args]) == 1
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_cli_autopolicy_refuses_text_that_is_not_mlir(tmp_path, capsys):
+    path = tmp_path / "bad.mlir"
+    path.write_text("this is not mlir")
+    assert cli.main([str(path), "--autopolicy", "--budget", "0.1", "--xla-target",
+                     "tpu-v5e"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot parse the module" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_inputs_that_do_not_match_main_are_refused(tmp_path, capsys):
+    np.savez(tmp_path / "short.npz", np.zeros((3,), np.float32))
+    assert cli.main([str(_module_file(tmp_path)), "--autopolicy", "--budget", "0.1",
+                     "--xla-target", "tpu-v5e", "--inputs", str(tmp_path / "short.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "hold float32[3]; main takes float32[16, 32]" in err
