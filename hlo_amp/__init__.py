@@ -11,7 +11,15 @@ _jax_internals.check()  # an unsupported jax fails here, in one line, not deep i
 from hlo_amp.ir.modules import PassError
 from hlo_amp.jaxamp_compat import amp
 from hlo_amp.module_scopes import module_scopes
-from hlo_amp.numerics import Attribution, AutoPolicy, Comparison, attribute, autopolicy, compare
+from hlo_amp.numerics import (
+    Attribution,
+    AutoPolicy,
+    Comparison,
+    TargetAutoPolicy,
+    attribute,
+    autopolicy,
+    compare,
+)
 from hlo_amp.policy import Policy, amp_stop
 from hlo_amp.report import Decision, Report
 from hlo_amp.rewrite import rewrite
@@ -37,6 +45,7 @@ __all__ = [
     "PassError",
     "Policy",
     "Report",
+    "TargetAutoPolicy",
     "all_finite",
     "amp",
     "amp_stop",

@@ -4,6 +4,8 @@
                 [--op KIND=ACTION]... [--report OUT.json] [--split-input-file]
                 [--debug-info] [--pass NAME]... [--verify-each] [--target cpu|gpu|tpu]
                 [--xla-target h100|h200|a100|CONFIG.txtpb|tpu-v4|tpu-v5e|tpu-v5p|tpu-v6e]
+    hlo-amp-opt FILE --autopolicy --budget 1e-2 --xla-target h100 [--inputs IN.npz]
+                [--seed N] [--depth N] [--max-compiles N] [--policy BASE] [-o POLICY.txt]
 
 ``--xla-target`` also compiles the rewritten module with XLA for that GPU or TPU, on any
 machine (no device, no run; needs the ``gpu`` or ``tpu`` extra), and fills the report's
@@ -78,6 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "tpu-v6e, or a slice such as tpu-v5e:4x4), and report whether XLA keeps each converted op "
                              "in its dtype (needs the gpu or tpu extra: pip install "
                              "'hlo_amp[gpu]' / 'hlo_amp[tpu]')")
+    parser.add_argument("--autopolicy", action="store_true",
+                        help="instead of rewriting, search the policy the --xla-target "
+                             "device runs fastest (roofline) with the error measured here "
+                             "within --budget; writes the policy string (docs/cli.md)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="--autopolicy: the error bound (as hlo_amp.autopolicy's)")
+    parser.add_argument("--inputs", metavar="FILE.npz", default=None,
+                        help="--autopolicy: main's arguments, np.savez(path, *arrays) in "
+                             "argument order (default: standard normal floats from --seed)")
+    parser.add_argument("--seed", type=int, default=0, help="--autopolicy: input seed")
+    parser.add_argument("--depth", type=int, default=1,
+                        help="--autopolicy: the name-stack depth of the scopes searched")
+    parser.add_argument("--max-compiles", type=int, default=None,
+                        help="--autopolicy: at most this many XLA compiles")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
                         help="run only these passes, in order (default: the full pipeline)")
     parser.add_argument("--verify-each", action="store_true",
@@ -127,6 +143,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         raise CliError(f"hlo-amp-opt: error: bad policy: {error}") from None
     device = _device_target(args)
+    if args.autopolicy:
+        return _autopolicy(args, policy, device)
     if device is not None:
         try:
             refuse_policy_on_device(policy, device)
@@ -159,6 +177,43 @@ def run(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(payload)
         else:
             _write(args.report, payload)
+    return 0
+
+
+def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None) -> int:
+    """``--autopolicy``: the search of hlo_amp/numerics/fastest.py on the module's main."""
+    from hlo_amp.numerics.fastest import DEFAULT_MAX_COMPILES, target_autopolicy
+    from hlo_amp.numerics.measure import ATOL, check_tolerance
+    from hlo_amp.runtime.module_call import ModuleFunction
+
+    if args.budget is None:
+        raise CliError("hlo-amp-opt: error: --autopolicy needs --budget (e.g. 1e-2)")
+    if device is None:
+        raise CliError("hlo-amp-opt: error: --autopolicy needs --xla-target (h100, "
+                       "tpu-v5e, ...): the device whose step time it minimises")
+    source, _ = _read(args.input)
+    try:
+        check_tolerance(args.budget, "budget", zero_ok=False)
+        main = ModuleFunction(source)
+        inputs = main.inputs_from(args.inputs, args.seed)
+        result = target_autopolicy(
+            main.for_platform("cpu"), inputs, budget=args.budget, depth=args.depth,
+            base=policy, reference="f32", atol=ATOL, target=device,
+            max_compiles=(DEFAULT_MAX_COMPILES if args.max_compiles is None
+                          else args.max_compiles), progress=True,
+            target_fn=main.for_platform(device.platform))
+    except (ValueError, TypeError) as error:
+        first = (str(error).splitlines() or [type(error).__name__])[0]
+        raise CliError(f"hlo-amp-opt: error: --autopolicy: {first}") from None
+    except NoCompilerForTarget as error:
+        raise CliError(f"hlo-amp-opt: error: {error}") from None
+    print(result, file=sys.stderr)
+    _write(args.output, result.policy.to_string() + "\n")
+    if args.report:
+        if args.report == "-":
+            print(result.to_json(), file=sys.stderr)
+        else:
+            _write(args.report, result.to_json() + "\n")
     return 0
 
 

@@ -14,12 +14,14 @@ leaf passes with, ``max((max|a - e| - atol)+ / max|e|)``, which is what a budget
 
 Parts, each importing only those before it: ``measure`` (the lowering cache, sessions,
 leaf errors and tolerances), ``render`` (table numbers, JSON), ``compare``,
-``attribute`` (with its plot) and ``autopolicy``.
+``attribute`` (with its plot), ``fastest`` (``autopolicy`` for a target: the fastest
+policy on a device within a budget) and ``autopolicy``.
 """
 
 from hlo_amp.numerics.attribute import TOP_LEVEL, Attribution, ScopeError, attribute, with_scopes
 from hlo_amp.numerics.autopolicy import AutoPolicy, Trial, autopolicy
 from hlo_amp.numerics.compare import Comparison, compare
+from hlo_amp.numerics.fastest import Baseline, Move, ScopeChoice, TargetAutoPolicy
 from hlo_amp.numerics.measure import (
     ATOL,
     REFERENCES,
@@ -30,7 +32,24 @@ from hlo_amp.numerics.measure import (
 )
 
 __all__ = [
-    "ATOL", "REFERENCES", "RTOL", "TOP_LEVEL", "Attribution", "AutoPolicy", "Comparison",
-    "LeafError", "ScopeError", "Trial", "attribute", "autopolicy", "compare", "run_dtypes",
-    "tolerance", "with_scopes",
+    "ATOL",
+    "REFERENCES",
+    "RTOL",
+    "TOP_LEVEL",
+    "Attribution",
+    "AutoPolicy",
+    "Baseline",
+    "Comparison",
+    "LeafError",
+    "Move",
+    "ScopeChoice",
+    "ScopeError",
+    "TargetAutoPolicy",
+    "Trial",
+    "attribute",
+    "autopolicy",
+    "compare",
+    "run_dtypes",
+    "tolerance",
+    "with_scopes",
 ]

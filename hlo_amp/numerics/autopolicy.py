@@ -9,10 +9,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hlo_amp.numerics.attribute import Attribution, ScopeError, attribution_of, with_scopes
+from hlo_amp.numerics.fastest import DEFAULT_MAX_COMPILES, TargetAutoPolicy, target_autopolicy
 from hlo_amp.numerics.measure import ATOL, Session, check_reference, check_tolerance
 from hlo_amp.numerics.render import json_number, short
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import text_table
+from hlo_amp.targets import Target
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,19 @@ def _predictions(attribution: Attribution, named: list[ScopeError]) -> list[floa
 
 def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1,
                base: Policy | str | Mapping[str, Any] = "bf16", reference: str = "f32",
-               atol: float = ATOL) -> AutoPolicy:
+               atol: float = ATOL, target: str | Target | None = None,
+               max_compiles: int = DEFAULT_MAX_COMPILES, progress: bool = True
+               ) -> AutoPolicy | TargetAutoPolicy:
     """The policy with the fewest f32 scopes at ``depth`` whose error stays within
     ``budget`` (then the most FLOPs at ``base``'s precision).
+
+    With ``target`` (``"h100"``, ``"tpu-v5e"``, any device ``lower(target=...)``
+    takes): the policy whose step, compiled for that device without it, the roofline
+    models fastest, choosing per scope f32, ``base``'s compute dtype or fp8 (where the
+    device runs fp8 GEMMs), with the error measured here within ``budget``: a
+    ``TargetAutoPolicy`` (hlo_amp/numerics/fastest.py has the search). At most
+    ``max_compiles`` XLA compiles, here and for the device together; ``progress``
+    writes a progress line on stderr.
 
     ``budget`` bounds ``Comparison.error``: every float output leaf within
     ``atol + budget * max|e|`` of ``reference``. One scope is enough when one of the
@@ -110,6 +122,10 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
     policy = as_policy(base)
     reference = check_reference(reference)
     atol = check_tolerance(atol, "atol", zero_ok=True)
+    if target is not None:
+        return target_autopolicy(fn, args, budget=budget, depth=depth, base=policy,
+                                 reference=reference, atol=atol, target=target,
+                                 max_compiles=max_compiles, progress=progress)
     session = Session(fn, args, "autopolicy")
     attribution = attribution_of(session, policy, depth, reference, atol)
     named = [row for row in attribution.scopes if row.pattern is not None]

@@ -1,0 +1,195 @@
+"""``hlo_amp.autopolicy(..., target=...)`` (issue 36): the policy a device runs fastest in
+the roofline's model, within an error budget measured here.
+
+The program is test_policy_search's: three benign scopes and ``cancel``, which bf16
+ruins. ``embed`` and ``mix`` are 16x32 @ 32x32 dots (fp8-eligible: m, k, n >= 16);
+``head`` has n = 8 and ``cancel`` is a matrix-vector product (neither takes fp8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from test_policy_search import W, X, make_program
+
+import hlo_amp
+from hlo_amp import cli
+from hlo_amp.targets import device_target
+
+# One function object: its executables here are cached across the tests' searches.
+PROGRAM = make_program()
+
+
+def _search(budget: float, target, **kw):
+    return hlo_amp.autopolicy(PROGRAM, X, W, budget=budget, target=target,
+                              progress=False, **kw)
+
+
+# An H100 whose HBM is a thousand times faster: every kernel is bound by its matrix
+# FLOPs, so lower precision is modelled faster on every dot (the real H100 runs these
+# tiny dots memory-bound, where the converts cost more than the GEMMs save).
+COMPUTE_BOUND_H100 = dataclasses.replace(
+    device_target("h100"), hbm_bytes_per_second=device_target("h100").hbm_bytes_per_second
+    * 1e3)
+
+
+def test_a_budget_below_bf16_everywhere_keeps_the_fragile_scope_f32():
+    result = _search(0.01, "h100")
+    bf16 = next(b for b in result.baselines if b.name == "bf16 everywhere")
+    assert bf16.error > 0.01  # the budget is below bf16-everywhere's error
+    assert result.choices["cancel"] == "f32"
+    assert result.met and result.error <= 0.01
+    assert "/cancel" not in result.policy.scopes or \
+        result.policy.scopes["/cancel"] == "float32"
+    # the returned policy is modelled no slower than any baseline within the budget
+    assert all(result.step_seconds <= b.step_seconds for b in result.baselines if b.met)
+    # every kept move was confirmed within budget; a refused one was over it
+    assert all((m.error <= 0.01) == m.kept for m in result.moves)
+
+
+def test_on_a_compute_bound_device_fp8_is_taken_where_eligible_and_within_budget():
+    tight = _search(0.01, COMPUTE_BOUND_H100)
+    # fp8 was tried on the two eligible scopes and refused: its measured error is over
+    assert tight.choices == {"embed": "bf16", "mix": "bf16", "cancel": "f32", "head": "bf16"}
+    refused = {m.scope for m in tight.moves if m.to == "fp8" and not m.kept}
+    assert refused == {"embed", "mix"}
+    assert all(m.error > 0.01 for m in tight.moves if not m.kept)
+    middle = _search(0.1, COMPUTE_BOUND_H100)  # above fp8's error, below cancel's bf16
+    assert middle.choices == {"embed": "fp8", "mix": "fp8", "cancel": "f32", "head": "bf16"}
+    assert middle.met and middle.step_seconds < tight.step_seconds
+    rows = {row.scope: row for row in middle.scopes}
+    assert rows["embed"].fp8_dots == 1 and rows["head"].fp8_dots == 0
+    assert rows["cancel"].levels == ("f32", "bf16")  # a matrix-vector product: no fp8
+    assert rows["head"].levels == ("f32", "bf16")  # n = 8: no fp8
+    assert all(rows[s].saved_seconds > 0 for s in ("embed", "mix", "head"))
+    assert middle.policy.scopes["/cancel"] == "float32"
+    assert middle.policy.scopes["/embed"] == "float8_e5m2"
+    fp8_everywhere = next(b for b in middle.baselines if b.name == "fp8 everywhere eligible")
+    assert not fp8_everywhere.met  # it takes cancel down too
+
+
+def test_a_loose_budget_picks_fp8_where_eligible_on_h100_and_never_on_tpu():
+    gpu = _search(10.0, COMPUTE_BOUND_H100)
+    assert {s for s, c in gpu.choices.items() if c == "fp8"} == {"embed", "mix"}
+    tpu = _search(10.0, "tpu-v5e")
+    assert "fp8" not in tpu.choices.values()
+    assert all(row.levels == ("f32", "bf16") for row in tpu.scopes)
+    assert all("fp8" not in b.name for b in tpu.baselines)
+    assert not tpu.policy.uses_fp8
+    assert any("fp8 not searched on TPU v5e" in n for n in tpu.notes)
+
+
+def test_table_json_and_progress(capsys):
+    result = hlo_amp.autopolicy(PROGRAM, X, W, budget=0.01, target="tpu-v5e")
+    err = capsys.readouterr().err
+    assert "autopolicy TPU v5e:" in err and f"/{120} compiles" in err
+    text = str(result)
+    for name in ("cancel", "f32 everywhere", "bf16 everywhere", "time saved alone"):
+        assert name in text
+    data = json.loads(result.to_json())
+    assert hlo_amp.Policy.parse(data["policy"]) == result.policy
+    assert {row["scope"] for row in data["scopes"]} == {"embed", "mix", "cancel", "head"}
+    assert data["compiles"] == result.compiles >= data["target_compiles"] > 0
+    _search(0.01, "tpu-v5e")
+    assert capsys.readouterr().err == ""  # progress=False
+
+
+def test_max_compiles_bounds_the_search():
+    with pytest.raises(ValueError, match=r"max_compiles 5.*accepted: an int >= \d+"):
+        _search(0.01, "h100", max_compiles=5)
+    # step 1 and step 3 take 10 + 2 per level below f32 (embed, mix 2 each, cancel, head 1)
+    needed = 10 + 2 * (2 + 2 + 1 + 1)
+    fresh = make_program()  # nothing cached: every compile counts
+    result = hlo_amp.autopolicy(fresh, X, W, budget=10.0, target=COMPUTE_BOUND_H100,
+                                max_compiles=needed + 1, progress=False)
+    assert result.compiles <= needed + 1
+    assert any("stopped at max_compiles" in n for n in result.notes)
+    assert result.met  # a search cut short still returns a policy within budget
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, math.nan, "0.1", None])
+def test_bad_budget(budget):
+    with pytest.raises(ValueError, match="Invalid budget"):
+        _search(budget, "h100")
+
+
+@pytest.mark.parametrize(("target", "match"), [
+    ("h999", r"target='h999' is neither a known GPU"),
+    (7, r"target=7: expected one of"),
+])
+def test_bad_target(target, match):
+    with pytest.raises(ValueError, match=match):
+        _search(0.01, target)
+
+
+def test_target_without_peaks_and_f16_on_tpu_are_refused(tmp_path):
+    config = tmp_path / "my_gpu.txtpb"
+    config.write_text(device_target("h100").target_config)
+    with pytest.raises(ValueError, match="no published peaks"):
+        _search(0.01, str(config))
+    with pytest.raises(ValueError, match="cannot be compiled for tpu-v5e"):
+        _search(0.01, "tpu-v5e", base="f16")
+
+
+def _module_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prog.mlir"
+    path.write_text(jax.jit(PROGRAM).lower(X, W).as_text(debug_info=True))
+    return path
+
+
+def test_cli_autopolicy_writes_the_policy(tmp_path, capsys):
+    np.savez(tmp_path / "inputs.npz", *[np.asarray(v) for v in jax.tree_util.tree_leaves((X, W))])
+    status = cli.main([str(_module_file(tmp_path)), "--autopolicy", "--budget", "1e-2",
+                       "--xla-target", "tpu-v5e", "--inputs", str(tmp_path / "inputs.npz"),
+                       "-o", str(tmp_path / "policy.txt"),
+                       "--report", str(tmp_path / "table.json")])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert "f32 everywhere" in err  # the table
+    policy = hlo_amp.Policy.parse((tmp_path / "policy.txt").read_text().strip())
+    data = json.loads((tmp_path / "table.json").read_text())
+    assert data["met"] and data["error"] <= 1e-2
+    assert hlo_amp.Policy.parse(data["policy"]) == policy
+    assert {row["scope"] for row in data["scopes"]} == {"embed", "mix", "cancel", "head"}
+    assert next(r for r in data["scopes"] if r["scope"] == "cancel")["choice"] == "f32"
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (["--autopolicy", "--xla-target", "tpu-v5e"], "--autopolicy needs --budget"),
+    (["--autopolicy", "--budget", "-1", "--xla-target", "tpu-v5e"], "Invalid budget"),
+    (["--autopolicy", "--budget", "0.1"], "--autopolicy needs --xla-target"),
+    (["--autopolicy", "--budget", "0.1", "--xla-target", "h999"], "h999"),
+    (["--autopolicy", "--budget", "0.1", "--xla-target", "tpu-v5e", "--inputs", "nope.npz"],
+     "cannot read inputs 'nope.npz'"),
+    (["--autopolicy", "--budget", "0.1", "--xla-target", "tpu-v5e", "--max-compiles", "0"],
+     "Invalid max_compiles 0"),
+])
+def test_cli_autopolicy_bad_arguments(tmp_path, capsys, args, match):
+    """Each a user error: one line on stderr, status 1."""
+    assert cli.main([str(_module_file(tmp_path)), *args]) == 1
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cli_autopolicy_refuses_text_that_is_not_mlir(tmp_path, capsys):
+    path = tmp_path / "bad.mlir"
+    path.write_text("this is not mlir")
+    assert cli.main([str(path), "--autopolicy", "--budget", "0.1", "--xla-target",
+                     "tpu-v5e"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot parse the module" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_inputs_that_do_not_match_main_are_refused(tmp_path, capsys):
+    np.savez(tmp_path / "short.npz", np.zeros((3,), np.float32))
+    assert cli.main([str(_module_file(tmp_path)), "--autopolicy", "--budget", "0.1",
+                     "--xla-target", "tpu-v5e", "--inputs", str(tmp_path / "short.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "hold float32[3]; main takes float32[16, 32]" in err
