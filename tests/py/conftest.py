@@ -28,7 +28,7 @@ _pin_xdist_worker_to_one_cpu()
 # The slowest files, slowest first (pytest --durations=0, summed per file). Under
 # `make test` pytest-xdist hands whole files to its workers in collection order
 # (--dist loadfile --no-loadscope-reorder), so a long file that started last would keep
-# one worker busy after the other is done: the 4 demo trainings alone take 2.5 minutes.
+# one worker busy after the other is done: the 4 demo trainings are the longest file.
 SLOW_FILES_FIRST = ("test_demo_mixed.py", "test_framework_steps.py", "test_crash_net.py",
                     "test_memory_vs_hand_cast.py",
                     "test_gpu_target.py",

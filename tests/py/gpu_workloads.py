@@ -121,10 +121,15 @@ _BUILDERS: dict[str, Callable[[], tuple]] = {
 class _Workloads(Mapping):
     """name -> (step, args), each built on first use and kept: building all six takes
     about 10 s (eager initialisers), which a pytest-xdist worker that runs no GPU or TPU
-    test should not pay at collection."""
+    test should not pay at collection. ``abstract``: args are ``jax.ShapeDtypeStruct``s,
+    the models initialised under ``jax.eval_shape`` (a fraction of the eager cost), which
+    is all that lowering and compiling for a device one does not have reads."""
+
+    def __init__(self, abstract: bool = False) -> None:
+        self._abstract = abstract
 
     def __getitem__(self, name: str) -> tuple[Callable[..., Any], tuple]:
-        return _built(name)
+        return _built_abstract(name) if self._abstract else _built(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(_BUILDERS)
@@ -138,5 +143,20 @@ def _built(name: str) -> tuple[Callable[..., Any], tuple]:
     return _BUILDERS[name]()
 
 
+@functools.cache
+def _built_abstract(name: str) -> tuple[Callable[..., Any], tuple]:
+    steps = []
+
+    def arguments() -> tuple:
+        step, args = _BUILDERS[name]()
+        steps.append(step)
+        return args
+
+    args = jax.eval_shape(arguments)
+    return steps[0], args
+
+
 # MLP, CNN, ViT (NNX), a Linen transformer, a scan RNN and a remat'd block.
 WORKLOADS: Mapping[str, tuple[Callable[..., Any], tuple]] = _Workloads()
+# The same steps on abstract arguments, for lowering and compiling for a GPU or TPU.
+ABSTRACT_WORKLOADS: Mapping[str, tuple[Callable[..., Any], tuple]] = _Workloads(abstract=True)

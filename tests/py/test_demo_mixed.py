@@ -1,9 +1,11 @@
-"""The demo ViT (examples/vit_digits.py, real digits data) trained 1,000 steps in the
-mixed_* modes reaches f32's test accuracy within one point, and with "fp8" within two
-(issue 11's bound for 8-bit dots).
+"""The demo ViT (examples/vit_digits.py, real digits data, its default model and learning
+rate schedule) trained STEPS steps in the mixed_* modes reaches f32's test accuracy within
+one point, and with "fp8" within two (issue 11's bound for 8-bit dots).
 
-The slowest test here (about 2-4 minutes on 2 cores): four 1,000-step trainings of the
-NNX ViT on the 1,437 training images, scored on the 360 held-out ones.
+The slowest test here: four STEPS-step trainings of the NNX ViT on the 1,437 training
+images, scored on the 360 held-out ones. 500 steps (the demo's 1,000 halved, for the
+time of `make test`) is past the point where f32 scores over 90% (here: f32 91.9%,
+mixed_bf16 91.1%, mixed_f16 91.9%, fp8 91.4%); at 300 steps every variant is near 84%.
 
 They draw dropout masks with jax's original threefry layout
 (``jax.threefry_partitionable(False)``). XLA:CPU takes about three times as long for the
@@ -20,6 +22,8 @@ import pytest
 
 from examples.vit_digits import run_variant
 
+STEPS = 500
+
 
 @pytest.fixture(scope="module", autouse=True)
 def threefry_layout_xla_cpu_computes_fastest() -> Iterator[None]:
@@ -29,17 +33,17 @@ def threefry_layout_xla_cpu_computes_fastest() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def f32_accuracy() -> float:
-    return run_variant("f32", steps=1000)
+    return run_variant("f32", steps=STEPS)
 
 
 @pytest.mark.parametrize("variant", ["mixed_bf16", "mixed_f16"])
 def test_mixed_modes_train_to_f32_accuracy(variant: str, f32_accuracy: float) -> None:
-    accuracy = run_variant(variant, steps=1000)  # mixed_f16 runs with the loss scaler
+    accuracy = run_variant(variant, steps=STEPS)  # mixed_f16 runs with the loss scaler
     assert f32_accuracy > 0.9  # the reference itself learned
     assert abs(accuracy - f32_accuracy) <= 0.01, (variant, accuracy, f32_accuracy)
 
 
 def test_fp8_trains_to_within_two_points_of_f32(f32_accuracy: float) -> None:
-    accuracy = run_variant("fp8", steps=1000)
+    accuracy = run_variant("fp8", steps=STEPS)
     assert f32_accuracy > 0.9
     assert abs(accuracy - f32_accuracy) <= 0.02, (accuracy, f32_accuracy)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from gpu_workloads import WORKLOADS
+from gpu_workloads import ABSTRACT_WORKLOADS as WORKLOADS
 
 import hlo_amp
 from hlo_amp import targets

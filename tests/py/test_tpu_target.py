@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from gpu_workloads import WORKLOADS
+from gpu_workloads import ABSTRACT_WORKLOADS as WORKLOADS
 
 import hlo_amp
 from hlo_amp import targets
