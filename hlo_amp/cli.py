@@ -33,6 +33,7 @@ from hlo_amp.quiet_stderr import fd2_muted
 from hlo_amp.report import Report
 from hlo_amp.runtime.deviceless import NoCompilerForTarget, compile_module_for_target
 from hlo_amp.targets import CpuTarget, Target, as_target, device_target, refuse_policy_on_device
+from hlo_amp.targets.collectives import read_collectives
 from hlo_amp.targets.kept_by_xla import mark_kept_by_xla
 
 _SPLIT_MARKER = re.compile(r"^// -----\s*$", re.MULTILINE)
@@ -247,6 +248,7 @@ def _mark_for_device(report: Report, modules: list, device: Target) -> None:
                            f"for {device.description}: {first}") from None
         texts.extend(hlo.to_string() for hlo in executable.hlo_modules())
     mark_kept_by_xla(report, "\n".join(texts), device, device=device.device)
+    report.collectives = [c for text in texts for c in read_collectives(text)]
 
 
 def _write(path: str, text: str) -> None:

@@ -290,6 +290,9 @@ def test_cli_compiles_a_module_sharded_over_a_node(tmp_path: Path) -> None:
     report = json.loads(report_path.read_text())
     assert report["xla_device"] == "H100"
     assert [d["kept_by_xla"] for d in report["decisions"] if d["changed"]] == [True, True]
+    # XLA's partitioner moves the sharded operands: the report lists what it moves.
+    assert {c["kind"] for c in report["collectives"]} & {"all-gather", "all-reduce",
+                                                         "reduce-scatter", "all-to-all"}
     assert "mhlo.num_partitions = 8" in (tmp_path / "out.mlir").read_text()
     # One GPU cannot hold an 8-way partitioned module: one line, naming targets that can.
     proc = subprocess.run([HLO_AMP_OPT, str(module), "--xla-target", "h100", "-o",
