@@ -76,6 +76,10 @@ SMALL = Config(vocab=1024, dim=256, layers=2, heads=4, kv_heads=2, hidden=512, s
                batch=16)
 HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16", "hlo_amp mixed_bfloat16": "mixed_bfloat16",
                     "hlo_amp mixed reduce=bfloat16": "mixed_bfloat16,reduce=bfloat16",
+                    # The other two settings of reduce= (docs/policies.md): the accurate
+                    # mode's gradient sums in 16 bit, the fast mode's in f32.
+                    "hlo_amp bf16 reduce=bfloat16": "bf16,reduce=bfloat16",
+                    "hlo_amp mixed reduce=float32": "mixed_bfloat16,reduce=float32",
                     "hlo_amp fp8": "fp8"}
 VARIANTS = ("f32", "hand-cast bf16", *HLO_AMP_POLICIES)
 # The benchmark's devices: one 8-GPU node, a 16-chip v5e slice (TPUs refuse fp8).
