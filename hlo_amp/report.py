@@ -68,7 +68,9 @@ class Report:
     xla_checked: bool = False
     # Converted ops XLA's HLO could not decide, counted by why (targets/kept_by_xla.py).
     unknown_to_xla: dict[str, int] = field(default_factory=dict)
-    xla_target: str | None = None  # "cpu" when XLA compiled for CPU alone
+    xla_target: str | None = None  # the backend family XLA compiled for ("cpu", "gpu")
+    # Why the fp8 GEMMs XLA kept gain no speed there (Target.fp8_kept_note); "" if they do.
+    xla_fp8_note: str = ""
     xla_device: str | None = None  # "H100", "TPU v5e": compiled without the device
     # The propagation pass (mixed_* modes): {"ops": {kind: {"painted": n, "f32": {why: n}}},
     # "functions": [{function, bytes_before, low_bytes_before, bytes_after,
@@ -137,9 +139,8 @@ class Report:
             if fp8 or any(d.fp8 and d.changed for d in self.decisions):
                 line += f"; fp8 GEMMs kept by XLA: {sum(bool(d.kept_by_xla) for d in fp8)}"
                 line += f"/{len(fp8)}"
-                if self.xla_target == "cpu":
-                    line += (" (XLA:CPU computes fp8 dots in a wider type: a numerics "
-                             "preview, not a speed-up)")
+                if self.xla_fp8_note:
+                    line += f" ({self.xla_fp8_note})"
         if self.propagation is not None:
             line += "; " + self.activations_clause()
         if self.collectives:

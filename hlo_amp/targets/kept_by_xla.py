@@ -208,6 +208,7 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
             unknown[MERGED] = unknown.get(MERGED, 0) + undecided
     report.unknown_to_xla = unknown
     report.xla_target = target.family
+    report.xla_fp8_note = target.fp8_kept_note
     report.xla_device = device
     report.xla_checked = True
 
