@@ -19,7 +19,11 @@ The search is greedy and bounded:
    taken: it could only add error.
 3. The policy the moves end at is compiled for the target (its own step time, not the
    sum of phase 1's savings), and so are the baselines (f32, the base policy everywhere,
-   fp8 everywhere it is eligible); of those within the budget the fastest is returned.
+   fp8 everywhere it is eligible, and the base policy everywhere but the scopes whose
+   16-bit run alone broke the budget); of those within the budget the fastest is
+   returned. The last one catches what single moves miss: where each scope alone saves
+   nothing (a convert costs what its dot gains) but all of them together do, as on a
+   TPU, whose f32 dots run as bf16 passes.
 
 Going down from f32 keeps every confirmed state within the budget, so running out of
 ``max_compiles`` returns a valid policy; starting from the fastest and going up would
@@ -274,7 +278,7 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
     # Phase 1 plus the final compiles (the chosen policy and three baselines, each run
     # and compiled for the target) must fit the bound; phase 2 gets what is left.
     singles = sum(len(v) - 1 for v in levels.values())
-    needed = 2 + 2 * singles + 8
+    needed = 2 + 2 * singles + _FINAL
     if max_compiles < needed:
         raise ValueError(
             f"Invalid max_compiles {max_compiles}: measuring each of the {len(named)} "
@@ -327,7 +331,7 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
                     candidates.append((ratio, gain, g, level, i))
             if not candidates:
                 break
-            if spent() >= max_compiles - 8:  # what step 3 needs is kept for it
+            if spent() >= max_compiles - _FINAL:  # what step 3 needs is kept for it
                 cut = True
                 break
             ratio, gain, g, level, i = max(candidates, key=lambda c: (c[0], c[1]))
@@ -354,6 +358,14 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
             baselines.append(Baseline(name, policy.to_string(), e, t, e <= budget))
             baseline_states[name] = {g: level if level in levels[g] else COMPUTE
                                      for g in named}
+        over = sorted(g for g in named if alone_error[(g, COMPUTE)] > budget)
+        if over and len(over) < len(named):
+            name = f"{low} everywhere but {', '.join(over)} (over budget alone)"
+            but = {g: F32 if g in over else COMPUTE for g in named}
+            e = error(policy_of(but), name)
+            t = seconds(policy_of(but), f"{name} on {device.device}")
+            baselines.append(Baseline(name, policy_of(but).to_string(), e, t, e <= budget))
+            baseline_states[name] = but
     finally:
         bar.close()
 
@@ -392,6 +404,11 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
         chosen, device.device or device.name, budget, current, current <= budget,
         chosen_time, rows, baselines, moves, reference, spent(), model.compiles,
         time.perf_counter() - start, notes=notes)
+
+
+# Compiles kept for step 3: the chosen policy and four baselines, each run here and
+# compiled for the target.
+_FINAL = 10
 
 
 def _why_not(group: str, levels: Mapping[str, tuple[str, ...]],
