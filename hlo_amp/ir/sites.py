@@ -28,6 +28,9 @@ STRUCTURAL = frozenset({
     "rematted_computation", "remat", "remat2", "pjit", "jit", "shard_map", "cond_branch",
     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "switch", "branch",
     "call", "remat_opt", "fori_loop",
+    # jax 0.11 writes it before a scan body's scopes ("eval_jaxpr/cell"; seen with jax
+    # 0.11.2 on the lent H100 machine, 2026-11-26).
+    "eval_jaxpr",
 })
 # "body" and "cond" are JAX's only right after "while" ("while/body", "while/cond"),
 # and "cond" right before a branch ("cond/branch_0_fun"); elsewhere they are user scopes.

@@ -43,7 +43,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _TRITON_FUSION = re.compile(r'calls=%?([\w.\-]+).*"kind":"__triton')
 # Name-stack segments one side has and the other may not (see the module docstring); the
 # call segments of sites.STRUCTURAL that XLA adds or drops, not the transforms.
-_CALL_SEGMENT = re.compile(r"^(?:closed_call|core_call|shard_map|p?jit\(.*\))$")
+_CALL_SEGMENT = re.compile(r"^(?:closed_call|core_call|shard_map|eval_jaxpr|p?jit\(.*\))$")
 
 UNMATCHED = "no matrix op of its scope left in XLA's HLO (merged or removed)"
 MERGED = "XLA merged or removed some matrix ops of its scope"

@@ -278,6 +278,9 @@ def test_report_agrees_with_sites() -> None:
          "...hqk,...khd->...qhd"),
         ("jit(f)/jvp()/while/body/cell/dot_general", ("cell",), ("jvp",), False, None),
         ("jit(f)/while/cond/lt", (), (), False, None),
+        # jax 0.11's segment for a scan body's call.
+        ("jit(f)/jvp()/while/body/eval_jaxpr/cell/dot_general", ("cell",), ("jvp",), False,
+         None),
         ("jit(f)/cond/branch_1_fun/head/dot_general", ("head",), (), False, None),
         ("jit(f)/transpose(jvp())/cond/branch_0_fun/dot_general", (), ("transpose", "jvp"),
          True, None),
