@@ -186,21 +186,26 @@ def _source_of_text(text: str) -> str | None:
 
 def split_segments(name: str) -> list[str]:
     """Split a name stack on '/' outside parentheses ("jvp(a/b)" stays one piece)."""
-    if "(" not in name:  # no parentheses: every '/' splits
-        return [s for s in name.split("/") if s != ""]
-    segments, depth, current = [], 0, []
-    for char in name:
+    return split_outside_parentheses(name, "/")
+
+
+def split_outside_parentheses(text: str, separator: str) -> list[str]:
+    """The non-empty pieces of ``text`` between ``separator``s outside parentheses."""
+    if "(" not in text:  # no parentheses: every separator splits
+        return [s for s in text.split(separator) if s != ""]
+    pieces, depth, current = [], 0, []
+    for char in text:
         if char == "(":
             depth += 1
         elif char == ")":
             depth = max(depth - 1, 0)
-        if char == "/" and depth == 0:
-            segments.append("".join(current))
+        if char == separator and depth == 0:
+            pieces.append("".join(current))
             current = []
         else:
             current.append(char)
-    segments.append("".join(current))
-    return [s for s in segments if s != ""]
+    pieces.append("".join(current))
+    return [s for s in pieces if s != ""]
 
 
 def unwrap(segment: str) -> tuple[list[str], str]:

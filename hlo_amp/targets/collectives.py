@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from hlo_amp.ir.sites import parse_name, split_segments
+from hlo_amp.ir.sites import parse_name, split_outside_parentheses, split_segments
 from hlo_amp.targets.hlo_text import HloWalker, Instruction, parse_module
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -136,18 +136,8 @@ def _member_names(op_name: str) -> list[str]:
     segments = split_segments(op_name)
     if segments and segments[-1].startswith("(") and segments[-1].endswith(")"):
         prefix = "/".join(segments[:-1])
-        inner = segments[-1][1:-1]
-        parts, depth, current = [], 0, []
-        for char in inner:  # split on ':' outside parentheses
-            depth += char == "("
-            depth -= char == ")"
-            if char == ":" and depth == 0:
-                parts.append("".join(current))
-                current = []
-            else:
-                current.append(char)
-        parts.append("".join(current))
-        return [f"{prefix}/{p}" if prefix else p for p in parts if p]
+        parts = split_outside_parentheses(segments[-1][1:-1], ":")
+        return [f"{prefix}/{p}" if prefix else p for p in parts]
     return [op_name] if op_name else []
 
 
