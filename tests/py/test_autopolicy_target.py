@@ -56,6 +56,14 @@ def test_a_budget_below_bf16_everywhere_keeps_the_fragile_scope_f32():
     assert all((m.error <= 0.01) == m.kept for m in result.moves)
 
 
+def test_a_mesh_target_is_searched_like_one_device():
+    # 8 H100s (the arguments replicated over them): the same contract, the device named
+    node = _search(0.01, "h100x8")
+    assert node.met and node.choices["cancel"] == "f32"
+    assert node.target == "H100" and node.step_seconds > 0
+    assert all(node.step_seconds <= b.step_seconds for b in node.baselines if b.met)
+
+
 def test_on_a_compute_bound_device_fp8_is_taken_where_eligible_and_within_budget():
     tight = _search(0.01, COMPUTE_BOUND_H100)
     # fp8 was tried on the two eligible scopes and refused: its measured error is over
