@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from host_devices import run_on_host_devices
 
 from hlo_amp.report import Report
 from hlo_amp.targets import device_target
@@ -93,14 +91,7 @@ print("RESULTS=" + json.dumps(results))
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          check=False, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS=")]
-    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return json.loads(line[-1].removeprefix("RESULTS="))
+    return run_on_host_devices(SCRIPT, timeout=240)
 
 
 def _weight_gathers(found: list[dict], width: int) -> list[dict]:

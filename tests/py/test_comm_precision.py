@@ -9,13 +9,10 @@ show the precision. Numerics run on 8 CPU host devices.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from host_devices import run_on_host_devices
 
 from hlo_amp.policy import Policy
 
@@ -131,19 +128,13 @@ SCRIPT = textwrap.dedent("""
         results[f"{policy}/notes"] = [n for n in amp.lower(params, xs, ys).report().notes
                                       if n.startswith("comm-precision")]
     results["devices"] = jax.device_count()
-    print("RESULTS" + json.dumps(results))
+    print("RESULTS=" + json.dumps(results))
 """)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=300, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULTS"):])
+    return run_on_host_devices(SCRIPT)
 
 
 @pytest.mark.parametrize("policy", ["bf16", "mixed_bfloat16"])
