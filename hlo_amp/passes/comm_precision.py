@@ -27,7 +27,6 @@ Two steps, one concern (the bytes collectives move):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +62,9 @@ _SAME_RANK = frozenset({"stablehlo.slice", "stablehlo.reverse", "stablehlo.pad",
 _SHAPE_CHANGERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.transpose",
                              "stablehlo.reshape", "stablehlo.reduce"})
 _DOT = "stablehlo.dot_general"
+_DOTS = frozenset({_DOT})
+# walk_operations' ``into`` that enters no op: a function body's own ops.
+_TOP_LEVEL: frozenset[str] = frozenset()
 _MANUAL = "sdy.manual_computation"
 
 
@@ -314,7 +316,7 @@ def _function_axes(fn: Any) -> dict[Any, Axes]:
         axes = _declared_axes(_argument_attributes(fn, index), rank)
         if axes is not None:
             known[argument] = axes
-    for op in _body_ops(entry):
+    for op in walk_operations(fn, into=_TOP_LEVEL):
         axes = _result_axes(op, known)
         if axes is not None:
             known[op.results[0]] = axes
@@ -328,18 +330,13 @@ def _argument_attributes(fn: Any, index: int) -> dict[str, Any]:
     return {named.name: named.attr for named in (dictionary[i] for i in range(len(dictionary)))}
 
 
-def _body_ops(block: ir.Block) -> Iterable[ir.Operation]:
-    for op in block.operations:
-        yield op.operation
-
-
 def _retype_reduced_dots(fn: Any, wanted: ir.Type) -> int:
     """Give ``wanted`` as the result element of the 16-bit dots in ``fn``'s body whose
     partial results are summed across devices; a convert back keeps the readers' type."""
     known = _function_axes(fn)
     retyped = 0
-    for op in list(_body_ops(fn.regions[0].blocks[0])):
-        if op.name != _DOT or not _summed_across_devices(op, known):
+    for op in walk_operations(fn, into=_TOP_LEVEL, names=_DOTS):
+        if not _summed_across_devices(op, known):
             continue
         operand_elements = {str(element_type(value)) for value in op.operands}
         result = op.results[0]
