@@ -303,18 +303,17 @@ def compile_variant(variant: str, target: str, config: Config = Config(),
 def row(variant: str, target: str, config: Config) -> dict[str, Any]:
     """One benchmark row: per-device memory, collective bytes by element type, FLOP
     shares, the roofline step estimate (compute, HBM and link time) and the seconds."""
-    from hlo_amp.targets.collectives import read_collectives
     from hlo_amp.targets.roofline import estimate
 
     seconds: dict[str, float] = {}
     compiled = compile_variant(variant, target, config, seconds=seconds)
     hlo = compiled.as_text()
     memory = compiled.memory_analysis()
+    model = estimate(hlo, device_target(target))  # its collectives: the step's, read once
     by_type: dict[str, int] = {}
-    for collective in read_collectives(hlo):
+    for collective in model.collectives:
         kind = "+".join(sorted(set(collective.element_types))) or "?"
         by_type[kind] = by_type.get(kind, 0) + collective.bytes * collective.count
-    model = estimate(hlo, device_target(target))
     return {"variant": variant, "temp": memory.temp_size_in_bytes,
             "arguments": memory.argument_size_in_bytes, "collectives": by_type,
             "share_16bit": model.share_16bit, "share_fp8": model.share_fp8,
