@@ -21,9 +21,16 @@ demo: $(STAMP)
 # JAX_PLATFORMS=cpu on every machine: the tests expect CPU runs, and with CPU asked for the
 # gpu extra's CUDA plugin registers (for compiling for a GPU without one) without its CUDA
 # version check; the tpu extra's libtpu compiles for a TPU topology without one the same way.
+# XLA_FLAGS: XLA:CPU's LLVM at -O1, not -O3. Compiling is most of the tests' time; at -O1
+# it takes a fifth to a third less CPU (test_third_party: 86 -> 69 s), the demo ViT steps
+# as fast and to the same accuracy, and deviceless GPU/TPU compiles give the same
+# optimized HLO and memory figures (the flag reaches only LLVM code generation).
+TEST_ENV := PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu \
+	XLA_FLAGS="--xla_backend_optimization_level=1 $$XLA_FLAGS"
+
 test: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu $(BIN)/lit -v tests/lit
-	PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests/py
+	$(TEST_ENV) $(BIN)/lit -v tests/lit
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests/py
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
