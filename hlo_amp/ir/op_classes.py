@@ -65,6 +65,7 @@ OP_CLASSES: dict[str, str] = {
     "slice": CLEAR, "dynamic_slice": CLEAR, "dynamic_update_slice": CLEAR,
     "concatenate": CLEAR, "pad": CLEAR, "reverse": CLEAR, "gather": CLEAR,
     "reduce": CLEAR, "reduce_window": CLEAR,
+    "sdy.sharding_constraint": CLEAR, "sdy.reshard": CLEAR,
     # deny
     "exponential": DENY, "exponential_minus_one": DENY, "log": DENY,
     "log_plus_one": DENY, "power": DENY, "rsqrt": DENY, "sine": DENY, "cosine": DENY,

@@ -18,7 +18,16 @@ from hlo_amp.ir.modules import (
     op_key,
     terminator,
 )
-from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name, table_class
+from hlo_amp.ir.op_classes import (
+    ALLOW,
+    CLEAR,
+    DENY,
+    INFER,
+    body_is_one_add,
+    op_class,
+    short_name,
+    table_class,
+)
 from hlo_amp.ir.sites import call_prefix, join_names, location_name, parse_name
 from hlo_amp.passes.propagate.body import (
     F32,
@@ -312,6 +321,9 @@ class Graph:
                 found.append(SINK if is_sink else DENY)
                 continue
             node = op_node.get((inst_id, index))
+            if node is not None and _sums_updates(node, body.ops[index], number):
+                found.append(SINK)
+                continue
             found.append(node if node is not None else DENY)
         return found
 
@@ -331,6 +343,9 @@ class Graph:
                 found.append(SINK if is_sink else DENY)
                 continue
             node = self._node_of(inst_id, owner)
+            if node is not None and _sums_updates(node, owner, use.operand_number):
+                found.append(SINK)
+                continue
             found.append(node if node is not None else DENY)
         return found
 
@@ -341,3 +356,14 @@ class Graph:
         index = inst.index.get(op_key(op))
         return None if index is None else self.op_node.get((inst_id, index))
 
+
+
+def _sums_updates(node: Node, op: Any, number: int) -> bool:
+    """Whether operand ``number`` of ``op`` is the updates of an add scatter that the op
+    table keeps f32 (a sum whose updates may meet: an embedding's gradient)."""
+    if node.kind != "scatter" or node.cls != DENY or node.reason != DENY_CLASS:
+        return False
+    if not body_is_one_add(op):
+        return False
+    inputs = (len(op.operands) - 1) // 2
+    return number > inputs
