@@ -30,6 +30,7 @@ from hlo_amp.ir.op_classes import (
 )
 from hlo_amp.ir.sites import call_prefix, join_names, location_name, parse_name
 from hlo_amp.passes.propagate.body import (
+    BARRIER,
     F32,
     LINK_CONSUMERS,
     NOT_VALUE_OPS,
@@ -184,6 +185,8 @@ class Graph:
             if name in NOT_VALUE_OPS:
                 continue
             op = body.ops[index]
+            if name == BARRIER and not self._barrier_kept(op, inst.prefix):
+                continue  # its operand-result pairs are links (``_links``)
             operands, results = all_operands[index], all_results[index]
             has_f32, types_ok = self._types_ok(operands, results)
             known = by_name.get(name)
@@ -240,10 +243,22 @@ class Graph:
             return None  # a scope that computes in 16 bit: the table decides
         return DENY, f"rule {rule}"  # keep, float32 or another dtype: stays as written
 
+    def _barrier_kept(self, op: Any, prefix: str) -> bool:
+        """Whether a rule (an op or scope rule, amp_stop) keeps an optimization barrier
+        as written: then it is a deny op, reading f32, not a set of links."""
+        override = self.policy_class(op, prefix, "optimization_barrier")
+        return override is not None and override[0] == DENY
+
     def _links(self, inst_id: int, inst: Instance) -> None:
         for index, name in enumerate(inst.body.names):
             if name == "stablehlo.while":
                 self._while_links(inst_id, index, inst.ops[index])
+            elif name == BARRIER and (inst_id, index) not in self.op_node:
+                op = inst.ops[index]
+                for slot in range(len(op.operands)):
+                    self._link(inst_id, index, "barrier", slot,
+                               [(op, (inst_id, op.operands[slot]), slot)],
+                               [(inst_id, op.results[slot])])
             elif name in ("stablehlo.case", "stablehlo.if"):
                 self._branch_links(inst_id, index, inst.ops[index])
             elif index in inst.calls:

@@ -178,7 +178,8 @@ def _paint(graph: Graph, form: PaintForm) -> None:
     # matrix operands (converts, not painted ops) read: f32 parameters stay f32.
     for node in graph.nodes:
         if (node.reason == NOT_BETWEEN and not node.fwd
-                and (node.cls == INFER or (node.cls == CLEAR and not _is_statistic(graph, node)))
+                and (node.cls == INFER or (node.cls in (CLEAR, LINK)
+                                           and not _is_statistic(graph, node)))
                 and any(map(_is_painted, _readers(node)))):
             node.painted, node.reason = True, ""
     # Allow ops: a 16-bit result where a region reads it; with ``low_results`` also
