@@ -8,7 +8,8 @@ CHLO name without the dialect prefix) has a class:
 - ``infer``: elementwise arithmetic that follows its inputs; painted only when it sits
   on a path between 16-bit ops.
 - ``clear``: data movement that does not change values (a max/min ``reduce`` or
-  ``reduce_window`` picks one of its inputs); painted like ``infer``.
+  ``reduce_window`` picks one of its inputs; Shardy's ``sdy.sharding_constraint`` and
+  ``sdy.reshard``, which only say where the elements live); painted like ``infer``.
 - ``deny``: computed in f32 (on GPU and TPU a 16-bit input is converted up in front
   of the op, on CPU the value it reads stays f32), and the infer ops downstream of it
   stay f32 (see ``passes/propagate/solve.py``): exponentials and logs (error grows with

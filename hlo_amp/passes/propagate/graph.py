@@ -44,7 +44,9 @@ from hlo_amp.policy import AMP_STOP, COMPUTE, OP_KINDS, Policy
 
 DENY_CLASS = "deny class"  # the reason of an op the table (not a rule) keeps f32
 LINK = "link"
-SINK = "sink"  # a convert to the compute dtype: where a region may end
+# A convert to the compute dtype, or the updates of an add scatter kept f32: where a
+# region may end.
+SINK = "sink"
 # Op kinds whose class depends on their body as well as the table (see op_class).
 _BODY_CLASSED = frozenset({"reduce", "reduce_window", "scatter"})
 
@@ -312,8 +314,9 @@ class Graph:
     # ---- readers --------------------------------------------------------------------
 
     def consumers(self, key: tuple[int, ir.Value]) -> list[Node | str]:
-        """The nodes reading a value; SINK for converts to the compute dtype; DENY for
-        anything that must see f32 (deny ops, other converts, a public return)."""
+        """The nodes reading a value; SINK for converts to the compute dtype and for the
+        updates of an add scatter kept f32 (``_sums_updates``); DENY for anything that
+        must see f32 (deny ops, other converts, a public return)."""
         inst_id, value = key
         body = self.instances[inst_id].body
         if value in body.inner_uses():  # some of its uses are not in the walk
@@ -375,7 +378,11 @@ class Graph:
 
 def _sums_updates(node: Node, op: Any, number: int) -> bool:
     """Whether operand ``number`` of ``op`` is the updates of an add scatter that the op
-    table keeps f32 (a sum whose updates may meet: an embedding's gradient)."""
+    table keeps f32 (a sum whose updates may meet: an embedding's gradient). It reads
+    them as a matrix op reads its operand: a 16-bit gradient reaches it in 16 bit (the
+    gradient of block 0's input, which only the lookup's scatter reads, as in Keras's
+    mixed_bfloat16 embedding), and it converts them up and sums in f32. Kept f32 up to
+    it, that gradient made XLA sum block 0's row-parallel all-reduces in f32."""
     if node.kind != "scatter" or node.cls != DENY or node.reason != DENY_CLASS:
         return False
     if not body_is_one_add(op):
