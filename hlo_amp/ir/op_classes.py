@@ -16,8 +16,9 @@ CHLO name without the dialect prefix) has a class:
   the argument), powers,
   ``rsqrt``, sums (``reduce`` with an add body: sums, means, variances; ``reduce_window``
   with an add body over more than ``SHORT_SUM`` elements: cumulative sums), scatters,
-  sorts, and JAX's own precision idioms (``reduce_precision``,
-  ``optimization_barrier``) which must stay exactly as written.
+  sorts, and JAX's own precision idiom ``reduce_precision``, which must stay exactly as
+  written. ``optimization_barrier`` is deny here, but the propagation pass passes each
+  of its operands through as a loop carry (a link) unless a rule keeps it.
 
 An add ``reduce_window`` over at most ``SHORT_SUM`` (16) elements, i.e. an average-pool
 window and its gradient, is ``infer``: it is a short chain of adds, as exact in 16 bit as
