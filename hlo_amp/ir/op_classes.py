@@ -8,15 +8,17 @@ CHLO name without the dialect prefix) has a class:
 - ``infer``: elementwise arithmetic that follows its inputs; painted only when it sits
   on a path between 16-bit ops.
 - ``clear``: data movement that does not change values (a max/min ``reduce`` or
-  ``reduce_window`` picks one of its inputs); painted like ``infer``.
+  ``reduce_window`` picks one of its inputs; Shardy's ``sdy.sharding_constraint`` and
+  ``sdy.reshard``, which only say where the elements live); painted like ``infer``.
 - ``deny``: computed in f32 (on GPU and TPU a 16-bit input is converted up in front
   of the op, on CPU the value it reads stays f32), and the infer ops downstream of it
   stay f32 (see ``passes/propagate/solve.py``): exponentials and logs (error grows with
   the argument), powers,
   ``rsqrt``, sums (``reduce`` with an add body: sums, means, variances; ``reduce_window``
   with an add body over more than ``SHORT_SUM`` elements: cumulative sums), scatters,
-  sorts, and JAX's own precision idioms (``reduce_precision``,
-  ``optimization_barrier``) which must stay exactly as written.
+  sorts, and JAX's own precision idiom ``reduce_precision``, which must stay exactly as
+  written. ``optimization_barrier`` is deny here, but the propagation pass passes each
+  of its operands through as a loop carry (a link) unless a rule keeps it.
 
 An add ``reduce_window`` over at most ``SHORT_SUM`` (16) elements, i.e. an average-pool
 window and its gradient, is ``infer``: it is a short chain of adds, as exact in 16 bit as
@@ -65,6 +67,7 @@ OP_CLASSES: dict[str, str] = {
     "slice": CLEAR, "dynamic_slice": CLEAR, "dynamic_update_slice": CLEAR,
     "concatenate": CLEAR, "pad": CLEAR, "reverse": CLEAR, "gather": CLEAR,
     "reduce": CLEAR, "reduce_window": CLEAR,
+    "sdy.sharding_constraint": CLEAR, "sdy.reshard": CLEAR,
     # deny
     "exponential": DENY, "exponential_minus_one": DENY, "log": DENY,
     "log_plus_one": DENY, "power": DENY, "rsqrt": DENY, "sine": DENY, "cosine": DENY,

@@ -50,11 +50,13 @@
 // CONV:         %[[DF:.*]] = stablehlo.convolution({{.*}}) {{.*}} -> tensor<3x3x2x3xf32>
 // CONV:         return %[[DF]], %[[DWT]] : tensor<3x3x2x3xf32>, tensor<48x2xf32>
 
-// jax.checkpoint: the sine/cosine (deny) stay f32 and the optimization_barrier that
-// remat puts on its residuals is kept exactly, f32 operands and all.
+// jax.checkpoint: the sine/cosine (deny) stay f32; the optimization_barrier that remat
+// puts on its residuals passes each operand through as it is: the parameters and the
+// input, which only matrix ops read (through their converts), stay f32, and the
+// incoming gradient, a dot's 16-bit result that the next dot reads, crosses it in bf16.
 // REMAT-LABEL: func.func public @main
 // REMAT:         stablehlo.sine %{{.*}} : tensor<2x4xf32>
-// REMAT:         stablehlo.optimization_barrier %arg1, %arg0, %{{.*}} : tensor<4x4xf32>, tensor<2x4xf32>, tensor<2x4xf32>
+// REMAT:         stablehlo.optimization_barrier %arg1, %arg0, %{{.*}} : tensor<4x4xf32>, tensor<2x4xf32>, tensor<2x4xbf16>
 // REMAT:         stablehlo.cosine %{{.*}} : tensor<2x4xf32>
 
 // Layer norm, GELU and softmax exactly as JAX lowers them: the layer norm's sums and

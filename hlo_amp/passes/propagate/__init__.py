@@ -31,7 +31,11 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    activation gradient between two matrix ops, though it also feeds a bias gradient's
    sum; a pre-LN residual stream, though a layer norm's mean reads it; attention scores
    and their max before the softmax's exp). A compare whose float operands are all
-   16-bit is painted too.
+   16-bit is painted too. The updates of an add scatter the table keeps f32 (an
+   embedding's gradient) count as a 16-bit sink: the gradient reaching it is 16-bit up
+   to it, as between two matrix ops, and the scatter converts it up and sums in f32.
+   An ``optimization_barrier`` (jax.checkpoint's, around what the backward pass
+   recomputes from) is one link per operand-result pair, unless a rule keeps it.
 4. An allow op's result becomes 16-bit when it is not pinned: on GPU and TPU the op
    returns the 16-bit type itself, also where only f32 ops read it (a weight gradient
    read by the optimizer, the logits read by the loss), as TensorFlow's and PyTorch's

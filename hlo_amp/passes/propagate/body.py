@@ -16,7 +16,10 @@ NOT_VALUE_OPS = frozenset({"stablehlo.convert", "stablehlo.constant", "stablehlo
 # The ops whose operands may enter a link (loop carry, branch result, call argument or
 # result): only their uses are looked up in ``Graph.link_use``.
 LINK_CONSUMERS = frozenset({"stablehlo.while", "stablehlo.return", "func.call",
-                            "func.return"})
+                            "func.return", "stablehlo.optimization_barrier"})
+# An identity per operand that XLA may not move ops across (jax.checkpoint's barrier on
+# what the backward pass recomputes from): each operand-result pair is a link.
+BARRIER = "stablehlo.optimization_barrier"
 
 
 def body_ops(fn: Any) -> list[ir.Operation]:

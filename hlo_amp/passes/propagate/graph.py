@@ -18,9 +18,19 @@ from hlo_amp.ir.modules import (
     op_key,
     terminator,
 )
-from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, op_class, short_name, table_class
+from hlo_amp.ir.op_classes import (
+    ALLOW,
+    CLEAR,
+    DENY,
+    INFER,
+    body_is_one_add,
+    op_class,
+    short_name,
+    table_class,
+)
 from hlo_amp.ir.sites import call_prefix, join_names, location_name, parse_name
 from hlo_amp.passes.propagate.body import (
+    BARRIER,
     F32,
     LINK_CONSUMERS,
     NOT_VALUE_OPS,
@@ -34,7 +44,9 @@ from hlo_amp.policy import AMP_STOP, COMPUTE, OP_KINDS, Policy
 
 DENY_CLASS = "deny class"  # the reason of an op the table (not a rule) keeps f32
 LINK = "link"
-SINK = "sink"  # a convert to the compute dtype: where a region may end
+# A convert to the compute dtype, or the updates of an add scatter kept f32: where a
+# region may end.
+SINK = "sink"
 # Op kinds whose class depends on their body as well as the table (see op_class).
 _BODY_CLASSED = frozenset({"reduce", "reduce_window", "scatter"})
 
@@ -175,6 +187,8 @@ class Graph:
             if name in NOT_VALUE_OPS:
                 continue
             op = body.ops[index]
+            if name == BARRIER and not self._barrier_kept(op, inst.prefix):
+                continue  # its operand-result pairs are links (``_links``)
             operands, results = all_operands[index], all_results[index]
             has_f32, types_ok = self._types_ok(operands, results)
             known = by_name.get(name)
@@ -231,10 +245,22 @@ class Graph:
             return None  # a scope that computes in 16 bit: the table decides
         return DENY, f"rule {rule}"  # keep, float32 or another dtype: stays as written
 
+    def _barrier_kept(self, op: Any, prefix: str) -> bool:
+        """Whether a rule (an op or scope rule, amp_stop) keeps an optimization barrier
+        as written: then it is a deny op, reading f32, not a set of links."""
+        override = self.policy_class(op, prefix, "optimization_barrier")
+        return override is not None and override[0] == DENY
+
     def _links(self, inst_id: int, inst: Instance) -> None:
         for index, name in enumerate(inst.body.names):
             if name == "stablehlo.while":
                 self._while_links(inst_id, index, inst.ops[index])
+            elif name == BARRIER and (inst_id, index) not in self.op_node:
+                op = inst.ops[index]
+                for slot in range(len(op.operands)):
+                    self._link(inst_id, index, "barrier", slot,
+                               [(op, (inst_id, op.operands[slot]), slot)],
+                               [(inst_id, op.results[slot])])
             elif name in ("stablehlo.case", "stablehlo.if"):
                 self._branch_links(inst_id, index, inst.ops[index])
             elif index in inst.calls:
@@ -288,8 +314,9 @@ class Graph:
     # ---- readers --------------------------------------------------------------------
 
     def consumers(self, key: tuple[int, ir.Value]) -> list[Node | str]:
-        """The nodes reading a value; SINK for converts to the compute dtype; DENY for
-        anything that must see f32 (deny ops, other converts, a public return)."""
+        """The nodes reading a value; SINK for converts to the compute dtype and for the
+        updates of an add scatter kept f32 (``_sums_updates``); DENY for anything that
+        must see f32 (deny ops, other converts, a public return)."""
         inst_id, value = key
         body = self.instances[inst_id].body
         if value in body.inner_uses():  # some of its uses are not in the walk
@@ -312,6 +339,9 @@ class Graph:
                 found.append(SINK if is_sink else DENY)
                 continue
             node = op_node.get((inst_id, index))
+            if node is not None and _sums_updates(node, body.ops[index], number):
+                found.append(SINK)
+                continue
             found.append(node if node is not None else DENY)
         return found
 
@@ -331,6 +361,9 @@ class Graph:
                 found.append(SINK if is_sink else DENY)
                 continue
             node = self._node_of(inst_id, owner)
+            if node is not None and _sums_updates(node, owner, use.operand_number):
+                found.append(SINK)
+                continue
             found.append(node if node is not None else DENY)
         return found
 
@@ -341,3 +374,18 @@ class Graph:
         index = inst.index.get(op_key(op))
         return None if index is None else self.op_node.get((inst_id, index))
 
+
+
+def _sums_updates(node: Node, op: Any, number: int) -> bool:
+    """Whether operand ``number`` of ``op`` is the updates of an add scatter that the op
+    table keeps f32 (a sum whose updates may meet: an embedding's gradient). It reads
+    them as a matrix op reads its operand: a 16-bit gradient reaches it in 16 bit (the
+    gradient of block 0's input, which only the lookup's scatter reads, as in Keras's
+    mixed_bfloat16 embedding), and it converts them up and sums in f32. Kept f32 up to
+    it, that gradient made XLA sum block 0's row-parallel all-reduces in f32."""
+    if node.kind != "scatter" or node.cls != DENY or node.reason != DENY_CLASS:
+        return False
+    if not body_is_one_add(op):
+        return False
+    inputs = (len(op.operands) - 1) // 2
+    return number > inputs

@@ -20,6 +20,7 @@ from hlo_amp.ir.modules import (
 )
 from hlo_amp.ir.op_classes import ALLOW
 from hlo_amp.passes.propagate.body import (
+    BARRIER,
     CONTROL_FLOW_OPS,
     F32,
     LINK_CONSUMERS,
@@ -65,7 +66,7 @@ class Rewriter:
                 facts["allow"].add(node.index)
             elif node.cls != LINK:
                 facts["painted"].add(node.index)
-            elif node.kind in ("while", "case"):
+            elif node.kind in ("while", "case", "barrier"):
                 facts["carries"].add((node.index, node.slot))
             else:  # call argument or result: a fact about the callee's signature
                 child = graph.instances[node.inst].calls[node.index]
@@ -226,7 +227,7 @@ class Rewriter:
         leave it); ``mine`` are the facts of the instance being rewritten."""
         if index in mine["painted"]:
             return True
-        if name == "stablehlo.while":
+        if name in ("stablehlo.while", BARRIER):
             return (index, number) in mine["carries"]
         if name == "stablehlo.return":
             owner = owners.get(op_key(op))

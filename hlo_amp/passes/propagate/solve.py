@@ -175,9 +175,17 @@ def _paint(graph: Graph, form: PaintForm) -> None:
     # plus positions, which block 0's residual add reads and its layer norm reads in
     # f32. Otherwise XLA keeps the f32 value for the layer norm's backward and a 16-bit
     # copy for the add (4 MiB more at the decoder's peak). Not a value that only
-    # matrix operands (converts, not painted ops) read: f32 parameters stay f32.
+    # matrix operands (converts, not painted ops) read: f32 parameters stay f32. Data
+    # movement and barrier links too (not a statistic): the lookup's rows behind a
+    # sharding constraint, and jax.checkpoint's barrier on them; the gather reads a 16-bit
+    # table (the same values: rounding commutes with picking rows), so XLA's partitioner
+    # gathers and exchanges them in 16 bit, as the hand cast's (Llama step on 8 H100s:
+    # 128 MiB of f32 all-reduce and all-to-all per device become 64 of bf16).
     for node in graph.nodes:
-        if (node.cls == INFER and node.reason == NOT_BETWEEN and not node.fwd
+        if (node.reason == NOT_BETWEEN and not node.fwd
+                and (node.cls == INFER or (
+                    (node.cls == CLEAR or (node.cls == LINK and node.kind == "barrier"))
+                    and not _is_statistic(graph, node)))
                 and any(map(_is_painted, _readers(node)))):
             node.painted, node.reason = True, ""
     # Allow ops: a 16-bit result where a region reads it; with ``low_results`` also
