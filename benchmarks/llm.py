@@ -395,7 +395,7 @@ def section(device: str, config: Config, rows: list[dict[str, Any]],
             f"d {config.dim}, {config.heads} heads / {config.kv_heads} KV, SwiGLU "
             f"{config.hidden}, vocab {config.vocab}, seq {config.seq}, global batch "
             f"{config.batch}); {layer_form}; FSDP × TP {default_axes(target.devices)}; "
-            f"AdamW; remat per block"),
+            "AdamW; remat per block"),
             f"- command: `{command}`; jax {jax.__version__}; compiled on {_machine()}",
             ("- per device: XLA's temp and argument bytes (`memory_analysis()`); collective "
             "bytes from the optimized HLO (`hlo_amp/targets/collectives.py`, result bytes "
