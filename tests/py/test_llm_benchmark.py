@@ -35,10 +35,18 @@ def test_a_batch_the_mesh_cannot_split_is_refused() -> None:
 def test_scanned_and_unrolled_forms_give_the_same_loss_and_gradients() -> None:
     scanned = dataclasses.replace(TINY, batch=2)
     unrolled = dataclasses.replace(scanned, scan_layers=False)
-    tokens = jax.random.randint(jax.random.key(1), (2, scanned.seq + 1), 0, scanned.vocab)
+    # numpy values (jax's threefry would compile for seconds): the unrolled list of
+    # blocks, and the same blocks stacked for the scan.
+    rng = np.random.default_rng(0)
+    params_u = jax.tree.map(
+        lambda shape: np.ones(shape, np.float32) if len(shape) == 1
+        else 0.02 * rng.standard_normal(shape, np.float32),
+        llm.param_shapes(unrolled), is_leaf=lambda x: isinstance(x, tuple))
+    params_s = {**params_u, "blocks": jax.tree.map(lambda *layers: np.stack(layers),
+                                                   *params_u["blocks"])}
+    tokens = rng.integers(0, scanned.vocab, (2, scanned.seq + 1), dtype=np.int32)
     results = []
-    for config in (scanned, unrolled):
-        params = llm.init_params(config, jax.random.key(0))
+    for config, params in ((scanned, params_s), (unrolled, params_u)):
         grad_fn = jax.value_and_grad(lambda p, t, c=config: llm.loss_fn(p, t, c))
         results.append(jax.jit(grad_fn)(params, tokens))
     (loss_s, grads_s), (loss_u, grads_u) = results
