@@ -6,7 +6,10 @@ query attention (GQA) with a causal mask, a SwiGLU MLP, pre-norm residual blocks
 untied output head, softmax cross-entropy on the next token, and AdamW. The default size
 is about 1B parameters (16 layers, d_model 2048, 32 heads over 8 KV heads, SwiGLU 8192,
 vocab 32k, 2048 tokens; Llama 3.2 1B's shape with a 32k vocabulary); ``SMALL`` is for
-quick runs.
+quick runs. The blocks are scanned by default (``Config.scan_layers``: parameters stacked
+on a leading layer axis, ``jax.lax.scan`` with ``jax.checkpoint`` on its body, as MaxText
+and ``nnx.scan`` write large models), which keeps the compile time flat in depth;
+``--no-scan`` unrolls them into a Python loop over a list of blocks.
 
 Parameters (and the optimizer's moments) are ``NamedSharding``s on
 ``hlo_amp.target_mesh(target, {"fsdp": F, "tp": T})``: the Megatron split (column-parallel
@@ -22,7 +25,7 @@ Variants, each compiled for a target without the device by `compile_variant`:
 * ``hlo_amp bf16``, ``hlo_amp mixed_bfloat16`` — the f32 step, unchanged, through
   ``hlo_amp.compile(step, policy)``.
 
-    python -m benchmarks.llm --target h100x8 --small
+    python -m benchmarks.llm --device h100x8-aot --small
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class Config:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     remat: bool = True  # recompute each block in the backward pass, as large steps do
+    # The blocks' parameters stacked on a leading layer axis and the blocks a
+    # ``jax.lax.scan`` (MaxText's ``scan_layers``): one block in the HLO, so the compile
+    # time does not grow with depth. False: a Python loop over a list of blocks (unrolled).
+    scan_layers: bool = True
     learning_rate: float = 3e-4
     weight_decay: float = 0.1
 
@@ -90,14 +97,17 @@ DEVICES = {"h100x8-aot": "h100x8", "tpu-v5e-16-aot": "tpu-v5e:4x4"}
 
 
 def param_shapes(config: Config) -> dict[str, Any]:
-    """The parameter tree's shapes: embedding, stacked-free list of blocks, norm, head."""
+    """The parameter tree's shapes: embedding, blocks, norm, head. The blocks are one dict
+    of arrays with a leading layer axis when ``config.scan_layers``, else a list of dicts."""
     d, hd = config.dim, config.head_dim
     block = {"attn_norm": (d,), "wq": (d, config.heads * hd), "wk": (d, config.kv_heads * hd),
              "wv": (d, config.kv_heads * hd), "wo": (config.heads * hd, d), "mlp_norm": (d,),
              "w_gate": (d, config.hidden), "w_up": (d, config.hidden),
              "w_down": (config.hidden, d)}
-    return {"embed": (config.vocab, d), "blocks": [dict(block) for _ in range(config.layers)],
-            "final_norm": (d,), "head": (d, config.vocab)}
+    blocks: Any = ({name: (config.layers, *shape) for name, shape in block.items()}
+                   if config.scan_layers else [dict(block) for _ in range(config.layers)])
+    return {"embed": (config.vocab, d), "blocks": blocks, "final_norm": (d,),
+            "head": (d, config.vocab)}
 
 
 # Megatron's split on tp, the other dimension on fsdp; norms replicated.
@@ -112,22 +122,33 @@ def param_count(config: Config) -> int:
         param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)))
 
 
+def block_spec(name: str, config: Config) -> P:
+    """A block parameter's spec: PARAM_SPECS's, after ``None`` for the layer axis when
+    the blocks are stacked (each device holds its shard of every layer)."""
+    return P(None, *PARAM_SPECS[name]) if config.scan_layers else PARAM_SPECS[name]
+
+
 def _specs(config: Config) -> dict[str, Any]:
-    shapes = param_shapes(config)
+    blocks = param_shapes(config)["blocks"]
     return {"embed": PARAM_SPECS["embed"], "final_norm": PARAM_SPECS["final_norm"],
             "head": PARAM_SPECS["head"],
-            "blocks": [{name: PARAM_SPECS[name] for name in block}
-                       for block in shapes["blocks"]]}
+            "blocks": ({name: block_spec(name, config) for name in blocks}
+                       if config.scan_layers else
+                       [{name: PARAM_SPECS[name] for name in block} for block in blocks])}
 
 
 def init_params(config: Config, key: jax.Array) -> dict[str, Any]:
-    """Random f32 parameters (normal, std 0.02; norms at 1)."""
-    shapes = param_shapes(config)
-    leaves, tree = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    """Random f32 parameters (normal, std 0.02; norms at 1). The unrolled and the scanned
+    forms of one config get the same values (the scanned blocks are the list's stack)."""
+    unrolled = param_shapes(dataclasses.replace(config, scan_layers=False))
+    leaves, tree = jax.tree.flatten(unrolled, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(leaves))
     values = [jnp.ones(s, jnp.float32) if len(s) == 1
               else 0.02 * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)]
-    return jax.tree.unflatten(tree, values)
+    params = jax.tree.unflatten(tree, values)
+    if config.scan_layers:
+        params["blocks"] = jax.tree.map(lambda *layers: jnp.stack(layers), *params["blocks"])
+    return params
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -202,8 +223,11 @@ def forward(params: dict, tokens: jax.Array, config: Config, dtype: Any = jnp.fl
     if config.remat:
         block_fn = jax.checkpoint(block_fn)
     x = residual(x)
-    for block in params["blocks"]:
-        x = block_fn(x, block)
+    if config.scan_layers:  # one block's program, a while loop over the stacked layers
+        x, _ = jax.lax.scan(lambda h, block: (block_fn(h, block), None), x, params["blocks"])
+    else:
+        for block in params["blocks"]:
+            x = block_fn(x, block)
     x = rms_norm(x, params["final_norm"], config.norm_eps)
     return (x @ params["head"].astype(dtype)).astype(jnp.float32)
 
@@ -361,6 +385,8 @@ def section(device: str, config: Config, rows: list[dict[str, Any]],
     """The RESULTS.md section for one device: header lines, the table, the refusals."""
     target = device_target(DEVICES.get(device, device))
     key = device.removesuffix("-aot")
+    layer_form = ("layers scanned (`jax.lax.scan` over stacked block parameters)"
+                  if config.scan_layers else "layers unrolled (a Python loop)")
     return [f"<!-- benchmarks.llm --device {key}: begin (replaced by each run) -->",
             (f"## LLM-scale: Llama-style decoder on {target.description}, compiled without "
             "a device"),
@@ -368,8 +394,8 @@ def section(device: str, config: Config, rows: list[dict[str, Any]],
             (f"- model: {param_count(config) / 1e9:.2f}B parameters ({config.layers} layers, "
             f"d {config.dim}, {config.heads} heads / {config.kv_heads} KV, SwiGLU "
             f"{config.hidden}, vocab {config.vocab}, seq {config.seq}, global batch "
-            f"{config.batch}); FSDP × TP {default_axes(target.devices)}; AdamW; remat "
-            "per block"),
+            f"{config.batch}); {layer_form}; FSDP × TP {default_axes(target.devices)}; "
+            "AdamW; remat per block"),
             f"- command: `{command}`; jax {jax.__version__}; compiled on {_machine()}",
             ("- per device: XLA's temp and argument bytes (`memory_analysis()`); collective "
             "bytes from the optimized HLO (`hlo_amp/targets/collectives.py`, result bytes "
@@ -402,6 +428,9 @@ def main(argv: list[str] | None = None) -> None:
                         "tpu-v5e:4x4)")
     parser.add_argument("--small", action="store_true", help="the SMALL preset")
     parser.add_argument("--layers", type=int, help="override the preset's layer count")
+    parser.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
+                        help="the blocks as a jax.lax.scan over stacked parameters (the "
+                        "default) or, with --no-scan, a Python loop (unrolled)")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="compile only these (default: all)")
     parser.add_argument("--results", type=Path,
@@ -410,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
     config = SMALL if args.small else Config()
     if args.layers:
         config = dataclasses.replace(config, layers=args.layers)
+    if args.scan is not None:
+        config = dataclasses.replace(config, scan_layers=args.scan)
     target = device_target(DEVICES.get(args.device, args.device))
     print(f"{param_count(config) / 1e9:.3f}B parameters, {target.description}", flush=True)
     rows, refused = [], {}
