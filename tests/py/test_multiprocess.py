@@ -1,9 +1,10 @@
 """hlo_amp.compile across processes: two jax.distributed CPU processes, one global mesh.
 
 Two processes on this machine (4 host devices each, gloo CPU collectives) run a data- and
-model-sharded train step under ``hlo_amp.compile`` on a global (4, 2) mesh; a third
-process runs the same program on 8 devices alone. The losses and updated parameters must
-match. The workers are ``multiprocess_worker.py``, run with ``sys.executable`` (the
+model-sharded train step under ``hlo_amp.compile`` on a global (4, 2) mesh, then the tiny
+Llama-style decoder of benchmarks/llm.py with its parameters FSDP-sharded across both
+processes; a third process runs the same programs on 8 devices alone. The losses and
+updated parameters must match. The workers are ``multiprocess_worker.py``, run with ``sys.executable`` (the
 device count must be set before jax is imported, and pytest has imported it already).
 """
 
@@ -162,3 +163,50 @@ def test_two_process_run_computes_in_bf16(runs):
         assert bf16_gap > 1e-5 * scale, (name, bf16_gap, scale)
         assert bf16_gap > 100 * process_gap, (name, bf16_gap, process_gap)
 
+
+
+def _decoder_names(run: dict) -> list[str]:
+    return sorted(k for k in run if k.startswith("decoder_"))
+
+
+def test_decoder_is_fsdp_sharded_across_processes(runs):
+    for pid in (0, 1):
+        meta = runs[f"multi_{pid}_meta"]
+        assert meta["decoder_fsdp_processes"] == [0, 1]
+        assert meta["decoder_wq_addressable_rows"] == 128 // 2  # half of each FSDP weight
+        assert meta["decoder_spec_kept"]
+    assert runs["single_meta"]["decoder_fsdp_processes"] == [0]
+    for label in ("multi_0_meta", "multi_1_meta", "single_meta"):
+        dots = runs[label]["decoder_dots"]
+        assert len(dots) >= 10 and all(d == ["bf16", "bf16"] for d in dots), dots
+
+
+def test_decoder_matches_single_process_run(runs):
+    """The decoder's FSDP step under bf16 across two processes gives what one process on
+    8 devices gives, within gloo's reduction order.
+
+    Both runs execute the same partitioned program; what differs is who sums across the
+    fsdp axis (the loss's mean, the gradients' reduce-scatter): gloo across processes,
+    XLA:CPU's in-process collectives alone, each in its own order. Measured on jax 0.10.2
+    (one block, 2 AdamW steps): jax.jit's f32 step, run the same way, differs by one f32
+    ulp in the loss (4.8e-7 on 6.27) and up to 2.5e-6 of an array's scale (the head;
+    AdamW divides each gradient by its own magnitude, so the ulps of a gradient near zero
+    reach its update). hlo_amp bf16 came out bit-equal (its products of bf16 operands are
+    exact in f32, which may be why); the tolerance does not count on that. It is 1e-4 of each array's scale: 40x jax.jit's deviation, 100x under
+    the bf16-vs-f32 gap (1.3e-2); a step that summed the batch wrongly moves weights by
+    AdamW's full 2 x 3e-4 (about 7e-3 of a weight's scale).
+    """
+    single = runs["single"]
+    names = _decoder_names(single)
+    assert len(names) == 1 + 3 + 9  # the losses; embed, final_norm, head; one block
+    for pid in (0, 1):
+        multi = runs[f"multi_{pid}"]
+        assert _decoder_names(multi) == names
+        for name in names:
+            ref, got = single[name], multi[name]
+            scale = float(np.max(np.abs(ref)))
+            assert got.shape == ref.shape, (name, got.shape, ref.shape)
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * scale,
+                                       err_msg=f"process {pid}, {name}")
+    for name in names:
+        np.testing.assert_array_equal(runs["multi_0"][name], runs["multi_1"][name], name)
