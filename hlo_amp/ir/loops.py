@@ -63,10 +63,10 @@ def trip_count(loop: ir.Operation) -> int | None:
         return None
     limit = int_constant(bound)
     fixed = _argument_number(bound, cond)
-    if limit is None and fixed is not None:
-        # A carry the body hands back as it got it: the loop's operand is its value.
-        if _argument_number(terminator(body).operands[fixed], body) == fixed:
-            limit = int_constant(loop.operands[fixed])
+    # A carry the body hands back as it got it: the loop's operand is its value.
+    if (limit is None and fixed is not None
+            and _argument_number(terminator(body).operands[fixed], body) == fixed):
+        limit = int_constant(loop.operands[fixed])
     start = int_constant(loop.operands[counter])
     step = _step(terminator(body).operands[counter], body, counter)
     if limit is None or start is None or not step:
