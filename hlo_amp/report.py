@@ -32,8 +32,14 @@ class Decision:
     rule: str  # "scope:attn", "op:dot_general", "amp_stop", "backward", "default"
     changed: bool  # whether the pass rewrote the op
     reason: str  # why it was (not) changed, in words
-    flops: int | None  # estimated multiply-add FLOPs (2 per MAC); None if shape is dynamic
+    # Estimated multiply-add FLOPs (2 per MAC) per call of the program: one run's times
+    # ``runs``; None if a shape is dynamic.
+    flops: int | None
     shape: str = ""  # result shape, e.g. "256x2048"
+    # Times the op runs per call of the program: the trip counts of the while loops
+    # around it (scan, fori_loop) times its function's call sites; a loop whose trip
+    # count cannot be read counts once, and the op's notes say so.
+    runs: int = 1
     location: str = ""  # the op's name-stack string
     source: str | None = None  # "file.py:12"
     kept_by_xla: bool | None = None  # filled in after XLA compiles, when checked
@@ -280,7 +286,8 @@ class Report:
                 "x".join(d.operands_before) + "->" + d.result_before,
                 "x".join(d.operands_after) + "->" + d.result_after,
                 d.action or "-", d.rule, d.reason + _xla_mark(d),
-                "?" if d.flops is None else f"{d.flops / 1e9:.3f}",
+                ("?" if d.flops is None else f"{d.flops / 1e9:.3f}")
+                + (f" ({d.runs}x)" if d.runs != 1 else ""),
             ))
         lines = text_table(header, rows[1:])
         lines.append("")

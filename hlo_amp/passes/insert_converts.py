@@ -37,6 +37,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.gradients import GradientFlow
+from hlo_amp.ir.loops import LoopCounts, Runs
 from hlo_amp.ir.modules import (
     callee_name,
     clone_private,
@@ -279,6 +280,41 @@ class _CallGraph:
     type_names: _TypeNames = field(default_factory=lambda: _TypeNames())
     # (original function name, index in ops_of, call-site prefix) -> first/last rules
     positions: dict[tuple[str, int, str], tuple[str, ...]] = field(default_factory=dict)
+    loops: LoopCounts = field(default_factory=LoopCounts)
+    # function name (after cloning) -> how often it runs per call of the program
+    runs: dict[str, Runs] = field(default_factory=dict)
+
+    def count_runs(self) -> None:
+        """Fill ``runs`` for every instance: a public function runs once; a private one
+        as often as all its call sites together, each its caller's runs times the trip
+        counts of the loops around the call (after ``visit``: calls name the clones)."""
+        callers: dict[str, list[tuple[str, Any]]] = {}
+        for instance in self.instances:
+            caller = function_name(instance.fn)
+            for op, kind in self.ops_of(instance.fn):
+                if kind is None and callee_name(op) in self.by_name:
+                    callers.setdefault(callee_name(op), []).append((caller, op))
+        for instance in self.instances:
+            self._runs_of(function_name(instance.fn), callers, ())
+
+    def _runs_of(self, name: str, callers: dict[str, list[tuple[str, Any]]],
+                 stack: tuple[str, ...]) -> Runs:
+        found = self.runs.get(name)
+        if found is not None:
+            return found
+        sites = [] if is_public(self.by_name[name]) else callers.get(name, [])
+        if not sites or name in stack:  # public (or a cycle, which JAX never writes)
+            found = Runs(1)
+        else:
+            count, unknown = 0, 0
+            for caller, call in sites:
+                outer = self._runs_of(caller, callers, stack + (name,))
+                here = self.loops.runs(call)
+                count += outer.count * here.count
+                unknown += outer.unknown + here.unknown
+            found = Runs(count, unknown)
+        self.runs[name] = found
+        return found
 
     def ops_of(self, fn: Any) -> list[tuple[Any, str | None]]:
         """The matrix ops and calls of ``fn`` (walked once; the rewrite adds only
@@ -417,6 +453,8 @@ class InsertConverts:
             graph.find_ends(public)
         for fn in public:
             graph.visit(fn, "")
+        if report is not None:
+            graph.count_runs()
         # Which operand of a backward dot is the gradient: only e5m2 asks, and the
         # dataflow is read before any body is rewritten.
         flow = None
@@ -465,6 +503,8 @@ class InsertConverts:
                 after = tuple(names.name(element_type(v)) for v in list(op.operands)[:2])
                 result_after = names.name(element_type(op.result))
             if report is not None:
+                runs = _op_runs(graph, fn_name, op)
+                flops = estimate_flops(op, kind)
                 index = report.add(Decision(
                     function=fn_name, op_kind=kind, scope=site.scope_path,
                     direction=site.direction, operands_before=before,
@@ -472,12 +512,28 @@ class InsertConverts:
                     result_before=result_before,
                     result_after=result_after, action=rule.action,
                     rule=rule.rule, changed=changed, reason=plan.reason,
-                    flops=estimate_flops(op, kind),
+                    flops=None if flops is None else flops * runs.count,
+                    runs=runs.count,
+                    notes=(UNKNOWN_TRIPS,) if runs.unknown else (),
                     shape="x".join(str(s) for s in ir.RankedTensorType(op.result.type).shape)
                     if isinstance(op.result.type, ir.RankedTensorType) else "?",
                     location=site.name, source=site.source,
                 ))
                 mark_decision(op, index)
+
+
+# The note of an op inside a loop whose trip count could not be read (a while_loop, a
+# fori_loop with traced bounds): its FLOPs count that loop once.
+UNKNOWN_TRIPS = ("trip count of an enclosing while loop unknown: FLOPs count one "
+                 "iteration of it")
+
+
+def _op_runs(graph: _CallGraph, fn_name: str, op: Any) -> Runs:
+    """How often ``op`` runs per call of the program: its function's runs times the
+    trip counts of the loops around it in that function."""
+    outer = graph.runs.get(fn_name, Runs(1))
+    here = graph.loops.runs(op)
+    return Runs(outer.count * here.count, outer.unknown + here.unknown)
 
 
 def _mark_fp8(op: Any, formats: tuple[str, str, str]) -> None:

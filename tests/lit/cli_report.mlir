@@ -33,6 +33,7 @@
 // JSON-NEXT: "reason": "bf16 operands, f32 accumulation",
 // JSON-NEXT: "flops": 64,
 // JSON-NEXT: "shape": "2x4",
+// JSON-NEXT: "runs": 1,
 // JSON-NEXT: "location": "jit(f)/jvp(Block_0)/attn/dot_general",
 
 // The backward dot under head: the scope rule (float32) beats the op rule.

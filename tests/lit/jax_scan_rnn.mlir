@@ -11,6 +11,10 @@
 // RUN:   | filecheck %s --check-prefix=KEEP
 // RUN: hlo-amp-opt %S/inputs/scan_rnn.mlir --policy bf16 --report - -o /dev/null 2>&1 \
 // RUN:   | filecheck %s --check-prefix=JSON
+// RUN: hlo-amp-opt %S/inputs/scan_rnn.mlir --policy bf16 --report - -o /dev/null 2>&1 \
+// RUN:   | filecheck %s --check-prefix=RUNS
+// RUN: hlo-amp-opt %S/inputs/nested_scan.mlir --policy bf16 --report - -o /dev/null 2>&1 \
+// RUN:   | filecheck %s --check-prefix=NESTED
 
 // The weights are a carry both loops return unchanged: their bf16 convert is computed
 // once, before the first loop, and carried by both (a new last carry); neither body
@@ -67,3 +71,19 @@
 // JSON-NEXT: "op_kind": "dot_general",
 // JSON-NEXT: "scope": "cell",
 // JSON-NEXT: "direction": "backward",
+
+// Each cell dot runs once per step of its 3-step loop: its FLOPs (2 x 2x4 x 4 = 64 a
+// run) count all three runs.
+// RUNS:      "flops": 192,
+// RUNS-NEXT: "shape": "2x4",
+// RUNS-NEXT: "runs": 3,
+// RUNS-NEXT: "location": "jit(rnn_loss)/jvp()/while/body/cell/dot_general",
+// RUNS:      "flops": 192,
+// RUNS-NEXT: "shape": "4x4",
+// RUNS-NEXT: "runs": 3,
+// RUNS-NEXT: "location": "jit(rnn_loss)/transpose(jvp())/while/body/cell/dot_general",
+
+// A scan of 2 steps around a scan of 3: the inner body's dot runs 6 times.
+// NESTED:      "flops": 384,
+// NESTED-NEXT: "shape": "2x4",
+// NESTED-NEXT: "runs": 6,

@@ -1,0 +1,141 @@
+"""How many times an op inside ``stablehlo.while`` loops runs: trip counts read from the
+loops' StableHLO.
+
+``jax.lax.scan`` and ``fori_loop`` with static bounds lower to a while whose carry holds
+a counter that starts at a constant, whose ``cond`` compares it with a constant (``LT``)
+and whose body returns it plus a constant (``stablehlo.add %counter, 1``). A
+``fori_loop`` with traced bounds compares with a carry that starts at a function
+argument, and a ``while_loop``'s condition can be anything: their trip count is None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from hlo_amp.ir.modules import op_key, terminator
+
+WHILE = "stablehlo.while"
+# The direction that reads the same with the operands swapped.
+_SWAPPED = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE", "EQ": "EQ"}
+
+
+def int_constant(value: ir.Value) -> int | None:
+    """The integer of a scalar (or splat) ``stablehlo.constant``; None for anything else."""
+    if isinstance(value, ir.BlockArgument):
+        return None
+    owner = value.owner
+    if owner.name != "stablehlo.constant":
+        return None
+    attribute = owner.attributes["value"]
+    if not isinstance(attribute, ir.DenseIntElementsAttr) or not attribute.is_splat:
+        return None
+    splat = attribute.get_splat_value()
+    return ir.IntegerAttr(splat).value if isinstance(splat, ir.IntegerAttr) else None
+
+
+def _argument_number(value: ir.Value, block: ir.Block) -> int | None:
+    """The position of ``value`` among ``block``'s arguments, None if it is not one."""
+    if isinstance(value, ir.BlockArgument) and value.owner == block:
+        return ir.BlockArgument(value).arg_number
+    return None
+
+
+def trip_count(loop: ir.Operation) -> int | None:
+    """The iterations of a ``stablehlo.while`` whose condition compares a counter carry
+    (constant start, constant step added in the body) with a constant or a carry the body
+    returns unchanged that starts at a constant; None when it cannot be read."""
+    cond = loop.regions[0].blocks[0]
+    body = loop.regions[1].blocks[0]
+    predicate = terminator(cond).operands[0]
+    if isinstance(predicate, ir.BlockArgument) or predicate.owner.name != "stablehlo.compare":
+        return None
+    compare = predicate.owner
+    direction = hlo.ComparisonDirectionAttr(compare.attributes["comparison_direction"]).value
+    lhs, rhs = compare.operands
+    counter = _argument_number(lhs, cond)
+    bound = rhs
+    if counter is None:
+        counter, bound, direction = _argument_number(rhs, cond), lhs, _SWAPPED[direction]
+    if counter is None:
+        return None
+    limit = int_constant(bound)
+    fixed = _argument_number(bound, cond)
+    # A carry the body hands back as it got it: the loop's operand is its value.
+    if (limit is None and fixed is not None
+            and _argument_number(terminator(body).operands[fixed], body) == fixed):
+        limit = int_constant(loop.operands[fixed])
+    start = int_constant(loop.operands[counter])
+    step = _step(terminator(body).operands[counter], body, counter)
+    if limit is None or start is None or not step:
+        return None
+    return _iterations(direction, start, limit, step)
+
+
+def _step(value: ir.Value, body: ir.Block, counter: int) -> int | None:
+    """``c`` when the body returns its counter argument plus (or minus) a constant ``c``."""
+    if isinstance(value, ir.BlockArgument) or value.owner.name not in (
+            "stablehlo.add", "stablehlo.subtract"):
+        return None
+    lhs, rhs = value.owner.operands
+    if value.owner.name == "stablehlo.subtract":
+        constant = int_constant(rhs)
+        ok = _argument_number(lhs, body) == counter
+        return -constant if ok and constant is not None else None
+    for argument, other in ((lhs, rhs), (rhs, lhs)):
+        if _argument_number(argument, body) == counter:
+            return int_constant(other)
+    return None
+
+
+def _iterations(direction: str, start: int, limit: int, step: int) -> int | None:
+    """How often ``counter <direction> limit`` holds for counter = start, start+step, …"""
+    if direction in ("LT", "LE") and step > 0:
+        span = limit - start + (direction == "LE")
+        return max(0, -(-span // step))
+    if direction in ("GT", "GE") and step < 0:
+        span = start - limit + (direction == "GE")
+        return max(0, -(-span // -step))
+    if direction == "NE" and (limit - start) % step == 0 and (limit - start) // step >= 0:
+        return (limit - start) // step
+    return None
+
+
+@dataclass(frozen=True)
+class Runs:
+    """How many times an op runs per run of its function."""
+
+    count: int  # the product of the enclosing loops' trip counts (1 for an unknown one)
+    unknown: int = 0  # enclosing loops whose trip count could not be read
+
+
+class LoopCounts:
+    """Trip counts of while loops, each read once (keyed by ``op_key``)."""
+
+    def __init__(self) -> None:
+        self._trips: dict[int, int | None] = {}
+
+    def trip(self, loop: ir.Operation) -> int | None:
+        key = op_key(loop)
+        if key not in self._trips:
+            self._trips[key] = trip_count(loop)
+        return self._trips[key]
+
+    def runs(self, op: ir.Operation) -> Runs:
+        """How often ``op`` runs per run of the function holding it: each enclosing
+        while's trip count (its ``cond`` one more), an unknown one counted once."""
+        count, unknown = 1, 0
+        inner = op
+        parent = op.parent
+        while parent is not None and parent.name != "func.func":
+            if parent.name == WHILE:
+                trip = self.trip(parent)
+                if trip is None:
+                    unknown += 1
+                else:
+                    in_cond = inner.block == parent.regions[0].blocks[0]
+                    count *= trip + 1 if in_cond else trip
+            inner, parent = parent, parent.parent
+        return Runs(count, unknown)
