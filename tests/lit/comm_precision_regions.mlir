@@ -97,3 +97,30 @@ module @call_module attributes {mhlo.num_partitions = 8 : i32} {
     return %y : tensor<16x32xf32>
   }
 }
+
+// -----
+
+// A case branch reads main's x and w directly (a row-parallel pair).
+// REDUCE16-LABEL: func.func public @branched
+// REDUCE16:         "stablehlo.case"
+// REDUCE16:           %[[Y:.*]] = stablehlo.dot_general {{.*}} -> tensor<16x32xbf16>
+// REDUCE16-NEXT:      stablehlo.convert %[[Y]] : (tensor<16x32xbf16>) -> tensor<16x32xf32>
+// REDUCE32-LABEL: func.func public @branched
+// REDUCE32:         "stablehlo.case"
+// REDUCE32:           %[[Y:.*]] = stablehlo.dot_general {{.*}} -> tensor<16x32xf32>
+// REDUCE32-NEXT:      stablehlo.convert %[[Y]] : (tensor<16x32xf32>) -> tensor<16x32xbf16>
+// BF16-LABEL: func.func public @branched
+// BF16:         stablehlo.dot_general {{.*}} -> tensor<16x32xf32>
+module @case_module attributes {mhlo.num_partitions = 8 : i32} {
+  sdy.mesh @mesh = <["fsdp"=4, "tp"=2]>
+  func.func public @branched(%i: tensor<i32>, %x: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"fsdp"}, {"tp"}]>}, %w: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"tp"}, {}]>}) -> tensor<16x32xf32> {
+    %r = "stablehlo.case"(%i) ({
+      %y = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<16x64xf32>, tensor<64x32xf32>) -> tensor<16x32xf32>
+      stablehlo.return %y : tensor<16x32xf32>
+    }, {
+      %z = stablehlo.constant dense<0.000000e+00> : tensor<16x32xf32>
+      stablehlo.return %z : tensor<16x32xf32>
+    }) : (tensor<i32>) -> tensor<16x32xf32>
+    return %r : tensor<16x32xf32>
+  }
+}
