@@ -15,8 +15,9 @@ Two steps, one concern (the bytes collectives move):
 
 * ``reduce=`` (Policy.reduce) sets the result type of the matrix ops whose partial
   results XLA's SPMD partitioner sums across devices: dots whose contracting dimension
-  is sharded (per the function's argument shardings and the sharding constraints,
-  propagated forward). The all-reduce (or reduce-scatter) the partitioner inserts after
+  is sharded (per the public functions' argument shardings and the sharding
+  constraints, propagated forward into ``while`` bodies, ``case``/``if`` branches and
+  through ``func.call``s: a scanned layer's dots, remat's checkpoint bodies). The all-reduce (or reduce-scatter) the partitioner inserts after
   such a dot has the dot's result type. ``reduce=bfloat16`` makes those dots (when their
   operands are already 16-bit) return 16 bit and converts back after: half the bytes,
   each device's partial sum rounded once and the sum done in 16 bit. ``reduce=float32``
@@ -34,10 +35,14 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import (
+    callee_name,
     discard,
     element_type,
+    function_name,
     functions,
+    is_public,
     live_uses,
+    terminator,
     walk_operations,
     with_element,
 )
@@ -65,7 +70,14 @@ _DOT = "stablehlo.dot_general"
 _DOTS = frozenset({_DOT})
 # walk_operations' ``into`` that enters no op: a function body's own ops.
 _TOP_LEVEL: frozenset[str] = frozenset()
-_MANUAL = "sdy.manual_computation"
+_MANUALS = frozenset({"sdy.manual_computation"})
+_CALL = "func.call"
+_CALLS = frozenset({_CALL})
+_WHILE = "stablehlo.while"
+_BRANCHES = frozenset({"stablehlo.case", "stablehlo.if"})
+_BARRIER = "stablehlo.optimization_barrier"
+# The region ops whose ops the axes reach (a reduce's or sort's body holds scalars).
+_ENTERED = frozenset({_WHILE, *_BRANCHES})
 
 
 @dataclass(frozen=True)
@@ -85,7 +97,7 @@ class CommPrecision:
         if self.policy.reduce is not None:
             with module.context:
                 wanted = ir.Type.parse(DTYPE_TO_ELEMENT[self.policy.reduce])
-                retyped = sum(_retype_reduced_dots(fn, wanted) for fn in functions(module))
+                retyped = _retype_reduced_dots(module, wanted)
         if report is not None and (moved or retyped):
             note = f"comm-precision: moved {moved} 16-bit convert(s) above data movement"
             if retyped:
@@ -305,22 +317,139 @@ def _summed_across_devices(op: ir.Operation, known: dict[Any, Axes]) -> bool:
     return False
 
 
-def _function_axes(fn: Any) -> dict[Any, Axes]:
-    """Sharded axes of the values of ``fn``'s body (not inside nested regions)."""
-    known: dict[Any, Axes] = {}
+class _ModuleAxes:
+    """The sharded axes of the values of every function, per calling context.
+
+    A function is evaluated once per distinct tuple of argument axes its call sites pass
+    (``func.call``: jax's ``closed_call``, remat's checkpoint bodies, nested ``jax.jit``,
+    the scan's ``dynamic_index_in_dim`` of each stacked weight, shared by weights
+    sharded differently); a call's results get the callee's returned axes in that
+    context. Public functions (and private ones no call reaches) start from their
+    argument attributes. The ops of ``stablehlo.while`` bodies and of ``case``/``if``
+    branches get axes as at top level; ``sdy.manual_computation`` bodies are per device
+    (the partitioner sums nothing there) and are not entered."""
+
+    def __init__(self, module: ir.Module) -> None:
+        self.functions = {function_name(fn): fn for fn in functions(module)}
+        # (function name, argument axes) -> the axes of what it returns.
+        self.returns: dict[tuple[str, tuple[Axes | None, ...]], list[Axes | None]] = {}
+        # function name -> the axes of its values in each context it was evaluated in.
+        self.contexts: dict[str, list[dict[Any, Axes]]] = {}
+        for name, fn in self.functions.items():
+            if is_public(fn):
+                self.evaluate(name, _attribute_axes(fn))
+        for name, fn in self.functions.items():
+            if name not in self.contexts:  # no call reaches it: as declared
+                self.evaluate(name, _attribute_axes(fn))
+
+    def evaluate(self, name: str, arguments: tuple[Axes | None, ...]) -> list[Axes | None]:
+        key = (name, arguments)
+        if key in self.returns:
+            return self.returns[key]
+        fn = self.functions[name]
+        entry = fn.regions[0].blocks[0]
+        ret = terminator(entry)
+        self.returns[key] = [None] * len(ret.operands)  # a recursive call learns nothing
+        known: dict[Any, Axes] = {}
+        for argument, axes in zip(entry.arguments, arguments):
+            _set(known, argument, axes)
+        self._ops(walk_operations(fn, into=_TOP_LEVEL), known)
+        returned = [known.get(value) for value in ret.operands]
+        self.returns[key] = returned
+        self.contexts.setdefault(name, []).append(known)
+        return returned
+
+    def _ops(self, ops: list[ir.Operation], known: dict[Any, Axes]) -> None:
+        for op in ops:
+            name = op.name
+            if name == _CALL:
+                callee = callee_name(op)
+                if callee not in self.functions:
+                    continue
+                returned = self.evaluate(callee, tuple(known.get(v) for v in op.operands))
+                for result, axes in zip(op.results, returned):
+                    _set(known, result, axes)
+            elif name == _WHILE:
+                self._while(op, known)
+            elif name in _BRANCHES:
+                self._ops(walk_operations(op, into=_TOP_LEVEL), known)
+                returns = [terminator(region.blocks[0]).operands for region in op.regions]
+                for index, result in enumerate(op.results):
+                    _set(known, result, _agreed([known.get(r[index]) for r in returns]))
+            elif name == _BARRIER:
+                for result, operand in zip(op.results, op.operands):
+                    _set(known, result, known.get(operand))
+            else:
+                axes = _result_axes(op, known)
+                if op.results:
+                    _set(known, op.results[0], axes)
+
+    def _while(self, op: ir.Operation, known: dict[Any, Axes]) -> None:
+        """A carried value enters the loop with its operand's axes and keeps them if the
+        body returns it with the same axes (or unknown ones); where they differ it is
+        unknown. A carried value whose operand's axes are unknown (a buffer of zeros the
+        body fills, as scan's stacked residuals) takes the axes the body returns, if the
+        body then returns them again (the partitioner propagates them into the loop)."""
+        cond, body = (region.blocks[0] for region in op.regions)
+        carried = [known.get(value) for value in op.operands]
+        decided: set[int] = set()  # slots whose axes were adopted or dropped once
+        for _ in range(2 * len(carried) + 1):  # each round decides a slot, or settles
+            for block in (cond, body):
+                for argument, axes in zip(block.arguments, carried):
+                    _set(known, argument, axes)
+            self._ops(walk_operations(op, into=_TOP_LEVEL), known)
+            returned = [known.get(value) for value in terminator(body).operands]
+            settled = list(carried)
+            for slot, (axes, back) in enumerate(zip(carried, returned)):
+                if back is None or back == axes:
+                    continue
+                settled[slot] = back if axes is None and slot not in decided else None
+                decided.add(slot)
+            if settled == carried:
+                break
+            carried = settled
+        for result, axes in zip(op.results, carried):
+            _set(known, result, axes)
+
+    def per_device(self, module: ir.Module) -> set[str]:
+        """The functions called, directly or not, from ``sdy.manual_computation`` bodies."""
+        pending = [callee_name(call) for manual in walk_operations(module, names=_MANUALS)
+                   for call in walk_operations(manual, names=_CALLS)]
+        found: set[str] = set()
+        while pending:
+            name = pending.pop()
+            if name in found or name not in self.functions:
+                continue
+            found.add(name)
+            pending += [callee_name(call)
+                        for call in walk_operations(self.functions[name], names=_CALLS)]
+        return found
+
+
+def _set(known: dict[Any, Axes], value: ir.Value, axes: Axes | None) -> None:
+    # A loop body is evaluated again with fewer facts: an unknown value forgets the
+    # axes the earlier round gave it.
+    if axes is None:
+        known.pop(value, None)
+    else:
+        known[value] = axes
+
+
+def _agreed(candidates: list[Axes | None]) -> Axes | None:
+    """The axes every branch gives a result, None where they differ."""
+    first = candidates[0] if candidates else None
+    return first if all(axes == first for axes in candidates) else None
+
+
+def _attribute_axes(fn: Any) -> tuple[Axes | None, ...]:
+    """The axes ``fn``'s argument attributes declare, per argument."""
     entry = fn.regions[0].blocks[0]
+    out = []
     for index, argument in enumerate(entry.arguments):
         rank = _rank(argument)
-        if rank is None:
-            continue
-        axes = _declared_axes(_argument_attributes(fn, index), rank)
-        if axes is not None:
-            known[argument] = axes
-    for op in walk_operations(fn, into=_TOP_LEVEL):
-        axes = _result_axes(op, known)
-        if axes is not None:
-            known[op.results[0]] = axes
-    return known
+        out.append(None if rank is None
+                   else _declared_axes(_argument_attributes(fn, index), rank))
+    return tuple(out)
 
 
 def _argument_attributes(fn: Any, index: int) -> dict[str, Any]:
@@ -330,14 +459,21 @@ def _argument_attributes(fn: Any, index: int) -> dict[str, Any]:
     return {named.name: named.attr for named in (dictionary[i] for i in range(len(dictionary)))}
 
 
-def _retype_reduced_dots(fn: Any, wanted: ir.Type) -> int:
-    """Give ``wanted`` as the result element of the 16-bit dots in ``fn``'s body whose
-    partial results are summed across devices; a convert back keeps the readers' type."""
-    known = _function_axes(fn)
-    retyped = 0
-    for op in walk_operations(fn, into=_TOP_LEVEL, names=_DOTS):
-        if not _summed_across_devices(op, known):
+def _retype_reduced_dots(module: ir.Module, wanted: ir.Type) -> int:
+    """Give ``wanted`` as the result element of the 16-bit dots whose partial results are
+    summed across devices in every context their function is called in, at any depth of
+    loops and branches; a convert back keeps the readers' type."""
+    axes = _ModuleAxes(module)
+    per_device = axes.per_device(module)
+    chosen = []  # decided before any is retyped: a retyped dot's readers read a convert
+    for name, fn in axes.functions.items():
+        contexts = axes.contexts.get(name)
+        if name in per_device or not contexts:
             continue
+        chosen += [op for op in walk_operations(fn, into=_ENTERED, names=_DOTS)
+                   if all(_summed_across_devices(op, known) for known in contexts)]
+    retyped = 0
+    for op in chosen:
         operand_elements = {str(element_type(value)) for value in op.operands}
         result = op.results[0]
         have = element_type(result)
