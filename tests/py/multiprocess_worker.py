@@ -153,8 +153,10 @@ def train_decoder(global_array, meta: dict) -> dict:
     from benchmarks import llm
 
     # tests/py/test_llm_benchmark.py's one-block model; a batch of 8 sequences of 16 + 1.
+    # Unrolled: its one block is params["blocks"][0] (test_llm_benchmark checks the
+    # scanned form against this one).
     config = dataclasses.replace(llm.SMALL, layers=1, dim=128, hidden=256, vocab=512,
-                                 seq=16, batch=8)
+                                 seq=16, batch=8, scan_layers=False)
     # Devices 0-3 are process 0's, 4-7 process 1's: fsdp's 4 rows span both processes,
     # tp's pairs stay inside one.
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
