@@ -34,6 +34,7 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.ir.loops import WHILE
 from hlo_amp.ir.modules import (
     callee_name,
     discard,
@@ -73,11 +74,10 @@ _TOP_LEVEL: frozenset[str] = frozenset()
 _MANUALS = frozenset({"sdy.manual_computation"})
 _CALL = "func.call"
 _CALLS = frozenset({_CALL})
-_WHILE = "stablehlo.while"
 _BRANCHES = frozenset({"stablehlo.case", "stablehlo.if"})
 _BARRIER = "stablehlo.optimization_barrier"
 # The region ops whose ops the axes reach (a reduce's or sort's body holds scalars).
-_ENTERED = frozenset({_WHILE, *_BRANCHES})
+_ENTERED = frozenset({WHILE, *_BRANCHES})
 
 
 @dataclass(frozen=True)
@@ -369,7 +369,7 @@ class _ModuleAxes:
                 returned = self.evaluate(callee, tuple(known.get(v) for v in op.operands))
                 for result, axes in zip(op.results, returned):
                     _set(known, result, axes)
-            elif name == _WHILE:
+            elif name == WHILE:
                 self._while(op, known)
             elif name in _BRANCHES:
                 self._ops(walk_operations(op, into=_TOP_LEVEL), known)
