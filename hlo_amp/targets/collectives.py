@@ -30,7 +30,8 @@ combined collective's name lists its members (``prefix/(a/dot:b/dot)``): each sc
 kept. Where its ``op_name`` names no user scope (none, or not the op that needed it:
 with jax 0.11.2, XLA:GPU's combined gather of three f32 weights named none), the scopes
 of the instructions that read its result are kept, through its ``-done``,
-``get-tuple-element``s, bitcasts, copies and converts: the ops that needed it (a
+``get-tuple-element``s, bitcasts, copies, converts and fusions without metadata: the
+ops that needed it (a
 combined reduce-scatter XLA made without metadata gets its readers', if they have any).
 Where an operand is an argument of the step (through converts, copies, bitcasts and
 one-operand fusions), the argument's name is kept too (``params[0]``).
@@ -239,7 +240,8 @@ class _CollectiveWalker(HloWalker):
 
     def _reader_scopes(self, name: str) -> tuple[str, ...]:
         """The user scopes of the instructions that read ``name``'s result, looking
-        through what only passes it on (a ``-done``, ``get-tuple-element``, a convert)."""
+        through what only passes it on (a ``-done``, ``get-tuple-element``, a convert, a
+        fusion without metadata)."""
         found: dict[str, None] = {}
         frontier, seen = [name], {name}
         for _ in range(6):
@@ -252,8 +254,9 @@ class _CollectiveWalker(HloWalker):
                 scopes = _scopes(op_name.group(1)) if op_name else ()
                 if scopes:
                     found.update(dict.fromkeys(scopes))
-                elif reader.op in _RESULT_THROUGH:
-                    passed_on.append(reader.name)
+                elif reader.op in _RESULT_THROUGH or (op_name is None and
+                                                      reader.op == "fusion"):
+                    passed_on.append(reader.name)  # XLA:CPU's convert fusions: no metadata
             frontier = passed_on
         return tuple(found)
 

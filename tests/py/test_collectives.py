@@ -195,9 +195,15 @@ def test_gpu_async_forms() -> None:
 
 
 # A combined gather of two f32 weights whose op_name names no scope (none, or its arguments':
-# jax 0.11.2's XLA:GPU wrote no scope for the f32 step's weight gather), read by two dots.
+# jax 0.11.2's XLA:GPU wrote no scope for the f32 step's weight gather), read by two dots,
+# one through a fusion without metadata.
 UNSCOPED = """\
 HloModule gpu_step
+
+%widen (p: f32[128,32]) -> f32[128,32] {
+  %p = f32[128,32]{1,0} parameter(0)
+  ROOT %n = f32[128,32]{1,0} negate(%p)
+}
 
 ENTRY %main (w: f32[128,64], v: f32[64,32], x: f32[16,256]) -> (f32[16,64], f32[16,32]) {
   %w = f32[128,64]{1,0} parameter(0), metadata={op_name="w"}
@@ -209,7 +215,8 @@ ENTRY %main (w: f32[128,64], v: f32[64,32], x: f32[16,256]) -> (f32[16,64], f32[
   %gv = f32[128,32]{1,0} get-tuple-element(%ag-done), index=1%META
   %up = f32[16,64]{1,0} custom-call(%x, %gw), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/jvp(mlp/up)/dot_general"}
   %h = f32[16,128]{1,0} slice(%x), slice={[0:16], [0:128]}
-  %down = f32[16,32]{1,0} custom-call(%h, %gv), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/transpose(jvp(mlp/down))/dot_general"}
+  %fv = f32[128,32]{1,0} fusion(%gv), kind=kLoop, calls=%widen
+  %down = f32[16,32]{1,0} custom-call(%h, %fv), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/transpose(jvp(mlp/down))/dot_general"}
   ROOT %out = (f32[16,64]{1,0}, f32[16,32]{1,0}) tuple(%up, %down)
 }
 """
