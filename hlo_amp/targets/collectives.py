@@ -27,9 +27,14 @@ several into one, ``all-gather-start(a, b, c)``) counts the sum of its arrays.
 sharding needed the collective; its user scopes are read as the report reads an op's
 (``Decision.scope``: ``layer1``, transforms and ``jit``/``while`` segments dropped). A
 combined collective's name lists its members (``prefix/(a/dot:b/dot)``): each scope is
-kept. Where an operand is an argument of the step (through converts, copies, bitcasts
-and one-operand fusions), the argument's name is kept too (``params[0]``). Collectives
-XLA made without metadata (a combined reduce-scatter) have neither.
+kept. Where its ``op_name`` names no user scope (none, or not the op that needed it:
+with jax 0.11.2, XLA:GPU's combined gather of three f32 weights named none), the scopes
+of the instructions that read its result are kept, through its ``-done``,
+``get-tuple-element``s, bitcasts, copies, converts and fusions without metadata: the
+ops that needed it (a
+combined reduce-scatter XLA made without metadata gets its readers', if they have any).
+Where an operand is an argument of the step (through converts, copies, bitcasts and
+one-operand fusions), the argument's name is kept too (``params[0]``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
                           r"(?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}")
 # Instructions a value passes through unchanged in what it is (an argument's cast or copy).
 _PASS_THROUGH = frozenset({"convert", "bitcast", "copy", "reshape", "transpose", "fusion"})
+# What a collective's result reaches its readers through (see _reader_scopes).
+_RESULT_THROUGH = frozenset({"get-tuple-element", "bitcast", "copy", "convert", "reshape",
+                             "transpose", *(f"{kind}-done" for kind in KINDS), "async-done"})
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,12 @@ def _member_names(op_name: str) -> list[str]:
     return [op_name] if op_name else []
 
 
+def _scopes(op_name: str) -> tuple[str, ...]:
+    """The user scopes ``op_name`` names, each member's of a combined one."""
+    return tuple(dict.fromkeys(s for s in (parse_name(n).scope_path
+                                           for n in _member_names(op_name)) if s))
+
+
 class _CollectiveWalker(HloWalker):
     """The roofline's walk (``HloWalker``), a list of ``Collective`` per instruction."""
 
@@ -150,6 +164,11 @@ class _CollectiveWalker(HloWalker):
         self.done = {i.operands[0]: i for comp in computations.values() for i in comp
                      if i.op.endswith("-done") and i.operands}
         self.home = {i.name: name for name, comp in computations.items() for i in comp}
+        self.readers: dict[str, list[Instruction]] = {}
+        for comp in computations.values():
+            for i in comp:
+                for operand in dict.fromkeys(i.operands):
+                    self.readers.setdefault(operand, []).append(i)
         self.walk_id = 0
         self.serial = 0
         self.seen: set[tuple] = set()  # fused collectives found, see _fused
@@ -208,8 +227,7 @@ class _CollectiveWalker(HloWalker):
         types = tuple(dict.fromkeys(a.dtype for a in larger))
         op_name = _OP_NAME.search(inst.attrs)
         name = op_name.group(1) if op_name else ""
-        scopes = tuple(dict.fromkeys(s for s in (parse_name(n).scope_path
-                                                 for n in _member_names(name)) if s))
+        scopes = _scopes(name) or self._reader_scopes(inst.name)
         source = _SOURCE.search(inst.attrs)
         return Collective(
             kind=kind, element_types=types, bytes=total, count=count,
@@ -219,6 +237,28 @@ class _CollectiveWalker(HloWalker):
                                            if p)),
             op_name=name, source=f"{source.group(1)}:{source.group(2)}" if source else None,
             bytes_16bit=low)
+
+    def _reader_scopes(self, name: str) -> tuple[str, ...]:
+        """The user scopes of the instructions that read ``name``'s result, looking
+        through what only passes it on (a ``-done``, ``get-tuple-element``, a convert, a
+        fusion without metadata)."""
+        found: dict[str, None] = {}
+        frontier, seen = [name], {name}
+        for _ in range(6):
+            passed_on = []
+            for reader in (r for n in frontier for r in self.readers.get(n, ())):
+                if reader.name in seen:
+                    continue
+                seen.add(reader.name)
+                op_name = _OP_NAME.search(reader.attrs)
+                scopes = _scopes(op_name.group(1)) if op_name else ()
+                if scopes:
+                    found.update(dict.fromkeys(scopes))
+                elif reader.op in _RESULT_THROUGH or (op_name is None and
+                                                      reader.op == "fusion"):
+                    passed_on.append(reader.name)  # XLA:CPU's convert fusions: no metadata
+            frontier = passed_on
+        return tuple(found)
 
     def parameter(self, name: str) -> str | None:
         """The step's argument ``name`` is a cast or copy of, by its metadata name."""

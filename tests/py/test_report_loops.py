@@ -83,8 +83,10 @@ def test_fori_loop_with_static_bounds():
 
 
 def test_nested_scans_and_call_sites():
-    """Nested scans multiply; a scan unrolled by 2 calls its body twice per iteration
-    and once more for the odd layer after the loop (one function, three call sites)."""
+    """Nested scans multiply. A scan unrolled by 2 runs its body twice per iteration and
+    once more for the odd layer after the loop: jax 0.10 calls one function from those
+    three call sites (one decision), jax 0.11 inlines the body at each of them (three
+    decisions, two in the loop); either way its dot runs 5 times."""
     def nested(x, ws):
         inner = lambda c, w: (c @ w, None)
         outer = lambda c, w3: (jax.lax.scan(inner, c, w3)[0], None)
@@ -99,8 +101,8 @@ def test_nested_scans_and_call_sites():
 
     report = _report(unrolled_by_two, "bf16", jnp.ones((BATCH, WIDTH)),
                      jnp.ones((5, WIDTH, WIDTH)))
-    (dot,) = report.decisions
-    assert dot.runs == 5 and dot.flops == 5 * 2 * BATCH * WIDTH * WIDTH
+    assert sorted(d.runs for d in report.decisions) in ([5], [1, 2, 2])
+    assert all(d.flops == d.runs * 2 * BATCH * WIDTH * WIDTH for d in report.decisions)
 
 
 def test_inner_jit_called_twice():

@@ -243,17 +243,65 @@ def test_private_functions_get_their_call_site_prefix() -> None:
 
 
 def test_report_agrees_with_sites() -> None:
-    """The pass reads the same scopes and directions, per specialised function."""
-    text = jax.jit(jax.grad(scan_loss)).lower(W, jnp.ones((3, 2, 4))).as_text(
-        debug_info=True)
+    """The pass reads the same scopes and directions, per specialised function. Where a
+    scan's body lives depends on jax: 0.10 calls it (``closed_call``, its transpose
+    ``closed_call_0``), 0.11 inlines it into the loop in ``main`` (``SCAN_GRAD_INLINED``)."""
+    args = (W, jnp.ones((3, 2, 4)))
+    text = jax.jit(jax.grad(scan_loss)).lower(*args).as_text(debug_info=True)
     _, report = hlo_amp.rewrite(text, "bf16", return_report=True)
     got = sorted((d.function, d.scope, d.direction) for d in report.decisions)
-    assert got == [("closed_call", "cell", FWD), ("closed_call_0", "cell", BWD),
-                   ("closed_call_0", "cell", BWD)]
+    assert got == sorted((f, s.scope_path, s.direction)
+                         for f, s in dot_sites(jax.grad(scan_loss), *args))
+    assert sorted(g[1:] for g in got) == [("cell", BWD), ("cell", BWD), ("cell", FWD)]
+    assert all(d.runs == 3 for d in report.decisions)
     text = jax.jit(inner_jit).lower(X, W).as_text(debug_info=True)
     _, report = hlo_amp.rewrite(text, "bf16,scope:head=keep", return_report=True)
     assert [(d.function, d.scope, d.rule) for d in report.decisions] == [
         ("_inner", "enc", "op:dot_general"), ("_inner_amp0", "head", "scope:head")]
+
+
+# jax.grad(scan_loss) as jax 0.11 lowers it: each scan body is an eval_jaxpr equation that
+# mlir.core_call_lowering(inline_jax_late=True) inlines into its while loop in main
+# (jax_mlir_ext.inlined_func_call names each op "<call site>/<op>": ".../eval_jaxpr/cell/...").
+SCAN_GRAD_INLINED = """
+func.func public @main(%w: tensor<4x4xf32>, %h0: tensor<2x4xf32>) -> (tensor<2x4xf32>, tensor<4x4xf32>) {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %one = stablehlo.constant dense<1> : tensor<i32>
+  %trips = stablehlo.constant dense<3> : tensor<i32>
+  %fwd:2 = stablehlo.while(%i = %c0, %h = %h0) : tensor<i32>, tensor<2x4xf32>
+  cond {
+    %p = stablehlo.compare LT, %i, %trips, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+    stablehlo.return %p : tensor<i1>
+  } do {
+    %d = stablehlo.dot_general %h, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(scan_loss)/jvp()/while/body/eval_jaxpr/cell/dot_general")
+    %t = stablehlo.tanh %d : tensor<2x4xf32> loc("jit(scan_loss)/jvp()/while/body/eval_jaxpr/cell/tanh")
+    %j = stablehlo.add %i, %one : tensor<i32>
+    stablehlo.return %j, %t : tensor<i32>, tensor<2x4xf32>
+  }
+  %zero = stablehlo.constant dense<0.0> : tensor<4x4xf32>
+  %bwd:3 = stablehlo.while(%i = %c0, %g = %fwd#1, %dw = %zero) : tensor<i32>, tensor<2x4xf32>, tensor<4x4xf32>
+  cond {
+    %p = stablehlo.compare LT, %i, %trips, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+    stablehlo.return %p : tensor<i1>
+  } do {
+    %gw = stablehlo.dot_general %g, %g, contracting_dims = [0] x [0] : (tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<4x4xf32> loc("jit(scan_loss)/transpose(jvp())/while/body/eval_jaxpr/cell/dot_general")
+    %acc = stablehlo.add %dw, %gw : tensor<4x4xf32> loc("jit(scan_loss)/transpose(jvp())/while/body/eval_jaxpr/cell/add_any")
+    %gh = stablehlo.dot_general %g, %w, contracting_dims = [1] x [1] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(scan_loss)/transpose(jvp())/while/body/eval_jaxpr/cell/dot_general")
+    %j = stablehlo.add %i, %one : tensor<i32>
+    stablehlo.return %j, %gh, %acc : tensor<i32>, tensor<2x4xf32>, tensor<4x4xf32>
+  }
+  return %bwd#1, %bwd#2 : tensor<2x4xf32>, tensor<4x4xf32>
+}
+"""
+
+
+def test_report_of_scan_bodies_inlined_into_main() -> None:
+    """jax 0.11's form of the scanned grad: the decisions are main's, with the scopes and
+    directions the called bodies have under jax 0.10, each running the loop's 3 times."""
+    _, report = hlo_amp.rewrite(SCAN_GRAD_INLINED, "bf16", return_report=True)
+    got = sorted((d.function, d.scope, d.direction, d.runs) for d in report.decisions)
+    assert got == [("main", "cell", BWD, 3), ("main", "cell", BWD, 3),
+                   ("main", "cell", FWD, 3)]
 
 
 # ---- names as strings ----------------------------------------------------------------
