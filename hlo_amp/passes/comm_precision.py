@@ -33,8 +33,8 @@ Two steps, one concern (the bytes collectives move):
   values converted up (propagate's painting), the scatter is retyped: its operand
   converted down, the 16-bit updates read directly, the sum in 16 bit, a convert back
   to the old type after it. ``reduce=float32`` (and the accurate modes by default)
-  leave it in f32. Only one-input scatters whose body is one add and whose updates
-  can meet (not a one-position scatter, which sums nothing).
+  leave it in f32. Only one-input scatters into a constant (the zeros) whose body is
+  one add and whose updates can meet (not a one-position scatter, which sums nothing).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from hlo_amp.ir.modules import (
     callee_name,
     discard,
     element_type,
+    from_constant,
     function_name,
     functions,
     is_public,
@@ -541,8 +542,12 @@ def _retype_reduced_dots(module: ir.Module, axes: _ModuleAxes, wanted: ir.Type) 
 def _low_updates(op: ir.Operation, wanted: ir.Type) -> ir.Value | None:
     """The 16-bit value behind an add scatter's updates when they are that value
     converted up to the scatter's wider float type (``wanted``: the 16-bit type), else
-    None. Only one-input scatters whose body is one add and whose updates can meet."""
+    None. Only one-input scatters whose body is one add and whose updates can meet, into
+    a constant (the zeros of a gather's transpose): an accumulator the scatter added to
+    would be rounded to 16 bit as well."""
     if len(op.operands) != 3 or not body_is_one_add(op) or single_update_scatter(op):
+        return None
+    if not from_constant(op.operands[0]):
         return None
     element = element_type(op.results[0])
     if not isinstance(element, ir.FloatType) or element.width <= ir.FloatType(wanted).width:

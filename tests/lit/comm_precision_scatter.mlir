@@ -95,8 +95,9 @@ module @sharded_module attributes {mhlo.num_partitions = 8 : i32} {
 // -----
 
 // Left in f32 by the pass: the same scatter on one device's data (nothing is summed
-// across devices), a scatter whose body is not an add (no sum), and an add scatter whose
-// indices name one position (no two updates meet).
+// across devices), a scatter whose body is not an add (no sum), an add scatter whose
+// indices name one position (no two updates meet), and one into a computed buffer (an
+// accumulator: converting it would round it too).
 // PASS-LABEL: func.func public @replicated
 // PASS:         }) : (tensor<64x16xf32>, tensor<8x4x1xi32>, tensor<8x4x16xf32>) -> tensor<64x16xf32>
 // PASS-LABEL: func.func public @max_scatter
@@ -104,6 +105,8 @@ module @sharded_module attributes {mhlo.num_partitions = 8 : i32} {
 // PASS:         }) : (tensor<64x16xf32>, tensor<8x4x1xi32>, tensor<8x4x16xf32>) -> tensor<64x16xf32>
 // PASS-LABEL: func.func public @one_position
 // PASS:         }) : (tensor<8x64xf32>, tensor<8x1xi32>, tensor<8xf32>) -> tensor<8x64xf32>
+// PASS-LABEL: func.func public @into_a_buffer
+// PASS:         }) : (tensor<64x16xf32>, tensor<8x4x1xi32>, tensor<8x4x16xf32>) -> tensor<64x16xf32>
 module @kept_module attributes {mhlo.num_partitions = 8 : i32} {
   sdy.mesh @mesh = <["fsdp"=8]>
   func.func public @replicated(%u: tensor<8x4x16xbf16>, %tokens: tensor<8x4x1xi32>) -> tensor<64x16xf32> {
@@ -138,5 +141,14 @@ module @kept_module attributes {mhlo.num_partitions = 8 : i32} {
       stablehlo.return %sum : tensor<f32>
     }) : (tensor<8x64xf32>, tensor<8x1xi32>, tensor<8xf32>) -> tensor<8x64xf32>
     return %r : tensor<8x64xf32>
+  }
+  func.func public @into_a_buffer(%acc: tensor<64x16xf32>, %u: tensor<8x4x16xbf16> {sdy.sharding = #sdy.sharding<@mesh, [{"fsdp"}, {}, {}]>}, %tokens: tensor<8x4x1xi32>) -> tensor<64x16xf32> {
+    %up = stablehlo.convert %u : (tensor<8x4x16xbf16>) -> tensor<8x4x16xf32>
+    %r = "stablehlo.scatter"(%acc, %tokens, %up) <{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [2], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 2>, unique_indices = false}> ({
+    ^bb0(%p: tensor<f32>, %q: tensor<f32>):
+      %sum = stablehlo.add %p, %q : tensor<f32>
+      stablehlo.return %sum : tensor<f32>
+    }) : (tensor<64x16xf32>, tensor<8x4x1xi32>, tensor<8x4x16xf32>) -> tensor<64x16xf32>
+    return %r : tensor<64x16xf32>
   }
 }
