@@ -110,11 +110,14 @@ class CommPrecision:
         moved = sum(_move_converts_up(fn) for fn in functions(module))
         retyped = summed = 0
         reduce = self.reduce_dtype
-        if reduce is not None:
+        # The axes analysis walks every function: only where a dot or a scatter may need it.
+        sums_scatters = (reduce not in (None, "float32")
+                         and bool(walk_operations(module, names=_SCATTERS)))
+        if self.policy.reduce is not None or sums_scatters:
             with module.context:
                 axes = _ModuleAxes(module)
                 wanted = ir.Type.parse(DTYPE_TO_ELEMENT[reduce])
-                scatters = _chosen_scatters(module, axes, wanted) if reduce != "float32" else []
+                scatters = _chosen_scatters(module, axes, wanted) if sums_scatters else []
                 if self.policy.reduce is not None:
                     retyped = _retype_reduced_dots(module, axes, wanted)
                 summed = _sum_in_16bit(scatters, wanted)
