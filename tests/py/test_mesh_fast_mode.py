@@ -69,3 +69,9 @@ def test_fast_mode_moves_at_most_the_peers_bytes_and_no_f32_of_its_own() -> None
     # precision), so XLA reduces the table in bf16 as the peer's does.
     assert mixed.get("f32", 0) <= peer.get("f32", 0), (mixed, peer)
     assert sum(mixed.values()) <= sum(peer.values()), (mixed, peer)
+
+
+def test_the_report_notes_the_embedding_gradient_summed_in_bf16() -> None:
+    notes = _compiled("hlo_amp mixed_bfloat16").report().notes
+    assert any("1 add scatter(s) summed across devices" in note and "in bfloat16" in note
+               for note in notes), notes
