@@ -6,7 +6,7 @@ from ``memory_analysis()`` and ``report().collectives`` (compile-time facts):
 
 - temp: ``mixed_bfloat16 <= hand-cast bf16``. Before propagate painted the sharding
   constraints and jax.checkpoint's barrier, the residual stream was f32 and each block's
-  input crossed the barrier as an f32 copy: 2028 MiB against the peer's 1886 (now 1872).
+  input crossed the barrier as an f32 copy: 2028 MiB against the peer's 1886 (now 1870).
 - collectives: the fast mode moves at most the peer's bytes, and no f32 the peer does
   not move. The residual stream, the embedding lookup and the activation gradients cross
   in bf16 (before: 134.2 MiB of f32, the lookup's all-reduce and all-to-all, block 0's
