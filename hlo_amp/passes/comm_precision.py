@@ -23,6 +23,18 @@ Two steps, one concern (the bytes collectives move):
   each device's partial sum rounded once and the sum done in 16 bit. ``reduce=float32``
   makes them return f32 where the fast mode gave them a 16-bit result. Not set: the
   mode's own result type (f32 in the accurate mode).
+
+* The same precision applies to the add scatters whose partial results the partitioner
+  sums across devices: an embedding's gradient, the gather's transpose, scatter-adds
+  the batch's updates into the table (zeros) on each device, and XLA all-reduces the
+  table right after the scatter, in the scatter's type (a convert after it is folded
+  away). Where the reduce precision is 16-bit (``reduce=bfloat16``/``float16``, or not
+  set in the fast mode, whose default is the compute dtype) and the updates are 16-bit
+  values converted up (propagate's painting), the scatter is retyped: its operand
+  converted down, the 16-bit updates read directly, the sum in 16 bit, a convert back
+  to the old type after it. ``reduce=float32`` (and the accurate modes by default)
+  leave it in f32. Only one-input scatters into a constant (the zeros) whose body is
+  one add and whose updates can meet (not a one-position scatter, which sums nothing).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from hlo_amp.ir.modules import (
     callee_name,
     discard,
     element_type,
+    from_constant,
     function_name,
     functions,
     is_public,
@@ -47,6 +60,7 @@ from hlo_amp.ir.modules import (
     walk_operations,
     with_element,
 )
+from hlo_amp.ir.op_classes import body_is_one_add, single_update_scatter
 from hlo_amp.policy import DTYPE_TO_ELEMENT, KEEP, Policy
 from hlo_amp.report import Report
 
@@ -69,6 +83,7 @@ _SHAPE_CHANGERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.transpose"
                              "stablehlo.reshape", "stablehlo.reduce"})
 _DOT = "stablehlo.dot_general"
 _DOTS = frozenset({_DOT})
+_SCATTERS = frozenset({"stablehlo.scatter"})
 # walk_operations' ``into`` that enters no op: a function body's own ops.
 _TOP_LEVEL: frozenset[str] = frozenset()
 _MANUALS = frozenset({"sdy.manual_computation"})
@@ -93,17 +108,38 @@ class CommPrecision:
                    for action in self.policy.actions):
             return  # the f32 preset changes nothing, a program's own converts included
         moved = sum(_move_converts_up(fn) for fn in functions(module))
-        retyped = 0
-        if self.policy.reduce is not None:
+        retyped = summed = 0
+        reduce = self.reduce_dtype
+        # The axes analysis walks every function: only where a dot or a scatter may need it.
+        sums_scatters = (reduce not in (None, "float32")
+                         and bool(walk_operations(module, names=_SCATTERS)))
+        if self.policy.reduce is not None or sums_scatters:
             with module.context:
-                wanted = ir.Type.parse(DTYPE_TO_ELEMENT[self.policy.reduce])
-                retyped = _retype_reduced_dots(module, wanted)
-        if report is not None and (moved or retyped):
+                axes = _ModuleAxes(module)
+                wanted = ir.Type.parse(DTYPE_TO_ELEMENT[reduce])
+                scatters = _chosen_scatters(module, axes, wanted) if sums_scatters else []
+                if self.policy.reduce is not None:
+                    retyped = _retype_reduced_dots(module, axes, wanted)
+                summed = _sum_in_16bit(scatters, wanted)
+        if report is not None and (moved or retyped or summed):
             note = f"comm-precision: moved {moved} 16-bit convert(s) above data movement"
             if retyped:
                 note += (f", {retyped} dot(s) with a sharded contracting dimension return "
                          f"{self.policy.reduce} (reduce={self.policy.reduce})")
+            if summed:
+                why = (f"reduce={self.policy.reduce}" if self.policy.reduce is not None
+                       else "the fast mode's default reduce precision")
+                note += (f", {summed} add scatter(s) summed across devices (an embedding's "
+                         f"gradient) sum their 16-bit updates in {reduce} ({why})")
             report.notes.append(note)
+
+    @property
+    def reduce_dtype(self) -> str | None:
+        """The precision of the sums across devices: ``reduce=``, else the fast mode's
+        compute dtype (its matrix ops return 16 bit); None: the accurate modes' own."""
+        if self.policy.reduce is not None:
+            return self.policy.reduce
+        return self.policy.compute_dtype if self.policy.propagate else None
 
 
 # ---- converts above data movement ----------------------------------------------------
@@ -459,19 +495,27 @@ def _argument_attributes(fn: Any, index: int) -> dict[str, Any]:
     return {named.name: named.attr for named in (dictionary[i] for i in range(len(dictionary)))}
 
 
-def _retype_reduced_dots(module: ir.Module, wanted: ir.Type) -> int:
-    """Give ``wanted`` as the result element of the 16-bit dots whose partial results are
-    summed across devices in every context their function is called in, at any depth of
-    loops and branches; a convert back keeps the readers' type."""
-    axes = _ModuleAxes(module)
+def _summed_everywhere(module: ir.Module, axes: _ModuleAxes, names: frozenset[str],
+                       summed: Any) -> list[ir.Operation]:
+    """The ops named ``names`` for which ``summed(op, known)`` holds in every context their
+    function is called in, at any depth of loops and branches (not per-device bodies)."""
     per_device = axes.per_device(module)
-    chosen = []  # decided before any is retyped: a retyped dot's readers read a convert
+    chosen = []
     for name, fn in axes.functions.items():
         contexts = axes.contexts.get(name)
         if name in per_device or not contexts:
             continue
-        chosen += [op for op in walk_operations(fn, into=_ENTERED, names=_DOTS)
-                   if all(_summed_across_devices(op, known) for known in contexts)]
+        chosen += [op for op in walk_operations(fn, into=_ENTERED, names=names)
+                   if all(summed(op, known) for known in contexts)]
+    return chosen
+
+
+def _retype_reduced_dots(module: ir.Module, axes: _ModuleAxes, wanted: ir.Type) -> int:
+    """Give ``wanted`` as the result element of the 16-bit dots whose partial results are
+    summed across devices in every context their function is called in, at any depth of
+    loops and branches; a convert back keeps the readers' type."""
+    # Decided before any is retyped: a retyped dot's readers read a convert.
+    chosen = _summed_everywhere(module, axes, _DOTS, _summed_across_devices)
     retyped = 0
     for op in chosen:
         operand_elements = {str(element_type(value)) for value in op.operands}
@@ -493,6 +537,86 @@ def _retype_reduced_dots(module: ir.Module, wanted: ir.Type) -> int:
             use.owner.operands[use.operand_number] = back.result
         retyped += 1
     return retyped
+
+
+# ---- add scatters whose partial results are summed across devices -----------------
+
+
+def _low_updates(op: ir.Operation, wanted: ir.Type) -> ir.Value | None:
+    """The 16-bit value behind an add scatter's updates when they are that value
+    converted up to the scatter's wider float type (``wanted``: the 16-bit type), else
+    None. Only one-input scatters whose body is one add and whose updates can meet, into
+    a constant (the zeros of a gather's transpose): an accumulator the scatter added to
+    would be rounded to 16 bit as well."""
+    if len(op.operands) != 3 or not body_is_one_add(op) or single_update_scatter(op):
+        return None
+    if not from_constant(op.operands[0]):
+        return None
+    element = element_type(op.results[0])
+    if not isinstance(element, ir.FloatType) or element.width <= ir.FloatType(wanted).width:
+        return None
+    updates = op.operands[2].owner
+    if isinstance(updates, ir.Block) or updates.operation.name != _CONVERT:
+        return None
+    low = updates.operation.operands[0]
+    return low if str(element_type(low)) == str(wanted) else None
+
+
+def _scatter_summed_across_devices(op: ir.Operation, known: dict[Any, Axes]) -> bool:
+    """Whether the partitioner sums ``op``'s partial results across devices: a mesh axis
+    shards the updates' scatter dimensions (the batch of an embedding's gradient) or the
+    indices, and the operand does not use it. Each device then scatters its share of
+    the updates into its own copy of the operand, and XLA sums the copies."""
+    operand, indices, updates = (known.get(value) for value in op.operands)
+    numbers = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    windows = set(numbers.update_window_dims)
+    spread = frozenset[str]()
+    if updates is not None:
+        spread |= frozenset().union(*(a for d, a in enumerate(updates) if d not in windows))
+    if indices is not None:
+        spread |= frozenset().union(*(a for d, a in enumerate(indices)
+                                      if d != numbers.index_vector_dim))
+    used = frozenset().union(*operand) if operand else frozenset()
+    return bool(spread - used)
+
+
+def _chosen_scatters(module: ir.Module, axes: _ModuleAxes, wanted: ir.Type
+                     ) -> list[ir.Operation]:
+    """The add scatters with 16-bit updates summed across devices in every context."""
+    return [op for op in _summed_everywhere(module, axes, _SCATTERS,
+                                            _scatter_summed_across_devices)
+            if _low_updates(op, wanted) is not None]
+
+
+def _sum_in_16bit(chosen: list[ir.Operation], wanted: ir.Type) -> int:
+    """Retype each scatter to ``wanted``: its operand converted down, its updates read
+    before their convert up, its body's add in ``wanted``, and a convert back to the old
+    type after it, so its readers (and the program's outputs) keep their types."""
+    for op in chosen:
+        low = _low_updates(op, wanted)
+        updates_convert = op.operands[2].owner
+        operand, result = op.operands[0], op.results[0]
+        old_type = result.type
+        readers = list(live_uses(result))
+        with op.location, ir.InsertionPoint(op):
+            scalar = ir.RankedTensorType.get([], wanted)
+            narrow = hlo.ConvertOp(with_element(operand.type, wanted), operand)
+            result.set_type(with_element(old_type, wanted))
+        op.operands[0] = narrow.result
+        op.operands[2] = low
+        body = op.regions[0].blocks[0]
+        for argument in body.arguments:
+            argument.set_type(scalar)
+        for inner in body.operations:
+            for inner_result in inner.results:
+                inner_result.set_type(scalar)
+        with op.location, ir.InsertionPoint.after(op):
+            back = hlo.ConvertOp(old_type, result)
+        for use in readers:
+            use.owner.operands[use.operand_number] = back.result
+        if not any(True for _ in live_uses(updates_convert.results[0])):
+            discard(updates_convert)
+    return len(chosen)
 
 
 __all__ = ["CommPrecision"]

@@ -33,7 +33,8 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    and their max before the softmax's exp). A compare whose float operands are all
    16-bit is painted too. The updates of an add scatter the table keeps f32 (an
    embedding's gradient) count as a 16-bit sink: the gradient reaching it is 16-bit up
-   to it, as between two matrix ops, and the scatter converts it up and sums in f32.
+   to it, as between two matrix ops, and the scatter converts it up and sums in f32
+   (comm_precision then sums it in 16 bit where devices sum it and ``reduce=`` says so).
    An ``optimization_barrier`` (jax.checkpoint's, around what the backward pass
    recomputes from) is one link per operand-result pair, unless a rule keeps it.
 4. An allow op's result becomes 16-bit when it is not pinned: on GPU and TPU the op
