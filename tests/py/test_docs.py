@@ -26,10 +26,17 @@ def prose_sentences(text: str) -> list[str]:
 def repeated(files: dict[str, str], threshold: float = 0.85) -> list[tuple[str, str, str]]:
     found = []
     sentences = {name: prose_sentences(text) for name, text in files.items()}
+    # real_quick_ratio is 2 min(len) / (len + len): below the threshold whenever the
+    # shorter sentence is under `shortest` of the longer one. One matcher per `other`
+    # (SequenceMatcher caches what it learns of its second sequence).
+    shortest = threshold / (2 - threshold)
     for a, b in itertools.combinations(sentences, 2):
-        for one in sentences[a]:
-            for other in sentences[b]:
-                matcher = difflib.SequenceMatcher(None, one, other)
+        for other in sentences[b]:
+            matcher = difflib.SequenceMatcher(None, "", other)
+            for one in sentences[a]:
+                if min(len(one), len(other)) < shortest * max(len(one), len(other)):
+                    continue
+                matcher.set_seq1(one)
                 if (matcher.real_quick_ratio() > threshold and matcher.quick_ratio() > threshold
                         and matcher.ratio() > threshold):
                     found.append((a, b, one))
