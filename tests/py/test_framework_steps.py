@@ -12,7 +12,6 @@ regression (issue 18).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from host_devices import host_devices_env
 
 import hlo_amp
 
@@ -787,10 +787,8 @@ def test_nnx_guide_step_on_a_data_model_mesh_of_8_host_devices(tmp_path):
     the step runs in a subprocess that prints JSON (as tests/py/test_sharding.py does)."""
     script = tmp_path / "nnx_mesh.py"
     script.write_text(MESH_SCRIPT)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=env, timeout=600, check=False)
+                          env=host_devices_env(8), timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert results["devices"] == 8

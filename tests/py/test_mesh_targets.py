@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from host_devices import host_devices_env
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -253,8 +254,7 @@ _CPU_ARRAYS = textwrap.dedent("""
 def test_real_arrays_sharded_on_this_machine_keep_their_shardings() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", _CPU_ARRAYS], capture_output=True, text=True, check=False,
-        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu",
-             "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        env=host_devices_env(8))
     assert proc.returncode == 0, proc.stderr
     shardings = json.loads(proc.stdout.splitlines()[-1])
     assert shardings == [[["fsdp", "tp"], "gpu", {"fsdp": 4, "tp": 2}],

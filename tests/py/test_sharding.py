@@ -7,12 +7,12 @@ pytest has imported jax already, so the checks run in a subprocess that prints J
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from host_devices import host_devices_env
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -113,9 +113,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, check=False,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=host_devices_env(8), capture_output=True, check=False,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS=")]
