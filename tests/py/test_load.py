@@ -1,4 +1,4 @@
-"""Load: one function compiled for 50 input signatures; cache and memory stay bounded.
+"""Load: one function compiled for 25 input signatures; cache and memory stay bounded.
 
 RSS is read from /proc/self/statm (no psutil). The bound is generous (20 MB per
 executable) so that it only catches a leak such as keeping every MLIR context or
@@ -16,7 +16,7 @@ import numpy as np
 
 import hlo_amp
 
-SIGNATURES = 50
+SIGNATURES = 25
 MB = 1 << 20
 
 
@@ -32,7 +32,7 @@ def step(w, x):
     return jnp.sum(h * h)
 
 
-def test_fifty_signatures_cache_and_rss() -> None:
+def test_many_signatures_cache_and_rss() -> None:
     fn = hlo_amp.compile(jax.value_and_grad(step), "bf16")
     w = jnp.ones((4, 4), jnp.float32) / 4
     # warm up once so one-time costs (XLA, MLIR context setup) are not counted
