@@ -50,12 +50,19 @@ def run_steps(step: Callable[..., Any], params, extra, batch) -> tuple[list[floa
     return losses, extra
 
 
-def check_model(loss_fn, params, extra, batch, *, rtol: float = 5e-2, policy: str = "bf16"
-                ) -> tuple[hlo_amp.Report, Any]:
-    """Runs f32 (jax.jit) and 16-bit (hlo_amp, ``policy``) train steps; returns the
-    16-bit report and the 16-bit run's final ``extra`` (e.g. batch_stats)."""
+# f32 losses per case, trained once for both modes (each case builds the same model,
+# parameters and batch from fixed seeds).
+_F32_LOSSES: dict[str, list[float]] = {}
+
+
+def check_model(case: str, loss_fn, params, extra, batch, *, rtol: float = 5e-2,
+                policy: str = "bf16") -> tuple[hlo_amp.Report, Any]:
+    """Runs f32 (jax.jit, once per ``case``) and 16-bit (hlo_amp, ``policy``) train steps;
+    returns the 16-bit report and the 16-bit run's final ``extra`` (e.g. batch_stats)."""
     step = make_step(loss_fn)
-    want, _ = run_steps(jax.jit(step), params, extra, batch)
+    if case not in _F32_LOSSES:
+        _F32_LOSSES[case] = run_steps(jax.jit(step), params, extra, batch)[0]
+    want = _F32_LOSSES[case]
     amp = hlo_amp.compile(step, policy)
     got, final_extra = run_steps(amp, params, extra, batch)
     assert amp.lowerings == 1  # one signature, compiled once
@@ -161,8 +168,8 @@ def _linen_case(name: str):
 def test_linen(name: str, policy: str) -> None:
     model, params, extra, batch = _linen_case(name)
     mutable = name == "resnet"
-    report, final = check_model(linen_loss(model, mutable), params, extra, batch,
-                                policy=policy)
+    report, final = check_model(f"linen {name}", linen_loss(model, mutable), params, extra,
+                                batch, policy=policy)
     kinds = {d.op_kind for d in report.decisions}
     assert ("convolution" in kinds) == (name == "resnet")
     if mutable:  # batch_stats were updated through the rewritten step
@@ -219,7 +226,7 @@ def test_nnx(policy: str) -> None:
         m = nnx.merge(graphdef, params)
         return jnp.mean((m(batch[0]) - batch[1]) ** 2), extra
 
-    report, _ = check_model(loss_fn, params, {}, (x, y), policy=policy)
+    report, _ = check_model("nnx", loss_fn, params, {}, (x, y), policy=policy)
     assert {d.op_kind for d in report.decisions} == {"dot_general", "convolution"}
 
 
@@ -264,7 +271,7 @@ def _equinox_case(use_attention: bool):
 @pytest.mark.parametrize("policy", MODES)
 def test_equinox_conv_mlp(policy: str) -> None:
     loss_fn, params, batch = _equinox_case(use_attention=False)
-    report, _ = check_model(loss_fn, params, {}, batch, policy=policy)
+    report, _ = check_model("equinox conv mlp", loss_fn, params, {}, batch, policy=policy)
     assert {d.op_kind for d in report.decisions} == {"dot_general", "convolution"}
 
 
@@ -273,5 +280,5 @@ def test_equinox_with_attention(policy: str) -> None:
     # Regression: the attention backward dots once failed at run time on XLA:CPU with
     # "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32".
     loss_fn, params, batch = _equinox_case(use_attention=True)
-    report, _ = check_model(loss_fn, params, {}, batch, policy=policy)
+    report, _ = check_model("equinox attention", loss_fn, params, {}, batch, policy=policy)
     assert {d.op_kind for d in report.decisions} == {"dot_general", "convolution"}
