@@ -325,10 +325,10 @@ def test_nnx_rng_counters_and_batch_stats_advance_as_under_nnx_jit():
     x, y = _batch()
     want_model, want_opt = _nnx_model_and_optimizer()
     got_model, got_opt = _nnx_model_and_optimizer()
-    step = hlo_amp.compile(nnx_step, "bf16")
+    step, reference = hlo_amp.compile(nnx_step, "bf16"), nnx.jit(nnx_step)
     scaler = hlo_amp.DynamicScalerState()
     for _ in range(2):
-        nnx.jit(nnx_step)(want_model, want_opt, scaler, x, y)
+        reference(want_model, want_opt, scaler, x, y)
         step(got_model, got_opt, scaler, x, y)
     _assert_bit_equal(nnx.state(got_model, nnx.RngState), nnx.state(want_model, nnx.RngState))
     counts = nnx.state(got_model, nnx.RngCount)
