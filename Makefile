@@ -28,9 +28,17 @@ demo: $(STAMP)
 TEST_ENV := PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu \
 	XLA_FLAGS="--xla_backend_optimization_level=1 $$XLA_FLAGS"
 
+# pytest's workers and the tests' child processes share one JAX persistent compilation
+# cache, new and empty each run (nothing carries over between runs): a program one of
+# them compiled for CPU is read back, not compiled again, by the others (a tenth or more
+# of the suite's CPU). Programs compiled for a GPU or TPU without one cannot be read back
+# (jax warns that it could not, and compiles them).
 test: $(STAMP)
 	$(TEST_ENV) $(BIN)/lit -v tests/lit
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests/py
+	cache=$$(mktemp -d); $(TEST_ENV) JAX_COMPILATION_CACHE_DIR=$$cache \
+	  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
+	  $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests/py; \
+	  status=$$?; rm -rf $$cache; exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
