@@ -32,6 +32,17 @@ class TpuTarget(Target):
         benchmarks/RESULTS.md)."""
         return False
 
+    def f32_dot_runs_as(self, compute_dtype: str) -> str | None:
+        """bf16: libtpu's LLO (--xla_jf_dump_llo_text, every generation in ``_TPUS``)
+        runs an f32 dot at DEFAULT precision with the instructions of the same dot on
+        operands converted to bf16 in the program: ``vpack.c.bf16`` on each operand, then
+        bf16 matrix-unit instructions, as many (tests/py/test_tpu_target.py's probe). HIGH
+        and HIGHEST run f32 matrix-unit instructions, about 6 and 12 times as many."""
+        if compute_dtype != "bfloat16":
+            return None
+        return ("XLA:TPU rounds an f32 dot's operands to bf16 itself at DEFAULT precision "
+                "(one bf16 matrix-unit pass, f32 accumulation)")
+
 
 TPU = TpuTarget()
 
