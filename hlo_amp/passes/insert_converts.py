@@ -473,6 +473,9 @@ class InsertConverts:
         original = graph.origin.get(fn_name, fn_name)
         shared: dict[tuple[Any, Any, str], ir.Value] = {}
         names = graph.type_names
+        # Every op's plan before any IR is touched: the target's one-pass rule
+        # (_keep_f32_where_a_copy_adds) reads the other plans of the body.
+        planned: list[tuple[Any, str, Site, Any, tuple, Plan]] = []
         for index, (op, kind) in enumerate(graph.ops_of(instance.fn)):
             if kind is None:
                 continue
@@ -489,6 +492,9 @@ class InsertConverts:
                            elements, gradient=gradient, backward=site.backward)
             if rule.reason is not None:
                 plan = dataclasses.replace(plan, reason=rule.reason)
+            planned.append((op, kind, site, rule, elements, plan))
+        planned = _keep_f32_where_a_copy_adds(planned, self.policy, self.target, names)
+        for op, kind, site, rule, elements, plan in planned:
             before = tuple(names.name(t) for t in elements[0])
             result_before = names.name(elements[1])
             changed = any(plan.operand_targets) or plan.result_target is not None
@@ -520,6 +526,72 @@ class InsertConverts:
                     location=site.name, source=site.source,
                 ))
                 mark_decision(op, index)
+
+
+def at_default_precision(op: Any) -> bool:
+    """Whether ``op`` leaves its precision to the backend: no algorithm, and a precision
+    config absent or DEFAULT on every operand (not HIGH, not HIGHEST)."""
+    attributes = op.operation.attributes
+    if "algorithm" in attributes:
+        return False
+    if "precision_config" not in attributes:
+        return True
+    return all("DEFAULT" in str(entry)
+               for entry in ir.ArrayAttr(attributes["precision_config"]))
+
+
+_DOT_KINDS = frozenset({"dot_general", "dot"})
+_CONVERT = "stablehlo.convert"
+
+
+def _keep_f32_where_a_copy_adds(planned: list[tuple[Any, str, Site, Any, tuple, Plan]],
+                                policy: Policy, target: Target, names: _TypeNames
+                                ) -> list[tuple[Any, str, Site, Any, tuple, Plan]]:
+    """``planned`` (op, kind, site, rule, elements, plan per matrix op of one body) with
+    the accurate mode's f32×f32 dots left f32 where the target runs them as one pass of
+    the compute dtype anyway (``Target.f32_dot_runs_as``: XLA:TPU at DEFAULT precision)
+    and an operand they would convert is read by two or more matrix ops that convert
+    it: their shared 16-bit convert is a copy XLA:TPU stores, where from the f32 value it
+    fuses the value's producer into each dot (the softmax backward's gradient, read by
+    the dQ and dK dots: 256 MiB per device on benchmarks/llm.py's TPU step). The same
+    numbers on that target, without the copy. Not in the mixed modes (propagate seeds
+    its 16-bit regions from the converted dots) nor under a 16-bit ``reduce=``
+    (comm_precision retypes only dots with 16-bit operands)."""
+    why = target.f32_dot_runs_as(policy.compute_dtype)
+    if (why is None or policy.propagate
+            or DTYPE_BITS.get(policy.reduce or "float32", 32) < 32):
+        return planned
+    compute = DTYPE_TO_ELEMENT[policy.compute_dtype]
+    plans = {op_key(entry[0]): entry[5] for entry in planned}
+
+    def converting_readers(value: ir.Value) -> int:
+        """The matrix ops of this body whose plans convert ``value``."""
+        readers = set()
+        for use in value.uses:
+            plan = plans.get(op_key(use.owner))
+            if (plan is not None and use.operand_number < len(plan.operand_targets)
+                    and plan.operand_targets[use.operand_number] is not None):
+                readers.add(op_key(use.owner))
+        return len(readers)
+
+    out = list(planned)
+    for i, (op, kind, _, _, elements, plan) in enumerate(planned):
+        if not (kind in _DOT_KINDS and plan.action == COMPUTE and plan.fp8 is None
+                and any(plan.operand_targets) and plan.result_target is None
+                and all(names.name(t) == "f32" for t in (*elements[0], elements[1]))
+                and at_default_precision(op)):
+            continue
+        shared = [(side, count) for side, (value, to) in
+                  enumerate(zip(op.operands, plan.operand_targets))
+                  if to is not None and (count := converting_readers(value)) > 1]
+        if shared:
+            which = " and ".join(f"{('lhs', 'rhs')[side]} ({count} matrix ops read it)"
+                                 for side, count in shared)
+            out[i] = (*planned[i][:5], Plan(
+                plan.action, plan.rule, (None,) * len(plan.operand_targets), None,
+                f"kept f32: {why}; a shared {compute} copy of its {which} would add "
+                "memory"))
+    return out
 
 
 # The note of an op inside a loop whose trip count could not be read (a while_loop, a

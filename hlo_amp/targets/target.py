@@ -106,6 +106,13 @@ class Target:
                          pin_at_deny=self.deny_pins_its_inputs,
                          sum_copies=self.sums_read_a_16bit_copy)
 
+    def f32_dot_runs_as(self, compute_dtype: str) -> str | None:
+        """Why an f32 dot at DEFAULT precision already runs as one pass with
+        ``compute_dtype`` operands and f32 accumulation on this target, the accurate
+        mode's form without its converts, in words; None where it does not (XLA:GPU's
+        default is TF32, XLA:CPU's f32)."""
+        return None
+
     @property
     def relays_dots(self) -> bool:
         """Whether the pipeline ends with the fast-dot-layout pass (passes/dot_layout.py)."""

@@ -4,7 +4,8 @@ device (one entry each in ``_TPUS``).
 On TPU dots and convolutions keep the accurate form, bf16×bf16→f32, as XLA:TPU runs them
 (the ``--target tpu`` run of tests/lit/gpu_conv.mlir), and a matrix op inside a 16-bit
 region returns the 16-bit type, as on GPU: the base `Target`'s facts. What differs is
-what a TPU refuses.
+what a TPU refuses, and that an f32 dot at DEFAULT precision already runs as that form
+(`TpuTarget.f32_dot_runs_as`), so the accurate mode leaves some dots f32.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ class TpuTarget(Target):
         makes it write the copy (decoder: 23.25 -> 25.98 ms, temp 328.6 -> 404.5 MiB,
         benchmarks/RESULTS.md)."""
         return False
+
+    def f32_dot_runs_as(self, compute_dtype: str) -> str | None:
+        """bf16: libtpu's LLO (--xla_jf_dump_llo_text, every generation in ``_TPUS``)
+        runs an f32 dot at DEFAULT precision with the instructions of the same dot on
+        operands converted to bf16 in the program: ``vpack.c.bf16`` on each operand, then
+        bf16 matrix-unit instructions, as many (tests/py/test_tpu_target.py's probe). HIGH
+        and HIGHEST run f32 matrix-unit instructions, about 6 and 12 times as many."""
+        if compute_dtype != "bfloat16":
+            return None
+        return ("XLA:TPU rounds an f32 dot's operands to bf16 itself at DEFAULT precision "
+                "(one bf16 matrix-unit pass, f32 accumulation)")
 
 
 TPU = TpuTarget()
