@@ -190,7 +190,12 @@ _LOWER = textwrap.dedent("""
     for target in sys.argv[2:]:
         for mode in ("bf16", "mixed_bfloat16"):
             report = hlo_amp.compile(step, mode).lower(*args, target=target).report()
-            assert all(d.operands_after[0] == "bf16" for d in report.decisions), report
+            # On TPU the accurate mode leaves a dot whose operands other dots share f32:
+            # XLA:TPU rounds them to bf16 itself (insert_converts, Target.f32_dot_runs_as).
+            left_to_xla = mode == "bf16" and target.startswith("tpu")
+            assert all(d.operands_after[0] == "bf16" or left_to_xla and
+                       d.reason.startswith("kept f32: XLA:TPU rounds")
+                       for d in report.decisions), report
             print(target, mode, len(report.decisions), flush=True)
 """)
 DOTS = "stablehlo.dot_general"
@@ -208,7 +213,8 @@ def lowered_for_devices() -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("target", DEVICES)
 def test_causal_decoder_lowered_for_a_device_exits_0(target, lowered_for_devices):
     """The user's path of the crash: ``hlo_amp.compile(step, mode).lower(..., target=)``
-    on a 2-layer causal decoder, in a subprocess that must exit 0 with every dot bf16."""
+    on a 2-layer causal decoder, in a subprocess that must exit 0 with every dot bf16
+    (or, in the accurate mode on TPU, left to XLA:TPU's own bf16 pass, saying so)."""
     done = lowered_for_devices
     assert done.returncode == 0, done.stderr[-3000:]
     dots = str(_lowered(*decoder_step(2)).count(f"= {DOTS}"))
