@@ -29,7 +29,8 @@ _pin_xdist_worker_to_one_cpu()
 # `make test` pytest-xdist hands whole files to its workers in collection order
 # (--dist loadfile --no-loadscope-reorder), so a long file that started last would keep
 # one worker busy after the other is done: the 4 demo trainings are the longest file.
-SLOW_FILES_FIRST = ("test_demo_mixed.py", "test_framework_steps.py", "test_crash_net.py",
+SLOW_FILES_FIRST = ("test_demo_mixed.py", "test_tpu_accurate_memory.py",
+                    "test_framework_steps.py", "test_crash_net.py",
                     "test_memory_vs_hand_cast.py",
                     "test_gpu_target.py",
                     "test_third_party.py", "test_module_scopes.py", "test_propagate.py",
