@@ -541,7 +541,6 @@ def at_default_precision(op: Any) -> bool:
 
 
 _DOT_KINDS = frozenset({"dot_general", "dot"})
-_CONVERT = "stablehlo.convert"
 
 
 def _keep_f32_where_a_copy_adds(planned: list[tuple[Any, str, Site, Any, tuple, Plan]],
