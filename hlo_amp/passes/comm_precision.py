@@ -581,19 +581,18 @@ def _scatter_summed_across_devices(op: ir.Operation, known: dict[Any, Axes]) -> 
 
 
 def _chosen_scatters(module: ir.Module, axes: _ModuleAxes, wanted: ir.Type
-                     ) -> list[ir.Operation]:
-    """The add scatters with 16-bit updates summed across devices in every context."""
-    return [op for op in _summed_everywhere(module, axes, _SCATTERS,
-                                            _scatter_summed_across_devices)
-            if _low_updates(op, wanted) is not None]
+                     ) -> list[tuple[ir.Operation, ir.Value]]:
+    """The add scatters with 16-bit updates summed across devices in every context, each
+    with the 16-bit value behind its updates."""
+    chosen = _summed_everywhere(module, axes, _SCATTERS, _scatter_summed_across_devices)
+    return [(op, low) for op in chosen if (low := _low_updates(op, wanted)) is not None]
 
 
-def _sum_in_16bit(chosen: list[ir.Operation], wanted: ir.Type) -> int:
+def _sum_in_16bit(chosen: list[tuple[ir.Operation, ir.Value]], wanted: ir.Type) -> int:
     """Retype each scatter to ``wanted``: its operand converted down, its updates read
-    before their convert up, its body's add in ``wanted``, and a convert back to the old
-    type after it, so its readers (and the program's outputs) keep their types."""
-    for op in chosen:
-        low = _low_updates(op, wanted)
+    before their convert up (``low``), its body's add in ``wanted``, and a convert back to
+    the old type after it, so its readers (and the program's outputs) keep their types."""
+    for op, low in chosen:
         updates_convert = op.operands[2].owner
         operand, result = op.operands[0], op.results[0]
         old_type = result.type

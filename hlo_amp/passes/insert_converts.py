@@ -110,16 +110,25 @@ def estimate_flops(op: Any, kind: str) -> int | None:
     return 2 * out * kernel // max(out_features, 1)
 
 
+def _operand_precisions(op: Any) -> list[str] | None:
+    """The precision config's entries, one per operand ([] when it has none); None when
+    the op names an explicit dot algorithm instead."""
+    attributes = op.operation.attributes
+    if "algorithm" in attributes:
+        return None
+    if "precision_config" not in attributes:
+        return []
+    return [str(entry) for entry in ir.ArrayAttr(attributes["precision_config"])]
+
+
 def asks_for_precision(op: Any) -> str | None:
     """What the program asked for when it pinned this op's precision, else None:
     HIGHEST on both operands, or an explicit dot algorithm."""
-    attributes = op.operation.attributes
-    if "algorithm" in attributes:
+    entries = _operand_precisions(op)
+    if entries is None:
         return "an explicit dot algorithm"
-    if "precision_config" in attributes:
-        entries = [str(entry) for entry in ir.ArrayAttr(attributes["precision_config"])]
-        if entries and all("HIGHEST" in entry for entry in entries):
-            return "HIGHEST precision"
+    if entries and all("HIGHEST" in entry for entry in entries):
+        return "HIGHEST precision"
     return None
 
 
@@ -528,16 +537,11 @@ class InsertConverts:
                 mark_decision(op, index)
 
 
-def at_default_precision(op: Any) -> bool:
+def _at_default_precision(op: Any) -> bool:
     """Whether ``op`` leaves its precision to the backend: no algorithm, and a precision
     config absent or DEFAULT on every operand (not HIGH, not HIGHEST)."""
-    attributes = op.operation.attributes
-    if "algorithm" in attributes:
-        return False
-    if "precision_config" not in attributes:
-        return True
-    return all("DEFAULT" in str(entry)
-               for entry in ir.ArrayAttr(attributes["precision_config"]))
+    entries = _operand_precisions(op)
+    return entries is not None and all("DEFAULT" in entry for entry in entries)
 
 
 _DOT_KINDS = frozenset({"dot_general", "dot"})
@@ -578,7 +582,7 @@ def _keep_f32_where_a_copy_adds(planned: list[tuple[Any, str, Site, Any, tuple, 
         if not (kind in _DOT_KINDS and plan.action == COMPUTE and plan.fp8 is None
                 and any(plan.operand_targets) and plan.result_target is None
                 and all(names.name(t) == "f32" for t in (*elements[0], elements[1]))
-                and at_default_precision(op)):
+                and _at_default_precision(op)):
             continue
         shared = [(side, count) for side, (value, to) in
                   enumerate(zip(op.operands, plan.operand_targets))

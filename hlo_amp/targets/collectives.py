@@ -39,6 +39,7 @@ one-operand fusions), the argument's name is kept too (``params[0]``).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -164,11 +165,6 @@ class _CollectiveWalker(HloWalker):
         self.done = {i.operands[0]: i for comp in computations.values() for i in comp
                      if i.op.endswith("-done") and i.operands}
         self.home = {i.name: name for name, comp in computations.items() for i in comp}
-        self.readers: dict[str, list[Instruction]] = {}
-        for comp in computations.values():
-            for i in comp:
-                for operand in dict.fromkeys(i.operands):
-                    self.readers.setdefault(operand, []).append(i)
         self.walk_id = 0
         self.serial = 0
         self.seen: set[tuple] = set()  # fused collectives found, see _fused
@@ -237,6 +233,16 @@ class _CollectiveWalker(HloWalker):
                                            if p)),
             op_name=name, source=f"{source.group(1)}:{source.group(2)}" if source else None,
             bytes_16bit=low)
+
+    @functools.cached_property
+    def readers(self) -> dict[str, list[Instruction]]:
+        """Each instruction's readers, built when a collective without scopes asks."""
+        readers: dict[str, list[Instruction]] = {}
+        for comp in self.computations.values():
+            for i in comp:
+                for operand in dict.fromkeys(i.operands):
+                    readers.setdefault(operand, []).append(i)
+        return readers
 
     def _reader_scopes(self, name: str) -> tuple[str, ...]:
         """The user scopes of the instructions that read ``name``'s result, looking
