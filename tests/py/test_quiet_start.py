@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -46,7 +47,9 @@ def test_user_script_prints_no_plugin_errors_and_compiles_for_gpu_and_tpu():
     if accelerator:  # a GPU or TPU here: jax must still pick it
         assert lines[0].split()[0] in ("gpu", "tpu"), result.stdout
         return
-    assert lines[0] == "cpu 32.0", result.stdout
+    backend, value = lines[0].split()
+    # 32 x tanh(8) (8 is exact in bf16): 32.0 with LLVM at -O1, 31.999998 at -O0
+    assert backend == "cpu" and abs(float(value) - 32 * math.tanh(8.0)) < 1e-5, result.stdout
     assert "kept by XLA (H100, compiled without a device): 1/1" in lines[1]
     assert "kept by XLA (TPU v5e, compiled without a device): 1/1" in lines[2]
 
