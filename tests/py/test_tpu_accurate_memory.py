@@ -4,11 +4,12 @@ benchmarks/llm.py's Llama-style step at a small size (1 block, d 256, SwiGLU and
 64, 2 sequences of 3072 tokens), FSDP 2 x TP 2, compiled without a device for a TPU v5e
 2x2 slice; XLA's ``memory_analysis()`` is a compile-time fact. Smaller attention fits
 v5e's 128 MiB of VMEM and reports 0 B of temp (1024 tokens, or 2 sequences of 2048); the
-narrow MLP and head shorten libtpu's code generation, most of the compile's time. XLA:TPU runs an f32 dot at DEFAULT
-precision as one bf16 pass (``Target.f32_dot_runs_as``), so the accurate mode's converts
-only change what XLA stores: one bf16 convert that two dots read (the softmax
-backward's gradient, read by the dQ and dK dots) is a copy XLA:TPU stores, where from
-the f32 value it fuses the producer into each dot. insert_converts leaves such dots f32
+narrow MLP and head shorten libtpu's code generation, most of the compile's time.
+XLA:TPU runs an f32 dot at DEFAULT precision as one bf16 pass
+(``Target.f32_dot_runs_as``), so the accurate mode's converts only change what XLA
+stores: one bf16 convert that two dots read (the softmax backward's gradient, read by
+the dQ and dK dots) is a copy XLA:TPU stores, where from the f32 value it fuses the
+producer into each dot. insert_converts leaves such dots f32
 there; before, this step's temp was 99,558,912 B against f32's 84,262,912 (on the
 benchmark's 16-layer step for v5e-16: 2,549.0 MiB against 2,382.2).
 """
