@@ -221,7 +221,8 @@ def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray, *
     and memory columns and the report (one XLA compile more than training needs).
     """
     # Batches are cut on the host, as a data loader does: indexing a jax array would
-    # dispatch a gather and its index ops eagerly, a third of a training's time on CPU.
+    # dispatch a gather and its index ops eagerly at every step (about 2 s of a 28 s
+    # 300-step f32 training on a 2-core CPU).
     x_train, y_train = np.asarray(data[0]), np.asarray(data[2])
     x_test, y_test = jnp.asarray(data[1]), jnp.asarray(data[3])
     model = make_model(args)
