@@ -28,8 +28,8 @@ demo: $(STAMP)
 #   pipeline takes most of a small program's compile: 537 -> 373 s (a train step's compile
 #   1.5 -> 0.5 s). Results differ at most in rounding: every test passes with both, and
 #   of the demo's 300-step trainings only fp8's ends elsewhere (81.9% against 84.2%).
-# The demo trainings run as `make demo` runs them, in a child process without these
-# flags, at -O1 (tests/py/test_demo_mixed.py): their 1,200 steps run slower at -O0.
+# The demo trainings run in a child process without these flags, at -O1
+# (tests/py/test_demo_mixed.py): their 1,200 steps run slower at -O0.
 TEST_ENV := PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu \
 	XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false $$XLA_FLAGS"
 
