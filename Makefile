@@ -21,8 +21,9 @@ demo: $(STAMP)
 # JAX_PLATFORMS=cpu on every machine: the tests expect CPU runs, and with CPU asked for the
 # gpu extra's CUDA plugin registers (for compiling for a GPU without one) without its CUDA
 # version check; the tpu extra's libtpu compiles for a TPU topology without one the same way.
-# XLA_FLAGS: compiling for CPU is most of the tests' time; two flags halve it, and
-# deviceless GPU/TPU compiles (which they do not reach) give the same HLO and memory figures.
+# XLA_FLAGS: compiling for CPU is most of the tests' time; two flags halve it. Deviceless
+# GPU/TPU compiles give the same optimized HLO and memory figures with them (they act after
+# XLA's HLO passes; -O0 also shortens XLA:GPU's LLVM step).
 # * XLA:CPU's LLVM at -O0, not -O3: pytest 601 -> 537 s on a 2-core Xeon.
 # * XLA:CPU's older elemental emitters for fusions, not its MLIR fusion emitters, whose
 #   pipeline takes most of a small program's compile: 537 -> 373 s (a train step's compile
