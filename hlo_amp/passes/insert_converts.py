@@ -590,10 +590,10 @@ def _keep_f32_where_a_copy_adds(planned: list[tuple[Any, str, Site, Any, tuple, 
         if shared:
             which = " and ".join(f"{('lhs', 'rhs')[side]} ({count} matrix ops read it)"
                                  for side, count in shared)
-            out[i] = (*planned[i][:5], Plan(
-                plan.action, plan.rule, (None,) * len(plan.operand_targets), None,
-                f"kept f32: {why}; a shared {compute} copy of its {which} would add "
-                "memory"))
+            out[i] = (*planned[i][:5], dataclasses.replace(
+                plan, operand_targets=(None,) * len(plan.operand_targets),
+                reason=f"kept f32: {why}; a shared {compute} copy of its {which} would "
+                       "add memory"))
     return out
 
 
