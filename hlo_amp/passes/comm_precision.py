@@ -19,7 +19,8 @@ Two steps, one concern (the bytes collectives move):
   constraints, propagated forward into ``while`` bodies, ``case``/``if`` branches and
   through ``func.call``s: a scanned layer's dots, remat's checkpoint bodies). The all-reduce (or reduce-scatter) the partitioner inserts after
   such a dot has the dot's result type. ``reduce=bfloat16`` makes those dots (when their
-  operands are already 16-bit) return 16 bit and converts back after: half the bytes,
+  operands are already 16-bit, or they are f32 dots the target runs as one bf16 pass,
+  ``hlo_amp.ir.modules.runs_as``) return 16 bit and converts back after: half the bytes,
   each device's partial sum rounded once and the sum done in 16 bit. ``reduce=float32``
   makes them return f32 where the fast mode gave them a 16-bit result. Not set: the
   mode's own result type (f32 in the accurate mode).
@@ -56,6 +57,7 @@ from hlo_amp.ir.modules import (
     functions,
     is_public,
     live_uses,
+    runs_as,
     terminator,
     walk_operations,
     with_element,
@@ -524,6 +526,9 @@ def _retype_reduced_dots(module: ir.Module, axes: _ModuleAxes, wanted: ir.Type) 
         if str(have) == str(wanted) or len(operand_elements) != 1:
             continue
         operand_element = element_type(op.operands[0])
+        # An f32 dot the target runs as one 16-bit pass (insert_converts' TPU rule) counts
+        # as that type: f32 x f32 -> bf16 there is the converted dot's arithmetic.
+        operand_element = runs_as(op) or operand_element
         if not isinstance(operand_element, ir.FloatType) or operand_element.width != 16:
             continue  # a dot the policy kept in f32: its reduction stays as written
         if str(wanted) not in (str(operand_element), "f32"):

@@ -46,6 +46,7 @@ from hlo_amp.ir.modules import (
     functions,
     is_public,
     mark_decision,
+    mark_runs_as,
     op_key,
     walk_operations,
     with_element,
@@ -145,6 +146,9 @@ class Plan:
     # scales are rounded to); the fp8 pass writes the quantisation and the direct-form
     # dot. None for every other plan.
     fp8: tuple[str, str, str] | None = None
+    # An f32 dot kept f32 because the target runs it as one pass of this 16-bit element
+    # type anyway (_keep_f32_where_a_copy_adds); comm_precision reads it (RUNS_AS_KEY).
+    runs_as: str | None = None
 
 
 def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
@@ -482,9 +486,6 @@ class InsertConverts:
         original = graph.origin.get(fn_name, fn_name)
         shared: dict[tuple[Any, Any, str], ir.Value] = {}
         names = graph.type_names
-        # Every op's plan before any IR is touched: the target's one-pass rule
-        # (_keep_f32_where_a_copy_adds) reads the other plans of the body.
-        planned: list[tuple[Any, str, Site, Any, tuple, Plan]] = []
         for index, (op, kind) in enumerate(graph.ops_of(instance.fn)):
             if kind is None:
                 continue
@@ -501,9 +502,8 @@ class InsertConverts:
                            elements, gradient=gradient, backward=site.backward)
             if rule.reason is not None:
                 plan = dataclasses.replace(plan, reason=rule.reason)
-            planned.append((op, kind, site, rule, elements, plan))
-        planned = _keep_f32_where_a_copy_adds(planned, self.policy, self.target, names)
-        for op, kind, site, rule, elements, plan in planned:
+            plan = _left_to_the_target(op, kind, elements, plan, self.policy, self.target,
+                                       names)
             before = tuple(names.name(t) for t in elements[0])
             result_before = names.name(elements[1])
             changed = any(plan.operand_targets) or plan.result_target is not None
@@ -535,6 +535,8 @@ class InsertConverts:
                     location=site.name, source=site.source,
                 ))
                 mark_decision(op, index)
+            if plan.runs_as is not None:
+                mark_runs_as(op, plan.runs_as)
 
 
 def _at_default_precision(op: Any) -> bool:
@@ -547,54 +549,30 @@ def _at_default_precision(op: Any) -> bool:
 _DOT_KINDS = frozenset({"dot_general", "dot"})
 
 
-def _keep_f32_where_a_copy_adds(planned: list[tuple[Any, str, Site, Any, tuple, Plan]],
-                                policy: Policy, target: Target, names: _TypeNames
-                                ) -> list[tuple[Any, str, Site, Any, tuple, Plan]]:
-    """``planned`` (op, kind, site, rule, elements, plan per matrix op of one body) with
-    the accurate mode's f32×f32 dots left f32 where the target runs them as one pass of
-    the compute dtype anyway (``Target.f32_dot_runs_as``: XLA:TPU at DEFAULT precision)
-    and an operand they would convert is read by two or more matrix ops that convert
-    it: their shared 16-bit convert is a copy XLA:TPU stores, where from the f32 value it
-    fuses the value's producer into each dot (the softmax backward's gradient, read by
-    the dQ and dK dots: 256 MiB per device on benchmarks/llm.py's TPU step). The same
-    numbers on that target, without the copy. Not in the mixed modes (propagate seeds
-    its 16-bit regions from the converted dots) nor under a 16-bit ``reduce=``
-    (comm_precision retypes only dots with 16-bit operands)."""
+def _left_to_the_target(op: Any, kind: str, elements: tuple, plan: Plan, policy: Policy,
+                        target: Target, names: _TypeNames) -> Plan:
+    """``plan`` for one op, with the accurate mode's f32×f32 dots left f32 where the
+    target runs them as one pass of the compute dtype anyway (``Target.f32_dot_runs_as``:
+    XLA:TPU at DEFAULT precision): the same arithmetic without a 16-bit copy in the
+    program. XLA:TPU places its own converts (its optimized f32 program already shows
+    most dots with bf16 operands); one of ours only changes what it fuses and stores: a
+    bf16 convert that two dots share is a copy it stores (the softmax backward's
+    gradient, read by the dQ and dK dots: 256 MiB per device on benchmarks/llm.py's v5e-16
+    step), and the dots with their own operands converted still left that step's temp
+    0.2 MiB above f32's. Not in the mixed modes (propagate seeds its 16-bit regions from
+    the converted dots). The kept plan names the type the dot runs as (``Plan.runs_as``):
+    under a 16-bit ``reduce=`` comm_precision gives a kept dot whose sum crosses devices
+    that result type, as it does a converted one."""
     why = target.f32_dot_runs_as(policy.compute_dtype)
-    if (why is None or policy.propagate
-            or DTYPE_BITS.get(policy.reduce or "float32", 32) < 32):
-        return planned
-    compute = DTYPE_TO_ELEMENT[policy.compute_dtype]
-    plans = {op_key(entry[0]): entry[5] for entry in planned}
-
-    def converting_readers(value: ir.Value) -> int:
-        """The matrix ops of this body whose plans convert ``value``."""
-        readers = set()
-        for use in value.uses:
-            plan = plans.get(op_key(use.owner))
-            if (plan is not None and use.operand_number < len(plan.operand_targets)
-                    and plan.operand_targets[use.operand_number] is not None):
-                readers.add(op_key(use.owner))
-        return len(readers)
-
-    out = list(planned)
-    for i, (op, kind, _, _, elements, plan) in enumerate(planned):
-        if not (kind in _DOT_KINDS and plan.action == COMPUTE and plan.fp8 is None
-                and any(plan.operand_targets) and plan.result_target is None
-                and all(names.name(t) == "f32" for t in (*elements[0], elements[1]))
-                and _at_default_precision(op)):
-            continue
-        shared = [(side, count) for side, (value, to) in
-                  enumerate(zip(op.operands, plan.operand_targets))
-                  if to is not None and (count := converting_readers(value)) > 1]
-        if shared:
-            which = " and ".join(f"{('lhs', 'rhs')[side]} ({count} matrix ops read it)"
-                                 for side, count in shared)
-            out[i] = (*planned[i][:5], dataclasses.replace(
-                plan, operand_targets=(None,) * len(plan.operand_targets),
-                reason=f"kept f32: {why}; a shared {compute} copy of its {which} would "
-                       "add memory"))
-    return out
+    if (why is None or policy.propagate or kind not in _DOT_KINDS
+            or plan.action != COMPUTE or plan.fp8 is not None
+            or not any(plan.operand_targets) or plan.result_target is not None
+            or not all(names.name(t) == "f32" for t in (*elements[0], elements[1]))
+            or not _at_default_precision(op)):
+        return plan
+    return dataclasses.replace(plan, operand_targets=(None,) * len(plan.operand_targets),
+                               runs_as=DTYPE_TO_ELEMENT[policy.compute_dtype],
+                               reason=f"kept f32: {why}")
 
 
 # The note of an op inside a loop whose trip count could not be read (a while_loop, a

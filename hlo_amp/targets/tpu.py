@@ -5,7 +5,7 @@ On TPU dots and convolutions keep the accurate form, bf16×bf16→f32, as XLA:TP
 (the ``--target tpu`` run of tests/lit/gpu_conv.mlir), and a matrix op inside a 16-bit
 region returns the 16-bit type, as on GPU: the base `Target`'s facts. What differs is
 what a TPU refuses, and that an f32 dot at DEFAULT precision already runs as that form
-(`TpuTarget.f32_dot_runs_as`), so the accurate mode leaves some dots f32.
+(`TpuTarget.f32_dot_runs_as`), so the accurate mode leaves such dots f32.
 """
 
 from __future__ import annotations

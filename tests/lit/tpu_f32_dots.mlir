@@ -1,8 +1,9 @@
 // The accurate mode on XLA:TPU, which runs an f32 dot at DEFAULT precision as one bf16
-// pass (Target.f32_dot_runs_as): a dot whose operand two dots read stays f32, as their
-// shared bf16 copy is one XLA:TPU would store (the softmax backward's gradient, read by
-// the dQ and dK dots); a dot with its own operands, or dots that asked for HIGH precision
-// (XLA:TPU's three-pass form), are converted as on every target. Without a target (and on GPU) all of them convert.
+// pass (Target.f32_dot_runs_as): every such dot stays f32, the same arithmetic without a
+// bf16 copy in the program (a shared one, as of the softmax backward's gradient that the
+// dQ and dK dots read, is a copy XLA:TPU would store); dots that asked for HIGH precision
+// (XLA:TPU's three-pass form) are converted as on every target. Without a target (and
+// on GPU) all of them convert.
 //
 // RUN: hlo-amp-opt %s --pass hlo-amp-insert-converts --policy bf16 --target tpu \
 // RUN:   | filecheck %s --check-prefix=TPU --enable-var-scope
@@ -19,9 +20,7 @@
 // TPU:         %[[S:.*]] = stablehlo.multiply %[[DS]], %[[DS]]
 // TPU-NEXT:    %[[DQ:.*]] = stablehlo.dot_general %[[S]], %[[K]], {{.*}} : (tensor<8x8xf32>, tensor<8x4xf32>) -> tensor<8x4xf32>
 // TPU-NEXT:    %[[DK:.*]] = stablehlo.dot_general %[[S]], %[[Q]], {{.*}} : (tensor<8x8xf32>, tensor<8x4xf32>) -> tensor<8x4xf32>
-// TPU-NEXT:    %[[X16:.*]] = stablehlo.convert %[[X]] : (tensor<8x4xf32>) -> tensor<8x4xbf16>
-// TPU-NEXT:    %[[W16:.*]] = stablehlo.convert %[[W]] : (tensor<4x4xf32>) -> tensor<4x4xbf16>
-// TPU-NEXT:    stablehlo.dot_general %[[X16]], %[[W16]], {{.*}} : (tensor<8x4xbf16>, tensor<4x4xbf16>) -> tensor<8x4xf32>
+// TPU-NEXT:    stablehlo.dot_general %[[X]], %[[W]], {{.*}} : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32>
 // TPU-NEXT:    %[[DQ16:.*]] = stablehlo.convert %[[DQ]] : (tensor<8x4xf32>) -> tensor<8x4xbf16>
 // TPU-NEXT:    %[[V16:.*]] = stablehlo.convert %[[V]] : (tensor<4x4xf32>) -> tensor<4x4xbf16>
 // TPU-NEXT:    stablehlo.dot_general %[[DQ16]], %[[V16]], {{.*}} precision = [HIGH, HIGH]
@@ -36,7 +35,8 @@
 // GPU:         stablehlo.dot_general %[[S16]], {{.*}} : (tensor<8x8xbf16>, tensor<8x4xbf16>) -> tensor<8x4xf32>
 // GPU:         stablehlo.dot_general {{.*}} : (tensor<8x4xbf16>, tensor<4x4xbf16>) -> tensor<8x4xf32>
 
-// REPORT: kept f32: XLA:TPU rounds an f32 dot's operands to bf16 itself at DEFAULT precision (one bf16 matrix-unit pass, f32 accumulation); a shared bf16 copy of its lhs (2 matrix ops read it) would add memory
+// REPORT: kept f32: XLA:TPU rounds an f32 dot's operands to bf16 itself at DEFAULT precision (one bf16 matrix-unit pass, f32 accumulation)
+// REPORT: kept f32: XLA:TPU rounds
 // REPORT: kept f32: XLA:TPU rounds
 // REPORT-NOT: kept f32: XLA:TPU rounds
 func.func @main(%ds: tensor<8x8xf32>, %k: tensor<8x4xf32>, %q: tensor<8x4xf32>, %w: tensor<4x4xf32>, %x: tensor<8x4xf32>, %v: tensor<4x4xf32>) -> (tensor<8x4xf32>, tensor<8x4xf32>, tensor<8x4xf32>, tensor<8x4xf32>, tensor<8x4xf32>) {

@@ -190,8 +190,8 @@ _LOWER = textwrap.dedent("""
     for target in sys.argv[2:]:
         for mode in ("bf16", "mixed_bfloat16"):
             report = hlo_amp.compile(step, mode).lower(*args, target=target).report()
-            # On TPU the accurate mode leaves a dot whose operands other dots share f32:
-            # XLA:TPU rounds them to bf16 itself (insert_converts, Target.f32_dot_runs_as).
+            # On TPU the accurate mode leaves its f32 dots f32: XLA:TPU rounds their
+            # operands to bf16 itself (insert_converts, Target.f32_dot_runs_as).
             left_to_xla = mode == "bf16" and target.startswith("tpu")
             assert all(d.operands_after[0] == "bf16" or left_to_xla and
                        d.reason.startswith("kept f32: XLA:TPU rounds")

@@ -164,9 +164,8 @@ def test_sharded_train_step_keeps_its_shardings(target: str, axes: dict, policy:
     assert any(name in hlo for name in COLLECTIVES)
     report = compiled.report()
     changed = [d for d in report.decisions if d.changed]
-    # On TPU the accurate mode leaves f32 the dots that share an operand (here each
-    # weight and each gradient is read by two dots): XLA:TPU rounds their operands to
-    # bf16 itself, and their shared bf16 copy would be stored (Target.f32_dot_runs_as).
+    # On TPU the accurate mode leaves its f32 dots f32: XLA:TPU rounds their operands to
+    # bf16 itself at DEFAULT precision (Target.f32_dot_runs_as).
     left = [d for d in report.decisions
             if d.reason.startswith("kept f32: XLA:TPU rounds an f32 dot's operands")]
     assert len(changed) + len(left) == len(report.decisions)

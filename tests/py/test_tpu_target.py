@@ -66,9 +66,9 @@ def test_v5e_verdicts_match_the_optimized_hlo(workload: str, policy: str) -> Non
     result = compiled(workload, policy)
     report = result.report()
     converted = [d for d in report.decisions if d.changed and d.low_precision]
-    # The accurate mode leaves f32 the dots that share an operand with other dots: XLA:TPU
-    # rounds their operands itself (Target.f32_dot_runs_as), and their shared bf16 copy
-    # would be stored. The fast mode converts them all.
+    # The accurate mode leaves its f32 dots at DEFAULT precision f32: XLA:TPU rounds their
+    # operands itself (Target.f32_dot_runs_as). It converts the convolutions; the fast
+    # mode converts every matrix op.
     left = [d for d in report.decisions if d.reason.startswith(ONE_PASS)]
     assert (converted or left) and report.xla_device == "TPU v5e"
     assert len(converted) + len(left) == len(report.decisions)
@@ -92,7 +92,7 @@ def test_f32_on_tpu_is_partly_bf16_already_and_the_pass_converts_the_rest() -> N
     """The baseline the verdicts are read against. XLA:TPU runs an f32 dot at DEFAULT
     precision as one bf16 pass, and its HLO shows some of them with bf16 operands already;
     others stay f32×f32. Under bf16 an f32 operand is left only to the dots the pass
-    leaves f32 for XLA:TPU to round (their operand is shared: ``ONE_PASS``)."""
+    leaves f32 for XLA:TPU to round (``ONE_PASS``)."""
     step, args = WORKLOADS["vit"]
     f32 = matrix_ops(hlo_amp.compile(step, "f32").lower(*args, target="tpu-v5e")
                      .compile().as_text())
