@@ -267,19 +267,19 @@ def _reshape_axes(axes: Axes, source: list[int], result: list[int]) -> Axes:
 
 def _result_axes(op: ir.Operation, known: dict[Any, Axes]) -> Axes | None:
     """The result's sharded axes, from the op's operands' (forward propagation)."""
-    if not op.results or _rank(op.results[0]) is None:
+    rank = _rank(op.results[0]) if op.results else None
+    if rank is None:
         return None
-    rank = _rank(op.results[0])
     name = op.name
     if name in ("sdy.sharding_constraint", "sdy.reshard", "stablehlo.custom_call"):
         return _declared_axes(op.attributes, rank)
     operands = [known.get(value) for value in op.operands]
-    first = operands[0] if operands else None
+    if all(axes is None for axes in operands):
+        return None  # nothing known flows in (most ops of an unsharded region)
+    first = operands[0]
     if name == _DOT:
         numbers = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
         lhs, rhs = operands[0], operands[1]
-        if lhs is None and rhs is None:
-            return None
         lhs_rank, rhs_rank = _rank(op.operands[0]), _rank(op.operands[1])
         lhs = lhs or tuple(frozenset() for _ in range(lhs_rank))
         rhs = rhs or tuple(frozenset() for _ in range(rhs_rank))
@@ -289,8 +289,6 @@ def _result_axes(op: ir.Operation, known: dict[Any, Axes]) -> Axes | None:
         out += [lhs[d] for d in range(lhs_rank) if d not in lb and d not in lc]
         out += [rhs[d] for d in range(rhs_rank) if d not in rb and d not in rc]
         return _one_dim_per_axis(out)
-    if not op.operands:
-        return None
     if first is None and name in _SHAPE_CHANGERS:
         return None
     if name == "stablehlo.broadcast_in_dim":
@@ -431,11 +429,12 @@ class _ModuleAxes:
         cond, body = (region.blocks[0] for region in op.regions)
         carried = [known.get(value) for value in op.operands]
         decided: set[int] = set()  # slots whose axes were adopted or dropped once
+        inner = walk_operations(op, into=_TOP_LEVEL)
         for _ in range(2 * len(carried) + 1):  # each round decides a slot, or settles
             for block in (cond, body):
                 for argument, axes in zip(block.arguments, carried):
                     _set(known, argument, axes)
-            self._ops(walk_operations(op, into=_TOP_LEVEL), known)
+            self._ops(inner, known)
             returned = [known.get(value) for value in terminator(body).operands]
             settled = list(carried)
             for slot, (axes, back) in enumerate(zip(carried, returned)):
