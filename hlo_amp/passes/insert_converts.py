@@ -147,7 +147,7 @@ class Plan:
     # dot. None for every other plan.
     fp8: tuple[str, str, str] | None = None
     # An f32 dot kept f32 because the target runs it as one pass of this 16-bit element
-    # type anyway (_keep_f32_where_a_copy_adds); comm_precision reads it (RUNS_AS_KEY).
+    # type anyway (_left_to_the_target); comm_precision reads it (RUNS_AS_KEY).
     runs_as: str | None = None
 
 

@@ -190,6 +190,27 @@ def test_nodes_and_slices_compile_each_devices_share(target: str, axes: dict) ->
     assert all(d.kept_by_xla for d in compiled.report().decisions if d.changed)
 
 
+@pytest.mark.parametrize("policy", ["bf16", "bf16,reduce=bfloat16"])
+def test_tpu_accurate_mode_sums_gradients_in_the_reduce_dtype(policy: str) -> None:
+    """On TPU the accurate mode leaves its f32 dots to XLA:TPU's one bf16 pass; under
+    reduce=bfloat16 the weight gradients, whose batch "fsdp" shards, still return bf16
+    and XLA:TPU sums them in bf16 across devices. Without reduce= every sum is f32."""
+    mesh = hlo_amp.target_mesh("tpu-v5e:2x2", {"fsdp": 2, "tp": 2})
+    lowered = hlo_amp.compile(train_step, policy).lower(*sharded_arguments(mesh),
+                                                         target="tpu-v5e:2x2")
+    assert "hlo_amp." not in lowered.as_text()  # the pass's marks stay inside it
+    compiled = lowered.compile()
+    report = compiled.report()
+    assert report.decisions and all(
+        not d.changed and d.reason.startswith("kept f32: XLA:TPU rounds")
+        for d in report.decisions)
+    sums = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")
+            and c.element_types != ("s32",)]
+    sixteen = [c for c in sums if c.element_types == ("bf16",)]
+    assert sums and (len(sixteen) >= len(PARAM_SHAPES) if "reduce" in policy
+                     else not sixteen), sums
+
+
 def test_arguments_of_another_size_or_unsharded_are_replicated() -> None:
     mesh = hlo_amp.target_mesh("h100x8", {"fsdp": 4, "tp": 2})
     other = hlo_amp.target_mesh("tpu-v5e:2x2", {"fsdp": 4})  # 4 devices, not 8
