@@ -4,6 +4,10 @@ Three small public models (tests/py/hand_cast_workloads.py: a MobileNetV3Small c
 Keras's own blocks, flax's examples/vae, flax's examples/mnist NNX CNN) compiled without
 a device for H100 and TPU v5e, as f32 ``jax.jit``, as the hand-cast bf16 peer (Keras
 ``mixed_bfloat16``, Flax ``dtype=bfloat16``) and through hlo_amp in both 16-bit modes.
+On H100 twice: as ``target="h100"`` compiles (every GEMM a cuBLAS call, as a compile
+without a device must for some programs: docs/gpu_target.md) and with XLA:GPU's default
+GEMM emitter, Triton (``"h100+triton"``: ``xla_gpu_enable_triton_gemm``, which these
+three compile with).
 Compared, from ``memory_analysis().temp_size_in_bytes`` (a compile-time fact):
 
 - the fast mode's temp against the peer's: ``mixed_bfloat16 <= peer``;
@@ -17,6 +21,10 @@ Figures on H100 at these sizes (temp bytes): MobileNet f32 5,457,472, hand cast
 the batch-norm outputs and the activations after them in 16 bit); VAE f32 4,208,688,
 hand cast 4,255,792 = mixed_bfloat16, bf16 4,319,792 (f32 + parameter copies:
 4,316,120); MNIST f32 4,360,984, hand cast 4,242,456 = mixed_bfloat16, bf16 4,253,464.
+With Triton GEMMs there is no 4 MiB cuBLAS workspace and no cuBLAS padding, and every
+check holds (MobileNet f32 1,746,496, hand cast 995,904, bf16 990,784, mixed_bfloat16
+973,888; VAE f32 117,784, hand cast 72,728 = mixed_bfloat16, bf16 14,360; MNIST f32
+279,064, hand cast 45,592, bf16 153,624, mixed_bfloat16 45,336).
 At the issue's sizes the full MobileNetV3Small (64x64, batch 8) on H100: f32 5,232,456,
 hand cast 7,652,680, bf16 8,476,744, mixed_bfloat16 8,067,656 (8,477,256 before), under
 f32's plus 3,056,212 B of parameter copies (8,288,668) in the fast mode, not in the
@@ -33,7 +41,10 @@ from hand_cast_workloads import NAMES, hand_cast_case, param_bytes_16bit
 
 import hlo_amp
 
-TARGETS = ("h100", "tpu-v5e")
+TARGETS = ("h100", "h100+triton", "tpu-v5e")
+# A target of TARGETS: the device compiled for and the XLA flags over its defaults.
+COMPILES = {"h100": ("h100", {}), "tpu-v5e": ("tpu-v5e", {}),
+            "h100+triton": ("h100", {"xla_gpu_enable_triton_gemm": True})}
 MODES = ("bf16", "mixed_bfloat16")
 # (model, target, check) -> why it is not asserted: XLA's own choices, measured.
 UNMET = {
@@ -42,6 +53,7 @@ UNMET = {
     # the hand cast's 4,415,792 B; the fast mode's heap ends 123,648 B higher (one
     # padded bf16[8,11,11,64] input of a stride-2 depthwise convolution that the
     # hand cast's heap fits beside the workspace, and the fast mode's does not).
+    # With Triton GEMMs ("h100+triton") it holds.
     ("mobilenet", "h100", "mixed<=peer"):
         "XLA:GPU's heap packing: peak live bytes are under the hand cast's, the heap is not",
     # XLA:GPU pads bf16 GEMMs to multiples of 8 (cublas_pad_for_gemms): the accurate
@@ -50,6 +62,7 @@ UNMET = {
     # Compiled with that pass disabled (xla_disable_hlo_passes=cublas-pad-for-gemms)
     # the mode needs 4,215,088 B (f32 + parameter copies: 4,316,120; at flax's sizes
     # 4,698,928 against 5,843,408, 6,111,792 padded): the padding is the whole excess.
+    # Triton GEMMs are not padded: with them ("h100+triton") it holds.
     ("vae", "h100", "bf16<=f32+params"):
         "XLA:GPU pads the bf16 weight-gradient GEMM; its f32 result sits in temp",
 }
@@ -59,14 +72,19 @@ UNMET = {
 def _temp(name: str, target: str, variant: str) -> int:
     """XLA temp bytes of one variant ("f32", "peer" or a mode), compiled only when a
     check asks for it (the peer of a case whose only peer check is UNMET is not)."""
+    device, flags = COMPILES[target]
     if variant == "peer":
         peer_step, peer_args = hand_cast_case(name, "peer")
-        compiled = hlo_amp.compile_for_target(jax.jit(peer_step), *peer_args, target=target)
+        compiled = hlo_amp.compile_for_target(jax.jit(peer_step), *peer_args, target=device,
+                                              compiler_options=flags)
     else:
         step, args = hand_cast_case(name, "f32")
-        compiled = (hlo_amp.compile_for_target(jax.jit(step), *args, target=target)
+        compiled = (hlo_amp.compile_for_target(jax.jit(step), *args, target=device,
+                                               compiler_options=flags)
                     if variant == "f32" else
-                    hlo_amp.compile(step, variant).lower(*args, target=target).compile())
+                    hlo_amp.compile(step, variant).lower(*args, target=device).compile(flags))
+    if flags.get("xla_gpu_enable_triton_gemm"):  # the flag took: Triton GEMM fusions
+        assert "__triton" in compiled.as_text(), (name, variant)
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
