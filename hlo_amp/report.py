@@ -42,6 +42,9 @@ class Decision:
     runs: int = 1
     location: str = ""  # the op's name-stack string
     source: str | None = None  # "file.py:12"
+    # An f32 op left f32 because the target runs it as one pass of this 16-bit type itself
+    # ("bf16": XLA:TPU's dots at DEFAULT precision); None for every other op.
+    runs_as: str | None = None
     kept_by_xla: bool | None = None  # filled in after XLA compiles, when checked
     xla_form: str | None = None  # how XLA runs it, e.g. "cuBLAS bf16×bf16", when checked
     notes: tuple[str, ...] = ()
@@ -130,6 +133,13 @@ class Report:
         low = sum(d.flops or 0 for d in self.decisions if d.low_precision)
         share = f"{100.0 * low / total:.0f}%" if total else "n/a"
         line = f"low precision: {', '.join(parts)}; {share} of FLOPs in 16-bit or narrower"
+        left = [d for d in self.decisions if d.runs_as]
+        if left:
+            types = "/".join(dict.fromkeys(d.runs_as or "" for d in left))
+            left_flops = sum(d.flops or 0 for d in left)
+            line += (f"; {len(left)} f32 {'op' if len(left) == 1 else 'ops'} left to XLA's "
+                     f"own {types} pass"
+                     + (f" ({100.0 * left_flops / total:.0f}% of FLOPs)" if total else ""))
         converted = [d for d in self.decisions if d.changed]
         line = f"converted {len(converted)}/{len(self.decisions)} ops; " + line
         if self.xla_checked:

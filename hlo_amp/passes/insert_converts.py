@@ -527,6 +527,7 @@ class InsertConverts:
                     result_before=result_before,
                     result_after=result_after, action=rule.action,
                     rule=rule.rule, changed=changed, reason=plan.reason,
+                    runs_as=plan.runs_as,
                     flops=None if flops is None else flops * runs.count,
                     runs=runs.count,
                     notes=(UNKNOWN_TRIPS,) if runs.unknown else (),

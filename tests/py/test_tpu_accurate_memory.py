@@ -52,4 +52,8 @@ def test_the_report_says_why_each_dot_stayed_f32(accurate: object) -> None:
     # results are 4-D: [batch, kv head, token, head dim]).
     assert len(kept) == len(decisions) and all(d.op_kind == "dot_general" for d in kept)
     assert any(d.direction == "backward" and d.shape.count("x") == 3 for d in kept)
-    assert all(not d.changed and d.operands_after == ("f32", "f32") for d in kept)
+    assert all(not d.changed and d.operands_after == ("f32", "f32") and d.runs_as == "bf16"
+               for d in kept)
+    # The summary says so, with their share of the FLOPs (all of them here).
+    summary = accurate.report().summary()
+    assert f"{len(kept)} f32 ops left to XLA's own bf16 pass (100% of FLOPs)" in summary
