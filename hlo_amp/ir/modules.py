@@ -289,28 +289,12 @@ def walk_operations(holder: object, *, into: frozenset[str] | None = None,
 # op names differ between passes (a private function shared by several call sites names
 # its ops without the caller's prefix; propagate's clones copy it). run_pipeline strips it.
 DECISION_KEY = "hlo_amp.decision"
-# An f32 dot insert_converts left f32 because the target runs it as one pass of a 16-bit
-# type anyway (Target.f32_dot_runs_as) carries that type under this key: comm_precision
-# may give it that result type under a 16-bit ``reduce=``. run_pipeline strips it too.
-RUNS_AS_KEY = "hlo_amp.runs_as"
 
 
 def mark_decision(op: ir.Operation | ir.OpView, index: int) -> None:
     """Give ``op`` its decision's index (``DECISION_KEY``)."""
     op.attributes[DECISION_KEY] = ir.IntegerAttr.get(
         ir.IntegerType.get_signless(64, op.context), index)
-
-
-def mark_runs_as(op: ir.Operation | ir.OpView, element: str) -> None:
-    """Note on ``op`` the 16-bit ``element`` type the target runs it as (``RUNS_AS_KEY``)."""
-    with op.context:
-        op.attributes[RUNS_AS_KEY] = ir.TypeAttr.get(ir.Type.parse(element))
-
-
-def runs_as(op: ir.Operation | ir.OpView) -> ir.Type | None:
-    """The type ``mark_runs_as`` noted on ``op``, None when it has none."""
-    attributes = op.attributes
-    return ir.TypeAttr(attributes[RUNS_AS_KEY]).value if RUNS_AS_KEY in attributes else None
 
 
 def decision_of(op: ir.Operation | ir.OpView) -> int | None:
@@ -322,12 +306,10 @@ def decision_of(op: ir.Operation | ir.OpView) -> int | None:
 
 
 def strip_decision_marks(module: ir.Module) -> None:
-    """Remove every ``DECISION_KEY`` and ``RUNS_AS_KEY``: they mean nothing outside the
-    run that wrote them."""
+    """Remove every ``DECISION_KEY``: it means nothing outside the run that wrote it."""
     for op in walk_operations(module, names=MATRIX_OP_NAMES):
-        for key in (DECISION_KEY, RUNS_AS_KEY):
-            if key in op.attributes:
-                del op.attributes[key]
+        if DECISION_KEY in op.attributes:
+            del op.attributes[DECISION_KEY]
 
 
 def element_type(value: ir.Value) -> ir.Type | None:

@@ -19,8 +19,8 @@ Two steps, one concern (the bytes collectives move):
   constraints, propagated forward into ``while`` bodies, ``case``/``if`` branches and
   through ``func.call``s: a scanned layer's dots, remat's checkpoint bodies). The all-reduce (or reduce-scatter) the partitioner inserts after
   such a dot has the dot's result type. ``reduce=bfloat16`` makes those dots (when their
-  operands are already 16-bit, or they are f32 dots the target runs as one bf16 pass,
-  ``hlo_amp.ir.modules.runs_as``) return 16 bit and converts back after: half the bytes,
+  operands are already 16-bit, or they are f32 dots the target runs as one bf16 pass:
+  their ``Decision.runs_as``) return 16 bit and converts back after: half the bytes,
   each device's partial sum rounded once and the sum done in 16 bit. ``reduce=float32``
   makes them return f32 where the fast mode gave them a 16-bit result. Not set: the
   mode's own result type (f32 in the accurate mode).
@@ -50,6 +50,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from hlo_amp.ir.loops import WHILE
 from hlo_amp.ir.modules import (
     callee_name,
+    decision_of,
     discard,
     element_type,
     from_constant,
@@ -57,7 +58,6 @@ from hlo_amp.ir.modules import (
     functions,
     is_public,
     live_uses,
-    runs_as,
     terminator,
     walk_operations,
     with_element,
@@ -121,7 +121,7 @@ class CommPrecision:
                 wanted = ir.Type.parse(DTYPE_TO_ELEMENT[reduce])
                 scatters = _chosen_scatters(module, axes, wanted) if sums_scatters else []
                 if self.policy.reduce is not None:
-                    retyped = _retype_reduced_dots(module, axes, wanted)
+                    retyped = _retype_reduced_dots(module, axes, wanted, report)
                 summed = _sum_in_16bit(scatters, wanted)
         if report is not None and (moved or retyped or summed):
             note = f"comm-precision: moved {moved} 16-bit convert(s) above data movement"
@@ -511,7 +511,8 @@ def _summed_everywhere(module: ir.Module, axes: _ModuleAxes, names: frozenset[st
     return chosen
 
 
-def _retype_reduced_dots(module: ir.Module, axes: _ModuleAxes, wanted: ir.Type) -> int:
+def _retype_reduced_dots(module: ir.Module, axes: _ModuleAxes, wanted: ir.Type,
+                         report: Report | None) -> int:
     """Give ``wanted`` as the result element of the 16-bit dots whose partial results are
     summed across devices in every context their function is called in, at any depth of
     loops and branches; a convert back keeps the readers' type."""
@@ -527,7 +528,7 @@ def _retype_reduced_dots(module: ir.Module, axes: _ModuleAxes, wanted: ir.Type) 
         operand_element = element_type(op.operands[0])
         # An f32 dot the target runs as one 16-bit pass (insert_converts' TPU rule) counts
         # as that type: f32 x f32 -> bf16 there is the converted dot's arithmetic.
-        operand_element = runs_as(op) or operand_element
+        operand_element = _runs_as(op, report) or operand_element
         if not isinstance(operand_element, ir.FloatType) or operand_element.width != 16:
             continue  # a dot the policy kept in f32: its reduction stays as written
         if str(wanted) not in (str(operand_element), "f32"):
@@ -541,6 +542,16 @@ def _retype_reduced_dots(module: ir.Module, axes: _ModuleAxes, wanted: ir.Type) 
             use.owner.operands[use.operand_number] = back.result
         retyped += 1
     return retyped
+
+
+def _runs_as(op: ir.Operation, report: Report | None) -> ir.Type | None:
+    """The 16-bit type the target runs ``op`` as, from its decision (``Decision.runs_as``,
+    found by the op's decision mark); None for every other op."""
+    index = decision_of(op)
+    if report is None or index is None:
+        return None
+    element = report.decisions[index].runs_as
+    return ir.Type.parse(element) if element else None
 
 
 # ---- add scatters whose partial results are summed across devices -----------------

@@ -46,7 +46,6 @@ from hlo_amp.ir.modules import (
     functions,
     is_public,
     mark_decision,
-    mark_runs_as,
     op_key,
     walk_operations,
     with_element,
@@ -147,7 +146,7 @@ class Plan:
     # dot. None for every other plan.
     fp8: tuple[str, str, str] | None = None
     # An f32 dot kept f32 because the target runs it as one pass of this 16-bit element
-    # type anyway (_left_to_the_target); comm_precision reads it (RUNS_AS_KEY).
+    # type anyway (_left_to_the_target); comm_precision reads it (Decision.runs_as).
     runs_as: str | None = None
 
 
@@ -536,8 +535,6 @@ class InsertConverts:
                     location=site.name, source=site.source,
                 ))
                 mark_decision(op, index)
-            if plan.runs_as is not None:
-                mark_runs_as(op, plan.runs_as)
 
 
 def _at_default_precision(op: Any) -> bool:
@@ -561,9 +558,9 @@ def _left_to_the_target(op: Any, kind: str, elements: tuple, plan: Plan, policy:
     gradient, read by the dQ and dK dots: 256 MiB per device on benchmarks/llm.py's v5e-16
     step), and the dots with their own operands converted still left that step's temp
     0.2 MiB above f32's. Not in the mixed modes (propagate seeds its 16-bit regions from
-    the converted dots). The kept plan names the type the dot runs as (``Plan.runs_as``):
-    under a 16-bit ``reduce=`` comm_precision gives a kept dot whose sum crosses devices
-    that result type, as it does a converted one."""
+    the converted dots). The kept plan names the type the dot runs as (``Plan.runs_as``,
+    then ``Decision.runs_as``): under a 16-bit ``reduce=`` comm_precision gives a kept dot
+    whose sum crosses devices that result type, as it does a converted one."""
     why = target.f32_dot_runs_as(policy.compute_dtype)
     if (why is None or policy.propagate or kind not in _DOT_KINDS
             or plan.action != COMPUTE or plan.fp8 is not None
