@@ -2,8 +2,10 @@
 // after a deny op in the forward pass that the backward pass reads and that leads,
 // through forward ops, to a matrix op (a batch norm's centred output, which the ReLU
 // before the next matrix op and the ReLU's backward read) is stored in 16 bit, as a
-// Keras or Flax norm layer's output is. The ops it reads stay f32 (the ReLU converts it
-// up), and on CPU, where deny ops pin what they read, nothing changes.
+// Keras or Flax norm layer's output is. A stored value ends the deny region, as the
+// layer's 16-bit output does: the ReLU after it runs in 16 bit, and so does the
+// activation's backward where it multiplies a matrix op's 16-bit result. On CPU, where
+// deny ops pin what they read, nothing changes.
 //
 // RUN: hlo-amp-opt %s --policy mixed_bfloat16 \
 // RUN:   --pass hlo-amp-insert-converts --pass hlo-amp-propagate --pass hlo-amp-cleanup \
@@ -24,9 +26,9 @@
 // CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<8x4xbf16>
 // CHECK:         %[[S:.*]] = stablehlo.reduce({{.*}}) applies stablehlo.add {{.*}} -> tensor<4xf32>
 // CHECK:         %[[C:.*]] = stablehlo.subtract %[[D]], %{{.*}} : tensor<8x4xbf16>
+// CHECK:         %[[R:.*]] = stablehlo.maximum %[[C]], %{{.*}} : tensor<8x4xbf16>
+// CHECK:         stablehlo.dot_general %[[R]], {{.*}} -> tensor<8x4xf32>
 // CHECK:         %[[U:.*]] = stablehlo.convert %[[C]] : (tensor<8x4xbf16>) -> tensor<8x4xf32>
-// CHECK:         %[[R:.*]] = stablehlo.maximum %[[U]], %{{.*}} : tensor<8x4xf32>
-// CHECK:         stablehlo.convert %[[R]] : (tensor<8x4xf32>) -> tensor<8x4xbf16>
 // CHECK:         stablehlo.multiply %{{.*}}, %[[U]] : tensor<8x4xf32>
 // CPU-LABEL:   func.func @norm_residual
 // CPU:           stablehlo.subtract {{.*}} : tensor<8x4xf32>
@@ -70,4 +72,31 @@ func.func @softmax_sum_stays_f32(%x: tensor<8x4xf32>, %w1: tensor<4x4xf32>, %w2:
   %6 = stablehlo.multiply %g, %4 : tensor<8x4xf32> loc("jit(step)/transpose(jvp(softmax))/mul")
   %7 = stablehlo.divide %6, %3 : tensor<8x4xf32> loc("jit(step)/transpose(jvp(softmax))/div")
   return %5, %7 : tensor<8x4xf32>, tensor<8x4xf32>
+}
+
+// The backward of an activation after a stored value: the activation gradient (a
+// matrix op's 16-bit result) times the stored norm output, on its way to the next
+// matrix op, is 16-bit, as in Keras's and Flax's bf16 layers; before the stored value
+// ended the deny region it was computed and held in f32.
+// CHECK-LABEL: func.func @stored_value_ends_deny
+// CHECK:         %[[C:.*]] = stablehlo.subtract {{.*}} : tensor<8x4xbf16>
+// CHECK:         %[[A:.*]] = stablehlo.multiply %[[C]], %[[C]] : tensor<8x4xbf16>
+// CHECK:         stablehlo.dot_general %[[A]], {{.*}} -> tensor<8x4xf32>
+// CHECK:         %[[G:.*]] = stablehlo.dot_general {{.*}} -> tensor<8x4xbf16>
+// CHECK:         %[[GA:.*]] = stablehlo.multiply %[[G]], %[[C]] : tensor<8x4xbf16>
+// CHECK:         stablehlo.dot_general %[[GA]], {{.*}} -> tensor<8x4xf32>
+// CPU-LABEL:   func.func @stored_value_ends_deny
+// CPU:           stablehlo.multiply {{.*}} : tensor<8x4xf32>
+func.func @stored_value_ends_deny(%x: tensor<8x4xf32>, %w1: tensor<4x4xf32>, %w2: tensor<4x4xf32>, %gy: tensor<8x4xf32>) -> (tensor<8x4xf32>, tensor<8x4xf32>) {
+  %0 = stablehlo.dot_general %x, %w1, contracting_dims = [1] x [0] : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32> loc("jit(step)/jvp(conv)/dot_general")
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(step)/jvp(bn)/reduce_sum")
+  %1 = stablehlo.reduce(%0 init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<8x4xf32>, tensor<f32>) -> tensor<4xf32> loc("jit(step)/jvp(bn)/reduce_sum")
+  %2 = stablehlo.broadcast_in_dim %1, dims = [1] : (tensor<4xf32>) -> tensor<8x4xf32> loc("jit(step)/jvp(bn)/broadcast_in_dim")
+  %3 = stablehlo.subtract %0, %2 : tensor<8x4xf32> loc("jit(step)/jvp(bn)/sub")
+  %4 = stablehlo.multiply %3, %3 : tensor<8x4xf32> loc("jit(step)/jvp(act)/mul")
+  %5 = stablehlo.dot_general %4, %w2, contracting_dims = [1] x [0] : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32> loc("jit(step)/jvp(dense)/dot_general")
+  %6 = stablehlo.dot_general %gy, %w2, contracting_dims = [1] x [1] : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32> loc("jit(step)/transpose(jvp(dense))/dot_general")
+  %7 = stablehlo.multiply %6, %3 : tensor<8x4xf32> loc("jit(step)/transpose(jvp(act))/mul")
+  %8 = stablehlo.dot_general %7, %w1, contracting_dims = [1] x [1] : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32> loc("jit(step)/transpose(jvp(conv))/dot_general")
+  return %5, %8 : tensor<8x4xf32>, tensor<8x4xf32>
 }
