@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections.abc import Iterator
@@ -331,6 +332,14 @@ def from_constant(value: ir.Value, depth: int = 0) -> bool:
     if owner.name == "stablehlo.constant":
         return True
     return owner.name in _CONSTANT_CARRIERS and from_constant(owner.operands[0], depth + 1)
+
+
+def element_count(value: ir.Value) -> int | None:
+    """Elements of a value of static shape; None for a dynamic shape or no tensor."""
+    if not isinstance(value.type, ir.RankedTensorType):
+        return None
+    shaped = ir.RankedTensorType(value.type)
+    return math.prod(shaped.shape) if shaped.has_static_shape else None
 
 
 def with_element(tensor_type: ir.Type, element: ir.Type) -> ir.RankedTensorType:

@@ -41,15 +41,18 @@ from hlo_amp.ir.loops import LoopCounts, Runs
 from hlo_amp.ir.modules import (
     callee_name,
     clone_private,
+    element_count,
     element_type,
     function_name,
     functions,
     is_public,
+    live_uses,
     mark_decision,
     op_key,
     walk_operations,
     with_element,
 )
+from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
 from hlo_amp.ir.sites import Site, call_prefix, join_names, location_name, site_of
 from hlo_amp.policy import (
     COMPUTE,
@@ -503,6 +506,8 @@ class InsertConverts:
                 plan = dataclasses.replace(plan, reason=rule.reason)
             plan = _left_to_the_target(op, kind, elements, plan, self.policy, self.target,
                                        names)
+            plan = _kept_for_its_result(op, kind, elements, plan, self.policy, self.target,
+                                        names)
             before = tuple(names.name(t) for t in elements[0])
             result_before = names.name(elements[1])
             changed = any(plan.operand_targets) or plan.result_target is not None
@@ -571,6 +576,64 @@ def _left_to_the_target(op: Any, kind: str, elements: tuple, plan: Plan, policy:
     return dataclasses.replace(plan, operand_targets=(None,) * len(plan.operand_targets),
                                runs_as=DTYPE_TO_ELEMENT[policy.compute_dtype],
                                reason=f"kept f32: {why}")
+
+
+def _kept_for_its_result(op: Any, kind: str, elements: tuple, plan: Plan, policy: Policy,
+                         target: Target, names: _TypeNames) -> Plan:
+    """``plan`` for one op, with the accurate mode's f32 matrix ops left f32 where the
+    result outweighs the operands (as many elements or more: a weight gradient over a
+    small batch, a squeeze-excite's or a 1x1 head's filter gradient) and the target
+    writes the 16-bit form's result once more than f32's (``Target.
+    writes_16bit_form_twice``: cuDNN's 16-bit convolution result, cuBLAS's padded GEMM).
+    Such an op is bound by its result's bytes: rounding its operands saves at most half
+    of theirs, fewer than the extra result costs, in time and in memory (the f32 weight
+    gradient of a 1x1 convolution on 1x1 pixels, Keras MobileNetV3Small's head, is
+    written by the convolution into the buffer the optimizer updates in place; its bf16
+    form wrote a 1.1 MiB bf16 copy first). Not in the mixed modes, which write a 16-bit
+    result anyway, as the hand cast does."""
+    if (policy.propagate or plan.action != COMPUTE or plan.fp8 is not None
+            or not (any(plan.operand_targets) or plan.result_target is not None)
+            or not all(names.name(t) == "f32" for t in (*elements[0], elements[1]))):
+        return plan
+    sizes = [element_count(value) for value in (*list(op.operands)[:2], op.result)]
+    if None in sizes or sizes[2] < sizes[0] + sizes[1]:
+        return plan
+    why = target.writes_16bit_form_twice(op, kind)
+    if why is None or not _read_on_the_way_out(op):
+        return plan
+    return dataclasses.replace(
+        plan, operand_targets=(None,) * len(plan.operand_targets), result_target=None,
+        reason=f"kept f32: its result outweighs its operands and {why}")
+
+
+# Ops whose readers the walk below does not follow: any of them may lead to a matrix op.
+_OPAQUE_READERS = frozenset({"func.call", "stablehlo.while", "stablehlo.case",
+                             "stablehlo.if", "stablehlo.custom_call",
+                             "stablehlo.optimization_barrier"})
+_MAX_READERS_WALKED = 64
+
+
+def _read_on_the_way_out(op: Any) -> bool:
+    """Whether ``op``'s result reaches no matrix op, only a public function's return
+    (through the ops of its own block): a weight gradient that only the optimizer reads,
+    which XLA writes into the buffer the update overwrites. An input gradient reaches
+    the previous layer's matrix ops instead; its f32 form is a larger buffer than its
+    16-bit one, whose convert up XLA fuses into the readers."""
+    pending, seen = [op.result], 0
+    while pending:
+        seen += 1
+        if seen > _MAX_READERS_WALKED:
+            return False
+        for use in live_uses(pending.pop()):
+            reader = use.owner.operation
+            if reader.name == "func.return":
+                if not is_public(reader.parent):
+                    return False
+                continue
+            if reader.name in MATRIX_OP_NAMES or reader.name in _OPAQUE_READERS:
+                return False
+            pending.extend(reader.results)
+    return True
 
 
 # The note of an op inside a loop whose trip count could not be read (a while_loop, a

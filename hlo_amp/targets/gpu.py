@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from hlo_amp.targets.dot_dims import dot_layout
 from hlo_amp.targets.target import Target
 
 # XLA's flags for every deviceless GPU compile: without a device there is no autotuning,
@@ -50,6 +51,27 @@ class GpuTarget(Target):
         and in 16 bit for the GEMMs: on the decoder's step 128 MiB more at the peak and
         1.813 against 1.753 ms of roofline (benchmarks/RESULTS.md)."""
         return True
+
+    def writes_16bit_form_twice(self, op: Any, kind: str) -> str | None:
+        """A convolution: cuDNN returns its 16-bit result, which a convert writes again in
+        f32 (``low_result``). A dot whose m or n is not a multiple of 8, compiled with
+        cuBLAS GEMMs: XLA pads a 16-bit GEMM's dimensions to multiples of 8
+        (cublas_pad_for_gemms) and writes the padded result, which the f32 result is
+        sliced from (measured on flax's examples/vae: its weight gradient [196, 128],
+        written [200, 128], no longer shares the optimizer output's buffer)."""
+        if kind == "convolution":
+            return "cuDNN returns a 16-bit convolution's result in 16 bit, then f32"
+        if (kind not in ("dot_general", "dot")
+                or self.compiler_options.get("xla_gpu_enable_triton_gemm", True)):
+            return None
+        layout = dot_layout(op) if kind == "dot_general" else None
+        if layout is None:
+            return None
+        m, _, n = layout.mkn
+        if m % 8 == 0 and n % 8 == 0:
+            return None
+        return (f"XLA:GPU pads a 16-bit GEMM's {m}x{n} result to multiples of 8 for "
+                "cuBLAS and slices the f32 result from it")
 
     @property
     def compiler_options(self) -> dict[str, Any]:

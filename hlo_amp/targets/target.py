@@ -113,6 +113,12 @@ class Target:
         default is TF32, XLA:CPU's f32)."""
         return None
 
+    def writes_16bit_form_twice(self, op: Any, kind: str) -> str | None:
+        """Why this target writes the result of ``op``'s 16-bit form (operands rounded,
+        f32 result) once more than f32's, a buffer of its own the size of the result, in
+        words; None where it writes it once."""
+        return None
+
     @property
     def relays_dots(self) -> bool:
         """Whether the pipeline ends with the fast-dot-layout pass (passes/dot_layout.py)."""

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from jax.extend.mlir import ir
 
-from hlo_amp.ir.modules import from_constant
+from hlo_amp.ir.modules import element_count, from_constant
 from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
 from hlo_amp.ir.sites import join_names, location_name, parse_name
 from hlo_amp.passes.propagate.graph import DENY_CLASS, LINK, SINK, Graph, Node
@@ -354,21 +354,16 @@ def _is_statistic(graph: Graph, node: Node) -> bool:
     softmax's sum, a norm's mean or scale), or a value a broadcast spreads (a sum's
     reciprocal). Only full-shape activations are residuals to store in 16 bit; a
     statistic is small, and rounding it rounds every value it scales."""
-    size = _elements(node.outputs[0][1]) if node.outputs else None
+    size = element_count(node.outputs[0][1]) if node.outputs else None
     if size is None:
         return True
     if node.kind in _BROADCASTS and any(
-            (n := _elements(key[1])) is None or n < size
+            (n := element_count(key[1])) is None or n < size
             for key in node.inputs if graph.f32(key[1])):
         return True
     return any(isinstance(r, Node) and r.kind in _BROADCASTS and r.outputs
-               and ((n := _elements(r.outputs[0][1])) is None or n > size)
+               and ((n := element_count(r.outputs[0][1])) is None or n > size)
                for r in _readers(node))
-
-
-def _elements(value: ir.Value) -> int | None:
-    shaped = ir.ShapedType(value.type)
-    return math.prod(shaped.shape) if shaped.has_static_shape else None
 
 
 def _readers(node: Node) -> Iterator[Node | str]:
