@@ -1,4 +1,6 @@
-"""Three small public models, each as an f32 train step and a hand-cast bf16 peer (tests).
+"""Three small public models, each as an f32 train step and a hand-cast bf16 peer
+(tests/py/test_memory_vs_hand_cast.py at small shapes, benchmarks/hand_cast_memory.py at
+their own).
 
 Issue 33, part 4: hlo_amp's 16-bit modes must need no more XLA temp memory than the cast
 a user writes by hand. The models, re-created from their public definitions:

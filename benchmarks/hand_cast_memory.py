@@ -1,0 +1,77 @@
+"""XLA temp memory of hlo_amp's two 16-bit modes against f32 and the hand cast (issue 33,
+item 4), at the models' own sizes: Keras MobileNetV3Small (64x64, batch 8), flax's
+examples/vae (784 features, 500 hidden, 20 latents, batch 128) and flax's examples/mnist
+CNN (28x28, batch 128), each train step compiled without a device for every target named.
+tests/py/test_memory_vs_hand_cast.py asserts the same two checks on small shapes:
+
+- ``mixed_bfloat16 <= hand cast``;
+- each mode ``<= f32 + a 16-bit copy of every parameter``.
+
+    JAX_PLATFORMS=cpu python -m benchmarks.hand_cast_memory [h100,h100+triton,tpu-v5e]
+
+Figures are ``memory_analysis().temp_size_in_bytes``, compile outputs: the host CPU does
+not change them (printed all the same). MobileNet's compiles take a minute each here.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+
+import hlo_amp
+from benchmarks.autopolicy_target import cpu_line
+from benchmarks.hand_cast_workloads import NAMES, hand_cast_case, param_bytes_16bit
+
+# A target name -> (the device compiled for, XLA flags over its defaults).
+COMPILES = {"h100": ("h100", {}), "tpu-v5e": ("tpu-v5e", {}),
+            "h100+triton": ("h100", {"xla_gpu_enable_triton_gemm": True})}
+VARIANTS = ("f32", "peer", "bf16", "mixed_bfloat16")
+
+
+def temp_bytes(name: str, target: str, variant: str, small: bool = False) -> int:
+    """XLA temp bytes of one variant ("f32", "peer" or an hlo_amp mode) of model ``name``
+    compiled for ``target`` (a key of COMPILES)."""
+    device, flags = COMPILES[target]
+    step, args = hand_cast_case(name, "peer" if variant == "peer" else "f32", small)
+    if variant in ("f32", "peer"):
+        compiled = hlo_amp.compile_for_target(jax.jit(step), *args, target=device,
+                                              compiler_options=flags)
+    else:
+        compiled = hlo_amp.compile(step, variant).lower(*args, target=device).compile(flags)
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def parameter_copies(name: str, small: bool = False) -> int:
+    """Bytes of a 16-bit copy of the model's trainable parameters."""
+    args = hand_cast_case(name, "f32", small)[1]
+    return param_bytes_16bit((args[0][0],) if name == "mobilenet" else args)
+
+
+def main(argv: list[str]) -> None:
+    targets = (argv[0] if argv else "h100,h100+triton,tpu-v5e").split(",")
+    unknown = [t for t in targets if t not in COMPILES]
+    if unknown:
+        raise SystemExit(f"unknown target(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(COMPILES)}")
+    print(f"- compiled on {cpu_line()}; jax {jax.__version__}; temp bytes per step\n")
+    print("| model | target | f32 | hand cast | bf16 | mixed_bfloat16 | f32 + 16-bit "
+          "parameters | mixed <= hand cast | modes <= f32 + parameters | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in NAMES:
+        budget_extra = parameter_copies(name)
+        for target in targets:
+            start = time.perf_counter()
+            temp = {v: temp_bytes(name, target, v) for v in VARIANTS}
+            budget = temp["f32"] + budget_extra
+            fast = "met" if temp["mixed_bfloat16"] <= temp["peer"] else "NOT MET"
+            modes = ("met" if max(temp["bf16"], temp["mixed_bfloat16"]) <= budget
+                     else "NOT MET")
+            cells = " | ".join(f"{temp[v]:,}" for v in VARIANTS)
+            print(f"| {name} | {target} | {cells} | {budget:,} | {fast} | {modes} | "
+                  f"{time.perf_counter() - start:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
