@@ -546,6 +546,14 @@ def aot_compile(workload: Any, variant: str, target: Any, x: Any, y: Any) -> Aot
     return result
 
 
+def _parameter_copies(workload: Any) -> int:
+    """Bytes of a 16-bit copy of the workload's float parameters."""
+    from benchmarks.hand_cast_workloads import param_bytes_16bit
+    from benchmarks.workloads import variant_step
+
+    return param_bytes_16bit((variant_step(workload, "f32")[1],))
+
+
 def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}×" if base else "-"
 
@@ -579,13 +587,26 @@ def aot_table(results: list[AotResult], calls: str = "cuBLAS/cuDNN calls") -> li
 
 
 def aot_targets(name: str, results: list[AotResult], fp8: bool = True,
-                no_fp8: str = "this device has no fp8 matrix unit") -> list[str]:
-    """mixed_bfloat16's temp memory and roofline time against its peers; fp8's GEMMs
-    (``fp8=False``: a device hlo_amp's fp8 is refused on, for the reason ``no_fp8``)."""
+                no_fp8: str = "this device has no fp8 matrix unit",
+                parameter_copies: int | None = None) -> list[str]:
+    """mixed_bfloat16's temp memory and roofline time against its peers; both modes' temp
+    against f32's plus ``parameter_copies`` (the bytes of a 16-bit copy of the parameters:
+    what casting them at use may add, issue 33); fp8's GEMMs (``fp8=False``: a device
+    hlo_amp's fp8 is refused on, for the reason ``no_fp8``)."""
     by = {r.variant: r for r in results if not r.error}
     mixed, f32, flax, accurate = (by.get(v) for v in (MIXED, "f32", "flax bf16",
                                                       "hlo_amp bf16"))
     out = []
+    if mixed is not None and flax is not None and name not in TARGET_AOT_MIXED_TEMP:
+        out.append(_line(f"{MIXED} XLA temp memory", "≤ flax bf16's",
+                         f"{mixed.temp_bytes:,} vs {flax.temp_bytes:,} B",
+                         mixed.temp_bytes <= flax.temp_bytes))
+    for mode in (accurate, mixed):
+        if mode is not None and f32 is not None and parameter_copies is not None:
+            limit = f32.temp_bytes + parameter_copies
+            out.append(_line(f"{mode.variant} XLA temp memory",
+                             "≤ f32's + a 16-bit copy of the parameters",
+                             f"{mode.temp_bytes:,} vs {limit:,} B", mode.temp_bytes <= limit))
     if mixed is None:
         out.append(f"- {MIXED}: no row (not selected or not compiled), no mixed_bfloat16 "
                    "target check")
@@ -768,7 +789,8 @@ def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
             print(f"  {variant}: " + (r.error or f"compiled in {r.compile_s:.1f} s"), flush=True)
         tpu = target.platform == "tpu"
         table = aot_table(results, "XLA:TPU matrix ops" if tpu else "cuBLAS/cuDNN calls")
-        checks = aot_targets(workload.name, results, fp8=not tpu, no_fp8=_no_fp8(target))
+        checks = aot_targets(workload.name, results, fp8=not tpu, no_fp8=_no_fp8(target),
+                             parameter_copies=_parameter_copies(workload))
         f32 = next((r for r in results if r.variant == "f32" and not r.error), None)
         if f32 is not None and f32.temp_bytes < 2**20:
             table.append(f"\nf32's XLA temp is {f32.temp_bytes} bytes (XLA keeps this step's "
