@@ -606,10 +606,11 @@ def _kept_for_its_result(op: Any, kind: str, elements: tuple, plan: Plan, policy
         reason=f"kept f32: its result outweighs its operands and {why}")
 
 
-# Ops whose readers the walk below does not follow: any of them may lead to a matrix op.
+# Ops whose readers the walk below does not follow: any of them may lead to a matrix op
+# (a region's terminator: a loop carry, a branch result).
 _OPAQUE_READERS = frozenset({"func.call", "stablehlo.while", "stablehlo.case",
                              "stablehlo.if", "stablehlo.custom_call",
-                             "stablehlo.optimization_barrier"})
+                             "stablehlo.optimization_barrier", "stablehlo.return"})
 _MAX_READERS_WALKED = 64
 
 

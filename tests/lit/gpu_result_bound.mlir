@@ -49,3 +49,23 @@ func.func @main(%x: tensor<16x196xf32>, %g: tensor<16x128xf32>, %w: tensor<196x1
   %newf = stablehlo.subtract %f, %df : tensor<64x1x1x32xf32>
   return %new, %newa, %u, %dx, %newf : tensor<196x128xf32>, tensor<192x128xf32>, tensor<196x4xf32>, tensor<16x196xf32>, tensor<64x1x1x32xf32>
 }
+
+// Inside a loop the result is a carry that the next trip may read: converted.
+// GPU-LABEL: func.func @in_a_loop
+// GPU:         stablehlo.dot_general {{.*}} : (tensor<16x196xbf16>, tensor<16x128xbf16>) -> tensor<196x128xf32>
+func.func @in_a_loop(%x: tensor<16x196xf32>, %g: tensor<16x128xf32>, %w: tensor<196x128xf32>) -> tensor<196x128xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %r:2 = stablehlo.while(%i = %c0, %acc = %w) : tensor<i32>, tensor<196x128xf32>
+    cond {
+      %n = stablehlo.constant dense<2> : tensor<i32>
+      %lt = stablehlo.compare LT, %i, %n : (tensor<i32>, tensor<i32>) -> tensor<i1>
+      stablehlo.return %lt : tensor<i1>
+    } do {
+      %one = stablehlo.constant dense<1> : tensor<i32>
+      %next = stablehlo.add %i, %one : tensor<i32>
+      %dw = stablehlo.dot_general %x, %g, contracting_dims = [0] x [0] : (tensor<16x196xf32>, tensor<16x128xf32>) -> tensor<196x128xf32> loc("jit(step)/transpose(jvp(fc1))/dot_general")
+      %sum = stablehlo.add %acc, %dw : tensor<196x128xf32>
+      stablehlo.return %next, %sum : tensor<i32>, tensor<196x128xf32>
+    }
+  return %r#1 : tensor<196x128xf32>
+}
