@@ -262,9 +262,10 @@ def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
 def _downstream_of_deny(graph: Graph, stored: frozenset[int]) -> set[int]:
     """ids of the infer, clear and link nodes a deny op's value reaches through infer,
     clear and link nodes other than ``stored`` ones: what a deny op computes stays f32
-    downstream (TensorFlow's forward deny propagation) up to a value stored in 16 bit. As there, data movement is entered only when it leads
-    (through data movement) to arithmetic, so a transpose between a sum and a matrix
-    op may still move 16-bit values."""
+    downstream (TensorFlow's forward deny propagation) up to a value stored in 16 bit.
+    As there, data movement is entered only when it leads (through data movement) to
+    arithmetic, so a transpose between a sum and a matrix op may still move 16-bit
+    values."""
     leads: set[int] = set()  # clear/link nodes upstream of arithmetic via clear/link
     pending = [n for n in graph.nodes if n.cls not in (CLEAR, LINK, ALLOW)]
     while pending:
