@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import jax
 
@@ -30,21 +31,26 @@ COMPILES = {"h100": ("h100", {}), "tpu-v5e": ("tpu-v5e", {}),
 VARIANTS = ("f32", "peer", "bf16", "mixed_bfloat16")
 
 
-def temp_bytes(name: str, target: str, variant: str, small: bool = False) -> int:
-    """XLA temp bytes of one variant ("f32", "peer" or an hlo_amp mode) of model ``name``
-    compiled for ``target`` (a key of COMPILES)."""
+def compile_variant(name: str, target: str, variant: str, small: bool = False) -> Any:
+    """One variant ("f32", "peer" or an hlo_amp mode) of model ``name`` compiled for
+    ``target`` (a key of COMPILES) without the device."""
     device, flags = COMPILES[target]
     step, args = hand_cast_case(name, "peer" if variant == "peer" else "f32", small)
     if variant in ("f32", "peer"):
-        compiled = hlo_amp.compile_for_target(jax.jit(step), *args, target=device,
-                                              compiler_options=flags)
-    else:
-        compiled = hlo_amp.compile(step, variant).lower(*args, target=device).compile(flags)
+        return hlo_amp.compile_for_target(jax.jit(step), *args, target=device,
+                                          compiler_options=flags)
+    return hlo_amp.compile(step, variant).lower(*args, target=device).compile(flags)
+
+
+def temp_bytes(name: str, target: str, variant: str, small: bool = False) -> int:
+    """XLA temp bytes of ``compile_variant``'s executable."""
+    compiled = compile_variant(name, target, variant, small)
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def parameter_copies(name: str, small: bool = False) -> int:
-    """Bytes of a 16-bit copy of the model's trainable parameters."""
+    """Bytes of a 16-bit copy of the model's trainable parameters (Keras: the trainable
+    variables; the batch-norm statistics are never cast)."""
     args = hand_cast_case(name, "f32", small)[1]
     return param_bytes_16bit((args[0][0],) if name == "mobilenet" else args)
 

@@ -552,6 +552,16 @@ def _at_default_precision(op: Any) -> bool:
 _DOT_KINDS = frozenset({"dot_general", "dot"})
 
 
+def _accurate_f32_conversion(plan: Plan, policy: Policy, elements: tuple,
+                             names: _TypeNames) -> bool:
+    """Whether ``plan`` is the accurate mode's conversion of an all-f32 matrix op (what
+    the two rules below may leave f32): not the mixed modes, not fp8, something to
+    convert."""
+    return (not policy.propagate and plan.action == COMPUTE and plan.fp8 is None
+            and (any(plan.operand_targets) or plan.result_target is not None)
+            and all(names.name(t) == "f32" for t in (*elements[0], elements[1])))
+
+
 def _left_to_the_target(op: Any, kind: str, elements: tuple, plan: Plan, policy: Policy,
                         target: Target, names: _TypeNames) -> Plan:
     """``plan`` for one op, with the accurate mode's f32×f32 dots left f32 where the
@@ -567,10 +577,8 @@ def _left_to_the_target(op: Any, kind: str, elements: tuple, plan: Plan, policy:
     then ``Decision.runs_as``): under a 16-bit ``reduce=`` comm_precision gives a kept dot
     whose sum crosses devices that result type, as it does a converted one."""
     why = target.f32_dot_runs_as(policy.compute_dtype)
-    if (why is None or policy.propagate or kind not in _DOT_KINDS
-            or plan.action != COMPUTE or plan.fp8 is not None
-            or not any(plan.operand_targets) or plan.result_target is not None
-            or not all(names.name(t) == "f32" for t in (*elements[0], elements[1]))
+    if (why is None or kind not in _DOT_KINDS or plan.result_target is not None
+            or not _accurate_f32_conversion(plan, policy, elements, names)
             or not _at_default_precision(op)):
         return plan
     return dataclasses.replace(plan, operand_targets=(None,) * len(plan.operand_targets),
@@ -591,9 +599,7 @@ def _kept_for_its_result(op: Any, kind: str, elements: tuple, plan: Plan, policy
     written by the convolution into the buffer the optimizer updates in place; its bf16
     form wrote a 1.1 MiB bf16 copy first). Not in the mixed modes, which write a 16-bit
     result anyway, as the hand cast does."""
-    if (policy.propagate or plan.action != COMPUTE or plan.fp8 is not None
-            or not (any(plan.operand_targets) or plan.result_target is not None)
-            or not all(names.name(t) == "f32" for t in (*elements[0], elements[1]))):
+    if not _accurate_f32_conversion(plan, policy, elements, names):
         return plan
     sizes = [element_count(value) for value in (*list(op.operands)[:2], op.result)]
     if None in sizes or sizes[2] < sizes[0] + sizes[1]:

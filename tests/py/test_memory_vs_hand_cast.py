@@ -37,16 +37,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import pytest
 
-import hlo_amp
-from benchmarks.hand_cast_workloads import NAMES, hand_cast_case, param_bytes_16bit
+from benchmarks.hand_cast_memory import COMPILES, compile_variant, parameter_copies
+from benchmarks.hand_cast_workloads import NAMES
 
-TARGETS = ("h100", "h100+triton", "tpu-v5e")
-# A target of TARGETS: the device compiled for and the XLA flags over its defaults.
-COMPILES = {"h100": ("h100", {}), "tpu-v5e": ("tpu-v5e", {}),
-            "h100+triton": ("h100", {"xla_gpu_enable_triton_gemm": True})}
+TARGETS = tuple(COMPILES)  # h100 (cuBLAS GEMMs), tpu-v5e, h100+triton (Triton GEMMs)
 MODES = ("bf16", "mixed_bfloat16")
 # (model, target, check) -> why it is not asserted: XLA's own choices, measured.
 UNMET = {
@@ -65,26 +61,10 @@ UNMET = {
 def _temp(name: str, target: str, variant: str) -> int:
     """XLA temp bytes of one variant ("f32", "peer" or a mode), compiled only when a
     check asks for it (the peer of a case whose only peer check is UNMET is not)."""
-    device, flags = COMPILES[target]
-    if variant == "peer":
-        peer_step, peer_args = hand_cast_case(name, "peer")
-        compiled = hlo_amp.compile_for_target(jax.jit(peer_step), *peer_args, target=device,
-                                              compiler_options=flags)
-    else:
-        step, args = hand_cast_case(name, "f32")
-        compiled = (hlo_amp.compile_for_target(jax.jit(step), *args, target=device,
-                                               compiler_options=flags)
-                    if variant == "f32" else
-                    hlo_amp.compile(step, variant).lower(*args, target=device).compile(flags))
-    if flags.get("xla_gpu_enable_triton_gemm"):  # the flag took: Triton GEMM fusions
+    compiled = compile_variant(name, target, variant, small=True)
+    if COMPILES[target][1].get("xla_gpu_enable_triton_gemm"):  # the flag took
         assert "__triton" in compiled.as_text(), (name, variant)
     return int(compiled.memory_analysis().temp_size_in_bytes)
-
-
-def _params(name: str) -> int:
-    args = hand_cast_case(name, "f32")[1]
-    # Keras: the trainable variables (the batch-norm statistics are never cast)
-    return param_bytes_16bit((args[0][0],) if name == "mobilenet" else args)
 
 
 # XLA:TPU reports 0 B of temp for every variant of the three models at these sizes (the
@@ -119,7 +99,7 @@ def test_fast_mode_needs_no_more_temp_than_the_hand_cast(name: str, target: str)
 def test_modes_add_at_most_the_parameters_16bit_copies(name: str, target: str,
                                                        mode: str) -> None:
     temp = {v: _temp(name, target, v) for v in (mode, "f32")}
-    assert temp[mode] <= temp["f32"] + _params(name), (temp, _params(name))
+    assert temp[mode] <= temp["f32"] + parameter_copies(name, small=True), (temp, parameter_copies(name, small=True))
 
 
 def test_unmet_cases_name_real_cases():
