@@ -30,6 +30,7 @@ from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.insert_converts import InsertConverts
 from hlo_amp.passes.propagate import Propagate
+from hlo_amp.passes.recompute_residuals import RecomputeResiduals
 from hlo_amp.passes.scatter_select import ScatterToSelect
 from hlo_amp.policy import Policy
 from hlo_amp.report import Report
@@ -60,6 +61,8 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     passes: list[Pass] = [InsertConverts(policy, target)]
     if policy.propagate:
         passes += [Propagate(policy, target), ScatterToSelect()]
+        if target.recomputes_residuals:
+            passes.append(RecomputeResiduals(policy, target))
     if policy.uses_fp8:
         passes.append(Fp8Quantize())
     passes += [CommPrecision(policy), CleanupConverts()]
@@ -72,7 +75,8 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
     target = as_target(target)
     passes: list[Any] = [InsertConverts(policy, target), Propagate(policy, target),
-                         ScatterToSelect(), Fp8Quantize(), CommPrecision(policy),
+                         ScatterToSelect(), RecomputeResiduals(policy, target),
+                         Fp8Quantize(), CommPrecision(policy),
                          CleanupConverts(), FastDotLayout()]
     return {p.name: p for p in passes}
 

@@ -52,6 +52,14 @@ class GpuTarget(Target):
         1.813 against 1.753 ms of roofline (benchmarks/RESULTS.md)."""
         return True
 
+    @property
+    def recomputes_residuals(self) -> bool:
+        """Yes. XLA:GPU stores a batch norm's f32 ``2 * (x - mean)`` from the forward to
+        the backward pass, where ``x``, half its bytes, is stored too; recomputed, it is
+        fused into the backward kernels (Keras MobileNetV3Small's first blocks, 32x32,
+        batch 8, on H100: 262,144 B less temp)."""
+        return True
+
     def writes_16bit_form_twice(self, op: Any, kind: str) -> str | None:
         """A convolution: cuDNN returns its 16-bit result, which a convert writes again in
         f32 (``low_result``). A dot whose m or n is not a multiple of 8, compiled with

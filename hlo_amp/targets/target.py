@@ -99,6 +99,13 @@ class Target:
         in 16 bit read the 16-bit copy, behind an ``optimization_barrier``. No by default."""
         return False
 
+    @property
+    def recomputes_residuals(self) -> bool:
+        """Whether, in the mixed modes, the backward pass recomputes an f32 residual
+        that is an elementwise function of one 16-bit value (passes/recompute_residuals.py)
+        instead of reading it stored. No by default."""
+        return False
+
     def paint_form(self, keep_f32_results: bool = False) -> PaintForm:
         """The painting the mixed modes do for this target: its three facts above, and the
         policy's ``keep_f32_results`` (matrix ops read only by f32 ops keep f32 results)."""

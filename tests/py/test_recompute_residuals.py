@@ -1,0 +1,77 @@
+"""RecomputeResiduals (passes/recompute_residuals.py): on GPU the mixed modes' backward
+pass recomputes a batch norm's f32 ``2 * (x - mean)`` from the 16-bit ``x``: the same
+values (to f32 rounding), and only there. The memory it saves is asserted by
+test_memory_vs_hand_cast.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hlo_amp.ir.modules import copy_module, module_text
+from hlo_amp.jax_internals import swap_module
+from hlo_amp.passes import default_pipeline, run_pipeline
+from hlo_amp.passes.recompute_residuals import RecomputeResiduals
+from hlo_amp.policy import Policy
+from hlo_amp.targets import as_target
+
+
+def _batch_norm_step(w, x):
+    """A dense layer, a batch norm whose variance is ``jnp.var`` (as Keras's moments),
+    a loss; the value and the weight gradient."""
+
+    def loss(w):
+        h = x @ w
+        mean = h.mean(0, keepdims=True)
+        y = (h - mean) * jax.lax.rsqrt(jnp.var(h, 0, keepdims=True) + 1e-3)
+        return jnp.mean(jnp.tanh(y) ** 2)
+
+    return jax.value_and_grad(loss)(w)
+
+
+def _gpu_form(lowered, policy: Policy, recompute: bool):
+    """The module in the GPU form of ``policy``, with or without the pass; its report."""
+    module = copy_module(lowered.compiler_ir("stablehlo"))
+    passes = [p for p in default_pipeline(policy, "gpu")
+              if recompute or not isinstance(p, RecomputeResiduals)]
+    report = run_pipeline(module, policy, passes=passes)
+    return module, report
+
+
+@pytest.mark.parametrize("mode", ["mixed_bfloat16", "mixed_float16"])
+def test_recomputed_residual_gives_the_same_values(mode):
+    policy = Policy.parse(mode)
+    keys = jax.random.split(jax.random.key(0), 2)
+    args = (jax.random.normal(keys[0], (32, 64)), jax.random.normal(keys[1], (64, 32)) + 3.0)
+    lowered = jax.jit(_batch_norm_step).lower(*args)
+    stored, _ = _gpu_form(lowered, policy, recompute=False)
+    recomputed, report = _gpu_form(lowered, policy, recompute=True)
+    assert any(note.startswith("recompute-residuals: ") for note in report.notes)
+    text = module_text(recomputed)
+    assert text.count("stablehlo.optimization_barrier") > module_text(stored).count(
+        "stablehlo.optimization_barrier")
+    # XLA:CPU computes a dot with a 16-bit result in f32 and, allowed excess precision,
+    # folds the round trip through 16 bit away where the f32 value is stored, not where
+    # the barrier reads the 16-bit value: compiled as written, both compute the same
+    # values, up to the order XLA's fusions sum in (f32 rounding, far below 16 bit's).
+    exact = {"xla_allow_excess_precision": False}
+    want = swap_module(lowered, stored).compile(exact)(*args)
+    got = swap_module(lowered, recomputed).compile(exact)(*args)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5,
+                                   atol=1e-6 * float(np.abs(np.asarray(a)).max()))
+
+
+def test_only_gpu_and_the_mixed_modes_recompute():
+    args = (jnp.ones((32, 64)), jnp.ones((64, 32)))
+    lowered = jax.jit(_batch_norm_step).lower(*args)
+    for mode, target in [("bf16", "gpu"), ("mixed_bfloat16", "tpu"),
+                         ("mixed_bfloat16", "cpu"), ("mixed_bfloat16", None)]:
+        policy = Policy.parse(mode)
+        assert not any(isinstance(p, RecomputeResiduals)
+                       for p in default_pipeline(policy, target)), (mode, target)
+        module = copy_module(lowered.compiler_ir("stablehlo"))
+        RecomputeResiduals(policy, as_target(target)).run(module)
+        assert "optimization_barrier" not in module_text(module), (mode, target)
