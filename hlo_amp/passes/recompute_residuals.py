@@ -120,14 +120,17 @@ def _is_low(value: ir.Value) -> bool:
 def _recipes_of(op: ir.Operation, by_name: dict) -> list[_Recipe]:
     """The recipes of ``op``'s results that backward ops read."""
     name = op.name
-    if (name != "func.call" and short_name(name) not in _ELEMENTWISE) or _is_backward(op):
+    if name != "func.call" and short_name(name) not in _ELEMENTWISE:
         return []
-    found = []
+    found: list[_Recipe] = []
+    forward = None
     for index, result in enumerate(op.results):
         count = element_count(result)
         if not count or not _is_f32(result):
             continue
-        if not any(_is_backward(use.owner) for use in live_uses(result)):
+        if forward is None:
+            forward = not _is_backward(op)
+        if not forward or not any(_is_backward(use.owner) for use in live_uses(result)):
             continue
         if name == "func.call":
             callee = by_name.get(callee_name(op))
@@ -212,6 +215,10 @@ def _return_statistics(module: ir.Module, by_name: dict, recipes: list[_Recipe]
                 wanted.append(value)
     calls: dict[int, ir.Operation] = {}
     returned: dict[str, list[ir.Value]] = {}
+    sites: dict[str, list[ir.Operation]] = {}
+    if any(extra.values()):
+        for call in walk_operations(module, names=frozenset({"func.call"})):
+            sites.setdefault(callee_name(call), []).append(call)
     for callee, values in extra.items():
         fn = by_name[callee]
         old_return = terminator(fn.regions[0].blocks[0])
@@ -227,9 +234,7 @@ def _return_statistics(module: ir.Module, by_name: dict, recipes: list[_Recipe]
             kept = list(ir.ArrayAttr(fn.attributes["res_attrs"]))
             fn.attributes["res_attrs"] = ir.ArrayAttr.get(
                 kept + [ir.DictAttr.get({})] * (len(operands) - len(kept)))
-        for call in walk_operations(module, names=frozenset({"func.call"})):
-            if callee_name(call) != callee or op_key(call) in calls:
-                continue
+        for call in sites.get(callee, ()):
             new = func_dialect.CallOp([value.type for value in operands],
                                       ir.FlatSymbolRefAttr.get(callee, call.context),
                                       list(call.operands), loc=call.location,
@@ -295,22 +300,17 @@ def _current(value: ir.Value, calls: dict[int, ir.Operation]) -> ir.Value:
 
 
 def _first_in_block(definer: ir.Operation, readers: list[ir.Operation]) -> ir.Operation:
-    """The first of ``readers`` after ``definer`` in its block (a reader nested in an op
-    of that block counts as that op)."""
-    definer = definer.operation
-    block = definer.block
-    keys = set()
+    """The first of ``readers`` in ``definer``'s block (a reader nested in an op of that
+    block counts as that op); every one is after ``definer``, which they read."""
+    block = definer.operation.block
+    first = None
     for reader in readers:
         op = reader.operation
         while op is not None and op.block != block:
             parent = op.parent
             op = parent.operation if parent is not None else None
-        if op is not None:
-            keys.add(op_key(op))
-    after = False
-    for op in block.operations:
-        operation = op.operation
-        if after and op_key(operation) in keys:
-            return operation
-        after = after or op_key(operation) == op_key(definer)
-    raise AssertionError("no backward reader after the residual's definer")
+        if op is not None and (first is None or op.is_before_in_block(first)):
+            first = op
+    if first is None:
+        raise AssertionError("no backward reader in the residual's block")
+    return first
