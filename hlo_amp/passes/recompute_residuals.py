@@ -9,7 +9,7 @@ readers compute it again from ``x`` and the small values (the mean, constants): 
 same ops on the same values, so the same values, and XLA fuses them into the backward
 kernels that read them. The forward pass no longer writes the f32 value. (Keras
 MobileNetV3Small's first two blocks, 32x32, batch 8, on H100: 4,890,688 B of temp
-before, 4,628,800 after, the hand cast's 4,890,432; at 64x64 7,652,680 before, 5,208,136
+before, 4,628,544 after, the hand cast's 4,890,432; at 64x64 7,652,680 before, 5,208,136
 after, f32's 5,232,456.)
 
 A value R is recomputed when:
