@@ -1,6 +1,6 @@
-"""The crash net: every test and benchmark workload, and random programs, through the
-whole pipeline in every target form (none, cpu, gpu, tpu) and every mode, each run in a
-child process (pipeline_worker.py), so that a pass that crashes the interpreter fails
+"""The crash net: every test and benchmark workload (issue 33's hand-cast models too), and
+random programs, through the whole pipeline in every target form (none, cpu, gpu, tpu)
+and every mode, each run in a child process (pipeline_worker.py), so that a pass that crashes the interpreter fails
 a test here instead of killing the pytest worker.
 
 Also the case that once crashed: a decoder of several layers, each with a causal mask
@@ -25,6 +25,8 @@ import pytest
 from hypothesis import given
 from pipeline_worker import MODES, SEGFAULT, TARGETS, PipelineWorker
 from test_properties import PROGRAMS, _inputs, make_fn
+
+from benchmarks.hand_cast_workloads import NAMES as HAND_CAST_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 LIT_INPUTS = sorted((ROOT / "tests" / "lit" / "inputs").glob("*.mlir"))
@@ -101,6 +103,15 @@ def _benchmark_workload(name: str) -> str:
     return _lowered_abstract(build)
 
 
+def _hand_cast_workload(name: str) -> str:
+    """Issue 33's three models at tests/py's small shapes (f32 steps): Keras MobileNet's
+    batch norms are where recompute_residuals rebuilds private functions' returns and
+    call sites."""
+    from benchmarks.hand_cast_workloads import hand_cast_case
+
+    return _lowered(*hand_cast_case(name, "f32", small=True))
+
+
 def _third_party(name: str) -> str:
     import test_third_party as tp
 
@@ -122,6 +133,8 @@ MODULES = {
        for name in ("mlp", "cnn", "vit", "linen_transformer", "scan_rnn", "remat_block")},
     **{f"benchmarks:{name}": functools.partial(_benchmark_workload, name)
        for name in ("mlp", "vit", "cnn", "decoder")},
+    **{f"hand_cast:{name}": functools.partial(_hand_cast_workload, name)
+       for name in HAND_CAST_NAMES},
     **{f"third_party:{name}": functools.partial(_third_party, name)
        for name in ("linen_attention", "linen_resnet", "linen_lstm", "linen_remat",
                     "equinox_conv_mlp", "equinox_attention")},
@@ -150,6 +163,8 @@ def test_the_net_holds_every_test_and_benchmark_workload():
     assert names == set(_BUILDERS)
     names = {key.split(":", 1)[1] for key in MODULES if key.startswith("benchmarks:")}
     assert names == {w.name for w in workloads(quick=True)}
+    names = {key.split(":", 1)[1] for key in MODULES if key.startswith("hand_cast:")}
+    assert names == set(HAND_CAST_NAMES)
     assert len(LIT_INPUTS) >= 10
 
 
