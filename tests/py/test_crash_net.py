@@ -1,7 +1,7 @@
 """The crash net: every test and benchmark workload (issue 33's hand-cast models too), and
 random programs, through the whole pipeline in every target form (none, cpu, gpu, tpu)
-and every mode, each run in a child process (pipeline_worker.py), so that a pass that crashes the interpreter fails
-a test here instead of killing the pytest worker.
+and every mode, each run in a child process (pipeline_worker.py), so that a pass that
+crashes the interpreter fails a test here instead of killing the pytest worker.
 
 Also the case that once crashed: a decoder of several layers, each with a causal mask
 (the mask's ``tril`` and ``where`` are private functions called once per layer), on
