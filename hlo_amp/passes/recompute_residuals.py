@@ -39,6 +39,7 @@ from hlo_amp.ir.modules import (
     callee_name,
     discard,
     element_count,
+    element_type,
     function_name,
     functions,
     is_public,
@@ -50,6 +51,7 @@ from hlo_amp.ir.modules import (
 )
 from hlo_amp.ir.op_classes import INFER, OP_CLASSES, short_name
 from hlo_amp.ir.sites import location_name, parse_name
+from hlo_amp.passes.propagate.body import is_f32
 from hlo_amp.policy import Policy
 from hlo_amp.report import Report
 from hlo_amp.targets import NO_TARGET, Target
@@ -107,14 +109,8 @@ def _is_backward(op: ir.Operation) -> bool:
     return parse_name(location_name(op.location), short_name(op.name)).backward
 
 
-def _is_f32(value: ir.Value) -> bool:
-    return (isinstance(value.type, ir.RankedTensorType)
-            and str(ir.RankedTensorType(value.type).element_type) == "f32")
-
-
 def _is_low(value: ir.Value) -> bool:
-    return (isinstance(value.type, ir.RankedTensorType)
-            and str(ir.RankedTensorType(value.type).element_type) in _LOW)
+    return str(element_type(value)) in _LOW
 
 
 def _recipes_of(op: ir.Operation, by_name: dict) -> list[_Recipe]:
@@ -126,7 +122,7 @@ def _recipes_of(op: ir.Operation, by_name: dict) -> list[_Recipe]:
     forward = None
     for index, result in enumerate(op.results):
         count = element_count(result)
-        if not count or not _is_f32(result):
+        if not count or not is_f32(result):
             continue
         if forward is None:
             forward = not _is_backward(op)
