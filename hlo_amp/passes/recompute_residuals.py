@@ -16,8 +16,9 @@ A value R is recomputed when:
 
 - it is f32 and a backward op (``transpose(...)`` in its name stack) reads it;
 - it is made, in its own block or in the private function whose call returns it, by
-  elementwise ops, broadcasts and constants from exactly one full-size 16-bit value (read
-  through a convert up to f32) and values at most an eighth of R's size (statistics);
+  elementwise ops, broadcasts and constants from exactly one full-size value of the
+  policy's compute dtype (read through a convert up to f32) and values at most an eighth
+  of R's size (statistics);
 - at most ``MAX_OPS`` ops make it.
 
 The backward readers read a copy made right before the first of them, from the 16-bit
@@ -29,7 +30,7 @@ backward readers move: a forward reader keeps R.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func as func_dialect
@@ -52,7 +53,7 @@ from hlo_amp.ir.modules import (
 from hlo_amp.ir.op_classes import INFER, OP_CLASSES, short_name
 from hlo_amp.ir.sites import location_name, parse_name
 from hlo_amp.passes.propagate.body import is_f32
-from hlo_amp.policy import Policy
+from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
 from hlo_amp.report import Report
 from hlo_amp.targets import NO_TARGET, Target
 
@@ -62,7 +63,6 @@ STATISTIC_FRACTION = 8
 _ELEMENTWISE = frozenset(name for name, cls in OP_CLASSES.items() if cls == INFER)
 _MOVES = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.convert",
                     "stablehlo.constant"})
-_LOW = ("bf16", "f16")
 
 
 @dataclass
@@ -72,10 +72,10 @@ class _Recipe:
     copy reads as they are; in a callee, its block arguments or values it then returns)."""
 
     result: ir.Value  # the residual: a value of the caller
-    definer: ir.Operation  # the op that returns it (a call, or its own last op)
+    definer: ir.Operation  # the op that returns it (a call, or the op making it)
     ops: list[ir.Operation]
     source: ir.Value
-    statistics: list[ir.Value] = field(default_factory=list)
+    statistics: list[ir.Value]
     callee: str | None = None  # the private function the ops are in, if not the caller's
 
 
@@ -91,8 +91,9 @@ class RecomputeResiduals:
         if not (self.policy.propagate and self.target.recomputes_residuals):
             return
         by_name = {function_name(fn): fn for fn in functions(module)}
+        low = DTYPE_TO_ELEMENT[self.policy.compute_dtype]
         recipes = [recipe for op in walk_operations(module)
-                   for recipe in _recipes_of(op, by_name)]
+                   for recipe in _recipes_of(op, by_name, low)]
         if not recipes:
             return
         with module.context:
@@ -109,12 +110,9 @@ def _is_backward(op: ir.Operation) -> bool:
     return parse_name(location_name(op.location), short_name(op.name)).backward
 
 
-def _is_low(value: ir.Value) -> bool:
-    return str(element_type(value)) in _LOW
-
-
-def _recipes_of(op: ir.Operation, by_name: dict) -> list[_Recipe]:
-    """The recipes of ``op``'s results that backward ops read."""
+def _recipes_of(op: ir.Operation, by_name: dict, low: str) -> list[_Recipe]:
+    """The recipes of ``op``'s results that backward ops read, from a value of element
+    type ``low`` (the compute dtype's: "bf16", "f16")."""
     name = op.name
     if name != "func.call" and short_name(name) not in _ELEMENTWISE:
         return []
@@ -128,24 +126,23 @@ def _recipes_of(op: ir.Operation, by_name: dict) -> list[_Recipe]:
             forward = not _is_backward(op)
         if not forward or not any(_is_backward(use.owner) for use in live_uses(result)):
             continue
+        traced, callee = result, None
         if name == "func.call":
-            callee = by_name.get(callee_name(op))
-            if callee is None or is_public(callee):
+            fn = by_name.get(callee_name(op))
+            if fn is None or is_public(fn):
                 continue
-            inner = terminator(callee.regions[0].blocks[0]).operands[index]
-            recipe = _trace(inner, count)
-            if recipe is not None:
-                recipe.callee = function_name(callee)
-        else:
-            recipe = _trace(result, count)
-        if recipe is not None:
-            recipe.result, recipe.definer = result, op
-            found.append(recipe)
+            traced = terminator(fn.regions[0].blocks[0]).operands[index]
+            callee = function_name(fn)
+        made = _trace(traced, count, low)
+        if made is not None:
+            found.append(_Recipe(result, op, *made, callee=callee))
     return found
 
 
-def _trace(value: ir.Value, count: int) -> _Recipe | None:
-    """The ops that make ``value`` from one 16-bit value and statistics, or None."""
+def _trace(value: ir.Value, count: int, low: str
+           ) -> tuple[list[ir.Operation], ir.Value, list[ir.Value]] | None:
+    """``(ops, source, statistics)``: the ops that make ``value`` from one full-size value
+    of element type ``low`` and statistics; None when it is not so made."""
     ops: list[ir.Operation] = []
     seen: set[int] = set()
     sources: list[ir.Value] = []
@@ -176,7 +173,7 @@ def _trace(value: ir.Value, count: int) -> _Recipe | None:
             return True
         if owner.name == "stablehlo.convert":
             read = owner.operands[0]
-            if _is_low(read) and element_count(read) == count:
+            if str(element_type(read)) == low and element_count(read) == count:
                 seen.add(op_key(owner))
                 leaf(read, sources)
                 ops.append(owner)
@@ -192,8 +189,7 @@ def _trace(value: ir.Value, count: int) -> _Recipe | None:
 
     if not visit(value) or len(sources) != 1 or not ops:
         return None
-    return _Recipe(result=value, definer=ops[-1], ops=ops, source=sources[0],
-                   statistics=statistics)
+    return ops, sources[0], statistics
 
 
 def _return_statistics(module: ir.Module, by_name: dict, recipes: list[_Recipe]
