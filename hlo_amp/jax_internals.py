@@ -33,6 +33,18 @@ Each entry and why we need it:
   ``start_jax`` loads the plugins early, behind a filter of the CUDA stub's lines, on a
   machine without a GPU or TPU; looked up there with ``getattr``, so a jax without them
   only brings the noise back.
+- ``cudnn.fused_attention_stablehlo`` (``dot_product_attention``, ``MaskType``,
+  ``check_cudnn_version``, ``check_compute_capability`` and, where this jax has it,
+  ``is_cuda_compute_capability_equal``): targets/attention_kernels.py lowers jax's own
+  cuDNN attention for the fused-attention pass; without a GPU the version and
+  capability checks jax makes while tracing are answered for the target
+  (``cudnn_checks_answered``), since the public ``jax.nn.dot_product_attention`` cannot
+  be lowered for a GPU this machine lacks.
+- ``nn.functions.cudnn_dot_product_attention`` and ``_dot_product_attention_xla``: what
+  ``jax.nn.dot_product_attention(implementation="cudnn")`` calls, and jax's XLA attention;
+  ``xla_attention_for_f32`` routes the first to the second for f32 arrays while
+  hlo_amp traces a program (runtime/compile.py), so that such a call reaches the
+  fused-attention pass instead of jax's f32 refusal.
 
 The MLIR bindings themselves come from the public ``jax.extend.mlir``.
 ``check()`` runs at import and turns a missing entry into one clear error.
@@ -40,12 +52,16 @@ The MLIR bindings themselves come from the public ``jax.extend.mlir``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.extend.core
+import jax.numpy as jnp
 from jax._src import core, stages
 from jax._src.export import _export as export_internals
 from jax._src.interpreters import ad, batching
@@ -90,6 +106,22 @@ fancy_primitive_batchers = _needs(batching, "jax._src.interpreters.batching",
                                   "fancy_primitive_batchers")
 _needs(ir.Operation, "jax.extend.mlir.ir.Operation", "_CAPIPtr")
 
+from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention  # noqa: E402
+from jax._src.nn import functions as _nn_functions  # noqa: E402
+
+_needs(_cudnn_attention, "jax._src.cudnn.fused_attention_stablehlo", "dot_product_attention",
+       ("query", "key", "value", "bias", "scale", "mask_type", "qkv_layout"))
+_needs(_cudnn_attention, "jax._src.cudnn.fused_attention_stablehlo", "MaskType")
+_needs(_cudnn_attention, "jax._src.cudnn.fused_attention_stablehlo", "check_cudnn_version", ())
+_needs(_cudnn_attention, "jax._src.cudnn.fused_attention_stablehlo",
+       "check_compute_capability", ("capability",))
+_needs(_nn_functions, "jax._src.nn.functions", "cudnn_dot_product_attention",
+       ("query", "key", "value", "bias", "mask", "q_seqlen", "kv_seqlen", "scale",
+        "mask_type", "sliding_window_length"))
+_needs(_nn_functions, "jax._src.nn.functions", "_dot_product_attention_xla",
+       ("query", "key", "value", "bias", "mask", "is_causal", "scale", "q_seqlen",
+        "kv_seqlen", "local_window_size"))
+
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
@@ -124,6 +156,82 @@ def jit_cache_size(jitted: Any) -> int:
 def lowering_platforms(lowered: Any) -> tuple[str, ...]:
     """The platforms a ``jax.jit(...).lower()`` result was lowered for."""
     return tuple(getattr(lowered._lowering, "_platforms", ()) or ())
+
+
+def cudnn_attention_module() -> Any:
+    """jax's cuDNN attention module (``jax._src.cudnn.fused_attention_stablehlo``)."""
+    return _cudnn_attention
+
+
+@contextlib.contextmanager
+def cudnn_checks_answered(compute_capability: tuple[int, int] | None, cudnn_version: int,
+                          active: bool = True) -> Iterator[None]:
+    """While tracing jax's cuDNN attention for a GPU compiled for without it: its cuDNN
+    version check returns ``cudnn_version`` and its compute-capability checks compare
+    with ``compute_capability``. With ``compute_capability=None`` (the GPU of this
+    machine) or ``active=False`` nothing is changed."""
+    if not active or compute_capability is None:
+        yield
+        return
+    module = _cudnn_attention
+    names = ("check_cudnn_version", "check_compute_capability",
+             "is_cuda_compute_capability_equal")
+    saved = {name: getattr(module, name) for name in names if hasattr(module, name)}
+
+    def parse(capability: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in capability.split("."))
+
+    answers = {"check_cudnn_version": lambda: cudnn_version,
+               "check_compute_capability": lambda c: compute_capability >= parse(c),
+               "is_cuda_compute_capability_equal": lambda c: compute_capability == parse(c)}
+    with _PATCH_LOCK:
+        try:
+            for name in saved:
+                setattr(module, name, answers[name])
+            yield
+        finally:
+            for name, original in saved.items():
+                setattr(module, name, original)
+
+
+_PATCH_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def xla_attention_for_f32() -> Iterator[None]:
+    """While hlo_amp traces a program: ``jax.nn.dot_product_attention(...,
+    implementation="cudnn")`` on f32 arrays runs jax's XLA attention (same mask, scale,
+    sequence lengths and window) instead of raising that cuDNN takes 16-bit arrays only;
+    the fused-attention pass then puts cuDNN's kernel back in 16 bit where the policy
+    and the target allow. Other dtypes reach cuDNN as written."""
+    original = _nn_functions.cudnn_dot_product_attention
+
+    def routed(query, key, value, bias=None, mask=None, q_seqlen=None, kv_seqlen=None,
+               *args, scale=1.0, mask_type=None, sliding_window_length=None, **kwargs):
+        if not all(jnp.dtype(x.dtype) == jnp.float32 for x in (query, key, value)):
+            return original(query, key, value, bias, mask, q_seqlen, kv_seqlen, *args,
+                            scale=scale, mask_type=mask_type,
+                            sliding_window_length=sliding_window_length, **kwargs)
+        name = getattr(mask_type, "name", "")
+        causal = name in ("CAUSAL", "PADDING_CAUSAL")
+        # cuDNN's window is the left one, exclusive (nn.functions's own conversion).
+        window = None if sliding_window_length is None else (sliding_window_length - 1, 0)
+        residual = bool(kwargs.get("return_residual", False))
+        out = _nn_functions._dot_product_attention_xla(
+            query, key, value, bias, mask, is_causal=causal, scale=scale,
+            q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, local_window_size=window,
+            return_residual=residual)
+        if residual:  # cuDNN's log-sum-exp is [B, N, T]; the caller transposes it back
+            out, lse = out
+            return out, jnp.transpose(lse, (0, 2, 1))
+        return out
+
+    with _PATCH_LOCK:
+        _nn_functions.cudnn_dot_product_attention = routed
+        try:
+            yield
+        finally:
+            _nn_functions.cudnn_dot_product_attention = original
 
 
 def missing_entry_points() -> list[str]:

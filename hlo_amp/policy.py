@@ -15,6 +15,7 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
     SPEC    := ITEM ("," ITEM)*
     ITEM    := PRESET | "compute=" DTYPE | "backward=" ACTION | "f64=" BOOL
              | "only_if_faster=" BOOL | "propagate=" BOOL | "keep_f32_results=" BOOL
+             | "fuse_attention=" BOOL
              | "explicit_precision=" ("keep" | "ignore") | "reduce=" DTYPE
              | "first_matrix_op=" (ACTION | "none") | "last_matrix_op=" (ACTION | "none")
              | "op:" KIND "=" ACTION | "scope:" PATTERN "=" ACTION
@@ -45,6 +46,10 @@ GPU and TPU, every matrix op returns the 16-bit type, also where only f32 ops re
 weight gradient read by the optimizer, the logits read by the loss), as TensorFlow's
 and PyTorch's AMP do; ``keep_f32_results=true`` keeps the accurate mode's f32 result
 for those (+8% HBM bytes, +9.5% roofline time on benchmarks/' MLP step for H100).
+
+``fuse_attention=false`` (passes/fused_attention/, docs/attention.md): leave softmax
+attention as written; by default, on a GPU with cuDNN's flash attention, an attention
+the policy computes in 16 bit runs as that fused kernel.
 
 ``reduce=float32|bfloat16`` (passes/comm_precision.py): the result type of the dots whose
 contracting dimension is sharded, so of the all-reduce XLA's partitioner puts after them
@@ -146,6 +151,9 @@ class Policy:
     # mixed_* modes: a matrix op that only f32 ops read keeps an f32 result (a weight
     # gradient, the logits); False: it returns the 16-bit type, as TF/PyTorch AMP do.
     keep_f32_results: bool = False
+    # On a GPU with cuDNN's flash attention, an attention computed in 16 bit runs as that
+    # fused kernel (passes/fused_attention/); False: left as written.
+    fuse_attention: bool = True
     # "keep": dots the program wrote with HIGHEST precision or an explicit algorithm stay
     # as written unless a scope rule names them; "ignore": treat them like any other.
     explicit_precision: str = "keep"
@@ -232,6 +240,7 @@ class Policy:
         object.__setattr__(self, "only_if_faster", bool(self.only_if_faster))
         object.__setattr__(self, "propagate", propagate)
         object.__setattr__(self, "keep_f32_results", bool(self.keep_f32_results))
+        object.__setattr__(self, "fuse_attention", bool(self.fuse_attention))
         if self.reduce is not None:
             try:
                 reduce = canonical_dtype(self.reduce, what="reduce")
@@ -312,7 +321,8 @@ class Policy:
                 fields["reduce"] = value
             elif key in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
                 fields[key] = value  # "none" is read in __post_init__
-            elif key in ("f64", "only_if_faster", "propagate", "keep_f32_results"):
+            elif key in ("f64", "only_if_faster", "propagate", "keep_f32_results",
+                         "fuse_attention"):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"Unknown value {value!r} for {key} in {spec!r}; "
                                      f"accepted: true, false")
@@ -321,7 +331,8 @@ class Policy:
             else:
                 raise ValueError(
                     f"Unknown key {key!r} in {spec!r}; accepted: compute, backward, f64, "
-                    f"only_if_faster, propagate, keep_f32_results, explicit_precision, reduce, "
+                    f"only_if_faster, propagate, keep_f32_results, fuse_attention, "
+                    f"explicit_precision, reduce, "
                     f"first_matrix_op, last_matrix_op, op:KIND, scope:PATTERN (or a preset "
                     f"{', '.join(PRESETS)} first)"
                 )
@@ -338,6 +349,7 @@ class Policy:
             "only_if_faster": self.only_if_faster,
             "propagate": self.propagate,
             "keep_f32_results": self.keep_f32_results,
+            "fuse_attention": self.fuse_attention,
             "explicit_precision": self.explicit_precision,
             "first_matrix_op": self.first_matrix_op,
             "last_matrix_op": self.last_matrix_op,
@@ -347,7 +359,8 @@ class Policy:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
         allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64",
-                   "only_if_faster", "propagate", "keep_f32_results", "explicit_precision",
+                   "only_if_faster", "propagate", "keep_f32_results", "fuse_attention",
+                   "explicit_precision",
                    FIRST_MATRIX_OP, LAST_MATRIX_OP, "reduce")
         if not isinstance(data, Mapping):
             raise ValueError(f"A policy dict was expected, got {data!r}")  # noqa: TRY004
@@ -384,6 +397,8 @@ class Policy:
             items.append("only_if_faster=true")
         if self.keep_f32_results:
             items.append("keep_f32_results=true")
+        if not self.fuse_attention:
+            items.append("fuse_attention=false")
         if self.explicit_precision != "keep":
             items.append(f"explicit_precision={self.explicit_precision}")
         if self.reduce is not None:
@@ -400,6 +415,14 @@ class Policy:
         """The action of every rule: op, scope, backward, first and last matrix op."""
         return [*self.ops.values(), *self.scopes.values(), self.backward,
                 self.first_matrix_op, self.last_matrix_op]
+
+    @property
+    def may_fuse_attention(self) -> bool:
+        """Whether some rule computes a ``dot_general`` in 16 bit (or fp8, whose
+        attention runs in the 16-bit compute type): the fused-attention pass looks."""
+        sixteen = ("bfloat16", "float16")
+        return self.compute_dtype in sixteen and any(
+            a == COMPUTE or a in sixteen or is_fp8(a) for a in self.actions)
 
     @property
     def uses_fp8(self) -> bool:

@@ -60,6 +60,27 @@ class Decision:
         return bool(self.operands_after) and all(map(is_narrow, self.operands_after))
 
 
+@dataclass(frozen=True)
+class AttentionSite:
+    """One softmax attention the fused-attention pass found, and whether it now runs as
+    a fused kernel (passes/fused_attention/)."""
+
+    function: str
+    scope: str  # the scores' matmul's scope path
+    direction: str  # "forward", "forward and backward", "backward (recomputed forward)"
+    fused: bool
+    reason: str  # why not, when not fused
+    kernel: str = ""  # "cuDNN flash" when fused
+    dtype: str = ""  # the kernel's 16-bit type
+    shapes: str = ""  # "q 8x2048x32x64, k/v 8x2048x8x64 (BTNH)"
+    mask: str = ""  # "none", "causal", "mask", "causal+mask"
+    location: str = ""  # the scores' matmul's name stack, without the op
+    source: str | None = None
+    # After XLA compiled the step: whether its optimized HLO runs the kernel's custom
+    # calls for this site; None before (or for a site not fused).
+    kept_by_xla: bool | None = None
+
+
 def is_narrow(element_type: str) -> bool:
     """Whether ``element_type`` (MLIR's spelling or XLA's HLO text) is a float 16 bits
     wide or narrower: "low precision" for a Decision and for XLA's verdict alike."""
@@ -89,6 +110,8 @@ class Report:
     # The compiled step's collectives (targets/collectives.py ``Collective``), read from
     # XLA's optimized HLO by AmpCompiled.report(); empty before XLA compiles or unsharded.
     collectives: list[Any] = field(default_factory=list)
+    # Every softmax attention found, fused or not (passes/fused_attention/).
+    attention: list[AttentionSite] = field(default_factory=list)
 
     def add(self, decision: Decision) -> int:
         """Append ``decision``; its index, which the pass marks its op with."""
@@ -159,9 +182,37 @@ class Report:
                     line += f" ({self.xla_fp8_note})"
         if self.propagation is not None:
             line += "; " + self.activations_clause()
+        if self.attention:
+            line += "; " + self.attention_clause()
         if self.collectives:
             line += "; " + self.collectives_clause()
         return line
+
+    def attention_clause(self) -> str:
+        """``attention: 16 of 16 sites fused (cuDNN flash)``, with XLA's verdict once
+        compiled, or the first reason a site is not fused."""
+        fused = [a for a in self.attention if a.fused]
+        kernels = ", ".join(dict.fromkeys(a.kernel for a in fused))
+        line = (f"attention: {len(fused)} of {len(self.attention)} sites fused"
+                + (f" ({kernels})" if kernels else ""))
+        checked = [a for a in fused if a.kept_by_xla is not None]
+        if checked:
+            line += f", kept by XLA: {sum(bool(a.kept_by_xla) for a in checked)}/{len(checked)}"
+        left = [a for a in self.attention if not a.fused]
+        if left:
+            line += f" ({len(left)} not: {left[0].reason})"
+        return line
+
+    def attention_lines(self) -> list[str]:
+        """One line per attention site: scope, direction, shapes, mask, fused or why not."""
+        if not self.attention:
+            return []
+        lines = ["attention sites:"]
+        for a in self.attention:
+            what = (f"fused ({a.kernel}, {a.dtype})" if a.fused else f"not fused: {a.reason}")
+            lines.append(f"  {a.function} {a.scope or '-'} [{a.direction}] {a.shapes or '-'}"
+                         f" mask {a.mask or '-'}: {what}")
+        return lines
 
     def collectives_clause(self) -> str:
         """``collectives: 41 per step, 468 MiB per device, 62% of bytes in 16-bit`` (bytes
@@ -280,6 +331,7 @@ class Report:
             "xla_device": self.xla_device,
             "propagation": self.propagation,
             "collectives": [asdict(c) for c in self.collectives],
+            "attention": [asdict(a) for a in self.attention],
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -306,6 +358,7 @@ class Report:
         if self.unused_rules:
             lines.append("unused rules (matched no op): " + ", ".join(self.unused_rules))
         lines.extend(self.propagation_lines())
+        lines.extend(self.attention_lines())
         lines.extend(self.collective_lines())
         lines.extend(self.notes)
         lines.extend(self.op_note_lines())

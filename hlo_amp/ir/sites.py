@@ -318,3 +318,25 @@ def site_of(op_location: object, op_kind: str, prefix: str = "") -> Site:
 @functools.lru_cache(maxsize=4096)
 def _site(name: str, op_kind: str, source: str | None) -> Site:
     return dataclasses.replace(parse_name(name, op_kind), source=source)
+
+
+def operand_precisions(op: object) -> list[str] | None:
+    """The precision config's entries, one per operand ([] when it has none); None when
+    the op names an explicit dot algorithm instead."""
+    attributes = op.operation.attributes
+    if "algorithm" in attributes:
+        return None
+    if "precision_config" not in attributes:
+        return []
+    return [str(entry) for entry in ir.ArrayAttr(attributes["precision_config"])]
+
+
+def asks_for_precision(op: object) -> str | None:
+    """What the program asked for when it pinned this op's precision, else None:
+    HIGHEST on both operands, or an explicit dot algorithm."""
+    entries = operand_precisions(op)
+    if entries is None:
+        return "an explicit dot algorithm"
+    if entries and all("HIGHEST" in entry for entry in entries):
+        return "HIGHEST precision"
+    return None

@@ -28,6 +28,7 @@ from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.comm_precision import CommPrecision
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
+from hlo_amp.passes.fused_attention import FusedAttention
 from hlo_amp.passes.insert_converts import InsertConverts
 from hlo_amp.passes.propagate import Propagate
 from hlo_amp.passes.recompute_residuals import RecomputeResiduals
@@ -56,9 +57,15 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     alone): it quantises the dots insert_converts marked (see passes/fp8.py). Then
     comm_precision moves 16-bit converts above data movement (sharding constraints,
     collectives) and applies the policy's ``reduce`` (passes/comm_precision.py).
+    First of all, when a rule computes a dot_general in 16 bit (``fuse_attention``, on
+    by default), softmax attention becomes a fused kernel on targets that have one, and
+    the report lists every attention site (passes/fused_attention/).
     """
     target = as_target(target)
-    passes: list[Pass] = [InsertConverts(policy, target)]
+    passes: list[Pass] = []
+    if policy.fuse_attention and policy.may_fuse_attention:
+        passes.append(FusedAttention(policy, target))
+    passes.append(InsertConverts(policy, target))
     if policy.propagate:
         passes += [Propagate(policy, target), ScatterToSelect()]
         if target.recomputes_residuals:
@@ -74,7 +81,8 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
 def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, Pass]:
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
     target = as_target(target)
-    passes: list[Any] = [InsertConverts(policy, target), Propagate(policy, target),
+    passes: list[Any] = [FusedAttention(policy, target), InsertConverts(policy, target),
+                         Propagate(policy, target),
                          ScatterToSelect(), RecomputeResiduals(policy, target),
                          Fp8Quantize(), CommPrecision(policy),
                          CleanupConverts(), FastDotLayout()]

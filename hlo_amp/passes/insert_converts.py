@@ -53,7 +53,15 @@ from hlo_amp.ir.modules import (
     with_element,
 )
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
-from hlo_amp.ir.sites import Site, call_prefix, join_names, location_name, site_of
+from hlo_amp.ir.sites import (
+    Site,
+    asks_for_precision,
+    call_prefix,
+    join_names,
+    location_name,
+    operand_precisions,
+    site_of,
+)
 from hlo_amp.policy import (
     COMPUTE,
     DTYPE_BITS,
@@ -111,28 +119,6 @@ def estimate_flops(op: Any, kind: str) -> int | None:
         kernel *= size
     out_features = rhs.shape[numbers.kernel_output_feature_dimension]
     return 2 * out * kernel // max(out_features, 1)
-
-
-def _operand_precisions(op: Any) -> list[str] | None:
-    """The precision config's entries, one per operand ([] when it has none); None when
-    the op names an explicit dot algorithm instead."""
-    attributes = op.operation.attributes
-    if "algorithm" in attributes:
-        return None
-    if "precision_config" not in attributes:
-        return []
-    return [str(entry) for entry in ir.ArrayAttr(attributes["precision_config"])]
-
-
-def asks_for_precision(op: Any) -> str | None:
-    """What the program asked for when it pinned this op's precision, else None:
-    HIGHEST on both operands, or an explicit dot algorithm."""
-    entries = _operand_precisions(op)
-    if entries is None:
-        return "an explicit dot algorithm"
-    if entries and all("HIGHEST" in entry for entry in entries):
-        return "HIGHEST precision"
-    return None
 
 
 @dataclass(frozen=True)
@@ -545,7 +531,7 @@ class InsertConverts:
 def _at_default_precision(op: Any) -> bool:
     """Whether ``op`` leaves its precision to the backend: no algorithm, and a precision
     config absent or DEFAULT on every operand (not HIGH, not HIGHEST)."""
-    entries = _operand_precisions(op)
+    entries = operand_precisions(op)
     return entries is not None and all("DEFAULT" in entry for entry in entries)
 
 

@@ -354,6 +354,7 @@ class CpuTarget(Target):
     # XLA:CPU has no fp8 dot: it widens the operands (see fp8_slower).
     fp8_kept_note: ClassVar[str] = ("XLA:CPU computes fp8 dots in a wider type: a numerics "
                                     "preview, not a speed-up")
+    no_fused_attention: ClassVar[str] = "CPU: cuDNN's fused attention is a GPU kernel"
 
     @property
     def matrix_result_in_16bit(self) -> bool:

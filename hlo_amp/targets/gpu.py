@@ -60,6 +60,28 @@ class GpuTarget(Target):
         batch 8, on H100: 262,144 B less temp)."""
         return True
 
+    @property
+    def compute_capability(self) -> tuple[int, int] | None:
+        """The GPU's CUDA compute capability: the target config's, or (a GPU of this
+        machine, ``target_config`` empty) the first CUDA device's; None if unknown."""
+        if self.target_config:
+            found = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*"
+                              r"(\d+)", self.target_config)
+            return (int(found[1]), int(found[2])) if found else None
+        return _local_compute_capability()
+
+    def fused_attention_obstacle(self) -> str | None:
+        """cuDNN's flash attention (the kernel jax's
+        ``dot_product_attention(implementation="cudnn")`` calls) needs an NVIDIA GPU of
+        compute capability 8.0 (Ampere) or later: A100, H100, H200."""
+        capability = self.compute_capability
+        if capability is None:
+            return "a GPU whose CUDA compute capability is unknown (not an NVIDIA GPU?)"
+        if capability < (8, 0):
+            return (f"cuDNN's flash attention needs compute capability 8.0 or later; this "
+                    f"GPU has {capability[0]}.{capability[1]}")
+        return None
+
     def writes_16bit_form_twice(self, op: Any, kind: str) -> str | None:
         """A convolution: cuDNN returns its 16-bit result, which a convert writes again in
         f32 (``low_result``). A dot whose m or n is not a multiple of 8, compiled with
@@ -87,6 +109,24 @@ class GpuTarget(Target):
 
 
 GPU = GpuTarget()
+
+
+def _local_compute_capability() -> tuple[int, int] | None:
+    """The compute capability of this machine's first CUDA device, if it has one."""
+    import jax
+
+    try:
+        devices = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return None
+    text = getattr(devices[0], "compute_capability", None) if devices else None
+    if not text:
+        return None
+    major, _, minor = str(text).partition(".")
+    try:
+        return int(major), int(minor or 0)
+    except ValueError:  # an AMD GPU's "gfx90a"
+        return None
 
 
 @dataclass(frozen=True)

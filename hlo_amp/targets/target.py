@@ -106,6 +106,16 @@ class Target:
         instead of reading it stored. No by default."""
         return False
 
+    def fused_attention_obstacle(self) -> str | None:
+        """Why a softmax attention cannot run here as cuDNN's fused flash-attention
+        kernel (passes/fused_attention/); None where it can. The base: no device."""
+        return self.no_fused_attention
+
+    # Why attention is not fused on this family (targets/attention_kernels.py: cuDNN's
+    # kernel is an NVIDIA GPU's).
+    no_fused_attention: ClassVar[str] = ("no target device: fused attention is compiled "
+                                         "for a GPU (target=\"h100\", \"a100\", ...)")
+
     def paint_form(self, keep_f32_results: bool = False) -> PaintForm:
         """The painting the mixed modes do for this target: its three facts above, and the
         policy's ``keep_f32_results`` (matrix ops read only by f32 ops keep f32 results)."""

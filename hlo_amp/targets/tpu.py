@@ -25,6 +25,8 @@ class TpuTarget(Target):
     topology: str = ""  # the slice compiled for: "v5e:2x2"
     family: ClassVar[str | None] = "tpu"
     platform: ClassVar[str] = "tpu"
+    no_fused_attention: ClassVar[str] = ("TPU: cuDNN's fused attention is a GPU kernel (XLA:TPU "
+                                         "runs the attention as written)")
 
     @property
     def sums_read_a_16bit_copy(self) -> bool:

@@ -1,0 +1,219 @@
+"""Fused attention: under a 16-bit policy on a GPU with cuDNN's flash attention, every
+softmax attention of the program, however it was written (``jax.nn.dot_product_attention``,
+an einsum, Flax's, Equinox's), forward and backward, runs as cuDNN's fused kernel, the
+one ``jax.nn.dot_product_attention(implementation="cudnn")`` runs, with q, k and v in the
+policy's 16-bit type: the S×S scores and probabilities leave the program.
+
+The pass runs first (the other passes then see the kernel's 16-bit inputs and outputs as
+converts around it). For each ``dot_general`` it asks `match.match_site` whether an
+attention starts there; for each one found it decides:
+
+- fused, when the target can run the kernel (``Target.fused_attention_obstacle``), the
+  program is not partitioned over several devices (XLA cannot partition the kernel's
+  custom call), the policy computes the scores' and the output's matmuls in a 16-bit
+  type (``bf16``/``f16``, the mixed modes; an fp8 policy's attention runs in its
+  16-bit compute type), cuDNN takes the shapes (head dimension a multiple of 8, at most
+  128, or 256 from compute capability 9.0; q, k and v of one head dimension) and the
+  mask is none, causal or a boolean mask (a bias);
+- else left as it is, and the report says why.
+
+Each site, fused or not, is one `AttentionSite` of the report (``Report.attention``).
+The kernel comes from targets/attention_kernels.py: ``cudnn``, or ``reference``
+(jax's XLA attention with the same interface, for checking the rewrite on a CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from jax.extend.mlir import ir
+
+from hlo_amp.ir.modules import (
+    callee_name,
+    function_name,
+    functions,
+    is_discarded,
+    is_public,
+    walk_operations,
+)
+from hlo_amp.ir.sites import asks_for_precision, call_prefix, join_names, location_name, site_of
+from hlo_amp.passes.fused_attention.calls import CallView
+from hlo_amp.passes.fused_attention.match import (
+    H_ROLE,
+    S_ROLE,
+    Match,
+    NotFused,
+    match_site,
+)
+from hlo_amp.passes.fused_attention.rewrite import (
+    bias_shape_of,
+    call_of,
+    discard_dead,
+    layout_of,
+    rewrite,
+)
+from hlo_amp.policy import COMPUTE, Policy, is_fp8
+from hlo_amp.report import AttentionSite, Report
+from hlo_amp.targets import NO_TARGET, Target
+from hlo_amp.targets.attention_kernels import KERNELS, lower_kernel
+
+_SIXTEEN_BIT = ("bfloat16", "float16")
+_KERNEL_NAMES = {"cudnn": "cuDNN flash", "reference": "XLA reference"}
+
+
+@dataclass(frozen=True)
+class FusedAttention:
+    """Softmax attention → a fused attention kernel, where policy and target allow."""
+
+    policy: Policy
+    target: Target = NO_TARGET
+    kernel: str = "cudnn"  # or "reference" (KERNELS)
+    name: str = "hlo-amp-fused-attention"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r}; accepted: {', '.join(KERNELS)}")
+        view = CallView(module)
+        prefixes = _call_prefixes(module)
+        obstacle = self.target.fused_attention_obstacle() if self.kernel == "cudnn" else None
+        partitions = _partitions(module)
+        if obstacle is None and partitions > 1:
+            obstacle = (f"the program is partitioned over {partitions} devices (XLA cannot "
+                        "partition the kernel's custom call)")
+        fused = 0
+        for fn in functions(module):
+            prefix = prefixes.get(function_name(fn), "")
+            for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"})):
+                if is_discarded(op):
+                    continue
+                found = self._site(view, op, prefix, obstacle, function_name(fn))
+                if found is None:
+                    continue
+                site, match, dtype = found
+                if match is not None:
+                    try:
+                        self._fuse(match, dtype, site.location)
+                        fused += 1
+                    except NotFused as error:
+                        site = replace(site, fused=False, reason=error.reason, kernel="",
+                                       dtype="")
+                if report is not None:
+                    report.attention.append(site)
+        if report is not None and fused:
+            report.notes.append(f"fused-attention: {fused} attention site(s) run as "
+                                f"{_KERNEL_NAMES[self.kernel]} attention")
+
+    def _site(self, view: CallView, op: ir.Operation, prefix: str, obstacle: str | None,
+              fn_name: str) -> tuple[AttentionSite, Match | None, str] | None:
+        """The report's entry for the attention at ``op`` (None: no attention starts
+        there), and the match and 16-bit type when it is to be fused."""
+        try:
+            match = match_site(view, op)
+        except NotFused as error:
+            if not error.attention:
+                return None
+            return _entry(op, prefix, fn_name, None, False, error.reason), None, ""
+        reason = obstacle
+        dtype = ""
+        if reason is None:
+            dtype, reason = self._dtype(match, prefix)
+        if reason is None:
+            reason = _cudnn_obstacle(match, self.target)
+        site = _entry(op, prefix, fn_name, match, reason is None, reason or "",
+                      dtype, _KERNEL_NAMES[self.kernel])
+        return site, (match if reason is None else None), dtype
+
+    def _dtype(self, match: Match, prefix: str) -> tuple[str, str | None]:
+        """The 16-bit type the policy computes the site in, or why none."""
+        actions = []
+        for op in [match.scores] + ([match.exits["out"].op] if "out" in match.exits else []):
+            site = site_of(op.location, "dot_general", prefix)
+            rule = self.policy.decide(site.scope, "dot_general", False, (),
+                                      asks_for_precision(op))
+            actions.append(rule)
+        for rule in actions:
+            action = rule.action
+            if action is None or action not in (COMPUTE, *_SIXTEEN_BIT) and not is_fp8(action):
+                why = rule.reason or f"the policy keeps it f32 ({rule.rule})"
+                return "", why
+        chosen = {a.action if a.action in _SIXTEEN_BIT else self.policy.compute_dtype
+                  for a in actions}
+        if len(chosen) != 1 or next(iter(chosen)) not in _SIXTEEN_BIT:
+            return "", (f"the policy computes it in {', '.join(sorted(chosen))}, not one "
+                        "16-bit type")
+        return chosen.pop(), None
+
+    def _fuse(self, match: Match, dtype: str, name: str) -> None:
+        layout = layout_of(match)
+        call = call_of(match, layout, dtype, bias_shape_of(match, layout))
+        capability = getattr(self.target, "compute_capability", None)
+        deviceless = bool(getattr(self.target, "target_config", ""))
+        kernel = lower_kernel(call, self.kernel, capability if deviceless else None)
+        with match.scores.context:
+            rewrite(match, kernel, call, layout, dtype, name)
+            discard_dead([match.scores, *match.home_ops,
+                          *(e.op for e in match.exits.values())])
+
+
+def _cudnn_obstacle(match: Match, target: Target) -> str | None:
+    """What cuDNN's flash attention does not take (jax's check_is_flash_attention)."""
+    head = match.sizes[H_ROLE]
+    capability = getattr(target, "compute_capability", None) or (8, 0)
+    largest = 256 if capability >= (9, 0) else 128
+    if head % 8 or head > largest:
+        return f"head dimension {head}: cuDNN takes a multiple of 8 up to {largest}"
+    if match.mask_leaves and match.training and (
+            match.sizes[match.t_role] % 2 or match.sizes[S_ROLE] % 2):
+        return "an odd sequence length with a mask (cuDNN's bias needs even lengths)"
+    if match.causal and match.sizes[match.t_role] != match.sizes[S_ROLE]:
+        return "a causal mask over queries and keys of different lengths"
+    return None
+
+
+def _entry(op: ir.Operation, prefix: str, fn_name: str, match: Match | None, fused: bool,
+           reason: str, dtype: str = "", kernel: str = "") -> AttentionSite:
+    site = site_of(op.location, "dot_general", prefix)
+    scope_name = site.name.rsplit("/", 1)[0] if "/" in site.name else site.name
+    shapes = q_shape = kv_shape = mask = ""
+    direction = "forward"
+    if match is not None:
+        layout = layout_of(match)
+        call = call_of(match, layout, dtype or "bfloat16", bias_shape_of(match, layout))
+        q_shape = "x".join(map(str, call.q_shape))
+        kv_shape = "x".join(map(str, call.kv_shape))
+        shapes = f"q {q_shape}, k/v {kv_shape} (BTNH)"
+        mask = ("causal" if match.causal else "") + (
+            ("+" if match.causal else "") + "mask" if match.mask_leaves else "")
+        mask = mask or "none"
+        direction = ("forward and backward" if "out" in match.exits and match.training
+                     else "backward (recomputed forward)" if match.training else "forward")
+    return AttentionSite(function=fn_name, scope=site.scope_path, direction=direction,
+                         fused=fused, reason=reason if not fused else "",
+                         kernel=kernel if fused else "", dtype=dtype if fused else "",
+                         shapes=shapes, mask=mask, location=scope_name,
+                         source=site.source)
+
+
+def _partitions(module: ir.Module) -> int:
+    attributes = module.operation.attributes
+    if "mhlo.num_partitions" not in attributes:
+        return 1
+    return ir.IntegerAttr(attributes["mhlo.num_partitions"]).value
+
+
+def _call_prefixes(module: ir.Module) -> dict[str, str]:
+    """Each private function's call-site name prefix (its first caller's, from the
+    public functions down), as insert_converts names ops in private functions."""
+    by_name = {function_name(fn): fn for fn in functions(module)}
+    prefixes: dict[str, str] = {}
+    pending = [(fn, "") for fn in functions(module) if is_public(fn)]
+    while pending:
+        fn, prefix = pending.pop()
+        for call in walk_operations(fn, names=frozenset({"func.call"})):
+            name = callee_name(call)
+            if name in by_name and name not in prefixes and not is_public(by_name[name]):
+                inner = call_prefix(join_names(prefix, location_name(call.location)))
+                prefixes[name] = inner
+                pending.append((by_name[name], inner))
+    return prefixes
+

@@ -1,0 +1,109 @@
+"""Dataflow seen through private-function calls, for matching an attention whose ops jax
+split over small helper functions (``jnp.where``, ``jnp.tril`` and a scan body are
+``func.call``s of their own under jax 0.10).
+
+A value is seen from the block it was reached from together with the stack of calls it
+was reached through (outermost first, as op keys): the ops inside a helper are read as
+if they were inlined at that call, and a value the helper returns goes back out through
+the same call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from jax.extend.mlir import ir
+
+from hlo_amp.ir.modules import (
+    callee_name,
+    function_name,
+    functions,
+    live_uses,
+    op_key,
+    terminator,
+)
+
+Stack = tuple[int, ...]  # op keys of the func.call ops, outermost first
+
+_CALL = "func.call"
+_RETURN = "func.return"
+_WHILE = "stablehlo.while"
+
+
+class CallView:
+    """The module's functions and every call op met so far, by key."""
+
+    def __init__(self, module: ir.Module) -> None:
+        self.functions = {function_name(fn): fn for fn in functions(module)}
+        self.calls: dict[int, ir.Operation] = {}
+
+    def remember(self, call: ir.Operation) -> int:
+        key = op_key(call)
+        self.calls[key] = call
+        return key
+
+    def callee_block(self, call: ir.Operation) -> ir.Block | None:
+        fn = self.functions.get(callee_name(call))
+        if fn is None or not fn.regions[0].blocks:
+            return None
+        return fn.regions[0].blocks[0]
+
+    def readers(self, value: ir.Value, stack: Stack
+                ) -> Iterator[tuple[ir.Operation, int, Stack]]:
+        """Each op reading ``value`` (not discarded), seen through calls: (reader,
+        operand number, the reader's stack). A call is entered, a helper's return goes
+        back out through the call on top of ``stack``; the home function's own return
+        is yielded as a reader."""
+        for use in live_uses(value):
+            owner = use.owner.operation
+            number = use.operand_number
+            if owner.name == _CALL:
+                block = self.callee_block(owner)
+                if block is not None:
+                    yield from self.readers(block.arguments[number],
+                                            stack + (self.remember(owner),))
+                    continue
+            elif owner.name == _RETURN and stack:
+                call = self.calls[stack[-1]]
+                yield from self.readers(call.results[number], stack[:-1])
+                continue
+            yield owner, number, stack
+
+    def producer(self, value: ir.Value, stack: Stack, *, invariant_carries: bool = False
+                 ) -> tuple[ir.Operation | None, ir.Value, Stack]:
+        """The op making ``value``, seen through calls: (op, the value it makes, its
+        stack); op is None for an argument of the home function or region. With
+        ``invariant_carries``, a loop-body argument the loop passes on unchanged is
+        followed to the loop's operand (what a constant mask hoisted out of a scan is)."""
+        while True:
+            if isinstance(value, ir.BlockArgument):
+                parent = value.owner.owner
+                parent = getattr(parent, "operation", parent)  # an OpView's .name differs
+                if parent is not None and parent.name == "func.func" and stack:
+                    call = self.calls[stack[-1]]
+                    value, stack = call.operands[value.arg_number], stack[:-1]
+                    continue
+                if invariant_carries and parent is not None and parent.name == _WHILE:
+                    loop = parent
+                    body = loop.regions[1].blocks[0]
+                    index = value.arg_number
+                    if (value.owner == body
+                            and terminator(body).operands[index] == value):
+                        value = loop.operands[index]
+                        continue
+                    cond = loop.regions[0].blocks[0]
+                    if value.owner == cond and terminator(body).operands[index] == \
+                            body.arguments[index]:
+                        value = loop.operands[index]
+                        continue
+                return None, value, stack
+            op = value.owner
+            op = op.operation if hasattr(op, "operation") else op
+            if op.name == _CALL:
+                block = self.callee_block(op)
+                if block is not None:
+                    number = ir.OpResult(value).result_number
+                    stack = stack + (self.remember(op),)
+                    value = terminator(block).operands[number]
+                    continue
+            return op, value, stack

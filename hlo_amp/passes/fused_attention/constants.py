@@ -1,0 +1,210 @@
+"""Evaluating the constant parts of an attention with numpy: its scale, the fill value of
+its mask, and a mask computed from iotas and constants (``jnp.tril``,
+``nnx.make_causal_mask``), which the pass compares with a causal mask.
+
+A value is evaluated in broadcast form, `Folded`: an array over the dimensions it varies
+along and the dimensions of the value they are, so a ``[1, 1, T, S]`` mask broadcast to
+``[B, N, T, S]`` costs a ``T x S`` array, never the full shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from jax.extend.mlir import ir
+
+from hlo_amp.passes.fused_attention.calls import CallView, Stack
+
+# Larger constants are left unevaluated (the pass then treats the value as not constant).
+MAX_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Folded:
+    """A value of ``shape`` equal to ``array`` broadcast: ``array``'s dimension i is the
+    value's dimension ``axes[i]``; the value is the same along every other dimension."""
+
+    array: np.ndarray
+    axes: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def expanded(self, axes: tuple[int, ...]) -> np.ndarray:
+        """``array`` with dimensions ``axes`` (a superset of its own, sorted), size 1 where
+        it does not vary."""
+        order = sorted(range(len(self.axes)), key=lambda i: self.axes[i])
+        array = np.transpose(self.array, order) if order else self.array
+        mine = [self.axes[i] for i in order]
+        shape = [self.shape[a] if a in mine else 1 for a in axes]
+        return array.reshape(shape)
+
+
+def splat_value(view: CallView, value: ir.Value, stack: Stack) -> float | None:
+    """The one value a constant splat (possibly broadcast, reshaped, converted) holds."""
+    folded = evaluate(view, value, stack, {})
+    if folded is None or folded.array.size != 1:
+        return None
+    return float(folded.array.reshape(()))
+
+
+def evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folded | None:
+    """``value`` computed from constants and iotas alone, seen through calls and loop
+    carries the loop passes on unchanged; None when it reads anything else."""
+    key = (value, stack)
+    if key not in memo:
+        memo[key] = None  # a cycle (a loop carry) is not constant
+        memo[key] = _evaluate(view, value, stack, memo)
+    return memo[key]
+
+
+def _shape(value: ir.Value) -> tuple[int, ...] | None:
+    if not isinstance(value.type, ir.RankedTensorType):
+        return None
+    ranked = ir.RankedTensorType(value.type)
+    return tuple(ranked.shape) if ranked.has_static_shape else None
+
+
+_BINARY = {
+    "stablehlo.and": np.logical_and, "stablehlo.or": np.logical_or,
+    "stablehlo.xor": np.logical_xor, "stablehlo.add": np.add,
+    "stablehlo.subtract": np.subtract, "stablehlo.multiply": np.multiply,
+    "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum,
+}
+_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "GE": np.greater_equal,
+            "GT": np.greater, "LE": np.less_equal, "LT": np.less}
+
+
+def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folded | None:
+    op, value, stack = view.producer(value, stack, invariant_carries=True)
+    shape = _shape(value)
+    if op is None or shape is None:
+        return None
+    name = op.name
+    operands = list(op.operands)
+
+    def of(index: int) -> Folded | None:
+        return evaluate(view, operands[index], stack, memo)
+
+    if name == "stablehlo.constant":
+        attr = ir.DenseElementsAttr(op.attributes["value"])
+        if attr.is_splat:
+            return Folded(np.asarray(_scalar(attr.get_splat_value())), (), shape)
+        if int(np.prod(shape)) > MAX_ELEMENTS:
+            return None
+        return Folded(np.array(attr), tuple(range(len(shape))), shape)
+    if name == "stablehlo.iota":
+        dim = ir.IntegerAttr(op.attributes["iota_dimension"]).value
+        return Folded(np.arange(shape[dim]), (dim,), shape)
+    if name == "stablehlo.broadcast_in_dim":
+        inner = of(0)
+        if inner is None:
+            return None
+        dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
+        keep = [i for i, a in enumerate(inner.axes)
+                if inner.shape[a] == shape[dims[a]]]
+        array = inner.array
+        dropped = [i for i in range(len(inner.axes)) if i not in keep]
+        if dropped:
+            array = array.reshape([array.shape[i] for i in keep]) if array.size else array
+        return Folded(array, tuple(dims[inner.axes[i]] for i in keep), shape)
+    if name == "stablehlo.transpose":
+        inner = of(0)
+        if inner is None:
+            return None
+        permutation = list(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
+        return Folded(inner.array, tuple(permutation.index(a) for a in inner.axes), shape)
+    if name == "stablehlo.reshape":
+        inner = of(0)
+        mapping = unit_reshape_map(_shape(operands[0]), shape)
+        if inner is None or mapping is None:
+            return None
+        keep = [i for i, a in enumerate(inner.axes) if mapping[a] is not None]
+        array = inner.array.reshape([inner.array.shape[i] for i in keep])
+        return Folded(array, tuple(mapping[inner.axes[i]] for i in keep), shape)
+    if name == "stablehlo.convert":
+        inner = of(0)
+        if inner is None:
+            return None
+        element = str(ir.RankedTensorType(value.type).element_type)
+        return Folded(_cast(inner.array, element), inner.axes, shape)
+    if name == "stablehlo.not":
+        inner = of(0)
+        if inner is None:
+            return None
+        array = (np.logical_not(inner.array) if inner.array.dtype == bool
+                 else np.invert(inner.array))
+        return Folded(array, inner.axes, shape)
+    if name == "stablehlo.negate":
+        inner = of(0)
+        return None if inner is None else Folded(-inner.array, inner.axes, shape)
+    if name in _BINARY or name == "stablehlo.compare":
+        left, right = of(0), of(1)
+        if left is None or right is None:
+            return None
+        axes = tuple(sorted(set(left.axes) | set(right.axes)))
+        if name == "stablehlo.compare":
+            direction = str(op.attributes["comparison_direction"]).split()[-1].rstrip(">")
+            function = _COMPARE.get(direction)
+            if function is None:
+                return None
+        else:
+            function = _BINARY[name]
+        return _checked(function(left.expanded(axes), right.expanded(axes)), axes, shape)
+    if name == "stablehlo.select":
+        parts = [of(i) for i in range(3)]
+        if any(p is None for p in parts):
+            return None
+        axes = tuple(sorted(set().union(*(p.axes for p in parts))))
+        pick, yes, no = (p.expanded(axes) for p in parts)
+        return _checked(np.where(pick, yes, no), axes, shape)
+    return None
+
+
+def _checked(array: np.ndarray, axes: tuple[int, ...], shape: tuple[int, ...]
+             ) -> Folded | None:
+    """``array`` squeezed to the axes it varies along (a broadcast of size-1 axes)."""
+    if array.size > MAX_ELEMENTS:
+        return None
+    keep = [i for i in range(array.ndim) if array.shape[i] != 1 or shape[axes[i]] == 1]
+    return Folded(array.reshape([array.shape[i] for i in keep]),
+                  tuple(axes[i] for i in keep), shape)
+
+
+def _scalar(attr: ir.Attribute) -> object:
+    for kind in (ir.BoolAttr, ir.FloatAttr, ir.IntegerAttr):
+        if isinstance(attr, kind):
+            return kind(attr).value
+    for kind in (ir.BoolAttr, ir.FloatAttr, ir.IntegerAttr):
+        try:
+            return kind(attr).value
+        except (ValueError, TypeError):
+            continue
+    raise ValueError(f"unreadable constant {attr}")
+
+
+def _cast(array: np.ndarray, element: str) -> np.ndarray:
+    if element == "i1":
+        return array.astype(bool)
+    if element.startswith(("i", "ui")):
+        return array.astype(np.int64)
+    return array.astype(np.float64)
+
+
+def unit_reshape_map(source: tuple[int, ...] | None, result: tuple[int, ...] | None
+                     ) -> list[int | None] | None:
+    """For a reshape that only adds or drops size-1 dimensions: each source dimension's
+    result dimension (None for a dropped size-1 one); None for any other reshape."""
+    if source is None or result is None:
+        return None
+    kept = [d for d, size in enumerate(result) if size != 1]
+    mapping: list[int | None] = []
+    position = 0
+    for size in source:
+        if size == 1:
+            mapping.append(None)
+            continue
+        if position >= len(kept) or result[kept[position]] != size:
+            return None
+        mapping.append(kept[position])
+        position += 1
+    return mapping if position == len(kept) else None

@@ -1,0 +1,154 @@
+"""The fused-attention kernels the fused-attention pass (passes/fused_attention/) puts in
+place of a softmax attention: cuDNN's flash attention, lowered by jax itself, and a
+reference with the same interface for checking the rewrite on a machine without a GPU.
+
+A kernel is two StableHLO functions, lowered once per shape (``lower_kernel``):
+
+- ``forward(q, k, v[, bias]) -> (o, *residuals)`` (for a training step; an inference
+  step's forward returns ``o`` alone), with q ``[B, T, N, H]``, k and v ``[B, S, K, H]``
+  (jax's ``BTNH`` layout; K divides N: grouped-query attention), bias ``[B|1, N|1, T, S]``;
+- ``backward(*residuals, do) -> (dq, dk, dv)``.
+
+Both come from ``jax.vjp`` of the kernel's jax function: the residuals are the leaves of
+the vjp function, so the pair is exactly what jax runs for
+``jax.nn.dot_product_attention(implementation="cudnn")``: the same ``__cudnn$fmhaSoftmax``
+/ ``...Backward`` custom calls, backend configuration and layouts, in whichever jax
+version is installed (nothing here writes cuDNN's JSON). jax checks the cuDNN version and
+the GPU's compute capability while it traces, which fails where there is no GPU; a
+deviceless lowering answers those two checks for the target instead
+(``jax_internals.cudnn_checks_answered``): cuDNN 9.10, as the deviceless GPU targets'
+``dnn_version`` (targets/gpu.py).
+
+``reference`` is jax's own XLA attention (``jax.nn.dot_product_attention(...,
+implementation="xla")``) on the same arguments: a program rewritten with it runs on a
+CPU and computes what the cuDNN kernel computes, which is how the tests check what the
+pass wires (layouts, heads, masks, scale) without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from hlo_amp import jax_internals as internals
+
+KERNELS = ("cudnn", "reference")
+# The cuDNN version a deviceless lowering reports to jax (targets/gpu.py's dnn_version).
+DEVICELESS_CUDNN = 91000
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One fused call's shapes and options (jax's BTNH layout)."""
+
+    batch: int
+    q_len: int  # T
+    kv_len: int  # S
+    q_heads: int  # N
+    kv_heads: int  # K (divides N)
+    head_dim: int  # H (q, k and v alike)
+    dtype: str  # "bfloat16" or "float16"
+    scale: float
+    causal: bool
+    bias_shape: tuple[int, int, int, int] | None  # [B|1, N|1, T, S], in ``dtype``
+    training: bool  # a backward function too, and the forward returns residuals
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.q_len, self.q_heads, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_len, self.kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The kernel's functions as StableHLO text (each a module whose ``@main`` is it)."""
+
+    forward: str
+    backward: str | None  # None for an inference call
+    residuals: int  # how many residuals the forward returns after ``o``
+
+
+def lower_kernel(call: AttentionCall, kernel: str = "cudnn",
+                 compute_capability: tuple[int, int] | None = None) -> Kernel:
+    """``kernel``'s functions for ``call`` (cached per arguments). ``compute_capability``:
+    the GPU compiled for without it (None: the GPU of this machine, asked by jax)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    return _lower(call, kernel, compute_capability)
+
+
+@functools.lru_cache(maxsize=64)
+def _lower(call: AttentionCall, kernel: str,
+           compute_capability: tuple[int, int] | None) -> Kernel:
+    dtype = jnp.dtype(call.dtype)
+    q = jax.ShapeDtypeStruct(call.q_shape, dtype)
+    kv = jax.ShapeDtypeStruct(call.kv_shape, dtype)
+    bias = (jax.ShapeDtypeStruct(call.bias_shape, dtype) if call.bias_shape is not None
+            else None)
+    attend = _cudnn(call) if kernel == "cudnn" else _reference(call)
+    platform = "cuda" if kernel == "cudnn" else "cpu"
+    inputs = (q, kv, kv) + ((bias,) if bias is not None else ())
+
+    def with_bias(function):  # the bias is an input of the forward, never differentiated
+        return function if bias is not None else (lambda q, k, v: function(q, k, v, None))
+
+    attend_with = with_bias(attend)
+    with internals.cudnn_checks_answered(compute_capability, DEVICELESS_CUDNN,
+                                         active=kernel == "cudnn"):
+        if not call.training:
+            forward = _text(attend_with, inputs, platform)
+            return Kernel(forward, None, 0)
+        tree_box = []
+
+        def forward_fn(q, k, v, *bias_arg):
+            out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, *(bias_arg or (None,))),
+                               q, k, v)
+            leaves, tree = jax.tree.flatten(vjp)
+            tree_box.append(tree)
+            return (out, *leaves)
+
+        forward = _text(forward_fn, inputs, platform)
+        shapes = jax.eval_shape(forward_fn, *inputs)
+        residual_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes[1:]]
+        tree = tree_box[-1]
+
+        def backward_fn(*args):
+            *residuals, d_out = args
+            return tuple(jax.tree.unflatten(tree, residuals)(d_out))
+
+        backward = _text(backward_fn, (*residual_avals, q), platform)
+    return Kernel(forward, backward, len(residual_avals))
+
+
+def _text(function, inputs: tuple, platform: str) -> str:
+    lowered = jax.jit(function, keep_unused=True).trace(*inputs).lower(lowering_platforms=(platform,))
+    return lowered.as_text(debug_info=True)
+
+
+def _cudnn(call: AttentionCall):
+    """jax's cuDNN attention (what ``jax.nn.dot_product_attention(implementation=
+    "cudnn")`` calls), BTNH, with the call's scale, mask type and bias."""
+    cudnn = internals.cudnn_attention_module()
+    mask_type = cudnn.MaskType.CAUSAL if call.causal else cudnn.MaskType.NO_MASK
+
+    def attend(q, k, v, bias):
+        return cudnn.dot_product_attention(q, k, v, bias, scale=call.scale,
+                                           mask_type=mask_type, qkv_layout="BTNH")
+
+    return attend
+
+
+def _reference(call: AttentionCall):
+    """XLA's attention with the cuDNN kernel's arguments and result."""
+
+    def attend(q, k, v, bias):
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=call.scale,
+                                            is_causal=call.causal, implementation="xla")
+
+    return attend
