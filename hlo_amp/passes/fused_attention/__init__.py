@@ -185,8 +185,10 @@ def _entry(op: ir.Operation, prefix: str, fn_name: str, match: Match | None, fus
         mask = ("causal" if match.causal else "") + (
             ("+" if match.causal else "") + "mask" if match.mask_leaves else "")
         mask = mask or "none"
+        # A training step whose loss does not read the output itself (jax drops P·V)
+        # has the backward alone; jax.checkpoint's recomputation reads it again.
         direction = ("forward and backward" if "out" in match.exits and match.training
-                     else "backward (recomputed forward)" if match.training else "forward")
+                     else "backward" if match.training else "forward")
     return AttentionSite(function=fn_name, scope=site.scope_path, direction=direction,
                          fused=fused, reason=reason if not fused else "",
                          kernel=kernel if fused else "", dtype=dtype if fused else "",

@@ -18,9 +18,11 @@ from hlo_amp.ir.modules import (
     callee_name,
     function_name,
     functions,
+    is_public,
     live_uses,
     op_key,
     terminator,
+    walk_operations,
 )
 
 Stack = tuple[int, ...]  # op keys of the func.call ops, outermost first
@@ -36,6 +38,11 @@ class CallView:
     def __init__(self, module: ir.Module) -> None:
         self.functions = {function_name(fn): fn for fn in functions(module)}
         self.calls: dict[int, ir.Operation] = {}
+        # Each private function's call sites (a function called once has one caller).
+        self.callers: dict[str, list[ir.Operation]] = {}
+        for fn in self.functions.values():
+            for call in walk_operations(fn, names=frozenset({_CALL})):
+                self.callers.setdefault(callee_name(call), []).append(call)
 
     def remember(self, call: ir.Operation) -> int:
         key = op_key(call)
@@ -73,8 +80,10 @@ class CallView:
                  ) -> tuple[ir.Operation | None, ir.Value, Stack]:
         """The op making ``value``, seen through calls: (op, the value it makes, its
         stack); op is None for an argument of the home function or region. With
-        ``invariant_carries``, a loop-body argument the loop passes on unchanged is
-        followed to the loop's operand (what a constant mask hoisted out of a scan is)."""
+        ``invariant_carries`` (for evaluating constants), a loop-body argument the loop
+        passes on unchanged is followed to the loop's operand, and an argument of a
+        private function called once to the call's operand (a constant mask jax hoisted
+        out of a scan reaches the scan's body so)."""
         while True:
             if isinstance(value, ir.BlockArgument):
                 parent = value.owner.owner
@@ -83,6 +92,12 @@ class CallView:
                     call = self.calls[stack[-1]]
                     value, stack = call.operands[value.arg_number], stack[:-1]
                     continue
+                if invariant_carries and parent is not None and parent.name == "func.func":
+                    name = ir.StringAttr(parent.attributes["sym_name"]).value
+                    callers = self.callers.get(name, [])
+                    if len(callers) == 1 and not is_public(parent.opview):
+                        value = callers[0].operands[value.arg_number]
+                        continue
                 if invariant_carries and parent is not None and parent.name == _WHILE:
                     loop = parent
                     body = loop.regions[1].blocks[0]

@@ -179,7 +179,7 @@ class _Builder:
             value = hlo.broadcast_in_dim(self.tensor(expanded, boolean), value,
                                          ir.DenseI64ArrayAttr.get(sorted(dims)))
             combined = value if combined is None else hlo.AndOp(combined, value).result
-        largest = float(np.finfo(_NUMPY[dtype]).max)
+        largest = float(ml_dtypes.finfo(_NUMPY[dtype]).max)
         zero = self._splat(0.0, expanded, element)
         negative = self._splat(-0.7 * largest, expanded, element)
         bias = hlo.select(combined, zero, negative)

@@ -1,0 +1,175 @@
+"""Small programs with a softmax attention written every way the fused-attention pass
+must find it, for tests/py/test_fused_attention.py: each a function and its arguments,
+forward or a training step (gradients with respect to every float argument).
+
+- ``jax.nn.dot_product_attention`` (implementation ``None`` or ``"xla"``): causal, a
+  boolean (padding) mask, grouped-query heads, an explicit scale;
+- einsum attention as ``benchmarks/llm.py`` writes it (GQA groups, ``jnp.where(causal,
+  s, finfo.min)``, an f32 softmax), unrolled or scanned, with and without
+  ``jax.checkpoint``;
+- Flax NNX ``nnx.MultiHeadAttention`` with ``nnx.make_causal_mask``, Flax Linen
+  ``nn.MultiHeadDotProductAttention``, Equinox ``eqx.nn.MultiheadAttention``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+B, T, N, K, H = 2, 16, 4, 2, 8  # batch, sequence, query heads, key/value heads, head dim
+
+
+def _normal(key: int, shape: tuple[int, ...]) -> jax.Array:
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def _qkv(kv_heads: int = K) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return (_normal(0, (B, T, N, H)), _normal(1, (B, T, kv_heads, H)),
+            _normal(2, (B, T, kv_heads, H)))
+
+
+def _grad_of(attend: Callable[..., jax.Array], count: int = 3) -> Callable[..., Any]:
+    """The gradient of a weighted sum of ``attend``'s output with respect to its first
+    ``count`` arguments (a weighting, so no gradient is uniform)."""
+    def loss(*args: Any) -> jax.Array:
+        out = attend(*args)
+        weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+        return jnp.sum(out * weights)
+
+    return jax.grad(loss, argnums=tuple(range(count)))
+
+
+def padding_mask(lengths: tuple[int, ...] = (T, T - 5)) -> jax.Array:
+    """[B, 1, 1, T]: True up to each sequence's length (every query sees a key)."""
+    keys = jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]
+    return keys[:, None, None, :]
+
+
+def dpa(**options: Any) -> Callable[..., jax.Array]:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, *mask: jax.Array) -> jax.Array:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[0] if mask else None,
+                                            **options)
+    return attend
+
+
+# ---- benchmarks/llm.py's attention ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Llm:
+    layers: int = 2
+    scan: bool = False
+    remat: bool = False
+
+
+def llm_step(form: Llm) -> tuple[Callable[..., Any], tuple]:
+    """The gradient of a small llm.py decoder's loss (its own attention code)."""
+    from benchmarks import llm
+
+    config = dataclasses.replace(llm.SMALL, layers=form.layers, seq=32, batch=2,
+                                 scan_layers=form.scan, remat=form.remat)
+    params = llm.init_params(config, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (config.batch, config.seq + 1), 0,
+                                config.vocab)
+
+    def grads(params: Any, tokens: jax.Array) -> Any:
+        return jax.grad(llm.loss_fn)(params, tokens, config)
+
+    return grads, (params, tokens)
+
+
+# ---- the frameworks' attention layers ---------------------------------------------------------
+
+
+def nnx_step(causal: bool = True) -> tuple[Callable[..., Any], tuple]:
+    from flax import nnx
+
+    layer = nnx.MultiHeadAttention(num_heads=N, in_features=N * H, qkv_features=N * H,
+                                   decode=False, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(layer)
+    x = _normal(3, (B, T, N * H))
+
+    def loss(state: Any, x: jax.Array) -> jax.Array:
+        model = nnx.merge(graph, state)
+        mask = nnx.make_causal_mask(jnp.ones((B, T))) if causal else None
+        out = model(x, mask=mask)
+        return jnp.sum(out * jnp.cos(out))
+
+    return jax.grad(loss, argnums=(0, 1)), (state, x)
+
+
+def linen_step(causal: bool = True) -> tuple[Callable[..., Any], tuple]:
+    import flax.linen as nn
+
+    layer = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=N * H)
+    x = _normal(3, (B, T, N * H))
+    params = layer.init(jax.random.key(0), x, x)
+
+    def loss(params: Any, x: jax.Array) -> jax.Array:
+        mask = nn.make_causal_mask(jnp.ones((B, T))) if causal else None
+        out = layer.apply(params, x, x, mask=mask)
+        return jnp.sum(out * jnp.cos(out))
+
+    return jax.grad(loss, argnums=(0, 1)), (params, x)
+
+
+def equinox_step(causal: bool = False) -> tuple[Callable[..., Any], tuple]:
+    import equinox as eqx
+
+    layer = eqx.nn.MultiheadAttention(num_heads=N, query_size=N * H, key=jax.random.key(0))
+    params, static = eqx.partition(layer, eqx.is_array)
+    x = _normal(3, (B, T, N * H))
+    mask = jnp.tril(jnp.ones((T, T), dtype=bool)) if causal else None
+
+    def loss(params: Any, x: jax.Array) -> jax.Array:
+        model = eqx.combine(params, static)
+        out = jax.vmap(lambda row: model(row, row, row, mask=mask))(x)
+        return jnp.sum(out * jnp.cos(out))
+
+    return jax.grad(loss, argnums=(0, 1)), (params, x)
+
+
+def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
+    """name -> (function, arguments): every way of writing attention the tests run."""
+    q, k, v = _qkv()
+    q_mha, k_mha, v_mha = _qkv(kv_heads=N)
+    found: dict[str, tuple[Callable[..., Any], tuple]] = {
+        "dpa_causal_gqa": (_grad_of(dpa(is_causal=True)), (q, k, v)),
+        "dpa_xla_scale": (_grad_of(dpa(scale=0.3, implementation="xla")),
+                          (q_mha, k_mha, v_mha)),
+        "dpa_padding_mask": (_grad_of(dpa()), (q_mha, k_mha, v_mha, padding_mask())),
+        "dpa_forward": (jax.jit(dpa(is_causal=True)), (q, k, v)),
+        "llm_unrolled": llm_step(Llm()),
+        "llm_unrolled_remat": llm_step(Llm(remat=True)),
+        "llm_scan_remat": llm_step(Llm(scan=True, remat=True)),
+        "nnx_causal": nnx_step(),
+        "linen_causal": linen_step(),
+        "equinox": equinox_step(),
+        "equinox_causal": equinox_step(causal=True),
+    }
+    return found
+
+
+def max_relative_error(expected: Any, got: Any) -> float:
+    """The largest |a - b| / max|a| over the leaves of two pytrees. A leaf that is zero
+    in exact arithmetic (the gradient of a key bias: softmax ignores a shift along the
+    keys) is measured against a tenth of the largest leaf's scale instead: what it
+    holds is rounding noise of the terms that cancel."""
+    pairs = [(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in
+             zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True)]
+    largest = max(float(np.abs(a).max()) for a, _ in pairs)
+    worst = 0.0
+    for a, b in pairs:
+        scale = max(float(np.abs(a).max()), 0.1 * largest) or 1.0
+        worst = max(worst, float(np.abs(a - b).max()) / scale)
+    return worst
+
+
+def head_dim_scale() -> float:
+    return 1.0 / math.sqrt(H)
