@@ -145,6 +145,8 @@ class Report:
         kinds += sorted({d.op_kind for d in self.decisions} - set(kinds))
         if not kinds:
             line = "no dot or convolution ops found"
+            if self.attention:
+                line += "; " + self.attention_clause()
             return line + ("; " + self.collectives_clause() if self.collectives else "")
         parts = []
         for kind in kinds:

@@ -14,6 +14,8 @@ and handed back to JAX's compile path.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import dataclasses
 import functools
@@ -348,19 +350,29 @@ class AmpFunction:
     def _lower(self, args: tuple, kwargs: dict, device: Target | None = None
                ) -> AmpLowered:
         start = time.perf_counter()
-        if device is None:
-            original = self._jitted.trace(*args, **kwargs).lower()
-            target = lowering_target(original)
-        else:
-            refuse_policy_on_device(self.policy, device)
-            original = lower_for_target(self._jitted, args, kwargs, device)
-            target = device
+        with self._tracing():
+            if device is None:
+                original = self._jitted.trace(*args, **kwargs).lower()
+                target = lowering_target(original)
+            else:
+                refuse_policy_on_device(self.policy, device)
+                original = lower_for_target(self._jitted, args, kwargs, device)
+                target = device
         lower_seconds = time.perf_counter() - start
         self._own_lowerings += 1
         rewritten, report, pass_seconds = rewrite_lowered(original, self.policy, target)
         warn_unused_rules(report)
         return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds, target,
                           device)
+
+    def _tracing(self) -> Any:
+        """While ``fn`` is traced: under a policy that may fuse attention,
+        ``jax.nn.dot_product_attention(implementation="cudnn")`` on f32 arrays traces as
+        jax's XLA attention, which the fused-attention pass turns into cuDNN's kernel in
+        16 bit where the target has it (jax itself refuses f32 arrays there)."""
+        if self.policy.fuse_attention and self.policy.may_fuse_attention:
+            return internals.xla_attention_for_f32()
+        return contextlib.nullcontext()
 
     # -- calls --
 
@@ -430,7 +442,8 @@ class AmpFunction:
         if exported is None:
             shapes = shape_structs(avals)
             try:
-                exported = jax_export.export(jax.jit(program.fn))(*shapes)
+                with self._tracing():
+                    exported = jax_export.export(jax.jit(program.fn))(*shapes)
             except Exception as error:
                 if _export_refused(error):
                     raise ExportRefused(str(error).splitlines()[0]) from error

@@ -24,7 +24,9 @@ HBM and roofline columns and ``autopolicy(..., target=...)`` read it.
   elements)``, its dimensions from the cuBLAS call's ``dot_dimension_numbers``; a cuDNN
   convolution's ``2 · (forward output elements) · (filter elements) / (output
   features)``, the forward convolution read from ``dim_labels`` (the gradient calls
-  name its input, filter and output among their operands and result). ``dot``
+  name its input, filter and output among their operands and result); a cuDNN fused
+  attention's matmuls (``_attention_flops``: two forward, five backward, half of them
+  under a causal mask), whose HBM bytes are its q, k, v, output and statistics alone. ``dot``
   instructions inside fusions (Triton GEMMs) count the same way; an HLO ``convolution``
   (XLA:TPU's form of every matrix op) counts the products it computes: window positions
   on input elements, not on padding or ``lhs_dilate`` holes (XLA:TPU's batched dots are
@@ -213,6 +215,21 @@ def _gemm_flops(lhs: Array, rhs: Array, dims: dict[str, Any]) -> int:
     return 2 * math.prod(lhs.shape) * free
 
 
+def _attention_flops(call: Instruction, query: Array, target: str) -> int:
+    """A cuDNN fused attention call's matmul FLOPs: 2 · B·N·T·S·H per matmul, with the
+    [B, N, T, S] of the scores from its backend config and H the query's last dimension
+    (BTNH and BNTH alike); two matmuls forward (Q·Kᵀ, P·V), five backward (Q·Kᵀ again,
+    dO·Vᵀ, Pᵀ·dO, dS·K, dSᵀ·Q), as FlashAttention-2 counts them; half of it under a
+    causal mask, whose masked blocks the kernel skips."""
+    config = call.backend_config().get("cudnn_fmha_backend_config", {})
+    scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
+    if len(scores) != 4 or not query.shape:
+        return 0
+    matmuls = 5 if "Backward" in target else 2
+    flops = 2 * matmuls * math.prod(scores) * query.shape[-1]
+    return flops // 2 if "CAUSAL" in str(config.get("mask_type", "")) else flops
+
+
 def _dot_dims(attrs: str) -> dict[str, list[int]]:
     """``lhs_contracting_dims={1}``-style attributes of a ``dot`` as gemm dimension numbers."""
     out = {}
@@ -304,6 +321,8 @@ class _Walker(HloWalker):
             return flops, "GEMM fp8" if target.endswith("$f8") else "GEMM", types, full
         if target.startswith("__cudnn$conv"):
             return _conv_flops(inst, shapes, target), "conv", types, False
+        if target.startswith("__cudnn$fmha"):
+            return _attention_flops(inst, shapes[0], target), "attention", types, False
         return None
 
     def _fusion(self, inst: Instruction, count: int) -> Kernel:
