@@ -76,6 +76,9 @@ class AttentionSite:
     mask: str = ""  # "none", "causal", "mask", "causal+mask"
     location: str = ""  # the scores' matmul's name stack, without the op
     source: str | None = None
+    # The name the fused kernel's forward ops carry (its backward's: + "_backward"); XLA
+    # puts the names of the calls it inlines in front of it.
+    kernel_name: str = ""
     # After XLA compiled the step: whether its optimized HLO runs the kernel's custom
     # calls for this site; None before (or for a site not fused).
     kept_by_xla: bool | None = None

@@ -32,9 +32,12 @@ class GpuTarget(Target):
     platform: ClassVar[str] = "cuda"
     # cuBLAS(Lt) GEMMs and cuDNN convolutions (forward, filter and input gradients), the
     # call targets of xla/service/gpu/cublas_cudnn.cc; ``$f8``: the Hopper fp8 GEMM.
+    # cuDNN's fused attention (``__cudnn$fmha...``) is no matrix op of a decision: the
+    # report's attention sites read it (kept_by_xla.mark_attention_kept).
     matrix_calls: ClassVar[tuple[tuple[str, str, bool], ...]] = (
         ("__cublas$lt$matmul$f8", "cuBLAS fp8", False), ("__cublas$", "cuBLAS", False),
-        ("__cudnn$", "cuDNN", True))
+        ("__cudnn$conv", "cuDNN", True))
+    attention_call: ClassVar[str] = "__cudnn$fmha"
 
     def low_result(self, kind: str) -> bool:
         """Convolutions: cuDNN runs same-type 16-bit convolutions only (bf16→bf16, f16→f16,

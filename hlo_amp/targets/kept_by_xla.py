@@ -126,6 +126,28 @@ def xla_gemms(hlo_text: str, target: Target | None = None) -> list[XlaGemm]:
     return found
 
 
+_ATTENTION_CALL = re.compile(r'custom_call_target="__cudnn\$fmha[^"]*"')
+
+
+def mark_attention_kept(report: Report, hlo_text: str) -> None:
+    """Each fused attention site's ``kept_by_xla``: whether XLA's optimized HLO calls
+    cuDNN's fused attention under the site's name (its forward, and its backward where
+    the site has one; passes/fused_attention/ names the kernel's ops so)."""
+    names = []
+    for line in hlo_text.splitlines():
+        if _ATTENTION_CALL.search(line):
+            found = _OP_NAME.search(line)
+            names.append(found.group(1) if found else "")
+    for index, site in enumerate(report.attention):
+        if not site.fused:
+            continue
+        wanted = [site.kernel_name]
+        if site.direction != "forward":
+            wanted.append(site.kernel_name + "_backward")
+        kept = all(any(name.endswith(w) for name in names) for w in wanted)
+        report.attention[index] = dataclasses.replace(site, kept_by_xla=kept)
+
+
 def scope_key(name: str) -> str:
     """A name stack without call segments and without its last (op name) segment."""
     segments = [s for s in split_segments(name) if not _CALL_SEGMENT.match(s)]
@@ -207,6 +229,7 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
         if undecided:
             unknown[MERGED] = unknown.get(MERGED, 0) + undecided
     report.unknown_to_xla = unknown
+    mark_attention_kept(report, hlo_text)
     report.xla_target = target.family
     report.xla_fp8_note = target.fp8_kept_note
     report.xla_device = device

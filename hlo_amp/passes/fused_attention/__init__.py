@@ -92,7 +92,7 @@ class FusedAttention:
                 site, match, dtype = found
                 if match is not None:
                     try:
-                        self._fuse(match, dtype, site.location)
+                        self._fuse(match, dtype, site.kernel_name)
                         fused += 1
                     except NotFused as error:
                         site = replace(site, fused=False, reason=error.reason, kernel="",
@@ -174,6 +174,10 @@ def _entry(op: ir.Operation, prefix: str, fn_name: str, match: Match | None, fus
            reason: str, dtype: str = "", kernel: str = "") -> AttentionSite:
     site = site_of(op.location, "dot_general", prefix)
     scope_name = site.name.rsplit("/", 1)[0] if "/" in site.name else site.name
+    # The kernel's ops are named after the scores' matmul's own name (without the call
+    # prefix: XLA adds the names of the calls it inlines).
+    own = location_name(op.location)
+    kernel_name = (own.rsplit("/", 1)[0] if "/" in own else own) + "/cudnn_attention"
     shapes = q_shape = kv_shape = mask = ""
     direction = "forward"
     if match is not None:
@@ -193,7 +197,7 @@ def _entry(op: ir.Operation, prefix: str, fn_name: str, match: Match | None, fus
                          fused=fused, reason=reason if not fused else "",
                          kernel=kernel if fused else "", dtype=dtype if fused else "",
                          shapes=shapes, mask=mask, location=scope_name,
-                         source=site.source)
+                         source=site.source, kernel_name=kernel_name)
 
 
 def _partitions(module: ir.Module) -> int:

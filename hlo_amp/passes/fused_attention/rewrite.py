@@ -271,7 +271,9 @@ def element_of(dtype: str) -> ir.Type:
 
 def rewrite(match: Match, kernel: Kernel, call: AttentionCall, layout: Layout,
             dtype: str, name: str) -> None:
-    """Replace ``match``'s exits with ``kernel``'s results."""
+    """Replace ``match``'s exits with ``kernel``'s results; the kernel's forward ops are
+    named ``name``, its backward's ``name + "_backward"``, the layout ops around them
+    ``.../fused_attention``."""
     exits = match.exits
     ordered = _in_order([e.op for e in exits.values()])
     first = ordered[0]
@@ -279,7 +281,8 @@ def rewrite(match: Match, kernel: Kernel, call: AttentionCall, layout: Layout,
                           + [v for v, _roles in match.mask_leaves], first)
     element = element_of(dtype)
     sizes = match.sizes
-    location = ir.Location.name(name + "/fused_attention", context=first.context)
+    location = ir.Location.name(name.rsplit("/", 1)[0] + "/fused_attention",
+                                context=first.context)
     with _Builder(first, location) as build:
         q = build.to_kernel(match.q, match.q_roles, layout.order("q"), call.q_shape, element)
         k = build.to_kernel(match.k, match.k_roles, layout.order("k"), call.kv_shape,
@@ -289,7 +292,7 @@ def rewrite(match: Match, kernel: Kernel, call: AttentionCall, layout: Layout,
         inputs = [q, k, v]
         if call.bias_shape is not None:
             inputs.append(build.bias(match, layout, call.bias_shape, element, dtype))
-    forward = splice(kernel.forward, inputs, first, name + "/cudnn_attention")
+    forward = splice(kernel.forward, inputs, first, name)
     out = forward[0]
     if "out" in exits:
         target = exits["out"]
@@ -305,8 +308,7 @@ def rewrite(match: Match, kernel: Kernel, call: AttentionCall, layout: Layout,
     with _Builder(where, location) as build:
         d_out = build.to_kernel(match.d_out, match.d_out_roles, layout.order("do"),
                                 call.q_shape, element)
-    grads = splice(kernel.backward, [*forward[1:], d_out], where,
-                   name + "/cudnn_attention_backward")
+    grads = splice(kernel.backward, [*forward[1:], d_out], where, name + "_backward")
     for kind, value, operand in (("dq", grads[0], "dq"), ("dk", grads[1], "dk"),
                                  ("dv", grads[2], "dv")):
         target = exits[kind]
