@@ -73,6 +73,9 @@ class Config:
     scan_layers: bool = True
     learning_rate: float = 3e-4
     weight_decay: float = 0.1
+    # How the model writes attention: "einsum" (softmax(QKᵀ)V by hand, GQA groups, an f32
+    # softmax) or "dot_product_attention" (``jax.nn.dot_product_attention``, is_causal).
+    attention: str = "einsum"
 
     @property
     def head_dim(self) -> int:
@@ -88,7 +91,10 @@ HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16", "hlo_amp mixed_bfloat16": "mixed_bfl
                     "hlo_amp bf16 reduce=bfloat16": "bf16,reduce=bfloat16",
                     "hlo_amp mixed reduce=float32": "mixed_bfloat16,reduce=float32",
                     "hlo_amp fp8": "fp8"}
-VARIANTS = ("f32", "hand-cast bf16", *HLO_AMP_POLICIES)
+# The peer a user writes for speed: bf16 by hand and jax.nn.dot_product_attention's cuDNN
+# kernel (whatever --attention says).
+CUDNN_PEER = "hand-cast bf16 cudnn"
+VARIANTS = ("f32", "hand-cast bf16", CUDNN_PEER, *HLO_AMP_POLICIES)
 # The benchmark's devices: one 8-GPU node, a 16-chip v5e slice (TPUs refuse fp8).
 DEVICES = {"h100x8-aot": "h100x8", "tpu-v5e-16-aot": "tpu-v5e:4x4"}
 
@@ -179,15 +185,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(x: jax.Array, block: dict, config: Config, rope: tuple, dtype: Any
-              ) -> jax.Array:
-    """Grouped-query causal self-attention."""
+ATTENTION_FORMS = ("einsum", "dot_product_attention")
+
+
+def attention(x: jax.Array, block: dict, config: Config, rope: tuple, dtype: Any,
+              implementation: str | None = None) -> jax.Array:
+    """Grouped-query causal self-attention, written as ``config.attention`` says;
+    ``implementation`` ("cudnn", the hand-cast peer's) makes it
+    ``jax.nn.dot_product_attention`` with that implementation whatever the config."""
     b, s, _ = x.shape
     hd, kv, groups = config.head_dim, config.kv_heads, config.heads // config.kv_heads
     q = (x @ block["wq"].astype(dtype)).reshape(b, s, config.heads, hd)
     k = (x @ block["wk"].astype(dtype)).reshape(b, s, kv, hd)
     v = (x @ block["wv"].astype(dtype)).reshape(b, s, kv, hd)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    if implementation is not None or config.attention == "dot_product_attention":
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=implementation)
+        return out.reshape(b, s, config.heads * hd) @ block["wo"].astype(dtype)
     q = q.reshape(b, s, kv, groups, hd)
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k) / jnp.asarray(math.sqrt(hd), dtype)
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))
@@ -204,7 +219,7 @@ def mlp(x: jax.Array, block: dict, dtype: Any) -> jax.Array:
 
 
 def forward(params: dict, tokens: jax.Array, config: Config, dtype: Any = jnp.float32,
-            mesh: Any = None) -> jax.Array:
+            mesh: Any = None, implementation: str | None = None) -> jax.Array:
     """Logits [batch, seq, vocab] in f32; ``dtype`` is the activations' (and the cast
     parameters') type: f32 for the plain model, bf16 for the hand-cast peer."""
     rope = rope_tables(config)
@@ -217,7 +232,7 @@ def forward(params: dict, tokens: jax.Array, config: Config, dtype: Any = jnp.fl
 
     def block_fn(h: jax.Array, block: dict) -> jax.Array:
         h = residual(h + attention(rms_norm(h, block["attn_norm"], config.norm_eps), block,
-                                   config, rope, dtype))
+                                   config, rope, dtype, implementation))
         return residual(h + mlp(rms_norm(h, block["mlp_norm"], config.norm_eps), block, dtype))
 
     if config.remat:
@@ -233,20 +248,22 @@ def forward(params: dict, tokens: jax.Array, config: Config, dtype: Any = jnp.fl
 
 
 def loss_fn(params: dict, tokens: jax.Array, config: Config, dtype: Any = jnp.float32,
-            mesh: Any = None) -> jax.Array:
+            mesh: Any = None, implementation: str | None = None) -> jax.Array:
     """Next-token cross-entropy, in f32; ``tokens`` is [batch, seq + 1]."""
-    logits = forward(params, tokens[:, :-1], config, dtype, mesh)
+    logits = forward(params, tokens[:, :-1], config, dtype, mesh, implementation)
     targets = tokens[:, 1:]
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
 
 
-def make_train_step(config: Config, dtype: Any = jnp.float32, mesh: Any = None) -> Callable:
+def make_train_step(config: Config, dtype: Any = jnp.float32, mesh: Any = None,
+                    implementation: str | None = None) -> Callable:
     """(params, opt_state, tokens) -> (params, opt_state, loss), AdamW."""
     b1, b2, eps = 0.9, 0.95, 1e-8
 
     def train_step(params: dict, opt_state: dict, tokens: jax.Array) -> tuple:
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, config, dtype, mesh)
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, config, dtype, mesh,
+                                                  implementation)
         count = opt_state["count"] + 1
         mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, opt_state["mu"], grads)
         nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, opt_state["nu"], grads)
@@ -291,6 +308,18 @@ def abstract_state(config: Config, mesh: Any) -> tuple[Any, Any, Any]:
     return params, opt_state, tokens
 
 
+def variant_step(variant: str, config: Config, mesh: Any = None) -> Callable:
+    """The train step a variant runs: f32 (also what hlo_amp rewrites), bf16 by hand,
+    bf16 by hand with cuDNN's attention."""
+    if variant == "f32" or variant in HLO_AMP_POLICIES:
+        return make_train_step(config, jnp.float32, mesh)
+    if variant == "hand-cast bf16":
+        return make_train_step(config, jnp.bfloat16, mesh)
+    if variant == CUDNN_PEER:
+        return make_train_step(config, jnp.bfloat16, mesh, implementation="cudnn")
+    raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
+
+
 def compile_variant(variant: str, target: str, config: Config = Config(),
                     axes: dict[str, int] | None = None,
                     seconds: dict[str, float] | None = None) -> Any:
@@ -302,12 +331,7 @@ def compile_variant(variant: str, target: str, config: Config = Config(),
     device = device_target(target)
     mesh = hlo_amp.target_mesh(device, axes or default_axes(device.devices))
     args = abstract_state(config, mesh)
-    if variant == "f32" or variant in HLO_AMP_POLICIES:
-        step = make_train_step(config, jnp.float32, mesh)
-    elif variant == "hand-cast bf16":
-        step = make_train_step(config, jnp.bfloat16, mesh)
-    else:
-        raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
+    step = variant_step(variant, config, mesh)
     timed = seconds is not None
     seconds = {} if seconds is None else seconds
     if variant in HLO_AMP_POLICIES:
@@ -321,10 +345,15 @@ def compile_variant(variant: str, target: str, config: Config = Config(),
                                  else lowered.pass_seconds),
                         "compile": compiled.compile_seconds})
         return compiled
+    from hlo_amp import jax_internals
     from hlo_amp.runtime.deviceless import lower_for_target
 
     start = time.perf_counter()
-    lowered = lower_for_target(jax.jit(step), args, {}, device)
+    # jax checks cuDNN while it traces the peer's cuDNN attention: answered for the GPU
+    # compiled for (targets/attention_kernels.py does the same).
+    with jax_internals.cudnn_checks_answered(getattr(device, "compute_capability", None),
+                                             91000, active=variant == CUDNN_PEER):
+        lowered = lower_for_target(jax.jit(step), args, {}, device)
     middle = time.perf_counter()
     compiled = lowered.compile(device.compiler_options)
     seconds.update({"lower": middle - start, "compile": time.perf_counter() - middle})
@@ -401,11 +430,18 @@ def _machine() -> str:
     return f"{model}, {len(os.sched_getaffinity(0))} CPUs, {flags}"
 
 
+def section_key(device: str, config: Config) -> str:
+    """The RESULTS.md section's key: the device, and the attention form when it is not
+    the einsum (each form keeps its own section)."""
+    key = device.removesuffix("-aot")
+    return key if config.attention == "einsum" else f"{key} --attention {config.attention}"
+
+
 def section(device: str, config: Config, rows: list[dict[str, Any]],
             refused: dict[str, str], command: str) -> list[str]:
     """The RESULTS.md section for one device: header lines, the table, the refusals."""
     target = device_target(DEVICES.get(device, device))
-    key = device.removesuffix("-aot")
+    key = section_key(device, config)
     layer_form = ("layers scanned (`jax.lax.scan` over stacked block parameters)"
                   if config.scan_layers else "layers unrolled (a Python loop)")
     return [f"<!-- benchmarks.llm --device {key}: begin (replaced by each run) -->",
@@ -416,7 +452,8 @@ def section(device: str, config: Config, rows: list[dict[str, Any]],
             f"d {config.dim}, {config.heads} heads / {config.kv_heads} KV, SwiGLU "
             f"{config.hidden}, vocab {config.vocab}, seq {config.seq}, global batch "
             f"{config.batch}); {layer_form}; FSDP × TP {default_axes(target.devices)}; "
-            "AdamW; remat per block"),
+            f"AdamW; remat per block; attention written as {config.attention} "
+            f"(`{CUDNN_PEER}`: `jax.nn.dot_product_attention(implementation=\"cudnn\")`)"),
             f"- command: `{command}`; jax {jax.__version__}; compiled on {_machine()}",
             ("- per device: XLA's temp and argument bytes (`memory_analysis()`); collective "
             "bytes from the optimized HLO (`hlo_amp/targets/collectives.py`, result bytes "
@@ -456,6 +493,12 @@ def main(argv: list[str] | None = None) -> None:
                         "default) or, with --no-scan, a Python loop (unrolled)")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="compile only these (default: all)")
+    parser.add_argument("--attention", choices=ATTENTION_FORMS,
+                        help="how the model writes attention (default: einsum)")
+    parser.add_argument("--batch", type=int, help="override the preset's global batch")
+    parser.add_argument("--seq", type=int, help="override the preset's sequence length")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="--device gpu/cpu: timed steps per variant (median)")
     parser.add_argument("--results", type=Path,
                         help="write the table into this markdown file (benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
@@ -464,6 +507,12 @@ def main(argv: list[str] | None = None) -> None:
         config = dataclasses.replace(config, layers=args.layers)
     if args.scan is not None:
         config = dataclasses.replace(config, scan_layers=args.scan)
+    for name in ("attention", "batch", "seq"):
+        if getattr(args, name):
+            config = dataclasses.replace(config, **{name: getattr(args, name)})
+    if args.device in LOCAL_DEVICES:
+        run_local(args, config, argv)
+        return
     target = device_target(DEVICES.get(args.device, args.device))
     print(f"{param_count(config) / 1e9:.3f}B parameters, {target.description}", flush=True)
     rows, refused = [], {}
@@ -481,7 +530,122 @@ def main(argv: list[str] | None = None) -> None:
         command = "python -m benchmarks.llm " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
         write_section(args.results, section(args.device, config, rows, refused, command),
-                      args.device.removesuffix("-aot"))
+                      section_key(args.device, config))
+        print(f"wrote {args.results}")
+
+
+# ---- running on this machine's device ---------------------------------------------------------
+
+LOCAL_DEVICES = ("gpu", "cpu")
+# What --device gpu runs by default (the reduce= settings matter on a mesh only).
+LOCAL_VARIANTS = ("f32", "hand-cast bf16", CUDNN_PEER, "hlo_amp bf16", "hlo_amp mixed_bfloat16",
+                  "hlo_amp fp8")
+
+
+def model_flops(config: Config) -> float:
+    """PaLM's model FLOPs of one train step (appendix B): 6 per parameter outside the
+    embedding table and token, plus 12 · layers · d · seq per token for attention."""
+    weights = param_count(config) - config.vocab * config.dim
+    tokens = config.batch * config.seq
+    return (6 * weights + 12 * config.layers * config.dim * config.seq) * tokens
+
+
+def local_step(variant: str, config: Config) -> Callable:
+    """The variant's train step as a callable for this machine's device."""
+    step = variant_step(variant, config)
+    if variant in HLO_AMP_POLICIES:
+        return hlo_amp.compile(step, HLO_AMP_POLICIES[variant], donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def local_row(variant: str, config: Config, steps: int, roofline_target: Any) -> dict:
+    """One variant run ``steps`` times on this machine's first device: the median step
+    (``block_until_ready``), XLA's temp bytes, the device's peak bytes in use, the first
+    and last loss, and the roofline estimate of the same compiled step."""
+    import numpy as np
+
+    from hlo_amp.targets.roofline import estimate
+
+    step = local_step(variant, config)
+    params = init_params(config, jax.random.key(0))
+    opt_state = {"count": jnp.zeros((), jnp.int32), "mu": jax.tree.map(jnp.zeros_like, params),
+                 "nu": jax.tree.map(jnp.zeros_like, params)}
+    tokens = jax.random.randint(jax.random.key(1), (config.batch, config.seq + 1), 0,
+                                config.vocab)
+    start = time.perf_counter()
+    compiled = step.lower(params, opt_state, tokens).compile()
+    compile_s = time.perf_counter() - start
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    roofline = (estimate(compiled.as_text(), roofline_target).roofline_seconds
+                if roofline_target is not None else None)
+    report = compiled.report() if hasattr(compiled, "report") else None
+    losses, times = [], []
+    for _ in range(steps + 2):  # two warm-up steps
+        begin = time.perf_counter()
+        params, opt_state, loss = compiled(params, opt_state, tokens)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - begin)
+        losses.append(float(loss))
+    stats = jax.devices()[0].memory_stats() or {}
+    median = float(np.median(times[2:]))
+    peak_flops = (roofline_target.peak_flops.get("bf16") if roofline_target is not None
+                  else None)
+    return {"variant": variant, "step_s": median, "temp": temp,
+            "peak": stats.get("peak_bytes_in_use"), "first_loss": losses[0],
+            "last_loss": losses[-1], "roofline_s": roofline, "compile_s": compile_s,
+            "mfu": model_flops(config) / median / peak_flops if peak_flops else None,
+            "attention": report.attention_clause() if report is not None and
+            report.attention else ""}
+
+
+def local_table(rows: list[dict]) -> list[str]:
+    base = next((r for r in rows if r["variant"] == "f32"), None)
+    out = ["| variant | step ms | vs f32 | MFU | XLA temp MiB | peak MiB | loss first → last "
+           "| roofline ms | measured / roofline | attention |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        speed = f"{base['step_s'] / r['step_s']:.2f}×" if base else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
+        peak = _mib(r["peak"]) if r["peak"] else "-"
+        roof = f"{1e3 * r['roofline_s']:.4g}" if r["roofline_s"] else "-"
+        ratio = f"{r['step_s'] / r['roofline_s']:.2f}" if r["roofline_s"] else "-"
+        out.append(f"| {r['variant']} | {1e3 * r['step_s']:.1f} | {speed} | {mfu} | "
+                   f"{_mib(r['temp'])} | {peak} | {r['first_loss']:.4f} → "
+                   f"{r['last_loss']:.4f} | {roof} | {ratio} | {r['attention'] or '-'} |")
+    return out
+
+
+def run_local(args: Any, config: Config, argv: list[str] | None) -> None:
+    """``--device gpu`` (or ``cpu``, a smoke run): every variant trained ``--steps``
+    steps on this machine's first device, one device (no sharding), a table."""
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", device.platform)
+    known = next((name for name in ("h200", "h100", "a100") if name in kind.lower()), None)
+    roofline_target = device_target(known) if known else None
+    print(f"{param_count(config) / 1e9:.3f}B parameters on {kind}; batch {config.batch} x "
+          f"seq {config.seq}; attention {config.attention}", flush=True)
+    rows = []
+    for variant in args.variant or LOCAL_VARIANTS:
+        if variant == CUDNN_PEER and device.platform != "gpu":
+            print(f"{variant}: skipped (cuDNN runs on a GPU)", flush=True)
+            continue
+        rows.append(local_row(variant, config, args.steps, roofline_target))
+        print("\n".join(local_table(rows)[-1:]), flush=True)
+    if args.results:
+        command = "python -m benchmarks.llm " + " ".join(argv if argv is not None
+                                                          else sys.argv[1:])
+        key = section_key(args.device, config)
+        lines = [f"<!-- benchmarks.llm --device {key}: begin (replaced by each run) -->",
+                 f"## LLM-scale: Llama-style decoder trained on one {kind}",
+                 "",
+                 f"- model: {param_count(config) / 1e9:.2f}B parameters, batch "
+                 f"{config.batch} x seq {config.seq}, attention written as "
+                 f"{config.attention}; {args.steps} timed steps after 2 warm-up steps, "
+                 "median; MFU: PaLM's model FLOPs over the bf16 dense peak",
+                 f"- command: `{command}`; jax {jax.__version__}",
+                 "", *local_table(rows), "",
+                 f"<!-- benchmarks.llm --device {key}: end -->"]
+        write_section(args.results, lines, key)
         print(f"wrote {args.results}")
 
 
