@@ -27,6 +27,7 @@ pass wires (layouts, heads, masks, scale) without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from hlo_amp import jax_internals as internals
+from hlo_amp.quiet_stderr import fd2_filtered
 
 KERNELS = ("cudnn", "reference")
 # The cuDNN version a deviceless lowering reports to jax (targets/gpu.py's dnn_version).
@@ -99,8 +101,12 @@ def _lower(call: AttentionCall, kernel: str,
         return function if bias is not None else (lambda q, k, v: function(q, k, v, None))
 
     attend_with = with_bias(attend)
-    with internals.cudnn_checks_answered(compute_capability, DEVICELESS_CUDNN,
-                                         active=kernel == "cudnn"):
+    # Lowering cuDNN's call starts jax's CUDA backend, whose stub prints "Could not find
+    # cuda drivers" where there is no GPU: dropped (hlo_amp/quiet_stderr.py).
+    quiet = (fd2_filtered() if kernel == "cudnn" and compute_capability is not None
+             else contextlib.nullcontext())
+    with quiet, internals.cudnn_checks_answered(compute_capability, DEVICELESS_CUDNN,
+                                                active=kernel == "cudnn"):
         if not call.training:
             forward = _text(attend_with, inputs, platform)
             return Kernel(forward, None, 0)

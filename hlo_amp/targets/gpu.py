@@ -76,10 +76,14 @@ class GpuTarget(Target):
     def fused_attention_obstacle(self) -> str | None:
         """cuDNN's flash attention (the kernel jax's
         ``dot_product_attention(implementation="cudnn")`` calls) needs an NVIDIA GPU of
-        compute capability 8.0 (Ampere) or later: A100, H100, H200."""
+        compute capability 8.0 (Ampere) or later: A100, H100, H200. A GPU target with no
+        GPU known (``hlo-amp-opt --target gpu`` on a machine without one) is taken to be
+        such a GPU; an AMD GPU of this machine is not one."""
+        if not self.target_config and _local_platform() == "rocm":
+            return "an AMD GPU: cuDNN's fused attention runs on NVIDIA GPUs"
         capability = self.compute_capability
         if capability is None:
-            return "a GPU whose CUDA compute capability is unknown (not an NVIDIA GPU?)"
+            return None
         if capability < (8, 0):
             return (f"cuDNN's flash attention needs compute capability 8.0 or later; this "
                     f"GPU has {capability[0]}.{capability[1]}")
@@ -114,14 +118,32 @@ class GpuTarget(Target):
 GPU = GpuTarget()
 
 
-def _local_compute_capability() -> tuple[int, int] | None:
-    """The compute capability of this machine's first CUDA device, if it has one."""
+def _local_gpus() -> list[Any]:
+    """This machine's GPU devices (asking jax may start its CUDA plugin, whose stub
+    prints to fd 2 where there is no GPU: dropped, as at hlo_amp's import)."""
     import jax
 
-    try:
-        devices = [d for d in jax.devices() if d.platform == "gpu"]
-    except RuntimeError:
+    from hlo_amp.quiet_stderr import fd2_filtered
+
+    with fd2_filtered():
+        try:
+            return [d for d in jax.devices() if d.platform == "gpu"]
+        except RuntimeError:
+            return []
+
+
+def _local_platform() -> str | None:
+    """"cuda" or "rocm" for this machine's first GPU, None without one."""
+    devices = _local_gpus()
+    if not devices:
         return None
+    version = str(getattr(devices[0].client, "platform_version", "")).lower()
+    return "rocm" if "rocm" in version else "cuda"
+
+
+def _local_compute_capability() -> tuple[int, int] | None:
+    """The compute capability of this machine's first CUDA device, if it has one."""
+    devices = _local_gpus()
     text = getattr(devices[0], "compute_capability", None) if devices else None
     if not text:
         return None

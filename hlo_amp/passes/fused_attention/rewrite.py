@@ -131,7 +131,8 @@ class _Builder:
         permutation = [roles.index(r) for r in order] + units
         if permutation != list(range(len(roles))):
             value = hlo.transpose(value, ir.DenseI64ArrayAttr.get(permutation))
-        value = hlo.reshape(self.tensor(list(shape4), source.element_type), value)
+        if list(ir.RankedTensorType(value.type).shape) != list(shape4):
+            value = hlo.reshape(self.tensor(list(shape4), source.element_type), value)
         if source.element_type != element:
             value = hlo.convert(self.tensor(list(shape4), element), value)
         return value
@@ -141,7 +142,8 @@ class _Builder:
         """The kernel's result back into ``roles``' order and ``target``'s type."""
         element = ir.RankedTensorType(value.type).element_type
         full = [sizes[r] for r in order]
-        value = hlo.reshape(self.tensor(full, element), value)
+        if list(ir.RankedTensorType(value.type).shape) != full:
+            value = hlo.reshape(self.tensor(full, element), value)
         present = [r for r in roles if r != UNIT]
         permutation = [order.index(r) for r in present]
         if permutation != list(range(len(order))):

@@ -278,6 +278,21 @@ def fp8_scan_grad() -> str:
         debug_info=True)
 
 
+# ---- attention_grad: jax.nn.dot_product_attention, causal, GQA, and its gradient ------
+
+
+def attention_loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    with jax.named_scope("attn"):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jnp.sum(out * jnp.cos(out))
+
+
+def attention_grad() -> str:
+    q, kv = _ramp(2, 8, 4, 8), _ramp(2, 8, 2, 8)
+    return jax.jit(jax.grad(attention_loss, argnums=(0, 1, 2))).lower(q, kv, kv).as_text(
+        debug_info=True)
+
+
 LOWERINGS: dict[str, Callable[[], str]] = {
     "mlp_grad": mlp_grad,
     "flax_linen": flax_linen,
@@ -290,6 +305,7 @@ LOWERINGS: dict[str, Callable[[], str]] = {
     "transformer_block": transformer_block,
     "fp8_mlp_grad": fp8_mlp_grad,
     "fp8_scan_grad": fp8_scan_grad,
+    "attention_grad": attention_grad,
 }
 
 
