@@ -8,7 +8,9 @@ forward or a training step (gradients with respect to every float argument).
   s, finfo.min)``, an f32 softmax), unrolled or scanned, with and without
   ``jax.checkpoint``;
 - Flax NNX ``nnx.MultiHeadAttention`` with ``nnx.make_causal_mask``, Flax Linen
-  ``nn.MultiHeadDotProductAttention``, Equinox ``eqx.nn.MultiheadAttention``.
+  ``nn.MultiHeadDotProductAttention``, Equinox ``eqx.nn.MultiheadAttention``, and
+  ``jax.nn.dot_product_attention`` on projections: each forward, in a training step, under
+  ``jax.checkpoint`` and in a ``jax.lax.scan`` of checkpointed layers (``WRAPS``).
 """
 
 from __future__ import annotations
@@ -87,52 +89,83 @@ def llm_step(form: Llm) -> tuple[Callable[..., Any], tuple]:
 # ---- the frameworks' attention layers ---------------------------------------------------------
 
 
-def nnx_step(causal: bool = True) -> tuple[Callable[..., Any], tuple]:
+WRAPS = ("forward", "step", "checkpoint", "scan")
+
+
+def _wrapped(apply: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
+             wrap: str) -> tuple[Callable[..., Any], tuple]:
+    """``apply(params, x)`` (a layer's output) as the program ``wrap`` says: its output
+    (``forward``), the gradient of a loss of it (``step``), the same with the layer under
+    ``jax.checkpoint``, or two residual layers as a ``jax.lax.scan`` over a checkpointed
+    body (the parameters shared)."""
+    if wrap == "forward":
+        return jax.jit(apply), (params, x)
+    layer = jax.checkpoint(apply) if wrap in ("checkpoint", "scan") else apply
+
+    def loss(params: Any, x: jax.Array) -> jax.Array:
+        if wrap == "scan":
+            out, _ = jax.lax.scan(lambda h, _: (h + layer(params, h), None), x, None,
+                                  length=2)
+        else:
+            out = layer(params, x)
+        return jnp.sum(out * jnp.cos(out))
+
+    return jax.grad(loss, argnums=(0, 1)), (params, x)
+
+
+def nnx_program(wrap: str = "step", causal: bool = True) -> tuple[Callable[..., Any], tuple]:
     from flax import nnx
 
     layer = nnx.MultiHeadAttention(num_heads=N, in_features=N * H, qkv_features=N * H,
                                    decode=False, rngs=nnx.Rngs(0))
     graph, state = nnx.split(layer)
-    x = _normal(3, (B, T, N * H))
 
-    def loss(state: Any, x: jax.Array) -> jax.Array:
-        model = nnx.merge(graph, state)
+    def apply(state: Any, x: jax.Array) -> jax.Array:
         mask = nnx.make_causal_mask(jnp.ones((B, T))) if causal else None
-        out = model(x, mask=mask)
-        return jnp.sum(out * jnp.cos(out))
+        return nnx.merge(graph, state)(x, mask=mask)
 
-    return jax.grad(loss, argnums=(0, 1)), (state, x)
+    return _wrapped(apply, state, _normal(3, (B, T, N * H)), wrap)
 
 
-def linen_step(causal: bool = True) -> tuple[Callable[..., Any], tuple]:
+def linen_program(wrap: str = "step", causal: bool = True) -> tuple[Callable[..., Any], tuple]:
     import flax.linen as nn
 
     layer = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=N * H)
     x = _normal(3, (B, T, N * H))
     params = layer.init(jax.random.key(0), x, x)
 
-    def loss(params: Any, x: jax.Array) -> jax.Array:
+    def apply(params: Any, x: jax.Array) -> jax.Array:
         mask = nn.make_causal_mask(jnp.ones((B, T))) if causal else None
-        out = layer.apply(params, x, x, mask=mask)
-        return jnp.sum(out * jnp.cos(out))
+        return layer.apply(params, x, x, mask=mask)
 
-    return jax.grad(loss, argnums=(0, 1)), (params, x)
+    return _wrapped(apply, params, x, wrap)
 
 
-def equinox_step(causal: bool = False) -> tuple[Callable[..., Any], tuple]:
+def equinox_program(wrap: str = "step", causal: bool = False
+                    ) -> tuple[Callable[..., Any], tuple]:
     import equinox as eqx
 
     layer = eqx.nn.MultiheadAttention(num_heads=N, query_size=N * H, key=jax.random.key(0))
     params, static = eqx.partition(layer, eqx.is_array)
-    x = _normal(3, (B, T, N * H))
     mask = jnp.tril(jnp.ones((T, T), dtype=bool)) if causal else None
 
-    def loss(params: Any, x: jax.Array) -> jax.Array:
+    def apply(params: Any, x: jax.Array) -> jax.Array:
         model = eqx.combine(params, static)
-        out = jax.vmap(lambda row: model(row, row, row, mask=mask))(x)
-        return jnp.sum(out * jnp.cos(out))
+        return jax.vmap(lambda row: model(row, row, row, mask=mask))(x)
 
-    return jax.grad(loss, argnums=(0, 1)), (params, x)
+    return _wrapped(apply, params, _normal(3, (B, T, N * H)), wrap)
+
+
+def dpa_program(wrap: str) -> tuple[Callable[..., Any], tuple]:
+    """``jax.nn.dot_product_attention`` (causal, GQA) on projections of x."""
+    q_w, kv_w = _normal(4, (N * H, N * H)), _normal(5, (N * H, 2 * K * H))
+
+    def apply(params: Any, x: jax.Array) -> jax.Array:
+        q = (x @ params[0] / 8.0).reshape(B, T, N, H)
+        k, v = jnp.split((x @ params[1] / 8.0).reshape(B, T, 2 * K, H), 2, axis=2)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, N * H)
+
+    return _wrapped(apply, (q_w, kv_w), _normal(3, (B, T, N * H)), wrap)
 
 
 def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
@@ -148,11 +181,13 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "llm_unrolled": llm_step(Llm()),
         "llm_unrolled_remat": llm_step(Llm(remat=True)),
         "llm_scan_remat": llm_step(Llm(scan=True, remat=True)),
-        "nnx_causal": nnx_step(),
-        "linen_causal": linen_step(),
-        "equinox": equinox_step(),
-        "equinox_causal": equinox_step(causal=True),
+        "equinox_no_mask": equinox_program(),
     }
+    for wrap in WRAPS:
+        found[f"dpa_{wrap}"] = dpa_program(wrap)
+        found[f"nnx_causal_{wrap}"] = nnx_program(wrap)
+        found[f"linen_causal_{wrap}"] = linen_program(wrap)
+        found[f"equinox_causal_{wrap}"] = equinox_program(wrap, causal=True)
     return found
 
 

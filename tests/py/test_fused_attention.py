@@ -85,8 +85,8 @@ def test_every_form_fuses_and_matches_the_program(name: str) -> None:
     assert programs.max_relative_error(expected, got) < BF16_TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["dpa_causal_gqa", "llm_unrolled_remat", "nnx_causal",
-                                  "equinox_causal", "dpa_padding_mask"])
+@pytest.mark.parametrize("name", ["dpa_causal_gqa", "llm_unrolled_remat", "nnx_causal_step",
+                                  "equinox_causal_scan", "dpa_padding_mask"])
 def test_the_cudnn_form_has_no_score_matrix_left(name: str) -> None:
     """With cuDNN's kernel: one forward call per site (a backward one per training
     site), and no value of the live program has both the query and key axes."""
