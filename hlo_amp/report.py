@@ -195,7 +195,7 @@ class Report:
 
     def attention_clause(self) -> str:
         """``attention: 16 of 16 sites fused (cuDNN flash)``, with XLA's verdict once
-        compiled, or the first reason a site is not fused."""
+        compiled (each site's reason: ``attention_lines``)."""
         fused = [a for a in self.attention if a.fused]
         kernels = ", ".join(dict.fromkeys(a.kernel for a in fused))
         line = (f"attention: {len(fused)} of {len(self.attention)} sites fused"
@@ -203,9 +203,6 @@ class Report:
         checked = [a for a in fused if a.kept_by_xla is not None]
         if checked:
             line += f", kept by XLA: {sum(bool(a.kept_by_xla) for a in checked)}/{len(checked)}"
-        left = [a for a in self.attention if not a.fused]
-        if left:
-            line += f" ({len(left)} not: {left[0].reason})"
         return line
 
     def attention_lines(self) -> list[str]:

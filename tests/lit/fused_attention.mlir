@@ -44,4 +44,7 @@
 // REPORT:   "shapes": "q 2x8x4x8, k/v 2x8x2x8 (BTNH)",
 // REPORT:   "mask": "causal",
 
-// WHY: "summary": "{{.*}}attention: 0 of 1 sites fused (1 not: CPU: cuDNN's fused attention is a GPU kernel)
+// WHY: "summary": "{{.*}}attention: 0 of 1 sites fused
+// WHY: "attention": [
+// WHY:   "fused": false,
+// WHY:   "reason": "CPU: cuDNN's fused attention is a GPU kernel",

@@ -211,7 +211,10 @@ _LOWER = textwrap.dedent("""
             assert all(d.operands_after[0] == "bf16" or left_to_xla and
                        d.reason.startswith("kept f32: XLA:TPU rounds")
                        for d in report.decisions), report
-            print(target, mode, len(report.decisions), flush=True)
+            # On a GPU each attention's matmuls became cuDNN's fused kernel (no decision).
+            fused = sum(site.fused for site in report.attention)
+            print(target, mode, len(report.decisions), fused, len(report.attention),
+                  flush=True)
 """)
 DOTS = "stablehlo.dot_general"
 DEVICES = ("h100", "tpu-v5e")
@@ -229,9 +232,16 @@ def lowered_for_devices() -> subprocess.CompletedProcess:
 def test_causal_decoder_lowered_for_a_device_exits_0(target, lowered_for_devices):
     """The user's path of the crash: ``hlo_amp.compile(step, mode).lower(..., target=)``
     on a 2-layer causal decoder, in a subprocess that must exit 0 with every dot bf16
-    (or, in the accurate mode on TPU, left to XLA:TPU's own bf16 pass, saying so)."""
+    (or, in the accurate mode on TPU, left to XLA:TPU's own bf16 pass, saying so); on
+    the GPU its two attentions run as cuDNN's fused kernel, their matmuls gone."""
     done = lowered_for_devices
     assert done.returncode == 0, done.stderr[-3000:]
-    dots = str(_lowered(*decoder_step(2)).count(f"= {DOTS}"))
+    dots = _lowered(*decoder_step(2)).count(f"= {DOTS}")
     lines = [line.split()[1:] for line in done.stdout.splitlines() if line.split()[0] == target]
-    assert dots != "0" and lines == [["bf16", dots], ["mixed_bfloat16", dots]]
+    assert dots and [line[0] for line in lines] == ["bf16", "mixed_bfloat16"]
+    for _mode, decisions, fused, sites in lines:
+        assert int(sites) > 0
+        if target.startswith("tpu"):
+            assert (int(decisions), int(fused)) == (dots, 0)
+        else:
+            assert fused == sites and 0 < int(decisions) < dots

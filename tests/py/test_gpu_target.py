@@ -133,7 +133,9 @@ def test_fp8_dots_run_as_fp8_gemms(workload: str) -> None:
     wide_gemms = sum(kind == "gemm" for kind, _ in library_calls(result.as_text()))
     assert wide_gemms <= sum(not d.fp8 for d in report.decisions if d.op_kind != "convolution")
     if workload in FP8_SHORT_OF_TARGET:
-        assert 0.8 <= kept / len(fp8) < 0.9
+        # The attention's own matmuls are cuDNN's fused kernel (passes/fused_attention/),
+        # no decision: the 36 fp8 dots left are the projections and the MLP's.
+        assert 0.75 <= kept / len(fp8) < 0.9
         missed = [d for d in fp8 if not d.kept_by_xla]
         assert {d.scope.rsplit("/", 1)[-1] for d in missed} <= {"query", "key", "value"}
         assert all(d.kept_by_xla is None for d in missed)  # merged, not upcast

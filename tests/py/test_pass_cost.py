@@ -175,8 +175,9 @@ def test_default_names_the_pipeline_and_the_debug_option(monkeypatch):
         run_pipeline(parse_module(MODULE), policy, passes=_broken_pipeline(policy))
     message = str(caught.value)
     assert message.startswith(
-        "internal error: the pass pipeline (hlo-amp-insert-converts, test-break-types, "
-        "hlo-amp-comm-precision, hlo-amp-cleanup) produced an invalid module"), message
+        "internal error: the pass pipeline (hlo-amp-fused-attention, test-break-types, "
+        "hlo-amp-insert-converts, hlo-amp-comm-precision, hlo-amp-cleanup) produced an "
+        "invalid module"), message
     assert f"{VERIFY_EACH_ENV}=1" in message and "--verify-each" in message
 
 
