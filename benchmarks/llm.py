@@ -600,8 +600,8 @@ def local_row(variant: str, config: Config, steps: int, roofline_target: Any) ->
 
 def local_table(rows: list[dict]) -> list[str]:
     base = next((r for r in rows if r["variant"] == "f32"), None)
-    out = ["| variant | step ms | vs f32 | MFU | XLA temp MiB | peak MiB | loss first → last "
-           "| roofline ms | measured / roofline | attention |",
+    out = [("| variant | step ms | vs f32 | MFU | XLA temp MiB | peak MiB | loss first → last "
+            "| roofline ms | measured / roofline | attention |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         speed = f"{base['step_s'] / r['step_s']:.2f}×" if base else "-"
@@ -638,10 +638,10 @@ def run_local(args: Any, config: Config, argv: list[str] | None) -> None:
         lines = [f"<!-- benchmarks.llm --device {key}: begin (replaced by each run) -->",
                  f"## LLM-scale: Llama-style decoder trained on one {kind}",
                  "",
-                 f"- model: {param_count(config) / 1e9:.2f}B parameters, batch "
-                 f"{config.batch} x seq {config.seq}, attention written as "
-                 f"{config.attention}; {args.steps} timed steps after 2 warm-up steps, "
-                 "median; MFU: PaLM's model FLOPs over the bf16 dense peak",
+                 (f"- model: {param_count(config) / 1e9:.2f}B parameters, batch "
+                  f"{config.batch} x seq {config.seq}, attention written as "
+                  f"{config.attention}; {args.steps} timed steps after 2 warm-up steps, "
+                  "median; MFU: PaLM's model FLOPs over the bf16 dense peak"),
                  f"- command: `{command}`; jax {jax.__version__}",
                  "", *local_table(rows), "",
                  f"<!-- benchmarks.llm --device {key}: end -->"]

@@ -106,8 +106,8 @@ fancy_primitive_batchers = _needs(batching, "jax._src.interpreters.batching",
                                   "fancy_primitive_batchers")
 _needs(ir.Operation, "jax.extend.mlir.ir.Operation", "_CAPIPtr")
 
-from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention  # noqa: E402
-from jax._src.nn import functions as _nn_functions  # noqa: E402
+from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention
+from jax._src.nn import functions as _nn_functions
 
 _needs(_cudnn_attention, "jax._src.cudnn.fused_attention_stablehlo", "dot_product_attention",
        ("query", "key", "value", "bias", "scale", "mask_type", "qkv_layout"))
@@ -217,10 +217,11 @@ def xla_attention_for_f32() -> Iterator[None]:
         # cuDNN's window is the left one, exclusive (nn.functions's own conversion).
         window = None if sliding_window_length is None else (sliding_window_length - 1, 0)
         residual = bool(kwargs.get("return_residual", False))
+        # Only a jax that has the residual option passes it (older ones have no name).
+        extra = {"return_residual": True} if residual else {}
         out = _nn_functions._dot_product_attention_xla(
             query, key, value, bias, mask, is_causal=causal, scale=scale,
-            q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, local_window_size=window,
-            return_residual=residual)
+            q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, local_window_size=window, **extra)
         if residual:  # cuDNN's log-sum-exp is [B, N, T]; the caller transposes it back
             out, lse = out
             return out, jnp.transpose(lse, (0, 2, 1))

@@ -15,7 +15,6 @@ and handed back to JAX's compile path.
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import dataclasses
 import functools

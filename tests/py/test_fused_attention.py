@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import re
 
+import attention_programs as programs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import attention_programs as programs
 import hlo_amp
 from hlo_amp.ir.modules import functions, module_text, parse_module, walk_operations
 from hlo_amp.passes import default_pipeline, run_pipeline
@@ -210,6 +210,7 @@ def test_not_for_a_head_dimension_cudnn_does_not_take() -> None:
     assert "head dimension 12" in _reasons(_attend, (q, q, q), "bf16", "h100")[0]
 
 
+@pytest.mark.filterwarnings("ignore:hlo_amp. policy rule")  # fp8's first/last: no dot left
 def test_fp8_policies_keep_attention_16_bit() -> None:
     lowered = hlo_amp.compile(_attend, "fp8").lower(*QKV, target="h100")
     [site] = lowered.report().attention
@@ -245,4 +246,14 @@ def test_scan_without_checkpoint_is_reported() -> None:
     fn, args = programs.llm_step(programs.Llm(scan=True, remat=False))
     reasons = _reasons(fn, args, "bf16", "h100")
     assert reasons and "another reader" in reasons[0]
-    assert np.isfinite(len(reasons))
+
+
+def test_not_in_a_program_partitioned_over_devices() -> None:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = hlo_amp.target_mesh("h100x2", {"data": 2})
+    sharded = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=NamedSharding(mesh, P("data"))) for x in QKV]
+    reasons = _reasons(_attend, sharded, "bf16", "h100x2")
+    assert reasons and "partitioned over 2 devices" in reasons[0]

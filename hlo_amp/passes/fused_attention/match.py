@@ -623,7 +623,7 @@ class _Site:
         return found
 
     def _classify_exits(self, p_like: set) -> dict[str, tuple[ir.Operation, int]]:
-        q_roles = set(r for r in self.q_roles if r[0] == "Q")
+        q_roles = {r for r in self.q_roles if r[0] == "Q"}
         found: dict[str, tuple[ir.Operation, int]] = {}
         for op, number in self.exits:
             value = op.operands[number]

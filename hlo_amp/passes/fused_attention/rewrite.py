@@ -109,7 +109,7 @@ class _Builder:
         self.point = ir.InsertionPoint(before)
         self.location = location
 
-    def __enter__(self) -> _Builder:
+    def __enter__(self) -> _Builder:  # noqa: PYI034 - a plain class, never subclassed
         self.point.__enter__()
         self.location.__enter__()
         return self
