@@ -168,6 +168,16 @@ def dpa_program(wrap: str) -> tuple[Callable[..., Any], tuple]:
     return _wrapped(apply, (q_w, kv_w), _normal(3, (B, T, N * H)), wrap)
 
 
+def einsum_sqrt_scale(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """benchmarks/workloads.py's decoder: the scale a runtime square root of a constant,
+    a causal ``jnp.where`` on the f32 scores."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(H).astype(q.dtype)
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
 def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
     """name -> (function, arguments): every way of writing attention the tests run."""
     q, k, v = _qkv()
@@ -182,6 +192,7 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "llm_unrolled_remat": llm_step(Llm(remat=True)),
         "llm_scan_remat": llm_step(Llm(scan=True, remat=True)),
         "equinox_no_mask": equinox_program(),
+        "einsum_sqrt_scale": (_grad_of(einsum_sqrt_scale), (q_mha, k_mha, v_mha)),
     }
     for wrap in WRAPS:
         found[f"dpa_{wrap}"] = dpa_program(wrap)

@@ -211,6 +211,14 @@ def test_not_for_a_head_dimension_cudnn_does_not_take() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:hlo_amp. policy rule")  # fp8's first/last: no dot left
+def test_not_where_jax_refuses_cudnn_for_the_shape() -> None:
+    """jax's own cuDNN checks (an odd sequence length in training) are reasons too."""
+    q = programs._normal(0, (2, 15, 4, 8))
+    grads = jax.grad(lambda q: jnp.sum(_attend(q, q, q)))
+    assert "cuDNN does not take it: Unsupported sequence length Q 15" in _reasons(
+        grads, (q,), "bf16", "h100")[0]
+
+
 def test_fp8_policies_keep_attention_16_bit() -> None:
     lowered = hlo_amp.compile(_attend, "fp8").lower(*QKV, target="h100")
     [site] = lowered.report().attention

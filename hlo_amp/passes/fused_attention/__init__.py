@@ -151,7 +151,11 @@ class FusedAttention:
         # it (a device target, or a GPU target where this machine has none: taken to be
         # Ampere), its checks are answered for that GPU.
         here = capability is not None and not getattr(self.target, "target_config", "")
-        kernel = lower_kernel(call, self.kernel, None if here else capability or (8, 0))
+        try:
+            kernel = lower_kernel(call, self.kernel, None if here else capability or (8, 0))
+        except (NotImplementedError, ValueError) as error:  # jax's own cuDNN checks
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise NotFused(f"cuDNN does not take it: {first}") from None
         with match.scores.context:
             rewrite(match, kernel, call, layout, dtype, name)
             discard_dead([match.scores, *match.home_ops,

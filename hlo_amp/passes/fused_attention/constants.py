@@ -69,7 +69,10 @@ _BINARY = {
     "stablehlo.xor": np.logical_xor, "stablehlo.add": np.add,
     "stablehlo.subtract": np.subtract, "stablehlo.multiply": np.multiply,
     "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum,
+    "stablehlo.divide": np.divide, "stablehlo.power": np.power,
 }
+_UNARY = {"stablehlo.sqrt": np.sqrt, "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a),
+          "stablehlo.exponential": np.exp, "stablehlo.log": np.log, "stablehlo.abs": np.abs}
 _COMPARE = {"EQ": np.equal, "NE": np.not_equal, "GE": np.greater_equal,
             "GT": np.greater, "LE": np.less_equal, "LT": np.less}
 
@@ -136,6 +139,12 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
         array = (np.logical_not(inner.array) if inner.array.dtype == bool
                  else np.invert(inner.array))
         return Folded(array, inner.axes, shape)
+    if name in _UNARY:  # a scale written as 1 / sqrt(d) of a constant d
+        inner = of(0)
+        if inner is None:
+            return None
+        with np.errstate(all="ignore"):
+            return Folded(_UNARY[name](inner.array.astype(np.float64)), inner.axes, shape)
     if name == "stablehlo.negate":
         inner = of(0)
         return None if inner is None else Folded(-inner.array, inner.axes, shape)
@@ -151,7 +160,9 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
                 return None
         else:
             function = _BINARY[name]
-        return _checked(function(left.expanded(axes), right.expanded(axes)), axes, shape)
+        with np.errstate(all="ignore"):
+            array = function(left.expanded(axes), right.expanded(axes))
+        return _checked(array, axes, shape)
     if name == "stablehlo.select":
         parts = [of(i) for i in range(3)]
         if any(p is None for p in parts):
