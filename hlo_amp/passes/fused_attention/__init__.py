@@ -38,13 +38,7 @@ from hlo_amp.ir.modules import (
 )
 from hlo_amp.ir.sites import asks_for_precision, call_prefix, join_names, location_name, site_of
 from hlo_amp.passes.fused_attention.calls import CallView
-from hlo_amp.passes.fused_attention.match import (
-    H_ROLE,
-    S_ROLE,
-    Match,
-    NotFused,
-    match_site,
-)
+from hlo_amp.passes.fused_attention.match import match_site
 from hlo_amp.passes.fused_attention.rewrite import (
     bias_shape_of,
     call_of,
@@ -52,6 +46,8 @@ from hlo_amp.passes.fused_attention.rewrite import (
     layout_of,
     rewrite,
 )
+from hlo_amp.passes.fused_attention.roles import H_ROLE, S_ROLE, NotFused
+from hlo_amp.passes.fused_attention.site import Match
 from hlo_amp.policy import COMPUTE, Policy, is_fp8
 from hlo_amp.report import AttentionSite, Report
 from hlo_amp.targets import NO_TARGET, Target

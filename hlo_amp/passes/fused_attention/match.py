@@ -33,171 +33,43 @@ probabilities outside the attention) leaves the site unfused with the reason.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
-import numpy as np
 from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import op_key
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
-from hlo_amp.passes.fused_attention.constants import (
-    Folded,
-    evaluate,
-    splat_value,
-    unit_reshape_map,
+from hlo_amp.passes.fused_attention.constants import splat_value
+from hlo_amp.passes.fused_attention.exits import ExitReading
+from hlo_amp.passes.fused_attention.masks import MaskReading
+from hlo_amp.passes.fused_attention.roles import (
+    ELEMENTWISE,
+    H_ROLE,
+    S_ROLE,
+    NotFused,
+    Role,
+    dot_dims,
+    free_dims,
+    result_roles,
+    shape_of,
+    unify,
 )
-
-Role = tuple  # ("B", i), ("Q", j), ("S",), ("H",), ("Hv",), ("1",); None: not known yet
-S_ROLE, H_ROLE, HV_ROLE, UNIT = ("S",), ("H",), ("Hv",), ("1",)
+from hlo_amp.passes.fused_attention.site import Match
 
 # A cluster larger than this is no attention's (the scores reach the rest of the program).
 MAX_CLUSTER = 400
 # A mask's fill is a large negative number (finfo.min, -0.7 * finfo.max, -1e9, -inf).
 MASK_FILL = -1e4
 
-_ELEMENTWISE = frozenset({
-    "stablehlo.add", "stablehlo.subtract", "stablehlo.multiply", "stablehlo.divide",
-    "stablehlo.negate", "stablehlo.exponential", "stablehlo.maximum",
-    "stablehlo.minimum", "stablehlo.select", "stablehlo.convert", "stablehlo.compare",
-    "stablehlo.and", "stablehlo.or", "stablehlo.not", "stablehlo.abs", "stablehlo.sign",
-})
+_ELEMENTWISE = ELEMENTWISE
 _LAYOUT = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
                      "stablehlo.transpose", "stablehlo.reduce"})
 CLUSTER_OPS = _ELEMENTWISE | _LAYOUT
 _DOT = "stablehlo.dot_general"
 
 
-class NotFused(Exception):
-    """Why a site is not fused; ``attention`` says whether it is an attention at all."""
-
-    def __init__(self, reason: str, attention: bool = True) -> None:
-        super().__init__(reason)
-        self.reason, self.attention = reason, attention
-
-
-@dataclass
-class Exit:
-    """One exit ``dot_general`` and the roles of its result's dimensions."""
-
-    op: ir.Operation
-    roles: list[Role]
-
-
-@dataclass
-class Match:
-    """An attention site as the fused kernel sees it (all values in the home block)."""
-
-    home: ir.Block
-    scores: ir.Operation  # S = Q·Kᵀ
-    q: ir.Value
-    k: ir.Value
-    q_roles: list[Role]
-    k_roles: list[Role]
-    sizes: dict[Role, int]
-    scale: float
-    causal: bool
-    # Values of the home block, each with the role of each dimension (None: size 1 or
-    # broadcast), whose AND is where attention may look; empty: nowhere masked.
-    mask_leaves: list[tuple[ir.Value, list[Role | None]]]
-    exits: dict[str, Exit]
-    v: ir.Value | None = None
-    v_roles: list[Role] = field(default_factory=list)
-    d_out: ir.Value | None = None  # dO, the gradient of the output (a training step)
-    d_out_roles: list[Role] = field(default_factory=list)
-    t_role: Role = ("Q", 0)  # the query position among the query's free dimensions
-    cluster_size: int = 0
-    # The cluster's ops in the home block: dead once the exits are replaced.
-    home_ops: list[ir.Operation] = field(default_factory=list)
-
-    @property
-    def training(self) -> bool:
-        return "dq" in self.exits
-
-    @property
-    def b_roles(self) -> list[Role]:
-        return sorted(r for r in self.sizes if r[0] == "B")
-
-    @property
-    def q_free_roles(self) -> list[Role]:
-        return sorted(r for r in self.sizes if r[0] == "Q")
-
-
-# ---- roles -------------------------------------------------------------------------------
-
-
-def _shape(value: ir.Value) -> tuple[int, ...]:
-    return tuple(ir.RankedTensorType(value.type).shape)
-
-
-def _dims(op: ir.Operation) -> hlo.DotDimensionNumbers:
-    return hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-
-
-def _free(rank: int, *used: list[int]) -> list[int]:
-    taken = {d for dims in used for d in dims}
-    return [d for d in range(rank) if d not in taken]
-
-
-def _unify(lists: list[list[Role] | None]) -> list[Role] | None:
-    known = [r for r in lists if r is not None]
-    if not known:
-        return None
-    merged = list(known[0])
-    for roles in known[1:]:
-        if len(roles) != len(merged):
-            raise NotFused("an elementwise op reads values of different ranks")
-        for i, role in enumerate(roles):
-            if merged[i] is None:
-                merged[i] = role
-            elif role is not None and role != merged[i] and UNIT not in (role, merged[i]):
-                raise NotFused("the scores' dimensions are mixed up between ops")
-    return merged
-
-
-def _result_roles(op: ir.Operation, inputs: list[list[Role] | None]) -> list[Role] | None:
-    """The roles of ``op``'s result from its operands' (None where not known)."""
-    name = op.name
-    if name in _ELEMENTWISE:
-        shapes = [_shape(v) for v in op.operands]
-        result = _shape(op.results[0])
-        same = [r for r, s in zip(inputs, shapes) if s == result]
-        return _unify(same)
-    source = inputs[0]
-    if source is None:
-        return None
-    if name == "stablehlo.transpose":
-        permutation = list(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
-        return [source[p] for p in permutation]
-    if name == "stablehlo.broadcast_in_dim":
-        dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
-        result = _shape(op.results[0])
-        operand = _shape(op.operands[0])
-        roles: list[Role | None] = [UNIT if size == 1 else None for size in result]
-        for i, d in enumerate(dims):
-            if operand[i] == result[d]:
-                roles[d] = source[i]
-        return roles
-    if name == "stablehlo.reduce":
-        dims = set(ir.DenseI64ArrayAttr(op.attributes["dimensions"]))
-        return [r for d, r in enumerate(source) if d not in dims]
-    if name == "stablehlo.reshape":
-        mapping = unit_reshape_map(_shape(op.operands[0]), _shape(op.results[0]))
-        if mapping is None:
-            raise NotFused("a reshape merges or splits the scores' dimensions")
-        roles = [UNIT] * len(_shape(op.results[0]))
-        for i, d in enumerate(mapping):
-            if d is not None:
-                roles[d] = source[i]
-        return roles
-    return None
-
-
 # ---- the site ------------------------------------------------------------------------------
 
 
-class _Site:
+class _Site(MaskReading, ExitReading):
     """The analysis of one candidate scores op; ``match()`` returns a Match or raises
     NotFused."""
 
@@ -267,12 +139,12 @@ class _Site:
     # -- roles ------------------------------------------------------------------------------
 
     def assign_roles(self) -> None:
-        dims = _dims(self.scores)
+        dims = dot_dims(self.scores)
         lhs, rhs = self.scores.operands[0], self.scores.operands[1]
         lhs_batch = list(dims.lhs_batching_dimensions)
         rhs_batch = list(dims.rhs_batching_dimensions)
-        lhs_free = _free(len(_shape(lhs)), lhs_batch, list(dims.lhs_contracting_dimensions))
-        rhs_free = _free(len(_shape(rhs)), rhs_batch, list(dims.rhs_contracting_dimensions))
+        lhs_free = free_dims(len(shape_of(lhs)), lhs_batch, list(dims.lhs_contracting_dimensions))
+        rhs_free = free_dims(len(shape_of(rhs)), rhs_batch, list(dims.rhs_contracting_dimensions))
         self.roles[(self.scores.results[0], ())] = (
             [("B", i) for i in range(len(lhs_batch))] + [("L", j) for j in range(len(lhs_free))]
             + [("R", j) for j in range(len(rhs_free))])
@@ -283,10 +155,10 @@ class _Site:
                 key = (op.results[0], stack)
                 old = self.roles.get(key)
                 try:
-                    result = _result_roles(op, inputs)
+                    result = result_roles(op, inputs)
                     if result is None:
                         continue
-                    merged = _unify([old, result]) if old is not None else result
+                    merged = unify([old, result]) if old is not None else result
                 except NotFused as error:  # an error only if this is an attention
                     self.role_error = self.role_error or error
                     continue
@@ -296,10 +168,10 @@ class _Site:
                 if op.name in _ELEMENTWISE:  # an entry (dP, a bias) gets the op's roles
                     for v in op.operands:
                         entry = self.canon(v, stack)
-                        if (entry not in self.values and _shape(v) == _shape(op.results[0])
+                        if (entry not in self.values and shape_of(v) == shape_of(op.results[0])
                                 and self.roles.get(entry) != merged):
                             try:
-                                self.roles[entry] = _unify([self.roles.get(entry), merged])
+                                self.roles[entry] = unify([self.roles.get(entry), merged])
                             except NotFused as error:
                                 self.role_error = self.role_error or error
                                 continue
@@ -429,97 +301,6 @@ class _Site:
         roles = self.role(value, stack)
         return roles is not None and key_role not in roles and None not in roles
 
-    # -- the mask ------------------------------------------------------------------------------
-
-    def mask(self, selects: list, roles_of_select: list[list[Role]]
-             ) -> tuple[Folded | None, list[tuple[ir.Value, list[Role | None]]],
-                        list[Role]]:
-        """The constant part (evaluated, over select dimensions mapped to roles) and the
-        program's mask values (in the home block) of every mask select."""
-        constant: list[tuple[Folded, list[Role]]] = []
-        leaves: list[tuple[ir.Value, list[Role | None]]] = []
-        for (pred, stack, negated, _select), roles in zip(selects, roles_of_select):
-            if negated:
-                raise NotFused("the mask selects the fill where it is true")
-            shape = _shape(pred)
-            self._leaves(pred, stack, list(range(len(shape))), roles, constant, leaves)
-        folded = None
-        axis_roles: list[Role] = []
-        if constant:
-            axis_roles = sorted({rs[a] for f, rs in constant for a in f.axes})
-            arrays = []
-            for f, rs in constant:
-                f_roles = [rs[a] for a in f.axes]
-                order = sorted(range(len(f_roles)), key=lambda i: axis_roles.index(f_roles[i]))
-                array = np.transpose(f.array, order) if order else f.array
-                shape = [self.sizes[r] if r in f_roles else 1 for r in axis_roles]
-                arrays.append(np.broadcast_to(array.reshape(shape),
-                                              [self.sizes[r] for r in axis_roles]))
-            combined = np.logical_and.reduce(arrays) if len(arrays) > 1 else arrays[0]
-            folded = Folded(np.asarray(combined, dtype=bool), tuple(range(len(axis_roles))),
-                            tuple(self.sizes[r] for r in axis_roles))
-        return folded, leaves, axis_roles
-
-    def _leaves(self, value: ir.Value, stack: Stack, dims: list[int | None],
-                roles: list[Role], constant: list, leaves: list) -> None:
-        """Split the mask ``value`` (its dimension i is the select's ``dims[i]``) into
-        ANDed parts: evaluated constants, or values of the home block."""
-        shape = _shape(value)
-        folded = evaluate(self.view, value, stack, self.memo)
-        if folded is not None:
-            if folded.array.dtype != bool:
-                raise NotFused("the mask is not boolean")
-            if not folded.array.all():
-                select_dims = [dims[a] for a in folded.axes]
-                if None in select_dims and folded.array.size > 1:
-                    raise NotFused("the mask varies along a dimension the scores lack")
-                keep = [i for i, d in enumerate(select_dims) if d is not None]
-                array = folded.array.reshape([folded.array.shape[i] for i in keep])
-                full_roles = list(roles)
-                constant.append((Folded(array, tuple(select_dims[i] for i in keep),
-                                        tuple(self.scores_shape_of(roles))), full_roles))
-            return
-        op, value, stack = self.view.producer(value, stack)
-        if op is None or stack == () and op.name not in (
-                "stablehlo.and", "stablehlo.broadcast_in_dim", "stablehlo.transpose",
-                "stablehlo.reshape"):
-            if stack != ():
-                raise NotFused("the mask is computed inside a called function")
-            leaves.append((value, [None if d is None else roles[d] for d in dims]))
-            return
-        name = op.name
-        if name == "stablehlo.and":
-            for operand in op.operands:
-                self._leaves(operand, stack, dims, roles, constant, leaves)
-            return
-        if name == "stablehlo.broadcast_in_dim":
-            inner = op.operands[0]
-            bdims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
-            inner_shape = _shape(inner)
-            new = [dims[b] if inner_shape[i] == shape[b] else None for i, b in enumerate(bdims)]
-            self._leaves(inner, stack, new, roles, constant, leaves)
-            return
-        if name == "stablehlo.transpose":
-            permutation = list(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
-            new: list[int | None] = [None] * len(permutation)
-            for i, p in enumerate(permutation):
-                new[p] = dims[i]
-            self._leaves(op.operands[0], stack, new, roles, constant, leaves)
-            return
-        if name == "stablehlo.reshape":
-            mapping = unit_reshape_map(_shape(op.operands[0]), shape)
-            if mapping is None:
-                raise NotFused("the mask is reshaped")
-            new = [None if m is None else dims[m] for m in mapping]
-            self._leaves(op.operands[0], stack, new, roles, constant, leaves)
-            return
-        if stack != ():
-            raise NotFused(f"the mask is computed inside a called function ({name})")
-        leaves.append((value, [None if d is None else roles[d] for d in dims]))
-
-    def scores_shape_of(self, roles: list[Role]) -> list[int]:
-        return [self.sizes.get(r, 1) for r in roles]
-
     # -- the exits -----------------------------------------------------------------------------
 
     def match(self) -> Match:
@@ -581,7 +362,7 @@ class _Site:
         return roles
 
     def _set_operand_roles(self, q_index: int) -> None:
-        dims = _dims(self.scores)
+        dims = dot_dims(self.scores)
         batch = [list(dims.lhs_batching_dimensions), list(dims.rhs_batching_dimensions)]
         contracting = [list(dims.lhs_contracting_dimensions),
                        list(dims.rhs_contracting_dimensions)]
@@ -590,12 +371,12 @@ class _Site:
             raise NotFused("the scores contract more than one head dimension")
         roles_of = []
         for side in (0, 1):
-            shape = _shape(operands[side])
+            shape = shape_of(operands[side])
             roles: list[Role] = [None] * len(shape)
             for i, d in enumerate(batch[side]):
                 roles[d] = ("B", i)
             roles[contracting[side][0]] = H_ROLE
-            free = _free(len(shape), batch[side], contracting[side])
+            free = free_dims(len(shape), batch[side], contracting[side])
             for j, d in enumerate(free):
                 roles[d] = ("Q", j) if side == q_index else S_ROLE
             roles_of.append(roles)
@@ -603,7 +384,7 @@ class _Site:
         self.q_roles, self.k_roles = roles_of[q_index], roles_of[1 - q_index]
         self.sizes: dict[Role, int] = {}
         for value, roles in ((self.q, self.q_roles), (self.k, self.k_roles)):
-            for role, size in zip(roles, _shape(value)):
+            for role, size in zip(roles, shape_of(value)):
                 self.sizes[role] = size
 
     def _p_like(self, p_value: tuple[ir.Value, Stack]) -> set[tuple[ir.Value, Stack]]:
@@ -622,215 +403,10 @@ class _Site:
                         changed = True
         return found
 
-    def _classify_exits(self, p_like: set) -> dict[str, tuple[ir.Operation, int]]:
-        q_roles = {r for r in self.q_roles if r[0] == "Q"}
-        found: dict[str, tuple[ir.Operation, int]] = {}
-        for op, number in self.exits:
-            value = op.operands[number]
-            roles = self.role(value, ())
-            if roles is None or None in roles:
-                raise NotFused("a matrix op reads a cluster value whose dimensions are not "
-                               "known")
-            dims = _dims(op)
-            contracting = list(dims.lhs_contracting_dimensions if number == 0
-                               else dims.rhs_contracting_dimensions)
-            contracted = {roles[d] for d in contracting}
-            reads_p = self.canon(value, ()) in p_like
-            if contracted == {S_ROLE}:
-                kind = "out" if reads_p else "dq"
-            elif contracted == q_roles:
-                kind = "dv" if reads_p else "dk"
-            else:
-                raise NotFused("a matrix op reads the probabilities along other dimensions")
-            if kind in found:
-                raise NotFused(f"two matrix ops read the attention as its {kind}")
-            found[kind] = (op, number)
-        return found
-
-    def _fill_exits(self, match: Match, exits: dict) -> None:
-        base_q, base_k = _base(self.q), _base(self.k)
-        for kind, (op, number) in exits.items():
-            value = op.operands[number]
-            other = op.operands[1 - number]
-            roles = self.role(value, ())
-            other_roles = _pair_roles(op, number, roles, _shape(other))
-            if kind in ("out", "dv"):
-                free = [i for i, r in enumerate(other_roles) if r is None]
-                if len(free) != 1:
-                    raise NotFused("V (or dO) has more than one free dimension")
-                other_roles[free[0]] = HV_ROLE
-            else:
-                free = [i for i, r in enumerate(other_roles) if r is None]
-                if len(free) != 1:
-                    raise NotFused("a backward matrix op has more than one free dimension")
-                other_roles[free[0]] = H_ROLE
-                expected = (base_k if kind == "dq" else base_q)
-                if _base(other)[0] != expected[0]:
-                    raise NotFused(f"the {kind} matrix op reads another "
-                                   f"{'key' if kind == 'dq' else 'query'}")
-            result = _result_roles_of_dot(op, number, roles, other_roles)
-            match.exits[kind] = Exit(op, result)
-            if kind == "out":
-                match.v, match.v_roles = other, other_roles
-            elif kind == "dv":
-                match.d_out, match.d_out_roles = other, other_roles
-        if match.training and match.v is None:
-            match.v, match.v_roles = self._v_from_dp(match)
-        for role in match.v_roles:
-            if role == HV_ROLE:
-                size = _shape(match.v)[match.v_roles.index(HV_ROLE)]
-                self.sizes[HV_ROLE] = size
-        if self.sizes.get(HV_ROLE) != self.sizes.get(H_ROLE):
-            raise NotFused("V's head dimension differs from Q's and K's")
-
-    def _v_from_dp(self, match: Match) -> tuple[ir.Value, list[Role]]:
-        """V from dP = dO·Vᵀ, the one matrix op whose result the backward cluster reads."""
-        d_out_base = _base(match.d_out)[0]
-        for op, stack in self.ops.values():
-            for value in op.operands:
-                if self.in_cluster(value, stack) or stack:
-                    continue
-                producer = value.owner.operation
-                steps = 0
-                while (not isinstance(value, ir.BlockArgument) and steps < 4
-                       and producer.name in ("stablehlo.transpose", "stablehlo.convert",
-                                             "stablehlo.reshape")):
-                    value = producer.operands[0]
-                    producer = value.owner.operation
-                    steps += 1
-                if isinstance(value, ir.BlockArgument) or producer.name != _DOT:
-                    continue
-                operands = list(producer.operands)
-                bases = [_base(v)[0] for v in operands]
-                if d_out_base not in bases:
-                    continue
-                d_index = bases.index(d_out_base)
-                v = operands[1 - d_index]
-                return v, self._v_roles_from_dp(producer, 1 - d_index, match)
-        raise NotFused("dP = dO·Vᵀ was not found in the backward pass")
-
-    def _v_roles_from_dp(self, dot: ir.Operation, v_index: int, match: Match) -> list[Role]:
-        """V's roles in dP = dO·Vᵀ: paired with dO's batch dimensions, its contracting
-        one is the head dimension, its free one the keys."""
-        d_index = 1 - v_index
-        d_value = dot.operands[d_index]
-        d_base, d_map = _base(d_value)
-        dout_base, dout_map = _base(match.d_out)
-        if d_base != dout_base:
-            raise NotFused("dP reads another dO")
-        # dO's roles in the base's dimensions, then in this operand's.
-        base_roles: dict[int, Role] = {}
-        for i, m in enumerate(dout_map):
-            if m is not None:
-                base_roles[m] = match.d_out_roles[i]
-        d_roles = [UNIT if m is None else base_roles.get(m) for m in d_map]
-        v_roles = _pair_roles(dot, d_index, d_roles, _shape(dot.operands[v_index]))
-        free = [i for i, r in enumerate(v_roles) if r is None]
-        if len(free) != 1:
-            raise NotFused("V has more than one free dimension")
-        v_roles[free[0]] = S_ROLE
-        return v_roles
-
-    def _query_axis(self, folded: Folded | None, axis_roles: list[Role],
-                    leaves: list) -> Role:
-        """The query position among the query's free dimensions: the one the mask varies
-        along, else the longest."""
-        candidates = self.q_free_roles_of()
-        varying = {r for r in axis_roles if r in candidates} if folded is not None else set()
-        for _value, roles in leaves:
-            varying |= {r for r in roles if r in candidates}
-        if len(varying) > 1:
-            raise NotFused("the mask varies along more than one query dimension")
-        if varying:
-            return varying.pop()
-        return max(candidates, key=lambda r: (self.sizes[r], -r[1]))
-
-    def q_free_roles_of(self) -> list[Role]:
-        return [r for r in self.q_roles if r[0] == "Q"]
-
-    def _is_causal(self, folded: Folded, axis_roles: list[Role], t_role: Role) -> bool:
-        if set(axis_roles) - {t_role, S_ROLE}:
-            raise NotFused("a constant mask that varies along the batch or heads")
-        if set(axis_roles) != {t_role, S_ROLE}:
-            raise NotFused("a constant mask that is not causal")
-        array = folded.array
-        if axis_roles.index(t_role) != 0:
-            array = array.T
-        t, s = array.shape
-        if t != s or not np.array_equal(array, np.tril(np.ones((t, s), dtype=bool))):
-            raise NotFused("a constant mask that is not causal (cuDNN takes causal or a "
-                           "bias)")
-        return True
-
-    def _check_leaves(self, match: Match) -> None:
-        for _value, roles in match.mask_leaves:
-            if HV_ROLE in roles or H_ROLE in roles:
-                raise NotFused("the mask has a head dimension")
-
-
 def _is_sum(reduce: ir.Operation) -> bool:
     body = reduce.regions[0].blocks[0]
     names = [op.operation.name for op in body.operations]
     return names[:1] == ["stablehlo.add"]
-
-
-def _base(value: ir.Value) -> tuple[ir.Value, list[int | None]]:
-    """``value`` before transposes, converts and unit reshapes in its block, and each of
-    its dimensions' dimension there (None: a size-1 one added)."""
-    mapping: list[int | None] = list(range(len(_shape(value))))
-    for _step in range(8):
-        if isinstance(value, ir.BlockArgument):
-            break
-        op = value.owner.operation
-        name = op.name
-        if name == "stablehlo.convert":
-            value = op.operands[0]
-        elif name == "stablehlo.transpose":
-            permutation = list(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
-            mapping = [None if m is None else permutation[m] for m in mapping]
-            value = op.operands[0]
-        elif name == "stablehlo.reshape":
-            inner = unit_reshape_map(_shape(op.operands[0]), _shape(value))
-            if inner is None:
-                break
-            back = {d: i for i, d in enumerate(inner) if d is not None}
-            mapping = [None if m is None else back.get(m) for m in mapping]
-            value = op.operands[0]
-        else:
-            break
-    return value, mapping
-
-
-def _pair_roles(dot: ir.Operation, number: int, roles: list[Role],
-                other_shape: tuple[int, ...]) -> list[Role | None]:
-    """The roles of the other operand's dimensions that ``dot`` pairs with operand
-    ``number``'s (batch and contracting); None for its free dimensions."""
-    dims = _dims(dot)
-    mine_batch = list(dims.lhs_batching_dimensions if number == 0
-                      else dims.rhs_batching_dimensions)
-    other_batch = list(dims.rhs_batching_dimensions if number == 0
-                       else dims.lhs_batching_dimensions)
-    mine_contract = list(dims.lhs_contracting_dimensions if number == 0
-                         else dims.rhs_contracting_dimensions)
-    other_contract = list(dims.rhs_contracting_dimensions if number == 0
-                          else dims.lhs_contracting_dimensions)
-    other: list[Role | None] = [None] * len(other_shape)
-    for a, b in zip(mine_batch + mine_contract, other_batch + other_contract):
-        other[b] = roles[a]
-    return other
-
-
-def _result_roles_of_dot(dot: ir.Operation, number: int, roles: list[Role],
-                         other_roles: list[Role]) -> list[Role]:
-    """A dot's result roles: batch, then the lhs's free dimensions, then the rhs's."""
-    dims = _dims(dot)
-    lhs_roles, rhs_roles = (roles, other_roles) if number == 0 else (other_roles, roles)
-    lhs_batch = list(dims.lhs_batching_dimensions)
-    lhs_free = _free(len(lhs_roles), lhs_batch, list(dims.lhs_contracting_dimensions))
-    rhs_free = _free(len(rhs_roles), list(dims.rhs_batching_dimensions),
-                     list(dims.rhs_contracting_dimensions))
-    return ([lhs_roles[d] for d in lhs_batch] + [lhs_roles[d] for d in lhs_free]
-            + [rhs_roles[d] for d in rhs_free])
 
 
 def match_site(view: CallView, scores: ir.Operation) -> Match:
@@ -838,8 +414,3 @@ def match_site(view: CallView, scores: ir.Operation) -> Match:
     return _Site(view, scores).match()
 
 
-def flops(match: Match) -> int:
-    """Multiply-adds x 2 of the attention's two forward matmuls."""
-    b = math.prod(match.sizes[r] for r in match.b_roles)
-    q = math.prod(match.sizes[r] for r in match.q_free_roles)
-    return 2 * 2 * b * q * match.sizes[S_ROLE] * match.sizes[H_ROLE]

@@ -29,15 +29,8 @@ from hlo_amp.ir.modules import (
     terminator,
     walk_operations,
 )
-from hlo_amp.passes.fused_attention.match import (
-    H_ROLE,
-    HV_ROLE,
-    S_ROLE,
-    UNIT,
-    Match,
-    NotFused,
-    Role,
-)
+from hlo_amp.passes.fused_attention.roles import H_ROLE, HV_ROLE, S_ROLE, UNIT, NotFused, Role
+from hlo_amp.passes.fused_attention.site import Match
 from hlo_amp.targets.attention_kernels import AttentionCall, Kernel
 
 _ELEMENTS = {"bfloat16": ir.BF16Type, "float16": ir.F16Type}

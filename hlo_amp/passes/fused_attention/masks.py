@@ -1,0 +1,144 @@
+"""The masks of an attention site: each mask select's predicate split into ANDed
+parts, the constant ones evaluated (constants.py) and compared with a causal mask, the
+others kept as values of the home block for the kernel's bias; and which of the
+query's free dimensions is the query position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jax.extend.mlir import ir
+
+from hlo_amp.passes.fused_attention.calls import Stack
+from hlo_amp.passes.fused_attention.constants import Folded, evaluate, unit_reshape_map
+from hlo_amp.passes.fused_attention.roles import H_ROLE, HV_ROLE, S_ROLE, NotFused, Role, shape_of
+
+
+class MaskReading:
+    """The mask half of match.py's site analysis (``view``, ``memo``, ``sizes`` and
+    ``q_roles`` are the site's)."""
+
+    def mask(self, selects: list, roles_of_select: list[list[Role]]
+             ) -> tuple[Folded | None, list[tuple[ir.Value, list[Role | None]]],
+                        list[Role]]:
+        """The constant part (evaluated, over select dimensions mapped to roles) and the
+        program's mask values (in the home block) of every mask select."""
+        constant: list[tuple[Folded, list[Role]]] = []
+        leaves: list[tuple[ir.Value, list[Role | None]]] = []
+        for (pred, stack, negated, _select), roles in zip(selects, roles_of_select):
+            if negated:
+                raise NotFused("the mask selects the fill where it is true")
+            shape = shape_of(pred)
+            self._leaves(pred, stack, list(range(len(shape))), roles, constant, leaves)
+        folded = None
+        axis_roles: list[Role] = []
+        if constant:
+            axis_roles = sorted({rs[a] for f, rs in constant for a in f.axes})
+            arrays = []
+            for f, rs in constant:
+                f_roles = [rs[a] for a in f.axes]
+                order = sorted(range(len(f_roles)), key=lambda i: axis_roles.index(f_roles[i]))
+                array = np.transpose(f.array, order) if order else f.array
+                shape = [self.sizes[r] if r in f_roles else 1 for r in axis_roles]
+                arrays.append(np.broadcast_to(array.reshape(shape),
+                                              [self.sizes[r] for r in axis_roles]))
+            combined = np.logical_and.reduce(arrays) if len(arrays) > 1 else arrays[0]
+            folded = Folded(np.asarray(combined, dtype=bool), tuple(range(len(axis_roles))),
+                            tuple(self.sizes[r] for r in axis_roles))
+        return folded, leaves, axis_roles
+
+    def _leaves(self, value: ir.Value, stack: Stack, dims: list[int | None],
+                roles: list[Role], constant: list, leaves: list) -> None:
+        """Split the mask ``value`` (its dimension i is the select's ``dims[i]``) into
+        ANDed parts: evaluated constants, or values of the home block."""
+        shape = shape_of(value)
+        folded = evaluate(self.view, value, stack, self.memo)
+        if folded is not None:
+            if folded.array.dtype != bool:
+                raise NotFused("the mask is not boolean")
+            if not folded.array.all():
+                select_dims = [dims[a] for a in folded.axes]
+                if None in select_dims and folded.array.size > 1:
+                    raise NotFused("the mask varies along a dimension the scores lack")
+                keep = [i for i, d in enumerate(select_dims) if d is not None]
+                array = folded.array.reshape([folded.array.shape[i] for i in keep])
+                full_roles = list(roles)
+                constant.append((Folded(array, tuple(select_dims[i] for i in keep),
+                                        tuple(self.scores_shape_of(roles))), full_roles))
+            return
+        op, value, stack = self.view.producer(value, stack)
+        if op is None or stack == () and op.name not in (
+                "stablehlo.and", "stablehlo.broadcast_in_dim", "stablehlo.transpose",
+                "stablehlo.reshape"):
+            if stack != ():
+                raise NotFused("the mask is computed inside a called function")
+            leaves.append((value, [None if d is None else roles[d] for d in dims]))
+            return
+        name = op.name
+        if name == "stablehlo.and":
+            for operand in op.operands:
+                self._leaves(operand, stack, dims, roles, constant, leaves)
+            return
+        if name == "stablehlo.broadcast_in_dim":
+            inner = op.operands[0]
+            bdims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
+            inner_shape = shape_of(inner)
+            new = [dims[b] if inner_shape[i] == shape[b] else None for i, b in enumerate(bdims)]
+            self._leaves(inner, stack, new, roles, constant, leaves)
+            return
+        if name == "stablehlo.transpose":
+            permutation = list(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
+            new: list[int | None] = [None] * len(permutation)
+            for i, p in enumerate(permutation):
+                new[p] = dims[i]
+            self._leaves(op.operands[0], stack, new, roles, constant, leaves)
+            return
+        if name == "stablehlo.reshape":
+            mapping = unit_reshape_map(shape_of(op.operands[0]), shape)
+            if mapping is None:
+                raise NotFused("the mask is reshaped")
+            new = [None if m is None else dims[m] for m in mapping]
+            self._leaves(op.operands[0], stack, new, roles, constant, leaves)
+            return
+        if stack != ():
+            raise NotFused(f"the mask is computed inside a called function ({name})")
+        leaves.append((value, [None if d is None else roles[d] for d in dims]))
+
+    def scores_shape_of(self, roles: list[Role]) -> list[int]:
+        return [self.sizes.get(r, 1) for r in roles]
+
+    def _query_axis(self, folded: Folded | None, axis_roles: list[Role],
+                    leaves: list) -> Role:
+        """The query position among the query's free dimensions: the one the mask varies
+        along, else the longest."""
+        candidates = self.q_free_roles_of()
+        varying = {r for r in axis_roles if r in candidates} if folded is not None else set()
+        for _value, roles in leaves:
+            varying |= {r for r in roles if r in candidates}
+        if len(varying) > 1:
+            raise NotFused("the mask varies along more than one query dimension")
+        if varying:
+            return varying.pop()
+        return max(candidates, key=lambda r: (self.sizes[r], -r[1]))
+
+    def q_free_roles_of(self) -> list[Role]:
+        return [r for r in self.q_roles if r[0] == "Q"]
+
+    def _is_causal(self, folded: Folded, axis_roles: list[Role], t_role: Role) -> bool:
+        if set(axis_roles) - {t_role, S_ROLE}:
+            raise NotFused("a constant mask that varies along the batch or heads")
+        if set(axis_roles) != {t_role, S_ROLE}:
+            raise NotFused("a constant mask that is not causal")
+        array = folded.array
+        if axis_roles.index(t_role) != 0:
+            array = array.T
+        t, s = array.shape
+        if t != s or not np.array_equal(array, np.tril(np.ones((t, s), dtype=bool))):
+            raise NotFused("a constant mask that is not causal (cuDNN takes causal or a "
+                           "bias)")
+        return True
+
+    def _check_leaves(self, match: object) -> None:
+        for _value, roles in match.mask_leaves:  # type: ignore[attr-defined]
+            if HV_ROLE in roles or H_ROLE in roles:
+                raise NotFused("the mask has a head dimension")

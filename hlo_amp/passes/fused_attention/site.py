@@ -1,0 +1,57 @@
+"""What the fused kernel needs of one attention site (match.py finds it, rewrite.py
+replaces it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jax.extend.mlir import ir
+
+from hlo_amp.passes.fused_attention.roles import Role
+
+
+@dataclass
+class Exit:
+    """One exit ``dot_general`` and the roles of its result's dimensions."""
+
+    op: ir.Operation
+    roles: list[Role]
+
+
+@dataclass
+class Match:
+    """An attention site as the fused kernel sees it (all values in the home block)."""
+
+    home: ir.Block
+    scores: ir.Operation  # S = Q·Kᵀ
+    q: ir.Value
+    k: ir.Value
+    q_roles: list[Role]
+    k_roles: list[Role]
+    sizes: dict[Role, int]
+    scale: float
+    causal: bool
+    # Values of the home block, each with the role of each dimension (None: size 1 or
+    # broadcast), whose AND is where attention may look; empty: nowhere masked.
+    mask_leaves: list[tuple[ir.Value, list[Role | None]]]
+    exits: dict[str, Exit]
+    v: ir.Value | None = None
+    v_roles: list[Role] = field(default_factory=list)
+    d_out: ir.Value | None = None  # dO, the gradient of the output (a training step)
+    d_out_roles: list[Role] = field(default_factory=list)
+    t_role: Role = ("Q", 0)  # the query position among the query's free dimensions
+    cluster_size: int = 0
+    # The cluster's ops in the home block: dead once the exits are replaced.
+    home_ops: list[ir.Operation] = field(default_factory=list)
+
+    @property
+    def training(self) -> bool:
+        return "dq" in self.exits
+
+    @property
+    def b_roles(self) -> list[Role]:
+        return sorted(r for r in self.sizes if r[0] == "B")
+
+    @property
+    def q_free_roles(self) -> list[Role]:
+        return sorted(r for r in self.sizes if r[0] == "Q")
