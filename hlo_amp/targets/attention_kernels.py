@@ -108,7 +108,7 @@ def _lower(call: AttentionCall, kernel: str,
     with quiet, internals.cudnn_checks_answered(compute_capability, DEVICELESS_CUDNN,
                                                 active=kernel == "cudnn"):
         if not call.training:
-            forward = _text(attend_with, inputs, platform)
+            forward, _outputs = _text(attend_with, inputs, platform)
             return Kernel(forward, None, 0)
         tree_box = []
 
@@ -119,22 +119,24 @@ def _lower(call: AttentionCall, kernel: str,
             tree_box.append(tree)
             return (out, *leaves)
 
-        forward = _text(forward_fn, inputs, platform)
-        shapes = jax.eval_shape(forward_fn, *inputs)
-        residual_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes[1:]]
+        forward, outputs = _text(forward_fn, inputs, platform)
+        residual_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs[1:]]
         tree = tree_box[-1]
 
         def backward_fn(*args):
             *residuals, d_out = args
             return tuple(jax.tree.unflatten(tree, residuals)(d_out))
 
-        backward = _text(backward_fn, (*residual_avals, q), platform)
+        backward, _outputs = _text(backward_fn, (*residual_avals, q), platform)
     return Kernel(forward, backward, len(residual_avals))
 
 
-def _text(function, inputs: tuple, platform: str) -> str:
-    lowered = jax.jit(function, keep_unused=True).trace(*inputs).lower(lowering_platforms=(platform,))
-    return lowered.as_text(debug_info=True)
+def _text(function, inputs: tuple, platform: str) -> tuple[str, list]:
+    """``function`` lowered for ``platform``: its StableHLO text (every argument kept,
+    locations in) and its outputs' shapes, from one trace."""
+    traced = jax.jit(function, keep_unused=True).trace(*inputs)
+    lowered = traced.lower(lowering_platforms=(platform,))
+    return lowered.as_text(debug_info=True), jax.tree.leaves(traced.out_info)
 
 
 def _cudnn(call: AttentionCall):
