@@ -265,3 +265,18 @@ def test_not_in_a_program_partitioned_over_devices() -> None:
                                     sharding=NamedSharding(mesh, P("data"))) for x in QKV]
     reasons = _reasons(_attend, sharded, "bf16", "h100x2")
     assert reasons and "partitioned over 2 devices" in reasons[0]
+
+
+def test_a_matcher_error_leaves_the_site_and_says_so(monkeypatch) -> None:
+    """Matching only reads the module: an error in it (a form it does not know) leaves
+    the attention as written, the compile goes on, and the report names the error."""
+    import hlo_amp.passes.fused_attention as pass_module
+
+    def broken(view, op):
+        raise KeyError("unknown form")
+
+    monkeypatch.setattr(pass_module, "match_site", broken)
+    lowered = hlo_amp.compile(_attend, "bf16").lower(*QKV, target="h100")
+    reasons = [s.reason for s in lowered.report().attention]
+    assert reasons and all(r.startswith("not analysed (KeyError") for r in reasons)
+    assert "fmha" not in lowered.as_text()

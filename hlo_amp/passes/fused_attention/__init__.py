@@ -109,6 +109,12 @@ class FusedAttention:
             if not error.attention:
                 return None
             return _entry(op, prefix, fn_name, None, False, error.reason), None, ""
+        except Exception as error:  # noqa: BLE001 - matching only reads the module
+            # A form the matcher does not know must not cost the user the compile: the
+            # site stays as written and the report says why (a rewrite's error still
+            # fails the pass: the module is half-written then).
+            reason = f"not analysed ({type(error).__name__}: {error})"
+            return _entry(op, prefix, fn_name, None, False, reason), None, ""
         reason = obstacle
         dtype = ""
         if reason is None:
