@@ -280,3 +280,19 @@ def test_a_matcher_error_leaves_the_site_and_says_so(monkeypatch) -> None:
     reasons = [s.reason for s in lowered.report().attention]
     assert reasons and all(r.startswith("not analysed (KeyError") for r in reasons)
     assert "fmha" not in lowered.as_text()
+
+
+def test_a_bf16_program_pinning_bf16_bf16_f32_is_fused() -> None:
+    """jax's own attention on bf16 arrays pins its matmuls to BF16_BF16_F32: what the
+    kernel does, so a hand-cast program under hlo_amp is fused; HIGHEST is a pin against
+    it and stays."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in QKV)
+    [site] = hlo_amp.compile(_attend, "bf16").lower(q, k, v, target="h100").report().attention
+    assert site.fused and site.dtype == "bfloat16"
+
+    def highest(q, k, v):
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k, precision="highest") / 8.0
+        probs = jax.nn.softmax(scores, axis=-1)
+        return jnp.einsum("bnts,bsnh->btnh", probs, v, precision="highest")
+
+    assert "HIGHEST" in _reasons(highest, QKV, "bf16", "h100")[0]

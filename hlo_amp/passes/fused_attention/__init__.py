@@ -24,6 +24,7 @@ The kernel comes from targets/attention_kernels.py: ``cudnn``, or ``reference``
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from jax.extend.mlir import ir
@@ -127,19 +128,25 @@ class FusedAttention:
 
     def _dtype(self, match: Match, prefix: str) -> tuple[str, str | None]:
         """The 16-bit type the policy computes the site in, or why none."""
-        actions = []
+        actions, pinned_types = [], set()
         for op in [match.scores] + ([match.exits["out"].op] if "out" in match.exits else []):
             site = site_of(op.location, "dot_general", prefix)
+            # A matmul the program pinned to 16-bit operands with f32 accumulation (jax's
+            # own attention on bf16 arrays: DotAlgorithmPreset.BF16_BF16_F32) asks for
+            # what the kernel does: not a pin against it.
+            sixteen = _sixteen_bit_algorithm(op)
+            if sixteen is not None:
+                pinned_types.add(sixteen)
             rule = self.policy.decide(site.scope, "dot_general", False, (),
-                                      asks_for_precision(op))
+                                      None if sixteen else asks_for_precision(op))
             actions.append(rule)
         for rule in actions:
             action = rule.action
             if action is None or action not in (COMPUTE, *_SIXTEEN_BIT) and not is_fp8(action):
                 why = rule.reason or f"the policy keeps it f32 ({rule.rule})"
                 return "", why
-        chosen = {a.action if a.action in _SIXTEEN_BIT else self.policy.compute_dtype
-                  for a in actions}
+        chosen = pinned_types or {a.action if a.action in _SIXTEEN_BIT
+                                  else self.policy.compute_dtype for a in actions}
         if len(chosen) != 1 or next(iter(chosen)) not in _SIXTEEN_BIT:
             return "", (f"the policy computes it in {', '.join(sorted(chosen))}, not one "
                         "16-bit type")
@@ -162,6 +169,22 @@ class FusedAttention:
             rewrite(match, kernel, call, layout, dtype, name)
             discard_dead([match.scores, *match.home_ops,
                           *(e.op for e in match.exits.values())])
+
+
+_ALGORITHM_TYPES = {"bf16": "bfloat16", "f16": "float16"}
+
+
+def _sixteen_bit_algorithm(op: ir.Operation) -> str | None:
+    """"bfloat16" or "float16" when ``op`` names an explicit dot algorithm with operands
+    of that type and f32 accumulation; None otherwise."""
+    if "algorithm" not in op.attributes:
+        return None
+    text = str(op.attributes["algorithm"])
+    found = re.search(r"lhs_precision_type = (\w+), rhs_precision_type = (\w+), "
+                      r"accumulation_type = (\w+)", text)
+    if found is None or found[3] != "f32" or found[1] != found[2]:
+        return None
+    return _ALGORITHM_TYPES.get(found[1])
 
 
 def _cudnn_obstacle(match: Match, target: Target) -> str | None:
