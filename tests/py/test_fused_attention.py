@@ -296,3 +296,19 @@ def test_a_bf16_program_pinning_bf16_bf16_f32_is_fused() -> None:
         return jnp.einsum("bnts,bsnh->btnh", probs, v, precision="highest")
 
     assert "HIGHEST" in _reasons(highest, QKV, "bf16", "h100")[0]
+
+
+def test_dropout_on_the_probabilities_is_named() -> None:
+    """NNX attention with dropout in training: cuDNN would draw other random numbers."""
+    from flax import nnx
+
+    layer = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32,
+                                   decode=False, dropout_rate=0.1, rngs=nnx.Rngs(0))
+
+    @hlo_amp.compile(policy="bf16")
+    def step(model, x):
+        return nnx.grad(lambda model: jnp.sum(model(x, deterministic=False) ** 2))(model)
+
+    report = step.lower(layer, jnp.ones((2, 16, 32)), target="h100").report()
+    assert [s.reason for s in report.attention] == [
+        "dropout on the probabilities (cuDNN's dropout draws its own random numbers)"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from jax.extend.mlir import ir
 
+from hlo_amp.ir.sites import location_name
+from hlo_amp.passes.fused_attention.calls import Stack
 from hlo_amp.passes.fused_attention.roles import (
     H_ROLE,
     HV_ROLE,
@@ -24,6 +26,7 @@ from hlo_amp.passes.fused_attention.roles import (
 from hlo_amp.passes.fused_attention.site import Exit, Match
 
 _DOT = "stablehlo.dot_general"
+_RANDOM = ("random_bits", "threefry", "bernoulli", "random_uniform")
 
 
 class ExitReading:
@@ -51,6 +54,9 @@ class ExitReading:
             else:
                 raise NotFused("a matrix op reads the probabilities along other dimensions")
             if kind in found:
+                if self._reads_random_bits():
+                    raise NotFused("dropout on the probabilities (cuDNN's dropout draws its "
+                                   "own random numbers)")
                 raise NotFused(f"two matrix ops read the attention as its {kind}")
             found[kind] = (op, number)
         return found
@@ -138,3 +144,21 @@ class ExitReading:
             raise NotFused("V has more than one free dimension")
         v_roles[free[0]] = S_ROLE
         return v_roles
+
+    def _reads_random_bits(self) -> bool:
+        """Whether a cluster op reads a value made from random bits (a dropout mask:
+        jax names those ops ``random_bits``, ``threefry2x32``, ``bernoulli``)."""
+        seen: set[tuple[object, Stack]] = set()
+        pending = [(value, stack) for op, stack in self.ops.values()
+                   for value in op.operands if not self.in_cluster(value, stack)]
+        while pending and len(seen) < 400:
+            current, at = pending.pop()
+            producer, made, at = self.view.producer(current, at)
+            if producer is None or (made, at) in seen:
+                continue
+            seen.add((made, at))
+            name = location_name(producer.location)
+            if "rng" in producer.name or any(word in name for word in _RANDOM):
+                return True
+            pending.extend((v, at) for v in producer.operands)
+        return False
