@@ -98,7 +98,7 @@ def test_passes_read_targets_never_runtime():
 
 
 # Modules outside targets/ that compare a platform name for another reason than a target
-# fact: what JAX_PLATFORMS asked for (both), and libtpu's error text (deviceless).
+# fact: what JAX_PLATFORMS asked for (both).
 PLATFORM_CONFIG = {"quiet_stderr.py", "deviceless.py"}
 
 
