@@ -117,6 +117,25 @@ def test_only_targets_compare_target_names():
     assert not found, found
 
 
+def test_only_targets_branch_on_a_device_family_class():
+    """What differs between GPUs and TPUs is a method of their targets (their topology
+    and mesh among them): no module outside targets/ asks ``isinstance(x, GpuTarget)``
+    or ``TpuTarget``."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "targets":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "isinstance" and len(node.args) == 2):
+                names = {leaf.id if isinstance(leaf, ast.Name) else leaf.attr
+                         for leaf in ast.walk(node.args[1])
+                         if isinstance(leaf, (ast.Name, ast.Attribute))}
+                if names & {"GpuTarget", "TpuTarget"}:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, found
+
+
 def test_the_rules_see_a_cycle():
     # The checker itself: a made-up cycle is found, a chain is not.
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
