@@ -1,6 +1,7 @@
-"""Compiling for a GPU or TPU this machine does not have: the mesh on its topology,
-lowering and compiling on it. The devices themselves (their config protos, slices, peaks,
-refusals) are targets: hlo_amp/targets/gpu.py and tpu.py.
+"""Compiling for a GPU or TPU this machine does not have: the arguments placed on the
+target's mesh, lowering and compiling on it. The devices themselves (their config protos,
+slices, topologies and meshes, peaks, refusals) are targets: hlo_amp/targets/gpu.py,
+tpu.py and topology.py (`Target.mesh`, `Target.topology_devices`).
 
 XLA compiles for a GPU described by a ``GpuTargetConfig`` text proto with no device
 present: ``jax.experimental.topologies`` makes a topology (and a mesh on it) from the
@@ -27,8 +28,6 @@ import where ``JAX_PLATFORMS`` excludes TPUs, with ``ALLOW_MULTIPLE_LIBTPU_LOAD`
 
 from __future__ import annotations
 
-import functools
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -36,8 +35,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from hlo_amp.targets import GpuTarget, Target, TpuTarget, device_target
-from hlo_amp.targets.tpu import default_slice
+from hlo_amp.targets import Target, device_target
+from hlo_amp.targets.topology import NoCompilerForTarget
 
 # Where JAX was told not to use a TPU, libtpu serves only deviceless compiles: it need not
 # ask for a TPU VM's metadata, and several processes (a test and the CLI it runs) may load
@@ -46,8 +45,11 @@ if "tpu" not in os.environ.get("JAX_PLATFORMS", "tpu"):
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-class NoCompilerForTarget(RuntimeError):
-    """The XLA backend for the target is not installed (the CUDA PJRT plugin)."""
+# NoCompilerForTarget: what target_mesh and the compiles raise where the XLA backend for
+# the target is missing (the targets make their topologies: targets/topology.py).
+__all__ = ["NoCompilerForTarget", "abstract_arguments", "compile_for_target",
+           "compile_module_for_target", "lower_for_target", "module_partitions",
+           "target_mesh"]
 
 
 def target_mesh(target: str | Target, axes: Mapping[str, int] | None = None
@@ -60,105 +62,7 @@ def target_mesh(target: str | Target, axes: Mapping[str, int] | None = None
     Arguments placed on it (``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
     mesh, P("fsdp", "tp")))``) keep their sharding through ``.lower(..., target=...)``.
     """
-    device = device_target(target)
-    if axes is None:
-        axes = {"device": device.devices}
-    if not isinstance(axes, Mapping) or not all(
-            isinstance(name, str) and isinstance(size, int) and size > 0
-            for name, size in axes.items()):
-        raise TypeError(f"axes={axes!r}: expected a dict of axis names to positive sizes, "
-                        "e.g. {'fsdp': 4, 'tp': 2}")
-    shape = tuple(axes.values())
-    if math.prod(shape) != device.devices:
-        raise ValueError(
-            f"axes={dict(axes)!r} make a mesh of {math.prod(shape)} devices; target "
-            f"{device.name!r} has {device.devices}: their sizes must multiply to "
-            f"{device.devices}")
-    return jax.sharding.Mesh(_device_grid(_topology_devices(device), shape), tuple(axes))
-
-
-def _device_grid(devices: tuple, shape: tuple[int, ...]) -> np.ndarray:
-    """``devices`` arranged as ``shape``: in the physical layout's order where JAX knows
-    it (TPU torus axes, GPUs node by node), as ``jax.make_mesh`` does; else in order."""
-    from jax.experimental import mesh_utils
-
-    if len(devices) > 1:
-        try:
-            return mesh_utils.create_device_mesh(shape, list(devices),
-                                                 allow_split_physical_axes=True)
-        except (AssertionError, ValueError, NotImplementedError):
-            pass  # v4's libtpu topology has one device per TensorCore, not per chip
-    return np.array(devices, dtype=object).reshape(shape)
-
-
-def _topology_devices(target: Target) -> tuple:
-    """The target's abstract devices: the first of its topology for a one-device target,
-    all of them for a node, nodes or a slice."""
-    if isinstance(target, TpuTarget) and target.topology:
-        devices = _tpu_topology(target.topology, target.description)
-    elif isinstance(target, GpuTarget) and target.target_config:
-        devices = _gpu_topology(target.platform, target.target_config, target.topology,
-                                target.description)
-    else:
-        raise ValueError(f"target {target.name!r} is not a device to compile for")
-    if target.devices > 1 and len(devices) != target.devices:
-        raise NoCompilerForTarget(f"{target.description}: the topology XLA made has "
-                                  f"{len(devices)} devices, not {target.devices}")
-    return devices[:target.devices]
-
-
-@functools.cache
-def _tpu_topology(topology_name: str, description: str) -> tuple:
-    from jax.experimental import topologies
-
-    from hlo_amp.quiet_stderr import fd2_muted
-
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    try:
-        # libtpu prints its host probes (accelerator type, worker hostnames: none here,
-        # harmless) straight to fd 2 when it loads; failures still arrive as exceptions.
-        with fd2_muted():
-            topology = topologies.get_topology_desc(topology_name, "tpu")
-    except Exception as error:  # noqa: BLE001 - libtpu missing, or a slice it refuses
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        missing = ("tpu" in first.lower() and "unknown backend" in first.lower()
-                   or "libtpu" in first.lower())
-        default = default_slice(topology_name)
-        advice = ("It needs libtpu matching your jaxlib: pip install 'hlo_amp[tpu]'"
-                  if missing else f"A slice that works: tpu-{default} (the default)"
-                  if default and default != topology_name else "")
-        raise NoCompilerForTarget(
-            f"cannot compile for {description} without a device: {first}. {advice}".strip()
-        ) from None
-    return tuple(topology.devices)
-
-
-@functools.cache
-def _gpu_topology(platform: str, target_config: str, topology_name: str,
-                  description: str) -> tuple:
-    from jax.experimental import topologies
-
-    try:
-        topology = topologies.get_topology_desc(
-            platform=platform, target_config=target_config, topology=topology_name)
-    except Exception as error:  # noqa: BLE001 - the plugin is missing or refuses the proto
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise NoCompilerForTarget(
-            f"cannot compile for {description} without a device: {first}. {_plugin_advice()}"
-        ) from None
-    return tuple(topology.devices)
-
-
-def _plugin_advice() -> str:
-    import importlib.util
-
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        return ("It needs the CUDA PJRT plugin matching your jaxlib: "
-                "pip install 'hlo_amp[gpu]'")
-    # Installed but not registered: on a machine without a CUDA runtime the plugin's
-    # version check fails unless CPU was asked for explicitly.
-    return ("The CUDA plugin is installed but did not register: on a machine without a "
-            "GPU, start Python with JAX_PLATFORMS=cpu")
+    return device_target(target).mesh(axes)
 
 
 def abstract_arguments(tree: Any, target: Target) -> Any:
@@ -169,7 +73,7 @@ def abstract_arguments(tree: Any, target: Target) -> Any:
     arrays sharded over this machine's devices with the same axis names and sizes), as
     ``jax.jit`` keeps an argument's sharding; every other array is replicated.
     """
-    replicated = jax.sharding.NamedSharding(target_mesh(target), jax.sharding.PartitionSpec())
+    replicated = jax.sharding.NamedSharding(target.mesh(), jax.sharding.PartitionSpec())
     meshes: dict[tuple, jax.sharding.Mesh] = {}
 
     def on_target(sharding: Any) -> Any:
@@ -181,7 +85,7 @@ def abstract_arguments(tree: Any, target: Target) -> Any:
         axes = tuple(mesh.shape.items())
         key = (axes, tuple(mesh.axis_types))
         if key not in meshes:  # the same axes on the target's devices, Explicit ones kept
-            meshes[key] = jax.sharding.Mesh(target_mesh(target, dict(axes)).devices,
+            meshes[key] = jax.sharding.Mesh(target.mesh(dict(axes)).devices,
                                             mesh.axis_names, axis_types=mesh.axis_types)
         if mesh == meshes[key]:
             return sharding
@@ -229,7 +133,7 @@ def compile_module_for_target(module: Any, target: Target) -> Any:
     from jax._src.lib import xla_client
 
     partitions = module_partitions(module)
-    devices = _topology_devices(target)
+    devices = target.topology_devices()
     if partitions > len(devices):
         raise ValueError(
             f"the module is partitioned over {partitions} devices (mhlo.num_partitions); "

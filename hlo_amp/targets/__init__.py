@@ -3,9 +3,10 @@ XLA:CPU, XLA:GPU and XLA:TPU do with the modules hlo_amp writes.
 
 A `Target` (targets/target.py) per backend family: `CpuTarget` (targets/cpu.py),
 `GpuTarget` (targets/gpu.py), `TpuTarget` (targets/tpu.py); a device compiled for
-without having it is one of those with its device fields set. The passes hold a
-`Target` and ask it; the public entry points take the strings they always took and
-`as_target` turns them into one, here and nowhere else.
+without having it is one of those with its device fields set, and makes its own
+topology and mesh (`Target.topology_devices`, `Target.mesh`; targets/topology.py). The
+passes hold a `Target` and ask it; the public entry points take the strings they always
+took and `as_target` turns them into one, here and nowhere else.
 """
 
 from __future__ import annotations

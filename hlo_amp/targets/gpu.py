@@ -6,6 +6,7 @@ file). What XLA:GPU turns into a Hopper fp8 GEMM is targets/fp8_gemm.py.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, ClassVar
 
 from hlo_amp.targets.dot_dims import dot_layout
 from hlo_amp.targets.target import Target
+from hlo_amp.targets.topology import NoCompilerForTarget, first_devices
 
 # XLA's flags for every deviceless GPU compile: without a device there is no autotuning,
 # and XLA's Triton GEMM fusion then fails on some programs (``Couldn't find output tile
@@ -114,8 +116,44 @@ class GpuTarget(Target):
     def compiler_options(self) -> dict[str, Any]:
         return dict(DEVICELESS_GPU_OPTIONS)
 
+    def topology_devices(self) -> tuple:
+        """The GPUs of XLA's topology made from ``target_config`` (a node or nodes:
+        ``topology``), by the CUDA PJRT plugin without a GPU."""
+        if not self.target_config:
+            return super().topology_devices()
+        return first_devices(self, _gpu_topology(self.platform, self.target_config,
+                                                 self.topology, self.description))
+
 
 GPU = GpuTarget()
+
+
+@functools.cache
+def _gpu_topology(platform: str, target_config: str, topology_name: str,
+                  description: str) -> tuple:
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform=platform, target_config=target_config, topology=topology_name)
+    except Exception as error:  # noqa: BLE001 - the plugin is missing or refuses the proto
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise NoCompilerForTarget(
+            f"cannot compile for {description} without a device: {first}. {_plugin_advice()}"
+        ) from None
+    return tuple(topology.devices)
+
+
+def _plugin_advice() -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return ("It needs the CUDA PJRT plugin matching your jaxlib: "
+                "pip install 'hlo_amp[gpu]'")
+    # Installed but not registered: on a machine without a CUDA runtime the plugin's
+    # version check fails unless CPU was asked for explicitly.
+    return ("The CUDA plugin is installed but did not register: on a machine without a "
+            "GPU, start Python with JAX_PLATFORMS=cpu")
 
 
 def _local_gpus() -> list[Any]:

@@ -12,10 +12,12 @@ where it was measured or read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hlo_amp.targets.fp8_gemm import fp8_obstacle
+from hlo_amp.targets.topology import mesh_of
 
 
 @dataclass(frozen=True)
@@ -184,3 +186,16 @@ class Target:
             if dtype in dtypes:
                 return f"it computes in {dtype}, and {why}"
         return None
+
+    def topology_devices(self) -> tuple:
+        """The abstract devices XLA compiles this device for without it: the first of its
+        topology for a one-device target, all of them for a node, nodes or a slice
+        (`GpuTarget` and `TpuTarget` make theirs; targets/topology.py); this base is no
+        device to compile for."""
+        raise ValueError(f"target {self.name!r} is not a device to compile for")
+
+    def mesh(self, axes: Mapping[str, int] | None = None) -> Any:
+        """A ``jax.sharding.Mesh`` over `topology_devices` (``hlo_amp.target_mesh``):
+        ``axes`` maps names to sizes whose product is the device count; without them, one
+        axis ``"device"`` over all of them."""
+        return mesh_of(self, axes)

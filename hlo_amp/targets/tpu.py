@@ -10,11 +10,14 @@ what a TPU refuses, and that an f32 dot at DEFAULT precision already runs as tha
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
 from hlo_amp.targets.target import Target
+from hlo_amp.targets.topology import NoCompilerForTarget, first_devices
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,13 @@ class TpuTarget(Target):
             return None
         return ("XLA:TPU rounds an f32 dot's operands to bf16 itself at DEFAULT precision "
                 "(one bf16 matrix-unit pass, f32 accumulation)")
+
+    def topology_devices(self) -> tuple:
+        """The chips (v4: TensorCores) of the slice ``topology``, made by libtpu without
+        a TPU."""
+        if not self.topology:
+            return super().topology_devices()
+        return first_devices(self, _tpu_topology(self.topology, self.description))
 
 
 TPU = TpuTarget()
@@ -147,3 +157,29 @@ def default_slice(topology: str) -> str:
     """The slice ``_TPUS`` compiles a generation for, given any slice of it ("" if none)."""
     return next((t[1] for t in _TPUS.values()
                  if t[1].split(":")[0] == topology.split(":")[0]), "")
+
+
+@functools.cache
+def _tpu_topology(topology_name: str, description: str) -> tuple:
+    from jax.experimental import topologies
+
+    from hlo_amp.quiet_stderr import fd2_muted
+
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    try:
+        # libtpu prints its host probes (accelerator type, worker hostnames: none here,
+        # harmless) straight to fd 2 when it loads; failures still arrive as exceptions.
+        with fd2_muted():
+            topology = topologies.get_topology_desc(topology_name, "tpu")
+    except Exception as error:  # noqa: BLE001 - libtpu missing, or a slice it refuses
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        missing = ("tpu" in first.lower() and "unknown backend" in first.lower()
+                   or "libtpu" in first.lower())
+        default = default_slice(topology_name)
+        advice = ("It needs libtpu matching your jaxlib: pip install 'hlo_amp[tpu]'"
+                  if missing else f"A slice that works: tpu-{default} (the default)"
+                  if default and default != topology_name else "")
+        raise NoCompilerForTarget(
+            f"cannot compile for {description} without a device: {first}. {advice}".strip()
+        ) from None
+    return tuple(topology.devices)

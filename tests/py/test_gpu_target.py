@@ -190,14 +190,14 @@ def test_missing_cuda_plugin_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
         raise RuntimeError("Unknown backend cuda")
 
     monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
-    deviceless._gpu_topology.cache_clear()
+    targets.gpu._gpu_topology.cache_clear()
     step, args = WORKLOADS["mlp"]
     try:
         with pytest.raises(deviceless.NoCompilerForTarget,
                            match=r"cannot compile for NVIDIA H100.*without a device"):
             hlo_amp.compile(step, "bf16").lower(*args, target="h100")
     finally:
-        deviceless._gpu_topology.cache_clear()
+        targets.gpu._gpu_topology.cache_clear()
 
 
 def test_nnx_stateful_step_lowers_for_a_gpu() -> None:

@@ -98,7 +98,7 @@ def test_passes_read_targets_never_runtime():
 
 
 # Modules outside targets/ that compare a platform name for another reason than a target
-# fact: what JAX_PLATFORMS asked for (both), and libtpu's error text (deviceless).
+# fact: what JAX_PLATFORMS asked for (both).
 PLATFORM_CONFIG = {"quiet_stderr.py", "deviceless.py"}
 
 
@@ -114,6 +114,25 @@ def test_only_targets_compare_target_names():
                 for leaf in ast.walk(side):
                     if isinstance(leaf, ast.Constant) and leaf.value in TARGET_NAMES:
                         found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, found
+
+
+def test_only_targets_branch_on_a_device_family_class():
+    """What differs between GPUs and TPUs is a method of their targets (their topology
+    and mesh among them): no module outside targets/ asks ``isinstance(x, GpuTarget)``
+    or ``TpuTarget``."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "targets":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "isinstance" and len(node.args) == 2):
+                names = {leaf.id if isinstance(leaf, ast.Name) else leaf.attr
+                         for leaf in ast.walk(node.args[1])
+                         if isinstance(leaf, (ast.Name, ast.Attribute))}
+                if names & {"GpuTarget", "TpuTarget"}:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not found, found
 
 

@@ -108,6 +108,18 @@ def test_target_mesh_errors() -> None:
         hlo_amp.target_mesh("h900x8")
 
 
+def test_a_device_target_makes_its_own_topology_and_mesh() -> None:
+    """The topology and the mesh are the target's (targets/topology.py): target_mesh only
+    names the target; a family target with no device has no topology to compile for."""
+    node = targets.device_target("h100x8")
+    assert node.mesh({"fsdp": 4, "tp": 2}) == hlo_amp.target_mesh("h100x8", {"fsdp": 4, "tp": 2})
+    assert [d.id for d in node.topology_devices()] == list(range(8))
+    assert len(targets.device_target("tpu-v5e").topology_devices()) == 1
+    for family in (targets.CPU, targets.GPU, targets.TPU, targets.NO_TARGET):
+        with pytest.raises(ValueError, match=r"is not a device to compile for"):
+            family.mesh()
+
+
 # -- a sharded train step -------------------------------------------------------------------
 
 

@@ -1,0 +1,230 @@
+"""Call-site contexts for insert_converts: every function body seen under the name of
+each call site that reaches it, a clone of a private function per decision vector its
+call sites need, the first and last matrix ops of each public function, and how often
+each op runs per call of the program (the report's FLOPs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.extend.mlir import ir
+
+from hlo_amp.ir.loops import LoopCounts, Runs
+from hlo_amp.ir.modules import (
+    callee_name,
+    clone_private,
+    element_type,
+    function_name,
+    is_public,
+    op_key,
+    walk_operations,
+)
+from hlo_amp.ir.sites import (
+    Site,
+    asks_for_precision,
+    call_prefix,
+    join_names,
+    location_name,
+    site_of,
+)
+from hlo_amp.passes.insert_converts.plan import TypeNames, float_bits
+from hlo_amp.policy import FIRST_MATRIX_OP, LAST_MATRIX_OP, OP_KINDS, Policy
+
+# The candidate ops by name, with their policy op kind.
+_MATRIX_OPS = {f"stablehlo.{kind}": kind for kind in OP_KINDS}
+_CALL = "func.call"
+_WATCHED = frozenset({*_MATRIX_OPS, _CALL})
+
+
+@dataclass
+class Instance:
+    """One function body to rewrite, and the call-site name its ops are seen under."""
+
+    fn: Any
+    prefix: str
+
+
+@dataclass
+class CallGraph:
+    """Call-site contexts and the clones needed so each body has one decision vector."""
+
+    policy: Policy
+    by_name: dict[str, Any] = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)  # clone name -> original
+    memo: dict[tuple[str, tuple], str] = field(default_factory=dict)
+    used_names: set[str] = field(default_factory=set)
+    instances: list[Instance] = field(default_factory=list)
+    clones: int = 0
+    signatures: dict[tuple[str, str], tuple] = field(default_factory=dict)
+    # op_key of a function -> its matrix ops (with their kind) and calls (kind None), in
+    # program order: one walk per function body, shared by both phases.
+    watched: dict[int, list[tuple[Any, str | None]]] = field(default_factory=dict)
+    sites: dict[tuple[Any, str, str], Site] = field(default_factory=dict)
+    type_names: TypeNames = field(default_factory=lambda: TypeNames())
+    # (original function name, index in ops_of, call-site prefix) -> first/last rules
+    positions: dict[tuple[str, int, str], tuple[str, ...]] = field(default_factory=dict)
+    loops: LoopCounts = field(default_factory=LoopCounts)
+    # function name (after cloning) -> how often it runs per call of the program
+    runs: dict[str, Runs] = field(default_factory=dict)
+
+    def count_runs(self) -> None:
+        """Fill ``runs`` for every instance: a public function runs once; a private one
+        as often as all its call sites together, each its caller's runs times the trip
+        counts of the loops around the call (after ``visit``: calls name the clones)."""
+        callers: dict[str, list[tuple[str, Any]]] = {}
+        for instance in self.instances:
+            caller = function_name(instance.fn)
+            for op, kind in self.ops_of(instance.fn):
+                if kind is None and callee_name(op) in self.by_name:
+                    callers.setdefault(callee_name(op), []).append((caller, op))
+        for instance in self.instances:
+            self._runs_of(function_name(instance.fn), callers, ())
+
+    def _runs_of(self, name: str, callers: dict[str, list[tuple[str, Any]]],
+                 stack: tuple[str, ...]) -> Runs:
+        found = self.runs.get(name)
+        if found is not None:
+            return found
+        sites = [] if is_public(self.by_name[name]) else callers.get(name, [])
+        if not sites or name in stack:  # public (or a cycle, which JAX never writes)
+            found = Runs(1)
+        else:
+            count, unknown = 0, 0
+            for caller, call in sites:
+                outer = self._runs_of(caller, callers, stack + (name,))
+                here = self.loops.runs(call)
+                count += outer.count * here.count
+                unknown += outer.unknown + here.unknown
+            found = Runs(count, unknown)
+        self.runs[name] = found
+        return found
+
+    def ops_of(self, fn: Any) -> list[tuple[Any, str | None]]:
+        """The matrix ops and calls of ``fn`` (walked once; the rewrite adds only
+        converts, so the list stays good)."""
+        found = self.watched.get(op_key(fn))
+        if found is None:
+            found = self.watched[op_key(fn)] = [
+                (op, _MATRIX_OPS.get(op.name)) for op in walk_operations(fn, names=_WATCHED)]
+        return found
+
+    def site(self, op: Any, kind: str, prefix: str) -> Site:
+        """``site_of`` an op, once per (location, kind, prefix): a private function's
+        ops are decided twice (its signature, then its rewrite)."""
+        key = (op.location, kind, prefix)
+        found = self.sites.get(key)
+        if found is None:
+            found = self.sites[key] = site_of(key[0], kind, prefix)
+        return found
+
+    def signature(self, name: str, prefix: str) -> tuple:
+        """The decisions a body would get under ``prefix``, nested calls included."""
+        original = self.origin.get(name, name)
+        known = self.signatures.get((original, prefix))
+        if known is not None:
+            return known
+        fn = self.by_name[original]
+        parts: list[Any] = []
+        for index, (op, kind) in enumerate(self.ops_of(fn)):
+            if kind is not None:
+                site = self.site(op, kind, prefix)
+                positions = self.positions.get((original, index, prefix), ())
+                parts.append(self.policy.decide(site.scope, kind, site.backward, positions,
+                                                asks_for_precision(op)).action)
+            elif callee_name(op) in self.by_name:
+                inner = callee_name(op)
+                parts.append(self.signature(inner, self._callee_prefix(prefix, op)))
+        self.signatures[(original, prefix)] = tuple(parts)
+        return self.signatures[(original, prefix)]
+
+    @staticmethod
+    def _callee_prefix(prefix: str, call: Any) -> str:
+        return call_prefix(join_names(prefix, location_name(call.location)))
+
+    def visit(self, fn: Any, prefix: str) -> None:
+        self.instances.append(Instance(fn, prefix))
+        for op, kind in self.ops_of(fn):
+            if kind is not None or callee_name(op) not in self.by_name:
+                continue
+            name = callee_name(op)
+            original = self.origin.get(name, name)
+            callee_prefix = self._callee_prefix(prefix, op)
+            key = (original, self.signature(original, callee_prefix))
+            target = self.memo.get(key)
+            if target is None:
+                target = self._instantiate(original)
+                self.memo[key] = target
+                self.visit(self.by_name[target], callee_prefix)
+            if target != name:
+                op.attributes["callee"] = ir.FlatSymbolRefAttr.get(target, context=op.context)
+
+    def find_ends(self, public: list[Any]) -> None:
+        """Fill ``positions``: per public function, the first and last float matrix op
+        of its forward program, and the backward ops with their scope, kind and source
+        call stack (before any cloning: keys use original names)."""
+        for fn in public:
+            order: list[tuple[tuple[str, int, str], Any, str]] = []
+            self._program_order(function_name(fn), "", order, ())
+            forward = []
+            for key, op, kind in order:
+                if (not self.site(op, kind, key[2]).backward
+                        and all(float_bits(element_type(v)) for v in list(op.operands)[:2])):
+                    forward.append((key, op, kind))
+            if not forward:
+                continue
+            stacks: dict[tuple[str, str, str], tuple[str, ...]] = {}
+            for position, (key, op, kind) in ((FIRST_MATRIX_OP, forward[0]),
+                                              (LAST_MATRIX_OP, forward[-1])):
+                self.positions[key] = self.positions.get(key, ()) + (position,)
+                stack = _stack_key(self.site(op, kind, key[2]), op, kind)
+                stacks[stack] = stacks.get(stack, ()) + (position,)
+            if len(stacks) == 1 and forward[0][0] != forward[-1][0]:
+                continue  # first and last look alike: their backward ops cannot be told
+            for key, op, kind in order:
+                site = self.site(op, kind, key[2])
+                found = stacks.get(_stack_key(site, op, kind)) if site.backward else None
+                if found:
+                    self.positions[key] = self.positions.get(key, ()) + found
+
+    def _program_order(self, name: str, prefix: str,
+                       out: list[tuple[tuple[str, int, str], Any, str]],
+                       stack: tuple[str, ...]) -> None:
+        for index, (op, kind) in enumerate(self.ops_of(self.by_name[name])):
+            if kind is not None:
+                out.append(((name, index, prefix), op, kind))
+            elif callee_name(op) in self.by_name and callee_name(op) not in stack:
+                self._program_order(callee_name(op), self._callee_prefix(prefix, op), out,
+                                    stack + (name,))
+
+    def _instantiate(self, original: str) -> str:
+        if original not in self.used_names:
+            self.used_names.add(original)
+            return original
+        name = function_name(clone_private(self.by_name[original], "amp", self.by_name))
+        self.origin[name] = original
+        self.used_names.add(name)
+        self.clones += 1
+        return name
+
+
+def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:
+    """What a forward op shares with its backward ops: scope, kind and the source call
+    stack of its location (JAX gives a transposed op its primal's stack)."""
+    location = op.location
+    stack = str(location.child_loc) if isinstance(location, ir.NameLoc) else str(location)
+    return site.scope_path, kind, stack
+
+
+# The note of an op inside a loop whose trip count could not be read (a while_loop, a
+# fori_loop with traced bounds): its FLOPs count that loop once.
+UNKNOWN_TRIPS = ("trip count of an enclosing while loop unknown: FLOPs count one "
+                 "iteration of it")
+
+
+def op_runs(graph: CallGraph, fn_name: str, op: Any) -> Runs:
+    """How often ``op`` runs per call of the program: its function's runs times the
+    trip counts of the loops around it in that function."""
+    outer = graph.runs.get(fn_name, Runs(1))
+    here = graph.loops.runs(op)
+    return Runs(outer.count * here.count, outer.unknown + here.unknown)

@@ -1,0 +1,168 @@
+"""The site rules of insert_converts: what to do to one matrix op (a `Plan`) under the
+action the policy decided for it: compute, a dtype, keep, or an fp8 format (the fp8
+GEMM's conditions are `Target.fp8_obstacle`'s), with the target's ``only_if_faster``
+and 16-bit result forms."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from jax.extend.mlir import ir
+
+from hlo_amp.ir.modules import element_type
+from hlo_amp.policy import (
+    COMPUTE,
+    DTYPE_BITS,
+    DTYPE_TO_ELEMENT,
+    FP8_E5M2,
+    FP8_SHORT,
+    FP8_TO_ELEMENT,
+    KEEP,
+    Policy,
+    is_fp8,
+)
+from hlo_amp.targets import NO_TARGET, Target
+from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, dequantized_format
+
+
+def float_bits(element: ir.Type | None) -> int | None:
+    """Bit width of a float element type; None for int, complex, bool, unranked."""
+    if element is None or not isinstance(element, ir.FloatType):
+        return None
+    return ir.FloatType(element).width
+
+
+
+class TypeNames:
+    """``str`` of element types, printed once per type (printing a type is slow)."""
+
+    def __init__(self) -> None:
+        self._names: dict[Any, str] = {}
+
+    def name(self, element: ir.Type | None) -> str:
+        found = self._names.get(element)
+        if found is None:
+            found = self._names[element] = str(element)
+        return found
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The decision for one candidate op, before any IR is touched."""
+
+    action: str | None
+    rule: str
+    operand_targets: tuple[str | None, ...]  # per operand: new element type or None
+    result_target: str | None  # new result element type, or None to keep it
+    reason: str
+    # fp8: the (lhs, rhs) fp8 element types and the dequantise type D (the type the
+    # scales are rounded to); the fp8 pass writes the quantisation and the direct-form
+    # dot. None for every other plan.
+    fp8: tuple[str, str, str] | None = None
+    # An f32 dot kept f32 because the target runs it as one pass of this 16-bit element
+    # type anyway (left_to_the_target); comm_precision reads it (Decision.runs_as).
+    runs_as: str | None = None
+
+
+def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
+            target: Target = NO_TARGET,
+            elements: tuple[list[ir.Type | None], ir.Type | None] | None = None,
+            gradient: int | None = None, backward: bool = False) -> Plan:
+    """What to do to one op under ``action``, given its operand and result types
+    (``elements``: the element types of its first two operands and of its result, when
+    the caller has read them already). For fp8 actions, ``gradient`` is the operand that
+    carries the incoming gradient of a ``backward`` dot (None: no single one)."""
+    if elements is None:
+        elements = ([element_type(v) for v in list(op.operands)[:2]],
+                    element_type(op.result))
+    if is_fp8(action):
+        return _plan_fp8(op, kind, policy, action, rule, target, elements, gradient,
+                         backward)
+    operands, result = elements
+    bits = [float_bits(t) for t in operands]
+    result_bits = float_bits(result)
+    none = (None,) * len(operands)
+    if action is None:
+        return Plan(action, rule, none, None, "no rule for this op kind")
+    if action == KEEP:
+        return Plan(action, rule, none, None, "kept as written")
+    if any(b is None for b in bits) or result_bits is None:
+        return Plan(action, rule, none, None, "not a float op")
+    if action == COMPUTE:
+        target_bits = DTYPE_BITS[policy.compute_dtype]
+        if 64 in bits + [result_bits] and not policy.include_f64:
+            return Plan(action, rule, none, None, "f64 op (not asked: include_f64)")
+        targets = tuple(
+            DTYPE_TO_ELEMENT[policy.compute_dtype] if b > target_bits else None for b in bits
+        )
+        compute = DTYPE_TO_ELEMENT[policy.compute_dtype]
+        # In the mixed_* modes the propagation pass gives such ops their 16-bit result.
+        result_target = (compute if target.low_result(kind) and not
+                         policy.propagate and result_bits > target_bits else None)
+        if all(t is None for t in targets) and result_target is None:
+            return Plan(action, rule, none, None, "already low precision")
+        slower = policy.only_if_faster and target.slower_in_16bit(op, kind,
+                                                                  policy.compute_dtype)
+        if slower:
+            return Plan(action, rule, none, None, slower)
+        if result_target is not None:
+            return Plan(action, rule, targets, result_target,
+                        f"{compute} operands and result (cuDNN's form), converted to "
+                        f"{result}")
+        return Plan(action, rule, targets, None, f"{compute} operands, {result} accumulation")
+    element = DTYPE_TO_ELEMENT[action]
+    targets = tuple(element if str(t) != element else None for t in operands)
+    result_target = element if str(result) != element else None
+    if all(t is None for t in targets) and result_target is None:
+        return Plan(action, rule, none, None, f"already {action}")
+    return Plan(action, rule, targets, result_target, f"forced to {action}")
+
+
+_E4M3, _E5M2 = FP8_TO_ELEMENT["float8_e4m3fn"], FP8_TO_ELEMENT[FP8_E5M2]
+# The reason of a dot whose operands already are fp8 (the direct form: the pipeline run on
+# its own output), or dequantised fp8: nothing to do, but the report still shows the fp8
+# types.
+ALREADY_FP8 = "already fp8"
+
+
+def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
+              target: Target, elements: tuple[list[ir.Type | None], ir.Type | None],
+              gradient: int | None, backward: bool) -> Plan:
+    """An fp8 plan for a dot that can run as an XLA:GPU fp8 GEMM; else the compute
+    dtype's plan with the reason the dot cannot."""
+    operands, result = elements
+    none = (None,) * len(operands)
+    bits = [float_bits(t) for t in operands]
+    if any(b is None for b in bits) or float_bits(result) is None:
+        return Plan(action, rule, none, None, "not a float op")
+    already = tuple(dequantized_format(v) for v in list(op.operands)[:2])
+    if kind == "dot_general" and all(already):
+        return Plan(action, rule, none, None, ALREADY_FP8,
+                    fp8=(already[0], already[1], str(operands[0])))
+    obstacle = (f"fp8 takes dot_general only, not {kind}" if kind != "dot_general"
+                else target.fp8_obstacle(op))
+    if obstacle is not None:
+        fallback = plan_op(op, kind, policy, COMPUTE, rule, target, elements)
+        return dataclasses.replace(fallback, action=action,
+                                   reason=f"{FP8_FALLBACK}: {obstacle}; {fallback.reason}")
+    slower = policy.only_if_faster and target.fp8_slower()
+    if slower:
+        return Plan(action, rule, none, None, slower)
+    formats = [_E4M3, _E4M3]
+    how = ""
+    if action == FP8_E5M2 and backward:
+        if gradient is None:
+            how = " (no single incoming-gradient operand found: e4m3fn for both)"
+        else:
+            formats[gradient] = _E5M2
+            how = f" ({('lhs', 'rhs')[gradient]} is the incoming gradient)"
+    # The dequantise type D: the type the scales are rounded to (Target.fp8_dequantize
+    # says why, per target).
+    result_name = str(result)
+    dequantize = target.fp8_dequantize(result_name, policy.compute_dtype)
+    return Plan(action, rule, none, None,
+                f"fp8 {FP8_SHORT[formats[0]]} x {FP8_SHORT[formats[1]]}{how}, per-tensor "
+                f"{dequantize} scales, {result_name} result",
+                fp8=(formats[0], formats[1], dequantize))
