@@ -75,6 +75,15 @@ class GpuTarget(Target):
             return (int(found[1]), int(found[2])) if found else None
         return _local_compute_capability()
 
+    @property
+    def lowering_capability(self) -> tuple[int, int] | None:
+        """The target config's capability; with no config, None where this machine has a
+        CUDA GPU (jax asks it), else Ampere's 8.0 (``hlo-amp-opt --target gpu`` on a
+        machine without a GPU: fused_attention_obstacle takes it to be one)."""
+        if self.target_config:
+            return self.compute_capability
+        return None if _local_compute_capability() is not None else (8, 0)
+
     def fused_attention_obstacle(self) -> str | None:
         """cuDNN's flash attention (the kernel jax's
         ``dot_product_attention(implementation="cudnn")`` calls) needs an NVIDIA GPU of

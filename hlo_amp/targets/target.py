@@ -108,6 +108,18 @@ class Target:
         instead of reading it stored. No by default."""
         return False
 
+    @property
+    def compute_capability(self) -> tuple[int, int] | None:
+        """A CUDA GPU's compute capability (GpuTarget); None for every other target."""
+        return None
+
+    @property
+    def lowering_capability(self) -> tuple[int, int] | None:
+        """The compute capability a GPU kernel is lowered for when jax cannot ask the
+        device (GpuTarget: a GPU compiled for without it); None where this machine's
+        device answers jax itself, or the target has no GPU kernels."""
+        return None
+
     def fused_attention_obstacle(self) -> str | None:
         """Why a softmax attention cannot run here as cuDNN's fused flash-attention
         kernel (passes/fused_attention/); None where it can. The base: no device."""

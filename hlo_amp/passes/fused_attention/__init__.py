@@ -155,13 +155,10 @@ class FusedAttention:
     def _fuse(self, match: Match, dtype: str, name: str) -> None:
         layout = layout_of(match)
         call = call_of(match, layout, dtype, bias_shape_of(match, layout))
-        capability = getattr(self.target, "compute_capability", None)
         # jax checks cuDNN itself on a GPU of this machine; compiled for a GPU without
-        # it (a device target, or a GPU target where this machine has none: taken to be
-        # Ampere), its checks are answered for that GPU.
-        here = capability is not None and not getattr(self.target, "target_config", "")
+        # it, its checks are answered for that GPU (Target.lowering_capability).
         try:
-            kernel = lower_kernel(call, self.kernel, None if here else capability or (8, 0))
+            kernel = lower_kernel(call, self.kernel, self.target.lowering_capability)
         except (NotImplementedError, ValueError) as error:  # jax's own cuDNN checks
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise NotFused(f"cuDNN does not take it: {first}") from None
@@ -190,7 +187,7 @@ def _sixteen_bit_algorithm(op: ir.Operation) -> str | None:
 def _cudnn_obstacle(match: Match, target: Target) -> str | None:
     """What cuDNN's flash attention does not take (jax's check_is_flash_attention)."""
     head = match.sizes[H_ROLE]
-    capability = getattr(target, "compute_capability", None) or (8, 0)
+    capability = target.compute_capability or (8, 0)
     largest = 256 if capability >= (9, 0) else 128
     if head % 8 or head > largest:
         return f"head dimension {head}: cuDNN takes a multiple of 8 up to {largest}"
