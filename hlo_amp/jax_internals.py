@@ -33,6 +33,11 @@ Each entry and why we need it:
   ``start_jax`` loads the plugins early, behind a filter of the CUDA stub's lines, on a
   machine without a GPU or TPU; looked up there with ``getattr``, so a jax without them
   only brings the noise back.
+- Shardy's ``sdy-propagation-pipeline``, registered in jaxlib's MLIR pass registry and
+  run through the public ``jax.extend.mlir.passmanager``: a pass that replaces an op in
+  a sharded module reads the sharding XLA's partitioner would give the op's result
+  (hlo_amp/ir/shardings.py). ``shardy_propagation()`` returns None where a jaxlib lacks
+  it, and those passes then leave such ops as they are.
 
 The MLIR bindings themselves come from the public ``jax.extend.mlir``.
 ``check()`` runs at import and turns a missing entry into one clear error.
@@ -124,6 +129,21 @@ def jit_cache_size(jitted: Any) -> int:
 def lowering_platforms(lowered: Any) -> tuple[str, ...]:
     """The platforms a ``jax.jit(...).lower()`` result was lowered for."""
     return tuple(getattr(lowered._lowering, "_platforms", ()) or ())
+
+
+SHARDY_PROPAGATION = "builtin.module(sdy-propagation-pipeline)"
+
+
+def shardy_propagation(context: Any) -> Any:
+    """A pass manager running Shardy's propagation in ``context``, or None where this
+    jaxlib does not register the pipeline."""
+    from jax.extend.mlir import passmanager
+
+    with context:
+        try:
+            return passmanager.PassManager.parse(SHARDY_PROPAGATION)
+        except (ValueError, ir.MLIRError):
+            return None
 
 
 def missing_entry_points() -> list[str]:

@@ -21,6 +21,7 @@ from hlo_amp.ir.modules import (
     PassError,
     drop_discarded,
     erase_discarded,
+    mark_program_converts,
     op_in_traceback,
     strip_decision_marks,
 )
@@ -29,6 +30,7 @@ from hlo_amp.passes.comm_precision import CommPrecision
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.insert_converts import InsertConverts
+from hlo_amp.passes.keep_shardings import KeepShardings
 from hlo_amp.passes.propagate import Propagate
 from hlo_amp.passes.recompute_residuals import RecomputeResiduals
 from hlo_amp.passes.scatter_select import ScatterToSelect
@@ -55,12 +57,14 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     actions adds the fp8 pass after propagation (which leaves fp8 dots' f32 operands
     alone): it quantises the dots insert_converts marked (see passes/fp8.py). Then
     comm_precision moves 16-bit converts above data movement (sharding constraints,
-    collectives) and applies the policy's ``reduce`` (passes/comm_precision.py).
+    collectives) and applies the policy's ``reduce`` (passes/comm_precision.py). Last, in a
+    partitioned module, the converts written of values with a given sharding keep it
+    (passes/keep_shardings.py).
     """
     target = as_target(target)
     passes: list[Pass] = [InsertConverts(policy, target)]
     if policy.propagate:
-        passes += [Propagate(policy, target), ScatterToSelect()]
+        passes += [Propagate(policy, target), ScatterToSelect(target)]
         if target.recomputes_residuals:
             passes.append(RecomputeResiduals(policy, target))
     if policy.uses_fp8:
@@ -68,6 +72,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
+    passes.append(KeepShardings())  # last: after every pass that writes or moves converts
     return passes
 
 
@@ -75,9 +80,9 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     """Every pass by its CLI name, for ``hlo-amp-opt --pass NAME``."""
     target = as_target(target)
     passes: list[Any] = [InsertConverts(policy, target), Propagate(policy, target),
-                         ScatterToSelect(), RecomputeResiduals(policy, target),
+                         ScatterToSelect(target), RecomputeResiduals(policy, target),
                          Fp8Quantize(), CommPrecision(policy),
-                         CleanupConverts(), FastDotLayout()]
+                         CleanupConverts(), FastDotLayout(), KeepShardings()]
     return {p.name: p for p in passes}
 
 
@@ -112,6 +117,7 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
     collecting = gc.isenabled()
     gc.disable()
     drop_discarded()  # a pass run outside a pipeline (a test) leaves its own marks only
+    mark_program_converts(module)
     try:
         for current in pipeline:
             run_pass(current, module, report)
