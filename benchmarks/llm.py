@@ -71,6 +71,10 @@ class Config:
     # ``jax.lax.scan`` (MaxText's ``scan_layers``): one block in the HLO, so the compile
     # time does not grow with depth. False: a Python loop over a list of blocks (unrolled).
     scan_layers: bool = True
+    # The residual stream constrained to the batch over fsdp (``with_sharding_constraint``
+    # after each block). False (``--no-constraints``): only parameters and tokens sharded,
+    # as most users write it, and XLA's partitioner places the activations (issue 48).
+    constraints: bool = True
     learning_rate: float = 3e-4
     weight_decay: float = 0.1
 
@@ -302,10 +306,11 @@ def compile_variant(variant: str, target: str, config: Config = Config(),
     device = device_target(target)
     mesh = hlo_amp.target_mesh(device, axes or default_axes(device.devices))
     args = abstract_state(config, mesh)
+    constrained = mesh if config.constraints else None  # forward() constrains on a mesh
     if variant == "f32" or variant in HLO_AMP_POLICIES:
-        step = make_train_step(config, jnp.float32, mesh)
+        step = make_train_step(config, jnp.float32, constrained)
     elif variant == "hand-cast bf16":
-        step = make_train_step(config, jnp.bfloat16, mesh)
+        step = make_train_step(config, jnp.bfloat16, constrained)
     else:
         raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
     timed = seconds is not None
@@ -401,13 +406,20 @@ def _machine() -> str:
     return f"{model}, {len(os.sched_getaffinity(0))} CPUs, {flags}"
 
 
+def section_key(device: str, config: Config) -> str:
+    """The name of ``device``'s RESULTS.md section (one more without constraints)."""
+    return device.removesuffix("-aot") + ("" if config.constraints else " --no-constraints")
+
+
 def section(device: str, config: Config, rows: list[dict[str, Any]],
             refused: dict[str, str], command: str) -> list[str]:
     """The RESULTS.md section for one device: header lines, the table, the refusals."""
     target = device_target(DEVICES.get(device, device))
-    key = device.removesuffix("-aot")
+    key = section_key(device, config)
     layer_form = ("layers scanned (`jax.lax.scan` over stacked block parameters)"
                   if config.scan_layers else "layers unrolled (a Python loop)")
+    if not config.constraints:
+        layer_form += "; no activation constraints (the residual stream unconstrained)"
     return [f"<!-- benchmarks.llm --device {key}: begin (replaced by each run) -->",
             (f"## LLM-scale: Llama-style decoder on {target.description}, compiled without "
             "a device"),
@@ -454,6 +466,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
                         help="the blocks as a jax.lax.scan over stacked parameters (the "
                         "default) or, with --no-scan, a Python loop (unrolled)")
+    parser.add_argument("--no-constraints", action="store_true",
+                        help="no with_sharding_constraint on the residual stream: only "
+                        "parameters and tokens sharded (a section of its own in --results)")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="compile only these (default: all)")
     parser.add_argument("--results", type=Path,
@@ -464,6 +479,8 @@ def main(argv: list[str] | None = None) -> None:
         config = dataclasses.replace(config, layers=args.layers)
     if args.scan is not None:
         config = dataclasses.replace(config, scan_layers=args.scan)
+    if args.no_constraints:
+        config = dataclasses.replace(config, constraints=False)
     target = device_target(DEVICES.get(args.device, args.device))
     print(f"{param_count(config) / 1e9:.3f}B parameters, {target.description}", flush=True)
     rows, refused = [], {}
@@ -481,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         command = "python -m benchmarks.llm " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
         write_section(args.results, section(args.device, config, rows, refused, command),
-                      args.device.removesuffix("-aot"))
+                      section_key(args.device, config))
         print(f"wrote {args.results}")
 
 
