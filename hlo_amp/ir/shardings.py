@@ -16,6 +16,8 @@ So a pass that replaces an op in a partitioned module asks ``result_shardings`` 
 Shardy gives the op's result in the module as it stands, and puts that sharding on the
 value it writes instead (``constrain``: an ``sdy.sharding_constraint`` with every
 dimension open, so that propagation may still add to it, as it could to the original).
+A copy the pipeline writes of a value whose sharding was given (an argument's,
+``fixed_sharding``) gets that sharding as given (passes/keep_shardings.py).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ scatter's result (hlo_amp/ir/shardings.py), behind an open ``sdy.sharding_constr
 the scatter passes its indices' batch sharding (the token batch's) on early in Shardy's
 propagation, the select only through a broadcast, late, and a decoder step without
 activation constraints was partitioned another way (issue 48: 2.6 times the hand cast's
-memory on 8 H100s). Where that sharding cannot be known (GSPMD shardings, no Shardy in
-this jaxlib) the scatter stays. Where XLA writes such a scatter as a select itself before
+memory on 8 H100s). Where that sharding cannot be known (GSPMD shardings, no ``main``,
+no Shardy in this jaxlib) the scatter stays. Where XLA writes such a scatter as a select itself before
 partitioning (`Target.selects_scatters_before_partitioning`: XLA:TPU) the partitioner
 sees a select either way, and the select carries nothing.
 """
