@@ -71,6 +71,10 @@ class Config:
     # ``jax.lax.scan`` (MaxText's ``scan_layers``): one block in the HLO, so the compile
     # time does not grow with depth. False: a Python loop over a list of blocks (unrolled).
     scan_layers: bool = True
+    # The residual stream constrained to the batch over fsdp (``with_sharding_constraint``
+    # after each block). False (``--no-constraints``): only parameters and tokens sharded,
+    # as most users write it, and XLA's partitioner places the activations (issue 48).
+    constraints: bool = True
     learning_rate: float = 3e-4
     weight_decay: float = 0.1
     # How the model writes attention: "einsum" (softmax(QKᵀ)V by hand, GQA groups, an f32
@@ -331,7 +335,8 @@ def compile_variant(variant: str, target: str, config: Config = Config(),
     device = device_target(target)
     mesh = hlo_amp.target_mesh(device, axes or default_axes(device.devices))
     args = abstract_state(config, mesh)
-    step = variant_step(variant, config, mesh)
+    constrained = mesh if config.constraints else None  # forward() constrains on a mesh
+    step = variant_step(variant, config, constrained)
     timed = seconds is not None
     seconds = {} if seconds is None else seconds
     if variant in HLO_AMP_POLICIES:
@@ -431,9 +436,9 @@ def _machine() -> str:
 
 
 def section_key(device: str, config: Config) -> str:
-    """The RESULTS.md section's key: the device, and the attention form when it is not
-    the einsum (each form keeps its own section)."""
-    key = device.removesuffix("-aot")
+    """The name of ``device``'s RESULTS.md section: one more without constraints, one
+    more per attention form other than the einsum."""
+    key = device.removesuffix("-aot") + ("" if config.constraints else " --no-constraints")
     return key if config.attention == "einsum" else f"{key} --attention {config.attention}"
 
 
@@ -444,6 +449,8 @@ def section(device: str, config: Config, rows: list[dict[str, Any]],
     key = section_key(device, config)
     layer_form = ("layers scanned (`jax.lax.scan` over stacked block parameters)"
                   if config.scan_layers else "layers unrolled (a Python loop)")
+    if not config.constraints:
+        layer_form += "; no activation constraints (the residual stream unconstrained)"
     return [f"<!-- benchmarks.llm --device {key}: begin (replaced by each run) -->",
             (f"## LLM-scale: Llama-style decoder on {target.description}, compiled without "
             "a device"),
@@ -491,6 +498,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
                         help="the blocks as a jax.lax.scan over stacked parameters (the "
                         "default) or, with --no-scan, a Python loop (unrolled)")
+    parser.add_argument("--no-constraints", action="store_true",
+                        help="no with_sharding_constraint on the residual stream: only "
+                        "parameters and tokens sharded (a section of its own in --results)")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="compile only these (default: all)")
     parser.add_argument("--attention", choices=ATTENTION_FORMS,
@@ -507,6 +517,8 @@ def main(argv: list[str] | None = None) -> None:
         config = dataclasses.replace(config, layers=args.layers)
     if args.scan is not None:
         config = dataclasses.replace(config, scan_layers=args.scan)
+    if args.no_constraints:
+        config = dataclasses.replace(config, constraints=False)
     for name in ("attention", "batch", "seq"):
         if getattr(args, name):
             config = dataclasses.replace(config, **{name: getattr(args, name)})

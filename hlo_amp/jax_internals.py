@@ -45,6 +45,11 @@ Each entry and why we need it:
   ``xla_attention_for_f32`` routes the first to the second for f32 arrays while
   hlo_amp traces a program (runtime/compile.py), so that such a call reaches the
   fused-attention pass instead of jax's f32 refusal.
+- Shardy's ``sdy-propagation-pipeline``, registered in jaxlib's MLIR pass registry and
+  run through the public ``jax.extend.mlir.passmanager``: a pass that replaces an op in
+  a sharded module reads the sharding XLA's partitioner would give the op's result
+  (hlo_amp/ir/shardings.py). ``shardy_propagation()`` returns None where a jaxlib lacks
+  it, and those passes then leave such ops as they are.
 
 The MLIR bindings themselves come from the public ``jax.extend.mlir``.
 ``check()`` runs at import and turns a missing entry into one clear error.
@@ -233,6 +238,19 @@ def xla_attention_for_f32() -> Iterator[None]:
             yield
         finally:
             _nn_functions.cudnn_dot_product_attention = original
+SHARDY_PROPAGATION = "builtin.module(sdy-propagation-pipeline)"
+
+
+def shardy_propagation(context: Any) -> Any:
+    """A pass manager running Shardy's propagation in ``context``, or None where this
+    jaxlib does not register the pipeline."""
+    from jax.extend.mlir import passmanager
+
+    with context:
+        try:
+            return passmanager.PassManager.parse(SHARDY_PROPAGATION)
+        except (ValueError, ir.MLIRError):
+            return None
 
 
 def missing_entry_points() -> list[str]:

@@ -307,10 +307,37 @@ def decision_of(op: ir.Operation | ir.OpView) -> int | None:
 
 
 def strip_decision_marks(module: ir.Module) -> None:
-    """Remove every ``DECISION_KEY``: it means nothing outside the run that wrote it."""
-    for op in walk_operations(module, names=MATRIX_OP_NAMES):
-        if DECISION_KEY in op.attributes:
-            del op.attributes[DECISION_KEY]
+    """Remove every ``DECISION_KEY`` and ``PROGRAM_KEY``: they mean nothing outside the
+    run that wrote them."""
+    for op in walk_operations(module, names=MATRIX_OP_NAMES | _CONVERT):
+        for key in (DECISION_KEY, PROGRAM_KEY):
+            if key in op.attributes:
+                del op.attributes[key]
+
+
+# The converts the program itself has, marked by run_pipeline before the passes, so that
+# a pass tells them from the ones the pipeline wrote (passes/keep_shardings.py leaves
+# the program's own as they are). run_pipeline strips it with the decision marks.
+PROGRAM_KEY = "hlo_amp.program"
+_CONVERT = frozenset({"stablehlo.convert"})
+
+
+def mark_program_converts(module: ir.Module) -> None:
+    """Mark every ``stablehlo.convert`` now in ``module`` with ``PROGRAM_KEY``."""
+    with module.context:
+        for op in walk_operations(module, names=_CONVERT):
+            mark_program_convert(op)
+
+
+def mark_program_convert(op: ir.Operation | ir.OpView) -> None:
+    """Mark ``op`` as the program's own convert (one that took over a program convert's
+    readers, when cleanup merged the two)."""
+    op.attributes[PROGRAM_KEY] = ir.UnitAttr.get(op.context)
+
+
+def is_program_convert(op: ir.Operation | ir.OpView) -> bool:
+    """Whether ``op`` is a convert the program had before the pipeline ran."""
+    return PROGRAM_KEY in op.attributes
 
 
 def element_type(value: ir.Value) -> ir.Type | None:

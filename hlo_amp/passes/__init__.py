@@ -21,6 +21,7 @@ from hlo_amp.ir.modules import (
     PassError,
     drop_discarded,
     erase_discarded,
+    mark_program_converts,
     op_in_traceback,
     strip_decision_marks,
 )
@@ -30,6 +31,7 @@ from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.fused_attention import FusedAttention
 from hlo_amp.passes.insert_converts import InsertConverts
+from hlo_amp.passes.keep_shardings import KeepShardings
 from hlo_amp.passes.propagate import Propagate
 from hlo_amp.passes.recompute_residuals import RecomputeResiduals
 from hlo_amp.passes.scatter_select import ScatterToSelect
@@ -56,10 +58,12 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     actions adds the fp8 pass after propagation (which leaves fp8 dots' f32 operands
     alone): it quantises the dots insert_converts marked (see passes/fp8.py). Then
     comm_precision moves 16-bit converts above data movement (sharding constraints,
-    collectives) and applies the policy's ``reduce`` (passes/comm_precision.py).
-    First of all, when a rule computes a dot_general in 16 bit (``fuse_attention``, on
-    by default), softmax attention becomes a fused kernel on targets that have one, and
-    the report lists every attention site (passes/fused_attention/).
+    collectives) and applies the policy's ``reduce`` (passes/comm_precision.py). Last, in a
+    partitioned module, the converts written of values with a given sharding keep it
+    (passes/keep_shardings.py). First of all, when a rule computes a dot_general in 16
+    bit (``fuse_attention``, on by default), softmax attention becomes a fused kernel on
+    targets that have one, and the report lists every attention site
+    (passes/fused_attention/).
     """
     target = as_target(target)
     passes: list[Pass] = []
@@ -67,7 +71,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
         passes.append(FusedAttention(policy, target))
     passes.append(InsertConverts(policy, target))
     if policy.propagate:
-        passes += [Propagate(policy, target), ScatterToSelect()]
+        passes += [Propagate(policy, target), ScatterToSelect(target)]
         if target.recomputes_residuals:
             passes.append(RecomputeResiduals(policy, target))
     if policy.uses_fp8:
@@ -75,6 +79,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
+    passes.append(KeepShardings())  # last: after every pass that writes or moves converts
     return passes
 
 
@@ -83,9 +88,9 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     target = as_target(target)
     passes: list[Any] = [FusedAttention(policy, target), InsertConverts(policy, target),
                          Propagate(policy, target),
-                         ScatterToSelect(), RecomputeResiduals(policy, target),
+                         ScatterToSelect(target), RecomputeResiduals(policy, target),
                          Fp8Quantize(), CommPrecision(policy),
-                         CleanupConverts(), FastDotLayout()]
+                         CleanupConverts(), FastDotLayout(), KeepShardings()]
     return {p.name: p for p in passes}
 
 
@@ -120,6 +125,7 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
     collecting = gc.isenabled()
     gc.disable()
     drop_discarded()  # a pass run outside a pipeline (a test) leaves its own marks only
+    mark_program_converts(module)
     try:
         for current in pipeline:
             run_pass(current, module, report)

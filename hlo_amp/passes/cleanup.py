@@ -19,8 +19,10 @@ from hlo_amp.ir.modules import (
     function_name,
     functions,
     is_call,
+    is_program_convert,
     is_public,
     live_uses,
+    mark_program_convert,
     set_function_type,
     terminator,
     walk_operations,
@@ -101,6 +103,8 @@ def _fold_and_merge(module: ir.Module) -> tuple[int, int, int]:
         first = seen.get(key)
         if first is not None and first.operation.is_before_in_block(convert.operation):
             result.replace_all_uses_with(first.result)
+            if is_program_convert(convert):  # it serves the program's readers now
+                mark_program_convert(first)
             merged += 1
         else:
             seen.setdefault(key, convert)

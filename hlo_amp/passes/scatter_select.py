@@ -12,6 +12,16 @@ part and the convert into one kernel.
 Only a scatter into a constant (broadcast, reshaped or converted) is rewritten: there
 the result is written in full either way. Into a computed operand (a cache updated in place in a loop) the
 scatter touches one slot and the select form would rewrite the whole buffer.
+
+In a partitioned module the select carries the sharding XLA's partitioner gives the
+scatter's result (hlo_amp/ir/shardings.py), behind an open ``sdy.sharding_constraint``:
+the scatter passes its indices' batch sharding (the token batch's) on early in Shardy's
+propagation, the select only through a broadcast, late, and a decoder step without
+activation constraints was partitioned another way (issue 48: 2.6 times the hand cast's
+memory on 8 H100s). Where that sharding cannot be known (GSPMD shardings, no ``main``,
+no Shardy in this jaxlib) the scatter stays. Where XLA writes such a scatter as a select itself before
+partitioning (`Target.selects_scatters_before_partitioning`: XLA:TPU) the partitioner
+sees a select either way, and the select carries nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import discard, from_constant, functions, walk_operations
 from hlo_amp.ir.op_classes import single_update_scatter
+from hlo_amp.ir.shardings import constrain, is_partitioned, result_shardings
 from hlo_amp.report import Report
+from hlo_amp.targets import NO_TARGET, Target
 
 _SCATTER = frozenset({"stablehlo.scatter"})
 
@@ -33,21 +45,30 @@ _SCATTER = frozenset({"stablehlo.scatter"})
 class ScatterToSelect:
     """Rewrite one-position add scatters of floats into a constant as selects."""
 
+    target: Target = NO_TARGET
     name: str = "hlo-amp-scatter-select"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
-        scatters = [op.opview for fn in functions(module)
-                    for op in walk_operations(fn, names=_SCATTER)]
-        rewritten = 0
-        for op in scatters:
-            placement = _placement(op)
-            if placement is not None:
-                with op.location, ir.InsertionPoint(op):
-                    _rewrite(op, placement)
-                rewritten += 1
+        found = [(op.opview, _placement(op.opview)) for fn in functions(module)
+                 for op in walk_operations(fn, names=_SCATTER)]
+        chosen = [(op, placement) for op, placement in found if placement is not None]
+        shardings: dict[int, Any] = {}
+        partitioned = (bool(chosen) and not self.target.selects_scatters_before_partitioning
+                       and is_partitioned(module))
+        if partitioned:
+            shardings = result_shardings(module, [op.operation for op, _ in chosen])
+        rewritten = constrained = 0
+        for index, (op, placement) in enumerate(chosen):
+            if partitioned and index not in shardings:
+                continue  # its sharding unknown: the scatter keeps the plan as it is
+            with op.location, ir.InsertionPoint(op):
+                constrained += _rewrite(op, placement, shardings.get(index))
+            rewritten += 1
         if report is not None and rewritten:
-            report.notes.append(f"scatter-select: wrote {rewritten} one-position add "
-                                f"scatter(s) into a constant as select")
+            report.notes.append(
+                f"scatter-select: wrote {rewritten} one-position add scatter(s) into a "
+                f"constant as select" + (f", {constrained} carrying the scatter's sharding"
+                                         if constrained else ""))
 
 
 @dataclass(frozen=True)
@@ -109,7 +130,8 @@ def _placement(op: Any) -> _Placement | None:
     )
 
 
-def _rewrite(op: Any, placement: _Placement) -> None:
+def _rewrite(op: Any, placement: _Placement, sharding: Any) -> bool:
+    """Replace ``op``; True where the select carries ``sharding``."""
     operand, indices, updates = op.operation.operands
     operand_type = ir.RankedTensorType(operand.type)
     indices_type = ir.RankedTensorType(indices.type)
@@ -149,9 +171,11 @@ def _rewrite(op: Any, placement: _Placement) -> None:
     placed = hlo.BroadcastInDimOp(operand_type, kept, _ints(placement.update_to_operand)).result
     # operand + update, in the scatter body's order, then the operand elsewhere
     added = hlo.AddOp(operand, placed).result
-    result = hlo.SelectOp(mask, added, operand).result
+    selected = hlo.SelectOp(mask, added, operand).result
+    result = constrain(selected, sharding)
     op.operation.results[0].replace_all_uses_with(result)
     discard(op)
+    return result is not selected
 
 
 def _ints(values: Any) -> ir.DenseI64ArrayAttr:

@@ -130,6 +130,13 @@ class Target:
     no_fused_attention: ClassVar[str] = ("no target device: fused attention is compiled "
                                          "for a GPU (target=\"h100\", \"a100\", ...)")
 
+    def selects_scatters_before_partitioning(self) -> bool:
+        """Whether XLA writes a one-position add scatter into a constant (the label pick's
+        gradient) as a select itself, before its SPMD partitioner runs: then the
+        partitioner sees scatter_select's form in the program as written too, and the
+        select needs no sharding of its own (hlo_amp/ir/shardings.py). No by default."""
+        return False
+
     def paint_form(self, keep_f32_results: bool = False) -> PaintForm:
         """The painting the mixed modes do for this target: its three facts above, and the
         policy's ``keep_f32_results`` (matrix ops read only by f32 ops keep f32 results)."""

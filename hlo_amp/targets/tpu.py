@@ -38,6 +38,16 @@ class TpuTarget(Target):
         benchmarks/RESULTS.md)."""
         return False
 
+    @property
+    def selects_scatters_before_partitioning(self) -> bool:
+        """Yes. XLA:TPU's ``sparse-gradient-rewrite`` (its first pipeline, before the
+        partitioner) writes the label pick's add scatter as a select: in the hand-cast
+        decoder's dump (``--xla_dump_hlo_pass_re=.*``, tpu-v5e:4x4) that scatter is gone
+        after it and Shardy's input has a ``select`` of the logits' shape; giving
+        scatter_select's select the scatter's sharding there moved the plan off the hand
+        cast's (tests/py/test_partition_plan.py)."""
+        return True
+
     def f32_dot_runs_as(self, compute_dtype: str) -> str | None:
         """bf16: libtpu's LLO (--xla_jf_dump_llo_text, every generation in ``_TPUS``)
         runs an f32 dot at DEFAULT precision with the instructions of the same dot on

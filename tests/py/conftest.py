@@ -34,6 +34,7 @@ SLOW_FILES_FIRST = ("test_demo_mixed.py", "test_tpu_accurate_memory.py",
                     "test_memory_vs_hand_cast.py",
                     "test_gpu_target.py",
                     "test_third_party.py", "test_module_scopes.py", "test_propagate.py",
+                    "test_partition_plan.py",
                     "test_tpu_target.py", "test_transforms.py", "test_report_text.py",
                     "test_sharded_decoder.py", "test_mesh_fast_mode.py",
                     "test_comm_precision_scan.py", "test_llm_benchmark.py")

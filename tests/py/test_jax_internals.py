@@ -67,3 +67,11 @@ def test_supported_range_matches_the_pin():
     major, minor = high.split(".")[:2]
     assert jax_internals.SUPPORTED_JAX.endswith(f"{major}.{int(minor) - 1}.x")
     assert hlo_amp.compile  # the package imported, so check() passed at import
+
+
+def test_shardy_propagation_is_registered():
+    # hlo_amp/ir/shardings.py reads the shardings XLA's partitioner gives a value; without
+    # the pipeline scatter_select leaves a partitioned module's scatters as they are.
+    from hlo_amp.ir.modules import new_context
+
+    assert jax_internals.shardy_propagation(new_context()) is not None

@@ -91,3 +91,29 @@ def test_scanned_variant_compiles_sharded_for_h100x8(variant: str) -> None:
     assert len(gathers) >= 2, report.collectives
     assert all(c.element_types == ("bf16",) and c.count == TINY.layers for c in gathers), \
         gathers
+
+
+def test_no_constraints_leaves_the_residual_stream_unconstrained(tmp_path, monkeypatch) -> None:
+    # issue 48: --no-constraints builds the step without a mesh for forward()'s
+    # with_sharding_constraint and writes a RESULTS section of its own.
+    meshes = []
+    real = llm.make_train_step
+
+    def recording(config, dtype, mesh=None):
+        meshes.append(mesh)
+        return real(config, dtype, mesh)
+
+    monkeypatch.setattr(llm, "make_train_step", recording)
+    results = tmp_path / "RESULTS.md"
+    results.write_text("<!-- benchmarks.llm --device h100x8: begin -->\nkept\n"
+                       "<!-- benchmarks.llm --device h100x8: end -->\n")
+    llm.main(["--device", "h100x8", "--small", "--layers", "1", "--no-constraints",
+              "--variant", "f32", "--results", str(results)])
+    assert meshes == [None]
+    text = results.read_text()
+    assert "kept" in text  # the constrained section stays
+    assert "<!-- benchmarks.llm --device h100x8 --no-constraints: begin" in text
+    assert "no activation constraints" in text
+    meshes.clear()
+    llm.compile_variant("f32", "h100x8", TINY, {"fsdp": 4, "tp": 2})
+    assert meshes and meshes[0] is not None  # the default constrains on the mesh

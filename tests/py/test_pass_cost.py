@@ -176,8 +176,8 @@ def test_default_names_the_pipeline_and_the_debug_option(monkeypatch):
     message = str(caught.value)
     assert message.startswith(
         "internal error: the pass pipeline (hlo-amp-fused-attention, test-break-types, "
-        "hlo-amp-insert-converts, hlo-amp-comm-precision, hlo-amp-cleanup) produced an "
-        "invalid module"), message
+        "hlo-amp-insert-converts, hlo-amp-comm-precision, hlo-amp-cleanup, "
+        "hlo-amp-keep-shardings) produced an invalid module"), message
     assert f"{VERIFY_EACH_ENV}=1" in message and "--verify-each" in message
 
 
