@@ -99,8 +99,9 @@ HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16", "hlo_amp mixed_bfloat16": "mixed_bfl
 # kernel (whatever --attention says).
 CUDNN_PEER = "hand-cast bf16 cudnn"
 VARIANTS = ("f32", "hand-cast bf16", CUDNN_PEER, *HLO_AMP_POLICIES)
-# The benchmark's devices: one 8-GPU node, a 16-chip v5e slice (TPUs refuse fp8).
-DEVICES = {"h100x8-aot": "h100x8", "tpu-v5e-16-aot": "tpu-v5e:4x4"}
+# The benchmark's devices: one 8-GPU node, a 16-chip v5e slice (TPUs refuse fp8), one H100 (the
+# fused-attention rows: one device, no partitioning).
+DEVICES = {"h100x8-aot": "h100x8", "tpu-v5e-16-aot": "tpu-v5e:4x4", "h100-aot": "h100"}
 
 
 # ---- parameters and their shardings ---------------------------------------------------------

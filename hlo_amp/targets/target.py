@@ -130,6 +130,7 @@ class Target:
     no_fused_attention: ClassVar[str] = ("no target device: fused attention is compiled "
                                          "for a GPU (target=\"h100\", \"a100\", ...)")
 
+    @property
     def selects_scatters_before_partitioning(self) -> bool:
         """Whether XLA writes a one-position add scatter into a constant (the label pick's
         gradient) as a select itself, before its SPMD partitioner runs: then the
