@@ -38,6 +38,9 @@ class CallView:
     def __init__(self, module: ir.Module) -> None:
         self.functions = {function_name(fn): fn for fn in functions(module)}
         self.calls: dict[int, ir.Operation] = {}
+        # Constants evaluated so far (constants.evaluate's memo), shared by every site:
+        # a causal mask hoisted out of a scan serves its forward and recomputed copies.
+        self.constants: dict = {}
         # Each private function's call sites (a function called once has one caller).
         self.callers: dict[str, list[ir.Operation]] = {}
         for fn in self.functions.values():

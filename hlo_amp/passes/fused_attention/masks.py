@@ -133,7 +133,7 @@ class MaskReading:
         if axis_roles.index(t_role) != 0:
             array = array.T
         t, s = array.shape
-        if t != s or not np.array_equal(array, np.tril(np.ones((t, s), dtype=bool))):
+        if t != s or not np.array_equal(array, np.tri(t, s, dtype=bool)):
             raise NotFused("a constant mask that is not causal (cuDNN takes causal or a "
                            "bias)")
         return True

@@ -77,7 +77,7 @@ class _Site(MaskReading, ExitReading):
         self.view = view
         self.scores = scores
         self.home = scores.block
-        self.memo: dict = {}
+        self.memo = view.constants  # evaluated constants, shared by every site
         # Cluster ops by (op key, stack), in the order found.
         self.ops: dict[tuple[int, Stack], tuple[ir.Operation, Stack]] = {}
         self.values: set[tuple[ir.Value, Stack]] = {(scores.results[0], ())}
