@@ -186,8 +186,9 @@ class _Site(MaskReading, ExitReading):
 
     # -- the forward chain --------------------------------------------------------------------
 
-    def forward_chain(self) -> tuple[tuple[ir.Value, Stack], int, float, list]:
-        """(P, the softmax's axis in P's producer, scale, mask selects) or NotFused."""
+    def softmax(self) -> tuple[ir.Operation, Stack, ir.Operation, int]:
+        """The cluster's exponential, its stack, the divide by its sum and the summed
+        axis; NotFused (no attention) without them."""
         exps = [(op, st) for op, st in self.ops.values() if op.name == "stablehlo.exponential"]
         if not exps:
             raise NotFused("no softmax", attention=False)
@@ -198,7 +199,11 @@ class _Site(MaskReading, ExitReading):
         if normalised is None:
             raise NotFused("no softmax normalisation (exp over its sum) follows the scores",
                            attention=False)
-        divide, reduce_dim = normalised
+        return exp, stack, *normalised
+
+    def forward_chain(self, exp: ir.Operation, stack: Stack, divide: ir.Operation,
+                      reduce_dim: int) -> tuple[tuple[ir.Value, Stack], int, float, list]:
+        """(P, the softmax's axis in P's producer, scale, mask selects) or NotFused."""
         roles = self.roles.get((divide.results[0], stack))
         key_role = roles[reduce_dim] if roles is not None and len(roles) > reduce_dim else None
         if key_role is None:
@@ -305,8 +310,9 @@ class _Site(MaskReading, ExitReading):
 
     def match(self) -> Match:
         self.walk()
+        softmax = self.softmax()  # before the roles: most matmuls have no softmax after
         self.assign_roles()
-        p_value, reduce_dim, scale, selects = self.forward_chain()
+        p_value, reduce_dim, scale, selects = self.forward_chain(*softmax)
         # The key axis is the summed one: the operand whose free dimension it is is K.
         exp_roles = self._roles_of_normalised(p_value, reduce_dim)
         key_role = exp_roles[reduce_dim]
