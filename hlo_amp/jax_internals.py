@@ -168,6 +168,11 @@ def cudnn_attention_module() -> Any:
     return _cudnn_attention
 
 
+# Held while jax's module attributes are patched (two threads tracing at once must not
+# restore each other's patches midway).
+_PATCH_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def cudnn_checks_answered(compute_capability: tuple[int, int] | None, cudnn_version: int,
                           active: bool = True) -> Iterator[None]:
@@ -198,8 +203,6 @@ def cudnn_checks_answered(compute_capability: tuple[int, int] | None, cudnn_vers
             for name, original in saved.items():
                 setattr(module, name, original)
 
-
-_PATCH_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager

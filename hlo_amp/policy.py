@@ -420,9 +420,8 @@ class Policy:
     def may_fuse_attention(self) -> bool:
         """Whether some rule computes a ``dot_general`` in 16 bit (or fp8, whose
         attention runs in the 16-bit compute type): the fused-attention pass looks."""
-        sixteen = ("bfloat16", "float16")
-        return self.compute_dtype in sixteen and any(
-            a == COMPUTE or a in sixteen or is_fp8(a) for a in self.actions)
+        return self.compute_dtype in COMPUTE_DTYPES and any(
+            a == COMPUTE or a in COMPUTE_DTYPES or is_fp8(a) for a in self.actions)
 
     @property
     def uses_fp8(self) -> bool:

@@ -36,21 +36,27 @@ _GIVEN = frozenset({"sdy.sharding_constraint", "sdy.reshard"})
 
 
 def is_partitioned(module: ir.Module) -> bool:
-    """Whether XLA partitions ``module`` over several devices: more than one partition
-    (``mhlo.num_partitions``, as ``jax.jit(...).lower`` writes it) or a Shardy mesh of
-    more than one device (a module written by hand)."""
+    """Whether XLA partitions ``module`` over several devices (``partition_count``)."""
+    return partition_count(module) > 1
+
+
+def partition_count(module: ir.Module) -> int:
+    """The devices XLA partitions ``module`` over: its partitions
+    (``mhlo.num_partitions``, as ``jax.jit(...).lower`` writes it), else its largest
+    Shardy mesh (a module written by hand), else 1."""
     attributes = module.operation.attributes
-    if "mhlo.num_partitions" in attributes and ir.IntegerAttr(
-            attributes["mhlo.num_partitions"]).value > 1:
-        return True
+    if "mhlo.num_partitions" in attributes:
+        partitions = ir.IntegerAttr(attributes["mhlo.num_partitions"]).value
+        if partitions > 1:
+            return partitions
+    largest = 1
     for op in module.body.operations:
         if op.operation.name in _MESHES:
             size = 1
             for axis in sdy.MeshAttr(op.operation.attributes["mesh"]).axes:
                 size *= sdy.MeshAxisAttr(axis).size
-            if size > 1:
-                return True
-    return False
+            largest = max(largest, size)
+    return largest
 
 
 def result_shardings(module: ir.Module, ops: Sequence[ir.Operation]

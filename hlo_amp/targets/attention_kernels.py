@@ -97,10 +97,9 @@ def _lower(call: AttentionCall, kernel: str,
     platform = "cuda" if kernel == "cudnn" else "cpu"
     inputs = (q, kv, kv) + ((bias,) if bias is not None else ())
 
-    def with_bias(function):  # the bias is an input of the forward, never differentiated
-        return function if bias is not None else (lambda q, k, v: function(q, k, v, None))
+    def with_bias(q, k, v, *bias_arg):  # the bias, if any: an input, never differentiated
+        return attend(q, k, v, *(bias_arg or (None,)))
 
-    attend_with = with_bias(attend)
     # Lowering cuDNN's call starts jax's CUDA backend, whose stub prints "Could not find
     # cuda drivers" where there is no GPU: dropped (hlo_amp/quiet_stderr.py).
     quiet = (fd2_filtered() if kernel == "cudnn" and compute_capability is not None
@@ -108,13 +107,12 @@ def _lower(call: AttentionCall, kernel: str,
     with quiet, internals.cudnn_checks_answered(compute_capability, DEVICELESS_CUDNN,
                                                 active=kernel == "cudnn"):
         if not call.training:
-            forward, _outputs = _text(attend_with, inputs, platform)
+            forward, _outputs = _text(with_bias, inputs, platform)
             return Kernel(forward, None, 0)
         tree_box = []
 
         def forward_fn(q, k, v, *bias_arg):
-            out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, *(bias_arg or (None,))),
-                               q, k, v)
+            out, vjp = jax.vjp(lambda q, k, v: with_bias(q, k, v, *bias_arg), q, k, v)
             leaves, tree = jax.tree.flatten(vjp)
             tree_box.append(tree)
             return (out, *leaves)

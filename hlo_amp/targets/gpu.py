@@ -165,18 +165,20 @@ def _plugin_advice() -> str:
             "GPU, start Python with JAX_PLATFORMS=cpu")
 
 
-def _local_gpus() -> list[Any]:
-    """This machine's GPU devices (asking jax may start its CUDA plugin, whose stub
-    prints to fd 2 where there is no GPU: dropped, as at hlo_amp's import)."""
+@functools.cache
+def _local_gpus() -> tuple[Any, ...]:
+    """This machine's GPU devices, asked once per process (every fused-attention pass
+    asks; the devices do not change). Asking jax may start its CUDA plugin, whose stub
+    prints to fd 2 where there is no GPU: dropped, as at hlo_amp's import."""
     import jax
 
     from hlo_amp.quiet_stderr import fd2_filtered
 
     with fd2_filtered():
         try:
-            return [d for d in jax.devices() if d.platform == "gpu"]
+            return tuple(d for d in jax.devices() if d.platform == "gpu")
         except RuntimeError:
-            return []
+            return ()
 
 
 def _local_platform() -> str | None:

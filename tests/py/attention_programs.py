@@ -16,7 +16,6 @@ forward or a training step (gradients with respect to every float argument).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -216,6 +215,3 @@ def max_relative_error(expected: Any, got: Any) -> float:
         worst = max(worst, float(np.abs(a - b).max()) / scale)
     return worst
 
-
-def head_dim_scale() -> float:
-    return 1.0 / math.sqrt(H)

@@ -29,18 +29,13 @@ from dataclasses import dataclass, replace
 
 from jax.extend.mlir import ir
 
-from hlo_amp.ir.modules import (
-    callee_name,
-    function_name,
-    functions,
-    is_discarded,
-    is_public,
-    walk_operations,
-)
-from hlo_amp.ir.sites import asks_for_precision, call_prefix, join_names, location_name, site_of
+from hlo_amp.ir.modules import function_name, functions, is_discarded, walk_operations
+from hlo_amp.ir.shardings import partition_count
+from hlo_amp.ir.sites import Site, asks_for_precision, location_name, site_of
 from hlo_amp.passes.fused_attention.calls import CallView
 from hlo_amp.passes.fused_attention.match import match_site
 from hlo_amp.passes.fused_attention.rewrite import (
+    Layout,
     bias_shape_of,
     call_of,
     discard_dead,
@@ -49,13 +44,16 @@ from hlo_amp.passes.fused_attention.rewrite import (
 )
 from hlo_amp.passes.fused_attention.roles import H_ROLE, S_ROLE, NotFused
 from hlo_amp.passes.fused_attention.site import Match
-from hlo_amp.policy import COMPUTE, Policy, is_fp8
+from hlo_amp.policy import COMPUTE, COMPUTE_DTYPES, DTYPE_TO_ELEMENT, Policy, is_fp8
 from hlo_amp.report import AttentionSite, Report
 from hlo_amp.targets import NO_TARGET, Target
-from hlo_amp.targets.attention_kernels import KERNELS, lower_kernel
+from hlo_amp.targets.attention_kernels import KERNELS, AttentionCall, lower_kernel
 
-_SIXTEEN_BIT = ("bfloat16", "float16")
 _KERNEL_NAMES = {"cudnn": "cuDNN flash", "reference": "XLA reference"}
+
+
+# What fusing one site takes: its match, the kernel's layout and call, the 16-bit type.
+_Planned = tuple[Match, Layout, AttentionCall, str]
 
 
 @dataclass(frozen=True)
@@ -71,9 +69,9 @@ class FusedAttention:
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel={self.kernel!r}; accepted: {', '.join(KERNELS)}")
         view = CallView(module)
-        prefixes = _call_prefixes(module)
+        prefixes = view.call_prefixes()
         obstacle = self.target.fused_attention_obstacle() if self.kernel == "cudnn" else None
-        partitions = _partitions(module)
+        partitions = partition_count(module)
         if obstacle is None and partitions > 1:
             obstacle = (f"the program is partitioned over {partitions} devices (XLA cannot "
                         "partition the kernel's custom call)")
@@ -86,10 +84,10 @@ class FusedAttention:
                 found = self._site(view, op, prefix, obstacle, function_name(fn))
                 if found is None:
                     continue
-                site, match, dtype = found
-                if match is not None:
+                site, planned = found
+                if planned is not None:
                     try:
-                        self._fuse(match, dtype, site.kernel_name)
+                        self._fuse(*planned, site.kernel_name)
                         fused += 1
                     except NotFused as error:
                         site = replace(site, fused=False, reason=error.reason, kernel="",
@@ -101,30 +99,33 @@ class FusedAttention:
                                 f"{_KERNEL_NAMES[self.kernel]} attention")
 
     def _site(self, view: CallView, op: ir.Operation, prefix: str, obstacle: str | None,
-              fn_name: str) -> tuple[AttentionSite, Match | None, str] | None:
+              fn_name: str) -> tuple[AttentionSite, _Planned | None] | None:
         """The report's entry for the attention at ``op`` (None: no attention starts
-        there), and the match and 16-bit type when it is to be fused."""
+        there), and what fusing it takes when it is to be fused."""
+        site = site_of(op.location, "dot_general", prefix)
         try:
             match = match_site(view, op)
         except NotFused as error:
             if not error.attention:
                 return None
-            return _entry(op, prefix, fn_name, None, False, error.reason), None, ""
+            return _entry(op, site, fn_name, None, False, error.reason), None
         except Exception as error:  # noqa: BLE001 - matching only reads the module
             # A form the matcher does not know must not cost the user the compile: the
             # site stays as written and the report says why (a rewrite's error still
             # fails the pass: the module is half-written then).
             reason = f"not analysed ({type(error).__name__}: {error})"
-            return _entry(op, prefix, fn_name, None, False, reason), None, ""
+            return _entry(op, site, fn_name, None, False, reason), None
         reason = obstacle
         dtype = ""
         if reason is None:
             dtype, reason = self._dtype(match, prefix)
         if reason is None:
             reason = _cudnn_obstacle(match, self.target)
-        site = _entry(op, prefix, fn_name, match, reason is None, reason or "",
-                      dtype, _KERNEL_NAMES[self.kernel])
-        return site, (match if reason is None else None), dtype
+        layout = layout_of(match)
+        call = call_of(match, layout, dtype or "bfloat16", bias_shape_of(match, layout))
+        entry = _entry(op, site, fn_name, (match, call), reason is None, reason or "",
+                       dtype, _KERNEL_NAMES[self.kernel])
+        return entry, ((match, layout, call, dtype) if reason is None else None)
 
     def _dtype(self, match: Match, prefix: str) -> tuple[str, str | None]:
         """The 16-bit type the policy computes the site in, or why none."""
@@ -142,19 +143,18 @@ class FusedAttention:
             actions.append(rule)
         for rule in actions:
             action = rule.action
-            if action is None or action not in (COMPUTE, *_SIXTEEN_BIT) and not is_fp8(action):
+            if action is None or action not in (COMPUTE, *COMPUTE_DTYPES) and not is_fp8(action):
                 why = rule.reason or f"the policy keeps it f32 ({rule.rule})"
                 return "", why
-        chosen = pinned_types or {a.action if a.action in _SIXTEEN_BIT
+        chosen = pinned_types or {a.action if a.action in COMPUTE_DTYPES
                                   else self.policy.compute_dtype for a in actions}
-        if len(chosen) != 1 or next(iter(chosen)) not in _SIXTEEN_BIT:
+        if len(chosen) != 1 or next(iter(chosen)) not in COMPUTE_DTYPES:
             return "", (f"the policy computes it in {', '.join(sorted(chosen))}, not one "
                         "16-bit type")
         return chosen.pop(), None
 
-    def _fuse(self, match: Match, dtype: str, name: str) -> None:
-        layout = layout_of(match)
-        call = call_of(match, layout, dtype, bias_shape_of(match, layout))
+    def _fuse(self, match: Match, layout: Layout, call: AttentionCall, dtype: str,
+              name: str) -> None:
         # jax checks cuDNN itself on a GPU of this machine; compiled for a GPU without
         # it, its checks are answered for that GPU (Target.lowering_capability).
         try:
@@ -168,7 +168,8 @@ class FusedAttention:
                           *(e.op for e in match.exits.values())])
 
 
-_ALGORITHM_TYPES = {"bf16": "bfloat16", "f16": "float16"}
+# MLIR's element type names of the 16-bit compute types ("bf16" -> "bfloat16").
+_ALGORITHM_TYPES = {DTYPE_TO_ELEMENT[d]: d for d in COMPUTE_DTYPES}
 
 
 def _sixteen_bit_algorithm(op: ir.Operation) -> str | None:
@@ -199,9 +200,11 @@ def _cudnn_obstacle(match: Match, target: Target) -> str | None:
     return None
 
 
-def _entry(op: ir.Operation, prefix: str, fn_name: str, match: Match | None, fused: bool,
-           reason: str, dtype: str = "", kernel: str = "") -> AttentionSite:
-    site = site_of(op.location, "dot_general", prefix)
+def _entry(op: ir.Operation, site: Site, fn_name: str,
+           found: tuple[Match, AttentionCall] | None, fused: bool, reason: str,
+           dtype: str = "", kernel: str = "") -> AttentionSite:
+    """The report's entry for the site at ``op`` (``site``: its Site), with the kernel's
+    shapes where it was matched."""
     scope_name = site.name.rsplit("/", 1)[0] if "/" in site.name else site.name
     # The kernel's ops are named after the scores' matmul's own name (without the call
     # prefix: XLA adds the names of the calls it inlines).
@@ -209,9 +212,8 @@ def _entry(op: ir.Operation, prefix: str, fn_name: str, match: Match | None, fus
     kernel_name = (own.rsplit("/", 1)[0] if "/" in own else own) + "/cudnn_attention"
     shapes = q_shape = kv_shape = mask = ""
     direction = "forward"
-    if match is not None:
-        layout = layout_of(match)
-        call = call_of(match, layout, dtype or "bfloat16", bias_shape_of(match, layout))
+    if found is not None:
+        match, call = found
         q_shape = "x".join(map(str, call.q_shape))
         kv_shape = "x".join(map(str, call.kv_shape))
         shapes = f"q {q_shape}, k/v {kv_shape} (BTNH)"
@@ -227,28 +229,3 @@ def _entry(op: ir.Operation, prefix: str, fn_name: str, match: Match | None, fus
                          kernel=kernel if fused else "", dtype=dtype if fused else "",
                          shapes=shapes, mask=mask, location=scope_name,
                          source=site.source, kernel_name=kernel_name)
-
-
-def _partitions(module: ir.Module) -> int:
-    attributes = module.operation.attributes
-    if "mhlo.num_partitions" not in attributes:
-        return 1
-    return ir.IntegerAttr(attributes["mhlo.num_partitions"]).value
-
-
-def _call_prefixes(module: ir.Module) -> dict[str, str]:
-    """Each private function's call-site name prefix (its first caller's, from the
-    public functions down), as insert_converts names ops in private functions."""
-    by_name = {function_name(fn): fn for fn in functions(module)}
-    prefixes: dict[str, str] = {}
-    pending = [(fn, "") for fn in functions(module) if is_public(fn)]
-    while pending:
-        fn, prefix = pending.pop()
-        for call in walk_operations(fn, names=frozenset({"func.call"})):
-            name = callee_name(call)
-            if name in by_name and name not in prefixes and not is_public(by_name[name]):
-                inner = call_prefix(join_names(prefix, location_name(call.location)))
-                prefixes[name] = inner
-                pending.append((by_name[name], inner))
-    return prefixes
-

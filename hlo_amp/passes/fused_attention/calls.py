@@ -24,6 +24,7 @@ from hlo_amp.ir.modules import (
     terminator,
     walk_operations,
 )
+from hlo_amp.ir.sites import call_prefix, join_names, location_name
 
 Stack = tuple[int, ...]  # op keys of the func.call ops, outermost first
 
@@ -41,11 +42,30 @@ class CallView:
         # Constants evaluated so far (constants.evaluate's memo), shared by every site:
         # a causal mask hoisted out of a scan serves its forward and recomputed copies.
         self.constants: dict = {}
-        # Each private function's call sites (a function called once has one caller).
+        # Each private function's call sites (a function called once has one caller),
+        # and each function's calls, from one walk.
         self.callers: dict[str, list[ir.Operation]] = {}
-        for fn in self.functions.values():
-            for call in walk_operations(fn, names=frozenset({_CALL})):
+        self.calls_in: dict[str, list[ir.Operation]] = {}
+        for name, fn in self.functions.items():
+            found = self.calls_in[name] = walk_operations(fn, names=frozenset({_CALL}))
+            for call in found:
                 self.callers.setdefault(callee_name(call), []).append(call)
+
+    def call_prefixes(self) -> dict[str, str]:
+        """Each private function's call-site name prefix (its first caller's, from the
+        public functions down), as insert_converts names ops in private functions."""
+        prefixes: dict[str, str] = {}
+        pending = [(name, "") for name, fn in self.functions.items() if is_public(fn)]
+        while pending:
+            name, prefix = pending.pop()
+            for call in self.calls_in[name]:
+                callee = callee_name(call)
+                fn = self.functions.get(callee)
+                if fn is not None and callee not in prefixes and not is_public(fn):
+                    prefixes[callee] = call_prefix(
+                        join_names(prefix, location_name(call.location)))
+                    pending.append((callee, prefixes[callee]))
+        return prefixes
 
     def remember(self, call: ir.Operation) -> int:
         key = op_key(call)

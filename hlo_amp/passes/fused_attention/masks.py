@@ -23,7 +23,8 @@ class MaskReading:
                         list[Role]]:
         """The constant part (evaluated, over select dimensions mapped to roles) and the
         program's mask values (in the home block) of every mask select."""
-        constant: list[tuple[Folded, list[Role]]] = []
+        # Each constant part: its array over the select dimensions it varies along.
+        constant: list[tuple[np.ndarray, list[int], list[Role]]] = []
         leaves: list[tuple[ir.Value, list[Role | None]]] = []
         for (pred, stack, negated, _select), roles in zip(selects, roles_of_select):
             if negated:
@@ -33,12 +34,12 @@ class MaskReading:
         folded = None
         axis_roles: list[Role] = []
         if constant:
-            axis_roles = sorted({rs[a] for f, rs in constant for a in f.axes})
+            axis_roles = sorted({rs[a] for _array, dims, rs in constant for a in dims})
             arrays = []
-            for f, rs in constant:
-                f_roles = [rs[a] for a in f.axes]
+            for array, dims, rs in constant:
+                f_roles = [rs[a] for a in dims]
                 order = sorted(range(len(f_roles)), key=lambda i: axis_roles.index(f_roles[i]))
-                array = np.transpose(f.array, order) if order else f.array
+                array = np.transpose(array, order) if order else array
                 shape = [self.sizes[r] if r in f_roles else 1 for r in axis_roles]
                 arrays.append(np.broadcast_to(array.reshape(shape),
                                               [self.sizes[r] for r in axis_roles]))
@@ -62,9 +63,7 @@ class MaskReading:
                     raise NotFused("the mask varies along a dimension the scores lack")
                 keep = [i for i, d in enumerate(select_dims) if d is not None]
                 array = folded.array.reshape([folded.array.shape[i] for i in keep])
-                full_roles = list(roles)
-                constant.append((Folded(array, tuple(select_dims[i] for i in keep),
-                                        tuple(self.scores_shape_of(roles))), full_roles))
+                constant.append((array, [select_dims[i] for i in keep], roles))
             return
         op, value, stack = self.view.producer(value, stack)
         if op is None or stack == () and op.name not in (
@@ -104,14 +103,11 @@ class MaskReading:
             raise NotFused(f"the mask is computed inside a called function ({name})")
         leaves.append((value, [None if d is None else roles[d] for d in dims]))
 
-    def scores_shape_of(self, roles: list[Role]) -> list[int]:
-        return [self.sizes.get(r, 1) for r in roles]
-
     def _query_axis(self, folded: Folded | None, axis_roles: list[Role],
                     leaves: list) -> Role:
         """The query position among the query's free dimensions: the one the mask varies
         along, else the longest."""
-        candidates = self.q_free_roles_of()
+        candidates = [r for r in self.q_roles if r[0] == "Q"]
         varying = {r for r in axis_roles if r in candidates} if folded is not None else set()
         for _value, roles in leaves:
             varying |= {r for r in roles if r in candidates}
@@ -120,9 +116,6 @@ class MaskReading:
         if varying:
             return varying.pop()
         return max(candidates, key=lambda r: (self.sizes[r], -r[1]))
-
-    def q_free_roles_of(self) -> list[Role]:
-        return [r for r in self.q_roles if r[0] == "Q"]
 
     def _is_causal(self, folded: Folded, axis_roles: list[Role], t_role: Role) -> bool:
         if set(axis_roles) - {t_role, S_ROLE}:

@@ -59,10 +59,9 @@ MAX_CLUSTER = 400
 # A mask's fill is a large negative number (finfo.min, -0.7 * finfo.max, -1e9, -inf).
 MASK_FILL = -1e4
 
-_ELEMENTWISE = ELEMENTWISE
 _LAYOUT = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
                      "stablehlo.transpose", "stablehlo.reduce"})
-CLUSTER_OPS = _ELEMENTWISE | _LAYOUT
+CLUSTER_OPS = ELEMENTWISE | _LAYOUT
 _DOT = "stablehlo.dot_general"
 
 
@@ -165,7 +164,7 @@ class _Site(MaskReading, ExitReading):
                 if merged != old:
                     self.roles[key] = merged
                     changed = True
-                if op.name in _ELEMENTWISE:  # an entry (dP, a bias) gets the op's roles
+                if op.name in ELEMENTWISE:  # an entry (dP, a bias) gets the op's roles
                     for v in op.operands:
                         entry = self.canon(v, stack)
                         if (entry not in self.values and shape_of(v) == shape_of(op.results[0])
@@ -202,14 +201,14 @@ class _Site(MaskReading, ExitReading):
         return exp, stack, *normalised
 
     def forward_chain(self, exp: ir.Operation, stack: Stack, divide: ir.Operation,
-                      reduce_dim: int) -> tuple[tuple[ir.Value, Stack], int, float, list]:
-        """(P, the softmax's axis in P's producer, scale, mask selects) or NotFused."""
+                      reduce_dim: int) -> tuple[tuple[ir.Value, Stack], Role, float, list]:
+        """(P, the role of the summed axis: the keys', scale, mask selects) or NotFused."""
         roles = self.roles.get((divide.results[0], stack))
         key_role = roles[reduce_dim] if roles is not None and len(roles) > reduce_dim else None
         if key_role is None:
             raise NotFused("the softmax's dimensions could not be read", attention=False)
         scale, masks = self._to_scores(exp, stack, key_role)
-        return (divide.results[0], stack), reduce_dim, scale, masks
+        return (divide.results[0], stack), key_role, scale, masks
 
     def _strip(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
         """``value`` before converts (seen through calls)."""
@@ -312,11 +311,9 @@ class _Site(MaskReading, ExitReading):
         self.walk()
         softmax = self.softmax()  # before the roles: most matmuls have no softmax after
         self.assign_roles()
-        p_value, reduce_dim, scale, selects = self.forward_chain(*softmax)
         # The key axis is the summed one: the operand whose free dimension it is is K.
-        exp_roles = self._roles_of_normalised(p_value, reduce_dim)
-        key_role = exp_roles[reduce_dim]
-        if key_role is None or key_role[0] not in ("L", "R"):
+        p_value, key_role, scale, selects = self.forward_chain(*softmax)
+        if key_role[0] not in ("L", "R"):
             raise NotFused("the softmax does not run along the keys", attention=False)
         q_side = "R" if key_role[0] == "L" else "L"
         sides = [r for rs in self.roles.values() if rs for r in rs
@@ -350,7 +347,6 @@ class _Site(MaskReading, ExitReading):
         match = Match(home=self.home, scores=self.scores, q=self.q, k=self.k,
                       q_roles=self.q_roles, k_roles=self.k_roles, sizes=self.sizes,
                       scale=scale, causal=False, mask_leaves=leaves, exits={},
-                      cluster_size=len(self.ops),
                       home_ops=[op for op, stack in self.ops.values() if not stack])
         self._fill_exits(match, exits)
         match.t_role = self._query_axis(folded, axis_roles, leaves)
@@ -358,14 +354,6 @@ class _Site(MaskReading, ExitReading):
             match.causal = self._is_causal(folded, axis_roles, match.t_role)
         self._check_leaves(match)
         return match
-
-    def _roles_of_normalised(self, p_value: tuple[ir.Value, Stack], reduce_dim: int
-                             ) -> list[Role]:
-        # The divide's operand e has P's roles; the reduce read e itself.
-        roles = self.roles.get(p_value)
-        if roles is None or len(roles) <= reduce_dim:
-            raise NotFused("the softmax's dimensions could not be read", attention=False)
-        return roles
 
     def _set_operand_roles(self, q_index: int) -> None:
         dims = dot_dims(self.scores)
@@ -408,6 +396,7 @@ class _Site(MaskReading, ExitReading):
                         found.add(key)
                         changed = True
         return found
+
 
 def _is_sum(reduce: ir.Operation) -> bool:
     body = reduce.regions[0].blocks[0]

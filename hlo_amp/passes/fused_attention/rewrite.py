@@ -31,10 +31,8 @@ from hlo_amp.ir.modules import (
 )
 from hlo_amp.passes.fused_attention.roles import H_ROLE, HV_ROLE, S_ROLE, UNIT, NotFused, Role
 from hlo_amp.passes.fused_attention.site import Match
+from hlo_amp.policy import DTYPE_TO_ELEMENT
 from hlo_amp.targets.attention_kernels import AttentionCall, Kernel
-
-_ELEMENTS = {"bfloat16": ir.BF16Type, "float16": ir.F16Type}
-_NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 @dataclass(frozen=True)
@@ -174,7 +172,7 @@ class _Builder:
             value = hlo.broadcast_in_dim(self.tensor(expanded, boolean), value,
                                          ir.DenseI64ArrayAttr.get(sorted(dims)))
             combined = value if combined is None else hlo.AndOp(combined, value).result
-        largest = float(ml_dtypes.finfo(_NUMPY[dtype]).max)
+        largest = float(ml_dtypes.finfo(np.dtype(dtype)).max)
         zero = self._splat(0.0, expanded, element)
         negative = self._splat(-0.7 * largest, expanded, element)
         bias = hlo.select(combined, zero, negative)
@@ -261,7 +259,7 @@ def _rename_calls(op: ir.Operation, renamed: dict[str, str]) -> None:
 
 
 def element_of(dtype: str) -> ir.Type:
-    return _ELEMENTS[dtype].get()
+    return ir.Type.parse(DTYPE_TO_ELEMENT[dtype])
 
 
 def rewrite(match: Match, kernel: Kernel, call: AttentionCall, layout: Layout,

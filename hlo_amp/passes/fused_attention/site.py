@@ -40,18 +40,9 @@ class Match:
     d_out: ir.Value | None = None  # dO, the gradient of the output (a training step)
     d_out_roles: list[Role] = field(default_factory=list)
     t_role: Role = ("Q", 0)  # the query position among the query's free dimensions
-    cluster_size: int = 0
     # The cluster's ops in the home block: dead once the exits are replaced.
     home_ops: list[ir.Operation] = field(default_factory=list)
 
     @property
     def training(self) -> bool:
         return "dq" in self.exits
-
-    @property
-    def b_roles(self) -> list[Role]:
-        return sorted(r for r in self.sizes if r[0] == "B")
-
-    @property
-    def q_free_roles(self) -> list[Role]:
-        return sorted(r for r in self.sizes if r[0] == "Q")
