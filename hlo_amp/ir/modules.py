@@ -315,9 +315,10 @@ def strip_decision_marks(module: ir.Module) -> None:
                 del op.attributes[key]
 
 
-# The converts the program itself has, marked by run_pipeline before the passes, so that
-# a pass tells them from the ones the pipeline wrote (passes/keep_shardings.py leaves
-# the program's own as they are). run_pipeline strips it with the decision marks.
+# The converts the program itself has, marked by run_pipeline before the passes in a
+# partitioned module (the only kind passes/keep_shardings.py acts on), so that it tells
+# them from the ones the pipeline wrote and leaves the program's own as they are.
+# run_pipeline strips it with the decision marks.
 PROGRAM_KEY = "hlo_amp.program"
 _CONVERT = frozenset({"stablehlo.convert"})
 

@@ -25,6 +25,7 @@ from hlo_amp.ir.modules import (
     op_in_traceback,
     strip_decision_marks,
 )
+from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.comm_precision import CommPrecision
 from hlo_amp.passes.dot_layout import FastDotLayout
@@ -125,7 +126,8 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
     collecting = gc.isenabled()
     gc.disable()
     drop_discarded()  # a pass run outside a pipeline (a test) leaves its own marks only
-    mark_program_converts(module)
+    if is_partitioned(module):  # keep_shardings, their one reader, acts only then
+        mark_program_converts(module)
     try:
         for current in pipeline:
             run_pass(current, module, report)
