@@ -475,11 +475,13 @@ def section(device: str, config: Config, rows: list[dict[str, Any]],
             f"<!-- benchmarks.llm --device {key}: end -->"]
 
 
-def write_section(path: Path, lines: list[str], key: str) -> None:
-    """Replace this device's section of ``path`` (or append it)."""
+def write_section(path: Path, lines: list[str], key: str,
+                  marker: str = "benchmarks.llm --device") -> None:
+    """Replace the section of ``path`` between ``<!-- {marker} {key}: begin`` and its end
+    comment (or append it)."""
     text = path.read_text() if path.exists() else ""
-    begin = f"<!-- benchmarks.llm --device {key}: begin"
-    end = f"<!-- benchmarks.llm --device {key}: end -->"
+    begin = f"<!-- {marker} {key}: begin"
+    end = f"<!-- {marker} {key}: end -->"
     block = "\n".join(lines)
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
