@@ -162,15 +162,17 @@ def _quantized(op: Any, index: int, fp8: ir.Type, dequantize: ir.Type,
     shape = ir.RankedTensorType(value.type)
     with op.location, ir.InsertionPoint(op):
         x32 = value
-        if shape.element_type != f32:
-            x32 = hlo.convert(with_element(value.type, f32), value)
         if _from_matrix_op(value):
             # XLA:GPU's GEMM rewriter would fuse this quantisation (the D scale) and the
             # amax of the producing GEMM's output into that GEMM, although the scale is
             # computed from that very amax: "A cycle is detected". The barrier keeps the
-            # quantisation out of the producer; it then runs as its own fusion.
+            # quantisation out of the producer; it then runs as its own fusion. It holds
+            # the value in its own type (a 16-bit activation in the fast mode), not an
+            # f32 copy.
             x32 = hlo.optimization_barrier([x32])
             x32 = x32[0] if isinstance(x32, (list, tuple)) else x32
+        if shape.element_type != f32:
+            x32 = hlo.convert(with_element(value.type, f32), x32)
         scale, _ = _scale(x32, dequantize, fmax)
         scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
         clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))
