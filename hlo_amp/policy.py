@@ -15,7 +15,8 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
     SPEC    := ITEM ("," ITEM)*
     ITEM    := PRESET | "compute=" DTYPE | "backward=" ACTION | "f64=" BOOL
              | "only_if_faster=" BOOL | "propagate=" BOOL | "keep_f32_results=" BOOL
-             | "fuse_attention=" BOOL
+             | "fuse_attention=" BOOL | "scaling=" ("current" | "delayed")
+             | "amax_history=" INT
              | "explicit_precision=" ("keep" | "ignore") | "reduce=" DTYPE
              | "first_matrix_op=" (ACTION | "none") | "last_matrix_op=" (ACTION | "none")
              | "op:" KIND "=" ACTION | "scope:" PATTERN "=" ACTION
@@ -107,7 +108,7 @@ from hlo_amp.policy_terms import (
 # The terms are re-exported: passes and users name them through hlo_amp.policy.
 __all__ = [
     "AMP_STOP", "COMPUTE", "COMPUTE_DTYPES", "DTYPES", "DTYPE_BITS", "DTYPE_TO_ELEMENT",
-    "EXPLICIT_PRECISION", "FIRST_MATRIX_OP", "FP8_ACTIONS", "FP8_E5M2", "FP8_OPS", "FP8_SHORT",
+    "EXPLICIT_PRECISION", "SCALINGS", "FIRST_MATRIX_OP", "FP8_ACTIONS", "FP8_E5M2", "FP8_OPS", "FP8_SHORT",
     "FP8_TO_ELEMENT", "KEEP", "LAST_MATRIX_OP", "OP_KINDS", "PRESETS", "PRESET_OPS", "Policy",
     "Rule", "amp_stop", "as_policy", "canonical_action", "canonical_dtype", "canonical_op_kind",
     "is_fp8", "match_start"
@@ -116,6 +117,7 @@ __all__ = [
 # The op rules of the 16-bit presets, and of a Policy built without ops.
 PRESET_OPS = {kind: COMPUTE for kind in OP_KINDS}
 EXPLICIT_PRECISION = ("keep", "ignore")
+SCALINGS = ("current", "delayed")
 # The fp8 preset's op rules: dot_general in fp8 (e4m3fn, e5m2 gradients), the rest bf16.
 FP8_OPS = {"dot_general": "float8_e5m2", "dot": COMPUTE, "convolution": COMPUTE}
 PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16", "fp8")
@@ -166,6 +168,11 @@ class Policy:
     # that all-reduce (passes/comm_precision.py): "float32", or the 16-bit compute dtype
     # (half the bytes). None: the mode's own (f32 in the accurate modes).
     reduce: str | None = None
+    # fp8 scaling (passes/fp8.py, docs/fp8.md): "current" computes each operand's scale
+    # from its own amax in the step; "delayed" from the largest amax of the last
+    # ``amax_history`` steps, state the compiled function carries between calls.
+    scaling: str = "current"
+    amax_history: int = 1024  # Transformer Engine's DelayedScaling default
 
     def __post_init__(self) -> None:
         try:
@@ -252,6 +259,16 @@ class Policy:
                     f"(the compute dtype), or None for the mode's own"
                 )
             object.__setattr__(self, "reduce", reduce)
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Unknown scaling {self.scaling!r}; accepted: "
+                             f"{', '.join(SCALINGS)}")
+        if (isinstance(self.amax_history, bool) or not isinstance(self.amax_history, int)
+                or self.amax_history < 1):
+            raise ValueError(f"amax_history must be a positive int (steps of amax kept for "
+                             f"delayed scaling), got {self.amax_history!r}")
+        if self.scaling == "delayed" and not self.uses_fp8:
+            raise ValueError("scaling=delayed applies to fp8 actions; start from the fp8 "
+                             "preset or add op:dot_general=float8_e4m3fn")
         if self.explicit_precision not in EXPLICIT_PRECISION:
             raise ValueError(
                 f"Unknown explicit_precision {self.explicit_precision!r}; accepted: "
@@ -319,6 +336,13 @@ class Policy:
                 fields["explicit_precision"] = value.lower()
             elif key == "reduce":
                 fields["reduce"] = value
+            elif key == "scaling":
+                fields["scaling"] = value.lower()
+            elif key == "amax_history":
+                if not value.isdigit():
+                    raise ValueError(f"Unknown value {value!r} for amax_history in {spec!r};"
+                                     f" accepted: a positive integer")
+                fields["amax_history"] = int(value)
             elif key in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
                 fields[key] = value  # "none" is read in __post_init__
             elif key in ("f64", "only_if_faster", "propagate", "keep_f32_results",
@@ -332,7 +356,7 @@ class Policy:
                 raise ValueError(
                     f"Unknown key {key!r} in {spec!r}; accepted: compute, backward, f64, "
                     f"only_if_faster, propagate, keep_f32_results, fuse_attention, "
-                    f"explicit_precision, reduce, "
+                    f"explicit_precision, reduce, scaling, amax_history, "
                     f"first_matrix_op, last_matrix_op, op:KIND, scope:PATTERN (or a preset "
                     f"{', '.join(PRESETS)} first)"
                 )
@@ -354,6 +378,8 @@ class Policy:
             "first_matrix_op": self.first_matrix_op,
             "last_matrix_op": self.last_matrix_op,
             "reduce": self.reduce,
+            "scaling": self.scaling,
+            "amax_history": self.amax_history,
         }
 
     @classmethod
@@ -361,7 +387,7 @@ class Policy:
         allowed = ("compute_dtype", "ops", "scopes", "backward", "include_f64",
                    "only_if_faster", "propagate", "keep_f32_results", "fuse_attention",
                    "explicit_precision",
-                   FIRST_MATRIX_OP, LAST_MATRIX_OP, "reduce")
+                   FIRST_MATRIX_OP, LAST_MATRIX_OP, "reduce", "scaling", "amax_history")
         if not isinstance(data, Mapping):
             raise ValueError(f"A policy dict was expected, got {data!r}")  # noqa: TRY004
         unknown = [k for k in data if k not in allowed]
@@ -403,6 +429,10 @@ class Policy:
             items.append(f"explicit_precision={self.explicit_precision}")
         if self.reduce is not None:
             items.append(f"reduce={self.reduce}")
+        if self.scaling != "current":
+            items.append(f"scaling={self.scaling}")
+        if self.amax_history != 1024:
+            items.append(f"amax_history={self.amax_history}")
         return ",".join(items)
 
     def __str__(self) -> str:

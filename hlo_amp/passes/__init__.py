@@ -76,7 +76,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
         if target.recomputes_residuals:
             passes.append(RecomputeResiduals(policy, target))
     if policy.uses_fp8:
-        passes.append(Fp8Quantize())
+        passes.append(Fp8Quantize(policy.scaling))
     passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())

@@ -38,6 +38,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import functions, op_key, walk_operations, with_element
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
+from hlo_amp.passes.fp8_state import HistoryThreads, find_state
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
 from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MARK, FP8_MAX
@@ -47,32 +48,41 @@ _DOT = frozenset({"stablehlo.dot_general"})
 
 @dataclass(frozen=True)
 class Fp8Quantize:
-    """Quantise the operands of the dots insert_converts marked for fp8."""
+    """Quantise the operands of the dots insert_converts marked for fp8, with current
+    or (``scaling="delayed"``, where the module carries the state) delayed scaling."""
 
+    scaling: str = "current"
     name: str = "hlo-amp-fp8"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
         pairs: dict[str, int] = {}
-        quantised = 0
-        with module.context:
-            for fn in functions(module):
-                quantized: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
-                for op in walk_operations(fn, names=_DOT):
-                    if FP8_MARK not in op.attributes:
-                        continue
-                    lhs, rhs, dequantize = [ir.TypeAttr(t).value
-                                            for t in ir.ArrayAttr(op.attributes[FP8_MARK])]
-                    del op.attributes[FP8_MARK]
-                    _direct(op, [_quantized(op, index, fp8, dequantize, quantized)
-                                 for index, fp8 in enumerate((lhs, rhs))])
-                    pair = f"{FP8_SHORT[str(lhs)]} x {FP8_SHORT[str(rhs)]}"
-                    pairs[pair] = pairs.get(pair, 0) + 1
-                quantised += len(quantized)
-        if report is not None and pairs:
-            report.notes.append(_summary(report, pairs, quantised))
+        with module.context, ir.Location.unknown():
+            threads = None
+            if self.scaling == "delayed":
+                barrier = find_state(module)
+                threads = HistoryThreads(module, barrier) if barrier is not None else None
+            marked = [op for fn in functions(module) for op in walk_operations(fn, names=_DOT)
+                      if FP8_MARK in op.attributes]
+            quantizing = _Quantizing(threads)
+            for op in marked:
+                lhs, rhs, dequantize = [ir.TypeAttr(t).value
+                                        for t in ir.ArrayAttr(op.attributes[FP8_MARK])]
+                del op.attributes[FP8_MARK]
+                _direct(op, [quantizing.quantized(op, index, fp8, dequantize)
+                             for index, fp8 in enumerate((lhs, rhs))])
+                pair = f"{FP8_SHORT[str(lhs)]} x {FP8_SHORT[str(rhs)]}"
+                pairs[pair] = pairs.get(pair, 0) + 1
+            if threads is not None:
+                threads.finish()
+        if report is not None:
+            report.fp8_state_columns = quantizing.columns if self.scaling == "delayed" else 0
+            if pairs:
+                report.notes.append(_summary(report, pairs, quantizing, self.scaling,
+                                             threads))
 
 
-def _summary(report: Report, pairs: dict[str, int], quantised: int) -> str:
+def _summary(report: Report, pairs: dict[str, int], quantizing: _Quantizing, scaling: str,
+             threads: HistoryThreads | None) -> str:
     """``fp8: 48 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 16, e5m2 x e4m3fn 32), ...``"""
     count = sum(pairs.values())
     kinds = ", ".join(f"{pair} {n}" for pair, n in sorted(pairs.items()))
@@ -80,8 +90,21 @@ def _summary(report: Report, pairs: dict[str, int], quantised: int) -> str:
     fp8_flops = sum(d.flops or 0 for d in report.decisions if d.fp8)
     share = f"{100.0 * fp8_flops / total:.0f}%" if total else "n/a"
     fallbacks = sum(1 for d in report.decisions if d.reason.startswith(FP8_FALLBACK))
+    quantised = len(quantizing.found)
     line = (f"fp8: {count} dot_general as fp8 GEMMs ({kinds}), {share} of FLOPs; "
-            f"{quantised} tensor(s) quantised with per-tensor current scaling")
+            f"{quantised} tensor(s) quantised with per-tensor ")
+    if scaling != "delayed":
+        line += "current scaling"
+    elif threads is None:
+        line += ("current scaling (scaling=delayed: this module carries no fp8 state; "
+                 "hlo_amp.compile's call carries it)")
+    else:
+        line += (f"delayed scaling ({quantizing.delayed} from an amax history of "
+                 f"{threads.length} step(s)")
+        if quantizing.delayed < quantised:
+            line += (f"; {quantised - quantizing.delayed} the history does not reach, "
+                     "current")
+        line += ")"
     if fallbacks:
         line += f"; {fallbacks} fp8 fallback(s) to the compute dtype (reasons per op)"
     return line
@@ -93,9 +116,8 @@ def _scalar(value: float, element: ir.Type) -> ir.Value:
                                                                                 value)))
 
 
-def _scale(x32: ir.Value, dequantize: ir.Type, fmax: float) -> tuple[ir.Value, ir.Value]:
-    """(scale in f32, scale in the dequantise type) of ``x32`` for an fp8 type of
-    largest value ``fmax``, built at the current insertion point."""
+def _amax(x32: ir.Value) -> ir.Value:
+    """max(abs(x32)) as an f32 scalar, built at the current insertion point."""
     f32 = ir.F32Type.get()
     scalar = ir.RankedTensorType.get([], f32)
     rank = ir.RankedTensorType(x32.type).rank
@@ -105,7 +127,14 @@ def _scale(x32: ir.Value, dequantize: ir.Type, fmax: float) -> tuple[ir.Value, i
     body = reduce.regions[0].blocks.append(scalar, scalar)
     with ir.InsertionPoint(body):
         hlo.return_([hlo.maximum(body.arguments[0], body.arguments[1])])
-    amax = reduce.results[0]
+    return reduce.results[0]
+
+
+def _scale(amax: ir.Value, dequantize: ir.Type, fmax: float) -> tuple[ir.Value, ir.Value]:
+    """(scale in f32, scale in the dequantise type) for an amax (f32 scalar) and an fp8
+    type of largest value ``fmax``, built at the current insertion point."""
+    f32 = ir.F32Type.get()
+    scalar = ir.RankedTensorType.get([], f32)
     # amax / fmax as XLA computes it anyway (its simplifier turns a division by a
     # constant into a product with the f32 reciprocal), so the scale is the same bits
     # whichever backend compiles it and a NumPy model of the recipe can match it.
@@ -147,21 +176,63 @@ def _from_matrix_op(value: ir.Value) -> bool:
     return False
 
 
-def _quantized(op: Any, index: int, fp8: ir.Type, dequantize: ir.Type,
-               quantized: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]]
-               ) -> tuple[ir.Value, ir.Value]:
-    """(q, scale): operand ``index`` of ``op`` quantised to ``fp8`` and its f32 scale
-    (a value the dequantise type holds exactly); shared per (block, value, types)."""
-    value = op.operands[index]
-    key = (op.block, value, str(fp8), str(dequantize))
-    found = quantized.get(key)
-    if found is not None:
+class _Quantizing:
+    """The quantised tensors of one module, shared per (block, value, types); under
+    delayed scaling each gets a column of the amax history, in the order met."""
+
+    def __init__(self, threads: HistoryThreads | None):
+        self.threads = threads
+        self.found: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
+        self.columns = 0  # history columns asked for (every quantised tensor)
+        self.delayed = 0  # tensors scaled from the history
+
+    def quantized(self, op: Any, index: int, fp8: ir.Type, dequantize: ir.Type
+                  ) -> tuple[ir.Value, ir.Value]:
+        """(q, scale): operand ``index`` of ``op`` quantised to ``fp8`` and its f32
+        scale (a value the dequantise type holds exactly)."""
+        value = op.operands[index]
+        key = (op.block, value, str(fp8), str(dequantize))
+        found = self.found.get(key)
+        if found is None:
+            column = self.columns
+            self.columns += 1
+            history = None
+            threads = self.threads
+            if (threads is not None and column < threads.columns
+                    and threads.reachable(op.block)):
+                history = threads.history_max(op.block)
+                self.delayed += 1
+            found = _quantize(op, value, fp8, dequantize, history, column, threads)
+            self.found[key] = found
         return found
+
+
+def _quantize(op: Any, value: ir.Value, fp8: ir.Type, dequantize: ir.Type,
+              history: ir.Value | None, column: int, threads: HistoryThreads | None
+              ) -> tuple[ir.Value, ir.Value]:
+    """``value`` quantised before ``op``: scaled by its own amax (current scaling), or by
+    column ``column`` of ``history`` (the history maximum in ``op``'s block), this
+    step's amax then recorded with ``threads``."""
     f32 = ir.F32Type.get()
     fmax = FP8_MAX[str(fp8)]
     shape = ir.RankedTensorType(value.type)
     with op.location, ir.InsertionPoint(op):
         x32 = value
+        if history is not None:
+            if shape.element_type != f32:
+                x32 = hlo.convert(with_element(value.type, f32), x32)
+            # The scale is known before the value: XLA may fuse the quantisation into
+            # the producer (a GEMM's fp8 output) and this step's amax beside it.
+            amax = _amax(x32)
+            threads.contribute(op.block, column, amax)
+            scalar = ir.RankedTensorType.get([], f32)
+            past = hlo.reshape(scalar, hlo.slice(
+                history, ir.DenseI64ArrayAttr.get([column]),
+                ir.DenseI64ArrayAttr.get([column + 1]), ir.DenseI64ArrayAttr.get([1])))
+            scale, _ = _scale(past, dequantize, fmax)
+            scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
+            clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))
+            return hlo.convert(with_element(value.type, fp8), clamped), scale
         if _from_matrix_op(value):
             # XLA:GPU's GEMM rewriter would fuse this quantisation (the D scale) and the
             # amax of the producing GEMM's output into that GEMM, although the scale is
@@ -173,12 +244,10 @@ def _quantized(op: Any, index: int, fp8: ir.Type, dequantize: ir.Type,
             x32 = x32[0] if isinstance(x32, (list, tuple)) else x32
         if shape.element_type != f32:
             x32 = hlo.convert(with_element(value.type, f32), x32)
-        scale, _ = _scale(x32, dequantize, fmax)
+        scale, _ = _scale(_amax(x32), dequantize, fmax)
         scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
         clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))
-        found = (hlo.convert(with_element(value.type, fp8), clamped), scale)
-    quantized[key] = found
-    return found
+        return hlo.convert(with_element(value.type, fp8), clamped), scale
 
 
 def _direct(op: Any, operands: list[tuple[ir.Value, ir.Value]]) -> None:
