@@ -108,8 +108,9 @@ from hlo_amp.policy_terms import (
 # The terms are re-exported: passes and users name them through hlo_amp.policy.
 __all__ = [
     "AMP_STOP", "COMPUTE", "COMPUTE_DTYPES", "DTYPES", "DTYPE_BITS", "DTYPE_TO_ELEMENT",
-    "EXPLICIT_PRECISION", "SCALINGS", "FIRST_MATRIX_OP", "FP8_ACTIONS", "FP8_E5M2", "FP8_OPS", "FP8_SHORT",
-    "FP8_TO_ELEMENT", "KEEP", "LAST_MATRIX_OP", "OP_KINDS", "PRESETS", "PRESET_OPS", "Policy",
+    "EXPLICIT_PRECISION", "FIRST_MATRIX_OP", "FP8_ACTIONS", "FP8_E5M2", "FP8_OPS", "FP8_SHORT",
+    "FP8_TO_ELEMENT", "KEEP", "LAST_MATRIX_OP", "OP_KINDS", "PRESETS", "PRESET_OPS", "SCALINGS",
+    "Policy",
     "Rule", "amp_stop", "as_policy", "canonical_action", "canonical_dtype", "canonical_op_kind",
     "is_fp8", "match_start"
 ]

@@ -19,10 +19,10 @@ from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
 from hlo_amp.report import Report
 from hlo_amp.runtime.compile import (
     AmpFunction,
-    leaf_signature,
     lowering_target,
     rewrite_lowered,
 )
+from hlo_amp.runtime.signature import leaf_signature
 
 ATOL = 1e-5
 # rtol per element type a run computes in: torch.testing's for f32, bf16 and f16; fp8 and

@@ -41,6 +41,7 @@ from hlo_amp.runtime.amp_call import (
 )
 from hlo_amp.runtime.arguments import argument_problem
 from hlo_amp.runtime.deviceless import lower_for_target
+from hlo_amp.runtime.fp8_state import Fp8StatefulFunction
 from hlo_amp.runtime.frameworks import (
     FilterCall,
     JitDecorator,
@@ -48,6 +49,7 @@ from hlo_amp.runtime.frameworks import (
     argument_style,
     unwrap_jit,
 )
+from hlo_amp.runtime.signature import leaf_signature
 from hlo_amp.targets import (
     NO_TARGET,
     Target,
@@ -195,14 +197,6 @@ def _as_tuple(value: Any, scalar: type) -> tuple:
 def _union(ours: Any, theirs: tuple, scalar: type) -> tuple:
     """``hlo_amp.compile``'s option and a decorator's: both apply, in order, once each."""
     return tuple(dict.fromkeys((*_as_tuple(ours, scalar), *theirs)))
-
-
-def leaf_signature(leaf: Any) -> Any:
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
-        return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)),
-                sharding)
-    return (type(leaf).__name__, leaf if isinstance(leaf, (bool, int, float, complex)) else None)
 
 
 class AmpFunction:
@@ -553,4 +547,11 @@ def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = N
                 f"hlo_amp.compile expects a callable, got {fn!r}; as a decorator it takes "
                 f"a policy: @hlo_amp.compile(policy='bf16') ({error})") from None
         return functools.partial(compile, policy=chosen, **options)
-    return AmpFunction(fn, policy, **options)
+    chosen = as_policy(policy)
+    if chosen.scaling == "delayed":  # the amax history travels between calls
+        probe = AmpFunction(fn, chosen, **options)  # a decorator's statics and donations
+        return Fp8StatefulFunction(probe.fn, chosen, make=AmpFunction,
+                                   static_argnums=probe.static_argnums,
+                                   static_argnames=probe.static_argnames,
+                                   donate_argnums=probe.donate_argnums, filter=probe.filter)
+    return AmpFunction(fn, chosen, **options)

@@ -1,0 +1,162 @@
+"""``hlo_amp.compile(fn, "fp8,scaling=delayed")``: the amax history carried between calls.
+
+The function compiled is ``stateful(history, *args) -> (fn(*args), history')``: the
+history ``f32[L, S]`` (L steps of amax, newest first, for each of the S tensors the fp8
+pass quantises) goes in through a barrier in the scope ``STATE_SCOPE``, which the pass
+(passes/fp8_state.py) replaces by the new history. This object keeps the history per
+input signature, passes it in, donates it and keeps what comes back, so the user's step
+keeps its signature. S is read from a first lowering with an empty history (no XLA
+compile). The history starts at zero: the first step's scales are 1, as in Transformer
+Engine.
+
+What it does not do: run under an outer transformation (``jax.jit``, ``vmap``, ``grad``
+of the compiled function) — the state lives between calls, outside any trace — and
+``jax.export``. ``.lower(*args)`` lowers the stateful function: its compiled form takes
+the history first and returns ``(outputs, history)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hlo_amp import jax_internals as internals
+from hlo_amp.passes.fp8_state import STATE_SCOPE
+from hlo_amp.policy import Policy
+from hlo_amp.runtime.signature import leaf_signature
+
+
+def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
+    return tuple(n + 1 if n >= 0 else n for n in argnums)
+
+
+def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
+    """``history`` on the devices of the first array argument, replicated."""
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
+        if sharding is None:
+            continue
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and not getattr(mesh, "empty", False):
+            spec = jax.sharding.PartitionSpec()
+            return jax.device_put(history, jax.sharding.NamedSharding(mesh, spec))
+        devices = sorted(sharding.device_set, key=lambda d: d.id)
+        if len(devices) == 1:
+            return jax.device_put(history, devices[0])
+        mesh = jax.sharding.Mesh(devices, ("devices",))
+        return jax.device_put(history, jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec()))
+    return history
+
+
+class Fp8StatefulFunction:
+    """What ``hlo_amp.compile`` returns under ``scaling=delayed``: called like the
+    function, it carries the fp8 amax history between calls (``fp8_state()``,
+    ``load_fp8_state()`` read and restore it, for checkpoints)."""
+
+    def __init__(self, fn: Callable[..., Any], policy: Policy, *, make: Callable[..., Any],
+                 static_argnums: Sequence[int], static_argnames: Sequence[str],
+                 donate_argnums: Sequence[int], filter: bool | None):
+        self.policy = policy
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+        def stateful(history: jax.Array, *args: Any, **kwargs: Any) -> Any:
+            with jax.named_scope(STATE_SCOPE):
+                (marked,) = jax.lax.optimization_barrier((history,))
+            return fn(*args, **kwargs), marked
+
+        stateful.__name__ = self.__name__
+        self.static_argnums = tuple(static_argnums)
+        self._inner = make(stateful, policy, static_argnums=_shifted(static_argnums),
+                           static_argnames=tuple(static_argnames),
+                           donate_argnums=(0, *_shifted(donate_argnums)), filter=filter)
+        self._histories: dict[int, jax.Array] = {}  # columns -> the history
+        self._loaded: jax.Array | None = None
+        self._last_columns: int | None = None
+        self._columns_of: dict[Any, int] = {}  # argument signature -> columns
+
+    # -- the state --
+
+    def _columns(self, args: tuple, kwargs: dict, target: Any = None) -> int:
+        """How many tensors the fp8 pass quantises for these arguments (a lowering with
+        an empty history, once per signature)."""
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        key = (tree, tuple(leaf_signature(leaf) for leaf in leaves), target)
+        columns = self._columns_of.get(key)
+        if columns is None:
+            empty = jax.ShapeDtypeStruct((self.policy.amax_history, 0), jnp.float32)
+            lowered = self._inner.lower(empty, *args, target=target, **kwargs)
+            columns = self._columns_of[key] = lowered.report().fp8_state_columns
+        return columns
+
+    def _history(self, args: tuple, kwargs: dict) -> jax.Array:
+        columns = self._columns(args, kwargs)
+        history = self._histories.get(columns)
+        if history is not None:
+            return history
+        shape = (self.policy.amax_history, columns)
+        if self._loaded is not None:
+            if tuple(self._loaded.shape) != shape:
+                raise ValueError(
+                    f"{self.__name__}: the loaded fp8 state has shape "
+                    f"{tuple(self._loaded.shape)}, this step quantises {columns} tensors "
+                    f"with an amax history of {self.policy.amax_history}: expected {shape}")
+            history, self._loaded = jnp.asarray(self._loaded, jnp.float32), None
+        else:
+            history = jnp.zeros(shape, jnp.float32)
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        return _replicated_like(history, leaves)
+
+    def fp8_state(self) -> jax.Array:
+        """A copy of the amax history of the last call: ``f32[amax_history, S]``, newest
+        step first, one column per quantised tensor (save it with the checkpoint)."""
+        if self._last_columns is None:
+            raise RuntimeError(f"{self.__name__}: no fp8 state yet (it exists after the "
+                               "first call)")
+        return jnp.copy(self._histories[self._last_columns])
+
+    def load_fp8_state(self, history: Any) -> None:
+        """Restore an amax history ``fp8_state()`` returned: the next call whose step
+        quantises as many tensors starts from it (a shape that does not match raises)."""
+        history = jnp.asarray(history, jnp.float32)
+        if history.ndim != 2 or history.shape[0] != self.policy.amax_history:
+            raise ValueError(f"{self.__name__}: an fp8 state is f32[{self.policy.amax_history}"
+                             f", S] (amax_history={self.policy.amax_history}), got shape "
+                             f"{tuple(history.shape)}")
+        self._histories.pop(history.shape[1], None)
+        self._loaded = history
+
+    # -- calls --
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(leaf, internals.Tracer)
+               for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+            raise TypeError(
+                f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
+                "history between calls, so it cannot run under jax.jit, vmap, grad or "
+                "another transformation; call it at the top level, or use scaling=current "
+                "there")
+        history = self._history(args, kwargs)
+        out, history = self._inner(history, *args, **kwargs)
+        columns = history.shape[1]
+        self._histories[columns] = history
+        self._last_columns = columns
+        return out
+
+    def lower(self, *args: Any, target: Any = None, **kwargs: Any) -> Any:
+        """The stateful function lowered and rewritten: its compiled form takes the
+        history (``f32[amax_history, S]``) first and returns ``(outputs, history)``."""
+        columns = self._columns(args, kwargs, target)
+        history = jax.ShapeDtypeStruct((self.policy.amax_history, columns), jnp.float32)
+        return self._inner.lower(history, *args, target=target, **kwargs)
+
+    @property
+    def lowerings(self) -> int:
+        return self._inner.lowerings
+
+    def cache_size(self) -> int:
+        return self._inner.cache_size()

@@ -1,0 +1,17 @@
+"""The cache key of one argument leaf, shared by the compiled-function objects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def leaf_signature(leaf: Any) -> Any:
+    """Shape, dtype, weak type and sharding of an array leaf; type and value of a
+    Python scalar (what a new executable is compiled for)."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
+        return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)),
+                sharding)
+    return (type(leaf).__name__, leaf if isinstance(leaf, (bool, int, float, complex)) else None)
