@@ -62,11 +62,15 @@ gradient of a backward dot to e5m2 and everything else to e4m3fn (Transformer En
 and Flax's HYBRID recipe; cuBLASLt has no e5m2 x e5m2 GEMM, so there is no all-e5m2
 action). Both use per-tensor current scaling computed in the program. A dot that cannot
 take XLA:GPU's fp8 GEMM form, and any convolution or ``stablehlo.dot``, computes in the
-compute dtype instead, with the reason in the report. The ``fp8`` preset is ``bf16``
-with ``op:dot_general=float8_e5m2``, convolutions in bf16 (``compute``) and
-``first_matrix_op=compute,last_matrix_op=compute``: the first and the last matrix op of
-the forward program (the embedding or stem, and the head), and their backward dots,
-stay in the compute dtype. ``first_matrix_op``/``last_matrix_op`` name an action for
+compute dtype instead, with the reason in the report. The ``fp8`` preset is
+``mixed_bfloat16`` with ``op:dot_general=float8_e5m2``, convolutions in bf16
+(``compute``) and ``first_matrix_op=compute,last_matrix_op=compute``: the first and the
+last matrix op of the forward program (the embedding or stem, and the head), and their
+backward dots, stay in the compute dtype. It is the fast mode by default: the
+activations between matrix ops stay 16-bit as under ``mixed_bfloat16`` (the f32-critical
+ops stay f32 there too), and fp8 appears only at the GEMM inputs, quantised from the
+16-bit value; ``fp8,propagate=false`` is the accurate mode (bf16's f32 activations, fp8
+quantised from f32). ``first_matrix_op``/``last_matrix_op`` name an action for
 those two ops under any preset (``none`` removes the rule); scope rules and ``amp_stop``
 beat them, they beat op rules: ``"fp8,scope:attn=bfloat16,last_matrix_op=none"``.
 """
@@ -282,9 +286,10 @@ class Policy:
     def preset(cls, name: str) -> Policy:
         """The named preset: ``"bf16"``, ``"f16"``, ``"f32"`` (changes nothing),
         ``"mixed_bfloat16"`` or ``"mixed_float16"`` (also 16-bit activations), ``"fp8"``
-        (dot_general in fp8, the first and last matrix ops and convolutions in bf16)."""
+        (dot_general in fp8, the first and last matrix ops and convolutions in bf16,
+        16-bit activations as ``mixed_bfloat16``; ``fp8,propagate=false`` keeps them f32)."""
         if name == "fp8":
-            return cls("bfloat16", ops=FP8_OPS, first_matrix_op=COMPUTE,
+            return cls("bfloat16", ops=FP8_OPS, propagate=True, first_matrix_op=COMPUTE,
                        last_matrix_op=COMPUTE)
         if name == "mixed_bfloat16":
             return cls("bfloat16", ops=PRESET_OPS, propagate=True)
@@ -409,8 +414,8 @@ class Policy:
                 break
         items = [name, f"compute={self.compute_dtype}"]
         items += [f"op:{k}={a}" for k, a in self.ops.items() if k not in base.ops]
-        if self.propagate and not base.propagate:
-            items.append("propagate=true")
+        if self.propagate != base.propagate:
+            items.append(f"propagate={'true' if self.propagate else 'false'}")
         for position in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
             value = getattr(self, position)
             if value != getattr(base, position):

@@ -504,6 +504,12 @@ def test_fp8_preset() -> None:
     assert policy.uses_fp8 and not Policy.parse("bf16").uses_fp8
     assert policy.to_string() == "fp8,compute=bfloat16"
     assert "first_matrix_op" in policy.rule_names() and "last_matrix_op" in policy.rule_names()
+    # The fast mode by default (issue 47): 16-bit activations, as mixed_bfloat16.
+    assert policy.propagate and not policy.keep_f32_results
+    accurate = Policy.parse("fp8,propagate=false")
+    assert not accurate.propagate and accurate != policy
+    assert accurate.to_string() == "fp8,compute=bfloat16,propagate=false"
+    assert Policy.parse("fp8,propagate=true") == policy
 
 
 @pytest.mark.parametrize(
@@ -514,6 +520,11 @@ def test_fp8_preset() -> None:
         "fp8,first_matrix_op=none,last_matrix_op=none",
         "fp8,first_matrix_op=float32,last_matrix_op=keep",
         "fp8,compute=float16,propagate=true",
+        "fp8,propagate=false",
+        "fp8,propagate=false,first_matrix_op=none,scope:attn=bfloat16",
+        "fp8,compute=float16,propagate=false",
+        "fp8,keep_f32_results=true",
+        "fp8,op:exponential=compute",
         "fp8,op:dot_general=float8_e4m3fn",
         "bf16,scope:mlp=float8_e4m3fn,scope:Block_*/attn=float8_e5m2",
         "bf16,backward=float8_e5m2,last_matrix_op=compute",
