@@ -94,7 +94,9 @@ HLO_AMP_POLICIES = {"hlo_amp bf16": "bf16", "hlo_amp mixed_bfloat16": "mixed_bfl
                     # mode's gradient sums in 16 bit, the fast mode's in f32.
                     "hlo_amp bf16 reduce=bfloat16": "bf16,reduce=bfloat16",
                     "hlo_amp mixed reduce=float32": "mixed_bfloat16,reduce=float32",
-                    "hlo_amp fp8": "fp8"}
+                    "hlo_amp fp8": "fp8",
+                    # Delayed scaling: the amax history carried between calls.
+                    "hlo_amp fp8 delayed": "fp8,scaling=delayed"}
 # The peer a user writes for speed: bf16 by hand and jax.nn.dot_product_attention's cuDNN
 # kernel (whatever --attention says).
 CUDNN_PEER = "hand-cast bf16 cudnn"
@@ -554,7 +556,7 @@ def main(argv: list[str] | None = None) -> None:
 LOCAL_DEVICES = ("gpu", "cpu")
 # What --device gpu runs by default (the reduce= settings matter on a mesh only).
 LOCAL_VARIANTS = ("f32", "hand-cast bf16", CUDNN_PEER, "hlo_amp bf16", "hlo_amp mixed_bfloat16",
-                  "hlo_amp fp8")
+                  "hlo_amp fp8", "hlo_amp fp8 delayed")
 
 
 def model_flops(config: Config) -> float:
@@ -590,6 +592,14 @@ def local_row(variant: str, config: Config, steps: int, roofline_target: Any) ->
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, tokens).compile()
     compile_s = time.perf_counter() - start
+    run = compiled
+    if hasattr(step, "fp8_state"):  # scaling=delayed: the compiled step takes the history
+        history = [jnp.zeros((step.policy.amax_history,
+                              compiled.report().fp8_state_columns), jnp.float32)]
+
+        def run(*args: Any) -> Any:
+            out, history[0] = compiled(history[0], *args)
+            return out
     temp = compiled.memory_analysis().temp_size_in_bytes
     roofline = (estimate(compiled.as_text(), roofline_target).roofline_seconds
                 if roofline_target is not None else None)
@@ -597,7 +607,7 @@ def local_row(variant: str, config: Config, steps: int, roofline_target: Any) ->
     losses, times = [], []
     for _ in range(steps + 2):  # two warm-up steps
         begin = time.perf_counter()
-        params, opt_state, loss = compiled(params, opt_state, tokens)
+        params, opt_state, loss = run(params, opt_state, tokens)
         loss.block_until_ready()
         times.append(time.perf_counter() - begin)
         losses.append(float(loss))

@@ -245,6 +245,10 @@ KERAS_HLO_AMP = "hlo_amp mixed_bfloat16 (Keras step)"
 HLO_AMP_POLICIES[KERAS_HLO_AMP] = "mixed_bfloat16"
 KERAS_POLICY[KERAS_HLO_AMP] = "float32"
 GPU_VARIANTS = (*GPU_VARIANTS, KERAS_HLO_AMP)
+# fp8 with delayed scaling (the amax history carried between steps), on a GPU only.
+FP8_DELAYED = "hlo_amp fp8 delayed"
+HLO_AMP_POLICIES[FP8_DELAYED] = "fp8,scaling=delayed"
+GPU_VARIANTS = (*GPU_VARIANTS, FP8_DELAYED)
 
 
 def variants(device: str) -> tuple[str, ...]:
