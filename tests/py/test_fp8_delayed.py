@@ -11,6 +11,8 @@ Expected values are computed here with NumPy, never copied from output.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -94,16 +96,19 @@ def test_history_records_each_steps_amax_and_shifts() -> None:
     assert (first[0] > 0).all() and np.isfinite(first).all()
     assert (first[1:] == 0).all()
     # Each call pushes a row: row i at step k is row i-1 at step k-1.
-    for before, after in zip(states, states[1:]):
+    for before, after in itertools.pairwise(states):
         np.testing.assert_array_equal(after[1:], before[:-1])
     # The weights changed between calls, and their new amax is what the next row holds.
     for k in range(1, 4):
         row = set(states[k][0].tolist())
         assert float(_amax(params[k]["w1"])) in row and float(_amax(params[k]["w2"])) in row
     assert float(_amax(params[1]["w1"])) != float(_amax(params[0]["w1"]))
-    # fp8_state() is a copy: changing it changes nothing held.
+    # fp8_state() is a copy: the held history is donated to the next call, the copy
+    # stays readable and unchanged.
     copy = f.fp8_state()
-    assert copy is not f.fp8_state()
+    f(p, x)
+    np.testing.assert_array_equal(np.asarray(copy), states[-1])
+    np.testing.assert_array_equal(np.asarray(f.fp8_state())[1:], states[-1][:-1])
 
 
 # ---- 2. the first step (empty history) uses scale 1 ---------------------------------------
@@ -199,7 +204,8 @@ def _scan_step(p: dict, x: jax.Array):
 def test_scan_with_checkpoint_threads_the_history_and_trains_like_current() -> None:
     rng = np.random.default_rng(4)
     p0 = {"w_in": jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32),
-          "layers": jnp.asarray(rng.standard_normal((3, 32, 32)) / 6, jnp.float32),
+          "layers": jnp.asarray(rng.standard_normal((3, 32, 32)) / 6
+                                * np.asarray([1.0, 4.0, 0.5])[:, None, None], jnp.float32),
           "w_out": jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32)}
     x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
 
@@ -226,10 +232,17 @@ def test_scan_with_checkpoint_threads_the_history_and_trains_like_current() -> N
         p_c, l_c = current(p_c, x)
         losses_d.append(float(l_d))
         losses_c.append(float(l_c))
+        if len(losses_d) == 1:
+            # The scanned layer weight has one column: the running maximum over the
+            # loop's iterations (layer 1, 4x larger), not the last or first layer's amax.
+            row = set(np.asarray(delayed.fp8_state())[0].tolist())
+            layers = np.asarray(p0["layers"])
+            assert float(_amax(layers)) == float(_amax(layers[1])) in row
+            assert float(_amax(layers[0])) not in row and float(_amax(layers[2])) not in row
     state = np.asarray(delayed.fp8_state())
     assert np.isfinite(state).all() and (state > 0).all()  # every column, 4 rows filled
     assert losses_d[-1] < 0.7 * losses_d[0]  # it trains
-    assert abs(losses_d[-1] - losses_c[-1]) <= 0.05 * losses_c[-1], (losses_d, losses_c)
+    assert abs(losses_d[-1] - losses_c[-1]) <= 0.02 * losses_c[-1], (losses_d, losses_c)
 
 
 # ---- 5. numerics: a tiny decoder against bf16 ---------------------------------------------
@@ -263,7 +276,7 @@ def _decoder_loss(p: dict, tokens: jax.Array) -> jax.Array:
         w = jax.tree.map(lambda a, i=i: a[i], p["layers"])
         with jax.named_scope(f"layer_{i}"):
             q, k, v = jnp.split(_rms(h) @ w["qkv"], 3, -1)
-            heads = lambda a: a.reshape(*a.shape[:2], HEADS, D // HEADS)  # noqa: E731
+            heads = lambda a: a.reshape(*a.shape[:2], HEADS, D // HEADS)
             scores = jnp.einsum("bqhd,bkhd->bhqk", heads(q), heads(k)) / np.sqrt(D // HEADS)
             scores = jnp.where(mask, scores, -1e9)
             att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), heads(v))
