@@ -462,3 +462,28 @@ def test_module_without_state_falls_back_to_current_scaling() -> None:
     # Current scaling's numerics: no saturation at 448 on the first (only) run.
     current = hlo_amp.rewrite(text, f"fp8,{ALL}")
     assert rewritten == current
+
+
+def test_quantisation_in_a_conditional_keeps_current_scaling_and_says_so() -> None:
+    """A cond branch is not reached by the history (passes/fp8_state.py): its tensors
+    are scaled from their own amax, so even the first call does not saturate there."""
+    w, x = _big_matmul_inputs()
+    w_out = np.eye(32, dtype=np.float32)
+
+    def fn(w, w_out, x, flag):
+        # The branch's result is brought under 448: the dot after the cond, in main,
+        # has scale 1 on the first call.
+        return jax.lax.cond(flag, lambda: (x @ w) / 1024, lambda: (x * 2) @ w) @ w_out
+
+    f = hlo_amp.compile(fn, _delayed(4))
+    report = f.lower(w, w_out, x, True).report()
+    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    assert "(2 from an amax history of 4 step(s); 4 the history does not reach, current)" \
+        in note, note
+    y = np.asarray(f(w, w_out, x, True), np.float64) * 1024
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    # x (|x| > 448) in the branch: current scaling, not clipped on the first call.
+    assert np.abs(y - exact).max() <= 0.15 * np.abs(exact).max()
+    state = np.asarray(f.fp8_state())
+    assert state.shape == (4, report.fp8_state_columns)
+    assert (state[0] == 0).sum() == 4  # the branch's columns are never written
