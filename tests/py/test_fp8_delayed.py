@@ -1,0 +1,489 @@
+"""fp8 delayed scaling (policy ``scaling=delayed``, passes/fp8_state.py, runtime/fp8_state.py):
+what the amax history records and how it shifts, the first step's scale 1, the history
+length, threading through scan + checkpoint, training numerics against bf16 and current
+scaling, overflow with the dynamic loss scaler, the errors, and the fallback to current
+scaling where a module carries no state.
+
+Everything runs on CPU (XLA:CPU upcasts the fp8 dots, keeping the fp8 rounding). Shapes
+are at least 16 on every GEMM extent, else the dot falls back to bf16 (cuBLASLt padding).
+Expected values are computed here with NumPy, never copied from output.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import hlo_amp
+from hlo_amp.ir.modules import parse_module
+from hlo_amp.policy import Policy
+from hlo_amp.runtime.scaler import (
+    DynamicScalerState,
+    all_finite,
+    dynamic_scale_value_and_grad,
+    select_tree,
+)
+
+# Every dot in fp8 (a small program's first and last matrix ops included).
+ALL = "first_matrix_op=none,last_matrix_op=none"
+FP8_MAX = 448.0  # e4m3fn
+
+
+def _delayed(length: int) -> str:
+    return f"fp8,scaling=delayed,amax_history={length},{ALL}"
+
+
+def _mlp_step(p: dict, x: jax.Array):
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        h = jax.nn.gelu(x @ p["w1"])
+        return jnp.mean((h @ p["w2"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, grads), value
+
+
+def _mlp_params(seed: int = 0) -> tuple[dict, jax.Array]:
+    rng = np.random.default_rng(seed)
+    p = {"w1": jnp.asarray(rng.standard_normal((32, 32)) / 4, jnp.float32),
+         "w2": jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((16, 32)) * 3, jnp.float32)
+    return p, x
+
+
+def _amax(a) -> np.float32:
+    return np.float32(np.abs(np.asarray(a, np.float32)).max())
+
+
+def _quantise(x: np.ndarray, scale: np.float32, fmt=ml_dtypes.float8_e4m3fn,
+              fmax: float = FP8_MAX) -> np.ndarray:
+    """x quantised with a given scale and dequantised (f32, as on CPU)."""
+    x = np.asarray(x, np.float32)
+    return np.clip(x / scale, -fmax, fmax).astype(fmt).astype(np.float32) * scale
+
+
+def _delayed_scale(history_column: np.ndarray, fmax: float = FP8_MAX) -> np.float32:
+    """The scale the pass takes from a history column: max * (1 / fmax) in f32 (these
+    programs' dots are f32 throughout, so the dequantise type is f32: no rounding to
+    bf16); 1 where that is 0 or non-finite."""
+    scale = np.float32(np.max(history_column)) * np.float32(1.0 / fmax)
+    return scale if (scale > 0 and np.isfinite(scale)) else np.float32(1.0)
+
+
+# ---- 1. the history records each step's amax, newest first -------------------------------
+
+
+def test_history_records_each_steps_amax_and_shifts() -> None:
+    p, x = _mlp_params()
+    f = hlo_amp.compile(_mlp_step, _delayed(8))
+    states, params = [], [p]
+    for _ in range(4):
+        p, _ = f(p, x)
+        params.append(p)
+        states.append(np.asarray(f.fp8_state()))
+    first = states[0]
+    assert first.shape == (8, f.lower(params[0], x).report().fp8_state_columns)
+    assert first.shape[1] >= 4  # x, w1, gelu(x @ w1), w2 and the backward cotangents
+    # Row 0 after one call: the forward operands' amax, exact in f32 (x, w1, w2 are
+    # quantised as the f32 values given, every dot being fp8 with an f32 result).
+    recorded = set(first[0].tolist())
+    for name, value in (("x", x), ("w1", params[0]["w1"]), ("w2", params[0]["w2"])):
+        assert float(_amax(value)) in recorded, name
+    assert (first[0] > 0).all() and np.isfinite(first).all()
+    assert (first[1:] == 0).all()
+    # Each call pushes a row: row i at step k is row i-1 at step k-1.
+    for before, after in itertools.pairwise(states):
+        np.testing.assert_array_equal(after[1:], before[:-1])
+    # The weights changed between calls, and their new amax is what the next row holds.
+    for k in range(1, 4):
+        row = set(states[k][0].tolist())
+        assert float(_amax(params[k]["w1"])) in row and float(_amax(params[k]["w2"])) in row
+    assert float(_amax(params[1]["w1"])) != float(_amax(params[0]["w1"]))
+    # fp8_state() is a copy: the held history is donated to the next call, the copy
+    # stays readable and unchanged.
+    copy = f.fp8_state()
+    f(p, x)
+    np.testing.assert_array_equal(np.asarray(copy), states[-1])
+    np.testing.assert_array_equal(np.asarray(f.fp8_state())[1:], states[-1][:-1])
+
+
+# ---- 2. the first step (empty history) uses scale 1 ---------------------------------------
+
+
+def _big_matmul_inputs() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((64, 32)) / 8).astype(np.float32)
+    x = (rng.standard_normal((32, 64)) * 400).astype(np.float32)  # |x| up to ~1600
+    assert _amax(x) > 2 * FP8_MAX
+    return w, x
+
+
+def test_first_step_scale_is_one_then_the_history_scale() -> None:
+    w, x = _big_matmul_inputs()
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    bound = 0.15 * np.abs(exact).max()  # a few e4m3 roundings of a 64-long dot
+
+    delayed = hlo_amp.compile(lambda w, x: x @ w, _delayed(16))
+    first = np.asarray(delayed(w, x), np.float64)
+    # Scale 1 (TE's first step): x saturates at 448; the product is that of clipped x.
+    clipped = _quantise(x, np.float32(1.0)).astype(np.float64) @ _quantise(
+        w, np.float32(1.0)).astype(np.float64)
+    np.testing.assert_allclose(first, clipped, rtol=0, atol=1e-3 * np.abs(clipped).max())
+    assert np.abs(first - exact).max() > 2 * bound  # visibly not the f32 product
+    history = np.asarray(delayed.fp8_state())
+    assert sorted(history[0].tolist()) == sorted([float(_amax(x)), float(_amax(w))])
+
+    second = np.asarray(delayed(w, x), np.float64)
+    assert np.abs(second - exact).max() <= bound
+    # The second call's scale is the history's: a NumPy model of that recipe matches.
+    model = (_quantise(x, _delayed_scale(history[:, list(history[0]).index(_amax(x))]))
+             .astype(np.float64)
+             @ _quantise(w, _delayed_scale(history[:, list(history[0]).index(_amax(w))]))
+             .astype(np.float64))
+    tolerance = 64 * 2.0**-24 * (np.abs(x) @ np.abs(w)) + 1e-6
+    assert (np.abs(second - model) <= tolerance).all()
+
+    # Current scaling needs no history: right from the first call.
+    current = hlo_amp.compile(lambda w, x: x @ w, f"fp8,{ALL}")
+    assert np.abs(np.asarray(current(w, x), np.float64) - exact).max() <= bound
+
+
+# ---- 3. the history length ----------------------------------------------------------------
+
+
+def test_history_keeps_amax_history_rows_and_drops_the_oldest() -> None:
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((64, 32)) / 8).astype(np.float32)
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+    factors = [64.0, 1.0, 0.5, 2.0, 1.0, 1.0]  # one large step, then it ages out
+    f = hlo_amp.compile(lambda w, x: x @ w, _delayed(3))
+    amaxes: list[np.float32] = []
+    for step, factor in enumerate(factors):
+        xs = x * np.float32(factor)
+        before = np.asarray(f.fp8_state()) if step else np.zeros((3, 2), np.float32)
+        y = np.asarray(f(w, xs), np.float64)
+        amaxes.append(_amax(xs))
+        state = np.asarray(f.fp8_state())
+        assert state.shape == (3, 2)
+        column = list(state[0]).index(_amax(xs))  # x's column (w's amax differs)
+        expected = (amaxes[::-1] + [0, 0, 0])[:3]  # the 3 newest, newest first
+        np.testing.assert_array_equal(state[:, column], np.asarray(expected, np.float32))
+        # The scale this call used: the maximum over the history before it.
+        s_x = _delayed_scale(before[:, column])
+        s_w = _delayed_scale(before[:, 1 - column])
+        model = _quantise(xs, s_x).astype(np.float64) @ _quantise(w, s_w).astype(np.float64)
+        tolerance = 64 * 2.0**-24 * (np.abs(xs) @ np.abs(w)) + 1e-6
+        assert (np.abs(y - model) <= tolerance).all(), step
+    # Steps 1-3 still saw the 64x step's amax; by step 4 it had dropped out.
+    assert _delayed_scale(np.asarray([amaxes[0]])) > 8 * _delayed_scale(
+        np.asarray(amaxes[1:4]))
+    assert float(_amax(x * np.float32(64))) not in set(np.asarray(f.fp8_state()).ravel())
+
+
+# ---- 4. threading through a scan over checkpointed layers ----------------------------------
+
+
+def _scan_step(p: dict, x: jax.Array):
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        @jax.checkpoint
+        def layer(h, w):
+            return h + jnp.tanh(h @ w) / 4, None
+
+        h = x @ p["w_in"]
+        h, _ = jax.lax.scan(layer, h, p["layers"])
+        return jnp.mean((h @ p["w_out"] - 1.0) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.05 * b, p, grads), value
+
+
+def test_scan_with_checkpoint_threads_the_history_and_trains_like_current() -> None:
+    rng = np.random.default_rng(4)
+    p0 = {"w_in": jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32),
+          "layers": jnp.asarray(rng.standard_normal((3, 32, 32)) / 6
+                                * np.asarray([1.0, 4.0, 0.5])[:, None, None], jnp.float32),
+          "w_out": jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+
+    delayed = hlo_amp.compile(_scan_step, _delayed(4))
+    lowered = delayed.lower(p0, x)
+    text = lowered.as_text()
+    assert "stablehlo.while" in text and "func.call" in text  # scan body, remat calls
+    assert parse_module(text).operation.verify()  # parse_module verifies, too
+    report = lowered.report()
+    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    quantised = int(note.split("; ")[1].split(" tensor")[0])
+    assert quantised == report.fp8_state_columns > 0
+    assert f"delayed scaling ({quantised} from an amax history of 4 step(s))" in note
+    assert "does not reach" not in note
+    # Quantisations inside the scanned body exist: some dot in the while body is fp8.
+    body = text[text.index("stablehlo.while"):]
+    assert "f8E4M3FN" in body
+
+    current = hlo_amp.compile(_scan_step, f"fp8,{ALL}")
+    p_d, p_c = p0, p0
+    losses_d, losses_c = [], []
+    for _ in range(20):
+        p_d, l_d = delayed(p_d, x)
+        p_c, l_c = current(p_c, x)
+        losses_d.append(float(l_d))
+        losses_c.append(float(l_c))
+        if len(losses_d) == 1:
+            # The scanned layer weight has one column: the running maximum over the
+            # loop's iterations (layer 1, 4x larger), not the last or first layer's amax.
+            row = set(np.asarray(delayed.fp8_state())[0].tolist())
+            layers = np.asarray(p0["layers"])
+            assert float(_amax(layers)) == float(_amax(layers[1])) in row
+            assert float(_amax(layers[0])) not in row and float(_amax(layers[2])) not in row
+    state = np.asarray(delayed.fp8_state())
+    assert np.isfinite(state).all() and (state > 0).all()  # every column, 4 rows filled
+    assert losses_d[-1] < 0.7 * losses_d[0]  # it trains
+    assert abs(losses_d[-1] - losses_c[-1]) <= 0.02 * losses_c[-1], (losses_d, losses_c)
+
+
+# ---- 5. numerics: a tiny decoder against bf16 ---------------------------------------------
+
+
+VOCAB, D, HEADS, SEQ, BATCH, LAYERS = 32, 32, 2, 16, 4, 2
+
+
+def _decoder_params(seed: int = 0) -> dict:
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+
+    def normal(shape, scale):
+        return jax.random.normal(next(keys), shape, jnp.float32) * scale
+
+    layers = {"qkv": normal((LAYERS, D, 3 * D), D**-0.5),
+              "out": normal((LAYERS, D, D), D**-0.5),
+              "up": normal((LAYERS, D, 2 * D), D**-0.5),
+              "down": normal((LAYERS, 2 * D, D), (2 * D)**-0.5)}
+    return {"embed": normal((VOCAB, D), 1.0), "pos": normal((SEQ, D), 0.1),
+            "layers": layers, "head": normal((D, VOCAB), D**-0.5)}
+
+
+def _rms(h):
+    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+
+
+def _decoder_loss(p: dict, tokens: jax.Array) -> jax.Array:
+    h = p["embed"][tokens[:, :-1]] + p["pos"][: SEQ - 1]
+    mask = jnp.tril(jnp.ones((SEQ - 1, SEQ - 1), bool))
+    for i in range(LAYERS):
+        w = jax.tree.map(lambda a, i=i: a[i], p["layers"])
+        with jax.named_scope(f"layer_{i}"):
+            q, k, v = jnp.split(_rms(h) @ w["qkv"], 3, -1)
+            heads = lambda a: a.reshape(*a.shape[:2], HEADS, D // HEADS)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", heads(q), heads(k)) / np.sqrt(D // HEADS)
+            scores = jnp.where(mask, scores, -1e9)
+            att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), heads(v))
+            h = h + att.reshape(h.shape) @ w["out"]
+            h = h + jax.nn.gelu(_rms(h) @ w["up"]) @ w["down"]
+    logits = _rms(h) @ p["head"]
+    targets = tokens[:, 1:]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+
+def _adam_step(p: dict, m: dict, v: dict, t: jax.Array, tokens: jax.Array):
+    loss, g = jax.value_and_grad(_decoder_loss)(p, tokens)
+    t = t + 1
+    m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, m, g)
+    v = jax.tree.map(lambda v, g: 0.99 * v + 0.01 * g * g, v, g)
+    lr = 3e-3 * jnp.sqrt(1 - 0.99**t) / (1 - 0.9**t)
+    p = jax.tree.map(lambda p, m, v: p - lr * (m / (jnp.sqrt(v) + 1e-8) + 0.01 * p), p, m, v)
+    return p, m, v, t, loss
+
+
+def _bigram_batches(steps: int) -> np.ndarray:
+    """Token sequences from a fixed random bigram chain (entropy floor well above 0, so
+    the final loss is a plateau each policy can be compared at)."""
+    rng = np.random.default_rng(11)
+    transition = rng.dirichlet(np.full(VOCAB, 0.1), size=VOCAB)
+    cumulative = np.cumsum(transition, 1)
+    tokens = np.empty((steps, BATCH, SEQ), np.int32)
+    tokens[:, :, 0] = rng.integers(0, VOCAB, (steps, BATCH))
+    for t in range(1, SEQ):
+        u = rng.random((steps, BATCH, 1))
+        prev = cumulative[tokens[:, :, t - 1]]
+        tokens[:, :, t] = np.minimum((u > prev).sum(-1), VOCAB - 1)
+    return tokens
+
+
+def _train_decoder(policy: str, batches: np.ndarray) -> tuple[list[float], object]:
+    p = _decoder_params()
+    zeros = jax.tree.map(jnp.zeros_like, p)
+    m, v, t = zeros, zeros, jnp.zeros((), jnp.float32)
+    step = hlo_amp.compile(_adam_step, policy)
+    losses = []
+    for tokens in batches:
+        p, m, v, t, loss = step(p, m, v, t, tokens)
+        losses.append(float(loss))
+    return losses, step
+
+
+def test_tiny_decoder_fp8_trains_within_2_percent_of_bf16() -> None:
+    batches = _bigram_batches(200)
+    final = {}
+    for policy in ("bf16", "fp8", "fp8,scaling=delayed,amax_history=16"):
+        losses, step = _train_decoder(policy, batches)
+        assert np.isfinite(losses).all(), policy
+        final[policy] = float(np.mean(losses[-20:]))  # the last 20 batches: less noise
+        if "delayed" in policy:
+            report = step.lower(*[jax.tree.map(jnp.asarray, a) for a in (
+                _decoder_params(), jax.tree.map(jnp.zeros_like, _decoder_params()),
+                jax.tree.map(jnp.zeros_like, _decoder_params()))],
+                jnp.zeros((), jnp.float32), batches[0]).report()
+            assert report.fp8_state_columns > 0
+            assert np.isfinite(np.asarray(step.fp8_state())).all()
+        assert losses[-1] < 0.8 * losses[0], (policy, losses[0], losses[-1])
+    bf16 = final["bf16"]
+    for policy, loss in final.items():
+        assert abs(loss - bf16) <= 0.02 * bf16, final
+
+
+# ---- 6. overflow with the dynamic loss scaler ---------------------------------------------
+
+
+def _scaled_step(p: dict, state: DynamicScalerState, x: jax.Array):
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        y = jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+        return jnp.sum(y**2)  # cotangent 2y * scaler: overflows f32 for a huge scaler
+
+    state, (value, grads) = dynamic_scale_value_and_grad(loss)(p, x,
+                                                              dynamic_scaler_state=state)
+    finite = all_finite(grads)
+    new = jax.tree.map(lambda a, g: a - 2e-3 * g, p, grads)
+    return select_tree(finite, new, p), state, value, finite
+
+
+def test_overflowed_step_is_skipped_and_the_history_records_zero() -> None:
+    rng = np.random.default_rng(6)
+    p = {"w1": jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32),
+         "b1": jnp.zeros((32,), jnp.float32),
+         "w2": jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32),
+         "b2": jnp.zeros((16,), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((16, 32)) * 2, jnp.float32)
+    # 2**127 times the cotangent 2y overflows f32 (max ~2**128) wherever |y| >= 1: the
+    # first step's gradients are non-finite. Backed off by 2**16, the scaler is fine.
+    assert float(jnp.abs(jax.nn.gelu(x @ p["w1"]) @ p["w2"]).max()) > 1.0
+    state = DynamicScalerState(scaler=2.0**127, adjust_factor=2.0**16, patience=10**6)
+    f = hlo_amp.compile(_scaled_step, _delayed(4))
+    columns = f.lower(p, state, x).report().fp8_state_columns
+    assert columns > 0
+
+    p1, state1, _, finite = f(p, state, x)
+    assert not bool(finite)
+    jax.tree.map(np.testing.assert_array_equal, p1, p)  # the update was skipped
+    assert float(state1.scaler) == 2.0**111 and int(state1.total_resets) == 1
+    history = np.asarray(f.fp8_state())
+    assert history.shape == (4, columns) and np.isfinite(history).all()
+    # The forward operands were finite and recorded; the overflowed cotangent's amax
+    # (inf) was recorded as 0, not inf or NaN.
+    assert float(_amax(x)) in set(history[0].tolist())
+    assert float(_amax(p["w1"])) in set(history[0].tolist())
+    overflowed = history[0] == 0
+    assert overflowed.any()
+
+    losses, p_t, s_t = [], p1, state1
+    for _ in range(12):
+        p_t, s_t, value, finite = f(p_t, s_t, x)
+        losses.append(float(value))
+        history = np.asarray(f.fp8_state())
+        assert np.isfinite(history).all()
+        assert bool(finite)
+    assert (history > 0).all()  # every column's amax recorded again, scales usable
+    assert float(s_t.scaler) == 2.0**111  # no more overflow
+    assert losses[-1] < 0.5 * losses[0], losses  # training continued
+
+
+# ---- 7. errors and the checkpoint round trip -----------------------------------------------
+
+
+def test_errors() -> None:
+    w, x = _big_matmul_inputs()
+    f = hlo_amp.compile(lambda w, x: x @ w, _delayed(8))
+    with pytest.raises(RuntimeError, match="no fp8 state yet"):
+        f.fp8_state()
+    with pytest.raises(ValueError, match=r"f32\[8, S\].*\(5, 2\)"):
+        f.load_fp8_state(np.zeros((5, 2), np.float32))
+    with pytest.raises(ValueError, match=r"\(5,\)"):
+        f.load_fp8_state(np.zeros((5,), np.float32))
+    f.load_fp8_state(np.zeros((8, 3), np.float32))  # right length, wrong width
+    with pytest.raises(ValueError, match=r"\(8, 3\).*2 tensors.*\(8, 2\)"):
+        f(w, x)
+    with pytest.raises(TypeError, match="scaling=current"):
+        jax.jit(f)(w, x)
+    with pytest.raises(TypeError, match="scaling=current"):
+        jax.vmap(f, in_axes=(None, 0))(w, x[None])
+    for spec in ("bf16,scaling=delayed", "fp8,amax_history=0", "fp8,amax_history=-3",
+                 "fp8,scaling=later"):
+        with pytest.raises(ValueError):
+            Policy.parse(spec)
+    assert Policy.parse("fp8,scaling=delayed,amax_history=16").amax_history == 16
+
+
+def test_state_round_trip_continues_identically() -> None:
+    p, x = _mlp_params(1)
+    original = hlo_amp.compile(_mlp_step, _delayed(4))
+    for _ in range(3):
+        p, _ = original(p, x)
+    saved = np.asarray(original.fp8_state())
+    assert (saved[:3] > 0).all() and (saved[3] == 0).all()
+
+    restored = hlo_amp.compile(_mlp_step, _delayed(4))
+    restored.load_fp8_state(saved)
+    p_a, l_a = original(p, x)
+    p_b, l_b = restored(p, x)
+    assert float(l_a) == float(l_b)
+    jax.tree.map(np.testing.assert_array_equal, p_a, p_b)
+    np.testing.assert_array_equal(np.asarray(original.fp8_state()),
+                                  np.asarray(restored.fp8_state()))
+    # Without the load, the fresh function starts from zeros (scale 1): it differs.
+    fresh = hlo_amp.compile(_mlp_step, _delayed(4))
+    p_c, _ = fresh(p, x)
+    assert not np.array_equal(np.asarray(p_c["w1"]), np.asarray(p_a["w1"]))
+
+
+# ---- 8. no state barrier: current scaling, said so ----------------------------------------
+
+
+def test_module_without_state_falls_back_to_current_scaling() -> None:
+    w, x = _big_matmul_inputs()
+    text = jax.jit(lambda w, x: x @ w).lower(w, x).as_text()
+    rewritten, report = hlo_amp.rewrite(text, _delayed(8), return_report=True)
+    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    assert "current scaling (scaling=delayed: this module carries no fp8 state" in note
+    assert report.fp8_state_columns == 2
+    assert "f8E4M3FN" in rewritten and "tensor<8x" not in rewritten  # no history
+    # Current scaling's numerics: no saturation at 448 on the first (only) run.
+    current = hlo_amp.rewrite(text, f"fp8,{ALL}")
+    assert rewritten == current
+
+
+def test_quantisation_in_a_conditional_keeps_current_scaling_and_says_so() -> None:
+    """A cond branch is not reached by the history (passes/fp8_state.py): its tensors
+    are scaled from their own amax, so even the first call does not saturate there."""
+    w, x = _big_matmul_inputs()
+    w_out = np.eye(32, dtype=np.float32)
+
+    def fn(w, w_out, x, flag):
+        # The branch's result is brought under 448: the dot after the cond, in main,
+        # has scale 1 on the first call.
+        return jax.lax.cond(flag, lambda: (x @ w) / 1024, lambda: (x * 2) @ w) @ w_out
+
+    f = hlo_amp.compile(fn, _delayed(4))
+    report = f.lower(w, w_out, x, True).report()
+    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    assert "(2 from an amax history of 4 step(s); 4 the history does not reach, current)" \
+        in note, note
+    y = np.asarray(f(w, w_out, x, True), np.float64) * 1024
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    # x (|x| > 448) in the branch: current scaling, not clipped on the first call.
+    assert np.abs(y - exact).max() <= 0.15 * np.abs(exact).max()
+    state = np.asarray(f.fp8_state())
+    assert state.shape == (4, report.fp8_state_columns)
+    assert (state[0] == 0).sum() == 4  # the branch's columns are never written
