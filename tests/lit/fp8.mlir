@@ -4,29 +4,35 @@
 // scales (hlo_amp/targets/gpu.py).
 // The locations pick the direction: transpose(jvp(...)) is the backward pass.
 //
-// RUN: hlo-amp-opt %s --split-input-file --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
+// RUN: hlo-amp-opt %s --split-input-file --policy 'fp8,propagate=false,first_matrix_op=none,last_matrix_op=none' \
 // RUN:   | filecheck %s --enable-var-scope
 //
 // Idempotence: the pipeline on its own (located) output changes nothing.
 // RUN: hlo-amp-opt %s --split-input-file --debug-info \
-// RUN:   --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
-// RUN:   | hlo-amp-opt --split-input-file --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
+// RUN:   --policy 'fp8,propagate=false,first_matrix_op=none,last_matrix_op=none' \
+// RUN:   | hlo-amp-opt --split-input-file --policy 'fp8,propagate=false,first_matrix_op=none,last_matrix_op=none' \
 // RUN:   | filecheck %s --enable-var-scope
 //
 // insert_converts alone only marks the dots (the operand formats and the dequantise type).
 // RUN: hlo-amp-opt %s --split-input-file --pass hlo-amp-insert-converts \
-// RUN:   --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
+// RUN:   --policy 'fp8,propagate=false,first_matrix_op=none,last_matrix_op=none' \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=MARK
 //
 // For XLA:CPU the form is the same; the scales are not rounded to bf16 (XLA:CPU
 // widens the fp8 dot to f32, where the scales apply exactly).
 // RUN: hlo-amp-opt %s --split-input-file --target cpu \
-// RUN:   --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
+// RUN:   --policy 'fp8,propagate=false,first_matrix_op=none,last_matrix_op=none' \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=CPU
+//
+// The checks above are the accurate mode (propagate=false: the dots read f32 values). The
+// preset's fast mode first converts a dot's f32 operands to bf16, which propagation
+// keeps its producers in; the quantisation reads that bf16 value.
+// RUN: hlo-amp-opt %s --split-input-file --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=FAST
 //
 // A scope rule takes a scope back to bf16, as for any dtype.
 // RUN: hlo-amp-opt %s --split-input-file \
-// RUN:   --policy 'fp8,scope:attn=bfloat16,first_matrix_op=none,last_matrix_op=none' \
+// RUN:   --policy 'fp8,propagate=false,scope:attn=bfloat16,first_matrix_op=none,last_matrix_op=none' \
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=SCOPE
 //
 // float8_e4m3fn: e4m3fn for both operands, backward dots included.
@@ -34,7 +40,7 @@
 // RUN:   | filecheck %s --enable-var-scope --check-prefix=E4M3
 //
 // The report: fp8 operand types, the reasons, the fallbacks.
-// RUN: hlo-amp-opt %s --split-input-file --policy 'fp8,first_matrix_op=none,last_matrix_op=none' \
+// RUN: hlo-amp-opt %s --split-input-file --policy 'fp8,propagate=false,first_matrix_op=none,last_matrix_op=none' \
 // RUN:   --report %t.json -o /dev/null
 // RUN: filecheck %s --input-file %t.json --check-prefix=JSON
 
@@ -73,6 +79,18 @@
 // MARK-LABEL:  func.func @forward
 // MARK-NOT:      stablehlo.convert
 // MARK:          stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0] {hlo_amp.fp8 = [f8E4M3FN, f8E4M3FN, bf16]} : (tensor<32x64xf32>, tensor<64x16xf32>) -> tensor<32x16xf32>
+// FAST-LABEL:  func.func @forward
+// FAST-SAME:     (%[[X:.*]]: tensor<32x64xf32>, %[[W:.*]]: tensor<64x16xf32>)
+// FAST:          %[[X16:.*]] = stablehlo.convert %[[X]] : (tensor<32x64xf32>) -> tensor<32x64xbf16>
+// FAST:          %[[W16:.*]] = stablehlo.convert %[[W]] : (tensor<64x16xf32>) -> tensor<64x16xbf16>
+// FAST:          %[[XUP:.*]] = stablehlo.convert %[[X16]] : (tensor<32x64xbf16>) -> tensor<32x64xf32>
+// FAST:          stablehlo.abs %[[XUP]] : tensor<32x64xf32>
+// FAST:          stablehlo.divide %[[XUP]], %{{.*}} : tensor<32x64xf32>
+// FAST:          %[[Q:.*]] = stablehlo.convert %{{.*}} : (tensor<32x64xf32>) -> tensor<32x64xf8E4M3FN>
+// FAST:          %[[WUP:.*]] = stablehlo.convert %[[W16]] : (tensor<64x16xbf16>) -> tensor<64x16xf32>
+// FAST:          %[[WQ:.*]] = stablehlo.convert %{{.*}} : (tensor<64x16xf32>) -> tensor<64x16xf8E4M3FN>
+// FAST:          stablehlo.dot_general %[[Q]], %[[WQ]], contracting_dims = [1] x [0] : (tensor<32x64xf8E4M3FN>, tensor<64x16xf8E4M3FN>) -> tensor<32x16xf32>
+// FAST:          return
 // CPU-LABEL:   func.func @forward
 // CPU-NOT:       bf16
 // CPU:           %[[Q:.*]] = stablehlo.convert %{{.*}} : (tensor<32x64xf32>) -> tensor<32x64xf8E4M3FN>
@@ -198,7 +216,7 @@ func.func @scoped(%x: tensor<32x64xf32>, %wa: tensor<64x64xf32>, %wm: tensor<64x
   return %1, %2 : tensor<32x64xf32>, tensor<64x64xf32>
 }
 
-// JSON:      "policy": "fp8,compute=bfloat16,first_matrix_op=none,last_matrix_op=none",
+// JSON:      "policy": "fp8,compute=bfloat16,propagate=false,first_matrix_op=none,last_matrix_op=none",
 // JSON:      "direction": "forward",
 // JSON:      "operands_after": [
 // JSON-NEXT:   "f8E4M3FN",

@@ -4,9 +4,14 @@
 // fp8_mlp_grad: value_and_grad of stem -> attn -> mlp -> head and an SGD update. The
 // preset keeps the first (stem) and the last (head) matrix op, and their backward dots,
 // in bf16; the rest are fp8 GEMMs, e4m3fn forward, and backward with the incoming
-// gradient (the cotangent JAX computes from its seed) in e5m2.
-// RUN: hlo-amp-opt %S/inputs/fp8_mlp_grad.mlir --policy fp8 --debug-info \
+// gradient (the cotangent JAX computes from its seed) in e5m2. The CHECK lines are the
+// accurate mode (propagate=false: f32 activations, the dots return f32); FAST is the
+// preset's fast mode: the activations between the matrix ops are bf16, as under
+// mixed_bfloat16, and fp8 is only at the inputs of the GEMMs, quantised from bf16.
+// RUN: hlo-amp-opt %S/inputs/fp8_mlp_grad.mlir --policy 'fp8,propagate=false' --debug-info \
 // RUN:   | filecheck %s --enable-var-scope
+// RUN: hlo-amp-opt %S/inputs/fp8_mlp_grad.mlir --policy fp8 \
+// RUN:   | filecheck %s --enable-var-scope --check-prefix=FAST
 // RUN: hlo-amp-opt %S/inputs/fp8_mlp_grad.mlir --policy fp8 --report %t.json -o /dev/null
 // RUN: filecheck %s --input-file %t.json --check-prefix=JSON
 //
@@ -69,6 +74,44 @@
 // CHECK-DAG:   #[[ATTN_BWD]] = loc("jit(fp8_mlp_step)/transpose(jvp(attn))/dot_general"
 // CHECK-DAG:   #[[STEM_BWD]] = loc("jit(fp8_mlp_step)/transpose(jvp(stem))/dot_general"
 
+// FAST-LABEL:  func.func public @main
+// stem: bf16 operands and a bf16 result, its tanh in bf16.
+// FAST:          %[[X16:.*]] = stablehlo.convert %arg4 : (tensor<16x32xf32>) -> tensor<16x32xbf16>
+// FAST:          stablehlo.dot_general %[[X16]], %{{.*}} : (tensor<16x32xbf16>, tensor<32x32xbf16>) -> tensor<16x32xbf16>
+// FAST:          %[[T0:.*]] = stablehlo.tanh %{{.*}} : tensor<16x32xbf16>
+// attn: the bf16 activation, held by the barrier, quantised to e4m3fn; no f32 copy of an
+// activation between the two dots.
+// FAST-NOT:      tensor<16x32xf32>
+// FAST:          %[[B0:.*]] = stablehlo.optimization_barrier %[[T0]] : tensor<16x32xbf16>
+// FAST:          stablehlo.convert %[[B0]] : (tensor<16x32xbf16>) -> tensor<16x32xf32>
+// FAST:          %[[A_H:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E4M3FN>
+// FAST:          %[[A_W:.*]] = stablehlo.convert %{{.*}} : (tensor<32x32xf32>) -> tensor<32x32xf8E4M3FN>
+// FAST:          stablehlo.dot_general %[[A_H]], %[[A_W]], {{.*}} : (tensor<16x32xf8E4M3FN>, tensor<32x32xf8E4M3FN>) -> tensor<16x32xbf16>
+// FAST-NOT:      tensor<16x32xf32>
+// FAST:          %[[T1:.*]] = stablehlo.tanh %{{.*}} : tensor<16x32xbf16>
+// FAST-NOT:      tensor<16x32xf32>
+// FAST:          %[[B1:.*]] = stablehlo.optimization_barrier %[[T1]] : tensor<16x32xbf16>
+// FAST:          %[[M_H:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E4M3FN>
+// FAST:          %[[M_W:.*]] = stablehlo.convert %{{.*}} : (tensor<32x32xf32>) -> tensor<32x32xf8E4M3FN>
+// FAST:          stablehlo.dot_general %[[M_H]], %[[M_W]], {{.*}} -> tensor<16x32xbf16>
+// FAST-NOT:      tensor<16x32xf32>
+// head: bf16.
+// FAST:          stablehlo.dot_general {{.*}} : (tensor<16x32xbf16>, tensor<32x4xbf16>) -> tensor<16x4xbf16>
+// mlp backward: the bf16 cotangent, held by the barrier, quantised to e5m2.
+// FAST:          %[[GB:.*]] = stablehlo.optimization_barrier %{{.*}} : tensor<16x32xbf16>
+// FAST:          stablehlo.convert %[[GB]] : (tensor<16x32xbf16>) -> tensor<16x32xf32>
+// FAST:          %[[G:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2>
+// FAST:          stablehlo.dot_general %[[G]], %[[M_H]], contracting_dims = [0] x [0], {{.*}} -> tensor<32x32xbf16>
+// FAST:          stablehlo.dot_general %[[G]], %[[M_W]], contracting_dims = [1] x [1], {{.*}} -> tensor<16x32xbf16>
+// attn backward: the same.
+// FAST:          %[[GA:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2>
+// FAST:          stablehlo.dot_general %[[GA]], %[[A_H]], {{.*}} -> tensor<32x32xbf16>
+// FAST:          stablehlo.dot_general %[[GA]], %[[A_W]], {{.*}} -> tensor<16x32xbf16>
+// stem backward: bf16.
+// FAST-NOT:      xf8E
+// FAST:          stablehlo.dot_general %{{.*}}, %[[X16]], contracting_dims = [0] x [0], {{.*}} : (tensor<16x32xbf16>, tensor<16x32xbf16>) -> tensor<32x32xbf16>
+// FAST:          return
+
 // The report names the positional rules.
 // JSON:      "policy": "fp8,compute=bfloat16",
 // JSON:      "summary": "converted 11/11 ops; low precision: 11/11 dot_general (6 fp8); {{[0-9]+}}% of FLOPs in 16-bit or narrower
@@ -104,9 +147,12 @@
 // ENDS-NEXT: "direction": "backward",
 // ENDS:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor bf16 scales, f32 result",
 
+// In the preset's fast mode the loop carries and the saved activations are bf16.
 // SCAN-LABEL: func.func private @closed_call(
-// SCAN:         stablehlo.dot_general {{.*}} : (tensor<16x32xf8E4M3FN>, tensor<32x32xf8E4M3FN>) -> tensor<16x32xf32>
+// SCAN-SAME:    %{{.*}}: tensor<16x32xbf16>, %{{.*}}: tensor<32x32xf32>
+// SCAN:         stablehlo.dot_general {{.*}} : (tensor<16x32xf8E4M3FN>, tensor<32x32xf8E4M3FN>) -> tensor<16x32xbf16>
 // SCAN-LABEL: func.func private @closed_call_1(
+// SCAN-SAME:    %{{.*}}: tensor<16x32xbf16>, %{{.*}}: tensor<32x32xf32>, %{{.*}}: tensor<16x32xbf16>
 // SCAN:         %[[G:.*]] = stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E5M2>
 // SCAN:         stablehlo.convert %{{.*}} : (tensor<16x32xf32>) -> tensor<16x32xf8E4M3FN>
 // SCAN:         stablehlo.dot_general %[[G]], %{{.*}}, contracting_dims = [0] x [0]

@@ -25,6 +25,9 @@ from hlo_amp.runtime.scaler import all_finite
 
 # Every dot in fp8: a single dot is the program's first and last matrix op.
 FP8 = "fp8,first_matrix_op=none,last_matrix_op=none"
+# The same in the accurate mode (f32 activations): the NumPy models below quantise the
+# f32 values themselves; the preset's fast mode quantises their bf16 rounding.
+FP8_ACCURATE = "fp8,propagate=false,first_matrix_op=none,last_matrix_op=none"
 
 
 def _matmul(policy: str):
@@ -92,7 +95,7 @@ def test_single_dot_matches_a_numpy_model_of_the_recipe() -> None:
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((32, 512)) * 3).astype(np.float32)
     w = (rng.standard_normal((512, 64)) / 20).astype(np.float32)
-    y = np.asarray(_matmul(FP8)(x, w), np.float64)
+    y = np.asarray(_matmul(FP8_ACCURATE)(x, w), np.float64)
     model = (_quantise(x, ml_dtypes.float8_e4m3fn, 448.0).astype(np.float64)
              @ _quantise(w, ml_dtypes.float8_e4m3fn, 448.0).astype(np.float64))
     # Same quantised values; only the f32 summation order differs.
@@ -110,7 +113,7 @@ def test_backward_dot_quantises_the_gradient_to_e5m2() -> None:
     def loss(w: jax.Array, x: jax.Array, g: jax.Array) -> jax.Array:
         return jnp.sum(jnp.tanh(x @ w) * g)
 
-    grad = hlo_amp.compile(jax.grad(loss), FP8)
+    grad = hlo_amp.compile(jax.grad(loss), FP8_ACCURATE)
     report = grad.lower(w, x, g).report()
     backward = [d for d in report.decisions if d.direction == "backward"]
     assert [d.operands_after for d in backward] == [("f8E5M2", "f8E4M3FN")]
@@ -190,9 +193,11 @@ _DEF = re.compile(r"^\s*(%[\w#]+) = (\S+) (.*)$")
 def _fp8_dot(defs: dict[str, tuple[str, str]], name: str) -> tuple[str | None, ...]:
     """The operand formats of dot ``name`` (None: not fp8) after checking the direct
     form when it has any: ``dot_general(f8, f8)`` whose one reader multiplies it by a
-    broadcast f32 scalar (the product of the two scales)."""
+    broadcast scalar of the dot's result type (the product of the two scales: f32 in the
+    accurate mode, bf16 in the fast mode, whose dots return bf16)."""
     _, rest = defs[name]
     operand_types = re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) ->", rest).groups()
+    result_element = re.search(r"-> tensor<(?:\d+x)*(\w+)>", rest).group(1)
     formats = tuple(next(iter(re.findall(r"x(f8E4M3FN|f8E5M2)>", t)), None)
                     for t in operand_types)
     if formats != (None, None):
@@ -200,14 +205,16 @@ def _fp8_dot(defs: dict[str, tuple[str, str]], name: str) -> tuple[str | None, .
         assert len(readers) == 1 and readers[0][0] == "stablehlo.multiply", readers
         (other,) = [v for v in re.findall(r"%[\w#]+", readers[0][1])[:2] if v != name]
         scale_op, scale_rest = defs[other]
-        assert scale_op == "stablehlo.broadcast_in_dim" and "(tensor<f32>)" in scale_rest
+        assert scale_op == "stablehlo.broadcast_in_dim"
+        assert f"(tensor<{result_element}>)" in scale_rest, (result_element, scale_rest)
     return formats
 
 
-def test_every_fp8_dot_reads_fp8_tensors_directly() -> None:
+@pytest.mark.parametrize("policy", ["fp8", "fp8,propagate=false"])
+def test_every_fp8_dot_reads_fp8_tensors_directly(policy: str) -> None:
     """The direct form (issue 20): XLA:GPU keeps it as one fp8 GEMM in cuBLASLt and in
-    Triton alike, folding the scale product into the call."""
-    text, report = hlo_amp.rewrite(_train_step_text(), "fp8", return_report=True)
+    Triton alike, folding the scale product into the call. Both modes have it."""
+    text, report = hlo_amp.rewrite(_train_step_text(), policy, return_report=True)
     defs = {}
     for line in text.splitlines():
         match = _DEF.match(line)
