@@ -164,8 +164,9 @@ class Policy:
     # "keep": dots the program wrote with HIGHEST precision or an explicit algorithm stay
     # as written unless a scope rule names them; "ignore": treat them like any other.
     explicit_precision: str = "keep"
-    # Actions for the first and the last matrix op of the forward program (and their
-    # backward dots); None: no such rule. The fp8 preset keeps both in the compute dtype.
+    # Actions for the first and the last matrix op of the forward program, outside a loop
+    # (and their backward dots); None: no such rule. The fp8 preset keeps both in the
+    # compute dtype.
     first_matrix_op: str | None = None
     last_matrix_op: str | None = None
     # The result type of the dots whose partial results are summed across devices (a

@@ -139,9 +139,12 @@ class Report:
     @property
     def unused_rules(self) -> list[str]:
         # Op rules of a preset name every op kind; a module without convs is normal,
-        # so only scope and backward rules are reported as unused.
+        # and so is one without a stem or head matrix op outside a loop (a scanned
+        # decoder whose embedding is a gather: first_matrix_op, last_matrix_op); so only
+        # scope and backward rules are reported as unused.
         used = {d.rule for d in self.decisions} | self.rules_used
-        return [r for r in self.rules if r not in used and not r.startswith("op:")]
+        return [r for r in self.rules if r not in used and not r.startswith("op:")
+                and r not in ("first_matrix_op", "last_matrix_op")]
 
     # ---- rendering ------------------------------------------------------------------
 

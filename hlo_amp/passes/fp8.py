@@ -116,18 +116,21 @@ def _scalar(value: float, element: ir.Type) -> ir.Value:
                                                                                 value)))
 
 
-def _amax(x32: ir.Value) -> ir.Value:
-    """max(abs(x32)) as an f32 scalar, built at the current insertion point."""
+def _amax(x: ir.Value) -> ir.Value:
+    """max(abs(x)) as an f32 scalar, built at the current insertion point. The maximum
+    is exact in any float type, so a 16-bit ``x`` is reduced as it is (no f32 copy)."""
     f32 = ir.F32Type.get()
-    scalar = ir.RankedTensorType.get([], f32)
-    rank = ir.RankedTensorType(x32.type).rank
-    magnitude = hlo.abs(x32)
-    reduce = hlo.ReduceOp([scalar], [magnitude], [_scalar(0.0, f32)],
-                          ir.DenseI64ArrayAttr.get(list(range(rank))))
+    shaped = ir.RankedTensorType(x.type)
+    element = shaped.element_type
+    scalar = ir.RankedTensorType.get([], element)
+    magnitude = hlo.abs(x)
+    reduce = hlo.ReduceOp([scalar], [magnitude], [_scalar(0.0, element)],
+                          ir.DenseI64ArrayAttr.get(list(range(shaped.rank))))
     body = reduce.regions[0].blocks.append(scalar, scalar)
     with ir.InsertionPoint(body):
         hlo.return_([hlo.maximum(body.arguments[0], body.arguments[1])])
-    return reduce.results[0]
+    amax = reduce.results[0]
+    return amax if element == f32 else hlo.convert(ir.RankedTensorType.get([], f32), amax)
 
 
 def _scale(amax: ir.Value, dequantize: ir.Type, fmax: float) -> tuple[ir.Value, ir.Value]:
@@ -223,7 +226,7 @@ def _quantize(op: Any, value: ir.Value, fp8: ir.Type, dequantize: ir.Type,
                 x32 = hlo.convert(with_element(value.type, f32), x32)
             # The scale is known before the value: XLA may fuse the quantisation into
             # the producer (a GEMM's fp8 output) and this step's amax beside it.
-            amax = _amax(x32)
+            amax = _amax(value)
             threads.contribute(op.block, column, amax)
             scalar = ir.RankedTensorType.get([], f32)
             past = hlo.reshape(scalar, hlo.slice(
@@ -242,9 +245,10 @@ def _quantize(op: Any, value: ir.Value, fp8: ir.Type, dequantize: ir.Type,
             # f32 copy.
             x32 = hlo.optimization_barrier([x32])
             x32 = x32[0] if isinstance(x32, (list, tuple)) else x32
+        amax = _amax(x32)
         if shape.element_type != f32:
             x32 = hlo.convert(with_element(value.type, f32), x32)
-        scale, _ = _scale(_amax(x32), dequantize, fmax)
+        scale, _ = _scale(amax, dequantize, fmax)
         scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
         clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))
         return hlo.convert(with_element(value.type, fp8), clamped), scale

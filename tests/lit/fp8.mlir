@@ -83,8 +83,8 @@
 // FAST-SAME:     (%[[X:.*]]: tensor<32x64xf32>, %[[W:.*]]: tensor<64x16xf32>)
 // FAST:          %[[X16:.*]] = stablehlo.convert %[[X]] : (tensor<32x64xf32>) -> tensor<32x64xbf16>
 // FAST:          %[[W16:.*]] = stablehlo.convert %[[W]] : (tensor<64x16xf32>) -> tensor<64x16xbf16>
+// FAST:          stablehlo.abs %[[X16]] : tensor<32x64xbf16>
 // FAST:          %[[XUP:.*]] = stablehlo.convert %[[X16]] : (tensor<32x64xbf16>) -> tensor<32x64xf32>
-// FAST:          stablehlo.abs %[[XUP]] : tensor<32x64xf32>
 // FAST:          stablehlo.divide %[[XUP]], %{{.*}} : tensor<32x64xf32>
 // FAST:          %[[Q:.*]] = stablehlo.convert %{{.*}} : (tensor<32x64xf32>) -> tensor<32x64xf8E4M3FN>
 // FAST:          %[[WUP:.*]] = stablehlo.convert %[[W16]] : (tensor<64x16xbf16>) -> tensor<64x16xf32>

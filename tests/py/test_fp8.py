@@ -317,3 +317,36 @@ def test_summary_counts_fp8_dots_before_compiling() -> None:
     assert f"3/3 dot_general ({fp8} fp8);" in report.summary()
     bf16 = hlo_amp.compile(mlp, "bf16").lower(*ws, jnp.ones((32, 64))).report()
     assert "fp8" not in bf16.summary()
+
+
+def test_ends_inside_a_scan_are_no_stem_or_head() -> None:
+    """The preset's first/last-matrix-op rules keep a stem and a head in bf16; a first
+    matrix op inside a scanned layer body is every layer's, not a stem: it stays fp8."""
+    import hlo_amp
+
+    def model(stem, layers, head, x):
+        h = x @ stem  # the stem: outside the scan, kept bf16
+
+        def layer(h, w):
+            return jax.nn.gelu(h @ w), None
+
+        h, _ = jax.lax.scan(layer, h, layers)
+        return jnp.sum((h @ head) ** 2)  # the head: kept bf16
+
+    def gather_model(layers, head, x):  # no stem matrix op: the scan's dot comes first
+        h, _ = jax.lax.scan(lambda h, w: (jax.nn.gelu(h @ w), None), x, layers)
+        return jnp.sum((h @ head) ** 2)
+
+    key = jax.random.split(jax.random.key(0), 4)
+    stem, head = (jax.random.normal(key[0], (32, 64)), jax.random.normal(key[1], (64, 16)))
+    layers = jax.random.normal(key[2], (3, 64, 64))
+    x = jax.random.normal(key[3], (16, 32))
+    for fn, args in ((model, (stem, layers, head, x)), (gather_model, (layers, head, x[:, :1]
+                                                                      * jnp.ones((1, 64))))):
+        report = hlo_amp.compile(jax.grad(fn, argnums=(0, 1)), "fp8").lower(
+            *args, target="h100").report()
+        looped = [d for d in report.decisions if d.runs and d.runs > 1]
+        ends = [d for d in report.decisions if d.rule in ("first_matrix_op", "last_matrix_op")]
+        assert looped and all(d.fp8 for d in looped), [(d.rule, d.reason) for d in looped]
+        assert ends and all(not d.fp8 for d in ends)
+        assert all(d.runs == 1 for d in ends)

@@ -165,7 +165,8 @@ class CallGraph:
         call stack (before any cloning: keys use original names)."""
         for fn in public:
             order: list[tuple[tuple[str, int, str], Any, str]] = []
-            self._program_order(function_name(fn), "", order, ())
+            looped: set[tuple[str, int, str]] = set()
+            self._program_order(function_name(fn), "", order, (), looped)
             forward = []
             for key, op, kind in order:
                 if (not self.site(op, kind, key[2]).backward
@@ -174,12 +175,18 @@ class CallGraph:
             if not forward:
                 continue
             stacks: dict[tuple[str, str, str], tuple[str, ...]] = {}
-            for position, (key, op, kind) in ((FIRST_MATRIX_OP, forward[0]),
-                                              (LAST_MATRIX_OP, forward[-1])):
+            # An end inside a loop is every iteration's op (each scanned layer's), not a
+            # stem or a head: no rule for that end.
+            ends = [(position, end) for position, end in ((FIRST_MATRIX_OP, forward[0]),
+                                                          (LAST_MATRIX_OP, forward[-1]))
+                    if end[0] not in looped]
+            if not ends:
+                continue
+            for position, (key, op, kind) in ends:
                 self.positions[key] = self.positions.get(key, ()) + (position,)
                 stack = _stack_key(self.site(op, kind, key[2]), op, kind)
                 stacks[stack] = stacks.get(stack, ()) + (position,)
-            if len(stacks) == 1 and forward[0][0] != forward[-1][0]:
+            if len(stacks) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]:
                 continue  # first and last look alike: their backward ops cannot be told
             for key, op, kind in order:
                 site = self.site(op, kind, key[2])
@@ -189,13 +196,19 @@ class CallGraph:
 
     def _program_order(self, name: str, prefix: str,
                        out: list[tuple[tuple[str, int, str], Any, str]],
-                       stack: tuple[str, ...]) -> None:
+                       stack: tuple[str, ...], looped: set[tuple[str, int, str]],
+                       in_loop: bool = False) -> None:
+        """Matrix ops in program order into ``out``; the keys of those that run inside a
+        loop (a while body, or a function called from one) into ``looped``."""
         for index, (op, kind) in enumerate(self.ops_of(self.by_name[name])):
+            inside = in_loop or _in_while(op)
             if kind is not None:
                 out.append(((name, index, prefix), op, kind))
+                if inside:
+                    looped.add((name, index, prefix))
             elif callee_name(op) in self.by_name and callee_name(op) not in stack:
                 self._program_order(callee_name(op), self._callee_prefix(prefix, op), out,
-                                    stack + (name,))
+                                    stack + (name,), looped, inside)
 
     def _instantiate(self, original: str) -> str:
         if original not in self.used_names:
@@ -206,6 +219,16 @@ class CallGraph:
         self.used_names.add(name)
         self.clones += 1
         return name
+
+
+def _in_while(op: Any) -> bool:
+    """Whether ``op`` sits in a ``stablehlo.while`` region of its function."""
+    parent = op.operation.parent
+    while parent is not None and parent.name != "func.func":
+        if parent.name == "stablehlo.while":
+            return True
+        parent = parent.parent
+    return False
 
 
 def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:
