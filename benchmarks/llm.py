@@ -626,8 +626,8 @@ def local_row(variant: str, config: Config, steps: int, roofline_target: Any) ->
 def local_table(rows: list[dict]) -> list[str]:
     base = next((r for r in rows if r["variant"] == "f32"), None)
     out = [("| variant | step ms | vs f32 | MFU | XLA temp MiB | peak MiB | loss first → last "
-            "| roofline ms | measured / roofline | attention |"),
-           "|---|---|---|---|---|---|---|---|---|---|"]
+            "| roofline ms | measured / roofline | compile s | attention |"),
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         speed = f"{base['step_s'] / r['step_s']:.2f}×" if base else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
@@ -636,7 +636,8 @@ def local_table(rows: list[dict]) -> list[str]:
         ratio = f"{r['step_s'] / r['roofline_s']:.2f}" if r["roofline_s"] else "-"
         out.append(f"| {r['variant']} | {1e3 * r['step_s']:.1f} | {speed} | {mfu} | "
                    f"{_mib(r['temp'])} | {peak} | {r['first_loss']:.4f} → "
-                   f"{r['last_loss']:.4f} | {roof} | {ratio} | {r['attention'] or '-'} |")
+                   f"{r['last_loss']:.4f} | {roof} | {ratio} | {r['compile_s']:.1f} | "
+                   f"{r['attention'] or '-'} |")
     return out
 
 
