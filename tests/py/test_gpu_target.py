@@ -140,7 +140,13 @@ def test_fp8_dots_run_as_fp8_gemms(workload: str) -> None:
         assert {d.scope.rsplit("/", 1)[-1] for d in missed} <= {"query", "key", "value"}
         assert all(d.kept_by_xla is None for d in missed)  # merged, not upcast
     else:
-        assert kept / len(fp8) >= 0.9
+        # XLA may merge two weight-gradient dots that read one incoming gradient into one
+        # fp8 GEMM (the RNN's w_in and w_h, since its first dot, inside the scan, is no
+        # stem): no single GEMM is theirs, their verdict unknown, never upcast (the wide
+        # GEMMs are counted above).
+        missed = [d for d in fp8 if not d.kept_by_xla]
+        assert all(d.kept_by_xla is None and d.direction == "backward" for d in missed)
+        assert len(missed) <= 1 and kept / len(fp8) >= (0.75 if missed else 0.9)
 
 
 def test_memory_analysis_and_f32_and_jax_jit_peers_on_one_footing() -> None:
