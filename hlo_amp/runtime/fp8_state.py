@@ -137,9 +137,10 @@ class Fp8StatefulFunction:
                for leaf in jax.tree_util.tree_leaves((args, kwargs))):
             raise TypeError(
                 f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
-                "history between calls, so it cannot run under jax.jit, vmap, grad or "
-                "another transformation; call it at the top level, or use scaling=current "
-                "there")
+                "history between calls, so it cannot run under jax.jit, vmap, grad, "
+                "jax.export or another transformation; call it at the top level (.lower() "
+                "gives the stateful step, history in and out, for AOT), or use "
+                "scaling=current there")
         history = self._history(args, kwargs)
         out, history = self._inner(history, *args, **kwargs)
         columns = history.shape[1]

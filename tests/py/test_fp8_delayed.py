@@ -489,3 +489,18 @@ def test_quantisation_in_a_conditional_keeps_current_scaling_and_says_so() -> No
     state = np.asarray(f.fp8_state())
     assert state.shape == (4, report.fp8_state_columns)
     assert (state[0] == 0).sum() == 4  # the branch's columns are never written
+
+
+def test_jax_export_of_the_stateful_function_says_what_it_supports() -> None:
+    """jax.export traces the function: the same clear refusal, naming the AOT route."""
+    from jax import export as jax_export
+
+    w, x = jnp.ones((16, 16)), jnp.ones((16, 16))
+    f = hlo_amp.compile(lambda w, x: x @ w, _delayed(4))
+    with pytest.raises(TypeError, match=r"jax\.export.*\.lower\(\)"):
+        jax_export.export(jax.jit(f))(w, x)
+    lowered = f.lower(w, x)  # the supported AOT form: history first, (out, history) back
+    columns = lowered.report().fp8_state_columns
+    out, history = lowered.compile()(jnp.zeros((4, columns)), w, x)
+    assert out.shape == (16, 16) and history.shape == (4, columns)
+    assert float(history[0].max()) == 1.0  # this step's amax (all ones) recorded
