@@ -3,9 +3,9 @@
 The function compiled is ``stateful(history, *args) -> (fn(*args), history')``: the
 history ``f32[L, S]`` (L steps of amax, newest first, for each of the S tensors the fp8
 pass quantises) goes in through a barrier in the scope ``STATE_SCOPE``, which the pass
-(passes/fp8_state.py) replaces by the new history. This object keeps the history per
-input signature, passes it in, donates it and keeps what comes back, so the user's step
-keeps its signature. S is read from a first lowering with an empty history (no XLA
+(passes/fp8_state.py) replaces by the new history. This object keeps one history per
+number of quantised tensors S (a new batch size shares it: the same tensors), passes it
+in, donates it and keeps what comes back, so the user's step keeps its signature. S is read from a first lowering with an empty history (no XLA
 compile). The history starts at zero: the first step's scales are 1, as in Transformer
 Engine.
 
