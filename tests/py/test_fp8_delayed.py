@@ -335,12 +335,9 @@ def test_tiny_decoder_fp8_trains_within_2_percent_of_bf16() -> None:
         assert np.isfinite(losses).all(), policy
         final[policy] = float(np.mean(losses[-20:]))  # the last 20 batches: less noise
         if "delayed" in policy:
-            report = step.lower(*[jax.tree.map(jnp.asarray, a) for a in (
-                _decoder_params(), jax.tree.map(jnp.zeros_like, _decoder_params()),
-                jax.tree.map(jnp.zeros_like, _decoder_params()))],
-                jnp.zeros((), jnp.float32), batches[0]).report()
-            assert report.fp8_state_columns > 0
-            assert np.isfinite(np.asarray(step.fp8_state())).all()
+            history = np.asarray(step.fp8_state())
+            assert history.shape[1] > 0 and np.isfinite(history).all()
+            assert (history[0] > 0).all()  # every quantised tensor's amax recorded
         assert losses[-1] < 0.8 * losses[0], (policy, losses[0], losses[-1])
     bf16 = final["bf16"]
     for policy, loss in final.items():
