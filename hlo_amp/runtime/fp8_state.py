@@ -88,7 +88,9 @@ class Fp8StatefulFunction:
         key = (tree, tuple(leaf_signature(leaf) for leaf in leaves), target)
         columns = self._columns_of.get(key)
         if columns is None:
-            empty = jax.ShapeDtypeStruct((self.policy.amax_history, 0), jnp.float32)
+            # Arrays, not ShapeDtypeStructs: a filtered call (Equinox) would take a
+            # non-array leaf for a static. Zero columns: nothing allocated.
+            empty = jnp.zeros((self.policy.amax_history, 0), jnp.float32)
             lowered = self._inner.lower(empty, *args, target=target, **kwargs)
             columns = self._columns_of[key] = lowered.report().fp8_state_columns
         return columns
@@ -152,7 +154,7 @@ class Fp8StatefulFunction:
         """The stateful function lowered and rewritten: its compiled form takes the
         history (``f32[amax_history, S]``) first and returns ``(outputs, history)``."""
         columns = self._columns(args, kwargs, target)
-        history = jax.ShapeDtypeStruct((self.policy.amax_history, columns), jnp.float32)
+        history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
         return self._inner.lower(history, *args, target=target, **kwargs)
 
     @property

@@ -501,3 +501,25 @@ def test_jax_export_of_the_stateful_function_says_what_it_supports() -> None:
     out, history = lowered.compile()(jnp.zeros((4, columns)), w, x)
     assert out.shape == (16, 16) and history.shape == (4, columns)
     assert float(history[0].max()) == 1.0  # this step's amax (all ones) recorded
+
+
+def test_an_equinox_step_carries_its_history_too() -> None:
+    """A filtered call (Equinox modules: non-array leaves are static) takes the history
+    as an array: the empty one that counts the columns and the AOT one alike."""
+    import equinox as eqx
+
+    model = eqx.nn.MLP(32, 16, 64, depth=2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+
+    def step(model, x):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads)), loss
+
+    f = hlo_amp.compile(step, _delayed(4))
+    model, first = f(model, x)
+    model, second = f(model, x)
+    history = np.asarray(f.fp8_state())
+    assert np.isfinite([first, second]).all() and second < first
+    assert history.shape[1] > 0 and (history[:2] > 0).all()  # both steps' amax recorded
+    (note,) = [n for n in f.lower(model, x).report().notes if n.startswith("fp8:")]
+    assert "delayed scaling" in note and "does not reach" not in note
