@@ -151,7 +151,9 @@ class Policy:
     backward: str | None = None
     include_f64: bool = False
     # Cost-aware: when compiling for a backend that would not run an op faster in the
-    # compute dtype (XLA:CPU without native bf16, CPU convolutions), leave it as written.
+    # compute dtype (XLA:CPU without native bf16, CPU convolutions), leave it as written;
+    # an fp8 GEMM whose quantisation costs more than fp8 saves computes in the compute
+    # dtype (Target.fp8_loses).
     only_if_faster: bool = False
     # The mixed_* modes: keep activations 16-bit between matrix ops (passes/propagate/).
     propagate: bool = False

@@ -38,6 +38,11 @@ class PaintForm:
     sum_copies: bool
 
 
+# One launch of a quantisation kernel and its gap on a GPU (several us on Hopper; the
+# roofline does not model launches), for Target.fp8_loses.
+FP8_QUANTISE_LAUNCH_SECONDS = 3e-6
+
+
 @dataclass(frozen=True)
 class Target:
     """No target facts; the base of every backend family's target."""
@@ -182,6 +187,31 @@ class Target:
     def fp8_slower(self) -> str | None:
         """Why this target runs an fp8 dot no faster (``only_if_faster``); None: unknown."""
         return None
+
+    def fp8_loses(self, flops: int, operands: list[tuple[float, int]], scaling: str
+                  ) -> str | None:
+        """Why quantising a GEMM's operands (``operands``: elements and bits of each, the
+        elements of one read by several GEMMs shared among them)
+        costs more than its fp8 form saves, under ``only_if_faster``; None where fp8
+        pays or the target publishes no bf16 and fp8 peaks or HBM bandwidth. Saved: the
+        FLOPs at the bf16 peak minus at the fp8 peak. Cost, per operand: one read and
+        one fp8 write (XLA fuses the amax into the producer or the quantisation) and one
+        kernel launch, which the roofline leaves out (``FP8_QUANTISE_LAUNCH_SECONDS``).
+        Calibrated on one H200 (docs/fp8.md): it keeps the 1.1B decoder's GEMMs (d 2048,
+        fp8 0.86x mixed's step) and drops the ViT's (d 384, fp8 1.42x)."""
+        bf16, fp8 = self.peak_flops.get("bf16"), self.peak_flops.get("f8")
+        bandwidth = self.hbm_bytes_per_second
+        if not (bf16 and fp8 and bandwidth):
+            return None
+        saved = flops / bf16 - flops / fp8
+        moved = sum(count * (bits // 8 + 1) for count, bits in operands)
+        launches = len(operands) * FP8_QUANTISE_LAUNCH_SECONDS
+        cost = moved / bandwidth + launches
+        if saved > cost:
+            return None
+        return (f"fp8 does not pay at this size: it saves {saved * 1e6:.3g} us of GEMM "
+                f"time, quantising the operands ({scaling} scaling) costs "
+                f"{cost * 1e6:.3g} us")
 
     def fp8_dequantize(self, result: str, compute_dtype: str) -> str:
         """The dequantise type D of an fp8 dot: the type its scales are rounded to

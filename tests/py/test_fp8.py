@@ -350,3 +350,35 @@ def test_ends_inside_a_scan_are_no_stem_or_head() -> None:
         assert looped and all(d.fp8 for d in looped), [(d.rule, d.reason) for d in looped]
         assert ends and all(not d.fp8 for d in ends)
         assert all(d.runs == 1 for d in ends)
+
+
+def test_only_if_faster_keeps_the_gemms_whose_fp8_form_pays() -> None:
+    """Under only_if_faster, a GEMM whose fp8 form saves less GEMM time than quantising its
+    operands costs (Target.fp8_loses) computes in bf16 with the reason; a large one stays
+    fp8. The verdicts follow the H100's published peaks and bandwidth."""
+    import hlo_amp
+    from hlo_amp.targets import device_target
+
+    h100 = device_target("h100")
+    big, small = 4096, 64
+
+    def two_dots(a, b, x, y):
+        return jnp.sum(a @ b) + jnp.sum(x @ y)
+
+    args = [jnp.ones((big, big)), jnp.ones((big, big)), jnp.ones((small, small)),
+            jnp.ones((small, small))]
+    report = hlo_amp.compile(two_dots, "fp8,only_if_faster=true,first_matrix_op=none,"
+                             "last_matrix_op=none").lower(*args, target="h100").report()
+    by_size = {d.shape: d for d in report.decisions}
+    assert by_size[f"{big}x{big}"].fp8
+    assert not by_size[f"{small}x{small}"].fp8
+    assert "does not pay" in by_size[f"{small}x{small}"].reason
+    # The same verdicts from the model itself (two n x n bf16 operands).
+    for n, pays in ((big, True), (small, False)):
+        assert (h100.fp8_loses(2 * n**3, [(n * n, 16)] * 2, "current") is None) == pays
+    # Without the rule (the default), both are fp8; a target without peaks never refuses.
+    plain = hlo_amp.compile(two_dots, "fp8,first_matrix_op=none,last_matrix_op=none").lower(
+        *args, target="h100").report()
+    assert all(d.fp8 for d in plain.decisions)
+    from hlo_amp.targets.target import Target
+    assert Target().fp8_loses(2 * small**3, [(small * small, 16)] * 2, "current") is None

@@ -58,7 +58,13 @@ from hlo_amp.passes.insert_converts.call_graph import (
     op_runs,
 )
 from hlo_amp.passes.insert_converts.keep_f32 import kept_for_its_result, left_to_the_target
-from hlo_amp.passes.insert_converts.plan import ALREADY_FP8, Plan, float_bits, plan_op
+from hlo_amp.passes.insert_converts.plan import (
+    ALREADY_FP8,
+    Plan,
+    estimate_flops,
+    float_bits,
+    plan_op,
+)
 from hlo_amp.policy import DTYPE_TO_ELEMENT, FP8_E5M2, Policy
 from hlo_amp.report import Decision, Report
 from hlo_amp.targets import NO_TARGET, Target
@@ -66,34 +72,6 @@ from hlo_amp.targets.fp8_gemm import FP8_MARK
 
 __all__ = ["ALREADY_FP8", "UNKNOWN_TRIPS", "InsertConverts", "Plan", "estimate_flops",
            "float_bits", "plan_op"]
-
-
-def estimate_flops(op: Any, kind: str) -> int | None:
-    """2 × multiply-adds of a dot or conv; None when a shape is dynamic."""
-    result = ir.RankedTensorType(op.result.type)
-    if not result.has_static_shape:
-        return None
-    out = 1
-    for size in result.shape:
-        out *= size
-    lhs = ir.RankedTensorType(op.operands[0].type)
-    rhs = ir.RankedTensorType(op.operands[1].type)
-    if not (lhs.has_static_shape and rhs.has_static_shape):
-        return None
-    if kind == "dot_general":
-        numbers = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-        contracted = 1
-        for dim in numbers.lhs_contracting_dimensions:
-            contracted *= lhs.shape[dim]
-        return 2 * out * contracted
-    if kind == "dot":
-        return 2 * out * (lhs.shape[-1] if lhs.rank else 1)
-    numbers = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
-    kernel = 1
-    for size in rhs.shape:
-        kernel *= size
-    out_features = rhs.shape[numbers.kernel_output_feature_dimension]
-    return 2 * out * kernel // max(out_features, 1)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import element_type
 from hlo_amp.policy import (
@@ -25,6 +26,35 @@ from hlo_amp.policy import (
 )
 from hlo_amp.targets import NO_TARGET, Target
 from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, dequantized_format
+
+
+def estimate_flops(op: Any, kind: str) -> int | None:
+    """2 × multiply-adds of a dot or conv; None when a shape is dynamic."""
+    result = ir.RankedTensorType(op.result.type)
+    if not result.has_static_shape:
+        return None
+    out = 1
+    for size in result.shape:
+        out *= size
+    lhs = ir.RankedTensorType(op.operands[0].type)
+    rhs = ir.RankedTensorType(op.operands[1].type)
+    if not (lhs.has_static_shape and rhs.has_static_shape):
+        return None
+    if kind == "dot_general":
+        numbers = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+        contracted = 1
+        for dim in numbers.lhs_contracting_dimensions:
+            contracted *= lhs.shape[dim]
+        return 2 * out * contracted
+    if kind == "dot":
+        return 2 * out * (lhs.shape[-1] if lhs.rank else 1)
+    numbers = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    kernel = 1
+    for size in rhs.shape:
+        kernel *= size
+    out_features = rhs.shape[numbers.kernel_output_feature_dimension]
+    return 2 * out * kernel // max(out_features, 1)
+
 
 
 def float_bits(element: ir.Type | None) -> int | None:
@@ -150,6 +180,18 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
     slower = policy.only_if_faster and target.fp8_slower()
     if slower:
         return Plan(action, rule, none, None, slower)
+    if policy.only_if_faster:  # per GEMM: does its fp8 form save what quantising costs?
+        flops = estimate_flops(op, kind)
+        # The fast mode quantises from the 16-bit activations (insert_converts gives the
+        # dot 16-bit operands first), the accurate mode from what the program wrote.
+        read = [min(b, 16) if policy.propagate else b for b in bits]
+        loses = flops is not None and target.fp8_loses(
+            flops, [(_elements(v) / _dots_reading(v), b)
+                    for v, b in zip(list(op.operands)[:2], read)], policy.scaling)
+        if loses:
+            fallback = plan_op(op, kind, policy, COMPUTE, rule, target, elements)
+            return dataclasses.replace(fallback, action=action,
+                                       reason=f"{FP8_FALLBACK}: {loses}; {fallback.reason}")
     formats = [_E4M3, _E4M3]
     how = ""
     if action == FP8_E5M2 and backward:
@@ -166,3 +208,17 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
                 f"fp8 {FP8_SHORT[formats[0]]} x {FP8_SHORT[formats[1]]}{how}, per-tensor "
                 f"{dequantize} scales, {result_name} result",
                 fp8=(formats[0], formats[1], dequantize))
+
+
+def _elements(value: ir.Value) -> int:
+    count = 1
+    for size in ir.RankedTensorType(value.type).shape:
+        count *= size
+    return count
+
+
+def _dots_reading(value: ir.Value) -> int:
+    """How many dot_general ops read ``value``: its one quantisation serves them all
+    (passes/fp8.py shares it per block), so each is charged its share."""
+    return max(1, sum(1 for use in value.uses
+                      if use.owner.operation.name == "stablehlo.dot_general"))
