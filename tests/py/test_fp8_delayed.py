@@ -523,3 +523,50 @@ def test_an_equinox_step_carries_its_history_too() -> None:
     assert history.shape[1] > 0 and (history[:2] > 0).all()  # both steps' amax recorded
     (note,) = [n for n in f.lower(model, x).report().notes if n.startswith("fp8:")]
     assert "delayed scaling" in note and "does not reach" not in note
+
+
+SHARDED_SCRIPT = """
+import json, jax, jax.numpy as jnp, numpy as np, hlo_amp
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+def loss(p, x):
+    return jnp.mean((jax.nn.gelu(x @ p["w1"]) @ p["w2"]) ** 2)
+def step(p, x):
+    l, g = jax.value_and_grad(loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), l
+specs = {"w1": P(None, "model"), "w2": P("model", None)}
+p = {"w1": jax.random.normal(jax.random.key(0), (64, 128)) * 0.1,
+     "w2": jax.random.normal(jax.random.key(1), (128, 32)) * 0.1}
+p = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in p.items()}
+x = jax.device_put(jax.random.normal(jax.random.key(2), (32, 64)), NamedSharding(mesh, P("data")))
+f = hlo_amp.compile(step, "fp8,scaling=delayed,amax_history=4,first_matrix_op=none,"
+                    "last_matrix_op=none", donate_argnums=0)
+losses = []
+for _ in range(3):
+    p, l = f(p, x)
+    losses.append(float(l))
+history = f._histories[f._last_columns]
+print("RESULTS=" + json.dumps({
+    "history_spec": list(history.sharding.spec), "history_devices": len(history.sharding.device_set),
+    "history_mesh": str(history.sharding.mesh.shape_tuple),
+    "params_kept": [v.sharding.is_equivalent_to(NamedSharding(mesh, specs[k]), v.ndim)
+                    for k, v in p.items()], "losses": losses,
+    "rows": np.asarray(f.fp8_state())[:3].tolist(),
+    "amax_x": float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))))}))
+"""
+
+
+def test_the_history_lives_replicated_on_the_parameters_mesh() -> None:
+    """On a mesh of 8 host devices: the history is replicated on the parameters' mesh,
+    the parameters keep their shardings, each step records the global amax."""
+    from host_devices import run_on_host_devices
+
+    found = run_on_host_devices(SHARDED_SCRIPT)
+    assert found["history_spec"] == [] and found["history_devices"] == 8
+    assert found["history_mesh"] == str((("data", 4), ("model", 2)))
+    assert found["params_kept"] == [True, True]
+    assert np.isfinite(found["losses"]).all() and found["losses"][-1] < found["losses"][0]
+    rows = np.asarray(found["rows"])
+    assert (rows > 0).all()  # three steps, every column recorded
+    # The global amax of the sharded input (in the fast mode, of its bf16 value), exactly.
+    assert found["amax_x"] in rows[0]
