@@ -75,7 +75,8 @@ class Fp8Quantize:
             if threads is not None:
                 threads.finish()
         if report is not None:
-            report.fp8_state_columns = quantizing.columns if self.scaling == "delayed" else 0
+            report.fp8_state_columns = (len(quantizing.found) if self.scaling == "delayed"
+                                        else 0)
             if pairs:
                 report.notes.append(_summary(report, pairs, quantizing, self.scaling,
                                              threads))
@@ -133,9 +134,9 @@ def _amax(x: ir.Value) -> ir.Value:
     return amax if element == f32 else hlo.convert(ir.RankedTensorType.get([], f32), amax)
 
 
-def _scale(amax: ir.Value, dequantize: ir.Type, fmax: float) -> tuple[ir.Value, ir.Value]:
-    """(scale in f32, scale in the dequantise type) for an amax (f32 scalar) and an fp8
-    type of largest value ``fmax``, built at the current insertion point."""
+def _scale(amax: ir.Value, dequantize: ir.Type, fmax: float) -> ir.Value:
+    """The f32 scale (a value the dequantise type holds exactly) for an amax (f32
+    scalar) and an fp8 type of largest value ``fmax``, at the current insertion point."""
     f32 = ir.F32Type.get()
     scalar = ir.RankedTensorType.get([], f32)
     # amax / fmax as XLA computes it anyway (its simplifier turns a division by a
@@ -150,11 +151,7 @@ def _scale(amax: ir.Value, dequantize: ir.Type, fmax: float) -> tuple[ir.Value, 
                     hlo.ComparisonDirectionAttr.get("GT"),
                     compare_type=hlo.ComparisonTypeAttr.get("FLOAT")),
         hlo.is_finite(scale))
-    scale = hlo.select(usable, scale, _scalar(1.0, f32))
-    scale_dq = scale
-    if dequantize != f32:
-        scale_dq = hlo.convert(ir.RankedTensorType.get([], dequantize), scale)
-    return scale, scale_dq
+    return hlo.select(usable, scale, _scalar(1.0, f32))
 
 
 # How many producers to look through before assuming a matrix op is among them.
@@ -185,8 +182,9 @@ class _Quantizing:
 
     def __init__(self, threads: HistoryThreads | None):
         self.threads = threads
+        # (block, value, types) -> (q, scale); in insertion order, a tensor's history
+        # column is its index here.
         self.found: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
-        self.columns = 0  # history columns asked for (every quantised tensor)
         self.delayed = 0  # tensors scaled from the history
 
     def quantized(self, op: Any, index: int, fp8: ir.Type, dequantize: ir.Type
@@ -197,8 +195,7 @@ class _Quantizing:
         key = (op.block, value, str(fp8), str(dequantize))
         found = self.found.get(key)
         if found is None:
-            column = self.columns
-            self.columns += 1
+            column = len(self.found)
             history = None
             threads = self.threads
             if (threads is not None and column < threads.columns
@@ -220,35 +217,29 @@ def _quantize(op: Any, value: ir.Value, fp8: ir.Type, dequantize: ir.Type,
     fmax = FP8_MAX[str(fp8)]
     shape = ir.RankedTensorType(value.type)
     with op.location, ir.InsertionPoint(op):
-        x32 = value
+        held = value
         if history is not None:
-            if shape.element_type != f32:
-                x32 = hlo.convert(with_element(value.type, f32), x32)
             # The scale is known before the value: XLA may fuse the quantisation into
             # the producer (a GEMM's fp8 output) and this step's amax beside it.
-            amax = _amax(value)
-            threads.contribute(op.block, column, amax)
-            scalar = ir.RankedTensorType.get([], f32)
-            past = hlo.reshape(scalar, hlo.slice(
+            threads.contribute(op.block, column, _amax(value))
+            past = hlo.reshape(ir.RankedTensorType.get([], f32), hlo.slice(
                 history, ir.DenseI64ArrayAttr.get([column]),
                 ir.DenseI64ArrayAttr.get([column + 1]), ir.DenseI64ArrayAttr.get([1])))
-            scale, _ = _scale(past, dequantize, fmax)
-            scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
-            clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))
-            return hlo.convert(with_element(value.type, fp8), clamped), scale
-        if _from_matrix_op(value):
+            scale = _scale(past, dequantize, fmax)
+        else:
             # XLA:GPU's GEMM rewriter would fuse this quantisation (the D scale) and the
             # amax of the producing GEMM's output into that GEMM, although the scale is
             # computed from that very amax: "A cycle is detected". The barrier keeps the
             # quantisation out of the producer; it then runs as its own fusion. It holds
             # the value in its own type (a 16-bit activation in the fast mode), not an
             # f32 copy.
-            x32 = hlo.optimization_barrier([x32])
-            x32 = x32[0] if isinstance(x32, (list, tuple)) else x32
-        amax = _amax(x32)
+            if _from_matrix_op(value):
+                held = hlo.optimization_barrier([held])
+                held = held[0] if isinstance(held, (list, tuple)) else held
+            scale = _scale(_amax(held), dequantize, fmax)
+        x32 = held
         if shape.element_type != f32:
-            x32 = hlo.convert(with_element(value.type, f32), x32)
-        scale, _ = _scale(amax, dequantize, fmax)
+            x32 = hlo.convert(with_element(value.type, f32), held)
         scaled = hlo.divide(x32, hlo.broadcast_in_dim(x32.type, scale, []))
         clamped = hlo.clamp(_scalar(-fmax, f32), scaled, _scalar(fmax, f32))
         return hlo.convert(with_element(value.type, fp8), clamped), scale
