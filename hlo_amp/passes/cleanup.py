@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import func as func_dialect
 from jax.extend.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import (
@@ -23,10 +22,10 @@ from hlo_amp.ir.modules import (
     is_public,
     live_uses,
     mark_program_convert,
-    set_function_type,
     terminator,
     walk_operations,
 )
+from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_carries
 from hlo_amp.report import Report
 
 # (narrow, wide) float pairs where narrow -> wide -> narrow gives back every value.
@@ -237,29 +236,16 @@ def _add_carries(loop: Any, converts: Sequence[Any]) -> None:
     """Rebuild ``loop`` with one more carry per convert (now before the loop): the
     convert is the initial value, the body returns the carry unchanged and uses it
     in place of the convert."""
-    old = loop.operation
-    location = old.location
-    new_types = [convert.result.type for convert in converts]
-    cond_block, body_block = old.regions[0].blocks[0], old.regions[1].blocks[0]
-    for convert, carry_type in zip(converts, new_types):
-        cond_block.add_argument(carry_type, convert.location)
-        argument = body_block.add_argument(carry_type, convert.location)
-        convert.result.replace_all_uses_with(argument)
-    new = hlo.WhileOp([r.type for r in old.results] + new_types,
-                      list(old.operands) + [convert.result for convert in converts],
-                      loc=location, ip=ir.InsertionPoint(old))
-    for attribute in old.attributes:
-        new.operation.attributes[attribute] = old.attributes[attribute]
-    cond_block.append_to(new.operation.regions[0])
-    body_block.append_to(new.operation.regions[1])
-    old_return = terminator(body_block)
-    extra = list(body_block.arguments)[len(old.results):]
-    hlo.ReturnOp(list(old_return.operands) + extra, loc=old_return.location,
+    values = [convert.result for convert in converts]
+    new, arguments = while_with_carries(loop, values,
+                                        [convert.location for convert in converts])
+    for value, argument in zip(values, arguments):
+        value.replace_all_uses_except(argument, new.operation)
+    body = new.operation.regions[1].blocks[0]
+    old_return = terminator(body)
+    hlo.ReturnOp(list(old_return.operands) + arguments, loc=old_return.location,
                  ip=ir.InsertionPoint(old_return))
     discard(old_return)
-    for index, result in enumerate(old.results):
-        result.replace_all_uses_with(new.operation.results[index])
-    discard(old)
 
 
 def _symbol_refs(attribute: ir.Attribute) -> list[str]:
@@ -348,35 +334,14 @@ def _lift(fn: Any, sites: list[Any], groups: list[list[Any]]) -> int:
         new_arguments = list(entry.arguments)[-len(appended):]
         for site in sites:
             _call_with_extra(site, appended, new_arguments)
-    _retype(fn, len(appended))
+    grow_signature(fn, arguments=len(appended))
     return lifted
 
 
 def _call_with_extra(site: Any, indices: list[int], new_arguments: list[Any]) -> Any:
     """``site`` rebuilt with converts of operands ``indices`` appended as operands."""
-    old = site.operation
-    point = ir.InsertionPoint(old)
-    extra = [hlo.ConvertOp(argument.type, old.operands[index], loc=argument.location,
-                           ip=point).result
+    point = ir.InsertionPoint(site.operation)
+    extra = [hlo.ConvertOp(argument.type, site.operation.operands[index],
+                           loc=argument.location, ip=point).result
              for index, argument in zip(indices, new_arguments)]
-    new = func_dialect.CallOp([r.type for r in old.results],
-                              ir.FlatSymbolRefAttr(old.attributes["callee"]),
-                              list(old.operands) + extra, loc=old.location, ip=point)
-    for attribute in old.attributes:
-        new.operation.attributes[attribute] = old.attributes[attribute]
-    if "arg_attrs" in old.attributes:
-        new.operation.attributes["arg_attrs"] = ir.ArrayAttr.get(
-            list(ir.ArrayAttr(old.attributes["arg_attrs"])) + [ir.DictAttr.get({})] * len(extra))
-    for index, result in enumerate(old.results):
-        result.replace_all_uses_with(new.operation.results[index])
-    discard(old)
-    return new
-
-
-def _retype(fn: Any, appended: int) -> None:
-    """Make ``fn``'s function_type (and arg_attrs) match its entry block's arguments."""
-    set_function_type(fn)
-    if appended and "arg_attrs" in fn.attributes:
-        attrs = list(ir.ArrayAttr(fn.attributes["arg_attrs"]))
-        fn.attributes["arg_attrs"] = ir.ArrayAttr.get(
-            attrs + [ir.DictAttr.get({})] * appended)
+    return call_with_extra(site, extra)

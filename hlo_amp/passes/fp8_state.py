@@ -31,10 +31,10 @@ from hlo_amp.ir.modules import (
     functions,
     is_call,
     is_public,
-    set_function_type,
     terminator,
     walk_operations,
 )
+from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_carries
 
 # The scope of the barrier that carries the history through the step.
 STATE_SCOPE = "hlo_amp_fp8_state"
@@ -93,9 +93,7 @@ class HistoryThreads:
         self._scalars: dict[Any, dict[int, ir.Value]] = {}  # block -> column -> amax
         self._exits: list[tuple[Any, Any]] = []  # (block, how its vector leaves it)
         self._callers: dict[str, list[Any]] = {}
-        self._functions: dict[str, Any] = {}
         for fn in functions(module):
-            self._functions[function_name(fn)] = fn
             for op in walk_operations(fn):
                 if is_call(op):
                     self._callers.setdefault(callee_name(op), []).append(op)
@@ -141,49 +139,19 @@ class HistoryThreads:
 
     def _thread_function(self, fn: Any, entry: Any, vector: ir.Type) -> ir.Value:
         argument = entry.add_argument(vector, fn.location)
-        old = ir.FunctionType(ir.TypeAttr(fn.attributes["function_type"]).value)
-        set_function_type(fn, [*old.results, vector])
-        for name in ("arg_attrs", "res_attrs"):
-            if name in fn.attributes:
-                attrs = list(ir.ArrayAttr(fn.attributes[name]))
-                fn.attributes[name] = ir.ArrayAttr.get([*attrs, ir.DictAttr.get({})])
+        grow_signature(fn, arguments=1, results=[vector])
         for call in self._callers.get(function_name(fn), []):
             caller_block = call.operation.block
-            given = self.history_max(caller_block)
-            old_call = call.operation
-            new = func_dialect.CallOp([*[r.type for r in old_call.results], vector],
-                                      ir.FlatSymbolRefAttr(old_call.attributes["callee"]),
-                                      [*old_call.operands, given], loc=old_call.location,
-                                      ip=ir.InsertionPoint(old_call))
-            for attribute in old_call.attributes:
-                if attribute not in ("arg_attrs", "res_attrs"):
-                    new.operation.attributes[attribute] = old_call.attributes[attribute]
-            for index, result in enumerate(old_call.results):
-                result.replace_all_uses_with(new.operation.results[index])
-            discard(old_call)
+            new = call_with_extra(call, [self.history_max(caller_block)], [vector])
             self._parts.setdefault(caller_block, []).append(new.operation.results[-1])
         self._exits.append((entry, "return"))
         return argument
 
     def _thread_while(self, loop: Any, body: Any, vector: ir.Type) -> ir.Value:
         outer = self.history_max(loop.operation.block)
-        old = loop.operation
-        cond = old.regions[0].blocks[0]
-        for _ in range(2):
-            cond.add_argument(vector, old.location)
-        given = body.add_argument(vector, old.location)
-        running = body.add_argument(vector, old.location)
-        with old.location, ir.InsertionPoint(old):
+        with loop.location, ir.InsertionPoint(loop.operation):
             start = _zeros(self.columns)
-            new = hlo.WhileOp([*[r.type for r in old.results], vector, vector],
-                              [*old.operands, outer, start])
-        for attribute in old.attributes:
-            new.operation.attributes[attribute] = old.attributes[attribute]
-        cond.append_to(new.operation.regions[0])
-        body.append_to(new.operation.regions[1])
-        for index, result in enumerate(old.results):
-            result.replace_all_uses_with(new.operation.results[index])
-        discard(old)
+        new, (given, running) = while_with_carries(loop, [outer, start])
         self._parts.setdefault(body, []).append(running)
         self._exits.append((body, "carry"))
         self._parts.setdefault(new.operation.block, []).append(new.operation.results[-1])
@@ -227,18 +195,16 @@ class HistoryThreads:
             else:  # a while body: the history maximum passes, the running maximum grows
                 operands += [block.arguments[len(block.arguments) - 2], vector]
             with end.location, ir.InsertionPoint(end):
-                rebuilt = (func_dialect.ReturnOp(operands) if end.name == "func.return"
-                           else hlo.ReturnOp(operands))
+                if end.name == "func.return":
+                    func_dialect.ReturnOp(operands)
+                else:
+                    hlo.ReturnOp(operands)
             discard(end)
-            del rebuilt
-        amax = self._vector(self._main_entry) if self._main_entry in self._inputs or \
-            self._main_entry in self._scalars or self._main_entry in self._parts else None
+        amax = self._vector(self._main_entry)
         history = self.barrier.operands[0]
         result = self.barrier.results[0]
         end = terminator(self._main_entry)
         with self.barrier.location, ir.InsertionPoint(end):
-            if amax is None:
-                amax = _zeros(self.columns)
             # A non-finite amax (an overflowed step, which the loss scaler skips) is
             # recorded as 0, so it does not hold every scale at 1 for the whole history.
             finite = hlo.select(hlo.is_finite(amax), amax, _zeros(self.columns))
