@@ -188,8 +188,7 @@ class Target:
         """Why this target runs an fp8 dot no faster (``only_if_faster``); None: unknown."""
         return None
 
-    def fp8_loses(self, flops: int, operands: list[tuple[float, int]], scaling: str
-                  ) -> str | None:
+    def fp8_loses(self, flops: int, operands: list[tuple[float, int]]) -> str | None:
         """Why quantising a GEMM's operands (``operands``: elements and bits of each, the
         elements of one read by several GEMMs shared among them)
         costs more than its fp8 form saves, under ``only_if_faster``; None where fp8
@@ -210,8 +209,7 @@ class Target:
         if saved > cost:
             return None
         return (f"fp8 does not pay at this size: it saves {saved * 1e6:.3g} us of GEMM "
-                f"time, quantising the operands ({scaling} scaling) costs "
-                f"{cost * 1e6:.3g} us")
+                f"time, quantising the operands costs {cost * 1e6:.3g} us")
 
     def fp8_dequantize(self, result: str, compute_dtype: str) -> str:
         """The dequantise type D of an fp8 dot: the type its scales are rounded to

@@ -375,10 +375,10 @@ def test_only_if_faster_keeps_the_gemms_whose_fp8_form_pays() -> None:
     assert "does not pay" in by_size[f"{small}x{small}"].reason
     # The same verdicts from the model itself (two n x n bf16 operands).
     for n, pays in ((big, True), (small, False)):
-        assert (h100.fp8_loses(2 * n**3, [(n * n, 16)] * 2, "current") is None) == pays
+        assert (h100.fp8_loses(2 * n**3, [(n * n, 16)] * 2) is None) == pays
     # Without the rule (the default), both are fp8; a target without peaks never refuses.
     plain = hlo_amp.compile(two_dots, "fp8,first_matrix_op=none,last_matrix_op=none").lower(
         *args, target="h100").report()
     assert all(d.fp8 for d in plain.decisions)
     from hlo_amp.targets.target import Target
-    assert Target().fp8_loses(2 * small**3, [(small * small, 16)] * 2, "current") is None
+    assert Target().fp8_loses(2 * small**3, [(small * small, 16)] * 2) is None

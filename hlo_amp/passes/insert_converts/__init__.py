@@ -65,7 +65,7 @@ from hlo_amp.passes.insert_converts.plan import (
     float_bits,
     plan_op,
 )
-from hlo_amp.policy import DTYPE_TO_ELEMENT, FP8_E5M2, Policy
+from hlo_amp.policy import FP8_E5M2, Policy
 from hlo_amp.report import Decision, Report
 from hlo_amp.targets import NO_TARGET, Target
 from hlo_amp.targets.fp8_gemm import FP8_MARK
@@ -143,10 +143,7 @@ class InsertConverts:
                 after = plan.fp8[:2]
                 changed = plan.reason != ALREADY_FP8
                 if changed:
-                    if self.policy.propagate:
-                        # The fast mode: the dot reads 16-bit operands (quantised from
-                        # there), so propagation keeps its producers 16-bit too.
-                        _apply(op, _compute_operands(op, plan, self.policy), shared)
+                    _apply(op, plan, shared)  # the fast mode's 16-bit operands, if any
                     _mark_fp8(op, plan.fp8)
             elif changed:
                 _apply(op, plan, shared)
@@ -171,16 +168,6 @@ class InsertConverts:
                     location=site.name, source=site.source,
                 ))
                 mark_decision(op, index)
-
-
-def _compute_operands(op: Any, plan: Plan, policy: Policy) -> Plan:
-    """``plan`` with the operands of ``op`` that are wider than the compute dtype
-    converted to it (an fp8 dot's operands under ``propagate``)."""
-    compute = ir.Type.parse(DTYPE_TO_ELEMENT[policy.compute_dtype], op.context)
-    targets = tuple(str(compute) if (bits := float_bits(element_type(v))) is not None
-                    and bits > float_bits(compute) else None
-                    for v in list(op.operands)[:2])
-    return dataclasses.replace(plan, operand_targets=targets, result_target=None)
 
 
 def _mark_fp8(op: Any, formats: tuple[str, str, str]) -> None:

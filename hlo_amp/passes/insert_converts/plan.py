@@ -12,7 +12,7 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import element_type
+from hlo_amp.ir.modules import element_count, element_type
 from hlo_amp.policy import (
     COMPUTE,
     DTYPE_BITS,
@@ -124,9 +124,7 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
         target_bits = DTYPE_BITS[policy.compute_dtype]
         if 64 in bits + [result_bits] and not policy.include_f64:
             return Plan(action, rule, none, None, "f64 op (not asked: include_f64)")
-        targets = tuple(
-            DTYPE_TO_ELEMENT[policy.compute_dtype] if b > target_bits else None for b in bits
-        )
+        targets = _to_compute(bits, policy)
         compute = DTYPE_TO_ELEMENT[policy.compute_dtype]
         # In the mixed_* modes the propagation pass gives such ops their 16-bit result.
         result_target = (compute if target.low_result(kind) and not
@@ -180,14 +178,15 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
     slower = policy.only_if_faster and target.fp8_slower()
     if slower:
         return Plan(action, rule, none, None, slower)
+    # The fast mode quantises from 16-bit operands (so propagation keeps their producers
+    # 16-bit), the accurate mode from what the program wrote.
+    targets = _to_compute(bits, policy) if policy.propagate else none
     if policy.only_if_faster:  # per GEMM: does its fp8 form save what quantising costs?
         flops = estimate_flops(op, kind)
-        # The fast mode quantises from the 16-bit activations (insert_converts gives the
-        # dot 16-bit operands first), the accurate mode from what the program wrote.
-        read = [min(b, 16) if policy.propagate else b for b in bits]
+        read = [DTYPE_BITS[policy.compute_dtype] if t else b for t, b in zip(targets, bits)]
         loses = flops is not None and target.fp8_loses(
-            flops, [(_elements(v) / _dots_reading(v), b)
-                    for v, b in zip(list(op.operands)[:2], read)], policy.scaling)
+            flops, [(element_count(v) / _dots_reading(v), b)
+                    for v, b in zip(list(op.operands)[:2], read)])
         if loses:
             fallback = plan_op(op, kind, policy, COMPUTE, rule, target, elements)
             return dataclasses.replace(fallback, action=action,
@@ -204,17 +203,18 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
     # says why, per target).
     result_name = str(result)
     dequantize = target.fp8_dequantize(result_name, policy.compute_dtype)
-    return Plan(action, rule, none, None,
+    return Plan(action, rule, targets, None,
                 f"fp8 {FP8_SHORT[formats[0]]} x {FP8_SHORT[formats[1]]}{how}, per-tensor "
                 f"{dequantize} scales, {result_name} result",
                 fp8=(formats[0], formats[1], dequantize))
 
 
-def _elements(value: ir.Value) -> int:
-    count = 1
-    for size in ir.RankedTensorType(value.type).shape:
-        count *= size
-    return count
+def _to_compute(bits: list[int], policy: Policy) -> tuple[str | None, ...]:
+    """Per operand of these float widths: the compute dtype's element type where it is
+    narrower, else None (the operand stays)."""
+    width = DTYPE_BITS[policy.compute_dtype]
+    return tuple(DTYPE_TO_ELEMENT[policy.compute_dtype] if b > width else None
+                 for b in bits)
 
 
 def _dots_reading(value: ir.Value) -> int:
