@@ -70,7 +70,6 @@ class Fp8StatefulFunction:
             return fn(*args, **kwargs), marked
 
         stateful.__name__ = self.__name__
-        self.static_argnums = tuple(static_argnums)
         self._inner = make(stateful, policy, static_argnums=_shifted(static_argnums),
                            static_argnames=tuple(static_argnames),
                            donate_argnums=(0, *_shifted(donate_argnums)), filter=filter)
@@ -81,10 +80,11 @@ class Fp8StatefulFunction:
 
     # -- the state --
 
-    def _columns(self, args: tuple, kwargs: dict, target: Any = None) -> int:
-        """How many tensors the fp8 pass quantises for these arguments (a lowering with
-        an empty history, once per signature)."""
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    def _columns(self, args: tuple, kwargs: dict, leaves: list, tree: Any,
+                 target: Any = None) -> int:
+        """How many tensors the fp8 pass quantises for these arguments (``leaves`` and
+        ``tree``: their flattening; a lowering with an empty history, once per
+        signature)."""
         key = (tree, tuple(leaf_signature(leaf) for leaf in leaves), target)
         columns = self._columns_of.get(key)
         if columns is None:
@@ -95,8 +95,8 @@ class Fp8StatefulFunction:
             columns = self._columns_of[key] = lowered.report().fp8_state_columns
         return columns
 
-    def _history(self, args: tuple, kwargs: dict) -> jax.Array:
-        columns = self._columns(args, kwargs)
+    def _history(self, args: tuple, kwargs: dict, leaves: list, tree: Any) -> jax.Array:
+        columns = self._columns(args, kwargs, leaves, tree)
         history = self._histories.get(columns)
         if history is not None:
             return history
@@ -110,7 +110,6 @@ class Fp8StatefulFunction:
             history, self._loaded = jnp.asarray(self._loaded, jnp.float32), None
         else:
             history = jnp.zeros(shape, jnp.float32)
-        leaves = jax.tree_util.tree_leaves((args, kwargs))
         return _replicated_like(history, leaves)
 
     def fp8_state(self) -> jax.Array:
@@ -135,15 +134,15 @@ class Fp8StatefulFunction:
     # -- calls --
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if any(isinstance(leaf, internals.Tracer)
-               for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
             raise TypeError(
                 f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
                 "history between calls, so it cannot run under jax.jit, vmap, grad, "
                 "jax.export or another transformation; call it at the top level (.lower() "
                 "gives the stateful step, history in and out, for AOT), or use "
                 "scaling=current there")
-        history = self._history(args, kwargs)
+        history = self._history(args, kwargs, leaves, tree)
         out, history = self._inner(history, *args, **kwargs)
         columns = history.shape[1]
         self._histories[columns] = history
@@ -153,7 +152,8 @@ class Fp8StatefulFunction:
     def lower(self, *args: Any, target: Any = None, **kwargs: Any) -> Any:
         """The stateful function lowered and rewritten: its compiled form takes the
         history (``f32[amax_history, S]``) first and returns ``(outputs, history)``."""
-        columns = self._columns(args, kwargs, target)
+        columns = self._columns(args, kwargs, *jax.tree_util.tree_flatten((args, kwargs)),
+                                target)
         history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
         return self._inner.lower(history, *args, target=target, **kwargs)
 
