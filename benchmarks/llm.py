@@ -559,6 +559,24 @@ LOCAL_VARIANTS = ("f32", "hand-cast bf16", CUDNN_PEER, "hlo_amp bf16", "hlo_amp 
                   "hlo_amp fp8", "hlo_amp fp8 delayed")
 
 
+class CarryingHistory:
+    """A compiled ``scaling=delayed`` step (the amax history in, ``(outputs, history)``
+    out) called as the step itself: it keeps the history between calls, as the object
+    ``hlo_amp.compile`` returns does; anything else is the compiled step's."""
+
+    def __init__(self, compiled: Any, length: int):
+        self.compiled = compiled
+        self.history = jnp.zeros((length, compiled.report().fp8_state_columns),
+                                 jnp.float32)
+
+    def __call__(self, *args: Any) -> Any:
+        out, self.history = self.compiled(self.history, *args)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)
+
+
 def model_flops(config: Config) -> float:
     """PaLM's model FLOPs of one train step (appendix B): 6 per parameter outside the
     embedding table and token, plus 12 · layers · d · seq per token for attention."""
@@ -594,12 +612,7 @@ def local_row(variant: str, config: Config, steps: int, roofline_target: Any) ->
     compile_s = time.perf_counter() - start
     run = compiled
     if hasattr(step, "fp8_state"):  # scaling=delayed: the compiled step takes the history
-        history = [jnp.zeros((step.policy.amax_history,
-                              compiled.report().fp8_state_columns), jnp.float32)]
-
-        def run(*args: Any) -> Any:
-            out, history[0] = compiled(history[0], *args)
-            return out
+        run = CarryingHistory(compiled, step.policy.amax_history)
     temp = compiled.memory_analysis().temp_size_in_bytes
     roofline = (estimate(compiled.as_text(), roofline_target).roofline_seconds
                 if roofline_target is not None else None)

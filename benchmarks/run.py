@@ -144,7 +144,9 @@ def _lower_compile(result: Result, step: Any, variant: str, params: Any, opt_sta
         result.compile_s = compiled.compile_seconds
         policy = hlo_amp.Policy.parse(HLO_AMP_POLICIES[variant])
         if policy.scaling == "delayed":
-            compiled = _carrying_history(compiled, lowered, policy.amax_history)
+            from benchmarks.llm import CarryingHistory
+
+            compiled = CarryingHistory(compiled, policy.amax_history)
     else:
         start = time.perf_counter()
         lowered = jax.jit(step).lower(params, opt_state, x, y)
@@ -160,24 +162,6 @@ def _lower_compile(result: Result, step: Any, variant: str, params: Any, opt_sta
     gemms = xla_gemms(compiled.as_text())
     result.matmuls, result.low = len(gemms), sum(gemm.low for gemm in gemms)
     return result, compiled, [params, opt_state]
-
-
-def _carrying_history(compiled: Any, lowered: Any, length: int) -> Any:
-    """The compiled stateful step of ``scaling=delayed`` (history in, ``(outputs,
-    history)`` out) as a step that keeps the history between calls, as the object
-    ``hlo_amp.compile`` returns does."""
-    import jax.numpy as jnp
-
-    columns = lowered.report().fp8_state_columns
-    history = [jnp.zeros((length, columns), jnp.float32)]
-
-    def step(*args: Any) -> Any:
-        out, history[0] = compiled(history[0], *args)
-        return out
-
-    step.memory_analysis, step.as_text = compiled.memory_analysis, compiled.as_text
-    step.report = compiled.report
-    return step
 
 
 def chosen_variants(device: str, wanted: str | None) -> tuple[str, ...]:
