@@ -74,6 +74,23 @@ def trip_count(loop: ir.Operation) -> int | None:
     return _iterations(direction, start, limit, step)
 
 
+def counter_values(loop: ir.Operation) -> tuple[int, list[int]] | None:
+    """``(position, values)``: the carry ``trip_count`` reads as the counter and the value
+    it holds in each iteration; None when the trip count cannot be read."""
+    count = trip_count(loop)
+    if count is None:
+        return None
+    cond = loop.regions[0].blocks[0]
+    body = loop.regions[1].blocks[0]
+    lhs, rhs = terminator(cond).operands[0].owner.operands
+    counter = _argument_number(lhs, cond)
+    if counter is None:
+        counter = _argument_number(rhs, cond)
+    start = int_constant(loop.operands[counter])
+    step = _step(terminator(body).operands[counter], body, counter)
+    return counter, [start + k * step for k in range(count)]
+
+
 def _step(value: ir.Value, body: ir.Block, counter: int) -> int | None:
     """``c`` when the body returns its counter argument plus (or minus) a constant ``c``."""
     if isinstance(value, ir.BlockArgument) or value.owner.name not in (

@@ -53,6 +53,7 @@ from hlo_amp.ir.modules import (
 from hlo_amp.ir.op_classes import INFER, OP_CLASSES, short_name
 from hlo_amp.ir.sites import location_name, parse_name
 from hlo_amp.passes.propagate.body import is_f32
+from hlo_amp.passes.stacked_residuals import recompute_stacked
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
 from hlo_amp.report import Report
 from hlo_amp.targets import NO_TARGET, Target
@@ -94,16 +95,22 @@ class RecomputeResiduals:
         low = DTYPE_TO_ELEMENT[self.policy.compute_dtype]
         recipes = [recipe for op in walk_operations(module)
                    for recipe in _recipes_of(op, by_name, low)]
-        if not recipes:
-            return
         with module.context:
-            calls, returned = _return_statistics(module, by_name, recipes)
-            saved = sum(_recompute(recipe, calls, returned) for recipe in recipes)
-        if report is not None:
+            saved = 0
+            if recipes:
+                calls, returned = _return_statistics(module, by_name, recipes)
+                saved = sum(_recompute(recipe, calls, returned) for recipe in recipes)
+            stacked, stacked_bytes = recompute_stacked(module, by_name)
+        if report is not None and recipes:
             report.notes.append(
                 f"recompute-residuals: {len(recipes)} f32 residual(s) of "
                 f"{saved:,} B recomputed in the backward pass from a 16-bit value "
                 f"instead of stored")
+        if report is not None and stacked:
+            report.notes.append(
+                f"recompute-residuals: {stacked} residual(s) a loop stacks for its "
+                f"backward loop ({stacked_bytes:,} B of stacks) recomputed there from "
+                f"values it stacks anyway")
 
 
 def _is_backward(op: ir.Operation) -> bool:

@@ -1,0 +1,381 @@
+"""Residuals a scan stacks for its backward loop, recomputed there from stacked values
+(part of the recompute-residuals pass, passes/recompute_residuals.py).
+
+``jax.lax.scan``'s gradient lowers to two while loops: the forward loop writes each
+iteration's residuals into stacked carries (``dynamic_update_slice`` at the iteration's
+index) and the backward loop reads them back (``dynamic_slice`` at its own index). In the
+mixed modes a SwiGLU's ``silu`` computes its logistic in f32 from the 16-bit gate, and the
+forward loop stacks three f32 values of it (``x * s``, ``s``, ``s * (1 - s)``) beside the
+16-bit gate itself: per layer, six bytes more per element than the hand cast stores
+(issue 48: 1.054 times the hand cast's temp on 8 H100s, scanned without remat).
+
+A stacked residual R is recomputed in the backward loop when:
+
+- the forward body writes R into carry ``k`` at index ``i``, the forward loop's result
+  ``k`` is read only as one operand of one other while (the backward loop), whose body
+  only reads that carry at one index ``j`` (and returns it unchanged);
+- R is made, in the forward body or in the private functions its calls enter, by
+  elementwise ops, broadcasts, reshapes, converts and constants from leaves the backward
+  body has: values the forward body stacks at the same ``i`` and the backward body reads
+  at the same ``j``; loop-invariant carries whose start is a constant, or is also a
+  loop-invariant carry of the backward loop; constants and calls without operands;
+- at most ``MAX_OPS`` ops make it.
+
+The copy is the same ops on the same values, so the same values; it is written right
+before the first reader of R's slice, which then reads the copy. The forward loop still
+writes R's stack, which nothing reads any more: XLA's while-loop simplifier drops such a
+carry from both loops, and then the ops that made R where nothing else reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jax.extend.mlir import ir
+
+from hlo_amp.ir.loops import WHILE, counter_values, int_constant
+from hlo_amp.ir.modules import (
+    callee_name,
+    element_count,
+    is_public,
+    live_uses,
+    op_key,
+    terminator,
+    walk_operations,
+)
+from hlo_amp.ir.op_classes import INFER, OP_CLASSES, short_name
+
+MAX_OPS = 32
+_ELEMENTWISE = frozenset(name for name, cls in OP_CLASSES.items() if cls == INFER)
+_CLONED = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.convert",
+                     "stablehlo.reshape"})
+_WRITE = "stablehlo.dynamic_update_slice"
+_READ = "stablehlo.dynamic_slice"
+
+
+@dataclass
+class _Loops:
+    """A forward loop and the backward loop that reads its stacks."""
+
+    forward: ir.Operation
+    backward: ir.Operation
+    # forward carry -> (stacked value, index) of the body's write into it
+    writes: dict[int, tuple[ir.Value, ir.Value]] = field(default_factory=dict)
+    # backward carry -> (slice read, index) of the body's one read of it
+    reads: dict[int, tuple[ir.Value, ir.Value]] = field(default_factory=dict)
+    # forward result -> backward operand position
+    passed: dict[int, int] = field(default_factory=dict)
+
+
+def recompute_stacked(module: ir.Module, by_name: dict) -> tuple[int, int]:
+    """Recompute every stacked residual the rules allow: how many, and the bytes of the
+    stacks no longer read."""
+    count = saved = 0
+    for forward in walk_operations(module, names=frozenset({WHILE})):
+        for loops in _backward_loops(forward, by_name):
+            for carry in list(loops.passed):
+                if loops.passed[carry] not in loops.reads:
+                    continue
+                stack_bytes = _recompute(loops, carry, by_name)
+                count += stack_bytes > 0
+                saved += stack_bytes
+    return count, saved
+
+
+def _backward_loops(forward: ir.Operation, by_name: dict) -> list[_Loops]:
+    """Each while that reads some of ``forward``'s stacked results, with its reads."""
+    writes = _writes(forward, by_name)
+    if not writes:
+        return []
+    found: dict[int, _Loops] = {}
+    for carry in writes:
+        uses = list(live_uses(forward.results[carry]))
+        if len(uses) != 1 or uses[0].owner.name != WHILE:
+            continue
+        backward = uses[0].owner
+        if backward.operands[uses[0].operand_number] != forward.results[carry]:
+            continue
+        loops = found.get(op_key(backward))
+        if loops is None:
+            loops = _Loops(forward, backward, writes=writes,
+                           reads=_reads(backward.regions[1].blocks[0], by_name))
+            found[op_key(backward)] = loops
+        loops.passed[carry] = uses[0].operand_number
+    return list(found.values())
+
+
+def _writes(loop: ir.Operation, by_name: dict) -> dict[int, tuple[ir.Value, ir.Value]]:
+    """Carry position -> (value, index) where the body returns the carry with ``value``
+    written at ``index`` of its leading dimension and reads it nowhere else, and the
+    iterations write every position of it once (so that a position holds what the
+    iteration that wrote it computed)."""
+    body = loop.regions[1].blocks[0]
+    counter = counter_values(loop)
+    if counter is None:
+        return {}
+    found = {}
+    for position, returned in enumerate(terminator(body).operands):
+        if isinstance(returned, ir.BlockArgument):
+            continue
+        carry = body.arguments[position]
+        written = _index_access(returned.owner, by_name, _WRITE)
+        if written is None or written[0] != carry:
+            continue
+        if sum(1 for _ in live_uses(carry)) != 1:
+            continue
+        length = ir.RankedTensorType(carry.type).shape[0]
+        if sorted(_index_values(written[2], body, *counter) or []) != list(range(length)):
+            continue
+        found[position] = (written[1], written[2])
+    return found
+
+
+def _index_values(index: ir.Value, body: ir.Block, counter: int, values: list[int]
+                  ) -> list[int] | None:
+    """The value ``index`` holds in each iteration, when it is the counter, or the
+    counter plus or minus a constant, or a constant minus it; None otherwise."""
+    if isinstance(index, ir.BlockArgument):
+        ok = index.owner == body and ir.BlockArgument(index).arg_number == counter
+        return values if ok else None
+    owner = index.owner
+    if owner.name not in ("stablehlo.add", "stablehlo.subtract"):
+        return None
+    lhs, rhs = owner.operands
+    lhs_values = _index_values(lhs, body, counter, values)
+    rhs_values = _index_values(rhs, body, counter, values)
+    if lhs_values is not None and int_constant(rhs) is not None:
+        sign = 1 if owner.name == "stablehlo.add" else -1
+        return [v + sign * int_constant(rhs) for v in lhs_values]
+    if rhs_values is not None and int_constant(lhs) is not None:
+        sign = 1 if owner.name == "stablehlo.add" else -1
+        return [int_constant(lhs) + sign * v for v in rhs_values]
+    return None
+
+
+def _reads(body: ir.Block, by_name: dict) -> dict[int, tuple[ir.Value, ir.Value]]:
+    """Carry position -> (slice, index) of a loop-invariant carry the body reads once,
+    at one index of its leading dimension, and uses nowhere else."""
+    found = {}
+    returned = terminator(body).operands
+    for position, carry in enumerate(body.arguments):
+        if returned[position] != carry:
+            continue
+        uses = [use.owner for use in live_uses(carry) if use.owner != terminator(body)]
+        if len(uses) != 1:
+            continue
+        read = _index_access(uses[0], by_name, _READ)
+        if read is None or read[0] != carry:
+            continue
+        sliced = uses[0].results[0]
+        if uses[0].name == _READ:  # the slice's leading 1 reshaped away
+            reshapes = [use.owner for use in live_uses(sliced)]
+            if len(reshapes) != 1 or reshapes[0].name != "stablehlo.reshape":
+                continue
+            sliced = reshapes[0].results[0]
+        found[position] = (sliced, read[2])
+    return found
+
+
+def _index_access(op: ir.Operation, by_name: dict, kind: str
+                  ) -> tuple[ir.Value, ir.Value | None, ir.Value] | None:
+    """``(stack, value, index)`` of a write (``kind`` ``_WRITE``) or ``(stack, None,
+    index)`` of a read at one index of a stack's leading dimension: jax's
+    ``dynamic_update_index_in_dim`` / ``dynamic_index_in_dim`` calls (a private function
+    holding the one ``kind`` op), or the op itself on a reshape of the value."""
+    arity = 3 if kind == _WRITE else 2
+    if op.name == "func.call":
+        fn = by_name.get(callee_name(op))
+        if (fn is None or is_public(fn) or len(op.operands) != arity
+                or len(op.results) != 1 or element_count(op.operands[arity - 1]) != 1):
+            return None
+        inner = [o.name for o in walk_operations(fn) if o.name in (_WRITE, _READ)]
+        if inner != [kind]:
+            return None
+        stack = op.operands[0]
+        shape = list(ir.RankedTensorType(stack.type).shape)
+        slice_shape = list(ir.RankedTensorType(
+            (op.operands[1] if kind == _WRITE else op.results[0]).type).shape)
+        if slice_shape != shape[1:]:
+            return None
+        return stack, op.operands[1] if kind == _WRITE else None, op.operands[arity - 1]
+    if op.name != kind:
+        return None
+    stack = op.operands[0]
+    index = op.operands[2 if kind == _WRITE else 1]
+    zeros = op.operands[3:] if kind == _WRITE else op.operands[2:]
+    if not all(_is_zero(value) for value in zeros):
+        return None
+    if kind == _READ:
+        return stack, None, index
+    update = op.operands[1]
+    if isinstance(update, ir.BlockArgument) or update.owner.name != "stablehlo.reshape":
+        return None
+    return stack, update.owner.operands[0], index
+
+
+def _is_zero(value: ir.Value) -> bool:
+    return int_constant(value) == 0
+
+
+class _CannotRecompute(Exception):
+    pass
+
+
+def _recompute(loops: _Loops, carry: int, by_name: dict) -> int:
+    """Recompute the residual stacked in forward carry ``carry`` in the backward body;
+    the stack's bytes, or 0 when the rules do not allow it."""
+    residual = loops.writes[carry][0]
+    read, read_index = loops.reads[loops.passed[carry]]
+    readers = [use.owner for use in live_uses(read)]
+    if not readers:
+        return 0
+    backward_body = loops.backward.regions[1].blocks[0]
+    first = _first_in_block(backward_body, readers)
+    copier = _Copier(loops, carry, read_index, first, by_name)
+    try:
+        copy = copier.make(residual, ())
+    except _CannotRecompute:
+        copier.undo()
+        return 0
+    read.replace_all_uses_with(copy)
+    stack = loops.forward.results[carry]
+    return (element_count(stack) or 0) * _bytes(stack)
+
+
+def _bytes(value: ir.Value) -> int:
+    element = ir.RankedTensorType(value.type).element_type
+    width = getattr(element, "width", None)
+    return max(1, (width or 32) // 8)
+
+
+def _first_in_block(block: ir.Block, readers: list[ir.Operation]) -> ir.Operation:
+    """The first of ``readers`` in ``block`` (one nested in an op of it counts as that
+    op)."""
+    first = None
+    for reader in readers:
+        op = reader.operation
+        while op is not None and op.block != block:
+            parent = op.parent
+            op = parent.operation if parent is not None else None
+        if op is not None and (first is None or op.is_before_in_block(first)):
+            first = op
+    if first is None:
+        raise AssertionError("no reader of the stacked residual in the backward body")
+    return first
+
+
+class _Copier:
+    """Clones the ops that make a forward value into the backward body, before
+    ``first``; a value is traced inside the private functions its calls enter (``calls``:
+    the call ops from the forward body in)."""
+
+    def __init__(self, loops: _Loops, carry: int, read_index: ir.Value,
+                 first: ir.Operation, by_name: dict):
+        self.loops, self.carry, self.read_index = loops, carry, read_index
+        self.index = loops.writes[carry][1]
+        self.first, self.by_name = first, by_name
+        self.where = ir.InsertionPoint(first)
+        self.made: list[tuple[tuple[int, ...], ir.Value, ir.Value]] = []
+        self.clones: list[ir.Operation] = []
+        self.cost = 0
+
+    def undo(self) -> None:
+        for clone in reversed(self.clones):
+            clone.erase()
+        self.clones = []
+
+    def value(self, value: ir.Value, calls: tuple[ir.Operation, ...]) -> ir.Value:
+        key = tuple(op_key(call) for call in calls)
+        for known_key, known, copy in self.made:
+            if known_key == key and known == value:
+                return copy
+        copy = self._leaf(value, calls)
+        if copy is None:
+            copy = self.make(value, calls)
+        self.made.append((key, value, copy))
+        return copy
+
+    def make(self, value: ir.Value, calls: tuple[ir.Operation, ...]) -> ir.Value:
+        """A copy of ``value`` made by cloning the ops that make it (never its slice)."""
+        if isinstance(value, ir.BlockArgument):
+            if not calls:
+                return self._loop_invariant(value)
+            call = calls[-1]
+            entry = self.by_name[callee_name(call)].regions[0].blocks[0]
+            if value.owner != entry:
+                raise _CannotRecompute
+            return self.value(call.operands[ir.BlockArgument(value).arg_number], calls[:-1])
+        owner = value.owner
+        number = ir.OpResult(value).result_number
+        if owner.name == "func.call":
+            fn = self.by_name.get(callee_name(owner))
+            if fn is None or is_public(fn):
+                raise _CannotRecompute
+            if not len(owner.operands):
+                return self._clone(owner, []).results[number]
+            returned = terminator(fn.regions[0].blocks[0]).operands[number]
+            return self.value(returned, (*calls, owner))
+        if owner.name == "stablehlo.constant":
+            return self._clone(owner, []).results[0]
+        if ((short_name(owner.name) not in _ELEMENTWISE and owner.name not in _CLONED)
+                or len(owner.regions) or len(owner.results) != 1):
+            raise _CannotRecompute
+        self.cost += 1
+        if self.cost > MAX_OPS:
+            raise _CannotRecompute
+        operands = [self.value(operand, calls) for operand in owner.operands]
+        return self._clone(owner, operands).results[0]
+
+    def _leaf(self, value: ir.Value, calls: tuple[ir.Operation, ...]) -> ir.Value | None:
+        """The backward body's slice of ``value`` when the forward body stacks it at the
+        residual's index (and the backward body reads it at the residual's index)."""
+        if calls:  # a value the innermost call returns may be stacked outside it
+            call = calls[-1]
+            fn_return = terminator(self.by_name[callee_name(call)].regions[0].blocks[0])
+            for position, returned in enumerate(fn_return.operands):
+                if returned == value:
+                    outer = self._leaf(call.results[position], calls[:-1])
+                    if outer is not None:
+                        return outer
+            return None
+        loops = self.loops
+        for carry, (written, index) in loops.writes.items():
+            if written != value or index != self.index or carry == self.carry:
+                continue
+            position = loops.passed.get(carry)
+            read = loops.reads.get(position) if position is not None else None
+            if read is not None and read[1] == self.read_index and (
+                    isinstance(read[0], ir.BlockArgument)
+                    or read[0].owner.is_before_in_block(self.first)):
+                return read[0]
+        return None
+
+    def _loop_invariant(self, argument: ir.Value) -> ir.Value:
+        """A loop-invariant carry of the forward loop, in the backward body: its start
+        made again when a constant, else the backward loop's own invariant carry of the
+        same start."""
+        loops = self.loops
+        position = ir.BlockArgument(argument).arg_number
+        body = loops.forward.regions[1].blocks[0]
+        if argument.owner != body or terminator(body).operands[position] != argument:
+            raise _CannotRecompute
+        start = loops.forward.operands[position]
+        backward_body = loops.backward.regions[1].blocks[0]
+        backward_returned = terminator(backward_body).operands
+        for other, operand in enumerate(loops.backward.operands):
+            if operand == start and backward_returned[other] == backward_body.arguments[other]:
+                return backward_body.arguments[other]
+        if isinstance(start, ir.BlockArgument):
+            raise _CannotRecompute
+        owner = start.owner
+        if owner.name == "stablehlo.constant" or (owner.name == "func.call"
+                                                  and not len(owner.operands)):
+            return self._clone(owner, []).results[ir.OpResult(start).result_number]
+        raise _CannotRecompute
+
+    def _clone(self, op: ir.Operation, operands: list[ir.Value]) -> ir.Operation:
+        clone = op.clone(ip=self.where)
+        for position, operand in enumerate(operands):
+            clone.operands[position] = operand
+        self.clones.append(clone)
+        return clone
