@@ -443,3 +443,26 @@ def test_embedding_plus_positions_is_stored_in_16bit(policy):
     # the first [8, 16] add is the embedding plus positions, which the residual add reads
     assert adds and adds[0].rstrip().endswith(f"tensor<8x16x{low}>"), adds[:1]
     _close(hlo_amp.compile(step, policy)(params, tokens), jax.jit(step)(params, tokens), dtype)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_gqa_repeat_of_the_roped_k_runs_in_16bit(scan):
+    """tests/py/plain_decoder.py's step (RoPE in f32 from a cos/sin table, GQA by
+    ``jnp.repeat``) for 8 H100s: the roped K is repeated for the query groups in 16 bit,
+    as the hand cast repeats it, not in f32 with the convert after the repeat. Taken for
+    a statistic's spread (a softmax's sum broadcast), the repeat ran in f32; scanned, the
+    forward loop stacked the repeated K in f32, and with one KV head on TP 2 the fast
+    mode gathered it over TP twice more than the hand cast (issue 48)."""
+    import plain_decoder as pd
+
+    from hlo_amp.targets import device_target
+
+    cfg = pd.Cfg(scan=scan, seq=64, vocab=256)
+    step, args = pd.step_and_args(cfg, jnp.float32, "h100x8")
+    text = hlo_amp.compile(step, "mixed_bfloat16").lower(
+        *args, target=device_target("h100x8")).as_text()
+    groups = cfg.heads // cfg.kv_heads
+    repeat = re.compile(rf"stablehlo.broadcast_in_dim .*-> tensor<{cfg.batch}x{cfg.seq}x"
+                        rf"{cfg.kv_heads}x{groups}x{cfg.head_dim}x(\w+)>")
+    found = [m.group(1) for m in map(repeat.search, text.splitlines()) if m]
+    assert found and set(found) == {"bf16"}, found

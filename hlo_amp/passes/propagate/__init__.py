@@ -21,7 +21,9 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    painted all the same (``solve._read_by_backward``): stored in 16 bit, as Keras and
    Flax store a norm layer's output, not held in f32 from the forward to the backward
    pass. A statistic (a softmax's sum broadcast, a value a broadcast spreads) is not
-   (``solve._is_statistic``). A value so stored ends the deny region, as a layer's
+   (``solve._is_statistic``); a broadcast of an activation (made from a matrix op's
+   result with no reduction between: GQA's repeat of the roped K) is no statistic's
+   spread. A value so stored ends the deny region, as a layer's
    16-bit output does: the painting is redone with it as a 16-bit source, so the
    activation after a batch norm and the activation's backward run in 16 bit
    (``solve._paint_stored``).

@@ -359,12 +359,33 @@ def _is_statistic(graph: Graph, node: Node) -> bool:
     if size is None:
         return True
     if node.kind in _BROADCASTS and any(
-            (n := element_count(key[1])) is None or n < size
+            ((n := element_count(key[1])) is None or n < size)
+            and not _is_activation(graph, key)
             for key in node.inputs if graph.f32(key[1])):
         return True
     return any(isinstance(r, Node) and r.kind in _BROADCASTS and r.outputs
                and ((n := element_count(r.outputs[0][1])) is None or n > size)
-               for r in _readers(node))
+               for r in _readers(node)) and not any(
+        _is_activation(graph, key) for key in node.outputs[:1])
+
+
+def _is_activation(graph: Graph, key: tuple[int, ir.Value]) -> bool:
+    """Whether the value is made from a matrix op's result by elementwise and data
+    movement ops alone, no reduction between: GQA's repeat of the roped K broadcasts an
+    activation, not a statistic (kept f32 as one, the repeat ran in f32 and a scan
+    stacked the repeated K in f32 where the hand cast stacks it in 16 bit)."""
+    seen: set[int] = set()
+    pending = [graph.producer.get(key)]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen or len(seen) > 64:
+            continue
+        seen.add(id(node))
+        if node.cls == ALLOW:
+            return True
+        if node.cls in (INFER, CLEAR) and node.kind not in _BROADCASTS:
+            pending += [graph.producer.get(k) for k in node.inputs if graph.f32(k[1])]
+    return False
 
 
 def _readers(node: Node) -> Iterator[Node | str]:
