@@ -36,6 +36,7 @@ from jax.extend.mlir import ir
 from hlo_amp.ir.loops import WHILE, counter_values, int_constant
 from hlo_amp.ir.modules import (
     callee_name,
+    discard,
     element_count,
     is_public,
     live_uses,
@@ -280,8 +281,9 @@ class _Copier:
         self.cost = 0
 
     def undo(self) -> None:
-        for clone in reversed(self.clones):
-            clone.erase()
+        """Drop the clones made so far (nothing reads them): erased after the pass."""
+        for clone in self.clones:
+            discard(clone)
         self.clones = []
 
     def value(self, value: ir.Value, calls: tuple[ir.Operation, ...]) -> ir.Value:
