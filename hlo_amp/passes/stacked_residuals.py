@@ -16,8 +16,9 @@ A stacked residual R is recomputed in the backward loop when:
   only reads that carry at one index ``j`` (and returns it unchanged);
 - R is made, in the forward body or in the private functions its calls enter, by
   elementwise ops, broadcasts, reshapes, converts and constants from leaves the backward
-  body has: values the forward body stacks at the same ``i`` and the backward body reads
-  at the same ``j``; loop-invariant carries whose start is a constant, or is also a
+  body has: values the forward body stacks at the same ``i`` and the backward body
+  reads at the same ``j`` (in a partitioned module, only values of R's size: a stacked
+  statistic read at another layout was gathered by XLA's partitioner); loop-invariant carries whose start is a constant, or is also a
   loop-invariant carry of the backward loop; constants and calls without operands;
 - at most ``MAX_OPS`` ops make it.
 
@@ -45,6 +46,7 @@ from hlo_amp.ir.modules import (
     walk_operations,
 )
 from hlo_amp.ir.op_classes import INFER, OP_CLASSES, short_name
+from hlo_amp.ir.shardings import is_partitioned
 
 MAX_OPS = 32
 _ELEMENTWISE = frozenset(name for name, cls in OP_CLASSES.items() if cls == INFER)
@@ -72,12 +74,13 @@ def recompute_stacked(module: ir.Module, by_name: dict) -> tuple[int, int]:
     """Recompute every stacked residual the rules allow: how many, and the bytes of the
     stacks no longer read."""
     count = saved = 0
+    partitioned = is_partitioned(module)
     for forward in walk_operations(module, names=frozenset({WHILE})):
         for loops in _backward_loops(forward, by_name):
             for carry in list(loops.passed):
                 if loops.passed[carry] not in loops.reads:
                     continue
-                stack_bytes = _recompute(loops, carry, by_name)
+                stack_bytes = _recompute(loops, carry, by_name, partitioned)
                 count += stack_bytes > 0
                 saved += stack_bytes
     return count, saved
@@ -222,7 +225,7 @@ class _CannotRecompute(Exception):
     pass
 
 
-def _recompute(loops: _Loops, carry: int, by_name: dict) -> int:
+def _recompute(loops: _Loops, carry: int, by_name: dict, partitioned: bool) -> int:
     """Recompute the residual stacked in forward carry ``carry`` in the backward body;
     the stack's bytes, or 0 when the rules do not allow it."""
     residual = loops.writes[carry][0]
@@ -232,7 +235,7 @@ def _recompute(loops: _Loops, carry: int, by_name: dict) -> int:
         return 0
     backward_body = loops.backward.regions[1].blocks[0]
     first = _first_in_block(backward_body, readers)
-    copier = _Copier(loops, carry, read_index, first, by_name)
+    copier = _Copier(loops, carry, read_index, first, by_name, partitioned)
     try:
         copy = copier.make(residual, ())
     except _CannotRecompute:
@@ -271,9 +274,11 @@ class _Copier:
     the call ops from the forward body in)."""
 
     def __init__(self, loops: _Loops, carry: int, read_index: ir.Value,
-                 first: ir.Operation, by_name: dict):
+                 first: ir.Operation, by_name: dict, partitioned: bool):
         self.loops, self.carry, self.read_index = loops, carry, read_index
         self.index = loops.writes[carry][1]
+        self.size = element_count(loops.writes[carry][0])
+        self.partitioned = partitioned
         self.first, self.by_name = first, by_name
         self.where = ir.InsertionPoint(first)
         self.made: list[tuple[tuple[int, ...], ir.Value, ir.Value]] = []
@@ -339,6 +344,13 @@ class _Copier:
                     outer = self._leaf(call.results[position], calls[:-1])
                     if outer is not None:
                         return outer
+            return None
+        # In a partitioned module a stacked statistic (a norm's rsqrt per row) is no
+        # leaf: XLA's partitioner may make the copy at another layout than the stored
+        # residual's and gather the statistic for it, where the stored residual needed
+        # nothing (issue 48's KV head split over TP: two gathers the hand cast does not
+        # have).
+        if self.partitioned and element_count(value) != self.size:
             return None
         loops = self.loops
         for carry, (written, index) in loops.writes.items():

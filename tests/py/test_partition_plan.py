@@ -26,7 +26,7 @@ import functools
 import plain_decoder as pd
 import pytest
 
-# Wide enough that activations, not cuBLAS workspaces, set the temp. Five steps cover
+# Wide enough that activations, not cuBLAS workspaces, set the temp. Six steps cover
 # the forms (unrolled and scanned, GQA by repeat and by grouped einsum, pytrees
 # and Flax NNX, the three targets) at two compiles each: every compile is seconds of
 # the suite's time.
@@ -43,6 +43,10 @@ CASES = {
     # backward loop recomputed them (passes/stacked_residuals.py).
     "h100x8, pytree, scanned without remat, einsum": ("h100x8", dataclasses.replace(
         MEDIUM, scan=True, layers=2, gqa="einsum")),
+    # One KV head, its head dimension split over the TP pair: the roped K's repeat was
+    # taken for a statistic's spread (f32, gathered over TP twice more), and the
+    # backward loop's copy of a norm's output gathered its stacked statistic.
+    "h100x8, pytree, scanned, one KV head": ("h100x8", pd.Cfg(kv_heads=1, scan=True)),
     # XLA:TPU compiles slowly: the small default size, whose temp is 0 there; its plan is
     # what moved when the select carried the scatter's sharding on TPU.
     "tpu-v5e:4x4, pytree, unrolled, repeat": ("tpu-v5e:4x4", pd.Cfg()),
