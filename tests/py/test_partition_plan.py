@@ -26,7 +26,7 @@ import functools
 import plain_decoder as pd
 import pytest
 
-# Wide enough that activations, not cuBLAS workspaces, set the temp. Six steps cover
+# Wide enough that activations, not cuBLAS workspaces, set the temp. Five steps cover
 # the forms (unrolled and scanned, GQA by repeat and by grouped einsum, pytrees
 # and Flax NNX, the three targets) at two compiles each: every compile is seconds of
 # the suite's time.
@@ -40,13 +40,12 @@ CASES = {
         MEDIUM, scan=True, remat=True, layers=2)),
     # Scanned without remat the forward loop stacks each layer's residuals: 1.054 times
     # the hand cast's temp at the widths, from the silu's f32 values, until the
-    # backward loop recomputed them (passes/stacked_residuals.py).
-    "h100x8, pytree, scanned without remat, einsum": ("h100x8", dataclasses.replace(
-        MEDIUM, scan=True, layers=2, gqa="einsum")),
-    # One KV head, its head dimension split over the TP pair: the roped K's repeat was
-    # taken for a statistic's spread (f32, gathered over TP twice more), and the
-    # backward loop's copy of a norm's output gathered its stacked statistic.
-    "h100x8, pytree, scanned, one KV head": ("h100x8", pd.Cfg(kv_heads=1, scan=True)),
+    # backward loop recomputed them (passes/stacked_residuals.py). One KV head, its head
+    # dimension split over the TP pair: the roped K's repeat was taken for a statistic's
+    # spread (f32, gathered over TP twice more), and a copy of a norm's output made from
+    # its stacked statistic gathered that statistic over fsdp.
+    "h100x8, pytree, scanned without remat, one KV head": ("h100x8", dataclasses.replace(
+        MEDIUM, scan=True, layers=2, kv_heads=1)),
     # XLA:TPU compiles slowly: the small default size, whose temp is 0 there; its plan is
     # what moved when the select carried the scatter's sharding on TPU.
     "tpu-v5e:4x4, pytree, unrolled, repeat": ("tpu-v5e:4x4", pd.Cfg()),

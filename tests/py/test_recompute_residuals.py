@@ -139,3 +139,78 @@ def test_a_stack_the_loop_does_not_fill_stays_stored():
             module = parse_module(text)
             RecomputeResiduals(policy, as_target("gpu")).run(module)
             assert module_text(module).count("stablehlo.logistic") == 1 + recomputed, limit
+
+
+_STATISTIC_MODULE = """
+module @m{attributes} {{
+  func.func public @main(%arg0: tensor<3x4xbf16>, %arg1: tensor<3x1xf32>) -> tensor<4xf32> {{
+    %c0 = stablehlo.constant dense<0> : tensor<i32>
+    %c1 = stablehlo.constant dense<1> : tensor<i32>
+    %c3 = stablehlo.constant dense<3> : tensor<i32>
+    %z = stablehlo.constant dense<0.0> : tensor<4xf32>
+    %xz = stablehlo.constant dense<0.0> : tensor<3x4xbf16>
+    %sz = stablehlo.constant dense<0.0> : tensor<3x1xf32>
+    %rz = stablehlo.constant dense<0.0> : tensor<3x4xf32>
+    %f:4 = stablehlo.while(%i = %c0, %xs = %xz, %ss = %sz, %rs = %rz) : tensor<i32>, tensor<3x4xbf16>, tensor<3x1xf32>, tensor<3x4xf32>
+     cond {{
+      %lt = stablehlo.compare LT, %i, %c3 : (tensor<i32>, tensor<i32>) -> tensor<i1>
+      stablehlo.return %lt : tensor<i1>
+    }} do {{
+      %x1 = stablehlo.dynamic_slice %arg0, %i, %c0, sizes = [1, 4] : (tensor<3x4xbf16>, tensor<i32>, tensor<i32>) -> tensor<1x4xbf16>
+      %x = stablehlo.reshape %x1 : (tensor<1x4xbf16>) -> tensor<4xbf16>
+      %s1 = stablehlo.dynamic_slice %arg1, %i, %c0, sizes = [1, 1] : (tensor<3x1xf32>, tensor<i32>, tensor<i32>) -> tensor<1x1xf32>
+      %s = stablehlo.reshape %s1 : (tensor<1x1xf32>) -> tensor<1xf32>
+      %x32 = stablehlo.convert %x : (tensor<4xbf16>) -> tensor<4xf32>
+      %sb = stablehlo.broadcast_in_dim %s, dims = [0] : (tensor<1xf32>) -> tensor<4xf32>
+      %r = stablehlo.multiply %x32, %sb : tensor<4xf32>
+      %xu = stablehlo.reshape %x : (tensor<4xbf16>) -> tensor<1x4xbf16>
+      %xs2 = stablehlo.dynamic_update_slice %xs, %xu, %i, %c0 : (tensor<3x4xbf16>, tensor<1x4xbf16>, tensor<i32>, tensor<i32>) -> tensor<3x4xbf16>
+      %su = stablehlo.reshape %s : (tensor<1xf32>) -> tensor<1x1xf32>
+      %ss2 = stablehlo.dynamic_update_slice %ss, %su, %i, %c0 : (tensor<3x1xf32>, tensor<1x1xf32>, tensor<i32>, tensor<i32>) -> tensor<3x1xf32>
+      %ru = stablehlo.reshape %r : (tensor<4xf32>) -> tensor<1x4xf32>
+      %rs2 = stablehlo.dynamic_update_slice %rs, %ru, %i, %c0 : (tensor<3x4xf32>, tensor<1x4xf32>, tensor<i32>, tensor<i32>) -> tensor<3x4xf32>
+      %i2 = stablehlo.add %i, %c1 : tensor<i32>
+      stablehlo.return %i2, %xs2, %ss2, %rs2 : tensor<i32>, tensor<3x4xbf16>, tensor<3x1xf32>, tensor<3x4xf32>
+    }}
+    %b:5 = stablehlo.while(%j = %c0, %g = %z, %xs = %f#1, %ss = %f#2, %rs = %f#3) : tensor<i32>, tensor<4xf32>, tensor<3x4xbf16>, tensor<3x1xf32>, tensor<3x4xf32>
+     cond {{
+      %lt = stablehlo.compare LT, %j, %c3 : (tensor<i32>, tensor<i32>) -> tensor<i1>
+      stablehlo.return %lt : tensor<i1>
+    }} do {{
+      %x1 = stablehlo.dynamic_slice %xs, %j, %c0, sizes = [1, 4] : (tensor<3x4xbf16>, tensor<i32>, tensor<i32>) -> tensor<1x4xbf16>
+      %x = stablehlo.reshape %x1 : (tensor<1x4xbf16>) -> tensor<4xbf16>
+      %s1 = stablehlo.dynamic_slice %ss, %j, %c0, sizes = [1, 1] : (tensor<3x1xf32>, tensor<i32>, tensor<i32>) -> tensor<1x1xf32>
+      %s = stablehlo.reshape %s1 : (tensor<1x1xf32>) -> tensor<1xf32>
+      %r1 = stablehlo.dynamic_slice %rs, %j, %c0, sizes = [1, 4] : (tensor<3x4xf32>, tensor<i32>, tensor<i32>) -> tensor<1x4xf32>
+      %r = stablehlo.reshape %r1 : (tensor<1x4xf32>) -> tensor<4xf32>
+      %x32 = stablehlo.convert %x : (tensor<4xbf16>) -> tensor<4xf32>
+      %sb = stablehlo.broadcast_in_dim %s, dims = [0] : (tensor<1xf32>) -> tensor<4xf32>
+      %gx = stablehlo.multiply %r, %sb : tensor<4xf32>
+      %gy = stablehlo.multiply %gx, %x32 : tensor<4xf32>
+      %g2 = stablehlo.add %g, %gy : tensor<4xf32>
+      %j2 = stablehlo.add %j, %c1 : tensor<i32>
+      stablehlo.return %j2, %g2, %xs, %ss, %rs : tensor<i32>, tensor<4xf32>, tensor<3x4xbf16>, tensor<3x1xf32>, tensor<3x4xf32>
+    }}
+    return %b#1 : tensor<4xf32>
+  }}
+}}
+"""
+
+
+def test_a_stacked_statistic_is_a_leaf_only_where_nothing_partitions_the_module():
+    """A residual made from a stacked 16-bit value and a stacked statistic (a norm's
+    output and its per-row scale) is recomputed on one device; in a partitioned module it
+    stays stored: there XLA's partitioner may make the copy at another layout and gather
+    the statistic for it (issue 48's one KV head split over TP, two gathers over fsdp the
+    hand cast does not have)."""
+    from hlo_amp.ir.modules import new_context, parse_module
+
+    policy = Policy.parse("mixed_bfloat16")
+    for attributes, recomputed in [("", True),
+                                   (" attributes {mhlo.num_partitions = 2 : i32}", False)]:
+        with new_context():
+            module = parse_module(_STATISTIC_MODULE.format(attributes=attributes))
+            RecomputeResiduals(policy, as_target("gpu")).run(module)
+            module.operation.verify()
+            products = module_text(module).count("stablehlo.multiply")
+            assert products == 3 + recomputed, (attributes, products)
