@@ -67,8 +67,8 @@ ERRORS = {
     "bad_scope_syntax": (lambda d: [d / "in.mlir", "--scope", "head"],
                          r"--scope 'head' is not PATTERN=ACTION"),
     "unknown_pass": (lambda d: [d / "in.mlir", "--pass", "hlo-amp-fold"],
-                     r"unknown pass 'hlo-amp-fold'; accepted: hlo-amp-fused-attention, "
-                     r"hlo-amp-insert-converts"),
+                     (r"unknown pass 'hlo-amp-fold'; accepted: hlo-amp-fused-attention, "
+                      r"hlo-amp-insert-converts")),
 }
 # The same contract through hlo_amp.cli.main in-process (no jax import per case).
 MORE_ERRORS = {
