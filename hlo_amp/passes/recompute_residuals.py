@@ -53,7 +53,7 @@ from hlo_amp.ir.modules import (
 from hlo_amp.ir.op_classes import INFER, OP_CLASSES, short_name
 from hlo_amp.ir.sites import location_name, parse_name
 from hlo_amp.passes.propagate.body import is_f32
-from hlo_amp.passes.stacked_residuals import recompute_stacked
+from hlo_amp.passes.stacked_residuals import first_in_block, recompute_stacked
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
 from hlo_amp.report import Report
 from hlo_amp.targets import NO_TARGET, Target
@@ -269,7 +269,7 @@ def _recompute(recipe: _Recipe, calls: dict[int, ir.Operation],
         outside = [(value, _current(value, calls))
                    for value in [recipe.source, *recipe.statistics]]
     readers = [use.owner for use in live_uses(result) if _is_backward(use.owner)]
-    first = _first_in_block(definer, readers)
+    first = first_in_block(definer.operation.block, readers)
     where = ir.InsertionPoint(first)
     with first.location:
         source = outside[0][1]
@@ -296,20 +296,3 @@ def _current(value: ir.Value, calls: dict[int, ir.Operation]) -> ir.Value:
         if call is not None:
             return call.results[value.result_number]
     return value
-
-
-def _first_in_block(definer: ir.Operation, readers: list[ir.Operation]) -> ir.Operation:
-    """The first of ``readers`` in ``definer``'s block (a reader nested in an op of that
-    block counts as that op); every one is after ``definer``, which they read."""
-    block = definer.operation.block
-    first = None
-    for reader in readers:
-        op = reader.operation
-        while op is not None and op.block != block:
-            parent = op.parent
-            op = parent.operation if parent is not None else None
-        if op is not None and (first is None or op.is_before_in_block(first)):
-            first = op
-    if first is None:
-        raise AssertionError("no backward reader in the residual's block")
-    return first

@@ -234,7 +234,7 @@ def _recompute(loops: _Loops, carry: int, by_name: dict, partitioned: bool) -> i
     if not readers:
         return 0
     backward_body = loops.backward.regions[1].blocks[0]
-    first = _first_in_block(backward_body, readers)
+    first = first_in_block(backward_body, readers)
     copier = _Copier(loops, carry, read_index, first, by_name, partitioned)
     try:
         copy = copier.make(residual, ())
@@ -252,9 +252,9 @@ def _bytes(value: ir.Value) -> int:
     return max(1, (width or 32) // 8)
 
 
-def _first_in_block(block: ir.Block, readers: list[ir.Operation]) -> ir.Operation:
+def first_in_block(block: ir.Block, readers: list[ir.Operation]) -> ir.Operation:
     """The first of ``readers`` in ``block`` (one nested in an op of it counts as that
-    op)."""
+    op); the recompute-residuals pass writes its copies before it."""
     first = None
     for reader in readers:
         op = reader.operation
@@ -264,7 +264,7 @@ def _first_in_block(block: ir.Block, readers: list[ir.Operation]) -> ir.Operatio
         if op is not None and (first is None or op.is_before_in_block(first)):
             first = op
     if first is None:
-        raise AssertionError("no reader of the stacked residual in the backward body")
+        raise AssertionError("no reader of the residual in its block")
     return first
 
 
