@@ -18,8 +18,10 @@ A stacked residual R is recomputed in the backward loop when:
   elementwise ops, broadcasts, reshapes, converts and constants from leaves the backward
   body has: values the forward body stacks at the same ``i`` and the backward body
   reads at the same ``j`` (in a partitioned module, only values of R's size: a stacked
-  statistic read at another layout was gathered by XLA's partitioner); loop-invariant carries whose start is a constant, or is also a
-  loop-invariant carry of the backward loop; constants and calls without operands;
+  statistic read at another layout was gathered by XLA's partitioner); loop-invariant
+  carries whose start is a constant, or is also a loop-invariant carry of the backward
+  loop; constants, and calls without operands of functions that only make constants
+  (no effect is made twice);
 - at most ``MAX_OPS`` ops make it.
 
 The copy is the same ops on the same values, so the same values; it is written right
@@ -225,6 +227,14 @@ class _CannotRecompute(Exception):
     pass
 
 
+def _makes_constants(fn: ir.Operation) -> bool:
+    """Whether private function ``fn`` only makes values from constants (jax's
+    ``silu()`` returning 1.0): a call of it may be made again anywhere, having no
+    effects (no custom call, no random bits, no infeed)."""
+    return all(op.name in _CLONED or op.name in ("stablehlo.constant", "func.return")
+               or short_name(op.name) in _ELEMENTWISE for op in walk_operations(fn))
+
+
 def _recompute(loops: _Loops, carry: int, by_name: dict, partitioned: bool) -> int:
     """Recompute the residual stacked in forward carry ``carry`` in the backward body;
     the stack's bytes, or 0 when the rules do not allow it."""
@@ -318,7 +328,7 @@ class _Copier:
             fn = self.by_name.get(callee_name(owner))
             if fn is None or is_public(fn):
                 raise _CannotRecompute
-            if not len(owner.operands):
+            if not len(owner.operands) and _makes_constants(fn):
                 return self._clone(owner, []).results[number]
             returned = terminator(fn.regions[0].blocks[0]).operands[number]
             return self.value(returned, (*calls, owner))
@@ -382,8 +392,13 @@ class _Copier:
         if isinstance(start, ir.BlockArgument):
             raise _CannotRecompute
         owner = start.owner
-        if owner.name == "stablehlo.constant" or (owner.name == "func.call"
-                                                  and not len(owner.operands)):
+        if owner.name == "func.call":
+            fn = self.by_name.get(callee_name(owner))
+            constant = (fn is not None and not is_public(fn) and not len(owner.operands)
+                        and _makes_constants(fn))
+        else:
+            constant = owner.name == "stablehlo.constant"
+        if constant:
             return self._clone(owner, []).results[ir.OpResult(start).result_number]
         raise _CannotRecompute
 

@@ -214,3 +214,33 @@ def test_a_stacked_statistic_is_a_leaf_only_where_nothing_partitions_the_module(
             module.operation.verify()
             products = module_text(module).count("stablehlo.multiply")
             assert products == 3 + recomputed, (attributes, products)
+
+
+def test_a_call_is_made_again_only_when_its_function_only_makes_constants():
+    """The residual of tests/lit/stacked_residuals.mlir scaled by what a call without
+    operands returns: made again in the backward loop when the function returns a
+    constant (as jax's ``silu()`` does), stored when it has an effect (a custom call
+    with side effects would run twice)."""
+    import pathlib
+
+    from hlo_amp.ir.modules import new_context, parse_module
+
+    source = (pathlib.Path(__file__).parents[1] / "lit" / "stacked_residuals.mlir").read_text()
+    source = source.replace(
+        "%r = stablehlo.logistic %x32 : tensor<4xf32>",
+        "%e = func.call @scale() : () -> tensor<4xf32>\n"
+        "    %r = stablehlo.multiply %x32, %e : tensor<4xf32>")
+    bodies = {
+        True: "%c = stablehlo.constant dense<2.0> : tensor<4xf32>",
+        False: '%c = stablehlo.custom_call @effect() {has_side_effect = true} : () -> '
+               'tensor<4xf32>'}
+    policy = Policy.parse("mixed_bfloat16")
+    for recomputed, body in bodies.items():
+        text = source + ("func.func private @scale() -> tensor<4xf32> {\n"
+                         f"  {body}\n  return %c : tensor<4xf32>\n}}\n")
+        with new_context():
+            module = parse_module(text)
+            RecomputeResiduals(policy, as_target("gpu")).run(module)
+            module.operation.verify()
+            calls = module_text(module).count("call @scale()")
+            assert calls == 1 + recomputed, (body, calls)
