@@ -9,7 +9,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hlo_amp.numerics.attribute import Attribution, ScopeError, attribution_of, with_scopes
-from hlo_amp.numerics.fastest import DEFAULT_MAX_COMPILES, TargetAutoPolicy, target_autopolicy
+from hlo_amp.numerics.fastest import (
+    DEFAULT_MAX_COMPILES,
+    TargetAutoPolicy,
+    check_fp8_scaling,
+    target_autopolicy,
+)
 from hlo_amp.numerics.measure import ATOL, Session, check_reference, check_tolerance
 from hlo_amp.numerics.render import json_number, short
 from hlo_amp.policy import Policy, as_policy
@@ -98,8 +103,8 @@ def _predictions(attribution: Attribution, named: list[ScopeError]) -> list[floa
 def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1,
                base: Policy | str | Mapping[str, Any] = "bf16", reference: str = "f32",
                atol: float = ATOL, target: str | Target | None = None,
-               max_compiles: int = DEFAULT_MAX_COMPILES, progress: bool = True
-               ) -> AutoPolicy | TargetAutoPolicy:
+               max_compiles: int = DEFAULT_MAX_COMPILES, progress: bool = True,
+               fp8_scaling: str = "current") -> AutoPolicy | TargetAutoPolicy:
     """The policy with the fewest f32 scopes at ``depth`` whose error stays within
     ``budget`` (then the most FLOPs at ``base``'s precision).
 
@@ -109,7 +114,10 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
     device runs fp8 GEMMs), with the error measured here within ``budget``: a
     ``TargetAutoPolicy`` (hlo_amp/numerics/fastest.py has the search). At most
     ``max_compiles`` XLA compiles, here and for the device together; ``progress``
-    writes a progress line on stderr.
+    writes a progress line on stderr. ``fp8_scaling`` ("current" or "delayed", with
+    ``target`` only) is the scaling of the fp8 policies the search prices: "delayed"
+    compiles each with its amax history, as it runs (the error is measured with
+    current scaling, which a filled history approaches).
 
     ``budget`` bounds ``Comparison.error``: every float output leaf within
     ``atol + budget * max|e|`` of ``reference``. One scope is enough when one of the
@@ -122,10 +130,16 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
     policy = as_policy(base)
     reference = check_reference(reference)
     atol = check_tolerance(atol, "atol", zero_ok=True)
+    fp8_scaling = check_fp8_scaling(fp8_scaling)
     if target is not None:
         return target_autopolicy(fn, args, budget=budget, depth=depth, base=policy,
                                  reference=reference, atol=atol, target=target,
-                                 max_compiles=max_compiles, progress=progress)
+                                 max_compiles=max_compiles, progress=progress,
+                                 fp8_scaling=fp8_scaling)
+    if fp8_scaling != "current":
+        raise ValueError(f"fp8_scaling={fp8_scaling!r} prices fp8 on a device: give "
+                         "target= too (without it autopolicy keeps base's precision, "
+                         "no fp8 level)")
     session = Session(fn, args, "autopolicy")
     attribution = attribution_of(session, policy, depth, reference, atol)
     named = [row for row in attribution.scopes if row.pattern is not None]

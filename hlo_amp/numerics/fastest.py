@@ -46,7 +46,7 @@ import jax
 from hlo_amp.numerics.attribute import TOP_LEVEL, _groups, _pattern, with_scopes
 from hlo_amp.numerics.measure import Session
 from hlo_amp.numerics.render import json_number, short
-from hlo_amp.policy import Policy
+from hlo_amp.policy import SCALINGS, Policy
 from hlo_amp.policy_terms import FP8_ACTIONS
 from hlo_amp.report import Report, text_table
 from hlo_amp.runtime.compile import AmpFunction, rewrite_lowered
@@ -174,6 +174,7 @@ class _TargetModel:
 
     def __init__(self, fn: Callable[..., Any], args: tuple, device: Target) -> None:
         self.device = device
+        self.fn, self.args = fn, args
         self.lowered = lower_for_target(jax.jit(fn), args, {}, device)
         self.seconds: dict[str, float] = {}
         self.compiles = 0
@@ -185,10 +186,20 @@ class _TargetModel:
     def step_seconds(self, policy: Policy) -> float:
         key = policy.to_string()
         if key not in self.seconds:
-            rewritten, _, _ = rewrite_lowered(self.lowered, policy, self.device)
-            compiled = rewritten.compile(self.device.compiler_options or None)
+            if policy.uses_fp8 and policy.scaling == "delayed":
+                # The step as it runs under delayed scaling: the amax history in and
+                # out (runtime/fp8_state.py), each scale read from it, not from this
+                # step's amax. jax.jit's lowering carries no history, and the fp8 pass
+                # would price current scaling for it.
+                from hlo_amp.runtime.compile import compile as amp_compile
+
+                text = amp_compile(self.fn, policy).lower(
+                    *self.args, target=self.device).compile().as_text()
+            else:
+                rewritten, _, _ = rewrite_lowered(self.lowered, policy, self.device)
+                text = rewritten.compile(self.device.compiler_options or None).as_text()
             self.compiles += 1
-            self.seconds[key] = estimate(compiled.as_text(), self.device).roofline_seconds
+            self.seconds[key] = estimate(text, self.device).roofline_seconds
         return self.seconds[key]
 
 
@@ -245,10 +256,13 @@ def check_max_compiles(value: Any) -> int:
 def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, depth: Any,
                       base: Policy, reference: str, atol: float, target: Any,
                       max_compiles: Any, progress: bool,
-                      target_fn: Callable[..., Any] | None = None) -> TargetAutoPolicy:
+                      target_fn: Callable[..., Any] | None = None,
+                      fp8_scaling: str = "current") -> TargetAutoPolicy:
     """The search in this module's docstring; arguments already checked but target.
     ``target_fn``: what to compile for the target where it is not ``fn`` (the CLI's
-    module, exported once per platform)."""
+    module, exported once per platform). ``fp8_scaling``: the scaling of every policy
+    with fp8 the search prices (docs/fp8.md); under "delayed" the step is compiled with
+    its amax history."""
     device = check_target(target)
     max_compiles = check_max_compiles(max_compiles)
     refuse_policy_on_device(base, device)  # f16 on a TPU: refused before any compile
@@ -273,7 +287,7 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
 
     def policy_of(state: Mapping[str, str]) -> Policy:
         rules = {patterns[g]: a for g, a in state.items() if a != COMPUTE}
-        return with_scopes(base, rules)
+        return with_scaling(with_scopes(base, rules), fp8_scaling)
 
     # Phase 1 plus the final compiles (the chosen policy and three baselines, each run
     # and compiled for the target) must fit the bound; phase 2 gets what is left.
@@ -352,7 +366,7 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
         baselines = []
         f32_policy = Policy.preset("f32")
         baseline_states = {}
-        for name, policy, level in _baselines(base, low, no_fp8, f32_policy):
+        for name, policy, level in _baselines(base, low, no_fp8, f32_policy, fp8_scaling):
             e = error(policy, name)
             t = seconds(policy, f"{name} on {device.device}")
             baselines.append(Baseline(name, policy.to_string(), e, t, e <= budget))
@@ -419,12 +433,27 @@ def _why_not(group: str, levels: Mapping[str, tuple[str, ...]],
     return ""
 
 
-def _baselines(base: Policy, low: str, no_fp8: str | None, f32_policy: Policy
-               ) -> list[tuple[str, Policy, str]]:
+def _baselines(base: Policy, low: str, no_fp8: str | None, f32_policy: Policy,
+               fp8_scaling: str = "current") -> list[tuple[str, Policy, str]]:
     """(name, policy, the level it gives a scope that has it)."""
     out = [("f32 everywhere", f32_policy, F32), (f"{low} everywhere", base, COMPUTE)]
     if no_fp8 is None:
         ops = {**base.ops, "dot_general": FP8}
-        out.append(("fp8 everywhere eligible",
-                    Policy.from_dict({**base.to_dict(), "ops": ops}), FP8))
+        out.append(("fp8 everywhere eligible", with_scaling(
+            Policy.from_dict({**base.to_dict(), "ops": ops}), fp8_scaling), FP8))
     return out
+
+
+def check_fp8_scaling(value: Any) -> str:
+    if value not in SCALINGS:
+        raise ValueError(f"Invalid fp8_scaling {value!r}; accepted: "
+                         f"{', '.join(map(repr, SCALINGS))}")
+    return value
+
+
+def with_scaling(policy: Policy, fp8_scaling: str) -> Policy:
+    """``policy`` with fp8 scaling ``fp8_scaling`` where it has fp8 actions (a policy
+    without them takes no scaling)."""
+    if not policy.uses_fp8 or policy.scaling == fp8_scaling:
+        return policy
+    return Policy.from_dict({**policy.to_dict(), "scaling": fp8_scaling})

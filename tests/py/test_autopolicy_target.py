@@ -85,6 +85,30 @@ def test_on_a_compute_bound_device_fp8_is_taken_where_eligible_and_within_budget
     assert not fp8_everywhere.met  # it takes cancel down too
 
 
+def test_delayed_fp8_scaling_is_priced_with_its_amax_history():
+    """fp8_scaling="delayed": every policy with fp8 the search prices carries
+    scaling=delayed and is compiled as hlo_amp.compile runs it, the amax history in and
+    out. Priced on jax.jit's lowering (no history) the fp8 pass fell back to current
+    scaling, and the two searches modelled the same step time."""
+    current = _search(0.1, COMPUTE_BOUND_H100)
+    delayed = _search(0.1, COMPUTE_BOUND_H100, fp8_scaling="delayed")
+    assert delayed.choices == current.choices  # the errors are current scaling's
+    assert delayed.policy.scaling == "delayed" and current.policy.scaling == "current"
+    assert delayed.step_seconds != current.step_seconds
+    fp8 = {b.name: b for b in delayed.baselines}["fp8 everywhere eligible"]
+    assert hlo_amp.Policy.parse(fp8.policy).scaling == "delayed"
+    bf16 = {b.name: b for b in delayed.baselines}["bf16 everywhere"]
+    assert "scaling" not in bf16.policy  # no fp8 action, no scaling
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"fp8_scaling": "later", "target": "h100"}, "Invalid fp8_scaling 'later'; accepted"),
+    ({"fp8_scaling": "delayed"}, "give target= too")])
+def test_bad_fp8_scaling(kw, match):
+    with pytest.raises(ValueError, match=match):
+        hlo_amp.autopolicy(PROGRAM, X, W, budget=0.1, progress=False, **kw)
+
+
 def test_a_loose_budget_picks_fp8_where_eligible_on_h100_and_never_on_tpu():
     gpu = _search(10.0, COMPUTE_BOUND_H100)
     assert {s for s, c in gpu.choices.items() if c == "fp8"} == {"embed", "mix"}
