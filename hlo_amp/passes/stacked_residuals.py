@@ -124,7 +124,7 @@ def _writes(loop: ir.Operation, by_name: dict) -> dict[int, tuple[ir.Value, ir.V
         if isinstance(returned, ir.BlockArgument):
             continue
         carry = body.arguments[position]
-        written = _index_access(returned.owner, by_name, _WRITE)
+        written = _write(returned.owner, by_name)
         if written is None or written[0] != carry:
             continue
         if sum(1 for _ in live_uses(carry)) != 1:
@@ -169,54 +169,100 @@ def _reads(body: ir.Block, by_name: dict) -> dict[int, tuple[ir.Value, ir.Value]
         uses = [use.owner for use in live_uses(carry) if use.owner != terminator(body)]
         if len(uses) != 1:
             continue
-        read = _index_access(uses[0], by_name, _READ)
-        if read is None or read[0] != carry:
-            continue
-        sliced = uses[0].results[0]
-        if uses[0].name == _READ:  # the slice's leading 1 reshaped away
-            reshapes = [use.owner for use in live_uses(sliced)]
-            if len(reshapes) != 1 or reshapes[0].name != "stablehlo.reshape":
-                continue
-            sliced = reshapes[0].results[0]
-        found[position] = (sliced, read[2])
+        read = _read(uses[0], by_name)
+        if read is not None and read[0] == carry:
+            found[position] = (read[1], read[2])
     return found
 
 
-def _index_access(op: ir.Operation, by_name: dict, kind: str
-                  ) -> tuple[ir.Value, ir.Value | None, ir.Value] | None:
-    """``(stack, value, index)`` of a write (``kind`` ``_WRITE``) or ``(stack, None,
-    index)`` of a read at one index of a stack's leading dimension: jax's
-    ``dynamic_update_index_in_dim`` / ``dynamic_index_in_dim`` calls (a private function
-    holding the one ``kind`` op), or the op itself on a reshape of the value."""
-    arity = 3 if kind == _WRITE else 2
+def _write(op: ir.Operation, by_name: dict) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(stack, value, index)`` when ``op`` returns ``stack`` with ``value`` written at
+    ``index`` of its leading dimension: a ``dynamic_update_slice`` of a reshape (or a
+    leading-1 broadcast) of the value, the other start indices 0, or a call of a
+    private function that is only that (jax's ``dynamic_update_index_in_dim``)."""
     if op.name == "func.call":
-        fn = by_name.get(callee_name(op))
-        if (fn is None or is_public(fn) or len(op.operands) != arity
-                or len(op.results) != 1 or element_count(op.operands[arity - 1]) != 1):
+        fn = _helper(op, by_name, 3)
+        if fn is None:
             return None
-        inner = [o.name for o in walk_operations(fn) if o.name in (_WRITE, _READ)]
-        if inner != [kind]:
+        entry = fn.regions[0].blocks[0]
+        returned = terminator(entry).operands[0]
+        inner = None if isinstance(returned, ir.BlockArgument) else _write(returned.owner,
+                                                                          by_name)
+        if inner is None or list(inner) != list(entry.arguments):
             return None
-        stack = op.operands[0]
-        shape = list(ir.RankedTensorType(stack.type).shape)
-        slice_shape = list(ir.RankedTensorType(
-            (op.operands[1] if kind == _WRITE else op.results[0]).type).shape)
-        if slice_shape != shape[1:]:
+        return op.operands[0], op.operands[1], op.operands[2]
+    if op.name != _WRITE or not all(_is_zero(v) for v in op.operands[3:]):
+        return None
+    stack, update, index = op.operands[0], op.operands[1], op.operands[2]
+    if isinstance(update, ir.BlockArgument) or not _is_leading_one(update.owner):
+        return None
+    value = update.owner.operands[0]
+    if _shape(value) != _shape(stack)[1:]:
+        return None
+    return stack, value, index
+
+
+def _read(op: ir.Operation, by_name: dict) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(stack, slice, index)`` when ``op`` reads the whole slice at ``index`` of
+    ``stack``'s leading dimension: a ``dynamic_slice`` (the other start indices 0) whose
+    one reader reshapes the leading 1 away, or a call of a private function that is only
+    that (jax's ``dynamic_index_in_dim``)."""
+    if op.name == "func.call":
+        fn = _helper(op, by_name, 2)
+        if fn is None:
             return None
-        return stack, op.operands[1] if kind == _WRITE else None, op.operands[arity - 1]
-    if op.name != kind:
+        entry = fn.regions[0].blocks[0]
+        returned = terminator(entry).operands[0]
+        if isinstance(returned, ir.BlockArgument) or returned.owner.name != "stablehlo.reshape":
+            return None
+        sliced = returned.owner.operands[0]
+        inner = None if isinstance(sliced, ir.BlockArgument) else _read(sliced.owner, by_name)
+        if inner is None or [inner[0], inner[2]] != list(entry.arguments):
+            return None
+        return op.operands[0], op.results[0], op.operands[1]
+    if op.name != _READ or not all(_is_zero(v) for v in op.operands[2:]):
         return None
-    stack = op.operands[0]
-    index = op.operands[2 if kind == _WRITE else 1]
-    zeros = op.operands[3:] if kind == _WRITE else op.operands[2:]
-    if not all(_is_zero(value) for value in zeros):
+    stack, sliced = op.operands[0], op.results[0]
+    if _shape(sliced) != [1, *_shape(stack)[1:]]:
         return None
-    if kind == _READ:
-        return stack, None, index
-    update = op.operands[1]
-    if isinstance(update, ir.BlockArgument) or update.owner.name != "stablehlo.reshape":
+    reshapes = [use.owner for use in live_uses(sliced)]
+    if len(reshapes) != 1 or reshapes[0].name != "stablehlo.reshape":
         return None
-    return stack, update.owner.operands[0], index
+    return stack, reshapes[0].results[0], op.operands[1]
+
+
+def _helper(call: ir.Operation, by_name: dict, arity: int) -> ir.Operation | None:
+    """The private function ``call`` calls, when it takes ``arity`` operands (the last
+    a scalar index), returns one value and holds nothing but one slice or update, its
+    reshape or broadcast, and constants."""
+    fn = by_name.get(callee_name(call))
+    if (fn is None or is_public(fn) or len(call.operands) != arity
+            or len(call.results) != 1 or element_count(call.operands[arity - 1]) != 1):
+        return None
+    allowed = {_WRITE, _READ, "stablehlo.reshape", "stablehlo.broadcast_in_dim",
+               "stablehlo.constant", "func.return"}
+    names = [op.name for op in walk_operations(fn)]
+    if any(name not in allowed for name in names) or (names.count(_WRITE)
+                                                      + names.count(_READ)) != 1:
+        return None
+    return fn
+
+
+def _is_leading_one(op: ir.Operation) -> bool:
+    """Whether ``op`` only puts a leading dimension of 1 in front of its operand."""
+    if op.name not in ("stablehlo.reshape", "stablehlo.broadcast_in_dim"):
+        return False
+    shape, operand_shape = _shape(op.results[0]), _shape(op.operands[0])
+    if shape != [1, *operand_shape]:
+        return False
+    if op.name == "stablehlo.broadcast_in_dim":
+        dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
+        return dims == list(range(1, len(shape)))
+    return True
+
+
+def _shape(value: ir.Value) -> list[int]:
+    return list(ir.RankedTensorType(value.type).shape)
 
 
 def _is_zero(value: ir.Value) -> bool:

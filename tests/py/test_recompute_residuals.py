@@ -244,3 +244,38 @@ def test_a_call_is_made_again_only_when_its_function_only_makes_constants():
             module.operation.verify()
             calls = module_text(module).count("call @scale()")
             assert calls == 1 + recomputed, (body, calls)
+
+
+def test_a_read_through_a_helper_counts_only_when_the_helper_only_reads():
+    """The backward loop of tests/lit/stacked_residuals.mlir reads the 16-bit stack
+    through a private function, as jax's ``dynamic_index_in_dim``: a slice and its
+    reshape, so the residual is made from it; a helper that also doubles the slice does
+    not read the stack's value, and the residual stays stored (made from the doubled
+    value, it would be wrong)."""
+    import pathlib
+
+    from hlo_amp.ir.modules import new_context, parse_module
+
+    source = (pathlib.Path(__file__).parents[1] / "lit" / "stacked_residuals.mlir").read_text()
+    read = ("%xsl = stablehlo.dynamic_slice %xs2, %j, %c0, sizes = [1, 4] : (tensor<3x4xbf16>, "
+            "tensor<i32>, tensor<i32>) -> tensor<1x4xbf16>\n"
+            "    %x = stablehlo.reshape %xsl : (tensor<1x4xbf16>) -> tensor<4xbf16>")
+    assert read in source
+    source = source.replace(read, "%x = func.call @read(%xs2, %j) : (tensor<3x4xbf16>, "
+                                  "tensor<i32>) -> tensor<4xbf16>")
+    helper = ("func.func private @read(%s: tensor<3x4xbf16>, %i: tensor<i32>) -> "
+              "tensor<4xbf16> {{\n"
+              "  %z = stablehlo.constant dense<0> : tensor<i32>\n"
+              "  %d = stablehlo.dynamic_slice %s, %i, %z, sizes = [1, 4] : "
+              "(tensor<3x4xbf16>, tensor<i32>, tensor<i32>) -> tensor<1x4xbf16>\n"
+              "  %r = stablehlo.reshape %d : (tensor<1x4xbf16>) -> tensor<4xbf16>\n"
+              "  {extra}return {out} : tensor<4xbf16>\n}}\n")
+    policy = Policy.parse("mixed_bfloat16")
+    for recomputed, extra, out in [
+            (True, "", "%r"),
+            (False, "%t = stablehlo.add %r, %r : tensor<4xbf16>\n  ", "%t")]:
+        with new_context():
+            module = parse_module(source + helper.format(extra=extra, out=out))
+            RecomputeResiduals(policy, as_target("gpu")).run(module)
+            module.operation.verify()
+            assert module_text(module).count("stablehlo.logistic") == 1 + recomputed, extra
