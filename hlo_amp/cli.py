@@ -5,7 +5,8 @@
                 [--debug-info] [--pass NAME]... [--verify-each] [--target cpu|gpu|tpu]
                 [--xla-target h100|h200|a100|CONFIG.txtpb|tpu-v4|tpu-v5e|tpu-v5p|tpu-v6e]
     hlo-amp-opt FILE --autopolicy --budget 1e-2 --xla-target h100 [--inputs IN.npz]
-                [--seed N] [--depth N] [--max-compiles N] [--policy BASE] [-o POLICY.txt]
+                [--seed N] [--depth N] [--max-compiles N] [--fp8-scaling delayed]
+                [--policy BASE] [-o POLICY.txt]
 
 ``--xla-target`` also compiles the rewritten module with XLA for that GPU or TPU, on any
 machine (no device, no run; needs the ``gpu`` or ``tpu`` extra), and fills the report's
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--autopolicy: the name-stack depth of the scopes searched")
     parser.add_argument("--max-compiles", type=int, default=None,
                         help="--autopolicy: at most this many XLA compiles")
+    parser.add_argument("--fp8-scaling", choices=("current", "delayed"), default="current",
+                        help="--autopolicy: the scaling the fp8 policies are priced and "
+                             "returned with (docs/fp8.md)")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
                         help="run only these passes, in order (default: the full pipeline)")
     parser.add_argument("--verify-each", action="store_true",
@@ -202,7 +206,7 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
             base=policy, reference="f32", atol=ATOL, target=device,
             max_compiles=(DEFAULT_MAX_COMPILES if args.max_compiles is None
                           else args.max_compiles), progress=True,
-            target_fn=main.for_platform(device.platform))
+            target_fn=main.for_platform(device.platform), fp8_scaling=args.fp8_scaling)
     except (ValueError, TypeError) as error:
         first = (str(error).splitlines() or [type(error).__name__])[0]
         raise CliError(f"hlo-amp-opt: error: --autopolicy: {first}") from None

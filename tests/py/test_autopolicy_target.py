@@ -195,6 +195,20 @@ def test_cli_autopolicy_writes_the_policy(tmp_path, capsys):
     assert next(r for r in data["scopes"] if r["scope"] == "cancel")["choice"] == "f32"
 
 
+def test_cli_autopolicy_prices_delayed_fp8_scaling(tmp_path, capsys):
+    """--fp8-scaling delayed: the fp8 policies of the module's search are priced as the
+    stateful step (the module's main, called, under hlo_amp.compile) and carry
+    scaling=delayed in the report."""
+    status = cli.main([str(_module_file(tmp_path)), "--autopolicy", "--budget", "0.1",
+                       "--xla-target", "h100", "--fp8-scaling", "delayed",
+                       "-o", str(tmp_path / "policy.txt"),
+                       "--report", str(tmp_path / "table.json")])
+    assert status == 0, capsys.readouterr().err
+    data = json.loads((tmp_path / "table.json").read_text())
+    fp8 = next(b for b in data["baselines"] if b["name"] == "fp8 everywhere eligible")
+    assert hlo_amp.Policy.parse(fp8["policy"]).scaling == "delayed"
+
+
 @pytest.mark.parametrize(("args", "match"), [
     (["--autopolicy", "--xla-target", "tpu-v5e"], "--autopolicy needs --budget"),
     (["--autopolicy", "--budget", "-1", "--xla-target", "tpu-v5e"], "Invalid budget"),
