@@ -47,6 +47,23 @@ def trip_count(loop: ir.Operation) -> int | None:
     """The iterations of a ``stablehlo.while`` whose condition compares a counter carry
     (constant start, constant step added in the body) with a constant or a carry the body
     returns unchanged that starts at a constant; None when it cannot be read."""
+    found = _counter(loop)
+    return None if found is None else found[3]
+
+
+def counter_values(loop: ir.Operation) -> tuple[int, list[int]] | None:
+    """``(position, values)``: the carry ``trip_count`` reads as the counter and the value
+    it holds in each iteration; None when the trip count cannot be read."""
+    found = _counter(loop)
+    if found is None:
+        return None
+    counter, start, step, count = found
+    return counter, [start + k * step for k in range(count)]
+
+
+def _counter(loop: ir.Operation) -> tuple[int, int, int, int] | None:
+    """``(position, start, step, iterations)`` of the loop's counter carry (``trip_count``
+    says which loops have one)."""
     cond = loop.regions[0].blocks[0]
     body = loop.regions[1].blocks[0]
     predicate = terminator(cond).operands[0]
@@ -71,24 +88,8 @@ def trip_count(loop: ir.Operation) -> int | None:
     step = _step(terminator(body).operands[counter], body, counter)
     if limit is None or start is None or not step:
         return None
-    return _iterations(direction, start, limit, step)
-
-
-def counter_values(loop: ir.Operation) -> tuple[int, list[int]] | None:
-    """``(position, values)``: the carry ``trip_count`` reads as the counter and the value
-    it holds in each iteration; None when the trip count cannot be read."""
-    count = trip_count(loop)
-    if count is None:
-        return None
-    cond = loop.regions[0].blocks[0]
-    body = loop.regions[1].blocks[0]
-    lhs, rhs = terminator(cond).operands[0].owner.operands
-    counter = _argument_number(lhs, cond)
-    if counter is None:
-        counter = _argument_number(rhs, cond)
-    start = int_constant(loop.operands[counter])
-    step = _step(terminator(body).operands[counter], body, counter)
-    return counter, [start + k * step for k in range(count)]
+    count = _iterations(direction, start, limit, step)
+    return None if count is None else (counter, start, step, count)
 
 
 def _step(value: ir.Value, body: ir.Block, counter: int) -> int | None:

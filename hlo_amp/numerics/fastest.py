@@ -50,6 +50,7 @@ from hlo_amp.policy import SCALINGS, Policy
 from hlo_amp.policy_terms import FP8_ACTIONS
 from hlo_amp.report import Report, text_table
 from hlo_amp.runtime.compile import AmpFunction, rewrite_lowered
+from hlo_amp.runtime.compile import compile as amp_compile
 from hlo_amp.runtime.deviceless import lower_for_target
 from hlo_amp.targets import Target, device_target, refuse_policy_on_device
 from hlo_amp.targets.roofline import estimate
@@ -191,8 +192,6 @@ class _TargetModel:
                 # out (runtime/fp8_state.py), each scale read from it, not from this
                 # step's amax. jax.jit's lowering carries no history, and the fp8 pass
                 # would price current scaling for it.
-                from hlo_amp.runtime.compile import compile as amp_compile
-
                 text = amp_compile(self.fn, policy).lower(
                     *self.args, target=self.device).compile().as_text()
             else:

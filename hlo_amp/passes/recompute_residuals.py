@@ -36,6 +36,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func as func_dialect
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.ir.loops import WHILE
 from hlo_amp.ir.modules import (
     callee_name,
     discard,
@@ -93,14 +94,15 @@ class RecomputeResiduals:
             return
         by_name = {function_name(fn): fn for fn in functions(module)}
         low = DTYPE_TO_ELEMENT[self.policy.compute_dtype]
-        recipes = [recipe for op in walk_operations(module)
-                   for recipe in _recipes_of(op, by_name, low)]
+        ops = walk_operations(module)
+        recipes = [recipe for op in ops for recipe in _recipes_of(op, by_name, low)]
+        loops = [op for op in ops if op.name == WHILE]  # calls may be rebuilt, loops not
         with module.context:
             saved = 0
             if recipes:
                 calls, returned = _return_statistics(module, by_name, recipes)
                 saved = sum(_recompute(recipe, calls, returned) for recipe in recipes)
-            stacked, stacked_bytes = recompute_stacked(module, by_name)
+            stacked, stacked_bytes = recompute_stacked(module, loops, by_name)
         if report is not None and recipes:
             report.notes.append(
                 f"recompute-residuals: {len(recipes)} f32 residual(s) of "

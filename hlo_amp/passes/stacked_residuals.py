@@ -72,12 +72,13 @@ class _Loops:
     passed: dict[int, int] = field(default_factory=dict)
 
 
-def recompute_stacked(module: ir.Module, by_name: dict) -> tuple[int, int]:
-    """Recompute every stacked residual the rules allow: how many, and the bytes of the
-    stacks no longer read."""
+def recompute_stacked(module: ir.Module, loops_in_module: list[ir.Operation],
+                      by_name: dict) -> tuple[int, int]:
+    """Recompute every stacked residual the rules allow among ``module``'s while loops:
+    how many, and the bytes of the stacks no longer read."""
     count = saved = 0
     partitioned = is_partitioned(module)
-    for forward in walk_operations(module, names=frozenset({WHILE})):
+    for forward in loops_in_module:
         for loops in _backward_loops(forward, by_name):
             for carry in list(loops.passed):
                 if loops.passed[carry] not in loops.reads:
@@ -181,14 +182,9 @@ def _write(op: ir.Operation, by_name: dict) -> tuple[ir.Value, ir.Value, ir.Valu
     leading-1 broadcast) of the value, the other start indices 0, or a call of a
     private function that is only that (jax's ``dynamic_update_index_in_dim``)."""
     if op.name == "func.call":
-        fn = _helper(op, by_name, 3)
-        if fn is None:
-            return None
-        entry = fn.regions[0].blocks[0]
-        returned = terminator(entry).operands[0]
-        inner = None if isinstance(returned, ir.BlockArgument) else _write(returned.owner,
-                                                                          by_name)
-        if inner is None or list(inner) != list(entry.arguments):
+        helper = _helper(op, by_name, 3)
+        inner = None if helper is None else _write(helper[1], by_name)
+        if inner is None or list(inner) != helper[0]:
             return None
         return op.operands[0], op.operands[1], op.operands[2]
     if op.name != _WRITE or not all(_is_zero(v) for v in op.operands[3:]):
@@ -208,16 +204,12 @@ def _read(op: ir.Operation, by_name: dict) -> tuple[ir.Value, ir.Value, ir.Value
     one reader reshapes the leading 1 away, or a call of a private function that is only
     that (jax's ``dynamic_index_in_dim``)."""
     if op.name == "func.call":
-        fn = _helper(op, by_name, 2)
-        if fn is None:
+        helper = _helper(op, by_name, 2)
+        if helper is None or helper[1].name != "stablehlo.reshape":
             return None
-        entry = fn.regions[0].blocks[0]
-        returned = terminator(entry).operands[0]
-        if isinstance(returned, ir.BlockArgument) or returned.owner.name != "stablehlo.reshape":
-            return None
-        sliced = returned.owner.operands[0]
+        sliced = helper[1].operands[0]
         inner = None if isinstance(sliced, ir.BlockArgument) else _read(sliced.owner, by_name)
-        if inner is None or [inner[0], inner[2]] != list(entry.arguments):
+        if inner is None or [inner[0], inner[2]] != helper[0]:
             return None
         return op.operands[0], op.results[0], op.operands[1]
     if op.name != _READ or not all(_is_zero(v) for v in op.operands[2:]):
@@ -231,10 +223,12 @@ def _read(op: ir.Operation, by_name: dict) -> tuple[ir.Value, ir.Value, ir.Value
     return stack, reshapes[0].results[0], op.operands[1]
 
 
-def _helper(call: ir.Operation, by_name: dict, arity: int) -> ir.Operation | None:
-    """The private function ``call`` calls, when it takes ``arity`` operands (the last
-    a scalar index), returns one value and holds nothing but one slice or update, its
-    reshape or broadcast, and constants."""
+def _helper(call: ir.Operation, by_name: dict, arity: int
+            ) -> tuple[list[ir.Value], ir.Operation] | None:
+    """``(arguments, op)`` of the private function ``call`` calls, ``op`` making what it
+    returns, when it takes ``arity`` operands (the last a scalar index), returns one
+    value and holds nothing but one slice or update, its reshape or broadcast, and
+    constants."""
     fn = by_name.get(callee_name(call))
     if (fn is None or is_public(fn) or len(call.operands) != arity
             or len(call.results) != 1 or element_count(call.operands[arity - 1]) != 1):
@@ -245,7 +239,11 @@ def _helper(call: ir.Operation, by_name: dict, arity: int) -> ir.Operation | Non
     if any(name not in allowed for name in names) or (names.count(_WRITE)
                                                       + names.count(_READ)) != 1:
         return None
-    return fn
+    entry = fn.regions[0].blocks[0]
+    returned = terminator(entry).operands[0]
+    if isinstance(returned, ir.BlockArgument):
+        return None
+    return list(entry.arguments), returned.owner
 
 
 def _is_leading_one(op: ir.Operation) -> bool:
