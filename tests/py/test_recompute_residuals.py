@@ -5,6 +5,8 @@ test_memory_vs_hand_cast.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,23 +124,29 @@ def test_stacked_residuals_are_recomputed_in_the_backward_loop():
                                                        temp(stored_step))
 
 
+STACKED_LIT = (Path(__file__).parents[1] / "lit" / "stacked_residuals.mlir").read_text()
+
+
+def _gpu_pass_text(text: str) -> str:
+    """``text`` parsed, RecomputeResiduals run on it for GPU in mixed_bfloat16, verified,
+    printed."""
+    from hlo_amp.ir.modules import new_context, parse_module
+
+    with new_context():
+        module = parse_module(text)
+        RecomputeResiduals(Policy.parse("mixed_bfloat16"), as_target("gpu")).run(module)
+        module.operation.verify()
+        return module_text(module)
+
+
 def test_a_stack_the_loop_does_not_fill_stays_stored():
     """tests/lit/stacked_residuals.mlir's loops, with the forward loop running 2 of the
     stacks' 3 positions: the third holds the stacks' initial values, which the residual's
     ops do not make from the 16-bit stack's, so the residual stays stored."""
-    import pathlib
-
-    from hlo_amp.ir.modules import new_context, parse_module
-
-    source = (pathlib.Path(__file__).parents[1] / "lit" / "stacked_residuals.mlir").read_text()
-    policy = Policy.parse("mixed_bfloat16")
     for limit, recomputed in [("3", True), ("2", False)]:
-        text = source.replace("%c3 = stablehlo.constant dense<3>",
-                              f"%c3 = stablehlo.constant dense<{limit}>")
-        with new_context():
-            module = parse_module(text)
-            RecomputeResiduals(policy, as_target("gpu")).run(module)
-            assert module_text(module).count("stablehlo.logistic") == 1 + recomputed, limit
+        text = STACKED_LIT.replace("%c3 = stablehlo.constant dense<3>",
+                                   f"%c3 = stablehlo.constant dense<{limit}>")
+        assert _gpu_pass_text(text).count("stablehlo.logistic") == 1 + recomputed, limit
 
 
 _STATISTIC_MODULE = """
@@ -203,17 +211,11 @@ def test_a_stacked_statistic_is_a_leaf_only_where_nothing_partitions_the_module(
     stays stored: there XLA's partitioner may make the copy at another layout and gather
     the statistic for it (issue 48's one KV head split over TP, two gathers over fsdp the
     hand cast does not have)."""
-    from hlo_amp.ir.modules import new_context, parse_module
-
-    policy = Policy.parse("mixed_bfloat16")
     for attributes, recomputed in [("", True),
                                    (" attributes {mhlo.num_partitions = 2 : i32}", False)]:
-        with new_context():
-            module = parse_module(_STATISTIC_MODULE.format(attributes=attributes))
-            RecomputeResiduals(policy, as_target("gpu")).run(module)
-            module.operation.verify()
-            products = module_text(module).count("stablehlo.multiply")
-            assert products == 3 + recomputed, (attributes, products)
+        text = _gpu_pass_text(_STATISTIC_MODULE.format(attributes=attributes))
+        products = text.count("stablehlo.multiply")
+        assert products == 3 + recomputed, (attributes, products)
 
 
 def test_a_call_is_made_again_only_when_its_function_only_makes_constants():
@@ -221,12 +223,7 @@ def test_a_call_is_made_again_only_when_its_function_only_makes_constants():
     operands returns: made again in the backward loop when the function returns a
     constant (as jax's ``silu()`` does), stored when it has an effect (a custom call
     with side effects would run twice)."""
-    import pathlib
-
-    from hlo_amp.ir.modules import new_context, parse_module
-
-    source = (pathlib.Path(__file__).parents[1] / "lit" / "stacked_residuals.mlir").read_text()
-    source = source.replace(
+    source = STACKED_LIT.replace(
         "%r = stablehlo.logistic %x32 : tensor<4xf32>",
         "%e = func.call @scale() : () -> tensor<4xf32>\n"
         "    %r = stablehlo.multiply %x32, %e : tensor<4xf32>")
@@ -234,16 +231,11 @@ def test_a_call_is_made_again_only_when_its_function_only_makes_constants():
         True: "%c = stablehlo.constant dense<2.0> : tensor<4xf32>",
         False: '%c = stablehlo.custom_call @effect() {has_side_effect = true} : () -> '
                'tensor<4xf32>'}
-    policy = Policy.parse("mixed_bfloat16")
     for recomputed, body in bodies.items():
         text = source + ("func.func private @scale() -> tensor<4xf32> {\n"
                          f"  {body}\n  return %c : tensor<4xf32>\n}}\n")
-        with new_context():
-            module = parse_module(text)
-            RecomputeResiduals(policy, as_target("gpu")).run(module)
-            module.operation.verify()
-            calls = module_text(module).count("call @scale()")
-            assert calls == 1 + recomputed, (body, calls)
+        calls = _gpu_pass_text(text).count("call @scale()")
+        assert calls == 1 + recomputed, (body, calls)
 
 
 def test_a_read_through_a_helper_counts_only_when_the_helper_only_reads():
@@ -252,11 +244,7 @@ def test_a_read_through_a_helper_counts_only_when_the_helper_only_reads():
     reshape, so the residual is made from it; a helper that also doubles the slice does
     not read the stack's value, and the residual stays stored (made from the doubled
     value, it would be wrong)."""
-    import pathlib
-
-    from hlo_amp.ir.modules import new_context, parse_module
-
-    source = (pathlib.Path(__file__).parents[1] / "lit" / "stacked_residuals.mlir").read_text()
+    source = STACKED_LIT
     read = ("%xsl = stablehlo.dynamic_slice %xs2, %j, %c0, sizes = [1, 4] : (tensor<3x4xbf16>, "
             "tensor<i32>, tensor<i32>) -> tensor<1x4xbf16>\n"
             "    %x = stablehlo.reshape %xsl : (tensor<1x4xbf16>) -> tensor<4xbf16>")
@@ -270,12 +258,8 @@ def test_a_read_through_a_helper_counts_only_when_the_helper_only_reads():
               "(tensor<3x4xbf16>, tensor<i32>, tensor<i32>) -> tensor<1x4xbf16>\n"
               "  %r = stablehlo.reshape %d : (tensor<1x4xbf16>) -> tensor<4xbf16>\n"
               "  {extra}return {out} : tensor<4xbf16>\n}}\n")
-    policy = Policy.parse("mixed_bfloat16")
     for recomputed, extra, out in [
             (True, "", "%r"),
             (False, "%t = stablehlo.add %r, %r : tensor<4xbf16>\n  ", "%t")]:
-        with new_context():
-            module = parse_module(source + helper.format(extra=extra, out=out))
-            RecomputeResiduals(policy, as_target("gpu")).run(module)
-            module.operation.verify()
-            assert module_text(module).count("stablehlo.logistic") == 1 + recomputed, extra
+        text = _gpu_pass_text(source + helper.format(extra=extra, out=out))
+        assert text.count("stablehlo.logistic") == 1 + recomputed, extra
