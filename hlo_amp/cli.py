@@ -27,15 +27,16 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from hlo_amp import jaxlib_internals
 from hlo_amp.ir.modules import ModuleError, module_text, parse_module
 from hlo_amp.passes import pass_names, run_pipeline
 from hlo_amp.policy import Policy, as_policy
-from hlo_amp.quiet_stderr import fd2_muted
+from hlo_amp.quiet_stderr import fd2_muted, import_jax_for_cli
 from hlo_amp.report import Report
-from hlo_amp.runtime.deviceless import NoCompilerForTarget, compile_module_for_target
 from hlo_amp.targets import CpuTarget, Target, as_target, device_target, refuse_policy_on_device
 from hlo_amp.targets.collectives import read_collectives
 from hlo_amp.targets.kept_by_xla import mark_kept_by_xla
+from hlo_amp.targets.topology import NoCompilerForTarget
 
 _SPLIT_MARKER = re.compile(r"^// -----\s*$", re.MULTILINE)
 
@@ -141,8 +142,28 @@ def _chunks(source: str | bytes, split: bool) -> list[tuple[str | bytes, int]]:
     return pieces
 
 
+def _start_jax() -> None:
+    """Import jax (quietly, on CPU) for what needs it: ``--xla-target``'s compile and
+    ``--autopolicy``'s search. The passes themselves need only jaxlib's MLIR bindings
+    (hlo_amp/jaxlib_internals.py); the fused-attention pass imports jax where it lowers
+    a kernel."""
+    import_jax_for_cli()
+    from hlo_amp import jax_internals
+
+    try:
+        jax_internals.check()
+    except ImportError as error:
+        raise CliError(f"hlo-amp-opt: error: {error}") from None
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = jaxlib_internals.missing_entry_points()
+    if missing:
+        raise CliError(f"hlo-amp-opt: error: this jaxlib lacks what hlo_amp needs: "
+                       f"{'; '.join(missing)}")
+    if args.xla_target is not None or args.autopolicy:
+        _start_jax()
     try:
         policy = _policy_from(args)
     except ValueError as error:
@@ -236,6 +257,8 @@ def _device_target(args: argparse.Namespace) -> Target | None:
 
 def _mark_for_device(report: Report, modules: list, device: Target) -> None:
     """Compile each rewritten module for ``device`` and fill the report's verdicts."""
+    from hlo_amp.runtime.deviceless import compile_module_for_target
+
     texts = []
     for module in modules:
         try:

@@ -33,7 +33,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import (
     callee_name,

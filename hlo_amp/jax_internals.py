@@ -9,7 +9,6 @@ Each entry and why we need it:
   with a function's calling convention).
 - ``export._export._module_to_bytecode``: serialises a rewritten module into an
   ``Exported`` the way ``jax.export`` does.
-- ``interpreters.mlir.make_ir_context``: an MLIR context with JAX's dialects loaded.
 - ``lib._jax.mlir.deserialize_portable_artifact``: reads ``jax.export`` artifacts.
 - ``_cache_size()`` of a ``jax.jit`` function: ``AmpFunction.cache_size()`` counts the
   executables behind calls, which live in ``jax.jit``'s own cache.
@@ -21,9 +20,6 @@ Each entry and why we need it:
   (``register_lowering``, ``lower_fun``): how a rewritten program composes with
   ``vmap``, ``jvp``, ``linearize`` and ``grad``.
 
-- ``ir.Operation._CAPIPtr`` (the MLIR bindings' C API capsule): ``operation_address``,
-  an op's address, the only key that names an op for as long as it lives (an
-  ``ir.Operation``'s own hash follows its contents; hlo_amp/ir/modules.py ``op_key``).
 - ``_jit_info`` of a ``jax.jit`` function (``jax._src.pjit``): the static and donated
   arguments of a step decorated with ``jax.jit``, ``nnx.jit`` or ``eqx.filter_jit``
   (runtime/frameworks.py ``unwrap_jit``); where it is missing, a decorated NNX or
@@ -45,20 +41,16 @@ Each entry and why we need it:
   ``xla_attention_for_f32`` routes the first to the second for f32 arrays while
   hlo_amp traces a program (runtime/compile.py), so that such a call reaches the
   fused-attention pass instead of jax's f32 refusal.
-- Shardy's ``sdy-propagation-pipeline``, registered in jaxlib's MLIR pass registry and
-  run through the public ``jax.extend.mlir.passmanager``: a pass that replaces an op in
-  a sharded module reads the sharding XLA's partitioner would give the op's result
-  (hlo_amp/ir/shardings.py). ``shardy_propagation()`` returns None where a jaxlib lacks
-  it, and those passes then leave such ops as they are.
 
-The MLIR bindings themselves come from the public ``jax.extend.mlir``.
-``check()`` runs at import and turns a missing entry into one clear error.
+The MLIR side (a context with JAX's dialects, an op's address, Shardy's propagation) is
+imported without jax: hlo_amp/jaxlib_internals.py lists it.
+``check()`` (run where hlo_amp is imported, and by ``hlo-amp-opt`` where it needs jax) turns
+a missing entry of either list into one clear error.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import inspect
 import threading
 from collections.abc import Iterator
@@ -72,7 +64,8 @@ from jax._src.export import _export as export_internals
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib import _jax
-from jax.extend.mlir import ir
+
+from hlo_amp import jaxlib_internals
 
 SUPPORTED_JAX = "0.10.2 to 0.12.x"
 
@@ -96,7 +89,6 @@ _needs(stages.Lowered, "jax._src.stages.Lowered", "__init__",
        ("lowering", "args_info", "out_tree", "no_kwargs"))
 export_module_to_bytecode = _needs(export_internals, "jax._src.export._export",
                                    "_module_to_bytecode", ("module",))
-make_ir_context = _needs(jax_mlir, "jax._src.interpreters.mlir", "make_ir_context", ())
 register_lowering = _needs(jax_mlir, "jax._src.interpreters.mlir", "register_lowering",
                            ("prim", "rule"))
 lower_fun = _needs(jax_mlir, "jax._src.interpreters.mlir", "lower_fun",
@@ -109,7 +101,6 @@ primitive_jvps = _needs(ad, "jax._src.interpreters.ad", "primitive_jvps")
 primitive_transposes = _needs(ad, "jax._src.interpreters.ad", "primitive_transposes")
 fancy_primitive_batchers = _needs(batching, "jax._src.interpreters.batching",
                                   "fancy_primitive_batchers")
-_needs(ir.Operation, "jax.extend.mlir.ir.Operation", "_CAPIPtr")
 
 from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention
 from jax._src.nn import functions as _nn_functions
@@ -126,21 +117,6 @@ _needs(_nn_functions, "jax._src.nn.functions", "cudnn_dot_product_attention",
 _needs(_nn_functions, "jax._src.nn.functions", "_dot_product_attention_xla",
        ("query", "key", "value", "bias", "mask", "is_causal", "scale", "q_seqlen",
         "kv_seqlen", "local_window_size"))
-
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_capsule_name = ctypes.pythonapi.PyCapsule_GetName
-_capsule_name.restype = ctypes.c_char_p
-_capsule_name.argtypes = [ctypes.py_object]
-
-
-def operation_address(operation: Any) -> int:
-    """The address of the MLIR operation an ``ir.Operation`` wraps (read from its C API
-    capsule, whose name differs between jaxlib builds)."""
-    capsule = operation._CAPIPtr
-    return _capsule_pointer(capsule, _capsule_name(capsule))
-
 
 def swap_module(lowered: Any, module: Any) -> Any:
     """A ``stages.Lowered`` like ``lowered`` whose module is ``module``."""
@@ -241,21 +217,6 @@ def xla_attention_for_f32() -> Iterator[None]:
             yield
         finally:
             _nn_functions.cudnn_dot_product_attention = original
-SHARDY_PROPAGATION = "builtin.module(sdy-propagation-pipeline)"
-
-
-def shardy_propagation(context: Any) -> Any:
-    """A pass manager running Shardy's propagation in ``context``, or None where this
-    jaxlib does not register the pipeline."""
-    from jax.extend.mlir import passmanager
-
-    with context:
-        try:
-            return passmanager.PassManager.parse(SHARDY_PROPAGATION)
-        except (ValueError, ir.MLIRError):
-            return None
-
-
 def missing_entry_points() -> list[str]:
     """Each entry point that is absent or no longer takes the parameters we pass."""
     missing = []
@@ -277,7 +238,7 @@ def missing_entry_points() -> list[str]:
 
 def check() -> None:
     """Raise one ImportError naming the jax version and what is missing, if anything."""
-    missing = missing_entry_points()
+    missing = missing_entry_points() + jaxlib_internals.missing_entry_points()
     if missing:
         raise ImportError(
             f"hlo_amp needs jax {SUPPORTED_JAX}; found {jax.__version__}: "

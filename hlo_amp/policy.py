@@ -82,8 +82,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-
 from hlo_amp.policy_terms import (
     AMP_STOP,
     COMPUTE,
@@ -562,4 +560,6 @@ def amp_stop() -> Any:
 
     Use as ``with hlo_amp.amp_stop(): ...`` or as a decorator ``@hlo_amp.amp_stop()``.
     """
+    import jax  # here, not at the top: hlo-amp-opt parses policies without jax
+
     return jax.named_scope(AMP_STOP)

@@ -13,8 +13,6 @@ import functools
 import re
 from typing import Any
 
-import jax
-
 from hlo_amp.ir.op_classes import op_names
 
 COMPUTE = "compute"
@@ -62,7 +60,9 @@ LAST_MATRIX_OP = "last_matrix_op"
 def _dtype_key(name: Any) -> str:
     """``name`` (str, numpy or jnp dtype, jnp.float8_e4m3fn...) as a lower-case string."""
     key = name
-    if not isinstance(name, str):
+    if not isinstance(name, str):  # a dtype object: from the Python API, where jax is loaded
+        import jax
+
         try:
             key = jax.numpy.dtype(name).name
         except TypeError:

@@ -153,7 +153,9 @@ def import_jax_for_cli() -> None:
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     with fd2_muted():
-        import jax  # noqa: F401
+        import jax
+
+        jax.devices()  # the backends start here, their plugin lines muted too
 
 
 def start_jax() -> None:

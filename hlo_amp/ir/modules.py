@@ -8,10 +8,10 @@ import threading
 from collections.abc import Iterator
 from types import TracebackType
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import func as func_dialect
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import func as func_dialect
 
-from hlo_amp import jax_internals as internals
+from hlo_amp import jaxlib_internals
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
 
 
@@ -58,7 +58,7 @@ _PENDING = _Pending()
 
 def op_key(op: ir.Operation | ir.OpView) -> int:
     """A dict key for ``op`` that stays the same while it lives: its address."""
-    return internals.operation_address(op.operation)
+    return jaxlib_internals.operation_address(op.operation)
 
 
 def discard(op: ir.Operation | ir.OpView) -> None:
@@ -145,7 +145,7 @@ def op_in_traceback(traceback: TracebackType | None) -> str | None:
 
 def new_context() -> ir.Context:
     """An MLIR context with the dialects JAX lowers to (stablehlo, chlo, func, sdy...)."""
-    return internals.make_ir_context()
+    return jaxlib_internals.make_ir_context()
 
 
 _DIAG_LOC = re.compile(r'^loc\("([^"]*)":(\d+):(\d+)')
@@ -208,8 +208,10 @@ def _is_portable(data: bytes) -> bool:
 
 
 def _deserialize_portable(data: bytes, source_name: str, context: ir.Context) -> ir.Module:
+    from hlo_amp import jax_internals  # jaxlib's XLA extension, through jax
+
     try:  # the context must be passed: the artifact is upgraded into it
-        return internals.deserialize_portable_artifact(data, context)
+        return jax_internals.deserialize_portable_artifact(data, context)
     except Exception as error:  # noqa: BLE001 - jaxlib raises its own runtime errors
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise ModuleError(

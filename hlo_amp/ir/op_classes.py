@@ -42,8 +42,8 @@ import functools
 import math
 from typing import Any
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 ALLOW = "allow"
 INFER = "infer"
@@ -168,8 +168,8 @@ def op_class(op: Any, compute_dtype: str) -> str:
 @functools.cache
 def op_names() -> frozenset[str]:
     """Every StableHLO and CHLO op name the bindings know, without the dialect prefix."""
-    from jax.extend.mlir.dialects import chlo
-    from jax.extend.mlir.dialects import stablehlo as hlo
+    from jaxlib.mlir.dialects import chlo
+    from jaxlib.mlir.dialects import stablehlo as hlo
 
     names = {
         short_name(cls.OPERATION_NAME)

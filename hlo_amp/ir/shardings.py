@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import sdy
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import sdy
 
-from hlo_amp import jax_internals
+from hlo_amp import jaxlib_internals
 from hlo_amp.ir.modules import copy_module, is_public, walk_operations
 
 _PROBE = "hlo_amp.sharding_probe"
@@ -72,7 +72,7 @@ def result_shardings(module: ir.Module, ops: Sequence[ir.Operation]
             op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main"
             for op in body):
         return {}  # Shardy's pipeline starts at a ``main`` (and aborts without one)
-    propagation = jax_internals.shardy_propagation(module.context)
+    propagation = jaxlib_internals.shardy_propagation(module.context)
     if propagation is None:
         return {}
     with module.context:

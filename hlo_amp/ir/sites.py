@@ -14,7 +14,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 # Transforms JAX writes as wrappers around a name-stack segment.
 TRANSFORMS = frozenset({

@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import (
     ModuleError,

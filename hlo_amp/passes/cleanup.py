@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import (
     callee_name,

@@ -44,8 +44,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import decision_of, discard, walk_operations
 from hlo_amp.ir.sites import location_name

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import func as func_dialect
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import func as func_dialect
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import (
     callee_name,

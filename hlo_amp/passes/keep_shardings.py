@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import functions, is_program_convert, walk_operations
 from hlo_amp.ir.shardings import constrain, fixed_sharding, is_partitioned, leaves_an_axis_free

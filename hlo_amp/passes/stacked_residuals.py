@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.loops import WHILE, counter_values, int_constant
 from hlo_amp.ir.modules import (

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 from jax import export as jax_export
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp import jax_internals as internals
 from hlo_amp.ir.modules import copy_module, module_text, new_context

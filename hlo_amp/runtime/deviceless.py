@@ -151,7 +151,7 @@ def compile_module_for_target(module: Any, target: Target) -> Any:
 
 def module_partitions(module: Any) -> int:
     """``mhlo.num_partitions`` of a StableHLO module (1 when absent)."""
-    from jax.extend.mlir import ir
+    from jaxlib.mlir import ir
 
     attributes = module.operation.attributes
     if "mhlo.num_partitions" not in attributes:

@@ -31,11 +31,10 @@ import contextlib
 import functools
 from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
+from hlo_amp.quiet_stderr import fd2_filtered, import_jax_for_cli
 
-from hlo_amp import jax_internals as internals
-from hlo_amp.quiet_stderr import fd2_filtered
+# jax is imported in the functions that lower a kernel, not here: the fused-attention pass
+# imports this module, and hlo-amp-opt runs passes without jax (hlo_amp/jaxlib_internals.py).
 
 KERNELS = ("cudnn", "reference")
 # The cuDNN version a deviceless lowering reports to jax (targets/gpu.py's dnn_version).
@@ -82,12 +81,18 @@ def lower_kernel(call: AttentionCall, kernel: str = "cudnn",
     the GPU compiled for without it (None: the GPU of this machine, asked by jax)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+    import_jax_for_cli()  # quietly, on CPU, in hlo-amp-opt (a no-op elsewhere)
     return _lower(call, kernel, compute_capability)
 
 
 @functools.lru_cache(maxsize=64)
 def _lower(call: AttentionCall, kernel: str,
            compute_capability: tuple[int, int] | None) -> Kernel:
+    import jax
+    import jax.numpy as jnp
+
+    from hlo_amp import jax_internals as internals
+
     dtype = jnp.dtype(call.dtype)
     q = jax.ShapeDtypeStruct(call.q_shape, dtype)
     kv = jax.ShapeDtypeStruct(call.kv_shape, dtype)
@@ -132,6 +137,8 @@ def _lower(call: AttentionCall, kernel: str,
 def _text(function, inputs: tuple, platform: str) -> tuple[str, list]:
     """``function`` lowered for ``platform``: its StableHLO text (every argument kept,
     locations in) and its outputs' shapes, from one trace."""
+    import jax
+
     traced = jax.jit(function, keep_unused=True).trace(*inputs)
     lowered = traced.lower(lowering_platforms=(platform,))
     return lowered.as_text(debug_info=True), jax.tree.leaves(traced.out_info)
@@ -140,6 +147,8 @@ def _text(function, inputs: tuple, platform: str) -> tuple[str, list]:
 def _cudnn(call: AttentionCall):
     """jax's cuDNN attention (what ``jax.nn.dot_product_attention(implementation=
     "cudnn")`` calls), BTNH, with the call's scale, mask type and bias."""
+    from hlo_amp import jax_internals as internals
+
     cudnn = internals.cudnn_attention_module()
     mask_type = cudnn.MaskType.CAUSAL if call.causal else cudnn.MaskType.NO_MASK
 
@@ -152,6 +161,7 @@ def _cudnn(call: AttentionCall):
 
 def _reference(call: AttentionCall):
     """XLA's attention with the cuDNN kernel's arguments and result."""
+    import jax
 
     def attend(q, k, v, bias):
         return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=call.scale,

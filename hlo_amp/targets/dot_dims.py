@@ -10,8 +10,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import element_type
 from hlo_amp.targets.dot_dims import dot_layout

@@ -170,9 +170,11 @@ def _local_gpus() -> tuple[Any, ...]:
     """This machine's GPU devices, asked once per process (every fused-attention pass
     asks; the devices do not change). Asking jax may start its CUDA plugin, whose stub
     prints to fd 2 where there is no GPU: dropped, as at hlo_amp's import."""
-    import jax
+    from hlo_amp.quiet_stderr import fd2_filtered, is_cli_process
 
-    from hlo_amp.quiet_stderr import fd2_filtered
+    if is_cli_process():  # hlo-amp-opt runs jax on CPU only (quiet_stderr.import_jax_for_cli)
+        return ()
+    import jax
 
     with fd2_filtered():
         try:

@@ -233,6 +233,33 @@ func.func @main(%x: tensor<4xbf16>) -> tensor<4xbf16> {
     assert "stablehlo.convert" not in capsys.readouterr().out
 
 
+# hlo-amp-opt as the console script (argv[0] decides: hlo_amp/quiet_stderr.py), then the
+# jax modules the run imported, on stderr's last line.
+_IMPORTS_PROBE = ("import sys; sys.argv[0] = 'hlo-amp-opt'; from hlo_amp import cli; "
+                  "status = cli.main(sys.argv[1:]); "
+                  "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax')[:3], "
+                  "file=sys.stderr); sys.exit(status)")
+
+
+@pytest.mark.parametrize(("args", "imports_jax"), [
+    (["--target", "gpu", "--policy", "mixed_bfloat16"], False),
+    (["--target", "cpu", "--policy", "bf16"], False),
+    (["--xla-target", "h100", "--policy", "bf16"], True),
+])
+def test_passes_on_a_file_run_without_jax(args: list[str], imports_jax: bool,
+                                          module_file: Path, tmp_path: Path) -> None:
+    """The passes need jaxlib's MLIR bindings only (hlo_amp/jaxlib_internals.py): jax, half
+    a second of every run, is imported where the CLI compiles (``--xla-target``)."""
+    out = tmp_path / "out.mlir"
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_PROBE, str(module_file), "-o",
+                             str(out), *args], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    assert CONVERTED in out.read_text()
+    jax_modules = result.stderr.strip().splitlines()[-1]
+    assert (jax_modules != "[]") == imports_jax, jax_modules
+
+
 def test_console_script_is_installed(module_file: Path) -> None:
     script = Path(sys.executable).parent / "hlo-amp-opt"
     result = subprocess.run([str(script), str(module_file)], capture_output=True, text=True,

@@ -72,6 +72,29 @@ def test_supported_range_matches_the_pin():
 def test_shardy_propagation_is_registered():
     # hlo_amp/ir/shardings.py reads the shardings XLA's partitioner gives a value; without
     # the pipeline scatter_select leaves a partitioned module's scatters as they are.
+    from hlo_amp import jaxlib_internals
     from hlo_amp.ir.modules import new_context
 
-    assert jax_internals.shardy_propagation(new_context()) is not None
+    assert jaxlib_internals.shardy_propagation(new_context()) is not None
+
+
+def test_jaxlib_entry_points_exist_and_make_jaxs_context():
+    """hlo_amp/jaxlib_internals.py builds, without jax, the context jax builds: the same
+    dialects registered, and a sharded module jax lowered parses and verifies in it."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jaxlib.mlir import ir
+
+    from hlo_amp import jaxlib_internals
+
+    assert jaxlib_internals.missing_entry_points() == []
+    ours, theirs = jaxlib_internals.make_ir_context(), jax_mlir.make_ir_context()
+    for name in ("func.func", "stablehlo.dot_general", "chlo.erf", "sdy.sharding_constraint",
+                 "mhlo.copy", "arith.constant", "mpmd.fragment", "gpu.launch", "llvm.add"):
+        assert (ours.is_registered_operation(name)
+                == theirs.is_registered_operation(name)), name
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    text = jax.jit(lambda a: a * 2, in_shardings=spec).lower(jnp.ones(4)).as_text()
+    assert "sdy." in text
+    module = ir.Module.parse(text, ours)
+    assert module.operation.verify()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.loops import WHILE
 from hlo_amp.ir.modules import (

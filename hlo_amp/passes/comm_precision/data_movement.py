@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import discard, element_type, live_uses, walk_operations, with_element
 

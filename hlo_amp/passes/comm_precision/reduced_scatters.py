@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import discard, element_type, from_constant, live_uses, with_element
 from hlo_amp.ir.op_classes import body_is_one_add, single_update_scatter

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import function_name, functions, is_discarded, walk_operations
 from hlo_amp.ir.shardings import partition_count

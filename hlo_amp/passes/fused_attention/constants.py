@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
 

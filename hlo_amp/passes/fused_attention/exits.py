@@ -6,7 +6,7 @@ that never recomputes P·V, V from dP = dO·Vᵀ).
 
 from __future__ import annotations
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.sites import location_name
 from hlo_amp.passes.fused_attention.calls import Stack

@@ -7,7 +7,7 @@ query's free dimensions is the query position.
 from __future__ import annotations
 
 import numpy as np
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.passes.fused_attention.calls import Stack
 from hlo_amp.passes.fused_attention.constants import Folded, evaluate, unit_reshape_map

@@ -33,7 +33,7 @@ probabilities outside the attention) leaves the site unfused with the reason.
 
 from __future__ import annotations
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import op_key
 from hlo_amp.passes.fused_attention.calls import CallView, Stack

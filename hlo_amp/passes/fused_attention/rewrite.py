@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import (
     callee_name,

@@ -5,8 +5,8 @@ unit reshapes (match.py's docstring says which roles there are).
 
 from __future__ import annotations
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.passes.fused_attention.constants import unit_reshape_map
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.passes.fused_attention.roles import Role
 

@@ -9,8 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import stablehlo as hlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import element_count, element_type
 from hlo_amp.policy import (

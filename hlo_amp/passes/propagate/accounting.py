@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import function_name, functions
 from hlo_amp.ir.op_classes import ALLOW

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from jax.extend.mlir import ir
+from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import op_key, walk_operations
 
