@@ -208,6 +208,9 @@ def _is_portable(data: bytes) -> bool:
 
 
 def _deserialize_portable(data: bytes, source_name: str, context: ir.Context) -> ir.Module:
+    from hlo_amp.quiet_stderr import import_jax_for_cli
+
+    import_jax_for_cli()  # hlo-amp-opt imports jax here: quietly, on CPU
     from hlo_amp import jax_internals  # jaxlib's XLA extension, through jax
 
     try:  # the context must be passed: the artifact is upgraded into it
