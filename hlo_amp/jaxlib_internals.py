@@ -57,6 +57,9 @@ ENTRY_POINTS: dict[str, Any] = {
 }
 
 _upstream_dialects: Any = None  # one registry for every context, as jax keeps one
+# One thread pool for every context, as jax shares one: a context's own would start
+# threads of its own, for each module parsed.
+_thread_pool: Any = None
 
 
 class _Context(ir.Context):
@@ -69,13 +72,16 @@ class _Context(ir.Context):
 
 def make_ir_context() -> ir.Context:
     """An MLIR context with the dialects JAX lowers to (stablehlo, chlo, func, sdy...)."""
-    global _upstream_dialects
+    global _upstream_dialects, _thread_pool
     if _upstream_dialects is None:
         _upstream_dialects = ir.DialectRegistry()
         _jax_mlir_ext.register_dialects(_upstream_dialects)
+        _thread_pool = ir.ThreadPool() if hasattr(ir, "ThreadPool") else None
     context = _Context()
     context.append_dialect_registry(_upstream_dialects)
     context.load_all_available_dialects()
+    if _thread_pool is not None:
+        context.set_thread_pool(_thread_pool)
     sdy.register_dialect(context)
     if mpmd is not None:
         mpmd.register_dialect(context)
