@@ -3,7 +3,7 @@
 from hlo_amp.quiet_stderr import is_cli_process as _is_cli_process
 
 # hlo-amp-opt runs the passes on a .mlir file with jaxlib's MLIR bindings alone and imports
-# jax only where it traces or compiles (hlo_amp/cli.py ``_start_jax_if_needed``): in that
+# jax only where it traces or compiles (hlo_amp/cli.py ``_start_jax``): in that
 # process the API below, which needs jax, is not imported (half a second of every run).
 if not _is_cli_process():
     from hlo_amp.quiet_stderr import start_jax as _start_jax
