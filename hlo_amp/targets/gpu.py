@@ -170,10 +170,16 @@ def _local_gpus() -> tuple[Any, ...]:
     """This machine's GPU devices, asked once per process (every fused-attention pass
     asks; the devices do not change). Asking jax may start its CUDA plugin, whose stub
     prints to fd 2 where there is no GPU: dropped, as at hlo_amp's import."""
-    from hlo_amp.quiet_stderr import fd2_filtered, is_cli_process
+    import os
 
-    if is_cli_process():  # hlo-amp-opt runs jax on CPU only (quiet_stderr.import_jax_for_cli)
-        return ()
+    from hlo_amp.quiet_stderr import fd2_filtered, import_jax_for_cli, is_cli_process
+
+    if is_cli_process():
+        # hlo-amp-opt runs jax on CPU unless JAX_PLATFORMS asks for more: without it, no
+        # GPU, and no jax imported to say so.
+        if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+            return ()
+        import_jax_for_cli()
     import jax
 
     with fd2_filtered():
