@@ -136,7 +136,7 @@
 // JSON-NEXT: "direction": "backward",
 // JSON:      "rule": "first_matrix_op",
 // JSON:      "unused_rules": [],
-// JSON:      "fp8: 6 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 2, e5m2 x e4m3fn 4), {{[0-9]+}}% of FLOPs; 6 tensor(s) quantised with per-tensor current scaling"
+// JSON:      "fp8: 6 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 2, e5m2 x e4m3fn 4), {{[0-9]+\.[0-9]}}% of FLOPs; 6 tensor(s) quantised with per-tensor current scaling"
 
 // ENDS:      "scope": "stem",
 // ENDS:      "rule": "op:dot_general",
