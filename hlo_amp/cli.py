@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from hlo_amp import jaxlib_internals
 from hlo_amp.ir.modules import ModuleError, module_text, parse_module
 from hlo_amp.passes import pass_names, run_pipeline
-from hlo_amp.policy import Policy, as_policy
+from hlo_amp.policy import SCALINGS, Policy, as_policy
 from hlo_amp.quiet_stderr import fd2_muted, import_jax_for_cli
 from hlo_amp.report import Report
 from hlo_amp.targets import CpuTarget, Target, as_target, device_target, refuse_policy_on_device
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--autopolicy: the name-stack depth of the scopes searched")
     parser.add_argument("--max-compiles", type=int, default=None,
                         help="--autopolicy: at most this many XLA compiles")
-    parser.add_argument("--fp8-scaling", choices=("current", "delayed"), default="current",
+    parser.add_argument("--fp8-scaling", choices=SCALINGS, default="current",
                         help="--autopolicy: the scaling the fp8 policies are priced and "
                              "returned with (docs/fp8.md)")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",

@@ -279,6 +279,16 @@ def _makes_constants(fn: ir.Operation) -> bool:
                or short_name(op.name) in _ELEMENTWISE for op in walk_operations(fn))
 
 
+def _is_constant(op: ir.Operation, by_name: dict) -> bool:
+    """Whether ``op`` makes constants alone: a ``stablehlo.constant``, or a call without
+    operands of a private function that only makes constants (a copy computes the same)."""
+    if op.name == "func.call":
+        fn = by_name.get(callee_name(op))
+        return (fn is not None and not is_public(fn) and not len(op.operands)
+                and _makes_constants(fn))
+    return op.name == "stablehlo.constant"
+
+
 def _recompute(loops: _Loops, carry: int, by_name: dict, partitioned: bool) -> int:
     """Recompute the residual stacked in forward carry ``carry`` in the backward body;
     the stack's bytes, or 0 when the rules do not allow it."""
@@ -368,16 +378,14 @@ class _Copier:
             return self.value(call.operands[ir.BlockArgument(value).arg_number], calls[:-1])
         owner = value.owner
         number = ir.OpResult(value).result_number
+        if _is_constant(owner, self.by_name):
+            return self._clone(owner, []).results[number]
         if owner.name == "func.call":
             fn = self.by_name.get(callee_name(owner))
             if fn is None or is_public(fn):
                 raise _CannotRecompute
-            if not len(owner.operands) and _makes_constants(fn):
-                return self._clone(owner, []).results[number]
             returned = terminator(fn.regions[0].blocks[0]).operands[number]
             return self.value(returned, (*calls, owner))
-        if owner.name == "stablehlo.constant":
-            return self._clone(owner, []).results[0]
         if ((short_name(owner.name) not in _ELEMENTWISE and owner.name not in _CLONED)
                 or len(owner.regions) or len(owner.results) != 1):
             raise _CannotRecompute
@@ -435,15 +443,8 @@ class _Copier:
                 return backward_body.arguments[other]
         if isinstance(start, ir.BlockArgument):
             raise _CannotRecompute
-        owner = start.owner
-        if owner.name == "func.call":
-            fn = self.by_name.get(callee_name(owner))
-            constant = (fn is not None and not is_public(fn) and not len(owner.operands)
-                        and _makes_constants(fn))
-        else:
-            constant = owner.name == "stablehlo.constant"
-        if constant:
-            return self._clone(owner, []).results[ir.OpResult(start).result_number]
+        if _is_constant(start.owner, self.by_name):
+            return self._clone(start.owner, []).results[ir.OpResult(start).result_number]
         raise _CannotRecompute
 
     def _clone(self, op: ir.Operation, operands: list[ir.Value]) -> ir.Operation:
