@@ -29,15 +29,15 @@ _pin_xdist_worker_to_one_cpu()
 # `make test` pytest-xdist hands whole files to its workers in collection order
 # (--dist loadfile --no-loadscope-reorder), so a long file that started last would keep
 # one worker busy after the other is done: the 4 demo trainings are the longest file.
-SLOW_FILES_FIRST = ("test_demo_mixed.py", "test_tpu_accurate_memory.py",
+SLOW_FILES_FIRST = ("test_demo_mixed.py", "test_partition_plan.py", "test_gpu_target.py",
                     "test_framework_steps.py", "test_crash_net.py",
-                    "test_memory_vs_hand_cast.py",
-                    "test_gpu_target.py",
+                    "test_memory_vs_hand_cast.py", "test_tpu_target.py",
+                    "test_autopolicy_target.py", "test_partition_plan_properties.py",
+                    "test_llm_benchmark.py", "test_fused_attention.py",
                     "test_third_party.py", "test_module_scopes.py", "test_propagate.py",
-                    "test_partition_plan.py",
-                    "test_tpu_target.py", "test_transforms.py", "test_report_text.py",
-                    "test_sharded_decoder.py", "test_mesh_fast_mode.py",
-                    "test_comm_precision_scan.py", "test_llm_benchmark.py")
+                    "test_fp8_delayed.py", "test_sharded_decoder.py",
+                    "test_multiprocess.py", "test_scaler.py", "test_fp8_fast_mode.py",
+                    "test_mesh_fast_mode.py", "test_transforms.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
