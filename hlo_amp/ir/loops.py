@@ -157,3 +157,53 @@ class LoopCounts:
                     count *= trip + 1 if in_cond else trip
             inner, parent = parent, parent.parent
         return Runs(count, unknown)
+
+
+def loop_body(loop: object) -> ir.Block:
+    """The body block of a ``stablehlo.while``."""
+    return loop.operation.regions[1].blocks[0]
+
+
+def _owner_op(value: ir.Value) -> ir.Operation:
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return owner.owner.operation
+    return owner.operation if hasattr(owner, "operation") else owner
+
+
+def defined_outside(value: ir.Value, loop: object) -> bool:
+    """Whether ``value`` is defined outside ``loop`` (not in any of its regions)."""
+    loop_op = loop.operation
+    op: ir.Operation | None = _owner_op(value)
+    while op is not None:
+        if op == loop_op:
+            return False
+        op = op.parent
+    return True
+
+
+def is_invariant(value: ir.Value, loop: object) -> bool:
+    """``value`` is the same on every iteration of ``loop``'s body: defined outside it,
+    or a carry the body returns unchanged."""
+    body = loop_body(loop)
+    if isinstance(value.owner, ir.Block) and value.owner == body:
+        index = ir.BlockArgument(value).arg_number
+        return terminator(body).operands[index] == value
+    return defined_outside(value, loop)
+
+
+def outside_value(value: ir.Value, loop: object) -> ir.Value:
+    """What an invariant ``value`` of ``loop``'s body is before the loop: the carry's
+    initial operand, or ``value`` itself when it is defined outside."""
+    body = loop_body(loop)
+    if isinstance(value.owner, ir.Block) and value.owner == body:
+        return loop.operation.operands[ir.BlockArgument(value).arg_number]
+    return value
+
+
+def enclosing_while(op: object) -> object | None:
+    """The while whose body block holds ``op`` directly, else None."""
+    parent = op.operation.parent
+    if parent is None or not isinstance(parent.opview, hlo.WhileOp):
+        return None
+    return parent.opview if op.operation.block == loop_body(parent) else None

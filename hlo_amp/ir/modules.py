@@ -389,6 +389,26 @@ def is_call(op: object) -> bool:
     return isinstance(op, func_dialect.CallOp) or op.operation.name == "func.call"
 
 
+def _symbol_refs(attribute: ir.Attribute) -> list[str]:
+    if isinstance(attribute, ir.FlatSymbolRefAttr):
+        return [attribute.value]
+    if isinstance(attribute, ir.ArrayAttr):
+        return [name for item in attribute for name in _symbol_refs(item)]
+    return []
+
+
+def named_outside_calls(ops: list[ir.Operation]) -> set[str]:
+    """The symbols an attribute of an op of ``ops`` other than ``func.call`` names (a
+    custom call's called computation, ...): functions whose signature a pass must keep."""
+    named: set[str] = set()
+    for op in ops:
+        if not is_call(op):
+            attributes = op.operation.attributes
+            for attribute in attributes:
+                named.update(_symbol_refs(attributes[attribute]))
+    return named
+
+
 def clone_private(fn: func_dialect.FuncOp, suffix: str, taken: dict[str, object]
                   ) -> func_dialect.FuncOp:
     """A private copy of ``fn`` right after it, named ``{name}_{suffix}{n}`` with the

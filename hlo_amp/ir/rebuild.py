@@ -12,7 +12,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import discard, set_function_type
+from hlo_amp.ir.modules import discard, set_function_type, terminator
 
 
 def while_with_carries(loop: Any, initial: Sequence[ir.Value],
@@ -40,6 +40,19 @@ def while_with_carries(loop: Any, initial: Sequence[ir.Value],
         result.replace_all_uses_with(new.operation.results[index])
     discard(old)
     return new, added
+
+
+def while_with_invariants(loop: Any, initial: Sequence[ir.Value],
+                          locations: Sequence[ir.Location] | None = None
+                          ) -> tuple[Any, list[ir.Value]]:
+    """``while_with_carries`` whose body returns each new carry unchanged: values the
+    body reads on every iteration, computed once before the loop."""
+    new, arguments = while_with_carries(loop, initial, locations)
+    old_return = terminator(new.operation.regions[1].blocks[0])
+    hlo.ReturnOp(list(old_return.operands) + arguments, loc=old_return.location,
+                 ip=ir.InsertionPoint(old_return))
+    discard(old_return)
+    return new, arguments
 
 
 def _grown(attributes: Any, name: str, count: int) -> ir.ArrayAttr | None:

@@ -31,6 +31,7 @@ from hlo_amp.passes.comm_precision import CommPrecision
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.fused_attention import FusedAttention
+from hlo_amp.passes.hoist_amax import HoistAmax
 from hlo_amp.passes.insert_converts import InsertConverts
 from hlo_amp.passes.keep_shardings import KeepShardings
 from hlo_amp.passes.propagate import Propagate
@@ -57,7 +58,8 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     transposes fails at run time (see passes/dot_layout.py). The mixed_* modes add propagation and
     then the scatter-to-select rewrite (passes/scatter_select.py). A policy with fp8
     actions adds the fp8 pass after propagation (which leaves fp8 dots' f32 operands
-    alone): it quantises the dots insert_converts marked (see passes/fp8.py). Then
+    alone): it quantises the dots insert_converts marked (see passes/fp8.py), and
+    hoist_amax takes a scanned weight's amax once per layer before its loop. Then
     comm_precision moves 16-bit converts above data movement (sharding constraints,
     collectives) and applies the policy's ``reduce`` (passes/comm_precision.py). Last, in a
     partitioned module, the converts written of values with a given sharding keep it
@@ -76,7 +78,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
         if target.recomputes_residuals:
             passes.append(RecomputeResiduals(policy, target))
     if policy.uses_fp8:
-        passes.append(Fp8Quantize(policy.scaling))
+        passes += [Fp8Quantize(policy.scaling), HoistAmax()]
     passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
@@ -90,7 +92,7 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     passes: list[Any] = [FusedAttention(policy, target), InsertConverts(policy, target),
                          Propagate(policy, target),
                          ScatterToSelect(target), RecomputeResiduals(policy, target),
-                         Fp8Quantize(), CommPrecision(policy),
+                         Fp8Quantize(), HoistAmax(), CommPrecision(policy),
                          CleanupConverts(), FastDotLayout(), KeepShardings()]
     return {p.name: p for p in passes}
 

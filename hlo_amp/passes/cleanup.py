@@ -10,6 +10,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.ir.loops import enclosing_while, is_invariant, loop_body
 from hlo_amp.ir.modules import (
     callee_name,
     discard,
@@ -22,10 +23,10 @@ from hlo_amp.ir.modules import (
     is_public,
     live_uses,
     mark_program_convert,
-    terminator,
+    named_outside_calls,
     walk_operations,
 )
-from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_carries
+from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
 from hlo_amp.report import Report
 
 # (narrow, wide) float pairs where narrow -> wide -> narrow gives back every value.
@@ -141,44 +142,6 @@ def _is_float_convert(convert: Any) -> bool:
     return isinstance(element_type(convert.result), ir.FloatType)
 
 
-def _body(loop: Any) -> ir.Block:
-    return loop.operation.regions[1].blocks[0]
-
-
-def _owner_op(value: ir.Value) -> ir.Operation:
-    owner = value.owner
-    if isinstance(owner, ir.Block):
-        return owner.owner.operation
-    return owner.operation if hasattr(owner, "operation") else owner
-
-
-def _defined_outside(value: ir.Value, loop: Any) -> bool:
-    loop_op = loop.operation
-    op: ir.Operation | None = _owner_op(value)
-    while op is not None:
-        if op == loop_op:
-            return False
-        op = op.parent
-    return True
-
-
-def _invariant(value: ir.Value, loop: Any) -> bool:
-    """``value`` is the same on every iteration of ``loop``'s body."""
-    body = _body(loop)
-    if isinstance(value.owner, ir.Block) and value.owner == body:
-        index = ir.BlockArgument(value).arg_number
-        return terminator(body).operands[index] == value
-    return _defined_outside(value, loop)
-
-
-def _enclosing_while(op: Any) -> Any | None:
-    """The while whose body block holds ``op`` directly, else None."""
-    parent = op.operation.parent
-    if parent is None or not isinstance(parent.opview, hlo.WhileOp):
-        return None
-    return parent.opview if op.operation.block == _body(parent) else None
-
-
 def _hoist_loop_invariants(module: ir.Module, pass_name: str) -> int:
     hoisted = 0
     while True:
@@ -202,7 +165,7 @@ def _hoist_round(module: ir.Module) -> tuple[int, int]:
 
 def _hoist_from_while(loop: Any) -> int:
     """Move the invariant float converts of ``loop``'s body before it; the count moved."""
-    body = _body(loop)
+    body = loop_body(loop)
     carried: list[Any] = []  # converts of a carry: each becomes a new carry
     first_of: dict[tuple[Any, str], Any] = {}
     moved = 0
@@ -210,7 +173,7 @@ def _hoist_from_while(loop: Any) -> int:
         if not isinstance(op, hlo.ConvertOp) or not _is_float_convert(op):
             continue
         source = op.operand
-        if not _invariant(source, loop):
+        if not is_invariant(source, loop):
             continue
         key = (source, str(op.result.type))
         if key in first_of:  # the same convert twice: one hoisted copy serves both
@@ -237,23 +200,10 @@ def _add_carries(loop: Any, converts: Sequence[Any]) -> None:
     convert is the initial value, the body returns the carry unchanged and uses it
     in place of the convert."""
     values = [convert.result for convert in converts]
-    new, arguments = while_with_carries(loop, values,
-                                        [convert.location for convert in converts])
+    new, arguments = while_with_invariants(loop, values,
+                                           [convert.location for convert in converts])
     for value, argument in zip(values, arguments):
         value.replace_all_uses_except(argument, new.operation)
-    body = new.operation.regions[1].blocks[0]
-    old_return = terminator(body)
-    hlo.ReturnOp(list(old_return.operands) + arguments, loc=old_return.location,
-                 ip=ir.InsertionPoint(old_return))
-    discard(old_return)
-
-
-def _symbol_refs(attribute: ir.Attribute) -> list[str]:
-    if isinstance(attribute, ir.FlatSymbolRefAttr):
-        return [attribute.value]
-    if isinstance(attribute, ir.ArrayAttr):
-        return [name for item in attribute for name in _symbol_refs(item)]
-    return []
 
 
 def _lift_from_callees(module: ir.Module, ops: list[Any]) -> int:
@@ -268,23 +218,17 @@ def _lift_from_callees(module: ir.Module, ops: list[Any]) -> int:
         sites = calls.get(function_name(fn), [])
         if is_public(fn) or not sites:
             continue
-        loops = [_enclosing_while(site) for site in sites]
+        loops = [enclosing_while(site) for site in sites]
         if any(loop is None for loop in loops):
             continue
         groups = [converts for index, converts in _argument_converts(fn).items()
-                  if all(_invariant(site.operation.operands[index[0]], loop)
+                  if all(is_invariant(site.operation.operands[index[0]], loop)
                          for site, loop in zip(sites, loops))]
         if groups:
             plans.append((fn, sites, groups))
     if not plans:
         return 0
-    # A symbol used other than by func.call (an attribute naming it) keeps its signature.
-    named: set[str] = set()
-    for op in ops:
-        if not is_call(op):
-            attributes = op.operation.attributes
-            for attribute in attributes:
-                named.update(_symbol_refs(attributes[attribute]))
+    named = named_outside_calls(ops)  # these keep their signature
     return sum(_lift(fn, sites, groups) for fn, sites, groups in plans
                if function_name(fn) not in named)
 

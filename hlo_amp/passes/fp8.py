@@ -36,7 +36,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import functions, op_key, walk_operations, with_element
+from hlo_amp.ir.modules import element_type, functions, op_key, walk_operations, with_element
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
 from hlo_amp.passes.fp8_state import HistoryThreads, find_state
 from hlo_amp.policy import FP8_SHORT
@@ -118,21 +118,28 @@ def _scalar(value: float, element: ir.Type) -> ir.Value:
                                                                                 value)))
 
 
+def max_abs(x: ir.Value, dimensions: list[int]) -> ir.Value:
+    """``reduce(abs(x), init 0, maximum)`` over ``dimensions``, in ``x``'s element type,
+    built at the current insertion point (passes/hoist_amax.py matches this form)."""
+    shaped = ir.RankedTensorType(x.type)
+    element = shaped.element_type
+    kept = [size for axis, size in enumerate(shaped.shape) if axis not in dimensions]
+    scalar = ir.RankedTensorType.get([], element)
+    reduce = hlo.ReduceOp([ir.RankedTensorType.get(kept, element)], [hlo.abs(x)],
+                          [_scalar(0.0, element)], ir.DenseI64ArrayAttr.get(dimensions))
+    body = reduce.regions[0].blocks.append(scalar, scalar)
+    with ir.InsertionPoint(body):
+        hlo.return_([hlo.maximum(body.arguments[0], body.arguments[1])])
+    return reduce.results[0]
+
+
 def _amax(x: ir.Value) -> ir.Value:
     """max(abs(x)) as an f32 scalar, built at the current insertion point. The maximum
     is exact in any float type, so a 16-bit ``x`` is reduced as it is (no f32 copy)."""
     f32 = ir.F32Type.get()
-    shaped = ir.RankedTensorType(x.type)
-    element = shaped.element_type
-    scalar = ir.RankedTensorType.get([], element)
-    magnitude = hlo.abs(x)
-    reduce = hlo.ReduceOp([scalar], [magnitude], [_scalar(0.0, element)],
-                          ir.DenseI64ArrayAttr.get(list(range(shaped.rank))))
-    body = reduce.regions[0].blocks.append(scalar, scalar)
-    with ir.InsertionPoint(body):
-        hlo.return_([hlo.maximum(body.arguments[0], body.arguments[1])])
-    amax = reduce.results[0]
-    return amax if element == f32 else hlo.convert(ir.RankedTensorType.get([], f32), amax)
+    amax = max_abs(x, list(range(ir.RankedTensorType(x.type).rank)))
+    return amax if element_type(amax) == f32 else hlo.convert(
+        ir.RankedTensorType.get([], f32), amax)
 
 
 def _scale(amax: ir.Value, dequantize: ir.Type, fmax: float) -> ir.Value:

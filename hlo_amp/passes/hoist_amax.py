@@ -1,0 +1,320 @@
+"""The amax of a scanned weight taken once per step, before the loop, for every layer.
+
+Under ``lax.scan`` each layer's weight is a slice of a stacked parameter, and fp8.py
+takes its amax where a dot reads it: in the loop body, on every iteration, in the
+forward loop and again in the backward loop. The amax of slice ``i`` of a loop-invariant
+stack is element ``i`` of the stack's amax per slice, so this pass computes that
+vector once before the loop (one more carry) and reads element ``i`` in the body:
+
+    body:    amax = reduce_max(abs(convert*(reshape(dynamic_slice(P, i)))))   all dims
+    before:  rows = reduce_max(abs(convert*(P)))          all dims but the slice's axis
+    body:    amax = reshape(dynamic_slice(rows, i))
+
+The values are the same (a maximum is exact and does not depend on order, NaN
+included); the loop bodies lose two reduction kernels per weight, and XLA merges the
+identical ``rows`` of the forward and backward loops (both read the parameter).
+
+jax puts the slice and the dot in different functions (the scan body calls the layer
+function, which calls its ``checkpoint``): an amax of a private function's argument is
+first moved to every call site, as one more scalar argument, until it reaches the loop
+body that slices. Only the amaxes fp8.py writes (``max_abs``: init 0, maximum over all
+dimensions) are moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
+
+from hlo_amp.ir.loops import enclosing_while, is_invariant, outside_value
+from hlo_amp.ir.modules import (
+    callee_name,
+    discard,
+    erase_discarded,
+    function_name,
+    functions,
+    is_call,
+    is_public,
+    live_uses,
+    named_outside_calls,
+    op_key,
+    terminator,
+    walk_operations,
+)
+from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
+from hlo_amp.passes.fp8 import max_abs
+from hlo_amp.report import Report
+
+_REDUCE = frozenset({"stablehlo.reduce"})
+# Loops whose results carry sharding attributes keep their carries (one more would need
+# a sharding of its own).
+_SHARDING_ATTRIBUTES = ("sdy.sharding", "mhlo.sharding")
+
+
+@dataclass(frozen=True)
+class HoistAmax:
+    """Take the amax of each scanned weight slice before its loop (see the module doc)."""
+
+    name: str = "hlo-amp-hoist-amax"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        hoisted = 0
+        with module.context, ir.Location.unknown():
+            while True:  # each round a function that returns before its ops are erased
+                lifted, moved = _round(module)
+                erase_discarded(self.name)
+                hoisted += moved
+                if not lifted and not moved:
+                    break
+        if report is not None and hoisted:
+            report.notes.append(f"hoist-amax: {hoisted} amax(es) of a scanned tensor's slice "
+                                "taken for every slice before the loop, not in its body")
+
+
+@dataclass(frozen=True)
+class _Amax:
+    """One ``reduce_max(abs(convert*(root)))`` over all of ``root``'s dimensions."""
+
+    reduce: ir.Operation
+    converts: tuple[ir.Type, ...]  # the result types of the converts from root, in order
+    root: ir.Value
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return tuple(str(t) for t in self.converts) + (str(self.reduce.results[0].type),)
+
+    def replace(self, value: ir.Value) -> None:
+        """Use ``value`` for this amax and discard the ops left without a use."""
+        self.reduce.results[0].replace_all_uses_with(value)
+        dead: ir.Operation | None = self.reduce
+        while dead is not None and not any(True for result in dead.results
+                                           for _ in live_uses(result)):
+            discard(dead)
+            source = dead.operands[0]
+            dead = None if isinstance(source, ir.BlockArgument) else source.owner.operation
+            if dead is not None and (dead.name not in ("stablehlo.abs", "stablehlo.convert")
+                                     or dead.block != self.reduce.block):
+                dead = None
+
+
+def _build(value: ir.Value, converts: Sequence[ir.Type], dimensions: list[int]) -> ir.Value:
+    """The same amax of ``value`` at the current insertion point, over ``dimensions``."""
+    for result_type in converts:
+        shape = ir.RankedTensorType(value.type).shape
+        value = hlo.convert(ir.RankedTensorType.get(shape, result_type), value)
+    return max_abs(value, dimensions)
+
+
+def _is_zero(value: ir.Value) -> bool:
+    if isinstance(value, ir.BlockArgument) or value.owner.name != "stablehlo.constant":
+        return False
+    attribute = value.owner.attributes["value"]
+    if not isinstance(attribute, ir.DenseFPElementsAttr) or not attribute.is_splat:
+        return False
+    return ir.FloatAttr(attribute.get_splat_value()).value == 0.0
+
+
+def _match(reduce: ir.Operation) -> _Amax | None:
+    """``reduce`` as an amax of the form ``max_abs`` writes, else None."""
+    if len(reduce.operands) != 2 or not _is_zero(reduce.operands[1]):
+        return None
+    source = reduce.operands[0]
+    rank = ir.RankedTensorType(source.type).rank
+    if sorted(ir.DenseI64ArrayAttr(reduce.attributes["dimensions"])) != list(range(rank)):
+        return None
+    body = reduce.regions[0].blocks[0]
+    ops = list(body.operations)
+    if (len(ops) != 2 or ops[0].operation.name != "stablehlo.maximum"
+            or set(ops[0].operands) != set(body.arguments)
+            or list(ops[1].operands) != [ops[0].result]):
+        return None
+    if isinstance(source, ir.BlockArgument) or source.owner.name != "stablehlo.abs":
+        return None
+    value = source.owner.operands[0]
+    converts: list[ir.Type] = []
+    while not isinstance(value, ir.BlockArgument):
+        if value.owner.name == "stablehlo.convert":
+            converts.append(ir.RankedTensorType(value.type).element_type)
+            value = value.owner.operands[0]
+        elif value.owner.name == "stablehlo.optimization_barrier":
+            # jax's remat puts the recomputed layer's inputs behind a barrier: the
+            # weight's amax is the same before it (and a scalar, nothing to keep alive).
+            value = value.owner.operands[ir.OpResult(value).result_number]
+        else:
+            break
+    return _Amax(reduce, tuple(reversed(converts)), value)
+
+
+def _round(module: ir.Module) -> tuple[int, int]:
+    """One lift to call sites and one hoist out of every loop: (lifted, hoisted)."""
+    ops = [op for fn in functions(module) for op in walk_operations(fn)]
+    amaxes = [amax for amax in map(_match, (op for op in ops if op.name in _REDUCE))
+              if amax is not None]
+    if not amaxes:
+        return 0, 0
+    lifted = _lift_to_call_sites(module, ops, amaxes)
+    if lifted:  # the call sites changed: match again next round
+        return lifted, 0
+    by_name = {function_name(fn): fn for fn in functions(module)}
+    return 0, _hoist_out_of_loops(amaxes, by_name)
+
+
+# ---- from a function's argument to its call sites ---------------------------------------
+
+def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
+                        amaxes: list[_Amax]) -> int:
+    sites: dict[str, list[Any]] = {}
+    for op in ops:
+        if is_call(op):
+            sites.setdefault(callee_name(op), []).append(op.opview)
+    named = named_outside_calls(ops)
+    lifted = 0
+    for fn in functions(module):
+        name = function_name(fn)
+        if is_public(fn) or name in named or not sites.get(name):
+            continue
+        entry = fn.regions[0].blocks[0]
+        groups: dict[tuple[Any, ...], list[_Amax]] = {}
+        for amax in amaxes:
+            # In the entry block only: an amax in a loop body of fn is the loop's to hoist.
+            if (isinstance(amax.root, ir.BlockArgument) and amax.root.owner == entry
+                    and amax.reduce.block == entry):
+                groups.setdefault((ir.BlockArgument(amax.root).arg_number, *amax.key),
+                                  []).append(amax)
+        if groups:
+            lifted += _lift(fn, sites[name], list(groups.values()))
+    return lifted
+
+
+def _lift(fn: Any, calls: list[Any], groups: list[list[_Amax]]) -> int:
+    """Each group (one argument, one amax form) becomes a new trailing scalar argument
+    of ``fn``, computed at every call site."""
+    entry = fn.regions[0].blocks[0]
+    for group in groups:
+        first = group[0]
+        argument = entry.add_argument(first.reduce.results[0].type, first.reduce.location)
+        for amax in group:
+            amax.replace(argument)
+    for call in calls:
+        extra = []
+        for group in groups:
+            first = group[0]
+            index = ir.BlockArgument(first.root).arg_number
+            with first.reduce.location, ir.InsertionPoint(call.operation):
+                operand = call.operation.operands[index]
+                extra.append(_build(operand, first.converts,
+                                    list(range(ir.RankedTensorType(operand.type).rank))))
+        call_with_extra(call, extra)
+    grow_signature(fn, arguments=len(groups))
+    return sum(len(group) for group in groups)
+
+
+# ---- out of a loop ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Slice:
+    """``root`` is slice ``index`` of ``stack`` along ``axis`` (that axis dropped)."""
+
+    stack: ir.Value
+    index: ir.Value
+    axis: int
+
+
+def _slice_in(op: ir.Operation, operands: Sequence[ir.Value]) -> tuple[int, int, int] | None:
+    """For ``reshape(dynamic_slice(x, starts))`` ending at ``op``, where the slice is one
+    element along one axis and whole along the others and the reshape drops that axis:
+    (position of x, position of that axis's start, axis) among ``operands``."""
+    if op.name != "stablehlo.reshape" or isinstance(op.operands[0], ir.BlockArgument):
+        return None
+    dynamic = op.operands[0].owner
+    if dynamic.name != "stablehlo.dynamic_slice":
+        return None
+    stack = ir.RankedTensorType(dynamic.operands[0].type).shape
+    sizes = list(ir.DenseI64ArrayAttr(dynamic.attributes["slice_sizes"]))
+    axes = [axis for axis, (size, full) in enumerate(zip(sizes, stack)) if size != full]
+    if len(axes) != 1 or sizes[axes[0]] != 1:
+        return None
+    axis = axes[0]
+    if list(ir.RankedTensorType(op.results[0].type).shape) != stack[:axis] + stack[axis + 1:]:
+        return None
+    # The other starts do not matter: a whole-axis slice always starts at 0.
+    x, start = dynamic.operands[0], dynamic.operands[1 + axis]
+    if x not in operands or start not in operands:
+        return None
+    return list(operands).index(x), list(operands).index(start), axis
+
+
+def _slice_of(root: ir.Value, by_name: dict[str, Any]) -> _Slice | None:
+    """``root`` as a slice of a stack: written in its block, or a call of a function that
+    only slices its argument (jax's ``dynamic_index_in_dim``)."""
+    if isinstance(root, ir.BlockArgument):
+        return None
+    op = root.owner.operation
+    if op.name == "stablehlo.reshape":
+        dynamic = op.operands[0]
+        if isinstance(dynamic, ir.BlockArgument):
+            return None
+        found = _slice_in(op, list(dynamic.owner.operands))
+        if found is None:
+            return None
+        operands = dynamic.owner.operands
+        return _Slice(operands[found[0]], operands[found[1]], found[2])
+    if not is_call(op) or len(op.results) != 1:
+        return None
+    callee = by_name.get(callee_name(op))
+    if callee is None:
+        return None
+    entry = callee.regions[0].blocks[0]
+    returned = terminator(entry).operands
+    if len(returned) != 1 or isinstance(returned[0], ir.BlockArgument):
+        return None
+    found = _slice_in(returned[0].owner.operation, list(entry.arguments))
+    if found is None:
+        return None
+    return _Slice(op.operands[found[0]], op.operands[found[1]], found[2])
+
+
+def _hoist_out_of_loops(amaxes: list[_Amax], by_name: dict[str, Any]) -> int:
+    plans: dict[int, tuple[Any, dict[tuple[Any, ...], list[tuple[_Amax, _Slice]]]]] = {}
+    for amax in amaxes:
+        sliced = _slice_of(amax.root, by_name)
+        if sliced is None or amax.reduce.block != amax.root.owner.operation.block:
+            continue
+        loop = enclosing_while(amax.reduce)
+        if (loop is None or any(name in loop.operation.attributes
+                                for name in _SHARDING_ATTRIBUTES)
+                or not is_invariant(sliced.stack, loop)):
+            continue
+        # The stack as the body sees it: its value before the loop is read when the loop
+        # is rebuilt (an earlier loop's rebuild may have replaced it).
+        key = (sliced.stack, sliced.axis, *amax.key)
+        plans.setdefault(op_key(loop), (loop, {}))[1].setdefault(key, []).append(
+            (amax, sliced))
+    return sum(_hoist(loop, groups) for loop, groups in plans.values())
+
+
+def _hoist(loop: Any, groups: dict[tuple[Any, ...], list[tuple[_Amax, _Slice]]]) -> int:
+    """One ``rows`` per group before ``loop``, carried unchanged; each amax of the group
+    becomes element ``index`` of it."""
+    rows = []
+    for (stack, axis, *_), members in groups.items():
+        first = members[0][0]
+        rank = ir.RankedTensorType(stack.type).rank
+        with first.reduce.location, ir.InsertionPoint(loop.operation):
+            rows.append(_build(outside_value(stack, loop), first.converts,
+                               [d for d in range(rank) if d != axis]))
+    _, carried = while_with_invariants(loop, rows, [members[0][0].reduce.location
+                                                    for members in groups.values()])
+    for row, members in zip(carried, groups.values()):
+        row_type = ir.RankedTensorType(row.type)
+        for amax, sliced in members:
+            with amax.reduce.location, ir.InsertionPoint(amax.reduce):
+                picked = hlo.dynamic_slice(row, [sliced.index], ir.DenseI64ArrayAttr.get([1]))
+                element = hlo.reshape(ir.RankedTensorType.get([], row_type.element_type),
+                                      picked)
+            amax.replace(element)
+    return sum(len(members) for members in groups.values())
