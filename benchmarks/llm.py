@@ -327,14 +327,22 @@ def variant_step(variant: str, config: Config, mesh: Any = None) -> Callable:
     raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
 
 
+# The train step donates its parameters and optimizer state, as a training loop does and
+# as --device gpu runs it: XLA then cannot keep temporaries in the not-yet-written output
+# buffers, and its temp is the memory the step needs beyond its state.
+DONATED = (0, 1)
+
+
 def compile_variant(variant: str, target: str, config: Config = Config(),
                     axes: dict[str, int] | None = None,
-                    seconds: dict[str, float] | None = None) -> Any:
+                    seconds: dict[str, float] | None = None, donate: bool = True) -> Any:
     """``variant`` of the train step compiled for ``target`` (``"h100x8"``,
     ``"tpu-v5e:4x4"``) without the device: JAX's ``Compiled`` for the jax.jit variants,
-    hlo_amp's ``AmpCompiled`` (with ``report()``) for the hlo_amp ones. ``seconds``, if
-    given, receives ``lower``, ``pass`` (hlo_amp only: the fastest of ``PASS_RUNS`` runs of
-    the pipeline) and ``compile``."""
+    hlo_amp's ``AmpCompiled`` (with ``report()``) for the hlo_amp ones; parameters and
+    optimizer state donated unless ``donate`` is False. ``seconds``, if given, receives
+    ``lower``, ``pass`` (hlo_amp only: the fastest of ``PASS_RUNS`` runs of the pipeline)
+    and ``compile``."""
+    donated = DONATED if donate else ()
     device = device_target(target)
     mesh = hlo_amp.target_mesh(device, axes or default_axes(device.devices))
     args = abstract_state(config, mesh)
@@ -344,7 +352,8 @@ def compile_variant(variant: str, target: str, config: Config = Config(),
     seconds = {} if seconds is None else seconds
     if variant in HLO_AMP_POLICIES:
         def lower() -> Any:
-            return hlo_amp.compile(step, HLO_AMP_POLICIES[variant]).lower(*args, target=device)
+            return hlo_amp.compile(step, HLO_AMP_POLICIES[variant],
+                                   donate_argnums=donated).lower(*args, target=device)
 
         lowered = lower()
         compiled = lowered.compile()
@@ -361,7 +370,7 @@ def compile_variant(variant: str, target: str, config: Config = Config(),
     # compiled for (targets/attention_kernels.py does the same).
     with jax_internals.cudnn_checks_answered(getattr(device, "compute_capability", None),
                                              91000, active=variant == CUDNN_PEER):
-        lowered = lower_for_target(jax.jit(step), args, {}, device)
+        lowered = lower_for_target(jax.jit(step, donate_argnums=donated), args, {}, device)
     middle = time.perf_counter()
     compiled = lowered.compile(device.compiler_options)
     seconds.update({"lower": middle - start, "compile": time.perf_counter() - middle})
@@ -382,13 +391,13 @@ def _pass_seconds(first: float, again: Any) -> float:
     return min([first] + [again().pass_seconds for _ in range(PASS_RUNS - 1)])
 
 
-def row(variant: str, target: str, config: Config) -> dict[str, Any]:
+def row(variant: str, target: str, config: Config, donate: bool = True) -> dict[str, Any]:
     """One benchmark row: per-device memory, collective bytes by element type, FLOP
     shares, the roofline step estimate (compute, HBM and link time) and the seconds."""
     from hlo_amp.targets.roofline import estimate
 
     seconds: dict[str, float] = {}
-    compiled = compile_variant(variant, target, config, seconds=seconds)
+    compiled = compile_variant(variant, target, config, seconds=seconds, donate=donate)
     hlo = compiled.as_text()
     memory = compiled.memory_analysis()
     model = estimate(hlo, device_target(target))  # its collectives: the step's, read once
@@ -438,18 +447,19 @@ def _machine() -> str:
     return f"{model}, {len(os.sched_getaffinity(0))} CPUs, {flags}"
 
 
-def section_key(device: str, config: Config) -> str:
+def section_key(device: str, config: Config, donate: bool = True) -> str:
     """The name of ``device``'s RESULTS.md section: one more without constraints, one
-    more per attention form other than the einsum."""
+    more per attention form other than the einsum, one more without donation."""
     key = device.removesuffix("-aot") + ("" if config.constraints else " --no-constraints")
-    return key if config.attention == "einsum" else f"{key} --attention {config.attention}"
+    key = key if config.attention == "einsum" else f"{key} --attention {config.attention}"
+    return key if donate else f"{key} --no-donate"
 
 
 def section(device: str, config: Config, rows: list[dict[str, Any]],
-            refused: dict[str, str], command: str) -> list[str]:
+            refused: dict[str, str], command: str, donate: bool = True) -> list[str]:
     """The RESULTS.md section for one device: header lines, the table, the refusals."""
     target = device_target(DEVICES.get(device, device))
-    key = section_key(device, config)
+    key = section_key(device, config, donate)
     layer_form = ("layers scanned (`jax.lax.scan` over stacked block parameters)"
                   if config.scan_layers else "layers unrolled (a Python loop)")
     if not config.constraints:
@@ -462,7 +472,9 @@ def section(device: str, config: Config, rows: list[dict[str, Any]],
             f"d {config.dim}, {config.heads} heads / {config.kv_heads} KV, SwiGLU "
             f"{config.hidden}, vocab {config.vocab}, seq {config.seq}, global batch "
             f"{config.batch}); {layer_form}; FSDP × TP {default_axes(target.devices)}; "
-            f"AdamW; remat per block; attention written as {config.attention} "
+            f"AdamW; remat per block; "
+            f"{'parameters and optimizer state donated' if donate else 'nothing donated'}; "
+            f"attention written as {config.attention} "
             f"(`{CUDNN_PEER}`: `jax.nn.dot_product_attention(implementation=\"cudnn\")`)"),
             f"- command: `{command}`; jax {jax.__version__}; compiled on {_machine()}",
             ("- per device: XLA's temp and argument bytes (`memory_analysis()`); collective "
@@ -506,6 +518,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-constraints", action="store_true",
                         help="no with_sharding_constraint on the residual stream: only "
                         "parameters and tokens sharded (a section of its own in --results)")
+    parser.add_argument("--no-donate", action="store_true",
+                        help="compile the step without donating parameters and optimizer "
+                        "state (XLA may then keep temporaries in the output buffers: a "
+                        "smaller temp; a section of its own in --results)")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="compile only these (default: all)")
     parser.add_argument("--attention", choices=ATTENTION_FORMS,
@@ -534,6 +550,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{param_count(config) / 1e9:.3f}B parameters, {target.description}", flush=True)
     rows, refused = [], {}
     for variant in args.variant or VARIANTS:
+        if variant == CUDNN_PEER and target.compute_capability is None:
+            refused[variant] = (f"jax.nn.dot_product_attention(implementation=\"cudnn\") "
+                                f"runs on an NVIDIA GPU only, not on {target.description}")
+            print(f"{variant:32s} refused: {refused[variant]}", flush=True)
+            continue
         if variant in HLO_AMP_POLICIES:
             try:
                 refuse_policy_on_device(hlo_amp.Policy.parse(HLO_AMP_POLICIES[variant]), target)
@@ -541,13 +562,15 @@ def main(argv: list[str] | None = None) -> None:
                 refused[variant] = str(error)
                 print(f"{variant:32s} refused: {error}", flush=True)
                 continue
-        rows.append(row(variant, target.name, config))
+        rows.append(row(variant, target.name, config, donate=not args.no_donate))
         print("\n".join(table(rows)[-1:]), flush=True)
     if args.results:
         command = "python -m benchmarks.llm " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
-        write_section(args.results, section(args.device, config, rows, refused, command),
-                      section_key(args.device, config))
+        donate = not args.no_donate
+        write_section(args.results,
+                      section(args.device, config, rows, refused, command, donate),
+                      section_key(args.device, config, donate))
         print(f"wrote {args.results}")
 
 
@@ -589,8 +612,8 @@ def local_step(variant: str, config: Config) -> Callable:
     """The variant's train step as a callable for this machine's device."""
     step = variant_step(variant, config)
     if variant in HLO_AMP_POLICIES:
-        return hlo_amp.compile(step, HLO_AMP_POLICIES[variant], donate_argnums=(0, 1))
-    return jax.jit(step, donate_argnums=(0, 1))
+        return hlo_amp.compile(step, HLO_AMP_POLICIES[variant], donate_argnums=DONATED)
+    return jax.jit(step, donate_argnums=DONATED)
 
 
 def local_row(variant: str, config: Config, steps: int, roofline_target: Any) -> dict:

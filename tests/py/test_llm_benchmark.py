@@ -117,3 +117,24 @@ def test_no_constraints_leaves_the_residual_stream_unconstrained(tmp_path, monke
     meshes.clear()
     llm.compile_variant("f32", "h100x8", TINY, {"fsdp": 4, "tp": 2})
     assert meshes and meshes[0] is not None  # the default constrains on the mesh
+
+
+def test_the_step_donates_its_state_unless_told_not_to() -> None:
+    # As a training loop (and --device gpu) runs it: XLA aliases the new parameters and
+    # optimizer state to the old ones, so its temp cannot hide in output buffers.
+    axes = {"fsdp": 4, "tp": 2}
+    donated = llm.compile_variant("hlo_amp mixed_bfloat16", "h100x8", TINY, axes)
+    kept = llm.compile_variant("hlo_amp mixed_bfloat16", "h100x8", TINY, axes, donate=False)
+    state = donated.memory_analysis().argument_size_in_bytes
+    assert donated.memory_analysis().alias_size_in_bytes >= 0.99 * state > 0
+    assert kept.memory_analysis().alias_size_in_bytes == 0
+
+
+def test_the_cudnn_peer_is_refused_off_a_gpu(tmp_path, capsys) -> None:
+    results = tmp_path / "RESULTS.md"
+    llm.main(["--device", "tpu-v5e:4x4", "--small", "--layers", "1",
+              "--variant", llm.CUDNN_PEER, "--results", str(results)])
+    text = results.read_text()
+    assert (f"- {llm.CUDNN_PEER}: not compiled: jax.nn.dot_product_attention"
+            in text) and "NVIDIA GPU only" in text
+    assert "parameters and optimizer state donated" in text
