@@ -175,3 +175,39 @@ func.func public @entry(%a: tensor<3x4x5xf32>) -> tensor<f32> {
 // SCAN-LABEL: func.func private @closed_call(
 // SCAN-SAME:    tensor<bf16>
 // NOTE: hoist-amax: 3 amax(es) of a scanned tensor's slice taken for every slice before the loop, not in its body
+
+// -----
+
+// A loop whose results carry shardings (Shardy's attribute) keeps its carries: a new
+// one would need a sharding of its own. Its amax stays in the body.
+// CHECK-LABEL: func.func public @sharded_loop
+// CHECK-NOT:     stablehlo.reduce
+// CHECK:         stablehlo.while
+// CHECK:         } do {
+// CHECK:           stablehlo.reduce(%{{.*}}) applies stablehlo.maximum across dimensions = [0, 1] : (tensor<4x5xf32>, tensor<f32>) -> tensor<f32>
+// CHECK-NOT:       stablehlo.dynamic_slice %{{.*}}, sizes = [1]
+// CHECK:           stablehlo.return
+sdy.mesh @mesh = <["x"=2]>
+func.func public @sharded_loop(%a: tensor<3x4x5xf32>) -> tensor<f32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+  %r:3 = stablehlo.while(%i = %c0, %acc = %zero, %as = %a) : tensor<i32>, tensor<f32>, tensor<3x4x5xf32>
+   attributes {sdy.sharding = #sdy.sharding_per_value<[<@mesh, []>, <@mesh, []>, <@mesh, [{}, {"x"}, {}]>]>}
+   cond {
+    %n = stablehlo.constant dense<3> : tensor<i32>
+    %lt = stablehlo.compare LT, %i, %n, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+    stablehlo.return %lt : tensor<i1>
+  } do {
+    %z = stablehlo.constant dense<0> : tensor<i32>
+    %s = stablehlo.dynamic_slice %as, %i, %z, %z, sizes = [1, 4, 5] : (tensor<3x4x5xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x4x5xf32>
+    %x = stablehlo.reshape %s : (tensor<1x4x5xf32>) -> tensor<4x5xf32>
+    %init = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+    %abs = stablehlo.abs %x : tensor<4x5xf32>
+    %m = stablehlo.reduce(%abs init: %init) applies stablehlo.maximum across dimensions = [0, 1] : (tensor<4x5xf32>, tensor<f32>) -> tensor<f32>
+    %acc2 = stablehlo.add %acc, %m : tensor<f32>
+    %one = stablehlo.constant dense<1> : tensor<i32>
+    %next = stablehlo.add %i, %one : tensor<i32>
+    stablehlo.return %next, %acc2, %as : tensor<i32>, tensor<f32>, tensor<3x4x5xf32>
+  }
+  return %r#1 : tensor<f32>
+}
