@@ -17,9 +17,9 @@ through the train step) and rewrites the dot to read the fp8 tensors directly:
 program wrote.) That is Flax's and Transformer Engine's form: XLA:GPU's gemm_rewriter.cc
 makes the dot one ``__cublas$lt$matmul$f8`` custom call and folds the scale product into
 it, and with Triton GEMM on it stays a Triton fp8 fusion (the older dequantise-then-dot
-form became a bf16 GEMM there; docs/fp8.md). An operand computed from a matrix op is
-quantised behind an ``optimization_barrier`` so the rewriter cannot fuse a scale into
-the GEMM whose own amax computes it. Values saturate at ``fmax`` (Transformer Engine's
+form became a bf16 GEMM there; docs/fp8.md). An f32 operand computed from a matrix op
+(the accurate mode's) is quantised behind an ``optimization_barrier`` so the rewriter
+cannot fuse a scale into the GEMM whose own amax computes it. Values saturate at ``fmax`` (Transformer Engine's
 and Flax's ``clip``), a NaN stays NaN, so a step with a NaN operand gives non-finite
 gradients and the loss scaler skips it.
 
@@ -238,10 +238,14 @@ def _quantize(op: Any, value: ir.Value, fp8: ir.Type, dequantize: ir.Type,
             # XLA:GPU's GEMM rewriter would fuse this quantisation (the D scale) and the
             # amax of the producing GEMM's output into that GEMM, although the scale is
             # computed from that very amax: "A cycle is detected". The barrier keeps the
-            # quantisation out of the producer; it then runs as its own fusion. It holds
-            # the value in its own type (a 16-bit activation in the fast mode), not an
-            # f32 copy.
-            if _from_matrix_op(value):
+            # quantisation out of the producer; it then runs as its own fusion. The
+            # rewriter's pattern (F8ConvertD) is convert(clamp(divide(GEMM, scale))):
+            # the divide reads the GEMM's own f32 result. A 16-bit value (the fast
+            # mode's activations) is converted to f32 first, which the pattern does not
+            # take, so it needs no barrier, and without one XLA fuses the amax and the
+            # quantisation into the value's producer (tests/py/test_gpu_target.py
+            # compiles both modes).
+            if shape.element_type == f32 and _from_matrix_op(value):
                 held = hlo.optimization_barrier([held])
                 held = held[0] if isinstance(held, (list, tuple)) else held
             scale = _scale(_amax(held), dequantize, fmax)

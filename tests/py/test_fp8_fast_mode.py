@@ -125,8 +125,14 @@ def _types_off_the_matrix_ops(workload: str, policy: str) -> Counter:
     puts at them (operand and result converts, fp8 quantisation: located at the dot)."""
     found: Counter = Counter()
     for op in _ops(workload, policy):
-        if (op.name in ("stablehlo.optimization_barrier", "stablehlo.dot_general")
-                or location_name(op.location).endswith("dot_general")):
+        if op.name in ("stablehlo.optimization_barrier", "stablehlo.dot_general"):
+            continue
+        # A convert at a dot that other ops read too is also theirs: cleanup merged the
+        # program's convert of a value into the quantisation's convert of it.
+        if location_name(op.location).endswith("dot_general") and not (
+                op.name == "stablehlo.convert" and any(
+                    not location_name(use.owner.location).endswith("dot_general")
+                    for use in op.results[0].uses)):
             continue
         found.update((op.name, _element(r)) for r in op.results
                      if isinstance(r.type, ir.RankedTensorType))

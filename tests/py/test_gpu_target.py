@@ -117,6 +117,27 @@ def test_h100_verdicts_match_the_optimized_hlo(workload: str, policy: str) -> No
         assert parsed[form] >= count, (form, count, parsed)
 
 
+def _barriers(text: str) -> int:
+    return text.count("stablehlo.optimization_barrier")
+
+
+def test_only_f32_gemm_outputs_are_quantised_behind_a_barrier() -> None:
+    """XLA's rewriter fuses convert(clamp(divide(GEMM, scale))) into the GEMM: with the
+    scale computed from that GEMM's own amax, "A cycle is detected". The accurate mode
+    quantises f32 GEMM outputs, so its quantisations of them sit behind a barrier (the
+    remat'd block fails without), and it compiles; the fast mode quantises 16-bit values
+    through a convert to f32, which the pattern does not take: no barrier, so XLA can
+    fuse the amax and the quantisation into the producer."""
+    step, args = WORKLOADS["remat_block"]
+    program = _barriers(hlo_amp.compile(step, "f32").lower(*args, target="h100").as_text())
+    fast = hlo_amp.compile(step, "fp8").lower(*args, target="h100")
+    accurate = hlo_amp.compile(step, "fp8,propagate=false").lower(*args, target="h100")
+    assert _barriers(fast.as_text()) == program  # jax's remat barriers only
+    assert _barriers(accurate.as_text()) > program
+    calls = library_calls(accurate.compile().as_text())  # compiles: no cycle
+    assert sum(kind == "gemm fp8" for kind, _ in calls) >= 3
+
+
 @pytest.mark.parametrize("workload", [w for w in WORKLOADS if w != "cnn"])
 def test_fp8_dots_run_as_fp8_gemms(workload: str) -> None:
     """Every workload compiles under fp8 (before issue 20's barrier, the Linen transformer
