@@ -521,7 +521,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-donate", action="store_true",
                         help="compile the step without donating parameters and optimizer "
                         "state (XLA may then keep temporaries in the output buffers: a "
-                        "smaller temp; a section of its own in --results)")
+                        "smaller temp; a section of its own in --results); for compiles "
+                        "without a device: --device gpu/cpu runs donate, as training does")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="compile only these (default: all)")
     parser.add_argument("--attention", choices=ATTENTION_FORMS,

@@ -36,7 +36,7 @@ def int_constant(value: ir.Value) -> int | None:
     return ir.IntegerAttr(splat).value if isinstance(splat, ir.IntegerAttr) else None
 
 
-def _argument_number(value: ir.Value, block: ir.Block) -> int | None:
+def argument_number(value: ir.Value, block: ir.Block) -> int | None:
     """The position of ``value`` among ``block``'s arguments, None if it is not one."""
     if isinstance(value, ir.BlockArgument) and value.owner == block:
         return ir.BlockArgument(value).arg_number
@@ -72,17 +72,17 @@ def _counter(loop: ir.Operation) -> tuple[int, int, int, int] | None:
     compare = predicate.owner
     direction = hlo.ComparisonDirectionAttr(compare.attributes["comparison_direction"]).value
     lhs, rhs = compare.operands
-    counter = _argument_number(lhs, cond)
+    counter = argument_number(lhs, cond)
     bound = rhs
     if counter is None:
-        counter, bound, direction = _argument_number(rhs, cond), lhs, _SWAPPED[direction]
+        counter, bound, direction = argument_number(rhs, cond), lhs, _SWAPPED[direction]
     if counter is None:
         return None
     limit = int_constant(bound)
-    fixed = _argument_number(bound, cond)
+    fixed = argument_number(bound, cond)
     # A carry the body hands back as it got it: the loop's operand is its value.
     if (limit is None and fixed is not None
-            and _argument_number(terminator(body).operands[fixed], body) == fixed):
+            and argument_number(terminator(body).operands[fixed], body) == fixed):
         limit = int_constant(loop.operands[fixed])
     start = int_constant(loop.operands[counter])
     step = _step(terminator(body).operands[counter], body, counter)
@@ -100,10 +100,10 @@ def _step(value: ir.Value, body: ir.Block, counter: int) -> int | None:
     lhs, rhs = value.owner.operands
     if value.owner.name == "stablehlo.subtract":
         constant = int_constant(rhs)
-        ok = _argument_number(lhs, body) == counter
+        ok = argument_number(lhs, body) == counter
         return -constant if ok and constant is not None else None
     for argument, other in ((lhs, rhs), (rhs, lhs)):
-        if _argument_number(argument, body) == counter:
+        if argument_number(argument, body) == counter:
             return int_constant(other)
     return None
 
@@ -186,8 +186,8 @@ def is_invariant(value: ir.Value, loop: object) -> bool:
     """``value`` is the same on every iteration of ``loop``'s body: defined outside it,
     or a carry the body returns unchanged."""
     body = loop_body(loop)
-    if isinstance(value.owner, ir.Block) and value.owner == body:
-        index = ir.BlockArgument(value).arg_number
+    index = argument_number(value, body)
+    if index is not None:
         return terminator(body).operands[index] == value
     return defined_outside(value, loop)
 
@@ -195,10 +195,8 @@ def is_invariant(value: ir.Value, loop: object) -> bool:
 def outside_value(value: ir.Value, loop: object) -> ir.Value:
     """What an invariant ``value`` of ``loop``'s body is before the loop: the carry's
     initial operand, or ``value`` itself when it is defined outside."""
-    body = loop_body(loop)
-    if isinstance(value.owner, ir.Block) and value.owner == body:
-        return loop.operation.operands[ir.BlockArgument(value).arg_number]
-    return value
+    index = argument_number(value, loop_body(loop))
+    return value if index is None else loop.operation.operands[index]
 
 
 def enclosing_while(op: object) -> object | None:

@@ -30,7 +30,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.loops import enclosing_while, is_invariant, outside_value
+from hlo_amp.ir.loops import argument_number, enclosing_while, is_invariant, outside_value
 from hlo_amp.ir.modules import (
     callee_name,
     discard,
@@ -181,10 +181,9 @@ def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
         groups: dict[tuple[Any, ...], list[_Amax]] = {}
         for amax in amaxes:
             # In the entry block only: an amax in a loop body of fn is the loop's to hoist.
-            if (isinstance(amax.root, ir.BlockArgument) and amax.root.owner == entry
-                    and amax.reduce.block == entry):
-                groups.setdefault((ir.BlockArgument(amax.root).arg_number, *amax.key),
-                                  []).append(amax)
+            index = argument_number(amax.root, entry)
+            if index is not None and amax.reduce.block == entry:
+                groups.setdefault((index, *amax.key), []).append(amax)
         if groups:
             lifted += _lift(fn, sites[name], list(groups.values()))
     return lifted
@@ -224,10 +223,9 @@ class _Slice:
     axis: int
 
 
-def _slice_in(op: ir.Operation, operands: Sequence[ir.Value]) -> tuple[int, int, int] | None:
-    """For ``reshape(dynamic_slice(x, starts))`` ending at ``op``, where the slice is one
-    element along one axis and whole along the others and the reshape drops that axis:
-    (position of x, position of that axis's start, axis) among ``operands``."""
+def _slice_in(op: ir.Operation) -> _Slice | None:
+    """``op`` as ``reshape(dynamic_slice(stack, starts))`` where the slice is one element
+    along one axis and whole along the others and the reshape drops that axis."""
     if op.name != "stablehlo.reshape" or isinstance(op.operands[0], ir.BlockArgument):
         return None
     dynamic = op.operands[0].owner
@@ -242,10 +240,7 @@ def _slice_in(op: ir.Operation, operands: Sequence[ir.Value]) -> tuple[int, int,
     if list(ir.RankedTensorType(op.results[0].type).shape) != stack[:axis] + stack[axis + 1:]:
         return None
     # The other starts do not matter: a whole-axis slice always starts at 0.
-    x, start = dynamic.operands[0], dynamic.operands[1 + axis]
-    if x not in operands or start not in operands:
-        return None
-    return list(operands).index(x), list(operands).index(start), axis
+    return _Slice(dynamic.operands[0], dynamic.operands[1 + axis], axis)
 
 
 def _slice_of(root: ir.Value, by_name: dict[str, Any]) -> _Slice | None:
@@ -254,28 +249,20 @@ def _slice_of(root: ir.Value, by_name: dict[str, Any]) -> _Slice | None:
     if isinstance(root, ir.BlockArgument):
         return None
     op = root.owner.operation
-    if op.name == "stablehlo.reshape":
-        dynamic = op.operands[0]
-        if isinstance(dynamic, ir.BlockArgument):
-            return None
-        found = _slice_in(op, list(dynamic.owner.operands))
-        if found is None:
-            return None
-        operands = dynamic.owner.operands
-        return _Slice(operands[found[0]], operands[found[1]], found[2])
-    if not is_call(op) or len(op.results) != 1:
-        return None
+    if not is_call(op):
+        return _slice_in(op)
     callee = by_name.get(callee_name(op))
-    if callee is None:
+    if callee is None or len(op.results) != 1:
         return None
     entry = callee.regions[0].blocks[0]
-    returned = terminator(entry).operands
-    if len(returned) != 1 or isinstance(returned[0], ir.BlockArgument):
+    returned = terminator(entry).operands[0]
+    inner = None if isinstance(returned, ir.BlockArgument) else _slice_in(returned.owner.operation)
+    if inner is None:
         return None
-    found = _slice_in(returned[0].owner.operation, list(entry.arguments))
-    if found is None:
+    stack, start = argument_number(inner.stack, entry), argument_number(inner.index, entry)
+    if stack is None or start is None:
         return None
-    return _Slice(op.operands[found[0]], op.operands[found[1]], found[2])
+    return _Slice(op.operands[stack], op.operands[start], inner.axis)
 
 
 def _hoist_out_of_loops(amaxes: list[_Amax], by_name: dict[str, Any]) -> int:

@@ -15,8 +15,8 @@ draws from the same stream either way, which is what the comparison needs.
 
 The four trainings run in one child process without `make test`'s XLA:CPU flags (LLVM
 at -O0 and without its expensive passes, the older fusion emitters: Makefile), with
-XLA:CPU's default emitters and LLVM at -O1: with those flags these 1,200 steps run slower and fp8's training ends at
-81.9%, not 84.2%.
+XLA:CPU's default emitters and LLVM at -O1: with those flags these 1,200 steps run slower
+and fp8's training ends at 81.9%, not 84.2%.
 """
 
 from __future__ import annotations
