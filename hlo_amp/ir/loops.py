@@ -11,11 +11,12 @@ argument, and a ``while_loop``'s condition can be anything: their trip count is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import op_key, terminator
+from hlo_amp.ir.modules import callee_name, is_call, op_key, terminator
 
 WHILE = "stablehlo.while"
 # The direction that reads the same with the operands swapped.
@@ -205,3 +206,56 @@ def enclosing_while(op: object) -> object | None:
     if parent is None or not isinstance(parent.opview, hlo.WhileOp):
         return None
     return parent.opview if op.operation.block == loop_body(parent) else None
+
+
+@dataclass(frozen=True)
+class StackSlice:
+    """``root`` is slice ``index`` of ``stack`` along ``axis`` (that axis dropped)."""
+
+    stack: ir.Value
+    index: ir.Value
+    axis: int
+
+
+def _slice_in_block(op: ir.Operation) -> StackSlice | None:
+    """``op`` as ``reshape(dynamic_slice(stack, starts))`` where the slice is one element
+    along one axis and whole along the others and the reshape drops that axis."""
+    if op.name != "stablehlo.reshape" or isinstance(op.operands[0], ir.BlockArgument):
+        return None
+    dynamic = op.operands[0].owner
+    if dynamic.name != "stablehlo.dynamic_slice":
+        return None
+    stack = ir.RankedTensorType(dynamic.operands[0].type).shape
+    sizes = list(ir.DenseI64ArrayAttr(dynamic.attributes["slice_sizes"]))
+    axes = [axis for axis, (size, full) in enumerate(zip(sizes, stack)) if size != full]
+    if len(axes) != 1 or sizes[axes[0]] != 1:
+        return None
+    axis = axes[0]
+    if list(ir.RankedTensorType(op.results[0].type).shape) != stack[:axis] + stack[axis + 1:]:
+        return None
+    # The other starts do not matter: a whole-axis slice always starts at 0.
+    return StackSlice(dynamic.operands[0], dynamic.operands[1 + axis], axis)
+
+
+def stack_slice(root: ir.Value, by_name: dict[str, Any]) -> StackSlice | None:
+    """``root`` as a slice of a stack (a scan's stacked weight): written in its block, or a
+    call of a function that only slices its argument (jax's ``dynamic_index_in_dim``);
+    ``by_name`` holds the module's functions by name."""
+    if isinstance(root, ir.BlockArgument):
+        return None
+    op = root.owner.operation
+    if not is_call(op):
+        return _slice_in_block(op)
+    callee = by_name.get(callee_name(op))
+    if callee is None or len(op.results) != 1:
+        return None
+    entry = callee.regions[0].blocks[0]
+    returned = terminator(entry).operands[0]
+    inner = (None if isinstance(returned, ir.BlockArgument)
+             else _slice_in_block(returned.owner.operation))
+    if inner is None:
+        return None
+    stack, start = argument_number(inner.stack, entry), argument_number(inner.index, entry)
+    if stack is None or start is None:
+        return None
+    return StackSlice(op.operands[stack], op.operands[start], inner.axis)

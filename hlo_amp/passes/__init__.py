@@ -32,6 +32,7 @@ from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.fused_attention import FusedAttention
 from hlo_amp.passes.hoist_amax import HoistAmax
+from hlo_amp.passes.hoist_quantize import HoistQuantize
 from hlo_amp.passes.insert_converts import InsertConverts
 from hlo_amp.passes.keep_shardings import KeepShardings
 from hlo_amp.passes.propagate import Propagate
@@ -78,7 +79,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
         if target.recomputes_residuals:
             passes.append(RecomputeResiduals(policy, target))
     if policy.uses_fp8:
-        passes += [Fp8Quantize(policy.scaling), HoistAmax()]
+        passes += [Fp8Quantize(policy.scaling), HoistAmax(), HoistQuantize()]
     passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
@@ -92,7 +93,7 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     passes: list[Any] = [FusedAttention(policy, target), InsertConverts(policy, target),
                          Propagate(policy, target),
                          ScatterToSelect(target), RecomputeResiduals(policy, target),
-                         Fp8Quantize(), HoistAmax(), CommPrecision(policy),
+                         Fp8Quantize(), HoistAmax(), HoistQuantize(), CommPrecision(policy),
                          CleanupConverts(), FastDotLayout(), KeepShardings()]
     return {p.name: p for p in passes}
 

@@ -30,7 +30,14 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.loops import argument_number, enclosing_while, is_invariant, outside_value
+from hlo_amp.ir.loops import (
+    StackSlice,
+    argument_number,
+    enclosing_while,
+    is_invariant,
+    outside_value,
+    stack_slice,
+)
 from hlo_amp.ir.modules import (
     callee_name,
     discard,
@@ -42,7 +49,6 @@ from hlo_amp.ir.modules import (
     live_uses,
     named_outside_calls,
     op_key,
-    terminator,
     walk_operations,
 )
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
@@ -214,61 +220,10 @@ def _lift(fn: Any, calls: list[Any], groups: list[list[_Amax]]) -> int:
 
 # ---- out of a loop ------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Slice:
-    """``root`` is slice ``index`` of ``stack`` along ``axis`` (that axis dropped)."""
-
-    stack: ir.Value
-    index: ir.Value
-    axis: int
-
-
-def _slice_in(op: ir.Operation) -> _Slice | None:
-    """``op`` as ``reshape(dynamic_slice(stack, starts))`` where the slice is one element
-    along one axis and whole along the others and the reshape drops that axis."""
-    if op.name != "stablehlo.reshape" or isinstance(op.operands[0], ir.BlockArgument):
-        return None
-    dynamic = op.operands[0].owner
-    if dynamic.name != "stablehlo.dynamic_slice":
-        return None
-    stack = ir.RankedTensorType(dynamic.operands[0].type).shape
-    sizes = list(ir.DenseI64ArrayAttr(dynamic.attributes["slice_sizes"]))
-    axes = [axis for axis, (size, full) in enumerate(zip(sizes, stack)) if size != full]
-    if len(axes) != 1 or sizes[axes[0]] != 1:
-        return None
-    axis = axes[0]
-    if list(ir.RankedTensorType(op.results[0].type).shape) != stack[:axis] + stack[axis + 1:]:
-        return None
-    # The other starts do not matter: a whole-axis slice always starts at 0.
-    return _Slice(dynamic.operands[0], dynamic.operands[1 + axis], axis)
-
-
-def _slice_of(root: ir.Value, by_name: dict[str, Any]) -> _Slice | None:
-    """``root`` as a slice of a stack: written in its block, or a call of a function that
-    only slices its argument (jax's ``dynamic_index_in_dim``)."""
-    if isinstance(root, ir.BlockArgument):
-        return None
-    op = root.owner.operation
-    if not is_call(op):
-        return _slice_in(op)
-    callee = by_name.get(callee_name(op))
-    if callee is None or len(op.results) != 1:
-        return None
-    entry = callee.regions[0].blocks[0]
-    returned = terminator(entry).operands[0]
-    inner = None if isinstance(returned, ir.BlockArgument) else _slice_in(returned.owner.operation)
-    if inner is None:
-        return None
-    stack, start = argument_number(inner.stack, entry), argument_number(inner.index, entry)
-    if stack is None or start is None:
-        return None
-    return _Slice(op.operands[stack], op.operands[start], inner.axis)
-
-
 def _hoist_out_of_loops(amaxes: list[_Amax], by_name: dict[str, Any]) -> int:
-    plans: dict[int, tuple[Any, dict[tuple[Any, ...], list[tuple[_Amax, _Slice]]]]] = {}
+    plans: dict[int, tuple[Any, dict[tuple[Any, ...], list[tuple[_Amax, StackSlice]]]]] = {}
     for amax in amaxes:
-        sliced = _slice_of(amax.root, by_name)
+        sliced = stack_slice(amax.root, by_name)
         if sliced is None or amax.reduce.block != amax.root.owner.operation.block:
             continue
         loop = enclosing_while(amax.reduce)
@@ -284,7 +239,7 @@ def _hoist_out_of_loops(amaxes: list[_Amax], by_name: dict[str, Any]) -> int:
     return sum(_hoist(loop, groups) for loop, groups in plans.values())
 
 
-def _hoist(loop: Any, groups: dict[tuple[Any, ...], list[tuple[_Amax, _Slice]]]) -> int:
+def _hoist(loop: Any, groups: dict[tuple[Any, ...], list[tuple[_Amax, StackSlice]]]) -> int:
     """One ``rows`` per group before ``loop``, carried unchanged; each amax of the group
     becomes element ``index`` of it."""
     rows = []

@@ -1,0 +1,443 @@
+"""A scanned weight quantised to fp8 once per step, before the loop, for every layer.
+
+After hoist_amax, the scale of a scanned weight's quantisation depends on the layer
+only through element ``i`` of a vector computed before the loop (or not at all: a
+delayed scale). The quantisation of slice ``i`` is then slice ``i`` of the whole
+stack's, each layer divided by its own scale:
+
+    body:    q = convert_f8(clamp(-m, convert*(reshape(dynamic_slice(P, i))) / s(rows[i]), m))
+    before:  Q = convert_f8(clamp(-m, convert*(P) / broadcast(s(rows), axis), m))
+    body:    q = reshape(dynamic_slice(Q, i))
+
+The same bytes (the same division of the same element by the same scale), but the
+loops read one byte per weight instead of four and run no quantisation kernel for it,
+and XLA lays out the fp8 stack for the GEMMs instead of transposing the f32 one. XLA
+merges the identical ``Q`` of the forward and backward loops.
+
+As in hoist_amax, a quantisation of a private function's argument whose scale is
+computed from the function's arguments is first moved to every call site, as one more
+argument, until it reaches the loop body that slices. Only quantisations of the form
+fp8.py writes are moved, with a scale of at most ``_SCALE_OPS`` scalar elementwise ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
+
+from hlo_amp.ir.loops import (
+    StackSlice,
+    argument_number,
+    enclosing_while,
+    is_invariant,
+    outside_value,
+    stack_slice,
+)
+from hlo_amp.ir.modules import (
+    callee_name,
+    discard,
+    erase_discarded,
+    function_name,
+    functions,
+    is_call,
+    is_public,
+    live_uses,
+    named_outside_calls,
+    op_key,
+    walk_operations,
+    with_element,
+)
+from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
+from hlo_amp.ir.sites import location_name, parse_name
+from hlo_amp.report import Report
+
+_FP8 = ("f8E4M3FN", "f8E5M2")
+# The scalar ops a scale may be computed with (fp8.py's: from the amax or the history's
+# maximum, to a power of two or a bf16-rounded scale, 1 where it is not finite).
+_ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
+    "convert", "multiply", "divide", "add", "subtract", "maximum", "minimum", "abs",
+    "negate", "compare", "is_finite", "and", "or", "not", "select", "exponential", "log",
+    "power", "sqrt", "rsqrt", "floor", "ceil", "round_nearest_even", "exponential_minus_one",
+    "log_plus_one", "sign"))
+_SCALE_OP_NAMES = _ELEMENTWISE | {"stablehlo.constant", "stablehlo.slice", "stablehlo.reshape"}
+_SCALE_OPS = 32
+# Loops whose results carry sharding attributes keep their carries (one more would need
+# a sharding of its own), as in hoist_amax. Backward loops (``transpose(...)`` in the
+# loop's name) keep their quantisations too: they run at a train step's memory peak,
+# beside the gradients and the saved residuals, where a stack held over the loop adds
+# one byte per weight (+928 MiB on benchmarks/llm.py's 1.1B decoder), while a forward
+# loop's stack is freed before it.
+_SHARDING_ATTRIBUTES = ("sdy.sharding", "mhlo.sharding")
+
+
+@dataclass(frozen=True)
+class _Scale:
+    """A scalar computed by ``ops`` (in order) from ``leaves``: the values they read that
+    none of them computes."""
+
+    value: ir.Value
+    ops: tuple[ir.Operation, ...]
+    leaves: tuple[ir.Value, ...]
+
+
+@dataclass(frozen=True)
+class _Quantize:
+    """``convert_f8(clamp(low, convert*(root) / broadcast(scale), high))``."""
+
+    convert: ir.Operation  # the convert to fp8
+    chain: tuple[ir.Operation, ...]  # from the convert back to root: what it alone reads
+    converts: tuple[ir.Type, ...]  # the element types of the converts from root, in order
+    root: ir.Value
+    scale: _Scale
+    low: ir.Value
+    high: ir.Value
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return tuple(str(t) for t in self.converts) + (str(self.convert.results[0].type),)
+
+    def replace(self, value: ir.Value) -> None:
+        """Use ``value`` for this quantisation and discard the ops left without a use."""
+        self.convert.results[0].replace_all_uses_with(value)
+        for op in self.chain:
+            if not any(True for result in op.results for _ in live_uses(result)):
+                discard(op)
+
+
+def _defining(value: ir.Value) -> ir.Operation | None:
+    return None if isinstance(value, ir.BlockArgument) else value.owner.operation
+
+
+def _scalar(value: ir.Value) -> bool:
+    return isinstance(value.type, ir.RankedTensorType) and value.type.rank == 0
+
+
+def _single(value: ir.Value) -> bool:
+    """A tensor of one element (a scalar, or a history's column before its reshape)."""
+    shape = value.type.shape if isinstance(value.type, ir.RankedTensorType) else None
+    return shape is not None and all(size == 1 for size in shape)
+
+
+def _scale_of(value: ir.Value, block: ir.Block) -> _Scale | None:
+    """``value`` as a scalar computed in ``block`` by constants, elementwise ops and
+    one-element slices and reshapes (delayed scaling's history column)."""
+    ops: list[ir.Operation] = []
+    leaves: list[ir.Value] = []
+    seen: set[int] = set()
+
+    def visit(current: ir.Value) -> bool:
+        op = _defining(current)
+        if op is None or op.block != block or op.name not in _SCALE_OP_NAMES:
+            if current not in leaves:
+                leaves.append(current)
+            return True
+        if op_key(op) in seen:
+            return True
+        seen.add(op_key(op))
+        if not all(_single(result) for result in op.results):
+            return False
+        if not all(visit(operand) for operand in op.operands):
+            return False
+        ops.append(op)
+        return len(ops) <= _SCALE_OPS
+
+    if not _scalar(value) or not visit(value):
+        return None
+    return _Scale(value, tuple(ops), tuple(leaves))
+
+
+def _match(convert: ir.Operation) -> _Quantize | None:
+    """``convert`` as the end of a quantisation of the form fp8.py writes, else None."""
+    if (convert.name != "stablehlo.convert"
+            or str(ir.RankedTensorType(convert.results[0].type).element_type) not in _FP8):
+        return None
+    clamp = _defining(convert.operands[0])
+    if clamp is None or clamp.name != "stablehlo.clamp" or clamp.block != convert.block:
+        return None
+    low, divided, high = clamp.operands
+    if not (_scalar(low) and _scalar(high)) or any(
+            _defining(bound) is None or _defining(bound).name != "stablehlo.constant"
+            for bound in (low, high)):
+        return None
+    divide = _defining(divided)
+    if divide is None or divide.name != "stablehlo.divide" or divide.block != convert.block:
+        return None
+    broadcast = _defining(divide.operands[1])
+    if (broadcast is None or broadcast.name != "stablehlo.broadcast_in_dim"
+            or list(ir.DenseI64ArrayAttr(broadcast.attributes["broadcast_dimensions"]))
+            or not _scalar(broadcast.operands[0])):
+        return None
+    scale = _scale_of(broadcast.operands[0], convert.block)
+    if scale is None:
+        return None
+    chain = [convert, clamp, divide, broadcast]
+    value = divide.operands[0]
+    converts: list[ir.Type] = []
+    while (op := _defining(value)) is not None and op.block == convert.block:
+        if op.name == "stablehlo.convert":
+            chain.append(op)
+            converts.append(ir.RankedTensorType(value.type).element_type)
+            value = op.operands[0]
+        elif op.name == "stablehlo.optimization_barrier":
+            # jax's remat puts the recomputed layer's inputs behind a barrier; the weight
+            # is the same before it.
+            value = op.operands[ir.OpResult(value).result_number]
+        else:
+            break
+    return _Quantize(convert, tuple(chain), tuple(reversed(converts)), value, scale, low,
+                     high)
+
+
+# ---- building ------------------------------------------------------------------------------
+
+def _constant_like(value: ir.Value) -> ir.Value:
+    return hlo.constant(_defining(value).attributes["value"])
+
+
+def _rebuild_scale(scale: _Scale, leaves: Sequence[ir.Value],
+                   vectors: Sequence[bool] = (), length: int = 0) -> tuple[ir.Value, bool]:
+    """``scale``'s ops again at the current insertion point, reading ``leaves`` for its
+    leaves; where ``vectors`` marks a leaf as a vector of ``length`` (one scale per
+    layer: the leaf was its element), what reads it is computed on vectors, the scalars
+    it meets broadcast. Returns the scale and whether it is a vector."""
+    mapped: dict[Any, ir.Value] = dict(zip(scale.leaves, leaves))
+    vectorised = {id(value) for value, vector in zip(leaves, vectors) if vector}
+    for op in scale.ops:
+        operands = [mapped[o] for o in op.operands]
+        if not any(id(o) in vectorised for o in operands):
+            results = [r.type for r in op.results]
+        elif op.name == "stablehlo.reshape":  # an element's reshape to a scalar
+            mapped[op.results[0]] = operands[0]
+            continue
+        else:
+            operands = [o if id(o) in vectorised else hlo.broadcast_in_dim(
+                ir.RankedTensorType.get([length], o.type.element_type), o, [])
+                for o in operands]
+            results = [ir.RankedTensorType.get([length], r.type.element_type)
+                       for r in op.results]
+        new = ir.Operation.create(op.name, results=results, operands=operands,
+                                  attributes={name: op.attributes[name]
+                                              for name in op.attributes})
+        for old, made in zip(op.results, new.results):
+            mapped[old] = made
+            if results[0] != old.type:
+                vectorised.add(id(made))
+    result = mapped[scale.value]
+    return result, id(result) in vectorised
+
+
+def _build(quantize: _Quantize, value: ir.Value, scale: ir.Value, axis: int | None
+           ) -> ir.Value:
+    """``quantize`` of ``value`` at the current insertion point, divided by ``scale``: a
+    scalar, or (``axis`` given) a vector along that axis of ``value``."""
+    for element in quantize.converts:
+        value = hlo.convert(with_element(value.type, element), value)
+    dims = [] if axis is None else [axis]
+    divided = hlo.divide(value, hlo.broadcast_in_dim(value.type, scale, dims))
+    clamped = hlo.clamp(_constant_like(quantize.low), divided, _constant_like(quantize.high))
+    return hlo.convert(with_element(value.type, ir.RankedTensorType(
+        quantize.convert.results[0].type).element_type), clamped)
+
+
+# ---- the pass ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HoistQuantize:
+    """Quantise each scanned weight before its loop (see the module doc)."""
+
+    name: str = "hlo-amp-hoist-quantize"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        hoisted = 0
+        with module.context, ir.Location.unknown():
+            while True:  # each round a function that returns before its ops are erased
+                lifted, moved = _round(module)
+                erase_discarded(self.name)
+                hoisted += moved
+                if not lifted and not moved:
+                    break
+        if report is not None and hoisted:
+            report.notes.append(f"hoist-quantize: {hoisted} fp8 quantisation(s) of a scanned "
+                                "tensor's slice done for every slice before the loop, not "
+                                "in its body")
+
+
+def _round(module: ir.Module) -> tuple[int, int]:
+    """One lift to call sites and one hoist out of every loop: (lifted, hoisted)."""
+    ops = [op for fn in functions(module) for op in walk_operations(fn)]
+    found = [q for q in map(_match, (op for op in ops if op.name == "stablehlo.convert"))
+             if q is not None]
+    if not found:
+        return 0, 0
+    lifted = _lift_to_call_sites(module, ops, found)
+    if lifted:  # the call sites changed: match again next round
+        return lifted, 0
+    by_name = {function_name(fn): fn for fn in functions(module)}
+    return 0, _hoist_out_of_loops(found, by_name)
+
+
+# ---- from a function's arguments to its call sites ----------------------------------------
+
+def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
+                        found: list[_Quantize]) -> int:
+    sites: dict[str, list[Any]] = {}
+    for op in ops:
+        if is_call(op):
+            sites.setdefault(callee_name(op), []).append(op.opview)
+    named = named_outside_calls(ops)
+    by_name = {function_name(fn): fn for fn in functions(module)}
+    lifted = 0
+    for fn in functions(module):
+        name = function_name(fn)
+        if is_public(fn) or name in named or not sites.get(name):
+            continue
+        entry = fn.regions[0].blocks[0]
+        movable = [q for q in found
+                   if q.convert.block == entry and argument_number(q.root, entry) is not None
+                   and all(argument_number(leaf, entry) is not None
+                           for leaf in q.scale.leaves)
+                   and all(_may_be_stacked(call.operation.operands[
+                       ir.BlockArgument(q.root).arg_number], by_name)
+                       and not _in_backward_loop(call) for call in sites[name])]
+        if movable:
+            lifted += _lift(fn, sites[name], movable)
+    return lifted
+
+
+def _is_backward(loop: Any) -> bool:
+    return parse_name(location_name(loop.location), "while").backward
+
+
+def _in_backward_loop(call: Any) -> bool:
+    """Whether ``call`` is in a backward loop's body, which keeps its quantisations."""
+    loop = enclosing_while(call)
+    return loop is not None and _is_backward(loop)
+
+
+def _may_be_stacked(operand: ir.Value, by_name: dict[str, Any]) -> bool:
+    """Whether a call's operand is a slice of a stack, or may be one further up (an
+    argument of the calling function): only those quantisations move, so that an
+    activation's stays where the program computes it."""
+    if stack_slice(operand, by_name) is not None:
+        return True
+    if not isinstance(operand, ir.BlockArgument):
+        return False
+    owner = operand.owner.owner
+    return owner is not None and owner.operation.name == "func.func"
+
+
+def _lift(fn: Any, calls: list[Any], movable: list[_Quantize]) -> int:
+    """Each quantisation becomes a new trailing argument of ``fn``, computed at every
+    call site from the call's operands."""
+    entry = fn.regions[0].blocks[0]
+    numbers = [(ir.BlockArgument(q.root).arg_number,
+                [ir.BlockArgument(leaf).arg_number for leaf in q.scale.leaves])
+               for q in movable]
+    for call in calls:
+        extra = []
+        for q, (root, leaves) in zip(movable, numbers):
+            operands = call.operation.operands
+            with q.convert.location, ir.InsertionPoint(call.operation):
+                scale, _ = _rebuild_scale(q.scale, [operands[n] for n in leaves])
+                extra.append(_build(q, operands[root], scale, None))
+        call_with_extra(call, extra)
+    for q in movable:
+        q.replace(entry.add_argument(q.convert.results[0].type, q.convert.location))
+    grow_signature(fn, arguments=len(movable))
+    return len(movable)
+
+
+# ---- out of a loop ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a quantisation in a loop body leaves it: its slice of a stack and, per leaf of
+    its scale, the vector before the loop it is element ``index`` of (None: invariant)."""
+
+    quantize: _Quantize
+    sliced: StackSlice
+    vectors: tuple[ir.Value | None, ...]
+
+
+def _element_of(leaf: ir.Value, index: ir.Value, loop: Any, length: int) -> ir.Value | None:
+    """``leaf`` as ``dynamic_slice(vector, index)`` of one element of a loop-invariant
+    vector of ``length`` (hoist_amax's ``rows``): that vector, else None."""
+    picked = _defining(leaf)
+    if (picked is None or picked.name != "stablehlo.dynamic_slice"
+            or list(picked.operands[1:]) != [index]):
+        return None
+    vector = picked.operands[0]
+    if list(vector.type.shape) != [length] or not is_invariant(vector, loop):
+        return None
+    return vector
+
+
+def _reshaped_only(scale: _Scale, leaf: ir.Value) -> bool:
+    """Whether the scale's ops read ``leaf`` only through reshapes (to a scalar)."""
+    return all(op.name == "stablehlo.reshape" for op in scale.ops
+               if any(operand == leaf for operand in op.operands))
+
+
+def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
+    sliced = stack_slice(q.root, by_name)
+    if sliced is None or _defining(q.root).block != q.convert.block:
+        return None
+    loop = enclosing_while(q.convert)
+    if (loop is None or any(name in loop.operation.attributes for name in _SHARDING_ATTRIBUTES)
+            or _is_backward(loop) or not is_invariant(sliced.stack, loop)):
+        return None
+    length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
+    vectors: list[ir.Value | None] = []
+    for leaf in q.scale.leaves:
+        vector = _element_of(leaf, sliced.index, loop, length)
+        if vector is None and not is_invariant(leaf, loop):
+            return None
+        if vector is not None and not _reshaped_only(q.scale, leaf):
+            return None
+        vectors.append(vector)
+    return loop, _Plan(q, sliced, tuple(vectors))
+
+
+def _hoist_out_of_loops(found: list[_Quantize], by_name: dict[str, Any]) -> int:
+    plans: dict[int, tuple[Any, list[_Plan]]] = {}
+    for q in found:
+        planned = _plan(q, by_name)
+        if planned is not None:
+            loop, plan = planned
+            plans.setdefault(op_key(loop), (loop, []))[1].append(plan)
+    return sum(_hoist(loop, members) for loop, members in plans.values())
+
+
+def _hoist(loop: Any, members: list[_Plan]) -> int:
+    """One fp8 stack per quantisation before ``loop``, carried unchanged; each becomes
+    slice ``index`` of its stack."""
+    stacks = []
+    for plan in members:
+        q, sliced = plan.quantize, plan.sliced
+        length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
+        with q.convert.location, ir.InsertionPoint(loop.operation):
+            leaves = [outside_value(vector if vector is not None else leaf, loop)
+                      for leaf, vector in zip(q.scale.leaves, plan.vectors)]
+            scales, per_layer = _rebuild_scale(
+                q.scale, leaves, [vector is not None for vector in plan.vectors], length)
+            stacks.append(_build(q, outside_value(sliced.stack, loop), scales,
+                                 sliced.axis if per_layer else None))
+    _, carried = while_with_invariants(loop, stacks, [p.quantize.convert.location
+                                                      for p in members])
+    for stack, plan in zip(carried, members):
+        q, sliced = plan.quantize, plan.sliced
+        shape = ir.RankedTensorType(stack.type).shape
+        sizes = [1 if axis == sliced.axis else size for axis, size in enumerate(shape)]
+        with q.convert.location, ir.InsertionPoint(q.convert):
+            zero = hlo.constant(ir.DenseElementsAttr.get_splat(
+                ir.RankedTensorType(sliced.index.type),
+                ir.IntegerAttr.get(ir.RankedTensorType(sliced.index.type).element_type, 0)))
+            starts = [sliced.index if axis == sliced.axis else zero
+                      for axis in range(len(shape))]
+            picked = hlo.dynamic_slice(stack, starts, ir.DenseI64ArrayAttr.get(sizes))
+            q.replace(hlo.reshape(q.convert.results[0].type, picked))
+    return len(members)

@@ -1,0 +1,75 @@
+"""passes/hoist_quantize.py on real fp8 steps: a scanned, checkpointed model's weights are
+quantised once per step before the forward loop, each layer by its own scale, and the
+step computes the same bits as without the pass, under current and delayed scaling
+(tests/lit/hoist_quantize.mlir has the IR)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jaxlib.mlir import ir
+from test_hoist_amax import ALL, _args, _scan_step, _three_steps
+
+import hlo_amp
+from hlo_amp.ir.loops import enclosing_while
+from hlo_amp.ir.modules import parse_module, walk_operations
+from hlo_amp.ir.sites import location_name, parse_name
+from hlo_amp.passes.hoist_quantize import HoistQuantize
+
+_FP8 = ("f8E4M3FN", "f8E5M2")
+
+
+def _quantisations(text: str) -> dict[str, int]:
+    """fp8 converts of the model's (3, 32, 32) weight stacks outside any loop, and of one
+    layer's (32, 32) weight in the forward and the backward loops' bodies or their
+    callees (reached from a loop only through calls: counted as "callee")."""
+    counts = {"stack": 0, "forward": 0, "backward": 0, "callee": 0}
+    module = parse_module(text)  # held: its ops live as long as it does
+    for op in walk_operations(module.operation, names=frozenset({"stablehlo.convert"})):
+        result = ir.RankedTensorType(op.results[0].type)
+        if str(result.element_type) not in _FP8 or result.shape not in ([3, 32, 32],
+                                                                         [32, 32]):
+            continue
+        loop = enclosing_while(op)
+        if result.shape == [3, 32, 32]:
+            counts["stack"] += loop is None
+        elif loop is None:
+            counts["callee"] += 1
+        else:
+            backward = parse_name(location_name(loop.location), "while").backward
+            counts["backward" if backward else "forward"] += 1
+    return counts
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_the_step_is_the_same_bits_with_the_weights_quantised_before_the_loop(
+        scaling, monkeypatch):
+    policy = f"fp8,scaling={scaling},{ALL}"
+    p, x = _args()
+    hoisted = hlo_amp.compile(_scan_step, policy)
+    lowered = hoisted.lower(p, x)
+    (note,) = [n for n in lowered.report().notes if n.startswith("hoist-quantize:")]
+    assert int(note.split()[1]) == 2, note  # the two stacked weights, in the forward loop
+    with_pass = _three_steps(hoisted, p, x)
+
+    monkeypatch.setattr(HoistQuantize, "run", lambda self, module, report=None: None)
+    in_loop = hlo_amp.compile(_scan_step, policy)
+    text_in_loop = in_loop.lower(p, x).as_text(debug_info=True)
+    # Before the pass each weight is quantised per layer (in a callee of the forward
+    # loop's body); after it, once per stack before the loop. The backward loop keeps
+    # its own quantisations, in its callee.
+    before, after = _quantisations(text_in_loop), _quantisations(lowered.as_text(debug_info=True))
+    assert before["stack"] == 0 and after["stack"] == 2, (before, after)
+    assert after["forward"] == after["backward"] == 0, after
+    assert after["callee"] == before["callee"] - 2 >= 2, (before, after)
+
+    without = _three_steps(in_loop, p, x)
+    for (loss_a, leaves_a), (loss_b, leaves_b) in zip(with_pass, without):
+        assert np.array_equal(loss_a, loss_b)
+        assert all(np.array_equal(a, b) for a, b in zip(leaves_a, leaves_b))
+    if scaling == "delayed":
+        assert np.array_equal(np.asarray(hoisted.fp8_state()), np.asarray(in_loop.fp8_state()))
+    # The layers' magnitudes differ 16-fold: a stack quantised with one layer's scale,
+    # or scales along the wrong axis, changes the bits; and the steps moved the weights.
+    assert not np.array_equal(with_pass[-1][1][0], np.asarray(jax.tree.leaves(p)[0]))
