@@ -1,4 +1,4 @@
-"""A scanned weight quantised to fp8 once per step, before the loop, for every layer.
+"""A scanned weight quantised to fp8 once per step, before the forward loop, for every layer.
 
 After hoist_amax, the scale of a scanned weight's quantisation depends on the layer
 only through element ``i`` of a vector computed before the loop (or not at all: a
@@ -10,14 +10,22 @@ stack's, each layer divided by its own scale:
     body:    q = reshape(dynamic_slice(Q, i))
 
 The same bytes (the same division of the same element by the same scale), but the
-loops read one byte per weight instead of four and run no quantisation kernel for it,
-and XLA lays out the fp8 stack for the GEMMs instead of transposing the f32 one. XLA
-merges the identical ``Q`` of the forward and backward loops.
+loop reads one byte per weight instead of four and runs no quantisation kernel for it,
+and XLA lays out the fp8 stack for the GEMMs instead of transposing the f32 one.
 
-As in hoist_amax, a quantisation of a private function's argument whose scale is
-computed from the function's arguments is first moved to every call site, as one more
-argument, until it reaches the loop body that slices. Only quantisations of the form
-fp8.py writes are moved, with a scale of at most ``_SCALE_OPS`` scalar elementwise ops.
+A quantisation of a private function's argument whose scale is computed from the
+function's arguments is first moved to every call site, as one more argument, until it
+reaches the loop body that slices (only where the call's operand is such a slice, or an
+argument that may be one further up: an activation's quantisation stays where it is).
+Backward loops (``transpose(...)`` in the loop's name) keep their quantisations in the
+body: they run at a train step's memory peak, beside the gradients and the saved
+residuals, where a stack held over the loop adds one byte per weight (+928 MiB on
+benchmarks/llm.py's 1.1B decoder), while a forward loop's stack is freed before them.
+Moving them from the remat'd callee to the body still pays: the callee reads its
+weights through jax's ``optimization_barrier``, so XLA copies each layer's f32 slice
+for it (2.3 ms a step of the 1.1B's roofline); in the body the quantisation reads
+the slice in place. Only quantisations of the form fp8.py writes are moved, with a
+scale of at most ``_SCALE_OPS`` ops.
 """
 
 from __future__ import annotations
@@ -66,11 +74,7 @@ _ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
 _SCALE_OP_NAMES = _ELEMENTWISE | {"stablehlo.constant", "stablehlo.slice", "stablehlo.reshape"}
 _SCALE_OPS = 32
 # Loops whose results carry sharding attributes keep their carries (one more would need
-# a sharding of its own), as in hoist_amax. Backward loops (``transpose(...)`` in the
-# loop's name) keep their quantisations too: they run at a train step's memory peak,
-# beside the gradients and the saved residuals, where a stack held over the loop adds
-# one byte per weight (+928 MiB on benchmarks/llm.py's 1.1B decoder), while a forward
-# loop's stack is freed before it.
+# a sharding of its own), as in hoist_amax; backward loops keep theirs (module doc).
 _SHARDING_ATTRIBUTES = ("sdy.sharding", "mhlo.sharding")
 
 
@@ -302,7 +306,7 @@ def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
                            for leaf in q.scale.leaves)
                    and all(_may_be_stacked(call.operation.operands[
                        ir.BlockArgument(q.root).arg_number], by_name)
-                       and not _in_backward_loop(call) for call in sites[name])]
+                       for call in sites[name])]
         if movable:
             lifted += _lift(fn, sites[name], movable)
     return lifted
@@ -310,12 +314,6 @@ def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
 
 def _is_backward(loop: Any) -> bool:
     return parse_name(location_name(loop.location), "while").backward
-
-
-def _in_backward_loop(call: Any) -> bool:
-    """Whether ``call`` is in a backward loop's body, which keeps its quantisations."""
-    loop = enclosing_while(call)
-    return loop is not None and _is_backward(loop)
 
 
 def _may_be_stacked(operand: ir.Value, by_name: dict[str, Any]) -> bool:
