@@ -107,7 +107,7 @@ class _Quantize:
     def replace(self, value: ir.Value) -> None:
         """Use ``value`` for this quantisation and discard the ops left without a use."""
         self.convert.results[0].replace_all_uses_with(value)
-        for op in self.chain:
+        for op in (*self.chain, *reversed(self.scale.ops)):  # readers before what they read
             if not any(True for result in op.results for _ in live_uses(result)):
                 discard(op)
 
