@@ -59,8 +59,9 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     transposes fails at run time (see passes/dot_layout.py). The mixed_* modes add propagation and
     then the scatter-to-select rewrite (passes/scatter_select.py). A policy with fp8
     actions adds the fp8 pass after propagation (which leaves fp8 dots' f32 operands
-    alone): it quantises the dots insert_converts marked (see passes/fp8.py), and
-    hoist_amax takes a scanned weight's amax once per layer before its loop. Then
+    alone): it quantises the dots insert_converts marked (see passes/fp8.py),
+    hoist_amax takes a scanned weight's amax once per layer before its loop, and
+    hoist_quantize quantises a scanned weight once per step before its forward loop. Then
     comm_precision moves 16-bit converts above data movement (sharding constraints,
     collectives) and applies the policy's ``reduce`` (passes/comm_precision.py). Last, in a
     partitioned module, the converts written of values with a given sharding keep it

@@ -305,7 +305,7 @@ def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
                    and all(argument_number(leaf, entry) is not None
                            for leaf in q.scale.leaves)
                    and all(_may_be_stacked(call.operation.operands[
-                       ir.BlockArgument(q.root).arg_number], by_name)
+                       ir.BlockArgument(q.root).arg_number], by_name, sites)
                        for call in sites[name])]
         if movable:
             lifted += _lift(fn, sites[name], movable)
@@ -316,16 +316,32 @@ def _is_backward(loop: Any) -> bool:
     return parse_name(location_name(loop.location), "while").backward
 
 
-def _may_be_stacked(operand: ir.Value, by_name: dict[str, Any]) -> bool:
-    """Whether a call's operand is a slice of a stack, or may be one further up (an
-    argument of the calling function): only those quantisations move, so that an
-    activation's stays where the program computes it."""
+def _may_be_stacked(operand: ir.Value, by_name: dict[str, Any],
+                    sites: dict[str, list[Any]]) -> bool:
+    """Whether a call's operand is a slice of a stack, or may be one further up: an
+    argument of a private function called only in loop bodies. Only those
+    quantisations move, toward a loop: an activation's, and a weight's outside any
+    loop (where a remat'd function would then keep its fp8 copy alive for the backward
+    pass instead of quantising it again), stay where the program computes them."""
     if stack_slice(operand, by_name) is not None:
         return True
     if not isinstance(operand, ir.BlockArgument):
         return False
-    owner = operand.owner.owner
-    return owner is not None and owner.operation.name == "func.func"
+    fn = operand.owner.owner
+    if fn is None or fn.operation.name != "func.func" or is_public(fn):
+        return False
+    calls = sites.get(function_name(fn), [])
+    return bool(calls) and all(_in_loop(call) for call in calls)
+
+
+def _in_loop(op: Any) -> bool:
+    """Whether ``op`` is in a while's body, at any depth of its function."""
+    parent = op.operation.parent
+    while parent is not None and parent.name != "func.func":
+        if parent.name == "stablehlo.while":
+            return True
+        parent = parent.parent
+    return False
 
 
 def _lift(fn: Any, calls: list[Any], movable: list[_Quantize]) -> int:

@@ -293,6 +293,33 @@ func.func public @sharded_loop(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x4x4xf32>, 
   return %r#0 : tensor<8x4xf32>
 }
 
+// -----
+
+// A weight outside any loop: its quantisation stays in the function (were it lifted to
+// main, a remat'd function would keep the fp8 copy alive for the backward pass).
+// CHECK-LABEL: func.func public @no_loop
+// CHECK-NOT:     tensor<4x4xf8E4M3FN>
+// CHECK:         call @dense(
+// CHECK-SAME:    -> tensor<8x4xf32>
+// CHECK-LABEL: func.func private @dense
+// CHECK-SAME:    tensor<bf16>) -> tensor<8x4xf32>
+// CHECK:         stablehlo.convert %{{.*}} : (tensor<4x4xf32>) -> tensor<4x4xf8E4M3FN>
+func.func public @no_loop(%x: tensor<8x4xf8E4M3FN>, %w: tensor<4x4xf32>, %a: tensor<bf16>) -> tensor<8x4xf32> {
+  %y = func.call @dense(%x, %w, %a) : (tensor<8x4xf8E4M3FN>, tensor<4x4xf32>, tensor<bf16>) -> tensor<8x4xf32>
+  return %y : tensor<8x4xf32>
+}
+func.func private @dense(%x: tensor<8x4xf8E4M3FN>, %w: tensor<4x4xf32>, %a: tensor<bf16>) -> tensor<8x4xf32> {
+  %s = stablehlo.convert %a : (tensor<bf16>) -> tensor<f32>
+  %sb = stablehlo.broadcast_in_dim %s, dims = [] : (tensor<f32>) -> tensor<4x4xf32>
+  %d = stablehlo.divide %w, %sb : tensor<4x4xf32>
+  %lo = stablehlo.constant dense<-4.480000e+02> : tensor<f32>
+  %hi = stablehlo.constant dense<4.480000e+02> : tensor<f32>
+  %c = stablehlo.clamp %lo, %d, %hi : (tensor<f32>, tensor<4x4xf32>, tensor<f32>) -> tensor<4x4xf32>
+  %q = stablehlo.convert %c : (tensor<4x4xf32>) -> tensor<4x4xf8E4M3FN>
+  %y = stablehlo.dot_general %x, %q, contracting_dims = [1] x [0] : (tensor<8x4xf8E4M3FN>, tensor<4x4xf8E4M3FN>) -> tensor<8x4xf32>
+  return %y : tensor<8x4xf32>
+}
+
 // SCAN-LABEL: func.func public @main
 // SCAN:         %[[Q:.*]] = stablehlo.convert %{{.*}} : (tensor<2x32x32xf32>) -> tensor<2x32x32xf8E4M3FN>
 // SCAN:         stablehlo.while({{.*}}, %[[QS:.*]] = %[[Q]])
