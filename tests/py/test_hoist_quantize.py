@@ -56,13 +56,13 @@ def test_the_step_is_the_same_bits_with_the_weights_quantised_before_the_loop(
     monkeypatch.setattr(HoistQuantize, "run", lambda self, module, report=None: None)
     in_loop = hlo_amp.compile(_scan_step, policy)
     text_in_loop = in_loop.lower(p, x).as_text(debug_info=True)
-    # Before the pass each weight is quantised per layer in the loops' callees; after
-    # it, once per stack before the forward loop, and per layer in the backward loop's
-    # body, which keeps its quantisations.
+    # Before the pass each weight is quantised per layer in the loops (in their bodies
+    # or in callees, as the jax version lowers remat); after it, once per stack before
+    # the forward loop, and per layer in the backward loop's body, which keeps its own.
     before, after = _quantisations(text_in_loop), _quantisations(lowered.as_text(debug_info=True))
-    assert before["stack"] == before["forward"] == before["backward"] == 0, before
-    assert after["stack"] == 2 and after["forward"] == 0 and after["backward"] == 2, after
-    assert after["elsewhere"] == before["elsewhere"] - 4, (before, after)
+    assert before["stack"] == 0 and after["stack"] == 2, (before, after)
+    assert after["forward"] == 0 and after["backward"] == 2, after
+    assert sum(after.values()) - after["stack"] == sum(before.values()) - 2, (before, after)
 
     without = _three_steps(in_loop, p, x)
     for (loss_a, leaves_a), (loss_b, leaves_b) in zip(with_pass, without):
