@@ -200,6 +200,26 @@ def outside_value(value: ir.Value, loop: object) -> ir.Value:
     return value if index is None else loop.operation.operands[index]
 
 
+def in_while(op: object) -> bool:
+    """Whether ``op`` sits in a ``stablehlo.while`` region of its function, at any depth."""
+    parent = op.operation.parent
+    while parent is not None and parent.name != "func.func":
+        if parent.name == WHILE:
+            return True
+        parent = parent.parent
+    return False
+
+
+# A loop whose results carry sharding attributes keeps its carries in the hoisting passes:
+# one more would need a sharding of its own.
+_SHARDING_ATTRIBUTES = ("sdy.sharding", "mhlo.sharding")
+
+
+def is_sharded(loop: object) -> bool:
+    """Whether ``loop``'s results carry sharding attributes (Shardy's or GSPMD's)."""
+    return any(name in loop.operation.attributes for name in _SHARDING_ATTRIBUTES)
+
+
 def enclosing_while(op: object) -> object | None:
     """The while whose body block holds ``op`` directly, else None."""
     parent = op.operation.parent

@@ -7,6 +7,7 @@ import re
 import threading
 from collections.abc import Iterator
 from types import TracebackType
+from typing import Any
 
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
@@ -407,6 +408,27 @@ def named_outside_calls(ops: list[ir.Operation]) -> set[str]:
             for attribute in attributes:
                 named.update(_symbol_refs(attributes[attribute]))
     return named
+
+
+def call_sites(ops: list[ir.Operation]) -> dict[str, list[Any]]:
+    """The ``func.call`` ops among ``ops`` by callee name."""
+    sites: dict[str, list[Any]] = {}
+    for op in ops:
+        if is_call(op):
+            sites.setdefault(callee_name(op), []).append(op.opview)
+    return sites
+
+
+def growable_functions(module: ir.Module, ops: list[ir.Operation]
+                       ) -> list[tuple[func_dialect.FuncOp, list[Any]]]:
+    """The private functions of ``module`` that only ``func.call`` ops of ``ops`` (the
+    module's) name, with those calls: functions a pass may give more arguments,
+    computed at every call site."""
+    sites = call_sites(ops)
+    named = named_outside_calls(ops)
+    return [(fn, sites[function_name(fn)]) for fn in functions(module)
+            if not is_public(fn) and function_name(fn) not in named
+            and sites.get(function_name(fn))]
 
 
 def clone_private(fn: func_dialect.FuncOp, suffix: str, taken: dict[str, object]

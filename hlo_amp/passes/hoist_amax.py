@@ -30,35 +30,20 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.ir.hoisting import hoist_rounds
 from hlo_amp.ir.loops import (
     StackSlice,
     argument_number,
     enclosing_while,
     is_invariant,
+    is_sharded,
     outside_value,
     stack_slice,
 )
-from hlo_amp.ir.modules import (
-    callee_name,
-    discard,
-    erase_discarded,
-    function_name,
-    functions,
-    is_call,
-    is_public,
-    live_uses,
-    named_outside_calls,
-    op_key,
-    walk_operations,
-)
+from hlo_amp.ir.modules import discard, growable_functions, live_uses, op_key
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
 from hlo_amp.passes.fp8 import max_abs
 from hlo_amp.report import Report
-
-_REDUCE = frozenset({"stablehlo.reduce"})
-# Loops whose results carry sharding attributes keep their carries (one more would need
-# a sharding of its own).
-_SHARDING_ATTRIBUTES = ("sdy.sharding", "mhlo.sharding")
 
 
 @dataclass(frozen=True)
@@ -68,14 +53,8 @@ class HoistAmax:
     name: str = "hlo-amp-hoist-amax"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
-        hoisted = 0
-        with module.context, ir.Location.unknown():
-            while True:  # each round a function that returns before its ops are erased
-                lifted, moved = _round(module)
-                erase_discarded(self.name)
-                hoisted += moved
-                if not lifted and not moved:
-                    break
+        hoisted = hoist_rounds(module, self.name, _match, _lift_to_call_sites,
+                               _hoist_out_of_loops)
         if report is not None and hoisted:
             report.notes.append(f"hoist-amax: {hoisted} amax(es) of a scanned tensor's slice "
                                 "taken for every slice before the loop, not in its body")
@@ -126,7 +105,8 @@ def _is_zero(value: ir.Value) -> bool:
 
 def _match(reduce: ir.Operation) -> _Amax | None:
     """``reduce`` as an amax of the form ``max_abs`` writes, else None."""
-    if len(reduce.operands) != 2 or not _is_zero(reduce.operands[1]):
+    if (reduce.name != "stablehlo.reduce" or len(reduce.operands) != 2
+            or not _is_zero(reduce.operands[1])):
         return None
     source = reduce.operands[0]
     rank = ir.RankedTensorType(source.type).rank
@@ -155,34 +135,12 @@ def _match(reduce: ir.Operation) -> _Amax | None:
     return _Amax(reduce, tuple(reversed(converts)), value)
 
 
-def _round(module: ir.Module) -> tuple[int, int]:
-    """One lift to call sites and one hoist out of every loop: (lifted, hoisted)."""
-    ops = [op for fn in functions(module) for op in walk_operations(fn)]
-    amaxes = [amax for amax in map(_match, (op for op in ops if op.name in _REDUCE))
-              if amax is not None]
-    if not amaxes:
-        return 0, 0
-    lifted = _lift_to_call_sites(module, ops, amaxes)
-    if lifted:  # the call sites changed: match again next round
-        return lifted, 0
-    by_name = {function_name(fn): fn for fn in functions(module)}
-    return 0, _hoist_out_of_loops(amaxes, by_name)
-
-
 # ---- from a function's argument to its call sites ---------------------------------------
 
 def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
                         amaxes: list[_Amax]) -> int:
-    sites: dict[str, list[Any]] = {}
-    for op in ops:
-        if is_call(op):
-            sites.setdefault(callee_name(op), []).append(op.opview)
-    named = named_outside_calls(ops)
     lifted = 0
-    for fn in functions(module):
-        name = function_name(fn)
-        if is_public(fn) or name in named or not sites.get(name):
-            continue
+    for fn, calls in growable_functions(module, ops):
         entry = fn.regions[0].blocks[0]
         groups: dict[tuple[Any, ...], list[_Amax]] = {}
         for amax in amaxes:
@@ -191,7 +149,7 @@ def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
             if index is not None and amax.reduce.block == entry:
                 groups.setdefault((index, *amax.key), []).append(amax)
         if groups:
-            lifted += _lift(fn, sites[name], list(groups.values()))
+            lifted += _lift(fn, calls, list(groups.values()))
     return lifted
 
 
@@ -227,9 +185,7 @@ def _hoist_out_of_loops(amaxes: list[_Amax], by_name: dict[str, Any]) -> int:
         if sliced is None or amax.reduce.block != amax.root.owner.operation.block:
             continue
         loop = enclosing_while(amax.reduce)
-        if (loop is None or any(name in loop.operation.attributes
-                                for name in _SHARDING_ATTRIBUTES)
-                or not is_invariant(sliced.stack, loop)):
+        if loop is None or is_sharded(loop) or not is_invariant(sliced.stack, loop):
             continue
         # The stack as the body sees it: its value before the loop is read when the loop
         # is rebuilt (an earlier loop's rebuild may have replaced it).

@@ -37,26 +37,26 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.ir.hoisting import hoist_rounds
 from hlo_amp.ir.loops import (
     StackSlice,
     argument_number,
     enclosing_while,
+    in_while,
     is_invariant,
+    is_sharded,
     outside_value,
     stack_slice,
 )
 from hlo_amp.ir.modules import (
-    callee_name,
+    call_sites,
     discard,
-    erase_discarded,
     function_name,
     functions,
-    is_call,
+    growable_functions,
     is_public,
     live_uses,
-    named_outside_calls,
     op_key,
-    walk_operations,
     with_element,
 )
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
@@ -73,9 +73,6 @@ _ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
     "log_plus_one", "sign"))
 _SCALE_OP_NAMES = _ELEMENTWISE | {"stablehlo.constant", "stablehlo.slice", "stablehlo.reshape"}
 _SCALE_OPS = 32
-# Loops whose results carry sharding attributes keep their carries (one more would need
-# a sharding of its own), as in hoist_amax; backward loops keep theirs (module doc).
-_SHARDING_ATTRIBUTES = ("sdy.sharding", "mhlo.sharding")
 
 
 @dataclass(frozen=True)
@@ -256,49 +253,22 @@ class HoistQuantize:
     name: str = "hlo-amp-hoist-quantize"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
-        hoisted = 0
-        with module.context, ir.Location.unknown():
-            while True:  # each round a function that returns before its ops are erased
-                lifted, moved = _round(module)
-                erase_discarded(self.name)
-                hoisted += moved
-                if not lifted and not moved:
-                    break
+        hoisted = hoist_rounds(module, self.name, _match, _lift_to_call_sites,
+                               _hoist_out_of_loops)
         if report is not None and hoisted:
             report.notes.append(f"hoist-quantize: {hoisted} fp8 quantisation(s) of a scanned "
                                 "tensor's slice done for every slice before the loop, not "
                                 "in its body")
 
 
-def _round(module: ir.Module) -> tuple[int, int]:
-    """One lift to call sites and one hoist out of every loop: (lifted, hoisted)."""
-    ops = [op for fn in functions(module) for op in walk_operations(fn)]
-    found = [q for q in map(_match, (op for op in ops if op.name == "stablehlo.convert"))
-             if q is not None]
-    if not found:
-        return 0, 0
-    lifted = _lift_to_call_sites(module, ops, found)
-    if lifted:  # the call sites changed: match again next round
-        return lifted, 0
-    by_name = {function_name(fn): fn for fn in functions(module)}
-    return 0, _hoist_out_of_loops(found, by_name)
-
-
 # ---- from a function's arguments to its call sites ----------------------------------------
 
 def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
                         found: list[_Quantize]) -> int:
-    sites: dict[str, list[Any]] = {}
-    for op in ops:
-        if is_call(op):
-            sites.setdefault(callee_name(op), []).append(op.opview)
-    named = named_outside_calls(ops)
+    sites = call_sites(ops)
     by_name = {function_name(fn): fn for fn in functions(module)}
     lifted = 0
-    for fn in functions(module):
-        name = function_name(fn)
-        if is_public(fn) or name in named or not sites.get(name):
-            continue
+    for fn, calls in growable_functions(module, ops):
         entry = fn.regions[0].blocks[0]
         movable = [q for q in found
                    if q.convert.block == entry and argument_number(q.root, entry) is not None
@@ -306,9 +276,9 @@ def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
                            for leaf in q.scale.leaves)
                    and all(_may_be_stacked(call.operation.operands[
                        ir.BlockArgument(q.root).arg_number], by_name, sites)
-                       for call in sites[name])]
+                       for call in calls)]
         if movable:
-            lifted += _lift(fn, sites[name], movable)
+            lifted += _lift(fn, calls, movable)
     return lifted
 
 
@@ -331,17 +301,7 @@ def _may_be_stacked(operand: ir.Value, by_name: dict[str, Any],
     if fn is None or fn.operation.name != "func.func" or is_public(fn):
         return False
     calls = sites.get(function_name(fn), [])
-    return bool(calls) and all(_in_loop(call) for call in calls)
-
-
-def _in_loop(op: Any) -> bool:
-    """Whether ``op`` is in a while's body, at any depth of its function."""
-    parent = op.operation.parent
-    while parent is not None and parent.name != "func.func":
-        if parent.name == "stablehlo.while":
-            return True
-        parent = parent.parent
-    return False
+    return bool(calls) and all(in_while(call) for call in calls)
 
 
 def _lift(fn: Any, calls: list[Any], movable: list[_Quantize]) -> int:
@@ -401,8 +361,8 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
     if sliced is None or _defining(q.root).block != q.convert.block:
         return None
     loop = enclosing_while(q.convert)
-    if (loop is None or any(name in loop.operation.attributes for name in _SHARDING_ATTRIBUTES)
-            or _is_backward(loop) or not is_invariant(sliced.stack, loop)):
+    if (loop is None or is_sharded(loop) or _is_backward(loop)
+            or not is_invariant(sliced.stack, loop)):
         return None
     length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
     vectors: list[ir.Value | None] = []

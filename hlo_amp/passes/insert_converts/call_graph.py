@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.loops import LoopCounts, Runs
+from hlo_amp.ir.loops import LoopCounts, Runs, in_while
 from hlo_amp.ir.modules import (
     callee_name,
     clone_private,
@@ -201,7 +201,7 @@ class CallGraph:
         """Matrix ops in program order into ``out``; the keys of those that run inside a
         loop (a while body, or a function called from one) into ``looped``."""
         for index, (op, kind) in enumerate(self.ops_of(self.by_name[name])):
-            inside = in_loop or _in_while(op)
+            inside = in_loop or in_while(op)
             if kind is not None:
                 out.append(((name, index, prefix), op, kind))
                 if inside:
@@ -219,16 +219,6 @@ class CallGraph:
         self.used_names.add(name)
         self.clones += 1
         return name
-
-
-def _in_while(op: Any) -> bool:
-    """Whether ``op`` sits in a ``stablehlo.while`` region of its function."""
-    parent = op.operation.parent
-    while parent is not None and parent.name != "func.func":
-        if parent.name == "stablehlo.while":
-            return True
-        parent = parent.parent
-    return False
 
 
 def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:
