@@ -97,10 +97,6 @@ class _Quantize:
     low: ir.Value
     high: ir.Value
 
-    @property
-    def key(self) -> tuple[str, ...]:
-        return tuple(str(t) for t in self.converts) + (str(self.convert.results[0].type),)
-
     def replace(self, value: ir.Value) -> None:
         """Use ``value`` for this quantisation and discard the ops left without a use."""
         self.convert.results[0].replace_all_uses_with(value)
@@ -118,9 +114,9 @@ def _scalar(value: ir.Value) -> bool:
 
 
 def _single(value: ir.Value) -> bool:
-    """A tensor of one element (a scalar, or a history's column before its reshape)."""
+    """A scalar, or a vector of one element (a history's column before its reshape)."""
     shape = value.type.shape if isinstance(value.type, ir.RankedTensorType) else None
-    return shape is not None and all(size == 1 for size in shape)
+    return shape is not None and len(shape) <= 1 and all(size == 1 for size in shape)
 
 
 def _scale_of(value: ir.Value, block: ir.Block) -> _Scale | None:
@@ -216,8 +212,8 @@ def _rebuild_scale(scale: _Scale, leaves: Sequence[ir.Value],
             continue
         else:
             operands = [o if id(o) in vectorised else hlo.broadcast_in_dim(
-                ir.RankedTensorType.get([length], o.type.element_type), o, [])
-                for o in operands]
+                ir.RankedTensorType.get([length], o.type.element_type), o,
+                list(range(o.type.rank))) for o in operands]
             results = [ir.RankedTensorType.get([length], r.type.element_type)
                        for r in op.results]
         new = ir.Operation.create(op.name, results=results, operands=operands,
@@ -350,10 +346,16 @@ def _element_of(leaf: ir.Value, index: ir.Value, loop: Any, length: int) -> ir.V
     return vector
 
 
-def _reshaped_only(scale: _Scale, leaf: ir.Value) -> bool:
-    """Whether the scale's ops read ``leaf`` only through reshapes (to a scalar)."""
-    return all(op.name == "stablehlo.reshape" for op in scale.ops
-               if any(operand == leaf for operand in op.operands))
+def _vectorisable(scale: _Scale, vectors: list[ir.Value]) -> bool:
+    """Whether the scale's ops can read ``vectors`` (leaves that become per-layer
+    vectors): only elementwise ops and reshapes read what depends on them, no slice."""
+    depends = set(vectors)
+    for op in scale.ops:
+        if any(operand in depends for operand in op.operands):
+            if op.name == "stablehlo.slice":
+                return False
+            depends.update(op.results)
+    return True
 
 
 def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
@@ -370,9 +372,10 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
         vector = _element_of(leaf, sliced.index, loop, length)
         if vector is None and not is_invariant(leaf, loop):
             return None
-        if vector is not None and not _reshaped_only(q.scale, leaf):
-            return None
         vectors.append(vector)
+    if not _vectorisable(q.scale, [leaf for leaf, vector in zip(q.scale.leaves, vectors)
+                                   if vector is not None]):
+        return None
     return loop, _Plan(q, sliced, tuple(vectors))
 
 

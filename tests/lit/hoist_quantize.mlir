@@ -320,6 +320,50 @@ func.func private @dense(%x: tensor<8x4xf8E4M3FN>, %w: tensor<4x4xf32>, %a: tens
   return %y : tensor<8x4xf32>
 }
 
+// -----
+
+// The layer's element computed on before its reshape to a scalar (one-element vectors):
+// on the whole rows, the one-element constant broadcast along them.
+// CHECK-LABEL: func.func public @element_vector
+// CHECK-SAME:    %[[ROWS:[^:]*]]: tensor<3xf32>)
+// CHECK:         %[[TWO:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [0] : (tensor<1xf32>) -> tensor<3xf32>
+// CHECK:         %[[S:.*]] = stablehlo.multiply %[[ROWS]], %[[TWO]] : tensor<3xf32>
+// CHECK:         stablehlo.broadcast_in_dim %[[S]], dims = [0] : (tensor<3xf32>) -> tensor<3x4x4xf32>
+// CHECK:         stablehlo.convert %{{.*}} : (tensor<3x4x4xf32>) -> tensor<3x4x4xf8E5M2>
+// CHECK:         } do {
+// CHECK-NOT:       stablehlo.divide
+// CHECK:           stablehlo.return
+func.func public @element_vector(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x4x4xf32>, %rows: tensor<3xf32>) -> tensor<8x4xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %z = stablehlo.constant dense<0.000000e+00> : tensor<8x4xf32>
+  %r:4 = stablehlo.while(%acc = %z, %ws = %w, %i = %c0, %rs = %rows) : tensor<8x4xf32>, tensor<3x4x4xf32>, tensor<i32>, tensor<3xf32>
+   cond {
+    %n = stablehlo.constant dense<3> : tensor<i32>
+    %lt = stablehlo.compare LT, %i, %n, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+    stablehlo.return %lt : tensor<i1>
+  } do {
+    %c = stablehlo.constant dense<0> : tensor<i32>
+    %ds = stablehlo.dynamic_slice %ws, %i, %c, %c, sizes = [1, 4, 4] : (tensor<3x4x4xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x4x4xf32>
+    %wi = stablehlo.reshape %ds : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+    %p = stablehlo.dynamic_slice %rs, %i, sizes = [1] : (tensor<3xf32>, tensor<i32>) -> tensor<1xf32>
+    %two = stablehlo.constant dense<2.000000e+00> : tensor<1xf32>
+    %p2 = stablehlo.multiply %p, %two : tensor<1xf32>
+    %scale = stablehlo.reshape %p2 : (tensor<1xf32>) -> tensor<f32>
+    %sb = stablehlo.broadcast_in_dim %scale, dims = [] : (tensor<f32>) -> tensor<4x4xf32>
+    %d = stablehlo.divide %wi, %sb : tensor<4x4xf32>
+    %lo = stablehlo.constant dense<-5.734400e+04> : tensor<f32>
+    %hi = stablehlo.constant dense<5.734400e+04> : tensor<f32>
+    %cl = stablehlo.clamp %lo, %d, %hi : (tensor<f32>, tensor<4x4xf32>, tensor<f32>) -> tensor<4x4xf32>
+    %q = stablehlo.convert %cl : (tensor<4x4xf32>) -> tensor<4x4xf8E5M2>
+    %y = stablehlo.dot_general %x, %q, contracting_dims = [1] x [0] : (tensor<8x4xf8E4M3FN>, tensor<4x4xf8E5M2>) -> tensor<8x4xf32>
+    %acc2 = stablehlo.add %acc, %y : tensor<8x4xf32>
+    %one = stablehlo.constant dense<1> : tensor<i32>
+    %next = stablehlo.add %i, %one : tensor<i32>
+    stablehlo.return %acc2, %ws, %next, %rs : tensor<8x4xf32>, tensor<3x4x4xf32>, tensor<i32>, tensor<3xf32>
+  }
+  return %r#0 : tensor<8x4xf32>
+}
+
 // SCAN-LABEL: func.func public @main
 // SCAN:         %[[Q:.*]] = stablehlo.convert %{{.*}} : (tensor<2x32x32xf32>) -> tensor<2x32x32xf8E4M3FN>
 // SCAN:         stablehlo.while({{.*}}, %[[QS:.*]] = %[[Q]])
