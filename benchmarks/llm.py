@@ -550,6 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     target = device_target(DEVICES.get(args.device, args.device))
     print(f"{param_count(config) / 1e9:.3f}B parameters, {target.description}", flush=True)
     rows, refused = [], {}
+    donate = not args.no_donate
     for variant in args.variant or VARIANTS:
         if variant == CUDNN_PEER and target.compute_capability is None:
             refused[variant] = (f"jax.nn.dot_product_attention(implementation=\"cudnn\") "
@@ -563,12 +564,11 @@ def main(argv: list[str] | None = None) -> None:
                 refused[variant] = str(error)
                 print(f"{variant:32s} refused: {error}", flush=True)
                 continue
-        rows.append(row(variant, target.name, config, donate=not args.no_donate))
+        rows.append(row(variant, target.name, config, donate=donate))
         print("\n".join(table(rows)[-1:]), flush=True)
     if args.results:
         command = "python -m benchmarks.llm " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
-        donate = not args.no_donate
         write_section(args.results,
                       section(args.device, config, rows, refused, command, donate),
                       section_key(args.device, config, donate))

@@ -4,15 +4,23 @@ loop. Each round matches the module afresh, since a lift rebuilds the call sites
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import erase_discarded, function_name, functions, walk_operations
+from hlo_amp.ir.modules import (
+    erase_discarded,
+    function_name,
+    functions,
+    walk_operations,
+    with_element,
+)
 
-# (module, the module's ops, the matches) -> how many moved to call sites
-Lift = Callable[[ir.Module, list[ir.Operation], list[Any]], int]
+# (module, the module's ops, the matches, its functions by name) -> how many moved to
+# call sites
+Lift = Callable[[ir.Module, list[ir.Operation], list[Any], dict[str, Any]], int]
 # (the matches, the module's functions by name) -> how many left their loops
 Hoist = Callable[[list[Any], dict[str, Any]], int]
 
@@ -38,7 +46,34 @@ def _round(module: ir.Module, match: Callable[[ir.Operation], Any], lift: Lift,
     found = [m for m in map(match, ops) if m is not None]
     if not found:
         return 0, 0
-    lifted = lift(module, ops, found)
+    by_name = {function_name(fn): fn for fn in functions(module)}
+    lifted = lift(module, ops, found, by_name)
     if lifted:  # the call sites changed: match again next round
         return lifted, 0
-    return 0, hoist(found, {function_name(fn): fn for fn in functions(module)})
+    return 0, hoist(found, by_name)
+
+
+def source_through_converts(value: ir.Value, block: ir.Block
+                            ) -> tuple[ir.Value, list[ir.Operation]]:
+    """``value`` followed back, within ``block``, through converts and jax's remat
+    ``optimization_barrier`` (a weight is the same before it): the value they start from
+    and the converts passed, the last one first."""
+    converts: list[ir.Operation] = []
+    while not isinstance(value, ir.BlockArgument) and value.owner.operation.block == block:
+        op = value.owner.operation
+        if op.name == "stablehlo.convert":
+            converts.append(op)
+            value = op.operands[0]
+        elif op.name == "stablehlo.optimization_barrier":
+            value = op.operands[ir.OpResult(value).result_number]
+        else:
+            break
+    return value, converts
+
+
+def converted(value: ir.Value, elements: Sequence[ir.Type]) -> ir.Value:
+    """``value`` converted to each element type of ``elements`` in turn, at the current
+    insertion point (what ``source_through_converts`` passed, rebuilt on another value)."""
+    for element in elements:
+        value = hlo.convert(with_element(value.type, element), value)
+    return value

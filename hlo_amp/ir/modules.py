@@ -419,12 +419,13 @@ def call_sites(ops: list[ir.Operation]) -> dict[str, list[Any]]:
     return sites
 
 
-def growable_functions(module: ir.Module, ops: list[ir.Operation]
+def growable_functions(module: ir.Module, ops: list[ir.Operation],
+                       sites: dict[str, list[Any]] | None = None
                        ) -> list[tuple[func_dialect.FuncOp, list[Any]]]:
     """The private functions of ``module`` that only ``func.call`` ops of ``ops`` (the
     module's) name, with those calls: functions a pass may give more arguments,
-    computed at every call site."""
-    sites = call_sites(ops)
+    computed at every call site. ``sites``: ``call_sites(ops)``, if the caller has it."""
+    sites = call_sites(ops) if sites is None else sites
     named = named_outside_calls(ops)
     return [(fn, sites[function_name(fn)]) for fn in functions(module)
             if not is_public(fn) and function_name(fn) not in named

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from jaxlib.mlir import ir
 
+from hlo_amp.ir.op_classes import short_name
+
 # Transforms JAX writes as wrappers around a name-stack segment.
 TRANSFORMS = frozenset({
     "jvp", "transpose", "vmap", "pmap", "remat", "checkpoint", "custom_jvp",
@@ -307,6 +309,13 @@ def call_prefix(call_name: str) -> str:
         else:
             segments.pop()
     return "/".join(segments)
+
+
+def in_backward_pass(op: object) -> bool:
+    """Whether ``op``'s own location names it a backward op (``transpose(...)`` in its
+    name stack; the callers' prefix of an op in a private function is not read)."""
+    operation = op.operation
+    return parse_name(location_name(operation.location), short_name(operation.name)).backward
 
 
 def site_of(op_location: object, op_kind: str, prefix: str = "") -> Site:

@@ -12,13 +12,12 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.loops import enclosing_while, is_invariant, loop_body
 from hlo_amp.ir.modules import (
-    callee_name,
+    call_sites,
     discard,
     element_type,
     erase_discarded,
     function_name,
     functions,
-    is_call,
     is_program_convert,
     is_public,
     live_uses,
@@ -209,10 +208,7 @@ def _add_carries(loop: Any, converts: Sequence[Any]) -> None:
 def _lift_from_callees(module: ir.Module, ops: list[Any]) -> int:
     """Move float converts of a private callee's arguments to its call sites when every
     call sits directly in a while body and passes a loop-invariant value; the count."""
-    calls: dict[str, list[Any]] = {}
-    for op in ops:
-        if is_call(op):
-            calls.setdefault(callee_name(op), []).append(op)
+    calls = call_sites(ops)
     plans = []
     for fn in functions(module):
         sites = calls.get(function_name(fn), [])

@@ -30,7 +30,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.hoisting import hoist_rounds
+from hlo_amp.ir.hoisting import converted, hoist_rounds, source_through_converts
 from hlo_amp.ir.loops import (
     StackSlice,
     argument_number,
@@ -88,10 +88,7 @@ class _Amax:
 
 def _build(value: ir.Value, converts: Sequence[ir.Type], dimensions: list[int]) -> ir.Value:
     """The same amax of ``value`` at the current insertion point, over ``dimensions``."""
-    for result_type in converts:
-        shape = ir.RankedTensorType(value.type).shape
-        value = hlo.convert(ir.RankedTensorType.get(shape, result_type), value)
-    return max_abs(value, dimensions)
+    return max_abs(converted(value, converts), dimensions)
 
 
 def _is_zero(value: ir.Value) -> bool:
@@ -120,25 +117,17 @@ def _match(reduce: ir.Operation) -> _Amax | None:
         return None
     if isinstance(source, ir.BlockArgument) or source.owner.name != "stablehlo.abs":
         return None
-    value = source.owner.operands[0]
-    converts: list[ir.Type] = []
-    while not isinstance(value, ir.BlockArgument):
-        if value.owner.name == "stablehlo.convert":
-            converts.append(ir.RankedTensorType(value.type).element_type)
-            value = value.owner.operands[0]
-        elif value.owner.name == "stablehlo.optimization_barrier":
-            # jax's remat puts the recomputed layer's inputs behind a barrier: the
-            # weight's amax is the same before it (and a scalar, nothing to keep alive).
-            value = value.owner.operands[ir.OpResult(value).result_number]
-        else:
-            break
-    return _Amax(reduce, tuple(reversed(converts)), value)
+    # Behind jax's remat barrier the weight's amax is the same (a scalar: nothing kept
+    # alive).
+    root, converts = source_through_converts(source.owner.operands[0], reduce.block)
+    return _Amax(reduce, tuple(ir.RankedTensorType(op.results[0].type).element_type
+                               for op in reversed(converts)), root)
 
 
 # ---- from a function's argument to its call sites ---------------------------------------
 
-def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
-                        amaxes: list[_Amax]) -> int:
+def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation], amaxes: list[_Amax],
+                        by_name: dict[str, Any]) -> int:
     lifted = 0
     for fn, calls in growable_functions(module, ops):
         entry = fn.regions[0].blocks[0]

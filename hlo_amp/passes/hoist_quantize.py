@@ -37,7 +37,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.hoisting import hoist_rounds
+from hlo_amp.ir.hoisting import converted, hoist_rounds, source_through_converts
 from hlo_amp.ir.loops import (
     StackSlice,
     argument_number,
@@ -52,7 +52,6 @@ from hlo_amp.ir.modules import (
     call_sites,
     discard,
     function_name,
-    functions,
     growable_functions,
     is_public,
     live_uses,
@@ -60,7 +59,7 @@ from hlo_amp.ir.modules import (
     with_element,
 )
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
-from hlo_amp.ir.sites import location_name, parse_name
+from hlo_amp.ir.sites import in_backward_pass
 from hlo_amp.report import Report
 
 _FP8 = ("f8E4M3FN", "f8E5M2")
@@ -171,22 +170,10 @@ def _match(convert: ir.Operation) -> _Quantize | None:
     scale = _scale_of(broadcast.operands[0], convert.block)
     if scale is None:
         return None
-    chain = [convert, clamp, divide, broadcast]
-    value = divide.operands[0]
-    converts: list[ir.Type] = []
-    while (op := _defining(value)) is not None and op.block == convert.block:
-        if op.name == "stablehlo.convert":
-            chain.append(op)
-            converts.append(ir.RankedTensorType(value.type).element_type)
-            value = op.operands[0]
-        elif op.name == "stablehlo.optimization_barrier":
-            # jax's remat puts the recomputed layer's inputs behind a barrier; the weight
-            # is the same before it.
-            value = op.operands[ir.OpResult(value).result_number]
-        else:
-            break
-    return _Quantize(convert, tuple(chain), tuple(reversed(converts)), value, scale, low,
-                     high)
+    root, converts = source_through_converts(divide.operands[0], convert.block)
+    return _Quantize(convert, (convert, clamp, divide, broadcast, *converts),
+                     tuple(ir.RankedTensorType(op.results[0].type).element_type
+                           for op in reversed(converts)), root, scale, low, high)
 
 
 # ---- building ------------------------------------------------------------------------------
@@ -231,8 +218,7 @@ def _build(quantize: _Quantize, value: ir.Value, scale: ir.Value, axis: int | No
            ) -> ir.Value:
     """``quantize`` of ``value`` at the current insertion point, divided by ``scale``: a
     scalar, or (``axis`` given) a vector along that axis of ``value``."""
-    for element in quantize.converts:
-        value = hlo.convert(with_element(value.type, element), value)
+    value = converted(value, quantize.converts)
     dims = [] if axis is None else [axis]
     divided = hlo.divide(value, hlo.broadcast_in_dim(value.type, scale, dims))
     clamped = hlo.clamp(_constant_like(quantize.low), divided, _constant_like(quantize.high))
@@ -259,12 +245,11 @@ class HoistQuantize:
 
 # ---- from a function's arguments to its call sites ----------------------------------------
 
-def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
-                        found: list[_Quantize]) -> int:
+def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation], found: list[_Quantize],
+                        by_name: dict[str, Any]) -> int:
     sites = call_sites(ops)
-    by_name = {function_name(fn): fn for fn in functions(module)}
     lifted = 0
-    for fn, calls in growable_functions(module, ops):
+    for fn, calls in growable_functions(module, ops, sites):
         entry = fn.regions[0].blocks[0]
         movable = [q for q in found
                    if q.convert.block == entry and argument_number(q.root, entry) is not None
@@ -276,10 +261,6 @@ def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation],
         if movable:
             lifted += _lift(fn, calls, movable)
     return lifted
-
-
-def _is_backward(loop: Any) -> bool:
-    return parse_name(location_name(loop.location), "while").backward
 
 
 def _may_be_stacked(operand: ir.Value, by_name: dict[str, Any],
@@ -363,7 +344,7 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
     if sliced is None or _defining(q.root).block != q.convert.block:
         return None
     loop = enclosing_while(q.convert)
-    if (loop is None or is_sharded(loop) or _is_backward(loop)
+    if (loop is None or is_sharded(loop) or in_backward_pass(loop)
             or not is_invariant(sliced.stack, loop)):
         return None
     length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]

@@ -52,7 +52,7 @@ from hlo_amp.ir.modules import (
     walk_operations,
 )
 from hlo_amp.ir.op_classes import INFER, OP_CLASSES, short_name
-from hlo_amp.ir.sites import location_name, parse_name
+from hlo_amp.ir.sites import in_backward_pass
 from hlo_amp.passes.propagate.body import is_f32
 from hlo_amp.passes.stacked_residuals import first_in_block, recompute_stacked
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
@@ -115,10 +115,6 @@ class RecomputeResiduals:
                 f"values it stacks anyway")
 
 
-def _is_backward(op: ir.Operation) -> bool:
-    return parse_name(location_name(op.location), short_name(op.name)).backward
-
-
 def _recipes_of(op: ir.Operation, by_name: dict, low: str) -> list[_Recipe]:
     """The recipes of ``op``'s results that backward ops read, from a value of element
     type ``low`` (the compute dtype's: "bf16", "f16")."""
@@ -132,8 +128,8 @@ def _recipes_of(op: ir.Operation, by_name: dict, low: str) -> list[_Recipe]:
         if not count or not is_f32(result):
             continue
         if forward is None:
-            forward = not _is_backward(op)
-        if not forward or not any(_is_backward(use.owner) for use in live_uses(result)):
+            forward = not in_backward_pass(op)
+        if not forward or not any(in_backward_pass(use.owner) for use in live_uses(result)):
             continue
         traced, callee = result, None
         if name == "func.call":
@@ -270,7 +266,7 @@ def _recompute(recipe: _Recipe, calls: dict[int, ir.Operation],
     else:
         outside = [(value, _current(value, calls))
                    for value in [recipe.source, *recipe.statistics]]
-    readers = [use.owner for use in live_uses(result) if _is_backward(use.owner)]
+    readers = [use.owner for use in live_uses(result) if in_backward_pass(use.owner)]
     first = first_in_block(definer.operation.block, readers)
     where = ir.InsertionPoint(first)
     with first.location:
