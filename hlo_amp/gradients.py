@@ -12,7 +12,7 @@ Every value gets one of three kinds, in program order:
 - GRAD: a result of an op with a GRAD operand, or of a backward op (its name stack has
   ``transpose(...)``) none of whose operands is PRIMAL -- the seed cotangent JAX starts
   the backward pass from (``broadcast(1.0)``, ``1/n`` of a mean) and the zeros it
-  accumulates into;
+  accumulates into (not the constants of remat's recomputed forward, named ``remat2``);
 - PRIMAL: everything else: the function's arguments, forward results, and backward ops
   computing from forward values only.
 
@@ -49,11 +49,15 @@ _NO_OPERANDS_CONST = frozenset({"stablehlo.constant", "stablehlo.iota"})
 _PER_POSITION = frozenset({"stablehlo.optimization_barrier", "stablehlo.while"})
 _RETURNS = frozenset({"func.return"})
 _MAX_ROUNDS = 10
+_REMAT_PRIMITIVE = "remat2"  # jax's checkpoint primitive (ad_checkpoint.remat_p)
 
 
 @functools.lru_cache(maxsize=8192)
 def _is_backward(name: str) -> bool:
-    return parse_name(name).backward and "rematted_computation" not in name
+    # jax's remat lowering names the constants of the recomputed forward after its
+    # primitive ("remat2"), without "rematted_computation": they are forward values too.
+    return (parse_name(name).backward and "rematted_computation" not in name
+            and _REMAT_PRIMITIVE not in name.split("/"))
 
 
 def _is_float(value: ir.Value, cache: dict[ir.Type, bool]) -> bool:

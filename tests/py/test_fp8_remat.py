@@ -1,0 +1,66 @@
+"""fp8 formats under ``jax.checkpoint``: the backward pass recomputes the forward (remat's
+``rematted_computation``), and those recomputed dots are forward dots: e4m3fn for both
+operands, as in the forward loop. The weight-gradient dots beside them read the
+incoming gradient in e5m2. jax names the recomputed forward's constants after the remat
+primitive (``remat2``, not ``rematted_computation``); taken for the backward's seed,
+they made the recomputed activations look like gradients (hlo_amp/gradients.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxlib.mlir import ir
+
+import hlo_amp
+from hlo_amp.ir.modules import parse_module, walk_operations
+from hlo_amp.ir.sites import location_name
+
+_E4M3, _E5M2 = "f8E4M3FN", "f8E5M2"
+
+
+def _normed_scan_step(p: dict, x: jax.Array):
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        @jax.checkpoint
+        def layer(h, w):
+            # The norm's constants (the mean's 1/32, the epsilon) sit before a dot.
+            n = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+            return h + jnp.tanh(n @ w["a"]) @ w["b"], None
+
+        h, _ = jax.lax.scan(layer, x @ p["w_in"], p["layers"])
+        return jnp.mean((h @ p["w_out"] - 1.0) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.05 * b, p, grads), value
+
+
+def _args() -> tuple[dict, jax.Array]:
+    rng = np.random.default_rng(3)
+    p = {"w_in": jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32),
+         "layers": {"a": jnp.asarray(rng.standard_normal((3, 32, 32)) / 6, jnp.float32),
+                    "b": jnp.asarray(rng.standard_normal((3, 32, 32)) / 6, jnp.float32)},
+         "w_out": jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32)}
+    return p, jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+
+
+def _element(value: ir.Value) -> str:
+    return str(ir.RankedTensorType(value.type).element_type)
+
+
+def test_recomputed_forward_dots_are_e4m3_and_weight_gradients_read_e5m2() -> None:
+    lowered = hlo_amp.compile(_normed_scan_step, "fp8,first_matrix_op=none,last_matrix_op=none"
+                              ).lower(*_args())
+    module = parse_module(lowered.as_text(debug_info=True))  # held: its ops live with it
+    recomputed = []
+    for op in walk_operations(module.operation, names=frozenset({"stablehlo.dot_general"})):
+        if "rematted_computation" in location_name(op.location):
+            recomputed.append([_element(v) for v in op.operands])
+    assert recomputed and all(formats == [_E4M3, _E4M3] for formats in recomputed), recomputed
+    backward = [d for d in lowered.report().decisions if d.fp8 and d.direction == "backward"]
+    both_e4m3 = [d for d in backward if d.operands_after == (_E4M3, _E4M3)]
+    # The backward's only all-e4m3 dots are the recomputed ones; every other backward
+    # dot (the gradients of the weights and of the activations) reads one e5m2 operand.
+    assert len(both_e4m3) == len(recomputed), [d.reason for d in both_e4m3]
+    assert all(sorted(d.operands_after) == [_E4M3, _E5M2]
+               for d in backward if d not in both_e4m3)
+    assert len(backward) - len(both_e4m3) >= 5  # dW_in, dW_a, dW_b, dW_out and more
