@@ -37,6 +37,7 @@ from hlo_amp.passes.insert_converts import InsertConverts
 from hlo_amp.passes.keep_shardings import KeepShardings
 from hlo_amp.passes.propagate import Propagate
 from hlo_amp.passes.recompute_residuals import RecomputeResiduals
+from hlo_amp.passes.reuse_amax import ReuseAmax
 from hlo_amp.passes.scatter_select import ScatterToSelect
 from hlo_amp.policy import Policy
 from hlo_amp.report import Report
@@ -60,6 +61,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     then the scatter-to-select rewrite (passes/scatter_select.py). A policy with fp8
     actions adds the fp8 pass after propagation (which leaves fp8 dots' f32 operands
     alone): it quantises the dots insert_converts marked (see passes/fp8.py),
+    reuse_amax reads the amaxes remat's backward loop recomputes from the forward loop,
     hoist_amax takes a scanned weight's amax once per layer before its loop, and
     hoist_quantize quantises a scanned weight once per step before its forward loop. Then
     comm_precision moves 16-bit converts above data movement (sharding constraints,
@@ -80,7 +82,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
         if target.recomputes_residuals:
             passes.append(RecomputeResiduals(policy, target))
     if policy.uses_fp8:
-        passes += [Fp8Quantize(policy.scaling), HoistAmax(), HoistQuantize()]
+        passes += [Fp8Quantize(policy.scaling), ReuseAmax(), HoistAmax(), HoistQuantize()]
     passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
@@ -94,7 +96,8 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     passes: list[Any] = [FusedAttention(policy, target), InsertConverts(policy, target),
                          Propagate(policy, target),
                          ScatterToSelect(target), RecomputeResiduals(policy, target),
-                         Fp8Quantize(), HoistAmax(), HoistQuantize(), CommPrecision(policy),
+                         Fp8Quantize(), ReuseAmax(), HoistAmax(), HoistQuantize(),
+                         CommPrecision(policy),
                          CleanupConverts(), FastDotLayout(), KeepShardings()]
     return {p.name: p for p in passes}
 

@@ -53,7 +53,7 @@ class HoistAmax:
     name: str = "hlo-amp-hoist-amax"
 
     def run(self, module: ir.Module, report: Report | None = None) -> None:
-        hoisted = hoist_rounds(module, self.name, _match, _lift_to_call_sites,
+        hoisted = hoist_rounds(module, self.name, match_amax, _lift_to_call_sites,
                                _hoist_out_of_loops)
         if report is not None and hoisted:
             report.notes.append(f"hoist-amax: {hoisted} amax(es) of a scanned tensor's slice "
@@ -61,7 +61,7 @@ class HoistAmax:
 
 
 @dataclass(frozen=True)
-class _Amax:
+class Amax:
     """One ``reduce_max(abs(convert*(root)))`` over all of ``root``'s dimensions."""
 
     reduce: ir.Operation
@@ -100,7 +100,7 @@ def _is_zero(value: ir.Value) -> bool:
     return ir.FloatAttr(attribute.get_splat_value()).value == 0.0
 
 
-def _match(reduce: ir.Operation) -> _Amax | None:
+def match_amax(reduce: ir.Operation) -> Amax | None:
     """``reduce`` as an amax of the form ``max_abs`` writes, else None."""
     if (reduce.name != "stablehlo.reduce" or len(reduce.operands) != 2
             or not _is_zero(reduce.operands[1])):
@@ -120,18 +120,18 @@ def _match(reduce: ir.Operation) -> _Amax | None:
     # Behind jax's remat barrier the weight's amax is the same (a scalar: nothing kept
     # alive).
     root, converts = source_through_converts(source.owner.operands[0], reduce.block)
-    return _Amax(reduce, tuple(ir.RankedTensorType(op.results[0].type).element_type
+    return Amax(reduce, tuple(ir.RankedTensorType(op.results[0].type).element_type
                                for op in reversed(converts)), root)
 
 
 # ---- from a function's argument to its call sites ---------------------------------------
 
-def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation], amaxes: list[_Amax],
+def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation], amaxes: list[Amax],
                         by_name: dict[str, Any]) -> int:
     lifted = 0
     for fn, calls in growable_functions(module, ops):
         entry = fn.regions[0].blocks[0]
-        groups: dict[tuple[Any, ...], list[_Amax]] = {}
+        groups: dict[tuple[Any, ...], list[Amax]] = {}
         for amax in amaxes:
             # In the entry block only: an amax in a loop body of fn is the loop's to hoist.
             index = argument_number(amax.root, entry)
@@ -142,7 +142,7 @@ def _lift_to_call_sites(module: ir.Module, ops: list[ir.Operation], amaxes: list
     return lifted
 
 
-def _lift(fn: Any, calls: list[Any], groups: list[list[_Amax]]) -> int:
+def _lift(fn: Any, calls: list[Any], groups: list[list[Amax]]) -> int:
     """Each group (one argument, one amax form) becomes a new trailing scalar argument
     of ``fn``, computed at every call site."""
     entry = fn.regions[0].blocks[0]
@@ -167,8 +167,8 @@ def _lift(fn: Any, calls: list[Any], groups: list[list[_Amax]]) -> int:
 
 # ---- out of a loop ------------------------------------------------------------------------
 
-def _hoist_out_of_loops(amaxes: list[_Amax], by_name: dict[str, Any]) -> int:
-    plans: dict[int, tuple[Any, dict[tuple[Any, ...], list[tuple[_Amax, StackSlice]]]]] = {}
+def _hoist_out_of_loops(amaxes: list[Amax], by_name: dict[str, Any]) -> int:
+    plans: dict[int, tuple[Any, dict[tuple[Any, ...], list[tuple[Amax, StackSlice]]]]] = {}
     for amax in amaxes:
         sliced = stack_slice(amax.root, by_name)
         if sliced is None or amax.reduce.block != amax.root.owner.operation.block:
@@ -184,7 +184,7 @@ def _hoist_out_of_loops(amaxes: list[_Amax], by_name: dict[str, Any]) -> int:
     return sum(_hoist(loop, groups) for loop, groups in plans.values())
 
 
-def _hoist(loop: Any, groups: dict[tuple[Any, ...], list[tuple[_Amax, StackSlice]]]) -> int:
+def _hoist(loop: Any, groups: dict[tuple[Any, ...], list[tuple[Amax, StackSlice]]]) -> int:
     """One ``rows`` per group before ``loop``, carried unchanged; each amax of the group
     becomes element ``index`` of it."""
     rows = []
