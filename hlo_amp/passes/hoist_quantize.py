@@ -17,11 +17,15 @@ A quantisation of a private function's argument whose scale is computed from the
 function's arguments is first moved to every call site, as one more argument, until it
 reaches the loop body that slices (only where the call's operand is such a slice, or an
 argument that may be one further up: an activation's quantisation stays where it is).
-Backward loops (``transpose(...)`` in the loop's name) keep their quantisations in the
-body: they run at a train step's memory peak, beside the gradients and the saved
-residuals, where a stack held over the loop adds one byte per weight (+928 MiB on
-benchmarks/llm.py's 1.1B decoder), while a forward loop's stack is freed before them.
-Moving them from the remat'd callee to the body still pays: the callee reads its
+Backward loops (``transpose(...)`` in the loop's name) keep in the body the
+quantisations only their own dots read: they run at a train step's memory peak, beside
+the gradients and the saved residuals, where a stack held over the loop adds one byte
+per weight. A quantisation that remat's recomputed forward reads (``rematted_computation``)
+is hoisted there too: that GEMM reads the weight transposed, and XLA:GPU otherwise gets
+it by carrying a transposed f32 copy of each such stack into the loop (four bytes per
+weight: 9,482.5 MiB of temp on benchmarks/llm.py's 1.1B decoder against 7,466.5 with
+the fp8 stacks, which are the forward loop's, for the same layers and scales).
+Moving the others from the remat'd callee to the body still pays: the callee reads its
 weights through jax's ``optimization_barrier``, so XLA copies each layer's f32 slice
 for it (2.3 ms a step of the 1.1B's roofline); in the body the quantisation reads
 the slice in place. Only quantisations of the form fp8.py writes are moved, with a
@@ -50,16 +54,18 @@ from hlo_amp.ir.loops import (
 )
 from hlo_amp.ir.modules import (
     call_sites,
+    callee_name,
     discard,
     function_name,
     growable_functions,
+    is_call,
     is_public,
     live_uses,
     op_key,
     with_element,
 )
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
-from hlo_amp.ir.sites import in_backward_pass
+from hlo_amp.ir.sites import in_backward_pass, location_name
 from hlo_amp.report import Report
 
 _FP8 = ("f8E4M3FN", "f8E5M2")
@@ -72,6 +78,10 @@ _ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
     "log_plus_one", "sign"))
 _SCALE_OP_NAMES = _ELEMENTWISE | {"stablehlo.constant", "stablehlo.slice", "stablehlo.reshape"}
 _SCALE_OPS = 32
+# jax's name for remat's recomputed forward, and how many calls (or barriers) deep a
+# backward body's quantisation is followed to a dot of it.
+_RECOMPUTED = "rematted_computation"
+_CALL_DEPTH = 4
 
 
 @dataclass(frozen=True)
@@ -344,8 +354,9 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
     if sliced is None or _defining(q.root).block != q.convert.block:
         return None
     loop = enclosing_while(q.convert)
-    if (loop is None or is_sharded(loop) or in_backward_pass(loop)
-            or not is_invariant(sliced.stack, loop)):
+    if (loop is None or is_sharded(loop) or not is_invariant(sliced.stack, loop)
+            or (in_backward_pass(loop) and not _feeds_recomputation(q.convert.results[0],
+                                                                    by_name))):
         return None
     length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
     vectors: list[ir.Value | None] = []
@@ -358,6 +369,28 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
                                    if vector is not None]):
         return None
     return loop, _Plan(q, sliced, tuple(vectors))
+
+
+def _feeds_recomputation(value: ir.Value, by_name: dict[str, Any], depth: int = 0) -> bool:
+    """Whether a dot of remat's recomputed forward (``rematted_computation`` in its name)
+    reads ``value``: in the backward loop's body, or through the calls and remat's
+    ``optimization_barrier`` between."""
+    for use in live_uses(value):
+        user = use.owner
+        name = user.operation.name
+        if name == "stablehlo.dot_general":
+            if _RECOMPUTED in location_name(user.location):
+                return True
+        elif depth < _CALL_DEPTH and name == "stablehlo.optimization_barrier":
+            if _feeds_recomputation(user.results[use.operand_number], by_name, depth + 1):
+                return True
+        elif depth < _CALL_DEPTH and is_call(user):
+            callee = by_name.get(callee_name(user))
+            if callee is not None and _feeds_recomputation(
+                    callee.regions[0].blocks[0].arguments[use.operand_number], by_name,
+                    depth + 1):
+                return True
+    return False
 
 
 def _hoist_out_of_loops(found: list[_Quantize], by_name: dict[str, Any]) -> int:

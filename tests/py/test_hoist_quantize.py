@@ -50,7 +50,9 @@ def test_the_step_is_the_same_bits_with_the_weights_quantised_before_the_loop(
     hoisted = hlo_amp.compile(_scan_step, policy)
     lowered = hoisted.lower(p, x)
     (note,) = [n for n in lowered.report().notes if n.startswith("hoist-quantize:")]
-    assert int(note.split()[1]) == 2, note  # the two stacked weights, in the forward loop
+    # The two stacked weights in the forward loop, and the recomputed layer's weight in
+    # the backward loop (its quantisation in the remat'd function and in the body).
+    assert int(note.split()[1]) >= 3, note
     with_pass = _three_steps(hoisted, p, x)
 
     monkeypatch.setattr(HoistQuantize, "run", lambda self, module, report=None: None)
@@ -58,11 +60,13 @@ def test_the_step_is_the_same_bits_with_the_weights_quantised_before_the_loop(
     text_in_loop = in_loop.lower(p, x).as_text(debug_info=True)
     # Before the pass each weight is quantised per layer in the loops (in their bodies
     # or in callees, as the jax version lowers remat); after it, once per stack before
-    # the forward loop, and per layer in the backward loop's body, which keeps its own.
+    # the forward loop, and before the backward loop the weight its recomputed forward
+    # dot reads (the forward's stack again); the other weight, which only the backward's
+    # own dots read, per layer in the backward loop's body.
     before, after = _quantisations(text_in_loop), _quantisations(lowered.as_text(debug_info=True))
-    assert before["stack"] == 0 and after["stack"] == 2, (before, after)
-    assert after["forward"] == 0 and after["backward"] == 2, after
-    assert sum(after.values()) - after["stack"] == sum(before.values()) - 2, (before, after)
+    assert before["stack"] == 0 and after["stack"] == 3, (before, after)
+    assert after["forward"] == 0 and after["backward"] == 1, after
+    assert sum(after.values()) - after["stack"] == sum(before.values()) - 3, (before, after)
 
     without = _three_steps(in_loop, p, x)
     for (loss_a, leaves_a), (loss_b, leaves_b) in zip(with_pass, without):
