@@ -66,6 +66,17 @@ def _three_steps(step, p, x) -> list:
     return out
 
 
+def _assert_same_bits(with_pass: list, without: list, compiled: object, other: object,
+                      scaling: str) -> None:
+    """Three steps' losses and parameters equal bit for bit (``_three_steps``); under
+    delayed scaling the amax histories the two compiled steps kept too."""
+    for (loss_a, leaves_a), (loss_b, leaves_b) in zip(with_pass, without):
+        assert np.array_equal(loss_a, loss_b)
+        assert all(np.array_equal(a, b) for a, b in zip(leaves_a, leaves_b))
+    if scaling == "delayed":  # the history recorded the same amax per tensor
+        assert np.array_equal(np.asarray(compiled.fp8_state()), np.asarray(other.fp8_state()))
+
+
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_the_step_is_the_same_bits_with_the_amax_taken_before_the_loop(scaling, monkeypatch):
     policy = f"fp8,scaling={scaling},{ALL}"
@@ -85,12 +96,7 @@ def test_the_step_is_the_same_bits_with_the_amax_taken_before_the_loop(scaling, 
     scalar_in_loop, per_layer_in_loop = _amaxes(text_in_loop)
     assert scalar <= scalar_in_loop - 4 and per_layer >= 2 and per_layer_in_loop == 0
 
-    without = _three_steps(in_loop, p, x)
-    for (loss_a, leaves_a), (loss_b, leaves_b) in zip(with_pass, without):
-        assert np.array_equal(loss_a, loss_b)
-        assert all(np.array_equal(a, b) for a, b in zip(leaves_a, leaves_b))
-    if scaling == "delayed":  # the history recorded the same amax per tensor
-        assert np.array_equal(np.asarray(hoisted.fp8_state()), np.asarray(in_loop.fp8_state()))
+    _assert_same_bits(with_pass, _three_steps(in_loop, p, x), hoisted, in_loop, scaling)
     # The scales matter here: a wrong layer's amax changes the bits (the layers' sizes
     # differ 16-fold), and the steps moved the parameters.
     assert not np.array_equal(with_pass[-1][1][0], np.asarray(jax.tree.leaves(p)[0]))
