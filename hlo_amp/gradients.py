@@ -12,7 +12,9 @@ Every value gets one of three kinds, in program order:
 - GRAD: a result of an op with a GRAD operand, or of a backward op (its name stack has
   ``transpose(...)``) none of whose operands is PRIMAL -- the seed cotangent JAX starts
   the backward pass from (``broadcast(1.0)``, ``1/n`` of a mean) and the zeros it
-  accumulates into (not the constants of remat's recomputed forward, named ``remat2``);
+  accumulates into (not the constants of remat's recomputed forward, named ``remat2``,
+  and a constant is judged by its own name: jax.export leaves some unnamed, and under a
+  backward call site's prefix they would read as the seed);
 - PRIMAL: everything else: the function's arguments, forward results, and backward ops
   computing from forward values only.
 
@@ -58,6 +60,14 @@ def _is_backward(name: str) -> bool:
     # primitive ("remat2"), without "rematted_computation": they are forward values too.
     return (parse_name(name).backward and "rematted_computation" not in name
             and _REMAT_PRIMITIVE not in name.split("/"))
+
+
+def _name(prefix: str, own: str, operand_kinds: list[int]) -> str:
+    """The name an op is judged backward by: under its call site's prefix, but a
+    constant (no operands) by its own name only. jax.export leaves some constants of a
+    private function unnamed (remat's recomputed forward's, in a function the backward
+    calls): under the prefix they would read as the backward's seed."""
+    return join_names(prefix, own) if operand_kinds else own
 
 
 def _is_float(value: ir.Value, cache: dict[ir.Type, bool]) -> bool:
@@ -148,7 +158,7 @@ class GradientFlow:
             if GRAD in operand_kinds:
                 kind = GRAD
             elif PRIMAL not in operand_kinds and _is_backward(
-                    join_names(prefix, location_name(op.location))):
+                    _name(prefix, location_name(op.location), operand_kinds)):
                 kind = GRAD  # the seed cotangent, or zeros the backward accumulates into
             elif not operand_kinds or op_name in _NO_OPERANDS_CONST or (
                     PRIMAL not in operand_kinds):

@@ -64,3 +64,16 @@ def test_recomputed_forward_dots_are_e4m3_and_weight_gradients_read_e5m2() -> No
     assert all(sorted(d.operands_after) == [_E4M3, _E5M2]
                for d in backward if d not in both_e4m3)
     assert len(backward) - len(both_e4m3) >= 5  # dW_in, dW_a, dW_b, dW_out and more
+
+
+def test_a_call_computes_what_lower_reports() -> None:
+    # A call runs the step through jax.export (runtime/compile.py), whose module leaves
+    # some of the recomputed forward's constants unnamed; .lower() reads jax's own
+    # lowering. Both rewrite to the same formats, so both compute the same bits.
+    policy = "fp8,first_matrix_op=none,last_matrix_op=none"
+    args = _args()
+    called = hlo_amp.compile(_normed_scan_step, policy)(*args)
+    ahead = hlo_amp.compile(_normed_scan_step, policy).lower(*args).compile()(*args)
+    for a, b in zip(jax.tree.leaves(called), jax.tree.leaves(ahead)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(called[0]["w_in"]), np.asarray(args[0]["w_in"]))
