@@ -21,7 +21,11 @@ from before either loop, the same. The forward loop's counter must run over ever
 those stacks once (0, 1, …, n-1), so ``A[j]`` is the amax iteration ``j`` took; the
 backward slices at ``j`` clamp as ``A`` does. Equal inputs through equal ops give equal
 values, so the pass needs no name to tell a backward loop, and changes no bits: the
-amax (a maximum, exact) is the one the backward would have computed.
+amax (a maximum, exact) is the one the backward would have computed. One equality is
+assumed rather than read: cuDNN's fused attention writes the same output whether or not
+the call also writes the softmax statistics (the recomputing call does). Should a GPU's
+two kernels differ in a last bit, the backward quantises with the forward's scale, its
+clamp keeping the values in range.
 
 Only the amaxes fp8.py writes (hoist_amax.match_amax) are matched; a weight's amax (a
 slice's alone) is hoist_amax's, which takes it for every layer before both loops. Loops
