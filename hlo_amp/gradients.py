@@ -44,7 +44,7 @@ from hlo_amp.ir.modules import (
     terminator,
     walk_operations,
 )
-from hlo_amp.ir.sites import join_names, location_name, parse_name
+from hlo_amp.ir.sites import RECOMPUTED, join_names, location_name, parse_name
 
 CONST, PRIMAL, GRAD = 0, 1, 2
 _NO_OPERANDS_CONST = frozenset({"stablehlo.constant", "stablehlo.iota"})
@@ -58,7 +58,9 @@ _REMAT_PRIMITIVE = "remat2"  # jax's checkpoint primitive (ad_checkpoint.remat_p
 def _is_backward(name: str) -> bool:
     # jax's remat lowering names the constants of the recomputed forward after its
     # primitive ("remat2"), without "rematted_computation": they are forward values too.
-    return (parse_name(name).backward and "rematted_computation" not in name
+    # jax 0.11 lowers that recomputation in the loop body, where their own name carries
+    # the backward's "transpose(...)".
+    return (parse_name(name).backward and RECOMPUTED not in name
             and _REMAT_PRIMITIVE not in name.split("/"))
 
 

@@ -390,6 +390,18 @@ def is_call(op: object) -> bool:
     return isinstance(op, func_dialect.CallOp) or op.operation.name == "func.call"
 
 
+def callee_entry(op: object, by_name: dict[str, Any]) -> ir.Block | None:
+    """The entry block of the function a ``func.call`` ``op`` calls (``by_name``: the
+    module's functions by name); None for another op, an unknown callee or one without
+    a body."""
+    if not is_call(op):
+        return None
+    callee = by_name.get(callee_name(op))
+    if callee is None or not callee.regions[0].blocks:
+        return None
+    return callee.regions[0].blocks[0]
+
+
 def _symbol_refs(attribute: ir.Attribute) -> list[str]:
     if isinstance(attribute, ir.FlatSymbolRefAttr):
         return [attribute.value]

@@ -1,5 +1,6 @@
 """Ops rebuilt with more operands: a ``stablehlo.while`` with more carries, a
-``func.call`` with more operands and results, a function's signature grown to match
+``func.call`` with more operands and results, a terminator with more values, a
+function's signature grown to match
 (MLIR ops have a fixed operand and result list, so each is a new op in the old one's
 place; the old one is discarded)."""
 
@@ -48,11 +49,16 @@ def while_with_invariants(loop: Any, initial: Sequence[ir.Value],
     """``while_with_carries`` whose body returns each new carry unchanged: values the
     body reads on every iteration, computed once before the loop."""
     new, arguments = while_with_carries(loop, initial, locations)
-    old_return = terminator(new.operation.regions[1].blocks[0])
-    hlo.ReturnOp(list(old_return.operands) + arguments, loc=old_return.location,
-                 ip=ir.InsertionPoint(old_return))
-    discard(old_return)
+    return_also(terminator(new.operation.regions[1].blocks[0]), arguments)
     return new, arguments
+
+
+def return_also(old_return: ir.Operation, values: Sequence[ir.Value]) -> None:
+    """A block's terminator (``stablehlo.return``, ``func.return``) rebuilt with
+    ``values`` appended; the old one is discarded."""
+    ir.Operation.create(old_return.name, operands=[*old_return.operands, *values],
+                        loc=old_return.location, ip=ir.InsertionPoint(old_return))
+    discard(old_return)
 
 
 def _grown(attributes: Any, name: str, count: int) -> ir.ArrayAttr | None:

@@ -24,6 +24,8 @@ TRANSFORMS = frozenset({
     "custom_vjp", "xmap", "shard_map", "linearize", "vjp", "grad", "batch",
 })
 BACKWARD_TRANSFORMS = frozenset({"transpose"})
+# The segment jax writes over remat's recomputed forward in the backward pass.
+RECOMPUTED = "rematted_computation"
 # Segments JAX itself writes for control flow and calls; not user scopes.
 STRUCTURAL = frozenset({
     "while", "scan", "closed_call", "core_call", "checkpoint",

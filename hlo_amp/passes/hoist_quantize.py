@@ -54,18 +54,17 @@ from hlo_amp.ir.loops import (
 )
 from hlo_amp.ir.modules import (
     call_sites,
-    callee_name,
+    callee_entry,
     discard,
     function_name,
     growable_functions,
-    is_call,
     is_public,
     live_uses,
     op_key,
     with_element,
 )
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
-from hlo_amp.ir.sites import in_backward_pass, location_name
+from hlo_amp.ir.sites import RECOMPUTED, in_backward_pass, location_name
 from hlo_amp.report import Report
 
 _FP8 = ("f8E4M3FN", "f8E5M2")
@@ -78,9 +77,8 @@ _ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
     "log_plus_one", "sign"))
 _SCALE_OP_NAMES = _ELEMENTWISE | {"stablehlo.constant", "stablehlo.slice", "stablehlo.reshape"}
 _SCALE_OPS = 32
-# jax's name for remat's recomputed forward, and how many calls (or barriers) deep a
-# backward body's quantisation is followed to a dot of it.
-_RECOMPUTED = "rematted_computation"
+# How many calls (or barriers) deep a backward body's quantisation is followed to a dot
+# of remat's recomputed forward.
 _CALL_DEPTH = 4
 
 
@@ -379,17 +377,15 @@ def _feeds_recomputation(value: ir.Value, by_name: dict[str, Any], depth: int = 
         user = use.owner
         name = user.operation.name
         if name == "stablehlo.dot_general":
-            if _RECOMPUTED in location_name(user.location):
+            if RECOMPUTED in location_name(user.location):
                 return True
         elif depth < _CALL_DEPTH and name == "stablehlo.optimization_barrier":
             if _feeds_recomputation(user.results[use.operand_number], by_name, depth + 1):
                 return True
-        elif depth < _CALL_DEPTH and is_call(user):
-            callee = by_name.get(callee_name(user))
-            if callee is not None and _feeds_recomputation(
-                    callee.regions[0].blocks[0].arguments[use.operand_number], by_name,
-                    depth + 1):
-                return True
+        elif (depth < _CALL_DEPTH and (entry := callee_entry(user, by_name)) is not None
+              and _feeds_recomputation(entry.arguments[use.operand_number], by_name,
+                                       depth + 1)):
+            return True
     return False
 
 

@@ -52,8 +52,8 @@ from hlo_amp.ir.loops import (
 )
 from hlo_amp.ir.modules import (
     call_sites,
+    callee_entry,
     callee_name,
-    discard,
     erase_discarded,
     function_name,
     functions,
@@ -63,7 +63,7 @@ from hlo_amp.ir.modules import (
     terminator,
     walk_operations,
 )
-from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_carries
+from hlo_amp.ir.rebuild import call_with_extra, grow_signature, return_also, while_with_carries
 from hlo_amp.passes.hoist_amax import Amax, match_amax
 from hlo_amp.report import Report
 
@@ -228,11 +228,10 @@ def _origin(value: ir.Value, by_name: dict[str, Any], sites: dict[str, list[Any]
         if isinstance(value, ir.BlockArgument):
             return value
         op = value.owner.operation
-        callee = by_name.get(callee_name(op)) if is_call(op) else None
-        if callee is None or len(sites.get(callee_name(op), [])) != 1:
+        entry = callee_entry(op, by_name)
+        if entry is None or len(sites.get(callee_name(op), [])) != 1:
             return value
-        value = terminator(callee.regions[0].blocks[0]).operands[
-            ir.OpResult(value).result_number]
+        value = terminator(entry).operands[ir.OpResult(value).result_number]
     return value
 
 
@@ -247,10 +246,9 @@ def _through_calls(value: ir.Value, by_name: dict[str, Any]) -> ir.Value:
         if op.name == "stablehlo.optimization_barrier":
             value = op.operands[number]
             continue
-        callee = by_name.get(callee_name(op)) if is_call(op) else None
-        if callee is None:
+        entry = callee_entry(op, by_name)
+        if entry is None:
             return value
-        entry = callee.regions[0].blocks[0]
         argument = argument_number(terminator(entry).operands[number], entry)
         if argument is None:
             return value
@@ -269,10 +267,9 @@ def _stored_row(value: ir.Value, body: ir.Block, by_name: dict[str, Any]
         return None
     op = value.owner.operation
     if is_call(op):
-        callee = by_name.get(callee_name(op))
-        if callee is None or len(op.results) != 1:
+        entry = callee_entry(op, by_name)
+        if entry is None or len(op.results) != 1:
             return None
-        entry = callee.regions[0].blocks[0]
         inner = _stored_row(terminator(entry).operands[0], entry, by_name)
         if inner is None:
             return None
@@ -415,29 +412,32 @@ def _same_values(pair: _Pair, f: ir.Value, f_calls: tuple[Any, ...], b: ir.Value
             index, _ = _resolve(sliced.index, (), pair)
             if argument_number(index, body) == pair.counter:
                 return _is_slice(pair, b, outside_value(sliced.stack, forward), sliced.axis)
-    if isinstance(b, ir.BlockArgument):
+    if isinstance(b, ir.BlockArgument) or _outside(b, backward):
         return False
     f_op, b_op = f.owner.operation, b.owner.operation
     number = ir.OpResult(f).result_number
-    if ir.OpResult(b).result_number != number or _outside(b, backward):
-        return False
     if is_call(f_op) and is_call(b_op):
-        f_fn, b_fn = pair.by_name.get(callee_name(f_op)), pair.by_name.get(callee_name(b_op))
-        if f_fn is None or b_fn is None:
+        f_entry, b_entry = callee_entry(f_op, pair.by_name), callee_entry(b_op, pair.by_name)
+        if f_entry is None or b_entry is None or ir.OpResult(b).result_number != number:
             return False
-        return _same(pair, terminator(f_fn.regions[0].blocks[0]).operands[number],
-                     f_calls + (f_op.opview,),
-                     terminator(b_fn.regions[0].blocks[0]).operands[number],
-                     b_calls + (b_op.opview,))
-    if _attention_output(f_op, number) and _attention_output(b_op, number):
-        f_form = _op_signature(f_op, 1, _ATTENTION_RESULT_ATTRIBUTES)
-        b_form = _op_signature(b_op, 1, _ATTENTION_RESULT_ATTRIBUTES)
-    else:
-        f_form, b_form = _op_signature(f_op), _op_signature(b_op)
-    if len(f_op.operands) != len(b_op.operands) or f_form != b_form:
+        return _same(pair, terminator(f_entry).operands[number], f_calls + (f_op.opview,),
+                     terminator(b_entry).operands[number], b_calls + (b_op.opview,))
+    return _same_op(f, b) and all(_same(pair, x, f_calls, y, b_calls)
+                                  for x, y in zip(f_op.operands, b_op.operands))
+
+
+def _same_op(f: ir.Value, b: ir.Value) -> bool:
+    """Whether two op results are the same result of the same op (its operands aside):
+    number, operand count and ``_op_signature``; cuDNN attention's output by
+    ``_attention_output``'s rule."""
+    f_op, b_op = f.owner.operation, b.owner.operation
+    number = ir.OpResult(f).result_number
+    if ir.OpResult(b).result_number != number or len(f_op.operands) != len(b_op.operands):
         return False
-    return all(_same(pair, x, f_calls, y, b_calls)
-               for x, y in zip(f_op.operands, b_op.operands))
+    if _attention_output(f_op, number) and _attention_output(b_op, number):
+        return (_op_signature(f_op, 1, _ATTENTION_RESULT_ATTRIBUTES)
+                == _op_signature(b_op, 1, _ATTENTION_RESULT_ATTRIBUTES))
+    return _op_signature(f_op) == _op_signature(b_op)
 
 
 def _outside(value: ir.Value, loop: Any) -> bool:
@@ -462,13 +462,10 @@ def _same_outside(pair: _Pair, value: ir.Value, b: ir.Value, b_calls: tuple[Any,
     if (isinstance(b, ir.BlockArgument) or isinstance(value, ir.BlockArgument)
             or depth >= _OUTSIDE_DEPTH):
         return False
-    v_op, b_op = value.owner.operation, b.owner.operation
-    if (is_call(b_op) or ir.OpResult(b).result_number != ir.OpResult(value).result_number
-            or len(v_op.operands) != len(b_op.operands)
-            or _op_signature(v_op) != _op_signature(b_op)):
+    if is_call(b.owner.operation) or not _same_op(value, b):
         return False
     return all(_same_outside(pair, x, y, b_calls, depth + 1)
-               for x, y in zip(v_op.operands, b_op.operands))
+               for x, y in zip(value.owner.operation.operands, b.owner.operation.operands))
 
 
 def _is_layer(pair: _Pair, b: ir.Value) -> bool:
@@ -511,7 +508,7 @@ def _rewrite(pair: _Pair, forward: _Site, backward: _Site) -> None:
     for call in reversed(forward.calls):
         callee = pair.by_name[callee_name(call.operation)]
         entry_return = terminator(callee.regions[0].blocks[0])
-        _append_return(entry_return, value)
+        return_also(entry_return, [value])
         grow_signature(callee, results=[value.type])
         new_call = call_with_extra(call, [], [value.type])
         value = new_call.operation.results[len(new_call.operation.results) - 1]
@@ -526,12 +523,12 @@ def _rewrite(pair: _Pair, forward: _Site, backward: _Site) -> None:
     with location, ir.InsertionPoint(old_return):
         row = hlo.reshape(ir.RankedTensorType.get([1], scalar.element_type), value)
         stored = hlo.dynamic_update_slice(rows_arg, row, [counter])
-    _append_return(old_return, stored)
+    return_also(old_return, [stored])
     taken = new_loop.operation.results[len(new_loop.operation.results) - 1]
     # Into the backward loop, and down its calls to the amax.
     new_backward, (rows_in,) = while_with_carries(pair.backward, [taken], [location])
     back_body = loop_body(new_backward)
-    _append_return(terminator(back_body), rows_in)
+    return_also(terminator(back_body), [rows_in])
     calls = backward.calls
     anchor = calls[0].operation if calls else backward.amax.reduce
     layer = pair.layer
@@ -546,11 +543,3 @@ def _rewrite(pair: _Pair, forward: _Site, backward: _Site) -> None:
         grow_signature(callee, arguments=1)
         element = argument
     backward.amax.replace(element)
-
-
-def _append_return(old_return: ir.Operation, value: ir.Value) -> None:
-    """Rebuild a terminator (``func.return`` or ``stablehlo.return``) with ``value``
-    appended; the old one is discarded (erased after the round)."""
-    with old_return.location, ir.InsertionPoint(old_return):
-        ir.Operation.create(old_return.name, operands=[*old_return.operands, value])
-    discard(old_return)

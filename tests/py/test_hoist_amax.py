@@ -66,6 +66,16 @@ def _three_steps(step, p, x) -> list:
     return out
 
 
+def _compiled_with_count(step, scaling: str, args: tuple, note: str
+                         ) -> tuple[object, object, int, str]:
+    """``step`` compiled under fp8 with ``scaling`` (the ends quantised too), lowered for
+    ``args``: (compiled, lowered, the count its report's ``note`` line gives, the line)."""
+    compiled = hlo_amp.compile(step, f"fp8,scaling={scaling},{ALL}")
+    lowered = compiled.lower(*args)
+    (line,) = [n for n in lowered.report().notes if n.startswith(note)]
+    return compiled, lowered, int(line.split()[1]), line
+
+
 def _assert_same_bits(with_pass: list, without: list, compiled: object, other: object,
                       scaling: str) -> None:
     """Three steps' losses and parameters equal bit for bit (``_three_steps``); under
@@ -81,11 +91,10 @@ def _assert_same_bits(with_pass: list, without: list, compiled: object, other: o
 def test_the_step_is_the_same_bits_with_the_amax_taken_before_the_loop(scaling, monkeypatch):
     policy = f"fp8,scaling={scaling},{ALL}"
     p, x = _args()
-    hoisted = hlo_amp.compile(_scan_step, policy)
-    lowered = hoisted.lower(p, x)
-    (note,) = [n for n in lowered.report().notes if n.startswith("hoist-amax:")]
+    hoisted, lowered, count, note = _compiled_with_count(_scan_step, scaling, (p, x),
+                                                         "hoist-amax:")
     # Two stacked weights, each in the forward loop and the backward loop's recompute.
-    assert int(note.split()[1]) >= 4, note
+    assert count >= 4, note
     with_pass = _three_steps(hoisted, p, x)  # compiled now, with the pass
 
     monkeypatch.setattr(HoistAmax, "run", lambda self, module, report=None: None)

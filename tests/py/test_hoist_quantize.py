@@ -9,7 +9,14 @@ import jax
 import numpy as np
 import pytest
 from jaxlib.mlir import ir
-from test_hoist_amax import ALL, _args, _assert_same_bits, _scan_step, _three_steps
+from test_hoist_amax import (
+    ALL,
+    _args,
+    _assert_same_bits,
+    _compiled_with_count,
+    _scan_step,
+    _three_steps,
+)
 
 import hlo_amp
 from hlo_amp.ir.loops import enclosing_while
@@ -47,12 +54,11 @@ def test_the_step_is_the_same_bits_with_the_weights_quantised_before_the_loop(
         scaling, monkeypatch):
     policy = f"fp8,scaling={scaling},{ALL}"
     p, x = _args()
-    hoisted = hlo_amp.compile(_scan_step, policy)
-    lowered = hoisted.lower(p, x)
-    (note,) = [n for n in lowered.report().notes if n.startswith("hoist-quantize:")]
+    hoisted, lowered, count, note = _compiled_with_count(_scan_step, scaling, (p, x),
+                                                         "hoist-quantize:")
     # The two stacked weights in the forward loop, and the recomputed layer's weight in
     # the backward loop (its quantisation in the remat'd function and in the body).
-    assert int(note.split()[1]) >= 3, note
+    assert count >= 3, note
     with_pass = _three_steps(hoisted, p, x)
 
     monkeypatch.setattr(HoistQuantize, "run", lambda self, module, report=None: None)

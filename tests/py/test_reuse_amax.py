@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_fp8_remat import _args, _normed_scan_step
-from test_hoist_amax import ALL, _amaxes, _assert_same_bits, _three_steps
+from test_hoist_amax import ALL, _amaxes, _assert_same_bits, _compiled_with_count, _three_steps
 
 import hlo_amp
 from hlo_amp.passes.reuse_amax import ReuseAmax
@@ -18,10 +18,8 @@ from hlo_amp.passes.reuse_amax import ReuseAmax
 def test_the_step_is_the_same_bits_with_the_forward_loops_amaxes_reused(scaling, monkeypatch):
     policy = f"fp8,scaling={scaling},{ALL}"
     p, x = _args()
-    reusing = hlo_amp.compile(_normed_scan_step, policy)
-    lowered = reusing.lower(p, x)
-    (note,) = [n for n in lowered.report().notes if n.startswith("reuse-amax:")]
-    reused = int(note.split()[1])
+    reusing, lowered, reused, note = _compiled_with_count(_normed_scan_step, scaling,
+                                                          (p, x), "reuse-amax:")
     # The saved layer input and tanh's output, each recomputed in the backward loop. Under
     # delayed scaling the recomputed dot's operand has a history column of its own, so
     # tanh's input is another value there and only the saved input's amax is the same.
