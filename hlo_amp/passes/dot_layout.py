@@ -40,13 +40,13 @@ dot to bf16 for speed only where :func:`is_fast_on_cpu` says so.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.ir.layouts import fenced
 from hlo_amp.ir.modules import decision_of, discard, walk_operations
 from hlo_amp.ir.sites import location_name
 from hlo_amp.targets.cpu import (
@@ -73,13 +73,6 @@ def _reshape(result_type: ir.Type, value: ir.Value) -> ir.Value:
     """A stablehlo.reshape at the current insertion point and location: the op
     ``hlo.reshape`` builds, without the generated builder's overhead."""
     return ir.Operation.create("stablehlo.reshape", results=[result_type], operands=[value]).result
-
-
-def _barrier(value: ir.Value) -> ir.Value:
-    """A one-value stablehlo.optimization_barrier of `value` (as :func:`_reshape`)."""
-    return ir.Operation.create(
-        "stablehlo.optimization_barrier", results=[value.type], operands=[value]
-    ).result
 
 
 def _fresh(provenance: tuple[tuple[bool, int], ...]) -> tuple[bool, ...]:
@@ -219,9 +212,6 @@ class FastDotLayout:
         key = (block, value, perm, shape)
         if key in shared:
             return shared[key]
-        current = value if identity else hlo.transpose(value, list(perm))
-        flat = ir.RankedTensorType.get([math.prod(shape)], ttype.element_type)
-        current = _barrier(_reshape(flat, current))
-        current = _reshape(ir.RankedTensorType.get(shape, ttype.element_type), current)
+        current = fenced(value if identity else hlo.transpose(value, list(perm)), shape)
         shared[key] = current
         return current

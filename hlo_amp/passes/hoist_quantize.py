@@ -17,15 +17,18 @@ A quantisation of a private function's argument whose scale is computed from the
 function's arguments is first moved to every call site, as one more argument, until it
 reaches the loop body that slices (only where the call's operand is such a slice, or an
 argument that may be one further up: an activation's quantisation stays where it is).
-Backward loops (``transpose(...)`` in the loop's name) keep in the body the
-quantisations only their own dots read: they run at a train step's memory peak, beside
-the gradients and the saved residuals, where a stack held over the loop adds one byte
-per weight. A quantisation that remat's recomputed forward reads (``rematted_computation``)
-is hoisted there too: that GEMM reads the weight transposed, and XLA:GPU otherwise gets
-it by carrying a transposed f32 copy of each such stack into the loop (four bytes per
-weight: 9,482.5 MiB of temp on benchmarks/llm.py's 1.1B decoder against 7,466.5 with
-the fp8 stacks, which are the forward loop's, for the same layers and scales).
-Moving the others from the remat'd callee to the body still pays: the callee reads its
+Backward loops (``transpose(...)`` in the loop's name) keep their quantisations in the
+body: they run at a train step's memory peak, beside the gradients and the saved
+residuals, where a stack held over the loop adds one byte per weight. A quantisation
+there that remat's recomputed forward reads (``rematted_computation``) is put behind a
+layout fence (ir/layouts.py): that GEMM reads the weight transposed (Hopper's fp8
+GEMMs take both operands K-major), and XLA:GPU otherwise gets it by carrying a
+transposed f32 copy of the whole stack into the loop, four bytes per weight. Behind the
+fence it transposes the layer's fp8 slice. On benchmarks/llm.py's 1.1B decoder (h100,
+deviceless): 6,794.5 MiB of temp, against 9,482.5 with neither and 7,466.5 with the
+forward loop's fp8 stacks held over the backward loop for it (hoisted there too). Not
+in a partitioned module, where a 1-D reshape would lose a weight's sharding.
+Moving them from the remat'd callee to the body pays: the callee reads its
 weights through jax's ``optimization_barrier``, so XLA copies each layer's f32 slice
 for it (2.3 ms a step of the 1.1B's roofline); in the body the quantisation reads
 the slice in place. Only quantisations of the form fp8.py writes are moved, with a
@@ -42,6 +45,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.hoisting import converted, hoist_rounds, source_through_converts
+from hlo_amp.ir.layouts import fenced
 from hlo_amp.ir.loops import (
     StackSlice,
     argument_number,
@@ -57,13 +61,16 @@ from hlo_amp.ir.modules import (
     callee_entry,
     discard,
     function_name,
+    functions,
     growable_functions,
     is_public,
     live_uses,
     op_key,
+    walk_operations,
     with_element,
 )
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
+from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.ir.sites import RECOMPUTED, in_backward_pass, location_name
 from hlo_amp.report import Report
 
@@ -245,10 +252,16 @@ class HoistQuantize:
     def run(self, module: ir.Module, report: Report | None = None) -> None:
         hoisted = hoist_rounds(module, self.name, _match, _lift_to_call_sites,
                                _hoist_out_of_loops)
+        fenced_count = 0 if is_partitioned(module) else _fence_recomputed(module)
         if report is not None and hoisted:
             report.notes.append(f"hoist-quantize: {hoisted} fp8 quantisation(s) of a scanned "
                                 "tensor's slice done for every slice before the loop, not "
                                 "in its body")
+        if report is not None and fenced_count:
+            report.notes.append(f"hoist-quantize fence: {fenced_count} fp8 weight slice(s) of a "
+                                "backward loop that remat's recomputed forward reads put "
+                                "behind a layout fence (XLA transposes the fp8 slice, not "
+                                "the f32 stack)")
 
 
 # ---- from a function's arguments to its call sites ----------------------------------------
@@ -353,8 +366,7 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
         return None
     loop = enclosing_while(q.convert)
     if (loop is None or is_sharded(loop) or not is_invariant(sliced.stack, loop)
-            or (in_backward_pass(loop) and not _feeds_recomputation(q.convert.results[0],
-                                                                    by_name))):
+            or in_backward_pass(loop)):
         return None
     length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
     vectors: list[ir.Value | None] = []
@@ -428,3 +440,34 @@ def _hoist(loop: Any, members: list[_Plan]) -> int:
             picked = hlo.dynamic_slice(stack, starts, ir.DenseI64ArrayAttr.get(sizes))
             q.replace(hlo.reshape(q.convert.results[0].type, picked))
     return len(members)
+
+
+# ---- a backward loop's weights for remat's recomputed forward ------------------------------
+
+def _fence_recomputed(module: ir.Module) -> int:
+    """Put behind a layout fence (ir/layouts.py) each backward-loop quantisation of a
+    weight slice that remat's recomputed forward reads; returns how many."""
+    count = 0
+    with module.context, ir.Location.unknown():
+        by_name = {function_name(fn): fn for fn in functions(module)}
+        for fn in functions(module):
+            for op in walk_operations(fn):
+                q = _match(op)
+                if q is None or stack_slice(q.root, by_name) is None:
+                    continue
+                loop = enclosing_while(q.convert)
+                if loop is None or not in_backward_pass(loop):
+                    continue
+                quantised = q.convert.results[0]
+                # Once fenced, a reshape reads it, which _feeds_recomputation does not
+                # follow: a second run leaves it alone.
+                if not _feeds_recomputation(quantised, by_name):
+                    continue
+                uses = list(live_uses(quantised))
+                with q.convert.location, ir.InsertionPoint.after(q.convert):
+                    fence = fenced(quantised)
+                for use in uses:
+                    use.owner.operands[use.operand_number] = fence
+                count += 1
+    return count
+
