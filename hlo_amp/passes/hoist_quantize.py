@@ -459,6 +459,8 @@ def _fence_recomputed(module: ir.Module) -> int:
                 if loop is None or not in_backward_pass(loop):
                     continue
                 quantised = q.convert.results[0]
+                if not ir.RankedTensorType(quantised.type).has_static_shape:
+                    continue  # no 1-D reshape of it to write
                 # Once fenced, a reshape reads it, which _feeds_recomputation does not
                 # follow: a second run leaves it alone.
                 if not _feeds_recomputation(quantised, by_name):
