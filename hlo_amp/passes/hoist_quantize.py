@@ -20,11 +20,12 @@ argument that may be one further up: an activation's quantisation stays where it
 Backward loops (``transpose(...)`` in the loop's name) keep their quantisations in the
 body: they run at a train step's memory peak, beside the gradients and the saved
 residuals, where a stack held over the loop adds one byte per weight. A quantisation
-there that remat's recomputed forward reads (``rematted_computation``) is put behind a
-layout fence (ir/layouts.py): that GEMM reads the weight transposed (Hopper's fp8
-GEMMs take both operands K-major), and XLA:GPU otherwise gets it by carrying a
-transposed f32 copy of the whole stack into the loop, four bytes per weight. Behind the
-fence it transposes the layer's fp8 slice. On benchmarks/llm.py's 1.1B decoder (h100,
+there that a dot of remat's recomputed forward (``rematted_computation``) reads
+contracting a dimension other than its last (a weight ``[K, N]``) is put behind a
+layout fence (ir/layouts.py): Hopper's fp8 GEMMs take both operands K-major, and
+XLA:GPU otherwise transposes it by carrying a transposed f32 copy of the whole stack
+into the loop, four bytes per weight. Behind the fence it transposes the layer's fp8
+slice. On benchmarks/llm.py's 1.1B decoder (h100,
 deviceless): 6,794.5 MiB of temp, against 9,482.5 with neither and 7,466.5 with the
 forward loop's fp8 stacks held over the backward loop for it (hoisted there too). Not
 in a partitioned module, where a 1-D reshape would lose a weight's sharding.
@@ -73,6 +74,7 @@ from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invar
 from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.ir.sites import RECOMPUTED, in_backward_pass, location_name
 from hlo_amp.report import Report
+from hlo_amp.targets.dot_dims import dot_layout
 
 _FP8 = ("f8E4M3FN", "f8E5M2")
 # The scalar ops a scale may be computed with (fp8.py's: from the amax or the history's
@@ -381,24 +383,38 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
     return loop, _Plan(q, sliced, tuple(vectors))
 
 
-def _feeds_recomputation(value: ir.Value, by_name: dict[str, Any], depth: int = 0) -> bool:
+def _read_transposed_by_recomputation(value: ir.Value, by_name: dict[str, Any],
+                                      depth: int = 0) -> bool:
     """Whether a dot of remat's recomputed forward (``rematted_computation`` in its name)
-    reads ``value``: in the backward loop's body, or through the calls and remat's
-    ``optimization_barrier`` between."""
+    reads ``value`` contracting a dimension other than its last: an operand Hopper's fp8
+    GEMM needs K-major, so XLA transposes it (a weight ``[K, N]`` of ``x @ w``). Followed
+    from the backward loop's body through calls and remat's ``optimization_barrier``."""
     for use in live_uses(value):
         user = use.owner
         name = user.operation.name
         if name == "stablehlo.dot_general":
-            if RECOMPUTED in location_name(user.location):
+            if RECOMPUTED in location_name(user.location) and _contracts_inner(
+                    user, use.operand_number):
                 return True
         elif depth < _CALL_DEPTH and name == "stablehlo.optimization_barrier":
-            if _feeds_recomputation(user.results[use.operand_number], by_name, depth + 1):
+            if _read_transposed_by_recomputation(user.results[use.operand_number], by_name,
+                                                 depth + 1):
                 return True
         elif (depth < _CALL_DEPTH and (entry := callee_entry(user, by_name)) is not None
-              and _feeds_recomputation(entry.arguments[use.operand_number], by_name,
-                                       depth + 1)):
+              and _read_transposed_by_recomputation(entry.arguments[use.operand_number],
+                                                    by_name, depth + 1)):
             return True
     return False
+
+
+def _contracts_inner(dot: Any, operand: int) -> bool:
+    """Whether ``dot``'s operand ``operand`` contracts a dimension other than its last."""
+    layout = dot_layout(dot)
+    if layout is None:
+        return False
+    shape, contracting = ((layout.lhs_shape, layout.lhs_contracting) if operand == 0
+                          else (layout.rhs_shape, layout.rhs_contracting))
+    return contracting != (len(shape) - 1,)
 
 
 def _hoist_out_of_loops(found: list[_Quantize], by_name: dict[str, Any]) -> int:
@@ -461,9 +477,9 @@ def _fence_recomputed(module: ir.Module) -> int:
                 quantised = q.convert.results[0]
                 if not ir.RankedTensorType(quantised.type).has_static_shape:
                     continue  # no 1-D reshape of it to write
-                # Once fenced, a reshape reads it, which _feeds_recomputation does not
-                # follow: a second run leaves it alone.
-                if not _feeds_recomputation(quantised, by_name):
+                # Once fenced, a reshape reads it, which is not followed: a second
+                # run leaves it alone.
+                if not _read_transposed_by_recomputation(quantised, by_name):
                     continue
                 uses = list(live_uses(quantised))
                 with q.convert.location, ir.InsertionPoint.after(q.convert):
