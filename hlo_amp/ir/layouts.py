@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from jaxlib.mlir import ir
 
 
-def _reshape(result_type: ir.Type, value: ir.Value) -> ir.Value:
+def reshaped(result_type: ir.Type, value: ir.Value) -> ir.Value:
+    """A stablehlo.reshape at the current insertion point and location: the op
+    ``hlo.reshape`` builds, without the generated builder's overhead."""
     return ir.Operation.create("stablehlo.reshape", results=[result_type],
                                operands=[value]).result
 
@@ -22,10 +24,10 @@ def fenced(value: ir.Value, shape: Sequence[int] | None = None) -> ir.Value:
     """``value`` behind a layout fence at the current insertion point, reshaped to
     ``shape`` (default its own)."""
     tensor = ir.RankedTensorType(value.type)
-    flat = _reshape(ir.RankedTensorType.get([math.prod(tensor.shape)], tensor.element_type),
+    flat = reshaped(ir.RankedTensorType.get([math.prod(tensor.shape)], tensor.element_type),
                     value)
     barrier = ir.Operation.create("stablehlo.optimization_barrier", results=[flat.type],
                                   operands=[flat]).result
-    return _reshape(ir.RankedTensorType.get(list(tensor.shape if shape is None else shape),
+    return reshaped(ir.RankedTensorType.get(list(tensor.shape if shape is None else shape),
                                             tensor.element_type), barrier)
 

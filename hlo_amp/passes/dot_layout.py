@@ -46,7 +46,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.layouts import fenced
+from hlo_amp.ir.layouts import fenced, reshaped
 from hlo_amp.ir.modules import decision_of, discard, walk_operations
 from hlo_amp.ir.sites import location_name
 from hlo_amp.targets.cpu import (
@@ -67,12 +67,6 @@ RELAID = "dot relaid to the NT form [batch, m, k] x [batch, n, k] for XLA:CPU's 
 __all__ = ["FastDotLayout"]
 
 _DOT_GENERAL = frozenset({"stablehlo.dot_general"})
-
-
-def _reshape(result_type: ir.Type, value: ir.Value) -> ir.Value:
-    """A stablehlo.reshape at the current insertion point and location: the op
-    ``hlo.reshape`` builds, without the generated builder's overhead."""
-    return ir.Operation.create("stablehlo.reshape", results=[result_type], operands=[value]).result
 
 
 def _fresh(provenance: tuple[tuple[bool, int], ...]) -> tuple[bool, ...]:
@@ -180,7 +174,7 @@ class FastDotLayout:
                     dims,
                     **extra,
                 )
-                restored = _reshape(result_type, new.result)
+                restored = reshaped(result_type, new.result)
                 op.result.replace_all_uses_with(restored)
                 discard(op)
                 notes.append(f"result {list(out_shape)} -> {list(result_type.shape)}")
@@ -208,7 +202,7 @@ class FastDotLayout:
         if identity and not needs_fresh:
             if tuple(ttype.shape) == shape:
                 return value
-            return _reshape(ir.RankedTensorType.get(shape, ttype.element_type), value)
+            return reshaped(ir.RankedTensorType.get(shape, ttype.element_type), value)
         key = (block, value, perm, shape)
         if key in shared:
             return shared[key]

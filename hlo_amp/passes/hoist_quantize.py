@@ -25,11 +25,10 @@ contracting a dimension other than its last (a weight ``[K, N]``) is put behind 
 layout fence (ir/layouts.py): Hopper's fp8 GEMMs take both operands K-major, and
 XLA:GPU otherwise transposes it by carrying a transposed f32 copy of the whole stack
 into the loop, four bytes per weight. Behind the fence it transposes the layer's fp8
-slice. On benchmarks/llm.py's 1.1B decoder (h100,
-deviceless): 6,794.5 MiB of temp, against 9,482.5 with neither and 7,466.5 with the
-forward loop's fp8 stacks held over the backward loop for it (hoisted there too). Not
-in a partitioned module, where a 1-D reshape would lose a weight's sharding.
-Moving them from the remat'd callee to the body pays: the callee reads its
+slice. On benchmarks/llm.py's 1.1B decoder (h100, deviceless): 6,794.5 MiB of temp,
+against 9,482.5 with neither and 7,466.5 with the forward loop's fp8 stacks held over
+the backward loop for it (hoisted there too). Not in a partitioned module, where a 1-D
+reshape would lose a weight's sharding. Moving them from the remat'd callee to the body pays: the callee reads its
 weights through jax's ``optimization_barrier``, so XLA copies each layer's f32 slice
 for it (2.3 ms a step of the 1.1B's roofline); in the body the quantisation reads
 the slice in place. Only quantisations of the form fp8.py writes are moved, with a
