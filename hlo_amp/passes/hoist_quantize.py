@@ -21,18 +21,20 @@ Backward loops (``transpose(...)`` in the loop's name) keep their quantisations 
 body: they run at a train step's memory peak, beside the gradients and the saved
 residuals, where a stack held over the loop adds one byte per weight. A quantisation
 there that a dot of remat's recomputed forward (``rematted_computation``) reads
-contracting a dimension other than its last (a weight ``[K, N]``) is put behind a
-layout fence (ir/layouts.py): Hopper's fp8 GEMMs take both operands K-major, and
-XLA:GPU otherwise transposes it by carrying a transposed f32 copy of the whole stack
-into the loop, four bytes per weight. Behind the fence it transposes the layer's fp8
-slice. On benchmarks/llm.py's 1.1B decoder (h100, deviceless): 6,794.5 MiB of temp,
-against 9,482.5 with neither and 7,466.5 with the forward loop's fp8 stacks held over
-the backward loop for it (hoisted there too). Not in a partitioned module, where a 1-D
-reshape would lose a weight's sharding. Moving them from the remat'd callee to the body pays: the callee reads its
-weights through jax's ``optimization_barrier``, so XLA copies each layer's f32 slice
-for it (2.3 ms a step of the 1.1B's roofline); in the body the quantisation reads
-the slice in place. Only quantisations of the form fp8.py writes are moved, with a
-scale of at most ``_SCALE_OPS`` ops.
+contracting a dimension other than its last (a weight ``[K, N]``) is put behind a layout
+fence (ir/layouts.py): Hopper's fp8 GEMMs take both operands K-major, and XLA:GPU
+otherwise transposes it by carrying a transposed f32 copy of the whole stack into the
+loop, four bytes per weight. Behind the fence it transposes the layer's fp8 slice; a
+quantisation that read the slice through remat's ``optimization_barrier`` (jax 0.11
+recomputes in the loop body) is rebuilt on the slice itself, since XLA copies the f32
+slice for the barrier. On benchmarks/llm.py's 1.1B decoder (h100, deviceless): 6,794.5
+MiB of temp, against 9,482.5 with neither and 7,466.5 with the forward loop's fp8 stacks
+held over the backward loop for it (hoisted there too). Not in a partitioned module,
+where a 1-D reshape would lose a weight's sharding. Moving them from the remat'd callee
+to the body pays: the callee reads its weights through jax's ``optimization_barrier``,
+so XLA copies each layer's f32 slice for it (2.3 ms a step of the 1.1B's roofline); in
+the body the quantisation reads the slice in place. Only quantisations of the form
+fp8.py writes are moved, with a scale of at most ``_SCALE_OPS`` ops.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from hlo_amp.ir.modules import (
     call_sites,
     callee_entry,
     discard,
+    erase_discarded,
     function_name,
     functions,
     growable_functions,
@@ -253,7 +256,7 @@ class HoistQuantize:
     def run(self, module: ir.Module, report: Report | None = None) -> None:
         hoisted = hoist_rounds(module, self.name, _match, _lift_to_call_sites,
                                _hoist_out_of_loops)
-        fenced_count = 0 if is_partitioned(module) else _fence_recomputed(module)
+        fenced_count = 0 if is_partitioned(module) else _fence_recomputed(module, self.name)
         if report is not None and hoisted:
             report.notes.append(f"hoist-quantize: {hoisted} fp8 quantisation(s) of a scanned "
                                 "tensor's slice done for every slice before the loop, not "
@@ -388,22 +391,24 @@ def _read_transposed_by_recomputation(value: ir.Value, by_name: dict[str, Any],
     reads ``value`` contracting a dimension other than its last: an operand Hopper's fp8
     GEMM needs K-major, so XLA transposes it (a weight ``[K, N]`` of ``x @ w``). Followed
     from the backward loop's body through calls and remat's ``optimization_barrier``."""
-    for use in live_uses(value):
-        user = use.owner
-        name = user.operation.name
-        if name == "stablehlo.dot_general":
-            if RECOMPUTED in location_name(user.location) and _contracts_inner(
-                    user, use.operand_number):
-                return True
-        elif depth < _CALL_DEPTH and name == "stablehlo.optimization_barrier":
-            if _read_transposed_by_recomputation(user.results[use.operand_number], by_name,
-                                                 depth + 1):
-                return True
-        elif (depth < _CALL_DEPTH and (entry := callee_entry(user, by_name)) is not None
-              and _read_transposed_by_recomputation(entry.arguments[use.operand_number],
-                                                    by_name, depth + 1)):
-            return True
-    return False
+    return any(_reads_transposed(use, by_name, depth) for use in live_uses(value))
+
+
+def _reads_transposed(use: Any, by_name: dict[str, Any], depth: int) -> bool:
+    """:func:`_read_transposed_by_recomputation` for one use of the value."""
+    user = use.owner
+    name = user.operation.name
+    if name == "stablehlo.dot_general":
+        return (RECOMPUTED in location_name(user.location)
+                and _contracts_inner(user, use.operand_number))
+    if depth >= _CALL_DEPTH:
+        return False
+    if name == "stablehlo.optimization_barrier":
+        return _read_transposed_by_recomputation(user.results[use.operand_number], by_name,
+                                                 depth + 1)
+    entry = callee_entry(user, by_name)
+    return entry is not None and _read_transposed_by_recomputation(
+        entry.arguments[use.operand_number], by_name, depth + 1)
 
 
 def _contracts_inner(dot: Any, operand: int) -> bool:
@@ -459,9 +464,9 @@ def _hoist(loop: Any, members: list[_Plan]) -> int:
 
 # ---- a backward loop's weights for remat's recomputed forward ------------------------------
 
-def _fence_recomputed(module: ir.Module) -> int:
+def _fence_recomputed(module: ir.Module, pass_name: str) -> int:
     """Put behind a layout fence (ir/layouts.py) each backward-loop quantisation of a
-    weight slice that remat's recomputed forward reads; returns how many."""
+    weight slice that remat's recomputed forward reads transposed; returns how many."""
     count = 0
     with module.context, ir.Location.unknown():
         by_name = {function_name(fn): fn for fn in functions(module)}
@@ -476,15 +481,29 @@ def _fence_recomputed(module: ir.Module) -> int:
                 quantised = q.convert.results[0]
                 if not ir.RankedTensorType(quantised.type).has_static_shape:
                     continue  # no 1-D reshape of it to write
-                # Once fenced, a reshape reads it, which is not followed: a second
-                # run leaves it alone.
-                if not _read_transposed_by_recomputation(quantised, by_name):
+                # Only those uses: another reader (the backward's dx dot) keeps the
+                # quantisation's own layout, and XLA makes one transposed copy. Once
+                # fenced, a reshape reads it, which is not followed: a second run leaves
+                # it alone.
+                uses = [use for use in live_uses(quantised)
+                        if _reads_transposed(use, by_name, 0)]
+                if not uses:
                     continue
-                uses = list(live_uses(quantised))
-                with q.convert.location, ir.InsertionPoint.after(q.convert):
+                with q.convert.location, ir.InsertionPoint(q.convert):
+                    if q.root not in list(q.chain[-1].operands):
+                        # It read the slice through remat's optimization_barrier (jax
+                        # 0.11 puts the recomputation in the loop body), for which XLA
+                        # copies the f32 slice: quantise the slice itself, as the lift
+                        # to a call site does.
+                        direct = _build(q, q.root, q.scale.value, None)
+                        q.replace(direct)
+                        uses = [use for use in live_uses(direct)
+                                if _reads_transposed(use, by_name, 0)]
+                        quantised = direct
+                with q.convert.location, ir.InsertionPoint.after(quantised.owner.operation):
                     fence = fenced(quantised)
                 for use in uses:
                     use.owner.operands[use.operand_number] = fence
                 count += 1
+    erase_discarded(pass_name)
     return count
-

@@ -225,6 +225,51 @@ func.func public @backward_recomputation(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x
 
 // -----
 
+// jax 0.11 recomputes in the loop body, the weight slice read through remat's
+// optimization_barrier, for which XLA copies the f32 slice: the fenced quantisation
+// reads the slice itself.
+// CHECK-LABEL: func.func public @recomputation_behind_remat_barrier
+// CHECK:         } do {
+// CHECK:           %[[W:.*]] = stablehlo.reshape %{{.*}} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+// CHECK:           %[[D:.*]] = stablehlo.divide %[[W]], %{{.*}} : tensor<4x4xf32>
+// CHECK:           %[[C:.*]] = stablehlo.clamp %{{.*}}, %[[D]], %{{.*}}
+// CHECK:           %[[Q:.*]] = stablehlo.convert %[[C]] : (tensor<4x4xf32>) -> tensor<4x4xf8E5M2>
+// CHECK-NEXT:      %[[FLAT:.*]] = stablehlo.reshape %[[Q]] : (tensor<4x4xf8E5M2>) -> tensor<16xf8E5M2>
+// CHECK-NEXT:      %[[KEPT:.*]] = stablehlo.optimization_barrier %[[FLAT]] : tensor<16xf8E5M2>
+// CHECK-NEXT:      %[[BACK:.*]] = stablehlo.reshape %[[KEPT]] : (tensor<16xf8E5M2>) -> tensor<4x4xf8E5M2>
+// CHECK:           stablehlo.dot_general %{{.*}}, %[[BACK]]
+// CHECK:         return
+func.func public @recomputation_behind_remat_barrier(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x4x4xf32>, %s: tensor<f32>, %rows: tensor<3xf32>) -> tensor<8x4xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %z = stablehlo.constant dense<0.000000e+00> : tensor<8x4xf32>
+  %r:5 = stablehlo.while(%acc = %z, %ws = %w, %i = %c0, %sc = %s, %rs = %rows) : tensor<8x4xf32>, tensor<3x4x4xf32>, tensor<i32>, tensor<f32>, tensor<3xf32>
+   cond {
+    %n = stablehlo.constant dense<3> : tensor<i32>
+    %lt = stablehlo.compare LT, %i, %n, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+    stablehlo.return %lt : tensor<i1>
+  } do {
+    %c = stablehlo.constant dense<0> : tensor<i32>
+    %one = stablehlo.constant dense<1> : tensor<i32>
+    %next = stablehlo.add %i, %one : tensor<i32>
+    %ds = stablehlo.dynamic_slice %ws, %i, %c, %c, sizes = [1, 4, 4] : (tensor<3x4x4xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x4x4xf32>
+    %wi = stablehlo.reshape %ds : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+    %scale = stablehlo.add %sc, %sc : tensor<f32>
+    %sb = stablehlo.broadcast_in_dim %scale, dims = [] : (tensor<f32>) -> tensor<4x4xf32>
+    %kept = stablehlo.optimization_barrier %wi : tensor<4x4xf32>
+    %d = stablehlo.divide %kept, %sb : tensor<4x4xf32>
+    %lo = stablehlo.constant dense<-5.734400e+04> : tensor<f32>
+    %hi = stablehlo.constant dense<5.734400e+04> : tensor<f32>
+    %cl = stablehlo.clamp %lo, %d, %hi : (tensor<f32>, tensor<4x4xf32>, tensor<f32>) -> tensor<4x4xf32>
+    %q = stablehlo.convert %cl : (tensor<4x4xf32>) -> tensor<4x4xf8E5M2>
+    %y = stablehlo.dot_general %x, %q, contracting_dims = [1] x [0] : (tensor<8x4xf8E4M3FN>, tensor<4x4xf8E5M2>) -> tensor<8x4xf32> loc("jit(step)/transpose(jvp())/while/body/checkpoint/rematted_computation/dot_general")
+    %acc2 = stablehlo.add %acc, %y : tensor<8x4xf32>
+    stablehlo.return %acc2, %ws, %next, %sc, %rs : tensor<8x4xf32>, tensor<3x4x4xf32>, tensor<i32>, tensor<f32>, tensor<3xf32>
+  } loc("jit(step)/transpose(jvp())/while")
+  return %r#0 : tensor<8x4xf32>
+}
+
+// -----
+
 // A recomputed dot that contracts the quantised slice's last dimension reads it as
 // Hopper's fp8 GEMM wants it (K-major): no fence.
 // CHECK-LABEL: func.func public @recomputation_reads_k_major
