@@ -24,17 +24,18 @@ there that a dot of remat's recomputed forward (``rematted_computation``) reads
 contracting a dimension other than its last (a weight ``[K, N]``) is put behind a layout
 fence (ir/layouts.py): Hopper's fp8 GEMMs take both operands K-major, and XLA:GPU
 otherwise transposes it by carrying a transposed f32 copy of the whole stack into the
-loop, four bytes per weight. Behind the fence it transposes the layer's fp8 slice; a
-quantisation that read the slice through remat's ``optimization_barrier`` (jax 0.11
-recomputes in the loop body) is rebuilt on the slice itself, since XLA copies the f32
-slice for the barrier. On benchmarks/llm.py's 1.1B decoder (h100, deviceless): 6,794.5
-MiB of temp, against 9,482.5 with neither and 7,466.5 with the forward loop's fp8 stacks
-held over the backward loop for it (hoisted there too). Not in a partitioned module,
-where a 1-D reshape would lose a weight's sharding. Moving them from the remat'd callee
-to the body pays: the callee reads its weights through jax's ``optimization_barrier``,
-so XLA copies each layer's f32 slice for it (2.3 ms a step of the 1.1B's roofline); in
-the body the quantisation reads the slice in place. Only quantisations of the form
-fp8.py writes are moved, with a scale of at most ``_SCALE_OPS`` ops.
+loop, four bytes per weight. Behind the fence it transposes the layer's fp8 slice. Any
+backward-loop quantisation that read its weight slice through remat's
+``optimization_barrier`` (jax 0.11 recomputes in the loop body) is rebuilt on the slice
+itself, since XLA copies the f32 slice for the barrier. On benchmarks/llm.py's 1.1B
+decoder (h100, deviceless): 6,794.5 MiB of temp, against 9,482.5 with neither and
+7,466.5 with the forward loop's fp8 stacks held over the backward loop for it (hoisted
+there too). A partitioned module gets no fence: a 1-D reshape would lose a weight's
+sharding. Moving them from the remat'd callee to the body pays: the callee reads its
+weights through jax's ``optimization_barrier``, so XLA copies each layer's f32 slice for
+it (2.3 ms a step of the 1.1B's roofline); in the body the quantisation reads the slice
+in place. Only quantisations of the form fp8.py writes are moved, with a scale of at
+most ``_SCALE_OPS`` ops.
 """
 
 from __future__ import annotations
@@ -256,7 +257,9 @@ class HoistQuantize:
     def run(self, module: ir.Module, report: Report | None = None) -> None:
         hoisted = hoist_rounds(module, self.name, _match, _lift_to_call_sites,
                                _hoist_out_of_loops)
-        fenced_count = 0 if is_partitioned(module) else _fence_recomputed(module, self.name)
+        # Not fenced in a partitioned module: a 1-D reshape would lose the sharding.
+        fenced_count, rebuilt = _backward_weights(module, self.name,
+                                                  fence=not is_partitioned(module))
         if report is not None and hoisted:
             report.notes.append(f"hoist-quantize: {hoisted} fp8 quantisation(s) of a scanned "
                                 "tensor's slice done for every slice before the loop, not "
@@ -266,6 +269,10 @@ class HoistQuantize:
                                 "backward loop that remat's recomputed forward reads put "
                                 "behind a layout fence (XLA transposes the fp8 slice, not "
                                 "the f32 stack)")
+        if report is not None and rebuilt:
+            report.notes.append(f"hoist-quantize barrier: {rebuilt} fp8 quantisation(s) of a "
+                                "backward loop's weight slice read the slice itself, not "
+                                "through remat's optimization_barrier")
 
 
 # ---- from a function's arguments to its call sites ----------------------------------------
@@ -464,10 +471,14 @@ def _hoist(loop: Any, members: list[_Plan]) -> int:
 
 # ---- a backward loop's weights for remat's recomputed forward ------------------------------
 
-def _fence_recomputed(module: ir.Module, pass_name: str) -> int:
-    """Put behind a layout fence (ir/layouts.py) each backward-loop quantisation of a
-    weight slice that remat's recomputed forward reads transposed; returns how many."""
-    count = 0
+def _backward_weights(module: ir.Module, pass_name: str, fence: bool) -> tuple[int, int]:
+    """Each backward-loop quantisation of a weight slice: rebuilt on the slice itself if
+    it read it through remat's ``optimization_barrier``, for which XLA copies the f32
+    slice (jax 0.11 puts the recomputation in the loop body; the lift to a call site
+    does the same); then, with ``fence``, where remat's recomputed forward reads it
+    transposed, put behind a layout fence (ir/layouts.py) for those reads. Returns
+    (fenced, rebuilt)."""
+    fenced_count = rebuilt = 0
     with module.context, ir.Location.unknown():
         by_name = {function_name(fn): fn for fn in functions(module)}
         for fn in functions(module):
@@ -479,31 +490,23 @@ def _fence_recomputed(module: ir.Module, pass_name: str) -> int:
                 if loop is None or not in_backward_pass(loop):
                     continue
                 quantised = q.convert.results[0]
-                if not ir.RankedTensorType(quantised.type).has_static_shape:
-                    continue  # no 1-D reshape of it to write
-                # Only those uses: another reader (the backward's dx dot) keeps the
-                # quantisation's own layout, and XLA makes one transposed copy. Once
-                # fenced, a reshape reads it, which is not followed: a second run leaves
-                # it alone.
+                if q.root not in list(q.chain[-1].operands):
+                    with q.convert.location, ir.InsertionPoint(q.convert):
+                        quantised = _build(q, q.root, q.scale.value, None)
+                    q.replace(quantised)
+                    rebuilt += 1
+                # Only the uses that lead to a transposed read: another reader (the
+                # backward's dx dot) keeps the quantisation's own layout, and XLA makes
+                # one transposed copy. Once fenced, a reshape reads it, which is not
+                # followed: a second run leaves it alone.
                 uses = [use for use in live_uses(quantised)
-                        if _reads_transposed(use, by_name, 0)]
-                if not uses:
-                    continue
-                with q.convert.location, ir.InsertionPoint(q.convert):
-                    if q.root not in list(q.chain[-1].operands):
-                        # It read the slice through remat's optimization_barrier (jax
-                        # 0.11 puts the recomputation in the loop body), for which XLA
-                        # copies the f32 slice: quantise the slice itself, as the lift
-                        # to a call site does.
-                        direct = _build(q, q.root, q.scale.value, None)
-                        q.replace(direct)
-                        uses = [use for use in live_uses(direct)
-                                if _reads_transposed(use, by_name, 0)]
-                        quantised = direct
+                        if fence and _reads_transposed(use, by_name, 0)]
+                if not uses or not ir.RankedTensorType(quantised.type).has_static_shape:
+                    continue  # (no 1-D reshape of a dynamic shape to write)
                 with q.convert.location, ir.InsertionPoint.after(quantised.owner.operation):
                     fence = fenced(quantised)
                 for use in uses:
                     use.owner.operands[use.operand_number] = fence
-                count += 1
+                fenced_count += 1
     erase_discarded(pass_name)
-    return count
+    return fenced_count, rebuilt

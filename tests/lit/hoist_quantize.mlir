@@ -179,6 +179,49 @@ func.func public @backward_loop(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x4x4xf32>,
 
 // -----
 
+// ...reading the weight's slice itself where it read it through remat's barrier, for
+// which XLA would copy the f32 slice; the backward's own dot gets no fence.
+// CHECK-LABEL: func.func public @backward_loop_behind_remat_barrier
+// CHECK-NOT:     tensor<3x4x4xf8E5M2>
+// CHECK:         } do {
+// CHECK:           %[[W:.*]] = stablehlo.reshape %{{.*}} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+// CHECK:           %[[D:.*]] = stablehlo.divide %[[W]], %{{.*}} : tensor<4x4xf32>
+// CHECK:           %[[C:.*]] = stablehlo.clamp %{{.*}}, %[[D]], %{{.*}}
+// CHECK:           %[[Q:.*]] = stablehlo.convert %[[C]] : (tensor<4x4xf32>) -> tensor<4x4xf8E5M2>
+// CHECK-NEXT:      stablehlo.dot_general %{{.*}}, %[[Q]]
+// CHECK-NOT:     tensor<3x4x4xf8E5M2>
+// CHECK:         return
+func.func public @backward_loop_behind_remat_barrier(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x4x4xf32>, %s: tensor<f32>, %rows: tensor<3xf32>) -> tensor<8x4xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %z = stablehlo.constant dense<0.000000e+00> : tensor<8x4xf32>
+  %r:5 = stablehlo.while(%acc = %z, %ws = %w, %i = %c0, %sc = %s, %rs = %rows) : tensor<8x4xf32>, tensor<3x4x4xf32>, tensor<i32>, tensor<f32>, tensor<3xf32>
+   cond {
+    %n = stablehlo.constant dense<3> : tensor<i32>
+    %lt = stablehlo.compare LT, %i, %n, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+    stablehlo.return %lt : tensor<i1>
+  } do {
+    %c = stablehlo.constant dense<0> : tensor<i32>
+    %one = stablehlo.constant dense<1> : tensor<i32>
+    %next = stablehlo.add %i, %one : tensor<i32>
+    %ds = stablehlo.dynamic_slice %ws, %i, %c, %c, sizes = [1, 4, 4] : (tensor<3x4x4xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x4x4xf32>
+    %wi = stablehlo.reshape %ds : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+    %scale = stablehlo.add %sc, %sc : tensor<f32>
+    %sb = stablehlo.broadcast_in_dim %scale, dims = [] : (tensor<f32>) -> tensor<4x4xf32>
+    %kept = stablehlo.optimization_barrier %wi : tensor<4x4xf32>
+    %d = stablehlo.divide %kept, %sb : tensor<4x4xf32>
+    %lo = stablehlo.constant dense<-5.734400e+04> : tensor<f32>
+    %hi = stablehlo.constant dense<5.734400e+04> : tensor<f32>
+    %cl = stablehlo.clamp %lo, %d, %hi : (tensor<f32>, tensor<4x4xf32>, tensor<f32>) -> tensor<4x4xf32>
+    %q = stablehlo.convert %cl : (tensor<4x4xf32>) -> tensor<4x4xf8E5M2>
+    %y = stablehlo.dot_general %x, %q, contracting_dims = [1] x [0] : (tensor<8x4xf8E4M3FN>, tensor<4x4xf8E5M2>) -> tensor<8x4xf32>
+    %acc2 = stablehlo.add %acc, %y : tensor<8x4xf32>
+    stablehlo.return %acc2, %ws, %next, %sc, %rs : tensor<8x4xf32>, tensor<3x4x4xf32>, tensor<i32>, tensor<f32>, tensor<3xf32>
+  } loc("jit(step)/transpose(jvp())/while")
+  return %r#0 : tensor<8x4xf32>
+}
+
+// -----
+
 // ...as does remat's recomputed forward, behind a layout fence (reshape to 1-D,
 // barrier, reshape back): that dot needs the weight transposed, and XLA:GPU otherwise
 // makes it by carrying a transposed f32 copy of the whole stack into the loop. Behind

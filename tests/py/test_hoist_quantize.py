@@ -118,7 +118,7 @@ def _for_h100(monkeypatch, fence: bool) -> tuple[str, int]:
     """``_wide_scan_step`` (4 checkpointed layers, 256 x 1024) under fp8, compiled for an
     H100 without one, with or without the layout fence: (optimized HLO, temp bytes)."""
     if not fence:
-        monkeypatch.setattr(hoist_quantize, "_fence_recomputed", lambda module, pass_name: 0)
+        monkeypatch.setattr(hoist_quantize, "fenced", lambda value: value)
     layers = {"a": jax.ShapeDtypeStruct((4, 256, 1024), jnp.float32),
               "b": jax.ShapeDtypeStruct((4, 1024, 256), jnp.float32)}
     compiled = hlo_amp.compile(_wide_scan_step, f"fp8,{ALL}").lower(
