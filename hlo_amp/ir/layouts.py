@@ -30,4 +30,3 @@ def fenced(value: ir.Value, shape: Sequence[int] | None = None) -> ir.Value:
                                   operands=[flat]).result
     return reshaped(ir.RankedTensorType.get(list(tensor.shape if shape is None else shape),
                                             tensor.element_type), barrier)
-

@@ -115,6 +115,8 @@ class _Quantize:
     scale: _Scale
     low: ir.Value
     high: ir.Value
+    # Whether the chain reads root through remat's optimization_barrier, not directly.
+    through_barrier: bool
 
     def replace(self, value: ir.Value) -> None:
         """Use ``value`` for this quantisation and discard the ops left without a use."""
@@ -191,9 +193,11 @@ def _match(convert: ir.Operation) -> _Quantize | None:
     if scale is None:
         return None
     root, converts = source_through_converts(divide.operands[0], convert.block)
+    first = converts[-1] if converts else divide  # the op of the chain that reads root
     return _Quantize(convert, (convert, clamp, divide, broadcast, *converts),
                      tuple(ir.RankedTensorType(op.results[0].type).element_type
-                           for op in reversed(converts)), root, scale, low, high)
+                           for op in reversed(converts)), root, scale, low, high,
+                     first.operands[0] != root)
 
 
 # ---- building ------------------------------------------------------------------------------
@@ -490,7 +494,7 @@ def _backward_weights(module: ir.Module, pass_name: str, fence: bool) -> tuple[i
                 if loop is None or not in_backward_pass(loop):
                     continue
                 quantised = q.convert.results[0]
-                if q.root not in list(q.chain[-1].operands):
+                if q.through_barrier:
                     with q.convert.location, ir.InsertionPoint(q.convert):
                         quantised = _build(q, q.root, q.scale.value, None)
                     q.replace(quantised)
@@ -504,9 +508,9 @@ def _backward_weights(module: ir.Module, pass_name: str, fence: bool) -> tuple[i
                 if not uses or not ir.RankedTensorType(quantised.type).has_static_shape:
                     continue  # (no 1-D reshape of a dynamic shape to write)
                 with q.convert.location, ir.InsertionPoint.after(quantised.owner.operation):
-                    fence = fenced(quantised)
+                    behind = fenced(quantised)
                 for use in uses:
-                    use.owner.operands[use.operand_number] = fence
+                    use.owner.operands[use.operand_number] = behind
                 fenced_count += 1
     erase_discarded(pass_name)
     return fenced_count, rebuilt

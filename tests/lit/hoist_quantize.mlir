@@ -7,6 +7,12 @@
 // activations, keep theirs; in a backward loop, one that remat's recomputed forward
 // reads goes behind a layout fence.
 // RUN: hlo-amp-opt %s --split-input-file --pass hlo-amp-hoist-quantize | filecheck %s --enable-var-scope
+// Only the two quantisations that read their slice through remat's barrier are rebuilt
+// (a chain without converts that reads the slice directly is not).
+// RUN: hlo-amp-opt %s --split-input-file --pass hlo-amp-hoist-quantize --report - -o /dev/null 2>&1 \
+// RUN:   | filecheck %s --check-prefix=BARRIER
+// BARRIER-COUNT-2: hoist-quantize barrier: 1 fp8
+// BARRIER-NOT:     hoist-quantize barrier
 // Idempotence: a second run changes nothing.
 // RUN: hlo-amp-opt %s --split-input-file --pass hlo-amp-hoist-quantize --debug-info \
 // RUN:   | hlo-amp-opt --split-input-file --pass hlo-amp-hoist-quantize | filecheck %s --enable-var-scope
