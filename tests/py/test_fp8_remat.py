@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxlib.mlir import ir
+from test_hoist_amax import ALL
 
 import hlo_amp
 from hlo_amp.ir.modules import parse_module, walk_operations
@@ -48,8 +49,7 @@ def _element(value: ir.Value) -> str:
 
 
 def test_recomputed_forward_dots_are_e4m3_and_weight_gradients_read_e5m2() -> None:
-    lowered = hlo_amp.compile(_normed_scan_step, "fp8,first_matrix_op=none,last_matrix_op=none"
-                              ).lower(*_args())
+    lowered = hlo_amp.compile(_normed_scan_step, f"fp8,{ALL}").lower(*_args())
     module = parse_module(lowered.as_text(debug_info=True))  # held: its ops live with it
     recomputed = []
     for op in walk_operations(module.operation, names=frozenset({"stablehlo.dot_general"})):
@@ -70,7 +70,7 @@ def test_a_call_computes_what_lower_reports() -> None:
     # A call runs the step through jax.export (runtime/compile.py), whose module leaves
     # some of the recomputed forward's constants unnamed; .lower() reads jax's own
     # lowering. Both rewrite to the same formats, so both compute the same bits.
-    policy = "fp8,first_matrix_op=none,last_matrix_op=none"
+    policy = f"fp8,{ALL}"
     args = _args()
     called = hlo_amp.compile(_normed_scan_step, policy)(*args)
     ahead = hlo_amp.compile(_normed_scan_step, policy).lower(*args).compile()(*args)
