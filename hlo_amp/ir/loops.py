@@ -172,15 +172,21 @@ def _owner_op(value: ir.Value) -> ir.Operation:
     return owner.operation if hasattr(owner, "operation") else owner
 
 
+def inside(op: object, loop: object) -> bool:
+    """Whether ``op`` sits in one of ``loop``'s regions, at any depth."""
+    loop_op = loop.operation
+    parent: ir.Operation | None = op.operation.parent
+    while parent is not None:
+        if parent == loop_op:
+            return True
+        parent = parent.parent
+    return False
+
+
 def defined_outside(value: ir.Value, loop: object) -> bool:
     """Whether ``value`` is defined outside ``loop`` (not in any of its regions)."""
-    loop_op = loop.operation
-    op: ir.Operation | None = _owner_op(value)
-    while op is not None:
-        if op == loop_op:
-            return False
-        op = op.parent
-    return True
+    owner = _owner_op(value)
+    return owner != loop.operation and not inside(owner, loop)
 
 
 def is_invariant(value: ir.Value, loop: object) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.loops import enclosing_while, is_invariant, loop_body
+from hlo_amp.ir.loops import enclosing_while, inside, is_invariant, loop_body
 from hlo_amp.ir.modules import (
     call_sites,
     discard,
@@ -202,7 +202,11 @@ def _add_carries(loop: Any, converts: Sequence[Any]) -> None:
     new, arguments = while_with_invariants(loop, values,
                                            [convert.location for convert in converts])
     for value, argument in zip(values, arguments):
-        value.replace_all_uses_except(argument, new.operation)
+        # Only the body's reads: a convert of this convert hoisted in the same round sits
+        # before the loop too and keeps reading it there.
+        for use in list(value.uses):
+            if inside(use.owner, new):
+                use.owner.operands[use.operand_number] = argument
 
 
 def _lift_from_callees(module: ir.Module, ops: list[Any]) -> int:

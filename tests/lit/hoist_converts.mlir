@@ -393,3 +393,36 @@ func.func private @step2(%w: tensor<4x4xf32>, %h: tensor<2x4xf32>) -> tensor<2x4
   %e = stablehlo.dot_general %dh, %wh, contracting_dims = [1] x [0] : (tensor<2x4xf16>, tensor<4x4xf16>) -> tensor<2x4xf32>
   return %e : tensor<2x4xf32>
 }
+
+// -----
+
+// A convert of a hoisted carry's convert (jax 0.11.2's scan RNN under fp8: the carried
+// weight rounded to bf16 and back to f32): both move before the loop; the second reads
+// the first there, not the new bf16 carry, which exists only in the body.
+// CHECK-LABEL: func.func @convert_of_a_carried_convert
+// CHECK-SAME:    (%[[H0:.*]]: tensor<2x4xf32>, %[[W:.*]]: tensor<4x4xf32>)
+// CHECK:         %[[W16:.*]] = stablehlo.convert %[[W]] : (tensor<4x4xf32>) -> tensor<4x4xbf16>
+// CHECK:         %[[W32:.*]] = stablehlo.convert %[[W16]] : (tensor<4x4xbf16>) -> tensor<4x4xf32>
+// CHECK:         stablehlo.while(%{{.*}} = %{{.*}}, %{{.*}} = %[[H0]], %[[WC:.*]] = %[[W]], %[[WC16:.*]] = %[[W16]]) : tensor<i32>, tensor<2x4xf32>, tensor<4x4xf32>, tensor<4x4xbf16>
+// CHECK:         } do {
+// CHECK-NOT:       stablehlo.convert
+// CHECK:           stablehlo.dot_general %{{.*}}, %[[W32]], {{.*}} -> tensor<2x4xf32>
+// CHECK-NOT:       stablehlo.convert
+// CHECK:           stablehlo.return {{.*}}, %[[WC]], %[[WC16]] : tensor<i32>, tensor<2x4xf32>, tensor<4x4xf32>, tensor<4x4xbf16>
+func.func @convert_of_a_carried_convert(%h0: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %r:3 = stablehlo.while(%i = %c0, %h = %h0, %wc = %w) : tensor<i32>, tensor<2x4xf32>, tensor<4x4xf32>
+  cond {
+    %c3 = stablehlo.constant dense<3> : tensor<i32>
+    %p = stablehlo.compare LT, %i, %c3, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+    stablehlo.return %p : tensor<i1>
+  } do {
+    %w16 = stablehlo.convert %wc : (tensor<4x4xf32>) -> tensor<4x4xbf16>
+    %w32 = stablehlo.convert %w16 : (tensor<4x4xbf16>) -> tensor<4x4xf32>
+    %d = stablehlo.dot_general %h, %w32, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+    %c1 = stablehlo.constant dense<1> : tensor<i32>
+    %i1 = stablehlo.add %i, %c1 : tensor<i32>
+    stablehlo.return %i1, %d, %wc : tensor<i32>, tensor<2x4xf32>, tensor<4x4xf32>
+  }
+  return %r#1 : tensor<2x4xf32>
+}
