@@ -504,7 +504,7 @@ def _backward_weights(module: ir.Module, pass_name: str, fence: bool) -> tuple[i
                 # one transposed copy. Once fenced, a reshape reads it, which is not
                 # followed: a second run leaves it alone.
                 uses = [use for use in live_uses(quantised)
-                        if fence and _reads_transposed(use, by_name, 0)]
+                        if _reads_transposed(use, by_name, 0)] if fence else []
                 if not uses or not ir.RankedTensorType(quantised.type).has_static_shape:
                     continue  # (no 1-D reshape of a dynamic shape to write)
                 with q.convert.location, ir.InsertionPoint.after(quantised.owner.operation):
