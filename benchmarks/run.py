@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated subset of the variants (default: all), e.g. "
                         "'f32,hlo_amp bf16,hlo_amp fp8'; f32 is always run first")
     p.add_argument("--stress-layers", type=int, default=24, help="0 skips the stress row")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="cpu/gpu: after timing, trace 3 more steps of each variant with "
+                        "jax's profiler into DIR and add a table of its GPU kernels "
+                        "(benchmarks/kernel_trace.py)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     return p.parse_args(argv)
 
@@ -79,6 +83,7 @@ class Result:
     converts: int = 0
     low: int = 0
     matmuls: int = 0
+    kernels: Any = None  # kernel_trace.KernelTimes of the traced steps (--trace)
 
     @property
     def median(self) -> float:
@@ -179,7 +184,7 @@ def chosen_variants(device: str, wanted: str | None) -> tuple[str, ...]:
 
 
 def bench_workload(workload: Any, steps: int, warmup: int, device: str = "cpu",
-                   wanted: str | None = None) -> list[Result]:
+                   wanted: str | None = None, trace: Path | None = None) -> list[Result]:
     import jax
 
     x, y = workload.batch()
@@ -200,7 +205,31 @@ def bench_workload(workload: Any, steps: int, warmup: int, device: str = "cpu",
             if i >= warmup:
                 result.times.append(time.perf_counter() - start)
             state[0], state[1] = out[0], out[1]
+    if trace is not None:
+        from benchmarks.kernel_trace import trace_steps
+
+        for result, compiled, state in live:
+            if not result.error:
+                result.kernels = trace_steps(_one_step(compiled, state, x, y), TRACED_STEPS,
+                                             trace / workload.name / _slug(result.variant))
     return [r for r, _, _ in prepared]
+
+
+TRACED_STEPS = 3
+
+
+def _slug(variant: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", variant).strip("_")
+
+
+def _one_step(compiled: Any, state: list[Any], x: Any, y: Any) -> Any:
+    """A callable that runs one step of ``compiled`` on ``state`` and keeps its result."""
+    import jax
+
+    def run() -> None:
+        out = jax.block_until_ready(compiled(state[0], state[1], x, y))
+        state[0], state[1] = out[0], out[1]
+    return run
 
 
 def stress_row(layers: int, quick: bool) -> dict[str, Any]:
@@ -346,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cuda" if args.device == "gpu" else "cpu")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.device in AOT_DEVICES:
+        if args.trace is not None:
+            raise SystemExit(f"--trace runs steps; --device {args.device} runs none "
+                             "(accepted with --trace: cpu, gpu)")
         aot_main(args, argv)
         return
     args.workloads = args.workloads or "mlp,vit,cnn"
@@ -396,9 +428,17 @@ def main(argv: list[str] | None = None) -> None:
         if workload.name not in wanted:
             continue
         print(f"== {workload.name}: {workload.description}", flush=True)
-        results = bench_workload(workload, steps, args.warmup, args.device, args.variants)
+        results = bench_workload(workload, steps, args.warmup, args.device, args.variants,
+                                 args.trace)
         all_results[workload.name] = results
         table = workload_table(results)
+        if args.trace is not None:
+            from benchmarks.kernel_trace import trace_table
+
+            table += ["", (f"Kernels of {TRACED_STEPS} traced steps (traces in "
+                           f"`{args.trace}`):"), "",
+                      *trace_table([(r.variant, r.median, r.kernels) for r in results
+                                    if r.kernels is not None])]
         checks = targets(workload.name, results)
         print("\n".join(table + [""] + checks + [""]), flush=True)
         md += [f"## {workload.name}: {workload.description}", "", *table, "", "Targets:", "",
