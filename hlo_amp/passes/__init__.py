@@ -26,6 +26,7 @@ from hlo_amp.ir.modules import (
     strip_decision_marks,
 )
 from hlo_amp.ir.shardings import is_partitioned
+from hlo_amp.passes.batch_amax import BatchAmax
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.comm_precision import CommPrecision
 from hlo_amp.passes.dot_layout import FastDotLayout
@@ -62,8 +63,9 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     actions adds the fp8 pass after propagation (which leaves fp8 dots' f32 operands
     alone): it quantises the dots insert_converts marked (see passes/fp8.py),
     reuse_amax reads the amaxes remat's backward loop recomputes from the forward loop,
-    hoist_amax takes a scanned weight's amax once per layer before its loop, and
-    hoist_quantize quantises a scanned weight once per step before its forward loop. Then
+    hoist_amax takes a scanned weight's amax once per layer before its loop,
+    hoist_quantize quantises a scanned weight once per step before its forward loop, and
+    batch_amax reduces the amaxes delayed scaling records in a block together. Then
     comm_precision moves 16-bit converts above data movement (sharding constraints,
     collectives) and applies the policy's ``reduce`` (passes/comm_precision.py). Last, in a
     partitioned module, the converts written of values with a given sharding keep it
@@ -82,7 +84,8 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
         if target.recomputes_residuals:
             passes.append(RecomputeResiduals(policy, target))
     if policy.uses_fp8:
-        passes += [Fp8Quantize(policy.scaling), ReuseAmax(), HoistAmax(), HoistQuantize()]
+        passes += [Fp8Quantize(policy.scaling), ReuseAmax(), HoistAmax(), HoistQuantize(),
+                   BatchAmax()]
     passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
@@ -96,7 +99,7 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     passes: list[Any] = [FusedAttention(policy, target), InsertConverts(policy, target),
                          Propagate(policy, target),
                          ScatterToSelect(target), RecomputeResiduals(policy, target),
-                         Fp8Quantize(), ReuseAmax(), HoistAmax(), HoistQuantize(),
+                         Fp8Quantize(), ReuseAmax(), HoistAmax(), HoistQuantize(), BatchAmax(),
                          CommPrecision(policy),
                          CleanupConverts(), FastDotLayout(), KeepShardings()]
     return {p.name: p for p in passes}

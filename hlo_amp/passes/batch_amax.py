@@ -1,0 +1,200 @@
+"""The amaxes a step records for delayed scaling, reduced together in each block.
+
+Under ``scaling=delayed`` each quantised tensor's amax this step is only recorded
+(fp8_state.py gathers them, per block, into ``concatenate(reshape(amax_i), ...)``, one
+f32[1] piece per history column); no scale waits for it. XLA:GPU reduces a tensor of
+more than 16,384 elements to a scalar in two kernels: a maximum per row of its own split
+of the tensor, which it fuses with the tensor's quantisation, and a one-block kernel that
+reduces those rows, one per recorded tensor. This pass writes the split itself and
+reduces the rows of the recorded amaxes of a block together, one kernel per row count:
+
+    before:  piece_i = reshape(max(|x_i|))                                  f32[1]
+    after:   rows_i  = max(|reshape(x_i, [p, n_i / p])|, axis 1)            [p]
+             group   = max(concatenate(rows_i, rows_j, ...) as [k, p], axis 1)
+             piece_i = slice(group, i)
+
+``p`` is the smallest power of two that divides ``n_i`` and leaves rows of at most
+16,384 elements (longer rows XLA splits again). A maximum is exact and does not depend
+on order, NaN included, so every piece holds the same bits. Only amaxes of the form
+fp8.py writes (hoist_amax.match_amax), recorded and used for nothing else, are batched,
+and only with another of the same row count and type; a tensor computed from a
+transpose (among the ops XLA fuses into its producer) is left to XLA: its rows would not
+be contiguous in the layout XLA gives it, and XLA would copy it to reduce them. A
+partitioned module is left alone: rows of a sharded tensor may cut across its shards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
+
+from hlo_amp.ir.modules import discard, erase_discarded, op_key, walk_operations
+from hlo_amp.ir.shardings import is_partitioned
+from hlo_amp.passes.fp8 import max_abs
+from hlo_amp.passes.hoist_amax import match_amax
+from hlo_amp.report import Report
+
+_CONCATENATE = frozenset({"stablehlo.concatenate"})
+# XLA:GPU reduces a row of up to this many elements in one kernel (measured on its h100
+# target: 16,384 in one kernel, 32,768 in two).
+_ROW_LIMIT = 16384
+# Pieces per batched reduction: a fusion of many more operands XLA splits up again.
+_GROUP_LIMIT = 32
+# A transpose among the ops XLA fuses into a tensor's producer gives the tensor a layout
+# whose rows (in the logical order) are not contiguous: XLA copies it to reduce them. Ops
+# whose result XLA writes in a layout of its own end the search.
+_FUSIBLE_DEPTH = 8
+_MATERIALISED = frozenset({"stablehlo.dot_general", "stablehlo.convolution",
+                           "stablehlo.reduce", "stablehlo.custom_call", "stablehlo.while",
+                           "func.call", "stablehlo.optimization_barrier"})
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    """A piece ``reshape(convert?(reduce(abs(x))))`` of the recorded vector."""
+
+    piece: ir.Operation  # the reshape to f32[1]
+    chain: tuple[ir.Operation, ...]  # the ops only the piece reads, discarded with it
+    x: ir.Value
+    rows: int
+
+
+@dataclass(frozen=True)
+class BatchAmax:
+    """Reduce the recorded amaxes of each block together (see the module doc)."""
+
+    name: str = "hlo-amp-batch-amax"
+
+    def run(self, module: ir.Module, report: Report | None = None) -> None:
+        if is_partitioned(module):
+            return  # a reshape of a sharded tensor into rows could make XLA regather it
+        batched = reductions = 0
+        with module.context, ir.Location.unknown():
+            for concat in walk_operations(module.operation, names=_CONCATENATE):
+                for group in _groups(_recorded_pieces(concat)):
+                    _batch(concat, group)
+                    batched += len(group)
+                    reductions += 1
+        erase_discarded(self.name)
+        if report is not None and batched:
+            report.notes.append(f"batch-amax: {batched} recorded amax(es) reduced in "
+                                f"{reductions} reduction(s), not one each")
+
+
+def _f32_vector(value: ir.Value) -> bool:
+    shaped = ir.RankedTensorType(value.type)
+    return shaped.rank == 1 and shaped.element_type == ir.F32Type.get()
+
+
+def _only_use(value: ir.Value) -> bool:
+    return len(list(value.uses)) == 1
+
+
+def _defining(value: ir.Value) -> ir.Operation | None:
+    return None if isinstance(value, ir.BlockArgument) else value.owner.operation
+
+
+def _rows(count: int) -> int | None:
+    """The smallest power of two dividing ``count`` that leaves rows of at most
+    ``_ROW_LIMIT`` elements; None for a tensor XLA reduces in one kernel anyway (one
+    row) or that no such power divides."""
+    rows = 1
+    while count // rows > _ROW_LIMIT:
+        if count % (rows * 2):
+            return None
+        rows *= 2
+    return rows if rows > 1 else None
+
+
+def _near_transpose(x: ir.Value) -> bool:
+    """Whether a transpose is among the ops XLA would fuse into ``x``'s producer (the
+    elementwise and data movement ops before it, ``_FUSIBLE_DEPTH`` deep)."""
+    seen: set[int] = set()
+    frontier = [x]
+    for _ in range(_FUSIBLE_DEPTH):
+        ops = [op for op in map(_defining, frontier)
+               if op is not None and op_key(op) not in seen]
+        if any(op.name == "stablehlo.transpose" for op in ops):
+            return True
+        seen.update(op_key(op) for op in ops)
+        frontier = [operand for op in ops if op.name not in _MATERIALISED
+                    for operand in op.operands]
+    return False
+
+
+def _recorded_pieces(concat: ir.Operation) -> list[_Recorded]:
+    """The pieces of ``concat`` (a 1-D f32 vector of f32[1] pieces) that are amaxes used
+    for nothing else."""
+    if (ir.IntegerAttr(concat.attributes["dimension"]).value != 0
+            or not _f32_vector(concat.results[0])):
+        return []
+    found = []
+    for operand in concat.operands:
+        piece = _defining(operand)
+        if (piece is None or piece.name != "stablehlo.reshape" or not _only_use(operand)
+                or not _only_use(piece.operands[0])):
+            continue
+        chain = [piece]
+        reduce = _defining(piece.operands[0])
+        if reduce is not None and reduce.name == "stablehlo.convert":
+            chain.append(reduce)
+            reduce = _defining(reduce.operands[0]) if _only_use(reduce.operands[0]) else None
+        if (reduce is None or reduce.block != concat.block or match_amax(reduce) is None
+                or not _only_use(reduce.results[0])):
+            continue
+        chain.append(reduce)
+        magnitude = reduce.operands[0]  # abs(x), as match_amax found it
+        if _only_use(magnitude):
+            chain.append(magnitude.owner.operation)
+        x = magnitude.owner.operation.operands[0]
+        rows = _rows(math.prod(ir.RankedTensorType(x.type).shape))
+        if rows is not None and not _near_transpose(x):
+            found.append(_Recorded(piece, tuple(chain), x, rows))
+    return found
+
+
+def _groups(recorded: list[_Recorded]) -> list[list[_Recorded]]:
+    """``recorded`` by row count and element type, groups of two to ``_GROUP_LIMIT``."""
+    by_kind: dict[tuple[int, str], list[_Recorded]] = {}
+    for r in recorded:
+        element = str(ir.RankedTensorType(r.x.type).element_type)
+        by_kind.setdefault((r.rows, element), []).append(r)
+    groups = []
+    for members in by_kind.values():
+        for start in range(0, len(members), _GROUP_LIMIT):
+            group = members[start:start + _GROUP_LIMIT]
+            if len(group) >= 2:
+                groups.append(group)
+    return groups
+
+
+def _batch(concat: ir.Operation, group: list[_Recorded]) -> None:
+    """Replace ``group``'s pieces of ``concat`` by slices of one reduction of their rows."""
+    rows = group[0].rows
+    element = ir.RankedTensorType(group[0].x.type).element_type
+    f32 = ir.F32Type.get()
+    stacked = []
+    for r in group:
+        count = math.prod(ir.RankedTensorType(r.x.type).shape)
+        # At the amax's place: XLA fuses the rows' maximum with the quantisation there.
+        with r.chain[-1].location, ir.InsertionPoint(r.chain[-1]):
+            split = hlo.reshape(ir.RankedTensorType.get([rows, count // rows], element), r.x)
+            stacked.append(hlo.reshape(ir.RankedTensorType.get([1, rows], element),
+                                       max_abs(split, [1])))
+    with concat.location, ir.InsertionPoint(concat):
+        matrix = hlo.concatenate(stacked, ir.IntegerAttr.get(
+            ir.IntegerType.get_signless(64), 0))
+        amaxes = max_abs(matrix, [1])  # abs of a magnitude: the same values
+        if element != f32:
+            amaxes = hlo.convert(ir.RankedTensorType.get([len(group)], f32), amaxes)
+        for index, r in enumerate(group):
+            piece = hlo.slice(amaxes, ir.DenseI64ArrayAttr.get([index]),
+                              ir.DenseI64ArrayAttr.get([index + 1]),
+                              ir.DenseI64ArrayAttr.get([1]))
+            r.piece.results[0].replace_all_uses_with(piece)
+    for r in group:
+        for op in r.chain:
+            discard(op)

@@ -1,0 +1,91 @@
+"""passes/batch_amax.py on real fp8 steps: under delayed scaling the amaxes a step records
+are reduced together per block (in the main function and in the layer function a scan's
+body calls), the step computes
+the same bits and records the same history as without the pass, and under current
+scaling (each amax a scale) nothing is batched (tests/lit/batch_amax.mlir has the IR)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxlib.mlir import ir
+from test_hoist_amax import ALL, _amaxes, _assert_same_bits, _three_steps
+
+import hlo_amp
+from hlo_amp.ir.modules import parse_module, walk_operations
+from hlo_amp.passes.batch_amax import BatchAmax
+
+
+def _step(p: dict, x: jax.Array):
+    """Tensors of 32,768 and 65,536 elements (two and four rows of 16,384), in the main
+    function and in a scanned layer of two dots."""
+
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        def layer(h, w):
+            return h + jnp.tanh(h @ w["a"]) @ w["b"] / 4, None
+
+        h = jnp.tanh(x @ p["w_in"])
+        h, _ = jax.lax.scan(layer, h, p["layers"])
+        return jnp.mean((h @ p["w_out"] - 1.0) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.05 * b, p, grads), value
+
+
+def _args() -> tuple[dict, jax.Array]:
+    rng = np.random.default_rng(11)
+    sizes = np.asarray([1.0, 3.0])[:, None, None]  # layers of different magnitudes
+    p = {"w_in": jnp.asarray(rng.standard_normal((128, 256)) / 11, jnp.float32),
+         "layers": {k: jnp.asarray(rng.standard_normal((2, 256, 256)) / 16 * sizes,
+                                   jnp.float32) for k in "ab"},
+         "w_out": jnp.asarray(rng.standard_normal((256, 128)) / 16, jnp.float32)}
+    return p, jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
+
+
+def _stacked_where(text: str) -> set[str]:
+    """Where the stacks of amax rows (2-D concatenates of 16-bit rows) are: "main" (the
+    public function's own block) or "layer" (a loop body, or a function it calls)."""
+    module = parse_module(text)  # held: its ops live as long as it does
+    found = set()
+    for op in walk_operations(module.operation, names=frozenset({"stablehlo.concatenate"})):
+        shaped = ir.RankedTensorType(op.results[0].type)
+        if shaped.rank == 2 and str(shaped.element_type) == "bf16":
+            parent = op.parent
+            in_main = parent.name == "func.func" and ir.StringAttr(
+                parent.attributes["sym_name"]).value == "main"
+            found.add("main" if in_main else "layer")
+    return found
+
+
+def _batched(lowered) -> int:
+    """The count the report's batch-amax line gives, 0 without one."""
+    lines = [n for n in lowered.report().notes if n.startswith("batch-amax:")]
+    return int(lines[0].split()[1]) if lines else 0
+
+
+def test_delayed_scaling_records_the_same_amaxes_from_fewer_reductions(monkeypatch):
+    policy = f"fp8,scaling=delayed,{ALL}"
+    p, x = _args()
+    batching = hlo_amp.compile(_step, policy)
+    lowered = batching.lower(p, x)
+    batched = _batched(lowered)
+    assert batched >= 4, lowered.report().notes
+    # Both the main function's and a scanned layer's amaxes (jax 0.10 calls the layer
+    # from the loop body, jax 0.11 inlines it).
+    assert _stacked_where(lowered.as_text()) == {"main", "layer"}
+    with_pass = _three_steps(batching, p, x)
+
+    monkeypatch.setattr(BatchAmax, "run", lambda self, module, report=None: None)
+    separate = hlo_amp.compile(_step, policy)
+    text_separate = separate.lower(p, x).as_text()
+    # Each batched amax is one reduction to a scalar fewer.
+    assert _amaxes(lowered.as_text())[0] == _amaxes(text_separate)[0] - batched
+    _assert_same_bits(with_pass, _three_steps(separate, p, x), batching, separate, "delayed")
+    assert not np.array_equal(with_pass[0][0], with_pass[-1][0])  # the steps trained
+    assert np.asarray(batching.fp8_state()).max() > 0  # amaxes were recorded
+
+
+def test_current_scaling_batches_nothing():
+    p, x = _args()
+    assert _batched(hlo_amp.compile(_step, f"fp8,scaling=current,{ALL}").lower(p, x)) == 0
