@@ -313,12 +313,29 @@ def decision_of(op: ir.Operation | ir.OpView) -> int | None:
 
 
 def strip_decision_marks(module: ir.Module) -> None:
-    """Remove every ``DECISION_KEY`` and ``PROGRAM_KEY``: they mean nothing outside the
-    run that wrote them."""
+    """Remove every ``DECISION_KEY``, ``PROGRAM_KEY`` and ``ATTENTION_KEY``: they mean
+    nothing outside the run that wrote them."""
     for op in walk_operations(module, names=MATRIX_OP_NAMES | _CONVERT):
-        for key in (DECISION_KEY, PROGRAM_KEY):
+        for key in (DECISION_KEY, PROGRAM_KEY, ATTENTION_KEY):
             if key in op.attributes:
                 del op.attributes[key]
+
+
+# The matrix ops of an attention the fused-attention pass found but left unfused (its
+# scores' and output's matmuls and their backward's): an fp8 op rule leaves them in the
+# 16-bit compute type, as the fused kernel runs them (insert_converts/plan.py). Stripped
+# with the decision marks.
+ATTENTION_KEY = "hlo_amp.attention"
+
+
+def mark_attention(op: ir.Operation | ir.OpView) -> None:
+    """Mark ``op`` as one of an unfused attention's matmuls (``ATTENTION_KEY``)."""
+    op.attributes[ATTENTION_KEY] = ir.UnitAttr.get(op.context)
+
+
+def is_attention_matmul(op: ir.Operation | ir.OpView) -> bool:
+    """Whether ``mark_attention`` marked ``op``."""
+    return ATTENTION_KEY in op.attributes
 
 
 # The converts the program itself has, marked by run_pipeline before the passes in a

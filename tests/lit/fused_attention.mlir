@@ -16,6 +16,17 @@
 // RUN:   --report - -o /dev/null 2>&1 | filecheck %s --check-prefix=REPORT
 // RUN: hlo-amp-opt %S/inputs/attention_grad.mlir --policy bf16 --target cpu --report - \
 // RUN:   -o /dev/null 2>&1 | filecheck %s --check-prefix=WHY
+// Under fp8 an attention left unfused keeps its six matmuls (two forward, four backward)
+// in the 16-bit compute type, as the fused kernel runs them; a scope rule asks for fp8.
+// RUN: hlo-amp-opt %S/inputs/attention_grad.mlir --target cpu --report - -o /dev/null \
+// RUN:   --policy 'fp8,first_matrix_op=none,last_matrix_op=none' 2>&1 \
+// RUN:   | filecheck %s --check-prefix=FP8
+// RUN: hlo-amp-opt %S/inputs/attention_grad.mlir --target cpu --report - -o /dev/null \
+// RUN:   --policy 'fp8,first_matrix_op=none,last_matrix_op=none,scope:attn=float8_e5m2' \
+// RUN:   2>&1 | filecheck %s --check-prefix=FP8SCOPE
+// The mark the fused-attention pass leaves on those matmuls does not reach the output.
+// RUN: hlo-amp-opt %S/inputs/attention_grad.mlir --target cpu \
+// RUN:   --policy 'fp8,first_matrix_op=none,last_matrix_op=none' | filecheck %s --check-prefix=NOMARK
 
 // FUSED-LABEL: func.func public @main
 // FUSED-NOT:     stablehlo.dot_general
@@ -48,3 +59,16 @@
 // WHY: "attention": [
 // WHY:   "fused": false,
 // WHY:   "reason": "CPU: cuDNN's fused attention is a GPU kernel",
+
+// FP8-COUNT-6: "reason": "fp8 fallback: an attention's matmul, not fused (the report's attention section says why): 16-bit as the fused kernel runs it; a scope rule can ask for fp8; bf16 operands, f32 accumulation",
+// FP8-NOT:     "reason": "fp8 {{e4m3fn|e5m2}}
+// FP8:         "attention": [
+// FP8:           "fused": false,
+
+// FP8SCOPE-NOT: an attention's matmul
+// FP8SCOPE:     "rule": "scope:attn",
+// FP8SCOPE-NOT: an attention's matmul
+
+// NOMARK-LABEL: func.func public @main
+// NOMARK-NOT:   hlo_amp.attention
+// NOMARK:       return

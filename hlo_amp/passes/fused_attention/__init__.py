@@ -29,7 +29,13 @@ from dataclasses import dataclass, replace
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import function_name, functions, is_discarded, walk_operations
+from hlo_amp.ir.modules import (
+    function_name,
+    functions,
+    is_discarded,
+    mark_attention,
+    walk_operations,
+)
 from hlo_amp.ir.shardings import partition_count
 from hlo_amp.ir.sites import Site, asks_for_precision, location_name, site_of
 from hlo_amp.passes.fused_attention.calls import CallView
@@ -84,14 +90,17 @@ class FusedAttention:
                 found = self._site(view, op, prefix, obstacle, function_name(fn))
                 if found is None:
                     continue
-                site, planned = found
+                site, planned, match = found
                 if planned is not None:
                     try:
                         self._fuse(*planned, site.kernel_name)
                         fused += 1
+                        match = None
                     except NotFused as error:
                         site = replace(site, fused=False, reason=error.reason, kernel="",
                                        dtype="")
+                if match is not None:  # found, not fused: its matmuls stay attention's
+                    _mark_matmuls(match)
                 if report is not None:
                     report.attention.append(site)
         if report is not None and fused:
@@ -99,22 +108,23 @@ class FusedAttention:
                                 f"{_KERNEL_NAMES[self.kernel]} attention")
 
     def _site(self, view: CallView, op: ir.Operation, prefix: str, obstacle: str | None,
-              fn_name: str) -> tuple[AttentionSite, _Planned | None] | None:
+              fn_name: str) -> tuple[AttentionSite, _Planned | None, Match | None] | None:
         """The report's entry for the attention at ``op`` (None: no attention starts
-        there), and what fusing it takes when it is to be fused."""
+        there), what fusing it takes when it is to be fused, and its match (None where
+        the matcher did not get that far)."""
         site = site_of(op.location, "dot_general", prefix)
         try:
             match = match_site(view, op)
         except NotFused as error:
             if not error.attention:
                 return None
-            return _entry(op, site, fn_name, None, False, error.reason), None
+            return _entry(op, site, fn_name, None, False, error.reason), None, None
         except Exception as error:  # noqa: BLE001 - matching only reads the module
             # A form the matcher does not know must not cost the user the compile: the
             # site stays as written and the report says why (a rewrite's error still
             # fails the pass: the module is half-written then).
             reason = f"not analysed ({type(error).__name__}: {error})"
-            return _entry(op, site, fn_name, None, False, reason), None
+            return _entry(op, site, fn_name, None, False, reason), None, None
         reason = obstacle
         dtype = ""
         if reason is None:
@@ -125,7 +135,7 @@ class FusedAttention:
         call = call_of(match, layout, dtype or "bfloat16", bias_shape_of(match, layout))
         entry = _entry(op, site, fn_name, (match, call), reason is None, reason or "",
                        dtype, _KERNEL_NAMES[self.kernel])
-        return entry, ((match, layout, call, dtype) if reason is None else None)
+        return entry, ((match, layout, call, dtype) if reason is None else None), match
 
     def _dtype(self, match: Match, prefix: str) -> tuple[str, str | None]:
         """The 16-bit type the policy computes the site in, or why none."""
@@ -166,6 +176,18 @@ class FusedAttention:
             rewrite(match, kernel, call, layout, dtype, name)
             discard_dead([match.scores, *match.home_ops,
                           *(e.op for e in match.exits.values())])
+
+
+def _mark_matmuls(match: Match) -> None:
+    """Mark the matmuls of an attention left unfused (``mark_attention``): the scores',
+    the output's and, in a training step, their backward's (the exits, and dP = dO·Vᵀ,
+    the matmul that reads dO besides dV's)."""
+    ops = [match.scores, *match.home_ops, *(e.op for e in match.exits.values())]
+    if match.d_out is not None:
+        ops += [use.owner for use in match.d_out.uses]
+    for op in ops:
+        if op.operation.name == "stablehlo.dot_general":
+            mark_attention(op)
 
 
 # MLIR's element type names of the 16-bit compute types ("bf16" -> "bfloat16").

@@ -12,7 +12,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import element_count, element_type
+from hlo_amp.ir.modules import element_count, element_type, is_attention_matmul
 from hlo_amp.policy import (
     COMPUTE,
     DTYPE_BITS,
@@ -149,6 +149,12 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
 
 
 _E4M3, _E5M2 = FP8_TO_ELEMENT["float8_e4m3fn"], FP8_TO_ELEMENT[FP8_E5M2]
+# Why an unfused attention's matmul (passes/fused_attention/ marks them) is not fp8 under
+# an op rule: the fused kernel runs attention in the 16-bit compute type, and so do the
+# fp8 recipes this follows (Transformer Engine, Flax: fp8 for the dense layers' GEMMs).
+ATTENTION_FALLBACK = ("an attention's matmul, not fused (the report's attention section "
+                      "says why): 16-bit as the fused kernel runs it; a scope rule can ask "
+                      "for fp8")
 # The reason of a dot whose operands already are fp8 (the direct form: the pipeline run on
 # its own output), or dequantised fp8: nothing to do, but the report still shows the fp8
 # types.
@@ -170,6 +176,7 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
         return Plan(action, rule, none, None, ALREADY_FP8,
                     fp8=(already[0], already[1], str(operands[0])))
     obstacle = (f"fp8 takes dot_general only, not {kind}" if kind != "dot_general"
+                else ATTENTION_FALLBACK if rule.startswith("op:") and is_attention_matmul(op)
                 else target.fp8_obstacle(op))
     if obstacle is not None:
         fallback = plan_op(op, kind, policy, COMPUTE, rule, target, elements)

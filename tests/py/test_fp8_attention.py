@@ -1,0 +1,79 @@
+"""Under fp8 an attention the fused-attention pass finds but does not fuse (here: compiled
+for CPU) keeps its matmuls, forward and backward, in the 16-bit compute type, as the
+fused kernel runs them, while the projections around it are fp8 GEMMs; a scope rule asks
+for fp8 attention, and without the fused-attention pass (``fuse_attention=false``) the
+attention's matmuls are plain dots under the op rules (tests/lit/fused_attention.mlir
+has the IR)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlo_amp
+from hlo_amp.passes.insert_converts.plan import ATTENTION_FALLBACK
+
+B, T, D, HEADS = 2, 32, 64, 2  # every m, k, n of the step at least 16
+ALL = "first_matrix_op=none,last_matrix_op=none"
+ATTENTION_EINSUMS = ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd")
+
+
+def _step(p: dict, x: jax.Array):
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        q, k, v = ((x @ p[n]).reshape(B, T, HEADS, D // HEADS) for n in ("wq", "wk", "wv"))
+        with jax.named_scope("attn"):
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D // HEADS)
+            out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return jnp.mean((out.reshape(B, T, D) @ p["wo"] - 1.0) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, grads), value
+
+
+def _args() -> tuple[dict, jax.Array]:
+    rng = np.random.default_rng(3)
+    p = {n: jnp.asarray(rng.standard_normal((D, D)) / 8, jnp.float32)
+         for n in ("wq", "wk", "wv", "wo")}
+    return p, jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+
+
+def _dots(policy: str) -> tuple[list, list]:
+    """The step's dot_general decisions under ``policy``: (attention's, the others)."""
+    report = hlo_amp.compile(_step, policy).lower(*_args()).report()
+    dots = [d for d in report.decisions if d.op_kind == "dot_general"]
+    attention = [d for d in dots if any(e in d.location for e in ATTENTION_EINSUMS)]
+    return attention, [d for d in dots if d not in attention]
+
+
+def test_an_unfused_attention_stays_16_bit_between_fp8_projections():
+    attention, projections = _dots(f"fp8,{ALL}")
+    # Scores and output forward; dQ, dK, dV and dP backward.
+    assert len(attention) == 6
+    assert all(not d.fp8 and tuple(d.operands_after) == ("bf16", "bf16") for d in attention)
+    assert all(ATTENTION_FALLBACK in d.reason for d in attention)
+    # The four projections and their weight gradients, and the output projection's
+    # input gradient (x takes none).
+    assert len(projections) == 9 and all(d.fp8 for d in projections)
+
+
+def test_a_scope_rule_asks_for_fp8_attention():
+    attention, _ = _dots(f"fp8,{ALL},scope:attn=float8_e5m2")
+    assert len(attention) == 6 and all(d.fp8 for d in attention)
+
+
+def test_without_the_fused_attention_pass_attention_follows_the_op_rules():
+    attention, _ = _dots(f"fp8,{ALL},fuse_attention=false")
+    assert len(attention) == 6 and all(d.fp8 for d in attention)
+
+
+@pytest.mark.parametrize("policy", [f"fp8,{ALL}", f"fp8,{ALL},scope:attn=float8_e5m2"])
+def test_the_step_trains(policy):
+    step = hlo_amp.compile(_step, policy)
+    p, x = _args()
+    losses = []
+    for _ in range(5):
+        p, loss = step(p, x)
+        losses.append(float(loss))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
