@@ -139,9 +139,10 @@ def _recorded_pieces(concat: ir.Operation) -> list[_Recorded]:
             continue
         chain = [piece]
         reduce = _defining(piece.operands[0])
-        if reduce is not None and reduce.name == "stablehlo.convert":
-            chain.append(reduce)
-            reduce = _defining(reduce.operands[0]) if _only_use(reduce.operands[0]) else None
+        if reduce is not None and reduce.name == "stablehlo.convert":  # a 16-bit amax
+            convert = reduce
+            chain.append(convert)
+            reduce = _defining(convert.operands[0]) if _only_use(convert.operands[0]) else None
         if (reduce is None or reduce.block != concat.block or match_amax(reduce) is None
                 or not _only_use(reduce.results[0])):
             continue
