@@ -1,8 +1,8 @@
 """passes/batch_amax.py on real fp8 steps: under delayed scaling the amaxes a step records
-are reduced together per block (in the main function and in the layer function a scan's
-body calls), the step computes
-the same bits and records the same history as without the pass, and under current
-scaling (each amax a scale) nothing is batched (tests/lit/batch_amax.mlir has the IR)."""
+are reduced together per block (in the main function and in a scanned layer), the step
+computes the same bits and records the same history as without the pass, and under
+current scaling (each amax a scale) nothing is batched (tests/lit/batch_amax.mlir has
+the IR)."""
 
 from __future__ import annotations
 
@@ -11,29 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxlib.mlir import ir
 from test_hoist_amax import ALL, _amaxes, _assert_same_bits, _three_steps
+from test_hoist_amax import _scan_step as _step
 
 import hlo_amp
 from hlo_amp.ir.modules import parse_module, walk_operations
 from hlo_amp.passes.batch_amax import BatchAmax
 
 
-def _step(p: dict, x: jax.Array):
-    """Tensors of 32,768 and 65,536 elements (two and four rows of 16,384), in the main
-    function and in a scanned layer of two dots."""
-
-    def loss(p: dict, x: jax.Array) -> jax.Array:
-        def layer(h, w):
-            return h + jnp.tanh(h @ w["a"]) @ w["b"] / 4, None
-
-        h = jnp.tanh(x @ p["w_in"])
-        h, _ = jax.lax.scan(layer, h, p["layers"])
-        return jnp.mean((h @ p["w_out"] - 1.0) ** 2)
-
-    value, grads = jax.value_and_grad(loss)(p, x)
-    return jax.tree.map(lambda a, b: a - 0.05 * b, p, grads), value
-
-
 def _args() -> tuple[dict, jax.Array]:
+    """test_hoist_amax's scanned, checkpointed step at sizes of 32,768 and 65,536 elements
+    (two and four rows of 16,384), in the main function and in the scanned layer."""
     rng = np.random.default_rng(11)
     sizes = np.asarray([1.0, 3.0])[:, None, None]  # layers of different magnitudes
     p = {"w_in": jnp.asarray(rng.standard_normal((128, 256)) / 11, jnp.float32),
