@@ -1,11 +1,14 @@
 """Benchmark hlo_amp against f32, hand-written Flax bf16, jmp and Keras on three train steps.
 
     python -m benchmarks.run [--quick] [--device cpu|gpu] [--steps N] [--out benchmarks]
+                             [--trace DIR]
     python -m benchmarks.run --device h100-aot|h200-aot [--workloads ...]
 
 All variants of one workload live in one process and are timed interleaved (one step of
 each in turn), so load on the machine hits them alike. Writes ``RESULTS.md`` and
 ``results.png`` under ``--out``. Targets are printed beside the figures, never asserted.
+``--trace DIR`` adds, per workload, the GPU kernels of three more traced steps
+(benchmarks/kernel_trace.py).
 
 ``--device h100-aot`` (``h200-aot``) runs nothing: it compiles every variant for that GPU
 without the device (XLA:GPU, Triton GEMM off) and tabulates, per variant, what XLA's
