@@ -1,4 +1,5 @@
-"""The amaxes a step records for delayed scaling, reduced together in each block.
+"""Amaxes known together, reduced together: those a step records for delayed scaling
+(per block), and those of the step's arguments (its weights under current scaling).
 
 Under ``scaling=delayed`` each quantised tensor's amax this step is only recorded
 (fp8_state.py gathers them, per block, into ``concatenate(reshape(amax_i), ...)``, one
@@ -21,6 +22,12 @@ and only with another of the same row count and type; a tensor computed from a
 transpose (among the ops XLA fuses into its producer) is left to XLA: its rows would not
 be contiguous in the layout XLA gives it, and XLA would copy it to reduce them. A
 partitioned module is left alone: rows of a sharded tensor may cut across its shards.
+
+Under current scaling each amax feeds its scale at once, so nothing waits to be batched,
+except the amaxes of the public function's arguments (through converts: a weight's
+16-bit copy), all known when the step starts. Those of the same row count and convert
+chain are reduced the same way at the top of the function, and each amax becomes an
+element of that reduction (``_batch_arguments``).
 """
 
 from __future__ import annotations
@@ -31,10 +38,19 @@ from dataclasses import dataclass
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import discard, erase_discarded, op_key, walk_operations
+from hlo_amp.ir.hoisting import converted
+from hlo_amp.ir.modules import (
+    discard,
+    erase_discarded,
+    functions,
+    is_discarded,
+    is_public,
+    op_key,
+    walk_operations,
+)
 from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.passes.fp8 import max_abs
-from hlo_amp.passes.hoist_amax import match_amax
+from hlo_amp.passes.hoist_amax import Amax, match_amax
 from hlo_amp.report import Report
 
 _CONCATENATE = frozenset({"stablehlo.concatenate"})
@@ -71,17 +87,24 @@ class BatchAmax:
     def run(self, module: ir.Module, report: Report | None = None) -> None:
         if is_partitioned(module):
             return  # a reshape of a sharded tensor into rows could make XLA regather it
-        batched = reductions = 0
+        recorded = arguments = reductions = 0
         with module.context, ir.Location.unknown():
             for concat in walk_operations(module.operation, names=_CONCATENATE):
                 for group in _groups(_recorded_pieces(concat)):
                     _batch(concat, group)
-                    batched += len(group)
+                    recorded += len(group)
+                    reductions += 1
+            for entry, found in _argument_amaxes(module):
+                for group in _argument_groups(found):
+                    _batch_arguments(entry, group)
+                    arguments += len(group)
                     reductions += 1
         erase_discarded(self.name)
-        if report is not None and batched:
-            report.notes.append(f"batch-amax: {batched} recorded amax(es) reduced in "
-                                f"{reductions} reduction(s), not one each")
+        if report is not None and recorded + arguments:
+            report.notes.append(f"batch-amax: {recorded + arguments} amax(es) reduced in "
+                                f"{reductions} reduction(s), not one each ({recorded} "
+                                f"recorded for delayed scaling, {arguments} of the step's "
+                                "arguments)")
 
 
 def _f32_vector(value: ir.Value) -> bool:
@@ -199,3 +222,66 @@ def _batch(concat: ir.Operation, group: list[_Recorded]) -> None:
     for r in group:
         for op in r.chain:
             discard(op)
+
+
+# ---- the amaxes of the step's arguments ------------------------------------------------
+
+def _argument_amaxes(module: ir.Module) -> list[tuple[ir.Block, list[tuple[Amax, int]]]]:
+    """Per public function: the amaxes (fp8's form, not discarded) in its entry block of
+    one of its arguments, through converts, with their row counts."""
+    found = []
+    for fn in functions(module):
+        if not is_public(fn):
+            continue
+        entry = fn.regions[0].blocks[0]
+        amaxes = []
+        for op in entry.operations:
+            op = op.operation
+            if op.name != "stablehlo.reduce" or is_discarded(op):
+                continue
+            amax = match_amax(op)
+            if (amax is None or not isinstance(amax.root, ir.BlockArgument)
+                    or amax.root.owner != entry):
+                continue
+            rows = _rows(math.prod(ir.RankedTensorType(amax.root.type).shape))
+            if rows is not None:
+                amaxes.append((amax, rows))
+        found.append((entry, amaxes))
+    return found
+
+
+def _argument_groups(found: list[tuple[Amax, int]]) -> list[list[tuple[Amax, int]]]:
+    """``found`` by row count and convert chain, groups of two to ``_GROUP_LIMIT``."""
+    by_kind: dict[tuple[int, tuple[str, ...]], list[tuple[Amax, int]]] = {}
+    for amax, rows in found:
+        by_kind.setdefault((rows, amax.key), []).append((amax, rows))
+    return [group for members in by_kind.values()
+            for start in range(0, len(members), _GROUP_LIMIT)
+            if len(group := members[start:start + _GROUP_LIMIT]) >= 2]
+
+
+def _batch_arguments(entry: ir.Block, group: list[tuple[Amax, int]]) -> None:
+    """Replace each amax of ``group`` by an element of one reduction of their rows, all
+    at the top of ``entry`` (the arguments are there; the amaxes' readers come later)."""
+    rows = group[0][1]
+    scalar = ir.RankedTensorType(group[0][0].reduce.results[0].type)
+    first = entry.operations[0]
+    stacked = []
+    for amax, _ in group:
+        count = math.prod(ir.RankedTensorType(amax.root.type).shape)
+        with amax.reduce.location, ir.InsertionPoint(first):
+            split = hlo.reshape(ir.RankedTensorType.get(
+                [rows, count // rows], ir.RankedTensorType(amax.root.type).element_type),
+                amax.root)
+            stacked.append(hlo.reshape(ir.RankedTensorType.get([1, rows], scalar.element_type),
+                                       max_abs(converted(split, amax.converts), [1])))
+    with group[0][0].reduce.location, ir.InsertionPoint(first):
+        matrix = hlo.concatenate(stacked, ir.IntegerAttr.get(
+            ir.IntegerType.get_signless(64), 0))
+        amaxes = max_abs(matrix, [1])  # abs of a magnitude: the same values
+        values = [hlo.reshape(scalar, hlo.slice(amaxes, ir.DenseI64ArrayAttr.get([index]),
+                                                ir.DenseI64ArrayAttr.get([index + 1]),
+                                                ir.DenseI64ArrayAttr.get([1])))
+                  for index in range(len(group))]
+    for (amax, _), value in zip(group, values):
+        amax.replace(value)

@@ -4,9 +4,13 @@
 // maximum per row of the stacked rows; each piece becomes a slice of it. Left alone: a
 // tensor XLA reduces in one kernel anyway (16,384 elements or fewer), a tensor computed
 // by a transpose (XLA would copy it to reduce its rows), an amax read by anything else.
-// RUN: hlo-amp-opt %s --pass hlo-amp-batch-amax | filecheck %s --enable-var-scope
+// Second: the amaxes of the public function's arguments (known when the step starts) are
+// reduced together at its top, and each becomes an element of that reduction.
+// RUN: hlo-amp-opt %s --split-input-file --pass hlo-amp-batch-amax \
+// RUN:   | filecheck %s --enable-var-scope
 // Idempotence: a second run changes nothing.
-// RUN: hlo-amp-opt %s --pass hlo-amp-batch-amax | hlo-amp-opt --pass hlo-amp-batch-amax \
+// RUN: hlo-amp-opt %s --split-input-file --pass hlo-amp-batch-amax \
+// RUN:   | hlo-amp-opt --split-input-file --pass hlo-amp-batch-amax \
 // RUN:   | filecheck %s --enable-var-scope
 
 // CHECK-LABEL: func.func public @main
@@ -64,4 +68,48 @@ func.func public @main(%x: tensor<64x512xbf16>, %y: tensor<128x256xbf16>, %z: te
   %pw = stablehlo.reshape %cw : (tensor<f32>) -> tensor<1xf32>
   %v = stablehlo.concatenate %px, %pz, %py, %pt, %pw, dim = 0 : (tensor<1xf32>, tensor<1xf32>, tensor<1xf32>, tensor<1xf32>, tensor<1xf32>) -> tensor<5xf32>
   return %v, %cw : tensor<5xf32>, tensor<f32>
+}
+
+// -----
+
+// CHECK-LABEL: func.func public @main
+// CHECK-SAME:    (%[[A:[^:]*]]: tensor<256x128xf32>, %[[B:[^:]*]]: tensor<128x256xf32>, %[[C:[^:]*]]: tensor<64x64xf32>
+// CHECK:         %[[AS:.*]] = stablehlo.reshape %[[A]] : (tensor<256x128xf32>) -> tensor<2x16384xf32>
+// CHECK:         %[[AB:.*]] = stablehlo.convert %[[AS]] : (tensor<2x16384xf32>) -> tensor<2x16384xbf16>
+// CHECK:         %[[AR:.*]] = stablehlo.reduce(%{{.*}} init: %{{.*}}) applies stablehlo.maximum across dimensions = [1] : (tensor<2x16384xbf16>, tensor<bf16>) -> tensor<2xbf16>
+// CHECK:         %[[AROW:.*]] = stablehlo.reshape %[[AR]] : (tensor<2xbf16>) -> tensor<1x2xbf16>
+// CHECK:         %[[BS:.*]] = stablehlo.reshape %[[B]] : (tensor<128x256xf32>) -> tensor<2x16384xf32>
+// CHECK:         %[[BROW:.*]] = stablehlo.reshape %{{.*}} : (tensor<2xbf16>) -> tensor<1x2xbf16>
+// CHECK:         %[[STACK:.*]] = stablehlo.concatenate %[[AROW]], %[[BROW]], dim = 0
+// CHECK:         %[[BOTH:.*]] = stablehlo.reduce
+// CHECK-SAME:      across dimensions = [1] : (tensor<2x2xbf16>, tensor<bf16>) -> tensor<2xbf16>
+// CHECK:         %[[AP:.*]] = stablehlo.slice %[[BOTH]] [0:1]
+// CHECK:         %[[AMAX:.*]] = stablehlo.reshape %[[AP]] : (tensor<1xbf16>) -> tensor<bf16>
+// CHECK:         %[[BP:.*]] = stablehlo.slice %[[BOTH]] [1:2]
+// CHECK:         %[[BMAX:.*]] = stablehlo.reshape %[[BP]] : (tensor<1xbf16>) -> tensor<bf16>
+// The scales read the elements; the arguments' own converts and amaxes are gone.
+// CHECK:         %[[SA:.*]] = stablehlo.convert %[[AMAX]] : (tensor<bf16>) -> tensor<f32>
+// CHECK:         %[[SB:.*]] = stablehlo.convert %[[BMAX]] : (tensor<bf16>) -> tensor<f32>
+// CHECK-NOT:     stablehlo.convert %[[A]]
+// CHECK-NOT:     stablehlo.convert %[[B]]
+// The 64x64 argument: one row already.
+// CHECK:         %[[CB:.*]] = stablehlo.convert %[[C]]
+// CHECK:         %[[CR:.*]] = stablehlo.reduce
+// CHECK-SAME:      across dimensions = [0, 1] : (tensor<64x64xbf16>, tensor<bf16>) -> tensor<bf16>
+// CHECK:         return %[[SA]], %[[SB]], %[[CR]]
+func.func public @main(%a: tensor<256x128xf32>, %b: tensor<128x256xf32>, %c: tensor<64x64xf32>, %x: tensor<4x8xf32>) -> (tensor<f32>, tensor<f32>, tensor<bf16>) {
+  %zero = stablehlo.constant dense<0.000000e+00> : tensor<bf16>
+  %zero32 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+  %ab = stablehlo.convert %a : (tensor<256x128xf32>) -> tensor<256x128xbf16>
+  %aa = stablehlo.abs %ab : tensor<256x128xbf16>
+  %ra = stablehlo.reduce(%aa init: %zero) applies stablehlo.maximum across dimensions = [0, 1] : (tensor<256x128xbf16>, tensor<bf16>) -> tensor<bf16>
+  %sa = stablehlo.convert %ra : (tensor<bf16>) -> tensor<f32>
+  %bb = stablehlo.convert %b : (tensor<128x256xf32>) -> tensor<128x256xbf16>
+  %ba = stablehlo.abs %bb : tensor<128x256xbf16>
+  %rb = stablehlo.reduce(%ba init: %zero) applies stablehlo.maximum across dimensions = [0, 1] : (tensor<128x256xbf16>, tensor<bf16>) -> tensor<bf16>
+  %sb = stablehlo.convert %rb : (tensor<bf16>) -> tensor<f32>
+  %cb = stablehlo.convert %c : (tensor<64x64xf32>) -> tensor<64x64xbf16>
+  %ca = stablehlo.abs %cb : tensor<64x64xbf16>
+  %rc = stablehlo.reduce(%ca init: %zero) applies stablehlo.maximum across dimensions = [0, 1] : (tensor<64x64xbf16>, tensor<bf16>) -> tensor<bf16>
+  return %sa, %sb, %rc : tensor<f32>, tensor<f32>, tensor<bf16>
 }

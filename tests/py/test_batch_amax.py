@@ -1,14 +1,17 @@
 """passes/batch_amax.py on real fp8 steps: under delayed scaling the amaxes a step records
-are reduced together per block (in the main function and in a scanned layer), the step
-computes the same bits and records the same history as without the pass, and under
-current scaling (each amax a scale) nothing is batched (tests/lit/batch_amax.mlir has
-the IR)."""
+are reduced together per block (in the main function and in a scanned layer), under
+current scaling the amaxes of the step's arguments, and the step computes the same bits
+(and records the same history) as without the pass (tests/lit/batch_amax.mlir has the
+IR)."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jaxlib.mlir import ir
 from test_hoist_amax import ALL, _amaxes, _assert_same_bits, _three_steps
 from test_hoist_amax import _scan_step as _step
@@ -45,34 +48,43 @@ def _stacked_where(text: str) -> set[str]:
     return found
 
 
-def _batched(lowered) -> int:
-    """The count the report's batch-amax line gives, 0 without one."""
+def _batched(lowered) -> tuple[int, int]:
+    """What the report's batch-amax line counts: (amaxes recorded for delayed scaling,
+    amaxes of the step's arguments); zeros without one."""
     lines = [n for n in lowered.report().notes if n.startswith("batch-amax:")]
-    return int(lines[0].split()[1]) if lines else 0
+    if not lines:
+        return 0, 0
+    recorded, arguments = re.search(r"\((\d+) recorded .*, (\d+) of the step", lines[0]).groups()
+    return int(recorded), int(arguments)
 
 
-def test_delayed_scaling_records_the_same_amaxes_from_fewer_reductions(monkeypatch):
-    policy = f"fp8,scaling=delayed,{ALL}"
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_the_same_amaxes_from_fewer_reductions(scaling, monkeypatch):
+    policy = f"fp8,scaling={scaling},{ALL}"
     p, x = _args()
     batching = hlo_amp.compile(_step, policy)
     lowered = batching.lower(p, x)
-    batched = _batched(lowered)
-    assert batched >= 4, lowered.report().notes
-    # Both the main function's and a scanned layer's amaxes (jax 0.10 calls the layer
-    # from the loop body, jax 0.11 inlines it).
-    assert _stacked_where(lowered.as_text()) == {"main", "layer"}
+    recorded, arguments = _batched(lowered)
+    if scaling == "delayed":
+        # Every amax is recorded (the arguments' too): both the main function's and a
+        # scanned layer's (jax 0.10 calls the layer from the loop body, jax 0.11 inlines
+        # it).
+        assert recorded >= 4 and arguments == 0, lowered.report().notes
+        assert _stacked_where(lowered.as_text()) == {"main", "layer"}
+    else:
+        # Each amax is a scale: only the arguments' (x, w_in, w_out) are known at the
+        # step's start, where they are reduced together.
+        assert recorded == 0 and arguments == 3, lowered.report().notes
+        assert _stacked_where(lowered.as_text()) == {"main"}
     with_pass = _three_steps(batching, p, x)
 
     monkeypatch.setattr(BatchAmax, "run", lambda self, module, report=None: None)
     separate = hlo_amp.compile(_step, policy)
     text_separate = separate.lower(p, x).as_text()
     # Each batched amax is one reduction to a scalar fewer.
-    assert _amaxes(lowered.as_text())[0] == _amaxes(text_separate)[0] - batched
-    _assert_same_bits(with_pass, _three_steps(separate, p, x), batching, separate, "delayed")
+    assert (_amaxes(lowered.as_text())[0]
+            == _amaxes(text_separate)[0] - recorded - arguments)
+    _assert_same_bits(with_pass, _three_steps(separate, p, x), batching, separate, scaling)
     assert not np.array_equal(with_pass[0][0], with_pass[-1][0])  # the steps trained
-    assert np.asarray(batching.fp8_state()).max() > 0  # amaxes were recorded
-
-
-def test_current_scaling_batches_nothing():
-    p, x = _args()
-    assert _batched(hlo_amp.compile(_step, f"fp8,scaling=current,{ALL}").lower(p, x)) == 0
+    if scaling == "delayed":
+        assert np.asarray(batching.fp8_state()).max() > 0  # amaxes were recorded
