@@ -19,9 +19,11 @@ from typing import Any
 
 # A GPU device plane of jax's profiler ("/device:GPU:0") and the lines that hold its
 # kernels ("Stream #13(...)"); other lines ("XLA Ops", "XLA Modules", "Steps") repeat
-# the same time at another granularity.
+# the same time at another granularity. A plane without stream lines (another profiler
+# version's names) is read from every line but those.
 _GPU_PLANE = re.compile(r"^/device:GPU:\d+")
 _KERNEL_LINE = re.compile(r"^Stream\b")
+_DERIVED_LINE = re.compile(r"^(XLA |Steps|TensorFlow |Framework |Source|Launch)")
 _NUMBERED = re.compile(r"[._]\d+$")
 
 
@@ -56,10 +58,11 @@ def kernel_times(planes: Iterable[Any], steps: int) -> KernelTimes:
     for plane in planes:
         if not _GPU_PLANE.match(plane.name):
             continue
-        for line in plane.lines:
-            if _KERNEL_LINE.match(line.name):
-                for event in line.events:
-                    times.add(event.name, float(event.duration_ns))
+        lines = [line for line in plane.lines if _KERNEL_LINE.match(line.name)] or [
+            line for line in plane.lines if not _DERIVED_LINE.match(line.name)]
+        for line in lines:
+            for event in line.events:
+                times.add(event.name, float(event.duration_ns))
     return times
 
 

@@ -42,6 +42,14 @@ def test_kernels_are_read_from_the_gpu_streams_and_grouped_by_family() -> None:
     assert family_of("sm90_xmma_gemm_e4m3") == "sm90_xmma_gemm_e4m3"
 
 
+def test_a_plane_without_stream_lines_is_read_from_its_other_kernel_lines() -> None:
+    planes = [_plane("/device:GPU:0", {"GPU kernels": [("loop_add_fusion_1", 4e5)],
+                                       "XLA Ops": [("loop_add_fusion_1", 4e5)],
+                                       "Steps": [("0", 4e5)]})]
+    times = kernel_times(planes, steps=1)
+    assert times.launches == 1 and times.busy_ns == 4e5
+
+
 def test_the_table_gives_per_step_figures_and_the_time_between_kernels() -> None:
     times = kernel_times(_profile(), steps=2)
     _header, _rule, row, empty = trace_table(
