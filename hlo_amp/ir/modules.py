@@ -364,6 +364,11 @@ def is_program_convert(op: ir.Operation | ir.OpView) -> bool:
     return PROGRAM_KEY in op.attributes
 
 
+def defining_op(value: ir.Value) -> ir.Operation | None:
+    """The op whose result ``value`` is; None for a block argument."""
+    return None if isinstance(value, ir.BlockArgument) else value.owner.operation
+
+
 def element_type(value: ir.Value) -> ir.Type | None:
     """The element type of a ranked tensor value, else None."""
     tensor_type = value.type

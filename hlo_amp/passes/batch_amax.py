@@ -33,13 +33,16 @@ element of that reduction (``_batch_arguments``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.hoisting import converted
 from hlo_amp.ir.modules import (
+    defining_op,
     discard,
     erase_discarded,
     functions,
@@ -54,6 +57,7 @@ from hlo_amp.passes.hoist_amax import Amax, match_amax
 from hlo_amp.report import Report
 
 _CONCATENATE = frozenset({"stablehlo.concatenate"})
+_Item = TypeVar("_Item")
 # XLA:GPU reduces a row of up to this many elements in one kernel (measured on its h100
 # target: 16,384 in one kernel, 32,768 in two).
 _ROW_LIMIT = 16384
@@ -80,7 +84,7 @@ class _Recorded:
 
 @dataclass(frozen=True)
 class BatchAmax:
-    """Reduce the recorded amaxes of each block together (see the module doc)."""
+    """Reduce the amaxes known together, together (see the module doc)."""
 
     name: str = "hlo-amp-batch-amax"
 
@@ -90,12 +94,12 @@ class BatchAmax:
         recorded = arguments = reductions = 0
         with module.context, ir.Location.unknown():
             for concat in walk_operations(module.operation, names=_CONCATENATE):
-                for group in _groups(_recorded_pieces(concat)):
+                for group in _groups(_recorded_pieces(concat), _recorded_kind):
                     _batch(concat, group)
                     recorded += len(group)
                     reductions += 1
             for entry, found in _argument_amaxes(module):
-                for group in _argument_groups(found):
+                for group in _groups(found, lambda item: (item[1], item[0].key)):
                     _batch_arguments(entry, group)
                     arguments += len(group)
                     reductions += 1
@@ -116,10 +120,6 @@ def _only_use(value: ir.Value) -> bool:
     return len(list(value.uses)) == 1
 
 
-def _defining(value: ir.Value) -> ir.Operation | None:
-    return None if isinstance(value, ir.BlockArgument) else value.owner.operation
-
-
 def _rows(count: int) -> int | None:
     """The smallest power of two dividing ``count`` that leaves rows of at most
     ``_ROW_LIMIT`` elements; None for a tensor XLA reduces in one kernel anyway (one
@@ -138,7 +138,7 @@ def _near_transpose(x: ir.Value) -> bool:
     seen: set[int] = set()
     frontier = [x]
     for _ in range(_FUSIBLE_DEPTH):
-        ops = [op for op in map(_defining, frontier)
+        ops = [op for op in map(defining_op, frontier)
                if op is not None and op_key(op) not in seen]
         if any(op.name == "stablehlo.transpose" for op in ops):
             return True
@@ -146,6 +146,11 @@ def _near_transpose(x: ir.Value) -> bool:
         frontier = [operand for op in ops if op.name not in _MATERIALISED
                     for operand in op.operands]
     return False
+
+
+def _recorded_kind(r: _Recorded) -> tuple[int, str]:
+    """What recorded pieces must share to be stacked: row count and element type."""
+    return r.rows, str(ir.RankedTensorType(r.x.type).element_type)
 
 
 def _recorded_pieces(concat: ir.Operation) -> list[_Recorded]:
@@ -156,16 +161,16 @@ def _recorded_pieces(concat: ir.Operation) -> list[_Recorded]:
         return []
     found = []
     for operand in concat.operands:
-        piece = _defining(operand)
+        piece = defining_op(operand)
         if (piece is None or piece.name != "stablehlo.reshape" or not _only_use(operand)
                 or not _only_use(piece.operands[0])):
             continue
         chain = [piece]
-        reduce = _defining(piece.operands[0])
+        reduce = defining_op(piece.operands[0])
         if reduce is not None and reduce.name == "stablehlo.convert":  # a 16-bit amax
             convert = reduce
             chain.append(convert)
-            reduce = _defining(convert.operands[0]) if _only_use(convert.operands[0]) else None
+            reduce = defining_op(convert.operands[0]) if _only_use(convert.operands[0]) else None
         if (reduce is None or reduce.block != concat.block or match_amax(reduce) is None
                 or not _only_use(reduce.results[0])):
             continue
@@ -180,45 +185,55 @@ def _recorded_pieces(concat: ir.Operation) -> list[_Recorded]:
     return found
 
 
-def _groups(recorded: list[_Recorded]) -> list[list[_Recorded]]:
-    """``recorded`` by row count and element type, groups of two to ``_GROUP_LIMIT``."""
-    by_kind: dict[tuple[int, str], list[_Recorded]] = {}
-    for r in recorded:
-        element = str(ir.RankedTensorType(r.x.type).element_type)
-        by_kind.setdefault((r.rows, element), []).append(r)
-    groups = []
-    for members in by_kind.values():
-        for start in range(0, len(members), _GROUP_LIMIT):
-            group = members[start:start + _GROUP_LIMIT]
-            if len(group) >= 2:
-                groups.append(group)
-    return groups
+def _groups(items: list[_Item], key: Callable[[_Item], Hashable]) -> list[list[_Item]]:
+    """``items`` by ``key`` (what may be stacked together), in groups of two to
+    ``_GROUP_LIMIT``."""
+    by_key: dict[Hashable, list[_Item]] = {}
+    for item in items:
+        by_key.setdefault(key(item), []).append(item)
+    return [group for members in by_key.values()
+            for start in range(0, len(members), _GROUP_LIMIT)
+            if len(group := members[start:start + _GROUP_LIMIT]) >= 2]
+
+
+def _row_maxima(x: ir.Value, rows: int, converts: Sequence[ir.Type] = ()) -> ir.Value:
+    """``max(|x|)`` per row of ``x`` split into ``rows`` rows (converted by ``converts``
+    first), as one row ``[1, rows]`` of a stack, at the current insertion point."""
+    shaped = ir.RankedTensorType(x.type)
+    count = math.prod(shaped.shape)
+    split = converted(hlo.reshape(ir.RankedTensorType.get(
+        [rows, count // rows], shaped.element_type), x), converts)
+    maxima = max_abs(split, [1])
+    return hlo.reshape(ir.RankedTensorType.get(
+        [1, rows], ir.RankedTensorType(maxima.type).element_type), maxima)
+
+
+def _stack_maxima(stacked: list[ir.Value]) -> ir.Value:
+    """The largest element of each row of the stacked ``[1, rows]`` rows: ``[k]``."""
+    matrix = hlo.concatenate(stacked, ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 0))
+    return max_abs(matrix, [1])  # abs of a magnitude: the same values
+
+
+def _element(vector: ir.Value, index: int) -> ir.Value:
+    """``vector[index:index + 1]``."""
+    return hlo.slice(vector, ir.DenseI64ArrayAttr.get([index]),
+                     ir.DenseI64ArrayAttr.get([index + 1]), ir.DenseI64ArrayAttr.get([1]))
 
 
 def _batch(concat: ir.Operation, group: list[_Recorded]) -> None:
     """Replace ``group``'s pieces of ``concat`` by slices of one reduction of their rows."""
-    rows = group[0].rows
-    element = ir.RankedTensorType(group[0].x.type).element_type
-    f32 = ir.F32Type.get()
     stacked = []
     for r in group:
-        count = math.prod(ir.RankedTensorType(r.x.type).shape)
         # At the amax's place: XLA fuses the rows' maximum with the quantisation there.
         with r.chain[-1].location, ir.InsertionPoint(r.chain[-1]):
-            split = hlo.reshape(ir.RankedTensorType.get([rows, count // rows], element), r.x)
-            stacked.append(hlo.reshape(ir.RankedTensorType.get([1, rows], element),
-                                       max_abs(split, [1])))
+            stacked.append(_row_maxima(r.x, r.rows))
+    f32 = ir.F32Type.get()
     with concat.location, ir.InsertionPoint(concat):
-        matrix = hlo.concatenate(stacked, ir.IntegerAttr.get(
-            ir.IntegerType.get_signless(64), 0))
-        amaxes = max_abs(matrix, [1])  # abs of a magnitude: the same values
-        if element != f32:
+        amaxes = _stack_maxima(stacked)
+        if ir.RankedTensorType(amaxes.type).element_type != f32:
             amaxes = hlo.convert(ir.RankedTensorType.get([len(group)], f32), amaxes)
         for index, r in enumerate(group):
-            piece = hlo.slice(amaxes, ir.DenseI64ArrayAttr.get([index]),
-                              ir.DenseI64ArrayAttr.get([index + 1]),
-                              ir.DenseI64ArrayAttr.get([1]))
-            r.piece.results[0].replace_all_uses_with(piece)
+            r.piece.results[0].replace_all_uses_with(_element(amaxes, index))
     for r in group:
         for op in r.chain:
             discard(op)
@@ -250,38 +265,17 @@ def _argument_amaxes(module: ir.Module) -> list[tuple[ir.Block, list[tuple[Amax,
     return found
 
 
-def _argument_groups(found: list[tuple[Amax, int]]) -> list[list[tuple[Amax, int]]]:
-    """``found`` by row count and convert chain, groups of two to ``_GROUP_LIMIT``."""
-    by_kind: dict[tuple[int, tuple[str, ...]], list[tuple[Amax, int]]] = {}
-    for amax, rows in found:
-        by_kind.setdefault((rows, amax.key), []).append((amax, rows))
-    return [group for members in by_kind.values()
-            for start in range(0, len(members), _GROUP_LIMIT)
-            if len(group := members[start:start + _GROUP_LIMIT]) >= 2]
-
-
 def _batch_arguments(entry: ir.Block, group: list[tuple[Amax, int]]) -> None:
     """Replace each amax of ``group`` by an element of one reduction of their rows, all
     at the top of ``entry`` (the arguments are there; the amaxes' readers come later)."""
-    rows = group[0][1]
     scalar = ir.RankedTensorType(group[0][0].reduce.results[0].type)
     first = entry.operations[0]
     stacked = []
-    for amax, _ in group:
-        count = math.prod(ir.RankedTensorType(amax.root.type).shape)
+    for amax, rows in group:
         with amax.reduce.location, ir.InsertionPoint(first):
-            split = hlo.reshape(ir.RankedTensorType.get(
-                [rows, count // rows], ir.RankedTensorType(amax.root.type).element_type),
-                amax.root)
-            stacked.append(hlo.reshape(ir.RankedTensorType.get([1, rows], scalar.element_type),
-                                       max_abs(converted(split, amax.converts), [1])))
+            stacked.append(_row_maxima(amax.root, rows, amax.converts))
     with group[0][0].reduce.location, ir.InsertionPoint(first):
-        matrix = hlo.concatenate(stacked, ir.IntegerAttr.get(
-            ir.IntegerType.get_signless(64), 0))
-        amaxes = max_abs(matrix, [1])  # abs of a magnitude: the same values
-        values = [hlo.reshape(scalar, hlo.slice(amaxes, ir.DenseI64ArrayAttr.get([index]),
-                                                ir.DenseI64ArrayAttr.get([index + 1]),
-                                                ir.DenseI64ArrayAttr.get([1])))
-                  for index in range(len(group))]
+        amaxes = _stack_maxima(stacked)
+        values = [hlo.reshape(scalar, _element(amaxes, index)) for index in range(len(group))]
     for (amax, _), value in zip(group, values):
         amax.replace(value)

@@ -62,6 +62,7 @@ from hlo_amp.ir.loops import (
 from hlo_amp.ir.modules import (
     call_sites,
     callee_entry,
+    defining_op,
     discard,
     erase_discarded,
     function_name,
@@ -126,10 +127,6 @@ class _Quantize:
                 discard(op)
 
 
-def _defining(value: ir.Value) -> ir.Operation | None:
-    return None if isinstance(value, ir.BlockArgument) else value.owner.operation
-
-
 def _scalar(value: ir.Value) -> bool:
     return isinstance(value.type, ir.RankedTensorType) and value.type.rank == 0
 
@@ -148,7 +145,7 @@ def _scale_of(value: ir.Value, block: ir.Block) -> _Scale | None:
     seen: set[int] = set()
 
     def visit(current: ir.Value) -> bool:
-        op = _defining(current)
+        op = defining_op(current)
         if op is None or op.block != block or op.name not in _SCALE_OP_NAMES:
             if current not in leaves:
                 leaves.append(current)
@@ -173,18 +170,18 @@ def _match(convert: ir.Operation) -> _Quantize | None:
     if (convert.name != "stablehlo.convert"
             or str(ir.RankedTensorType(convert.results[0].type).element_type) not in _FP8):
         return None
-    clamp = _defining(convert.operands[0])
+    clamp = defining_op(convert.operands[0])
     if clamp is None or clamp.name != "stablehlo.clamp" or clamp.block != convert.block:
         return None
     low, divided, high = clamp.operands
     if not (_scalar(low) and _scalar(high)) or any(
-            _defining(bound) is None or _defining(bound).name != "stablehlo.constant"
+            defining_op(bound) is None or defining_op(bound).name != "stablehlo.constant"
             for bound in (low, high)):
         return None
-    divide = _defining(divided)
+    divide = defining_op(divided)
     if divide is None or divide.name != "stablehlo.divide" or divide.block != convert.block:
         return None
-    broadcast = _defining(divide.operands[1])
+    broadcast = defining_op(divide.operands[1])
     if (broadcast is None or broadcast.name != "stablehlo.broadcast_in_dim"
             or list(ir.DenseI64ArrayAttr(broadcast.attributes["broadcast_dimensions"]))
             or not _scalar(broadcast.operands[0])):
@@ -203,7 +200,7 @@ def _match(convert: ir.Operation) -> _Quantize | None:
 # ---- building ------------------------------------------------------------------------------
 
 def _constant_like(value: ir.Value) -> ir.Value:
-    return hlo.constant(_defining(value).attributes["value"])
+    return hlo.constant(defining_op(value).attributes["value"])
 
 
 def _rebuild_scale(scale: _Scale, leaves: Sequence[ir.Value],
@@ -353,7 +350,7 @@ class _Plan:
 def _element_of(leaf: ir.Value, index: ir.Value, loop: Any, length: int) -> ir.Value | None:
     """``leaf`` as ``dynamic_slice(vector, index)`` of one element of a loop-invariant
     vector of ``length`` (hoist_amax's ``rows``): that vector, else None."""
-    picked = _defining(leaf)
+    picked = defining_op(leaf)
     if (picked is None or picked.name != "stablehlo.dynamic_slice"
             or list(picked.operands[1:]) != [index]):
         return None
@@ -377,7 +374,7 @@ def _vectorisable(scale: _Scale, vectors: list[ir.Value]) -> bool:
 
 def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
     sliced = stack_slice(q.root, by_name)
-    if sliced is None or _defining(q.root).block != q.convert.block:
+    if sliced is None or defining_op(q.root).block != q.convert.block:
         return None
     loop = enclosing_while(q.convert)
     if (loop is None or is_sharded(loop) or not is_invariant(sliced.stack, loop)
