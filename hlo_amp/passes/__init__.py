@@ -36,6 +36,7 @@ from hlo_amp.passes.hoist_amax import HoistAmax
 from hlo_amp.passes.hoist_quantize import HoistQuantize
 from hlo_amp.passes.insert_converts import InsertConverts
 from hlo_amp.passes.keep_shardings import KeepShardings
+from hlo_amp.passes.merge_amax import MergeAmax
 from hlo_amp.passes.propagate import Propagate
 from hlo_amp.passes.recompute_residuals import RecomputeResiduals
 from hlo_amp.passes.reuse_amax import ReuseAmax
@@ -65,7 +66,9 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     reuse_amax reads the amaxes remat's backward loop recomputes from the forward loop,
     hoist_amax takes a scanned weight's amax once per layer before its loop,
     hoist_quantize quantises a scanned weight once per step before its forward loop, and
-    batch_amax reduces the amaxes delayed scaling records in a block together. Then
+    batch_amax reduces the amaxes delayed scaling records in a block together, and
+    merge_amax takes two amaxes of tensors computed from the same values in one
+    reduction. Then
     comm_precision moves 16-bit converts above data movement (sharding constraints,
     collectives) and applies the policy's ``reduce`` (passes/comm_precision.py). Last, in a
     partitioned module, the converts written of values with a given sharding keep it
@@ -85,7 +88,7 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
             passes.append(RecomputeResiduals(policy, target))
     if policy.uses_fp8:
         passes += [Fp8Quantize(policy.scaling), ReuseAmax(), HoistAmax(), HoistQuantize(),
-                   BatchAmax()]
+                   BatchAmax(), MergeAmax()]
     passes += [CommPrecision(policy), CleanupConverts()]
     if target.relays_dots:  # every slow layout (CpuTarget.relays_dots says why)
         passes.append(FastDotLayout())
@@ -100,7 +103,7 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
                          Propagate(policy, target),
                          ScatterToSelect(target), RecomputeResiduals(policy, target),
                          Fp8Quantize(), ReuseAmax(), HoistAmax(), HoistQuantize(), BatchAmax(),
-                         CommPrecision(policy),
+                         MergeAmax(), CommPrecision(policy),
                          CleanupConverts(), FastDotLayout(), KeepShardings()]
     return {p.name: p for p in passes}
 

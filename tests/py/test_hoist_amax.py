@@ -45,15 +45,16 @@ def _args() -> tuple[dict, jax.Array]:
 
 
 def _amaxes(text: str) -> tuple[int, int]:
-    """fp8.py's amax reductions of a magnitude: (to a scalar, to one value per layer)."""
+    """fp8.py's amax reductions of a magnitude: (to a scalar, to one value per layer),
+    each input of a reduction that takes several (passes/merge_amax.py) counted."""
     scalar = per_layer = 0
     module = parse_module(text)  # held: its ops live as long as it does
     for op in walk_operations(module.operation, names=frozenset({"stablehlo.reduce"})):
-        source = op.operands[0]
-        if not isinstance(source, ir.BlockArgument) and source.owner.name == "stablehlo.abs":
-            rank = ir.RankedTensorType(op.results[0].type).rank
-            scalar += rank == 0
-            per_layer += rank == 1
+        for source, result in zip(list(op.operands)[:len(op.results)], op.results):
+            if not isinstance(source, ir.BlockArgument) and source.owner.name == "stablehlo.abs":
+                rank = ir.RankedTensorType(result.type).rank
+                scalar += rank == 0
+                per_layer += rank == 1
     return scalar, per_layer
 
 
