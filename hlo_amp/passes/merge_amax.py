@@ -208,10 +208,10 @@ def _merge(first: Amax, second: Amax, y_producer: ir.Operation,
         anchor = op
     readers = {op_key(use.owner.operation if hasattr(use.owner, "operation") else use.owner)
                for amax in (first, second) for use in amax.reduce.results[0].uses}
-    block = second.reduce.block
-    start = [op.operation for op in block.operations].index(y_producer)
-    earliest = next(op.operation for index, op in enumerate(block.operations)
-                    if index > start and op_key(op.operation) in readers)
+    operations = [op.operation for op in second.reduce.block.operations]
+    start = operations.index(y_producer)
+    earliest = next((op for op in operations[start + 1:] if op_key(op) in readers),
+                    operations[-1])  # read by nothing: before the terminator
     x, y = first.reduce.operands[0], second.reduce.operands[0]
     shaped = ir.RankedTensorType(x.type)
     scalar = ir.RankedTensorType.get([], shaped.element_type)
