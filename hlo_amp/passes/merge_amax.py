@@ -44,16 +44,16 @@ _REDUCE = frozenset({"stablehlo.reduce"})
 # into the kernel that computes the tensor (elementwise ops and data movement; a function
 # call is inlined first).
 _THROUGH = frozenset({
-    "stablehlo.abs", "stablehlo.add", "stablehlo.and", "stablehlo.broadcast_in_dim",
-    "stablehlo.clamp", "stablehlo.compare", "stablehlo.concatenate", "stablehlo.convert",
-    "stablehlo.cosine", "stablehlo.pad", "stablehlo.reverse", "stablehlo.slice",
-    "stablehlo.transpose",
+    "func.call", "stablehlo.abs", "stablehlo.add", "stablehlo.and",
+    "stablehlo.broadcast_in_dim", "stablehlo.clamp", "stablehlo.compare",
+    "stablehlo.concatenate", "stablehlo.convert", "stablehlo.cosine",
     "stablehlo.divide", "stablehlo.exponential", "stablehlo.exponential_minus_one",
     "stablehlo.is_finite", "stablehlo.log", "stablehlo.log_plus_one",
-    "stablehlo.logistic", "stablehlo.maximum", "stablehlo.minimum", "stablehlo.multiply",
-    "stablehlo.negate", "stablehlo.not", "stablehlo.or", "stablehlo.power",
-    "stablehlo.reshape", "stablehlo.rsqrt", "stablehlo.select", "stablehlo.sine",
-    "stablehlo.sqrt", "stablehlo.subtract", "stablehlo.tanh", "func.call"})
+    "stablehlo.logistic", "stablehlo.maximum", "stablehlo.minimum",
+    "stablehlo.multiply", "stablehlo.negate", "stablehlo.not", "stablehlo.or",
+    "stablehlo.pad", "stablehlo.power", "stablehlo.reshape", "stablehlo.reverse",
+    "stablehlo.rsqrt", "stablehlo.select", "stablehlo.sine", "stablehlo.slice",
+    "stablehlo.sqrt", "stablehlo.subtract", "stablehlo.tanh", "stablehlo.transpose"})
 _SOURCE_DEPTH = 12
 # Ops that may not move: effects, collectives (every device must run them in one
 # order), and regions whose ops could read a moved value.
@@ -106,7 +106,8 @@ def _operation(owner: Any) -> ir.Operation | None:
 
 def _sources(value: ir.Value) -> set[Any]:
     """The values ``value``'s producers read, followed through the ops of ``_THROUGH``:
-    a block argument as ("argument", number), another op's result as that op's key."""
+    a block argument as ("argument", its block's op, number), another op's result as
+    that op's key."""
     found: set[Any] = set()
     seen: set[int] = set()
     stack = [(value, 0)]
@@ -114,7 +115,8 @@ def _sources(value: ir.Value) -> set[Any]:
         current, depth = stack.pop()
         op = _operation(current.owner)
         if op is None:
-            found.add(("argument", ir.BlockArgument(current).arg_number))
+            argument = ir.BlockArgument(current)
+            found.add(("argument", op_key(argument.owner.owner), argument.arg_number))
             continue
         if op.name == "stablehlo.constant":
             continue
