@@ -12,18 +12,18 @@ gradients of one attention. This pass takes such a pair in one variadic reductio
 
 The ops that read ``a`` (directly or through each other) and sit before ``y``'s
 producer move after it; none of them computes ``y`` (else the pair is left alone), so
-nothing computes anything else. A maximum is exact and does not depend on order: the
-same bits. XLA then reduces both tensors in one kernel that reads their inputs once (the
-1.1B decoder of benchmarks/llm.py, h100 without the device: roofline 138.85 to 136.28
-ms, 2,466 to 2,402 kernel launches). Under delayed scaling the recorded amaxes batch_amax leaves
-(a tensor XLA reduces in one kernel) pair the same way.
+every value is still defined before it is read. A maximum is exact and does not depend
+on order: the same bits. XLA then reduces both tensors in one kernel that reads their
+inputs once (the 1.1B decoder of benchmarks/llm.py, h100 without the device: roofline
+138.85 to 136.28 ms, 2,466 to 2,402 kernel launches). Under delayed scaling the recorded
+amaxes batch_amax leaves (a tensor XLA reduces in one kernel) pair the same way.
 
 A pair: two amaxes of the form fp8.py writes (hoist_amax.match_amax) in one block, over
 tensors of one type, neither computed from the other's amax, whose producers (followed
-through elementwise ops and function calls, up to ``_SOURCE_DEPTH`` ops) read a common
-value (a block argument or the result of another op). Only ops without effects, and
-without regions other than a reduction's body, move, and at most ``_MOVE_LIMIT`` of
-them. Partitioned modules are left alone, as batch_amax leaves them.
+through elementwise ops, data movement and function calls, up to ``_SOURCE_DEPTH`` ops)
+read a common value (a block argument or the result of another op). Only ops without
+effects, and without regions other than a reduction's body, move, and at most
+``_MOVE_LIMIT`` of them. Partitioned modules are left alone, as batch_amax leaves them.
 """
 
 from __future__ import annotations
