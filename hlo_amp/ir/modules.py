@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -367,6 +367,31 @@ def is_program_convert(op: ir.Operation | ir.OpView) -> bool:
 def defining_op(value: ir.Value) -> ir.Operation | None:
     """The op whose result ``value`` is; None for a block argument."""
     return None if isinstance(value, ir.BlockArgument) else value.owner.operation
+
+
+def producers(value: ir.Value, depth: int, follows: Callable[[ir.Operation], bool]
+              ) -> tuple[list[ir.Operation], list[ir.Value]]:
+    """``value``'s producers, level by level, ``depth`` levels, followed past an op only
+    where ``follows(op)``. Returns (every op met; the values the walk ends on: block
+    arguments, results of ops not followed past, operands beyond ``depth``)."""
+    met: list[ir.Operation] = []
+    ends: list[ir.Value] = []
+    seen: set[int] = set()
+    frontier = [value]
+    for _ in range(depth):
+        following = []
+        for current in frontier:
+            op = defining_op(current)
+            if op is None or not follows(op):
+                ends.append(current)
+            if op is None or op_key(op) in seen:
+                continue
+            seen.add(op_key(op))
+            met.append(op)
+            if follows(op):
+                following.extend(op.operands)
+        frontier = following
+    return met, ends + frontier
 
 
 def element_type(value: ir.Value) -> ir.Type | None:

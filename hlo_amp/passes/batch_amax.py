@@ -48,7 +48,7 @@ from hlo_amp.ir.modules import (
     functions,
     is_discarded,
     is_public,
-    op_key,
+    producers,
     walk_operations,
 )
 from hlo_amp.ir.shardings import is_partitioned
@@ -135,17 +135,8 @@ def _rows(count: int) -> int | None:
 def _near_transpose(x: ir.Value) -> bool:
     """Whether a transpose is among the ops XLA would fuse into ``x``'s producer (the
     elementwise and data movement ops before it, ``_FUSIBLE_DEPTH`` deep)."""
-    seen: set[int] = set()
-    frontier = [x]
-    for _ in range(_FUSIBLE_DEPTH):
-        ops = [op for op in map(defining_op, frontier)
-               if op is not None and op_key(op) not in seen]
-        if any(op.name == "stablehlo.transpose" for op in ops):
-            return True
-        seen.update(op_key(op) for op in ops)
-        frontier = [operand for op in ops if op.name not in _MATERIALISED
-                    for operand in op.operands]
-    return False
+    met, _ = producers(x, _FUSIBLE_DEPTH, lambda op: op.name not in _MATERIALISED)
+    return any(op.name == "stablehlo.transpose" for op in met)
 
 
 def _recorded_kind(r: _Recorded) -> tuple[int, str]:

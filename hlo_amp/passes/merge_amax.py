@@ -20,7 +20,7 @@ amaxes batch_amax leaves (a tensor XLA reduces in one kernel) pair the same way.
 
 A pair: two amaxes of the form fp8.py writes (hoist_amax.match_amax) in one block, over
 tensors of one type, neither computed from the other's amax, whose producers (followed
-through elementwise ops, data movement and function calls, up to ``_SOURCE_DEPTH`` ops)
+through elementwise ops, data movement and function calls, ``_SOURCE_DEPTH`` levels)
 read a common value (a block argument or the result of another op). Only ops without
 effects, and without regions other than a reduction's body, move, and at most
 ``_MOVE_LIMIT`` of them. Partitioned modules are left alone, as batch_amax leaves them.
@@ -34,7 +34,15 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import discard, erase_discarded, is_discarded, op_key, walk_operations
+from hlo_amp.ir.modules import (
+    defining_op,
+    discard,
+    erase_discarded,
+    is_discarded,
+    op_key,
+    producers,
+    walk_operations,
+)
 from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.passes.hoist_amax import Amax, match_amax
 from hlo_amp.report import Report
@@ -42,18 +50,19 @@ from hlo_amp.report import Report
 _REDUCE = frozenset({"stablehlo.reduce"})
 # Ops a tensor's producers are followed through to the values they read: XLA fuses them
 # into the kernel that computes the tensor (elementwise ops and data movement; a function
-# call is inlined first).
+# call is inlined first). A constant is followed to nothing: not a value two tensors
+# share.
 _THROUGH = frozenset({
     "func.call", "stablehlo.abs", "stablehlo.add", "stablehlo.and",
     "stablehlo.broadcast_in_dim", "stablehlo.clamp", "stablehlo.compare",
-    "stablehlo.concatenate", "stablehlo.convert", "stablehlo.cosine",
+    "stablehlo.concatenate", "stablehlo.constant", "stablehlo.convert", "stablehlo.cosine",
     "stablehlo.divide", "stablehlo.exponential", "stablehlo.exponential_minus_one",
     "stablehlo.is_finite", "stablehlo.log", "stablehlo.log_plus_one",
-    "stablehlo.logistic", "stablehlo.maximum", "stablehlo.minimum",
-    "stablehlo.multiply", "stablehlo.negate", "stablehlo.not", "stablehlo.or",
-    "stablehlo.pad", "stablehlo.power", "stablehlo.reshape", "stablehlo.reverse",
-    "stablehlo.rsqrt", "stablehlo.select", "stablehlo.sine", "stablehlo.slice",
-    "stablehlo.sqrt", "stablehlo.subtract", "stablehlo.tanh", "stablehlo.transpose"})
+    "stablehlo.logistic", "stablehlo.maximum", "stablehlo.minimum", "stablehlo.multiply",
+    "stablehlo.negate", "stablehlo.not", "stablehlo.or", "stablehlo.pad",
+    "stablehlo.power", "stablehlo.reshape", "stablehlo.reverse", "stablehlo.rsqrt",
+    "stablehlo.select", "stablehlo.sine", "stablehlo.slice", "stablehlo.sqrt",
+    "stablehlo.subtract", "stablehlo.tanh", "stablehlo.transpose"})
 _SOURCE_DEPTH = 12
 # Ops that may not move: effects, collectives (every device must run them in one
 # order), and regions whose ops could read a moved value.
@@ -97,35 +106,18 @@ def _blocks_with_amaxes(module: ir.Module) -> list[ir.Block]:
     return blocks
 
 
-def _operation(owner: Any) -> ir.Operation | None:
-    """The operation that defines a value (None for a block argument)."""
-    if isinstance(owner, ir.Block):
-        return None
-    return owner if isinstance(owner, ir.Operation) else owner.operation
-
-
 def _sources(value: ir.Value) -> set[Any]:
     """The values ``value``'s producers read, followed through the ops of ``_THROUGH``:
-    a block argument as ("argument", its block's op, number), another op's result as
-    that op's key."""
+    a block argument as ("argument", its block's op, number), another op's result as that
+    op's key."""
     found: set[Any] = set()
-    seen: set[int] = set()
-    stack = [(value, 0)]
-    while stack:
-        current, depth = stack.pop()
-        op = _operation(current.owner)
+    for end in producers(value, _SOURCE_DEPTH, lambda op: op.name in _THROUGH)[1]:
+        op = defining_op(end)
         if op is None:
-            argument = ir.BlockArgument(current)
+            argument = ir.BlockArgument(end)
             found.add(("argument", op_key(argument.owner.owner), argument.arg_number))
-            continue
-        if op.name == "stablehlo.constant":
-            continue
-        if op.name not in _THROUGH or depth >= _SOURCE_DEPTH:
+        else:
             found.add(op_key(op))
-            continue
-        if op_key(op) not in seen:
-            seen.add(op_key(op))
-            stack.extend((operand, depth + 1) for operand in op.operands)
     return found
 
 
@@ -135,7 +127,7 @@ def _computed_from(value: ir.Value, target: ir.Operation, position: dict[int, in
     seen: set[int] = set()
     stack = [value]
     while stack:
-        op = _operation(stack.pop().owner)
+        op = defining_op(stack.pop())
         if op is None:
             continue
         key = op_key(op)
@@ -151,7 +143,7 @@ def _computed_from(value: ir.Value, target: ir.Operation, position: dict[int, in
 def _reads(op: ir.Operation, keys: set[int]) -> bool:
     """Whether ``op`` or an op in its regions reads a result of an op in ``keys``."""
     def producer_in(operand: ir.Value) -> bool:
-        producer = _operation(operand.owner)
+        producer = defining_op(operand)
         return producer is not None and op_key(producer) in keys
 
     if any(producer_in(v) for v in op.operands):
@@ -191,7 +183,7 @@ def _merge_one_pair(block: ir.Block) -> bool:
                 continue
             if _computed_from(y, first.reduce, position):
                 continue
-            y_producer = _operation(y.owner)  # the abs
+            y_producer = defining_op(y)  # the abs
             moving = _dependents_before(first.reduce, position[op_key(y_producer)], ops)
             if moving is None:
                 continue
@@ -208,8 +200,8 @@ def _merge(first: Amax, second: Amax, y_producer: ir.Operation,
     for op in moving:
         op.move_after(anchor)
         anchor = op
-    readers = {op_key(use.owner.operation if hasattr(use.owner, "operation") else use.owner)
-               for amax in (first, second) for use in amax.reduce.results[0].uses}
+    readers = {op_key(use.owner) for amax in (first, second)
+               for use in amax.reduce.results[0].uses}
     operations = [op.operation for op in second.reduce.block.operations]
     start = operations.index(y_producer)
     earliest = next((op for op in operations[start + 1:] if op_key(op) in readers),
