@@ -38,7 +38,7 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import element_type, functions, op_key, walk_operations, with_element
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
-from hlo_amp.passes.fp8_state import HistoryThreads, find_state
+from hlo_amp.passes.fp8_state import HistoryThreads, callers_by_name, find_state, iterations
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
 from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MARK, FP8_MAX
@@ -63,7 +63,8 @@ class Fp8Quantize:
                 threads = HistoryThreads(module, barrier) if barrier is not None else None
             marked = [op for fn in functions(module) for op in walk_operations(fn, names=_DOT)
                       if FP8_MARK in op.attributes]
-            quantizing = _Quantizing(threads)
+            quantizing = _Quantizing(threads, threads.callers if threads is not None
+                                     else callers_by_name(module))
             for op in marked:
                 lhs, rhs, dequantize = [ir.TypeAttr(t).value
                                         for t in ir.ArrayAttr(op.attributes[FP8_MARK])]
@@ -75,7 +76,7 @@ class Fp8Quantize:
             if threads is not None:
                 threads.finish()
         if report is not None:
-            report.fp8_state_columns = (len(quantizing.found) if self.scaling == "delayed"
+            report.fp8_state_columns = (quantizing.columns if self.scaling == "delayed"
                                         else 0)
             if pairs:
                 report.notes.append(_summary(report, pairs, quantizing, self.scaling,
@@ -103,6 +104,9 @@ def _summary(report: Report, pairs: dict[str, int], quantizing: _Quantizing, sca
     else:
         line += (f"delayed scaling ({quantizing.delayed} from an amax history of "
                  f"{threads.length} step(s)")
+        if quantizing.per_iteration:
+            line += (f", in {quantizing.columns} columns: one per loop iteration for "
+                     f"{quantizing.per_iteration} of them")
         if quantizing.delayed < quantised:
             line += (f"; {quantised - quantizing.delayed} the history does not reach, "
                      "current")
@@ -116,6 +120,12 @@ def _scalar(value: float, element: ir.Type) -> ir.Value:
     scalar = ir.RankedTensorType.get([], element)
     return hlo.constant(ir.DenseElementsAttr.get_splat(scalar, ir.FloatAttr.get(element,
                                                                                 value)))
+
+
+def _index(value: int) -> ir.Value:
+    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+    return hlo.constant(ir.DenseElementsAttr.get_splat(
+        scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(32), value)))
 
 
 def max_abs(x: ir.Value, dimensions: list[int]) -> ir.Value:
@@ -188,11 +198,14 @@ class _Quantizing:
     """The quantised tensors of one module, shared per (block, value, types); under
     delayed scaling each gets a column of the amax history, in the order met."""
 
-    def __init__(self, threads: HistoryThreads | None):
+    def __init__(self, threads: HistoryThreads | None, callers: dict[str, list[Any]]):
         self.threads = threads
-        # (block, value, types) -> (q, scale); in insertion order, a tensor's history
-        # column is its index here.
+        self.callers = callers
+        # (block, value, types) -> (q, scale), in insertion order: a tensor's history
+        # columns follow the columns of those before it.
         self.found: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
+        self.columns = 0  # history columns taken (a tensor in a scan: one per iteration)
+        self.per_iteration = 0  # tensors with a column per iteration
         self.delayed = 0  # tensors scaled from the history
 
     def quantized(self, op: Any, index: int, fp8: ir.Type, dequantize: ir.Type
@@ -203,24 +216,32 @@ class _Quantizing:
         key = (op.block, value, str(fp8), str(dequantize))
         found = self.found.get(key)
         if found is None:
-            column = len(self.found)
-            history = None
+            # The same count whether the module's history has its columns or none yet
+            # (runtime/fp8_state.py counts them with an empty one).
+            count = iterations(op.block, self.callers)
+            column, self.columns = self.columns, self.columns + (count or 1)
+            self.per_iteration += count is not None
+            history = iteration = None
             threads = self.threads
-            if (threads is not None and column < threads.columns
+            if (threads is not None and self.columns <= threads.columns
                     and threads.reachable(op.block)):
                 history = threads.history_max(op.block)
+                if count is not None:
+                    iteration = threads.iteration(op.block)
                 self.delayed += 1
-            found = _quantize(op, value, fp8, dequantize, history, column, threads)
+            found = _quantize(op, value, fp8, dequantize, history, column, iteration,
+                              threads)
             self.found[key] = found
         return found
 
 
 def _quantize(op: Any, value: ir.Value, fp8: ir.Type, dequantize: ir.Type,
-              history: ir.Value | None, column: int, threads: HistoryThreads | None
-              ) -> tuple[ir.Value, ir.Value]:
+              history: ir.Value | None, column: int, iteration: ir.Value | None,
+              threads: HistoryThreads | None) -> tuple[ir.Value, ir.Value]:
     """``value`` quantised before ``op``: scaled by its own amax (current scaling), or by
-    column ``column`` of ``history`` (the history maximum in ``op``'s block), this
-    step's amax then recorded with ``threads``."""
+    column ``column`` of ``history`` (the history maximum in ``op``'s block; column
+    ``column + iteration`` where the tensor has one per iteration), this step's amax
+    then recorded with ``threads``."""
     f32 = ir.F32Type.get()
     fmax = FP8_MAX[str(fp8)]
     shape = ir.RankedTensorType(value.type)
@@ -229,10 +250,16 @@ def _quantize(op: Any, value: ir.Value, fp8: ir.Type, dequantize: ir.Type,
         if history is not None:
             # The scale is known before the value: XLA may fuse the quantisation into
             # the producer (a GEMM's fp8 output) and this step's amax beside it.
-            threads.contribute(op.block, column, _amax(value))
-            past = hlo.reshape(ir.RankedTensorType.get([], f32), hlo.slice(
-                history, ir.DenseI64ArrayAttr.get([column]),
-                ir.DenseI64ArrayAttr.get([column + 1]), ir.DenseI64ArrayAttr.get([1])))
+            if iteration is None:
+                threads.contribute(op.block, column, _amax(value))
+                picked = hlo.slice(history, ir.DenseI64ArrayAttr.get([column]),
+                                   ir.DenseI64ArrayAttr.get([column + 1]),
+                                   ir.DenseI64ArrayAttr.get([1]))
+            else:
+                at = iteration if not column else hlo.add(iteration, _index(column))
+                threads.contribute_at(op.block, at, _amax(value))
+                picked = hlo.dynamic_slice(history, [at], ir.DenseI64ArrayAttr.get([1]))
+            past = hlo.reshape(ir.RankedTensorType.get([], f32), picked)
             scale = _scale(past, dequantize, fmax)
         else:
             # XLA:GPU's GEMM rewriter would fuse this quantisation (the D scale) and the

@@ -10,10 +10,15 @@ returned value the new history: this step's amax first, the oldest dropped.
 
 Blocks are reached through private functions (one more argument and result per function;
 every call passes them) and ``stablehlo.while`` bodies (two more carries: the history
-maximum, unchanged, and the running maximum of the amax over the iterations, so a
-tensor quantised once per scanned layer has one scale for all layers). A quantisation
-anywhere else (a conditional's branch, a function public besides ``main``) is not
-reachable and keeps current scaling.
+maximum, unchanged, and the running maximum of the amax over the iterations). A tensor
+quantised in a loop of a known trip count of at most ``PER_ITERATION_LIMIT`` (a scan over
+layers), or in a function every call of which sits in such loops, gets one column per
+iteration, as current scaling takes one amax per iteration and Transformer Engine keeps
+one history per layer: its scale and its amax are element ``c + k`` of the vectors, ``k``
+the iteration (the loop's counter, passed to such a function as one more argument). A
+longer loop's tensor, or one in a loop whose trip count cannot be read, has one column:
+the largest amax over the iterations. A quantisation anywhere else (a conditional's
+branch, a function public besides ``main``) is not reachable and keeps current scaling.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.ir.loops import counter_values, loop_body
 from hlo_amp.ir.modules import (
     callee_name,
     discard,
@@ -39,6 +45,10 @@ from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_carri
 # The scope of the barrier that carries the history through the step.
 STATE_SCOPE = "hlo_amp_fp8_state"
 _BARRIER = frozenset({"stablehlo.optimization_barrier"})
+# The most iterations a loop may have for the tensors quantised in it to get a history
+# column per iteration: a scan over layers has tens; a scan over a long sequence's time
+# steps would multiply the state by its length, so its tensors share one column.
+PER_ITERATION_LIMIT = 256
 
 
 def find_state(module: ir.Module) -> Any | None:
@@ -58,8 +68,51 @@ def find_state(module: ir.Module) -> Any | None:
     return None
 
 
+def callers_by_name(module: ir.Module) -> dict[str, list[Any]]:
+    """The ``func.call`` ops of ``module`` by callee name."""
+    callers: dict[str, list[Any]] = {}
+    for fn in functions(module):
+        for op in walk_operations(fn):
+            if is_call(op):
+                callers.setdefault(callee_name(op), []).append(op)
+    return callers
+
+
+def iterations(block: Any, callers: dict[str, list[Any]], seen: frozenset = frozenset()
+               ) -> int | None:
+    """The iterations a tensor quantised in ``block`` gets a history column each for: the
+    trip count of the loop whose body ``block`` is, or that every call of ``block``'s
+    function sits in (the same count for all); None: one column."""
+    if block in seen:
+        return None  # recursion
+    owner = block.owner
+    name = owner.operation.name
+    if name == "stablehlo.while":
+        values = counter_values(owner.operation)
+        if block != loop_body(owner) or values is None:
+            return None
+        return len(values[1]) if 2 <= len(values[1]) <= PER_ITERATION_LIMIT else None
+    if name == "func.func":
+        fn = owner.opview
+        calls = callers.get(function_name(fn), [])
+        if is_public(fn) or not calls or block != fn.regions[0].blocks[0]:
+            return None
+        counts = {iterations(c.operation.block, callers, seen | {block}) for c in calls}
+        return counts.pop() if len(counts) == 1 else None
+    return None
+
+
 def _f32_vector(size: int) -> ir.RankedTensorType:
     return ir.RankedTensorType.get([size], ir.F32Type.get())
+
+
+def _i32_type() -> ir.RankedTensorType:
+    return ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+
+
+def _i32(value: int) -> ir.Value:
+    return hlo.constant(ir.DenseElementsAttr.get_splat(
+        _i32_type(), ir.IntegerAttr.get(ir.IntegerType.get_signless(32), value)))
 
 
 def _zeros(size: int) -> ir.Value:
@@ -91,12 +144,11 @@ class HistoryThreads:
         self._inputs: dict[Any, ir.Value] = {}  # block -> history maximum there
         self._parts: dict[Any, list[ir.Value]] = {}  # block -> f32[S] amax vectors
         self._scalars: dict[Any, dict[int, ir.Value]] = {}  # block -> column -> amax
+        # block -> (column index, amax) of each tensor with a column per iteration
+        self._placed: dict[Any, list[tuple[ir.Value, ir.Value]]] = {}
+        self._iterations: dict[Any, ir.Value] = {}  # block -> its iteration number (i32)
         self._exits: list[tuple[Any, Any]] = []  # (block, how its vector leaves it)
-        self._callers: dict[str, list[Any]] = {}
-        for fn in functions(module):
-            for op in walk_operations(fn):
-                if is_call(op):
-                    self._callers.setdefault(callee_name(op), []).append(op)
+        self.callers = callers_by_name(module)
         self._main_entry = barrier.operation.block
 
     # -- reaching a block --------------------------------------------------------------
@@ -111,7 +163,7 @@ class HistoryThreads:
         name = parent.operation.name
         if name == "func.func":
             fn = parent.opview
-            calls = self._callers.get(function_name(fn), [])
+            calls = self.callers.get(function_name(fn), [])
             return (not is_public(fn) and bool(calls) and block == fn.regions[0].blocks[0]
                     and all(self.reachable(c.operation.block, seen | {block}) for c in calls))
         if name == "stablehlo.while":
@@ -139,13 +191,46 @@ class HistoryThreads:
 
     def _thread_function(self, fn: Any, entry: Any, vector: ir.Type) -> ir.Value:
         argument = entry.add_argument(vector, fn.location)
-        grow_signature(fn, arguments=1, results=[vector])
-        for call in self._callers.get(function_name(fn), []):
+        # Where its tensors get a column per iteration, the iteration number too.
+        per_iteration = iterations(entry, self.callers) is not None
+        if per_iteration:
+            self._iterations[entry] = entry.add_argument(_i32_type(), fn.location)
+        grow_signature(fn, arguments=1 + per_iteration, results=[vector])
+        for call in self.callers.get(function_name(fn), []):
             caller_block = call.operation.block
-            new = call_with_extra(call, [self.history_max(caller_block)], [vector])
+            extra = [self.history_max(caller_block)]
+            if per_iteration:
+                extra.append(self.iteration(caller_block))
+            new = call_with_extra(call, extra, [vector])
             self._parts.setdefault(caller_block, []).append(new.operation.results[-1])
         self._exits.append((entry, "return"))
         return argument
+
+    def iteration(self, block: Any) -> ir.Value:
+        """The iteration number (i32, 0 first) in ``block``, one ``iterations(block)``
+        counts (``reachable(block)`` must hold)."""
+        found = self._iterations.get(block)
+        if found is not None:
+            return found
+        if block.owner.operation.name == "func.func":
+            self.history_max(block)  # threads the iteration number with the history
+            return self._iterations[block]
+        # The loop as it is now: threading the history rebuilds it (a block object
+        # keeps the op it was first read from).
+        loop = terminator(block).operation.parent
+        position, values = counter_values(loop)
+        counter = block.arguments[position]
+        start, step = values[0], values[1] - values[0]
+        with loop.location, ir.InsertionPoint.at_block_begin(block):
+            number = counter
+            if counter.type != _i32_type():
+                number = hlo.convert(_i32_type(), counter)
+            if start:
+                number = hlo.subtract(number, _i32(start))
+            if step != 1:
+                number = hlo.divide(number, _i32(step))
+        self._iterations[block] = number
+        return number
 
     def _thread_while(self, loop: Any, body: Any, vector: ir.Type) -> ir.Value:
         outer = self.history_max(loop.operation.block)
@@ -163,11 +248,17 @@ class HistoryThreads:
         """``amax`` (an f32 scalar in ``block``) is column ``column``'s this step."""
         self._scalars.setdefault(block, {})[column] = amax
 
+    def contribute_at(self, block: Any, index: ir.Value, amax: ir.Value) -> None:
+        """``amax`` (an f32 scalar in ``block``) is the column at ``index`` (an i32
+        scalar in ``block``: a column per iteration) this step."""
+        self._placed.setdefault(block, []).append((index, amax))
+
     def _vector(self, block: Any) -> ir.Value:
         """The running maximum of everything ``block`` contributes, before its end."""
         parts = list(self._parts.get(block, []))
         scalars = self._scalars.get(block, {})
         one = ir.RankedTensorType.get([1], ir.F32Type.get())
+        placed = self._placed.get(block, [])
         with ir.InsertionPoint(terminator(block)), terminator(block).location:
             if scalars:
                 zero = hlo.constant(ir.DenseElementsAttr.get_splat(
@@ -176,6 +267,19 @@ class HistoryThreads:
                           for c in range(self.columns)]
                 parts.append(hlo.concatenate(pieces, ir.IntegerAttr.get(
                     ir.IntegerType.get_signless(64), 0)))
+            if placed:
+                # Each iteration writes its own columns (the running maximum of the other
+                # iterations' comes in with parts), from one vector of f32[1] pieces as
+                # the other columns' (passes/batch_amax.py reduces such pieces together).
+                amaxes = hlo.concatenate([hlo.reshape(one, amax) for _, amax in placed],
+                                         ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 0))
+                columns = _zeros(self.columns)
+                for number, (index, _) in enumerate(placed):
+                    element = hlo.slice(amaxes, ir.DenseI64ArrayAttr.get([number]),
+                                        ir.DenseI64ArrayAttr.get([number + 1]),
+                                        ir.DenseI64ArrayAttr.get([1]))
+                    columns = hlo.dynamic_update_slice(columns, element, [index])
+                parts.append(columns)
             if not parts:
                 return _zeros(self.columns)
             vector = parts[0]

@@ -1,9 +1,11 @@
 """A scanned weight quantised to fp8 once per step, before the forward loop, for every layer.
 
 After hoist_amax, the scale of a scanned weight's quantisation depends on the layer
-only through element ``i`` of a vector computed before the loop (or not at all: a
-delayed scale). The quantisation of slice ``i`` is then slice ``i`` of the whole
-stack's, each layer divided by its own scale:
+only through element ``i`` of a vector computed before the loop, or through ``i`` itself
+(delayed scaling's history column ``c + i`` of a loop-invariant vector: the slice
+``[c, c + n)`` of it, or a gather where that runs past its end), or not at all. The
+quantisation of slice ``i`` is then slice ``i`` of the whole stack's, each layer divided
+by its own scale:
 
     body:    q = convert_f8(clamp(-m, convert*(reshape(dynamic_slice(P, i))) / s(rows[i]), m))
     before:  Q = convert_f8(clamp(-m, convert*(P) / broadcast(s(rows), axis), m))
@@ -54,6 +56,7 @@ from hlo_amp.ir.loops import (
     argument_number,
     enclosing_while,
     in_while,
+    int_constant,
     is_invariant,
     is_sharded,
     outside_value,
@@ -88,7 +91,9 @@ _ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
     "negate", "compare", "is_finite", "and", "or", "not", "select", "exponential", "log",
     "power", "sqrt", "rsqrt", "floor", "ceil", "round_nearest_even", "exponential_minus_one",
     "log_plus_one", "sign"))
-_SCALE_OP_NAMES = _ELEMENTWISE | {"stablehlo.constant", "stablehlo.slice", "stablehlo.reshape"}
+# (A dynamic_slice: a delayed scale's history column per iteration, at the iteration.)
+_SCALE_OP_NAMES = _ELEMENTWISE | {"stablehlo.constant", "stablehlo.slice", "stablehlo.reshape",
+                                  "stablehlo.dynamic_slice"}
 _SCALE_OPS = 32
 # How many calls (or barriers) deep a backward body's quantisation is followed to a dot
 # of remat's recomputed forward.
@@ -203,16 +208,29 @@ def _constant_like(value: ir.Value) -> ir.Value:
     return hlo.constant(defining_op(value).attributes["value"])
 
 
-def _rebuild_scale(scale: _Scale, leaves: Sequence[ir.Value],
+def _rebuild_scale(scale: _Scale, leaves: Sequence[Any],
                    vectors: Sequence[bool] = (), length: int = 0) -> tuple[ir.Value, bool]:
     """``scale``'s ops again at the current insertion point, reading ``leaves`` for its
     leaves; where ``vectors`` marks a leaf as a vector of ``length`` (one scale per
     layer: the leaf was its element), what reads it is computed on vectors, the scalars
     it meets broadcast. Returns the scale and whether it is a vector."""
-    mapped: dict[Any, ir.Value] = dict(zip(scale.leaves, leaves))
+    mapped: dict[Any, Any] = dict(zip(scale.leaves, leaves))
     vectorised = {id(value) for value, vector in zip(leaves, vectors) if vector}
     for op in scale.ops:
         operands = [mapped[o] for o in op.operands]
+        shifted = _shifted_positions(op, operands)
+        if shifted is not None:
+            mapped[op.results[0]] = shifted
+            continue
+        if op.name == "stablehlo.dynamic_slice" and isinstance(operands[1], _Positions):
+            picked = _pick(operands[0], operands[1], length)  # each layer's element
+            mapped[op.results[0]] = picked
+            vectorised.add(id(picked))
+            continue
+        for index, operand in enumerate(operands):
+            if isinstance(operand, _Positions):  # read otherwise: written out
+                operands[index] = operand.written(length)
+                vectorised.add(id(operands[index]))
         if not any(id(o) in vectorised for o in operands):
             results = [r.type for r in op.results]
         elif op.name == "stablehlo.reshape":  # an element's reshape to a scalar
@@ -233,6 +251,56 @@ def _rebuild_scale(scale: _Scale, leaves: Sequence[ir.Value],
                 vectorised.add(id(made))
     result = mapped[scale.value]
     return result, id(result) in vectorised
+
+
+@dataclass(frozen=True)
+class _Positions:
+    """The layers' positions plus ``offset`` (``offset, offset + 1, …``), integers of
+    type ``element``, not yet written: a delayed scale's history columns are read as
+    one slice of the history maximum."""
+
+    offset: int
+    element: ir.Type
+
+    def written(self, length: int) -> ir.Value:
+        iota = hlo.iota(ir.RankedTensorType.get([length], self.element), 0)
+        if not self.offset:
+            return iota
+        offset = hlo.constant(ir.DenseElementsAttr.get_splat(
+            ir.RankedTensorType.get([length], self.element),
+            ir.IntegerAttr.get(self.element, self.offset)))
+        return hlo.add(iota, offset)
+
+
+def _shifted_positions(op: ir.Operation, operands: list[Any]) -> _Positions | None:
+    """``op`` as positions plus a constant (the history's first column of a tensor)."""
+    if op.name != "stablehlo.add" or len(operands) != 2:
+        return None
+    for positions, other in (operands, reversed(operands)):
+        if isinstance(positions, _Positions) and not isinstance(other, _Positions):
+            constant = int_constant(other)
+            if constant is not None:
+                return _Positions(positions.offset + constant, positions.element)
+    return None
+
+
+def _pick(vector: ir.Value, positions: _Positions, length: int) -> ir.Value:
+    """``dynamic_slice(vector, position)`` of one element at each of ``length``
+    positions: ``vector`` itself, a slice of it, or (positions past its end, which
+    dynamic_slice clamps) a gather."""
+    size = ir.RankedTensorType(vector.type).shape[0]
+    if positions.offset == 0 and size == length:
+        return vector
+    if 0 <= positions.offset and positions.offset + length <= size:
+        return hlo.slice(vector, ir.DenseI64ArrayAttr.get([positions.offset]),
+                         ir.DenseI64ArrayAttr.get([positions.offset + length]),
+                         ir.DenseI64ArrayAttr.get([1]))
+    rows = hlo.reshape(ir.RankedTensorType.get([length, 1], positions.element),
+                       positions.written(length))
+    numbers = hlo.GatherDimensionNumbers.get(
+        offset_dims=[], collapsed_slice_dims=[0], operand_batching_dims=[],
+        start_indices_batching_dims=[], start_index_map=[0], index_vector_dim=1)
+    return hlo.GatherOp(vector, rows, numbers, ir.DenseI64ArrayAttr.get([1])).result
 
 
 def _build(quantize: _Quantize, value: ir.Value, scale: ir.Value, axis: int | None
@@ -340,11 +408,15 @@ def _lift(fn: Any, calls: list[Any], movable: list[_Quantize]) -> int:
 @dataclass(frozen=True)
 class _Plan:
     """How a quantisation in a loop body leaves it: its slice of a stack and, per leaf of
-    its scale, the vector before the loop it is element ``index`` of (None: invariant)."""
+    its scale, the vector before the loop it is element ``index`` of (None: invariant;
+    ``_LAYER``: the leaf is ``index`` itself)."""
 
     quantize: _Quantize
     sliced: StackSlice
-    vectors: tuple[ir.Value | None, ...]
+    vectors: tuple[ir.Value | str | None, ...]
+
+
+_LAYER = "layer"  # a leaf that is the slice's position: 0, 1, … before the loop
 
 
 def _element_of(leaf: ir.Value, index: ir.Value, loop: Any, length: int) -> ir.Value | None:
@@ -362,11 +434,14 @@ def _element_of(leaf: ir.Value, index: ir.Value, loop: Any, length: int) -> ir.V
 
 def _vectorisable(scale: _Scale, vectors: list[ir.Value]) -> bool:
     """Whether the scale's ops can read ``vectors`` (leaves that become per-layer
-    vectors): only elementwise ops and reshapes read what depends on them, no slice."""
+    vectors): only elementwise ops and reshapes read what depends on them, no slice,
+    and a dynamic_slice only as its position in a 1-D vector that does not."""
     depends = set(vectors)
     for op in scale.ops:
         if any(operand in depends for operand in op.operands):
-            if op.name == "stablehlo.slice":
+            if op.name == "stablehlo.slice" or (
+                    op.name == "stablehlo.dynamic_slice"
+                    and (op.operands[0] in depends or op.operands[0].type.rank != 1)):
                 return False
             depends.update(op.results)
     return True
@@ -381,9 +456,11 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
             or in_backward_pass(loop)):
         return None
     length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
-    vectors: list[ir.Value | None] = []
+    vectors: list[ir.Value | str | None] = []
     for leaf in q.scale.leaves:
-        vector = _element_of(leaf, sliced.index, loop, length)
+        # The slice's own position: a delayed scale's column per iteration.
+        vector = _LAYER if leaf == sliced.index else _element_of(leaf, sliced.index, loop,
+                                                                   length)
         if vector is None and not is_invariant(leaf, loop):
             return None
         vectors.append(vector)
@@ -447,7 +524,8 @@ def _hoist(loop: Any, members: list[_Plan]) -> int:
         q, sliced = plan.quantize, plan.sliced
         length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
         with q.convert.location, ir.InsertionPoint(loop.operation):
-            leaves = [outside_value(vector if vector is not None else leaf, loop)
+            leaves = [_Positions(0, leaf.type.element_type) if vector is _LAYER else
+                      outside_value(vector if vector is not None else leaf, loop)
                       for leaf, vector in zip(q.scale.leaves, plan.vectors)]
             scales, per_layer = _rebuild_scale(
                 q.scale, leaves, [vector is not None for vector in plan.vectors], length)

@@ -105,8 +105,9 @@ class Fp8StatefulFunction:
             if tuple(self._loaded.shape) != shape:
                 raise ValueError(
                     f"{self.__name__}: the loaded fp8 state has shape "
-                    f"{tuple(self._loaded.shape)}, this step quantises {columns} tensors "
-                    f"with an amax history of {self.policy.amax_history}: expected {shape}")
+                    f"{tuple(self._loaded.shape)}, this step keeps an amax history of "
+                    f"{self.policy.amax_history} step(s) in {columns} column(s): expected "
+                    f"{shape}")
             history, self._loaded = jnp.asarray(self._loaded, jnp.float32), None
         else:
             history = jnp.zeros(shape, jnp.float32)

@@ -393,13 +393,22 @@ func.func public @changing_scale(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x4x4xf32>
 
 // -----
 
-// A scale picked from the rows at another index than the slice's stays.
+// A scale picked from the rows at another position than the slice's (i + 1, which
+// dynamic_slice clamps to the last row): each layer's scale is gathered from the rows
+// at positions 1, 2, 3 (gather clamps alike).
 // CHECK-LABEL: func.func public @other_layer
-// CHECK-NOT:     tensor<3x4x4xf8E5M2>
+// CHECK-SAME:    %[[ROWS:[^:]*]]: tensor<3xf32>)
+// CHECK:         %[[IOTA:.*]] = stablehlo.iota dim = 0 : tensor<3xi32>
+// CHECK:         %[[ONE:.*]] = stablehlo.constant dense<1> : tensor<3xi32>
+// CHECK:         %[[AT:.*]] = stablehlo.add %[[IOTA]], %[[ONE]] : tensor<3xi32>
+// CHECK:         %[[AT2:.*]] = stablehlo.reshape %[[AT]] : (tensor<3xi32>) -> tensor<3x1xi32>
+// CHECK:         %[[S:.*]] = "stablehlo.gather"(%[[ROWS]], %[[AT2]])
+// CHECK-SAME:      collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1
+// CHECK-SAME:      slice_sizes = array<i64: 1>
+// CHECK:         stablehlo.broadcast_in_dim %[[S]], dims = [0] : (tensor<3xf32>) -> tensor<3x4x4xf32>
+// CHECK:         stablehlo.convert %{{.*}} : (tensor<3x4x4xf32>) -> tensor<3x4x4xf8E5M2>
 // CHECK:         } do {
-// CHECK:           stablehlo.divide %{{.*}}, %{{.*}} : tensor<4x4xf32>
-// CHECK:           stablehlo.convert %{{.*}} : (tensor<4x4xf32>) -> tensor<4x4xf8E5M2>
-// CHECK-NOT:     tensor<3x4x4xf8E5M2>
+// CHECK-NOT:       stablehlo.divide
 // CHECK:         return
 func.func public @other_layer(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x4x4xf32>, %s: tensor<f32>, %rows: tensor<3xf32>) -> tensor<8x4xf32> {
   %c0 = stablehlo.constant dense<0> : tensor<i32>
@@ -555,3 +564,48 @@ func.func public @element_vector(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x4x4xf32>
 // SCAN-NOT:     -> tensor<32x32xf8E4M3FN>
 // SCAN:         stablehlo.dot_general %{{.*}}, %[[W]]
 // NOTE: hoist-quantize: 1 fp8 quantisation(s) of a scanned tensor's slice done for every slice before the loop, not in its body
+
+// -----
+
+// Delayed scaling's column per layer: the scale is the history maximum at column
+// 2 + i (fp8_state.py). Layer i's scale is element i of the slice [2, 5) of it.
+// CHECK-LABEL: func.func public @delayed_columns
+// CHECK-SAME:    %[[H:[^:]*]]: tensor<8xf32>)
+// CHECK:         %[[PAST:.*]] = stablehlo.slice %[[H]] [2:5] : (tensor<8xf32>) -> tensor<3xf32>
+// CHECK:         stablehlo.multiply %[[PAST]], %{{.*}} : tensor<3xf32>
+// CHECK:         stablehlo.convert %{{.*}} : (tensor<3x4x4xf32>) -> tensor<3x4x4xf8E4M3FN>
+// CHECK:         } do {
+// CHECK-NOT:       stablehlo.divide
+// CHECK:         return
+func.func public @delayed_columns(%x: tensor<8x4xf8E4M3FN>, %w: tensor<3x4x4xf32>, %hist: tensor<8xf32>) -> tensor<8x4xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %z = stablehlo.constant dense<0.000000e+00> : tensor<8x4xf32>
+  %r:4 = stablehlo.while(%acc = %z, %ws = %w, %i = %c0, %hs = %hist) : tensor<8x4xf32>, tensor<3x4x4xf32>, tensor<i32>, tensor<8xf32>
+   cond {
+    %n = stablehlo.constant dense<3> : tensor<i32>
+    %lt = stablehlo.compare LT, %i, %n, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+    stablehlo.return %lt : tensor<i1>
+  } do {
+    %c = stablehlo.constant dense<0> : tensor<i32>
+    %two = stablehlo.constant dense<2> : tensor<i32>
+    %at = stablehlo.add %i, %two : tensor<i32>
+    %ds = stablehlo.dynamic_slice %ws, %i, %c, %c, sizes = [1, 4, 4] : (tensor<3x4x4xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x4x4xf32>
+    %wi = stablehlo.reshape %ds : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+    %p = stablehlo.dynamic_slice %hs, %at, sizes = [1] : (tensor<8xf32>, tensor<i32>) -> tensor<1xf32>
+    %past = stablehlo.reshape %p : (tensor<1xf32>) -> tensor<f32>
+    %k = stablehlo.constant dense<0.00223214296> : tensor<f32>
+    %scale = stablehlo.multiply %past, %k : tensor<f32>
+    %sb = stablehlo.broadcast_in_dim %scale, dims = [] : (tensor<f32>) -> tensor<4x4xf32>
+    %d = stablehlo.divide %wi, %sb : tensor<4x4xf32>
+    %lo = stablehlo.constant dense<-4.480000e+02> : tensor<f32>
+    %hi = stablehlo.constant dense<4.480000e+02> : tensor<f32>
+    %cl = stablehlo.clamp %lo, %d, %hi : (tensor<f32>, tensor<4x4xf32>, tensor<f32>) -> tensor<4x4xf32>
+    %q = stablehlo.convert %cl : (tensor<4x4xf32>) -> tensor<4x4xf8E4M3FN>
+    %y = stablehlo.dot_general %x, %q, contracting_dims = [1] x [0] : (tensor<8x4xf8E4M3FN>, tensor<4x4xf8E4M3FN>) -> tensor<8x4xf32>
+    %acc2 = stablehlo.add %acc, %y : tensor<8x4xf32>
+    %one = stablehlo.constant dense<1> : tensor<i32>
+    %next = stablehlo.add %i, %one : tensor<i32>
+    stablehlo.return %acc2, %ws, %next, %hs : tensor<8x4xf32>, tensor<3x4x4xf32>, tensor<i32>, tensor<8xf32>
+  }
+  return %r#0 : tensor<8x4xf32>
+}

@@ -219,8 +219,13 @@ def test_scan_with_checkpoint_threads_the_history_and_trains_like_current() -> N
     report = lowered.report()
     (note,) = [n for n in report.notes if n.startswith("fp8:")]
     quantised = int(note.split("; ")[1].split(" tensor")[0])
-    assert quantised == report.fp8_state_columns > 0
-    assert f"delayed scaling ({quantised} from an amax history of 4 step(s))" in note
+    per_iteration = int(note.split("one per loop iteration for ")[1].split(" ")[0])
+    # A tensor quantised in the 3-layer scan (its body or the remat'd function it calls)
+    # has a column per layer; the others one each.
+    assert 0 < per_iteration < quantised
+    assert report.fp8_state_columns == quantised + 2 * per_iteration
+    assert (f"delayed scaling ({quantised} from an amax history of 4 step(s), in "
+            f"{report.fp8_state_columns} columns") in note
     assert "does not reach" not in note
     # Quantisations inside the scanned body exist: some dot in the while body is fp8.
     body = text[text.index("stablehlo.while"):]
@@ -235,16 +240,48 @@ def test_scan_with_checkpoint_threads_the_history_and_trains_like_current() -> N
         losses_d.append(float(l_d))
         losses_c.append(float(l_c))
         if len(losses_d) == 1:
-            # The scanned layer weight has one column: the running maximum over the
-            # loop's iterations (layer 1, 4x larger), not the last or first layer's amax.
+            # The scanned layer weight has a column per layer, each with its own amax
+            # (layer 1 is 4x larger than layer 0, layer 2 half), as current scaling takes.
             row = set(np.asarray(delayed.fp8_state())[0].tolist())
             layers = np.asarray(p0["layers"])
-            assert float(_amax(layers)) == float(_amax(layers[1])) in row
-            assert float(_amax(layers[0])) not in row and float(_amax(layers[2])) not in row
+            assert {float(_amax(layer)) for layer in layers} <= row
     state = np.asarray(delayed.fp8_state())
     assert np.isfinite(state).all() and (state > 0).all()  # every column, 4 rows filled
     assert losses_d[-1] < 0.7 * losses_d[0]  # it trains
     assert abs(losses_d[-1] - losses_c[-1]) <= 0.02 * losses_c[-1], (losses_d, losses_c)
+
+
+def _scanned_forward(p: dict, x: jax.Array) -> jax.Array:
+    def layer(h, w):
+        return jnp.tanh(h @ w) * 8.0, None
+
+    h, _ = jax.lax.scan(layer, x, p["layers"])
+    return h @ p["w_out"]
+
+
+def test_a_scanned_layer_is_scaled_by_its_own_history_as_current_scaling_is() -> None:
+    """Layers 1000x apart in one scan, a history of one step, one input: each call's
+    scales are the last call's amax, so once every layer's input is computed from exact
+    scales (layer k's from call k + 2 on; the first call quantises with scale 1) the
+    output is current scaling's bit for bit. A column shared by the layers (scaled by
+    the largest) is not."""
+    rng = np.random.default_rng(7)
+    sizes = np.asarray([1.0, 1000.0, 0.001, 3.0], np.float32)[:, None, None]
+    p = {"layers": jnp.asarray(rng.standard_normal((4, 32, 32)) / 6 * sizes, jnp.float32),
+         "w_out": jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+    delayed = hlo_amp.compile(_scanned_forward, _delayed(1))
+    current = hlo_amp.compile(_scanned_forward, f"fp8,{ALL}")
+    report = delayed.lower(p, x).report()
+    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    assert "one per loop iteration for 2 of them" in note  # the body's h and w
+    expected = np.asarray(current(p, x))
+    outputs = [np.asarray(delayed(p, x)) for _ in range(6)]
+    assert not np.array_equal(outputs[0], expected)  # scale 1 on the first call
+    np.testing.assert_array_equal(outputs[-1], expected)
+    state = np.asarray(delayed.fp8_state())
+    layers = np.asarray(p["layers"])
+    assert {float(_amax(layer)) for layer in layers} <= set(state[0].tolist())
 
 
 # ---- 5. numerics: a tiny decoder against bf16 ---------------------------------------------
@@ -412,7 +449,7 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match=r"\(5,\)"):
         f.load_fp8_state(np.zeros((5,), np.float32))
     f.load_fp8_state(np.zeros((8, 3), np.float32))  # right length, wrong width
-    with pytest.raises(ValueError, match=r"\(8, 3\).*2 tensors.*\(8, 2\)"):
+    with pytest.raises(ValueError, match=r"\(8, 3\).*2 column.*\(8, 2\)"):
         f(w, x)
     with pytest.raises(TypeError, match="scaling=current"):
         jax.jit(f)(w, x)
