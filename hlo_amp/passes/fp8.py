@@ -38,7 +38,13 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import element_type, functions, op_key, walk_operations, with_element
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
-from hlo_amp.passes.fp8_state import HistoryThreads, callers_by_name, find_state, iterations
+from hlo_amp.passes.fp8_state import (
+    HistoryThreads,
+    callers_by_name,
+    find_state,
+    i32_scalar,
+    iterations,
+)
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
 from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MARK, FP8_MAX
@@ -120,12 +126,6 @@ def _scalar(value: float, element: ir.Type) -> ir.Value:
     scalar = ir.RankedTensorType.get([], element)
     return hlo.constant(ir.DenseElementsAttr.get_splat(scalar, ir.FloatAttr.get(element,
                                                                                 value)))
-
-
-def _index(value: int) -> ir.Value:
-    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
-    return hlo.constant(ir.DenseElementsAttr.get_splat(
-        scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(32), value)))
 
 
 def max_abs(x: ir.Value, dimensions: list[int]) -> ir.Value:
@@ -256,7 +256,7 @@ def _quantize(op: Any, value: ir.Value, fp8: ir.Type, dequantize: ir.Type,
                                    ir.DenseI64ArrayAttr.get([column + 1]),
                                    ir.DenseI64ArrayAttr.get([1]))
             else:
-                at = iteration if not column else hlo.add(iteration, _index(column))
+                at = iteration if not column else hlo.add(iteration, i32_scalar(column))
                 threads.contribute_at(op.block, at, _amax(value))
                 picked = hlo.dynamic_slice(history, [at], ir.DenseI64ArrayAttr.get([1]))
             past = hlo.reshape(ir.RankedTensorType.get([], f32), picked)

@@ -110,7 +110,8 @@ def _i32_type() -> ir.RankedTensorType:
     return ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
 
 
-def _i32(value: int) -> ir.Value:
+def i32_scalar(value: int) -> ir.Value:
+    """An i32 scalar constant at the current insertion point (a history column's index)."""
     return hlo.constant(ir.DenseElementsAttr.get_splat(
         _i32_type(), ir.IntegerAttr.get(ir.IntegerType.get_signless(32), value)))
 
@@ -226,9 +227,9 @@ class HistoryThreads:
             if counter.type != _i32_type():
                 number = hlo.convert(_i32_type(), counter)
             if start:
-                number = hlo.subtract(number, _i32(start))
+                number = hlo.subtract(number, i32_scalar(start))
             if step != 1:
-                number = hlo.divide(number, _i32(step))
+                number = hlo.divide(number, i32_scalar(step))
         self._iterations[block] = number
         return number
 

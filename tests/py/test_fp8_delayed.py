@@ -259,7 +259,20 @@ def _scanned_forward(p: dict, x: jax.Array) -> jax.Array:
     return h @ p["w_out"]
 
 
-def test_a_scanned_layer_is_scaled_by_its_own_history_as_current_scaling_is() -> None:
+def _counted_forward(p: dict, x: jax.Array) -> jax.Array:
+    """The same layers in a while_loop whose counter runs 2, 5, 8, 11 (the iteration
+    number is read from it: (counter - 2) / 3)."""
+    def body(carry):
+        i, h = carry
+        w = jax.lax.dynamic_index_in_dim(p["layers"], (i - 2) // 3, keepdims=False)
+        return i + 3, jnp.tanh(h @ w) * 8.0
+
+    _, h = jax.lax.while_loop(lambda carry: carry[0] < 14, body, (2, x))
+    return h @ p["w_out"]
+
+
+@pytest.mark.parametrize("forward", [_scanned_forward, _counted_forward])
+def test_a_scanned_layer_is_scaled_by_its_own_history_as_current_scaling_is(forward) -> None:
     """Layers 1000x apart in one scan, a history of one step, one input: each call's
     scales are the last call's amax, so once every layer's input is computed from exact
     scales (layer k's from call k + 2 on; the first call quantises with scale 1) the
@@ -270,8 +283,8 @@ def test_a_scanned_layer_is_scaled_by_its_own_history_as_current_scaling_is() ->
     p = {"layers": jnp.asarray(rng.standard_normal((4, 32, 32)) / 6 * sizes, jnp.float32),
          "w_out": jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32)}
     x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
-    delayed = hlo_amp.compile(_scanned_forward, _delayed(1))
-    current = hlo_amp.compile(_scanned_forward, f"fp8,{ALL}")
+    delayed = hlo_amp.compile(forward, _delayed(1))
+    current = hlo_amp.compile(forward, f"fp8,{ALL}")
     report = delayed.lower(p, x).report()
     (note,) = [n for n in report.notes if n.startswith("fp8:")]
     assert "one per loop iteration for 2 of them" in note  # the body's h and w
