@@ -245,3 +245,30 @@ def test_causal_decoder_lowered_for_a_device_exits_0(target, lowered_for_devices
             assert (int(decisions), int(fused)) == (dots, 0)
         else:
             assert fused == sites and 0 < int(decisions) < dots
+
+
+_DELAYED = textwrap.dedent("""
+    import re, warnings
+    warnings.simplefilter("ignore")
+    from benchmarks.llm import Config, compile_variant
+    config = Config(vocab=256, dim=64, layers=3, heads=4, kv_heads=2, hidden=128, seq=64,
+                    batch=2)
+    report = compile_variant("hlo_amp fp8 delayed", "h100", config).report()
+    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    quantised = int(re.search(r"; (\\d+) tensor", note).group(1))
+    per_iteration = int(re.search(r"one per loop iteration for (\\d+)", note).group(1))
+    print(report.fp8_state_columns, quantised, per_iteration, flush=True)
+""")
+
+
+def test_delayed_fp8_of_a_scanned_remat_decoder_compiled_for_a_gpu_in_a_child():
+    """Delayed scaling's history threaded into a scan's body and the remat'd functions it
+    calls, a column per layer (the iteration number passed in, the amax written at its
+    column), then the whole pipeline and XLA's GPU compile: in a child that must exit 0,
+    with every layer's tensors taking one column per layer."""
+    done = subprocess.run([sys.executable, "-c", _DELAYED], capture_output=True, text=True,
+                          cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    columns, quantised, per_iteration = map(int, done.stdout.split()[-3:])
+    assert 0 < per_iteration <= quantised
+    assert columns == quantised + 2 * per_iteration  # 3 layers: two more columns each
