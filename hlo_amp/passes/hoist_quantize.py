@@ -408,28 +408,14 @@ def _lift(fn: Any, calls: list[Any], movable: list[_Quantize]) -> int:
 @dataclass(frozen=True)
 class _Plan:
     """How a quantisation in a loop body leaves it: its slice of a stack and, per leaf of
-    its scale, the vector before the loop it is element ``index`` of (None: invariant;
-    ``_LAYER``: the leaf is ``index`` itself)."""
+    its scale, ``_LAYER`` where the leaf is ``index`` itself, else None (invariant)."""
 
     quantize: _Quantize
     sliced: StackSlice
-    vectors: tuple[ir.Value | str | None, ...]
+    vectors: tuple[str | None, ...]
 
 
 _LAYER = "layer"  # a leaf that is the slice's position: 0, 1, … before the loop
-
-
-def _element_of(leaf: ir.Value, index: ir.Value, loop: Any, length: int) -> ir.Value | None:
-    """``leaf`` as ``dynamic_slice(vector, index)`` of one element of a loop-invariant
-    vector of ``length`` (hoist_amax's ``rows``): that vector, else None."""
-    picked = defining_op(leaf)
-    if (picked is None or picked.name != "stablehlo.dynamic_slice"
-            or list(picked.operands[1:]) != [index]):
-        return None
-    vector = picked.operands[0]
-    if list(vector.type.shape) != [length] or not is_invariant(vector, loop):
-        return None
-    return vector
 
 
 def _vectorisable(scale: _Scale, vectors: list[ir.Value]) -> bool:
@@ -455,12 +441,11 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
     if (loop is None or is_sharded(loop) or not is_invariant(sliced.stack, loop)
             or in_backward_pass(loop)):
         return None
-    length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
-    vectors: list[ir.Value | str | None] = []
+    vectors: list[str | None] = []
     for leaf in q.scale.leaves:
-        # The slice's own position: a delayed scale's column per iteration.
-        vector = _LAYER if leaf == sliced.index else _element_of(leaf, sliced.index, loop,
-                                                                   length)
+        # The slice's own position (hoist_amax's rows[i], a delayed scale's history
+        # column c + i: the scale's dynamic_slice reads it), else a loop invariant.
+        vector = _LAYER if leaf == sliced.index else None
         if vector is None and not is_invariant(leaf, loop):
             return None
         vectors.append(vector)
@@ -525,7 +510,7 @@ def _hoist(loop: Any, members: list[_Plan]) -> int:
         length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
         with q.convert.location, ir.InsertionPoint(loop.operation):
             leaves = [_Positions(0, leaf.type.element_type) if vector is _LAYER else
-                      outside_value(vector if vector is not None else leaf, loop)
+                      outside_value(leaf, loop)
                       for leaf, vector in zip(q.scale.leaves, plan.vectors)]
             scales, per_layer = _rebuild_scale(
                 q.scale, leaves, [vector is not None for vector in plan.vectors], length)
