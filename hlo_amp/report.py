@@ -106,7 +106,8 @@ class Report:
     xla_fp8_note: str = ""
     xla_device: str | None = None  # "H100", "TPU v5e": compiled without the device
     # scaling=delayed: the amax history columns the fp8 pass asked for (one per
-    # quantised tensor); the state hlo_amp.compile carries has this many.
+    # quantised tensor, one per iteration for a tensor in a scan); the state
+    # hlo_amp.compile carries has this many.
     fp8_state_columns: int = 0
     # The propagation pass (mixed_* modes): {"ops": {kind: {"painted": n, "f32": {why: n}}},
     # "functions": [{function, bytes_before, low_bytes_before, bytes_after,

@@ -82,7 +82,8 @@ class Fp8StatefulFunction:
 
     def _columns(self, args: tuple, kwargs: dict, leaves: list, tree: Any,
                  target: Any = None) -> int:
-        """How many tensors the fp8 pass quantises for these arguments (``leaves`` and
+        """How many history columns the fp8 pass takes for these arguments (one per
+        quantised tensor, one per iteration for a tensor in a scan; ``leaves`` and
         ``tree``: their flattening; a lowering with an empty history, once per
         signature)."""
         key = (tree, tuple(leaf_signature(leaf) for leaf in leaves), target)
@@ -115,7 +116,8 @@ class Fp8StatefulFunction:
 
     def fp8_state(self) -> jax.Array:
         """A copy of the amax history of the last call: ``f32[amax_history, S]``, newest
-        step first, one column per quantised tensor (save it with the checkpoint)."""
+        step first, one column per quantised tensor (per layer for a tensor in a scan;
+        save it with the checkpoint)."""
         if self._last_columns is None:
             raise RuntimeError(f"{self.__name__}: no fp8 state yet (it exists after the "
                                "first call)")
