@@ -297,6 +297,21 @@ def test_a_scanned_layer_is_scaled_by_its_own_history_as_current_scaling_is(forw
     assert {float(_amax(layer)) for layer in layers} <= set(state[0].tolist())
 
 
+@pytest.mark.parametrize("length", [256, 257])
+def test_a_scan_of_more_than_256_iterations_shares_one_column(length) -> None:
+    """A column per iteration up to 256 iterations (a scan over layers); a longer scan (a
+    sequence's time steps) would multiply the state by its length, so one column."""
+    def unrolled_in_time(w, x):
+        return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=length)[0]
+
+    w, x = jnp.ones((16, 16)) / 16, jnp.ones((16, 16))
+    report = hlo_amp.compile(unrolled_in_time, _delayed(2)).lower(w, x).report()
+    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    quantised = int(note.split("; ")[1].split(" tensor")[0])
+    assert quantised == 2  # h and w in the body
+    assert report.fp8_state_columns == (2 * length if length <= 256 else 2)
+
+
 # ---- 5. numerics: a tiny decoder against bf16 ---------------------------------------------
 
 
