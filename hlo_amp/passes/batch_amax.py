@@ -53,6 +53,7 @@ from hlo_amp.ir.modules import (
 )
 from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.passes.fp8 import max_abs
+from hlo_amp.passes.fp8_state import vector_element
 from hlo_amp.passes.hoist_amax import Amax, match_amax
 from hlo_amp.report import Report
 
@@ -205,12 +206,6 @@ def _stack_maxima(stacked: list[ir.Value]) -> ir.Value:
     return max_abs(matrix, [1])  # abs of a magnitude: the same values
 
 
-def _element(vector: ir.Value, index: int) -> ir.Value:
-    """``vector[index:index + 1]``."""
-    return hlo.slice(vector, ir.DenseI64ArrayAttr.get([index]),
-                     ir.DenseI64ArrayAttr.get([index + 1]), ir.DenseI64ArrayAttr.get([1]))
-
-
 def _batch(concat: ir.Operation, group: list[_Recorded]) -> None:
     """Replace ``group``'s pieces of ``concat`` by slices of one reduction of their rows."""
     stacked = []
@@ -224,7 +219,7 @@ def _batch(concat: ir.Operation, group: list[_Recorded]) -> None:
         if ir.RankedTensorType(amaxes.type).element_type != f32:
             amaxes = hlo.convert(ir.RankedTensorType.get([len(group)], f32), amaxes)
         for index, r in enumerate(group):
-            r.piece.results[0].replace_all_uses_with(_element(amaxes, index))
+            r.piece.results[0].replace_all_uses_with(vector_element(amaxes, index))
     for r in group:
         for op in r.chain:
             discard(op)
@@ -267,6 +262,6 @@ def _batch_arguments(entry: ir.Block, group: list[tuple[Amax, int]]) -> None:
             stacked.append(_row_maxima(amax.root, rows, amax.converts))
     with group[0][0].reduce.location, ir.InsertionPoint(first):
         amaxes = _stack_maxima(stacked)
-        values = [hlo.reshape(scalar, _element(amaxes, index)) for index in range(len(group))]
+        values = [hlo.reshape(scalar, vector_element(amaxes, index)) for index in range(len(group))]
     for (amax, _), value in zip(group, values):
         amax.replace(value)

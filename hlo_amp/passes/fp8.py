@@ -44,6 +44,7 @@ from hlo_amp.passes.fp8_state import (
     find_state,
     i32_scalar,
     iterations,
+    vector_element,
 )
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
@@ -69,8 +70,11 @@ class Fp8Quantize:
                 threads = HistoryThreads(module, barrier) if barrier is not None else None
             marked = [op for fn in functions(module) for op in walk_operations(fn, names=_DOT)
                       if FP8_MARK in op.attributes]
-            quantizing = _Quantizing(threads, threads.callers if threads is not None
-                                     else callers_by_name(module))
+            # Only delayed scaling has history columns to count (a column per
+            # iteration needs the calls of each function).
+            callers = (None if self.scaling != "delayed" else
+                       threads.callers if threads is not None else callers_by_name(module))
+            quantizing = _Quantizing(threads, callers)
             for op in marked:
                 lhs, rhs, dequantize = [ir.TypeAttr(t).value
                                         for t in ir.ArrayAttr(op.attributes[FP8_MARK])]
@@ -198,7 +202,8 @@ class _Quantizing:
     """The quantised tensors of one module, shared per (block, value, types); under
     delayed scaling each gets a column of the amax history, in the order met."""
 
-    def __init__(self, threads: HistoryThreads | None, callers: dict[str, list[Any]]):
+    def __init__(self, threads: HistoryThreads | None,
+                 callers: dict[str, list[Any]] | None):
         self.threads = threads
         self.callers = callers
         # (block, value, types) -> (q, scale), in insertion order: a tensor's history
@@ -218,7 +223,7 @@ class _Quantizing:
         if found is None:
             # The same count whether the module's history has its columns or none yet
             # (runtime/fp8_state.py counts them with an empty one).
-            count = iterations(op.block, self.callers)
+            count = None if self.callers is None else iterations(op.block, self.callers)
             column, self.columns = self.columns, self.columns + (count or 1)
             self.per_iteration += count is not None
             history = iteration = None
@@ -252,9 +257,7 @@ def _quantize(op: Any, value: ir.Value, fp8: ir.Type, dequantize: ir.Type,
             # the producer (a GEMM's fp8 output) and this step's amax beside it.
             if iteration is None:
                 threads.contribute(op.block, column, _amax(value))
-                picked = hlo.slice(history, ir.DenseI64ArrayAttr.get([column]),
-                                   ir.DenseI64ArrayAttr.get([column + 1]),
-                                   ir.DenseI64ArrayAttr.get([1]))
+                picked = vector_element(history, column)
             else:
                 at = iteration if not column else hlo.add(iteration, i32_scalar(column))
                 threads.contribute_at(op.block, at, _amax(value))

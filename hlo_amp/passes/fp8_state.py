@@ -31,11 +31,10 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.loops import counter_values, loop_body
 from hlo_amp.ir.modules import (
-    callee_name,
+    call_sites,
     discard,
     function_name,
     functions,
-    is_call,
     is_public,
     terminator,
     walk_operations,
@@ -70,12 +69,7 @@ def find_state(module: ir.Module) -> Any | None:
 
 def callers_by_name(module: ir.Module) -> dict[str, list[Any]]:
     """The ``func.call`` ops of ``module`` by callee name."""
-    callers: dict[str, list[Any]] = {}
-    for fn in functions(module):
-        for op in walk_operations(fn):
-            if is_call(op):
-                callers.setdefault(callee_name(op), []).append(op)
-    return callers
+    return call_sites([op for fn in functions(module) for op in walk_operations(fn)])
 
 
 def iterations(block: Any, callers: dict[str, list[Any]], seen: frozenset = frozenset()
@@ -114,6 +108,13 @@ def i32_scalar(value: int) -> ir.Value:
     """An i32 scalar constant at the current insertion point (a history column's index)."""
     return hlo.constant(ir.DenseElementsAttr.get_splat(
         _i32_type(), ir.IntegerAttr.get(ir.IntegerType.get_signless(32), value)))
+
+
+def vector_element(vector: ir.Value, index: int) -> ir.Value:
+    """``vector[index:index + 1]`` of a 1-D vector (a history column, a recorded amax),
+    at the current insertion point."""
+    return hlo.slice(vector, ir.DenseI64ArrayAttr.get([index]),
+                     ir.DenseI64ArrayAttr.get([index + 1]), ir.DenseI64ArrayAttr.get([1]))
 
 
 def _zeros(size: int) -> ir.Value:
@@ -276,10 +277,8 @@ class HistoryThreads:
                                          ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 0))
                 columns = _zeros(self.columns)
                 for number, (index, _) in enumerate(placed):
-                    element = hlo.slice(amaxes, ir.DenseI64ArrayAttr.get([number]),
-                                        ir.DenseI64ArrayAttr.get([number + 1]),
-                                        ir.DenseI64ArrayAttr.get([1]))
-                    columns = hlo.dynamic_update_slice(columns, element, [index])
+                    columns = hlo.dynamic_update_slice(
+                        columns, vector_element(amaxes, number), [index])
                 parts.append(columns)
             if not parts:
                 return _zeros(self.columns)

@@ -208,14 +208,14 @@ def _constant_like(value: ir.Value) -> ir.Value:
     return hlo.constant(defining_op(value).attributes["value"])
 
 
-def _rebuild_scale(scale: _Scale, leaves: Sequence[Any],
-                   vectors: Sequence[bool] = (), length: int = 0) -> tuple[ir.Value, bool]:
+def _rebuild_scale(scale: _Scale, leaves: Sequence[Any], length: int = 0
+                   ) -> tuple[ir.Value, bool]:
     """``scale``'s ops again at the current insertion point, reading ``leaves`` for its
-    leaves; where ``vectors`` marks a leaf as a vector of ``length`` (one scale per
-    layer: the leaf was its element), what reads it is computed on vectors, the scalars
-    it meets broadcast. Returns the scale and whether it is a vector."""
+    leaves; where a leaf is ``_Positions`` (the layer's position: one scale per layer),
+    what reads it is computed on vectors of ``length``, the scalars it meets broadcast.
+    Returns the scale and whether it is a vector."""
     mapped: dict[Any, Any] = dict(zip(scale.leaves, leaves))
-    vectorised = {id(value) for value, vector in zip(leaves, vectors) if vector}
+    vectorised: set[int] = set()
     for op in scale.ops:
         operands = [mapped[o] for o in op.operands]
         shifted = _shifted_positions(op, operands)
@@ -407,22 +407,18 @@ def _lift(fn: Any, calls: list[Any], movable: list[_Quantize]) -> int:
 
 @dataclass(frozen=True)
 class _Plan:
-    """How a quantisation in a loop body leaves it: its slice of a stack and, per leaf of
-    its scale, ``_LAYER`` where the leaf is ``index`` itself, else None (invariant)."""
+    """How a quantisation in a loop body leaves it: its slice of a stack (its scale's
+    leaves are ``sliced.index``, the layer's position, or loop invariants)."""
 
     quantize: _Quantize
     sliced: StackSlice
-    vectors: tuple[str | None, ...]
 
 
-_LAYER = "layer"  # a leaf that is the slice's position: 0, 1, … before the loop
-
-
-def _vectorisable(scale: _Scale, vectors: list[ir.Value]) -> bool:
-    """Whether the scale's ops can read ``vectors`` (leaves that become per-layer
-    vectors): only elementwise ops and reshapes read what depends on them, no slice,
-    and a dynamic_slice only as its position in a 1-D vector that does not."""
-    depends = set(vectors)
+def _vectorisable(scale: _Scale, position: ir.Value) -> bool:
+    """Whether the scale's ops can read the layer's position as a vector of positions:
+    only elementwise ops and reshapes read what depends on it, no slice, and a
+    dynamic_slice only as its position in a 1-D vector that does not."""
+    depends = {position}
     for op in scale.ops:
         if any(operand in depends for operand in op.operands):
             if op.name == "stablehlo.slice" or (
@@ -441,18 +437,12 @@ def _plan(q: _Quantize, by_name: dict[str, Any]) -> tuple[Any, _Plan] | None:
     if (loop is None or is_sharded(loop) or not is_invariant(sliced.stack, loop)
             or in_backward_pass(loop)):
         return None
-    vectors: list[str | None] = []
-    for leaf in q.scale.leaves:
-        # The slice's own position (hoist_amax's rows[i], a delayed scale's history
-        # column c + i: the scale's dynamic_slice reads it), else a loop invariant.
-        vector = _LAYER if leaf == sliced.index else None
-        if vector is None and not is_invariant(leaf, loop):
-            return None
-        vectors.append(vector)
-    if not _vectorisable(q.scale, [leaf for leaf, vector in zip(q.scale.leaves, vectors)
-                                   if vector is not None]):
+    # Each leaf is the slice's own position (hoist_amax's rows[i], a delayed scale's
+    # history column c + i: the scale's dynamic_slice reads it), else a loop invariant.
+    if (not all(leaf == sliced.index or is_invariant(leaf, loop) for leaf in q.scale.leaves)
+            or not _vectorisable(q.scale, sliced.index)):
         return None
-    return loop, _Plan(q, sliced, tuple(vectors))
+    return loop, _Plan(q, sliced)
 
 
 def _read_transposed_by_recomputation(value: ir.Value, by_name: dict[str, Any],
@@ -509,11 +499,9 @@ def _hoist(loop: Any, members: list[_Plan]) -> int:
         q, sliced = plan.quantize, plan.sliced
         length = ir.RankedTensorType(sliced.stack.type).shape[sliced.axis]
         with q.convert.location, ir.InsertionPoint(loop.operation):
-            leaves = [_Positions(0, leaf.type.element_type) if vector is _LAYER else
-                      outside_value(leaf, loop)
-                      for leaf, vector in zip(q.scale.leaves, plan.vectors)]
-            scales, per_layer = _rebuild_scale(
-                q.scale, leaves, [vector is not None for vector in plan.vectors], length)
+            leaves = [_Positions(0, leaf.type.element_type) if leaf == sliced.index else
+                      outside_value(leaf, loop) for leaf in q.scale.leaves]
+            scales, per_layer = _rebuild_scale(q.scale, leaves, length)
             stacks.append(_build(q, outside_value(sliced.stack, loop), scales,
                                  sliced.axis if per_layer else None))
     _, carried = while_with_invariants(loop, stacks, [p.quantize.convert.location
