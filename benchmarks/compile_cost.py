@@ -35,6 +35,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from hlo_amp.targets.hlo_text import Instruction, parse_module
+
 VARIANTS = ("hlo_amp mixed_bfloat16", "hlo_amp fp8")
 KINDS = ("transpose, fp8 result", "max reduction", "scalars", "fp8 result", "other",
          "constants only")
@@ -63,43 +65,38 @@ def xla_timers(log: str) -> dict[str, tuple[float, int]]:
     return found
 
 
-def computations(hlo: str) -> dict[str, str]:
-    """{computation name: its text} of an HLO module's text."""
-    return {m.group(1): m.group(0)
-            for m in re.finditer(r"^%([\w.\-]+) [^\n]*\{\n.*?^\}", hlo, re.MULTILINE | re.DOTALL)}
-
-
-def kind_of(body: str, max_reducers: set[str]) -> str:
-    """One of ``KINDS`` for a fused computation's text; ``max_reducers``: the names of
-    the reducer computations whose root is a ``maximum``."""
-    result = body.split("\n", 1)[0].rsplit("->", 1)[-1]
-    if " transpose(" in body and "f8e" in result:
+def kind_of(fused: list[Instruction], max_reducers: set[str]) -> str:
+    """One of ``KINDS`` for a fused computation's instructions; ``max_reducers``: the
+    names of the reducer computations whose root is a ``maximum``."""
+    root = next((i for i in fused if i.root), None)
+    results = root.arrays if root is not None else []
+    fp8_result = any(a.dtype.startswith("f8") for a in results)
+    if fp8_result and any(i.op == "transpose" for i in fused):
         return "transpose, fp8 result"
-    if set(re.findall(r" reduce\([^\n]*to_apply=%([\w.\-]+)", body)) & max_reducers:
+    if any(i.op == "reduce" and i.attr("to_apply") in max_reducers for i in fused):
         return "max reduction"
-    if re.fullmatch(r"\s*\(?(\w+\[\](, )?)+\)?\s*\{?\s*", result):
+    if results and all(a.shape == () for a in results):
         return "scalars"
-    if "f8e" in result:
-        return "fp8 result"
-    return "other"
+    return "fp8 result" if fp8_result else "other"
 
 
 def by_kind(dump: Path, hlo: str, ptxas: str | None) -> dict[str, list[float]]:
     """{kind: [PTX modules, PTX bytes, ptxas seconds]} over the PTX files in ``dump``
     (one kernel each, or none: constants only)."""
-    bodies = computations(hlo)
-    max_reducers = {name for name, body in bodies.items()
-                    if re.search(r"ROOT [^\n]* maximum\(", body) and " reduce(" not in body}
+    computations, _ = parse_module(hlo)
+    max_reducers = {name for name, body in computations.items()
+                    if any(i.root and i.op == "maximum" for i in body)
+                    and not any(i.op == "reduce" for i in body)}
     # A kernel is named after its fusion instruction, "." and "-" written "_".
-    fused = {re.sub(r"[.\-]", "_", name): bodies.get(called, "") for name, called in
-             re.findall(r"%([\w.\-]+) = [^\n]*? fusion\([^\n]*?calls=%([\w.\-]+)", hlo)}
+    fused = {re.sub(r"[.\-]", "_", i.name): computations.get(i.attr("calls") or "", [])
+             for body in computations.values() for i in body if i.op == "fusion"}
     table: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for ptx in sorted(dump.glob("*.ptx")):
         text = ptx.read_text()
         if not text:
             continue
         entries = re.findall(r"^\.visible \.entry (\w+)\(", text, re.MULTILINE)
-        row = table[kind_of(fused.get(entries[0], ""), max_reducers) if entries
+        row = table[kind_of(fused.get(entries[0], []), max_reducers) if entries
                     else "constants only"]
         row[0] += 1
         row[1] += len(text)

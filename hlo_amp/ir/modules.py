@@ -382,13 +382,14 @@ def producers(value: ir.Value, depth: int, follows: Callable[[ir.Operation], boo
         following = []
         for current in frontier:
             op = defining_op(current)
-            if op is None or not follows(op):
+            followed = op is not None and follows(op)
+            if not followed:
                 ends.append(current)
             if op is None or op_key(op) in seen:
                 continue
             seen.add(op_key(op))
             met.append(op)
-            if follows(op):
+            if followed:
                 following.extend(op.operands)
         frontier = following
     return met, ends + frontier

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.compile_cost import kind_of, measure, xla_timers
+from hlo_amp.targets.hlo_text import parse_module
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +26,26 @@ def test_an_fp8_step_has_each_kind_of_fp8_kernel(fp8: dict) -> None:
         assert count > 0 and ptx_bytes > 0 and ptxas_seconds == 0  # no ptxas asked for
 
 
+def _fused(text: str) -> list:
+    """The instructions of a one-computation HLO text's entry."""
+    computations, entry = parse_module("ENTRY " + text)
+    return computations[entry]
+
+
 def test_kinds_are_read_from_the_fused_computation() -> None:
     reducers = {"region_max"}
     quantise = ("%f (p: f32[], q: bf16[8,4]) -> f8e4m3fn[8,4] {\n"
                 "  %d = f32[8,4]{1,0} divide(%c, %b)\n"
                 "  ROOT %r = f8e4m3fn[8,4]{1,0} convert(%d)\n}")
-    assert kind_of(quantise, reducers) == "fp8 result"
-    assert kind_of(quantise.replace("convert(%d)", "transpose(%d), dimensions={1,0}"),
+    assert kind_of(_fused(quantise), reducers) == "fp8 result"
+    assert kind_of(_fused(quantise.replace("convert(%d)", "transpose(%d), dimensions={1,0}")),
                    reducers) == "transpose, fp8 result"
     amax = ("%g (p: bf16[8,4]) -> bf16[8] {\n  ROOT %r = bf16[8]{0} reduce(%a, %z), "
             "dimensions={1}, to_apply=%region_max\n}")
-    assert kind_of(amax, reducers) == "max reduction"
-    assert kind_of(amax, {"region_add"}) == "other"
+    assert kind_of(_fused(amax), reducers) == "max reduction"
+    assert kind_of(_fused(amax), {"region_add"}) == "other"
     scale = "%s (p: f32[]) -> (f32[], f32[]) {\n  ROOT %t = (f32[], f32[]) tuple(%a, %b)\n}"
-    assert kind_of(scale, reducers) == "scalars"
+    assert kind_of(_fused(scale), reducers) == "scalars"
 
 
 def test_xla_timer_lines_give_the_last_cumulative_figure() -> None:
