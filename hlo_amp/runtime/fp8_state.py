@@ -125,8 +125,11 @@ class Fp8StatefulFunction:
 
     def load_fp8_state(self, history: Any) -> None:
         """Restore an amax history ``fp8_state()`` returned: the next call whose step
-        quantises as many tensors starts from it (a shape that does not match raises)."""
-        history = jnp.asarray(history, jnp.float32)
+        quantises as many tensors starts from it (a shape that does not match raises).
+        ``history`` stays the caller's: the step donates a copy of it."""
+        # A copy: jnp.asarray returns an f32 jax.Array itself, which the next call would
+        # donate, deleting the caller's array (a checkpoint loaded into two steps).
+        history = jnp.array(history, jnp.float32, copy=True)
         if history.ndim != 2 or history.shape[0] != self.policy.amax_history:
             raise ValueError(f"{self.__name__}: an fp8 state is f32[{self.policy.amax_history}"
                              f", S] (amax_history={self.policy.amax_history}), got shape "
