@@ -115,9 +115,12 @@ class Fp8StatefulFunction:
         return _replicated_like(history, leaves)
 
     def fp8_state(self) -> jax.Array:
-        """A copy of the amax history of the last call: ``f32[amax_history, S]``, newest
-        step first, one column per quantised tensor (per layer for a tensor in a scan;
-        save it with the checkpoint)."""
+        """A copy of the amax history the next call starts from (the last call's, or one
+        ``load_fp8_state`` gave since): ``f32[amax_history, S]``, newest step first, one
+        column per quantised tensor (per layer for a tensor in a scan; save it with the
+        checkpoint)."""
+        if self._loaded is not None:
+            return jnp.copy(self._loaded)
         if self._last_columns is None:
             raise RuntimeError(f"{self.__name__}: no fp8 state yet (it exists after the "
                                "first call)")

@@ -501,6 +501,10 @@ def test_state_round_trip_continues_identically() -> None:
     restored = hlo_amp.compile(_mlp_step, _delayed(4))
     loaded = jnp.asarray(saved)  # a jax array, as a checkpoint library restores it
     restored.load_fp8_state(loaded)
+    # Read back before any call, and loaded into a function that has run (its own).
+    np.testing.assert_array_equal(np.asarray(restored.fp8_state()), saved)
+    original.load_fp8_state(saved)
+    np.testing.assert_array_equal(np.asarray(original.fp8_state()), saved)
     p_a, l_a = original(p, x)
     p_b, l_b = restored(p, x)
     # The step donated its own copy: the caller's array is intact and can load again.
