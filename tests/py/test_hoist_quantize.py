@@ -27,6 +27,7 @@ from hlo_amp.ir.modules import parse_module, walk_operations
 from hlo_amp.ir.sites import location_name, parse_name
 from hlo_amp.passes import hoist_quantize
 from hlo_amp.passes.hoist_quantize import HoistQuantize
+from hlo_amp.targets.hlo_text import parse_module as parse_hlo
 
 _FP8 = ("f8E4M3FN", "f8E5M2")
 
@@ -120,6 +121,36 @@ def _for_h100(monkeypatch, fence: bool) -> tuple[str, int]:
 # An f32 weight stack in a layout other than row-major: a transposed copy of it.
 _TRANSPOSED_STACK = re.compile(r"f32\[4,(?:256,1024|1024,256)\]\{(?!2,1,0\})[0-9,]+\}")
 _FP8_GEMM = 'custom_call_target="__cublas$lt$matmul$f8"'
+
+
+def _quantisations(hlo: str) -> list[list]:
+    """The instructions of each computation of an optimized HLO that clamps and converts
+    the clamped value to fp8 (a quantisation)."""
+    found = []
+    for body in parse_hlo(hlo)[0].values():
+        by_name = {i.name: i for i in body}
+        if any(i.op == "convert" and i.arrays and i.arrays[0].dtype.startswith("f8")
+               and any(by_name.get(o) is not None and by_name[o].op == "clamp"
+                       for o in i.operands) for i in body):
+            found.append(body)
+    return found
+
+
+def test_xla_gpu_divides_by_the_scale_in_every_quantisation(monkeypatch):
+    """The pass's bit-for-bit claim rests on XLA:GPU computing ``x / s`` as written,
+    whether the scale is a scalar (a quantisation in a loop body) or a vector broadcast
+    along the layers (one hoisted before the loop). XLA:CPU does not: its algebraic
+    simplifier turns some divisions by a broadcast scale into products with the
+    reciprocal and leaves others, so there a hoisted quantisation can round a value
+    that sits at a tie of the fp8 grid the other way (docs/fp8.md)."""
+    optimized, _ = _for_h100(monkeypatch, fence=True)
+    quantisations = _quantisations(optimized)
+    # The hoisted stacks, the forward's activations, the backward's fenced weights and
+    # gradients.
+    assert len(quantisations) >= 4, len(quantisations)
+    for body in quantisations:
+        assert any(i.op == "divide" and i.arrays[0].shape for i in body), [
+            i.op for i in body]
 
 
 def test_xla_gpu_transposes_the_fp8_slice_for_the_recomputed_forward_not_the_f32_stack(
