@@ -123,7 +123,7 @@ _TRANSPOSED_STACK = re.compile(r"f32\[4,(?:256,1024|1024,256)\]\{(?!2,1,0\})[0-9
 _FP8_GEMM = 'custom_call_target="__cublas$lt$matmul$f8"'
 
 
-def _quantisations(hlo: str) -> list[list]:
+def _gpu_quantisations(hlo: str) -> list[list]:
     """The instructions of each computation of an optimized HLO that clamps and converts
     the clamped value to fp8 (a quantisation)."""
     found = []
@@ -144,7 +144,7 @@ def test_xla_gpu_divides_by_the_scale_in_every_quantisation(monkeypatch):
     reciprocal and leaves others, so there a hoisted quantisation can round a value
     that sits at a tie of the fp8 grid the other way (docs/fp8.md)."""
     optimized, _ = _for_h100(monkeypatch, fence=True)
-    quantisations = _quantisations(optimized)
+    quantisations = _gpu_quantisations(optimized)
     # The hoisted stacks, the forward's activations, the backward's fenced weights and
     # gradients.
     assert len(quantisations) >= 4, len(quantisations)
