@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hlo_amp
+from benchmarks.llm import rms_norm
 from hlo_amp.passes.batch_amax import BatchAmax
 from hlo_amp.passes.hoist_amax import HoistAmax
 from hlo_amp.passes.hoist_quantize import HoistQuantize
@@ -61,10 +63,6 @@ def _weights(rng: np.random.Generator, *shape: int) -> jax.Array:
     return jnp.asarray(rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-2]))
 
 
-def _rms(h: jax.Array, g: jax.Array) -> jax.Array:
-    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-5) * g
-
-
 def _layer_norm(h: jax.Array, g: jax.Array) -> jax.Array:
     mean = h.mean(-1, keepdims=True)
     return (h - mean) * jax.lax.rsqrt(((h - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * g
@@ -79,7 +77,8 @@ def decoder(seed: int) -> tuple[Callable, tuple, str, str]:
     attention, causal = r.random() < 0.7, r.random() < 0.5
     mlp, norm_name = r.choice(["swiglu", "gelu", "tanh"]), r.choice(["rms", "layer"])
     remat, scan, vocab = r.random() < 0.6, r.random() < 0.7, r.choice([64, 128])
-    norm, hd = (_rms if norm_name == "rms" else _layer_norm), d // heads
+    norm = functools.partial(rms_norm, eps=1e-5) if norm_name == "rms" else _layer_norm
+    hd = d // heads
     block_params = {"g1": jnp.ones((d,)), "g2": jnp.ones((d,)), "wq": _weights(rng, d, d),
                     "wk": _weights(rng, d, kv * hd), "wv": _weights(rng, d, kv * hd),
                     "wo": _weights(rng, d, d), "w1": _weights(rng, d, f),

@@ -109,7 +109,7 @@ class Fp8StatefulFunction:
                     f"{tuple(self._loaded.shape)}, this step keeps an amax history of "
                     f"{self.policy.amax_history} step(s) in {columns} column(s): expected "
                     f"{shape}")
-            history, self._loaded = jnp.asarray(self._loaded, jnp.float32), None
+            history, self._loaded = self._loaded, None  # load_fp8_state's own f32 copy
         else:
             history = jnp.zeros(shape, jnp.float32)
         return _replicated_like(history, leaves)
