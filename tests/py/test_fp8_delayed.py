@@ -76,6 +76,17 @@ def _delayed_scale(history_column: np.ndarray, fmax: float = FP8_MAX) -> np.floa
     return scale if (scale > 0 and np.isfinite(scale)) else np.float32(1.0)
 
 
+def _fp8_note(report) -> str:
+    """The report's one ``fp8:`` line."""
+    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    return note
+
+
+def _quantised(note: str) -> int:
+    """How many tensors an ``fp8:`` line says were quantised."""
+    return int(note.split("; ")[1].split(" tensor")[0])
+
+
 # ---- 1. the history records each step's amax, newest first -------------------------------
 
 
@@ -217,8 +228,8 @@ def test_scan_with_checkpoint_threads_the_history_and_trains_like_current() -> N
     assert "stablehlo.while" in text and "func.call" in text  # scan body, remat calls
     assert parse_module(text).operation.verify()  # parse_module verifies, too
     report = lowered.report()
-    (note,) = [n for n in report.notes if n.startswith("fp8:")]
-    quantised = int(note.split("; ")[1].split(" tensor")[0])
+    note = _fp8_note(report)
+    quantised = _quantised(note)
     per_iteration = int(note.split("one per loop iteration for ")[1].split(" ")[0])
     # A tensor quantised in the 3-layer scan (its body or the remat'd function it calls)
     # has a column per layer; the others one each.
@@ -286,7 +297,7 @@ def test_a_scanned_layer_is_scaled_by_its_own_history_as_current_scaling_is(forw
     delayed = hlo_amp.compile(forward, _delayed(1))
     current = hlo_amp.compile(forward, f"fp8,{ALL}")
     report = delayed.lower(p, x).report()
-    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    note = _fp8_note(report)
     assert "one per loop iteration for 2 of them" in note  # the body's h and w
     expected = np.asarray(current(p, x))
     outputs = [np.asarray(delayed(p, x)) for _ in range(6)]
@@ -306,8 +317,8 @@ def test_a_scan_of_more_than_256_iterations_shares_one_column(length) -> None:
 
     w, x = jnp.ones((16, 16)) / 16, jnp.ones((16, 16))
     report = hlo_amp.compile(unrolled_in_time, _delayed(2)).lower(w, x).report()
-    (note,) = [n for n in report.notes if n.startswith("fp8:")]
-    quantised = int(note.split("; ")[1].split(" tensor")[0])
+    note = _fp8_note(report)
+    quantised = _quantised(note)
     assert quantised == 2  # h and w in the body
     assert report.fp8_state_columns == (2 * length if length <= 256 else 2)
 
@@ -526,7 +537,7 @@ def test_module_without_state_falls_back_to_current_scaling() -> None:
     w, x = _big_matmul_inputs()
     text = jax.jit(lambda w, x: x @ w).lower(w, x).as_text()
     rewritten, report = hlo_amp.rewrite(text, _delayed(8), return_report=True)
-    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    note = _fp8_note(report)
     assert "current scaling (scaling=delayed: this module carries no fp8 state" in note
     assert report.fp8_state_columns == 2
     assert "f8E4M3FN" in rewritten and "tensor<8x" not in rewritten  # no history
@@ -548,7 +559,7 @@ def test_quantisation_in_a_conditional_keeps_current_scaling_and_says_so() -> No
 
     f = hlo_amp.compile(fn, _delayed(4))
     report = f.lower(w, w_out, x, True).report()
-    (note,) = [n for n in report.notes if n.startswith("fp8:")]
+    note = _fp8_note(report)
     assert "(2 from an amax history of 4 step(s); 4 the history does not reach, current)" \
         in note, note
     y = np.asarray(f(w, w_out, x, True), np.float64) * 1024
@@ -593,7 +604,7 @@ def test_an_equinox_step_carries_its_history_too() -> None:
     history = np.asarray(f.fp8_state())
     assert np.isfinite([first, second]).all() and second < first
     assert history.shape[1] > 0 and (history[:2] > 0).all()  # both steps' amax recorded
-    (note,) = [n for n in f.lower(model, x).report().notes if n.startswith("fp8:")]
+    note = _fp8_note(f.lower(model, x).report())
     assert "delayed scaling" in note and "does not reach" not in note
 
 
