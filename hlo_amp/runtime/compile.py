@@ -49,7 +49,7 @@ from hlo_amp.runtime.frameworks import (
     argument_style,
     unwrap_jit,
 )
-from hlo_amp.runtime.signature import leaf_signature
+from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
 from hlo_amp.targets import (
     NO_TARGET,
     Target,
@@ -182,14 +182,6 @@ class AmpLowered:
 # ---- the compiled-function object -------------------------------------------------------
 
 
-def _normalise_argnums(argnums: int | Sequence[int], count: int) -> tuple[int, ...]:
-    """``argnums`` as positions among ``count`` positional arguments; those beyond them
-    (an argument given by keyword or left to its default) are dropped, as jax.jit does."""
-    if isinstance(argnums, int):
-        argnums = (argnums,)
-    return tuple(sorted({a + count if a < 0 else a for a in argnums} & set(range(count))))
-
-
 def _as_tuple(value: Any, scalar: type) -> tuple:
     return (value,) if isinstance(value, scalar) else tuple(value)
 
@@ -296,7 +288,7 @@ class AmpFunction:
     # -- signatures --
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
-        statics = _normalise_argnums(self.static_argnums, len(args))
+        statics = normalise_argnums(self.static_argnums, len(args))
         dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         static_key = (tuple((i, args[i]) for i in statics if i < len(args)),
@@ -383,7 +375,7 @@ class AmpFunction:
         """After a failed call: one message naming an argument it cannot take, if any."""
         problem = argument_problem(
             self.__name__, args, kwargs,
-            static_argnums=_normalise_argnums(self.static_argnums, len(args)),
+            static_argnums=normalise_argnums(self.static_argnums, len(args)),
             static_argnames=self.static_argnames,
             style=style if style != "nnx" else "statics only")
         if problem:
@@ -410,7 +402,7 @@ class AmpFunction:
 
         It returns the flat output leaves and records their tree for ``key``.
         """
-        statics = _normalise_argnums(self.static_argnums, len(args))
+        statics = normalise_argnums(self.static_argnums, len(args))
         static_kwargs = {k: v for k, v in kwargs.items() if k in self.static_argnames}
 
         def flat_fn(*flat: Any) -> list:

@@ -4,10 +4,15 @@ The function compiled is ``stateful(history, *args) -> (fn(*args), history')``: 
 history ``f32[L, S]`` (L steps of amax, newest first, for each of the S tensors the fp8
 pass quantises) goes in through a barrier in the scope ``STATE_SCOPE``, which the pass
 (passes/fp8_state.py) replaces by the new history. This object keeps one history per
-number of quantised tensors S (a new batch size shares it: the same tensors), passes it
-in, donates it and keeps what comes back, so the user's step keeps its signature. S is read from a first lowering with an empty history (no XLA
-compile). The history starts at zero: the first step's scales are 1, as in Transformer
-Engine.
+program (the static arguments' values, the argument structure and dtypes: a new batch
+size shares it, the same tensors; a static argument that picks other tensors does not),
+passes it in, donates it and keeps what comes back, so the user's step keeps its
+signature. S is read from a first lowering with an empty history (no XLA compile), once
+per signature (a Python scalar argument is traced, as under ``jax.jit``: a new value
+lowers nothing). The history starts at zero: the first step's scales are 1, as in
+Transformer Engine; it is committed to devices only where the arguments are (as jax.jit's
+outputs would be: a committed history beside uncommitted parameters would commit them
+and compile the step a second time).
 
 What it does not do: run under an outer transformation (``jax.jit``, ``vmap``, ``grad``
 of the compiled function) — the state lives between calls, outside any trace — and
@@ -26,7 +31,8 @@ import jax.numpy as jnp
 from hlo_amp import jax_internals as internals
 from hlo_amp.passes.fp8_state import STATE_SCOPE
 from hlo_amp.policy import Policy
-from hlo_amp.runtime.signature import leaf_signature
+from hlo_amp.runtime.frameworks import argument_style
+from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
 
 
 def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
@@ -34,11 +40,12 @@ def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
 
 
 def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
-    """``history`` on the devices of the first array argument, replicated."""
+    """``history`` replicated on the devices of the first committed array argument; left
+    uncommitted where no argument is committed (jax.jit then commits no output either)."""
     for leaf in leaves:
-        sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
-        if sharding is None:
+        if not isinstance(leaf, jax.Array) or not leaf.committed:
             continue
+        sharding = leaf.sharding
         mesh = getattr(sharding, "mesh", None)
         if mesh is not None and not getattr(mesh, "empty", False):
             spec = jax.sharding.PartitionSpec()
@@ -50,6 +57,16 @@ def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
         return jax.device_put(history, jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec()))
     return history
+
+
+def _static_part(leaf: Any) -> Any:
+    """A static leaf in a key: itself (jax.jit and eqx.filter_jit hash static arguments),
+    or its identity where it cannot be hashed."""
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("unhashable", type(leaf).__name__, id(leaf))
+    return (type(leaf).__name__, leaf)
 
 
 class Fp8StatefulFunction:
@@ -73,20 +90,46 @@ class Fp8StatefulFunction:
         self._inner = make(stateful, policy, static_argnums=_shifted(static_argnums),
                            static_argnames=tuple(static_argnames),
                            donate_argnums=(0, *_shifted(donate_argnums)), filter=filter)
-        self._histories: dict[int, jax.Array] = {}  # columns -> the history
+        self.static_argnums = tuple(static_argnums)
+        self.static_argnames = tuple(static_argnames)
+        self.filter = filter
+        self._styles: dict[Any, str] = {}  # argument_style's cache
+        self._histories: dict[Any, jax.Array] = {}  # (program, columns) -> the history
         self._loaded: jax.Array | None = None
-        self._last_columns: int | None = None
-        self._columns_of: dict[Any, int] = {}  # argument signature -> columns
+        self._last_state: Any = None  # the key of the last call's history
+        self._columns_of: dict[Any, int] = {}  # (program, shapes, target) -> columns
 
     # -- the state --
 
-    def _columns(self, args: tuple, kwargs: dict, leaves: list, tree: Any,
+    def _signature(self, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
+        """(the program: the static arguments' values, the structure, dtypes and weak
+        types of the others, a filtered call's non-array leaves; the arrays' shapes and
+        shardings; the array and scalar leaves). A Python scalar that is not static is
+        traced (as under jax.jit): its type counts, not its value."""
+        statics = normalise_argnums(self.static_argnums, len(args))
+        static = (tuple(_static_part(args[i]) for i in statics),
+                  tuple(sorted((k, _static_part(v)) for k, v in kwargs.items()
+                               if k in self.static_argnames)))
+        dynamic = ([a for i, a in enumerate(args) if i not in statics],
+                   {k: v for k, v in kwargs.items() if k not in self.static_argnames})
+        leaves, tree = jax.tree_util.tree_flatten(dynamic)
+        filtered = argument_style(args, kwargs, self.filter, self._styles) == "filter"
+        kinds, shapes = [], []
+        for leaf in leaves:
+            if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+                kinds.append((str(leaf.dtype), bool(getattr(leaf, "weak_type", False))))
+                shapes.append(leaf_signature(leaf))
+            else:
+                kinds.append(_static_part(leaf) if filtered else type(leaf).__name__)
+        return (tree, tuple(kinds), static), tuple(shapes), leaves
+
+    def _columns(self, args: tuple, kwargs: dict, program: Any, shapes: Any,
                  target: Any = None) -> int:
         """How many history columns the fp8 pass takes for these arguments (one per
-        quantised tensor, one per iteration for a tensor in a scan; ``leaves`` and
-        ``tree``: their flattening; a lowering with an empty history, once per
+        quantised tensor, one per iteration for a tensor in a scan; ``program`` and
+        ``shapes``: their ``_signature``; a lowering with an empty history, once per
         signature)."""
-        key = (tree, tuple(leaf_signature(leaf) for leaf in leaves), target)
+        key = (program, shapes, target)
         columns = self._columns_of.get(key)
         if columns is None:
             # Arrays, not ShapeDtypeStructs: a filtered call (Equinox) would take a
@@ -96,23 +139,25 @@ class Fp8StatefulFunction:
             columns = self._columns_of[key] = lowered.report().fp8_state_columns
         return columns
 
-    def _history(self, args: tuple, kwargs: dict, leaves: list, tree: Any) -> jax.Array:
-        columns = self._columns(args, kwargs, leaves, tree)
-        history = self._histories.get(columns)
-        if history is not None:
-            return history
+    def _history(self, args: tuple, kwargs: dict) -> tuple[Any, jax.Array]:
+        """(the key of this program's history, the history this call starts from)."""
+        program, shapes, leaves = self._signature(args, kwargs)
+        columns = self._columns(args, kwargs, program, shapes)
+        state = (program, columns)
         shape = (self.policy.amax_history, columns)
-        if self._loaded is not None:
-            if tuple(self._loaded.shape) != shape:
-                raise ValueError(
-                    f"{self.__name__}: the loaded fp8 state has shape "
-                    f"{tuple(self._loaded.shape)}, this step keeps an amax history of "
-                    f"{self.policy.amax_history} step(s) in {columns} column(s): expected "
-                    f"{shape}")
+        if self._loaded is not None and tuple(self._loaded.shape) == shape:
             history, self._loaded = self._loaded, None  # load_fp8_state's own f32 copy
-        else:
-            history = jnp.zeros(shape, jnp.float32)
-        return _replicated_like(history, leaves)
+            return state, _replicated_like(history, leaves)
+        history = self._histories.get(state)
+        if history is not None:
+            return state, history
+        if self._loaded is not None:
+            raise ValueError(
+                f"{self.__name__}: the loaded fp8 state has shape "
+                f"{tuple(self._loaded.shape)}, this step keeps an amax history of "
+                f"{self.policy.amax_history} step(s) in {columns} column(s): expected "
+                f"{shape}")
+        return state, _replicated_like(jnp.zeros(shape, jnp.float32), leaves)
 
     def fp8_state(self) -> jax.Array:
         """A copy of the amax history the next call starts from (the last call's, or one
@@ -121,14 +166,15 @@ class Fp8StatefulFunction:
         checkpoint)."""
         if self._loaded is not None:
             return jnp.copy(self._loaded)
-        if self._last_columns is None:
+        if self._last_state is None:
             raise RuntimeError(f"{self.__name__}: no fp8 state yet (it exists after the "
                                "first call)")
-        return jnp.copy(self._histories[self._last_columns])
+        return jnp.copy(self._histories[self._last_state])
 
     def load_fp8_state(self, history: Any) -> None:
         """Restore an amax history ``fp8_state()`` returned: the next call whose step
-        quantises as many tensors starts from it (a shape that does not match raises).
+        quantises as many tensors starts from it (a shape that does not match raises,
+        unless the call's program has a history of its own already).
         ``history`` stays the caller's: the step donates a copy of it."""
         # A copy: jnp.asarray returns an f32 jax.Array itself, which the next call would
         # donate, deleting the caller's array (a checkpoint loaded into two steps).
@@ -137,13 +183,12 @@ class Fp8StatefulFunction:
             raise ValueError(f"{self.__name__}: an fp8 state is f32[{self.policy.amax_history}"
                              f", S] (amax_history={self.policy.amax_history}), got shape "
                              f"{tuple(history.shape)}")
-        self._histories.pop(history.shape[1], None)
         self._loaded = history
 
     # -- calls --
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
         if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
             raise TypeError(
                 f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
@@ -151,18 +196,16 @@ class Fp8StatefulFunction:
                 "jax.export or another transformation; call it at the top level (.lower() "
                 "gives the stateful step, history in and out, for AOT), or use "
                 "scaling=current there")
-        history = self._history(args, kwargs, leaves, tree)
-        out, history = self._inner(history, *args, **kwargs)
-        columns = history.shape[1]
-        self._histories[columns] = history
-        self._last_columns = columns
+        state, history = self._history(args, kwargs)
+        out, self._histories[state] = self._inner(history, *args, **kwargs)
+        self._last_state = state
         return out
 
     def lower(self, *args: Any, target: Any = None, **kwargs: Any) -> Any:
         """The stateful function lowered and rewritten: its compiled form takes the
         history (``f32[amax_history, S]``) first and returns ``(outputs, history)``."""
-        columns = self._columns(args, kwargs, *jax.tree_util.tree_flatten((args, kwargs)),
-                                target)
+        program, shapes, _ = self._signature(args, kwargs)
+        columns = self._columns(args, kwargs, program, shapes, target)
         history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
         return self._inner.lower(history, *args, target=target, **kwargs)
 

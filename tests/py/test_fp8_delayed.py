@@ -530,6 +530,80 @@ def test_state_round_trip_continues_identically() -> None:
     assert not np.array_equal(np.asarray(p_c["w1"]), np.asarray(p_a["w1"]))
 
 
+def _task_step(p: dict, x: jax.Array, task: str):
+    """A multi-task step: ``task`` (static) picks the head; head "c" has two matrix ops."""
+    def loss(p: dict) -> jax.Array:
+        h = jax.nn.gelu(x @ p["w1"])
+        y = h @ p["w_" + task] if task != "c" else jnp.tanh(h @ p["w_a"]) @ p["w_c"]
+        return jnp.mean(y ** 2)
+
+    value, grads = jax.value_and_grad(loss)(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, grads), value
+
+
+def _task_params() -> tuple[dict, jax.Array]:
+    p, x = _mlp_params(2)
+    rng = np.random.default_rng(3)
+    # Head b's values are 50 times head a's: a shared history column scales them wrongly.
+    p = {"w1": p["w1"], "w_a": p["w2"], "w_b": p["w2"] * 50.0,
+         "w_c": jnp.asarray(rng.standard_normal((16, 16)) / 4, jnp.float32)}
+    return p, x
+
+
+@pytest.mark.parametrize("other", ["b", "c"])  # as many quantised tensors as "a"; more
+def test_a_static_argument_that_picks_other_tensors_keeps_its_own_history(other) -> None:
+    """A step whose static argument picks other weights keeps a history per program:
+    after steps of task "a", task ``other`` runs as it would on its own, bit for bit."""
+    p, x = _task_params()
+    both = hlo_amp.compile(_task_step, _delayed(4), static_argnums=2)
+    alone = hlo_amp.compile(_task_step, _delayed(4), static_argnums=2)
+    columns = {t: both.lower(p, x, t).report().fp8_state_columns for t in ("a", other)}
+    assert (columns["a"] == columns[other]) == (other == "b")
+    q, _ = both(p, x, "a")
+    q, _ = both(q, x, "a")
+    assert (np.asarray(both.fp8_state())[:2] > 0).all()
+    for _ in range(2):
+        got, got_loss = both(q, x, other)
+        want, want_loss = alone(q, x, other)
+        assert float(got_loss) == float(want_loss)
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        np.testing.assert_array_equal(np.asarray(both.fp8_state()),
+                                      np.asarray(alone.fp8_state()))
+        q = got
+    note = _fp8_note(both.lower(p, x, other).report())
+    assert "does not reach" not in note
+    # Task "a"'s history is still its own: two rows recorded, then a third.
+    both(q, x, "a")
+    history = np.asarray(both.fp8_state())
+    assert history.shape[1] == columns["a"] and (history[:3] > 0).all()
+    assert (history[3] == 0).all()
+
+
+def test_a_python_scalar_argument_is_traced_and_the_second_call_compiles_nothing() -> None:
+    """A learning rate given as a Python float, a new value each step: one lowering to
+    count the columns and one executable, as jax.jit gives (the first call's history
+    commits nothing the arguments did not)."""
+    p, x = _mlp_params(4)
+
+    def step(p, x, lr):
+        value, grads = jax.value_and_grad(lambda p: _mlp_step(p, x)[1])(p)
+        return jax.tree.map(lambda a, b: a - lr * b, p, grads), value
+
+    f = hlo_amp.compile(step, _delayed(4))
+    p, _ = f(p, x, 0.1)
+    lowerings = f.lowerings
+    for k in range(2, 5):
+        p, _ = f(p, x, 0.1 / k)
+    assert f.lowerings == lowerings and f.cache_size() == 1
+    assert all(not leaf.committed for leaf in jax.tree.leaves(p))
+    # Committed arguments commit the history to their device: still one executable.
+    f = hlo_amp.compile(step, _delayed(4))
+    q = jax.device_put(_mlp_params(4)[0], jax.devices()[0])
+    for k in range(1, 4):
+        q, _ = f(q, x, 0.1 / k)
+    assert f.cache_size() == 1 and f.fp8_state().shape[1] > 0
+
+
 # ---- 8. no state barrier: current scaling, said so ----------------------------------------
 
 
@@ -628,7 +702,7 @@ losses = []
 for _ in range(3):
     p, l = f(p, x)
     losses.append(float(l))
-history = f._histories[f._last_columns]
+history = f._histories[f._last_state]
 print("RESULTS=" + json.dumps({
     "history_spec": list(history.sharding.spec), "history_devices": len(history.sharding.device_set),
     "history_mesh": str(history.sharding.mesh.shape_tuple),
