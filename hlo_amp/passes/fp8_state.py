@@ -18,7 +18,9 @@ one history per layer: its scale and its amax are element ``c + k`` of the vecto
 the iteration (the loop's counter, passed to such a function as one more argument). A
 longer loop's tensor, or one in a loop whose trip count cannot be read, has one column:
 the largest amax over the iterations. A quantisation anywhere else (a conditional's
-branch, a function public besides ``main``) is not reachable and keeps current scaling.
+branch, a function public besides ``main``, a ``shard_map`` body, whose per-device amax
+would make the replicated history differ between devices) is not reachable and keeps
+current scaling.
 """
 
 from __future__ import annotations

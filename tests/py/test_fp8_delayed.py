@@ -703,7 +703,27 @@ for _ in range(3):
     p, l = f(p, x)
     losses.append(float(l))
 history = f._histories[f._last_state]
+# A shard_map body (rows of x 1000 times apart on the "data" devices): its tensors keep
+# per-device current scaling; the history, replicated, must stay the same everywhere.
+from functools import partial
+@partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+def body(w1, x):
+    return jax.lax.pmean(jnp.mean(jax.nn.gelu(x @ w1) ** 2), "data")
+def mapped(p, x):
+    l, g = jax.value_and_grad(lambda p: body(p["w1"], x) + loss(p, x))(p)
+    return jax.tree.map(lambda a, b: a - 0.01 * b, p, g), l
+g = hlo_amp.compile(mapped, "fp8,scaling=delayed,amax_history=4,first_matrix_op=none,"
+                    "last_matrix_op=none")
+wide = jax.device_put(jax.random.normal(jax.random.key(3), (64, 64)) * jnp.repeat(
+    jnp.array([1.0, 10.0, 100.0, 1000.0]), 16)[:, None], NamedSharding(mesh, P("data")))
+q = p
+for _ in range(2):
+    q, _ = g(q, wide)
+shards = [np.asarray(s.data) for s in g._histories[g._last_state].addressable_shards]
 print("RESULTS=" + json.dumps({
+    "mapped_equal": all(np.array_equal(shards[0], s) for s in shards[1:]),
+    "mapped_rows": shards[0][:2].tolist(),
+    "mapped_note": [n for n in g.lower(p, wide).report().notes if n.startswith("fp8")][0],
     "history_spec": list(history.sharding.spec), "history_devices": len(history.sharding.device_set),
     "history_mesh": str(history.sharding.mesh.shape_tuple),
     "params_kept": [v.sharding.is_equivalent_to(NamedSharding(mesh, specs[k]), v.ndim)
@@ -715,7 +735,8 @@ print("RESULTS=" + json.dumps({
 
 def test_the_history_lives_replicated_on_the_parameters_mesh() -> None:
     """On a mesh of 8 host devices: the history is replicated on the parameters' mesh,
-    the parameters keep their shardings, each step records the global amax."""
+    the parameters keep their shardings, each step records the global amax; a shard_map
+    body keeps current scaling and the history the same on every device."""
     from host_devices import run_on_host_devices
 
     found = run_on_host_devices(SHARDED_SCRIPT)
@@ -727,3 +748,12 @@ def test_the_history_lives_replicated_on_the_parameters_mesh() -> None:
     assert (rows > 0).all()  # three steps, every column recorded
     # The global amax of the sharded input (in the fast mode, of its bf16 value), exactly.
     assert found["amax_x"] in rows[0]
+    # A shard_map body is not reached by the history: its tensors are counted as current
+    # scaling, their columns stay 0, and every device holds the same history.
+    assert "the history does not reach, current" in found["mapped_note"]
+    assert found["mapped_equal"]
+    mapped = np.asarray(found["mapped_rows"])
+    unreached = int(found["mapped_note"].split(" the history does not reach")[0]
+                    .split("; ")[-1])
+    assert unreached > 0 and (mapped == 0).all(axis=0).sum() == unreached
+    assert (mapped[:, (mapped != 0).any(axis=0)] > 0).all()  # the others: both steps
