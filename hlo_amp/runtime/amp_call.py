@@ -24,7 +24,8 @@ import numpy as np
 
 from hlo_amp import jax_internals as internals
 
-AvalsKey = tuple[tuple[tuple[int, ...], np.dtype, bool], ...]  # shape, dtype, weak type
+# shape, dtype, weak type, sharding in the type (Explicit mesh axes) or None
+AvalsKey = tuple[tuple[tuple[int, ...], np.dtype, bool, Any], ...]
 
 
 class ProgramOwner(Protocol):
@@ -72,15 +73,31 @@ class Program:
 
 
 def avals_key(values: Sequence[Any]) -> AvalsKey:
-    """(shape, dtype, weak type) of each value or abstract value: the export cache key.
+    """(shape, dtype, weak type, ``explicit_sharding``) of each value or abstract value:
+    the export cache key.
 
     The weak type matters: a Python scalar times a bf16 array stays bf16 under jax.jit.
     """
     out = []
     for value in values:
         aval = value if isinstance(value, internals.ShapedArray) else jax.typeof(value)
-        out.append((tuple(aval.shape), _dtype_key(aval.dtype), bool(aval.weak_type)))
+        out.append((tuple(aval.shape), _dtype_key(aval.dtype), bool(aval.weak_type),
+                    explicit_sharding(aval)))
     return tuple(out)
+
+
+def explicit_sharding(aval: Any) -> Any:
+    """The sharding in ``aval``'s type where its mesh has Explicit axes (jax.make_mesh's
+    default), on the abstract mesh; else None. Such a type decides what the function
+    traces to: shard_map checks its in_specs against it, a dot's result sharding and
+    ``jax.typeof`` follow it."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True) or not mesh.explicit_axes:
+        return None
+    abstract = getattr(mesh, "abstract_mesh", mesh)  # a concrete Mesh's abstract one
+    return sharding if abstract is mesh else jax.sharding.NamedSharding(abstract,
+                                                                         sharding.spec)
 
 
 def _dtype_key(dtype: Any) -> Any:
@@ -90,8 +107,8 @@ def _dtype_key(dtype: Any) -> Any:
 
 
 def shape_structs(avals: AvalsKey) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
-            for shape, dtype, weak in avals]
+    return [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak, sharding=sharding)
+            for shape, dtype, weak, sharding in avals]
 
 
 def _is_float(dtype: Any) -> bool:

@@ -37,6 +37,7 @@ from hlo_amp.runtime.amp_call import (
     Program,
     amp_call_p,
     avals_key,
+    explicit_sharding,
     shape_structs,
 )
 from hlo_amp.runtime.arguments import argument_problem
@@ -454,7 +455,8 @@ class AmpFunction:
         if exported is not None:
             return list(exported.out_avals)
         shapes = jax.eval_shape(program.fn, *shape_structs(avals))
-        return [internals.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type) for x in shapes]
+        return [internals.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type,
+                                      sharding=explicit_sharding(x)) for x in shapes]
 
     def residual_tree(self, program: Program, avals: AvalsKey) -> Any:
         key = (program.key, avals)

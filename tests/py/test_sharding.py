@@ -108,6 +108,41 @@ SCRIPT = textwrap.dedent("""
     results["shard_map_err"] = float(jnp.max(jnp.abs(sm_out - x @ w)))
     results["shard_map_scale"] = float(jnp.max(jnp.abs(x @ w)))
     results["shard_map_text_bf16"] = "bf16" in amp_sm.lower(x, w).as_text()
+
+    # An Explicit mesh (jax.make_mesh's default): the types carry shardings, which
+    # shard_map checks its in_specs against and jax.typeof reads at trace time.
+    emesh = jax.make_mesh((4, 2), ("data", "model"))
+    traced_specs = []
+
+    def body(h):
+        return jax.lax.psum(jnp.sum(h ** 2), ("data", "model"))
+
+    def e_loss(p, x):
+        h = jnp.tanh(x @ p["w1"])
+        traced_specs.append(str(jax.typeof(h).sharding.spec))
+        summed = jax.shard_map(body, mesh=emesh, in_specs=P("data", "model"), out_specs=P())
+        return summed(h) / h.size + jnp.mean(h @ p["w2"])
+
+    def e_step(p, x):
+        loss, grads = jax.value_and_grad(e_loss)(p, x)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss
+
+    try:  # a failure here is this test's, not the fixture's
+        with jax.set_mesh(emesh):
+            e_params = jax.device_put(params, {"w1": NamedSharding(emesh, P(None, "model")),
+                                               "w2": NamedSharding(emesh, P())})
+            e_x = jax.device_put(x, NamedSharding(emesh, P("data")))
+            e_jit, e_jit_loss = jax.jit(e_step)(e_params, e_x)
+            jit_specs = list(traced_specs)
+            del traced_specs[:]
+            e_amp, e_amp_loss = hlo_amp.compile(e_step, "mixed_bfloat16")(e_params, e_x)
+            results["explicit_specs"] = [jit_specs, sorted(set(traced_specs))]
+            results["explicit_loss"] = [float(e_jit_loss), float(e_amp_loss)]
+            results["explicit_sharding_equivalent"] = [
+                e_amp[k].sharding.is_equivalent_to(e_jit[k].sharding, 2) for k in e_amp]
+            results["explicit_types"] = [str(jax.typeof(e_amp["w1"])), str(jax.typeof(e_jit["w1"]))]
+    except Exception as error:  # noqa: BLE001
+        results["explicit_error"] = f"{type(error).__name__}: {str(error)[:300]}"
     print("RESULTS=" + json.dumps(results))
 """)
 
@@ -166,3 +201,17 @@ def test_mixed_mode_keeps_shardings_and_paints(results):
     for k, err in results["mixed_max_err"].items():
         assert err <= 1.6e-2 * results["scale"][k], (k, err)
     assert results["mixed_low_bytes"] > 0  # the tanh between the dots is 16-bit
+
+
+def test_explicit_mesh_types_are_traced_with_their_shardings(results):
+    """On jax.make_mesh's default Explicit axes the function is traced with the argument
+    types' shardings, as jax.jit traces it: a shard_map's in_specs match them (they did
+    not: the trace saw unsharded types and shard_map refused), jax.typeof reads the same
+    sharding, and the outputs keep jax.jit's shardings."""
+    assert "explicit_error" not in results, results["explicit_error"]
+    jit_specs, amp_specs = results["explicit_specs"]
+    assert jit_specs and amp_specs == sorted(set(jit_specs)) == ["P('data', 'model')"]
+    jit_loss, amp_loss = results["explicit_loss"]
+    assert abs(amp_loss - jit_loss) <= 2e-2 * abs(jit_loss)
+    assert results["explicit_sharding_equivalent"] == [True, True]
+    assert results["explicit_types"][0] == results["explicit_types"][1]
