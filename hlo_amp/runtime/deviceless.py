@@ -28,6 +28,7 @@ import where ``JAX_PLATFORMS`` excludes TPUs, with ``ALLOW_MULTIPLE_LIBTPU_LOAD`
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -82,11 +83,9 @@ def abstract_arguments(tree: Any, target: Target) -> Any:
         mesh = sharding.mesh
         if mesh.size != target.devices:
             return replicated
-        axes = tuple(mesh.shape.items())
-        key = (axes, tuple(mesh.axis_types))
-        if key not in meshes:  # the same axes on the target's devices, Explicit ones kept
-            meshes[key] = jax.sharding.Mesh(target.mesh(dict(axes)).devices,
-                                            mesh.axis_names, axis_types=mesh.axis_types)
+        key = (tuple(mesh.shape.items()), tuple(mesh.axis_types))
+        if key not in meshes:
+            meshes[key] = on_target_mesh(mesh, target)
         if mesh == meshes[key]:
             return sharding
         return jax.sharding.NamedSharding(meshes[key], sharding.spec,
@@ -105,12 +104,24 @@ def abstract_arguments(tree: Any, target: Target) -> Any:
     return jax.tree_util.tree_map(place, tree)
 
 
+def on_target_mesh(mesh: Any, target: Target) -> jax.sharding.Mesh:
+    """``mesh``'s axes (names, sizes, types: Explicit ones kept) on the target's devices."""
+    return jax.sharding.Mesh(target.mesh(dict(mesh.shape)).devices, mesh.axis_names,
+                             axis_types=mesh.axis_types)
+
+
 def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target) -> Any:
     """``jitted`` (a ``jax.jit`` function) traced on abstract arguments and lowered for
     ``target``: a JAX ``Lowered`` whose ``compile(target.compiler_options)`` runs XLA for
-    that device."""
-    args, kwargs = abstract_arguments((args, kwargs), target)
-    return jitted.trace(*args, **kwargs).lower(lowering_platforms=(target.platform,))
+    that device. A mesh set with ``jax.set_mesh`` whose size is the target's is set on
+    the target's devices for the trace (its arguments' types name those devices)."""
+    context = jax.sharding.get_abstract_mesh()
+    scope = (jax.set_mesh(on_target_mesh(context, target))
+             if not context.empty and context.size == target.devices
+             else contextlib.nullcontext())
+    with scope:
+        args, kwargs = abstract_arguments((args, kwargs), target)
+        return jitted.trace(*args, **kwargs).lower(lowering_platforms=(target.platform,))
 
 
 def compile_for_target(jitted: Any, *args: Any, target: str | Target = "h100",

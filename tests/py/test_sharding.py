@@ -120,7 +120,9 @@ SCRIPT = textwrap.dedent("""
     def e_loss(p, x):
         h = jnp.tanh(x @ p["w1"])
         traced_specs.append(str(jax.typeof(h).sharding.spec))
-        summed = jax.shard_map(body, mesh=emesh, in_specs=P("data", "model"), out_specs=P())
+        # No mesh=: the context's (jax.set_mesh), which a compile for a target moves
+        # onto the target's devices.
+        summed = jax.shard_map(body, in_specs=P("data", "model"), out_specs=P())
         return summed(h) / h.size + jnp.mean(h @ p["w2"])
 
     def e_step(p, x):
@@ -141,6 +143,17 @@ SCRIPT = textwrap.dedent("""
             results["explicit_sharding_equivalent"] = [
                 e_amp[k].sharding.is_equivalent_to(e_jit[k].sharding, 2) for k in e_amp]
             results["explicit_types"] = [str(jax.typeof(e_amp["w1"])), str(jax.typeof(e_jit["w1"]))]
+            # Compiled for 8 H100s without them, under the host mesh's jax.set_mesh.
+            on_gpus = hlo_amp.compile(e_step, "mixed_bfloat16").lower(
+                e_params, e_x, target="h100x8").compile()
+            def padded(sharding, ndim):
+                return [str(a) for a in tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))]
+
+            outs = jax.tree.leaves((e_jit, e_jit_loss))
+            results["explicit_target_specs"] = [
+                [padded(s, o.ndim) for s, o in zip(
+                    jax.tree.leaves(on_gpus.jax_compiled.output_shardings), outs)],
+                [padded(o.sharding, o.ndim) for o in outs]]
     except Exception as error:  # noqa: BLE001
         results["explicit_error"] = f"{type(error).__name__}: {str(error)[:300]}"
     print("RESULTS=" + json.dumps(results))
@@ -207,7 +220,8 @@ def test_explicit_mesh_types_are_traced_with_their_shardings(results):
     """On jax.make_mesh's default Explicit axes the function is traced with the argument
     types' shardings, as jax.jit traces it: a shard_map's in_specs match them (they did
     not: the trace saw unsharded types and shard_map refused), jax.typeof reads the same
-    sharding, and the outputs keep jax.jit's shardings."""
+    sharding, and the outputs keep jax.jit's shardings, also compiled for h100x8 under
+    the host mesh's jax.set_mesh."""
     assert "explicit_error" not in results, results["explicit_error"]
     jit_specs, amp_specs = results["explicit_specs"]
     assert jit_specs and amp_specs == sorted(set(jit_specs)) == ["P('data', 'model')"]
@@ -215,3 +229,7 @@ def test_explicit_mesh_types_are_traced_with_their_shardings(results):
     assert abs(amp_loss - jit_loss) <= 2e-2 * abs(jit_loss)
     assert results["explicit_sharding_equivalent"] == [True, True]
     assert results["explicit_types"][0] == results["explicit_types"][1]
+    # The same step compiles for h100x8 under the host mesh's jax.set_mesh (the trace
+    # failed: "context mesh ... platform=cpu should match the aval mesh").
+    on_target, on_host = results["explicit_target_specs"]
+    assert on_target == on_host and ["None", "model"] in on_host
