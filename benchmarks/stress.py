@@ -66,7 +66,8 @@ def init_params(layers: int, d: int, seed: int = 0) -> list[dict[str, jax.Array]
              "fc2": weight(4 * d, d)} for _ in range(layers)]
 
 
-def _norm(x: jax.Array) -> jax.Array:
+def layer_norm(x: jax.Array) -> jax.Array:
+    """LayerNorm without gain or bias (eps 1e-5)."""
     mean = x.mean(-1, keepdims=True)
     return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
 
@@ -76,13 +77,13 @@ def forward(params: list[dict[str, jax.Array]], x: jax.Array, heads: int) -> jax
     for i, p in enumerate(params):
         with jax.named_scope(f"Block_{i}"):
             with jax.named_scope("attn"):
-                q, k, v = jnp.split(_norm(x) @ p["qkv"], 3, axis=-1)
+                q, k, v = jnp.split(layer_norm(x) @ p["qkv"], 3, axis=-1)
                 q, k, v = (a.reshape(b, t, heads, d // heads) for a in (q, k, v))
                 s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads)
                 o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
                 x = x + o.reshape(b, t, d) @ p["proj"]
             with jax.named_scope("mlp"):
-                x = x + jax.nn.gelu(_norm(x) @ p["fc1"]) @ p["fc2"]
+                x = x + jax.nn.gelu(layer_norm(x) @ p["fc1"]) @ p["fc2"]
     return x
 
 

@@ -50,7 +50,7 @@ from hlo_amp.runtime.frameworks import (
     argument_style,
     unwrap_jit,
 )
-from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
+from hlo_amp.runtime.signature import leaf_signature, normalise_argnums, split_static
 from hlo_amp.targets import (
     NO_TARGET,
     Target,
@@ -289,13 +289,9 @@ class AmpFunction:
     # -- signatures --
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
-        statics = normalise_argnums(self.static_argnums, len(args))
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        static_key = (tuple((i, args[i]) for i in statics if i < len(args)),
-                      tuple(sorted((k, v) for k, v in kwargs.items()
-                                   if k in self.static_argnames)))
-        return dyn_args, dyn_kwargs, static_key
+        dyn_args, dyn_kwargs, static_args, static_kwargs = split_static(
+            args, kwargs, self.static_argnums, self.static_argnames)
+        return dyn_args, dyn_kwargs, (static_args, static_kwargs)
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list, Any, Any]:
         """Dynamic args and kwargs, their leaves and treedef, and the cache key."""

@@ -32,7 +32,7 @@ from hlo_amp import jax_internals as internals
 from hlo_amp.passes.fp8_state import STATE_SCOPE
 from hlo_amp.policy import Policy
 from hlo_amp.runtime.frameworks import argument_style
-from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
+from hlo_amp.runtime.signature import leaf_signature, split_static
 
 
 def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
@@ -104,23 +104,23 @@ class Fp8StatefulFunction:
     def _signature(self, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
         """(the program: the static arguments' values, the structure, dtypes and weak
         types of the others, a filtered call's non-array leaves; the arrays' shapes and
-        shardings; the array and scalar leaves). A Python scalar that is not static is
-        traced (as under jax.jit): its type counts, not its value."""
-        statics = normalise_argnums(self.static_argnums, len(args))
-        static = (tuple(_static_part(args[i]) for i in statics),
-                  tuple(sorted((k, _static_part(v)) for k, v in kwargs.items()
-                               if k in self.static_argnames)))
-        dynamic = ([a for i, a in enumerate(args) if i not in statics],
-                   {k: v for k, v in kwargs.items() if k not in self.static_argnames})
-        leaves, tree = jax.tree_util.tree_flatten(dynamic)
-        filtered = argument_style(args, kwargs, self.filter, self._styles) == "filter"
+        shardings; the dynamic leaves). A Python scalar that is not static is traced (as
+        under jax.jit): its type counts, not its value."""
+        dyn_args, dyn_kwargs, static_args, static_kwargs = split_static(
+            args, kwargs, self.static_argnums, self.static_argnames)
+        static = (tuple(_static_part(v) for _, v in static_args),
+                  tuple((k, _static_part(v)) for k, v in static_kwargs))
+        leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        filtered = None  # asked only where a leaf is not an array
         kinds, shapes = [], []
         for leaf in leaves:
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
                 kinds.append((str(leaf.dtype), bool(getattr(leaf, "weak_type", False))))
                 shapes.append(leaf_signature(leaf))
-            else:
-                kinds.append(_static_part(leaf) if filtered else type(leaf).__name__)
+                continue
+            if filtered is None:
+                filtered = argument_style(args, kwargs, self.filter, self._styles) == "filter"
+            kinds.append(_static_part(leaf) if filtered else type(leaf).__name__)
         return (tree, tuple(kinds), static), tuple(shapes), leaves
 
     def _columns(self, args: tuple, kwargs: dict, program: Any, shapes: Any,
@@ -139,9 +139,10 @@ class Fp8StatefulFunction:
             columns = self._columns_of[key] = lowered.report().fp8_state_columns
         return columns
 
-    def _history(self, args: tuple, kwargs: dict) -> tuple[Any, jax.Array]:
-        """(the key of this program's history, the history this call starts from)."""
-        program, shapes, leaves = self._signature(args, kwargs)
+    def _history(self, args: tuple, kwargs: dict, program: Any, shapes: Any, leaves: list
+                 ) -> tuple[Any, jax.Array]:
+        """(the key of this program's history, the history this call starts from;
+        ``program``, ``shapes``, ``leaves``: the call's ``_signature``)."""
         columns = self._columns(args, kwargs, program, shapes)
         state = (program, columns)
         shape = (self.policy.amax_history, columns)
@@ -188,15 +189,15 @@ class Fp8StatefulFunction:
     # -- calls --
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves = jax.tree_util.tree_leaves((args, kwargs))
-        if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
+        program, shapes, leaves = self._signature(args, kwargs)
+        if any(isinstance(x, internals.Tracer) for x in (*leaves, *args, *kwargs.values())):
             raise TypeError(
                 f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
                 "history between calls, so it cannot run under jax.jit, vmap, grad, "
                 "jax.export or another transformation; call it at the top level (.lower() "
                 "gives the stateful step, history in and out, for AOT), or use "
                 "scaling=current there")
-        state, history = self._history(args, kwargs)
+        state, history = self._history(args, kwargs, program, shapes, leaves)
         out, self._histories[state] = self._inner(history, *args, **kwargs)
         self._last_state = state
         return out

@@ -1,5 +1,5 @@
-"""The cache key of one argument leaf and the positions of static arguments, shared by the
-compiled-function objects."""
+"""The cache key of one argument leaf and the split of a call's static arguments, shared
+by the compiled-function objects."""
 
 from __future__ import annotations
 
@@ -25,3 +25,15 @@ def normalise_argnums(argnums: int | Sequence[int], count: int) -> tuple[int, ..
     if isinstance(argnums, int):
         argnums = (argnums,)
     return tuple(sorted({a + count if a < 0 else a for a in argnums} & set(range(count))))
+
+
+def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int],
+                 static_argnames: Sequence[str]) -> tuple[tuple, dict, tuple, tuple]:
+    """(the dynamic positional arguments, the dynamic keyword arguments, the static ones
+    as (position, value) pairs, the static keyword ones as (name, value) pairs by name)."""
+    statics = normalise_argnums(static_argnums, len(args))
+    return (tuple(a for i, a in enumerate(args) if i not in statics),
+            {k: v for k, v in kwargs.items() if k not in static_argnames},
+            tuple((i, args[i]) for i in statics),
+            tuple(sorted(((k, v) for k, v in kwargs.items() if k in static_argnames),
+                         key=lambda item: item[0])))

@@ -40,12 +40,13 @@ def _delayed(length: int) -> str:
     return f"fp8,scaling=delayed,amax_history={length},{ALL}"
 
 
-def _mlp_step(p: dict, x: jax.Array):
-    def loss(p: dict, x: jax.Array) -> jax.Array:
-        h = jax.nn.gelu(x @ p["w1"])
-        return jnp.mean((h @ p["w2"]) ** 2)
+def _mlp_loss(p: dict, x: jax.Array) -> jax.Array:
+    h = jax.nn.gelu(x @ p["w1"])
+    return jnp.mean((h @ p["w2"]) ** 2)
 
-    value, grads = jax.value_and_grad(loss)(p, x)
+
+def _mlp_step(p: dict, x: jax.Array):
+    value, grads = jax.value_and_grad(_mlp_loss)(p, x)
     return jax.tree.map(lambda a, b: a - 0.1 * b, p, grads), value
 
 
@@ -586,7 +587,7 @@ def test_a_python_scalar_argument_is_traced_and_the_second_call_compiles_nothing
     p, x = _mlp_params(4)
 
     def step(p, x, lr):
-        value, grads = jax.value_and_grad(lambda p: _mlp_step(p, x)[1])(p)
+        value, grads = jax.value_and_grad(_mlp_loss)(p, x)
         return jax.tree.map(lambda a, b: a - lr * b, p, grads), value
 
     f = hlo_amp.compile(step, _delayed(4))
