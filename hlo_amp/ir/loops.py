@@ -16,7 +16,7 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import callee_name, is_call, op_key, terminator
+from hlo_amp.ir.modules import callee_name, constant_value, is_call, op_key, terminator
 
 WHILE = "stablehlo.while"
 # The direction that reads the same with the operands swapped.
@@ -25,12 +25,7 @@ _SWAPPED = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE", "EQ": "E
 
 def int_constant(value: ir.Value) -> int | None:
     """The integer of a scalar (or splat) ``stablehlo.constant``; None for anything else."""
-    if isinstance(value, ir.BlockArgument):
-        return None
-    owner = value.owner
-    if owner.name != "stablehlo.constant":
-        return None
-    attribute = owner.attributes["value"]
+    attribute = constant_value(value)
     if not isinstance(attribute, ir.DenseIntElementsAttr) or not attribute.is_splat:
         return None
     splat = attribute.get_splat_value()

@@ -450,7 +450,29 @@ def callee_entry(op: object, by_name: dict[str, Any]) -> ir.Block | None:
     return callee.regions[0].blocks[0]
 
 
-def _symbol_refs(attribute: ir.Attribute) -> list[str]:
+def readable_attribute(op: ir.Operation | ir.OpView, name: str) -> ir.Attribute | None:
+    """``op``'s attribute ``name``, or None where it is missing or jaxlib's bindings cannot
+    read it: a dense attribute of complex elements (a complex constant's ``value``)
+    raises TypeError on every read (and aborts the process when read from a
+    NamedAttribute's ``.attr``), so no pass reads one through the attribute map alone."""
+    attributes = op.operation.attributes
+    if name not in attributes:
+        return None
+    try:
+        return attributes[name]
+    except TypeError:
+        return None
+
+
+def constant_value(value: ir.Value) -> ir.Attribute | None:
+    """The ``value`` attribute of the ``stablehlo.constant`` that defines ``value``; None
+    for another producer, a block argument or a value the bindings cannot read."""
+    if isinstance(value, ir.BlockArgument) or value.owner.name != "stablehlo.constant":
+        return None
+    return readable_attribute(value.owner, "value")
+
+
+def _symbol_refs(attribute: ir.Attribute | None) -> list[str]:
     if isinstance(attribute, ir.FlatSymbolRefAttr):
         return [attribute.value]
     if isinstance(attribute, ir.ArrayAttr):
@@ -464,9 +486,8 @@ def named_outside_calls(ops: list[ir.Operation]) -> set[str]:
     named: set[str] = set()
     for op in ops:
         if not is_call(op):
-            attributes = op.operation.attributes
-            for attribute in attributes:
-                named.update(_symbol_refs(attributes[attribute]))
+            for attribute in op.operation.attributes:
+                named.update(_symbol_refs(readable_attribute(op, attribute)))
     return named
 
 

@@ -14,14 +14,15 @@ through the train step) and rewrites the dot to read the fp8 tensors directly:
     y     = dot_general(q_lhs, q_rhs) -> result type  *  broadcast(s_lhs * s_rhs)
 
 (D, the dequantise type, is bf16 by default; the dot's result type stays what the
-program wrote.) That is Flax's and Transformer Engine's form: XLA:GPU's gemm_rewriter.cc
-makes the dot one ``__cublas$lt$matmul$f8`` custom call and folds the scale product into
-it, and with Triton GEMM on it stays a Triton fp8 fusion (the older dequantise-then-dot
-form became a bf16 GEMM there; docs/fp8.md). An f32 operand computed from a matrix op
-(the accurate mode's) is quantised behind an ``optimization_barrier`` so the rewriter
-cannot fuse a scale into the GEMM whose own amax computes it. Values saturate at ``fmax`` (Transformer Engine's
-and Flax's ``clip``), a NaN stays NaN, so a step with a NaN operand gives non-finite
-gradients and the loss scaler skips it.
+program wrote, except f16, which is computed and scaled in f32 and converted after.)
+That is Flax's and Transformer Engine's form: XLA:GPU's gemm_rewriter.cc makes the dot
+one ``__cublas$lt$matmul$f8`` custom call and folds the scale product into it, and with
+Triton GEMM on it stays a Triton fp8 fusion (the older dequantise-then-dot form became a
+bf16 GEMM there; docs/fp8.md). An f32 operand computed from a matrix op (the accurate
+mode's) is quantised behind an ``optimization_barrier`` so the rewriter cannot fuse a
+scale into the GEMM whose own amax computes it. Values saturate at ``fmax`` (Transformer
+Engine's and Flax's ``clip``), a NaN stays NaN, so a step with a NaN operand gives
+non-finite gradients and the loss scaler skips it.
 
 One quantisation per (value, fp8 type, dequantise type) and block: a weight read by the
 forward dot and by the backward dot computing dx is quantised once. Ops get the dot's
@@ -293,12 +294,24 @@ def _direct(op: Any, operands: list[tuple[ir.Value, ir.Value]]) -> None:
     scales (f32, exact: each holds at most 8 significant bits) multiplies its result."""
     (q_lhs, s_lhs), (q_rhs, s_rhs) = operands
     result = op.results[0]
-    element = ir.RankedTensorType(result.type).element_type
+    written_type = result.type
+    element = ir.RankedTensorType(written_type).element_type
+    f32 = ir.F32Type.get()
+    # An f16 result cannot hold the unscaled sums (one e4m3 product reaches 448**2, past
+    # f16's 65504) nor a small scale product (1e-10 is 0 in f16): every element came out
+    # inf or NaN. Such a dot computes and scales in f32, then converts to f16.
+    in_f32 = element == ir.F16Type.get()
+    if in_f32:
+        result.set_type(with_element(written_type, f32))
+        element = f32
     with op.location, ir.InsertionPoint(op):
         op.operands[0], op.operands[1] = q_lhs, q_rhs
         scale = hlo.multiply(s_lhs, s_rhs)
-        if element != ir.F32Type.get():
+        if element != f32:
             scale = hlo.convert(ir.RankedTensorType.get([], element), scale)
     with op.location, ir.InsertionPoint.after(op):
         scaled = hlo.multiply(result, hlo.broadcast_in_dim(result.type, scale, []))
-    result.replace_all_uses_except(scaled, scaled.owner.operation)
+        last = scaled.owner.operation
+        if in_f32:
+            scaled = hlo.convert(written_type, scaled)
+    result.replace_all_uses_except(scaled, last)

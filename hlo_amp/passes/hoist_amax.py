@@ -40,7 +40,7 @@ from hlo_amp.ir.loops import (
     outside_value,
     stack_slice,
 )
-from hlo_amp.ir.modules import discard, growable_functions, live_uses, op_key
+from hlo_amp.ir.modules import constant_value, discard, growable_functions, live_uses, op_key
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
 from hlo_amp.passes.fp8 import max_abs
 from hlo_amp.report import Report
@@ -92,9 +92,7 @@ def _build(value: ir.Value, converts: Sequence[ir.Type], dimensions: list[int]) 
 
 
 def _is_zero(value: ir.Value) -> bool:
-    if isinstance(value, ir.BlockArgument) or value.owner.name != "stablehlo.constant":
-        return False
-    attribute = value.owner.attributes["value"]
+    attribute = constant_value(value)
     if not isinstance(attribute, ir.DenseFPElementsAttr) or not attribute.is_splat:
         return False
     return ir.FloatAttr(attribute.get_splat_value()).value == 0.0

@@ -216,10 +216,11 @@ class Target:
         (docs/fp8.md; ``result``: the dot's result element type). The dot itself reads
         the fp8 tensors (the direct form); XLA:GPU folds the scale product into the fp8
         GEMM whatever D is (xla/service/gpu/transforms/gemm_rewriter.cc, see
-        targets/fp8_gemm.py)."""
-        if result in ("bf16", "f16"):
+        targets/fp8_gemm.py). An f16 dot computes and scales in f32 (passes/fp8.py), so
+        its scales stay f32: in f16 a scale below 6e-8 (an amax under 2.7e-5) is 0."""
+        if result == "bf16":
             return result
-        return "bf16" if compute_dtype == "bfloat16" else "f32"
+        return "bf16" if compute_dtype == "bfloat16" and result != "f16" else "f32"
 
     # -- deviceless compiles ------------------------------------------------------------
 

@@ -248,3 +248,41 @@ func.func @scoped(%x: tensor<32x64xf32>, %wa: tensor<64x64xf32>, %wm: tensor<64x
 // JSON:      "fp8: 2 dot_general as fp8 GEMMs (e4m3fn x e5m2 1, e5m2 x e4m3fn 1)
 // JSON:      "fp8: 2 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 2)
 // JSON:      "fp8: 3 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 3), {{.*}}; 3 fp8 fallback(s) to the compute dtype (reasons per op)"
+
+// -----
+
+// An f16 dot (a program written in f16): the unscaled fp8 sums (one e4m3 product reaches
+// 448 * 448) pass f16's 65504 and a small scale product is 0 in f16, so the dot
+// computes and scales in f32 and converts its result to f16 (every element was inf or
+// NaN before), and its scales are not rounded to f16 (D is f32).
+// CHECK-LABEL: func.func @f16_result
+// CHECK:         %[[A:.*]] = stablehlo.reduce({{.*}}) applies stablehlo.maximum {{.*}} -> tensor<f16>
+// CHECK:         %[[A32:.*]] = stablehlo.convert %[[A]] : (tensor<f16>) -> tensor<f32>
+// CHECK-NEXT:    %{{.*}} = stablehlo.constant dense<0.00223214296> : tensor<f32>
+// CHECK-NEXT:    %[[S:.*]] = stablehlo.multiply %[[A32]], %{{.*}} : tensor<f32>
+// CHECK-NEXT:    %{{.*}} = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// CHECK-NEXT:    stablehlo.compare GT, %[[S]]
+// CHECK:         %[[D:.*]] = stablehlo.dot_general %{{.*}}, %{{.*}}, contracting_dims = [1] x [0] : (tensor<32x64xf8E4M3FN>, tensor<64x16xf8E4M3FN>) -> tensor<32x16xf32>
+// CHECK-NEXT:    %[[SSB:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<32x16xf32>
+// CHECK-NEXT:    %[[R:.*]] = stablehlo.multiply %[[D]], %[[SSB]] : tensor<32x16xf32>
+// CHECK-NEXT:    %[[R16:.*]] = stablehlo.convert %[[R]] : (tensor<32x16xf32>) -> tensor<32x16xf16>
+// CHECK-NEXT:    return %[[R16]] : tensor<32x16xf16>
+func.func @f16_result(%x: tensor<32x64xf16>, %w: tensor<64x16xf16>) -> tensor<32x16xf16> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<32x64xf16>, tensor<64x16xf16>) -> tensor<32x16xf16> loc("jit(f)/jvp(mlp)/dot_general")
+  return %0 : tensor<32x16xf16>
+}
+
+// -----
+
+// A complex constant beside an fp8 dot: jaxlib's bindings cannot read a complex dense
+// attribute (TypeError on every read), so the passes that read constants skip it.
+// CHECK-LABEL: func.func @complex_constant
+// CHECK:         stablehlo.constant dense<(0.000000e+00,1.000000e+00)> : tensor<complex<f32>>
+// CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xf8E4M3FN>, tensor<64x16xf8E4M3FN>) -> tensor<32x16xf32>
+func.func @complex_constant(%x: tensor<32x64xf32>, %w: tensor<64x16xf32>, %z: tensor<4xcomplex<f32>>) -> (tensor<32x16xf32>, tensor<4xcomplex<f32>>) {
+  %i = stablehlo.constant dense<(0.0, 1.0)> : tensor<complex<f32>> loc("jit(f)/jvp(mlp)/const")
+  %ib = stablehlo.broadcast_in_dim %i, dims = [] : (tensor<complex<f32>>) -> tensor<4xcomplex<f32>> loc("jit(f)/jvp(mlp)/broadcast_in_dim")
+  %zi = stablehlo.multiply %z, %ib : tensor<4xcomplex<f32>> loc("jit(f)/jvp(mlp)/mul")
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<32x64xf32>, tensor<64x16xf32>) -> tensor<32x16xf32> loc("jit(f)/jvp(mlp)/dot_general")
+  return %0, %zi : tensor<32x16xf32>, tensor<4xcomplex<f32>>
+}

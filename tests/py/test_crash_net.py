@@ -127,6 +127,21 @@ def _third_party(name: str) -> str:
     return _lowered_abstract(build)
 
 
+
+def _complex_step() -> str:
+    """A train step with complex values beside its dots (a complex constant, an FFT):
+    jaxlib's bindings cannot read a complex constant's value (TypeError on every read,
+    an abort through a NamedAttribute), so no pass may read it as it reads others."""
+    def loss(ws, x):
+        spectrum = jnp.fft.fft(x + 1j * (x @ ws[0]))
+        h = jnp.abs(spectrum) / x.shape[-1]
+        for w in ws[1:]:
+            h = jnp.tanh(h @ w)
+        return jnp.sum(h * jnp.real(spectrum * (2 - 1j)))
+
+    ws = [jnp.full((32, 32), 0.1)] * 3
+    return _lowered(jax.value_and_grad(loss), (ws, jnp.ones((16, 32))))
+
 MODULES = {
     **{f"lit:{path.stem}": functools.partial(path.read_text) for path in LIT_INPUTS},
     **{f"tests:{name}": functools.partial(_gpu_workload, name)
@@ -142,6 +157,7 @@ MODULES = {
         lambda layers, mask: _lowered(*decoder_step(layers, mask)), layers, mask)
        for layers, mask in ((1, "tril"), (2, "tril"), (3, "tril"), (2, "iota"),
                             (2, "constant"))},
+    "special:complex": _complex_step,
 }
 
 

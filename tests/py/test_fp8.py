@@ -167,6 +167,24 @@ def test_tiny_and_huge_tensors_keep_their_relative_precision() -> None:
         assert np.abs(y - reference).max() <= 0.15 * np.abs(reference).max(), factor
 
 
+
+@pytest.mark.parametrize("factor", [1.0, 1e-3])
+def test_an_f16_dot_keeps_its_range_and_small_scales(factor: float) -> None:
+    """A program written in f16: the fp8 dot sums its unscaled products (up to 448**2
+    each, past f16's 65504) and scales them in f32, then rounds to f16 (every element
+    was inf or NaN before); at factor 1e-3 x's scale (2.2e-6) would be rounded to a
+    few bits in f16 and the scale product (5e-9) to 0 in f16."""
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((32, 256)) * factor).astype(np.float16)
+    w = rng.standard_normal((256, 64)).astype(np.float16)
+    y = _matmul(FP8)(x, w)
+    assert y.dtype == jnp.float16
+    model = (_quantise(x, ml_dtypes.float8_e4m3fn, 448.0).astype(np.float64)
+             @ _quantise(w, ml_dtypes.float8_e4m3fn, 448.0).astype(np.float64))
+    # The same quantised values; f32 summation, then one rounding to f16 (2**-11).
+    tolerance = 2.0**-11 * np.abs(model) + 256 * 2.0**-24 * (np.abs(x) @ np.abs(w)) + 1e-7
+    assert (np.abs(np.asarray(y, np.float64) - model) <= tolerance).all()
+
 # ---- what is emitted -----------------------------------------------------------------------
 
 

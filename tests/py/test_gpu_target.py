@@ -38,6 +38,8 @@ from hlo_amp import targets
 from hlo_amp.runtime import deviceless
 
 POLICIES = ("bf16", "f16", "mixed_bfloat16", "mixed_float16", "fp8")
+# Every dot in fp8 (the preset keeps the program's first and last in bf16).
+FP8 = "fp8,first_matrix_op=none,last_matrix_op=none"
 # Workloads where fewer than 90% of the fp8 dots get a per-op verdict of fp8 GEMM (the
 # rest are merged by XLA: unknown), although every GEMM call there is fp8.
 FP8_SHORT_OF_TARGET = {"linen_transformer"}
@@ -226,6 +228,25 @@ def test_missing_cuda_plugin_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
     finally:
         targets.gpu._gpu_topology.cache_clear()
 
+
+
+def test_an_f16_programs_fp8_dots_stay_fp8_gemms() -> None:
+    """An f16 dot computes and scales in f32 under fp8 (passes/fp8.py: its unscaled sums
+    pass f16's range) and converts to f16 after: XLA:GPU still runs it as one fp8 GEMM
+    (the convert is a kernel of its own, measured 2026-11-29)."""
+    def loss(ws: list, x: jax.Array) -> jax.Array:
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    ws = [jax.ShapeDtypeStruct((256, 256), jnp.float16)] * 4
+    x = jax.ShapeDtypeStruct((128, 256), jnp.float16)
+    result = hlo_amp.compile(jax.grad(loss), FP8).lower(ws, x, target="h100").compile()
+    fp8 = [d for d in result.report().decisions if d.fp8]
+    assert len(fp8) == 11  # 4 forward dots, 4 weight gradients, 3 input gradients
+    assert all(d.kept_by_xla for d in fp8)
+    calls = library_calls(result.as_text())
+    assert [kind for kind, _ in calls].count("gemm fp8") == len(fp8)
 
 def test_nnx_stateful_step_lowers_for_a_gpu() -> None:
     from examples.models import MLP

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from jaxlib.mlir import ir
 
+from hlo_amp.ir.modules import readable_attribute
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
 
 # Larger constants are left unevaluated (the pass then treats the value as not constant).
@@ -89,7 +90,10 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
         return evaluate(view, operands[index], stack, memo)
 
     if name == "stablehlo.constant":
-        attr = ir.DenseElementsAttr(op.attributes["value"])
+        read = readable_attribute(op, "value")
+        if read is None:  # complex elements
+            return None
+        attr = ir.DenseElementsAttr(read)
         if attr.is_splat:
             return Folded(np.asarray(_scalar(attr.get_splat_value())), (), shape)
         if int(np.prod(shape)) > MAX_ELEMENTS:
