@@ -12,8 +12,9 @@ Each entry and why we need it:
 - ``lib._jax.mlir.deserialize_portable_artifact``: reads ``jax.export`` artifacts.
 - ``_cache_size()`` of a ``jax.jit`` function: ``AmpFunction.cache_size()`` counts the
   executables behind calls, which live in ``jax.jit``'s own cache.
-- ``core.ShapedArray`` and ``core.Tracer``: abstract values of a program's outputs, and
-  telling a traced call from a concrete one.
+- ``core.ShapedArray``, ``core.Tracer`` and ``core.trace_state_clean``: abstract values
+  of a program's outputs, and telling a traced call from a concrete one (a delayed
+  step called inside ``jax.jit`` with closed-over arrays only has no tracer argument).
 - The primitive machinery behind ``runtime/amp_call.py`` — ``interpreters.ad``
   (``primitive_jvps``, ``primitive_transposes``, ``Zero``, ``instantiate_zeros``),
   ``interpreters.batching.fancy_primitive_batchers`` and ``interpreters.mlir``
@@ -85,6 +86,7 @@ def _needs(module: Any, qualified: str, attribute: str,
 Primitive = _needs(jax.extend.core, "jax.extend.core", "Primitive")
 ShapedArray = _needs(core, "jax._src.core", "ShapedArray", ("shape", "dtype"))
 Tracer = _needs(core, "jax._src.core", "Tracer")
+trace_state_clean = _needs(core, "jax._src.core", "trace_state_clean", ())
 _needs(stages.Lowered, "jax._src.stages.Lowered", "__init__",
        ("lowering", "args_info", "out_tree", "no_kwargs"))
 export_module_to_bytecode = _needs(export_internals, "jax._src.export._export",

@@ -199,14 +199,17 @@ class AmpFunction:
                  *, static_argnums: int | Sequence[int] = (),
                  static_argnames: str | Sequence[str] = (),
                  donate_argnums: int | Sequence[int] = (),
-                 filter: bool | None = None):
+                 filter: bool | None = None, decorator: JitDecorator | None = None):
+        """``decorator``: the options of a framework's jit decorator that wrapped the
+        function ``fn`` wraps in turn (the delayed-scaling step's, runtime/fp8_state.py),
+        where ``fn`` itself is not decorated."""
         if not callable(fn):
             raise TypeError(f"hlo_amp.compile expects a callable, got {fn!r}")
         # A step decorated with @nnx.jit / @eqx.filter_jit / @jax.jit: compile what the
         # decorator wraps, with its static and donated arguments, so it runs as the
         # undecorated step would (the decorator's own jit would hide the step from the
         # framework contracts below, and its static arguments would meet tracers).
-        self.decorator: JitDecorator | None = unwrap_jit(
+        self.decorator: JitDecorator | None = decorator or unwrap_jit(
             fn, getattr(fn, "__name__", type(fn).__name__))
         if self.decorator is not None:
             fn = self.decorator.fn
@@ -543,5 +546,6 @@ def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = N
         return Fp8StatefulFunction(probe.fn, chosen, make=AmpFunction,
                                    static_argnums=probe.static_argnums,
                                    static_argnames=probe.static_argnames,
-                                   donate_argnums=probe.donate_argnums, filter=probe.filter)
+                                   donate_argnums=probe.donate_argnums, filter=probe.filter,
+                                   decorator=probe.decorator)
     return AmpFunction(fn, chosen, **options)

@@ -22,6 +22,7 @@ the history first and returns ``(outputs, history)``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from hlo_amp import jax_internals as internals
 from hlo_amp.passes.fp8_state import STATE_SCOPE
 from hlo_amp.policy import Policy
-from hlo_amp.runtime.frameworks import argument_style
+from hlo_amp.runtime.frameworks import JitDecorator, argument_style
 from hlo_amp.runtime.signature import leaf_signature, split_static
 
 
@@ -76,7 +77,8 @@ class Fp8StatefulFunction:
 
     def __init__(self, fn: Callable[..., Any], policy: Policy, *, make: Callable[..., Any],
                  static_argnums: Sequence[int], static_argnames: Sequence[str],
-                 donate_argnums: Sequence[int], filter: bool | None):
+                 donate_argnums: Sequence[int], filter: bool | None,
+                 decorator: JitDecorator | None = None):
         self.policy = policy
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
@@ -87,9 +89,18 @@ class Fp8StatefulFunction:
             return fn(*args, **kwargs), marked
 
         stateful.__name__ = self.__name__
+        # What a decorator gave beyond static and donated positions (eqx.filter_jit's
+        # donate=, nnx.jit's graph modes) reaches the step behind the history.
+        carried = None
+        if decorator is not None and (decorator.donation or decorator.nnx_modes):
+            donation = decorator.donation and dataclasses.replace(decorator.donation, offset=1)
+            carried = dataclasses.replace(decorator, fn=stateful, static_argnums=(),
+                                          static_argnames=(), donate_argnums=(),
+                                          donation=donation)
         self._inner = make(stateful, policy, static_argnums=_shifted(static_argnums),
                            static_argnames=tuple(static_argnames),
-                           donate_argnums=(0, *_shifted(donate_argnums)), filter=filter)
+                           donate_argnums=(0, *_shifted(donate_argnums)), filter=filter,
+                           decorator=carried)
         self.static_argnums = tuple(static_argnums)
         self.static_argnames = tuple(static_argnames)
         self.filter = filter
@@ -190,7 +201,11 @@ class Fp8StatefulFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         program, shapes, leaves = self._signature(args, kwargs)
-        if any(isinstance(x, internals.Tracer) for x in (*leaves, *args, *kwargs.values())):
+        # A transformation's trace is active although no argument is a tracer where the
+        # caller closes over its arrays (jax.jit(lambda: step(w, x))): the traced history
+        # kept would break every later call (UnexpectedTracerError).
+        if not internals.trace_state_clean() or any(
+                isinstance(x, internals.Tracer) for x in (*leaves, *args, *kwargs.values())):
             raise TypeError(
                 f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
                 "history between calls, so it cannot run under jax.jit, vmap, grad, "

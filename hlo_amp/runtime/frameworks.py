@@ -35,7 +35,7 @@ import functools
 import inspect
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -132,12 +132,17 @@ class FilteredDonation:
     rest: bool
     first_name: str | None  # the first parameter's name: it may come by keyword
     quiet: bool  # "all" / "all-except-first" hide JAX's "not usable" warning; "warn*" not
+    # Positional arguments put before the step's own, which this leaves alone: the
+    # delayed-scaling step's history (donated by position).
+    offset: int = 0
 
     def __call__(self, key: tuple[str, Any]) -> bool:
         """Whether the arrays of argument ``key`` (``("arg", i)`` / ``("kw", name)``) are
         donated."""
-        is_first = key == ("arg", 0) or (self.first_name is not None
-                                          and key == ("kw", self.first_name))
+        if key[0] == "arg" and key[1] < self.offset:
+            return False
+        is_first = key == ("arg", self.offset) or (self.first_name is not None
+                                                    and key == ("kw", self.first_name))
         return self.first if is_first else self.rest
 
 
@@ -445,14 +450,23 @@ class FilterCall:
             static_kwargs[name] = rest
         return donated, kept, StaticArguments((tuple(static_args), static_kwargs))
 
+    @contextlib.contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """As eqx.filter_jit(donate="all") does: no warning that a donated buffer was
+        not usable (JAX warns while lowering: a call, or the delayed step's lower)."""
+        if self.donation is None or not self.donation.quiet:
+            yield
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            yield
+
     def lower(self, args: tuple, kwargs: dict, device: Any = None) -> Any:
-        return self.inner.lower(*self.split_arguments(args, kwargs), target=device)
+        with self._quiet():
+            return self.inner.lower(*self.split_arguments(args, kwargs), target=device)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        quiet = self.donation is not None and self.donation.quiet
-        with warnings.catch_warnings() if quiet else contextlib.nullcontext():
-            if quiet:  # as eqx.filter_jit(donate="all") does
-                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        with self._quiet():
             arrays, static_out = self.inner(*self.split_arguments(args, kwargs))
         return _combine(arrays, static_out.value)
 

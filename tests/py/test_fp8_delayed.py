@@ -495,6 +495,12 @@ def test_errors() -> None:
         jax.jit(f)(w, x)
     with pytest.raises(TypeError, match="scaling=current"):
         jax.vmap(f, in_axes=(None, 0))(w, x[None])
+    # Under a trace with no tracer argument (the arrays closed over): the same error,
+    # and no traced history kept (every later call raised UnexpectedTracerError).
+    g = hlo_amp.compile(lambda w, x: x @ w, _delayed(8))
+    with pytest.raises(TypeError, match="scaling=current"):
+        jax.jit(lambda: g(w, x))()
+    assert g(w, x).shape == (x.shape[0], w.shape[1])
     for spec in ("bf16,scaling=delayed", "fp8,amax_history=0", "fp8,amax_history=-3",
                  "fp8,scaling=later"):
         with pytest.raises(ValueError):
@@ -681,6 +687,28 @@ def test_an_equinox_step_carries_its_history_too() -> None:
     assert history.shape[1] > 0 and (history[:2] > 0).all()  # both steps' amax recorded
     note = _fp8_note(f.lower(model, x).report())
     assert "delayed scaling" in note and "does not reach" not in note
+
+
+
+@pytest.mark.filterwarnings("error:Some donated buffers")
+def test_an_equinox_decorators_donation_reaches_the_history_step() -> None:
+    """eqx.filter_jit(donate="all-except-first") as Equinox's guide writes it (the batch
+    first, kept; the model donated), compiled with delayed scaling: the model's arrays
+    are donated behind the history (they were not), quietly as under Equinox."""
+    import equinox as eqx
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(x, model):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads)), loss
+
+    model = eqx.nn.MLP(32, 16, 64, depth=2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+    f = hlo_amp.compile(step, _delayed(4))
+    before = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    model, _ = f(x, model)
+    assert all(leaf.is_deleted() for leaf in before) and not x.is_deleted()
+    assert f.fp8_state().shape[1] > 0
 
 
 SHARDED_SCRIPT = """
