@@ -16,7 +16,9 @@ Every value gets one of three kinds, in program order:
   and a constant is judged by its own name: jax.export leaves some unnamed, and under a
   backward call site's prefix they would read as the seed);
 - PRIMAL: everything else: the function's arguments, forward results, and backward ops
-  computing from forward values only.
+  computing from forward values only. (An argument marked ``hlo_amp.incoming_gradient``,
+  a cotangent of a backward program split from its forward, is GRAD:
+  ir/program_hints.py.)
 
 A backward dot's incoming gradient is its one GRAD operand; with none or two (remat's
 recomputed forward, or a function whose arguments say nothing) there is no single
@@ -44,6 +46,7 @@ from hlo_amp.ir.modules import (
     terminator,
     walk_operations,
 )
+from hlo_amp.ir.program_hints import gradient_arguments
 from hlo_amp.ir.sites import RECOMPUTED, join_names, location_name, parse_name
 
 CONST, PRIMAL, GRAD = 0, 1, 2
@@ -117,8 +120,13 @@ class GradientFlow:
         floats = self._floats
         name = function_name(fn)
         given = arguments.get(name)
+        # A backward program split from its forward: its cotangent arguments carry the
+        # incoming gradient (ir/program_hints.py).
+        cotangents = gradient_arguments(fn)
         for index, argument in enumerate(fn.regions[0].blocks[0].arguments):
             kinds[argument] = given[index] if given and index < len(given) else PRIMAL
+            if index in cotangents:
+                kinds[argument] = GRAD
             if not _is_float(argument, floats):
                 kinds[argument] = CONST
         for op in walk_operations(fn):

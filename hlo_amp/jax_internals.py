@@ -21,6 +21,9 @@ Each entry and why we need it:
   (``register_lowering``, ``lower_fun``): how a rewritten program composes with
   ``vmap``, ``jvp``, ``linearize`` and ``grad``.
 
+- ``source_info_util._source_info_context`` and ``new_source_info``: ``fresh_source_info``, so
+  that a program exported inside a transformation's rule (``jax.grad`` of a compiled
+  function) keeps its ops' own source lines (runtime/compile.py ``export_program``).
 - ``_jit_info`` of a ``jax.jit`` function (``jax._src.pjit``): the static and donated
   arguments of a step decorated with ``jax.jit``, ``nnx.jit`` or ``eqx.filter_jit``
   (runtime/frameworks.py ``unwrap_jit``); where it is missing, a decorated NNX or
@@ -60,7 +63,7 @@ from typing import Any
 import jax
 import jax.extend.core
 import jax.numpy as jnp
-from jax._src import core, stages
+from jax._src import core, source_info_util, stages
 from jax._src.export import _export as export_internals
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import mlir as jax_mlir
@@ -87,6 +90,9 @@ Primitive = _needs(jax.extend.core, "jax.extend.core", "Primitive")
 ShapedArray = _needs(core, "jax._src.core", "ShapedArray", ("shape", "dtype"))
 Tracer = _needs(core, "jax._src.core", "Tracer")
 trace_state_clean = _needs(core, "jax._src.core", "trace_state_clean", ())
+_source_info_context = _needs(source_info_util, "jax._src.source_info_util",
+                              "_source_info_context")
+_new_source_info = _needs(source_info_util, "jax._src.source_info_util", "new_source_info", ())
 _needs(stages.Lowered, "jax._src.stages.Lowered", "__init__",
        ("lowering", "args_info", "out_tree", "no_kwargs"))
 export_module_to_bytecode = _needs(export_internals, "jax._src.export._export",
@@ -129,6 +135,20 @@ def swap_module(lowered: Any, module: Any) -> Any:
     lowering._executable = None
     return stages.Lowered(lowering, lowered.args_info, lowered.out_tree,
                           no_kwargs=lowered._no_kwargs)
+
+
+@contextlib.contextmanager
+def fresh_source_info() -> Iterator[None]:
+    """A context in which traced ops take the Python stack as it is and an empty name
+    stack, as at the top level: a transformation's rule otherwise runs under its
+    caller's traceback (``source_info_util.user_context``, which cannot clear it), and
+    a program hlo_amp exports there would name every op after that one call site."""
+    saved = _source_info_context.context
+    _source_info_context.context = _new_source_info()
+    try:
+        yield
+    finally:
+        _source_info_context.context = saved
 
 
 def jit_cache_size(jitted: Any) -> int:

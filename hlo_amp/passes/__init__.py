@@ -25,6 +25,7 @@ from hlo_amp.ir.modules import (
     op_in_traceback,
     strip_decision_marks,
 )
+from hlo_amp.ir.program_hints import strip_program_hints
 from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.passes.batch_amax import BatchAmax
 from hlo_amp.passes.cleanup import CleanupConverts
@@ -147,6 +148,7 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
             if verify_each:
                 _verify(module, f"pass {current.name}")
         strip_decision_marks(module)
+        strip_program_hints(module)
         if not verify_each or not pipeline:
             names = ", ".join(p.name for p in pipeline) or "no passes"
             _verify(module, f"the pass pipeline ({names})",

@@ -14,6 +14,7 @@ that is exported and rewritten in turn, never with the unrewritten function:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -40,6 +41,17 @@ class ProgramOwner(Protocol):
     def record_residual_tree(self, program: Program, avals: AvalsKey, tree: Any) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardOf:
+    """A backward program's forward: the program that returned its residuals, for the
+    primals' ``avals``; its arguments are ``residuals`` residuals, then the incoming
+    cotangents (ir/program_hints.py says why the passes need to know)."""
+
+    forward: Program
+    avals: AvalsKey
+    residuals: int
+
+
 class Program:
     """A function of flat array leaves returning a list of leaves, run rewritten.
 
@@ -47,13 +59,15 @@ class Program:
     keyed on primitive parameters hit across calls.
     """
 
-    __slots__ = ("fn", "key", "name", "owner")
+    __slots__ = ("backward_of", "fn", "key", "name", "owner")
 
-    def __init__(self, owner: ProgramOwner, fn: Callable[..., list], name: str, key: Any):
+    def __init__(self, owner: ProgramOwner, fn: Callable[..., list], name: str, key: Any,
+                 backward_of: BackwardOf | None = None):
         self.owner = owner
         self.fn = fn
         self.name = name
         self.key = key
+        self.backward_of = backward_of
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Program) and self.owner is other.owner
@@ -65,8 +79,9 @@ class Program:
     def __repr__(self) -> str:
         return f"Program({self.name})"
 
-    def derive(self, tag: Any, fn: Callable[..., list], name: str) -> Program:
-        return Program(self.owner, fn, name, (tag, self.key))
+    def derive(self, tag: Any, fn: Callable[..., list], name: str,
+               backward_of: BackwardOf | None = None) -> Program:
+        return Program(self.owner, fn, name, (tag, self.key), backward_of)
 
     def exported(self, avals: AvalsKey) -> Any:
         return self.owner.export_program(self, avals)
@@ -174,13 +189,17 @@ def _forward_with_residuals(program: Program, *primals: Any) -> list:
     return [*outs, *residuals]
 
 
+def _forward_program(program: Program) -> Program:
+    """``program``'s outputs and its vjp residuals, as one program."""
+    return program.derive("fwd", functools.partial(_forward_with_residuals, program),
+                          f"fwd({program.name})")
+
+
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *,
          program: Program) -> tuple[list, list]:
     nonzero_in = tuple(type(t) is not internals.Zero and _is_float(jax.typeof(p).dtype)
                        for p, t in zip(primals, tangents))
-    forward = program.derive("fwd", functools.partial(_forward_with_residuals, program),
-                             f"fwd({program.name})")
-    outs_and_residuals = amp_call_p.bind(*primals, program=forward)
+    outs_and_residuals = amp_call_p.bind(*primals, program=_forward_program(program))
     tree = program.owner.residual_tree(program, avals_key(primals))
     n_out = len(outs_and_residuals) - tree.num_leaves
     outs, residuals = outs_and_residuals[:n_out], outs_and_residuals[n_out:]
@@ -286,7 +305,8 @@ def _lin_transpose(cotangents: Sequence[Any], *args: Any, program: Program,
         ("vjp", residual_tree, nonzero_in),
         functools.partial(_cotangent_map, residual_tree, nonzero_in, out_avals,
                           len(residuals)),
-        f"vjp({program.name})")
+        f"vjp({program.name})",
+        BackwardOf(_forward_program(program), avals_key(primals), len(residuals)))
     live = [internals.instantiate_zeros(ct) for ct in cotangents]
     cotangents_in = amp_call_p.bind(*residuals, *live, program=backward)
     return [None] * (len(primals) + len(residuals)) + list(cotangents_in)

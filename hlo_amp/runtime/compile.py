@@ -27,13 +27,16 @@ from jax import export as jax_export
 from jaxlib.mlir import ir
 
 from hlo_amp import jax_internals as internals
-from hlo_amp.ir.modules import copy_module, module_text, new_context
+from hlo_amp.ir.modules import copy_module, function_name, functions, module_text, new_context
+from hlo_amp.ir.program_hints import EndStacks, mark_backward_program
 from hlo_amp.passes import run_pipeline
+from hlo_amp.passes.insert_converts.call_graph import end_stacks
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Report
 from hlo_amp.rewrite import warn_at_user_code, warn_unused_rules
 from hlo_amp.runtime.amp_call import (
     AvalsKey,
+    BackwardOf,
     Program,
     amp_call_p,
     avals_key,
@@ -235,6 +238,7 @@ class AmpFunction:
         self._exports: dict[Any, Any] = {}
         self._out_trees: dict[Any, Any] = {}
         self._residual_trees: dict[Any, Any] = {}
+        self._end_stacks: dict[Any, EndStacks] = {}  # per export: its first and last ops
         self._own_lowerings = 0
         # Not the function's __dict__: a callable object's attributes (nnx.jit's
         # static_argnums, filter_jit's fn) would overwrite this object's own.
@@ -427,7 +431,11 @@ class AmpFunction:
         if exported is None:
             shapes = shape_structs(avals)
             try:
-                with self._tracing():
+                # A fresh source context: a transformation's rule runs under the
+                # caller's traceback, which would name every op of the program after
+                # the call site (no user line: the ends of a backward program could
+                # not be told apart, ir/program_hints.py).
+                with self._tracing(), internals.fresh_source_info():
                     exported = jax_export.export(jax.jit(program.fn))(*shapes)
             except Exception as error:
                 if _export_refused(error):
@@ -437,12 +445,30 @@ class AmpFunction:
             # The serialised portable artifact reads back 3x faster than the text.
             module = internals.deserialize_portable_artifact(
                 exported.mlir_module_serialized, new_context())
+            self._end_stacks[key] = end_stacks(module, self.policy)
+            if program.backward_of is not None:
+                self._mark_backward(module, program.backward_of, exported)
             warn_unused_rules(run_pipeline(module, self.policy,
                                            target=platforms_target(exported.platforms)))
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
             self._exports[key] = exported
         return exported
+
+    def _mark_backward(self, module: ir.Module, backward_of: BackwardOf,
+                       exported: Any) -> None:
+        """Tell the passes which arguments of a backward program are cotangents and
+        where its forward's ends are (ir/program_hints.py)."""
+        forward_key = (backward_of.forward.key, backward_of.avals)
+        if forward_key not in self._end_stacks:  # the forward was exported by another run
+            self.export_program(backward_of.forward, backward_of.avals)
+        kept = list(exported.module_kept_var_idx)
+        main = next(fn for fn in functions(module) if function_name(fn) == "main")
+        # jax.export puts its own arguments (platform index, tokens) before the kept ones.
+        first = len(main.regions[0].blocks[0].arguments) - len(kept)
+        cotangents = [first + position for position, index in enumerate(kept)
+                      if index >= backward_of.residuals]
+        mark_backward_program(module, cotangents, self._end_stacks.get(forward_key, {}))
 
     def out_avals(self, program: Program, avals: AvalsKey) -> list:
         """Output avals of ``program``: from its export if there is one, else traced.
@@ -453,7 +479,10 @@ class AmpFunction:
         exported = self._exports.get((program.key, avals))
         if exported is not None:
             return list(exported.out_avals)
-        shapes = jax.eval_shape(program.fn, *shape_structs(avals))
+        # jax.jit caches this trace, and export_program's export of the same function
+        # reuses it: the same fresh source context as there.
+        with internals.fresh_source_info():
+            shapes = jax.eval_shape(program.fn, *shape_structs(avals))
         return [internals.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type,
                                       sharding=explicit_sharding(x)) for x in shapes]
 
@@ -461,9 +490,9 @@ class AmpFunction:
         key = (program.key, avals)
         if key not in self._residual_trees:  # traced through a cached export: trace again
             forward = functools.partial(jax.vjp, program.fn)
-            self._residual_trees[key] = jax.tree_util.tree_structure(
-                jax.eval_shape(lambda *xs: forward(*xs)[1],
-                               *shape_structs(avals)))
+            with internals.fresh_source_info():  # as export_program traces it
+                self._residual_trees[key] = jax.tree_util.tree_structure(
+                    jax.eval_shape(lambda *xs: forward(*xs)[1], *shape_structs(avals)))
         return self._residual_trees[key]
 
     def record_residual_tree(self, program: Program, avals: AvalsKey, tree: Any) -> None:

@@ -7,6 +7,7 @@ from f32, and the lowered program holds bf16 ops.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -187,6 +188,38 @@ def test_grad_through_scan_and_remat(data):
     _assert_close_not_equal(jax.grad(jax.checkpoint(amp))(params, x[0], y[0]),
                             jax.grad(loss)(params, x[0], y[0]))
 
+
+
+def _fp8_recipe(text: str) -> dict[str, int]:
+    """How a module's dots ran: bf16 and fp8 dots, and tensors quantised to e5m2."""
+    return {"bf16 dots": len(re.findall(r"dot_general.*\(tensor<[\dx]+xbf16>, tensor<", text)),
+            "fp8 dots": len(re.findall(r"dot_general.*\(tensor<[\dx]+xf8", text)),
+            "e5m2": len(re.findall(r"-> tensor<[\dx]+xf8E5M2>", text))}
+
+
+def test_grad_of_a_compiled_function_follows_the_fp8_recipe():
+    """jax.grad of a compiled function runs a backward program split from its forward
+    (runtime/amp_call.py); it is rewritten with its cotangents as the incoming gradient
+    (e5m2) and the forward's ends' backward dots in bf16, as compile(jax.grad(f)) is.
+    Alone it quantised every gradient to e4m3fn and ran the ends' backward dots in fp8
+    (0 e5m2, 2 bf16 and 9 fp8 dots against 2, 5 and 6)."""
+    def mlp(p, x):
+        h = jnp.tanh(x @ p["stem"])
+        h = jnp.tanh(h @ p["mid1"])
+        h = jnp.tanh(h @ p["mid2"])
+        return jnp.sum((h @ p["head"]) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = {name: jax.random.normal(k, (64, 64)) / 8
+              for name, k in zip(("stem", "mid1", "mid2", "head"), keys)}
+    x = jax.random.normal(keys[4], (32, 64))
+    outside = jax.jit(jax.grad(hlo_amp.compile(mlp, "fp8"))).lower(params, x).as_text()
+    inside = hlo_amp.compile(jax.grad(mlp), "fp8").lower(params, x).as_text()
+    # The preset: stem and head (the ends) and their backward dots in bf16: 2 forward,
+    # head's dW and dx, stem's dW (x takes no gradient); the middle layers' forward,
+    # dW and dx in fp8 (6); the gradient reaching each middle layer in e5m2 (2).
+    assert _fp8_recipe(outside) == _fp8_recipe(inside) == {
+        "bf16 dots": 5, "fp8 dots": 6, "e5m2": 2}
 
 def test_unsupported_transform_error_is_one_clear_line():
     w = _rand(0, (8, 4))

@@ -50,6 +50,7 @@ from hlo_amp.ir.modules import (
     mark_decision,
     with_element,
 )
+from hlo_amp.ir.program_hints import forward_ends
 from hlo_amp.ir.sites import asks_for_precision
 from hlo_amp.passes.insert_converts.call_graph import (
     UNKNOWN_TRIPS,
@@ -92,7 +93,7 @@ class InsertConverts:
         public = [fn for fn in functions(module) if is_public(fn)]
         graph.used_names.update(function_name(fn) for fn in public)
         if (self.policy.first_matrix_op, self.policy.last_matrix_op) != (None, None):
-            graph.find_ends(public)
+            graph.find_ends(public, forward_ends(module))
         for fn in public:
             graph.visit(fn, "")
         if report is not None:

@@ -16,10 +16,12 @@ from hlo_amp.ir.modules import (
     clone_private,
     element_type,
     function_name,
+    functions,
     is_public,
     op_key,
     walk_operations,
 )
+from hlo_amp.ir.program_hints import EndStacks
 from hlo_amp.ir.sites import (
     Site,
     asks_for_precision,
@@ -159,40 +161,48 @@ class CallGraph:
             if target != name:
                 op.attributes["callee"] = ir.FlatSymbolRefAttr.get(target, context=op.context)
 
-    def find_ends(self, public: list[Any]) -> None:
+    def find_ends(self, public: list[Any], given: EndStacks | None = None) -> EndStacks:
         """Fill ``positions``: per public function, the first and last float matrix op
         of its forward program, and the backward ops with their scope, kind and source
-        call stack (before any cloning: keys use original names)."""
+        call stack (before any cloning: keys use original names). ``given``: the ends
+        of the forward program a backward program was split from (``jax.grad`` of a
+        compiled function: runtime/amp_call.py), whose backward ops are marked as in
+        the whole program. Returns the ends' stacks found (empty where first and last
+        cannot be told apart)."""
+        found: EndStacks = {}
         for fn in public:
             order: list[tuple[tuple[str, int, str], Any, str]] = []
             looped: set[tuple[str, int, str]] = set()
             self._program_order(function_name(fn), "", order, (), looped)
+            stacks = dict(given or {})
             forward = []
             for key, op, kind in order:
                 if (not self.site(op, kind, key[2]).backward
                         and all(float_bits(element_type(v)) for v in list(op.operands)[:2])):
                     forward.append((key, op, kind))
-            if not forward:
-                continue
-            stacks: dict[tuple[str, str, str], tuple[str, ...]] = {}
             # An end inside a loop is every iteration's op (each scanned layer's), not a
             # stem or a head: no rule for that end.
-            ends = [(position, end) for position, end in ((FIRST_MATRIX_OP, forward[0]),
-                                                          (LAST_MATRIX_OP, forward[-1]))
-                    if end[0] not in looped]
-            if not ends:
-                continue
+            candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, forward[-1])
+                          ) if forward else ()
+            ends = [(position, end) for position, end in candidates if end[0] not in looped]
+            own: EndStacks = {}
             for position, (key, op, kind) in ends:
                 self.positions[key] = self.positions.get(key, ()) + (position,)
                 stack = _stack_key(self.site(op, kind, key[2]), op, kind)
-                stacks[stack] = stacks.get(stack, ()) + (position,)
-            if len(stacks) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]:
-                continue  # first and last look alike: their backward ops cannot be told
+                own[stack] = own.get(stack, ()) + (position,)
+            if len(own) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]:
+                own = {}  # first and last look alike: their backward ops cannot be told
+            for stack, positions in own.items():
+                stacks[stack] = stacks.get(stack, ()) + positions
+            found.update(own)
+            if not stacks:
+                continue
             for key, op, kind in order:
                 site = self.site(op, kind, key[2])
-                found = stacks.get(_stack_key(site, op, kind)) if site.backward else None
-                if found:
-                    self.positions[key] = self.positions.get(key, ()) + found
+                marked = stacks.get(_stack_key(site, op, kind)) if site.backward else None
+                if marked:
+                    self.positions[key] = self.positions.get(key, ()) + marked
+        return found
 
     def _program_order(self, name: str, prefix: str,
                        out: list[tuple[tuple[str, int, str], Any, str]],
@@ -219,6 +229,18 @@ class CallGraph:
         self.used_names.add(name)
         self.clones += 1
         return name
+
+
+def end_stacks(module: ir.Module, policy: Policy) -> EndStacks:
+    """The first and last matrix ops of ``module`` (a forward program, not yet
+    rewritten) as their backward ops will know them: what ``mark_backward_program``
+    hands to the backward program split from it."""
+    if (policy.first_matrix_op, policy.last_matrix_op) == (None, None):
+        return {}
+    graph = CallGraph(policy)
+    for fn in functions(module):
+        graph.by_name[function_name(fn)] = fn
+    return graph.find_ends([fn for fn in functions(module) if is_public(fn)])
 
 
 def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:

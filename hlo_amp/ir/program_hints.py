@@ -1,0 +1,89 @@
+"""What a backward program split from its forward program cannot see in itself.
+
+``jax.grad`` of a compiled function runs two rewritten programs (runtime/amp_call.py):
+the forward, returning the vjp residuals, and the backward, from the residuals and the
+incoming cotangents to the gradients. Rewritten alone, the backward program lost two
+facts the whole program gives the passes: which values carry the incoming gradient (its
+cotangents are arguments, where in a whole program they come from the seed the backward
+starts from: hlo_amp/gradients.py) and which backward ops belong to the forward's first
+and last matrix ops (passes/insert_converts/call_graph.py ``find_ends``). Under the fp8
+preset its gradients were quantised to e4m3fn instead of e5m2 and the ends' backward
+dots ran in fp8. The runtime writes both facts into the backward module as attributes
+before the passes run; ``run_pipeline`` removes them after.
+
+- ``hlo_amp.incoming_gradient`` (unit, on a public function's argument): the argument
+  carries the incoming gradient;
+- ``hlo_amp.forward_ends`` (on the module): ``[[scope path, op kind, source call stack,
+  position, ...], ...]``, the forward's first and last matrix ops (``EndStacks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from jaxlib.mlir import ir
+
+INCOMING_GRADIENT = "hlo_amp.incoming_gradient"
+FORWARD_ENDS = "hlo_amp.forward_ends"
+
+# (scope path, op kind, source call stack) of a first or last matrix op -> its positions
+EndStacks = dict[tuple[str, str, str], tuple[str, ...]]
+
+
+def mark_backward_program(module: ir.Module, gradient_arguments: Iterable[int],
+                          ends: EndStacks) -> None:
+    """Write the facts of a backward program (the module's public ``main``) into it."""
+    with module.context:
+        main = next(op for op in module.body.operations
+                    if op.operation.name == "func.func"
+                    and ir.StringAttr(op.attributes["sym_name"]).value == "main")
+        count = len(main.regions[0].blocks[0].arguments)
+        attrs = (list(ir.ArrayAttr(main.attributes["arg_attrs"]))
+                 if "arg_attrs" in main.attributes else [ir.DictAttr.get({})] * count)
+        unit = ir.UnitAttr.get()
+        for index in gradient_arguments:
+            entries = {named.name: named.attr for named in ir.DictAttr(attrs[index])}
+            attrs[index] = ir.DictAttr.get({**entries, INCOMING_GRADIENT: unit})
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+        if ends:
+            module.operation.attributes[FORWARD_ENDS] = ir.ArrayAttr.get([
+                ir.ArrayAttr.get([ir.StringAttr.get(part) for part in (*key, *positions)])
+                for key, positions in ends.items()])
+
+
+def forward_ends(module: ir.Module) -> EndStacks:
+    """The forward ends a backward program was given (empty for any other module)."""
+    attributes = module.operation.attributes
+    if FORWARD_ENDS not in attributes:
+        return {}
+    ends: EndStacks = {}
+    for entry in ir.ArrayAttr(attributes[FORWARD_ENDS]):
+        parts = [ir.StringAttr(part).value for part in ir.ArrayAttr(entry)]
+        ends[(parts[0], parts[1], parts[2])] = tuple(parts[3:])
+    return ends
+
+
+def gradient_arguments(fn: Any) -> frozenset[int]:
+    """The positions of ``fn``'s arguments marked as carrying the incoming gradient."""
+    if "arg_attrs" not in fn.attributes:
+        return frozenset()
+    return frozenset(index for index, attrs in enumerate(ir.ArrayAttr(fn.attributes["arg_attrs"]))
+                     if INCOMING_GRADIENT in ir.DictAttr(attrs))
+
+
+def strip_program_hints(module: ir.Module) -> None:
+    """Remove both facts: the rewritten module carries no hlo_amp attribute."""
+    attributes = module.operation.attributes
+    if FORWARD_ENDS in attributes:
+        del attributes[FORWARD_ENDS]
+    with module.context:
+        for op in module.body.operations:
+            if op.operation.name != "func.func" or "arg_attrs" not in op.attributes:
+                continue
+            attrs = list(ir.ArrayAttr(op.attributes["arg_attrs"]))
+            if not any(INCOMING_GRADIENT in ir.DictAttr(a) for a in attrs):
+                continue
+            op.attributes["arg_attrs"] = ir.ArrayAttr.get([
+                ir.DictAttr.get({named.name: named.attr for named in ir.DictAttr(a)
+                                 if named.name != INCOMING_GRADIENT}) for a in attrs])
