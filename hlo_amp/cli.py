@@ -21,8 +21,10 @@ and exit with status 1; no output file is written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import stat
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -196,13 +198,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     text = "// -----\n".join(outputs)
     if device is not None:
         _mark_for_device(report, modules, device)
-    _write(args.output, text)
-    if args.report:
-        payload = report.to_json() + "\n"
-        if args.report == "-":
-            sys.stderr.write(payload)
-        else:
-            _write(args.report, payload)
+    _write_outputs(args, text, report.to_json() + "\n")
     return 0
 
 
@@ -234,12 +230,7 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
     except NoCompilerForTarget as error:
         raise CliError(f"hlo-amp-opt: error: {error}") from None
     print(result, file=sys.stderr)
-    _write(args.output, result.policy.to_string() + "\n")
-    if args.report:
-        if args.report == "-":
-            print(result.to_json(), file=sys.stderr)
-        else:
-            _write(args.report, result.to_json() + "\n")
+    _write_outputs(args, result.policy.to_string() + "\n", result.to_json() + "\n")
     return 0
 
 
@@ -278,19 +269,63 @@ def _mark_for_device(report: Report, modules: list, device: Target) -> None:
     report.collectives = [c for text in texts for c in read_collectives(text)]
 
 
-def _write(path: str, text: str) -> None:
-    """Write atomically, so a failure never leaves a partial output file."""
-    if path == "-":
-        sys.stdout.write(text)
-        return
-    directory = os.path.dirname(os.path.abspath(path))
+def _write_outputs(args: argparse.Namespace, text: str, report: str) -> None:
+    """The output and, if asked, the report: both or neither (an unwritable report
+    left the output written)."""
+    files = [(args.output, text)]
+    if args.report == "-":
+        sys.stderr.write(report)
+    elif args.report:
+        files.append((args.report, report))
+    _write(files)
+
+
+def _write(files: list[tuple[str, str]]) -> None:
+    """Write each (path, text) so a failure leaves no output file, partial or whole:
+    every text goes to a temporary file beside its target first, and only then do they
+    replace the targets. A target keeps its mode (a new one gets the umask's, as a
+    shell's ``>`` gives it; mkstemp's is 0600), a symbolic link is written through,
+    and a FIFO or device is written directly, last ("-" is stdout)."""
+    staged: list[tuple[str, str]] = []
+    direct: list[tuple[str, str]] = []
+    current = files[0][0]
     try:
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".hlo-amp-opt-")
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-        os.replace(temporary, path)
+        for current, text in files:
+            target = os.path.realpath(current)
+            if current == "-" or (os.path.exists(target) and not os.path.isfile(target)):
+                direct.append((current, text))
+                continue
+            mode = (stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target)
+                    else 0o666 & ~_umask())
+            handle, temporary = tempfile.mkstemp(dir=os.path.dirname(target),
+                                                 prefix=".hlo-amp-opt-")
+            staged.append((temporary, target))
+            with os.fdopen(handle, "w") as out:
+                out.write(text)
+            os.chmod(temporary, mode)
+        for (temporary, target), (current, _) in zip(staged, [f for f in files
+                                                              if f not in direct]):
+            os.replace(temporary, target)
+        staged = []
+        for current, text in direct:
+            if current == "-":
+                sys.stdout.write(text)
+            else:
+                with open(current, "w") as out:
+                    out.write(text)
     except OSError as error:
-        raise CliError(f"hlo-amp-opt: error: cannot write {path!r}: {error.strerror}") from None
+        raise CliError(f"hlo-amp-opt: error: cannot write {current!r}: {error.strerror}"
+                       ) from None
+    finally:
+        for temporary, _ in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from jaxlib.mlir.dialects import func as func_dialect
 
 from hlo_amp import jaxlib_internals
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
+from hlo_amp.ir.sites import unescape
 
 
 class ModuleError(ValueError):
@@ -187,6 +188,8 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
             module = _deserialize_portable(source, source_name, context)
         else:
             module = ir.Module.parse(source, context=context)
+    except ModuleError:
+        raise
     except ir.MLIRError as error:
         raise ModuleError(_first_diagnostic(error, source_name)) from None
     except Exception as error:  # noqa: BLE001 - bytecode rejected without a diagnostic
@@ -195,6 +198,8 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
         module.operation.verify()
     except ir.MLIRError as error:
         raise ModuleError(_first_diagnostic(error, source_name)) from None
+    if isinstance(source, bytes) or "\\" in source:  # else no name can hold a bad byte
+        _check_location_names(module, source_name)
     if not public_functions(module):
         raise ModuleError(
             f"{source_name}: error: the module has no public func.func; expected a "
@@ -203,19 +208,43 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
     return module
 
 
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def _check_location_names(module: ir.Module, source_name: str) -> None:
+    """Refuse a location whose name or file is not UTF-8 (a ``\\FF`` escape in the
+    text, a corrupted bytecode file): jaxlib's bindings abort the process (not an
+    exception) when a pass reads such a string. Read from the printed form, which
+    escapes every byte that is not printable ASCII."""
+    text = module.operation.get_asm(enable_debug_info=True, large_elements_limit=16)
+    for line in text.splitlines():
+        at = line.find("loc(")
+        if at < 0 or "\\" not in line[at:]:
+            continue
+        for quoted in _QUOTED.findall(line[at:]):
+            try:
+                unescape(quoted)
+            except UnicodeDecodeError:
+                raise ModuleError(
+                    f"{source_name}: error: a location name or file is not UTF-8 "
+                    f'("{quoted}"); accepted: locations as jax writes them (UTF-8 text)'
+                ) from None
+
+
 def _is_portable(data: bytes) -> bool:
     # A portable artifact is bytecode of the VHLO dialect.
     return b"vhlo" in data[:4096]
 
 
 def _deserialize_portable(data: bytes, source_name: str, context: ir.Context) -> ir.Module:
-    from hlo_amp.quiet_stderr import import_jax_for_cli
+    from hlo_amp.quiet_stderr import fd2_muted, import_jax_for_cli
 
     import_jax_for_cli()  # hlo-amp-opt imports jax here: quietly, on CPU
     from hlo_amp import jax_internals  # jaxlib's XLA extension, through jax
 
     try:  # the context must be passed: the artifact is upgraded into it
-        return jax_internals.deserialize_portable_artifact(data, context)
+        with fd2_muted():  # jaxlib prints its diagnostics too; the error below says it
+            return jax_internals.deserialize_portable_artifact(data, context)
     except Exception as error:  # noqa: BLE001 - jaxlib raises its own runtime errors
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise ModuleError(

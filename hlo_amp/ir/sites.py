@@ -171,12 +171,26 @@ def _first_file(location: ir.Location, depth: int, skip_packages: bool) -> objec
 
 
 # The printed form is parsed with these, cached per string.
+_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2}|.)")
+
+
+def unescape(quoted: str) -> str:
+    """An MLIR string literal's text as written: the printer escapes every byte that
+    is not printable ASCII as ``\\XX`` (so "café" prints as ``caf\\C3\\A9``), and quotes
+    and backslashes. UnicodeDecodeError where the bytes are not UTF-8."""
+    if "\\" not in quoted:
+        return quoted
+    raw = _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)) if len(m.group(1)) == 2
+                      else {"n": "\n", "t": "\t"}.get(m.group(1), m.group(1)), quoted)
+    return raw.encode("latin-1").decode("utf-8")
+
+
 @functools.lru_cache(maxsize=4096)
 def _name_of_text(text: str) -> str:
     match = _NAME_RE.match(text)
     if not match:
         return ""
-    return match.group(1).replace('\\"', '"').replace("\\\\", "\\")
+    return unescape(match.group(1))
 
 
 @functools.lru_cache(maxsize=4096)

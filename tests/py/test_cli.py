@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,13 @@ func.func @main(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
 }
 """
 CONVERTED = "(tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>"
+
+
+def _portable_artifact() -> bytes:
+    """A jax.export artifact of a small dot (StableHLO portable bytecode)."""
+    exported = jax.export.export(jax.jit(lambda x, w: x @ w))(jnp.ones((2, 4)),
+                                                             jnp.ones((4, 4)))
+    return exported.mlir_module_serialized
 
 
 def hlo_amp_opt(*args: str | Path, stdin: str | None = None
@@ -72,6 +80,16 @@ ERRORS = {
     "unknown_pass": (lambda d: [d / "in.mlir", "--pass", "hlo-amp-fold"],
                      (r"unknown pass 'hlo-amp-fold'; accepted: hlo-amp-fused-attention, "
                       r"hlo-amp-insert-converts")),
+    # A byte that is not UTF-8 in a location name: jaxlib's bindings aborted the process
+    # (SIGABRT, status 134) when a pass read the name.
+    "location_not_utf8": (
+        lambda d: [_write(d, "loc.mlir", MODULE.replace("head/dot", "he\\FFad/dot"))],
+        r'loc\.mlir: error: a location name or file is not UTF-8 \("jit\(f\)/he\\FFad'),
+    # A portable artifact cut short: one line (jaxlib printed two more, and the message
+    # was wrapped twice).
+    "truncated_portable": (
+        lambda d: [_write(d, "cut.bin", _portable_artifact()[:-40])],
+        r"cut\.bin: error: unreadable StableHLO portable artifact \([^(]*\)$"),
 }
 # The same contract through hlo_amp.cli.main in-process (no jax import per case).
 MORE_ERRORS = {
@@ -154,6 +172,38 @@ def test_unwritable_output_is_an_error(module_file: Path, tmp_path: Path,
     assert capsys.readouterr().err.splitlines() == [
         f"hlo-amp-opt: error: cannot write '{target}': No such file or directory"]
 
+
+
+def test_an_unwritable_report_leaves_no_output(module_file: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Both files or neither: the output was written before the report failed."""
+    report = tmp_path / "missing_dir" / "report.json"
+    assert cli.main([str(module_file), "-o", str(tmp_path / "out.mlir"),
+                     "--report", str(report)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"hlo-amp-opt: error: cannot write '{report}': No such file or directory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [module_file.name]
+
+
+def test_output_files_take_the_umask_keep_a_mode_and_follow_a_link(
+        module_file: Path, tmp_path: Path) -> None:
+    """As a shell's ``>``: a new file gets 0666 less the umask (it got mkstemp's 0600),
+    an existing file keeps its mode, a symbolic link is written through (it was
+    replaced by a file)."""
+    previous = os.umask(0o022)
+    try:
+        assert cli.main([str(module_file), "-o", str(tmp_path / "new.mlir")]) == 0
+        kept = tmp_path / "kept.mlir"
+        kept.write_text("")
+        kept.chmod(0o664)
+        link = tmp_path / "link.mlir"
+        link.symlink_to(kept.name)
+        assert cli.main([str(module_file), "-o", str(link)]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "new.mlir").stat().st_mode) == 0o644
+    assert link.is_symlink() and CONVERTED in kept.read_text()
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o664
 
 # ---- success -------------------------------------------------------------------------
 
@@ -258,9 +308,7 @@ def test_passes_on_a_file_run_without_jax(args: list[str], imports_jax: bool,
     source = module_file
     if args == ["--portable"]:
         args, source = [], tmp_path / "in.bin"
-        exported = jax.export.export(jax.jit(lambda x, w: x @ w))(jnp.ones((2, 4)),
-                                                                 jnp.ones((4, 4)))
-        source.write_bytes(exported.mlir_module_serialized)
+        source.write_bytes(_portable_artifact())
     out = tmp_path / "out.mlir"
     result = subprocess.run([sys.executable, "-c", _IMPORTS_PROBE, str(source), "-o",
                              str(out), *args], capture_output=True, text=True, timeout=120,

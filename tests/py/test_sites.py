@@ -376,6 +376,10 @@ def test_parse_name_op_kind() -> None:
         ('loc("-":79:3)', "", "-:79"),
         ("loc(unknown)", "", None),
         ('loc("say \\"hi\\""("f.py":1:1))', 'say "hi"', "f.py:1"),
+        # MLIR prints a byte that is not printable ASCII as \XX: a UTF-8 name reads
+        # back as written (it read "caf\C3\A9", which no scope rule "café" matched).
+        ('loc("jit(f)/caf\\C3\\A9/dot_general"("f.py":1:1))', "jit(f)/café/dot_general",
+         "f.py:1"),
         # The user's line, past the frames of installed packages (Flax's Dense) ...
         (('loc("a"(callsite("Dense"("/v/site-packages/flax/linear.py":3:4) at '
          '"Model"("/x/model.py":9:2))))'), "a", "/x/model.py:9"),
