@@ -370,6 +370,26 @@ def test_ends_inside_a_scan_are_no_stem_or_head() -> None:
         assert all(d.runs == 1 for d in ends)
 
 
+
+def test_a_block_called_at_each_layer_has_its_own_first_and_last_call() -> None:
+    """A jax.jit block called at every layer (a private function, one call-site name
+    for all four calls): its first call is the program's first matrix op and its last
+    the last one, the two between are fp8, as when the block is written inline. The
+    ends were keyed by call-site name alone, so every call was both ends and none was
+    fp8 (and a second run of the pipeline split the function and changed the module)."""
+    layer = jax.jit(lambda x, w: jnp.tanh(x @ w))
+
+    def blocks(x, w):
+        for _ in range(4):
+            x = layer(x, w)
+        return x
+
+    report = hlo_amp.compile(blocks, "fp8").lower(jnp.ones((32, 64)),
+                                                  jnp.ones((64, 64))).report()
+    assert [(d.rule, d.runs, bool(d.fp8)) for d in report.decisions] == [
+        ("first_matrix_op", 1, False), ("op:dot_general", 2, True),
+        ("last_matrix_op", 1, False)]
+
 def test_only_if_faster_keeps_the_gemms_whose_fp8_form_pays() -> None:
     """Under only_if_faster, a GEMM whose fp8 form saves less GEMM time than quantising its
     operands costs (Target.fp8_loses) computes in bf16 with the reason; a large one stays

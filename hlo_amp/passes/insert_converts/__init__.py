@@ -22,9 +22,11 @@ float matrix op of each public function's forward program, in program order (cal
 private functions followed), and to the backward ops with the same scope, op kind and
 source call stack (their transposes).
 
-Ops inside private functions are decided in the context of their call site; a function
-called from sites that need different decisions is cloned per decision vector, so
-nothing is decided once for all callers. Public signatures never change.
+Ops inside private functions are decided in the context of their call site (its name
+and its call path, so two calls at one scope are told apart: the first and the last call
+of a block called at every layer); a function called from sites that need different
+decisions is cloned per decision vector, so nothing is decided once for all callers.
+Public signatures never change.
 
 One pass in four parts, each importing only those before it: ``plan`` (an op's `Plan`
 under its action), ``call_graph`` (call-site contexts, clones, first and last matrix ops,
@@ -120,7 +122,8 @@ class InsertConverts:
             if kind is None:
                 continue
             site = graph.site(op, kind, instance.prefix)
-            positions = graph.positions.get((original, index, instance.prefix), ())
+            positions = graph.positions.get((original, index, instance.prefix,
+                                             instance.path), ())
             rule = self.policy.decide(site.scope, kind, site.backward, positions,
                                       asks_for_precision(op))
             elements = ([element_type(v) for v in list(op.operands)[:2]],

@@ -39,12 +39,19 @@ _CALL = "func.call"
 _WATCHED = frozenset({*_MATRIX_OPS, _CALL})
 
 
+# The calls from a public function to a body: (original caller name, index of the call
+# in the caller's ops_of) each. Two calls at one scope share a prefix, not a path.
+CallPath = tuple[tuple[str, int], ...]
+
+
 @dataclass
 class Instance:
-    """One function body to rewrite, and the call-site name its ops are seen under."""
+    """One function body to rewrite, the call-site name its ops are seen under, and the
+    path of the first call that reached it (a clone serves calls of equal decisions)."""
 
     fn: Any
     prefix: str
+    path: CallPath = ()
 
 
 @dataclass
@@ -58,14 +65,16 @@ class CallGraph:
     used_names: set[str] = field(default_factory=set)
     instances: list[Instance] = field(default_factory=list)
     clones: int = 0
-    signatures: dict[tuple[str, str], tuple] = field(default_factory=dict)
+    signatures: dict[tuple[str, str, CallPath], tuple] = field(default_factory=dict)
     # op_key of a function -> its matrix ops (with their kind) and calls (kind None), in
     # program order: one walk per function body, shared by both phases.
     watched: dict[int, list[tuple[Any, str | None]]] = field(default_factory=dict)
     sites: dict[tuple[Any, str, str], Site] = field(default_factory=dict)
     type_names: TypeNames = field(default_factory=lambda: TypeNames())
-    # (original function name, index in ops_of, call-site prefix) -> first/last rules
-    positions: dict[tuple[str, int, str], tuple[str, ...]] = field(default_factory=dict)
+    # (original function name, index in ops_of, call-site prefix, call path) -> the
+    # first/last rules of that op reached through that path
+    positions: dict[tuple[str, int, str, CallPath], tuple[str, ...]] = field(
+        default_factory=dict)
     loops: LoopCounts = field(default_factory=LoopCounts)
     # function name (after cloning) -> how often it runs per call of the program
     runs: dict[str, Runs] = field(default_factory=dict)
@@ -120,10 +129,11 @@ class CallGraph:
             found = self.sites[key] = site_of(key[0], kind, prefix)
         return found
 
-    def signature(self, name: str, prefix: str) -> tuple:
-        """The decisions a body would get under ``prefix``, nested calls included."""
+    def signature(self, name: str, prefix: str, path: CallPath = ()) -> tuple:
+        """The decisions a body would get under ``prefix`` reached through ``path``,
+        nested calls included."""
         original = self.origin.get(name, name)
-        known = self.signatures.get((original, prefix))
+        known = self.signatures.get((original, prefix, path))
         if known is not None:
             return known
         fn = self.by_name[original]
@@ -131,33 +141,38 @@ class CallGraph:
         for index, (op, kind) in enumerate(self.ops_of(fn)):
             if kind is not None:
                 site = self.site(op, kind, prefix)
-                positions = self.positions.get((original, index, prefix), ())
-                parts.append(self.policy.decide(site.scope, kind, site.backward, positions,
-                                                asks_for_precision(op)).action)
+                positions = self.positions.get((original, index, prefix, path), ())
+                # The positions too: the first and the last call of one function may
+                # get one action, but each is reported under its own rule.
+                parts.append((self.policy.decide(site.scope, kind, site.backward, positions,
+                                                 asks_for_precision(op)).action, positions))
             elif callee_name(op) in self.by_name:
                 inner = callee_name(op)
-                parts.append(self.signature(inner, self._callee_prefix(prefix, op)))
-        self.signatures[(original, prefix)] = tuple(parts)
-        return self.signatures[(original, prefix)]
+                parts.append(self.signature(inner, self._callee_prefix(prefix, op),
+                                            path + ((original, index),)))
+        self.signatures[(original, prefix, path)] = tuple(parts)
+        return self.signatures[(original, prefix, path)]
 
     @staticmethod
     def _callee_prefix(prefix: str, call: Any) -> str:
         return call_prefix(join_names(prefix, location_name(call.location)))
 
-    def visit(self, fn: Any, prefix: str) -> None:
-        self.instances.append(Instance(fn, prefix))
-        for op, kind in self.ops_of(fn):
+    def visit(self, fn: Any, prefix: str, path: CallPath = ()) -> None:
+        self.instances.append(Instance(fn, prefix, path))
+        caller = self.origin.get(function_name(fn), function_name(fn))
+        for index, (op, kind) in enumerate(self.ops_of(fn)):
             if kind is not None or callee_name(op) not in self.by_name:
                 continue
             name = callee_name(op)
             original = self.origin.get(name, name)
             callee_prefix = self._callee_prefix(prefix, op)
-            key = (original, self.signature(original, callee_prefix))
+            callee_path = path + ((caller, index),)
+            key = (original, self.signature(original, callee_prefix, callee_path))
             target = self.memo.get(key)
             if target is None:
                 target = self._instantiate(original)
                 self.memo[key] = target
-                self.visit(self.by_name[target], callee_prefix)
+                self.visit(self.by_name[target], callee_prefix, callee_path)
             if target != name:
                 op.attributes["callee"] = ir.FlatSymbolRefAttr.get(target, context=op.context)
 
@@ -171,8 +186,8 @@ class CallGraph:
         cannot be told apart)."""
         found: EndStacks = {}
         for fn in public:
-            order: list[tuple[tuple[str, int, str], Any, str]] = []
-            looped: set[tuple[str, int, str]] = set()
+            order: list[tuple[tuple[str, int, str, CallPath], Any, str]] = []
+            looped: set[tuple[str, int, str, CallPath]] = set()
             self._program_order(function_name(fn), "", order, (), looped)
             stacks = dict(given or {})
             forward = []
@@ -205,20 +220,22 @@ class CallGraph:
         return found
 
     def _program_order(self, name: str, prefix: str,
-                       out: list[tuple[tuple[str, int, str], Any, str]],
-                       stack: tuple[str, ...], looped: set[tuple[str, int, str]],
-                       in_loop: bool = False) -> None:
-        """Matrix ops in program order into ``out``; the keys of those that run inside a
-        loop (a while body, or a function called from one) into ``looped``."""
+                       out: list[tuple[tuple[str, int, str, CallPath], Any, str]],
+                       stack: tuple[str, ...], looped: set[tuple[str, int, str, CallPath]],
+                       in_loop: bool = False, path: CallPath = ()) -> None:
+        """Matrix ops in program order into ``out``, keyed by function, index, prefix
+        and call path (a function called twice at one scope has each call's ops); the
+        keys of those that run inside a loop (a while body, or a function called from
+        one) into ``looped``."""
         for index, (op, kind) in enumerate(self.ops_of(self.by_name[name])):
             inside = in_loop or in_while(op)
             if kind is not None:
-                out.append(((name, index, prefix), op, kind))
+                out.append(((name, index, prefix, path), op, kind))
                 if inside:
-                    looped.add((name, index, prefix))
+                    looped.add((name, index, prefix, path))
             elif callee_name(op) in self.by_name and callee_name(op) not in stack:
                 self._program_order(callee_name(op), self._callee_prefix(prefix, op), out,
-                                    stack + (name,), looped, inside)
+                                    stack + (name,), looped, inside, path + ((name, index),))
 
     def _instantiate(self, original: str) -> str:
         if original not in self.used_names:
