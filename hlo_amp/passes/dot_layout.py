@@ -28,7 +28,11 @@ barrier keeps its bitcast layout; a reshape to the same shape is folded away). N
 than NN because XLA absorbs a transpose of a dot's result by swapping its operands after
 the bf16 decision: a swapped NN bf16 dot leaves YNNPACK's path and the executable fails
 at run time (see :func:`has_transposed_result`); a swapped NT dot is still NT. So the
-pass also relays NN dots whose result is transposed.
+pass also relays NN dots whose result is transposed. XLA:CPU transposes on its own
+around a reduce_window that scans a major dimension (``jnp.cumsum(x, 0)``,
+``lax.cummax``): such a scan counts as a transpose of the dot that produces it, and its
+result as a permuted operand of the dot that reads it (``is_major_scan``; before, the
+bf16 dot failed at run time).
 
 The dot keeps its result type, location and precision: only the layout of its operands
 changes, so the products and the f32 accumulation are the same and the result differs

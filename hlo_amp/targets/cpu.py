@@ -23,7 +23,7 @@ from hlo_amp.targets.dot_dims import DotLayout, dot_layout
 from hlo_amp.targets.target import Target
 
 __all__ = ["CPU", "CpuTarget", "DotLayout", "cpu_has_native_bf16", "dot_layout",
-           "has_transposed_result", "is_fast_on_cpu", "layout_is_fast", "meets_ynn_size",
+           "has_transposed_result", "is_fast_on_cpu", "is_major_scan", "layout_is_fast", "meets_ynn_size",
            "native_bf16_flags", "needs_layout_rewrite"]
 
 # YNNPACK skips dots whose largest extent is below this (its overhead dominates).
@@ -106,6 +106,9 @@ def _provenance(value: ir.Value, memo: dict[ir.Value, _Provenance] | None = None
                 found = (True, 0)
                 break
             following = owner.operands[0]
+        elif is_major_scan(owner):
+            found = (True, 0)
+            break
         elif name == "stablehlo.optimization_barrier":
             following = owner.operands[ir.OpResult(value).result_number]
         elif name == "func.call" and (returned := _returned_value(owner, value)) is not None:
@@ -242,6 +245,19 @@ def layout_is_fast(
 _FOLLOWED_TO_A_TRANSPOSE = frozenset({"stablehlo.reshape", "stablehlo.convert"})
 
 
+def is_major_scan(op: ir.Operation) -> bool:
+    """A reduce_window whose window spans a whole dimension other than the minor one
+    (``jnp.cumsum(x, 0)``): XLA:CPU's ReduceWindowRewriter scans it along the minor
+    dimension between two transposes, which XLA folds into a dot that produces or reads
+    it (the bf16 dot then fails at run time, as under :func:`has_transposed_result`)."""
+    if op.name != "stablehlo.reduce_window":
+        return False
+    shape = ir.RankedTensorType(op.operands[0].type).shape
+    window = list(ir.DenseI64ArrayAttr(op.attributes["window_dimensions"]))
+    return any(size > 1 and size == extent
+               for size, extent in zip(window[:-1], shape[:-1], strict=False))
+
+
 def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
     """True when the result of `op` reaches a stablehlo.transpose, directly or through
     reshapes and converts (in the mixed_* modes a CPU dot's f32 result is converted to
@@ -255,17 +271,34 @@ def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
     """
     pending = [op.result]
     seen = 0
+    functions = None
     while pending and seen < _MAX_PROVENANCE_DEPTH:
         value = pending.pop()
         seen += 1
         for use in value.uses:
             user = use.owner.operation
             name = user.name
-            if name == "stablehlo.transpose":
+            if name == "stablehlo.transpose" or is_major_scan(user):
                 return True
             if name in _FOLLOWED_TO_A_TRANSPOSE:
                 pending.append(user.result)
+            elif name == "func.call":  # jnp.cumsum is a private function: into it
+                if functions is None:
+                    functions = _functions_by_name(user)
+                callee = functions.get(ir.FlatSymbolRefAttr(user.attributes["callee"]).value)
+                if callee is not None and callee.regions[0].blocks:
+                    pending.append(callee.regions[0].blocks[0].arguments[use.operand_number])
     return False
+
+
+def _functions_by_name(op: ir.Operation) -> dict[str, Any]:
+    """The functions of the module that holds ``op``, by name."""
+    module = op
+    while module.parent is not None:
+        module = module.parent
+    return {ir.StringAttr(fn.attributes["sym_name"]).value: fn
+            for fn in module.regions[0].blocks[0].operations
+            if fn.operation.name == "func.func"}
 
 
 def needs_layout_rewrite(

@@ -22,6 +22,7 @@ from jax._src.lib import xla_client
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
+import hlo_amp
 from hlo_amp.passes import run_pass
 from hlo_amp.passes.dot_layout import FastDotLayout
 from hlo_amp.targets.cpu import (
@@ -414,6 +415,27 @@ def test_transposed_result_makes_an_nn_dot_need_the_rewrite() -> None:
     assert layout_is_fast(nn) and needs_layout_rewrite(nn)
     assert layout_is_fast(nt) and not needs_layout_rewrite(nt)
 
+
+
+@pytest.mark.parametrize("name", ["cumsum of a dot", "dot of a cumsum", "cummax between dots"])
+@pytest.mark.parametrize("policy", ["bf16", "mixed_bfloat16"])
+def test_a_scan_along_a_major_dimension_counts_as_a_transpose(name: str, policy: str) -> None:
+    """XLA:CPU scans a reduce_window that spans a major dimension (jnp.cumsum(x, 0))
+    along the minor one between transposes, and folds them into the dot that produces
+    or reads it: the bf16 dot then failed at run time ("Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32"). Such a dot is relaid like one whose result
+    is transposed, and the program runs as jax.jit's does, to bf16's precision."""
+    programs = {
+        "cumsum of a dot": lambda x, w: jnp.cumsum(x @ w, 0),
+        "dot of a cumsum": lambda x, w: jnp.cumsum(x, 0) @ w,
+        "cummax between dots": lambda x, w: jax.lax.cummax(jnp.tanh(x @ w), 0) @ w,
+    }
+    fn = programs[name]
+    x = jax.random.normal(jax.random.key(0), (64, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 32)) / 6
+    got = np.asarray(hlo_amp.compile(fn, policy)(x, w))
+    want = np.asarray(jax.jit(fn)(x, w))
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
 
 def test_operand_from_a_transpose_is_not_fast() -> None:
     module = _parse(
