@@ -141,7 +141,10 @@ def _chunks(source: str | bytes, split: bool) -> list[tuple[str | bytes, int]]:
     for piece in _SPLIT_MARKER.split(text):
         pieces.append(("\n" * line + piece, line))
         line += piece.count("\n")
-    return pieces
+    # A marker at the end (or two in a row) leaves a blank piece: nothing to run, as
+    # mlir-opt takes it, not an empty input.
+    written = [(piece, first) for piece, first in pieces if piece.strip()]
+    return written or pieces[:1]
 
 
 def _start_jax() -> None:
@@ -160,6 +163,15 @@ def _start_jax() -> None:
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.autopolicy:  # a search option alone was silently ignored
+        given = [flag for flag, value, default in (
+            ("--budget", args.budget, None), ("--inputs", args.inputs, None),
+            ("--seed", args.seed, 0), ("--depth", args.depth, 1),
+            ("--max-compiles", args.max_compiles, None),
+            ("--fp8-scaling", args.fp8_scaling, "current")) if value != default]
+        if given:
+            raise CliError(f"hlo-amp-opt: error: {given[0]} applies to --autopolicy, "
+                           f"which was not given")
     missing = jaxlib_internals.missing_entry_points()
     if missing:
         raise CliError(f"hlo-amp-opt: error: this jaxlib lacks what hlo_amp needs: "

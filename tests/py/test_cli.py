@@ -106,6 +106,9 @@ MORE_ERRORS = {
         r"bad policy: Unknown op kind 'exponentail'; accepted: dot_general.*exponential"),
     "bad_scope_action": (lambda d: [d / "in.mlir", "--scope", "head=fast"],
                          r"Unknown action 'fast' for scope rule 'head'"),
+    # A search option without the search was silently ignored.
+    "budget_without_autopolicy": (lambda d: [d / "in.mlir", "--budget", "1e-2"],
+                                  r"--budget applies to --autopolicy, which was not given"),
     "bad_op_syntax": (lambda d: [d / "in.mlir", "--op", "dot_general"],
                       r"--op 'dot_general' is not KIND=ACTION"),
     "unknown_flag": (lambda d: [d / "in.mlir", "--fast"], r"unrecognized arguments: --fast"),
@@ -250,6 +253,15 @@ def test_split_input_file(tmp_path: Path) -> None:
     assert "@second" in chunks[1] and CONVERTED in chunks[1]
     report = json.loads(result.stderr)  # --report - writes the JSON to stderr
     assert [d["function"] for d in report["decisions"]] == ["main", "second"]
+
+
+def test_a_marker_at_the_end_splits_off_nothing(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """As mlir-opt takes it: a trailing ``// -----`` was an "input is empty" error."""
+    path = _write(tmp_path, "trailing.mlir", MODULE + "// -----\n\n// -----\n")
+    assert cli.main([str(path), "--split-input-file"]) == 0
+    out = capsys.readouterr().out
+    assert CONVERTED in out and "// -----" not in out
 
 
 def test_without_split_the_marker_is_a_comment(tmp_path: Path,

@@ -229,6 +229,24 @@ def test_fp8_policies_keep_attention_16_bit() -> None:
     assert site.fused and site.dtype == "bfloat16"
 
 
+
+def test_a_second_run_finds_the_site_its_first_run_left_unfused() -> None:
+    """Attention the pass leaves in the program (here: XLA:CPU, no fused kernel) keeps
+    its matmuls 16-bit under fp8; the pipeline's own output, where the fast mode put a
+    convert between the 16-bit subtract and the f32 exp, still shows the site: a
+    second run quantised its matmuls to fp8."""
+    def attend(q, k, v):
+        scores = jnp.einsum("bqd,bkd->bqk", q, k) / 8.0
+        return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, axis=-1), v)
+
+    qkv = [jax.ShapeDtypeStruct((2, 16, 64), jnp.float32)] * 3
+    policy = "fp8,first_matrix_op=none,last_matrix_op=none"
+    first = hlo_amp.rewrite(jax.jit(attend).lower(*qkv).as_text(debug_info=True), policy,
+                            debug_info=True)
+    second, report = hlo_amp.rewrite(first, policy, debug_info=True, return_report=True)
+    assert "f8E4M3FN" not in first and "f8E4M3FN" not in second
+    assert [site.fused for site in report.attention] == [False]
+
 def test_cudnn_implementation_on_f32_arrays_runs_under_a_16bit_policy() -> None:
     """jax refuses f32 arrays for implementation="cudnn"; under hlo_amp.compile it runs
     (XLA's attention on this CPU, cuDNN's kernel in bf16 on a GPU target)."""

@@ -248,6 +248,10 @@ class _Site(MaskReading, ExitReading):
         """Walk from exp's input back to the scores: the scale and the mask selects."""
         value = exp.operands[0]
         op, value, stack = self.view.producer(value, stack)
+        # The fast mode's own output converts the 16-bit subtract to f32 for the exp:
+        # seen through, a second run of the pipeline finds the site again.
+        while op is not None and op.name == "stablehlo.convert":
+            op, value, stack = self.view.producer(op.operands[0], stack)
         if op is not None and op.name == "stablehlo.subtract":
             row, row_stack = op.operands[1], stack
             if not self._is_row_value(row, row_stack, key_role):
