@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -13,7 +14,9 @@ _KIND_ORDER = ("dot_general", "dot", "convolution")
 PRECISIONS = ("16-bit or narrower", "f32 by policy", "f32: XLA upcast it")
 # Prefixes of the float element types 16 bits wide or narrower (bf16, f16, the fp8, fp6
 # and fp4 formats), in MLIR's spelling ("f8E4M3FN") and XLA's ("f8e4m3fn").
-_NARROW_FLOATS = ("bf16", "f16", "f8", "f6", "f4")
+# bf16, f16 and the fp8/fp6/fp4 families (MLIR's f8E4M3FN, XLA's f8e4m3fn): a prefix
+# alone took f64 for an fp6 type.
+_NARROW_FLOAT = re.compile(r"^(bf16|f16|f[468][eE])")
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class AttentionSite:
 def is_narrow(element_type: str) -> bool:
     """Whether ``element_type`` (MLIR's spelling or XLA's HLO text) is a float 16 bits
     wide or narrower: "low precision" for a Decision and for XLA's verdict alike."""
-    return element_type.startswith(_NARROW_FLOATS)
+    return _NARROW_FLOAT.match(element_type) is not None
 
 
 @dataclass

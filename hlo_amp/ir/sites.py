@@ -264,19 +264,22 @@ def parse_name(name: str, op_kind: str | None = None) -> Site:
     transforms: list[str] = []
     einsum = None
     parts: list[str] = []  # every name-stack part, transforms unwrapped, in order
-    previous: tuple[list[str], str] | None = None  # (wrappers, inner) of the last segment
+    # (wrappers, inner, len(parts) before it) of each segment with transforms
+    wrapped: list[tuple[list[str], str, int]] = []
     for segment in segments:
         wrappers, inner = unwrap(segment)
         transforms.extend(wrappers)
         # remat under grad re-enters the scope it was called in with fewer transforms:
-        # transpose(jvp(Block_0))/jvp(Block_0)/... is one Block_0, not two.
-        reentered = (
-            previous is not None and bool(wrappers) and inner == previous[1]
-            and len(wrappers) < len(previous[0]) and previous[0][-len(wrappers):] == wrappers
-        )
-        previous = (wrappers, inner)
-        if reentered:
-            continue
+        # transpose(jvp(Block_0))/jvp(Block_0)/... is one Block_0, not two, and
+        # transpose(jvp(enc))/l0/jvp(enc)/l0/checkpoint one enc/l0: the parts from the
+        # first entry on are the ones the re-entry names again.
+        if wrappers:
+            for earlier, earlier_inner, start in reversed(wrapped):
+                if (earlier_inner == inner and len(wrappers) < len(earlier)
+                        and earlier[-len(wrappers):] == wrappers):
+                    del parts[start:]
+                    break
+            wrapped.append((wrappers, inner, len(parts)))
         # The inner part of a wrapper can itself hold '/'-separated scopes.
         for part in split_segments(inner):
             part_wrappers, part = unwrap(part)

@@ -120,8 +120,9 @@ def _pattern(group: str, depth: int) -> str | None:
 def _groups(report: Report, depth: Any) -> dict[str, list[Decision]]:
     """Decisions by the first ``depth`` segments of their scope ("" for top level)."""
     deepest = max((len(_segments(d.scope)) for d in report.decisions), default=0)
+    # Without any named scope depth 1 is still a question: its one row is the top level.
     if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1 or (
-            report.decisions and depth > deepest):
+            report.decisions and depth > max(deepest, 1)):
         example = max((d.scope for d in report.decisions), key=lambda s: len(_segments(s)),
                       default="")
         accepted = (f"1 to {deepest} (fn's deepest scope is {example!r})" if deepest

@@ -29,6 +29,7 @@ new, old)`.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Self
 
@@ -291,7 +292,7 @@ def _scaled_value_and_grad(
         finite = all_finite(grads)
         return _next_state(state, finite), ((value, aux), grads), finite
 
-    @functools.wraps(fun)
+    @_with_state_parameter(fun)
     def wrapped(
         *args: Any, dynamic_scaler_state: DynamicScalerState, **kwargs: Any
     ) -> tuple[DynamicScalerState, tuple[tuple[jax.Array, Any], PyTree]]:
@@ -319,6 +320,29 @@ def _scaled_value_and_grad(
         return new_state, results
 
     return wrapped
+
+
+def _with_state_parameter(fun: Callable[..., Any]) -> Callable[[Callable], Callable]:
+    """``functools.wraps(fun)``, with ``fun``'s signature plus the keyword-only
+    ``dynamic_scaler_state``: a wrapper that binds arguments by signature
+    (``eqx.filter_jit``) read ``fun``'s alone through ``__wrapped__`` and refused the
+    state ("got an unexpected keyword argument"), as jaxamp's does not."""
+    def decorate(wrapped: Callable[..., Any]) -> Callable[..., Any]:
+        functools.update_wrapper(wrapped, fun)
+        try:
+            signature = inspect.signature(fun)
+        except (TypeError, ValueError):  # a callable without one: the wrapper's own
+            del wrapped.__wrapped__
+            return wrapped
+        parameters = list(signature.parameters.values())
+        if "dynamic_scaler_state" not in signature.parameters:
+            at = next((i for i, p in enumerate(parameters)
+                       if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+            parameters.insert(at, inspect.Parameter("dynamic_scaler_state",
+                                                    inspect.Parameter.KEYWORD_ONLY))
+        wrapped.__signature__ = signature.replace(parameters=parameters)
+        return wrapped
+    return decorate
 
 
 def dynamic_scale_value_and_grad(
@@ -361,7 +385,7 @@ def dynamic_scale_value_and_grad(
         grad_kwargs=kwargs,
     )
 
-    @functools.wraps(fun)
+    @_with_state_parameter(fun)
     def wrapped(*args: Any, dynamic_scaler_state: DynamicScalerState, **kw: Any) -> Any:
         state, ((value, aux), grads) = core(*args, dynamic_scaler_state=dynamic_scaler_state, **kw)
         return state, (((value, aux) if has_aux else value), grads)
@@ -388,7 +412,7 @@ def dynamic_scale_grad(
         grad_kwargs=kwargs,
     )
 
-    @functools.wraps(fun)
+    @_with_state_parameter(fun)
     def wrapped(*args: Any, dynamic_scaler_state: DynamicScalerState, **kw: Any) -> Any:
         state, ((_, aux), grads) = core(*args, dynamic_scaler_state=dynamic_scaler_state, **kw)
         return state, ((grads, aux) if has_aux else grads)

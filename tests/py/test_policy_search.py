@@ -338,6 +338,35 @@ def test_tolerance_takes_the_loosest_dtype():
     assert tolerance([]) == RTOL["f32"]
     assert tolerance(["bf16", "f16"]) == RTOL["bf16"]
     assert tolerance(["f8E4M3FN"]) == RTOL["f8E4M3"]
+    assert tolerance(["f64"]) == RTOL["f32"]  # it took fp4's 0.5, the loosest of all
+
+
+def test_an_f64_program_is_not_low_precision_and_compares_at_f32s_tolerance():
+    """"f64" began like an fp6 type: its dot counted as 16-bit or narrower and compare
+    passed errors up to 50% (fp4's rtol)."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        x = np.ones((16, 32)) / 3
+        w = np.ones((32, 8)) / 7
+        result = hlo_amp.compare(lambda x, w: jnp.tanh(x @ w), "bf16", x, w)
+        report = hlo_amp.compile(lambda x, w: x @ w, "bf16").lower(x, w).report()
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    [decision] = report.decisions
+    assert decision.operands_after == ("f64", "f64") and not decision.low_precision
+    assert result.rtol == RTOL["f32"] and "0% of FLOPs in 16-bit" in report.summary()
+
+
+def test_a_function_without_named_scopes_is_one_top_level_row():
+    """Depth 1 of a function whose matrix ops have no named scope (an NNX model passed
+    without module_scopes) was refused: "Unknown depth 1; accepted: an int >= 1"."""
+    def fn(x):
+        return jnp.tanh(x @ W["embed"]) @ W["head"]
+
+    attribution = hlo_amp.attribute(fn, "bf16", X)
+    assert [row.scope for row in attribution.scopes] == ["(top level)"]
+    chosen = hlo_amp.autopolicy(fn, X, budget=1.0, progress=False)
+    assert chosen.met and chosen.policy == hlo_amp.Policy.preset("bf16")
 
 
 # ---- bad arguments -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ an f32 run. Tolerances follow torch.testing (bf16 rtol 1.6e-2, f16 rtol 1e-3, at
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -638,6 +639,25 @@ def test_filter_true_inside_hlo_amp_compile_and_filter_jit() -> None:
         np.testing.assert_allclose(grads.w1, ref_grads.w1, **tol)
         np.testing.assert_allclose(grads.w2, ref_grads.w2, **tol)
         assert_state(new_state, count=1, total_resets=0)
+
+
+def test_the_scaled_functions_signature_takes_the_state_for_filter_jit() -> None:
+    """eqx.filter_jit binds arguments by the signature, which read the loss function's
+    alone through __wrapped__: "got an unexpected keyword argument
+    'dynamic_scaler_state'" (jaxamp's wrapper has none)."""
+    import equinox as eqx
+
+    from hlo_amp import jaxamp_compat
+
+    model = _eqx_model()
+    x, y = _regression_data()
+    state = DynamicScalerState()
+    for make in (dynamic_scale_value_and_grad, jaxamp_compat.dynamic_scale_value_and_grad):
+        vg = make(_eqx_loss, filter=True)
+        assert "dynamic_scaler_state" in inspect.signature(vg).parameters
+        _, (eager_loss, _) = vg(model, x, y, dynamic_scaler_state=state)
+        _, (loss, _) = eqx.filter_jit(vg)(model, x, y, dynamic_scaler_state=state)
+        np.testing.assert_allclose(loss, eager_loss, **TOL[jnp.float32])
 
 
 def test_without_filter_the_error_is_jax_value_and_grads() -> None:

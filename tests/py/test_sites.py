@@ -340,6 +340,13 @@ def test_report_of_scan_bodies_inlined_into_main() -> None:
         ("jit(f)/checkpoint/rematted_computation/mlp/dot_general", ("mlp",), (), False, None),
         ("jit(r)/transpose(jvp(Block_0))/jvp(Block_0)/checkpoint/mlp/dot_general",
          ("Block_0", "mlp"), ("transpose", "jvp", "jvp"), True, None),
+        # ... also under nested scopes: jax.checkpoint in enc/l0 is one enc/l0 (it read
+        # enc/l0/enc/l0, and a rule for the scope enc/l0 alone missed the backward).
+        ("jit(r)/transpose(jvp(enc))/l0/jvp(enc)/l0/checkpoint/dot_general",
+         ("enc", "l0"), ("transpose", "jvp", "jvp"), True, None),
+        (("jit(r)/transpose(jvp(stack))/while/body/layer/jvp(stack)/while/body/layer/"
+          "checkpoint/rematted_computation/dot_general"),
+         ("stack", "layer"), ("transpose", "jvp", "jvp"), True, None),
         # Two genuine nested scopes of one name stay two.
         ("jit(f)/jvp(Block_0)/Block_0/dot_general", ("Block_0", "Block_0"), ("jvp",), False,
          None),
