@@ -100,6 +100,17 @@ class GpuTarget(Target):
                     f"GPU has {capability[0]}.{capability[1]}")
         return None
 
+    def fp8_obstacle(self, op: Any) -> str | None:
+        """The dot's form (Target's), and the GPU: XLA makes a dot an fp8 GEMM only on
+        compute capability 8.9 or later (Ada, Hopper: gemm_rewriter.cc's
+        ``CreateF8CustomCall``); on an A100 it ran the quantised dot as a bf16 GEMM,
+        every quantisation paid for nothing (0 of 6 fp8 GEMMs kept)."""
+        capability = self.compute_capability
+        if capability is not None and capability < (8, 9):
+            return (f"compute capability {capability[0]}.{capability[1]} (XLA's fp8 GEMM "
+                    f"needs 8.9 or later: Ada, Hopper)")
+        return super().fp8_obstacle(op)
+
     def writes_16bit_form_twice(self, op: Any, kind: str) -> str | None:
         """A convolution: cuDNN returns its 16-bit result, which a convert writes again in
         f32 (``low_result``). A dot whose m or n is not a multiple of 8, compiled with

@@ -248,6 +248,24 @@ def test_an_f16_programs_fp8_dots_stay_fp8_gemms() -> None:
     calls = library_calls(result.as_text())
     assert [kind for kind, _ in calls].count("gemm fp8") == len(fp8)
 
+
+def test_fp8_on_a_gpu_without_fp8_gemms_falls_back_to_bf16() -> None:
+    """An A100 (compute capability 8.0) has no fp8 GEMM: XLA ran the quantised dots as
+    bf16 GEMMs (0 of 6 fp8 GEMMs kept), every quantisation paid for nothing. They fall
+    back to bf16 and the report says why."""
+    def loss(ws: list, x: jax.Array) -> jax.Array:
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x ** 2)
+
+    ws = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 3
+    x = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+    result = hlo_amp.compile(jax.grad(loss), FP8).lower(ws, x, target="a100").compile()
+    decisions = result.report().decisions
+    assert decisions and not any(d.fp8 for d in decisions)
+    assert all("compute capability 8.0" in d.reason and d.kept_by_xla for d in decisions)
+    assert [kind for kind, _ in library_calls(result.as_text())].count("gemm fp8") == 0
+
 def test_nnx_stateful_step_lowers_for_a_gpu() -> None:
     from examples.models import MLP
 
