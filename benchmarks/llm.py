@@ -362,15 +362,11 @@ def compile_variant(variant: str, target: str, config: Config = Config(),
                                  else lowered.pass_seconds),
                         "compile": compiled.compile_seconds})
         return compiled
-    from hlo_amp import jax_internals
     from hlo_amp.runtime.deviceless import lower_for_target
 
     start = time.perf_counter()
-    # jax checks cuDNN while it traces the peer's cuDNN attention: answered for the GPU
-    # compiled for (targets/attention_kernels.py does the same).
-    with jax_internals.cudnn_checks_answered(getattr(device, "compute_capability", None),
-                                             91000, active=variant == CUDNN_PEER):
-        lowered = lower_for_target(jax.jit(step, donate_argnums=donated), args, {}, device)
+    # lower_for_target answers jax's cuDNN checks for the peer's cuDNN attention.
+    lowered = lower_for_target(jax.jit(step, donate_argnums=donated), args, {}, device)
     middle = time.perf_counter()
     compiled = lowered.compile(device.compiler_options)
     seconds.update({"lower": middle - start, "compile": time.perf_counter() - middle})

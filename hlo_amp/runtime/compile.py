@@ -44,7 +44,7 @@ from hlo_amp.runtime.amp_call import (
     shape_structs,
 )
 from hlo_amp.runtime.arguments import argument_problem
-from hlo_amp.runtime.deviceless import lower_for_target
+from hlo_amp.runtime.deviceless import lower_for_target, not_runnable
 from hlo_amp.runtime.fp8_state import Fp8StatefulFunction
 from hlo_amp.runtime.frameworks import (
     FilterCall,
@@ -104,12 +104,8 @@ class AmpCompiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.device is not None:
-            raise RuntimeError(
-                f"this function was compiled for {self.device.description} (target="
-                f"{self.device.name!r}) without a device; it can be read (as_text(), "
-                "memory_analysis(), report()) but not run here. Call the compiled function "
-                "itself, or .lower() without target=, to run on this machine's "
-                f"{jax.default_backend()}")
+            raise RuntimeError(not_runnable(self.device, "report()", "Call the compiled "
+                                            "function itself, or .lower() without target="))
         return self._compiled(*args, **kwargs)
 
     def as_text(self) -> str:

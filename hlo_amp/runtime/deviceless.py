@@ -36,7 +36,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from hlo_amp.jax_internals import cudnn_checks_answered
 from hlo_amp.targets import Target, device_target
+from hlo_amp.targets.attention_kernels import DEVICELESS_CUDNN
 from hlo_amp.targets.topology import NoCompilerForTarget
 
 # Where JAX was told not to use a TPU, libtpu serves only deviceless compiles: it need not
@@ -48,9 +50,9 @@ if "tpu" not in os.environ.get("JAX_PLATFORMS", "tpu"):
 
 # NoCompilerForTarget: what target_mesh and the compiles raise where the XLA backend for
 # the target is missing (the targets make their topologies: targets/topology.py).
-__all__ = ["NoCompilerForTarget", "abstract_arguments", "compile_for_target",
-           "compile_module_for_target", "lower_for_target", "module_partitions",
-           "target_mesh"]
+__all__ = ["CompiledForTarget", "NoCompilerForTarget", "abstract_arguments",
+           "compile_for_target", "compile_module_for_target", "lower_for_target",
+           "module_partitions", "not_runnable", "target_mesh"]
 
 
 def target_mesh(target: str | Target, axes: Mapping[str, int] | None = None
@@ -119,7 +121,11 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target) -> 
     scope = (jax.set_mesh(on_target_mesh(context, target))
              if not context.empty and context.size == target.devices
              else contextlib.nullcontext())
-    with scope:
+    # jax checks the cuDNN version and the GPU while it traces
+    # dot_product_attention(implementation="cudnn"): answered for the GPU compiled for
+    # (without it every such program failed here with "cuDNN not found").
+    capability = getattr(target, "compute_capability", None)
+    with scope, cudnn_checks_answered(capability, DEVICELESS_CUDNN):
         args, kwargs = abstract_arguments((args, kwargs), target)
         return jitted.trace(*args, **kwargs).lower(lowering_platforms=(target.platform,))
 
@@ -132,7 +138,32 @@ def compile_for_target(jitted: Any, *args: Any, target: str | Target = "h100",
     ``compiler_options`` override the target's XLA flags."""
     device = device_target(target)
     options = {**device.compiler_options, **(compiler_options or {})}
-    return lower_for_target(jitted, args, kwargs, device).compile(options)
+    return CompiledForTarget(lower_for_target(jitted, args, kwargs, device).compile(options),
+                             device)
+
+
+def not_runnable(device: Target, readers: str, instead: str) -> str:
+    """The error of calling a function compiled for ``device`` without it."""
+    return (f"this function was compiled for {device.description} (target={device.name!r}) "
+            f"without a device; it can be read (as_text(), memory_analysis(), {readers}) "
+            f"but not run here. {instead}, to run on this machine's {jax.default_backend()}")
+
+
+class CompiledForTarget:
+    """``compile_for_target``'s result: JAX's ``Compiled`` for a device this machine
+    lacks, every attribute read through; calling it raises what ``AmpCompiled`` does
+    (it raised "'Executable' object has no attribute 'local_devices'")."""
+
+    def __init__(self, compiled: Any, device: Target):
+        self.jax_compiled = compiled
+        self.device = device
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.jax_compiled, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(not_runnable(self.device, "input_shardings",
+                                        "Call the jax.jit function itself"))
 
 
 def compile_module_for_target(module: Any, target: Target) -> Any:

@@ -185,9 +185,33 @@ def test_memory_analysis_and_f32_and_jax_jit_peers_on_one_footing() -> None:
 
 
 def test_a_compiled_for_a_gpu_function_cannot_be_called() -> None:
-    _, args = WORKLOADS["mlp"]
+    step, args = WORKLOADS["mlp"]
     with pytest.raises(RuntimeError, match=r"compiled for NVIDIA H100.*without a device"):
         compiled("mlp", "bf16")(*args)
+    # compile_for_target's too (it raised "'Executable' object has no attribute
+    # 'local_devices'").
+    peer = hlo_amp.compile_for_target(jax.jit(step), *args, target="h100")
+    with pytest.raises(RuntimeError, match=r"compiled for NVIDIA H100.*without a device"):
+        peer(*args)
+
+
+def test_the_cudnn_attention_a_user_writes_compiles_for_a_gpu() -> None:
+    """jax.nn.dot_product_attention(implementation="cudnn") on bf16 arrays: jax checks
+    cuDNN while it traces, answered for the target (it failed: "cuDNN not found"),
+    through compile_for_target and hlo_amp.compile alike."""
+    def step(q, k, v):
+        def loss(q, k, v):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation="cudnn")
+            return jnp.mean(out.astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    qkv = [jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)] * 3
+    peer = hlo_amp.compile_for_target(jax.jit(step), *qkv, target="h100")
+    amp = hlo_amp.compile(step, "bf16").lower(*qkv, target="h100").compile()
+    for result in (peer, amp):
+        targets = re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', result.as_text())
+        assert sorted(targets) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
 
 
 def test_h200_a100_and_a_config_file(tmp_path: Path) -> None:
