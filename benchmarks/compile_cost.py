@@ -35,6 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cli_args import check_names
 from hlo_amp.targets.hlo_text import Instruction, parse_module
 
 VARIANTS = ("hlo_amp mixed_bfloat16", "hlo_amp fp8")
@@ -187,7 +188,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     import jax
 
-    from benchmarks.llm import _machine, write_section
+    from benchmarks.llm import ATTENTION_FORMS, _machine, write_section
+    from benchmarks.llm import VARIANTS as LLM_VARIANTS
+
+    check_names(parser, "--variant", args.variant or (), LLM_VARIANTS)
+    check_names(parser, "--attention", [args.attention] if args.attention else [],
+                ATTENTION_FORMS)
 
     ptxas = shutil.which("ptxas")
     machine = f"compiled on {_machine()}; ptxas: {ptxas or 'not on PATH, not timed'}"

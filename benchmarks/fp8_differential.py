@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hlo_amp
+from benchmarks.cli_args import non_negative_int, positive_int
 from benchmarks.llm import rms_norm
 from benchmarks.stress import layer_norm
 from hlo_amp.passes.batch_amax import BatchAmax
@@ -240,8 +241,8 @@ FAMILIES = {"decoder": decoder, "control-flow": control_flow}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=10, help="programs per family")
-    parser.add_argument("--start", type=int, default=0, help="the first seed")
+    parser.add_argument("--cases", type=positive_int, default=10, help="programs per family")
+    parser.add_argument("--start", type=non_negative_int, default=0, help="the first seed")
     parser.add_argument("--family", choices=[*FAMILIES, "both"], default="both")
     args = parser.parse_args(argv)
     families = FAMILIES if args.family == "both" else {args.family: FAMILIES[args.family]}

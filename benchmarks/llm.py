@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hlo_amp
+from benchmarks.cli_args import positive_int
 from hlo_amp.targets import device_target, refuse_policy_on_device
 
 
@@ -507,7 +508,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"{', '.join(DEVICES)}, or any target name (h100x8, "
                         "tpu-v5e:4x4)")
     parser.add_argument("--small", action="store_true", help="the SMALL preset")
-    parser.add_argument("--layers", type=int, help="override the preset's layer count")
+    parser.add_argument("--layers", type=positive_int,
+                        help="override the preset's layer count")
     parser.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
                         help="the blocks as a jax.lax.scan over stacked parameters (the "
                         "default) or, with --no-scan, a Python loop (unrolled)")
@@ -523,27 +525,37 @@ def main(argv: list[str] | None = None) -> None:
                         help="compile only these (default: all)")
     parser.add_argument("--attention", choices=ATTENTION_FORMS,
                         help="how the model writes attention (default: einsum)")
-    parser.add_argument("--batch", type=int, help="override the preset's global batch")
-    parser.add_argument("--seq", type=int, help="override the preset's sequence length")
-    parser.add_argument("--steps", type=int, default=10,
+    parser.add_argument("--batch", type=positive_int,
+                        help="override the preset's global batch")
+    parser.add_argument("--seq", type=positive_int,
+                        help="override the preset's sequence length")
+    parser.add_argument("--steps", type=positive_int, default=10,
                         help="--device gpu/cpu: timed steps per variant (median)")
     parser.add_argument("--results", type=Path,
                         help="write the table into this markdown file (benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
     config = SMALL if args.small else Config()
-    if args.layers:
+    if args.layers is not None:
         config = dataclasses.replace(config, layers=args.layers)
     if args.scan is not None:
         config = dataclasses.replace(config, scan_layers=args.scan)
     if args.no_constraints:
         config = dataclasses.replace(config, constraints=False)
     for name in ("attention", "batch", "seq"):
-        if getattr(args, name):
+        if getattr(args, name) is not None:
             config = dataclasses.replace(config, **{name: getattr(args, name)})
     if args.device in LOCAL_DEVICES:
+        platform = jax.devices()[0].platform
+        if (args.device == "gpu") != (platform == "gpu"):  # as benchmarks.run refuses it
+            parser.error(f"--device {args.device} asked, but jax runs on {platform}")
         run_local(args, config, argv)
         return
-    target = device_target(DEVICES.get(args.device, args.device))
+    try:
+        target = device_target(DEVICES.get(args.device, args.device))
+        # The mesh each variant compiles on: a batch it cannot split is refused here.
+        abstract_state(config, hlo_amp.target_mesh(target, default_axes(target.devices)))
+    except ValueError as error:
+        parser.error(f"--device {args.device}: {error}")
     print(f"{param_count(config) / 1e9:.3f}B parameters, {target.description}", flush=True)
     rows, refused = [], {}
     donate = not args.no_donate

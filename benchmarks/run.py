@@ -34,11 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cli_args import check_names, non_negative_int, positive_int
+
 TARGET_SPEEDUP = {"mlp": 1.5, "vit": 1.3}
 # mixed_bfloat16's XLA temp memory: at most this share of f32's, on these workloads.
 TARGET_MIXED_TEMP = {"vit": 0.7, "cnn": 0.7}
 MIXED = "hlo_amp mixed_bfloat16"
 AOT_DEVICES = {"h100-aot": "h100", "h200-aot": "h200", "tpu-v5e-aot": "tpu-v5e"}
+# benchmarks/workloads.py's, by name (the decoder is compiled without a device only).
+WORKLOAD_NAMES = ("mlp", "vit", "cnn", "decoder")
 # Compiled without a device: mixed_bfloat16's XLA temp memory at most this share of f32's.
 TARGET_AOT_MIXED_TEMP = {"vit": 0.65, "cnn": 0.65, "decoder": 0.65}
 # fp8: at least this share of the dots the fp8 policy quantises run as cuBLAS fp8 GEMMs.
@@ -55,21 +59,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "gpu", *AOT_DEVICES), default="cpu",
                    help="cpu/gpu: run and time here; h100-aot/h200-aot/tpu-v5e-aot: compile for "
                         "that GPU or TPU without one and estimate (nothing runs)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per variant "
+    p.add_argument("--steps", type=positive_int, default=None, help="timed steps per variant "
                    "(default 20, 10 with --quick)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    p.add_argument("--warmup", type=non_negative_int, default=3,
+                   help="untimed steps per variant")
     p.add_argument("--workloads", default=None,
                    help="default mlp,vit,cnn (and decoder with --device h100-aot/h200-aot)")
     p.add_argument("--variants", default=None,
                    help="comma-separated subset of the variants (default: all), e.g. "
                         "'f32,hlo_amp bf16,hlo_amp fp8'; f32 is always run first")
-    p.add_argument("--stress-layers", type=int, default=24, help="0 skips the stress row")
+    p.add_argument("--stress-layers", type=non_negative_int, default=24,
+                   help="0 skips the stress row")
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="cpu/gpu: after timing, trace 3 more steps of each variant with "
                         "jax's profiler into DIR and add a table of its GPU kernels "
                         "(benchmarks/kernel_trace.py)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # An unknown name was dropped: an H100 section with no workloads replaced the
+    # committed one.
+    if args.workloads is not None:
+        check_names(p, "--workloads", [w.strip() for w in args.workloads.split(",")
+                                       if w.strip()], WORKLOAD_NAMES)
+    return args
 
 
 @dataclass
@@ -395,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks.workloads import workloads
 
-    steps = args.steps or (10 if args.quick else 20)
+    steps = args.steps if args.steps is not None else (10 if args.quick else 20)
     wanted = [w.strip() for w in args.workloads.split(",") if w.strip()]
     label = machine(args.device)
     command = recorded_command(argv if argv is not None else sys.argv[1:])
