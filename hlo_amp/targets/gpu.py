@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -151,16 +152,36 @@ GPU = GpuTarget()
 @functools.cache
 def _gpu_topology(platform: str, target_config: str, topology_name: str,
                   description: str) -> tuple:
+    import os
+    import tempfile
+
     from jax.experimental import topologies
 
-    try:
-        topology = topologies.get_topology_desc(
-            platform=platform, target_config=target_config, topology=topology_name)
-    except Exception as error:  # noqa: BLE001 - the plugin is missing or refuses the proto
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise NoCompilerForTarget(
-            f"cannot compile for {description} without a device: {first}. {_plugin_advice()}"
-        ) from None
+    # XLA logs why it refuses a config (the line and column of a text-proto error) on
+    # fd 2 and raises a bare "Failed to parse": the log is read back into the one line.
+    with tempfile.TemporaryFile() as log:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            topology = topologies.get_topology_desc(
+                platform=platform, target_config=target_config, topology=topology_name)
+        except Exception as error:  # noqa: BLE001 - the plugin is missing or refuses the proto
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if "GpuTargetConfig" in first:
+                log.seek(0)
+                where = [line.split("] ", 1)[-1].strip() for line in
+                         log.read().decode(errors="replace").splitlines() if "Expected" in line
+                         or "Error parsing" in line or re.search(r"\b\d+:\d+: ", line)]
+                raise NoCompilerForTarget(
+                    f"cannot compile for {description}: its target config is not a "
+                    f"GpuTargetConfig text proto XLA reads ({where[-1] if where else first}); "
+                    f"docs/gpu_target.md shows one") from None
+            raise NoCompilerForTarget(f"cannot compile for {description} without a device: "
+                                      f"{first}. {_plugin_advice()}") from None
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
     return tuple(topology.devices)
 
 
@@ -336,6 +357,9 @@ def gpu_device(key: str) -> GpuTarget | None:
 def gpu_from_config_file(path: Path) -> GpuTarget:
     """A GPU described by a user's ``GpuTargetConfig`` text-proto file (no peaks)."""
     text = path.read_text()
+    if not text.strip():  # as the GPU of this machine it made "not a device to compile for"
+        raise ValueError(f"target config file {str(path)!r} is empty; accepted: a "
+                         f"GpuTargetConfig text proto (docs/gpu_target.md)")
     description = _proto_string(text, "device_description_str") or path.stem
     return GpuTarget(str(path), description, description, target_config=text)
 

@@ -230,6 +230,26 @@ def test_h200_a100_and_a_config_file(tmp_path: Path) -> None:
     assert mine.xla_device == "My H100"
 
 
+def test_a_bad_config_file_says_where_and_an_empty_one_says_so(tmp_path: Path) -> None:
+    """XLA's text-proto error (line and column) in the one line; it said the CUDA plugin
+    did not register and to set JAX_PLATFORMS=cpu, already set. An empty file was
+    taken for this machine's GPU: "not a device to compile for"."""
+    step, args = WORKLOADS["mlp"]
+    amp = hlo_amp.compile(step, "bf16")
+    bad = tmp_path / "bad.txtpb"
+    bad.write_text(targets.device_target("h100").target_config.replace(
+        "core_count:", "core_count: banana #", 1))
+    with pytest.raises(Exception, match=r"not a GpuTargetConfig text proto .*\d+:\d+: "
+                                        r"Expected integer, got: banana") as caught:
+        amp.lower(*args, target=str(bad)).compile()
+    assert "JAX_PLATFORMS" not in str(caught.value)
+    empty = tmp_path / "empty.txtpb"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match=r"empty\.txtpb' is empty; accepted: a "
+                                         r"GpuTargetConfig text proto"):
+        amp.lower(*args, target=str(empty))
+
+
 def test_unknown_target_names_what_is_accepted() -> None:
     step, args = WORKLOADS["mlp"]
     with pytest.raises(ValueError, match=r"'h900' is neither a known GPU \(h100, h200, a100\)"):
