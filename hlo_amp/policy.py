@@ -213,6 +213,14 @@ class Policy:
         for pattern, action in self.scopes.items():
             text = check_pattern(pattern)
             scopes[text] = canonical_action(action, where=f"scope rule {text!r}")
+        # A flag is a bool: bool("false") is True, so {"propagate": "false"} was the
+        # fast mode (the string form refuses such a value; so does this).
+        for flag in ("propagate", "include_f64", "only_if_faster", "keep_f32_results",
+                     "fuse_attention"):
+            value = getattr(self, flag)
+            if not (isinstance(value, bool) or type(value).__name__ == "bool_"):  # numpy's
+                raise ValueError(f"{flag}={value!r}; accepted: True, False (or in a "
+                                 f"policy string: {flag}=true, {flag}=false)")
         propagate = bool(self.propagate)
         for kind, action in ops.items():
             if kind in OP_KINDS:
@@ -495,7 +503,11 @@ class Policy:
                 continue
             parts = pattern_parts(pattern)[0]
             if stop is not None and start <= stop and parts != (AMP_STOP,):
-                continue  # amp_stop shields its inside from rules set outside it
+                # amp_stop shields its inside from rules set outside it; the same
+                # pattern may still match inside it (mlp/amp_stop/mlp).
+                start = match_start(pattern, scope, after=stop)
+                if start is None:
+                    continue
             key = (start, -len(parts), pattern)  # anchors do not count as parts
             if best is None or key[:2] < best[:2]:
                 best = key

@@ -158,8 +158,9 @@ def pattern_parts(pattern: str) -> tuple[tuple[str, ...], bool, bool]:
     return tuple(body.split("/")), first, last
 
 
-def match_start(pattern: str, scope: tuple[str, ...]) -> int | None:
-    """Index of the outermost scope segment where ``pattern`` matches, else None.
+def match_start(pattern: str, scope: tuple[str, ...], after: int = -1) -> int | None:
+    """Index of the outermost scope segment (past ``after``) where ``pattern`` matches,
+    else None.
 
     A pattern of k '/'-separated parts matches k consecutive whole segments, each
     part matched as a glob against one segment ("attn" never matches "attn_norm");
@@ -168,7 +169,7 @@ def match_start(pattern: str, scope: tuple[str, ...]) -> int | None:
     """
     parts, first, last = pattern_parts(pattern)
     k = len(parts)
-    for start in range(len(scope) - k + 1):
+    for start in range(after + 1, len(scope) - k + 1):
         if (first and start != 0) or (last and start != len(scope) - k):
             continue
         if all(fnmatch.fnmatchcase(scope[start + i], parts[i]) for i in range(k)):

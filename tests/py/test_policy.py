@@ -194,6 +194,11 @@ def test_constructor_and_dict_errors() -> None:
         Policy.preset("int8")
     with pytest.raises(ValueError, match=r"Unsupported policy 42; accepted: a Policy"):
         as_policy(42)  # type: ignore[arg-type]
+    # A flag is a bool: {"propagate": "false"} was the fast mode (bool("false")).
+    for flag, value in (("propagate", "false"), ("include_f64", "no"),
+                        ("only_if_faster", 1), ("fuse_attention", None)):
+        with pytest.raises(ValueError, match=rf"{flag}={value!r}; accepted: True, False"):
+            as_policy({"compute_dtype": "bfloat16", flag: value})
 
 
 def test_numpy_and_jnp_dtypes_are_accepted() -> None:
@@ -399,6 +404,10 @@ def test_amp_stop_keeps_unless_a_rule_inside_names_the_op() -> None:
     # A rule matching outside it does not reach in.
     assert policy.decide(("lora", "amp_stop"), "dot_general", False) == Rule(
         "keep", "amp_stop")
+    # ... but the same pattern matching inside it too names the op (it was kept: only
+    # the outermost match was looked at).
+    assert policy.decide(("lora", "amp_stop", "lora"), "dot_general", False) == Rule(
+        "compute", "scope:lora")
     # amp_stop holds even where no op rule would have applied.
     assert Policy.preset("f32").decide(("amp_stop",), "dot", False) == Rule("keep", "amp_stop")
     # A rule on amp_stop itself is a rule inside it.
@@ -423,6 +432,40 @@ def test_backward_follows_forward_unless_backward_is_set() -> None:
     assert split.decide(("mlp",), "dot_general", False) == Rule("compute", "op:dot_general")
     assert split.decide(("mlp",), "dot_general", True) == Rule("keep", "backward")
     assert split.decide(("head",), "dot_general", True) == Rule("keep", "backward")
+
+
+@pytest.mark.parametrize(("policy", "dtype"), [
+    ("bf16,scope:s=float16", jnp.bfloat16), ("bf16,op:dot_general=float16", jnp.bfloat16),
+    ("f16,scope:s=bfloat16", jnp.float16)])
+def test_a_16bit_action_leaves_a_16bit_dot_alone(policy: str, dtype) -> None:
+    """As the compute action does: a bf16 dot of the program went to f16 under
+    scope:s=float16 (and an f16 one to bf16)."""
+    def fn(x, w):
+        with jax.named_scope("s"):
+            return x @ w
+
+    x = jnp.ones((16, 32), dtype)
+    [decision] = hlo_amp.compile(fn, policy).lower(x, jnp.ones((32, 8), dtype)).report(
+        ).decisions
+    assert not decision.changed and decision.reason == "already low precision"
+
+
+@pytest.mark.parametrize("policy", ["bf16,scope:s=bfloat16", "bf16,op:dot_general=float16",
+                                    "bf16,scope:s=float32"])
+def test_an_f64_dot_is_left_alone_without_f64_true_whatever_the_action(policy: str) -> None:
+    def fn(x, w):
+        with jax.named_scope("s"):
+            return x @ w
+
+    jax.config.update("jax_enable_x64", True)
+    try:
+        x, w = jnp.ones((16, 32), jnp.float64), jnp.ones((32, 8), jnp.float64)
+        [decision] = hlo_amp.compile(fn, policy).lower(x, w).report().decisions
+        [with_flag] = hlo_amp.compile(fn, policy + ",f64=true").lower(x, w).report().decisions
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    assert not decision.changed and "not asked: include_f64" in decision.reason
+    assert with_flag.changed
 
 
 def test_op_kind_absent_from_op_rules_is_left_alone() -> None:

@@ -140,6 +140,13 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
                         f"{compute} operands and result (cuDNN's form), converted to "
                         f"{result}")
         return Plan(action, rule, targets, None, f"{compute} operands, {result} accumulation")
+    # A dtype action keeps the two promises of the compute one (docs/policies.md): f64
+    # only with f64=true, and no 16-bit action on an op already 16-bit (a bf16 dot of
+    # the program went to f16 under scope:s=float16, an f64 one to bf16).
+    if 64 in bits + [result_bits] and not policy.include_f64:
+        return Plan(action, rule, none, None, "f64 op (not asked: include_f64)")
+    if DTYPE_BITS[action] <= 16 and max(bits + [result_bits]) <= 16:
+        return Plan(action, rule, none, None, "already low precision")
     element = DTYPE_TO_ELEMENT[action]
     targets = tuple(element if str(t) != element else None for t in operands)
     result_target = element if str(result) != element else None
