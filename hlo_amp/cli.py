@@ -253,9 +253,15 @@ def _device_target(args: argparse.Namespace) -> Target | None:
         raise CliError("hlo-amp-opt: error: --xla-target compiles for a GPU or TPU; it "
                        "cannot be combined with --target cpu")
     try:
-        return device_target(args.xla_target)
+        device = device_target(args.xla_target)
     except (TypeError, ValueError) as error:
         raise CliError(f"hlo-amp-opt: error: --xla-target: {error}") from None
+    # --xla-target sets the target facts; a --target naming another platform was ignored.
+    if args.target is not None and args.target != device.platform.replace("cuda", "gpu"):
+        raise CliError(f"hlo-amp-opt: error: --target {args.target} and --xla-target "
+                       f"{args.xla_target} name different platforms; --xla-target alone sets "
+                       f"the target facts ({device.platform.replace('cuda', 'gpu')})")
+    return device
 
 
 def _mark_for_device(report: Report, modules: list, device: Target) -> None:

@@ -144,9 +144,30 @@ def check_pattern(pattern: Any) -> str:
             f"optionally anchored by a leading '/' at the outermost segment ('/head') "
             f"and/or a trailing '$' at the innermost ('head$', '/head$')"
         )
-    if text.count("[") != text.count("]"):
-        raise ValueError(f"Malformed scope pattern {pattern!r}: unbalanced '[' in glob")
+    if not _classes_closed(text):
+        raise ValueError(f"Malformed scope pattern {pattern!r}: unbalanced '[' in glob; "
+                         f"accepted: a glob's character class in [...] ('Block_[01]'), or "
+                         f"'[$]' for a literal '$'")
     return text
+
+
+def _classes_closed(text: str) -> bool:
+    """Whether every '[' that opens a glob class has its ']' (as fnmatch reads them: a
+    ']' first in the class is a member; a lone ']' is literal). Counting brackets took
+    'a]b[' and refused 'a[[b]]'."""
+    at = 0
+    while at < len(text):
+        if text[at] != "[":
+            at += 1
+            continue
+        start = at + 1
+        start += text.startswith("!", start)
+        start += text.startswith("]", start)
+        close = text.find("]", start)
+        if close < 0:
+            return False
+        at = close + 1
+    return True
 
 
 @functools.lru_cache(maxsize=4096)

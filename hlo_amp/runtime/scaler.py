@@ -250,7 +250,8 @@ def _scaled_value_and_grad(
     grad_kwargs: dict[str, Any],
 ) -> Callable[..., tuple[DynamicScalerState, tuple[tuple[jax.Array, Any], PyTree]]]:
     """The shared core: returns f(*args, dynamic_scaler_state, **kw) -> (state, ((v, aux), g))."""
-    if not isinstance(redo_on_nan, (int, np.integer)) or redo_on_nan < 0:
+    if (isinstance(redo_on_nan, bool) or not isinstance(redo_on_nan, (int, np.integer))
+            or redo_on_nan < 0):  # True was taken as 1
         raise ValueError(f"redo_on_nan must be a non-negative int, got {redo_on_nan!r}")
 
     def scaled_loss(*args: Any, _hlo_amp_scaler: jax.Array, **kwargs: Any) -> Any:

@@ -170,7 +170,9 @@ def test_module_error_is_a_value_error() -> None:
     ({"scopes": {"//a": "keep"}}, ("Malformed scope pattern '//a'", "leading '/'")),
     ({"scopes": {"/": "keep"}}, ("Malformed scope pattern '/'", "trailing '$'")),
     ({"scopes": {"a/$": "keep"}}, ("Malformed scope pattern 'a/$'", "trailing '$'")),
-    ({"scopes": {"Block_[0": "keep"}}, ("unbalanced",)),
+    ({"scopes": {"Block_[0": "keep"}}, ("unbalanced", "accepted: a glob's character class")),
+    # A '[' that no ']' closes, after a lone ']' (counting brackets took it).
+    ({"scopes": {"a]b[": "keep"}}, ("Malformed scope pattern 'a]b['", "unbalanced")),
     ({"compute_dtype": "int8"}, ("Unsupported compute_dtype 'int8'", "bfloat16, float16")),
     ({"compute_dtype": jnp.int8}, ("compute_dtype", "bfloat16, float16")),
     ({"compute_dtype": "float32"}, ("compute_dtype 'float32'", "bfloat16, float16")),

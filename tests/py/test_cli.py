@@ -106,6 +106,10 @@ MORE_ERRORS = {
         r"bad policy: Unknown op kind 'exponentail'; accepted: dot_general.*exponential"),
     "bad_scope_action": (lambda d: [d / "in.mlir", "--scope", "head=fast"],
                          r"Unknown action 'fast' for scope rule 'head'"),
+    # --xla-target sets the platform; a --target naming another one was ignored.
+    "target_and_xla_target_disagree": (
+        lambda d: [d / "in.mlir", "--target", "gpu", "--xla-target", "tpu-v5e"],
+        r"--target gpu and --xla-target tpu-v5e name different platforms"),
     # A search option without the search was silently ignored.
     "budget_without_autopolicy": (lambda d: [d / "in.mlir", "--budget", "1e-2"],
                                   r"--budget applies to --autopolicy, which was not given"),

@@ -297,6 +297,12 @@ def test_scope_patterns_match_whole_segments() -> None:
     assert policy.decide(("self_attn",), "dot_general", False).rule == "op:dot_general"
 
 
+def test_a_glob_class_may_hold_a_bracket() -> None:
+    """fnmatch's classes: '[[b]' holds '[' and 'b' (counting brackets refused it)."""
+    policy = Policy.parse("bf16,scope:a[[b]]=float32")
+    assert policy.decide(("a[]",), "dot_general", False) == Rule("float32", "scope:a[[b]]")
+
+
 def test_glob_patterns() -> None:
     policy = Policy.parse("f32,scope:Block_*/attn=keep,scope:enc?=float16")
     assert policy.decide(("Block_3", "attn", "q"), "dot_general", False) == Rule(

@@ -144,6 +144,8 @@ def test_rejects_other_state_types_and_bad_losses() -> None:
         dynamic_scale_grad(lambda w: w)(jnp.ones(2), dynamic_scaler_state=DynamicScalerState())
     with pytest.raises(ValueError, match="redo_on_nan"):
         dynamic_scale_grad(lambda w: jnp.sum(w), redo_on_nan=-1)
+    with pytest.raises(ValueError, match="redo_on_nan must be a non-negative int, got True"):
+        dynamic_scale_grad(lambda w: jnp.sum(w), redo_on_nan=True)  # it was taken as 1
 
 
 # ------------------------------------------------------------------------ underflow
