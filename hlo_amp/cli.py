@@ -257,10 +257,10 @@ def _device_target(args: argparse.Namespace) -> Target | None:
     except (TypeError, ValueError) as error:
         raise CliError(f"hlo-amp-opt: error: --xla-target: {error}") from None
     # --xla-target sets the target facts; a --target naming another platform was ignored.
-    if args.target is not None and args.target != device.platform.replace("cuda", "gpu"):
+    if args.target is not None and as_target(args.target).platform != device.platform:
         raise CliError(f"hlo-amp-opt: error: --target {args.target} and --xla-target "
                        f"{args.xla_target} name different platforms; --xla-target alone sets "
-                       f"the target facts ({device.platform.replace('cuda', 'gpu')})")
+                       f"the target facts")
     return device
 
 
