@@ -304,7 +304,7 @@ def _write(files: list[tuple[str, str]]) -> None:
     replace the targets. A target keeps its mode (a new one gets the umask's, as a
     shell's ``>`` gives it; mkstemp's is 0600), a symbolic link is written through,
     and a FIFO or device is written directly, last ("-" is stdout)."""
-    staged: list[tuple[str, str]] = []
+    staged: list[tuple[str, str, str]] = []  # (temporary, target, path as given)
     direct: list[tuple[str, str]] = []
     current = files[0][0]
     try:
@@ -317,12 +317,11 @@ def _write(files: list[tuple[str, str]]) -> None:
                     else 0o666 & ~_umask())
             handle, temporary = tempfile.mkstemp(dir=os.path.dirname(target),
                                                  prefix=".hlo-amp-opt-")
-            staged.append((temporary, target))
+            staged.append((temporary, target, current))
             with os.fdopen(handle, "w") as out:
                 out.write(text)
             os.chmod(temporary, mode)
-        for (temporary, target), (current, _) in zip(staged, [f for f in files
-                                                              if f not in direct]):
+        for temporary, target, current in staged:
             os.replace(temporary, target)
         staged = []
         for current, text in direct:
@@ -335,7 +334,7 @@ def _write(files: list[tuple[str, str]]) -> None:
         raise CliError(f"hlo-amp-opt: error: cannot write {current!r}: {error.strerror}"
                        ) from None
     finally:
-        for temporary, _ in staged:
+        for temporary, _, _ in staged:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
 

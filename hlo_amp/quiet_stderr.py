@@ -29,8 +29,9 @@ import contextlib
 import glob
 import os
 import sys
+import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 # Device files of accelerators jax would use: NVIDIA (jax's own list: hardware_utils), WSL2,
 # AMD (ROCm's kfd), TPUs (v4 and older as /dev/accel*, v5e and newer as VFIO groups).
@@ -124,19 +125,40 @@ def fd2_filtered() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _fd2_to(fd: int) -> Iterator[None]:
+    """File descriptor 2 sent to ``fd`` inside the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
 def fd2_muted() -> Iterator[None]:
     """Send file descriptor 2 to /dev/null inside the block (Python's own errors still
     surface as exceptions and are printed after it)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, 2)
-        yield
+        with _fd2_to(devnull):
+            yield
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
         os.close(devnull)
+
+
+@contextlib.contextmanager
+def fd2_captured() -> Iterator[Callable[[], str]]:
+    """Keep what is written to file descriptor 2 inside the block (XLA's log lines);
+    the block gets a function that returns it so far."""
+    with tempfile.TemporaryFile() as log, _fd2_to(log.fileno()):
+        def written() -> str:
+            log.seek(0)
+            return log.read().decode(errors="replace")
+        yield written
 
 
 def is_cli_process() -> bool:

@@ -31,13 +31,11 @@ FORWARD_ENDS = "hlo_amp.forward_ends"
 EndStacks = dict[tuple[str, str, str], tuple[str, ...]]
 
 
-def mark_backward_program(module: ir.Module, gradient_arguments: Iterable[int],
+def mark_backward_program(main: Any, gradient_arguments: Iterable[int],
                           ends: EndStacks) -> None:
-    """Write the facts of a backward program (the module's public ``main``) into it."""
-    with module.context:
-        main = next(op for op in module.body.operations
-                    if op.operation.name == "func.func"
-                    and ir.StringAttr(op.attributes["sym_name"]).value == "main")
+    """Write the facts of a backward program into it (``main``: its entry function)."""
+    module = main.operation.parent
+    with main.context:
         count = len(main.regions[0].blocks[0].arguments)
         attrs = (list(ir.ArrayAttr(main.attributes["arg_attrs"]))
                  if "arg_attrs" in main.attributes else [ir.DictAttr.get({})] * count)
@@ -47,7 +45,7 @@ def mark_backward_program(module: ir.Module, gradient_arguments: Iterable[int],
             attrs[index] = ir.DictAttr.get({**entries, INCOMING_GRADIENT: unit})
         main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
         if ends:
-            module.operation.attributes[FORWARD_ENDS] = ir.ArrayAttr.get([
+            module.attributes[FORWARD_ENDS] = ir.ArrayAttr.get([
                 ir.ArrayAttr.get([ir.StringAttr.get(part) for part in (*key, *positions)])
                 for key, positions in ends.items()])
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
-from hlo_amp.report import Report
+from hlo_amp.report import Report, is_narrow
 from hlo_amp.runtime.compile import (
     AmpFunction,
     lowering_target,
@@ -306,9 +306,9 @@ def run_dtypes(report: Report, policy: Policy) -> list[str]:
 
 def tolerance(dtypes: Sequence[str]) -> float:
     """The rtol for a run in ``dtypes``: the loosest of theirs; f32's when empty or
-    f32 and wider (an f64 program: it took fp4's 0.5, the loosest of all)."""
+    for a type not narrower than 16 bits (f64: it took fp4's 0.5, the loosest of all)."""
     def rtol(element: str) -> float:
-        if element in ("f32", "f64"):
+        if not is_narrow(element):
             return RTOL["f32"]
         matches = [value for prefix, value in RTOL.items() if element.startswith(prefix)]
         return max(matches) if matches else max(RTOL.values())

@@ -189,10 +189,19 @@ def _forward_with_residuals(program: Program, *primals: Any) -> list:
     return [*outs, *residuals]
 
 
+_FORWARD = "fwd"
+
+
 def _forward_program(program: Program) -> Program:
     """``program``'s outputs and its vjp residuals, as one program."""
-    return program.derive("fwd", functools.partial(_forward_with_residuals, program),
+    return program.derive(_FORWARD, functools.partial(_forward_with_residuals, program),
                           f"fwd({program.name})")
+
+
+def is_forward_program(program: Program) -> bool:
+    """Whether ``program`` returns another's outputs and vjp residuals: the forward a
+    backward program may be split from (its ends are what the backward is told)."""
+    return program.key[0] == _FORWARD
 
 
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *,

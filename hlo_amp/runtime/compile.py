@@ -41,6 +41,7 @@ from hlo_amp.runtime.amp_call import (
     amp_call_p,
     avals_key,
     explicit_sharding,
+    is_forward_program,
     shape_structs,
 )
 from hlo_amp.runtime.arguments import argument_problem
@@ -234,7 +235,8 @@ class AmpFunction:
         self._exports: dict[Any, Any] = {}
         self._out_trees: dict[Any, Any] = {}
         self._residual_trees: dict[Any, Any] = {}
-        self._end_stacks: dict[Any, EndStacks] = {}  # per export: its first and last ops
+        # per forward program's export (jax.grad's): its first and last matrix ops
+        self._end_stacks: dict[Any, EndStacks] = {}
         self._own_lowerings = 0
         # Not the function's __dict__: a callable object's attributes (nnx.jit's
         # static_argnums, filter_jit's fn) would overwrite this object's own.
@@ -441,7 +443,8 @@ class AmpFunction:
             # The serialised portable artifact reads back 3x faster than the text.
             module = internals.deserialize_portable_artifact(
                 exported.mlir_module_serialized, new_context())
-            self._end_stacks[key] = end_stacks(module, self.policy)
+            if is_forward_program(program):  # what a backward program split from it needs
+                self._end_stacks[key] = end_stacks(module, self.policy)
             if program.backward_of is not None:
                 self._mark_backward(module, program.backward_of, exported)
             warn_unused_rules(run_pipeline(module, self.policy,
@@ -464,7 +467,7 @@ class AmpFunction:
         first = len(main.regions[0].blocks[0].arguments) - len(kept)
         cotangents = [first + position for position, index in enumerate(kept)
                       if index >= backward_of.residuals]
-        mark_backward_program(module, cotangents, self._end_stacks.get(forward_key, {}))
+        mark_backward_program(main, cotangents, self._end_stacks.get(forward_key, {}))
 
     def out_avals(self, program: Program, avals: AvalsKey) -> list:
         """Output avals of ``program``: from its export if there is one, else traced.

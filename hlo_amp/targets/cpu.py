@@ -23,8 +23,8 @@ from hlo_amp.targets.dot_dims import DotLayout, dot_layout
 from hlo_amp.targets.target import Target
 
 __all__ = ["CPU", "CpuTarget", "DotLayout", "cpu_has_native_bf16", "dot_layout",
-           "has_transposed_result", "is_fast_on_cpu", "is_major_scan", "layout_is_fast", "meets_ynn_size",
-           "native_bf16_flags", "needs_layout_rewrite"]
+           "has_transposed_result", "is_fast_on_cpu", "is_major_scan", "layout_is_fast",
+           "meets_ynn_size", "native_bf16_flags", "needs_layout_rewrite"]
 
 # YNNPACK skips dots whose largest extent is below this (its overhead dominates).
 _YNN_MIN_EXTENT = 8
@@ -147,8 +147,8 @@ def _is_entry_argument(value: ir.Value) -> bool:
     return parent is not None and parent.operation.name == "func.func"
 
 
-def _returned_value(call: ir.Operation, result: ir.Value) -> ir.Value | None:
-    """The value the callee of ``call`` returns for ``result``, or None if not found."""
+def _callee_block(call: ir.Operation) -> ir.Block | None:
+    """The body of the function ``call`` calls, or None if not found or not one block."""
     module = call.parent
     while module is not None and module.operation.name != "builtin.module":
         module = module.parent
@@ -160,9 +160,15 @@ def _returned_value(call: ir.Operation, result: ir.Value) -> ir.Value | None:
     except KeyError:
         return None
     blocks = callee.regions[0].blocks
-    if len(blocks) != 1:
+    return blocks[0] if len(blocks) == 1 else None
+
+
+def _returned_value(call: ir.Operation, result: ir.Value) -> ir.Value | None:
+    """The value the callee of ``call`` returns for ``result``, or None if not found."""
+    block = _callee_block(call)
+    if block is None:
         return None
-    terminator = list(blocks[0].operations)[-1]
+    terminator = list(block.operations)[-1]
     return terminator.operands[ir.OpResult(result).result_number]
 
 
@@ -271,7 +277,6 @@ def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
     """
     pending = [op.result]
     seen = 0
-    functions = None
     while pending and seen < _MAX_PROVENANCE_DEPTH:
         value = pending.pop()
         seen += 1
@@ -283,22 +288,10 @@ def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
             if name in _FOLLOWED_TO_A_TRANSPOSE:
                 pending.append(user.result)
             elif name == "func.call":  # jnp.cumsum is a private function: into it
-                if functions is None:
-                    functions = _functions_by_name(user)
-                callee = functions.get(ir.FlatSymbolRefAttr(user.attributes["callee"]).value)
-                if callee is not None and callee.regions[0].blocks:
-                    pending.append(callee.regions[0].blocks[0].arguments[use.operand_number])
+                block = _callee_block(user)
+                if block is not None:
+                    pending.append(block.arguments[use.operand_number])
     return False
-
-
-def _functions_by_name(op: ir.Operation) -> dict[str, Any]:
-    """The functions of the module that holds ``op``, by name."""
-    module = op
-    while module.parent is not None:
-        module = module.parent
-    return {ir.StringAttr(fn.attributes["sym_name"]).value: fn
-            for fn in module.regions[0].blocks[0].operations
-            if fn.operation.name == "func.func"}
 
 
 def needs_layout_rewrite(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -152,36 +151,28 @@ GPU = GpuTarget()
 @functools.cache
 def _gpu_topology(platform: str, target_config: str, topology_name: str,
                   description: str) -> tuple:
-    import os
-    import tempfile
-
     from jax.experimental import topologies
+
+    from hlo_amp.quiet_stderr import fd2_captured
 
     # XLA logs why it refuses a config (the line and column of a text-proto error) on
     # fd 2 and raises a bare "Failed to parse": the log is read back into the one line.
-    with tempfile.TemporaryFile() as log:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(log.fileno(), 2)
+    with fd2_captured() as logged:
         try:
             topology = topologies.get_topology_desc(
                 platform=platform, target_config=target_config, topology=topology_name)
         except Exception as error:  # noqa: BLE001 - the plugin is missing or refuses the proto
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
             if "GpuTargetConfig" in first:
-                log.seek(0)
-                where = [line.split("] ", 1)[-1].strip() for line in
-                         log.read().decode(errors="replace").splitlines() if "Expected" in line
-                         or "Error parsing" in line or re.search(r"\b\d+:\d+: ", line)]
+                where = [line.split("] ", 1)[-1].strip() for line in logged().splitlines()
+                         if "Expected" in line or "Error parsing" in line
+                         or re.search(r"\b\d+:\d+: ", line)]
                 raise NoCompilerForTarget(
                     f"cannot compile for {description}: its target config is not a "
                     f"GpuTargetConfig text proto XLA reads ({where[-1] if where else first}); "
                     f"docs/gpu_target.md shows one") from None
             raise NoCompilerForTarget(f"cannot compile for {description} without a device: "
                                       f"{first}. {_plugin_advice()}") from None
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
     return tuple(topology.devices)
 
 

@@ -218,9 +218,11 @@ class Target:
         GEMM whatever D is (xla/service/gpu/transforms/gemm_rewriter.cc, see
         targets/fp8_gemm.py). An f16 dot computes and scales in f32 (passes/fp8.py), so
         its scales stay f32: in f16 a scale below 6e-8 (an amax under 2.7e-5) is 0."""
+        if result == "f16":
+            return "f32"
         if result == "bf16":
             return result
-        return "bf16" if compute_dtype == "bfloat16" and result != "f16" else "f32"
+        return "bf16" if compute_dtype == "bfloat16" else "f32"
 
     # -- deviceless compiles ------------------------------------------------------------
 

@@ -120,10 +120,11 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
         return Plan(action, rule, none, None, "kept as written")
     if any(b is None for b in bits) or result_bits is None:
         return Plan(action, rule, none, None, "not a float op")
+    # f64 only with f64=true, whatever the action (docs/policies.md).
+    if 64 in bits + [result_bits] and not policy.include_f64:
+        return Plan(action, rule, none, None, "f64 op (not asked: include_f64)")
     if action == COMPUTE:
         target_bits = DTYPE_BITS[policy.compute_dtype]
-        if 64 in bits + [result_bits] and not policy.include_f64:
-            return Plan(action, rule, none, None, "f64 op (not asked: include_f64)")
         targets = _to_compute(bits, policy)
         compute = DTYPE_TO_ELEMENT[policy.compute_dtype]
         # In the mixed_* modes the propagation pass gives such ops their 16-bit result.
@@ -140,11 +141,8 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
                         f"{compute} operands and result (cuDNN's form), converted to "
                         f"{result}")
         return Plan(action, rule, targets, None, f"{compute} operands, {result} accumulation")
-    # A dtype action keeps the two promises of the compute one (docs/policies.md): f64
-    # only with f64=true, and no 16-bit action on an op already 16-bit (a bf16 dot of
-    # the program went to f16 under scope:s=float16, an f64 one to bf16).
-    if 64 in bits + [result_bits] and not policy.include_f64:
-        return Plan(action, rule, none, None, "f64 op (not asked: include_f64)")
+    # As under compute, no 16-bit action on an op already 16-bit (a bf16 dot of the
+    # program went to f16 under scope:s=float16).
     if DTYPE_BITS[action] <= 16 and max(bits + [result_bits]) <= 16:
         return Plan(action, rule, none, None, "already low precision")
     element = DTYPE_TO_ELEMENT[action]
