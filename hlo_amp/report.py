@@ -26,7 +26,7 @@ class Decision:
     function: str  # the func.func holding the op (after specialisation)
     op_kind: str  # "dot_general", "dot", "convolution"
     scope: str  # "Block_0/attn/query"; "" at top level
-    direction: str  # "forward" or "backward"
+    direction: str  # "forward", "backward" or "recomputed" (remat's recomputed forward)
     operands_before: tuple[str, ...]  # element types, e.g. ("f32", "f32")
     operands_after: tuple[str, ...]
     result_before: str
@@ -70,7 +70,7 @@ class AttentionSite:
 
     function: str
     scope: str  # the scores' matmul's scope path
-    direction: str  # "forward", "forward and backward", "backward (recomputed forward)"
+    direction: str  # "forward", "forward and backward" or "backward"
     fused: bool
     reason: str  # why not, when not fused
     kernel: str = ""  # "cuDNN flash" when fused

@@ -61,10 +61,20 @@ class Site:
     source: str | None = None  # "file.py:12" of the user's line, if the location has it
     name: str = ""  # the full name-stack string the site was parsed from
     einsum: str | None = None  # the einsum spec segment, if any
+    recomputed: bool = False  # in remat's recomputed forward (inside the backward pass)
+
+    @property
+    def gradient_pass(self) -> bool:
+        """Whether the op computes backward values: a backward op that is not remat's
+        recomputed forward (that one recomputes the forward's values, so the rules that
+        decided the forward decide it too)."""
+        return self.backward and not self.recomputed
 
     @property
     def direction(self) -> str:
-        return "backward" if self.backward else "forward"
+        """"forward", "backward", or "recomputed" (remat's forward, recomputed in the
+        backward pass)."""
+        return "recomputed" if self.recomputed else "backward" if self.backward else "forward"
 
     @property
     def scope_path(self) -> str:
@@ -306,6 +316,7 @@ def parse_name(name: str, op_kind: str | None = None) -> Site:
         op_kind=op_kind,
         name=name,
         einsum=einsum,
+        recomputed=RECOMPUTED in parts,
     )
 
 

@@ -32,8 +32,9 @@
 // JSON:      "rule": "scope:Block_0/mlp",
 // JSON:      "scope": "head",
 // JSON:      "scope": "head",
+// The rematerialised forward is reported as "recomputed", the gradient dot as "backward".
 // JSON:      "scope": "Block_0/mlp",
-// JSON-NEXT: "direction": "backward",
+// JSON-NEXT: "direction": "recomputed",
 // JSON:      "rule": "scope:Block_0/mlp",
 // JSON:      "location": "jit(remat_loss)/transpose(jvp(Block_0))/jvp(Block_0)/checkpoint/rematted_computation/mlp/dot_general",
 // JSON:      "scope": "Block_0/mlp",

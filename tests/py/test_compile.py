@@ -218,6 +218,35 @@ def _train_step(optimizer):
     return step
 
 
+def _checkpointed_mlp_loss(ws, x):
+    def layer(w, x):
+        with jax.named_scope("mlp"):
+            return jnp.tanh(x @ w)
+    for w in ws:
+        x = jax.checkpoint(layer)(w, x)
+    return jnp.sum(x)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16,backward=keep",
+                                    "bf16,scope:mlp=float16,backward=keep"])
+def test_backward_keep_leaves_remats_recomputed_forward_to_the_forward_rules(policy):
+    # The recomputed forward recomputes the forward's values: kept in f32 under
+    # backward=keep, the backward would read activations of another precision.
+    ws = [_rand(i, (16, 16), 0.3) for i in range(2)]
+    report = hlo_amp.compile(jax.grad(_checkpointed_mlp_loss), policy).lower(
+        ws, _rand(5, (8, 16))).report()
+    by_direction = {}
+    for d in report.decisions:
+        by_direction.setdefault(d.direction, []).append(d)
+    assert set(by_direction) == {"forward", "recomputed", "backward"}, str(report)
+    forward_dtypes = {d.operands_after for d in by_direction["forward"]}
+    assert len(forward_dtypes) == 1 and "f32" not in next(iter(forward_dtypes))
+    assert {d.operands_after for d in by_direction["recomputed"]} == forward_dtypes
+    assert {d.rule for d in by_direction["recomputed"]} == {d.rule for d in by_direction["forward"]}
+    assert all(d.rule == "backward" and d.operands_after == ("f32", "f32")
+               for d in by_direction["backward"]), str(report)
+
+
 @pytest.mark.parametrize(("optimizer", "lr_sign"),
                          [(optax.sgd(0.1), False), (optax.adam(1e-2), True)],
                          ids=["sgd", "adam"])

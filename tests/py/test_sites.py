@@ -199,7 +199,7 @@ CASES: list[tuple[str, Callable[[], list[tuple[str, tuple[str, ...], str]]],
     # remat re-enters Block_0 inside transpose(jvp(Block_0)): still one Block_0.
     ("remat", lambda: summary(jax.grad(remat_loss, argnums=1), X, W),
      # (sum needs no forward value: only the recomputed dot and the gradient dot remain)
-     [("Block_0/mlp", TJ + J, BWD), ("Block_0/mlp", TJ + J, BWD)]),
+     [("Block_0/mlp", TJ + J, BWD), ("Block_0/mlp", TJ + J, "recomputed")]),
     ("inner_jit", lambda: summary(inner_jit, X, W), [("enc", (), FWD), ("head", (), FWD)]),
     ("scan", lambda: summary(jax.grad(scan_loss), W, jnp.ones((3, 2, 4))),
      [("cell", J, FWD), ("cell", TJ, BWD), ("cell", TJ, BWD)]),
@@ -359,7 +359,10 @@ def test_parse_name(name: str, scope: tuple[str, ...], transforms: tuple[str, ..
     assert site.scope == scope
     assert site.transforms == transforms
     assert site.backward is backward
-    assert site.direction == ("backward" if backward else "forward")
+    recomputed = "rematted_computation" in name
+    assert site.gradient_pass is (backward and not recomputed)
+    assert site.direction == ("recomputed" if recomputed else
+                              "backward" if backward else "forward")
     assert site.einsum == einsum
     assert site.name == name
     assert site.scope_path == "/".join(scope)

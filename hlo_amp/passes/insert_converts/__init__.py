@@ -124,15 +124,15 @@ class InsertConverts:
             site = graph.site(op, kind, instance.prefix)
             positions = graph.positions.get((original, index, instance.prefix,
                                              instance.path), ())
-            rule = self.policy.decide(site.scope, kind, site.backward, positions,
+            rule = self.policy.decide(site.scope, kind, site.gradient_pass, positions,
                                       asks_for_precision(op))
             elements = ([element_type(v) for v in list(op.operands)[:2]],
                         element_type(op.result))
             gradient = None
-            if flow is not None and site.backward and rule.action == FP8_E5M2:
+            if flow is not None and site.gradient_pass and rule.action == FP8_E5M2:
                 gradient = flow.incoming_gradient(op)
             plan = plan_op(op, kind, self.policy, rule.action, rule.rule, self.target,
-                           elements, gradient=gradient, backward=site.backward)
+                           elements, gradient=gradient, backward=site.gradient_pass)
             if rule.reason is not None:
                 plan = dataclasses.replace(plan, reason=rule.reason)
             plan = left_to_the_target(op, kind, elements, plan, self.policy, self.target,

@@ -144,7 +144,7 @@ class CallGraph:
                 positions = self.positions.get((original, index, prefix, path), ())
                 # The positions too: the first and the last call of one function may
                 # get one action, but each is reported under its own rule.
-                parts.append((self.policy.decide(site.scope, kind, site.backward, positions,
+                parts.append((self.policy.decide(site.scope, kind, site.gradient_pass, positions,
                                                  asks_for_precision(op)).action, positions))
             elif callee_name(op) in self.by_name:
                 inner = callee_name(op)

@@ -233,7 +233,7 @@ class Graph:
         decided = self._decided.get(key)
         if decided is None:
             site = parse_name(join_names(prefix, name), kind)
-            rule = self.policy.decide(site.scope, kind, site.backward)
+            rule = self.policy.decide(site.scope, kind, site.gradient_pass)
             decided = self._decided[key] = (rule.action, rule.rule)
         action, rule = decided
         if action is None:
