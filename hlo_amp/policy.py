@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hlo_amp.policy_terms import (
@@ -135,6 +135,9 @@ class Rule:
     # Why the action is not the rule's own, for the report ("kept: the program asked
     # for HIGHEST precision"); None when it is.
     reason: str | None = None
+    # The other rules that match the op and lost on precedence, in precedence order
+    # (for the report; two decisions are equal whatever they outranked).
+    outranked: tuple[str, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -486,17 +489,20 @@ class Policy:
         rule = self._matching_rule(scope, op_kind, backward, positions)
         if (pinned is not None and self.explicit_precision == "keep"
                 and rule.action not in (None, KEEP) and not rule.rule.startswith("scope:")):
-            return Rule(KEEP, rule.rule, f"kept: the program asked for {pinned}")
+            return Rule(KEEP, rule.rule, f"kept: the program asked for {pinned}",
+                        rule.outranked)
         return rule
 
     def _matching_rule(self, scope: tuple[str, ...], op_kind: str, backward: bool,
                        positions: tuple[str, ...]) -> Rule:
-        """The rule that decides the op, by the precedence of the module docstring."""
+        """The rule that decides the op, by the precedence of the module docstring, with
+        the other matching rules it outranks."""
+        matching: list[Rule] = []
         if backward and self.backward is not None and AMP_STOP not in scope:
-            return Rule(self.backward, "backward")
+            matching.append(Rule(self.backward, "backward"))
         # The innermost amp_stop shields its inside; only rules matching inside it count.
         stop = len(scope) - 1 - scope[::-1].index(AMP_STOP) if AMP_STOP in scope else None
-        best: tuple[int, int, str] | None = None  # (start, -len, pattern)
+        scope_matches: list[tuple[int, int, str]] = []  # (start, -len, pattern)
         for pattern in self.scopes:
             start = match_start(pattern, scope)
             if start is None:
@@ -508,20 +514,22 @@ class Policy:
                 start = match_start(pattern, scope, after=stop)
                 if start is None:
                     continue
-            key = (start, -len(parts), pattern)  # anchors do not count as parts
-            if best is None or key[:2] < best[:2]:
-                best = key
-        if best is not None:
-            return Rule(self.scopes[best[2]], f"scope:{best[2]}")
+            scope_matches.append((start, -len(parts), pattern))  # anchors are no parts
+        # Stable: of two equal keys the pattern written first wins.
+        for _start, _length, pattern in sorted(scope_matches, key=lambda key: key[:2]):
+            matching.append(Rule(self.scopes[pattern], f"scope:{pattern}"))
         if stop is not None:
-            return Rule(KEEP, AMP_STOP)
+            matching.append(Rule(KEEP, AMP_STOP))
         for position in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
             action = getattr(self, position)
             if position in positions and action is not None:
-                return Rule(action, position)
+                matching.append(Rule(action, position))
         if op_kind in self.ops:
-            return Rule(self.ops[op_kind], f"op:{op_kind}")
-        return Rule(None, "default")
+            matching.append(Rule(self.ops[op_kind], f"op:{op_kind}"))
+        if not matching:
+            return Rule(None, "default")
+        return replace(matching[0],
+                       outranked=tuple(r.rule for r in matching[1:]))
 
     def rule_names(self) -> list[str]:
         """Every rule as the report names it, to list the unused ones."""

@@ -117,6 +117,8 @@ class Report:
     # low_bytes_after}], "clones": n}; None when it did not run.
     propagation: dict[str, Any] | None = None
     rules_used: set[str] = field(default_factory=set)  # rules that matched non-matrix ops
+    # Rules that matched an op but lost on precedence there: rule -> the rule that won.
+    rules_outranked: dict[str, str] = field(default_factory=dict)
     # The compiled step's collectives (targets/collectives.py ``Collective``), read from
     # XLA's optimized HLO by AmpCompiled.report(); empty before XLA compiles or unsharded.
     collectives: list[Any] = field(default_factory=list)
@@ -149,6 +151,24 @@ class Report:
         used = {d.rule for d in self.decisions} | self.rules_used
         return [r for r in self.rules if r not in used and not r.startswith("op:")
                 and r not in ("first_matrix_op", "last_matrix_op")]
+
+    def note_outranked(self, winner: str, losers: Sequence[str]) -> None:
+        """Note the rules that matched an op and lost on precedence to ``winner``."""
+        for loser in losers:
+            self.rules_outranked.setdefault(loser, winner)
+
+    def unused_rule_lines(self) -> list[str]:
+        """The unused rules in words: those that matched no op, and those that matched
+        ops but lost on precedence on each (with a rule that won)."""
+        unmatched = [r for r in self.unused_rules if r not in self.rules_outranked]
+        outranked = [f"{r} (by {self.rules_outranked[r]})" for r in self.unused_rules
+                     if r in self.rules_outranked]
+        lines = []
+        if unmatched:
+            lines.append("matched no op: " + ", ".join(unmatched))
+        if outranked:
+            lines.append("matched ops but lost on precedence on each: " + ", ".join(outranked))
+        return lines
 
     # ---- rendering ------------------------------------------------------------------
 
@@ -344,6 +364,7 @@ class Report:
             "propagation": self.propagation,
             "collectives": [asdict(c) for c in self.collectives],
             "attention": [asdict(a) for a in self.attention],
+            "rules_outranked": dict(self.rules_outranked),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -367,8 +388,7 @@ class Report:
         lines.append("")
         lines.append(f"policy: {self.policy}")
         lines.append(self.summary())
-        if self.unused_rules:
-            lines.append("unused rules (matched no op): " + ", ".join(self.unused_rules))
+        lines.extend(f"unused rules: {line}" for line in self.unused_rule_lines())
         lines.extend(self.propagation_lines())
         lines.extend(self.attention_lines())
         lines.extend(self.collective_lines())

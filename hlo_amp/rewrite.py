@@ -31,13 +31,11 @@ def rewrite(module: str | bytes, policy: Policy | str | Mapping[str, Any] = "bf1
 
 
 def warn_unused_rules(report: Report) -> None:
-    """Warn when policy rules matched no op (a likely typo in a scope pattern), or when
+    """Warn when policy rules matched no op (a likely typo in a scope pattern) or lost on
+    precedence wherever they matched (docs/policies.md's order), or when
     the policy converts nothing and no rule says why; at the user's line."""
-    unused = report.unused_rules
-    if unused:
-        warn_at_user_code(
-            f"hlo_amp: policy rule(s) matched no op: {', '.join(unused)} "
-            f"(policy {report.policy!r})")
+    for line in report.unused_rule_lines():
+        warn_at_user_code(f"hlo_amp: policy rule(s) {line} (policy {report.policy!r})")
     if _converts_nothing_unasked(report):
         warn_at_user_code(
             f"hlo_amp: policy {report.policy!r} converts none of the program's "

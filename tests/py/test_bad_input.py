@@ -23,15 +23,19 @@ from hlo_amp.ir.modules import ModuleError
 CLI = str(Path(sys.executable).parent / "hlo-amp-opt")
 
 
-def _dot_module() -> str:
+def _dot_module(inner_scope: str | None = None) -> str:
     def f(a, b):
         with jax.named_scope("head"):
-            return jnp.tanh(a @ b)
+            if inner_scope is None:
+                return jnp.tanh(a @ b)
+            with jax.named_scope(inner_scope):
+                return jnp.tanh(a @ b)
 
     return jax.jit(f).lower(jnp.ones((2, 3)), jnp.ones((3, 4))).as_text(debug_info=True)
 
 
 DOT = _dot_module()
+DOT_IN_HEAD_X = _dot_module("x")
 UNREGISTERED = (
     "func.func @main(%a: tensor<2xf32>) -> tensor<2xf32> {\n"
     '  %0 = "foo.bar"(%a) : (tensor<2xf32>) -> tensor<2xf32>\n'
@@ -234,6 +238,12 @@ def test_rewrite_warns_about_unused_scope_rule() -> None:
         _, report = hlo_amp.rewrite(DOT, "bf16,scope:nothere=keep,scope:head=float32",
                                     return_report=True)
     assert report.unused_rules == ["scope:nothere"]
+    # a rule that matches only where another wins is told apart from one matching nothing
+    with pytest.warns(UserWarning, match=r"lost on precedence on each: scope:x \(by scope:head\)"):
+        _, report = hlo_amp.rewrite(DOT_IN_HEAD_X, "bf16,scope:head=keep,scope:x=float16",
+                                    return_report=True)
+    assert report.unused_rules == ["scope:x"]
+    assert report.rules_outranked == {"scope:x": "scope:head", "op:dot_general": "scope:head"}
     # a rule that matches is not listed, and no warning when all rules match
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -245,7 +255,7 @@ def test_compile_report_lists_unused_rule() -> None:
     with pytest.warns(UserWarning, match=r"matched no op.*scope:nothere"):
         report = fn.lower(jnp.ones((2, 3)), jnp.ones((3, 4))).report()
     assert report.unused_rules == ["scope:nothere"]
-    assert "unused rules (matched no op): scope:nothere" in str(report)
+    assert "unused rules: matched no op: scope:nothere" in str(report)
 
 
 # ---- shape polymorphism, zero-size tensors, f64 ------------------------------------------

@@ -173,7 +173,9 @@ def test_bf16_grad_close_and_all_converted(name):
     fn, params, x = MODELS[name]()
     loss = _loss(fn)
     report = hlo_amp.compile(jax.grad(loss), "bf16").lower(params, x).report()
-    assert {d.direction for d in report.decisions} == {"forward", "backward"}, str(report)
+    assert {d.direction for d in report.decisions} == (
+        {"forward", "backward", "recomputed"} if name == "remat" else {"forward", "backward"}
+    ), str(report)
     assert all(d.low_precision for d in report.decisions), str(report)
     want = jax.jit(jax.grad(loss))(params, x)
     # the grad as one rewritten program; for mlp and attention also jax.grad of a

@@ -193,7 +193,7 @@ def test_report_json_and_unused_rules() -> None:
     data = json.loads(report.to_json())
     assert set(data) == {"policy", "summary", "decisions", "unused_rules", "notes",
                          "unknown_to_xla", "xla_device", "propagation", "collectives",
-                         "attention"}
+                         "attention", "rules_outranked"}
     assert data["propagation"] is None  # the accurate mode does not run the pass
     assert data["collectives"] == []  # read from XLA's HLO, after a compile
     assert data["summary"] == report.summary()
@@ -202,8 +202,12 @@ def test_report_json_and_unused_rules() -> None:
     # head's backward dots follow backward=compute; only its rule for forward ops is
     # left, and no forward op sits under head (grad drops the unused forward head dot).
     assert data["unused_rules"] == ["scope:head", "scope:nowhere"]
+    # scope:head matched the head's backward dots and lost to backward= there.
+    assert data["rules_outranked"]["scope:head"] == "backward"
+    assert "scope:nowhere" not in data["rules_outranked"]
     text = str(report)
-    assert "unused rules (matched no op): scope:head, scope:nowhere" in text
+    assert "unused rules: matched no op: scope:nowhere" in text
+    assert "unused rules: matched ops but lost on precedence on each: scope:head (by backward)" in text
     assert text.splitlines()[0].split() == [
         "function", "op", "scope", "line", "dir", "shape", "before", "after", "action", "rule", "why",
         "GFLOP"]

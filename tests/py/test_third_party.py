@@ -76,7 +76,8 @@ def check_model(case: str, loss_fn, params, extra, batch, *, rtol: float = 5e-2,
     low = sum(d.flops or 0 for d in report.decisions if d.low_precision)
     assert total > 0 and low == total
     assert "100% of FLOPs" in report.summary()
-    assert {d.direction for d in report.decisions} == {"forward", "backward"}
+    # jax.checkpoint's forward, recomputed in the backward pass, where a model has it.
+    assert {d.direction for d in report.decisions} - {"recomputed"} == {"forward", "backward"}
     assert (report.propagation is not None) == policy.startswith("mixed_")
     return report, final_extra
 
@@ -193,7 +194,8 @@ def test_linen_scope_rule_keeps_exactly_that_submodule(name: str, submodule: str
     assert all(not d.low_precision and d.rule == f"scope:{submodule}" for d in inside)
     assert all(d.operands_after == ("f32", "f32") for d in inside)
     assert all(d.low_precision for d in outside), str(report)
-    assert {d.direction for d in inside} == {"forward", "backward"}
+    assert {d.direction for d in inside} == (
+        {"forward", "backward", "recomputed"} if name == "remat" else {"forward", "backward"})
     assert report.unused_rules == []
 
 

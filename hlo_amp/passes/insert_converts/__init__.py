@@ -154,6 +154,7 @@ class InsertConverts:
                 after = tuple(names.name(element_type(v)) for v in list(op.operands)[:2])
                 result_after = names.name(element_type(op.result))
             if report is not None:
+                report.note_outranked(rule.rule, rule.outranked)
                 runs = op_runs(graph, fn_name, op)
                 flops = estimate_flops(op, kind)
                 index = report.add(Decision(

@@ -117,4 +117,6 @@ class Propagate:
                 "clones": clones,
             }
             report.rules_used.update(graph.rules_used)
+            for loser, winner in graph.rules_outranked.items():
+                report.note_outranked(winner, [loser])
 

@@ -108,6 +108,7 @@ class Graph:
         self.link_use: dict[tuple[int, int], dict[int, Node]] = defaultdict(dict)
         self.by_name: dict[str, Any] = {}
         self.rules_used: set[str] = set()
+        self.rules_outranked: dict[str, str] = {}  # rule -> the rule that won over it
         self._decided: dict[tuple[str, str, str], tuple[str | None, str]] = {}
         # value -> type_kind of its type, read once (the graph is built and solved
         # before the rewrite retypes anything)
@@ -235,6 +236,8 @@ class Graph:
             site = parse_name(join_names(prefix, name), kind)
             rule = self.policy.decide(site.scope, kind, site.gradient_pass)
             decided = self._decided[key] = (rule.action, rule.rule)
+            for loser in rule.outranked:
+                self.rules_outranked.setdefault(loser, rule.rule)
         action, rule = decided
         if action is None:
             return None
