@@ -63,7 +63,7 @@ from typing import Any
 import jax
 import jax.extend.core
 import jax.numpy as jnp
-from jax._src import core, source_info_util, stages
+from jax._src import api_util, core, source_info_util, stages
 from jax._src.export import _export as export_internals
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import mlir as jax_mlir
@@ -90,6 +90,9 @@ Primitive = _needs(jax.extend.core, "jax.extend.core", "Primitive")
 ShapedArray = _needs(core, "jax._src.core", "ShapedArray", ("shape", "dtype"))
 Tracer = _needs(core, "jax._src.core", "Tracer")
 trace_state_clean = _needs(core, "jax._src.core", "trace_state_clean", ())
+# jax.jit's completion of static/donated argument numbers from names and back.
+infer_argnums_and_argnames = _needs(api_util, "jax._src.api_util",
+                                    "infer_argnums_and_argnames", ("sig", "argnums", "argnames"))
 _source_info_context = _needs(source_info_util, "jax._src.source_info_util",
                               "_source_info_context")
 _new_source_info = _needs(source_info_util, "jax._src.source_info_util", "new_source_info", ())

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -192,6 +193,14 @@ def _union(ours: Any, theirs: tuple, scalar: type) -> tuple:
     return tuple(dict.fromkeys((*_as_tuple(ours, scalar), *theirs)))
 
 
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    """``fn``'s signature, or None where Python cannot tell it (some builtins)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
 class AmpFunction:
     """What ``hlo_amp.compile`` returns: callable like ``jax.jit(fn)``."""
 
@@ -228,6 +237,13 @@ class AmpFunction:
                                 else tuple(static_argnames))
         self.donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
                                else tuple(donate_argnums))
+        signature = _signature(fn)
+        if signature is not None:
+            # As jax.jit: an argument static by position is static by name too, and the
+            # other way round, unless both were given.
+            self.static_argnums, self.static_argnames = (
+                internals.infer_argnums_and_argnames(
+                    signature, self.static_argnums or None, self.static_argnames or None))
         self._jitted = jax.jit(fn, static_argnums=self.static_argnums,
                                static_argnames=self.static_argnames,
                                donate_argnums=self.donate_argnums)
@@ -245,6 +261,11 @@ class AmpFunction:
 
         def dispatched(*args: Any, **kwargs: Any) -> Any:
             return self._traced_call(args, kwargs, own_dispatch=True)
+
+        if signature is not None:
+            # jax.jit donates an argument passed by keyword through the names it reads
+            # from the signature (``*args, **kwargs`` has none).
+            dispatched.__signature__ = signature
 
         # Calls go through jax.jit's own dispatch (its C++ cache of executables); a
         # cache miss traces ``dispatched``, which binds the rewritten program.

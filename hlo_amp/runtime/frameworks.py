@@ -279,11 +279,14 @@ def _unwrap_eqx(wrapped: Any, name: str) -> JitDecorator:
 
 def _unwrap_jax(jitted: Any, name: str) -> JitDecorator | None:
     info = _jit_info(jitted)
-    if _options_it_cannot_carry(info) or getattr(info, "user_specified_in_shardings", True) \
-            or any(type(s).__name__ != "UnspecifiedValue"
-                   for s in getattr(info, "out_shardings_leaves", (None,))):
-        return None  # compiled nested, as an inner jit, where those options still apply
-    fn = getattr(jitted, "__wrapped__", None)
+    # Shardings and the options hlo_amp.compile lacks apply where the jitted function
+    # is called nested, as an inner jit; its static and donated arguments only at the
+    # top: they are carried over either way (an inner jit would meet a tracer for a
+    # static argument, and donates nothing inside another jit).
+    nested = (_options_it_cannot_carry(info) or getattr(info, "user_specified_in_shardings", True)
+              or any(type(s).__name__ != "UnspecifiedValue"
+                     for s in getattr(info, "out_shardings_leaves", (None,))))
+    fn = jitted if nested else getattr(jitted, "__wrapped__", None)
     if not callable(fn):
         return None
     return JitDecorator("jax.jit", fn,

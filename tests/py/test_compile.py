@@ -119,6 +119,30 @@ def test_donate_argnums_like_jax_jit():
     np.testing.assert_array_equal(out, 2.0 * np.ones(16))
 
 
+def test_static_and_donated_arguments_by_keyword_like_jax_jit():
+    # jax.jit reads the signature: an argument static or donated by position is so when
+    # passed by keyword too, and static_argnames covers the argument passed positionally.
+    def repeat(x, n):
+        return jnp.tile(x @ x.T, (n, 1))
+
+    def pick(x, mode):
+        return x @ x.T if mode == "a" else -(x @ x.T)
+
+    x = _rand(0, (3, 3))
+    got = hlo_amp.compile(repeat, "bf16", static_argnums=1)(x, n=4)
+    assert got.shape == jax.jit(repeat, static_argnums=1)(x, n=4).shape == (12, 3)
+    picked = hlo_amp.compile(pick, "bf16", static_argnames="mode")(x, "b")
+    _close_bf16(picked, jax.jit(pick, static_argnames="mode")(x, "b"))
+
+    def scale(w, x):
+        return w * 2.0 + x
+
+    w = jnp.ones(16)
+    out = hlo_amp.compile(scale, "bf16", donate_argnums=0)(w=w, x=jnp.ones(16))
+    assert w.is_deleted()
+    np.testing.assert_array_equal(out, 3.0 * np.ones(16))
+
+
 # ---- 2. AOT ------------------------------------------------------------------------------
 
 

@@ -542,6 +542,25 @@ def test_a_jax_jit_decorated_function_keeps_its_static_and_donated_arguments():
     assert [(d.function, d.low_precision) for d in report.decisions] == [("main", True)]
 
 
+def test_a_jax_jit_with_shardings_keeps_its_static_and_donated_arguments():
+    # Compiled nested (its shardings apply there); its static and donated arguments
+    # apply at the top, as for a jit without shardings.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    def scaled(w, x, scale):
+        return w * 0.5, jnp.tanh(x @ w) * scale
+
+    jitted = jax.jit(scaled, static_argnums=2, donate_argnums=0,
+                     in_shardings=(sharded, sharded), out_shardings=sharded)
+    w = W + 0.0
+    new_w, out = hlo_amp.compile(jitted, "bf16")(w, X, 3)
+    assert w.is_deleted()  # donated, as the jit asked
+    assert all(a.sharding.is_equivalent_to(sharded, a.ndim) for a in (new_w, out))
+    np.testing.assert_array_equal(new_w, W * 0.5)
+    np.testing.assert_allclose(out, jnp.tanh(X @ W) * 3, rtol=5e-2, atol=5e-2)
+
+
 # ---- typed keys on every path -----------------------------------------------------------
 
 
