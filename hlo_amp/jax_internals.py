@@ -64,6 +64,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 from jax._src import api_util, core, source_info_util, stages
+from jax._src import config as jax_config
 from jax._src.export import _export as export_internals
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import mlir as jax_mlir
@@ -90,6 +91,9 @@ Primitive = _needs(jax.extend.core, "jax.extend.core", "Primitive")
 ShapedArray = _needs(core, "jax._src.core", "ShapedArray", ("shape", "dtype"))
 Tracer = _needs(core, "jax._src.core", "Tracer")
 trace_state_clean = _needs(core, "jax._src.core", "trace_state_clean", ())
+# The configuration a trace depends on (x64, default matmul precision, ...): part of
+# jax.jit's cache keys, and of ours.
+trace_context = _needs(jax_config, "jax._src.config", "trace_context")
 # jax.jit's completion of static/donated argument numbers from names and back.
 infer_argnums_and_argnames = _needs(api_util, "jax._src.api_util",
                                     "infer_argnums_and_argnames", ("sig", "argnums", "argnames"))

@@ -323,7 +323,8 @@ class AmpFunction:
         """Dynamic args and kwargs, their leaves and treedef, and the cache key."""
         dyn_args, dyn_kwargs, static_key = self._split(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        key = (treedef, tuple(leaf_signature(x) for x in leaves), static_key)
+        key = (treedef, tuple(leaf_signature(x) for x in leaves), static_key,
+               internals.trace_context())
         return dyn_args, dyn_kwargs, leaves, treedef, key
 
     def cache_size(self) -> int:
@@ -443,9 +444,15 @@ class AmpFunction:
 
     # -- the Program owner interface (runtime/amp_call.py) --
 
+    @staticmethod
+    def _program_key(program: Program, avals: AvalsKey) -> tuple:
+        """A program's cache key for ``avals`` in this trace context: as for jax.jit, a
+        changed configuration (x64, jax.default_matmul_precision) traces anew."""
+        return (program.key, avals, internals.trace_context())
+
     def export_program(self, program: Program, avals: AvalsKey) -> Any:
         """``program`` exported for ``avals`` and rewritten; cached."""
-        key = (program.key, avals)
+        key = self._program_key(program, avals)
         exported = self._exports.get(key)
         if exported is None:
             shapes = shape_structs(avals)
@@ -479,7 +486,7 @@ class AmpFunction:
                        exported: Any) -> None:
         """Tell the passes which arguments of a backward program are cotangents and
         where its forward's ends are (ir/program_hints.py)."""
-        forward_key = (backward_of.forward.key, backward_of.avals)
+        forward_key = self._program_key(backward_of.forward, backward_of.avals)
         if forward_key not in self._end_stacks:  # the forward was exported by another run
             self.export_program(backward_of.forward, backward_of.avals)
         kept = list(exported.module_kept_var_idx)
@@ -496,7 +503,7 @@ class AmpFunction:
         Tracing in the caller's context matters: under an outer ``vmap`` with a named
         axis, ``fn`` alone can be traced but not exported.
         """
-        exported = self._exports.get((program.key, avals))
+        exported = self._exports.get(self._program_key(program, avals))
         if exported is not None:
             return list(exported.out_avals)
         # jax.jit caches this trace, and export_program's export of the same function
@@ -507,7 +514,7 @@ class AmpFunction:
                                       sharding=explicit_sharding(x)) for x in shapes]
 
     def residual_tree(self, program: Program, avals: AvalsKey) -> Any:
-        key = (program.key, avals)
+        key = self._program_key(program, avals)
         if key not in self._residual_trees:  # traced through a cached export: trace again
             forward = functools.partial(jax.vjp, program.fn)
             with internals.fresh_source_info():  # as export_program traces it
@@ -516,7 +523,7 @@ class AmpFunction:
         return self._residual_trees[key]
 
     def record_residual_tree(self, program: Program, avals: AvalsKey, tree: Any) -> None:
-        self._residual_trees[(program.key, avals)] = tree
+        self._residual_trees[self._program_key(program, avals)] = tree
 
     # -- calls with tracers --
 

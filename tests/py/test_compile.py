@@ -143,6 +143,28 @@ def test_static_and_donated_arguments_by_keyword_like_jax_jit():
     np.testing.assert_array_equal(out, 3.0 * np.ones(16))
 
 
+def test_a_changed_trace_context_traces_anew_like_jax_jit():
+    # jax.jit keys its cache on the configuration a trace reads; a program exported
+    # before it changed must not answer after.
+    x, w = _rand(0, (64, 64)), _rand(1, (64, 64))
+    amp = hlo_amp.compile(_matmul, "bf16")
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.abs(amp(x, w) - exact).max() > 1e-2  # bf16 operands
+    with jax.default_matmul_precision("highest"):  # a pinned precision is kept (policies.md)
+        want = jax.jit(_matmul)(x, w)
+        np.testing.assert_allclose(amp(x, w), want, rtol=1e-5, atol=1e-5)
+    assert np.abs(amp(x, w) - exact).max() > 1e-2  # and back
+
+    def counted(x):
+        return x @ x.T, jnp.arange(3), jnp.ones(2) * 0.5
+
+    amp = hlo_amp.compile(counted, "bf16")
+    assert [o.dtype for o in amp(x)] == [jnp.float32, jnp.int32, jnp.float32]
+    with jax.enable_x64(True):
+        assert ([o.dtype for o in amp(x)] == [o.dtype for o in jax.jit(counted)(x)]
+                == [jnp.float32, jnp.int64, jnp.float64])
+
+
 # ---- 2. AOT ------------------------------------------------------------------------------
 
 
