@@ -41,12 +41,17 @@ def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
 
 
 def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
-    """``history`` replicated on the devices of the first committed array argument; left
-    uncommitted where no argument is committed (jax.jit then commits no output either)."""
+    """``history`` replicated on the devices of the first committed array argument (as
+    it is where it is there already: no copy); left as it is where no argument is
+    committed (jax.jit then commits no output either)."""
     for leaf in leaves:
         if not isinstance(leaf, jax.Array) or not leaf.committed:
             continue
         sharding = leaf.sharding
+        if (isinstance(history, jax.Array) and history.committed
+                and history.sharding.device_set == sharding.device_set
+                and history.sharding.is_fully_replicated):
+            return history
         mesh = getattr(sharding, "mesh", None)
         if mesh is not None and not getattr(mesh, "empty", False):
             spec = jax.sharding.PartitionSpec()
@@ -161,8 +166,8 @@ class Fp8StatefulFunction:
             history, self._loaded = self._loaded, None  # load_fp8_state's own f32 copy
             return state, _replicated_like(history, leaves)
         history = self._histories.get(state)
-        if history is not None:
-            return state, history
+        if history is not None:  # moved where this call's arguments are (another mesh)
+            return state, _replicated_like(history, leaves)
         if self._loaded is not None:
             raise ValueError(
                 f"{self.__name__}: the loaded fp8 state has shape "

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from host_devices import RESULTS, run_on_host_devices
 
 import hlo_amp
 from hlo_amp.ir.modules import parse_module
@@ -609,6 +610,42 @@ def test_a_python_scalar_argument_is_traced_and_the_second_call_compiles_nothing
     for k in range(1, 4):
         q, _ = f(q, x, 0.1 / k)
     assert f.cache_size() == 1 and f.fp8_state().shape[1] > 0
+
+
+_HISTORY_FOLLOWS_THE_ARGUMENTS = f"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+import hlo_amp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+def loss(ws, x):
+    for w in ws:
+        x = jax.nn.gelu(x @ w)
+    return (x ** 2).mean()
+
+keys = jax.random.split(jax.random.key(1), 3)
+ws = [jax.random.normal(k, (64, 64)) / 8 for k in keys]
+x = jax.random.normal(jax.random.key(0), (16, 64))
+step = hlo_amp.compile(jax.grad(loss), "fp8,scaling=delayed,amax_history=4")
+mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+step([jax.device_put(w, NamedSharding(mesh, P())) for w in ws],
+     jax.device_put(x, NamedSharding(mesh, P("data"))))
+on_mesh = len(step.fp8_state().sharding.device_set)
+one = jax.devices()[1]
+grads = step([jax.device_put(w, one) for w in ws], jax.device_put(x, one))
+print("{RESULTS}" + json.dumps({{
+    "on_mesh": on_mesh,
+    "after": sorted(d.id for d in step.fp8_state().sharding.device_set),
+    "grads": sorted({{d.id for g in grads for d in g.sharding.device_set}}),
+}}))
+"""
+
+
+def test_the_history_follows_the_arguments_to_other_devices() -> None:
+    # A step trained on a mesh and then called on one device (evaluation, a resharded
+    # restart): the history moves with the arguments, as jax.jit's outputs would.
+    found = run_on_host_devices(_HISTORY_FOLLOWS_THE_ARGUMENTS, devices=2)
+    assert found == {"on_mesh": 2, "after": [1], "grads": [1]}
 
 
 # ---- 8. no state barrier: current scaling, said so ----------------------------------------
