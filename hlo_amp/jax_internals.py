@@ -91,9 +91,11 @@ Primitive = _needs(jax.extend.core, "jax.extend.core", "Primitive")
 ShapedArray = _needs(core, "jax._src.core", "ShapedArray", ("shape", "dtype"))
 Tracer = _needs(core, "jax._src.core", "Tracer")
 trace_state_clean = _needs(core, "jax._src.core", "trace_state_clean", ())
+eval_jaxpr = _needs(core, "jax._src.core", "eval_jaxpr", ("jaxpr", "consts"))
 # The configuration a trace depends on (x64, default matmul precision, ...): part of
-# jax.jit's cache keys, and of ours.
-trace_context = _needs(jax_config, "jax._src.config", "trace_context")
+# jax.jit's cache keys, and of ours (program_context below).
+_trace_context = _needs(jax_config, "jax._src.config", "trace_context")
+_trace_context_names = _needs(jax_config, "jax._src.config", "trace_context_names")
 # jax.jit's completion of static/donated argument numbers from names and back.
 infer_argnums_and_argnames = _needs(api_util, "jax._src.api_util",
                                     "infer_argnums_and_argnames", ("sig", "argnums", "argnames"))
@@ -156,6 +158,22 @@ def fresh_source_info() -> Iterator[None]:
         yield
     finally:
         _source_info_context.context = saved
+
+
+def program_context() -> tuple:
+    """The configuration a program's trace reads, as jax.jit keys its cache on it, less
+    the context managers' entries (mesh, compute_on, ...): jax's lowering sets an
+    abstract mesh where the trace had none, and the avals carry the shardings. Where
+    this jax cannot name the entries, the whole trace context."""
+    values = _trace_context()
+    try:
+        names = _trace_context_names()
+    except NotImplementedError:
+        return values
+    if len(names) != len(values):
+        return values
+    return tuple(value for name, value in zip(names, values)
+                 if not name.endswith("_context_manager") and name != "user_context")
 
 
 def jit_cache_size(jitted: Any) -> int:

@@ -324,7 +324,7 @@ class AmpFunction:
         dyn_args, dyn_kwargs, static_key = self._split(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         key = (treedef, tuple(leaf_signature(x) for x in leaves), static_key,
-               internals.trace_context())
+               internals.program_context())
         return dyn_args, dyn_kwargs, leaves, treedef, key
 
     def cache_size(self) -> int:
@@ -448,7 +448,7 @@ class AmpFunction:
     def _program_key(program: Program, avals: AvalsKey) -> tuple:
         """A program's cache key for ``avals`` in this trace context: as for jax.jit, a
         changed configuration (x64, jax.default_matmul_precision) traces anew."""
-        return (program.key, avals, internals.trace_context())
+        return (program.key, avals, internals.program_context())
 
     def export_program(self, program: Program, avals: AvalsKey) -> Any:
         """``program`` exported for ``avals`` and rewritten; cached."""
@@ -547,12 +547,43 @@ class AmpFunction:
                 f"hlo_amp: cannot rewrite {self.__name__} under an outer transformation "
                 f"({refused}); it runs unchanged")
             return self.fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001, S110
+        except Exception:  # noqa: BLE001
+            # fn may close over an outer trace's values (a step defined inside jax.jit
+            # or jax.grad): those become arguments of the program, as jax.jit's closure
+            # conversion makes them.
+            converted = _with_closed_tracers_as_arguments(program.fn, leaves)
+            if converted is not None:
+                fn, hoisted = converted
+                program = Program(self, fn, self.__name__, ("closure", key))
+                outs = amp_call_p.bind(*leaves, *hoisted, program=program)
+                return jax.tree_util.tree_unflatten(self._out_trees[(key, avals)], outs)
             # Exported alone, fn may not trace (a collective over an outer vmap's named
             # axis); the transformation's own rule exports what is needed, and raises.
-            pass
         outs = amp_call_p.bind(*leaves, program=program)
         return jax.tree_util.tree_unflatten(self._out_trees[(key, avals)], outs)
+
+
+def _with_closed_tracers_as_arguments(flat_fn: Callable[..., list], leaves: list
+                                      ) -> tuple[Callable[..., list], list] | None:
+    """``flat_fn`` as a function of ``leaves`` and then of the outer trace's values it
+    closes over (with those values), or None where it closes over none."""
+    try:
+        closed = jax.make_jaxpr(flat_fn)(*leaves)
+    except Exception:  # noqa: BLE001: not a closure problem; the caller's path raises
+        return None
+    positions = [i for i, c in enumerate(closed.consts) if isinstance(c, internals.Tracer)]
+    if not positions:
+        return None
+    consts = list(closed.consts)
+
+    def converted(*flat: Any) -> list:
+        given = list(consts)
+        for position, value in zip(positions, flat[len(flat) - len(positions):]):
+            given[position] = value
+        return internals.eval_jaxpr(closed.jaxpr, given, *flat[:len(flat) - len(positions)])
+
+    converted.__name__ = getattr(flat_fn, "__name__", "converted")
+    return converted, [consts[i] for i in positions]
 
 
 class ExportRefused(Exception):

@@ -378,6 +378,30 @@ def test_compiled_inside_outer_jit():
     assert "bf16" in outer.lower(x, w).as_text()
 
 
+def _head_of(w):
+    def head(x):
+        with jax.named_scope("head"):
+            return x @ w
+    return head
+
+
+def test_a_function_closing_over_an_outer_trace_runs_like_jax_jit():
+    # A step built inside jax.jit / jax.grad / jax.vmap closes over that trace's values:
+    # they become the program's arguments, as jax.jit's closure conversion makes them.
+    x, w = _rand(0, (16, 32)), _rand(1, (32, 32))
+    want = jax.jit(lambda x, w: _head_of(w)(x))(x, w)
+    got = jax.jit(lambda x, w: hlo_amp.compile(_head_of(w), "bf16")(x))(x, w)
+    _close_bf16(got, want)
+    assert not np.array_equal(got, want)  # bf16 really ran
+    kept = jax.jit(lambda x, w: hlo_amp.compile(_head_of(w), "bf16,scope:head=keep")(x))(x, w)
+    np.testing.assert_array_equal(kept, want)  # the scopes are the function's own
+    grad = jax.grad(lambda w: hlo_amp.compile(_head_of(w), "bf16")(x).sum())(w)
+    _close_bf16(grad, jax.grad(lambda w: _head_of(w)(x).sum())(w))
+    stacked = jnp.stack([w, 2 * w])
+    mapped = jax.vmap(lambda w: hlo_amp.compile(_head_of(w), "bf16")(x))(stacked)
+    _close_bf16(mapped, jax.vmap(lambda w: _head_of(w)(x))(stacked))
+
+
 # ---- 6. effects and errors -------------------------------------------------------------------
 
 
