@@ -569,8 +569,8 @@ def _with_closed_tracers_as_arguments(flat_fn: Callable[..., list], leaves: list
     closes over (with those values), or None where it closes over none."""
     try:
         closed = jax.make_jaxpr(flat_fn)(*leaves)
-    except Exception:  # noqa: BLE001: not a closure problem; the caller's path raises
-        return None
+    except Exception:  # noqa: BLE001
+        return None  # not a closure problem: the caller's path raises its own error
     positions = [i for i, c in enumerate(closed.consts) if isinstance(c, internals.Tracer)]
     if not positions:
         return None
