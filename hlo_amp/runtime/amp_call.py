@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
 from hlo_amp import jax_internals as internals
 
@@ -156,10 +157,35 @@ amp_call_p.def_abstract_eval(_abstract_eval)
 internals.register_lowering(amp_call_p, internals.lower_fun(_call, multiple_results=True))
 
 
-def _vmapped(fn: Callable[..., list], in_axes: tuple, size: int, axis_name: Any,
-             *args: Any) -> list:
-    return jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_size=size,
+def _vmapped(fn: Callable[..., list], in_axes: tuple, out_axes: tuple | int, size: int,
+             axis_name: Any, *args: Any) -> list:
+    # fn returns a list: vmap reads a list of axes as its pytree prefix
+    axes = out_axes if isinstance(out_axes, int) else list(out_axes)
+    return jax.vmap(fn, in_axes=in_axes, out_axes=axes, axis_size=size,
                     axis_name=axis_name)(*args)
+
+
+def _example(value: Any, axis: int | None) -> jax.ShapeDtypeStruct:
+    """One example of a vmapped argument (``axis``: its batch axis, None: unbatched)."""
+    aval = jax.typeof(value)
+    shape = tuple(n for i, n in enumerate(aval.shape) if i != axis)
+    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _batched_outputs(fn: Callable[..., list], args: Sequence[Any], in_axes: tuple
+                     ) -> tuple[bool, ...] | None:
+    """Per output of ``fn``: whether it depends on a batched argument (else it is the
+    same for every example, and vmap may return it unbatched: ``out_axes=None``). None
+    where ``fn`` cannot be traced alone (a collective over the vmap's named axis)."""
+    try:
+        jaxpr = jax.make_jaxpr(fn)(*map(_example, args, in_axes)).jaxpr
+    except Exception:  # noqa: BLE001
+        return None
+    batched = {v for v, d in zip(jaxpr.invars, in_axes) if d is not None}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in batched for v in eqn.invars):
+            batched.update(eqn.outvars)
+    return tuple(not isinstance(v, Literal) and v in batched for v in jaxpr.outvars)
 
 
 def _batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *,
@@ -171,12 +197,17 @@ def _batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *,
     # Only a string name can be used inside the exported program (psum over "batch");
     # JAX's anonymous axes are fresh objects, which would defeat the export cache.
     axis_name = axis_data.name if isinstance(axis_data.name, str) else None
+    # An output no batched argument reaches stays unbatched, as under jax.jit (a caller's
+    # out_axes=None asks for that).
+    found = _batched_outputs(program.fn, args, in_axes)
+    out_axes = tuple(0 if b else None for b in found) if found is not None else None
     batched = program.derive(
-        ("vmap", in_axes, axis_data.size, axis_name),
-        functools.partial(_vmapped, program.fn, in_axes, axis_data.size, axis_name),
+        ("vmap", in_axes, out_axes, axis_data.size, axis_name),
+        functools.partial(_vmapped, program.fn, in_axes, 0 if out_axes is None else out_axes,
+                          axis_data.size, axis_name),
         f"vmap({program.name})")
     outs = amp_call_p.bind(*args, program=batched)
-    return outs, [0] * len(outs)
+    return outs, list(out_axes) if out_axes is not None else [0] * len(outs)
 
 
 internals.fancy_primitive_batchers[amp_call_p] = _batch

@@ -67,6 +67,24 @@ def test_vmap_in_axes_none_0_verbatim():
     assert not _lowered_has_bf16(jax.vmap(jax.jit(f), in_axes=(None, 0)), w, xs)
 
 
+def test_vmap_leaves_outputs_no_batched_argument_reaches_unbatched():
+    # As under jax.jit: vmap(out_axes=None) accepts them, and they are not broadcast.
+    def with_norm(w, x):
+        return f(w, x), jnp.sum(w * w)
+
+    w, xs = _rand(0, (8, 4)) * 0.3, _rand(1, (5, 3, 8))
+    got, norm = jax.vmap(hlo_amp.compile(with_norm, "bf16"), in_axes=(None, 0),
+                         out_axes=(0, None))(w, xs)
+    want, want_norm = jax.vmap(jax.jit(with_norm), in_axes=(None, 0), out_axes=(0, None))(w, xs)
+    assert norm.shape == want_norm.shape == ()
+    np.testing.assert_allclose(norm, want_norm, rtol=1e-6)
+    _assert_close_not_equal(got, want)
+    # batched where a batched argument reaches it
+    _, norms = jax.vmap(hlo_amp.compile(with_norm, "bf16"), in_axes=(0, None))(
+        jnp.stack([w, 2 * w]), xs[0])
+    np.testing.assert_allclose(norms, [jnp.sum(w * w), jnp.sum(4 * w * w)], rtol=1e-6)
+
+
 @pytest.mark.parametrize("in_axes", [(0, 0), (1, None), (None, 1), (0, None)])
 def test_vmap_any_in_axes(in_axes):
     w, x = _rand(0, (8, 4)) * 0.3, _rand(1, (3, 8))
