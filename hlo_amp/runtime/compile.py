@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import inspect
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -384,6 +385,10 @@ class AmpFunction:
         return contextlib.nullcontext()
 
     # -- calls --
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """A method decorated with it is bound to its instance, as under jax.jit."""
+        return self if instance is None else types.MethodType(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         style = argument_style(args, kwargs, self.filter, self._styles)

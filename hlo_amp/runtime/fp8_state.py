@@ -23,6 +23,7 @@ the history first and returns ``(outputs, history)``.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -203,6 +204,10 @@ class Fp8StatefulFunction:
         self._loaded = history
 
     # -- calls --
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """A method decorated with it is bound to its instance, as under jax.jit."""
+        return self if instance is None else types.MethodType(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         program, shapes, leaves = self._signature(args, kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -141,6 +142,28 @@ def test_static_and_donated_arguments_by_keyword_like_jax_jit():
     out = hlo_amp.compile(scale, "bf16", donate_argnums=0)(w=w, x=jnp.ones(16))
     assert w.is_deleted()
     np.testing.assert_array_equal(out, 3.0 * np.ones(16))
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp8,scaling=delayed"])
+def test_a_decorated_method_is_bound_like_jax_jit(policy):
+    class Scaled:
+        def __init__(self, n):
+            self.n = n
+
+        def __hash__(self):
+            return hash(self.n)
+
+        def __eq__(self, other):
+            return isinstance(other, Scaled) and other.n == self.n
+
+        @functools.partial(hlo_amp.compile, policy=policy, static_argnums=0)
+        def apply(self, x, w):
+            return (x @ w) * self.n
+
+    x, w = _rand(0, (4, 8)), _rand(1, (8, 3))
+    got = Scaled(3).apply(x, w)
+    np.testing.assert_allclose(got, (x @ w) * 3, rtol=0.1, atol=0.1)
+    assert Scaled.apply.__get__(None, Scaled) is Scaled.__dict__["apply"]
 
 
 def test_a_changed_trace_context_traces_anew_like_jax_jit():
