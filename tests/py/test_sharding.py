@@ -109,6 +109,23 @@ SCRIPT = textwrap.dedent("""
     results["shard_map_scale"] = float(jnp.max(jnp.abs(x @ w)))
     results["shard_map_text_bf16"] = "bf16" in amp_sm.lower(x, w).as_text()
 
+    # The fast mode paints the activations inside a shard_map body too.
+    def chain(xb, w):
+        return jnp.tanh((jnp.tanh(xb @ w) * 2.0 + 1.0) @ w)
+
+    def sm_chain(x, w):
+        return jax.shard_map(chain, mesh=mesh, in_specs=(P("data"), P()),
+                             out_specs=P("data"))(x, w)
+
+    xc, wc = rand(6, (16, 8)), rand(7, (8, 8), 8 ** -0.5)
+    mixed_sm = hlo_amp.compile(sm_chain, "mixed_bfloat16")
+    text = mixed_sm.lower(xc, wc).as_text()
+    inside = text[text.index("sdy.manual_computation"):]
+    results["shard_map_mixed_tanh"] = [
+        "bf16" in line for line in inside.splitlines() if "stablehlo.tanh" in line]
+    want = jax.jit(sm_chain)(xc, wc)
+    results["shard_map_mixed_err"] = float(jnp.max(jnp.abs(mixed_sm(xc, wc) - want)))
+
     # An Explicit mesh (jax.make_mesh's default): the types carry shardings, which
     # shard_map checks its in_specs against and jax.typeof reads at trace time.
     emesh = jax.make_mesh((4, 2), ("data", "model"))
@@ -204,6 +221,10 @@ def test_shard_map_body_rewritten(results):
     assert all(kind == "dot_general" and low and changed for kind, low, changed in decisions)
     assert results["shard_map_text_bf16"]
     assert results["shard_map_err"] <= 1e-2 * results["shard_map_scale"] + 1e-6
+    # mixed_bfloat16: the first tanh (read by a dot) is 16-bit inside the body; the
+    # last, the body's result, keeps the program's f32
+    assert results["shard_map_mixed_tanh"] == [True, False]
+    assert results["shard_map_mixed_err"] <= 2e-2
 
 
 def test_mixed_mode_keeps_shardings_and_paints(results):

@@ -10,6 +10,9 @@ from jaxlib.mlir import ir
 from hlo_amp.ir.modules import op_key, walk_operations
 
 CONTROL_FLOW_OPS = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if"})
+# shard_map's body: per-device code, painted like any other; its arguments and results
+# are the boundaries (kept in their own type, as a public function's).
+MANUAL_OPS = frozenset({"sdy.manual_computation"})
 # Ops that hold no activation of their own: not graph nodes, not counted in byte totals.
 NOT_VALUE_OPS = frozenset({"stablehlo.convert", "stablehlo.constant", "stablehlo.iota",
                            "stablehlo.return", "func.return", "func.call", *CONTROL_FLOW_OPS})
@@ -28,7 +31,7 @@ def body_ops(fn: Any) -> list[ir.Operation]:
     Other ops' regions (reduce bodies, sort comparators) are scalar computations that a
     painted op retypes as a whole; they are not part of the dataflow graph.
     """
-    return walk_operations(fn, into=CONTROL_FLOW_OPS)
+    return walk_operations(fn, into=CONTROL_FLOW_OPS | MANUAL_OPS)
 
 
 def first_block(region: Any) -> Any:
