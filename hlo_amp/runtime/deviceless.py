@@ -68,15 +68,18 @@ def target_mesh(target: str | Target, axes: Mapping[str, int] | None = None
     return device_target(target).mesh(axes)
 
 
-def abstract_arguments(tree: Any, target: Target) -> Any:
+def abstract_arguments(tree: Any, target: Target, placed_by_jit: bool = False) -> Any:
     """``tree`` with every array leaf an abstract value placed on the target's devices.
 
     A leaf with a ``NamedSharding`` whose mesh has as many devices as the target keeps it,
     rebuilt on ``target_mesh(target, <its axes>)`` (a mesh made by ``target_mesh``, or real
     arrays sharded over this machine's devices with the same axis names and sizes), as
-    ``jax.jit`` keeps an argument's sharding; every other array is replicated.
+    ``jax.jit`` keeps an argument's sharding; every other array is replicated, or, where
+    the jit places its arguments itself (``placed_by_jit``: its ``in_shardings``), left
+    without a sharding, as jax.jit takes a NumPy array there.
     """
-    replicated = jax.sharding.NamedSharding(target.mesh(), jax.sharding.PartitionSpec())
+    replicated = (None if placed_by_jit else
+                  jax.sharding.NamedSharding(target.mesh(), jax.sharding.PartitionSpec()))
     meshes: dict[tuple, jax.sharding.Mesh] = {}
 
     def on_target(sharding: Any) -> Any:
@@ -118,24 +121,45 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target) -> 
     that device. A mesh set with ``jax.set_mesh`` whose size is the target's is set on
     the target's devices for the trace (its arguments' types name those devices)."""
     context = jax.sharding.get_abstract_mesh()
-    scope = (jax.set_mesh(on_target_mesh(context, target))
-             if not context.empty and context.size == target.devices
+    if not context.empty and context.size != target.devices:
+        raise ValueError(
+            f"the mesh set with jax.set_mesh has {context.size} device(s) "
+            f"({dict(context.shape)}); target {target.name!r} has {target.devices}: lower "
+            f"outside it, or set a mesh of its {target.devices} device(s) "
+            f"(hlo_amp.target_mesh(target, axes))")
+    scope = (jax.set_mesh(on_target_mesh(context, target)) if not context.empty
              else contextlib.nullcontext())
     # jax checks the cuDNN version and the GPU while it traces
     # dot_product_attention(implementation="cudnn"): answered for the GPU compiled for
     # (without it every such program failed here with "cuDNN not found").
     capability = getattr(target, "compute_capability", None)
     with scope, cudnn_checks_answered(capability, DEVICELESS_CUDNN):
-        args, kwargs = abstract_arguments((args, kwargs), target)
+        args, kwargs = abstract_arguments((args, kwargs), target,
+                                          placed_by_jit=_has_in_shardings(jitted))
         return jitted.trace(*args, **kwargs).lower(lowering_platforms=(target.platform,))
+
+
+def _has_in_shardings(jitted: Any) -> bool:
+    """Whether the ``jax.jit`` function was given ``in_shardings``."""
+    info = getattr(jitted, "_jit_info", None)
+    return bool(getattr(info, "user_specified_in_shardings", False))
 
 
 def compile_for_target(jitted: Any, *args: Any, target: str | Target = "h100",
                        compiler_options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-    """A ``jax.jit`` function compiled for ``target`` without the device: JAX's
-    ``Compiled`` (``as_text()``, ``memory_analysis()``); the peer of
-    ``AmpFunction.lower(..., target=...).compile()`` for comparisons on one footing.
-    ``compiler_options`` override the target's XLA flags."""
+    """A ``jax.jit`` function (or a plain one, compiled as ``jax.jit`` of it) compiled for
+    ``target`` without the device: JAX's ``Compiled`` (``as_text()``,
+    ``memory_analysis()``); the peer of ``AmpFunction.lower(..., target=...).compile()``
+    for comparisons on one footing. ``compiler_options`` override the target's XLA flags."""
+    if hasattr(jitted, "policy") and hasattr(jitted, "lower"):  # hlo_amp.compile's
+        raise TypeError(
+            f"compile_for_target takes a jax.jit function, got hlo_amp.compile's "
+            f"{getattr(jitted, '__name__', type(jitted).__name__)}: use its "
+            f".lower(*args, target={target!r}).compile()")
+    if not hasattr(jitted, "trace"):
+        if not callable(jitted):
+            raise TypeError(f"compile_for_target takes a jax.jit function, got {jitted!r}")
+        jitted = jax.jit(jitted)
     device = device_target(target)
     options = {**device.compiler_options, **(compiler_options or {})}
     return CompiledForTarget(lower_for_target(jitted, args, kwargs, device).compile(options),

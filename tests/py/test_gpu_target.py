@@ -29,6 +29,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from gpu_workloads import ABSTRACT_WORKLOADS as WORKLOADS
@@ -193,6 +194,33 @@ def test_a_compiled_for_a_gpu_function_cannot_be_called() -> None:
     peer = hlo_amp.compile_for_target(jax.jit(step), *args, target="h100")
     with pytest.raises(RuntimeError, match=r"compiled for NVIDIA H100.*without a device"):
         peer(*args)
+
+
+def test_compile_for_target_takes_what_jax_jit_takes_and_says_what_it_does_not() -> None:
+    step, args = WORKLOADS["mlp"]
+    plain = hlo_amp.compile_for_target(step, *args, target="h100")  # as jax.jit(step)
+    peer = hlo_amp.compile_for_target(jax.jit(step), *args, target="h100")
+    assert (plain.memory_analysis().temp_size_in_bytes
+            == peer.memory_analysis().temp_size_in_bytes > 0)
+    with pytest.raises(TypeError, match=r"got hlo_amp.compile's .*\.lower\(\*args, target="):
+        hlo_amp.compile_for_target(hlo_amp.compile(step, "bf16"), *args, target="h100")
+    # A jit placing its arguments itself takes NumPy arrays, as jax.jit does (it raised
+    # "Sharding passed to jit does not match": they were replicated first).
+    mesh = hlo_amp.target_mesh("h100x8", {"data": 4, "model": 2})
+    placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    def matmul(w, x):
+        return x @ w
+
+    jitted = jax.jit(matmul, in_shardings=(None, placed))
+    w, x = np.ones((64, 64), np.float32), np.ones((32, 64), np.float32)
+    found = hlo_amp.compile_for_target(jitted, w, x, target="h100x8")
+    assert found.input_shardings[0][1].spec == placed.spec
+    # A jax.set_mesh mesh of another size than the target's: one clear error (it was
+    # jax's "incompatible devices ... jit's context mesh").
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"jax.set_mesh has 8 device.*"
+                                                           r"'h100' has 1"):
+        hlo_amp.compile(matmul, "bf16").lower(w, x, target="h100")
 
 
 def test_the_cudnn_attention_a_user_writes_compiles_for_a_gpu() -> None:
