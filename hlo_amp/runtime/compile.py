@@ -330,7 +330,10 @@ class AmpFunction:
 
     def cache_size(self) -> int:
         """How many executables are cached, one per input signature (like jax.jit's)."""
-        return (internals.jit_cache_size(self._dispatch) + len(self._cache)
+        dispatched = internals.jit_cache_size(self._dispatch)
+        if self._through_lowering:  # jax.jit counts the trace the export refused
+            dispatched = max(dispatched - 1, 0)
+        return (dispatched + len(self._cache)
                 + sum(call.inner.cache_size() for call in self._framework_calls.values()))
 
     # -- AOT --

@@ -10,13 +10,14 @@ import jax
 
 
 def leaf_signature(leaf: Any) -> Any:
-    """Shape, dtype, weak type and sharding of an array leaf; type and value of a
-    Python scalar (what a new executable is compiled for)."""
+    """Shape, dtype, weak type and sharding of an array leaf; the type of a Python
+    scalar, which jax.jit traces as a weakly typed argument (what a new executable is
+    compiled for: a new value, a NaN included, is not)."""
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
         return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)),
                 sharding)
-    return (type(leaf).__name__, leaf if isinstance(leaf, (bool, int, float, complex)) else None)
+    return (type(leaf).__name__,)
 
 
 def normalise_argnums(argnums: int | Sequence[int], count: int) -> tuple[int, ...]:

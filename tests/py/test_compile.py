@@ -442,6 +442,28 @@ def test_debug_callback_fires():
     np.testing.assert_array_equal(seen[0], out)
 
 
+def test_a_python_number_is_traced_on_the_own_cache_path_too():
+    # A host callback sends the function through hlo_amp's own cache; a Python number
+    # there is traced as jax.jit traces it: a new value (NaN included) compiles nothing
+    # new, and cache_size counts the executables as jax.jit's does.
+    seen = []
+
+    def scaled(x, w, lr):
+        jax.debug.callback(lambda v: seen.append(float(v)), lr)
+        return (x @ w) * lr
+
+    x, w = _rand(0, (4, 8)), _rand(1, (8, 3))
+    amp = hlo_amp.compile(scaled, "bf16")
+    for lr in (0.5, 0.25, float("nan"), float("nan")):
+        out = amp(x, w, lr)
+    assert amp.lowerings == 1 and amp.cache_size() == 1
+    assert seen[:2] == [0.5, 0.25] and np.isnan(seen[2:]).all()
+    assert np.isnan(out).all()
+    _close_bf16(amp(x, w, 2.0), (x @ w) * 2.0)
+    amp(x, w, 2)  # an int is another type: traced as int32, as by jax.jit
+    assert amp.lowerings == 2 and amp.cache_size() == 2
+
+
 def test_debug_print_fires(capfd):
     def fn(x):
         jax.debug.print("hlo-amp-says {}", jnp.sum(x))
