@@ -394,6 +394,8 @@ class AmpFunction:
         return self if instance is None else types.MethodType(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if jax.config.jax_disable_jit:  # as jax.jit: the Python function runs op by op
+            return self.fn(*args, **kwargs)
         style = argument_style(args, kwargs, self.filter, self._styles)
         try:
             if style != "jax":

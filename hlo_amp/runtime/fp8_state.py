@@ -210,6 +210,8 @@ class Fp8StatefulFunction:
         return self if instance is None else types.MethodType(self, instance)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if jax.config.jax_disable_jit:  # as jax.jit: op by op, the history untouched
+            return self.fn(*args, **kwargs)
         program, shapes, leaves = self._signature(args, kwargs)
         # A transformation's trace is active although no argument is a tracer where the
         # caller closes over its arrays (jax.jit(lambda: step(w, x))): the traced history

@@ -166,6 +166,21 @@ def test_a_decorated_method_is_bound_like_jax_jit(policy):
     assert Scaled.apply.__get__(None, Scaled) is Scaled.__dict__["apply"]
 
 
+@pytest.mark.parametrize("policy", ["bf16", "fp8,scaling=delayed"])
+def test_under_disable_jit_the_function_runs_op_by_op_like_jax_jit(policy):
+    seen = []
+
+    def debugged(x, w):
+        seen.append(float(x.sum()))  # a concrete value, as under jax.jit
+        return x @ w
+
+    x, w = _rand(0, (4, 8)), _rand(1, (8, 3))
+    with jax.disable_jit():
+        out = hlo_amp.compile(debugged, policy)(x, w)
+    np.testing.assert_array_equal(out, x @ w)  # f32, op by op
+    assert seen == [float(x.sum())]
+
+
 def test_a_changed_trace_context_traces_anew_like_jax_jit():
     # jax.jit keys its cache on the configuration a trace reads; a program exported
     # before it changed must not answer after.
