@@ -367,7 +367,7 @@ class Policy:
                          "fuse_attention"):
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"Unknown value {value!r} for {key} in {spec!r}; "
-                                     f"accepted: true, false")
+                                     f"accepted: true, false (or 1, 0)")
                 field_name = "include_f64" if key == "f64" else key
                 fields[field_name] = value.lower() in ("true", "1")
             else:
