@@ -59,6 +59,7 @@ from flax import nnx
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
+from benchmarks.cli_args import non_negative_int, positive_int
 from examples.models import ViT
 from hlo_amp import DynamicScalerState, dynamic_scale_value_and_grad
 
@@ -71,39 +72,62 @@ LABELS = {"f32": "f32", "bf16": "hlo_amp bf16", "f16": "hlo_amp f16",
 SCALED = frozenset({"f16", "mixed_f16"})  # trained with the dynamic loss scaler
 AUTO = "auto"  # the --autopolicy variant; main() adds it to POLICIES and LABELS
 DEFAULT_VARIANTS = ("f32", "bf16", "f16", "mixed_bf16")
+IMAGE_SIZE = 8  # the digits are 8 x 8
+TRAIN_IMAGES = 1437  # load_data's 80% of the 1797 digits
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=1000, help="train steps per variant")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=positive_int, default=1000, help="train steps per variant")
+    p.add_argument("--batch", type=positive_int, default=64,
+                   help=f"at most the {TRAIN_IMAGES} training images")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
-    p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
-    p.add_argument("--dim", type=int, default=64, help="embedding width")
-    p.add_argument("--depth", type=int, default=4, help="encoder blocks")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--mlp-dim", type=int, default=128)
-    p.add_argument("--patch", type=int, default=2)
+    p.add_argument("--warmup", type=non_negative_int, default=100, help="linear warm-up steps")
+    p.add_argument("--dim", type=positive_int, default=64, help="embedding width")
+    p.add_argument("--depth", type=positive_int, default=4, help="encoder blocks")
+    p.add_argument("--heads", type=positive_int, default=4, help="dividing --dim")
+    p.add_argument("--mlp-dim", type=positive_int, default=128)
+    p.add_argument("--patch", type=positive_int, default=2,
+                   help=f"dividing the image size, {IMAGE_SIZE}")
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=250, help="progress line every N steps")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--log-every", type=positive_int, default=250,
+                   help="progress line every N steps")
     p.add_argument("--out", type=Path, default=Path("out"), help="where artefacts go")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated subset of {','.join(LABELS)}")
     p.add_argument("--autopolicy", type=float, default=None, metavar="BUDGET",
                    help="also train the policy hlo_amp.autopolicy finds for this error "
                         "budget (max over the step's outputs of max|a-e|/max|e| vs f32)")
-    p.add_argument("--autopolicy-depth", type=int, default=2,
+    p.add_argument("--autopolicy-depth", type=positive_int, default=2,
                    help="name-stack depth of the scopes --autopolicy may keep f32")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Checked before any training: a bad value is one line (exit 2), not a traceback
+    # from the model, the data or the last step.
+    if args.batch > TRAIN_IMAGES:
+        p.error(f"--batch {args.batch} is more than the {TRAIN_IMAGES} training images")
+    if args.dim % args.heads:
+        p.error(f"--heads {args.heads} does not divide --dim {args.dim}")
+    if IMAGE_SIZE % args.patch:
+        p.error(f"--patch {args.patch} does not divide the image size {IMAGE_SIZE}")
+    if not 0 <= args.dropout < 1:
+        p.error(f"--dropout {args.dropout} is not in [0, 1)")
+    if not args.lr > 0:
+        p.error(f"--lr {args.lr} is not positive")
+    if args.autopolicy is not None and not args.autopolicy > 0:
+        p.error(f"--autopolicy {args.autopolicy} is not a positive error budget")
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} exists and is not a directory")
+    return args
 
 
 # ---- data ------------------------------------------------------------------------------
 
 
 def load_data(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """scikit-learn's bundled digits (1797 8×8 images, 0..16), 80/20 stratified split."""
+    """scikit-learn's bundled digits (1797 8×8 images, 0..16), 80/20 stratified split
+    (``TRAIN_IMAGES`` to train on)."""
     digits = load_digits()
     images = (digits.images.astype(np.float32) / 16.0)[..., None]  # (n, 8, 8, 1) in [0, 1]
     images = (images - images.mean()) / images.std()
@@ -359,7 +383,8 @@ def parse_variants(spec: str) -> list[str]:
 def run_variant(name: str, steps: int = 1000, **options: Any) -> float:
     """Train one variant (``f32``, ``bf16``, ``f16``, ``mixed_bf16``, ``mixed_f16``, ``fp8``) and
     return its test accuracy in [0, 1]; ``options`` override the other CLI defaults
-    (for example ``batch=32``, ``seed=1``, or ``log_every=10**9`` for no progress lines).
+    (for example ``batch=32``, ``seed=1``, or ``log_every=10**9`` for the last step's
+    progress line alone).
 
     Raises RuntimeError if the variant failed to compile or to run.
     """
@@ -475,6 +500,9 @@ def main(argv: list[str] | None = None) -> None:
     print("wrote:")
     for path in written:
         print(f"  {path}")
+    failed = [r.name for r in runs if r.error]
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)} (above)")
 
 
 def _json_text(value: Any) -> str:

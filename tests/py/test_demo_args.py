@@ -1,0 +1,49 @@
+"""The demo's command line (examples/vit_digits.py) refuses bad values in one line
+(argparse's exit 2) before any training: they hung (a batch larger than the training
+set), ended in a traceback after compiling, or failed every variant with exit 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from examples import vit_digits
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--batch", "5000"], "--batch 5000 is more than the 1437 training images"),  # hung
+    (["--batch", "-3"], "argument --batch: -3 is below 1"),  # hung
+    (["--batch", "0"], "argument --batch: 0 is below 1"),
+    (["--steps", "0"], "argument --steps: 0 is below 1"),
+    (["--log-every", "0"], "argument --log-every: 0 is below 1"),  # every variant failed
+    (["--heads", "3"], "--heads 3 does not divide --dim 64"),
+    (["--patch", "3"], "--patch 3 does not divide the image size 8"),
+    (["--dim", "0"], "argument --dim: 0 is below 1"),
+    (["--dropout", "1.5"], "--dropout 1.5 is not in [0, 1)"),
+    (["--autopolicy", "-1"], "--autopolicy -1.0 is not a positive error budget"),
+    (["--out", __file__], "exists and is not a directory"),  # after every training
+])
+def test_a_bad_value_is_one_line_before_training(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        vit_digits.parse_args(argv)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error and "Traceback" not in error
+
+
+def test_the_training_set_has_the_size_the_batch_check_reads() -> None:
+    x_train, x_test, _, _ = vit_digits.load_data(0)
+    assert len(x_train) == vit_digits.TRAIN_IMAGES and len(x_test) == 1797 - 1437
+    assert x_train.shape[1:3] == (vit_digits.IMAGE_SIZE, vit_digits.IMAGE_SIZE)
+
+
+def test_a_failed_variant_makes_the_demo_exit_non_zero(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # It printed FAILED in the table and exited 0.
+    def failing(name, args, data, order, measure=True):
+        return vit_digits.Run(name, error="integer modulo by zero"), None
+
+    monkeypatch.setattr(vit_digits, "train", failing)
+    with pytest.raises(SystemExit, match=r"failed: f32 \(above\)"):
+        vit_digits.main(["--variants", "f32", "--steps", "2", "--out", str(tmp_path)])
+    assert "f32: FAILED: integer modulo by zero" in capsys.readouterr().out
