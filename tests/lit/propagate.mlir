@@ -691,3 +691,23 @@ func.func private @logits_grad(%l: tensor<8x32xf32>) -> (tensor<8x32xf32>, tenso
   %d = stablehlo.add %e, %l : tensor<8x32xf32>
   return %l, %d : tensor<8x32xf32>, tensor<8x32xf32>
 }
+
+// -----
+
+// jax's gradient of maximum asks whether an operand is the result: the maximum is
+// painted (between two matrix ops) from the operand rounded, so the equality test rounds
+// it too (it compared the unrounded f32 %b with the result converted up: never equal,
+// and the gradient to %b was lost). An ordering compare still reads f32 operands.
+// CHECK-LABEL: func.func @equality_with_a_painted_result
+// CHECK:         %[[B16:.*]] = stablehlo.convert %arg2 : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         %[[M:.*]] = stablehlo.maximum %{{.*}}, %[[B16]] : tensor<2x4xbf16>
+// CHECK:         stablehlo.compare EQ, %[[B16]], %[[M]], FLOAT : (tensor<2x4xbf16>, tensor<2x4xbf16>)
+// CHECK:         stablehlo.compare GT, %{{.*}}, %{{.*}}, FLOAT : (tensor<2x4xf32>, tensor<2x4xf32>)
+func.func @equality_with_a_painted_result(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %b: tensor<2x4xf32>) -> (tensor<2x4xf32>, tensor<2x4xi1>, tensor<2x4xi1>) {
+  %d = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+  %m = stablehlo.maximum %d, %b : tensor<2x4xf32>
+  %e = stablehlo.dot_general %m, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+  %c = stablehlo.compare EQ, %b, %m, FLOAT : (tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<2x4xi1>
+  %g = stablehlo.compare GT, %b, %m, FLOAT : (tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<2x4xi1>
+  return %e, %c, %g : tensor<2x4xf32>, tensor<2x4xi1>, tensor<2x4xi1>
+}

@@ -36,7 +36,9 @@ function (``while``/``case``/``if`` bodies and calls to private functions includ
    activation gradient between two matrix ops, though it also feeds a bias gradient's
    sum; a pre-LN residual stream, though a layer norm's mean reads it; attention scores
    and their max before the softmax's exp). A compare whose float operands are all
-   16-bit is painted too. The updates of an add scatter the table keeps f32 (an
+   16-bit is painted too, and an equality test (EQ, NE) with one 16-bit operand, after
+   a deny op too: jax's gradient of maximum, minimum and clip asks whether an operand
+   is the result, which holds only between the operand rounded and the 16-bit result. The updates of an add scatter the table keeps f32 (an
    embedding's gradient) count as a 16-bit sink: the gradient reaching it is 16-bit up
    to it, as between two matrix ops, and the scatter converts it up and sums in f32
    (comm_precision then sums it in 16 bit where devices sum it and ``reduce=`` says so).

@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterator
 
 from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import element_count, from_constant
 from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
@@ -237,13 +238,23 @@ def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
             if (node.cls == CLEAR and node.eligible and not node.painted and node.readers
                     and _moves_low_matrix_result(graph, node)):
                 node.painted = True
+    equalities = set()
     for node in graph.nodes:  # compares (no float result) of 16-bit values
-        if node.eligible and not node.painted and not node.readers:
-            floats = [key for key in node.inputs if graph.f32(key[1])]
-            if (any(_is_low(graph, key) for key in floats)
-                    # a constant operand: rounding it is exact enough
-                    and all(_is_low(graph, key) or from_constant(key[1]) for key in floats)):
-                node.painted, node.reason = True, ""
+        if node.painted or node.readers:
+            continue
+        floats = [key for key in node.inputs if graph.f32(key[1])]
+        if not any(_is_low(graph, key) for key in floats):
+            continue
+        # An equality test rounds every operand, after a deny op too: jax's gradient of
+        # maximum, minimum and clip asks whether an operand is the result, and a painted
+        # result is made from the operand rounded (unrounded, it never is: that
+        # gradient was lost). Other compares: a constant operand is exact enough.
+        if (node.eligible or node.reason == _AFTER_DENY) and _tests_equality(graph, node):
+            node.painted, node.reason = True, ""
+            equalities.add(id(node))
+        elif node.eligible and all(_is_low(graph, key) or from_constant(key[1])
+                                   for key in floats):
+            node.painted, node.reason = True, ""
     # Data movement read only by painted ops moves in 16 bit too, so the convert
     # lands on its (smaller) input: a bias before its broadcast, not after; a sum's
     # broadcast too, where a value after a deny op is painted (as the pass run again
@@ -256,7 +267,9 @@ def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
     for node in graph.nodes:
         if node.painted:
             node.reason = ""
-    return {id(node) for node in graph.nodes if node.painted and id(node) in after_deny}
+    # (an equality test after a deny op stores nothing: it has no float result)
+    return {id(node) for node in graph.nodes
+            if node.painted and id(node) in after_deny and id(node) not in equalities}
 
 
 def _downstream_of_deny(graph: Graph, stored: frozenset[int]) -> set[int]:
@@ -446,6 +459,15 @@ def _is_sum(graph: Graph, reader: Node | str) -> bool:
 def _deny_class(node: Node) -> bool:
     """An op the op table (not a rule) keeps f32: it converts its own 16-bit inputs."""
     return node.cls == DENY and node.reason == DENY_CLASS
+
+
+def _tests_equality(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` is an EQ or NE compare."""
+    if node.kind != "compare":
+        return False
+    op = graph.instances[node.inst].ops[node.index]
+    return hlo.ComparisonDirectionAttr(op.attributes["comparison_direction"]).value in (
+        "EQ", "NE")
 
 
 def _is_low(graph: Graph, key: tuple[int, ir.Value]) -> bool:
