@@ -24,6 +24,18 @@ _DTYPES = {"f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": jnp.
            "i1": np.bool_}
 
 
+def _host_callback(module: Any) -> str | None:
+    """The target of a custom call into the lowering process's Python (a host callback,
+    whose handle is that process's: run elsewhere it crashes), or None."""
+    from hlo_amp.ir.modules import walk_operations
+
+    for op in walk_operations(module.operation, names=frozenset({"stablehlo.custom_call"})):
+        target = str(op.attributes["call_target_name"]).strip('"')
+        if "python" in target and "callback" in target:
+            return target
+    return None
+
+
 class ModuleFunction:
     """``main`` of a module, callable on arrays of its argument types."""
 
@@ -43,6 +55,13 @@ class ModuleFunction:
             if main is None:
                 raise ValueError("the module has no function named main; accepted: a module "
                                  "as jax.jit(f).lower(...).as_text() writes it")
+            callback = _host_callback(module)
+            if callback is not None:
+                raise ValueError(
+                    f"the module calls back into the Python process that lowered it "
+                    f"(custom_call @{callback}: jax.debug.print, pure_callback, "
+                    f"io_callback), which no other process can run; accepted: a module "
+                    f"without host callbacks")
             signature = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
             self.inputs = [_spec(t, f"argument {i}") for i, t in enumerate(signature.inputs)]
             self.outputs = [_spec(t, f"result {i}") for i, t in enumerate(signature.results)]

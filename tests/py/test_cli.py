@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from hlo_amp import cli
@@ -31,6 +32,17 @@ def _portable_artifact() -> bytes:
     exported = jax.export.export(jax.jit(lambda x, w: x @ w))(jnp.ones((2, 4)),
                                                              jnp.ones((4, 4)))
     return exported.mlir_module_serialized
+
+
+def _callback_module() -> str:
+    """A lowering with a host callback (jax.pure_callback), whose handle belongs to this
+    process."""
+    def fn(x, w):
+        h = jax.pure_callback(lambda a: np.asarray(a) * 2,
+                              jax.ShapeDtypeStruct((2, 4), jnp.float32), x @ w)
+        return h @ w
+
+    return jax.jit(fn).lower(jnp.ones((2, 4)), jnp.ones((4, 4))).as_text(debug_info=True)
 
 
 def hlo_amp_opt(*args: str | Path, stdin: str | None = None
@@ -87,6 +99,13 @@ ERRORS = {
         r'loc\.mlir: error: a location name or file is not UTF-8 \("jit\(f\)/he\\FFad'),
     # A portable artifact cut short: one line (jaxlib printed two more, and the message
     # was wrapped twice).
+    # --autopolicy runs the module: its host callback's handle crashed the process
+    # (SIGSEGV, status 139).
+    "autopolicy_host_callback": (
+        lambda d: [_write(d, "cb.mlir", _callback_module()), "--autopolicy", "--budget",
+                   "1e-2", "--xla-target", "h100"],
+        r"--autopolicy: the module calls back into the Python process that lowered it "
+        r"\(custom_call @\w*python\w*callback"),
     "truncated_portable": (
         lambda d: [_write(d, "cut.bin", _portable_artifact()[:-40])],
         r"cut\.bin: error: unreadable StableHLO portable artifact \([^(]*\)$"),
