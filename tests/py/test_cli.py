@@ -104,8 +104,8 @@ ERRORS = {
     "autopolicy_host_callback": (
         lambda d: [_write(d, "cb.mlir", _callback_module()), "--autopolicy", "--budget",
                    "1e-2", "--xla-target", "h100"],
-        r"--autopolicy: the module calls back into the Python process that lowered it "
-        r"\(custom_call @\w*python\w*callback"),
+        (r"--autopolicy: the module calls back into the Python process that lowered it "
+         r"\(custom_call @\w*python\w*callback")),
     "truncated_portable": (
         lambda d: [_write(d, "cut.bin", _portable_artifact()[:-40])],
         r"cut\.bin: error: unreadable StableHLO portable artifact \([^(]*\)$"),
