@@ -177,6 +177,16 @@ def einsum_sqrt_scale(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
+def einsum_bnth_padding(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+                        ) -> jax.Array:
+    """q, k, v as [B, N, T, H] (PyTorch ports): the kernel's batch merges B and N, and
+    a key-padding mask [B, 1, 1, S] varies along one of them only (the pass wrote a
+    bias that did not fill the merged dimension: an invalid module)."""
+    scores = jnp.einsum("bnth,bnsh->bnts", q, k) * H ** -0.5
+    scores = jnp.where(mask, scores, -1e9)
+    return jnp.einsum("bnts,bnsh->bnth", jax.nn.softmax(scores, axis=-1), v)
+
+
 def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
     """name -> (function, arguments): every way of writing attention the tests run."""
     q, k, v = _qkv()
@@ -192,6 +202,9 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "llm_scan_remat": llm_step(Llm(scan=True, remat=True)),
         "equinox_no_mask": equinox_program(),
         "einsum_sqrt_scale": (_grad_of(einsum_sqrt_scale), (q_mha, k_mha, v_mha)),
+        "einsum_bnth_padding": (_grad_of(einsum_bnth_padding),
+                                (*(jnp.swapaxes(a, 1, 2) for a in (q_mha, k_mha, v_mha)),
+                                 padding_mask())),
     }
     for wrap in WRAPS:
         found[f"dpa_{wrap}"] = dpa_program(wrap)

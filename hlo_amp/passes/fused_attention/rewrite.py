@@ -153,8 +153,14 @@ class _Builder:
         sizes = match.sizes
         varying = {r for _value, roles in match.mask_leaves for r in roles if r is not None}
         order = [*layout.batch, *layout.heads, *layout.groups, layout.t, S_ROLE]
-        expanded = [sizes[r] if r in varying or r in (layout.t, S_ROLE) else 1
-                    for r in order]
+        # Full along a whole kernel dimension (B, or N: heads and groups) where the mask
+        # varies along any program dimension merged into it, as bias_shape_of says: the
+        # reshape to ``shape4`` merges them (one role broadcast alone did not fill it).
+        full = {layout.t, S_ROLE}
+        for group in (tuple(layout.batch), (*layout.heads, *layout.groups)):
+            if varying & set(group):
+                full |= set(group)
+        expanded = [sizes[r] if r in full else 1 for r in order]
         boolean = ir.IntegerType.get_signless(1)
         combined = None
         for value, roles in match.mask_leaves:
