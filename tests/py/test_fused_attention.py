@@ -206,6 +206,22 @@ def test_not_for_a_mask_other_than_causal_or_boolean() -> None:
     assert "not causal" in _reasons(windowed, QKV, "bf16", "h100")[0]
 
 
+@pytest.mark.parametrize(("fill", "scale_after"), [(-1e4, 1e-4), (-1e9, -1.0)])
+def test_not_where_a_scale_after_the_mask_undoes_its_fill(fill, scale_after) -> None:
+    """The softmax reads the fill times the scales after the select: -1e4 * 1e-4 is -1
+    and -1e9 * -1 is +1e9, no mask at all (it was fused as causal: the kernel's output
+    differed from the program's by 565%)."""
+    causal = jnp.tril(jnp.ones((programs.T, programs.T), bool))
+
+    def masked_then_scaled(q, k, v):
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k)
+        scores = jnp.where(causal, scores, fill) * scale_after
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
+
+    reasons = _reasons(masked_then_scaled, QKV, "bf16", "h100")
+    assert reasons and "a mask's fill) where the softmax reads it" in reasons[0]
+
+
 def test_not_for_a_head_dimension_cudnn_does_not_take() -> None:
     q = jnp.ones((2, 16, 4, 12))
     assert "head dimension 12" in _reasons(_attend, (q, q, q), "bf16", "h100")[0]

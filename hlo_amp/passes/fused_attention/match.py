@@ -284,9 +284,13 @@ class _Site(MaskReading, ExitReading):
                 continue
             if name == "stablehlo.select" and chain and chain[0] in (1, 2) and len(chain) == 1:
                 fill = splat_value(self.view, operands[3 - chain[0]], stack)
-                if fill is None or fill > MASK_FILL:
+                # What the softmax sees is the fill times the scales after the select
+                # (``scale`` so far: the walk goes back from the exp): where(m, s, -1e4)
+                # * 1e-4 masks nothing (-1), nor does a negative scale (+1e9).
+                if fill is None or fill * scale > MASK_FILL:
                     raise NotFused("the scores are selected against a value that is not a "
-                                   "large negative constant (a mask's fill)")
+                                   "large negative constant (a mask's fill) where the "
+                                   "softmax reads it")
                 masks.append((operands[0], stack, chain[0] == 2, op))
                 value = operands[chain[0]]
                 continue
