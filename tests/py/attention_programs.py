@@ -187,6 +187,16 @@ def einsum_bnth_padding(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     return jnp.einsum("bnts,bnsh->bnth", jax.nn.softmax(scores, axis=-1), v)
 
 
+def einsum_broadcast_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """A causal mask made with a heads axis it is the same along ([1, N, T, T], as
+    nnx.make_causal_mask's batch axis): it was refused as 'a constant mask that varies
+    along the batch or heads'."""
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (1, N, T, T))
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5
+    scores = jnp.where(causal, scores, -1e9)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
+
+
 def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
     """name -> (function, arguments): every way of writing attention the tests run."""
     q, k, v = _qkv()
@@ -202,6 +212,7 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "llm_scan_remat": llm_step(Llm(scan=True, remat=True)),
         "equinox_no_mask": equinox_program(),
         "einsum_sqrt_scale": (_grad_of(einsum_sqrt_scale), (q_mha, k_mha, v_mha)),
+        "einsum_broadcast_causal": (_grad_of(einsum_broadcast_causal), (q_mha, k_mha, v_mha)),
         "einsum_bnth_padding": (_grad_of(einsum_bnth_padding),
                                 (*(jnp.swapaxes(a, 1, 2) for a in (q_mha, k_mha, v_mha)),
                                  padding_mask())),

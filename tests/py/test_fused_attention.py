@@ -222,6 +222,14 @@ def test_not_where_a_scale_after_the_mask_undoes_its_fill(fill, scale_after) -> 
     assert reasons and "a mask's fill) where the softmax reads it" in reasons[0]
 
 
+def test_a_causal_mask_over_queries_and_keys_of_different_lengths_is_named() -> None:
+    # It said "a constant mask that is not causal".
+    q = jnp.ones((2, 16, 4, 8))
+    kv = jnp.ones((2, 32, 4, 8))
+    assert _reasons(_attend, (q, kv, kv), "bf16", "h100") == [
+        "a causal mask over queries and keys of different lengths"]
+
+
 def test_not_for_a_head_dimension_cudnn_does_not_take() -> None:
     q = jnp.ones((2, 16, 4, 12))
     assert "head dimension 12" in _reasons(_attend, (q, q, q), "bf16", "h100")[0]

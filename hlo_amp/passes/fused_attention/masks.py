@@ -58,11 +58,20 @@ class MaskReading:
             if folded.array.dtype != bool:
                 raise NotFused("the mask is not boolean")
             if not folded.array.all():
+                array = folded.array
                 select_dims = [dims[a] for a in folded.axes]
-                if None in select_dims and folded.array.size > 1:
+                # A batch or head axis the mask is the same along says nothing (a causal
+                # mask broadcast to [1, N, T, S], nnx.make_causal_mask's [B, 1, T, T]).
+                for i in reversed(range(array.ndim)):
+                    if (select_dims[i] is not None and roles[select_dims[i]][0] == "B"
+                            and array.shape[i] > 1
+                            and (array == array.take([0], axis=i)).all()):
+                        array = array.take(0, axis=i)
+                        del select_dims[i]
+                if None in select_dims and array.size > 1:
                     raise NotFused("the mask varies along a dimension the scores lack")
                 keep = [i for i, d in enumerate(select_dims) if d is not None]
-                array = folded.array.reshape([folded.array.shape[i] for i in keep])
+                array = array.reshape([array.shape[i] for i in keep])
                 constant.append((array, [select_dims[i] for i in keep], roles))
             return
         op, value, stack = self.view.producer(value, stack)
@@ -126,6 +135,8 @@ class MaskReading:
         if axis_roles.index(t_role) != 0:
             array = array.T
         t, s = array.shape
+        if t != s and np.array_equal(array, np.tri(t, s, dtype=bool)):
+            raise NotFused("a causal mask over queries and keys of different lengths")
         if t != s or not np.array_equal(array, np.tri(t, s, dtype=bool)):
             raise NotFused("a constant mask that is not causal (cuDNN takes causal or a "
                            "bias)")
