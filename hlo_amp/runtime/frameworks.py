@@ -279,6 +279,11 @@ def _unwrap_eqx(wrapped: Any, name: str) -> JitDecorator:
 
 def _unwrap_jax(jitted: Any, name: str) -> JitDecorator | None:
     info = _jit_info(jitted)
+    options = getattr(info, "compiler_options_kvs", ())
+    if options:  # jax takes them on a top-level jit only: not nested, not carried
+        raise _replace_decorator(name, "jax.jit", f"which was given compiler_options="
+                                 f"{dict(options)!r}, which jax applies to a top-level "
+                                 "jit only")
     # Shardings and the options hlo_amp.compile lacks apply where the jitted function
     # is called nested, as an inner jit; its static and donated arguments only at the
     # top: they are carried over either way (an inner jit would meet a tracer for a

@@ -717,6 +717,12 @@ class _Config:
      ["@nnx.jit", "in_shardings=(None,)", "replace @nnx.jit with @hlo_amp.compile"]),
     (lambda: hlo_amp.compile(eqx.filter_jit(lambda w: X @ w, keep_unused=True), "bf16"),
      ["@eqx.filter_jit", "keep_unused=True", "replace @eqx.filter_jit with @hlo_amp"]),
+    # jax takes compiler_options on a top-level jit only: compiled nested, it raised
+    # jax's "compiler_options can only be passed to top-level jax.jit" from inside.
+    (lambda: hlo_amp.compile(jax.jit(lambda w: X @ w, compiler_options={
+        "xla_embed_ir_in_executable": True}), "bf16")(W),
+     ["@jax.jit", "compiler_options={'xla_embed_ir_in_executable': True}",
+      "replace @jax.jit with @hlo_amp"]),
 ])
 def test_an_argument_it_cannot_take_gets_one_message_naming_it(call, words):
     with pytest.raises(TypeError) as error:
