@@ -20,7 +20,13 @@ Each entry and why we need it:
   ``interpreters.batching.fancy_primitive_batchers`` and ``interpreters.mlir``
   (``register_lowering``, ``lower_fun``): how a rewritten program composes with
   ``vmap``, ``jvp``, ``linearize`` and ``grad``.
-
+- ``core.eval_jaxpr``: a function that closes over an outer trace's values runs as
+  its jaxpr with those values as arguments (runtime/compile.py).
+- ``config.trace_context`` and ``trace_context_names``: ``program_context``, the
+  configuration a trace reads (x64, default matmul precision), in the export and
+  measurement cache keys as in jax.jit's.
+- ``api_util.infer_argnums_and_argnames``: static arguments by position and by name
+  complete each other as under jax.jit (``AmpFunction``).
 - ``source_info_util._source_info_context`` and ``new_source_info``: ``fresh_source_info``, so
   that a program exported inside a transformation's rule (``jax.grad`` of a compiled
   function) keeps its ops' own source lines (runtime/compile.py ``export_program``).
@@ -55,6 +61,7 @@ a missing entry of either list into one clear error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 from collections.abc import Iterator
@@ -172,7 +179,14 @@ def program_context() -> tuple:
         return values
     if len(names) != len(values):
         return values
-    return tuple(value for name, value in zip(names, values)
+    return tuple(values[i] for i in _program_positions(names))
+
+
+@functools.lru_cache(maxsize=8)
+def _program_positions(names: tuple[str, ...]) -> tuple[int, ...]:
+    """The positions ``program_context`` keeps, read once per set of names (it runs on
+    every call of a function hlo_amp dispatches from its own cache)."""
+    return tuple(i for i, name in enumerate(names)
                  if not name.endswith("_context_manager") and name != "user_context")
 
 

@@ -463,6 +463,11 @@ def callee_name(call: object) -> str:
     return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
 
 
+def call_target(custom_call: object) -> str:
+    """A ``stablehlo.custom_call``'s target (``__cudnn$fmhaSoftmax``)."""
+    return ir.StringAttr(custom_call.attributes["call_target_name"]).value
+
+
 def is_call(op: object) -> bool:
     return isinstance(op, func_dialect.CallOp) or op.operation.name == "func.call"
 

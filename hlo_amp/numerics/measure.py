@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hlo_amp import jax_internals as internals
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
 from hlo_amp.report import Report, is_narrow
 from hlo_amp.runtime.compile import (
@@ -104,8 +105,9 @@ _LOWERINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _lowering(fn: Callable[..., Any], args: tuple) -> _Lowering:
     """The cached lowering of ``fn`` for ``args``' signature."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
+    # The trace context as hlo_amp.compile keys its exports (x64, matmul precision).
     key = (treedef, tuple(leaf_signature(leaf) for leaf in leaves),
-           bool(jax.config.jax_enable_x64))
+           internals.program_context())
     try:
         per_fn = _LOWERINGS.setdefault(fn, {})
     except TypeError:  # not weak-referenceable: no cache across calls

@@ -52,6 +52,7 @@ from hlo_amp.ir.loops import (
 )
 from hlo_amp.ir.modules import (
     call_sites,
+    call_target,
     callee_entry,
     callee_name,
     erase_discarded,
@@ -364,7 +365,7 @@ def _attention_output(op: ir.Operation, number: int) -> bool:
     checkpointed forward's does not) or not."""
     if op.name != "stablehlo.custom_call" or number != 0:
         return False
-    target = ir.StringAttr(op.attributes["call_target_name"]).value
+    target = call_target(op)
     return (target.startswith(_ATTENTION_CALL) and "Backward" not in target
             and "Dropout" not in target)
 

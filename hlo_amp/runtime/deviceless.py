@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from hlo_amp.jax_internals import cudnn_checks_answered
+from hlo_amp.runtime.frameworks import jit_info
 from hlo_amp.targets import Target, device_target
 from hlo_amp.targets.attention_kernels import DEVICELESS_CUDNN
 from hlo_amp.targets.topology import NoCompilerForTarget
@@ -141,8 +142,7 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target) -> 
 
 def _has_in_shardings(jitted: Any) -> bool:
     """Whether the ``jax.jit`` function was given ``in_shardings``."""
-    info = getattr(jitted, "_jit_info", None)
-    return bool(getattr(info, "user_specified_in_shardings", False))
+    return bool(getattr(jit_info(jitted), "user_specified_in_shardings", False))
 
 
 def compile_for_target(jitted: Any, *args: Any, target: str | Target = "h100",

@@ -184,12 +184,12 @@ def unwrap_jit(fn: Any, name: str) -> JitDecorator | None:
         return _unwrap_eqx(fn, name)
     # By type, not by attributes: functools.wraps copies a jitted function's attributes
     # onto a user's wrapper, whose own code must run.
-    if type(fn).__name__ == "PjitFunction" and _jit_info(fn) is not None:
+    if type(fn).__name__ == "PjitFunction" and jit_info(fn) is not None:
         return _unwrap_jax(fn, name)
     return None
 
 
-def _jit_info(jitted: Any) -> Any:
+def jit_info(jitted: Any) -> Any:
     """The options a ``jax.jit`` function was made with, or None.
 
     ``_jit_info`` is JAX's own record of them (``jax._src.pjit``), not public API: where a
@@ -236,7 +236,7 @@ def _positional_donations(info: Any, decorator: str, name: str) -> tuple[int, ..
 
 
 def _unwrap_nnx(wrapped: Any, name: str) -> JitDecorator:
-    info = _jit_info(getattr(wrapped, "jitted_fn", None))
+    info = jit_info(getattr(wrapped, "jitted_fn", None))
     fn = getattr(wrapped, "fun", None)
     if info is None or not callable(fn):
         raise _replace_decorator(name, "nnx.jit",
@@ -258,7 +258,7 @@ def _unwrap_nnx(wrapped: Any, name: str) -> JitDecorator:
 
 
 def _unwrap_eqx(wrapped: Any, name: str) -> JitDecorator:
-    info = _jit_info(getattr(wrapped, "_cached", None))
+    info = jit_info(getattr(wrapped, "_cached", None))
     fn = getattr(wrapped, "__wrapped__", None)
     if info is None or not callable(fn) or not hasattr(wrapped, "donate_first"):
         raise _replace_decorator(name, "eqx.filter_jit",
@@ -278,7 +278,7 @@ def _unwrap_eqx(wrapped: Any, name: str) -> JitDecorator:
 
 
 def _unwrap_jax(jitted: Any, name: str) -> JitDecorator | None:
-    info = _jit_info(jitted)
+    info = jit_info(jitted)
     options = getattr(info, "compiler_options_kvs", ())
     if options:  # jax takes them on a top-level jit only: not nested, not carried
         raise _replace_decorator(name, "jax.jit", f"which was given compiler_options="

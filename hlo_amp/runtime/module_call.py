@@ -27,10 +27,10 @@ _DTYPES = {"f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": jnp.
 def _host_callback(module: Any) -> str | None:
     """The target of a custom call into the lowering process's Python (a host callback,
     whose handle is that process's: run elsewhere it crashes), or None."""
-    from hlo_amp.ir.modules import walk_operations
+    from hlo_amp.ir.modules import call_target, walk_operations
 
     for op in walk_operations(module.operation, names=frozenset({"stablehlo.custom_call"})):
-        target = str(op.attributes["call_target_name"]).strip('"')
+        target = call_target(op)
         if "python" in target and "callback" in target:
             return target
     return None

@@ -10,7 +10,14 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import discard, element_type, live_uses, walk_operations, with_element
+from hlo_amp.ir.modules import (
+    call_target,
+    discard,
+    element_type,
+    live_uses,
+    walk_operations,
+    with_element,
+)
 
 # Ops that only move or replicate the elements of their first operand (the others, if
 # any, are integer indices): one result of the first operand's element type, no smaller
@@ -34,8 +41,7 @@ def _is_mover(op: ir.Operation) -> bool:
     if any(isinstance(element_type(index), ir.FloatType) for index in op.operands[1:]):
         return False  # a second float operand (a padding value): not one value moved
     if op.name == "stablehlo.custom_call":
-        target = op.attributes["call_target_name"]
-        return ir.StringAttr(target).value in _MOVER_CALLS
+        return call_target(op) in _MOVER_CALLS
     return True
 
 

@@ -135,9 +135,10 @@ class MaskReading:
         if axis_roles.index(t_role) != 0:
             array = array.T
         t, s = array.shape
-        if t != s and np.array_equal(array, np.tri(t, s, dtype=bool)):
+        lower_triangle = np.array_equal(array, np.tri(t, s, dtype=bool))
+        if lower_triangle and t != s:
             raise NotFused("a causal mask over queries and keys of different lengths")
-        if t != s or not np.array_equal(array, np.tri(t, s, dtype=bool)):
+        if not lower_triangle or t != s:
             raise NotFused("a constant mask that is not causal (cuDNN takes causal or a "
                            "bias)")
         return True
