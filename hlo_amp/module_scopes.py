@@ -13,9 +13,10 @@ patched alone). The wrapper scopes a call if its instance is in the model. Both 
 rebuild modules inside transformations (``nnx.merge``, ``nnx.jit``, ``eqx.filter_jit``,
 ``nnx.scan``), so paths are keyed by instance and recomputed from whichever instance of the
 model's class is called: a call of the root walks that instance's submodules. A module
-rebuilt inside a call (a scan over stacked layers, a remat) is matched by its structure to
-the module of the model below the calling module that it was made from, and gets its path
-(``blocks/attn`` for a stack: one path for every layer, as the scan body is traced once).
+rebuilt inside a call (a scan over stacked layers, a remat) is matched by its structure, and
+among look-alikes by its arrays' shapes, to the module of the model below the calling module
+that it was made from, and gets its path (``blocks/attn`` for a stack: one path for every
+layer, as the scan body is traced once).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class _Frame:
     model: bool  # the root is the model (or a copy of it), not a stacked layer
     paths: dict[int, Path] = field(default_factory=dict)
     modules: list[tuple[Path, Any]] = field(default_factory=list)  # keeps the ids alive
-    _by_signature: dict[tuple, list[Path]] | None = None
+    _by_signature: dict[tuple, list[tuple[Path, Any]]] | None = None
 
     @classmethod
     def of(cls, kind: str, root: Any, base: Path, *, model: bool,
@@ -152,20 +153,59 @@ class _Frame:
             paths.setdefault(id(module), path)  # a shared Equinox module keeps its first path
         return cls(kind, root, base, model, paths, modules)
 
-    def like(self, signature: tuple) -> list[Path]:
-        """Absolute paths of this frame's modules with ``signature``."""
+    def like(self, signature: tuple, shapes: dict[Path, tuple[int, ...]]) -> list[Path]:
+        """Absolute paths of this frame's modules with ``signature``; of several, those
+        whose arrays have ``shapes`` or are stacks of them (a scan's layer)."""
         if self._by_signature is None:
             self._by_signature = {}
             for path, module in self.modules:
                 below = [(p[len(path):], m) for p, m in self.modules if p[:len(path)] == path]
-                self._by_signature.setdefault(_signature(module, below), []).append(path)
-        return [self.base + p for p in self._by_signature.get(signature, [])]
+                self._by_signature.setdefault(_signature(module, below), []).append(
+                    (path, module))
+        found = self._by_signature.get(signature, [])
+        if len(found) > 1:  # look-alikes of other sizes (an encoder's and a decoder's MLP)
+            fitting = [(p, m) for p, m in found if _fits(shapes, _shapes(self.kind, m))]
+            found = fitting or found
+        return [self.base + p for p, _ in found]
 
 
 def _signature(module: Any, below: list[tuple[Path, Any]]) -> tuple:
     """The module's class and its submodules' relative paths and classes."""
     return type(module), tuple(sorted((path, type(m).__module__, type(m).__qualname__)
                                       for path, m in below))
+
+
+def _shapes(kind: str, module: Any) -> dict[Path, tuple[int, ...]]:
+    """The shape of each array the module holds, by its path in the module."""
+    if kind == "nnx":
+        from flax import nnx
+
+        tree = nnx.state(module)
+    else:
+        import equinox as eqx
+
+        tree = eqx.filter(module, eqx.is_array)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {tuple(_segment(k) for k in path): tuple(getattr(leaf, "shape", ()))
+            for path, leaf in leaves}
+
+
+def _fits(shapes: dict[Path, tuple[int, ...]], model: dict[Path, tuple[int, ...]]) -> bool:
+    """Whether arrays of ``shapes`` can be ``model``'s own or one layer of its stack: the same
+    shapes, or each with one axis fewer (the scanned one, the same for every array)."""
+    if shapes.keys() != model.keys():
+        return False
+    if all(shapes[k] == model[k] for k in shapes):
+        return True
+    axes = None
+    for key, shape in shapes.items():
+        full = model[key]
+        fit = ({i for i in range(len(full)) if full[:i] + full[i + 1:] == shape}
+               if len(full) == len(shape) + 1 else set())
+        axes = fit if axes is None else axes & fit
+        if not axes:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -197,8 +237,9 @@ def _locate(state: _State, module: Any) -> tuple[Path | None, _Frame | None]:
         return state.path, _Frame.of(kind, module, state.path, model=True)
     own = _submodules(kind, module)
     signature = _signature(module, own)
+    shapes = _shapes(kind, module)
     for frame in reversed(frames):
-        candidates = frame.like(signature)
+        candidates = frame.like(signature, shapes)
         if not candidates:
             continue
         # A layer that a scan or vmap slices lies below the module whose call runs it.

@@ -282,6 +282,52 @@ def test_nnx_remat_copies_of_a_block(inside: bool) -> None:
     assert _forward_scopes(hlo_amp.module_scopes(model)(step), *args) == want | {"heads/cls"}
 
 
+class NnxProj(nnx.Module):
+    def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
+        self.fc = nnx.Linear(din, dout, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.gelu(self.fc(x))
+
+
+class NnxLookAlikes(nnx.Module):
+    """Modules of one class and structure but other sizes, copied by transformations the
+    root applies: nnx.remat of an encoder and a decoder, nnx.scan of a stack."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.enc = NnxProj(D, H, rngs)
+        self.dec = NnxProj(H, D, rngs)
+
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs: nnx.Rngs) -> NnxProj:
+            return NnxProj(D, D, rngs)
+
+        self.stack = make(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.remat(lambda m, x: m(x))(self.dec, nnx.remat(lambda m, x: m(x))(self.enc, x))
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x: jax.Array, layer: NnxProj) -> jax.Array:
+            return layer(x)
+
+        return run(x, self.stack)
+
+
+def test_nnx_look_alikes_of_other_sizes_keep_their_paths() -> None:
+    """A copy matches the one module of its structure whose arrays have its shapes (or
+    stack them): before, the three look-alikes' copies all lost their segment."""
+    model = NnxLookAlikes(nnx.Rngs(0))
+    step, args = _nnx_step(model)
+    scoped = hlo_amp.module_scopes(model)(step)
+    assert _forward_scopes(scoped, *args) == {"enc/fc", "dec/fc", "stack/fc"}
+    decisions = _decisions(scoped, "bf16,scope:dec=float32", *args)
+    mine = [d for d in decisions if _under(d.scope, "dec")]
+    assert mine and all(not d.low_precision for d in mine)
+    assert all(d.low_precision for d in decisions if d not in mine)
+
+
 def test_nnx_no_scopes_or_patches_after_exit() -> None:
     model = NnxModel(nnx.Rngs(0))
     step, args = _nnx_step(model)
@@ -454,6 +500,36 @@ def test_equinox_scan_and_filter_vmap_over_stacked_layers() -> None:
         assert _forward_scopes(ensemble, model, X) == {
             "blocks/attn", "blocks/attn/q/eqx.nn.Linear", "blocks/attn/k/eqx.nn.Linear",
             "blocks/mlp/fc1/eqx.nn.Linear", "blocks/mlp/fc2/eqx.nn.Linear"}
+
+
+class EqxProj(eqx.Module):
+    fc: eqx.nn.Linear
+
+    def __init__(self, din: int, dout: int, key: jax.Array):
+        self.fc = eqx.nn.Linear(din, dout, key=key)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.gelu(jax.vmap(self.fc)(x))
+
+
+class EqxLookAlikes(eqx.Module):
+    enc: EqxProj
+    dec: EqxProj
+
+    def __init__(self, key: jax.Array):
+        ke, kd = jax.random.split(key)
+        self.enc, self.dec = EqxProj(D, H, ke), EqxProj(H, D, kd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        run = eqx.filter_checkpoint(lambda m, x: m(x))
+        return run(self.dec, run(self.enc, x))
+
+
+def test_equinox_look_alikes_of_other_sizes_keep_their_paths() -> None:
+    model = EqxLookAlikes(jax.random.PRNGKey(0))
+    scoped = hlo_amp.module_scopes(model)(_eqx_step)
+    assert _forward_scopes(scoped, model, X) == {"enc/fc/eqx.nn.Linear",
+                                                 "dec/fc/eqx.nn.Linear"}
 
 
 def test_equinox_no_scopes_or_patches_after_exit() -> None:
