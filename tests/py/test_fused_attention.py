@@ -358,3 +358,62 @@ def test_dropout_on_the_probabilities_is_named() -> None:
     report = step.lower(layer, jnp.ones((2, 16, 32)), target="h100").report()
     assert [s.reason for s in report.attention] == [
         "dropout on the probabilities (cuDNN's dropout draws its own random numbers)"]
+
+
+def _scores(q, k):
+    return jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
+
+
+def _dropout_forward(q, k, v):
+    probs = jax.nn.softmax(_scores(q, k), axis=-1)
+    keep = jax.random.bernoulli(jax.random.key(0), 0.9, probs.shape)
+    return jnp.einsum("bnts,bsnh->btnh", jnp.where(keep, probs / 0.9, 0), v)
+
+
+def _softmax_where(q, k, v):
+    causal = jnp.tril(jnp.ones((programs.T, programs.T), bool))
+    probs = jax.nn.softmax(_scores(q, k), axis=-1, where=causal)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def _plain(q, k, v):
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(_scores(q, k), axis=-1), v)
+
+
+@pytest.mark.parametrize(("fn", "reason", "direction"), [
+    (_dropout_forward, "dropout on the probabilities", "forward"),
+    (programs._grad_of(_dropout_forward), "dropout on the probabilities", "backward"),
+    (_softmax_where, "softmax(where=) masks the softmax's sum", "forward"),
+    (programs._grad_of(_softmax_where), "softmax(where=) masks the softmax's sum", "backward"),
+    (programs._grad_of(jax.checkpoint(_plain, policy=jax.checkpoint_policies.dots_saveable)),
+     "the scores are saved for the backward pass", "forward and backward"),
+], ids=["dropout_forward", "dropout_training", "softmax_where", "softmax_where_training",
+        "dots_saveable"])
+def test_sites_left_unfused_are_listed_with_their_reason(fn, reason, direction) -> None:
+    """Each is an attention the kernel cannot take; the report lists it, with why and the
+    pass it is in (these were missing from the report, and a refused training step's
+    site said "forward")."""
+    sites = hlo_amp.compile(fn, "bf16").lower(*QKV, target="h100").report().attention
+    assert [(s.fused, s.direction) for s in sites] == [(False, direction)], sites
+    assert sites[0].reason.startswith(reason)
+
+
+def test_a_checkpoint_policy_saving_no_scores_fuses() -> None:
+    policy = jax.checkpoint_policies.nothing_saveable
+    fn = programs._grad_of(jax.checkpoint(_plain, policy=policy))
+    sites = hlo_amp.compile(fn, "bf16").lower(*QKV, target="h100").report().attention
+    assert [s.fused for s in sites] == [True]
+
+
+def test_a_softmax_classifier_is_no_attention_site() -> None:
+    """A softmax cross-entropy's gradient reads the softmax with matrix ops too, and draws
+    its dropout from random bits: it is not listed."""
+    def loss(w, x, labels):
+        keep = jax.random.bernoulli(jax.random.key(1), 0.9, x.shape)
+        logits = jnp.where(keep, x / 0.9, 0) @ w
+        probs = jax.nn.softmax(logits, axis=-1)
+        return -jnp.mean(jnp.log(jnp.take_along_axis(probs, labels[:, None], axis=-1)))
+
+    args = (jnp.ones((32, 10)), jnp.ones((8, 32)), jnp.arange(8) % 10)
+    lowered = hlo_amp.compile(jax.grad(loss), "bf16").lower(*args, target="h100")
+    assert lowered.report().attention == []

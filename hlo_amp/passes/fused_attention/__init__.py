@@ -118,7 +118,8 @@ class FusedAttention:
         except NotFused as error:
             if not error.attention:
                 return None
-            return _entry(op, site, fn_name, None, False, error.reason), None, None
+            return (replace(_entry(op, site, fn_name, None, False, error.reason),
+                            direction=error.direction or "forward"), None, None)
         except Exception as error:  # noqa: BLE001 - matching only reads the module
             # A form the matcher does not know must not cost the user the compile: the
             # site stays as written and the report says why (a rewrite's error still

@@ -11,6 +11,7 @@ from jaxlib.mlir import ir
 from hlo_amp.ir.sites import location_name
 from hlo_amp.passes.fused_attention.calls import Stack
 from hlo_amp.passes.fused_attention.roles import (
+    DROPOUT,
     H_ROLE,
     HV_ROLE,
     S_ROLE,
@@ -55,8 +56,7 @@ class ExitReading:
                 raise NotFused("a matrix op reads the probabilities along other dimensions")
             if kind in found:
                 if self._reads_random_bits():
-                    raise NotFused("dropout on the probabilities (cuDNN's dropout draws its "
-                                   "own random numbers)")
+                    raise NotFused(DROPOUT)
                 raise NotFused(f"two matrix ops read the attention as its {kind}")
             found[kind] = (op, number)
         return found
@@ -148,9 +148,37 @@ class ExitReading:
     def _reads_random_bits(self) -> bool:
         """Whether a cluster op reads a value made from random bits (a dropout mask:
         jax names those ops ``random_bits``, ``threefry2x32``, ``bernoulli``)."""
+        return self._from_random_bits([(value, stack) for op, stack in self.ops.values()
+                                       for value in op.operands
+                                       if not self.in_cluster(value, stack)])
+
+    def _dropped_out(self, value: ir.Value, p_like: set) -> bool:
+        """Whether the exit operand ``value`` is P after dropout: selected or multiplied
+        with a random mask (and scaled, converted, transposed) on its way from P."""
+        stack: Stack = ()
+        random = False
+        for _step in range(8):
+            if self.canon(value, stack) in p_like:
+                return random
+            op, value, stack = self.view.producer(value, stack)
+            if op is None:
+                return False
+            chain = [v for v in op.operands if self.in_cluster(v, stack)]
+            if len(chain) != 1:
+                return False
+            others = [(v, stack) for v in op.operands if not self.in_cluster(v, stack)]
+            if op.name in ("stablehlo.select", "stablehlo.multiply"):
+                random = random or self._from_random_bits(others)
+            elif op.name not in ("stablehlo.divide", "stablehlo.convert",
+                                 "stablehlo.transpose", "stablehlo.reshape"):
+                return False
+            value = chain[0]
+        return False
+
+    def _from_random_bits(self, values: list[tuple[ir.Value, Stack]]) -> bool:
+        """Whether any of ``values`` is computed from random bits."""
         seen: set[tuple[object, Stack]] = set()
-        pending = [(value, stack) for op, stack in self.ops.values()
-                   for value in op.operands if not self.in_cluster(value, stack)]
+        pending = list(values)
         while pending and len(seen) < 400:
             current, at = pending.pop()
             producer, made, at = self.view.producer(current, at)

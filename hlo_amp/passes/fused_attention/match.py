@@ -41,6 +41,7 @@ from hlo_amp.passes.fused_attention.constants import splat_value
 from hlo_amp.passes.fused_attention.exits import ExitReading
 from hlo_amp.passes.fused_attention.masks import MaskReading
 from hlo_amp.passes.fused_attention.roles import (
+    DROPOUT,
     ELEMENTWISE,
     H_ROLE,
     S_ROLE,
@@ -84,6 +85,9 @@ class _Site(MaskReading, ExitReading):
         self.exits: list[tuple[ir.Operation, int]] = []
         self.escapes: list[str] = []
         self.role_error: NotFused | None = None
+        # softmax(where=): the divide's sum reads select(where, exp, 0), and P is zeroed
+        # where masked; read as a softmax so the site is found, then refused.
+        self.masked_sum = False
         self._canon: dict[tuple[ir.Value, Stack], tuple[ir.Value, Stack]] = {}
 
     # -- the cluster ----------------------------------------------------------------------
@@ -190,6 +194,13 @@ class _Site(MaskReading, ExitReading):
         axis; NotFused (no attention) without them."""
         exps = [(op, st) for op, st in self.ops.values() if op.name == "stablehlo.exponential"]
         if not exps:
+            if self._softmax_past_a_barrier():
+                saved = NotFused("the scores are saved for the backward pass (a jax.checkpoint "
+                               "policy that saves matrix ops' results, such as dots_saveable, "
+                               "keeps them; one that does not, such as nothing_saveable, "
+                               "fuses)")
+                saved.direction = "forward and backward"  # saved for a backward pass
+                raise saved
             raise NotFused("no softmax", attention=False)
         if len(exps) > 1:
             raise NotFused("more than one exponential follows the scores", attention=False)
@@ -233,15 +244,50 @@ class _Site(MaskReading, ExitReading):
                 producer, _, p_stack = self.view.producer(producer.operands[0], p_stack)
             if producer is None or producer.name != "stablehlo.reduce":
                 continue
-            if self._strip(producer.operands[0], p_stack) != e:
+            summed = self._strip(producer.operands[0], p_stack)
+            masked = summed != e and self._zeroed(*summed) == e
+            if summed != e and not masked:
                 continue
             if not _is_sum(producer):
                 continue
             dims = list(ir.DenseI64ArrayAttr(producer.attributes["dimensions"]))
             if len(dims) != 1:
                 continue
+            self.masked_sum = masked
             return op, dims[0]
         return None
+
+    def _zeroed(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack] | None:
+        """``x`` (before converts) where ``value`` is ``select(m, x, 0)``, else None."""
+        op, _, stack = self.view.producer(value, stack)
+        if op is None or op.name != "stablehlo.select":
+            return None
+        if splat_value(self.view, op.operands[2], stack) != 0:
+            return None
+        return self._strip(op.operands[1], stack)
+
+    def _softmax_past_a_barrier(self) -> bool:
+        """Whether the scores reach an exponential through an ``optimization_barrier``
+        (jax.checkpoint saving them: a remat policy's saved residuals pass one)."""
+        pending = [(self.scores.results[0], (), False)]
+        seen: set[tuple[ir.Value, Stack]] = set()
+        while pending and len(seen) < 64:
+            value, stack, crossed = pending.pop()
+            for reader, number, at in self.view.readers(value, stack):
+                name = reader.name
+                if name == "stablehlo.exponential" and crossed:
+                    return True
+                if name == "stablehlo.optimization_barrier":
+                    follow, past = [reader.results[number]], True
+                elif name in CLUSTER_OPS or name == "stablehlo.reduce_precision":
+                    follow, past = list(reader.results), crossed
+                else:
+                    continue
+                for result in follow:
+                    if (result, at) not in seen:
+                        seen.add((result, at))
+                        pending.append((result, at, past))
+        return False
 
     def _to_scores(self, exp: ir.Operation, stack: Stack, key_role: Role
                    ) -> tuple[float, list]:
@@ -339,7 +385,13 @@ class _Site(MaskReading, ExitReading):
         p_like = self._p_like(p_value)
         exits = self._classify_exits(p_like)
         if "out" not in exits and "dv" not in exits:
+            if any(self._dropped_out(op.operands[n], p_like) for op, n in self.exits):
+                raise NotFused(DROPOUT)  # P·V reads the probabilities after dropout
             raise NotFused("no matrix op reads the probabilities", attention=False)
+        if self.masked_sum:
+            raise NotFused("softmax(where=) masks the softmax's sum (a mask on the scores, "
+                           "jnp.where(mask, scores, finfo.min), or dot_product_attention's "
+                           "mask=, fuses)")
         if self.role_error is not None:
             raise self.role_error
         if self.escapes:
@@ -396,9 +448,14 @@ class _Site(MaskReading, ExitReading):
         while changed:
             changed = False
             for op, stack in self.ops.values():
-                if op.name in ("stablehlo.convert", "stablehlo.transpose",
-                               "stablehlo.reshape") and self.canon(op.operands[0],
-                                                                   stack) in found:
+                if self.masked_sum and op.name == "stablehlo.select" and self._zeroed(
+                        op.results[0], stack) in found:
+                    source = True  # softmax(where=)'s where(mask, P, 0)
+                else:
+                    source = op.name in ("stablehlo.convert", "stablehlo.transpose",
+                                         "stablehlo.reshape") and self.canon(
+                                             op.operands[0], stack) in found
+                if source:
                     key = (op.results[0], stack)
                     if key not in found:
                         found.add(key)
@@ -414,6 +471,15 @@ def _is_sum(reduce: ir.Operation) -> bool:
 
 def match_site(view: CallView, scores: ir.Operation) -> Match:
     """The attention starting at ``scores`` (a ``dot_general``), or NotFused."""
-    return _Site(view, scores).match()
+    site = _Site(view, scores)
+    try:
+        return site.match()
+    except NotFused as error:
+        # A forward pass has one matrix op reading its cluster (P·V); a training step's
+        # backward adds Pᵀ·dO, dS·K and dSᵀ·Q.
+        readers = len(site.exits)
+        error.direction = error.direction or ("forward" if readers < 2 else
+                           "forward and backward" if readers >= 4 else "backward")
+        raise
 
 

@@ -21,12 +21,16 @@ ELEMENTWISE = frozenset({
 })
 
 
+DROPOUT = "dropout on the probabilities (cuDNN's dropout draws its own random numbers)"
+
+
 class NotFused(Exception):
     """Why a site is not fused; ``attention`` says whether it is an attention at all."""
 
     def __init__(self, reason: str, attention: bool = True) -> None:
         super().__init__(reason)
         self.reason, self.attention = reason, attention
+        self.direction: str | None = None  # the site's, as far as the analysis saw
 
 
 def shape_of(value: ir.Value) -> tuple[int, ...]:
