@@ -197,6 +197,15 @@ def einsum_broadcast_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arr
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
 
 
+def einsum_float_padding(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+                         ) -> jax.Array:
+    """A 0/1 float padding mask passed to ``jnp.where``, which reads it as ``mask != 0``
+    inside its own function (it was refused as 'computed inside a called function')."""
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5
+    scores = jnp.where(mask, scores, -1e9)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
+
+
 def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
     """name -> (function, arguments): every way of writing attention the tests run."""
     q, k, v = _qkv()
@@ -216,6 +225,8 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "einsum_bnth_padding": (_grad_of(einsum_bnth_padding),
                                 (*(jnp.swapaxes(a, 1, 2) for a in (q_mha, k_mha, v_mha)),
                                  padding_mask())),
+        "einsum_float_padding": (_grad_of(einsum_float_padding),
+                                 (q_mha, k_mha, v_mha, padding_mask().astype(jnp.float32))),
     }
     for wrap in WRAPS:
         found[f"dpa_{wrap}"] = dpa_program(wrap)

@@ -10,7 +10,12 @@ import numpy as np
 from jaxlib.mlir import ir
 
 from hlo_amp.passes.fused_attention.calls import Stack
-from hlo_amp.passes.fused_attention.constants import Folded, evaluate, unit_reshape_map
+from hlo_amp.passes.fused_attention.constants import (
+    Folded,
+    evaluate,
+    splat_value,
+    unit_reshape_map,
+)
 from hlo_amp.passes.fused_attention.roles import H_ROLE, HV_ROLE, S_ROLE, NotFused, Role, shape_of
 
 
@@ -87,6 +92,12 @@ class MaskReading:
             for operand in op.operands:
                 self._leaves(operand, stack, dims, roles, constant, leaves)
             return
+        nonzero = self._nonzero(op, stack)
+        if nonzero is not None:
+            # x != 0, jnp's astype(bool) of a 0/1 float mask (inside jnp.where's own
+            # function): x is the leaf, and the bias compares it with 0 (Builder.bias).
+            self._leaves(nonzero, stack, dims, roles, constant, leaves)
+            return
         if name == "stablehlo.broadcast_in_dim":
             inner = op.operands[0]
             bdims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
@@ -111,6 +122,19 @@ class MaskReading:
         if stack != ():
             raise NotFused(f"the mask is computed inside a called function ({name})")
         leaves.append((value, [None if d is None else roles[d] for d in dims]))
+
+    def _nonzero(self, op: ir.Operation, stack: Stack) -> ir.Value | None:
+        """``x`` where ``op`` is ``compare NE x, 0`` of a float or integer ``x``."""
+        if op.name != "stablehlo.compare" or str(
+                op.attributes["comparison_direction"]).split()[-1].rstrip(">") != "NE":
+            return None
+        x, zero = op.operands
+        if splat_value(self.view, zero, stack) != 0:
+            x, zero = zero, x
+        if splat_value(self.view, zero, stack) != 0:
+            return None
+        element = ir.RankedTensorType(x.type).element_type
+        return None if isinstance(element, ir.IntegerType) and element.width == 1 else x
 
     def _query_axis(self, folded: Folded | None, axis_roles: list[Role],
                     leaves: list) -> Role:

@@ -29,7 +29,15 @@ from hlo_amp.ir.modules import (
     terminator,
     walk_operations,
 )
-from hlo_amp.passes.fused_attention.roles import H_ROLE, HV_ROLE, S_ROLE, UNIT, NotFused, Role
+from hlo_amp.passes.fused_attention.roles import (
+    H_ROLE,
+    HV_ROLE,
+    S_ROLE,
+    UNIT,
+    NotFused,
+    Role,
+    shape_of,
+)
 from hlo_amp.passes.fused_attention.site import Match
 from hlo_amp.policy import DTYPE_TO_ELEMENT
 from hlo_amp.targets.attention_kernels import AttentionCall, Kernel
@@ -164,8 +172,10 @@ class _Builder:
         boolean = ir.IntegerType.get_signless(1)
         combined = None
         for value, roles in match.mask_leaves:
-            if ir.RankedTensorType(value.type).element_type != boolean:
-                raise NotFused("the mask is not boolean")
+            leaf_element = ir.RankedTensorType(value.type).element_type
+            if leaf_element != boolean:  # a 0/1 mask the program reads as x != 0
+                zero = self._splat(0, list(shape_of(value)), leaf_element)
+                value = hlo.compare(value, zero, hlo.ComparisonDirectionAttr.get("NE"))
             keep = [i for i, r in enumerate(roles) if r is not None]
             dims = [order.index(roles[i]) for i in keep]
             arranged = sorted(range(len(keep)), key=lambda j: dims[j])
@@ -186,8 +196,9 @@ class _Builder:
 
     def _splat(self, number: float, shape: list[int], element: ir.Type) -> ir.Value:
         scalar = ir.RankedTensorType.get([], element)
-        constant = hlo.constant(ir.DenseElementsAttr.get_splat(
-            scalar, ir.FloatAttr.get(element, number)))
+        attr = (ir.IntegerAttr.get(element, int(number)) if isinstance(element, ir.IntegerType)
+                else ir.FloatAttr.get(element, number))
+        constant = hlo.constant(ir.DenseElementsAttr.get_splat(scalar, attr))
         return hlo.broadcast_in_dim(self.tensor(shape, element), constant,
                                     ir.DenseI64ArrayAttr.get([]))
 
