@@ -387,8 +387,13 @@ def _plain(q, k, v):
     (programs._grad_of(_softmax_where), "softmax(where=) masks the softmax's sum", "backward"),
     (programs._grad_of(jax.checkpoint(_plain, policy=jax.checkpoint_policies.dots_saveable)),
      "the scores are saved for the backward pass", "forward and backward"),
+    (programs._grad_of(_plain, 1),
+     "only part of the attention's backward reads it (the gradient of q or k alone)",
+     "backward"),
+    (jax.grad(lambda v, q, k: jnp.sum(_plain(q, k, v) ** 2)),
+     "only part of the attention's backward reads it (dv, out)", "forward and backward"),
 ], ids=["dropout_forward", "dropout_training", "softmax_where", "softmax_where_training",
-        "dots_saveable"])
+        "dots_saveable", "grad_of_q", "grad_of_v"])
 def test_sites_left_unfused_are_listed_with_their_reason(fn, reason, direction) -> None:
     """Each is an attention the kernel cannot take; the report lists it, with why and the
     pass it is in (these were missing from the report, and a refused training step's

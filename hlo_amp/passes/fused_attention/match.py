@@ -66,6 +66,16 @@ CLUSTER_OPS = ELEMENTWISE | _LAYOUT
 _DOT = "stablehlo.dot_general"
 
 
+
+
+def _partial(which: str, forward: bool = False) -> NotFused:
+    """A backward pass that reads only part of the attention (``which``); ``forward``:
+    the step computes the output too."""
+    error = NotFused(f"only part of the attention's backward reads it ({which})")
+    error.direction = "forward and backward" if forward else "backward"
+    return error
+
+
 # ---- the site ------------------------------------------------------------------------------
 
 
@@ -207,6 +217,8 @@ class _Site(MaskReading, ExitReading):
         exp, stack = exps[0]
         normalised = self._normalisation(exp, stack)
         if normalised is None:
+            if self.exits and self._reads_dp(exp, stack):  # q or k's backward alone: no P
+                raise _partial("the gradient of q or k alone")
             raise NotFused("no softmax normalisation (exp over its sum) follows the scores",
                            attention=False)
         return exp, stack, *normalised
@@ -387,6 +399,8 @@ class _Site(MaskReading, ExitReading):
         if "out" not in exits and "dv" not in exits:
             if any(self._dropped_out(op.operands[n], p_like) for op, n in self.exits):
                 raise NotFused(DROPOUT)  # P·V reads the probabilities after dropout
+            if exits and self._reads_dp(*softmax[:2]):  # the gradient of q or k alone
+                raise _partial(", ".join(sorted(exits)), "out" in exits)
             raise NotFused("no matrix op reads the probabilities", attention=False)
         if self.masked_sum:
             raise NotFused("softmax(where=) masks the softmax's sum (a mask on the scores, "
@@ -398,8 +412,7 @@ class _Site(MaskReading, ExitReading):
             raise NotFused(f"the scores or probabilities have another reader: "
                            f"{self.escapes[0]}")
         if set(exits) not in ({"out"}, {"dv", "dq", "dk"}, {"out", "dv", "dq", "dk"}):
-            raise NotFused("only part of the attention's backward reads it "
-                           f"({', '.join(sorted(exits))})")
+            raise _partial(", ".join(sorted(exits)), "out" in exits)
         roles_of_selects = [self.roles.get((op.results[0], st)) for _, st, _, op in selects]
         if any(r is None or None in r for r in roles_of_selects):
             raise NotFused("the mask's dimensions could not be read")
@@ -414,6 +427,30 @@ class _Site(MaskReading, ExitReading):
             match.causal = self._is_causal(folded, axis_roles, match.t_role)
         self._check_leaves(match)
         return match
+
+    def _reads_dp(self, exp: ir.Operation, exp_stack: Stack) -> bool:
+        """Whether the cluster is a softmax's (the exponential summed along an axis) over
+        batched scores and reads dP = dO·Vᵀ: a batched matrix op's result with the
+        scores' dimensions (an attention's backward; a softmax classifier's reads none,
+        an MLP's scores are not batched)."""
+        if not _batched(self.scores) or not any(
+                op.name == "stablehlo.reduce" and _is_sum(op)
+                and self._strip(op.operands[0], st) == (exp.results[0], exp_stack)
+                for op, st in self.ops.values()):
+            return False
+        square = sorted(shape_of(self.scores.results[0]))
+        for op, stack in self.ops.values():
+            for value in op.operands:
+                if self.in_cluster(value, stack):
+                    continue
+                made, _, at = self.view.producer(value, stack)
+                while made is not None and made.name in ("stablehlo.convert",
+                                                         "stablehlo.transpose"):
+                    made, _, at = self.view.producer(made.operands[0], at)
+                if made is not None and made.name == _DOT and _batched(made) and sorted(
+                        shape_of(made.results[0])) == square:
+                    return True
+        return False
 
     def _set_operand_roles(self, q_index: int) -> None:
         dims = dot_dims(self.scores)
@@ -461,6 +498,10 @@ class _Site(MaskReading, ExitReading):
                         found.add(key)
                         changed = True
         return found
+
+
+def _batched(dot: ir.Operation) -> bool:
+    return bool(list(dot_dims(dot).lhs_batching_dimensions))
 
 
 def _is_sum(reduce: ir.Operation) -> bool:
