@@ -192,8 +192,8 @@ class _TargetModel:
                 # out (runtime/fp8_state.py), each scale read from it, not from this
                 # step's amax. jax.jit's lowering carries no history, and the fp8 pass
                 # would price current scaling for it.
-                text = amp_compile(self.fn, policy).lower(
-                    *self.args, target=self.device).compile().as_text()
+                text = amp_compile(self.fn, policy).lower_for(
+                    self.device, *self.args).compile().as_text()
             else:
                 rewritten, _, _ = rewrite_lowered(self.lowered, policy, self.device)
                 text = rewritten.compile(self.device.compiler_options or None).as_text()

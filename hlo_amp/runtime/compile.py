@@ -47,7 +47,7 @@ from hlo_amp.runtime.amp_call import (
     shape_structs,
 )
 from hlo_amp.runtime.arguments import argument_problem
-from hlo_amp.runtime.deviceless import lower_for_target, not_runnable
+from hlo_amp.runtime.deviceless import lower_for_target, not_runnable, split_device_target
 from hlo_amp.runtime.fp8_state import Fp8StatefulFunction
 from hlo_amp.runtime.frameworks import (
     FilterCall,
@@ -338,8 +338,7 @@ class AmpFunction:
 
     # -- AOT --
 
-    def lower(self, *args: Any, target: str | Target | None = None,
-              **kwargs: Any) -> AmpLowered:
+    def lower(self, *args: Any, **kwargs: Any) -> AmpLowered:
         """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``).
 
         ``target="h100"`` (``"h200"``, ``"a100"``, a ``GpuTargetConfig`` file's path, or a
@@ -348,8 +347,16 @@ class AmpFunction:
         replicated on one device of it; the result can be read, not run. A node, nodes or
         a slice (``"h100x8"``, ``"h100:2x8"``, ``"tpu-v5e:4x4"``) compiles for all its
         devices, arguments sharded on ``hlo_amp.target_mesh(target, axes)`` keeping their
-        shardings.
+        shardings. A ``target`` parameter of ``fn`` takes ``target=`` instead; then
+        ``lower_for(device, *args)`` names the device.
         """
+        device, kwargs = split_device_target(self.fn, kwargs)
+        return self.lower_for(device, *args, **kwargs)
+
+    def lower_for(self, target: str | Target | None, /, *args: Any, **kwargs: Any
+                  ) -> AmpLowered:
+        """``lower(*args, **kwargs)`` for the device ``target`` (None: this machine's),
+        every keyword argument ``fn``'s."""
         device = device_target(target) if target is not None else None
         style = argument_style(args, kwargs, self.filter, self._styles)
         try:
@@ -426,7 +433,7 @@ class AmpFunction:
             return self._traced_call(args, kwargs)  # warns, and runs fn unchanged
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self.lower(*args, **kwargs).compile()
+            compiled = self.lower_for(None, *args, **kwargs).compile()
             self._cache[key] = compiled
         return compiled(*dyn_args, **dyn_kwargs)
 

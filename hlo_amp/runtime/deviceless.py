@@ -29,6 +29,7 @@ import where ``JAX_PLATFORMS`` excludes TPUs, with ``ALLOW_MULTIPLE_LIBTPU_LOAD`
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -114,6 +115,30 @@ def on_target_mesh(mesh: Any, target: Target) -> jax.sharding.Mesh:
     """``mesh``'s axes (names, sizes, types: Explicit ones kept) on the target's devices."""
     return jax.sharding.Mesh(target.mesh(dict(mesh.shape)).devices, mesh.axis_names,
                              axis_types=mesh.axis_types)
+
+
+def split_device_target(fn: Any, kwargs: dict) -> tuple[Target | None, dict]:
+    """(the device of ``.lower(..., target=...)``, the keyword arguments for ``fn``).
+
+    ``target=`` is ``fn``'s own argument when ``fn`` declares a parameter of that name
+    (``loss(params, x, target)``), or takes ``**kwargs`` and the value is no device name,
+    as under ``jax.jit(fn).lower``; the device is then given with ``lower_for``.
+    """
+    if "target" not in kwargs:
+        return None, kwargs
+    value = kwargs["target"]
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature: no such parameter
+        parameters = {}
+    named = parameters.get("target")
+    if named is not None and named.kind is not inspect.Parameter.POSITIONAL_ONLY:
+        return None, kwargs
+    if (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+            and not isinstance(value, (str, os.PathLike, Target))):
+        return None, kwargs
+    rest = {k: v for k, v in kwargs.items() if k != "target"}
+    return (None if value is None else device_target(value)), rest
 
 
 def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target) -> Any:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from hlo_amp import jax_internals as internals
 from hlo_amp.passes.fp8_state import STATE_SCOPE
 from hlo_amp.policy import Policy
+from hlo_amp.runtime.deviceless import split_device_target
 from hlo_amp.runtime.frameworks import JitDecorator, argument_style
 from hlo_amp.runtime.signature import leaf_signature, split_static
 
@@ -152,7 +153,7 @@ class Fp8StatefulFunction:
             # Arrays, not ShapeDtypeStructs: a filtered call (Equinox) would take a
             # non-array leaf for a static. Zero columns: nothing allocated.
             empty = jnp.zeros((self.policy.amax_history, 0), jnp.float32)
-            lowered = self._inner.lower(empty, *args, target=target, **kwargs)
+            lowered = self._inner.lower_for(target, empty, *args, **kwargs)
             columns = self._columns_of[key] = lowered.report().fp8_state_columns
         return columns
 
@@ -229,13 +230,19 @@ class Fp8StatefulFunction:
         self._last_state = state
         return out
 
-    def lower(self, *args: Any, target: Any = None, **kwargs: Any) -> Any:
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The stateful function lowered and rewritten: its compiled form takes the
-        history (``f32[amax_history, S]``) first and returns ``(outputs, history)``."""
+        history (``f32[amax_history, S]``) first and returns ``(outputs, history)``.
+        ``target=`` as for ``AmpFunction.lower``."""
+        device, kwargs = split_device_target(self.fn, kwargs)
+        return self.lower_for(device, *args, **kwargs)
+
+    def lower_for(self, target: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """``lower(*args, **kwargs)`` for the device ``target`` (None: this machine's)."""
         program, shapes, _ = self._signature(args, kwargs)
         columns = self._columns(args, kwargs, program, shapes, target)
         history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
-        return self._inner.lower(history, *args, target=target, **kwargs)
+        return self._inner.lower_for(target, history, *args, **kwargs)
 
     @property
     def lowerings(self) -> int:

@@ -341,7 +341,7 @@ class NnxCall:
                 pure_args, pure_kwargs = self.wrapped._get_pure_args_kwargs(args, kwargs)
             else:
                 pure_args, pure_kwargs = self.wrapped._maybe_to_tree(args, kwargs)
-            return self.inner.lower(*pure_args, target=device, **pure_kwargs)
+            return self.inner.lower_for(device, *pure_args, **pure_kwargs)
 
 
 # ---- eqx.filter_jit's contract ------------------------------------------------------------
@@ -471,7 +471,7 @@ class FilterCall:
 
     def lower(self, args: tuple, kwargs: dict, device: Any = None) -> Any:
         with self._quiet():
-            return self.inner.lower(*self.split_arguments(args, kwargs), target=device)
+            return self.inner.lower_for(device, *self.split_arguments(args, kwargs))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._quiet():

@@ -500,3 +500,34 @@ def test_user_exception_reaches_caller():
         amp.lower(jnp.ones(3))
     with pytest.raises(ValueError, match="boom"):
         jax.grad(lambda x: jnp.sum(amp(x)))(jnp.ones(3))
+
+
+def _loss_with_target(w, x, target, debug=False):
+    if debug:  # a host callback: jax.export refuses it, the call goes through .lower
+        jax.debug.print("{}", x.sum())
+    return jnp.mean((x @ w - target) ** 2)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp8,scaling=delayed"])
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_argument_named_target_is_the_functions(policy, debug):
+    """``loss(w, x, target)`` takes ``target=`` as under jax.jit, in a call, in .lower()
+    and its compiled form; it was read as the device to compile for (or given twice)."""
+    w, x, y = _rand(0, (8, 4)), _rand(1, (16, 8)), _rand(2, (16, 4))
+    fn = functools.partial(_loss_with_target, debug=debug)
+    functools.update_wrapper(fn, _loss_with_target)
+    amp = hlo_amp.compile(fn, policy)
+    want = jax.jit(fn)(w, x, target=y)
+    np.testing.assert_allclose(amp(w, x, target=y), want, rtol=0.1)
+    if policy == "bf16":
+        lowered = amp.lower(w, x, target=y)
+        assert lowered.device is None
+        np.testing.assert_allclose(lowered.compile()(w, x, target=y), want, rtol=0.1)
+
+
+def test_lower_for_names_the_device_when_the_function_takes_target():
+    w, x, y = _rand(0, (8, 4)), _rand(1, (16, 8)), _rand(2, (16, 4))
+    amp = hlo_amp.compile(_loss_with_target, "bf16")
+    assert amp.lower_for("h100", w, x, target=y).device.device == "H100"
+    # Without a target parameter, target= still names the device.
+    assert hlo_amp.compile(_matmul, "bf16").lower(x, w, target="h100").device.device == "H100"
