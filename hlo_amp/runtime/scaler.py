@@ -304,7 +304,8 @@ def _scaled_value_and_grad(
 
         # One traced copy of `fun`, inside the loop body; the first pass is forced.
         result_shapes = jax.eval_shape(lambda s: attempt(s, args, kwargs)[1], state)
-        placeholder = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), result_shapes)
+        # zeros_like keeps each result's sharding (an Explicit mesh axis is in its type).
+        placeholder = jax.tree_util.tree_map(jnp.zeros_like, result_shapes)
 
         def keep_going(carry: tuple[Any, ...]) -> jax.Array:
             _, _, finite, tries, shrank = carry

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from host_devices import run_on_host_devices
 
 from hlo_amp.runtime.scaler import (
     DynamicScalerState,
@@ -332,6 +333,36 @@ def test_redo_on_nan_finds_a_scaler_that_fits() -> None:
     s_ok, (_, g_ok) = fn2(w, jnp.ones(3, jnp.float16), dynamic_scaler_state=state)
     np.testing.assert_array_equal(np.asarray(g_ok, np.float32), [1.0, 1.0, 1.0])
     assert_state(s_ok, scaler=2.0**15, total_resets=0, count=1)
+
+
+_EXPLICIT_SCRIPT = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from hlo_amp.runtime.scaler import DynamicScalerState, dynamic_scale_grad
+
+def loss(w, x):
+    return jnp.sum((x @ w) ** 2)
+
+mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+with jax.set_mesh(mesh):
+    w = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P(None, "d")))
+    x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P()))
+    want = jax.jit(jax.grad(loss))(w, x)
+    grad = dynamic_scale_grad(loss, redo_on_nan=2)
+    _, got = jax.jit(grad)(w, x, dynamic_scaler_state=DynamicScalerState())
+print("RESULTS=" + json.dumps({"types": [str(jax.typeof(got)), str(jax.typeof(want))],
+                               "error": float(np.abs(np.asarray(got - want)).max())}))
+"""
+
+
+def test_redo_on_nan_keeps_explicit_shardings() -> None:
+    """On jax.make_mesh's Explicit axes a gradient's sharding is in its type; the redo
+    loop's first carry had none ("carry input and carry output must have equal types")."""
+    found = run_on_host_devices(_EXPLICIT_SCRIPT, devices=4)
+    got, want = found["types"]
+    assert got == want and "@d" in want
+    assert found["error"] == 0.0
 
 
 def test_redo_on_nan_gives_up_after_n_redos() -> None:
