@@ -97,8 +97,12 @@ class AmpCompiled:
     """A compiled, rewritten function: call it, or read XLA's optimized HLO."""
 
     def __init__(self, compiled: Any, report: Report, compile_seconds: float,
-                 target: Target = NO_TARGET, device: Target | None = None):
+                 target: Target = NO_TARGET, device: Target | None = None,
+                 calling: Callable[[Callable], Callable] | None = None):
+        """``calling``: makes the executable, which takes a framework's inner arguments,
+        a function of the caller's (``AmpLowered.calling``)."""
         self._compiled = compiled
+        self._call = compiled if calling is None else calling(compiled)
         self._pass_report = report
         self._report: Report | None = None  # with XLA's verdicts, made when first asked
         self._target = target
@@ -109,7 +113,7 @@ class AmpCompiled:
         if self.device is not None:
             raise RuntimeError(not_runnable(self.device, "report()", "Call the compiled "
                                             "function itself, or .lower() without target="))
-        return self._compiled(*args, **kwargs)
+        return self._call(*args, **kwargs)
 
     def as_text(self) -> str:
         """XLA's optimized HLO."""
@@ -154,6 +158,10 @@ class AmpLowered:
         self._report = report
         self.pass_seconds = pass_seconds
         self.lower_seconds = lower_seconds
+        # An NNX or Equinox step's lowering is its inner function's, of pure state; this
+        # makes the compiled form take the caller's objects, as nnx.jit's and
+        # eqx.filter_jit's do (runtime/frameworks.py sets it).
+        self.calling: Callable[[Callable], Callable] | None = None
 
     def as_text(self, debug_info: bool = False) -> str:
         """The rewritten StableHLO module."""
@@ -175,7 +183,8 @@ class AmpLowered:
                    **(compiler_options or {})} or None
         compiled = self._rewritten.compile(options)
         seconds = time.perf_counter() - start
-        return AmpCompiled(compiled, self._report, seconds, self._target, self.device)
+        return AmpCompiled(compiled, self._report, seconds, self._target, self.device,
+                           self.calling)
 
     @property
     def jax_lowered(self) -> Any:

@@ -341,7 +341,21 @@ class NnxCall:
                 pure_args, pure_kwargs = self.wrapped._get_pure_args_kwargs(args, kwargs)
             else:
                 pure_args, pure_kwargs = self.wrapped._maybe_to_tree(args, kwargs)
-            return self.inner.lower_for(device, *pure_args, **pure_kwargs)
+            lowered = self.inner.lower_for(device, *pure_args, **pure_kwargs)
+        lowered.calling = self._calling
+        return lowered
+
+    def _calling(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """``compiled`` (of the pure state) called as nnx.jit's compiled step is: the
+        caller's objects split in, and updated from its outputs."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            inner, self.wrapped.jitted_fn = self.wrapped.jitted_fn, compiled
+            try:
+                return self.wrapped(*args, **kwargs)
+            finally:
+                self.wrapped.jitted_fn = inner
+
+        return call
 
 
 # ---- eqx.filter_jit's contract ------------------------------------------------------------
@@ -471,7 +485,19 @@ class FilterCall:
 
     def lower(self, args: tuple, kwargs: dict, device: Any = None) -> Any:
         with self._quiet():
-            return self.inner.lower_for(device, *self.split_arguments(args, kwargs))
+            lowered = self.inner.lower_for(device, *self.split_arguments(args, kwargs))
+        lowered.calling = self._calling
+        return lowered
+
+    def _calling(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """``compiled`` (of the arrays) called as eqx.filter_jit's compiled function is."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            donated, kept, _static = self.split_arguments(args, kwargs)
+            with self._quiet():  # the executable takes the arrays, not the static rest
+                arrays, static_out = compiled(donated, kept)
+            return _combine(arrays, static_out.value)
+
+        return call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._quiet():

@@ -339,6 +339,33 @@ def test_nnx_rng_counters_and_batch_stats_advance_as_under_nnx_jit():
     np.testing.assert_allclose(mean, want_model.blocks[0].norm.mean[...], rtol=5e-2, atol=1e-2)
 
 
+def test_compiled_ahead_of_time_takes_the_callers_objects_as_the_framework_jit_does():
+    """``step.lower(model, ...).compile()(model, ...)``, as nnx.jit's and eqx.filter_jit's
+    compiled steps are called; it asked for their inner pure state ("seen NodeStates")."""
+    x, y = _batch()
+    scaler = hlo_amp.DynamicScalerState()
+    want_model, want_opt = _nnx_model_and_optimizer()
+    got_model, got_opt = _nnx_model_and_optimizer()
+    reference = nnx.jit(nnx_step).lower(want_model, want_opt, scaler, x, y).compile()
+    compiled = hlo_amp.compile(nnx_step, "f32").lower(got_model, got_opt, scaler, x, y).compile()
+    for _ in range(2):  # the objects are updated in place, as under nnx.jit
+        want = reference(want_model, want_opt, scaler, x, y)
+        got = compiled(got_model, got_opt, scaler, x, y)
+    _assert_bit_equal(got, want)
+    _assert_bit_equal(nnx.state((got_model, got_opt)), nnx.state((want_model, want_opt)))
+    assert int(got_opt.step[...]) == 2
+
+    model = EqxMLP(jax.random.key(0))
+
+    def apply(model: EqxMLP, x: jax.Array) -> tuple[jax.Array, str]:
+        return jax.vmap(lambda row: model(row, jax.random.key(3)))(x), "static out"
+
+    want = eqx.filter_jit(apply).lower(model, x).compile()(model, x)
+    got = hlo_amp.compile(apply, "f32").lower(model, x).compile()(model, x)
+    _assert_bit_equal(got[0], want[0])
+    assert got[1] == want[1]
+
+
 def test_nnx_shared_references_stay_shared_and_outputs_come_back_as_nnx_jit_returns():
     shared = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
     pair = nnx.List([shared, shared])  # one module twice
