@@ -144,6 +144,12 @@ class AmpCompiled:
     def jax_compiled(self) -> Any:
         return self._compiled
 
+    def __getattr__(self, name: str) -> Any:
+        # The rest of jax's Compiled (input_shardings, out_info, ...), as jax has it.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._compiled, name)
+
 
 class AmpLowered:
     """A lowered and rewritten function, like ``jax.jit(f).lower(...)``'s result."""
@@ -163,13 +169,20 @@ class AmpLowered:
         # eqx.filter_jit's do (runtime/frameworks.py sets it).
         self.calling: Callable[[Callable], Callable] | None = None
 
-    def as_text(self, debug_info: bool = False) -> str:
-        """The rewritten StableHLO module."""
-        return module_text(self._rewritten.compiler_ir("stablehlo"), debug_info=debug_info)
+    def as_text(self, dialect: str | None = None, *, debug_info: bool = False) -> str:
+        """The rewritten module: StableHLO, or ``dialect="hlo"`` (as jax's ``as_text``)."""
+        return _lowered_text(self._rewritten, dialect, debug_info)
 
-    def original_text(self, debug_info: bool = False) -> str:
+    def original_text(self, dialect: str | None = None, *, debug_info: bool = False) -> str:
         """The module as JAX lowered it, before the pass."""
-        return module_text(self._original.compiler_ir("stablehlo"), debug_info=debug_info)
+        return _lowered_text(self._original, dialect, debug_info)
+
+    def __getattr__(self, name: str) -> Any:
+        # The rest of jax's Lowered (compiler_ir, cost_analysis, out_info, args_info, ...)
+        # of the rewritten module.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._rewritten, name)
 
     def report(self) -> Report:
         return self._report
@@ -189,6 +202,14 @@ class AmpLowered:
     @property
     def jax_lowered(self) -> Any:
         return self._rewritten
+
+
+def _lowered_text(lowered: Any, dialect: str | None, debug_info: bool) -> str:
+    if dialect in (None, "stablehlo"):
+        return module_text(lowered.compiler_ir("stablehlo"), debug_info=debug_info)
+    if dialect == "hlo":
+        return lowered.as_text(dialect="hlo", debug_info=debug_info)
+    raise ValueError(f"dialect={dialect!r}; accepted: 'stablehlo' (the default), 'hlo'")
 
 
 # ---- the compiled-function object -------------------------------------------------------
@@ -344,6 +365,28 @@ class AmpFunction:
             dispatched = max(dispatched - 1, 0)
         return (dispatched + len(self._cache)
                 + sum(call.inner.cache_size() for call in self._framework_calls.values()))
+
+    def clear_cache(self) -> None:
+        """Drop every executable and rewritten program (as jax.jit's ``clear_cache``)."""
+        for cache in (self._cache, self._exports, self._out_trees, self._residual_trees,
+                      self._end_stacks):
+            cache.clear()
+        self._jitted.clear_cache()
+        self._dispatch.clear_cache()
+        for call in self._framework_calls.values():
+            call.inner.clear_cache()
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The outputs' shapes and dtypes, as the framework's jit gives them (the pass
+        keeps them): ``jax.ShapeDtypeStruct`` leaves, nothing compiled."""
+        style = argument_style(args, kwargs, self.filter, self._styles)
+        if style == "nnx":
+            return self._framework_call(style).wrapped.eval_shape(*args, **kwargs)
+        if style != "jax":
+            import equinox as eqx  # filtered arguments: Equinox is there
+
+            return eqx.filter_eval_shape(self.fn, *args, **kwargs)
+        return self._jitted.eval_shape(*args, **kwargs)
 
     # -- AOT --
 

@@ -531,3 +531,27 @@ def test_lower_for_names_the_device_when_the_function_takes_target():
     assert amp.lower_for("h100", w, x, target=y).device.device == "H100"
     # Without a target parameter, target= still names the device.
     assert hlo_amp.compile(_matmul, "bf16").lower(x, w, target="h100").device.device == "H100"
+
+
+def test_aot_objects_answer_as_jax_jits_do():
+    """as_text's dialect, the rest of jax's Lowered and Compiled, eval_shape, clear_cache
+    (as_text("hlo") was taken for debug_info and crashed inside MLIR)."""
+    x, w = _rand(0, (4, 8)), _rand(1, (8, 3))
+    amp = hlo_amp.compile(_matmul, "bf16")
+    reference = jax.jit(_matmul)
+    lowered = amp.lower(x, w)
+    assert "bf16[" in lowered.as_text("hlo") and "bf16[" in lowered.as_text(dialect="hlo")
+    assert "bf16[" not in lowered.original_text("hlo")
+    with pytest.raises(ValueError, match="dialect='mhlo'; accepted: 'stablehlo'"):
+        lowered.as_text("mhlo")
+    assert "bf16" in str(lowered.compiler_ir("stablehlo"))
+    assert lowered.out_info == reference.lower(x, w).out_info
+    assert lowered.cost_analysis()["flops"] > 0
+    compiled = lowered.compile()
+    assert compiled.output_shardings == reference.lower(x, w).compile().output_shardings
+    assert amp.eval_shape(x, w) == reference.eval_shape(x, w)
+    amp(x, w)
+    assert amp.cache_size() == 1
+    amp.clear_cache()
+    assert amp.cache_size() == 0
+    np.testing.assert_array_equal(amp(x, w), compiled(x, w))

@@ -354,6 +354,9 @@ def test_compiled_ahead_of_time_takes_the_callers_objects_as_the_framework_jit_d
     _assert_bit_equal(got, want)
     _assert_bit_equal(nnx.state((got_model, got_opt)), nnx.state((want_model, want_opt)))
     assert int(got_opt.step[...]) == 2
+    assert (hlo_amp.compile(nnx_step, "bf16").eval_shape(got_model, got_opt, scaler, x, y)
+            == nnx.jit(nnx_step).eval_shape(want_model, want_opt, scaler, x, y))
+    assert int(got_opt.step[...]) == 2  # eval_shape changes nothing
 
     model = EqxMLP(jax.random.key(0))
 
@@ -364,6 +367,8 @@ def test_compiled_ahead_of_time_takes_the_callers_objects_as_the_framework_jit_d
     got = hlo_amp.compile(apply, "f32").lower(model, x).compile()(model, x)
     _assert_bit_equal(got[0], want[0])
     assert got[1] == want[1]
+    assert hlo_amp.compile(apply, "bf16").eval_shape(model, x) == eqx.filter_eval_shape(
+        apply, model, x)
 
 
 def test_nnx_shared_references_stay_shared_and_outputs_come_back_as_nnx_jit_returns():
