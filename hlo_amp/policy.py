@@ -28,7 +28,8 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
     FP8     := "float8_e4m3fn" | "float8_e5m2" (or f8e4m3fn, e4m3fn, f8e5m2, e5m2)
     PATTERN := ["/"] GLOB ("/" GLOB)* ["$"]
                (a leading "/" matches from the outermost segment only, a trailing "$"
-               up to the innermost only; GLOB: one segment's name or glob, "Block_*")
+               up to the innermost only; GLOB: one segment's name or glob, "Block_*";
+               it may hold "=", the last "=" of the item starts the action, not ",")
 
 Example: ``"bf16,scope:head=float32,scope:/Block_*/attn=keep,op:convolution=keep"``.
 
@@ -331,7 +332,9 @@ class Policy:
             base = cls.preset(items.pop(0))
         fields = base.to_dict()
         for item in items:
-            key, sep, value = item.partition("=")
+            # A scope pattern may hold '=' (a scope named "lr=0.1"); its action never does.
+            split = item.rpartition if item.lstrip().startswith("scope:") else item.partition
+            key, sep, value = split("=")
             key, value = key.strip(), value.strip()
             if not sep and item in PRESETS:
                 raise ValueError(f"Preset {item!r} in {spec!r} must be the first item")

@@ -244,10 +244,12 @@ def test_as_policy_accepts_every_form() -> None:
      "bf16,op:dot=float16,scope:amp_stop=compute",
      "mixed_bfloat16,scope:head=float32,op:exponential=compute",
      "mixed_float16,op:add=keep", "f32,op:dot_general=compute,propagate=true",
-     "mixed_bfloat16,keep_f32_results=true"],
+     "mixed_bfloat16,keep_f32_results=true",
+     "bf16,scope:/lr=0.1$=float32"],  # a scope named "lr=0.1": its '=' is the pattern's
 )
 def test_string_and_dict_round_trips(spec: str) -> None:
     policy = Policy.parse(spec)
+    assert "lr=" not in spec or policy.scopes == {"/lr=0.1$": "float32"}
     assert Policy.parse(policy.to_string()) == policy
     assert Policy.parse(str(policy)) == policy
     assert Policy.from_dict(policy.to_dict()) == policy
