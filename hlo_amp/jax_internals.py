@@ -20,6 +20,8 @@ Each entry and why we need it:
   ``interpreters.batching.fancy_primitive_batchers`` and ``interpreters.mlir``
   (``register_lowering``, ``lower_fun``): how a rewritten program composes with
   ``vmap``, ``jvp``, ``linearize`` and ``grad``.
+- ``lax._convert_element_type(operand, new_dtype, weak_type)``: the loss scaler gives
+  back a weakly typed gradient as jax.grad does (runtime/scaler.py).
 - ``core.eval_jaxpr``: a function that closes over an outer trace's values runs as
   its jaxpr with those values as arguments (runtime/compile.py).
 - ``config.trace_context`` and ``trace_context_names``: ``program_context``, the
@@ -75,6 +77,7 @@ from jax._src import config as jax_config
 from jax._src.export import _export as export_internals
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import mlir as jax_mlir
+from jax._src.lax import lax as lax_internal
 from jax._src.lib import _jax
 
 from hlo_amp import jaxlib_internals
@@ -125,6 +128,10 @@ primitive_jvps = _needs(ad, "jax._src.interpreters.ad", "primitive_jvps")
 primitive_transposes = _needs(ad, "jax._src.interpreters.ad", "primitive_transposes")
 fancy_primitive_batchers = _needs(batching, "jax._src.interpreters.batching",
                                   "fancy_primitive_batchers")
+# A cast that keeps a weak type (jax.grad's gradient of a Python-number primal): the
+# public convert_element_type makes every result strongly typed.
+convert_element_type = _needs(lax_internal, "jax._src.lax.lax", "_convert_element_type",
+                              ("operand", "new_dtype", "weak_type"))
 
 from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention
 from jax._src.nn import functions as _nn_functions

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hlo_amp import jax_internals as internals
+
 __all__ = [
     "DynamicScalerState",
     "all_finite",
@@ -223,7 +225,9 @@ def _unscale(grads: PyTree, scaler: jax.Array) -> PyTree:
             return g
         g = jnp.asarray(g)
         wide = jnp.promote_types(g.dtype, jnp.float32)
-        return (g.astype(wide) / scaler.astype(wide)).astype(g.dtype)
+        # A weakly typed gradient (of a Python-number primal) stays weak, as jax.grad's.
+        return internals.convert_element_type(g.astype(wide) / scaler.astype(wide), g.dtype,
+                                              weak_type=jax.typeof(g).weak_type)
 
     return jax.tree_util.tree_map(one, grads)
 

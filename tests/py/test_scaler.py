@@ -416,6 +416,22 @@ def test_has_aux_with_integer_and_nonfinite_aux() -> None:
     assert_state(state, count=1, total_resets=0)
 
 
+def test_a_python_number_primals_gradient_stays_weakly_typed() -> None:
+    """As jax.grad's: a weak f32 gradient added to a bf16 array gives bf16 (a strong one
+    gave f32)."""
+    def loss(scale: Any, x: jax.Array) -> jax.Array:
+        return jnp.sum(scale * x)
+
+    want = jax.grad(loss)(2.0, jnp.ones(3))
+    _, got = dynamic_scale_grad(loss)(2.0, jnp.ones(3),
+                                      dynamic_scaler_state=DynamicScalerState())
+    assert jax.typeof(got) == jax.typeof(want) and jax.typeof(want).weak_type
+    assert (got + jnp.bfloat16(1)).dtype == jnp.bfloat16
+    _, strong = dynamic_scale_grad(loss)(jnp.float32(2.0), jnp.ones(3),
+                                         dynamic_scaler_state=DynamicScalerState())
+    assert not jax.typeof(strong).weak_type
+
+
 def test_argnums_tuple_keeps_each_primal_dtype() -> None:
     def f(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
         h = jnp.tanh(a.astype(jnp.float32) * b) * c.astype(jnp.float32)
