@@ -509,6 +509,9 @@ class AmpFunction:
             return out_leaves
 
         flat_fn.__name__ = self.__name__
+        # jax names a function by where its unwrapped code is: its errors (an output
+        # that is no array) then point at the user's function, not at this wrapper.
+        flat_fn.__wrapped__ = self.fn
         return flat_fn
 
     # -- the Program owner interface (runtime/amp_call.py) --

@@ -555,3 +555,17 @@ def test_aot_objects_answer_as_jax_jits_do():
     amp.clear_cache()
     assert amp.cache_size() == 0
     np.testing.assert_array_equal(amp(x, w), compiled(x, w))
+
+
+def test_an_output_that_is_no_array_is_named_as_jax_jit_names_it():
+    """The error names the user's function and line (it named hlo_amp's flat_fn)."""
+    def step(x):
+        return x @ x.T, "done"
+
+    x = _rand(0, (3, 3))
+    with pytest.raises(TypeError) as want:
+        jax.jit(step)(x)
+    with pytest.raises(TypeError) as got:
+        hlo_amp.compile(step, "bf16")(x)
+    assert str(got.value).splitlines()[0] == str(want.value).splitlines()[0]
+    assert "test_compile.py" in str(got.value).splitlines()[0]
