@@ -569,3 +569,11 @@ def test_an_output_that_is_no_array_is_named_as_jax_jit_names_it():
         hlo_amp.compile(step, "bf16")(x)
     assert str(got.value).splitlines()[0] == str(want.value).splitlines()[0]
     assert "test_compile.py" in str(got.value).splitlines()[0]
+
+
+def test_a_symbolic_dimension_reads_as_a_question_mark_in_the_report():
+    # It printed MLIR's dynamic-size sentinel, -9223372036854775808x3.
+    x = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 8"), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 3), jnp.float32)
+    report = hlo_amp.compile(_matmul, "bf16").lower(x, w).report()
+    assert [d.shape for d in report.decisions] == ["?x3"]

@@ -168,8 +168,7 @@ class InsertConverts:
                     flops=None if flops is None else flops * runs.count,
                     runs=runs.count,
                     notes=(UNKNOWN_TRIPS,) if runs.unknown else (),
-                    shape="x".join(str(s) for s in ir.RankedTensorType(op.result.type).shape)
-                    if isinstance(op.result.type, ir.RankedTensorType) else "?",
+                    shape=_shape_text(op.result.type),
                     location=site.name, source=site.source,
                 ))
                 mark_decision(op, index)
@@ -204,3 +203,12 @@ def _apply(op: Any, plan: Plan, shared: dict[tuple[Any, Any, str], ir.Value]) ->
             with ir.InsertionPoint.after(op):
                 back = hlo.convert(original_type, op.result)
             op.result.replace_all_uses_except(back, back.owner.operation)
+
+
+def _shape_text(value_type: ir.Type) -> str:
+    """``8x?x3`` (``?`` a dynamic dimension: a symbolic one of jax.export); ``?`` unranked."""
+    if not isinstance(value_type, ir.RankedTensorType):
+        return "?"
+    ranked = ir.RankedTensorType(value_type)
+    return "x".join("?" if ranked.is_dynamic_dim(i) else str(size)
+                    for i, size in enumerate(ranked.shape))
