@@ -94,8 +94,10 @@ class DynamicScalerState(_ScalerFields):
     Python and NumPy scalars given to the constructor become jax arrays of the field's
     dtype; any other value (arrays, tracers, None, placeholders used by jax's tree
     utilities) is kept as given, so `jax.tree_util` unflattening, `jit`, `vmap` and
-    `eval_shape` treat it like any NamedTuple. Arrays of another dtype are cast when
-    the state is used by a scaled function.
+    `eval_shape` treat it like any NamedTuple. An axis spec for `vmap` is built by
+    unflattening, as the constructor would make its 0 an array:
+    `jax.tree.unflatten(jax.tree.structure(state), [None, None, 0, None, None, None])`.
+    Arrays of another dtype are cast when the state is used by a scaled function.
     """
 
     __slots__ = ()

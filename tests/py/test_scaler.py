@@ -742,3 +742,14 @@ def test_filter_true_without_equinox_says_how_to_fix(monkeypatch: pytest.MonkeyP
     _, grads = grad_fn(_mlp_params(jax.random.key(0)), _regression_data(),
                        dynamic_scaler_state=DynamicScalerState())
     assert set(grads) == {"w1", "b1", "w2", "b2", "w3", "b3"}
+
+
+def test_a_vmap_axis_spec_built_as_the_docstring_says() -> None:
+    state = DynamicScalerState()
+    states = state._replace(scaler=jnp.array([1.0, 2.0, 4.0]))  # one scaler per member
+    spec = jax.tree.unflatten(jax.tree.structure(state), [None, None, 0, None, None, None])
+    grad = dynamic_scale_grad(lambda p: jnp.sum(p ** 2))
+    new, grads = jax.vmap(lambda s, p: grad(p, dynamic_scaler_state=s),
+                          in_axes=(spec, None))(states, jnp.ones(3))
+    np.testing.assert_array_equal(new.scaler, [1.0, 2.0, 4.0])
+    np.testing.assert_allclose(grads, np.full((3, 3), 2.0))
