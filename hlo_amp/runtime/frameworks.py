@@ -228,10 +228,12 @@ def _positional_donations(info: Any, decorator: str, name: str) -> tuple[int, ..
         keyword_only = [p for p in getattr(info, "donate_argnames", ())
                         if p in signature.parameters
                         and signature.parameters[p].kind is inspect.Parameter.KEYWORD_ONLY]
-        if keyword_only:
-            raise _replace_decorator(
-                name, decorator, f"which donates keyword-only argument(s) {keyword_only} "
-                "that hlo_amp.compile cannot donate (it takes donate_argnums)")
+        if keyword_only:  # replacing the decorator would not help: donation is by position
+            raise TypeError(
+                f"hlo_amp.compile({name}): {name} is decorated with @{decorator}, which "
+                f"donates keyword-only argument(s) {keyword_only}; hlo_amp.compile donates "
+                f"by position (donate_argnums): make them positional-or-keyword parameters "
+                f"(before any *) and donate them by position")
     return tuple(info.donate_argnums)
 
 

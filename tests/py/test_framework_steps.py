@@ -574,6 +574,19 @@ def test_a_jax_jit_decorated_function_keeps_its_static_and_donated_arguments():
     assert [(d.function, d.low_precision) for d in report.decisions] == [("main", True)]
 
 
+def test_a_donated_keyword_only_argument_gets_advice_that_works():
+    """hlo_amp.compile donates by position: the error says to make the argument
+    positional (it said to replace the decorator, which cannot donate it either)."""
+    @jax.jit(donate_argnames="w")
+    def scaled(x, *, w):
+        return jnp.tanh(x @ w)
+
+    with pytest.raises(TypeError, match=r"keyword-only argument\(s\) \['w'\].*donate them "
+                                        r"by position") as error:
+        hlo_amp.compile(scaled, "bf16")
+    assert "replace @jax.jit" not in str(error.value)
+
+
 def test_a_jax_jit_with_shardings_keeps_its_static_and_donated_arguments():
     # Compiled nested (its shardings apply there); its static and donated arguments
     # apply at the top, as for a jit without shardings.
