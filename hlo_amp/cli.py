@@ -118,6 +118,9 @@ def _policy_from(args: argparse.Namespace) -> Policy:
             if "=" not in item:
                 raise CliError(f"hlo-amp-opt: error: --{flag} {item!r} is not "
                                f"{'PATTERN' if flag == 'scope' else 'KIND'}=ACTION")
+            if "," in item:  # it would add the policy items after the comma unseen
+                raise CliError(f"hlo-amp-opt: error: --{flag} {item!r} holds ','; one rule "
+                               f"per --{flag} (repeat the flag; other settings go in --policy)")
             spec += f",{flag}:{item}"
     return as_policy(spec)
 
@@ -295,7 +298,17 @@ def _write_outputs(args: argparse.Namespace, text: str, report: str) -> None:
         sys.stderr.write(report)
     elif args.report:
         files.append((args.report, report))
+        _refuse_same_file(args, args.report)
     _write(files)
+
+
+def _refuse_same_file(args: argparse.Namespace, report: str) -> None:
+    """One file for the report and the output (or the input): one would replace the
+    other."""
+    for flag, other in (("-o", args.output), ("the input", args.input)):
+        if other != "-" and os.path.realpath(other) == os.path.realpath(report):
+            raise CliError(f"hlo-amp-opt: error: --report {report!r} is the same file as "
+                           f"{flag}; give the report a file of its own")
 
 
 def _write(files: list[tuple[str, str]]) -> None:

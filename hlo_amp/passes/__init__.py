@@ -103,7 +103,8 @@ def pass_names(policy: Policy, target: str | Target | None = None) -> dict[str, 
     passes: list[Any] = [FusedAttention(policy, target), InsertConverts(policy, target),
                          Propagate(policy, target),
                          ScatterToSelect(target), RecomputeResiduals(policy, target),
-                         Fp8Quantize(), ReuseAmax(), HoistAmax(), HoistQuantize(), BatchAmax(),
+                         Fp8Quantize(policy.scaling), ReuseAmax(), HoistAmax(), HoistQuantize(),
+                         BatchAmax(),
                          MergeAmax(), CommPrecision(policy),
                          CleanupConverts(), FastDotLayout(), KeepShardings()]
     return {p.name: p for p in passes}

@@ -135,6 +135,16 @@ MORE_ERRORS = {
     "bad_op_syntax": (lambda d: [d / "in.mlir", "--op", "dot_general"],
                       r"--op 'dot_general' is not KIND=ACTION"),
     "unknown_flag": (lambda d: [d / "in.mlir", "--fast"], r"unrecognized arguments: --fast"),
+    # A comma in a flag's value added other policy items unseen (propagate=true).
+    "scope_with_comma": (lambda d: [d / "in.mlir", "--scope", "head=float32,propagate=true"],
+                         r"--scope 'head=float32,propagate=true' holds ','; one rule per"),
+    "op_with_comma": (lambda d: [d / "in.mlir", "--op", "dot_general=keep,f64=true"],
+                      r"--op 'dot_general=keep,f64=true' holds ','"),
+    # One file for both: the report replaced the module (exit 0), or the input.
+    "report_is_the_output": (lambda d: [d / "in.mlir", "--report", d / "out" / "result.mlir"],
+                             r"--report '.*result\.mlir' is the same file as -o"),
+    "report_is_the_input": (lambda d: [d / "in.mlir", "--report", d / "in.mlir"],
+                            r"--report '.*in\.mlir' is the same file as the input"),
     "split_error_line": (
         lambda d: [_write(d, "split.mlir", MODULE + "// -----\nfunc.func @g() {\n  %0 = foo\n}\n"),
                    "--split-input-file"],
@@ -319,6 +329,33 @@ func.func @main(%x: tensor<4xbf16>) -> tensor<4xbf16> {
     assert capsys.readouterr().out.count("stablehlo.convert") == 2
     assert cli.main([str(path), "--pass", "hlo-amp-cleanup"]) == 0
     assert "stablehlo.convert" not in capsys.readouterr().out
+
+
+_FP8_STATE_MODULE = """\
+func.func @main(%h: tensor<1024x4xf32>, %a: tensor<16x32xf32>, %b: tensor<32x16xf32>
+    ) -> (tensor<16x16xf32>, tensor<1024x4xf32>) {
+  %s = stablehlo.optimization_barrier %h : tensor<1024x4xf32> loc("hlo_amp_fp8_state")
+  %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0]
+      : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+  return %0, %s : tensor<16x16xf32>, tensor<1024x4xf32>
+}
+"""
+
+
+def test_the_fp8_pass_alone_takes_the_policys_scaling(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """--pass hlo-amp-fp8 under scaling=delayed reads the module's amax history, as the
+    full pipeline does (it scaled from this step's amax)."""
+    path = _write(tmp_path, "state.mlir", _FP8_STATE_MODULE)
+    policy = "fp8,scaling=delayed,first_matrix_op=none,last_matrix_op=none,propagate=false"
+    notes = []
+    for passes in ([], ["--pass", "hlo-amp-insert-converts", "--pass", "hlo-amp-fp8"]):
+        report = tmp_path / "report.json"
+        assert cli.main([str(path), "--policy", policy, *passes, "--report", str(report)]) == 0
+        capsys.readouterr()
+        notes.append([n for n in json.loads(report.read_text())["notes"] if "fp8" in n])
+    assert notes[0] == notes[1] and "from an amax history" in notes[0][0]
 
 
 # hlo-amp-opt as the console script (argv[0] decides: hlo_amp/quiet_stderr.py), then the
