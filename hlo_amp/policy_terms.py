@@ -60,7 +60,11 @@ LAST_MATRIX_OP = "last_matrix_op"
 def _dtype_key(name: Any) -> str:
     """``name`` (str, numpy or jnp dtype, jnp.float8_e4m3fn...) as a lower-case string."""
     key = name
-    if not isinstance(name, str):  # a dtype object: from the Python API, where jax is loaded
+    if name is None or name in (float, int, complex, bool):
+        # None is no dtype (jnp.dtype(None) is float64); Python's float means what the
+        # string "float" does, not jnp.dtype(float)'s float64.
+        key = repr(name) if name is None else name.__name__
+    elif not isinstance(name, str):  # a dtype object: from the Python API, where jax is loaded
         import jax
 
         try:

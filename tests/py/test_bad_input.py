@@ -181,6 +181,10 @@ def test_module_error_is_a_value_error() -> None:
     ({"compute_dtype": jnp.int8}, ("compute_dtype", "bfloat16, float16")),
     ({"compute_dtype": "float32"}, ("compute_dtype 'float32'", "bfloat16, float16")),
     ({"backward": "sideways"}, ("'sideways'", "backward")),
+    # None and Python's int are no dtypes (jnp.dtype(None) is float64: the dot ran f64).
+    ({"scopes": {"head": None}}, ("Unknown action None for scope rule 'head'", "float32")),
+    ({"ops": {"dot_general": None}}, ("Unknown action None for op rule", "compute")),
+    ({"scopes": {"head": int}}, ("Unknown action <class 'int'>", "float32")),
 ])
 def test_policy_rejects(kwargs: dict, needles: tuple[str, ...]) -> None:
     with pytest.raises(ValueError) as info:
@@ -203,6 +207,11 @@ def test_policy_string_rejects(spec: str, needles: tuple[str, ...]) -> None:
         hlo_amp.Policy.parse(spec)
     for needle in needles:
         assert needle in str(info.value)
+
+
+def test_pythons_float_means_float32_as_the_string_does() -> None:
+    # It was jnp.dtype(float), float64: an f32 dot upcast to f64.
+    assert hlo_amp.Policy(scopes={"head": float}).scopes == {"head": "float32"}
 
 
 def test_policy_dict_and_type_rejects() -> None:
