@@ -13,8 +13,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 
 from hlo_amp import jaxlib_internals
+from hlo_amp.ir import input_checks
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
-from hlo_amp.ir.sites import unescape
 
 
 class ModuleError(ValueError):
@@ -169,7 +169,9 @@ def _first_diagnostic(error: ir.MLIRError, source_name: str) -> str:
 
 def parse_module(source: str | bytes, *, source_name: str = "<input>",
                  context: ir.Context | None = None) -> ir.Module:
-    """Parse StableHLO text, MLIR bytecode or a StableHLO portable artifact."""
+    """Parse StableHLO text, MLIR bytecode or a StableHLO portable artifact, refusing in
+    one line what jaxlib's bindings cannot read without ending the process
+    (ir/input_checks.py)."""
     context = context or new_context()
     if isinstance(source, bytes) and not source.startswith(b"ML\xefR"):
         try:
@@ -183,8 +185,22 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
         raise ModuleError(
             f"{source_name}: error: the input is empty; expected a StableHLO module"
         )
+    portable = isinstance(source, bytes) and _is_portable(source)
+    if isinstance(source, bytes):
+        if portable:
+            _import_jax()  # before the fork: the child only reads
+        # Corrupted bytecode can abort the process, a corrupted artifact segfault it:
+        # read it in a child process first.
+        killed = input_checks.signal_reading(
+            lambda: _read_bytes(source, portable, new_context()))
+        if killed is not None:
+            what = "StableHLO portable artifact" if portable else "MLIR bytecode"
+            raise ModuleError(f"{source_name}: error: unreadable {what} (reading it ended a "
+                              f"process with {killed}: a corrupted file)")
+    else:
+        _raise_if(input_checks.nesting_problem(source), source_name)
     try:
-        if isinstance(source, bytes) and _is_portable(source):
+        if portable:
             module = _deserialize_portable(source, source_name, context)
         else:
             module = ir.Module.parse(source, context=context)
@@ -199,7 +215,8 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
     except ir.MLIRError as error:
         raise ModuleError(_first_diagnostic(error, source_name)) from None
     if isinstance(source, bytes) or "\\" in source:  # else no name can hold a bad byte
-        _check_location_names(module, source_name)
+        _raise_if(input_checks.name_problem(module), source_name)
+    _raise_if(input_checks.attribute_problem(module), source_name)
     if not public_functions(module):
         raise ModuleError(
             f"{source_name}: error: the module has no public func.func; expected a "
@@ -208,27 +225,22 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
     return module
 
 
-_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+def _raise_if(problem: str | None, source_name: str) -> None:
+    if problem is not None:
+        raise ModuleError(f"{source_name}: error: {problem}")
 
 
-def _check_location_names(module: ir.Module, source_name: str) -> None:
-    """Refuse a location whose name or file is not UTF-8 (a ``\\FF`` escape in the
-    text, a corrupted bytecode file): jaxlib's bindings abort the process (not an
-    exception) when a pass reads such a string. Read from the printed form, which
-    escapes every byte that is not printable ASCII."""
-    text = module.operation.get_asm(enable_debug_info=True, large_elements_limit=16)
-    for line in text.splitlines():
-        at = line.find("loc(")
-        if at < 0 or "\\" not in line[at:]:
-            continue
-        for quoted in _QUOTED.findall(line[at:]):
-            try:
-                unescape(quoted)
-            except UnicodeDecodeError:
-                raise ModuleError(
-                    f"{source_name}: error: a location name or file is not UTF-8 "
-                    f'("{quoted}"); accepted: locations as jax writes them (UTF-8 text)'
-                ) from None
+def _read_bytes(data: bytes, portable: bool, context: ir.Context) -> None:
+    """Read bytecode or an artifact, quietly (what signal_reading runs in its child)."""
+    from hlo_amp.quiet_stderr import fd2_muted
+
+    with fd2_muted():
+        if portable:
+            from hlo_amp import jax_internals
+
+            jax_internals.deserialize_portable_artifact(data, context)
+        else:
+            ir.Module.parse(data, context=context)
 
 
 def _is_portable(data: bytes) -> bool:
@@ -236,10 +248,16 @@ def _is_portable(data: bytes) -> bool:
     return b"vhlo" in data[:4096]
 
 
-def _deserialize_portable(data: bytes, source_name: str, context: ir.Context) -> ir.Module:
-    from hlo_amp.quiet_stderr import fd2_muted, import_jax_for_cli
+def _import_jax() -> None:
+    from hlo_amp.quiet_stderr import import_jax_for_cli
 
     import_jax_for_cli()  # hlo-amp-opt imports jax here: quietly, on CPU
+
+
+def _deserialize_portable(data: bytes, source_name: str, context: ir.Context) -> ir.Module:
+    from hlo_amp.quiet_stderr import fd2_muted
+
+    _import_jax()
     from hlo_amp import jax_internals  # jaxlib's XLA extension, through jax
 
     try:  # the context must be passed: the artifact is upgraded into it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -43,6 +44,31 @@ def _callback_module() -> str:
         return h @ w
 
     return jax.jit(fn).lower(jnp.ones((2, 4)), jnp.ones((4, 4))).as_text(debug_info=True)
+
+
+def _corrupted_bytecode() -> bytes:
+    """MODULE's bytecode with one byte of the stablehlo dialect's name changed (not
+    UTF-8): reading it aborted the process (SIGABRT) inside jaxlib's bindings."""
+    from hlo_amp.ir.modules import parse_module
+
+    buffer = io.BytesIO()
+    parse_module(MODULE).operation.write_bytecode(buffer)
+    good = buffer.getvalue()
+    assert b"stablehlo\x00" in good
+    return good.replace(b"stablehlo\x00", b"st\xaablehlo\x00")
+
+
+def _nested(depth: int) -> str:
+    """A valid module of ``depth`` nested stablehlo.case regions (MLIR's parser
+    overflowed its stack past about 2400: a segfault)."""
+    lines = ["func.func @main(%i: tensor<i32>, %a: tensor<2x2xf32>) -> tensor<2x2xf32> {"]
+    lines += [f'%r{k} = "stablehlo.case"(%i) ({{' for k in range(depth)]
+    lines += ["stablehlo.return %a : tensor<2x2xf32>"]
+    for k in reversed(range(depth)):
+        lines.append("}) : (tensor<i32>) -> tensor<2x2xf32>")
+        if k:
+            lines.append(f"stablehlo.return %r{k} : tensor<2x2xf32>")
+    return "\n".join([*lines, "return %r0 : tensor<2x2xf32>", "}", ""])
 
 
 def hlo_amp_opt(*args: str | Path, stdin: str | None = None
@@ -106,6 +132,25 @@ ERRORS = {
                    "1e-2", "--xla-target", "h100"],
         (r"--autopolicy: the module calls back into the Python process that lowered it "
          r"\(custom_call @\w*python\w*callback")),
+    "corrupted_bytecode": (lambda d: [_write(d, "bad.mlirbc", _corrupted_bytecode())],
+                           (r"bad\.mlirbc: error: unreadable MLIR bytecode \(reading it ended "
+                            r"a process with SIGABRT: a corrupted file\)")),
+    # Refused before MLIR's parser or a pass reads them (each ended the process).
+    "nested_too_deep": (lambda d: [_write(d, "deep.mlir", _nested(2500))],
+                        r"deep\.mlir: error: regions nested 2501 deep; accepted: at most 1000"),
+    # Read from an attribute dictionary, a dense attribute of complex elements aborted
+    # the process (reduce=, a backward program's hint, a partitioned scatter's copy).
+    "complex_argument_attribute": (
+        lambda d: [_write(d, "cx.mlir", MODULE.replace(
+            "%x: tensor<2x4xf32>",
+            "%x: tensor<2x4xf32> {mhlo.cx = dense<(1.0,2.0)> : tensor<2xcomplex<f32>>}"))],
+        r"attribute mhlo\.cx of @main's argument 0 cannot be read by jaxlib's bindings"),
+    "complex_argument_attribute_reduce": (
+        lambda d: [_write(d, "cx.mlir", MODULE.replace(
+            "%x: tensor<2x4xf32>",
+            "%x: tensor<2x4xf32> {mhlo.cx = dense<(1.0,2.0)> : tensor<2xcomplex<f32>>}")),
+            "--policy", "bf16,reduce=bf16"],
+        r"attribute mhlo\.cx of @main's argument 0 cannot be read by jaxlib's bindings"),
     "truncated_portable": (
         lambda d: [_write(d, "cut.bin", _portable_artifact()[:-40])],
         r"cut\.bin: error: unreadable StableHLO portable artifact \([^(]*\)$"),
@@ -145,6 +190,15 @@ MORE_ERRORS = {
                              r"--report '.*result\.mlir' is the same file as -o"),
     "report_is_the_input": (lambda d: [d / "in.mlir", "--report", d / "in.mlir"],
                             r"--report '.*in\.mlir' is the same file as the input"),
+    "declaration_without_body": (
+        lambda d: [_write(d, "decl.mlir", MODULE + "func.func private @ext(tensor<2xf32>)\n")],
+        r"@ext is declared without a body"),
+    "symbol_not_utf8": (lambda d: [_write(d, "sym.mlir", MODULE.replace("@main", '@"ma\\FFin"'))],
+                        r'a symbol name .* is not UTF-8 \("ma\\FFin"\)'),
+    "partitions_not_an_integer": (
+        lambda d: [_write(d, "np.mlir", 'module attributes {mhlo.num_partitions = "8"} {\n'
+                          + MODULE + "}\n")],
+        r'mhlo\.num_partitions is not an integer \("8"\)'),
     "split_error_line": (
         lambda d: [_write(d, "split.mlir", MODULE + "// -----\nfunc.func @g() {\n  %0 = foo\n}\n"),
                    "--split-input-file"],

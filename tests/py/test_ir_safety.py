@@ -135,3 +135,17 @@ def test_cli_prints_one_line_for_a_pass_error(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
         "hlo-amp-opt: internal error in pass test-fail-on-tanh at stablehlo.tanh"), err
+
+
+def test_signal_reading_names_what_ended_the_child():
+    """parse_module reads bytecode and artifacts in a forked child first: a read that
+    kills the process is named, one that returns or raises is not."""
+    import ctypes
+    import os
+
+    from hlo_amp.ir.input_checks import signal_reading
+
+    assert signal_reading(os.abort) == "SIGABRT"
+    assert signal_reading(lambda: ctypes.string_at(0)) == "SIGSEGV"
+    assert signal_reading(lambda: 1 / 0) is None
+    assert signal_reading(lambda: None) is None
