@@ -30,7 +30,12 @@ import tempfile
 from collections.abc import Sequence
 
 from hlo_amp import jaxlib_internals
-from hlo_amp.ir.modules import ModuleError, module_text, parse_module
+from hlo_amp.ir.modules import (
+    ModuleError,
+    drop_marks_for_the_full_pipeline,
+    module_text,
+    parse_module,
+)
 from hlo_amp.passes import pass_names, run_pipeline
 from hlo_amp.policy import SCALINGS, Policy, as_policy
 from hlo_amp.quiet_stderr import fd2_muted, import_jax_for_cli
@@ -206,6 +211,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     report = Report(policy=policy.to_string(), rules=policy.rule_names())
     for chunk, _ in _chunks(source, args.split_input_file):
         module = parse_module(chunk, source_name=source_name)
+        if selected is None:
+            drop_marks_for_the_full_pipeline(module, chunk)
         run_pipeline(module, policy, report=report, passes=selected, target=target,
                      verify_each=args.verify_each or None)
         outputs.append(module_text(module, debug_info=args.debug_info))

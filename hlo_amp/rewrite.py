@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from hlo_amp.ir.modules import module_text, parse_module
+from hlo_amp.ir.modules import drop_marks_for_the_full_pipeline, module_text, parse_module
 from hlo_amp.passes import run_pipeline
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Report
@@ -24,6 +24,7 @@ def rewrite(module: str | bytes, policy: Policy | str | Mapping[str, Any] = "bf1
     """
     amp_policy = as_policy(policy)
     parsed = parse_module(module)
+    drop_marks_for_the_full_pipeline(parsed, module)
     report = run_pipeline(parsed, amp_policy)
     warn_unused_rules(report)
     text = module_text(parsed, debug_info=debug_info)

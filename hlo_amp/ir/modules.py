@@ -217,6 +217,8 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
     if isinstance(source, bytes) or "\\" in source:  # else no name can hold a bad byte
         _raise_if(input_checks.name_problem(module), source_name)
     _raise_if(input_checks.attribute_problem(module), source_name)
+    if isinstance(source, bytes) or "hlo_amp." in source:
+        strip_marks(module, RUN_MARKS)
     if not public_functions(module):
         raise ModuleError(
             f"{source_name}: error: the module has no public func.func; expected a "
@@ -359,6 +361,22 @@ def decision_of(op: ir.Operation | ir.OpView) -> int | None:
     return ir.IntegerAttr(attributes[DECISION_KEY]).value
 
 
+def strip_marks(module: ir.Module, keys: frozenset[str]) -> None:
+    """Remove the attributes ``keys`` from every op of ``module``."""
+    for op in walk_operations(module):
+        attributes = op.attributes
+        for key in [key for key in keys if key in attributes]:
+            del attributes[key]
+
+
+def drop_marks_for_the_full_pipeline(module: ir.Module, source: str | bytes) -> None:
+    """Drop the fp8 marks of a module read from outside (``source``) that the full
+    pipeline is to run on: its insert_converts decides anew (a stale or forged mark
+    made a dot fp8 that the report said was bf16)."""
+    if isinstance(source, bytes) or FP8_MARK in source:
+        strip_marks(module, frozenset({FP8_MARK}))
+
+
 def strip_decision_marks(module: ir.Module) -> None:
     """Remove every ``DECISION_KEY``, ``PROGRAM_KEY`` and ``ATTENTION_KEY``: they mean
     nothing outside the run that wrote them."""
@@ -390,6 +408,15 @@ def is_attention_matmul(op: ir.Operation | ir.OpView) -> bool:
 # them from the ones the pipeline wrote and leaves the program's own as they are.
 # run_pipeline strips it with the decision marks.
 PROGRAM_KEY = "hlo_amp.program"
+# The discardable attribute insert_converts puts on a dot it decided to run in fp8, and
+# the fp8 pass reads (and removes): [lhs fp8 type, rhs fp8 type, dequantise type].
+FP8_MARK = "hlo_amp.fp8"
+# The marks a pipeline run writes for its own passes and removes before it ends: in a
+# module read from outside they are stale (or forged) and are dropped when it is read.
+# (The fp8 mark is not among them: --pass hlo-amp-insert-converts leaves it for a later
+# --pass hlo-amp-fp8; the full pipeline drops it, hlo_amp/cli.py.)
+RUN_MARKS = frozenset({DISCARDED_KEY, DECISION_KEY, ATTENTION_KEY, PROGRAM_KEY,
+                       "hlo_amp.sharding_probe"})
 _CONVERT = frozenset({"stablehlo.convert"})
 
 

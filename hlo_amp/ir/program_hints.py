@@ -24,6 +24,8 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
+from hlo_amp.ir.modules import ModuleError
+
 INCOMING_GRADIENT = "hlo_amp.incoming_gradient"
 FORWARD_ENDS = "hlo_amp.forward_ends"
 
@@ -56,9 +58,18 @@ def forward_ends(module: ir.Module) -> EndStacks:
     if FORWARD_ENDS not in attributes:
         return {}
     ends: EndStacks = {}
-    for entry in ir.ArrayAttr(attributes[FORWARD_ENDS]):
-        parts = [ir.StringAttr(part).value for part in ir.ArrayAttr(entry)]
-        ends[(parts[0], parts[1], parts[2])] = tuple(parts[3:])
+    try:
+        for entry in ir.ArrayAttr(attributes[FORWARD_ENDS]):
+            parts = [ir.StringAttr(part).value for part in ir.ArrayAttr(entry)]
+            if len(parts) < 4:
+                raise ValueError(parts)
+            ends[(parts[0], parts[1], parts[2])] = tuple(parts[3:])
+    except ValueError:
+        raise ModuleError(
+            f"the module's {FORWARD_ENDS} = {attributes[FORWARD_ENDS]}: expected a list "
+            f'of ["scope", "op kind", "location", "first_matrix_op" or "last_matrix_op", '
+            f"...] entries, as hlo_amp writes it for a backward program "
+            f"(tests/lit/backward_program.mlir)") from None
     return ends
 
 

@@ -37,7 +37,15 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import element_type, functions, op_key, walk_operations, with_element
+from hlo_amp.ir.modules import (
+    FP8_MARK,
+    ModuleError,
+    element_type,
+    functions,
+    op_key,
+    walk_operations,
+    with_element,
+)
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
 from hlo_amp.passes.fp8_state import (
     HistoryThreads,
@@ -49,9 +57,24 @@ from hlo_amp.passes.fp8_state import (
 )
 from hlo_amp.policy import FP8_SHORT
 from hlo_amp.report import Report
-from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MARK, FP8_MAX
+from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MAX
 
 _DOT = frozenset({"stablehlo.dot_general"})
+
+
+def _read_mark(op: ir.Operation) -> tuple[ir.Type, ir.Type, ir.Type]:
+    """(lhs fp8 type, rhs fp8 type, dequantise type) of ``op``'s FP8_MARK; ModuleError
+    for a mark insert_converts did not write (a module from outside)."""
+    mark = op.attributes[FP8_MARK]
+    try:
+        types = [ir.TypeAttr(t).value for t in ir.ArrayAttr(mark)]
+        if len(types) == 3 and str(types[0]) in FP8_SHORT and str(types[1]) in FP8_SHORT:
+            return types[0], types[1], types[2]
+    except ValueError:
+        pass
+    raise ModuleError(f"{FP8_MARK} = {mark} on a dot_general: expected [lhs fp8 type, rhs "
+                      f"fp8 type, dequantise type] as hlo-amp-insert-converts writes it, "
+                      f"e.g. [f8E4M3FN, f8E5M2, bf16]")
 
 
 @dataclass(frozen=True)
@@ -77,8 +100,7 @@ class Fp8Quantize:
                        threads.callers if threads is not None else callers_by_name(module))
             quantizing = _Quantizing(threads, callers)
             for op in marked:
-                lhs, rhs, dequantize = [ir.TypeAttr(t).value
-                                        for t in ir.ArrayAttr(op.attributes[FP8_MARK])]
+                lhs, rhs, dequantize = _read_mark(op)
                 del op.attributes[FP8_MARK]
                 _direct(op, [quantizing.quantized(op, index, fp8, dequantize)
                              for index, fp8 in enumerate((lhs, rhs))])

@@ -48,10 +48,6 @@ from jaxlib.mlir import ir
 from hlo_amp.ir.modules import element_type
 from hlo_amp.targets.dot_dims import dot_layout
 
-# The discardable attribute insert_converts puts on a dot it decided to run in fp8, and
-# the fp8 pass reads (and removes): [lhs fp8 type, rhs fp8 type, dequantise type].
-FP8_MARK = "hlo_amp.fp8"
-
 # Largest finite value of each fp8 format (ml_dtypes' finfo(...).max).
 FP8_MAX = {"f8E4M3FN": 448.0, "f8E5M2": 57344.0}
 # How a dot's report reason starts when it could not take the fp8 GEMM form.

@@ -45,6 +45,7 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.gradients import GradientFlow
 from hlo_amp.ir.modules import (
+    FP8_MARK,
     element_type,
     function_name,
     functions,
@@ -71,7 +72,6 @@ from hlo_amp.passes.insert_converts.plan import (
 from hlo_amp.policy import FP8_E5M2, Policy
 from hlo_amp.report import Decision, Report
 from hlo_amp.targets import NO_TARGET, Target
-from hlo_amp.targets.fp8_gemm import FP8_MARK
 
 __all__ = ["ALREADY_FP8", "UNKNOWN_TRIPS", "InsertConverts", "Plan", "estimate_flops",
            "float_bits", "plan_op"]
