@@ -29,7 +29,8 @@ String grammar (``Policy.parse``), comma separated, spaces ignored::
     PATTERN := ["/"] GLOB ("/" GLOB)* ["$"]
                (a leading "/" matches from the outermost segment only, a trailing "$"
                up to the innermost only; GLOB: one segment's name or glob, "Block_*";
-               it may hold "=", the last "=" of the item starts the action, not ",")
+               it may hold "=" (the last "=" of the item starts the action), but no ","
+               or space)
 
 Example: ``"bf16,scope:head=float32,scope:/Block_*/attn=keep,op:convolution=keep"``.
 
@@ -79,6 +80,7 @@ beat them, they beat op rules: ``"fp8,scope:attn=bfloat16,last_matrix_op=none"``
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -125,6 +127,8 @@ SCALINGS = ("current", "delayed")
 # The fp8 preset's op rules: dot_general in fp8 (e4m3fn, e5m2 gradients), the rest bf16.
 FP8_OPS = {"dot_general": "float8_e5m2", "dot": COMPUTE, "convolution": COMPUTE}
 PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16", "fp8")
+# A scope item of the string grammar ("scope:PATTERN=ACTION", spaces allowed).
+_SCOPE_ITEM = re.compile(r"\s*scope\s*:")
 
 
 @dataclass(frozen=True)
@@ -333,9 +337,12 @@ class Policy:
         fields = base.to_dict()
         for item in items:
             # A scope pattern may hold '=' (a scope named "lr=0.1"); its action never does.
-            split = item.rpartition if item.lstrip().startswith("scope:") else item.partition
+            split = item.rpartition if _SCOPE_ITEM.match(item) else item.partition
             key, sep, value = split("=")
             key, value = key.strip(), value.strip()
+            prefix, colon, rest = key.partition(":")
+            if colon and prefix.strip() in ("op", "scope"):  # spaces ignored: "scope : head"
+                key = f"{prefix.strip()}:{rest.strip()}"
             if not sep and item in PRESETS:
                 raise ValueError(f"Preset {item!r} in {spec!r} must be the first item")
             if not sep and "=" not in item and ":" not in item:
@@ -360,7 +367,7 @@ class Policy:
             elif key == "scaling":
                 fields["scaling"] = value.lower()
             elif key == "amax_history":
-                if not value.isdigit():
+                if not (value.isascii() and value.isdigit()):  # "²" is a digit to Python
                     raise ValueError(f"Unknown value {value!r} for amax_history in {spec!r};"
                                      f" accepted: a positive integer")
                 fields["amax_history"] = int(value)

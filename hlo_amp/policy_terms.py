@@ -135,7 +135,9 @@ def canonical_op_kind(kind: Any) -> tuple[str, ...]:
     )
 
 
-_PATTERN_OK = re.compile(r"^/?[^/\s]+(/[^/\s]+)*$")
+# No ',': the string grammar separates items with it, and a name-stack segment holding
+# one is an einsum's spec (ir/sites.py), never a scope.
+_PATTERN_OK = re.compile(r"^/?[^/\s,]+(/[^/\s,]+)*$")
 
 
 def check_pattern(pattern: Any) -> str:
@@ -146,7 +148,7 @@ def check_pattern(pattern: Any) -> str:
             f"Malformed scope pattern {pattern!r}; accepted: one or more non-empty "
             f"segments separated by '/', each a name or a glob like 'Block_*', "
             f"optionally anchored by a leading '/' at the outermost segment ('/head') "
-            f"and/or a trailing '$' at the innermost ('head$', '/head$')"
+            f"and/or a trailing '$' at the innermost ('head$', '/head$'); no spaces or ','"
         )
     if not _classes_closed(text):
         raise ValueError(f"Malformed scope pattern {pattern!r}: unbalanced '[' in glob; "

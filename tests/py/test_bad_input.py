@@ -177,6 +177,8 @@ def test_module_error_is_a_value_error() -> None:
     ({"scopes": {"Block_[0": "keep"}}, ("unbalanced", "accepted: a glob's character class")),
     # A '[' that no ']' closes, after a lone ']' (counting brackets took it).
     ({"scopes": {"a]b[": "keep"}}, ("Malformed scope pattern 'a]b['", "unbalanced")),
+    # A ',' cannot come back through the string form, and no scope holds one.
+    ({"scopes": {"attn,mlp": "keep"}}, ("Malformed scope pattern 'attn,mlp'", "no spaces or ','")),
     ({"compute_dtype": "int8"}, ("Unsupported compute_dtype 'int8'", "bfloat16, float16")),
     ({"compute_dtype": jnp.int8}, ("compute_dtype", "bfloat16, float16")),
     ({"compute_dtype": "float32"}, ("compute_dtype 'float32'", "bfloat16, float16")),
@@ -201,6 +203,8 @@ def test_policy_rejects(kwargs: dict, needles: tuple[str, ...]) -> None:
     ("fp16", ("Unknown preset 'fp16'", "bf16, f16, f32")),
     ("bf16,fp16", ("Unknown preset 'fp16'",)),
     ("bf16,f32", ("Preset 'f32'", "first item")),
+    # '²' passed str.isdigit() and int() raised its own message.
+    ("fp8,amax_history=²", ("Unknown value '²' for amax_history", "a positive integer")),
 ])
 def test_policy_string_rejects(spec: str, needles: tuple[str, ...]) -> None:
     with pytest.raises(ValueError) as info:

@@ -233,6 +233,12 @@ def test_as_policy_accepts_every_form() -> None:
     assert as_policy(expected.to_dict()) == expected
 
 
+def test_spaces_around_an_items_colon_are_ignored() -> None:
+    # "scope :head" and "op : dot_general" were unknown keys.
+    spaced = Policy.parse("bf16, scope : head = float32, op : dot_general = keep")
+    assert spaced == Policy.parse("bf16,scope:head=float32,op:dot_general=keep")
+
+
 # ---- round trips ---------------------------------------------------------------------
 
 
