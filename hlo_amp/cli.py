@@ -99,14 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--inputs", metavar="FILE.npz", default=None,
                         help="--autopolicy: main's arguments, np.savez(path, *arrays) in "
                              "argument order (default: standard normal floats from --seed)")
-    parser.add_argument("--seed", type=int, default=0, help="--autopolicy: input seed")
-    parser.add_argument("--depth", type=int, default=1,
-                        help="--autopolicy: the name-stack depth of the scopes searched")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="--autopolicy: input seed (default 0)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="--autopolicy: the name-stack depth of the scopes searched "
+                             "(default 1)")
     parser.add_argument("--max-compiles", type=int, default=None,
                         help="--autopolicy: at most this many XLA compiles")
-    parser.add_argument("--fp8-scaling", choices=SCALINGS, default="current",
+    parser.add_argument("--fp8-scaling", choices=SCALINGS, default=None,
                         help="--autopolicy: the scaling the fp8 policies are priced and "
-                             "returned with (docs/fp8.md)")
+                             "returned with (docs/fp8.md; default current)")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
                         help="run only these passes, in order (default: the full pipeline)")
     parser.add_argument("--verify-each", action="store_true",
@@ -172,14 +174,23 @@ def _start_jax() -> None:
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.autopolicy:  # a search option alone was silently ignored
-        given = [flag for flag, value, default in (
-            ("--budget", args.budget, None), ("--inputs", args.inputs, None),
-            ("--seed", args.seed, 0), ("--depth", args.depth, 1),
-            ("--max-compiles", args.max_compiles, None),
-            ("--fp8-scaling", args.fp8_scaling, "current")) if value != default]
+        given = [flag for flag, value in (
+            ("--budget", args.budget), ("--inputs", args.inputs), ("--seed", args.seed),
+            ("--depth", args.depth), ("--max-compiles", args.max_compiles),
+            ("--fp8-scaling", args.fp8_scaling)) if value is not None]
         if given:
             raise CliError(f"hlo-amp-opt: error: {given[0]} applies to --autopolicy, "
                            f"which was not given")
+    else:  # and a rewriting option beside the search
+        given = [flag for flag, value in (
+            ("--pass", args.passes), ("--split-input-file", args.split_input_file),
+            ("--debug-info", args.debug_info), ("--verify-each", args.verify_each))
+            if value]
+        if given:
+            raise CliError(f"hlo-amp-opt: error: {given[0]} applies to rewriting; "
+                           f"--autopolicy writes a policy and takes none")
+    if args.report == "":
+        raise CliError("hlo-amp-opt: error: --report '' names no file (- for stderr)")
     missing = jaxlib_internals.missing_entry_points()
     if missing:
         raise CliError(f"hlo-amp-opt: error: this jaxlib lacks what hlo_amp needs: "
@@ -239,13 +250,15 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
     try:
         check_tolerance(args.budget, "budget", zero_ok=False)
         main = ModuleFunction(source)
-        inputs = main.inputs_from(args.inputs, args.seed)
+        inputs = main.inputs_from(args.inputs, 0 if args.seed is None else args.seed)
         result = target_autopolicy(
-            main.for_platform("cpu"), inputs, budget=args.budget, depth=args.depth,
+            main.for_platform("cpu"), inputs, budget=args.budget,
+            depth=1 if args.depth is None else args.depth,
             base=policy, reference="f32", atol=ATOL, target=device,
             max_compiles=(DEFAULT_MAX_COMPILES if args.max_compiles is None
                           else args.max_compiles), progress=True,
-            target_fn=main.for_platform(device.platform), fp8_scaling=args.fp8_scaling)
+            target_fn=main.for_platform(device.platform),
+            fp8_scaling=args.fp8_scaling or "current")
     except (ValueError, TypeError) as error:
         first = (str(error).splitlines() or [type(error).__name__])[0]
         raise CliError(f"hlo-amp-opt: error: --autopolicy: {first}") from None
@@ -320,19 +333,21 @@ def _refuse_same_file(args: argparse.Namespace, report: str) -> None:
 
 def _write(files: list[tuple[str, str]]) -> None:
     """Write each (path, text) so a failure leaves no output file, partial or whole:
-    every text goes to a temporary file beside its target first, and only then do they
-    replace the targets. A target keeps its mode (a new one gets the umask's, as a
-    shell's ``>`` gives it; mkstemp's is 0600), a symbolic link is written through,
-    and a FIFO or device is written directly, last ("-" is stdout)."""
+    every text for a file goes to a temporary file beside its target first, then a FIFO
+    or device is written directly ("-" is stdout), and only then do the temporary files
+    replace their targets. A target keeps its mode (a new one gets the umask's, as a
+    shell's ``>`` gives it; mkstemp's is 0600), and a symbolic link is written through
+    (``/dev/stdout`` to a pipe is written to)."""
     staged: list[tuple[str, str, str]] = []  # (temporary, target, path as given)
     direct: list[tuple[str, str]] = []
     current = files[0][0]
     try:
         for current, text in files:
-            target = os.path.realpath(current)
-            if current == "-" or (os.path.exists(target) and not os.path.isfile(target)):
+            # os.path reads through links: /dev/stdout is the pipe or file it names.
+            if current == "-" or (os.path.exists(current) and not os.path.isfile(current)):
                 direct.append((current, text))
                 continue
+            target = os.path.realpath(current)
             mode = (stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target)
                     else 0o666 & ~_umask())
             handle, temporary = tempfile.mkstemp(dir=os.path.dirname(target),
@@ -341,15 +356,19 @@ def _write(files: list[tuple[str, str]]) -> None:
             with os.fdopen(handle, "w") as out:
                 out.write(text)
             os.chmod(temporary, mode)
+        for current, text in direct:
+            if current != "-":
+                with open(current, "w") as out:
+                    out.write(text)
+            elif sys.stdout is None:  # started with stdout closed (>&-)
+                raise CliError("hlo-amp-opt: error: cannot write the output: stdout is "
+                               "closed; give -o FILE")
+            else:
+                sys.stdout.write(text)
+                sys.stdout.flush()
         for temporary, target, current in staged:
             os.replace(temporary, target)
         staged = []
-        for current, text in direct:
-            if current == "-":
-                sys.stdout.write(text)
-            else:
-                with open(current, "w") as out:
-                    out.write(text)
     except OSError as error:
         raise CliError(f"hlo-amp-opt: error: cannot write {current!r}: {error.strerror}"
                        ) from None

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shlex
 import stat
 import subprocess
 import sys
@@ -209,6 +210,15 @@ MORE_ERRORS = {
         lambda d: [_write(d, "ends.mlir", "module attributes {hlo_amp.forward_ends = 5 : i64} {\n"
                           + MODULE + "}\n"), "--policy", "fp8"],
         r"the module's hlo_amp\.forward_ends = 5 : i64: expected a list"),
+    "empty_report_path": (lambda d: [d / "in.mlir", "--report", ""],
+                          r"--report '' names no file \(- for stderr\)"),
+    # Options of the other mode were silently ignored.
+    "seed_without_autopolicy": (lambda d: [d / "in.mlir", "--seed", "0"],
+                                r"--seed applies to --autopolicy, which was not given"),
+    "pass_with_autopolicy": (
+        lambda d: [d / "in.mlir", "--autopolicy", "--budget", "1e-2", "--xla-target", "h100",
+                   "--split-input-file"],
+        r"--split-input-file applies to rewriting; --autopolicy writes a policy"),
     "split_error_line": (
         lambda d: [_write(d, "split.mlir", MODULE + "// -----\nfunc.func @g() {\n  %0 = foo\n}\n"),
                    "--split-input-file"],
@@ -304,6 +314,35 @@ def test_output_files_take_the_umask_keep_a_mode_and_follow_a_link(
     assert stat.S_IMODE((tmp_path / "new.mlir").stat().st_mode) == 0o644
     assert link.is_symlink() and CONVERTED in kept.read_text()
     assert stat.S_IMODE(kept.stat().st_mode) == 0o664
+
+
+
+def test_a_report_to_a_failing_device_leaves_no_output(module_file: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """Both or neither with a device too: the output replaced its target before the
+    report's device write failed."""
+    if not os.path.exists("/dev/full"):
+        pytest.fail("this test needs Linux's /dev/full")
+    out = tmp_path / "out.mlir"
+    assert cli.main([str(module_file), "-o", str(out), "--report", "/dev/full"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "hlo-amp-opt: error: cannot write '/dev/full': No space left on device"]
+    assert not out.exists()
+
+
+def test_a_link_to_a_pipe_and_a_closed_stdout(module_file: Path, tmp_path: Path) -> None:
+    """-o /dev/stdout on a pipe is written to (it was refused: 'No such file or
+    directory'); with stdout closed the error says so (it was an internal error)."""
+    piped = hlo_amp_opt(module_file, "-o", "/dev/stdout")
+    assert piped.returncode == 0 and CONVERTED in piped.stdout, piped.stderr
+    closed = subprocess.run(f"{shlex.quote(sys.executable)} -m hlo_amp.cli "
+                            f"{shlex.quote(str(module_file))} >&-", shell=True, text=True,
+                            stderr=subprocess.PIPE, timeout=120, check=False)
+    assert closed.returncode == 1
+    assert closed.stderr.strip().splitlines() == [
+        "hlo-amp-opt: error: cannot write the output: stdout is closed; give -o FILE"]
+
 
 # ---- success -------------------------------------------------------------------------
 
