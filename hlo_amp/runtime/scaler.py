@@ -308,8 +308,18 @@ def _scaled_value_and_grad(
             new_state, results, _ = attempt(state, args, kwargs)
             return new_state, results
 
+        # The loop carries arrays: the aux's other leaves (a string, a Python number) are
+        # the same on every pass, and are put back after it as jax.value_and_grad gives
+        # them.
+        aux_layout: list[Any] = []
+
+        def carried(state: DynamicScalerState) -> tuple[Any, ...]:
+            new_state, ((value, aux), grads), finite = attempt(state, args, kwargs)
+            arrays, aux_layout[:] = _split_aux(aux)
+            return new_state, ((value, arrays), grads), finite
+
         # One traced copy of `fun`, inside the loop body; the first pass is forced.
-        result_shapes = jax.eval_shape(lambda s: attempt(s, args, kwargs)[1], state)
+        result_shapes = jax.eval_shape(lambda s: carried(s)[1], state)
         # zeros_like keeps each result's sharding (an Explicit mesh axis is in its type).
         placeholder = jax.tree_util.tree_map(jnp.zeros_like, result_shapes)
 
@@ -319,15 +329,31 @@ def _scaled_value_and_grad(
 
         def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             state, _, _, tries, _ = carry
-            new_state, results, finite = attempt(state, args, kwargs)
+            new_state, results, finite = carried(state)
             shrank = new_state.scaler < state.scaler
             return new_state, results, finite, tries + 1, shrank
 
         init = (state, placeholder, jnp.array(False), jnp.array(0, jnp.int32), jnp.array(True))
-        new_state, results, _, _, _ = jax.lax.while_loop(keep_going, body, init)
-        return new_state, results
+        new_state, ((value, arrays), grads), _, _, _ = jax.lax.while_loop(
+            keep_going, body, init)
+        return new_state, ((value, _join_aux(arrays, *aux_layout)), grads)
 
     return wrapped
+
+
+def _split_aux(aux: Any) -> tuple[list[Any], list[Any]]:
+    """(the aux's array leaves, [its tree, its other leaves with None for each array])."""
+    leaves, tree = jax.tree_util.tree_flatten(aux)
+    arrays = [leaf for leaf in leaves if isinstance(leaf, (jax.Array, np.ndarray))]
+    others = [None if isinstance(leaf, (jax.Array, np.ndarray)) else leaf for leaf in leaves]
+    return arrays, [tree, others]
+
+
+def _join_aux(arrays: list[Any], tree: Any, others: list[Any]) -> Any:
+    """The aux ``_split_aux`` split, its arrays now ``arrays``."""
+    pending = iter(arrays)
+    return jax.tree_util.tree_unflatten(
+        tree, [next(pending) if leaf is None else leaf for leaf in others])
 
 
 def _with_state_parameter(fun: Callable[..., Any]) -> Callable[[Callable], Callable]:

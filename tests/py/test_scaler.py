@@ -753,3 +753,18 @@ def test_a_vmap_axis_spec_built_as_the_docstring_says() -> None:
                           in_axes=(spec, None))(states, jnp.ones(3))
     np.testing.assert_array_equal(new.scaler, [1.0, 2.0, 4.0])
     np.testing.assert_allclose(grads, np.full((3, 3), 2.0))
+
+
+def test_redo_on_nan_keeps_an_aux_that_is_no_array() -> None:
+    """As jax.value_and_grad: a string or Python number in the aux comes back as it is
+    (the redo loop's carry refused it: 'not a valid JAX type')."""
+    def loss(w: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        return jnp.sum(w ** 2), {"tag": "done", "layers": 3, "norm": jnp.sum(w)}
+
+    w = jnp.arange(3.0)
+    (_, want), _ = jax.value_and_grad(loss, has_aux=True)(w)
+    scaled = dynamic_scale_value_and_grad(loss, has_aux=True, redo_on_nan=2)
+    _, ((_, got), grads) = scaled(w, dynamic_scaler_state=DynamicScalerState())
+    assert got["tag"] == "done" and got["layers"] == 3
+    np.testing.assert_allclose(got["norm"], want["norm"])
+    np.testing.assert_allclose(grads, 2 * w)
