@@ -204,6 +204,26 @@ class AmpLowered:
         return self._rewritten
 
 
+class AmpTraced:
+    """``AmpFunction.trace``'s result, like ``jax.jit(f).trace(...)``'s."""
+
+    def __init__(self, function: AmpFunction, args: tuple, kwargs: dict, traced: Any):
+        self._function, self._args, self._kwargs, self._traced = function, args, kwargs, traced
+
+    @property
+    def jaxpr(self) -> Any:
+        """The program before the pass (the pass rewrites the lowered module)."""
+        return self._traced.jaxpr
+
+    @property
+    def out_info(self) -> Any:
+        return self._traced.out_info
+
+    def lower(self, *, target: str | Target | None = None) -> AmpLowered:
+        """Lower and rewrite, as ``AmpFunction.lower_for(target, *args, **kwargs)``."""
+        return self._function.lower_for(target, *self._args, **self._kwargs)
+
+
 def _lowered_text(lowered: Any, dialect: str | None, debug_info: bool) -> str:
     if dialect in (None, "stablehlo"):
         return module_text(lowered.compiler_ir("stablehlo"), debug_info=debug_info)
@@ -375,6 +395,14 @@ class AmpFunction:
         self._dispatch.clear_cache()
         for call in self._framework_calls.values():
             call.inner.clear_cache()
+
+    def trace(self, *args: Any, **kwargs: Any) -> AmpTraced:
+        """``fn`` traced for these arguments, as ``jax.jit(fn).trace``: its jaxpr and
+        output shapes (the pass keeps them), and ``.lower()`` to rewrite it."""
+        if argument_style(args, kwargs, self.filter, self._styles) != "jax":
+            raise TypeError(f"{self.__name__}.trace takes arrays and pytrees of them; for "
+                            f"NNX or Equinox arguments use .lower(...) or .eval_shape(...)")
+        return AmpTraced(self, args, kwargs, self._jitted.trace(*args, **kwargs))
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The outputs' shapes and dtypes, as the framework's jit gives them (the pass

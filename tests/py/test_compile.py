@@ -550,6 +550,11 @@ def test_aot_objects_answer_as_jax_jits_do():
     compiled = lowered.compile()
     assert compiled.output_shardings == reference.lower(x, w).compile().output_shardings
     assert amp.eval_shape(x, w) == reference.eval_shape(x, w)
+    traced = amp.trace(x, w)
+    assert str(traced.jaxpr) == str(reference.trace(x, w).jaxpr)
+    assert traced.out_info == reference.trace(x, w).out_info
+    assert traced.lower().as_text() == lowered.as_text()
+    assert traced.lower(target="h100").device.device == "H100"
     amp(x, w)
     assert amp.cache_size() == 1
     amp.clear_cache()
