@@ -555,6 +555,8 @@ def test_aot_objects_answer_as_jax_jits_do():
     assert traced.out_info == reference.trace(x, w).out_info
     assert traced.lower().as_text() == lowered.as_text()
     assert traced.lower(target="h100").device.device == "H100"
+    exported = jax.export.export(jax.jit(amp))(x, w)  # as docs/compile.md says
+    assert "bf16" in exported.mlir_module()
     amp(x, w)
     assert amp.cache_size() == 1
     amp.clear_cache()
