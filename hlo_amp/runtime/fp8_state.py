@@ -244,6 +244,17 @@ class Fp8StatefulFunction:
         history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
         return self._inner.lower_for(target, history, *args, **kwargs)
 
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The step's outputs' shapes and dtypes (the history aside), nothing compiled."""
+        empty = jnp.zeros((self.policy.amax_history, 0), jnp.float32)
+        out, _history = self._inner.eval_shape(empty, *args, **kwargs)
+        return out
+
+    def clear_cache(self) -> None:
+        """Drop every executable (the amax histories stay: they are the training state)."""
+        self._inner.clear_cache()
+        self._columns_of.clear()
+
     @property
     def lowerings(self) -> int:
         return self._inner.lowerings

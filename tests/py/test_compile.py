@@ -562,6 +562,12 @@ def test_aot_objects_answer_as_jax_jits_do():
     amp.clear_cache()
     assert amp.cache_size() == 0
     np.testing.assert_array_equal(amp(x, w), compiled(x, w))
+    delayed = hlo_amp.compile(_matmul, "fp8,scaling=delayed")
+    assert delayed.eval_shape(x, w) == reference.eval_shape(x, w)
+    delayed(x, w)
+    delayed.clear_cache()
+    assert delayed.cache_size() == 0
+    assert delayed(x, w).shape == (4, 3)
 
 
 def test_an_output_that_is_no_array_is_named_as_jax_jit_names_it():
