@@ -21,8 +21,9 @@ CHLO name without the dialect prefix) has a class:
   of its operands through as a loop carry (a link) unless a rule keeps it.
 
 An add ``reduce_window`` over at most ``SHORT_SUM`` (16) elements, i.e. an average-pool
-window and its gradient, is ``infer``: it is a short chain of adds, as exact in 16 bit as
-``add`` itself, and keeping it f32 would cut every conv net's regions at each pool.
+window and its gradient, is ``infer`` under bf16: it is a short chain of adds, as exact in
+16 bit as ``add`` itself, and keeping it f32 would cut every conv net's regions at each
+pool. Under f16 it is ``deny``: sixteen elements of 9,000 sum past f16's 65504.
 So is an add ``scatter`` whose indices name one position (per batch element, when it
 has batching dimensions): no two updates meet, so it is one add per element, not a sum
 (the gradient of ``take_along_axis``: a cross-entropy's label pick). A scatter whose
@@ -32,8 +33,11 @@ Any op kind not in the table is never painted and keeps its inputs f32, like ``d
 
 f16 is stricter than bf16: f16 tops out at 65504 while bf16 has f32's exponent range, so
 ops whose result can be far larger than their inputs stay f32 under f16 only:
-``divide`` (a quotient by a small divisor overflows) and ``tan`` (unbounded near π/2).
-Sums and means stay f32 under both.
+``divide`` (a quotient by a small divisor overflows), ``tan`` (unbounded near π/2), a
+square ``x * x`` (past 256: the tanh GELU's ``x ** 3`` and its gradient's ``3 x²``, a
+squared ReLU) and short sums. Sums and means stay f32 under both. Under either, an infer
+or clear op reading a constant the 16-bit type cannot hold (a mask's fill of f32's
+largest magnitude) stays f32 (passes/propagate/graph.py).
 """
 
 from __future__ import annotations
@@ -136,6 +140,11 @@ def short_window_sum(op: Any) -> bool:
     return window <= SHORT_SUM
 
 
+def _squares(op: Any) -> bool:
+    operands = op.operation.operands
+    return len(operands) == 2 and operands[0] == operands[1]
+
+
 def single_update_scatter(op: Any) -> bool:
     """A one-input add scatter whose indices name one position (per batch element): no
     two updates meet, so each element gets at most one add."""
@@ -152,14 +161,18 @@ def single_update_scatter(op: Any) -> bool:
 
 
 def op_class(op: Any, compute_dtype: str) -> str:
-    """The class of one op: the table, with reduce/reduce_window classed by their body
-    and an add scatter by whether its updates can meet."""
+    """The class of one op: the table, with reduce/reduce_window classed by their body,
+    an add scatter by whether its updates can meet, and under f16 a square (``x * x``,
+    what jax writes for ``x ** 2`` and ``x ** 3``) as deny."""
     kind = short_name(op.operation.name)
     found = table_class(kind, compute_dtype)
+    if kind == "multiply" and compute_dtype == "float16" and _squares(op):
+        return DENY
     if kind == "scatter" and single_update_scatter(op):
         return INFER
     if kind in ("reduce", "reduce_window") and found == CLEAR and not picks_an_input(op):
-        if kind == "reduce_window" and short_window_sum(op):
+        # Under f16 a short sum overflows too (16 elements of 9,000: 144,000).
+        if kind == "reduce_window" and short_window_sum(op) and compute_dtype != "float16":
             return INFER
         return DENY
     return found

@@ -36,8 +36,12 @@
 // CPU: func.func private @_where(%arg0: tensor<4x4xi1>, %arg1: tensor<4x4xf32>, %arg2: tensor<f32>) -> tensor<4x4xf32>
 // CPU-NOT: func.func
 // CPU: }
+// Under f16 the fill -1e9 is beyond f16's range (it would be -inf, and a fully masked
+// row's softmax NaN): the select reads the 16-bit scores converted up and stays f32.
 // F16-LABEL: module @tril_mask
-// F16: func.func private @_where(%arg0: tensor<4x4xi1>, %arg1: tensor<4x4xf16>, %arg2: tensor<f32>) -> tensor<4x4xf16>
+// F16: func.func private @_where(%arg0: tensor<4x4xi1>, %arg1: tensor<4x4xf16>, %arg2: tensor<f32>) -> tensor<4x4xf32>
+// F16: stablehlo.convert %arg1 : (tensor<4x4xf16>) -> tensor<4x4xf32>
+// F16: stablehlo.select %arg0, %{{.*}}, %{{.*}} : tensor<4x4xi1>, tensor<4x4xf32>
 // F16-NOT: func.func
 // F16: }
 
@@ -133,7 +137,7 @@ module @tril_mask attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas =
 // CPU-NOT: func.func
 // CPU: }
 // F16-LABEL: module @constant_mask
-// F16: func.func private @_where(%arg0: tensor<4x4xi1>, %arg1: tensor<4x4xf16>, %arg2: tensor<f32>) -> tensor<4x4xf16>
+// F16: func.func private @_where(%arg0: tensor<4x4xi1>, %arg1: tensor<4x4xf16>, %arg2: tensor<f32>) -> tensor<4x4xf32>
 
 module @constant_mask attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32} {
   func.func public @main(%arg0: tensor<4x4xf32>, %arg1: tensor<4x4xf32>) -> (tensor<f32> {jax.result_info = "result"}) {

@@ -388,6 +388,84 @@ def test_op_rules_move_classes():
     assert report.propagation["ops"]["exponential"]["painted"] == 1
 
 
+def _padded_attention(fill):
+    """Attention over 8 tokens, the last 3 padding on both sides (their rows see no key),
+    with the mask's fill ``fill``; a loss that masks the padded rows out."""
+    def attend(wq, wk, wv, x):
+        pad = jnp.arange(8) < 5
+        q, k, v = ((x @ m).reshape(8, 2, 8) for m in (wq, wk, wv))
+        scores = jnp.einsum("tnh,snh->nts", q, k) / 8.0
+        scores = jnp.where((pad[:, None] & pad[None, :])[None], scores, fill)
+        out = jnp.einsum("nts,snh->tnh", jax.nn.softmax(scores, -1), v).reshape(8, 16)
+        return jnp.sum((out @ wq) * pad[:, None])
+
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.standard_normal((16, 16)) / 4, jnp.float32) for _ in range(3)]
+    return jax.grad(attend, argnums=(0, 1, 2)), (*args, jnp.asarray(
+        rng.standard_normal((8, 16)), jnp.float32))
+
+
+@pytest.mark.parametrize(("policy", "fill"), [
+    ("mixed_bfloat16,fuse_attention=false", float(jnp.finfo(jnp.float32).min)),  # Flax's
+    ("mixed_float16,fuse_attention=false", -0.7 * float(jnp.finfo(jnp.float32).max)),
+    ("mixed_float16,fuse_attention=false", -1e9)])
+def test_a_mask_fill_beyond_the_16bit_range_stays_f32(policy, fill):
+    """Converted to 16 bit the fill was -inf: a padded row's softmax, and through
+    NaN * 0 every gradient, NaN (jax.jit: finite)."""
+    grad, args = _padded_attention(fill)
+    want = jax.jit(grad)(*args)
+    for target in ("gpu", "tpu") if "bfloat16" in policy else ("gpu",):
+        got = _gpu_form(grad, policy, *args, target=target)
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in got), target
+        _close(got, want, _dtype(policy))
+
+
+def _f16_overflow_programs():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((64, 64)) * 5, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((64, 64)) / 8, jnp.float32)
+    img = jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.float32)
+    k1 = jnp.asarray(rng.standard_normal((3, 3, 4, 8)), jnp.float32)
+    k2 = jnp.asarray(rng.standard_normal((3, 3, 8, 4)) / 64, jnp.float32)
+
+    def conv(a, k):
+        return jax.lax.conv_general_dilated(a, k, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def gelu_grad(w1, w2, x):  # |pre-activation| up to ~400: the tanh form's 3x² overflows
+        return jax.grad(lambda w1: jnp.sum(jax.nn.gelu(x @ w1 * 4.0) @ w2))(w1)
+
+    def squared(x, w1, w2):
+        return ((x @ w1 * 8) ** 2 * 1e-3) @ w2
+
+    def scaled(x, w1, w2):  # a constant f16 cannot hold (the product it makes fits)
+        return (x @ w1 * 1e5 * 1e-4) @ w2
+
+    def avg_pool(img, k1, k2):  # window sums to 126,000, averages under 8,000
+        h = (jnp.tanh(conv(img, k1)) + 2.0) * 3000.0
+        return conv(jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 4, 4, 1), (1, 4, 4, 1),
+                                          "VALID") / 16.0, k2)
+
+    return {"gelu_grad": (gelu_grad, (w1, w2, x)), "squared": (squared, (x, w1, w2)),
+            "scaled": (scaled, (x, w1, w2)), "avg_pool": (avg_pool, (img, k1, k2))}
+
+
+@pytest.mark.parametrize("name", ["gelu_grad", "squared", "scaled", "avg_pool"])
+def test_f16_keeps_what_overflows_it_in_f32(name):
+    """Squares (x ** 3's x·x, a squared ReLU), a constant past 65504 and a short sum
+    overflowed f16 in the fast mode: inf, and NaN downstream (jax.jit: finite)."""
+    fn, args = _f16_overflow_programs()[name]
+    want = jax.jit(fn)(*args)
+    assert bool(jnp.all(jnp.isfinite(want)))
+    for got in (hlo_amp.compile(fn, "mixed_float16")(*args),  # the CPU form
+                _gpu_form(fn, "mixed_float16", *args)):
+        assert bool(jnp.all(jnp.isfinite(got))), name
+        # Loose: what is tested is a value that is there, not inf or NaN (the GELU's
+        # pre-activations reach 400, where f16's steps are 0.25).
+        _close(got, want, "bfloat16")
+
+
 def test_f16_denies_divide_bf16_does_not():
     def fn(p, x):
         return ((x @ p["w1"]) / p["d"]) @ p["w2"]

@@ -6,6 +6,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
+import numpy as np
 from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import (
@@ -16,6 +18,7 @@ from hlo_amp.ir.modules import (
     is_call,
     is_public,
     op_key,
+    readable_attribute,
     terminator,
 )
 from hlo_amp.ir.op_classes import (
@@ -43,6 +46,9 @@ from hlo_amp.passes.propagate.body import (
 from hlo_amp.policy import AMP_STOP, COMPUTE, OP_KINDS, Policy
 
 DENY_CLASS = "deny class"  # the reason of an op the table (not a rule) keeps f32
+# The reasons of ops kept f32 because their result, or a constant they read, is beyond
+# the 16-bit type's range: what they compute stays f32 downstream in every form.
+OUT_OF_RANGE = "beyond the 16-bit range"
 LINK = "link"
 # A convert to the compute dtype, or the updates of an add scatter kept f32: where a
 # region may end.
@@ -114,6 +120,8 @@ class Graph:
         # before the rewrite retypes anything)
         self._kinds: dict[ir.Value, str] = {}
         self._classes: dict[str, tuple[str, str]] = {}  # op name -> (kind, table class)
+        # (callee instance, its argument) -> (caller instance, the call's operand)
+        self.call_argument: dict[tuple[int, ir.Value], tuple[int, ir.Value]] = {}
         # Whether any rule could name a non-matrix op (amp_stop aside).
         self._site_rules = bool(policy.scopes) or policy.backward is not None or any(
             kind not in OP_KINDS for kind in policy.ops)
@@ -129,6 +137,41 @@ class Graph:
             self._op_nodes(inst_id, inst)
         for inst_id, inst in enumerate(self.instances):
             self._links(inst_id, inst)
+        self._deny_constants_out_of_range()
+
+    def _deny_constants_out_of_range(self) -> None:
+        """An infer or clear op that reads a constant the compute type cannot hold (jax's
+        and Flax's mask fills -0.7 * f32 max and finfo(f32).min, -1e9 under f16, a scale
+        of 1e8 under f16) stays f32: converted to 16 bit the constant is inf, and a
+        masked row's softmax, or the product, NaN."""
+        largest = float(ml_dtypes.finfo(np.dtype(self.policy.compute_dtype)).max)
+        for node in self.nodes:
+            if node.cls not in (INFER, CLEAR):
+                continue
+            for inst_id, value in node.inputs:
+                found = self._constant_magnitude(inst_id, value)
+                if found is not None and found > largest:
+                    node.cls, node.reason = DENY, f"{OUT_OF_RANGE}: reads a constant"
+                    break
+
+    def _constant_magnitude(self, inst_id: int, value: ir.Value) -> float | None:
+        """The largest finite magnitude of the f32 constant ``value`` is (through
+        converts, broadcasts, reshapes and the arguments of a called function), or None
+        where it is no such constant."""
+        for _step in range(8):
+            if isinstance(value, ir.BlockArgument):
+                caller = self.call_argument.get((inst_id, value))
+                if caller is None:
+                    return None
+                inst_id, value = caller
+                continue
+            op = value.owner
+            if op.name == "stablehlo.constant":
+                return _largest_finite(op)
+            if op.name not in _CONSTANT_CARRIERS:
+                return None
+            value = op.operands[0]
+        return None
 
     def _instantiate(self, fn: Any, prefix: str) -> int:
         inst_id = len(self.instances)
@@ -197,8 +240,8 @@ class Graph:
                 kind = short_name(name)
                 known = by_name[name] = (kind, table_class(kind, compute))
             kind, cls = known
-            if kind in _BODY_CLASSED:  # reduce, reduce_window, scatter: by their body
-                cls = op_class(op, compute)
+            if kind in _BODY_CLASSED or (kind == "multiply" and compute == "float16"):
+                cls = op_class(op, compute)  # by the body, or a square under f16
             node = Node(cls, inst_id, index, kind,
                          inputs=[(inst_id, v) for v in operands],
                          outputs=[(inst_id, v) for v in results], has_f32=has_f32)
@@ -223,6 +266,8 @@ class Graph:
                     node.cls, node.reason = override
                 else:
                     node.reason = DENY_CLASS if cls == DENY else "not in the op table"
+            if kind == "multiply" and node.cls == DENY and node.reason == DENY_CLASS:
+                node.reason = f"{OUT_OF_RANGE}: a square under float16"
             self.op_node[(inst_id, index)] = self._add(node)
 
     def policy_class(self, op: Any, prefix: str, kind: str) -> tuple[str, str] | None:
@@ -303,6 +348,7 @@ class Graph:
         callee = self.instances[child].fn
         entry = first_block(callee.regions[0])
         for slot, argument in enumerate(entry.arguments):
+            self.call_argument[(child, argument)] = (inst_id, op.operands[slot])
             self._link(inst_id, index, "arg", slot,
                        [(op, (inst_id, op.operands[slot]), slot)], [(child, argument)])
         child_body = self.instances[child].body
@@ -377,6 +423,32 @@ class Graph:
         index = inst.index.get(op_key(op))
         return None if index is None else self.op_node.get((inst_id, index))
 
+
+
+# Ops that pass a constant on unchanged in value (a weak-type convert, a broadcast).
+_CONSTANT_CARRIERS = frozenset({"stablehlo.convert", "stablehlo.broadcast_in_dim",
+                                "stablehlo.reshape", "stablehlo.transpose"})
+# A non-splat constant larger than this is not read (no mask fill or scale is).
+_MAX_READ_ELEMENTS = 1 << 16
+
+
+def _largest_finite(op: Any) -> float | None:
+    """The largest finite |element| of an f32 or f64 ``stablehlo.constant``; None for
+    another element type, an unreadable or a large non-splat constant."""
+    read = readable_attribute(op, "value")
+    if read is None:
+        return None
+    attr = ir.DenseElementsAttr(read)
+    if str(ir.RankedTensorType(attr.type).element_type) not in ("f32", "f64"):
+        return None
+    if attr.is_splat:
+        values = np.asarray([ir.FloatAttr(attr.get_splat_value()).value])
+    elif len(attr) <= _MAX_READ_ELEMENTS:
+        values = np.asarray(attr, dtype=np.float64)
+    else:
+        return None
+    finite = np.abs(values[np.isfinite(values)])
+    return float(finite.max()) if finite.size else None
 
 
 def _sums_updates(node: Node, op: Any, number: int) -> bool:

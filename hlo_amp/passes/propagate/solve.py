@@ -11,7 +11,7 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 from hlo_amp.ir.modules import element_count, from_constant
 from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
 from hlo_amp.ir.sites import join_names, location_name, parse_name
-from hlo_amp.passes.propagate.graph import DENY_CLASS, LINK, SINK, Graph, Node
+from hlo_amp.passes.propagate.graph import DENY_CLASS, LINK, OUT_OF_RANGE, SINK, Graph, Node
 from hlo_amp.targets.target import PaintForm
 
 # Reasons the painting itself gives (reset when it runs again).
@@ -93,7 +93,7 @@ def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
         node.pinned = DENY in _readers(node) or (pin_at_deny and any(
             isinstance(r, Node) and r.cls not in (INFER, CLEAR, LINK, ALLOW)
             for r in _readers(node)))
-    denied = set() if pin_at_deny else _downstream_of_deny(graph, stored)
+    denied = _downstream_of_deny(graph, stored, table_deny=not pin_at_deny)
     for node in graph.nodes:
         if node.cls in (INFER, CLEAR, LINK) and not node.reason:
             if node.pinned:
@@ -272,13 +272,20 @@ def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
             if node.painted and id(node) in after_deny and id(node) not in equalities}
 
 
-def _downstream_of_deny(graph: Graph, stored: frozenset[int]) -> set[int]:
+def _downstream_of_deny(graph: Graph, stored: frozenset[int], *, table_deny: bool
+                        ) -> set[int]:
     """ids of the infer, clear and link nodes a deny op's value reaches through infer,
     clear and link nodes other than ``stored`` ones: what a deny op computes stays f32
     downstream (TensorFlow's forward deny propagation) up to a value stored in 16 bit.
     As there, data movement is entered only when it leads (through data movement) to
     arithmetic, so a transpose between a sum and a matrix op may still move 16-bit
-    values."""
+    values. The table's deny ops spread only with ``table_deny`` (not on CPU); those
+    kept f32 for the 16-bit range (OUT_OF_RANGE: a square under f16, a mask's fill) in
+    every form, as their values may not fit it."""
+    sources = [n for n in graph.nodes if (table_deny and _deny_class(n)) or (
+        n.cls == DENY and n.reason.startswith(OUT_OF_RANGE))]
+    if not sources:
+        return set()
     leads: set[int] = set()  # clear/link nodes upstream of arithmetic via clear/link
     pending = [n for n in graph.nodes if n.cls not in (CLEAR, LINK, ALLOW)]
     while pending:
@@ -290,7 +297,7 @@ def _downstream_of_deny(graph: Graph, stored: frozenset[int]) -> set[int]:
                 leads.add(id(producer))
                 pending.append(producer)
     denied: set[int] = set()
-    pending = [n for n in graph.nodes if _deny_class(n)]
+    pending = sources
     while pending:
         node = pending.pop()
         if id(node) in stored:
