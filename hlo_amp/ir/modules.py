@@ -475,8 +475,9 @@ def element_type(value: ir.Value) -> ir.Type | None:
     return tensor_type.element_type if isinstance(tensor_type, ir.RankedTensorType) else None
 
 
-_CONSTANT_CARRIERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
-                                "stablehlo.convert"})
+# Ops that pass a constant on unchanged in value (a weak-type convert, a broadcast).
+CONSTANT_CARRIERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                               "stablehlo.convert", "stablehlo.transpose"})
 
 
 def from_constant(value: ir.Value, depth: int = 0) -> bool:
@@ -487,7 +488,7 @@ def from_constant(value: ir.Value, depth: int = 0) -> bool:
     owner = value.owner
     if owner.name == "stablehlo.constant":
         return True
-    return owner.name in _CONSTANT_CARRIERS and from_constant(owner.operands[0], depth + 1)
+    return owner.name in CONSTANT_CARRIERS and from_constant(owner.operands[0], depth + 1)
 
 
 def element_count(value: ir.Value) -> int | None:

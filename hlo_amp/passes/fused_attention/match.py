@@ -66,8 +66,6 @@ CLUSTER_OPS = ELEMENTWISE | _LAYOUT
 _DOT = "stablehlo.dot_general"
 
 
-
-
 def _partial(which: str, forward: bool = False) -> NotFused:
     """A backward pass that reads only part of the attention (``which``); ``forward``:
     the step computes the output too."""
@@ -205,10 +203,10 @@ class _Site(MaskReading, ExitReading):
         exps = [(op, st) for op, st in self.ops.values() if op.name == "stablehlo.exponential"]
         if not exps:
             if self._softmax_past_a_barrier():
-                saved = NotFused("the scores are saved for the backward pass (a jax.checkpoint "
-                               "policy that saves matrix ops' results, such as dots_saveable, "
-                               "keeps them; one that does not, such as nothing_saveable, "
-                               "fuses)")
+                saved = NotFused("the scores are saved for the backward pass (a "
+                                 "jax.checkpoint policy that saves matrix ops' results, such "
+                                 "as dots_saveable, keeps them; one that does not, such as "
+                                 "nothing_saveable, fuses)")
                 saved.direction = "forward and backward"  # saved for a backward pass
                 raise saved
             raise NotFused("no softmax", attention=False)

@@ -11,6 +11,7 @@ import numpy as np
 from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import (
+    CONSTANT_CARRIERS,
     callee_name,
     element_type,
     function_name,
@@ -160,9 +161,9 @@ class Graph:
                     break
 
     def _constant_magnitude(self, inst_id: int, value: ir.Value) -> float | None:
-        """The largest finite magnitude of the f32 constant ``value`` is (through
-        converts, broadcasts, reshapes and the arguments of a called function), or None
-        where it is no such constant."""
+        """The largest finite magnitude of the f32 constant that ``value`` holds, seen
+        through converts, broadcasts, reshapes and a called function's arguments; None
+        where ``value`` is no such constant."""
         for _step in range(8):
             if isinstance(value, ir.BlockArgument):
                 caller = self.call_argument.get((inst_id, value))
@@ -173,7 +174,7 @@ class Graph:
             op = value.owner
             if op.name == "stablehlo.constant":
                 return _largest_finite(op)
-            if op.name not in _CONSTANT_CARRIERS:
+            if op.name not in CONSTANT_CARRIERS:
                 return None
             value = op.operands[0]
         return None
@@ -276,7 +277,8 @@ class Graph:
             self.op_node[(inst_id, index)] = self._add(node)
 
     def policy_class(self, op: Any, prefix: str, kind: str) -> tuple[str, str] | None:
-        """(class, reason) when a rule overrides the table for this op, else None."""
+        """(class, reason) when a rule overrides the table for this op, or the op is a
+        special function's arithmetic (deny), else None."""
         name = location_name(op.location)
         if name.rsplit("/", 1)[-1] in SPECIAL_FUNCTIONS:
             # The arithmetic a special function is lowered to (jax.export expands CHLO's
@@ -435,9 +437,6 @@ class Graph:
 
 
 
-# Ops that pass a constant on unchanged in value (a weak-type convert, a broadcast).
-_CONSTANT_CARRIERS = frozenset({"stablehlo.convert", "stablehlo.broadcast_in_dim",
-                                "stablehlo.reshape", "stablehlo.transpose"})
 # A non-splat constant larger than this is not read (no mask fill or scale is).
 _MAX_READ_ELEMENTS = 1 << 16
 
