@@ -568,6 +568,11 @@ class _FrozenDict(dict):
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted(self.items())))
 
+    def __reduce__(self) -> tuple:
+        # pickle and copy.deepcopy rebuild a dict subclass item by item (__setitem__):
+        # build it whole instead.
+        return (_FrozenDict, (dict(self),))
+
 
 def as_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
     """Accept a Policy, a preset or policy string, or a dict; None means "bf16"."""

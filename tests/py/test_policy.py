@@ -233,6 +233,19 @@ def test_as_policy_accepts_every_form() -> None:
     assert as_policy(expected.to_dict()) == expected
 
 
+def test_a_policy_pickles_and_copies() -> None:
+    """deepcopy and pickle rebuilt its rule tables item by item, which they refuse
+    ("read-only"): no compiled function could be deep-copied either."""
+    import copy
+    import pickle
+
+    policy = Policy.parse("fp8,scope:head=float32,op:exponential=compute")
+    assert pickle.loads(pickle.dumps(policy)) == policy
+    assert copy.deepcopy(policy) == policy
+    with pytest.raises(TypeError, match="read-only"):
+        copy.deepcopy(policy).scopes["head"] = "keep"
+
+
 def test_spaces_around_an_items_colon_are_ignored() -> None:
     # "scope :head" and "op : dot_general" were unknown keys.
     spaced = Policy.parse("bf16, scope : head = float32, op : dot_general = keep")
