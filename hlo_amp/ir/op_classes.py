@@ -34,8 +34,9 @@ Any op kind not in the table is never painted and keeps its inputs f32, like ``d
 f16 is stricter than bf16: f16 tops out at 65504 while bf16 has f32's exponent range, so
 ops whose result can be far larger than their inputs stay f32 under f16 only:
 ``divide`` (a quotient by a small divisor overflows), ``tan`` (unbounded near π/2), a
-square ``x * x`` (past 256: the tanh GELU's ``x ** 3`` and its gradient's ``3 x²``, a
-squared ReLU) and short sums. Sums and means stay f32 under both. Under either, an infer
+square (``chlo.square``, ``x * x``: past 256; the tanh GELU's ``x ** 3`` and its
+gradient's ``3 x²``, a squared ReLU, a norm's ``x²``), a product only sums read (a
+norm's backward ``x * dy`` under a loss scale) and short sums. Sums and means stay f32 under both. Under either, an infer
 or clear op reading a constant the 16-bit type cannot hold (a mask's fill of f32's
 largest magnitude) stays f32 (passes/propagate/graph.py).
 """
@@ -88,7 +89,7 @@ MATRIX_OP_NAMES = frozenset(f"stablehlo.{kind}" for kind, cls in OP_CLASSES.item
                             if cls == ALLOW)
 
 # Stricter under f16 only (see the module docstring).
-F16_DENY = frozenset({"divide", "tan"})
+F16_DENY = frozenset({"divide", "tan", "square"})
 
 # An add reduce_window over at most this many elements (2x2, 3x3, 4x4 pooling) is infer.
 SHORT_SUM = 16
@@ -145,6 +146,15 @@ def _squares(op: Any) -> bool:
     return len(operands) == 2 and operands[0] == operands[1]
 
 
+def _summed_only(op: Any) -> bool:
+    """Whether every reader of ``op``'s result is an add reduce (a norm's statistic, its
+    backward's ``sum(x * dy)``): the sum reads f32, and the product, under a loss scale,
+    can pass 65504 before it."""
+    uses = list(op.operation.results[0].uses)
+    return bool(uses) and all(
+        use.owner.name == "stablehlo.reduce" and body_is_one_add(use.owner) for use in uses)
+
+
 def single_update_scatter(op: Any) -> bool:
     """A one-input add scatter whose indices name one position (per batch element): no
     two updates meet, so each element gets at most one add."""
@@ -166,7 +176,8 @@ def op_class(op: Any, compute_dtype: str) -> str:
     what jax writes for ``x ** 2`` and ``x ** 3``) as deny."""
     kind = short_name(op.operation.name)
     found = table_class(kind, compute_dtype)
-    if kind == "multiply" and compute_dtype == "float16" and _squares(op):
+    if kind == "multiply" and compute_dtype == "float16" and (
+            _squares(op) or _summed_only(op)):
         return DENY
     if kind == "scatter" and single_update_scatter(op):
         return INFER

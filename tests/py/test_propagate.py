@@ -447,11 +447,22 @@ def _f16_overflow_programs():
         return conv(jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 4, 4, 1), (1, 4, 4, 1),
                                           "VALID") / 16.0, k2)
 
+    def rms(h):
+        return h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + 1e-6)
+
+    def rms_norm(x, w1, w2):  # chlo.square of a residual near 1e3: inf, then zeros out
+        return rms(x @ w1 * 40.0) @ w2
+
+    def rms_norm_grad(w1, w2, x):  # its backward's sum(h * dy) under a loss scale
+        return jax.grad(lambda w1: jnp.sum(rms(x @ w1 * 40.0) @ w2) * 2.0 ** 8)(w1)
+
     return {"gelu_grad": (gelu_grad, (w1, w2, x)), "squared": (squared, (x, w1, w2)),
-            "scaled": (scaled, (x, w1, w2)), "avg_pool": (avg_pool, (img, k1, k2))}
+            "scaled": (scaled, (x, w1, w2)), "avg_pool": (avg_pool, (img, k1, k2)),
+            "rms_norm": (rms_norm, (x, w1, w2)), "rms_norm_grad": (rms_norm_grad, (w1, w2, x))}
 
 
-@pytest.mark.parametrize("name", ["gelu_grad", "squared", "scaled", "avg_pool"])
+@pytest.mark.parametrize("name", ["gelu_grad", "squared", "scaled", "avg_pool", "rms_norm",
+                                  "rms_norm_grad"])
 def test_f16_keeps_what_overflows_it_in_f32(name):
     """Squares (x ** 3's x·x, a squared ReLU), a constant past 65504 and a short sum
     overflowed f16 in the fast mode: inf, and NaN downstream (jax.jit: finite)."""

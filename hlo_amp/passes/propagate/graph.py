@@ -272,8 +272,9 @@ class Graph:
                     node.cls, node.reason = override
                 else:
                     node.reason = DENY_CLASS if cls == DENY else "not in the op table"
-            if kind == "multiply" and node.cls == DENY and node.reason == DENY_CLASS:
-                node.reason = f"{OUT_OF_RANGE}: a square under float16"
+            if (kind in ("multiply", "square") and compute == "float16"
+                    and node.cls == DENY and node.reason == DENY_CLASS):
+                node.reason = f"{OUT_OF_RANGE}: a square or a summed product under float16"
             self.op_node[(inst_id, index)] = self._add(node)
 
     def policy_class(self, op: Any, prefix: str, kind: str) -> tuple[str, str] | None:
