@@ -53,6 +53,7 @@ from hlo_amp.passes.fp8_state import (
     find_state,
     i32_scalar,
     iterations,
+    one_caller_each,
     vector_element,
 )
 from hlo_amp.policy import FP8_SHORT
@@ -60,6 +61,10 @@ from hlo_amp.report import Report
 from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MAX
 
 _DOT = frozenset({"stablehlo.dot_general"})
+
+
+def _holds_mark(fn: Any) -> bool:
+    return any(FP8_MARK in op.attributes for op in walk_operations(fn, names=_DOT))
 
 
 def _read_mark(op: ir.Operation) -> tuple[ir.Type, ir.Type, ir.Type]:
@@ -91,6 +96,8 @@ class Fp8Quantize:
             threads = None
             if self.scaling == "delayed":
                 barrier = find_state(module)
+                if barrier is not None:
+                    one_caller_each(module, _holds_mark)
                 threads = HistoryThreads(module, barrier) if barrier is not None else None
             marked = [op for fn in functions(module) for op in walk_operations(fn, names=_DOT)
                       if FP8_MARK in op.attributes]

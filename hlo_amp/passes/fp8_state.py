@@ -46,6 +46,7 @@ from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_carri
 # The scope of the barrier that carries the history through the step.
 STATE_SCOPE = "hlo_amp_fp8_state"
 _BARRIER = frozenset({"stablehlo.optimization_barrier"})
+_CALL = frozenset({"func.call"})
 # The most iterations a loop may have for the tensors quantised in it to get a history
 # column per iteration: a scan over layers has tens; a scan over a long sequence's time
 # steps would multiply the state by its length, so its tensors share one column.
@@ -67,6 +68,48 @@ def find_state(module: ir.Module) -> Any | None:
                 if shape.rank == 2 and shape.element_type == ir.F32Type.get():
                     return op
     return None
+
+
+def one_caller_each(module: ir.Module, holds: Any) -> int:
+    """Give each call of a private function that ``holds(fn)`` (or that calls one that
+    does, at any depth) a copy of its own, so every quantised tensor has its own history
+    column(s): a function called at two sites (a ``jax.jit`` layer called per layer, a
+    scan unrolled twice) shared one, and a layer with small weights was scaled by
+    another's amax. Returns the copies made."""
+    by_name = {function_name(fn): fn for fn in functions(module)}
+    calls_of = {name: [op for op in walk_operations(fn, names=_CALL)]
+                for name, fn in by_name.items()}
+    holding: dict[str, bool] = {}
+
+    def holds_any(name: str, seen: frozenset = frozenset()) -> bool:
+        if name not in holding:
+            fn = by_name.get(name)
+            holding[name] = fn is not None and not is_public(fn) and name not in seen and (
+                holds(fn) or any(holds_any(ir.FlatSymbolRefAttr(c.attributes["callee"]).value,
+                                           seen | {name}) for c in calls_of[name]))
+        return holding[name]
+
+    claimed: set[str] = set()
+    copies = 0
+    pending = [name for name, fn in by_name.items() if is_public(fn)]
+    while pending:
+        for call in calls_of[pending.pop()]:
+            callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+            if not holds_any(callee):
+                continue
+            if callee in claimed:
+                copies += 1
+                name = f"{callee}_hlo_amp_{copies}"
+                copy = by_name[callee].operation.clone(ip=ir.InsertionPoint(module.body))
+                copy.attributes["sym_name"] = ir.StringAttr.get(name)
+                call.attributes["callee"] = ir.FlatSymbolRefAttr.get(name)
+                by_name[name] = copy.opview if hasattr(copy, "opview") else copy
+                calls_of[name] = list(walk_operations(copy, names=_CALL))
+                holding[name] = True
+                callee = name
+            claimed.add(callee)
+            pending.append(callee)
+    return copies
 
 
 def callers_by_name(module: ir.Module) -> dict[str, list[Any]]:

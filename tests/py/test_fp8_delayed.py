@@ -405,6 +405,46 @@ def _train_decoder(policy: str, batches: np.ndarray) -> tuple[list[float], objec
     return losses, step
 
 
+def _relative(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("unroll", [None, 2])
+def test_a_function_called_at_two_sites_gives_each_call_its_own_columns(unroll) -> None:
+    """A jax.jit layer called per layer (one private function, several call sites), or a
+    scan unrolled twice, shared one history column between its calls: a layer of small
+    weights was scaled by another's amax and came out all zeros (relative error 1.0)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    scales = (1e3, 1e-3, 1.0, 1.0)
+    ws = jnp.stack([jnp.asarray(rng.standard_normal((64, 64)) / 8 * s, jnp.float32)
+                    for s in scales])
+
+    @jax.jit
+    def dense(h, w):
+        return h @ w
+
+    if unroll is None:
+        def f(ws, x):
+            return jnp.stack([dense(x, w) for w in ws])
+    else:
+        def f(ws, x):
+            def body(carry, w):
+                return carry, jax.checkpoint(lambda w: x @ w)(w)
+            return jax.lax.scan(body, 0.0, ws, unroll=unroll)[1]
+
+    policy = "fp8,first_matrix_op=none,last_matrix_op=none"
+    want, current = jax.jit(f)(ws, x), hlo_amp.compile(f, policy)(ws, x)
+    delayed = hlo_amp.compile(f, policy + ",scaling=delayed,amax_history=4")
+    for _ in range(3):
+        got = delayed(ws, x)
+    for layer in range(len(scales)):
+        assert _relative(got[layer], want[layer]) < 1.5 * _relative(current[layer],
+                                                                     want[layer]) + 1e-3
+    assert delayed.fp8_state().shape == (4, 2 * len(scales))  # x and w per call
+
+
 def test_tiny_decoder_fp8_trains_within_2_percent_of_bf16() -> None:
     batches = _bigram_batches(200)
     final = {}
