@@ -23,6 +23,7 @@ the history first and returns ``(outputs, history)``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -115,7 +116,8 @@ class Fp8StatefulFunction:
         self._histories: dict[Any, jax.Array] = {}  # (program, columns) -> the history
         self._loaded: jax.Array | None = None
         self._last_state: Any = None  # the key of the last call's history
-        self._columns_of: dict[Any, int] = {}  # (program, shapes, target) -> columns
+        # (program, shapes, target) -> (columns, which dots are fp8)
+        self._columns_of: dict[Any, tuple[int, tuple]] = {}
 
     # -- the state --
 
@@ -124,6 +126,9 @@ class Fp8StatefulFunction:
         types of the others, a filtered call's non-array leaves; the arrays' shapes and
         shardings; the dynamic leaves). A Python scalar that is not static is traced (as
         under jax.jit): its type counts, not its value."""
+        # As jax traces them: an argument passed by keyword or by position, a default
+        # given or left out, make one program (each had a history of its own).
+        args, kwargs = _bound(self.fn, args, kwargs)
         dyn_args, dyn_kwargs, static_args, static_kwargs = split_static(
             args, kwargs, self.static_argnums, self.static_argnames)
         static = (tuple(_static_part(v) for _, v in static_args),
@@ -133,7 +138,8 @@ class Fp8StatefulFunction:
         kinds, shapes = [], []
         for leaf in leaves:
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-                kinds.append((str(leaf.dtype), bool(getattr(leaf, "weak_type", False))))
+                kinds.append((str(jax.dtypes.canonicalize_dtype(leaf.dtype)),
+                              bool(getattr(leaf, "weak_type", False))))
                 shapes.append(leaf_signature(leaf))
                 continue
             if filtered is None:
@@ -142,27 +148,31 @@ class Fp8StatefulFunction:
         return (tree, tuple(kinds), static), tuple(shapes), leaves
 
     def _columns(self, args: tuple, kwargs: dict, program: Any, shapes: Any,
-                 target: Any = None) -> int:
+                 target: Any = None) -> tuple[int, tuple]:
         """How many history columns the fp8 pass takes for these arguments (one per
-        quantised tensor, one per iteration for a tensor in a scan; ``program`` and
-        ``shapes``: their ``_signature``; a lowering with an empty history, once per
-        signature)."""
+        quantised tensor, one per iteration for a tensor in a scan), and which dots
+        are fp8 (a dot under 16 rows falls back to bf16: which tensors own the columns
+        depends on the shapes); ``program`` and ``shapes``: their ``_signature``; a
+        lowering with an empty history, once per signature."""
         key = (program, shapes, target)
-        columns = self._columns_of.get(key)
-        if columns is None:
+        found = self._columns_of.get(key)
+        if found is None:
             # Arrays, not ShapeDtypeStructs: a filtered call (Equinox) would take a
             # non-array leaf for a static. Zero columns: nothing allocated.
             empty = jnp.zeros((self.policy.amax_history, 0), jnp.float32)
-            lowered = self._inner.lower_for(target, empty, *args, **kwargs)
-            columns = self._columns_of[key] = lowered.report().fp8_state_columns
-        return columns
+            report = self._inner.lower_for(target, empty, *args, **kwargs).report()
+            fp8 = tuple(d.operands_after[0].startswith("f8") for d in report.decisions)
+            found = self._columns_of[key] = (report.fp8_state_columns, fp8)
+        return found
 
     def _history(self, args: tuple, kwargs: dict, program: Any, shapes: Any, leaves: list
                  ) -> tuple[Any, jax.Array]:
         """(the key of this program's history, the history this call starts from;
         ``program``, ``shapes``, ``leaves``: the call's ``_signature``)."""
-        columns = self._columns(args, kwargs, program, shapes)
-        state = (program, columns)
+        columns, fp8 = self._columns(args, kwargs, program, shapes)
+        # One history per program and set of fp8 dots: a new batch size shares it (the
+        # same tensors), unless it moves a dot to or from its bf16 fallback.
+        state = (program, columns, fp8)
         shape = (self.policy.amax_history, columns)
         if self._loaded is not None and tuple(self._loaded.shape) == shape:
             history, self._loaded = self._loaded, None  # load_fp8_state's own f32 copy
@@ -240,7 +250,7 @@ class Fp8StatefulFunction:
     def lower_for(self, target: Any, /, *args: Any, **kwargs: Any) -> Any:
         """``lower(*args, **kwargs)`` for the device ``target`` (None: this machine's)."""
         program, shapes, _ = self._signature(args, kwargs)
-        columns = self._columns(args, kwargs, program, shapes, target)
+        columns, _ = self._columns(args, kwargs, program, shapes, target)
         history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
         return self._inner.lower_for(target, history, *args, **kwargs)
 
@@ -261,3 +271,15 @@ class Fp8StatefulFunction:
 
     def cache_size(self) -> int:
         return self._inner.cache_size()
+
+
+def _bound(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` bound to ``fn``'s parameters, defaults filled in: by
+    position where a parameter can be (unchanged where ``fn`` has no signature or the
+    call does not bind, which the call itself then reports)."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    bound.apply_defaults()
+    return bound.args, bound.kwargs

@@ -445,6 +445,51 @@ def test_a_function_called_at_two_sites_gives_each_call_its_own_columns(unroll) 
     assert delayed.fp8_state().shape == (4, 2 * len(scales))  # x and w per call
 
 
+def test_one_history_however_the_arguments_are_written() -> None:
+    """By keyword, a default passed, a NumPy float64 batch (an f32 program without x64):
+    jax traces one program, and the call kept its history (each started a new one with
+    scale 1: 0.66 off against 0.15)."""
+    rng = np.random.default_rng(0)
+
+    def forward(w, x, lr=0.1):
+        return jnp.tanh(x @ w) @ w.T * lr
+
+    w = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((32, 64)) * 1000, jnp.float32)  # amax past 448
+    step = hlo_amp.compile(forward, "fp8,scaling=delayed,amax_history=16,"
+                                    "first_matrix_op=none,last_matrix_op=none")
+    want = jax.jit(forward)(w, x)
+    for _ in range(3):
+        positional = _relative(step(w, x), want)
+    for got in (step(w, x=x), step(w, x, 0.1), step(w, np.asarray(x, np.float64))):
+        assert _relative(got, want) == pytest.approx(positional, rel=1e-6)
+
+
+def test_a_shape_that_moves_a_dot_to_bf16_keeps_another_history() -> None:
+    """A dot under 16 rows falls back to bf16, so which tensors own a history's columns
+    depends on the shapes: with the same count, b took a's columns (amax 4e6) and came
+    out zero (relative error 1.0)."""
+    rng = np.random.default_rng(0)
+
+    def f(a, b, w):
+        return (a @ w).sum(0), (b @ w).sum(0)
+
+    w = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+
+    def batch(n, m):
+        return (jnp.asarray(rng.standard_normal((n, 64)) * 1e6, jnp.float32),
+                jnp.asarray(rng.standard_normal((m, 64)), jnp.float32))
+
+    step = hlo_amp.compile(f, "fp8,scaling=delayed,amax_history=16,"
+                              "first_matrix_op=none,last_matrix_op=none")
+    for _ in range(3):
+        step(*batch(32, 8), w)  # fp8: a and w; b's 8 rows fall back to bf16
+    a, b = batch(8, 32)  # fp8: b and w
+    step(a, b, w)
+    _, got = step(a, b, w)
+    assert _relative(got, jax.jit(f)(a, b, w)[1]) < 0.1
+
+
 def test_tiny_decoder_fp8_trains_within_2_percent_of_bf16() -> None:
     batches = _bigram_batches(200)
     final = {}
