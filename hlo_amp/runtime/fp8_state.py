@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hlo_amp import jax_internals as internals
 from hlo_amp.passes.fp8_state import STATE_SCOPE
@@ -205,9 +206,18 @@ class Fp8StatefulFunction:
         quantises as many tensors starts from it (a shape that does not match raises,
         unless the call's program has a history of its own already).
         ``history`` stays the caller's: the step donates a copy of it."""
+        if isinstance(history, (list, tuple)):  # a checkpoint written as JSON
+            history = np.asarray(history)
+        given = getattr(history, "dtype", None)
+        if given is None or not jnp.issubdtype(given, jnp.floating):
+            raise TypeError(f"{self.__name__}: an fp8 state is a float array (fp8_state()'s "
+                            f"f32), got {type(history).__name__} of dtype {given}")
         # A copy: jnp.asarray returns an f32 jax.Array itself, which the next call would
         # donate, deleting the caller's array (a checkpoint loaded into two steps).
         history = jnp.array(history, jnp.float32, copy=True)
+        if not bool(jnp.all(jnp.isfinite(history) & (history >= 0))):
+            raise ValueError(f"{self.__name__}: an fp8 state holds amaxes: finite and not "
+                             f"negative; this one has NaN, inf or negative entries")
         if history.ndim != 2 or history.shape[0] != self.policy.amax_history:
             raise ValueError(f"{self.__name__}: an fp8 state is f32[{self.policy.amax_history}"
                              f", S] (amax_history={self.policy.amax_history}), got shape "

@@ -574,6 +574,14 @@ def test_errors() -> None:
         f.load_fp8_state(np.zeros((5, 2), np.float32))
     with pytest.raises(ValueError, match=r"\(5,\)"):
         f.load_fp8_state(np.zeros((5,), np.float32))
+    # Taken silently before: a bool history changed the loss from 1.02 to 0.088.
+    f.load_fp8_state([[1.0, 2.0]] * 8)  # a list (a checkpoint as JSON) is fine
+    for bad in (np.ones((8, 2), bool), np.ones((8, 2), np.int32), [[True, False]] * 8):
+        with pytest.raises(TypeError, match="an fp8 state is a float array"):
+            f.load_fp8_state(bad)
+    for bad in (np.nan, np.inf, -1.0):
+        with pytest.raises(ValueError, match="finite and not negative"):
+            f.load_fp8_state(np.full((8, 2), bad, np.float32))
     f.load_fp8_state(np.zeros((8, 3), np.float32))  # right length, wrong width
     with pytest.raises(ValueError, match=r"\(8, 3\).*2 column.*\(8, 2\)"):
         f(w, x)
