@@ -11,6 +11,7 @@ dictionary. Those are refused here, in one line, before anything reads them
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
 import signal
@@ -42,6 +43,9 @@ def signal_reading(read: Callable[[], Any]) -> str | None:
         pid = os.fork()
     if pid == 0:  # the child: its exit status is all it says
         try:
+            faulthandler.disable()  # no crash dump of its own: the parent reports it
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
             read()
         except BaseException:  # noqa: BLE001 - an error is the parent's to report
             os._exit(1)
