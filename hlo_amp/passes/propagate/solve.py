@@ -11,7 +11,15 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 from hlo_amp.ir.modules import element_count, from_constant
 from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
 from hlo_amp.ir.sites import join_names, location_name, parse_name
-from hlo_amp.passes.propagate.graph import DENY_CLASS, LINK, OUT_OF_RANGE, SINK, Graph, Node
+from hlo_amp.passes.propagate.graph import (
+    DENY_CLASS,
+    LINK,
+    OUT_OF_RANGE,
+    SINK,
+    STATE_UPDATE,
+    Graph,
+    Node,
+)
 from hlo_amp.targets.target import PaintForm
 
 # Reasons the painting itself gives (reset when it runs again).
@@ -283,7 +291,7 @@ def _downstream_of_deny(graph: Graph, stored: frozenset[int], *, table_deny: boo
     kept f32 for the 16-bit range (OUT_OF_RANGE: a square under f16, a mask's fill) in
     every form, as their values may not fit it."""
     sources = [n for n in graph.nodes if (table_deny and _deny_class(n)) or (
-        n.cls == DENY and n.reason.startswith(OUT_OF_RANGE))]
+        n.cls == DENY and (n.reason.startswith(OUT_OF_RANGE) or n.reason == STATE_UPDATE))]
     if not sources:
         return set()
     leads: set[int] = set()  # clear/link nodes upstream of arithmetic via clear/link
