@@ -25,6 +25,7 @@ current scaling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jaxlib.mlir import ir
@@ -34,6 +35,7 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 from hlo_amp.ir.loops import counter_values, loop_body
 from hlo_amp.ir.modules import (
     call_sites,
+    callee_name,
     discard,
     function_name,
     functions,
@@ -70,7 +72,7 @@ def find_state(module: ir.Module) -> Any | None:
     return None
 
 
-def one_caller_each(module: ir.Module, holds: Any) -> int:
+def one_caller_each(module: ir.Module, holds: Callable[[Any], bool]) -> int:
     """Give each call of a private function that ``holds(fn)`` (or that calls one that
     does, at any depth) a copy of its own, so every quantised tensor has its own history
     column(s): a function called at two sites (a ``jax.jit`` layer called per layer, a
@@ -85,8 +87,8 @@ def one_caller_each(module: ir.Module, holds: Any) -> int:
         if name not in holding:
             fn = by_name.get(name)
             holding[name] = fn is not None and not is_public(fn) and name not in seen and (
-                holds(fn) or any(holds_any(ir.FlatSymbolRefAttr(c.attributes["callee"]).value,
-                                           seen | {name}) for c in calls_of[name]))
+                holds(fn) or any(holds_any(callee_name(c), seen | {name})
+                                 for c in calls_of[name]))
         return holding[name]
 
     claimed: set[str] = set()
@@ -94,12 +96,15 @@ def one_caller_each(module: ir.Module, holds: Any) -> int:
     pending = [name for name, fn in by_name.items() if is_public(fn)]
     while pending:
         for call in calls_of[pending.pop()]:
-            callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+            callee = callee_name(call)
             if not holds_any(callee):
                 continue
             if callee in claimed:
                 copies += 1
                 name = f"{callee}_hlo_amp_{copies}"
+                while name in by_name:  # a name the module has already
+                    copies += 1
+                    name = f"{callee}_hlo_amp_{copies}"
                 copy = by_name[callee].operation.clone(ip=ir.InsertionPoint(module.body))
                 copy.attributes["sym_name"] = ir.StringAttr.get(name)
                 call.attributes["callee"] = ir.FlatSymbolRefAttr.get(name)
