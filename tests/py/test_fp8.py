@@ -7,6 +7,7 @@ to f32 (the values a Hopper GEMM multiplies) and the dot runs in f32.
 
 from __future__ import annotations
 
+import collections
 import re
 
 import jax
@@ -389,6 +390,47 @@ def test_a_block_called_at_each_layer_has_its_own_first_and_last_call() -> None:
     assert [(d.rule, d.runs, bool(d.fp8)) for d in report.decisions] == [
         ("first_matrix_op", 1, False), ("op:dot_general", 2, True),
         ("last_matrix_op", 1, False)]
+
+def _layer_loop(ws, head, x, y):
+    h = x
+    for w in ws:  # every layer's dot on one source line: one stack for all
+        h = jnp.tanh(h @ w)
+    return jnp.mean((h @ head - y) ** 2)
+
+
+def _sequential(ws, head, x, y):  # nnx.Sequential's form: first and last look alike
+    layers = [*ws, head]
+    h = x
+    for i, w in enumerate(layers):
+        h = h @ w
+        if i < len(layers) - 1:
+            h = jnp.tanh(h)
+    return jnp.mean((h - y) ** 2)
+
+
+@pytest.mark.parametrize("loss", [_layer_loop, _sequential])
+def test_an_ends_backward_dots_are_its_own_not_every_layers(loss) -> None:
+    """The backward dots of the first and last matrix ops are those reading their
+    operands: with every layer written on one line, first_matrix_op's rule hit all seven
+    backward dots of a 4-layer MLP; in nnx.Sequential's form, where first and last look
+    alike, it hit none (the stem's and head's backward ran fp8 under the preset)."""
+    import hlo_amp
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    ws = [jax.random.normal(keys[i], (16, 16)) for i in range(4)]
+    head = jax.random.normal(keys[4], (16, 4))
+    x, y = jnp.ones((8, 16)), jnp.ones((8, 4))
+    grad = jax.grad(loss, argnums=(0, 1))
+    report = hlo_amp.compile(grad, "bf16,first_matrix_op=float32,last_matrix_op=float32"
+                             ).lower(ws, head, x, y).report()
+    rules = collections.Counter((d.direction, d.rule) for d in report.decisions)
+    # Forward: the stem and the head. Backward: the stem's weight gradient (x needs
+    # none) and the head's two.
+    assert rules[("forward", "first_matrix_op")] == 1
+    assert rules[("forward", "last_matrix_op")] == 1
+    assert rules[("backward", "first_matrix_op")] == 1
+    assert rules[("backward", "last_matrix_op")] == 2
+
 
 def test_only_if_faster_keeps_the_gemms_whose_fp8_form_pays() -> None:
     """Under only_if_faster, a GEMM whose fp8 form saves less GEMM time than quantising its

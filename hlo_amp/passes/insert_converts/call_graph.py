@@ -201,20 +201,30 @@ class CallGraph:
                           ) if forward else ()
             ends = [(position, end) for position, end in candidates if end[0] not in looped]
             own: EndStacks = {}
+            bases: dict[str, set[Any]] = {}
             for position, (key, op, kind) in ends:
                 self.positions[key] = self.positions.get(key, ()) + (position,)
                 stack = _stack_key(self.site(op, kind, key[2]), op, kind)
                 own[stack] = own.get(stack, ()) + (position,)
-            if len(own) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]:
-                own = {}  # first and last look alike: their backward ops cannot be told
-            for stack, positions in own.items():
-                stacks[stack] = stacks.get(stack, ()) + positions
-            found.update(own)
-            if not stacks:
-                continue
-            for key, op, kind in order:
-                site = self.site(op, kind, key[2])
-                marked = stacks.get(_stack_key(site, op, kind)) if site.backward else None
+                bases[position] = _operand_bases(op)
+            alike = len(own) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]
+            if not alike:  # first and last that look alike are no stacks to hand on
+                found.update(own)
+            backward = [(key, op, kind, _stack_key(site, op, kind))
+                        for key, op, kind in order
+                        for site in (self.site(op, kind, key[2]),) if site.backward]
+            # An end's backward ops read one of its operands (dW reads x, dx reads W):
+            # of the ops with its stack (every layer written on one line has it), those.
+            sharing = {(position, id(op)) for _, op, _, stack in backward
+                       for position in own.get(stack, ())
+                       if bases[position] & _operand_bases(op)}
+            found_by_operand = {position for position, _ in sharing}
+            for key, op, kind, stack in backward:
+                marked = tuple(stacks.get(stack, ()))  # a forward program's, handed on
+                for position in own.get(stack, ()):
+                    if (position, id(op)) in sharing or (
+                            position not in found_by_operand and not alike):
+                        marked += (position,)  # no op reads its operands: by stack alone
                 if marked:
                     self.positions[key] = self.positions.get(key, ()) + marked
         return found
@@ -258,6 +268,22 @@ def end_stacks(module: ir.Module, policy: Policy) -> EndStacks:
     for fn in functions(module):
         graph.by_name[function_name(fn)] = fn
     return graph.find_ends([fn for fn in functions(module) if is_public(fn)])
+
+
+_SAME_VALUE = frozenset({"stablehlo.transpose", "stablehlo.convert", "stablehlo.reshape",
+                         "stablehlo.broadcast_in_dim"})
+
+
+def _operand_bases(op: Any) -> set[Any]:
+    """``op``'s matrix operands before transposes, converts, reshapes and broadcasts."""
+    found = set()
+    for value in list(op.operands)[:2]:
+        for _step in range(8):
+            if isinstance(value, ir.BlockArgument) or value.owner.name not in _SAME_VALUE:
+                break
+            value = value.owner.operands[0]
+        found.add(value)
+    return found
 
 
 def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:
