@@ -513,6 +513,7 @@ class Policy:
         # The innermost amp_stop shields its inside; only rules matching inside it count.
         stop = len(scope) - 1 - scope[::-1].index(AMP_STOP) if AMP_STOP in scope else None
         scope_matches: list[tuple[int, int, str]] = []  # (start, -len, pattern)
+        shielded: list[Rule] = []  # matched outside the amp_stop only: lost to it
         for pattern in self.scopes:
             start = match_start(pattern, scope)
             if start is None:
@@ -523,6 +524,7 @@ class Policy:
                 # pattern may still match inside it (mlp/amp_stop/mlp).
                 start = match_start(pattern, scope, after=stop)
                 if start is None:
+                    shielded.append(Rule(self.scopes[pattern], f"scope:{pattern}"))
                     continue
             scope_matches.append((start, -len(parts), pattern))  # anchors are no parts
         # Stable: of two equal keys the pattern written first wins.
@@ -530,6 +532,7 @@ class Policy:
             matching.append(Rule(self.scopes[pattern], f"scope:{pattern}"))
         if stop is not None:
             matching.append(Rule(KEEP, AMP_STOP))
+            matching.extend(shielded)
         for position in (FIRST_MATRIX_OP, LAST_MATRIX_OP):
             action = getattr(self, position)
             if position in positions and action is not None:

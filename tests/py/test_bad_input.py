@@ -257,6 +257,14 @@ def test_rewrite_warns_about_unused_scope_rule() -> None:
                                     return_report=True)
     assert report.unused_rules == ["scope:x"]
     assert report.rules_outranked == {"scope:x": "scope:head", "op:dot_general": "scope:head"}
+    # a rule that matches only outside an amp_stop loses to it (it said "matched no op")
+    def shielded(x, w):
+        with jax.named_scope("head"), jax.named_scope("amp_stop"):
+            return x @ w
+
+    text = jax.jit(shielded).lower(jnp.ones((4, 4)), jnp.ones((4, 4))).as_text(debug_info=True)
+    with pytest.warns(UserWarning, match=r"lost on precedence on each: scope:head \(by amp_stop\)"):
+        hlo_amp.rewrite(text, "bf16,scope:head=float16")
     # a rule that matches is not listed, and no warning when all rules match
     with warnings.catch_warnings():
         warnings.simplefilter("error")
