@@ -475,8 +475,9 @@ def element_type(value: ir.Value) -> ir.Type | None:
     return tensor_type.element_type if isinstance(tensor_type, ir.RankedTensorType) else None
 
 
-# Ops that pass a constant on unchanged in value (a weak-type convert, a broadcast).
-CONSTANT_CARRIERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
+# Ops that pass a value on unchanged in value (a weak-type convert, a broadcast): a
+# constant through them is still that constant, an operand through them the same one.
+SAME_VALUE_OPS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
                                "stablehlo.convert", "stablehlo.transpose"})
 
 
@@ -488,7 +489,7 @@ def from_constant(value: ir.Value, depth: int = 0) -> bool:
     owner = value.owner
     if owner.name == "stablehlo.constant":
         return True
-    return owner.name in CONSTANT_CARRIERS and from_constant(owner.operands[0], depth + 1)
+    return owner.name in SAME_VALUE_OPS and from_constant(owner.operands[0], depth + 1)
 
 
 def element_count(value: ir.Value) -> int | None:

@@ -18,7 +18,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import inspect
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +55,12 @@ from hlo_amp.runtime.frameworks import (
     argument_style,
     unwrap_jit,
 )
-from hlo_amp.runtime.signature import leaf_signature, normalise_argnums, split_static
+from hlo_amp.runtime.signature import (
+    leaf_signature,
+    normalise_argnums,
+    signature_of,
+    split_static,
+)
 from hlo_amp.targets import (
     NO_TARGET,
     Target,
@@ -244,14 +248,6 @@ def _union(ours: Any, theirs: tuple, scalar: type) -> tuple:
     return tuple(dict.fromkeys((*_as_tuple(ours, scalar), *theirs)))
 
 
-def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
-    """``fn``'s signature, or None where Python cannot tell it (some builtins)."""
-    try:
-        return inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-
-
 class AmpFunction:
     """What ``hlo_amp.compile`` returns: callable like ``jax.jit(fn)``."""
 
@@ -288,7 +284,7 @@ class AmpFunction:
                                 else tuple(static_argnames))
         self.donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
                                else tuple(donate_argnums))
-        signature = _signature(fn)
+        signature = signature_of(fn)
         if signature is not None:
             # As jax.jit: an argument static by position is static by name too, and the
             # other way round, unless both were given.

@@ -39,6 +39,7 @@ import numpy as np
 
 from hlo_amp.jax_internals import cudnn_checks_answered
 from hlo_amp.runtime.frameworks import jit_info
+from hlo_amp.runtime.signature import signature_of
 from hlo_amp.targets import Target, device_target
 from hlo_amp.targets.attention_kernels import DEVICELESS_CUDNN
 from hlo_amp.targets.topology import NoCompilerForTarget
@@ -127,10 +128,8 @@ def split_device_target(fn: Any, kwargs: dict) -> tuple[Target | None, dict]:
     if "target" not in kwargs:
         return None, kwargs
     value = kwargs["target"]
-    try:
-        parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a callable without a signature: no such parameter
-        parameters = {}
+    signature = signature_of(fn)  # None: a callable without one has no such parameter
+    parameters = signature.parameters if signature is not None else {}
     named = parameters.get("target")
     if named is not None and named.kind is not inspect.Parameter.POSITIONAL_ONLY:
         return None, kwargs

@@ -37,7 +37,7 @@ from hlo_amp.passes.fp8_state import STATE_SCOPE
 from hlo_amp.policy import Policy
 from hlo_amp.runtime.deviceless import split_device_target
 from hlo_amp.runtime.frameworks import JitDecorator, argument_style
-from hlo_amp.runtime.signature import leaf_signature, split_static
+from hlo_amp.runtime.signature import leaf_signature, signature_of, split_static
 
 
 def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
@@ -90,6 +90,7 @@ class Fp8StatefulFunction:
                  decorator: JitDecorator | None = None):
         self.policy = policy
         self.fn = fn
+        self._fn_signature = signature_of(fn)  # read once: every call binds to it
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
         def stateful(history: jax.Array, *args: Any, **kwargs: Any) -> Any:
@@ -129,7 +130,7 @@ class Fp8StatefulFunction:
         under jax.jit): its type counts, not its value."""
         # As jax traces them: an argument passed by keyword or by position, a default
         # given or left out, make one program (each had a history of its own).
-        args, kwargs = _bound(self.fn, args, kwargs)
+        args, kwargs = _bound(self._fn_signature, args, kwargs)
         dyn_args, dyn_kwargs, static_args, static_kwargs = split_static(
             args, kwargs, self.static_argnums, self.static_argnames)
         static = (tuple(_static_part(v) for _, v in static_args),
@@ -283,13 +284,16 @@ class Fp8StatefulFunction:
         return self._inner.cache_size()
 
 
-def _bound(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``args`` and ``kwargs`` bound to ``fn``'s parameters, defaults filled in: by
-    position where a parameter can be (unchanged where ``fn`` has no signature or the
+def _bound(signature: inspect.Signature | None, args: tuple, kwargs: dict
+           ) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` bound to the step's parameters, defaults filled in: by
+    position where a parameter can be (unchanged where the step has no signature or the
     call does not bind, which the call itself then reports)."""
+    if signature is None:
+        return args, kwargs
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-    except (TypeError, ValueError):
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
         return args, kwargs
     bound.apply_defaults()
     return bound.args, bound.kwargs

@@ -12,6 +12,7 @@ from jaxlib.mlir import ir
 
 from hlo_amp.ir.loops import LoopCounts, Runs, in_while
 from hlo_amp.ir.modules import (
+    SAME_VALUE_OPS,
     callee_name,
     clone_private,
     element_type,
@@ -270,16 +271,12 @@ def end_stacks(module: ir.Module, policy: Policy) -> EndStacks:
     return graph.find_ends([fn for fn in functions(module) if is_public(fn)])
 
 
-_SAME_VALUE = frozenset({"stablehlo.transpose", "stablehlo.convert", "stablehlo.reshape",
-                         "stablehlo.broadcast_in_dim"})
-
-
 def _operand_bases(op: Any) -> set[Any]:
     """``op``'s matrix operands before transposes, converts, reshapes and broadcasts."""
     found = set()
     for value in list(op.operands)[:2]:
         for _step in range(8):
-            if isinstance(value, ir.BlockArgument) or value.owner.name not in _SAME_VALUE:
+            if isinstance(value, ir.BlockArgument) or value.owner.name not in SAME_VALUE_OPS:
                 break
             value = value.owner.operands[0]
         found.add(value)

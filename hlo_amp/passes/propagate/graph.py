@@ -11,7 +11,7 @@ import numpy as np
 from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import (
-    CONSTANT_CARRIERS,
+    SAME_VALUE_OPS,
     callee_name,
     element_type,
     function_name,
@@ -222,7 +222,7 @@ class Graph:
             op = value.owner
             if op.name == "stablehlo.constant":
                 return _largest_finite(op)
-            if op.name not in CONSTANT_CARRIERS:
+            if op.name not in SAME_VALUE_OPS:
                 return None
             value = op.operands[0]
         return None
