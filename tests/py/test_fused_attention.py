@@ -392,12 +392,16 @@ def _plain(q, k, v):
      "backward"),
     (jax.grad(lambda v, q, k: jnp.sum(_plain(q, k, v) ** 2)),
      "only part of the attention's backward reads it (dv, out)", "forward and backward"),
+    (jax.grad(lambda q, k, v: jnp.sum(jax.jit(_plain)(q, k, v) ** 2), argnums=(0, 1, 2)),
+     ("the scores or probabilities have another reader: its function returns them to "
+      "another function's backward"), "forward and backward"),
 ], ids=["dropout_forward", "dropout_training", "softmax_where", "softmax_where_training",
-        "dots_saveable", "grad_of_q", "grad_of_v"])
+        "dots_saveable", "grad_of_q", "grad_of_v", "inner_jit"])
 def test_sites_left_unfused_are_listed_with_their_reason(fn, reason, direction) -> None:
     """Each is an attention the kernel cannot take; the report lists it, with why and the
     pass it is in (these were missing from the report, and a refused training step's
-    site said "forward")."""
+    site said "forward"; a jax.jit attention's gradient said "forward", "the function
+    returns them")."""
     sites = hlo_amp.compile(fn, "bf16").lower(*QKV, target="h100").report().attention
     assert [(s.fused, s.direction) for s in sites] == [(False, direction)], sites
     assert sites[0].reason.startswith(reason)

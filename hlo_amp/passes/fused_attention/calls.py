@@ -99,6 +99,19 @@ class CallView:
                 continue
             yield owner, number, stack
 
+    def returned_to_calls(self, home: ir.Block, number: int) -> bool:
+        """Whether the private function of ``home`` has callers and, at each, its result
+        ``number`` is read by other calls alone: a ``jax.jit`` inside a differentiated
+        function returns its residuals so, to its backward's function."""
+        parent = home.owner
+        parent = getattr(parent, "operation", parent)
+        if parent is None or parent.name != "func.func" or is_public(parent.opview):
+            return False
+        callers = self.callers.get(ir.StringAttr(parent.attributes["sym_name"]).value, [])
+        uses = [use for call in callers for use in live_uses(call.results[number])]
+        return bool(callers) and bool(uses) and all(
+            use.owner.operation.name == _CALL for use in uses)
+
     def producer(self, value: ir.Value, stack: Stack, *, invariant_carries: bool = False
                  ) -> tuple[ir.Operation | None, ir.Value, Stack]:
         """The op making ``value``, seen through calls: (op, the value it makes, its

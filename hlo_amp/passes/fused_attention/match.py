@@ -96,6 +96,8 @@ class _Site(MaskReading, ExitReading):
         # softmax(where=): the divide's sum reads select(where, exp, 0), and P is zeroed
         # where masked; read as a softmax so the site is found, then refused.
         self.masked_sum = False
+        # The forward returns the probabilities to a backward in another function.
+        self.split_backward = False
         self._canon: dict[tuple[ir.Value, Stack], tuple[ir.Value, Stack]] = {}
 
     # -- the cluster ----------------------------------------------------------------------
@@ -116,6 +118,15 @@ class _Site(MaskReading, ExitReading):
                         self.escapes.append("a matrix op reads them twice")
                     continue
                 if name not in CLUSTER_OPS:
+                    if name == "func.return" and self.view.returned_to_calls(self.home,
+                                                                              number):
+                        self.split_backward = True
+                        self.escapes.append(
+                            "its function returns them to another function's backward "
+                            "(a jax.jit inside the differentiated function puts the "
+                            "forward and backward in two functions, which the pass does "
+                            "not fuse across: drop the inner jax.jit)")
+                        continue
                     what = ("the function returns them" if name == "func.return" else
                             f"{name.split('.')[-1]} reads them")
                     self.escapes.append(what)
@@ -517,6 +528,8 @@ def match_site(view: CallView, scores: ir.Operation) -> Match:
         # A forward pass has one matrix op reading its cluster (P·V); a training step's
         # backward adds Pᵀ·dO, dS·K and dSᵀ·Q.
         readers = len(site.exits)
+        if site.split_backward:
+            error.direction = error.direction or "forward and backward"
         error.direction = error.direction or ("forward" if readers < 2 else
                            "forward and backward" if readers >= 4 else "backward")
         raise
