@@ -321,6 +321,44 @@ def test_an_f16_programs_fp8_dots_stay_fp8_gemms() -> None:
     assert [kind for kind, _ in calls].count("gemm fp8") == len(fp8)
 
 
+@pytest.mark.parametrize("op", ["Fp8DotGeneralOp", "Fp8DirectDotGeneralOp"])
+def test_a_programs_own_fp8_gemms_stay_fp8_under_every_policy(op: str) -> None:
+    """Flax's fp8 layers quantise the dots' operands themselves (Fp8DotGeneralOp as
+    ``convert(q) * scale``, which XLA's GEMM rewriter matches): every GEMM jax.jit runs in
+    fp8 stays fp8. A 16-bit policy converted the dequantised operands of the 16-bit-ruled
+    dots (all forward dots under mixed_bfloat16, the first and last under fp8), and XLA
+    ran those as bf16 GEMMs (7 of 11 fp8 under mixed_bfloat16, 9 under fp8)."""
+    import warnings
+
+    import flax.linen as nn
+    from flax.linen import fp8_ops
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for _ in range(4):
+                x = jax.nn.relu(nn.Dense(64, dot_general_cls=getattr(fp8_ops, op))(x))
+            return x
+
+    model, x = Mlp(), jnp.ones((32, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Fp8DotGeneralOp's
+        variables = model.init(jax.random.key(0), x)
+    step = jax.grad(lambda variables, x: jnp.mean(model.apply(variables, x) ** 2))
+
+    def fp8_gemms(hlo: str) -> int:
+        return [kind for kind, _ in library_calls(hlo)].count("gemm fp8")
+
+    expected = fp8_gemms(hlo_amp.compile_for_target(jax.jit(step), variables, x).as_text())
+    assert expected == 11  # 4 forward, 4 weight and 3 input gradients
+    for policy in ("mixed_bfloat16", "fp8"):
+        lowered = hlo_amp.compile(step, policy).lower_for("h100", variables, x)
+        forward = [d for d in lowered.report().decisions
+                   if d.op_kind == "dot_general" and d.direction == "forward"]
+        assert [(d.fp8, d.changed) for d in forward] == [(True, False)] * 4, policy
+        assert fp8_gemms(lowered.compile().as_text()) == expected, policy
+
+
 def test_fp8_on_a_gpu_without_fp8_gemms_falls_back_to_bf16() -> None:
     """An A100 (compute capability 8.0) has no fp8 GEMM: XLA ran the quantised dots as
     bf16 GEMMs (0 of 6 fp8 GEMMs kept), every quantisation paid for nothing. They fall

@@ -118,6 +118,11 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
         return Plan(action, rule, none, None, "no rule for this op kind")
     if action == KEEP:
         return Plan(action, rule, none, None, "kept as written")
+    already = _program_fp8(op, kind, operands)
+    if already is not None:
+        # The program quantised both operands itself (Flax's fp8 ops): a 16-bit convert
+        # between the dequantisation and the dot would hide the fp8 GEMM from XLA.
+        return Plan(action, rule, none, None, ALREADY_FP8, fp8=already)
     if any(b is None for b in bits) or result_bits is None:
         return Plan(action, rule, none, None, "not a float op")
     # f64 only with f64=true, whatever the action (docs/policies.md).
@@ -176,10 +181,9 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
     bits = [float_bits(t) for t in operands]
     if any(b is None for b in bits) or float_bits(result) is None:
         return Plan(action, rule, none, None, "not a float op")
-    already = tuple(dequantized_format(v) for v in list(op.operands)[:2])
-    if kind == "dot_general" and all(already):
-        return Plan(action, rule, none, None, ALREADY_FP8,
-                    fp8=(already[0], already[1], str(operands[0])))
+    already = _program_fp8(op, kind, operands)
+    if already is not None:
+        return Plan(action, rule, none, None, ALREADY_FP8, fp8=already)
     obstacle = (f"fp8 takes dot_general only, not {kind}" if kind != "dot_general"
                 else ATTENTION_FALLBACK if rule.startswith("op:") and is_attention_matmul(op)
                 else target.fp8_obstacle(op))
@@ -219,6 +223,18 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
                 f"fp8 {FP8_SHORT[formats[0]]} x {FP8_SHORT[formats[1]]}{how}, per-tensor "
                 f"{dequantize} scales, {result_name} result",
                 fp8=(formats[0], formats[1], dequantize))
+
+
+def _program_fp8(op: Any, kind: str, operands: list[ir.Type | None]
+                 ) -> tuple[str, str, str] | None:
+    """A dot whose operands are both fp8 or dequantised fp8: their fp8 types and the
+    dequantised type (``Plan.fp8``); else None."""
+    if kind != "dot_general":
+        return None
+    already = tuple(dequantized_format(v) for v in list(op.operands)[:2])
+    if not all(already):
+        return None
+    return already[0], already[1], str(operands[0])
 
 
 def _to_compute(bits: list[int], policy: Policy) -> tuple[str | None, ...]:
