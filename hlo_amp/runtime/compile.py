@@ -7,8 +7,8 @@ with ``jax.export`` and rewritten, cached per input signature. Under ``jax.jit``
 program (reverse mode: a forward with residuals and a backward, so the forward is never
 recomputed). Shardings, donation and the output pytree are JAX's own.
 
-``.lower()`` and functions ``jax.export`` refuses (host callbacks, a mesh of their own)
-go through ``jax.jit(fn).trace(...).lower()``: the lowered module is copied, rewritten
+``.lower()``, functions ``jax.export`` refuses (host callbacks, a mesh of their own) and
+calls with arrays sharded over several devices outside an Explicit mesh go through ``jax.jit(fn).trace(...).lower()``: the lowered module is copied, rewritten
 and handed back to JAX's compile path.
 """
 
@@ -499,12 +499,15 @@ class AmpFunction:
             raise TypeError(problem) from None
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        if not self._through_lowering:
+        flat = None
+        if jax.device_count() > 1:  # (the check below flattens the arguments)
+            flat = self._flatten(args, kwargs)
+        if not self._through_lowering and not (flat and any(map(_sharded, flat[2]))):
             try:
                 return self._dispatch(*args, **kwargs)
             except ExportRefused:
                 self._through_lowering = True
-        dyn_args, dyn_kwargs, leaves, _, key = self._flatten(args, kwargs)
+        dyn_args, dyn_kwargs, leaves, _, key = flat or self._flatten(args, kwargs)
         if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
             return self._traced_call(args, kwargs)  # warns, and runs fn unchanged
         compiled = self._cache.get(key)
@@ -680,6 +683,17 @@ def _with_closed_tracers_as_arguments(flat_fn: Callable[..., list], leaves: list
 
     converted.__name__ = getattr(flat_fn, "__name__", "converted")
     return converted, [consts[i] for i in positions]
+
+
+def _sharded(leaf: Any) -> bool:
+    """An array sharded over several devices outside an Explicit mesh: its sharding is
+    not in its type, so only jax.jit's lowering of the concrete arguments writes it into
+    the module, where the passes that read shardings (keep_shardings, scatter_select,
+    reduce=) see it. (An export of its type alone is a one-device program.)"""
+    if not isinstance(leaf, jax.Array):
+        return False
+    sharding = leaf.sharding
+    return len(sharding.device_set) > 1 and explicit_sharding(jax.typeof(leaf)) is None
 
 
 class ExportRefused(Exception):

@@ -254,3 +254,56 @@ def test_explicit_mesh_types_are_traced_with_their_shardings(results):
     # failed: "context mesh ... platform=cpu should match the aval mesh").
     on_target, on_host = results["explicit_target_specs"]
     assert on_target == on_host and ["None", "model"] in on_host
+
+
+CALL_SEES_SHARDINGS = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import hlo_amp
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    results = {}
+
+    # A label pick's gradient read by a dot: its output's sharding is not constrained.
+    def pick(h, w, labels):
+        grad = jax.grad(lambda lg: jnp.sum(jnp.take_along_axis(lg, labels[..., None], -1)))(h @ w)
+        return grad, grad @ w.T
+
+    labels = put(jax.random.randint(jax.random.key(4), (8, 4), 0, 32), P("model"))
+    h = put(jax.random.normal(jax.random.key(5), (8, 4, 16)), P())
+    w = put(jax.random.normal(jax.random.key(6), (16, 32)), P(None, "data"))
+    expected = jax.jit(pick)(h, w, labels)
+    got = hlo_amp.compile(pick, "mixed_bfloat16")(h, w, labels)
+    results["pick_shardings"] = [g.sharding.is_equivalent_to(e.sharding, e.ndim)
+                                 for g, e in zip(got, expected)]
+
+    # A data-parallel weight gradient under reduce=bfloat16: the call runs the program
+    # .lower() reports, bit for bit.
+    def grad_w(w, x):
+        return jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+
+    x = put(jax.random.normal(jax.random.key(1), (64, 16)), P("data"))
+    w = put(jax.random.normal(jax.random.key(2), (16, 8)) * 0.3, P())
+    step = hlo_amp.compile(grad_w, "bf16,reduce=bfloat16")
+    called, lowered = step(w, x), step.lower(w, x).compile()(w, x)
+    results["same_as_lowered"] = bool(np.array_equal(np.asarray(called), np.asarray(lowered)))
+    results["reduced_dots"] = [line.split("->")[-1].strip() for line in
+                               step.lower(w, x).as_text().splitlines()
+                               if "dot_general" in line and "8x16" in line.split("->")[-1]]
+    print("RESULTS=" + json.dumps(results))
+""")
+
+
+def test_a_call_with_sharded_arrays_sees_their_shardings() -> None:
+    """A call with arrays sharded outside an Explicit mesh rewrites the program jax.jit
+    lowers for them, as ``.lower()`` does. It exported their types alone, a one-device
+    program: the passes that read shardings did not run (``reduce=``, the label pick's
+    sharding), and the call computed another program than the report described."""
+    from host_devices import run_on_host_devices
+
+    results = run_on_host_devices(CALL_SEES_SHARDINGS)
+    assert results["pick_shardings"] == [True, True]
+    assert results["reduced_dots"] == ["tensor<8x16xbf16>"], results["reduced_dots"]
+    assert results["same_as_lowered"]
