@@ -203,15 +203,17 @@ def plot_attribution(attribution: Attribution, path: str | Path, budget: float |
     import matplotlib.ticker
 
     rows = list(reversed(attribution.scopes))  # worst on top
-    positive = [v for row in rows for v in (row.only_low, row.only_f32 or 0.0)
-                if v and math.isfinite(v)] + [attribution.error or 1e-7]
+    positive = [v for row in rows for v in (row.only_low, row.only_f32, attribution.error)
+                if v and math.isfinite(v)] or [1e-7]
     left = 10 ** math.floor(math.log10(min(positive)))  # bars start at a decade
     floor = 1.5 * left  # a zero error is drawn as a stub, visible on the log axis
+    # An infinite (overflowed) or NaN error is drawn past every finite one and the budget.
+    cap = 10 * max(positive + ([budget] if budget and math.isfinite(budget) else []))
 
     def bar(value: float | None) -> float:
         if value is None or value == 0:
             return floor
-        return value if math.isfinite(value) else max(positive) * 10
+        return value if math.isfinite(value) else cap
 
     low = "/".join(attribution.dtypes) or "low"
     fig = figure_type(figsize=(7, 0.45 * len(rows) + 2.2))
@@ -219,12 +221,19 @@ def plot_attribution(attribution: Attribution, path: str | Path, budget: float |
     y = np.arange(len(rows))
     ax.barh(y + 0.2, [bar(r.only_low) for r in rows], 0.4, label=f"only this scope {low}")
     ax.barh(y - 0.2, [bar(r.only_f32) for r in rows], 0.4, label="only this scope f32")
-    ax.axvline(attribution.error, color="k", ls="--", lw=1, label=f"every scope {low}")
+    for offset, values in ((0.2, [r.only_low for r in rows]), (-0.2, [r.only_f32 for r in rows])):
+        for row, value in zip(y, values):
+            if value is not None and not math.isfinite(value):
+                ax.text(cap, row + offset, f" {value}", va="center", fontsize=7)
+    error = attribution.error
+    unbounded = error is not None and not math.isfinite(error)
+    ax.axvline(bar(error), color="k", ls="--", lw=1,
+               label=f"every scope {low}" + (f" ({error})" if unbounded else ""))
     if budget is not None:
         ax.axvline(budget, color="r", ls=":", lw=1, label="budget")
     ax.set_yticks(y, [r.scope for r in rows])
     ax.set_xscale("log")
-    ax.set_xlim(left=left)
+    ax.set_xlim(left=left, right=cap * 10)
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # they overlap
     ax.set_xlabel(f"error (max over outputs, scaled; against {attribution.reference})")
     ax.set_title(f"error per scope at depth {attribution.depth}, {attribution.policy}",

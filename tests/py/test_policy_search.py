@@ -422,6 +422,34 @@ def test_table_json_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("errors", [(float("inf"), 7e-4), (float("inf"), float("inf"))],
+                         ids=["one_overflows", "all_overflow"])
+def test_an_infinite_error_is_drawn_past_every_finite_one(monkeypatch, tmp_path, errors):
+    """A scope whose 16-bit run overflows (error inf) is the longest bar, past the
+    budget, and so is the every-scope line: the bar and line were left out (the scope
+    looked harmless), and with every error inf the plot raised OverflowError."""
+    from matplotlib.axes import Axes
+
+    from hlo_amp.numerics.attribute import Attribution, ScopeError
+
+    drawn: dict[str, list[float]] = {"bars": [], "lines": []}
+    barh, axvline = Axes.barh, Axes.axvline
+    monkeypatch.setattr(Axes, "barh", lambda self, y, width, *a, **k: (
+        drawn["bars"].extend(width), barh(self, y, width, *a, **k))[1])
+    monkeypatch.setattr(Axes, "axvline", lambda self, x=0, *a, **k: (
+        drawn["lines"].append(x), axvline(self, x, *a, **k))[1])
+    overflow, other = errors
+    scopes = [ScopeError("a", 1, 32, overflow, 7e-4, "a"), ScopeError("b", 1, 32, other, overflow, "b")]
+    attribution = Attribution("bf16", 1, "f32", ["bf16"], 1e-2, 1e-6, overflow, scopes, 3, 0.1)
+    png = attribution.plot(tmp_path / "inf.png", budget=1e-2)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert np.isfinite(drawn["bars"] + drawn["lines"]).all()
+    every_scope, budget = drawn["lines"]
+    given = [v for row in scopes for v in (row.only_low, row.only_f32)]
+    assert every_scope == max(drawn["bars"]) > max([budget] + [v for v in given if v < 1])
+    assert drawn["bars"].count(every_scope) == given.count(float("inf"))
+
+
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     attribution = hlo_amp.attribute(make_program(), "bf16", X, W)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
