@@ -384,19 +384,21 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
 
     notes = list(notes_bound)
     faster = [b for b in baselines if b.met and b.step_seconds < chosen_time]
+    top_level = "stay at the base policy's precision"
     if faster:
         best = min(faster, key=lambda b: b.step_seconds)
         notes.append(f"note: the baseline {best.name!r} is within budget and modelled "
                      f"faster than where the moves ended; it is the one returned")
         chosen, chosen_time, current = Policy.parse(best.policy), best.step_seconds, best.error
         state = baseline_states[best.name]
+        top_level = f"run as the returned baseline {best.name!r} runs every matrix op"
     if start_error > budget:
         notes.append(f"note: with every named scope f32 the error is {short(start_error)}, "
                      f"over budget {budget:g}: ops outside named scopes, or the policy's "
                      "activations, still run in low precision")
     if TOP_LEVEL in groups or "" in groups:
-        notes.append("note: matrix ops outside any named scope stay at the base policy's "
-                      "precision (no scope rule can name them)")
+        notes.append(f"note: matrix ops outside any named scope {top_level} (no scope rule "
+                     "can name them)")
     if no_fp8:
         notes.append(f"note: fp8 not searched on {device.device}: {no_fp8}")
     elif named and not any(fp8_dots.values()):

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_policy_search import W, X, make_program
@@ -54,6 +55,23 @@ def test_a_budget_below_bf16_everywhere_keeps_the_fragile_scope_f32():
     assert all(result.step_seconds <= b.step_seconds for b in result.baselines if b.met)
     # every kept move was confirmed within budget; a refused one was over it
     assert all((m.error <= 0.01) == m.kept for m in result.moves)
+
+
+def test_the_top_level_note_names_what_the_returned_policy_does_with_unscoped_ops():
+    """A function with no named scope: on the real H100 its tiny dots are modelled
+    fastest f32, so the 'f32 everywhere' baseline is returned, whose unscoped dots run
+    f32. The note said they stay at the base policy's precision (bf16)."""
+    def plain(w, x):
+        return jnp.tanh(x @ w) @ w
+
+    w, x = np.ones((16, 16), np.float32) / 16, np.ones((8, 16), np.float32)
+    result = hlo_amp.autopolicy(plain, w, x, budget=1e-2, target="h100", progress=False)
+    top = [n for n in result.notes if "outside any named scope" in n]
+    report = hlo_amp.compile(plain, result.policy).lower(w, x).report()
+    low = sum(d.operands_after != ("f32", "f32") for d in report.decisions)
+    said = ("run as the returned baseline 'f32 everywhere' runs every matrix op" if low == 0
+            else "stay at the base policy's precision")
+    assert top == [f"note: matrix ops outside any named scope {said} (no scope rule can name them)"]
 
 
 def test_a_mesh_target_is_searched_like_one_device():
