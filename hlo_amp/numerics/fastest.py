@@ -49,8 +49,8 @@ from hlo_amp.numerics.render import json_number, short
 from hlo_amp.policy import SCALINGS, Policy
 from hlo_amp.policy_terms import FP8_ACTIONS
 from hlo_amp.report import Report, text_table
-from hlo_amp.runtime.compile import AmpFunction, rewrite_lowered
 from hlo_amp.runtime.compile import compile as amp_compile
+from hlo_amp.runtime.compile import rewrite_lowered
 from hlo_amp.runtime.deviceless import lower_for_target
 from hlo_amp.targets import Target, device_target, refuse_policy_on_device
 from hlo_amp.targets.roofline import estimate
@@ -265,15 +265,13 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
     device = check_target(target)
     max_compiles = check_max_compiles(max_compiles)
     refuse_policy_on_device(base, device)  # f16 on a TPU: refused before any compile
-    if isinstance(fn, AmpFunction):
-        fn = fn.fn
     start = time.perf_counter()
-    session = Session(fn, args, "autopolicy")
+    session = Session(fn, args, "autopolicy")  # hlo_amp.compile's fn, statics bound
     groups = _groups(session.report(base), depth)  # a bad depth fails here
     patterns = {g: p for g in groups if (p := _pattern(g, int(depth))) is not None}
     named = list(patterns)
     no_fp8 = fp8_refusal(device)
-    model = _TargetModel(target_fn or fn, args, device)
+    model = _TargetModel(target_fn or session.fn, session.args, device)
     low = SHORT.get(base.compute_dtype, base.compute_dtype)
     names = {F32: "f32", COMPUTE: low, FP8: "fp8"}
 

@@ -23,7 +23,8 @@ from hlo_amp.runtime.compile import (
     lowering_target,
     rewrite_lowered,
 )
-from hlo_amp.runtime.signature import leaf_signature
+from hlo_amp.runtime.frameworks import jit_info
+from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
 
 ATOL = 1e-5
 # rtol per element type a run computes in: torch.testing's for f32, bf16 and f16; fp8 and
@@ -118,14 +119,43 @@ def _lowering(fn: Callable[..., Any], args: tuple) -> _Lowering:
     return found
 
 
+def _static_argnums(fn: Any) -> tuple[int, ...]:
+    """The static argument positions of ``hlo_amp.compile``'s or ``jax.jit``'s function."""
+    if isinstance(fn, AmpFunction):
+        return fn.static_argnums
+    info = jit_info(fn) if type(fn).__name__ == "PjitFunction" else None
+    return tuple(info.static_argnums) if info is not None else ()
+
+
+def _with_statics_bound(fn: Callable[..., Any], args: tuple, statics: tuple[int, ...]
+                        ) -> tuple[Callable[..., Any], tuple]:
+    """``fn`` as a function of the arguments not at ``statics``, those bound to their
+    values (so they reach ``fn`` as Python values, not as traced arrays), and those
+    arguments."""
+    if not statics:
+        return fn, args
+
+    def bound(*dynamic: Any) -> Any:
+        full = list(dynamic)
+        for position in statics:
+            full.insert(position, args[position])
+        return fn(*full)
+
+    bound.__name__ = getattr(fn, "__name__", "fn")
+    bound.__wrapped__ = fn
+    return bound, tuple(a for i, a in enumerate(args) if i not in statics)
+
+
 class Session:
     """One public call: its arguments, the runs it made, what it compiled."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, what: str) -> None:
+        statics = _static_argnums(fn)
         if isinstance(fn, AmpFunction):  # measure the function, not a rewritten rewrite
             fn = fn.fn
         if not callable(fn):
             raise ValueError(f"hlo_amp.{what} expects a callable, got {fn!r}")  # noqa: TRY004
+        fn, args = _with_statics_bound(fn, args, normalise_argnums(statics, len(args)))
         self.start = time.perf_counter()
         self.fn = fn
         self.args = args

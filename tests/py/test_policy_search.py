@@ -465,6 +465,28 @@ def test_a_compiled_function_is_measured_as_written():
     assert np.isfinite(direct.error)
 
 
+def test_a_compiled_functions_static_arguments_stay_static():
+    """``hlo_amp.compile(fn, static_argnums=...)`` and ``jax.jit(fn, static_argnums=...)``
+    are measured with their static arguments bound, as ``functools.partial`` binds them
+    (they were traced: the loop bound failed inside the user's function)."""
+    import functools
+
+    def layers(w, x, count):
+        for i in range(count):
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ w)
+        return x
+
+    w, x = np.eye(8, dtype=np.float32) * 0.5 + 0.01, np.ones((4, 8), np.float32)
+    bound = hlo_amp.compare(functools.partial(layers, count=3), "bf16", w, x, f64=False)
+    for given in (hlo_amp.compile(layers, "f16", static_argnums=2),
+                  jax.jit(layers, static_argnums=2)):
+        measured = hlo_amp.compare(given, "bf16", w, x, 3, f64=False)
+        assert measured.error == bound.error > 0
+    ranked = hlo_amp.attribute(hlo_amp.compile(layers, static_argnums=2), "bf16", w, x, 3)
+    assert sorted(ranked.ranking) == ["layer0", "layer1", "layer2"]
+
+
 def test_executables_are_cached_per_function_and_freed_with_it():
     import gc
     import weakref
