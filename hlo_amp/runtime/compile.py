@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import threading
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -322,6 +323,10 @@ class AmpFunction:
         # jax.export refuses host callbacks; such functions are rewritten from
         # jax.jit's lowering instead and dispatched from our own cache.
         self._through_lowering = False
+        # So are calls with arrays sharded over several devices (_sharded); once one
+        # was seen, each call checks its arguments before the dispatch.
+        self._sharded_calls = False
+        self._calling = threading.local()  # the arguments of the call being dispatched
 
     # -- NNX's and Equinox's contracts (runtime/frameworks.py) --
 
@@ -499,15 +504,18 @@ class AmpFunction:
             raise TypeError(problem) from None
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        flat = None
-        if jax.device_count() > 1:  # (the check below flattens the arguments)
-            flat = self._flatten(args, kwargs)
-        if not self._through_lowering and not (flat and any(map(_sharded, flat[2]))):
+        if not self._through_lowering and not (self._sharded_calls
+                                               and _any_sharded((args, kwargs))):
+            self._calling.arguments = (args, kwargs)  # what a cache miss's trace checks
             try:
                 return self._dispatch(*args, **kwargs)
+            except ShardedArguments:
+                self._sharded_calls = True  # from now on checked before the dispatch
             except ExportRefused:
                 self._through_lowering = True
-        dyn_args, dyn_kwargs, leaves, _, key = flat or self._flatten(args, kwargs)
+            finally:
+                self._calling.arguments = None
+        dyn_args, dyn_kwargs, leaves, _, key = self._flatten(args, kwargs)
         if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
             return self._traced_call(args, kwargs)  # warns, and runs fn unchanged
         compiled = self._cache.get(key)
@@ -633,6 +641,8 @@ class AmpFunction:
         key = ("call", treedef, static_key)
         program = Program(self, self._bound(args, kwargs, treedef, key), self.__name__, key)
         avals = avals_key(leaves)
+        if own_dispatch and _any_sharded(getattr(self._calling, "arguments", None)):
+            raise ShardedArguments  # before the export: the call lowers them itself
         try:
             exported = program.exported(avals)
             if own_dispatch and exported.nr_devices != 1:
@@ -685,12 +695,18 @@ def _with_closed_tracers_as_arguments(flat_fn: Callable[..., list], leaves: list
     return converted, [consts[i] for i in positions]
 
 
+def _any_sharded(tree: Any) -> bool:
+    """Whether any array of ``tree`` is ``_sharded``."""
+    return tree is not None and jax.device_count() > 1 and any(
+        map(_sharded, jax.tree_util.tree_leaves(tree)))
+
+
 def _sharded(leaf: Any) -> bool:
     """An array sharded over several devices outside an Explicit mesh: its sharding is
     not in its type, so only jax.jit's lowering of the concrete arguments writes it into
     the module, where the passes that read shardings (keep_shardings, scatter_select,
     reduce=) see it. (An export of its type alone is a one-device program.)"""
-    if not isinstance(leaf, jax.Array):
+    if not isinstance(leaf, jax.Array) or isinstance(leaf, internals.Tracer):
         return False
     sharding = leaf.sharding
     return len(sharding.device_set) > 1 and explicit_sharding(jax.typeof(leaf)) is None
@@ -699,6 +715,11 @@ def _sharded(leaf: Any) -> bool:
 class ExportRefused(Exception):
     """jax.export cannot serialise the function (host callbacks, some effects), or the
     export cannot be called from our dispatch jit (a program with its own mesh)."""
+
+
+class ShardedArguments(Exception):
+    """A call's arrays are sharded over several devices outside an Explicit mesh: the
+    call goes through jax.jit's lowering of them, not an export of their types."""
 
 
 def _export_refused(error: Exception) -> bool:
