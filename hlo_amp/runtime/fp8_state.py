@@ -79,6 +79,14 @@ def _static_part(leaf: Any) -> Any:
     return (type(leaf).__name__, leaf)
 
 
+def _canonical(dtype: Any) -> Any:
+    """``dtype`` as jax traces it (float64 is float32 without x64); a PRNG key type
+    (``key<fry>``) as it is."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
 class Fp8StatefulFunction:
     """What ``hlo_amp.compile`` returns under ``scaling=delayed``: called like the
     function, it carries the fp8 amax history between calls (``fp8_state()``,
@@ -140,7 +148,7 @@ class Fp8StatefulFunction:
         kinds, shapes = [], []
         for leaf in leaves:
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-                kinds.append((str(jax.dtypes.canonicalize_dtype(leaf.dtype)),
+                kinds.append((str(_canonical(leaf.dtype)),
                               bool(getattr(leaf, "weak_type", False))))
                 shapes.append(leaf_signature(leaf))
                 continue

@@ -680,6 +680,24 @@ def test_a_static_argument_that_picks_other_tensors_keeps_its_own_history(other)
     assert (history[3] == 0).all()
 
 
+def test_a_typed_prng_key_argument_is_taken() -> None:
+    """A step drawing dropout from a ``jax.random.key`` (NNX's Rngs, Equinox's ``key=``):
+    the history's key read the key's dtype as a number type and the call failed
+    ("canonicalize_dtype called on extended dtype key<fry>")."""
+    p, x = _mlp_params(4)
+
+    def step(p, x, key):
+        keep = jax.random.bernoulli(key, 0.9, x.shape)
+        return jax.value_and_grad(_mlp_loss)(p, jnp.where(keep, x, 0.0))
+
+    f = hlo_amp.compile(step, _delayed(4))
+    for seed in range(3):
+        value, _ = f(p, x, jax.random.key(seed))
+        expected, _ = jax.jit(step)(p, x, jax.random.key(seed))
+        assert abs(float(value) - float(expected)) <= 0.1 * abs(float(expected))
+    assert f.cache_size() == 1 and f.fp8_state().shape[1] > 0
+
+
 def test_a_python_scalar_argument_is_traced_and_the_second_call_compiles_nothing() -> None:
     """A learning rate given as a Python float, a new value each step: one lowering to
     count the columns and one executable, as jax.jit gives (the first call's history
