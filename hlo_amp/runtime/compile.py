@@ -278,6 +278,7 @@ class AmpFunction:
         self.policy = as_policy(policy)
         self.filter = filter
         self._framework_calls: dict[str, Any] = {}  # "nnx" / "filter" -> its call
+        self._pure = False  # True for the function a framework's wrapper calls (_inner)
         self._styles: dict[Any, str] = {}  # argument structure -> "jax" / "nnx" / "filter"
         self.static_argnums = ((static_argnums,) if isinstance(static_argnums, int)
                                else tuple(static_argnums))
@@ -362,7 +363,18 @@ class AmpFunction:
                    "donate_argnums": self.donate_argnums, **jit_options}
         inner = AmpFunction(fn, self.policy, filter=False, **options)
         inner.__name__ = self.__name__
+        # Pure arguments, taken as jax.jit takes them: in NNX's tree mode they are the
+        # modules themselves (pytrees), which would make the inner function an NnxCall
+        # of its own, and so on without end.
+        inner._pure = True
         return inner
+
+    def _style(self, args: tuple, kwargs: dict) -> str:
+        """How this call's arguments are taken (``argument_style``); "jax" for the
+        function a framework's wrapper calls."""
+        if self._pure:
+            return "jax"
+        return argument_style(args, kwargs, self.filter, self._styles)
 
     # -- signatures --
 
@@ -400,7 +412,7 @@ class AmpFunction:
     def trace(self, *args: Any, **kwargs: Any) -> AmpTraced:
         """``fn`` traced for these arguments, as ``jax.jit(fn).trace``: its jaxpr and
         output shapes (the pass keeps them), and ``.lower()`` to rewrite it."""
-        if argument_style(args, kwargs, self.filter, self._styles) != "jax":
+        if self._style(args, kwargs) != "jax":
             raise TypeError(f"{self.__name__}.trace takes arrays and pytrees of them; for "
                             f"NNX or Equinox arguments use .lower(...) or .eval_shape(...)")
         return AmpTraced(self, args, kwargs, self._jitted.trace(*args, **kwargs))
@@ -408,7 +420,7 @@ class AmpFunction:
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The outputs' shapes and dtypes, as the framework's jit gives them (the pass
         keeps them): ``jax.ShapeDtypeStruct`` leaves, nothing compiled."""
-        style = argument_style(args, kwargs, self.filter, self._styles)
+        style = self._style(args, kwargs)
         if style == "nnx":
             return self._framework_call(style).wrapped.eval_shape(*args, **kwargs)
         if style != "jax":
@@ -439,7 +451,7 @@ class AmpFunction:
         """``lower(*args, **kwargs)`` for the device ``target`` (None: this machine's),
         every keyword argument ``fn``'s."""
         device = device_target(target) if target is not None else None
-        style = argument_style(args, kwargs, self.filter, self._styles)
+        style = self._style(args, kwargs)
         try:
             if style != "jax":
                 return self._framework_call(style).lower(args, kwargs, device)
@@ -484,7 +496,7 @@ class AmpFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if jax.config.jax_disable_jit:  # as jax.jit: the Python function runs op by op
             return self.fn(*args, **kwargs)
-        style = argument_style(args, kwargs, self.filter, self._styles)
+        style = self._style(args, kwargs)
         try:
             if style != "jax":
                 return self._framework_call(style)(*args, **kwargs)

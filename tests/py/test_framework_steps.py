@@ -339,6 +339,41 @@ def test_nnx_rng_counters_and_batch_stats_advance_as_under_nnx_jit():
     np.testing.assert_allclose(mean, want_model.blocks[0].norm.mean[...], rtol=5e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("how", ["context", "decorated"])
+def test_nnx_tree_mode_steps_run_as_under_nnx_jit(how):
+    """``nnx.set_graph_mode(False)`` or ``nnx.jit(step, graph=False)``: nnx.jit hands its
+    inner function the modules themselves, which made that function an NNX call of its
+    own, without end (RecursionError under the context; decorated, it ran a second,
+    graph-mode nnx.jit inside)."""
+    import contextlib
+
+    class Net(nnx.Module):
+        def __init__(self) -> None:
+            self.linear = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+            self.norm = nnx.BatchNorm(8, rngs=nnx.Rngs(0))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.norm(self.linear(x))
+
+    def step(model: Net, x: jax.Array) -> jax.Array:
+        return jnp.mean(model(x) ** 2)
+
+    x = jax.random.normal(jax.random.key(0), (8, 8))
+    mode = nnx.set_graph_mode(False) if how == "context" else contextlib.nullcontext()
+    given = step if how == "context" else nnx.jit(step, graph=False)
+    want_model, got_model = Net(), Net()
+    with mode:
+        want = (nnx.jit(step) if how == "context" else given)(want_model, x)
+        compiled = hlo_amp.compile(given, "bf16")
+        got = compiled(got_model, x)
+    np.testing.assert_allclose(got, want, rtol=2e-2)
+    mean = got_model.norm.mean[...]
+    assert not np.allclose(mean, 0.0)  # the batch statistics were written back
+    np.testing.assert_allclose(mean, want_model.norm.mean[...], rtol=2e-2, atol=1e-3)
+    inner = compiled._framework_calls["nnx"].inner
+    assert inner._framework_calls == {}  # no framework call inside the framework call
+
+
 def test_compiled_ahead_of_time_takes_the_callers_objects_as_the_framework_jit_does():
     """``step.lower(model, ...).compile()(model, ...)``, as nnx.jit's and eqx.filter_jit's
     compiled steps are called; it asked for their inner pure state ("seen NodeStates")."""
