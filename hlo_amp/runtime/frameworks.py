@@ -41,6 +41,7 @@ from typing import Any
 import jax
 
 from hlo_amp.module_scopes import module_scopes
+from hlo_amp.runtime.signature import signature_of
 
 
 def _nnx() -> Any:
@@ -441,12 +442,21 @@ class FilterCall:
                  donate_argnums: tuple, donation: FilteredDonation | None = None):
         self.fn = with_module_paths(fn)
         self.donate_argnums = frozenset(donate_argnums)
+        # As jax.jit: a parameter donated by position is donated when passed by keyword.
+        signature = signature_of(fn)
+        positional = [] if signature is None else [
+            p for p in signature.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.donated_names = frozenset(p.name for i, p in enumerate(positional)
+                                       if i in self.donate_argnums
+                                       and p.kind == p.POSITIONAL_OR_KEYWORD)
         self.donation = donation  # eqx.filter_jit(donate=...) of a decorated step
         self.inner = make_inner(self._pure, static_argnums=(2,),
                                 donate_argnums=(0,) if donate_argnums or donation else ())
 
     def _donated(self, key: tuple[str, Any]) -> bool:
         return ((key[0] == "arg" and key[1] in self.donate_argnums)
+                or (key[0] == "kw" and key[1] in self.donated_names)
                 or (self.donation is not None and self.donation(key)))
 
     def _pure(self, donated: dict, kept: dict, static: StaticArguments) -> tuple:

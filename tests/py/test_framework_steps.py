@@ -609,6 +609,23 @@ def test_a_jax_jit_decorated_function_keeps_its_static_and_donated_arguments():
     assert [(d.function, d.low_precision) for d in report.decisions] == [("main", True)]
 
 
+def test_a_filtered_argument_donated_by_position_is_donated_by_keyword_too():
+    """As jax.jit: ``donate_argnums=0`` donates the first parameter however it is
+    passed. An Equinox module (or ``filter=True``) passed by keyword was not donated."""
+    def step(model: Any, x: jax.Array) -> tuple[Any, jax.Array]:
+        scaled = jax.tree.map(lambda a: a * 0.9 if eqx.is_array(a) else a, model)
+        return scaled, jnp.sum(jax.vmap(model)(x))
+
+    compiled = hlo_amp.compile(step, "bf16", donate_argnums=0)
+    x = jnp.ones((4, 8))
+    for call in (lambda m: compiled(m, x), lambda m: compiled(model=m, x=x)):
+        model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+        weight = model.weight
+        call(model)
+        assert weight.is_deleted()
+    assert not x.is_deleted()
+
+
 def test_a_donated_keyword_only_argument_gets_advice_that_works():
     """hlo_amp.compile donates by position: the error says to make the argument
     positional (it said to replace the decorator, which cannot donate it either)."""
