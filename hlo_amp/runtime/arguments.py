@@ -7,6 +7,7 @@ internal jitted function.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +68,15 @@ def _static_problem(name: str, where: str, root: str, fix: str, value: Any) -> s
             f"it a dynamic argument ({fix}).")
 
 
+def _holds_graph(value: Any) -> bool:
+    """Whether ``value`` is or holds an NNX graph object (a module, an optimizer)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return False
+    found = jax.tree_util.tree_leaves(value, is_leaf=nnx.graph.is_graph_node)
+    return any(nnx.graph.is_graph_node(x) for x in found)
+
+
 def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Sequence[int],
                      static_argnames: Sequence[str], style: str) -> str | None:
     """The message for the first argument the call cannot take, or None if all are fine."""
@@ -95,6 +105,13 @@ def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Se
                             f"{_describe(leaf)}, which the eqx.filter_jit-style call makes "
                             f"static, but it is not hashable ({error}). Make it hashable, or "
                             f"an array (static leaves key the compile cache).")
+            elif not _is_jax_value(leaf) and style == "statics only" and _holds_graph(value):
+                # Inside an NNX graph object: nnx.jit traces every data attribute too.
+                return (f"hlo_amp.compile({name}): argument {where} is {_describe(leaf)}, "
+                        f"not an array, in an NNX object's data (nnx.data, a Variable), "
+                        f"which nnx.jit traces as hlo_amp.compile does; store it as an "
+                        f"attribute that is not data (nnx.static(...), or a plain "
+                        f"attribute of a type NNX keeps static), or as an array.")
             elif not _is_jax_value(leaf):
                 position = root.removeprefix("args[").split("]")[0]
                 static_hint = (f"static_argnums=({position},)" if root.startswith("args[")

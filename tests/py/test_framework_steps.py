@@ -796,6 +796,12 @@ class _Config:
     pass
 
 
+class _NnxWithFunctionData(nnx.Module):
+    def __init__(self) -> None:
+        self.w = nnx.Param(W)
+        self.act = nnx.data(jax.nn.relu)
+
+
 @pytest.mark.parametrize(("call", "words"), [
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16")(W, _Config()),
      ["args[1]", "_Config", "static_argnums=(1,)", "filter=True"]),
@@ -810,6 +816,10 @@ class _Config:
      ["args[1]['a']", "bytearray", "not hashable"]),
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16").lower(W, _Config()),
      ["args[1]", "_Config"]),
+    # A function in an NNX module's data: the advice was static_argnums (which then
+    # refused the module's arrays) or filter=True (which NNX arguments do not take).
+    (lambda: hlo_amp.compile(lambda m: X @ m.w, "bf16")(_NnxWithFunctionData()),
+     ["args[0].act", "NNX object's data", "nnx.static"]),
     (lambda: hlo_amp.compile(nnx.jit(lambda w: X @ w, in_shardings=(None,)), "bf16"),
      ["@nnx.jit", "in_shardings=(None,)", "replace @nnx.jit with @hlo_amp.compile"]),
     (lambda: hlo_amp.compile(eqx.filter_jit(lambda w: X @ w, keep_unused=True), "bf16"),
@@ -828,6 +838,8 @@ def test_an_argument_it_cannot_take_gets_one_message_naming_it(call, words):
     assert message.startswith("hlo_amp.compile(")
     for word in words:
         assert word in message, (word, message)
+    if "NNX object's data" in message:  # the advice jax-style arguments get is not given
+        assert "static_argnums" not in message and "filter=True" not in message
     assert "NoneType" not in message and "dispatched" not in message
 
 
