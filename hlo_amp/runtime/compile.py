@@ -8,8 +8,9 @@ program (reverse mode: a forward with residuals and a backward, so the forward i
 recomputed). Shardings, donation and the output pytree are JAX's own.
 
 ``.lower()``, functions ``jax.export`` refuses (host callbacks, a mesh of their own) and
-calls with arrays sharded over several devices outside an Explicit mesh go through ``jax.jit(fn).trace(...).lower()``: the lowered module is copied, rewritten
-and handed back to JAX's compile path.
+calls with arrays sharded over several devices outside an Explicit mesh go through
+``jax.jit(fn).trace(...).lower()``: the lowered module is copied, rewritten and handed
+back to JAX's compile path.
 """
 
 from __future__ import annotations
