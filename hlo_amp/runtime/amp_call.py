@@ -172,34 +172,55 @@ def _example(value: Any, axis: int | None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
 
 
-def _batched_outputs(fn: Callable[..., list], args: Sequence[Any], in_axes: tuple
-                     ) -> tuple[bool, ...] | None:
+def _batched_outputs(fn: Callable[..., list], args: Sequence[Any], in_axes: tuple,
+                     axis_name: str | None = None) -> tuple[bool, ...] | None:
     """Per output of ``fn``: whether it depends on a batched argument (else it is the
     same for every example, and vmap may return it unbatched: ``out_axes=None``). None
-    where ``fn`` cannot be traced alone (a collective over the vmap's named axis)."""
+    where ``fn`` cannot be traced alone (a collective over the vmap's named axis).
+    An ``axis_index`` of the vmap's axis is batched: it varies along the axis with no
+    batched input."""
     try:
         jaxpr = jax.make_jaxpr(fn)(*map(_example, args, in_axes)).jaxpr
     except Exception:  # noqa: BLE001
         return None
     batched = {v for v, d in zip(jaxpr.invars, in_axes) if d is not None}
     for eqn in jaxpr.eqns:
-        if any(not isinstance(v, Literal) and v in batched for v in eqn.invars):
+        if any(not isinstance(v, Literal) and v in batched for v in eqn.invars) or (
+                axis_name is not None and _indexes_axis(eqn, axis_name)):
             batched.update(eqn.outvars)
     return tuple(not isinstance(v, Literal) and v in batched for v in jaxpr.outvars)
+
+
+def _indexes_axis(eqn: Any, axis_name: str) -> bool:
+    """Whether ``eqn`` is ``lax.axis_index(axis_name)`` or holds one in a jaxpr of its
+    parameters (a nested jit, a scan body)."""
+    if eqn.primitive.name == "axis_index":
+        name = eqn.params.get("axis_name")
+        return name == axis_name or (isinstance(name, tuple) and axis_name in name)
+
+    def holds(value: Any) -> bool:
+        if isinstance(value, (tuple, list)):
+            return any(map(holds, value))
+        inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's jaxpr
+        return hasattr(inner, "eqns") and any(_indexes_axis(e, axis_name) for e in inner.eqns)
+
+    return any(holds(v) for v in eqn.params.values())
 
 
 def _batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *,
            program: Program) -> tuple[list, list]:
     in_axes = tuple(dims)
-    if all(d is None for d in in_axes):  # nothing batched here (jacfwd's primal pass)
-        outs = amp_call_p.bind(*args, program=program)
-        return outs, [None] * len(outs)
     # Only a string name can be used inside the exported program (psum over "batch");
     # JAX's anonymous axes are fresh objects, which would defeat the export cache.
     axis_name = axis_data.name if isinstance(axis_data.name, str) else None
     # An output no batched argument reaches stays unbatched, as under jax.jit (a caller's
     # out_axes=None asks for that).
-    found = _batched_outputs(program.fn, args, in_axes)
+    found = (_batched_outputs(program.fn, args, in_axes, axis_name)
+             if axis_name is not None or any(d is not None for d in in_axes) else None)
+    if all(d is None for d in in_axes) and not any(found or ()):
+        # Nothing batched here (jacfwd's primal pass), nor an axis_index of the axis.
+        outs = amp_call_p.bind(*args, program=program)
+        return outs, [None] * len(outs)
     out_axes = tuple(0 if b else None for b in found) if found is not None else None
     batched = program.derive(
         ("vmap", in_axes, out_axes, axis_data.size, axis_name),

@@ -7,6 +7,7 @@ from f32, and the lowered program holds bf16 ops.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -136,6 +137,30 @@ def test_vmap_with_named_axis_collective():
 
     got = jax.vmap(hlo_amp.compile(centred, "bf16"), axis_name="batch")(xs)
     _assert_close_not_equal(got, jax.vmap(centred, axis_name="batch")(xs))
+
+
+@pytest.mark.parametrize("batched_x", [True, False], ids=["x_batched", "nothing_batched"])
+def test_vmap_with_an_axis_index_output(batched_x):
+    """An output made from ``lax.axis_index`` of the vmap's axis (per-example dropout
+    keys: ``fold_in(key, axis_index)``) varies along the axis though no batched argument
+    reaches it: vmap raised "mapped output (axis_name=b) but out_axes is None", or, with
+    nothing batched, "unbound axis name"."""
+    w = _rand(0, (8, 4))
+    xs = _rand(1, (5, 3, 8))
+
+    def fn(w, x):
+        key = jax.random.fold_in(jax.random.key(0), jax.lax.axis_index("b"))
+        keep = jax.random.bernoulli(key, 0.5, (3, 4))
+        return jnp.where(keep, x @ w, 0.0), w.sum() * jax.lax.axis_index("b")
+
+    in_axes = (None, 0) if batched_x else (None, None)
+    x = xs if batched_x else xs[0]
+    vmap = functools.partial(jax.vmap, in_axes=in_axes, axis_name="b", axis_size=5)
+    got = vmap(hlo_amp.compile(fn, "bf16"))(w, x)
+    want = vmap(fn)(w, x)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0] == 0, want[0] == 0)  # the same per-example masks
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-2, atol=2e-2)
 
 
 # ---- forward mode ------------------------------------------------------------------------
