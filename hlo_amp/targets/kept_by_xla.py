@@ -8,7 +8,8 @@ Both sides are named by JAX's name stack (the report by the op's location, XLA b
   inner ``jax.jit``, ``shard_map`` for a ``shard_map`` body (its ops' locations start
   inside it), and the outer ``jit(f)`` that ``hlo-amp-opt`` inputs may lack;
 * the last segment: a dot whose result XLA transposes takes the transpose's name
-  (``…/dense/transpose``), so ops are matched by scope, not by op name;
+  (``…/dense/transpose``), so ops are matched by scope, not by op name, and within a
+  scope first by their result's element count (a transposed result keeps it);
 * counts: XLA merges equal dots (the recomputed forward of a ``remat``) and drops dead
   ones, so a scope can hold fewer dots than the report. Those decisions stay unknown
   (``None``) rather than being guessed.
@@ -17,6 +18,7 @@ Both sides are named by JAX's name stack (the report by the op's location, XLA b
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
@@ -58,6 +60,9 @@ class XlaGemm:
     operand_types: tuple[str, ...]  # element types of its two matrix operands
     runner: str = "XLA"  # "cuBLAS", "cuBLAS fp8", "cuDNN", "Triton" or "XLA" (a plain op)
     conv: bool = False  # a convolution (XLA's op or a cuDNN call), not a GEMM
+    # Elements of its (first) result, which a decision's ``shape`` also gives: two ops of
+    # one scope are told apart by it. None where the line does not say.
+    elements: int | None = None
 
     @property
     def low(self) -> bool:
@@ -122,8 +127,28 @@ def xla_gemms(hlo_text: str, target: Target | None = None) -> list[XlaGemm]:
         # for the op says which it was.
         conv = form[2] if form else bool(match and match.group(1) == "convolution"
                                          and not name.rsplit("/", 1)[-1].startswith("dot"))
-        found.append(XlaGemm(name, tuple(operand_types), runner, conv))
+        found.append(XlaGemm(name, tuple(operand_types), runner, conv, _result_elements(line)))
     return found
+
+
+_RESULT_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?\w+\[([\d,]*)\]")
+
+
+def _result_elements(line: str) -> int | None:
+    """Elements of an HLO line's (first) result: ``f32[2,288]``, or a library call's
+    ``(f32[2,288], s8[...])``."""
+    match = _RESULT_SHAPE.match(line)
+    if match is None:
+        return None
+    return math.prod(int(d) for d in match.group(1).split(",") if d)
+
+
+def _decision_elements(decision: Decision) -> int | None:
+    """Elements of a decision's result (its ``shape``, "256x2048"); None if unknown."""
+    try:
+        return math.prod(int(d) for d in decision.shape.split("x")) if decision.shape else None
+    except ValueError:  # a dynamic dimension ("?")
+        return None
 
 
 _ATTENTION_CALL = re.compile(r'custom_call_target="__cudnn\$fmha[^"]*"')
@@ -166,13 +191,18 @@ def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool
     free = list(gemms)
     result: list[tuple[bool | None, str | None]] = [(None, None)] * len(decisions)
     order = sorted(range(len(decisions)), key=lambda i: not decisions[i].fp8)
-    for same_kind in (True, False):
+    sizes = [_decision_elements(d) for d in decisions]
+    # First against XLA ops of the decision's own result size (two dots of one scope,
+    # one kept and one upcast, took each other's verdicts), then against any.
+    for same_size, same_kind in ((True, True), (False, True), (False, False)):
         for i in order:
             if result[i][0]:
                 continue
             decision = decisions[i]
             for gemm in free:
                 if ((gemm.fp8 if decision.fp8 else gemm.low)
+                        and (not same_size or (sizes[i] is not None
+                                               and gemm.elements == sizes[i]))
                         and (not same_kind or gemm.conv == (decision.op_kind == "convolution"))):
                     free.remove(gemm)
                     result[i] = (True, gemm.form)
@@ -181,8 +211,9 @@ def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool
         if kept or not complete:
             continue
         conv = decisions[i].op_kind == "convolution"
-        # An fp8 op XLA ran as a 16-bit GEMM shows that form first, then the wide ones.
-        rest = sorted(free, key=lambda g: (g.conv != conv, not g.low))
+        # Its own size first; an fp8 op XLA ran as a 16-bit GEMM shows that form first,
+        # then the wide ones.
+        rest = sorted(free, key=lambda g: (g.elements != sizes[i], g.conv != conv, not g.low))
         result[i] = (False, rest[0].form if rest else None)
     return result
 

@@ -139,6 +139,33 @@ def test_fewer_dots_in_xla_than_in_the_report_stay_unknown(converted_decision):
     assert f"kept by XLA: 1/3 (2 unknown: {MERGED})" in report.summary()
 
 
+# One scope, two converted dots: XLA:CPU upcast the small one (f32 operands) and kept the
+# large one, which comes first in the report.
+_TWO_SIZES_HLO = """
+ENTRY %main {
+  %a = f32[2,3]{1,0} parameter(0)
+  %b = f32[3,288]{1,0} parameter(1)
+  %c = bf16[16,4]{1,0} parameter(2)
+  %d = bf16[4,288]{1,0} parameter(3)
+  %small = f32[2,288]{1,0} dot(f32[2,3]{1,0} %a, f32[3,288]{1,0} %b), metadata={op_name="jit(f)/s/dot_general"}
+  ROOT %large = f32[16,288]{1,0} dot(bf16[16,4]{1,0} %c, bf16[4,288]{1,0} %d), metadata={op_name="jit(f)/s/dot_general"}
+}
+"""
+
+
+def test_two_dots_of_one_scope_get_their_own_verdicts(converted_decision):
+    """Matched by result size within a scope: the verdicts went in report order, so the
+    small dot was 'kept' and the large one 'upcast', and flops_by_scope put 91% of the
+    FLOPs under 'XLA upcast it'."""
+    make = converted_decision
+    small = dataclasses.replace(make("jit(f)/s/dot_general"), shape="2x288", flops=3456)
+    large = dataclasses.replace(make("jit(f)/s/dot_general"), shape="16x288", flops=36864)
+    report = Report(decisions=[small, large])
+    mark_kept_by_xla(report, _TWO_SIZES_HLO)
+    assert [(d.kept_by_xla, d.xla_form) for d in report.decisions] == [
+        (False, "XLA f32×f32"), (True, "XLA bf16×bf16")]
+
+
 # ---- fp8 (issue 11 item 3) ---------------------------------------------------------------
 
 # XLA:GPU's optimized HLO on Hopper: cuBLASLt's fp8 call for scope q (the form of XLA's
