@@ -9,6 +9,7 @@ module: ``run_pipeline(..., verify_each=True)``, the environment variable
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from collections.abc import Sequence
@@ -19,11 +20,14 @@ from jaxlib.mlir import ir
 from hlo_amp.ir.modules import (
     ModuleError,
     PassError,
+    decision_of,
     drop_discarded,
+    element_type,
     erase_discarded,
     mark_program_converts,
     op_in_traceback,
     strip_decision_marks,
+    walk_operations,
 )
 from hlo_amp.ir.program_hints import strip_program_hints
 from hlo_amp.ir.shardings import is_partitioned
@@ -35,7 +39,8 @@ from hlo_amp.passes.fp8 import Fp8Quantize
 from hlo_amp.passes.fused_attention import FusedAttention
 from hlo_amp.passes.hoist_amax import HoistAmax
 from hlo_amp.passes.hoist_quantize import HoistQuantize
-from hlo_amp.passes.insert_converts import InsertConverts
+from hlo_amp.passes.insert_converts import ALREADY_FP8, InsertConverts
+from hlo_amp.passes.insert_converts.plan import TypeNames
 from hlo_amp.passes.keep_shardings import KeepShardings
 from hlo_amp.passes.merge_amax import MergeAmax
 from hlo_amp.passes.propagate import Propagate
@@ -43,7 +48,7 @@ from hlo_amp.passes.recompute_residuals import RecomputeResiduals
 from hlo_amp.passes.reuse_amax import ReuseAmax
 from hlo_amp.passes.scatter_select import ScatterToSelect
 from hlo_amp.policy import Policy
-from hlo_amp.report import Report
+from hlo_amp.report import Report, is_narrow
 from hlo_amp.targets import Target, as_target
 
 
@@ -148,6 +153,7 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
             run_pass(current, module, report)
             if verify_each:
                 _verify(module, f"pass {current.name}")
+        record_final_types(module, report, policy)
         strip_decision_marks(module)
         strip_program_hints(module)
         if not verify_each or not pipeline:
@@ -159,6 +165,41 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
         if collecting:
             gc.enable()
     return report
+
+
+def record_final_types(module: ir.Module, report: Report, policy: Policy) -> None:
+    """Each decision's operand and result types as the module has them after every pass:
+    insert_converts records them when it decides, and later passes retype (the fast
+    mode's 16-bit result of a GPU or TPU matrix op, an fp8 dot's f32 result of an f16
+    program, ``reduce=``). A dot the program quantised itself keeps its fp8 types."""
+    if not report.decisions:
+        return
+    names = TypeNames()
+    kinds = frozenset(f"stablehlo.{d.op_kind}" for d in report.decisions)
+    seen: set[int] = set()
+    for op in walk_operations(module, names=kinds):
+        index = decision_of(op)
+        if index is None or index in seen or not 0 <= index < len(report.decisions):
+            continue
+        seen.add(index)  # the first copy of an op speaks for its clones
+        found = report.decisions[index]
+        if found.reason == ALREADY_FP8:
+            continue
+        operands = tuple(names.name(element_type(v)) for v in list(op.operands)[:2])
+        result = names.name(element_type(op.results[0]))
+        if (operands, result) == (found.operands_after, found.result_after):
+            continue
+        notes = found.notes
+        narrower = is_narrow(result) and not is_narrow(found.result_after)
+        if policy.propagate and narrower and not any(result in n for n in notes):
+            notes += (f"result stored as {result}: the fast mode keeps matrix-op results "
+                      "16-bit on this target"),
+        # An fp8 plan's reason names the result type it was planned with.
+        reason = found.reason.replace(f", {found.result_after} result", f", {result} result")
+        report.decisions[index] = dataclasses.replace(
+            found, operands_after=operands, result_after=result, notes=notes, reason=reason,
+            changed=found.changed or operands != found.operands_before
+            or result != found.result_before)
 
 
 def run_pass(current: Pass, module: ir.Module, report: Report | None) -> None:

@@ -131,7 +131,7 @@
 // JSON:      "rule": "last_matrix_op",
 // JSON:      "scope": "mlp",
 // JSON-NEXT: "direction": "backward",
-// JSON:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor bf16 scales, f32 result",
+// JSON:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor bf16 scales, bf16 result",
 // JSON:      "scope": "stem",
 // JSON-NEXT: "direction": "backward",
 // JSON:      "rule": "first_matrix_op",
@@ -140,12 +140,12 @@
 
 // ENDS:      "scope": "stem",
 // ENDS:      "rule": "op:dot_general",
-// ENDS:      "reason": "fp8 e4m3fn x e4m3fn, per-tensor bf16 scales, f32 result",
+// ENDS:      "reason": "fp8 e4m3fn x e4m3fn, per-tensor bf16 scales, bf16 result",
 // ENDS:      "scope": "head",
 // ENDS:      "reason": "fp8 fallback: n=4 under 16 (cuBLASLt pads fp8 GEMMs to multiples of 16); bf16 operands, f32 accumulation",
 // ENDS:      "scope": "stem",
 // ENDS-NEXT: "direction": "backward",
-// ENDS:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor bf16 scales, f32 result",
+// ENDS:      "reason": "fp8 e5m2 x e4m3fn (lhs is the incoming gradient), per-tensor bf16 scales, bf16 result",
 
 // In the preset's fast mode the loop carries and the saved activations are bf16.
 // SCAN-LABEL: func.func private @closed_call(

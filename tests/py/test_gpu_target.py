@@ -317,6 +317,9 @@ def test_an_f16_programs_fp8_dots_stay_fp8_gemms() -> None:
     fp8 = [d for d in result.report().decisions if d.fp8]
     assert len(fp8) == 11  # 4 forward dots, 4 weight gradients, 3 input gradients
     assert all(d.kept_by_xla for d in fp8)
+    # The report says so (it gave an f16 result): f32, converted after.
+    assert {(d.result_after, d.reason.rsplit(", ", 1)[-1]) for d in fp8} == {
+        ("f32", "converted to f16")}
     calls = library_calls(result.as_text())
     assert [kind for kind, _ in calls].count("gemm fp8") == len(fp8)
 

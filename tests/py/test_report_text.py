@@ -120,3 +120,31 @@ def test_per_op_notes_attach_to_their_op_and_are_counted(wmt_report):
     notes = [n for d in data["decisions"] for n in d["notes"] if n.startswith(RELAID)]
     assert len(notes) == len(noted) and all(" -> " in n for n in notes)
     assert all(d["location"].startswith("jit(step)/") for d in data["decisions"])
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "fp8", "bf16"])
+def test_each_decisions_types_are_the_rewritten_modules(policy):
+    """The report's operand and result types are the module's after every pass: compiled
+    for an H100 the fast mode stores matrix-op results in 16 bit, which the report gave
+    as f32 ('bf16xbf16->f32', fp8 '... f32 result'); ``changed`` says whether they
+    moved."""
+    import re
+    from collections import Counter
+
+    def loss(ws, x):
+        x = jnp.tanh(x.astype(jnp.bfloat16) @ ws[0].astype(jnp.bfloat16)).astype(jnp.float32)
+        for w in ws[1:]:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x ** 2)
+
+    ws = [jnp.ones((32, 32)) * 0.1] * 3
+    lowered = hlo_amp.compile(jax.grad(loss), policy).lower_for("h100", ws, jnp.ones((16, 32)))
+    dots = re.findall(r"stablehlo\.dot_general .*: \(tensor<[\dx]*x(\w+)>, tensor<[\dx]*x(\w+)>\)"
+                      r" -> tensor<[\dx]*x(\w+)>", lowered.as_text())
+    decisions = lowered.report().decisions
+    assert Counter(dots) == Counter((*d.operands_after, d.result_after) for d in decisions)
+    for d in decisions:
+        moved = d.operands_after != d.operands_before or d.result_after != d.result_before
+        assert d.changed == moved, d
+    if policy != "bf16":  # the fast mode: every result 16-bit
+        assert {d.result_after for d in decisions} == {"bf16"}

@@ -219,9 +219,11 @@ def _plan_fp8(op: Any, kind: str, policy: Policy, action: str, rule: str,
     # says why, per target).
     result_name = str(result)
     dequantize = target.fp8_dequantize(result_name, policy.compute_dtype)
+    # An f16 result is computed and scaled in f32, then converted (passes/fp8.py).
+    made = "f32 result, converted to f16" if result_name == "f16" else f"{result_name} result"
     return Plan(action, rule, targets, None,
                 f"fp8 {FP8_SHORT[formats[0]]} x {FP8_SHORT[formats[1]]}{how}, per-tensor "
-                f"{dequantize} scales, {result_name} result",
+                f"{dequantize} scales, {made}",
                 fp8=(formats[0], formats[1], dequantize))
 
 
