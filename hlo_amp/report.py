@@ -85,6 +85,9 @@ class AttentionSite:
     # After XLA compiled the step: whether its optimized HLO runs the kernel's custom
     # calls for this site; None before (or for a site not fused).
     kept_by_xla: bool | None = None
+    # A fused site's matmul FLOPs per call, as the program's matmuls it replaces had
+    # them (they are no decisions any more); 0 for a site not fused, whose matmuls are.
+    flops: int = 0
 
 
 def is_narrow(element_type: str) -> bool:
@@ -187,8 +190,10 @@ class Report:
             fp8 = sum(d.fp8 for d in of_kind)
             parts.append(f"{sum(d.low_precision for d in of_kind)}/{len(of_kind)} {kind}"
                          + (f" ({fp8} fp8)" if fp8 else ""))
-        total = sum(d.flops or 0 for d in self.decisions)
-        low = sum(d.flops or 0 for d in self.decisions if d.low_precision)
+        # A fused attention's matmuls run in its 16-bit type inside the kernel.
+        fused = sum(a.flops for a in self.attention if a.fused)
+        total = sum(d.flops or 0 for d in self.decisions) + fused
+        low = sum(d.flops or 0 for d in self.decisions if d.low_precision) + fused
         share = f"{100.0 * low / total:.0f}%" if total else "n/a"
         line = f"low precision: {', '.join(parts)}; {share} of FLOPs in 16-bit or narrower"
         left = [d for d in self.decisions if d.runs_as]
@@ -321,6 +326,11 @@ class Report:
                 precision = PRECISIONS[2] if d.kept_by_xla is False else PRECISIONS[0]
             row = table.setdefault(scope, dict.fromkeys(PRECISIONS, 0))
             row[precision] += d.flops or 0
+        for site in self.attention:  # a fused kernel's matmuls, in its 16-bit type
+            if site.fused and site.flops:
+                scope = "/".join(site.scope.split("/")[:depth]) if site.scope else "(top level)"
+                row = table.setdefault(scope, dict.fromkeys(PRECISIONS, 0))
+                row[PRECISIONS[0] if site.kept_by_xla is not False else PRECISIONS[2]] += site.flops
         return dict(sorted(table.items(), key=lambda item: -sum(item[1].values())))
 
     def plot(self, path: Any, depth: int = 1, top: int = 25) -> Any:

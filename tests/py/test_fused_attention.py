@@ -407,6 +407,29 @@ def test_sites_left_unfused_are_listed_with_their_reason(fn, reason, direction) 
     assert sites[0].reason.startswith(reason)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "training"])
+def test_a_fused_sites_matmuls_count_in_the_flop_share(grad) -> None:
+    """The kernel's matmuls run in 16 bit: their FLOPs (the program's matmuls it
+    replaces) count in the summary's share and in flops_by_scope, as they do where the
+    attention is not fused. With the projections kept f32 the share was 0% for an H100
+    (the attention's matmuls, most of the FLOPs, are no decisions there) and 91% on CPU."""
+    def attend(x, w):
+        with jax.named_scope("proj"):
+            q, k, v = (jnp.einsum("btd,dnh->btnh", x, w[i]) for i in range(3))
+        with jax.named_scope("attn"):
+            return _plain(q, k, v)
+
+    fn = jax.grad(lambda x, w: jnp.sum(attend(x, w) ** 2), argnums=1) if grad else attend
+    x, w = jnp.ones((2, programs.T, 64)), jnp.ones((3, 64, 2, 64)) * 0.1
+    policy = "bf16,scope:proj=float32"
+    cpu = hlo_amp.compile(fn, policy).lower(x, w).report()
+    gpu = hlo_amp.compile(fn, policy).lower(x, w, target="h100").report()
+    assert [s.fused for s in gpu.attention] == [True] and not cpu.attention[0].fused
+    share = re.compile(r"(\d+)% of FLOPs in 16-bit")
+    assert share.search(gpu.summary()).group(1) == share.search(cpu.summary()).group(1) != "0"
+    assert gpu.flops_by_scope()["attn"] == cpu.flops_by_scope()["attn"]
+
+
 def test_a_checkpoint_policy_saving_no_scores_fuses() -> None:
     policy = jax.checkpoint_policies.nothing_saveable
     fn = programs._grad_of(jax.checkpoint(_plain, policy=policy))

@@ -235,6 +235,7 @@ def _entry(op: ir.Operation, site: Site, fn_name: str,
     kernel_name = (own.rsplit("/", 1)[0] if "/" in own else own) + "/cudnn_attention"
     shapes = q_shape = kv_shape = mask = ""
     direction = "forward"
+    flops = 0
     if found is not None:
         match, call = found
         q_shape = "x".join(map(str, call.q_shape))
@@ -247,8 +248,15 @@ def _entry(op: ir.Operation, site: Site, fn_name: str,
         # has the backward alone; jax.checkpoint's recomputation reads it again.
         direction = ("forward and backward" if "out" in match.exits and match.training
                      else "backward" if match.training else "forward")
+        if fused:
+            # The program's matmuls the kernel replaces, 2·B·N·T·S·H each: Q·Kᵀ and P·V
+            # forward, dP, dV, dQ, dK backward (a backward alone recomputes Q·Kᵀ).
+            batch, queries, heads, head_dim = call.q_shape
+            keys = call.kv_shape[1]
+            matmuls = {"forward": 2, "backward": 5, "forward and backward": 6}[direction]
+            flops = 2 * matmuls * batch * heads * queries * keys * head_dim
     return AttentionSite(function=fn_name, scope=site.scope_path, direction=direction,
                          fused=fused, reason=reason if not fused else "",
                          kernel=kernel if fused else "", dtype=dtype if fused else "",
                          shapes=shapes, mask=mask, location=scope_name,
-                         source=site.source, kernel_name=kernel_name)
+                         source=site.source, kernel_name=kernel_name, flops=flops)
