@@ -274,7 +274,8 @@ class Report:
         return lines
 
     def activations_clause(self) -> str:
-        """``activations: 71% of intermediate bytes in 16-bit (was 0%)``."""
+        """``activations: 71% of intermediate bytes in 16-bit (was 0%)``, as the
+        propagation left them (before fp8's quantisation and CPU relayout copies)."""
         rows = (self.propagation or {}).get("functions", [])
         after = sum(r["bytes_after"] for r in rows)
         before = sum(r["bytes_before"] for r in rows)
