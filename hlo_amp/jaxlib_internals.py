@@ -70,17 +70,21 @@ class _Context(ir.Context):
         super(ir.Context, self).__init__()
 
 
-def make_ir_context() -> ir.Context:
-    """An MLIR context with the dialects JAX lowers to (stablehlo, chlo, func, sdy...)."""
+def make_ir_context(threads: bool = True) -> ir.Context:
+    """An MLIR context with the dialects JAX lowers to (stablehlo, chlo, func, sdy...).
+    ``threads=False``: one that never uses a thread pool (in a forked child, whose copy
+    of the shared pool has no threads: its verifier would wait on them for ever)."""
     global _upstream_dialects, _thread_pool
     if _upstream_dialects is None:
         _upstream_dialects = ir.DialectRegistry()
         _jax_mlir_ext.register_dialects(_upstream_dialects)
         _thread_pool = ir.ThreadPool() if hasattr(ir, "ThreadPool") else None
     context = _Context()
+    if not threads:
+        context.enable_multithreading(False)
     context.append_dialect_registry(_upstream_dialects)
     context.load_all_available_dialects()
-    if _thread_pool is not None:
+    if threads and _thread_pool is not None:
         context.set_thread_pool(_thread_pool)
     sdy.register_dialect(context)
     if mpmd is not None:

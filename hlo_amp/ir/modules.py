@@ -145,9 +145,10 @@ def op_in_traceback(traceback: TracebackType | None) -> str | None:
     return None
 
 
-def new_context() -> ir.Context:
-    """An MLIR context with the dialects JAX lowers to (stablehlo, chlo, func, sdy...)."""
-    return jaxlib_internals.make_ir_context()
+def new_context(threads: bool = True) -> ir.Context:
+    """An MLIR context with the dialects JAX lowers to (stablehlo, chlo, func, sdy...);
+    ``threads=False`` for one used in a forked child (``make_ir_context``)."""
+    return jaxlib_internals.make_ir_context(threads)
 
 
 _DIAG_LOC = re.compile(r'^loc\("([^"]*)":(\d+):(\d+)')
@@ -192,7 +193,7 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
         # Corrupted bytecode can abort the process, a corrupted artifact segfault it:
         # read it in a child process first.
         killed = input_checks.signal_reading(
-            lambda: _read_bytes(source, portable, new_context()))
+            lambda: _read_bytes(source, portable, new_context(threads=False)))
         if killed is not None:
             what = "StableHLO portable artifact" if portable else "MLIR bytecode"
             raise ModuleError(f"{source_name}: error: unreadable {what} (reading it ended a "

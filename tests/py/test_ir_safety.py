@@ -149,3 +149,30 @@ def test_signal_reading_names_what_ended_the_child():
     assert signal_reading(lambda: ctypes.string_at(0)) == "SIGSEGV"
     assert signal_reading(lambda: 1 / 0) is None
     assert signal_reading(lambda: None) is None
+
+
+_READ_AFTER_THE_POOL_STARTED = """
+import time, jax, jax.numpy as jnp, hlo_amp
+def f(w, x):
+    return jax.jit(lambda w, x: jnp.tanh(x @ w))(w, x), jax.jit(jax.grad(lambda w: (x @ w).sum()))(w)
+args = (jnp.ones((4, 4)), jnp.ones((2, 4)))
+portable = jax.export.export(jax.jit(f))(*args).mlir_module_serialized
+hlo_amp.rewrite(jax.jit(f).lower(*args).as_text(), "bf16")  # starts MLIR's thread pool
+start = time.monotonic()
+hlo_amp.rewrite(portable, "bf16")  # read in a forked child first
+print("SECONDS", time.monotonic() - start)
+"""
+
+
+def test_bytes_read_after_mlir_threads_started_do_not_wait_for_them():
+    """The forked child that reads bytecode or an artifact first uses a context without
+    a thread pool: its copy of the process's pool has no threads, and its verifier
+    waited on them until the 300 s limit, on every such read after a text one."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _READ_AFTER_THE_POOL_STARTED],
+                          capture_output=True, text=True, timeout=120, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SECONDS")]
+    assert proc.returncode == 0 and lines, proc.stderr[-2000:]
+    assert float(lines[-1].split()[1]) < 30
