@@ -18,10 +18,20 @@ from hlo_amp.report import Report
 def rewrite(module: str | bytes, policy: Policy | str | Mapping[str, Any] = "bf16", *,
             debug_info: bool = False, return_report: bool = False
             ) -> str | tuple[str, Report]:
-    """Rewrite a StableHLO module (text, bytecode or portable artifact); return text.
+    """Rewrite a StableHLO module (text, bytecode or portable artifact: ``str`` or
+    ``bytes``, a ``bytearray`` too); return text.
 
     With ``return_report=True`` returns ``(text, report)``.
     """
+    if isinstance(module, (bytearray, memoryview)):  # Exported.serialize()'s type
+        module = bytes(module)
+    if not isinstance(module, (str, bytes)):
+        raise TypeError(
+            f"hlo_amp.rewrite takes a StableHLO module as text (str) or as bytecode or a "
+            f"portable artifact (bytes), got {type(module).__module__}."
+            f"{type(module).__qualname__}: pass a jax Lowered's .as_text(), an Exported's "
+            f".mlir_module_serialized, str() of an ir.Module; a function goes to "
+            f"hlo_amp.compile")
     amp_policy = as_policy(policy)
     parsed = parse_module(module)
     drop_marks_for_the_full_pipeline(parsed, module)

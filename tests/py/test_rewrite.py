@@ -73,6 +73,18 @@ def test_portable_artifact_input() -> None:
     assert "tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>" in out
 
 
+def test_a_bytearray_is_bytes_and_other_objects_get_one_line() -> None:
+    """``Exported.serialize()`` gives a bytearray: taken as bytes. An ir.Module, a jax
+    Lowered or Exported failed deep inside ("object has no attribute 'count'")."""
+    data = bytearray(_bytecode(TEXT))
+    assert hlo_amp.rewrite(data, "bf16") == hlo_amp.rewrite(bytes(data), "bf16")
+    lowered = jax.jit(lambda x, w: x @ w).lower(X, PARAMS["wq"])
+    for given in (lowered, lowered.compiler_ir("stablehlo"), None):
+        with pytest.raises(TypeError, match=r"^hlo_amp.rewrite takes a StableHLO module as "
+                           r"text \(str\) or .* got .*: pass a jax Lowered's .as_text\(\)"):
+            hlo_amp.rewrite(given, "bf16")
+
+
 def test_output_verifies_and_keeps_the_signature() -> None:
     out = hlo_amp.rewrite(TEXT, "bf16")
     parse_module(out)  # parses and verifies, or raises
