@@ -33,7 +33,8 @@ AvalsKey = tuple[tuple[tuple[int, ...], np.dtype, bool, Any], ...]
 class ProgramOwner(Protocol):
     """What a Program needs from the compiled function it came from."""
 
-    def export_program(self, program: Program, avals: AvalsKey) -> Any: ...
+    def export_program(self, program: Program, avals: AvalsKey,
+                       platforms: tuple[str, ...] | None = None) -> Any: ...
 
     def out_avals(self, program: Program, avals: AvalsKey) -> list: ...
 
@@ -84,8 +85,9 @@ class Program:
                backward_of: BackwardOf | None = None) -> Program:
         return Program(self.owner, fn, name, (tag, self.key), backward_of)
 
-    def exported(self, avals: AvalsKey) -> Any:
-        return self.owner.export_program(self, avals)
+    def exported(self, avals: AvalsKey, platforms: tuple[str, ...] | None = None) -> Any:
+        """The rewritten export for ``avals``, for ``platforms`` (None: jax's default)."""
+        return self.owner.export_program(self, avals, platforms)
 
 
 def avals_key(values: Sequence[Any]) -> AvalsKey:
@@ -152,9 +154,20 @@ def _abstract_eval(*avals: Any, program: Program) -> list:
     return program.owner.out_avals(program, avals_key(avals))
 
 
+def _lower(ctx: Any, *args: Any, program: Program) -> Any:
+    """The export for the platforms being lowered for (``jax.export`` with ``platforms=``,
+    ``lowering_platforms=``, a GPU target), inlined with ``Exported.call``."""
+    platforms = tuple(ctx.module_context.platforms)
+
+    def call(*values: Any) -> Any:
+        return program.exported(avals_key(values), platforms).call(*values)
+
+    return internals.lower_fun(call, multiple_results=True)(ctx, *args)
+
+
 amp_call_p.def_impl(_call)
 amp_call_p.def_abstract_eval(_abstract_eval)
-internals.register_lowering(amp_call_p, internals.lower_fun(_call, multiple_results=True))
+internals.register_lowering(amp_call_p, _lower)
 
 
 def _vmapped(fn: Callable[..., list], in_axes: tuple, out_axes: tuple | int, size: int,

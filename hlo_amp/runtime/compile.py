@@ -570,10 +570,14 @@ class AmpFunction:
         changed configuration (x64, jax.default_matmul_precision) traces anew."""
         return (program.key, avals, internals.program_context())
 
-    def export_program(self, program: Program, avals: AvalsKey) -> Any:
-        """``program`` exported for ``avals`` and rewritten; cached."""
+    def export_program(self, program: Program, avals: AvalsKey,
+                       platforms: tuple[str, ...] | None = None) -> Any:
+        """``program`` exported for ``avals`` and rewritten, for ``platforms`` (None, or
+        jax's default backend alone: the default export); cached."""
         key = self._program_key(program, avals)
-        exported = self._exports.get(key)
+        if platforms == (jax.default_backend(),):
+            platforms = None
+        exported = self._exports.get(key if platforms is None else (key, platforms))
         if exported is None:
             shapes = shape_structs(avals)
             try:
@@ -582,7 +586,8 @@ class AmpFunction:
                 # the call site (no user line: the ends of a backward program could
                 # not be told apart, ir/program_hints.py).
                 with self._tracing(), internals.fresh_source_info():
-                    exported = jax_export.export(jax.jit(program.fn))(*shapes)
+                    exported = jax_export.export(jax.jit(program.fn),
+                                                 platforms=platforms)(*shapes)
             except Exception as error:
                 if _export_refused(error):
                     raise ExportRefused(str(error).splitlines()[0]) from error
@@ -599,7 +604,7 @@ class AmpFunction:
                                            target=platforms_target(exported.platforms)))
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
-            self._exports[key] = exported
+            self._exports[key if platforms is None else (key, platforms)] = exported
         return exported
 
     def _mark_backward(self, module: ir.Module, backward_of: BackwardOf,

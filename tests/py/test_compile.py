@@ -570,6 +570,23 @@ def test_aot_objects_answer_as_jax_jits_do():
     assert delayed(x, w).shape == (4, 3)
 
 
+@pytest.mark.parametrize("platforms", [("cpu", "cuda"), ("cuda",)])
+def test_a_compiled_function_exports_for_other_platforms(platforms):
+    """``jax.export`` with ``platforms=`` (and a lowering for a GPU of a step that takes
+    the gradient of a compiled function) exports the rewritten program for those
+    platforms; it failed: "exported for platforms ('cpu',) but it is used on ..."."""
+    x, w = _rand(0, (4, 8)), _rand(1, (8, 3))
+    amp = hlo_amp.compile(_matmul, "bf16")
+    exported = jax.export.export(jax.jit(amp), platforms=platforms)(x, w)
+    assert exported.platforms == platforms
+    assert "tensor<4x8xbf16>, tensor<8x3xbf16>) -> tensor<4x3xf32>" in exported.mlir_module()
+    if "cpu" in platforms:
+        np.testing.assert_array_equal(exported.call(x, w), amp(x, w))
+    step = jax.jit(jax.grad(lambda w: jnp.sum(amp(x, w) ** 2)))
+    text = step.trace(w).lower(lowering_platforms=platforms).as_text()
+    assert text.count("bf16>) -> tensor<") >= 2  # the forward and the gradient's dot
+
+
 def test_an_output_that_is_no_array_is_named_as_jax_jit_names_it():
     """The error names the user's function and line (it named hlo_amp's flat_fn)."""
     def step(x):
