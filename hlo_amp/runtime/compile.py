@@ -225,8 +225,17 @@ class AmpTraced:
     def out_info(self) -> Any:
         return self._traced.out_info
 
-    def lower(self, *, target: str | Target | None = None) -> AmpLowered:
-        """Lower and rewrite, as ``AmpFunction.lower_for(target, *args, **kwargs)``."""
+    def lower(self, *, target: str | Target | None = None, **jax_options: Any) -> AmpLowered:
+        """Lower and rewrite, as ``AmpFunction.lower_for(target, *args, **kwargs)``.
+        jax's lowering options (``lowering_platforms``, which ``jax.export.export``
+        passes) are refused in one line: they are a ``jax.jit`` of the step's."""
+        if jax_options:
+            name = self._function.__name__
+            raise TypeError(
+                f"{name}.trace(...).lower() takes target= only, not jax's lowering options "
+                f"({', '.join(sorted(jax_options))}): wrap the compiled function in "
+                f"jax.jit, jax.jit({name}).trace(...).lower(lowering_platforms=...) or "
+                f"jax.export.export(jax.jit({name})), which exports the rewritten program")
         return self._function.lower_for(target, *self._args, **self._kwargs)
 
 
@@ -328,7 +337,6 @@ class AmpFunction:
         # So are calls with arrays sharded over several devices (_sharded); once one
         # was seen, each call checks its arguments before the dispatch.
         self._sharded_calls = False
-        self._calling = threading.local()  # the arguments of the call being dispatched
 
     # -- NNX's and Equinox's contracts (runtime/frameworks.py) --
 
@@ -490,6 +498,17 @@ class AmpFunction:
 
     # -- calls --
 
+    def __deepcopy__(self, memo: dict) -> AmpFunction:
+        """A compiled function of the same function and options, its caches empty (as
+        ``copy.deepcopy`` of a ``jax.jit`` function gives one that compiles anew); the
+        caches hold executables and jax objects that do not copy."""
+        copied = AmpFunction(self.fn, self.policy, static_argnums=self.static_argnums,
+                             static_argnames=self.static_argnames,
+                             donate_argnums=self.donate_argnums, filter=self.filter,
+                             decorator=self.decorator)
+        copied._pure, copied.__name__ = self._pure, self.__name__
+        return copied
+
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         """A method decorated with it is bound to its instance, as under jax.jit."""
         return self if instance is None else types.MethodType(self, instance)
@@ -519,7 +538,7 @@ class AmpFunction:
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if not self._through_lowering and not (self._sharded_calls
                                                and _any_sharded((args, kwargs))):
-            self._calling.arguments = (args, kwargs)  # what a cache miss's trace checks
+            _DISPATCHING.call = (self, args, kwargs)  # what a cache miss's trace checks
             try:
                 return self._dispatch(*args, **kwargs)
             except ShardedArguments:
@@ -527,7 +546,7 @@ class AmpFunction:
             except ExportRefused:
                 self._through_lowering = True
             finally:
-                self._calling.arguments = None
+                _DISPATCHING.call = None
         dyn_args, dyn_kwargs, leaves, _, key = self._flatten(args, kwargs)
         if any(isinstance(leaf, internals.Tracer) for leaf in leaves):
             return self._traced_call(args, kwargs)  # warns, and runs fn unchanged
@@ -659,7 +678,9 @@ class AmpFunction:
         key = ("call", treedef, static_key)
         program = Program(self, self._bound(args, kwargs, treedef, key), self.__name__, key)
         avals = avals_key(leaves)
-        if own_dispatch and _any_sharded(getattr(self._calling, "arguments", None)):
+        dispatching = getattr(_DISPATCHING, "call", None)
+        if own_dispatch and dispatching and dispatching[0] is self and _any_sharded(
+                dispatching[1:]):
             raise ShardedArguments  # before the export: the call lowers them itself
         try:
             exported = program.exported(avals)
@@ -711,6 +732,11 @@ def _with_closed_tracers_as_arguments(flat_fn: Callable[..., list], leaves: list
 
     converted.__name__ = getattr(flat_fn, "__name__", "converted")
     return converted, [consts[i] for i in positions]
+
+
+# Per thread, the compiled function being dispatched and its arguments (a module-level
+# record, not the function's: a threading.local attribute would not deep-copy).
+_DISPATCHING = threading.local()
 
 
 def _any_sharded(tree: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import subprocess
@@ -585,6 +586,11 @@ def test_a_compiled_function_exports_for_other_platforms(platforms):
     step = jax.jit(jax.grad(lambda w: jnp.sum(amp(x, w) ** 2)))
     text = step.trace(w).lower(lowering_platforms=platforms).as_text()
     assert text.count("bf16>) -> tensor<") >= 2  # the forward and the gradient's dot
+    # Without the jax.jit it is one line saying so (it was "unexpected keyword argument").
+    with pytest.raises(TypeError, match=r"takes target= only.*jax.export.export\(jax.jit"):
+        jax.export.export(amp, platforms=platforms)(x, w)
+    # A compiled function deep-copies, as a jax.jit one does.
+    np.testing.assert_array_equal(copy.deepcopy(amp)(x, w), amp(x, w))
 
 
 def test_an_output_that_is_no_array_is_named_as_jax_jit_names_it():
