@@ -594,7 +594,7 @@ class AmpFunction:
         """``program`` exported for ``avals`` and rewritten, for ``platforms`` (None, or
         jax's default backend alone: the default export); cached."""
         key = self._program_key(program, avals)
-        if platforms == (jax.default_backend(),):
+        if platforms == (jax_export.default_export_platform(),):  # "cuda", not "gpu"
             platforms = None
         exported = self._exports.get(key if platforms is None else (key, platforms))
         if exported is None:

@@ -214,8 +214,13 @@ def test_tpu_accurate_mode_sums_gradients_in_the_reduce_dtype(policy: str) -> No
     compiled = lowered.compile()
     report = compiled.report()
     assert report.decisions and all(
-        not d.changed and d.reason.startswith("kept f32: XLA:TPU rounds")
+        d.operands_after == d.operands_before and d.reason.startswith("kept f32: XLA:TPU rounds")
         for d in report.decisions)
+    # Under reduce=bfloat16 the summed dots return bf16, as the report says (and so are
+    # changed); without it nothing is.
+    retyped = [d for d in report.decisions if d.changed]
+    assert all(d.result_after == "bf16" for d in retyped)
+    assert bool(retyped) == ("reduce" in policy)
     sums = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")
             and c.element_types != ("s32",)]
     sixteen = [c for c in sums if c.element_types == ("bf16",)]
