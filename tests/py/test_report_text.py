@@ -148,3 +148,19 @@ def test_each_decisions_types_are_the_rewritten_modules(policy):
         assert d.changed == moved, d
     if policy != "bf16":  # the fast mode: every result 16-bit
         assert {d.result_after for d in decisions} == {"bf16"}
+
+
+def test_the_json_holds_every_field_of_the_report():
+    """``to_json()`` is the report a tool reads: every field is in it (the rule lists
+    only as ``unused_rules``). It lacked xla_target, xla_fp8_note, fp8_state_columns
+    and xla_checked."""
+    import dataclasses
+
+    lowered = hlo_amp.compile(lambda x, w: x @ w, "fp8,first_matrix_op=none").lower(
+        jnp.ones((32, 32)), jnp.ones((32, 32)))
+    report = lowered.compile().report()
+    data = json.loads(report.to_json())
+    fields = {f.name for f in dataclasses.fields(Report)} - {"rules", "rules_used"}
+    assert fields <= set(data), fields - set(data)
+    assert data["xla_checked"] is True and data["xla_target"] == "cpu"
+    assert data["xla_fp8_note"] == report.xla_fp8_note != ""
