@@ -255,6 +255,9 @@ class Fp8StatefulFunction:
                 "gives the stateful step, history in and out, for AOT), or use "
                 "scaling=current there")
         state, history = self._history(args, kwargs, program, shapes, leaves)
+        # By position where a parameter can be: the inner function's signature is
+        # (history, *args, **kwargs), so only positions say what is donated.
+        args, kwargs = _bound(self._fn_signature, args, kwargs)
         out, self._histories[state] = self._inner(history, *args, **kwargs)
         self._last_state = state
         return out

@@ -698,6 +698,24 @@ def test_a_typed_prng_key_argument_is_taken() -> None:
     assert f.cache_size() == 1 and f.fp8_state().shape[1] > 0
 
 
+def test_an_argument_donated_by_position_is_donated_by_keyword_too() -> None:
+    """As jax.jit: ``donate_argnums=(1,)`` donates ``w`` in ``step(x, w=w)``. The step
+    behind the history takes ``(history, *args, **kwargs)``, where a keyword names no
+    position: ``w`` was kept (and its buffer not reused)."""
+    def step(x, w):
+        for _ in range(3):
+            x = jnp.tanh(x @ w)
+        return x, w + 1
+
+    f = hlo_amp.compile(step, _delayed(4), donate_argnums=(1,))
+    for call in (lambda x, w: f(x, w), lambda x, w: f(x, w=w), lambda x, w: f(w=w, x=x)):
+        x, w = jnp.ones((16, 32)) * 0.1, jnp.ones((32, 32)) * 0.01
+        out = call(x, w)
+        assert w.is_deleted() and not x.is_deleted()
+        np.testing.assert_allclose(out[1], 1.01, rtol=1e-6)
+    assert f.cache_size() == 1
+
+
 def test_a_python_scalar_argument_is_traced_and_the_second_call_compiles_nothing() -> None:
     """A learning rate given as a Python float, a new value each step: one lowering to
     count the columns and one executable, as jax.jit gives (the first call's history
