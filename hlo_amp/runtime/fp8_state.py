@@ -37,7 +37,12 @@ from hlo_amp.passes.fp8_state import STATE_SCOPE
 from hlo_amp.policy import Policy
 from hlo_amp.runtime.deviceless import split_device_target
 from hlo_amp.runtime.frameworks import JitDecorator, argument_style
-from hlo_amp.runtime.signature import leaf_signature, signature_of, split_static
+from hlo_amp.runtime.signature import (
+    leaf_signature,
+    normalise_argnums,
+    signature_of,
+    split_static,
+)
 
 
 def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
@@ -121,6 +126,15 @@ class Fp8StatefulFunction:
                            decorator=carried)
         self.static_argnums = tuple(static_argnums)
         self.static_argnames = tuple(static_argnames)
+        # The names of the parameters donated by position (jax.jit donates them when
+        # passed by keyword too).
+        positional = [] if self._fn_signature is None else [
+            p for p in self._fn_signature.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._donated_names = frozenset(
+            p.name for i, p in enumerate(positional)
+            if i in normalise_argnums(donate_argnums, len(positional))
+            and p.kind == p.POSITIONAL_OR_KEYWORD)
         self.filter = filter
         self._styles: dict[Any, str] = {}  # argument_style's cache
         self._histories: dict[Any, jax.Array] = {}  # (program, columns) -> the history
@@ -255,9 +269,10 @@ class Fp8StatefulFunction:
                 "gives the stateful step, history in and out, for AOT), or use "
                 "scaling=current there")
         state, history = self._history(args, kwargs, program, shapes, leaves)
-        # By position where a parameter can be: the inner function's signature is
-        # (history, *args, **kwargs), so only positions say what is donated.
-        args, kwargs = _bound(self._fn_signature, args, kwargs)
+        if self._donated_names & kwargs.keys():
+            # The inner function's signature is (history, *args, **kwargs): only positions
+            # say what is donated, so a donated parameter passed by keyword goes by position.
+            args, kwargs = _bound(self._fn_signature, args, kwargs)
         out, self._histories[state] = self._inner(history, *args, **kwargs)
         self._last_state = state
         return out

@@ -204,7 +204,8 @@ def test_report_json_and_unused_rules() -> None:
     report = _report("bf16,scope:head=keep,scope:nowhere=keep,backward=compute")
     data = json.loads(report.to_json())
     assert set(data) == {"policy", "summary", "decisions", "unused_rules", "notes",
-                         "unknown_to_xla", "xla_device", "propagation", "collectives",
+                         "unknown_to_xla", "xla_checked", "xla_target", "xla_device",
+                         "xla_fp8_note", "fp8_state_columns", "propagation", "collectives",
                          "attention", "rules_outranked"}
     assert data["propagation"] is None  # the accurate mode does not run the pass
     assert data["collectives"] == []  # read from XLA's HLO, after a compile
