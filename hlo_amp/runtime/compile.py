@@ -478,7 +478,8 @@ class AmpFunction:
                 target = lowering_target(original)
             else:
                 refuse_policy_on_device(self.policy, device)
-                original = lower_for_target(self._jitted, args, kwargs, device)
+                original = lower_for_target(self._jitted, args, kwargs, device,
+                                            inner=self.fn)
                 target = device
         lower_seconds = time.perf_counter() - start
         self._own_lowerings += 1

@@ -140,11 +140,15 @@ def split_device_target(fn: Any, kwargs: dict) -> tuple[Target | None, dict]:
     return (None if value is None else device_target(value)), rest
 
 
-def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target) -> Any:
+def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target,
+                     inner: Any = None) -> Any:
     """``jitted`` (a ``jax.jit`` function) traced on abstract arguments and lowered for
     ``target``: a JAX ``Lowered`` whose ``compile(target.compiler_options)`` runs XLA for
     that device. A mesh set with ``jax.set_mesh`` whose size is the target's is set on
-    the target's devices for the trace (its arguments' types name those devices)."""
+    the target's devices for the trace (its arguments' types name those devices).
+    ``inner``: a ``jax.jit`` function that ``jitted`` calls (hlo_amp.compile of a jit
+    with shardings, compiled nested); its shardings place the arguments, as they would
+    at the top level, where replicating them on the target's own mesh conflicted."""
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.size != target.devices:
         raise ValueError(
@@ -159,14 +163,25 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target) -> 
     # (without it every such program failed here with "cuDNN not found").
     capability = getattr(target, "compute_capability", None)
     with scope, cudnn_checks_answered(capability, DEVICELESS_CUDNN):
-        args, kwargs = abstract_arguments((args, kwargs), target,
-                                          placed_by_jit=_has_in_shardings(jitted))
+        args, kwargs = abstract_arguments(
+            (args, kwargs), target,
+            placed_by_jit=_has_in_shardings(jitted) or _has_shardings(inner))
         return jitted.trace(*args, **kwargs).lower(lowering_platforms=(target.platform,))
 
 
 def _has_in_shardings(jitted: Any) -> bool:
     """Whether the ``jax.jit`` function was given ``in_shardings``."""
     return bool(getattr(jit_info(jitted), "user_specified_in_shardings", False))
+
+
+def _has_shardings(jitted: Any) -> bool:
+    """Whether ``jitted`` is a ``jax.jit`` function given ``in_shardings`` or
+    ``out_shardings``."""
+    info = jit_info(jitted) if type(jitted).__name__ == "PjitFunction" else None
+    if info is None:
+        return False
+    return _has_in_shardings(jitted) or any(
+        type(s).__name__ != "UnspecifiedValue" for s in getattr(info, "out_shardings_leaves", ()))
 
 
 def compile_for_target(jitted: Any, *args: Any, target: str | Target = "h100",

@@ -347,3 +347,30 @@ def test_cli_compiles_a_module_sharded_over_a_node(tmp_path: Path) -> None:
         "hlo-amp-opt: error: --xla-target h100: the module is partitioned over 8 devices "
         "(mhlo.num_partitions); target 'h100' has 1: compile it for a target with 8 "
         "devices (h100x8, tpu-v5e:2x4)")]
+
+
+def test_a_jax_jit_with_shardings_compiles_for_a_target_as_its_peer() -> None:
+    """hlo_amp.compile of a jax.jit given in_shardings and out_shardings, compiled for
+    h100x8: its arguments are placed by its in_shardings, as compile_for_target's peer
+    places them. They were replicated on the target's one-axis mesh: with out_shardings
+    the compile failed (IndivisibleError), with in_shardings each GPU took the whole
+    weight (5.00 MiB of arguments against the peer's 0.75)."""
+    mesh = hlo_amp.target_mesh("h100x8", {"fsdp": 4, "tp": 2})
+
+    def step(w, x):
+        return jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)
+
+    jitted = jax.jit(step, in_shardings=(NamedSharding(mesh, P("fsdp", "tp")),
+                                         NamedSharding(mesh, P("fsdp"))),
+                     out_shardings=NamedSharding(mesh, P("fsdp", "tp")))
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    peer = hlo_amp.compile_for_target(jitted, w, x, target="h100x8").jax_compiled
+    ours = hlo_amp.compile(jitted, "bf16").lower(w, x, target="h100x8").compile().jax_compiled
+    for got, want in zip(jax.tree.leaves(ours.input_shardings),
+                         jax.tree.leaves(peer.input_shardings)):
+        assert got.is_equivalent_to(want, 2), (got, want)
+    assert jax.tree.leaves(ours.output_shardings)[0].is_equivalent_to(
+        jax.tree.leaves(peer.output_shardings)[0], 2)
+    assert (ours.memory_analysis().argument_size_in_bytes
+            == peer.memory_analysis().argument_size_in_bytes)
