@@ -425,7 +425,11 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def is_traced_leaf(x: Any) -> bool:
-    """The leaves ``eqx.filter_jit`` traces: JAX and NumPy arrays (typed keys included)."""
+    """The leaves ``eqx.filter_jit`` traces: JAX and NumPy arrays (typed keys included),
+    and, for ``.lower()`` without the arrays, ``jax.ShapeDtypeStruct`` (an abstract model
+    from ``eqx.filter_eval_shape``; the arrays' stand-in, never a static value)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return True
     eqx = _eqx()
     if eqx is not None:
         return eqx.is_array(x)

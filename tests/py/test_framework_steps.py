@@ -936,3 +936,23 @@ def test_nnx_guide_step_on_a_data_model_mesh_of_8_host_devices(tmp_path):
                                rtol=5e-2)
     assert results["head_f32"] and results["others_bf16"]
     assert results["scopes"] == ["fc1", "fc2", "head"]  # module paths, no wrapper
+
+
+def test_an_abstract_equinox_model_lowers_for_a_target():
+    """An Equinox model from eqx.filter_eval_shape (jax.ShapeDtypeStruct leaves), lowered
+    without its arrays, as jax.ShapeDtypeStruct arguments are: the leaves were taken as
+    static and the trace failed deep inside ("ShapeDtypeStruct @ BatchTracer")."""
+    def loss(model: Any, x: jax.Array) -> jax.Array:
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    def step(model: Any, x: jax.Array) -> Any:
+        return eqx.filter_grad(loss)(model, x)
+
+    concrete = eqx.nn.Linear(64, 128, key=jax.random.key(0))
+    abstract = eqx.filter_eval_shape(eqx.nn.Linear, 64, 128, key=jax.random.key(0))
+    x = jnp.ones((32, 64))
+    compiled = hlo_amp.compile(step, "bf16")
+    want = compiled.lower(concrete, x, target="h100").report()
+    got = compiled.lower(abstract, jax.ShapeDtypeStruct(x.shape, x.dtype), target="h100").report()
+    assert [(d.shape, d.operands_after) for d in got.decisions] == [
+        (d.shape, d.operands_after) for d in want.decisions] != []
