@@ -23,7 +23,7 @@ from hlo_amp.runtime.compile import (
     lowering_target,
     rewrite_lowered,
 )
-from hlo_amp.runtime.frameworks import jit_info
+from hlo_amp.runtime.frameworks import jax_jit_info
 from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
 
 ATOL = 1e-5
@@ -123,7 +123,7 @@ def _static_argnums(fn: Any) -> tuple[int, ...]:
     """The static argument positions of ``hlo_amp.compile``'s or ``jax.jit``'s function."""
     if isinstance(fn, AmpFunction):
         return fn.static_argnums
-    info = jit_info(fn) if type(fn).__name__ == "PjitFunction" else None
+    info = jax_jit_info(fn)
     return tuple(info.static_argnums) if info is not None else ()
 
 

@@ -7,11 +7,12 @@ internal jitted function.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+from hlo_amp.runtime.frameworks import argument_style
 
 _CONTRACTS = ("a compiled function takes arrays and pytrees of them (as jax.jit does), "
               "Flax NNX graph objects (as nnx.jit does) and Equinox modules (as "
@@ -69,12 +70,9 @@ def _static_problem(name: str, where: str, root: str, fix: str, value: Any) -> s
 
 
 def _holds_graph(value: Any) -> bool:
-    """Whether ``value`` is or holds an NNX graph object (a module, an optimizer)."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
-        return False
-    found = jax.tree_util.tree_leaves(value, is_leaf=nnx.graph.is_graph_node)
-    return any(nnx.graph.is_graph_node(x) for x in found)
+    """Whether ``value`` is or holds an NNX graph object (a module, an optimizer): what
+    takes nnx.jit's contract (``argument_style``)."""
+    return argument_style((value,), {}, None) == "nnx"
 
 
 def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Sequence[int],

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from hlo_amp.jax_internals import cudnn_checks_answered
-from hlo_amp.runtime.frameworks import jit_info
+from hlo_amp.runtime.frameworks import jax_jit_info, jit_info, shardings_given
 from hlo_amp.runtime.signature import signature_of
 from hlo_amp.targets import Target, device_target
 from hlo_amp.targets.attention_kernels import DEVICELESS_CUDNN
@@ -177,11 +177,8 @@ def _has_in_shardings(jitted: Any) -> bool:
 def _has_shardings(jitted: Any) -> bool:
     """Whether ``jitted`` is a ``jax.jit`` function given ``in_shardings`` or
     ``out_shardings``."""
-    info = jit_info(jitted) if type(jitted).__name__ == "PjitFunction" else None
-    if info is None:
-        return False
-    return _has_in_shardings(jitted) or any(
-        type(s).__name__ != "UnspecifiedValue" for s in getattr(info, "out_shardings_leaves", ()))
+    info = jax_jit_info(jitted)
+    return info is not None and shardings_given(info, unknown=False)
 
 
 def compile_for_target(jitted: Any, *args: Any, target: str | Target = "h100",

@@ -38,8 +38,8 @@ from hlo_amp.policy import Policy
 from hlo_amp.runtime.deviceless import split_device_target
 from hlo_amp.runtime.frameworks import JitDecorator, argument_style
 from hlo_amp.runtime.signature import (
+    donated_names,
     leaf_signature,
-    normalise_argnums,
     signature_of,
     split_static,
 )
@@ -126,15 +126,7 @@ class Fp8StatefulFunction:
                            decorator=carried)
         self.static_argnums = tuple(static_argnums)
         self.static_argnames = tuple(static_argnames)
-        # The names of the parameters donated by position (jax.jit donates them when
-        # passed by keyword too).
-        positional = [] if self._fn_signature is None else [
-            p for p in self._fn_signature.parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self._donated_names = frozenset(
-            p.name for i, p in enumerate(positional)
-            if i in normalise_argnums(donate_argnums, len(positional))
-            and p.kind == p.POSITIONAL_OR_KEYWORD)
+        self._donated_names = donated_names(self._fn_signature, donate_argnums)
         self.filter = filter
         self._styles: dict[Any, str] = {}  # argument_style's cache
         self._histories: dict[Any, jax.Array] = {}  # (program, columns) -> the history

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 
 from hlo_amp.module_scopes import module_scopes
-from hlo_amp.runtime.signature import signature_of
+from hlo_amp.runtime.signature import donated_names, signature_of
 
 
 def _nnx() -> Any:
@@ -183,11 +183,16 @@ def unwrap_jit(fn: Any, name: str) -> JitDecorator | None:
     wrapper = getattr(eqx_jit, "_JitWrapper", None)
     if wrapper is not None and isinstance(fn, wrapper):
         return _unwrap_eqx(fn, name)
-    # By type, not by attributes: functools.wraps copies a jitted function's attributes
-    # onto a user's wrapper, whose own code must run.
-    if type(fn).__name__ == "PjitFunction" and jit_info(fn) is not None:
+    if jax_jit_info(fn) is not None:
         return _unwrap_jax(fn, name)
     return None
+
+
+def jax_jit_info(fn: Any) -> Any:
+    """``jit_info`` of a ``jax.jit`` function, by its type (functools.wraps copies a
+    jitted function's attributes onto a user's wrapper, whose own code must run); None
+    for anything else."""
+    return jit_info(fn) if type(fn).__name__ == "PjitFunction" else None
 
 
 def jit_info(jitted: Any) -> Any:
@@ -199,6 +204,14 @@ def jit_info(jitted: Any) -> Any:
     """
     info = getattr(jitted, "_jit_info", None)
     return info if hasattr(info, "static_argnums") else None
+
+
+def shardings_given(info: Any, unknown: bool = True) -> bool:
+    """Whether a ``jax.jit`` function's options (``jit_info``) give ``in_shardings`` or
+    ``out_shardings``; ``unknown`` where this jax does not record them."""
+    return bool(getattr(info, "user_specified_in_shardings", unknown)) or any(
+        type(s).__name__ != "UnspecifiedValue"
+        for s in getattr(info, "out_shardings_leaves", (None,) if unknown else ()))
 
 
 def _replace_decorator(name: str, decorator: str, problem: str) -> TypeError:
@@ -291,9 +304,7 @@ def _unwrap_jax(jitted: Any, name: str) -> JitDecorator | None:
     # is called nested, as an inner jit; its static and donated arguments only at the
     # top: they are carried over either way (an inner jit would meet a tracer for a
     # static argument, and donates nothing inside another jit).
-    nested = (_options_it_cannot_carry(info) or getattr(info, "user_specified_in_shardings", True)
-              or any(type(s).__name__ != "UnspecifiedValue"
-                     for s in getattr(info, "out_shardings_leaves", (None,))))
+    nested = _options_it_cannot_carry(info) or shardings_given(info)
     fn = jitted if nested else getattr(jitted, "__wrapped__", None)
     if not callable(fn):
         return None
@@ -447,13 +458,7 @@ class FilterCall:
         self.fn = with_module_paths(fn)
         self.donate_argnums = frozenset(donate_argnums)
         # As jax.jit: a parameter donated by position is donated when passed by keyword.
-        signature = signature_of(fn)
-        positional = [] if signature is None else [
-            p for p in signature.parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.donated_names = frozenset(p.name for i, p in enumerate(positional)
-                                       if i in self.donate_argnums
-                                       and p.kind == p.POSITIONAL_OR_KEYWORD)
+        self.donated_names = donated_names(signature_of(fn), donate_argnums)
         self.donation = donation  # eqx.filter_jit(donate=...) of a decorated step
         self.inner = make_inner(self._pure, static_argnums=(2,),
                                 donate_argnums=(0,) if donate_argnums or donation else ())

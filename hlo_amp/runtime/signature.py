@@ -47,3 +47,16 @@ def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int],
             tuple((i, args[i]) for i in statics),
             tuple(sorted(((k, v) for k, v in kwargs.items() if k in static_argnames),
                          key=lambda item: item[0])))
+
+
+def donated_names(signature: inspect.Signature | None, donate_argnums: Sequence[int]
+                  ) -> frozenset[str]:
+    """The names of the parameters ``donate_argnums`` donates by position: jax.jit donates
+    them when passed by keyword too (a positional-only one cannot be)."""
+    if signature is None:
+        return frozenset()
+    positional = [p for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    donated = normalise_argnums(donate_argnums, len(positional))
+    return frozenset(p.name for i, p in enumerate(positional)
+                     if i in donated and p.kind == p.POSITIONAL_OR_KEYWORD)

@@ -99,7 +99,8 @@ def _balanced(text: str, start: int) -> int:
     return len(text)
 
 
-def _parse_instruction(line: str) -> Instruction | None:
+def parse_instruction(line: str) -> Instruction | None:
+    """One HLO instruction line: its name, op, result arrays and operands; None else."""
     match = _INSTRUCTION.match(line)
     if not match:
         return None
@@ -135,7 +136,7 @@ def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
             current = None
             continue
         if current is not None:
-            instruction = _parse_instruction(line)
+            instruction = parse_instruction(line)
             if instruction is not None:
                 current.append(instruction)
     if not entry:

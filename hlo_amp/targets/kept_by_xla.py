@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from hlo_amp.ir.sites import split_segments
 from hlo_amp.report import Decision, Report, is_narrow
 from hlo_amp.targets import CpuTarget, GpuTarget, Target, TpuTarget, as_target
+from hlo_amp.targets.hlo_text import parse_instruction
 
 # Where the backend is not known (no target facts), any backend's matrix calls.
 _ANY_BACKEND_CALLS = tuple(c for family in (CpuTarget, GpuTarget, TpuTarget)
@@ -131,16 +132,13 @@ def xla_gemms(hlo_text: str, target: Target | None = None) -> list[XlaGemm]:
     return found
 
 
-_RESULT_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?\w+\[([\d,]*)\]")
-
-
 def _result_elements(line: str) -> int | None:
     """Elements of an HLO line's (first) result: ``f32[2,288]``, or a library call's
     ``(f32[2,288], s8[...])``."""
-    match = _RESULT_SHAPE.match(line)
-    if match is None:
+    instruction = parse_instruction(line)
+    if instruction is None or not instruction.arrays:
         return None
-    return math.prod(int(d) for d in match.group(1).split(",") if d)
+    return math.prod(instruction.arrays[0].shape)
 
 
 def _decision_elements(decision: Decision) -> int | None:
