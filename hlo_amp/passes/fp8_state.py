@@ -34,6 +34,7 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.loops import counter_values, loop_body
 from hlo_amp.ir.modules import (
+    PassError,
     call_sites,
     callee_name,
     discard,
@@ -373,3 +374,34 @@ class HistoryThreads:
         for use in list(result.uses):
             if use.owner == end:
                 end.operands[use.operand_number] = newest
+            else:
+                # On an Explicit mesh jax constrains the barrier's result before returning
+                # it: the constraint moves behind the new history and reads it (it
+                # returned the old history, and the history never advanced).
+                chain = _constraints_to(use.owner, end)
+                for op in chain:
+                    op.move_before(end)
+                chain[0].operands[use.operand_number] = newest
+
+
+# What jax puts between the state barrier's result and the return: sharding constraints.
+_PASS_THROUGH = frozenset({"sdy.sharding_constraint", "sdy.reshard"})
+
+
+def _constraints_to(op: Any, end: Any) -> list[Any]:
+    """The chain of one-use sharding constraints from ``op`` to the function's return
+    ``end``; a PassError if the state barrier's result reaches anything else (the new
+    history would be dropped silently)."""
+    chain = []
+    while True:
+        if op.name not in _PASS_THROUGH or len(op.results) != 1:
+            raise PassError("fp8 (delayed scaling)", op.name,
+                            "the amax history reaches an op other than the return")
+        chain.append(op)
+        uses = list(op.results[0].uses)
+        if len(uses) != 1:
+            raise PassError("fp8 (delayed scaling)", op.name,
+                            "the amax history is read more than once")
+        if uses[0].owner == end:
+            return chain
+        op = uses[0].owner

@@ -51,8 +51,9 @@ def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
 
 def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
     """``history`` replicated on the devices of the first committed array argument (as
-    it is where it is there already: no copy); left as it is where no argument is
-    committed (jax.jit then commits no output either)."""
+    it is where it is there already: no copy); uncommitted where no argument is committed
+    (jax.jit then commits no output either: a committed history, a checkpoint's, committed
+    the parameters the step returned, and the next call compiled the step again)."""
     for leaf in leaves:
         if not isinstance(leaf, jax.Array) or not leaf.committed:
             continue
@@ -63,14 +64,18 @@ def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
             return history
         mesh = getattr(sharding, "mesh", None)
         if mesh is not None and not getattr(mesh, "empty", False):
-            spec = jax.sharding.PartitionSpec()
-            return jax.device_put(history, jax.sharding.NamedSharding(mesh, spec))
-        devices = sorted(sharding.device_set, key=lambda d: d.id)
-        if len(devices) == 1:
-            return jax.device_put(history, devices[0])
-        mesh = jax.sharding.Mesh(devices, ("devices",))
-        return jax.device_put(history, jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec()))
+            placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        else:
+            devices = sorted(sharding.device_set, key=lambda d: d.id)
+            placed = (jax.sharding.SingleDeviceSharding(devices[0]) if len(devices) == 1
+                      else jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("devices",)),
+                                                      jax.sharding.PartitionSpec()))
+        # Through the host (a few KiB, only when the devices change): a history typed for
+        # an Explicit mesh cannot be put on other devices directly (jax: "Length of device
+        # assignment 1 is not equal to the size of the mesh 8").
+        return jax.device_put(np.asarray(history), placed)
+    if isinstance(history, jax.Array) and history.committed:
+        return jnp.asarray(np.asarray(history))
     return history
 
 
@@ -190,18 +195,21 @@ class Fp8StatefulFunction:
         # same tensors), unless it moves a dot to or from its bf16 fallback.
         state = (program, columns, fp8)
         shape = (self.policy.amax_history, columns)
-        if self._loaded is not None and tuple(self._loaded.shape) == shape:
-            history, self._loaded = self._loaded, None  # load_fp8_state's own f32 copy
+        if self._loaded is not None:
+            # load_fp8_state's own f32 copy, for this call: one that does not fit is
+            # refused here (it was kept where the program had a history of its own, and
+            # fp8_state() went on returning it, a checkpoint no step could load).
+            history, self._loaded = self._loaded, None
+            if tuple(history.shape) != shape:
+                raise ValueError(
+                    f"{self.__name__}: the loaded fp8 state has shape {tuple(history.shape)}, "
+                    f"this step keeps an amax history of {self.policy.amax_history} step(s) "
+                    f"in {columns} column(s): expected {shape} (the state was not taken; "
+                    f"load one of that shape)")
             return state, _replicated_like(history, leaves)
         history = self._histories.get(state)
         if history is not None:  # moved where this call's arguments are (another mesh)
             return state, _replicated_like(history, leaves)
-        if self._loaded is not None:
-            raise ValueError(
-                f"{self.__name__}: the loaded fp8 state has shape "
-                f"{tuple(self._loaded.shape)}, this step keeps an amax history of "
-                f"{self.policy.amax_history} step(s) in {columns} column(s): expected "
-                f"{shape}")
         return state, _replicated_like(jnp.zeros(shape, jnp.float32), leaves)
 
     def fp8_state(self) -> jax.Array:
@@ -217,9 +225,9 @@ class Fp8StatefulFunction:
         return jnp.copy(self._histories[self._last_state])
 
     def load_fp8_state(self, history: Any) -> None:
-        """Restore an amax history ``fp8_state()`` returned: the next call whose step
-        quantises as many tensors starts from it (a shape that does not match raises,
-        unless the call's program has a history of its own already).
+        """Restore an amax history ``fp8_state()`` returned: the next call starts from it
+        (where its step quantises another number of tensors, that call raises and the
+        state is not taken).
         ``history`` stays the caller's: the step donates a copy of it."""
         if isinstance(history, (list, tuple)):  # a checkpoint written as JSON
             history = np.asarray(history)

@@ -25,8 +25,23 @@ def leaf_signature(leaf: Any) -> Any:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
         return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)),
-                sharding)
+                _sharding_key(sharding, len(leaf.shape)))
     return (type(leaf).__name__,)
+
+
+def _sharding_key(sharding: Any, ndim: int) -> Any:
+    """``sharding`` as a key in which equivalent specs are equal: ``P()`` and
+    ``P(None, None)``, ``P(("x",))`` and ``P("x")`` (a step fed its own output, which
+    jax writes the long way on an Explicit mesh, compiled a second time)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = sharding.spec
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    entries = tuple(None if entry == () else
+                    entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
+                    for entry in entries)
+    return ("named", sharding.mesh, entries, sharding.memory_kind,
+            getattr(spec, "unreduced", None), getattr(spec, "reduced", None))
 
 
 def normalise_argnums(argnums: int | Sequence[int], count: int) -> tuple[int, ...]:

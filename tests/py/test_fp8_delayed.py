@@ -777,6 +777,110 @@ def test_the_history_follows_the_arguments_to_other_devices() -> None:
     assert found == {"on_mesh": 2, "after": [1], "grads": [1]}
 
 
+_EXPLICIT_MESH = f"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+import hlo_amp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event else None)
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+def step(w, x):
+    l, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+    return w - 0.01 * g, l
+
+w0 = jax.random.normal(jax.random.key(0), (32, 32))
+x = jax.random.normal(jax.random.key(1), (64, 32)) * 3
+found = {{}}
+for policy in ("mixed_bfloat16", "fp8,scaling=delayed,amax_history=4,"
+               "first_matrix_op=none,last_matrix_op=none"):
+    f = hlo_amp.compile(step, policy)
+    w = jax.device_put(w0, NamedSharding(mesh, P()))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    per_call = []
+    for _ in range(3):
+        before = len(compiles)
+        w, _ = f(w, xs)
+        per_call.append(len(compiles) - before)
+    found[policy.split(",")[0]] = {{"later_compiles": per_call[1:]}}
+found["rows"] = np.asarray(f.fp8_state()).tolist()
+found["amax_x"] = float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))))  # the fast mode's
+one = jax.devices()[1]
+grads, _ = f(jax.device_put(w0, one), jax.device_put(x, one))
+found["after"] = sorted(d.id for d in f.fp8_state().sharding.device_set)
+print("{RESULTS}" + json.dumps(found))
+"""
+
+
+def test_an_explicit_mesh_records_the_history_and_compiles_once() -> None:
+    """On an Explicit mesh (jax.make_mesh's default) jax constrains the state barrier's
+    result before returning it: the history was returned unchanged, all zeros, so every
+    scale stayed 1. A step fed its own outputs (jax writes their spec P(None, None), the
+    arguments had P()) compiled a second time; called on one device it failed in jax."""
+    found = run_on_host_devices(_EXPLICIT_MESH, devices=4)
+    assert found["mixed_bfloat16"]["later_compiles"] == [0, 0]
+    assert found["fp8"]["later_compiles"] == [0, 0]
+    rows = np.asarray(found["rows"])
+    assert (rows[:3] > 0).all() and (rows[3] == 0).all()  # three steps recorded
+    assert found["amax_x"] in rows[0]
+    assert found["after"] == [1]
+
+
+_COMMITTED_CHECKPOINT = f"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+import hlo_amp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+def step(w, x):
+    l, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+    return w - 0.01 * g, l
+policy = "fp8,scaling=delayed,amax_history=4,first_matrix_op=none,last_matrix_op=none"
+w = jax.random.normal(jax.random.key(0), (32, 32))
+x = jax.random.normal(jax.random.key(1), (64, 32))
+trained = hlo_amp.compile(step, policy)
+trained(jax.device_put(w, NamedSharding(mesh, P())), jax.device_put(x, NamedSharding(mesh, P("data"))))
+saved = trained.fp8_state()  # committed on the mesh
+found = {{}}
+for load in (False, True):
+    f = hlo_amp.compile(step, policy)
+    if load:
+        f.load_fp8_state(saved)
+    v = w
+    for _ in range(3):
+        v, _ = f(v, x)
+    found[str(load)] = [v.committed, len(v.sharding.device_set), f.cache_size()]
+print("{RESULTS}" + json.dumps(found))
+"""
+
+
+def test_a_checkpoint_from_a_mesh_does_not_commit_uncommitted_arguments() -> None:
+    """A history saved on a mesh, loaded into a step called with uncommitted arrays: it
+    committed the parameters the step returned to the mesh's devices, and the next calls
+    compiled the step twice more. Now the step runs as it does with a fresh history."""
+    found = run_on_host_devices(_COMMITTED_CHECKPOINT, devices=2)
+    assert found["True"] == found["False"] == [False, 1, 1]
+
+
+def test_a_loaded_state_of_another_width_is_refused_at_the_next_call() -> None:
+    """A state another step saved, loaded into a step that had run: it was ignored, the
+    step went on with its own history, and fp8_state() kept returning the loaded array
+    (a checkpoint no step could load)."""
+    p, x = _mlp_params(1)
+    f = hlo_amp.compile(_mlp_step, _delayed(4))
+    p, _ = f(p, x)
+    columns = f.fp8_state().shape[1]
+    f.load_fp8_state(np.ones((4, columns + 2), np.float32))
+    with pytest.raises(ValueError, match=rf"\(4, {columns + 2}\).*expected \(4, {columns}\)"):
+        f(p, x)
+    p, _ = f(p, x)  # the step's own history, which fp8_state() gives again
+    assert f.fp8_state().shape == (4, columns)
+
+
 # ---- 8. no state barrier: current scaling, said so ----------------------------------------
 
 
