@@ -27,8 +27,9 @@ gradient operand and the caller treats the dot like a forward one. Ops inside re
 ``optimization_barrier`` passes each operand's kind to the result at its position; a
 while loop's carry (body argument and result) gets the kind of its initial value joined
 with the kind the body returns at its position (GRAD beats PRIMAL beats CONST); a
-private function's arguments get the joined kinds of its call sites' operands, its call
-results the kinds of its returned values. The whole is iterated until nothing changes.
+private function runs once per tuple of argument kinds its call sites pass (a context),
+each call's results getting the kinds its own context returns, and a value in it the
+join over its contexts. The whole is iterated until nothing changes.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ def _is_float(value: ir.Value, cache: dict[ir.Type, bool]) -> bool:
     return found
 
 
+def _contexts(calls: dict[str, set[tuple[int, ...]]],
+              fn: Any) -> list[tuple[int, ...] | None]:
+    """The argument kinds ``fn`` is run with: one tuple per context its call sites
+    pass, or None (not called: a public function)."""
+    found = calls.get(function_name(fn))
+    return sorted(found) if found else [None]
+
+
 class GradientFlow:
     """The kind (CONST, PRIMAL, GRAD) of every value of the given function bodies."""
 
@@ -90,18 +99,33 @@ class GradientFlow:
         """``bodies``: (func.func, call-site prefix) pairs, callers before callees."""
         self.kinds: dict[ir.Value, int] = {}
         self._floats: dict[ir.Type, bool] = {}
-        arguments: dict[str, list[int]] = {}
-        returns: dict[str, tuple[int, ...]] = {}
+        # A private function is run once per distinct tuple of argument kinds its call
+        # sites pass (a context), and each call's results get the returns of its own
+        # context: jax shares one private function between unrelated call sites when
+        # their signatures match (dynamic_update_index_in_dim stacking forward residuals
+        # and the backward's dW, for one), and a join over all of them would make the
+        # forward call's results GRAD.
+        calls: dict[str, set[tuple[int, ...]]] = {}
+        returns: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+        states: dict[tuple[int, tuple[int, ...] | None], dict[ir.Value, int]] = {}
         for _ in range(_MAX_ROUNDS):
-            before = dict(self.kinds)
-            seen_arguments: dict[str, list[int]] = {}
-            seen_returns: dict[str, tuple[int, ...]] = {}
-            for fn, prefix in bodies:
-                self._run(fn, prefix, arguments, returns, seen_arguments, seen_returns)
-            if (seen_arguments == arguments and seen_returns == returns
-                    and before == self.kinds):
+            changed = False
+            seen_calls: dict[str, set[tuple[int, ...]]] = {}
+            seen_returns: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+            for index, (fn, prefix) in enumerate(bodies):
+                for given in _contexts(calls, fn):
+                    state = states.setdefault((index, given), {})
+                    before = dict(state)
+                    self._run(fn, prefix, given, state, returns, seen_calls, seen_returns)
+                    changed = changed or before != state
+            if not changed and seen_calls == calls and seen_returns == returns:
                 break
-            arguments, returns = seen_arguments, seen_returns
+            calls, returns = seen_calls, seen_returns
+        # A value's kind: joined over the contexts its function is called in.
+        for index, (fn, _prefix) in enumerate(bodies):
+            for given in _contexts(calls, fn):
+                for value, kind in states.get((index, given), {}).items():
+                    self.kinds[value] = max(self.kinds.get(value, CONST), kind)
 
     def kind(self, value: ir.Value) -> int:
         return self.kinds.get(value, PRIMAL)
@@ -113,13 +137,13 @@ class GradientFlow:
             return kinds.index(GRAD)
         return None
 
-    def _run(self, fn: Any, prefix: str, arguments: dict[str, list[int]],
-             returns: dict[str, tuple[int, ...]], seen_arguments: dict[str, list[int]],
-             seen_returns: dict[str, tuple[int, ...]]) -> None:
-        kinds = self.kinds
+    def _run(self, fn: Any, prefix: str, given: tuple[int, ...] | None,
+             kinds: dict[ir.Value, int],
+             returns: dict[tuple[str, tuple[int, ...]], tuple[int, ...]],
+             seen_calls: dict[str, set[tuple[int, ...]]],
+             seen_returns: dict[tuple[str, tuple[int, ...]], tuple[int, ...]]) -> None:
         floats = self._floats
         name = function_name(fn)
-        given = arguments.get(name)
         # A backward program split from its forward: its cotangent arguments carry the
         # incoming gradient (ir/program_hints.py).
         cotangents = gradient_arguments(fn)
@@ -133,14 +157,13 @@ class GradientFlow:
             op_name = op.name
             operand_kinds = [kinds.get(v, PRIMAL) for v in op.operands]
             if op_name in _RETURNS:  # only a function's own body ends in func.return
-                seen_returns[name] = tuple(operand_kinds)
+                seen_returns[(name, given)] = tuple(operand_kinds)
                 continue
             if op_name == "func.call":
                 callee = callee_name(op)
-                joined = seen_arguments.setdefault(callee, [CONST] * len(operand_kinds))
-                for index, kind in enumerate(operand_kinds):
-                    joined[index] = max(joined[index], kind)
-                known = returns.get(callee)
+                context = tuple(operand_kinds)
+                seen_calls.setdefault(callee, set()).add(context)
+                known = returns.get((callee, context))
                 if known is not None and len(known) == len(op.results):
                     for result, kind in zip(op.results, known):
                         kinds[result] = kind if _is_float(result, floats) else CONST

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jaxlib.mlir import ir
 from test_hoist_amax import ALL
 
@@ -35,21 +36,28 @@ def _normed_scan_step(p: dict, x: jax.Array):
     return jax.tree.map(lambda a, b: a - 0.05 * b, p, grads), value
 
 
-def _args() -> tuple[dict, jax.Array]:
+def _args(batch: int = 16) -> tuple[dict, jax.Array]:
     rng = np.random.default_rng(3)
     p = {"w_in": jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32),
          "layers": {"a": jnp.asarray(rng.standard_normal((3, 32, 32)) / 6, jnp.float32),
                     "b": jnp.asarray(rng.standard_normal((3, 32, 32)) / 6, jnp.float32)},
          "w_out": jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32)}
-    return p, jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+    return p, jnp.asarray(rng.standard_normal((batch, 32)), jnp.float32)
 
 
 def _element(value: ir.Value) -> str:
     return str(ir.RankedTensorType(value.type).element_type)
 
 
-def test_recomputed_forward_dots_are_e4m3_and_weight_gradients_read_e5m2() -> None:
-    lowered = hlo_amp.compile(_normed_scan_step, f"fp8,{ALL}").lower(*_args())
+@pytest.mark.parametrize("batch", [16, 32])
+def test_recomputed_forward_dots_are_e4m3_and_weight_gradients_read_e5m2(batch: int) -> None:
+    # A batch of 32, the layer's width: the residuals stacked in the forward and the
+    # weight gradients stacked in the backward are both f32[3, 32, 32], and jax lowers one
+    # private function for both (dynamic_update_index_in_dim). Its call sites' kinds were
+    # joined: the forward's residuals came out gradients, and every backward dot read two
+    # "gradients" and fell back to e4m3fn for both (delayed scaling then lost the first
+    # step's gradients entirely, scale 1 being below e4m3fn's smallest value).
+    lowered = hlo_amp.compile(_normed_scan_step, f"fp8,{ALL}").lower(*_args(batch))
     module = parse_module(lowered.as_text(debug_info=True))  # held: its ops live with it
     recomputed = []
     for op in walk_operations(module.operation, names=frozenset({"stablehlo.dot_general"})):
