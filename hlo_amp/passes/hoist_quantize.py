@@ -80,6 +80,7 @@ from hlo_amp.ir.modules import (
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
 from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.ir.sites import RECOMPUTED, in_backward_pass, location_name
+from hlo_amp.passes.fp8 import keep_non_finite
 from hlo_amp.report import Report
 from hlo_amp.targets.dot_dims import dot_layout
 
@@ -112,7 +113,9 @@ class _Scale:
 
 @dataclass(frozen=True)
 class _Quantize:
-    """``convert_f8(clamp(low, convert*(root) / broadcast(scale), high))``."""
+    """``convert_f8(clamp(low, convert*(root) / broadcast(scale), high))``; under delayed
+    scaling the clamp taken only where ``convert*(root)`` is finite (fp8.py's
+    ``keep_non_finite``)."""
 
     convert: ir.Operation  # the convert to fp8
     chain: tuple[ir.Operation, ...]  # from the convert back to root: what it alone reads
@@ -123,6 +126,7 @@ class _Quantize:
     high: ir.Value
     # Whether the chain reads root through remat's optimization_barrier, not directly.
     through_barrier: bool
+    keeps_non_finite: bool = False
 
     def replace(self, value: ir.Value) -> None:
         """Use ``value`` for this quantisation and discard the ops left without a use."""
@@ -176,6 +180,17 @@ def _match(convert: ir.Operation) -> _Quantize | None:
             or str(ir.RankedTensorType(convert.results[0].type).element_type) not in _FP8):
         return None
     clamp = defining_op(convert.operands[0])
+    kept = ()  # keep_non_finite's select(|x| < inf, clamp(low, x / s, high), x / s)
+    if clamp is not None and clamp.name == "stablehlo.select" and clamp.block == convert.block:
+        select = clamp
+        check, clamp = defining_op(select.operands[0]), defining_op(select.operands[1])
+        if check is None or check.name != "stablehlo.compare":
+            return None
+        absolute, bound = (defining_op(v) for v in check.operands)
+        if (absolute is None or absolute.name != "stablehlo.abs" or bound is None
+                or bound.name != "stablehlo.broadcast_in_dim"):
+            return None
+        kept = (select, check, absolute, bound)
     if clamp is None or clamp.name != "stablehlo.clamp" or clamp.block != convert.block:
         return None
     low, divided, high = clamp.operands
@@ -185,6 +200,8 @@ def _match(convert: ir.Operation) -> _Quantize | None:
         return None
     divide = defining_op(divided)
     if divide is None or divide.name != "stablehlo.divide" or divide.block != convert.block:
+        return None
+    if kept and (kept[0].operands[2] != divided or kept[2].operands[0] != divide.operands[0]):
         return None
     broadcast = defining_op(divide.operands[1])
     if (broadcast is None or broadcast.name != "stablehlo.broadcast_in_dim"
@@ -196,10 +213,10 @@ def _match(convert: ir.Operation) -> _Quantize | None:
         return None
     root, converts = source_through_converts(divide.operands[0], convert.block)
     first = converts[-1] if converts else divide  # the op of the chain that reads root
-    return _Quantize(convert, (convert, clamp, divide, broadcast, *converts),
+    return _Quantize(convert, (convert, *kept, clamp, divide, broadcast, *converts),
                      tuple(ir.RankedTensorType(op.results[0].type).element_type
                            for op in reversed(converts)), root, scale, low, high,
-                     first.operands[0] != root)
+                     first.operands[0] != root, bool(kept))
 
 
 # ---- building ------------------------------------------------------------------------------
@@ -311,6 +328,8 @@ def _build(quantize: _Quantize, value: ir.Value, scale: ir.Value, axis: int | No
     dims = [] if axis is None else [axis]
     divided = hlo.divide(value, hlo.broadcast_in_dim(value.type, scale, dims))
     clamped = hlo.clamp(_constant_like(quantize.low), divided, _constant_like(quantize.high))
+    if quantize.keeps_non_finite:
+        clamped = keep_non_finite(value, divided, clamped)
     return hlo.convert(with_element(value.type, ir.RankedTensorType(
         quantize.convert.results[0].type).element_type), clamped)
 

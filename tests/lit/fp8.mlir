@@ -45,7 +45,8 @@
 // RUN: filecheck %s --input-file %t.json --check-prefix=JSON
 
 // A forward dot: both operands e4m3fn. amax = max|x|, scale = amax * (1/448) rounded to the
-// bf16 the GPU applies it in, 1 when that is 0 or not finite; q = convert(clamp(x /
+// bf16 the GPU applies it in, 1 when that is 0, NaN when it is not finite (the dot's
+// result is then NaN, so the loss scaler skips the step); q = convert(clamp(x /
 // scale)); the dot reads q and w's q and keeps its f32 result, times the scale product.
 // CHECK-LABEL: func.func @forward
 // CHECK-SAME:    (%[[X:.*]]: tensor<32x64xf32>, %[[W:.*]]: tensor<64x16xf32>)
@@ -60,7 +61,9 @@
 // CHECK:         %[[FIN:.*]] = stablehlo.is_finite %[[S1]]
 // CHECK:         %[[OK:.*]] = stablehlo.and %[[POS]], %[[FIN]]
 // CHECK:         %[[ONE:.*]] = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// CHECK:         %[[S:.*]] = stablehlo.select %[[OK]], %[[S1]], %[[ONE]] : tensor<i1>, tensor<f32>
+// CHECK:         %[[NAN:.*]] = stablehlo.constant dense<0x7FC00000> : tensor<f32>
+// CHECK:         %[[ELSE:.*]] = stablehlo.select %[[FIN]], %[[ONE]], %[[NAN]] : tensor<i1>, tensor<f32>
+// CHECK:         %[[S:.*]] = stablehlo.select %[[OK]], %[[S1]], %[[ELSE]] : tensor<i1>, tensor<f32>
 // CHECK:         %[[SB:.*]] = stablehlo.broadcast_in_dim %[[S]], dims = [] : (tensor<f32>) -> tensor<32x64xf32>
 // CHECK:         %[[SCALED:.*]] = stablehlo.divide %[[X]], %[[SB]] : tensor<32x64xf32>
 // CHECK:         %[[LO:.*]] = stablehlo.constant dense<-4.480000e+02> : tensor<f32>
@@ -68,6 +71,7 @@
 // CHECK:         %[[CL:.*]] = stablehlo.clamp %[[LO]], %[[SCALED]], %[[HI]]
 // CHECK:         %[[Q:.*]] = stablehlo.convert %[[CL]] : (tensor<32x64xf32>) -> tensor<32x64xf8E4M3FN>
 // CHECK:         stablehlo.abs %[[W]] : tensor<64x16xf32>
+// CHECK:         stablehlo.select
 // CHECK:         %[[WS:.*]] = stablehlo.select
 // CHECK:         %[[WQ:.*]] = stablehlo.convert %{{.*}} : (tensor<64x16xf32>) -> tensor<64x16xf8E4M3FN>
 // CHECK:         %[[SS:.*]] = stablehlo.multiply %[[S]], %[[WS]] : tensor<f32>

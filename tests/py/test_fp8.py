@@ -139,23 +139,55 @@ def test_all_zero_operand_gives_exact_zeros() -> None:
     assert (y == 0).all()
 
 
-def test_inf_operand_saturates_and_stays_finite() -> None:
+DELAYED = "fp8,scaling=delayed,amax_history=4,first_matrix_op=none,last_matrix_op=none"
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("policy", [FP8, FP8_ACCURATE, DELAYED])
+def test_a_non_finite_operand_reaches_the_output_so_the_loss_scaler_skips(
+        policy: str, bad: float) -> None:
+    """Current scaling: the tensor's scale is NaN, so the whole result is. Delayed
+    scaling (a scale from earlier steps): inf and NaN pass the clamp, so the row they
+    touch is non-finite and the others are as before. An inf was clamped to 448 like a
+    large finite value, and the dot came out finite: the loss scaler never saw it."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((16, 64)).astype(np.float32)
     w = rng.standard_normal((64, 32)).astype(np.float32)
-    x[3, 5] = np.inf
-    y = np.asarray(_matmul(FP8)(x, w))
-    assert np.isfinite(y).all()  # scale 1 (amax is inf); inf saturates at 448
-
-
-def test_nan_operand_reaches_the_output_so_the_loss_scaler_skips() -> None:
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((16, 64)).astype(np.float32)
-    w = rng.standard_normal((64, 32)).astype(np.float32)
-    x[3, 5] = np.nan
-    y = np.asarray(_matmul(FP8)(x, w))
-    assert np.isnan(y[3]).all() and np.isfinite(np.delete(y, 3, axis=0)).all()
+    f, g = (hlo_amp.compile(lambda x, w: x @ w, policy) for _ in range(2))
+    for h in (f, g):  # under delayed scaling: a history of finite amaxes
+        assert np.isfinite(np.asarray(h(x, w))).all()
+    clean = np.asarray(g(x, w))
+    x[3, 5] = bad
+    y = np.asarray(f(x, w))
     assert not bool(all_finite({"g": jnp.asarray(y)}))
+    if policy == DELAYED:
+        assert not np.isfinite(y[3]).any()
+        np.testing.assert_array_equal(np.delete(y, 3, axis=0), np.delete(clean, 3, axis=0))
+    else:
+        assert np.isnan(y).all()
+
+
+def test_an_overflowed_f16_gradient_makes_the_scaler_skip_under_fp8() -> None:
+    """fp8 with f16 compute and the dynamic loss scaler: a loss scale too large overflows
+    the f16 gradients. The e5m2 gradient operands clamped the inf to 57344: the weight
+    gradients came out finite and about 2000 times too small, and the scaler went on."""
+    rng = np.random.default_rng(0)
+    p = {"w1": jnp.asarray(rng.standard_normal((32, 32)) * 0.2, jnp.float32),
+         "w2": jnp.asarray(rng.standard_normal((32, 32)) * 0.2, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+    def step(p, state, x):
+        state, (_, grads) = hlo_amp.dynamic_scale_value_and_grad(loss)(
+            p, x, dynamic_scaler_state=state)
+        return state, all_finite(grads)
+
+    too_large = hlo_amp.DynamicScalerState(scaler=2.0**30)
+    for policy in ("mixed_float16", f"fp8,compute=float16,{FP8.split(',', 1)[1]}"):
+        state, finite = hlo_amp.compile(step, policy)(p, too_large, x)
+        assert not bool(finite) and int(state.total_resets) == 1, policy
 
 
 def test_tiny_and_huge_tensors_keep_their_relative_precision() -> None:
