@@ -125,7 +125,9 @@ PRESET_OPS = {kind: COMPUTE for kind in OP_KINDS}
 EXPLICIT_PRECISION = ("keep", "ignore")
 SCALINGS = ("current", "delayed")
 # The fp8 preset's op rules: dot_general in fp8 (e4m3fn, e5m2 gradients), the rest bf16.
-FP8_OPS = {"dot_general": "float8_e5m2", "dot": COMPUTE, "convolution": COMPUTE}
+# ragged_dot asks for fp8 too, so its decision says why it computes in bf16 instead.
+FP8_OPS = {"dot_general": "float8_e5m2", "dot": COMPUTE, "convolution": COMPUTE,
+           "ragged_dot": "float8_e5m2"}
 PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16", "fp8")
 # A scope item of the string grammar ("scope:PATTERN=ACTION", spaces allowed).
 _SCOPE_ITEM = re.compile(r"\s*scope\s*:")

@@ -45,11 +45,14 @@ DTYPE_TO_ELEMENT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "flo
 # Bit width of each float dtype, used to tell "wider than the compute dtype".
 DTYPE_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "float64": 64}
 
-OP_KINDS = ("dot_general", "dot", "convolution")
+# ragged_dot: jax.lax.ragged_dot's grouped matmul (a mixture of experts), which jax
+# lowers for GPU and TPU as chlo.ragged_dot (on CPU as dense dot_generals).
+OP_KINDS = ("dot_general", "dot", "convolution", "ragged_dot")
 # JAX primitives mapped to the StableHLO op kinds they lower to.
 _PRIMITIVE_KINDS = {
     "dot_general": ("dot_general", "dot"),
     "conv_general_dilated": ("convolution",),
+    "ragged_dot_general": ("ragged_dot",),
 }
 
 # Positional rules: the first and the last matrix op of the forward program.
@@ -130,7 +133,8 @@ def canonical_op_kind(kind: Any) -> tuple[str, ...]:
             return _PRIMITIVE_KINDS[text.removesuffix("_p")]
     raise ValueError(
         f"Unknown op kind {kind!r}; accepted: {', '.join(OP_KINDS)}, "
-        f"jax.lax.dot_general_p, jax.lax.conv_general_dilated_p, or with propagate=true "
+        f"jax.lax.dot_general_p, jax.lax.conv_general_dilated_p, "
+        f"jax.lax.ragged_dot_general_p, or with propagate=true "
         f"any StableHLO or CHLO op name ({', '.join(sorted(op_names() - set(OP_KINDS)))})"
     )
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 # Op-kind column order in summaries.
-_KIND_ORDER = ("dot_general", "dot", "convolution")
+_KIND_ORDER = ("dot_general", "dot", "convolution", "ragged_dot")
 # Where an op's FLOPs go in ``Report.flops_by_scope`` and ``Report.plot``.
 PRECISIONS = ("16-bit or narrower", "f32 by policy", "f32: XLA upcast it")
 # Prefixes of the float element types 16 bits wide or narrower (bf16, f16, the fp8, fp6
@@ -24,7 +24,7 @@ class Decision:
     """What the pass decided for one candidate op, and why."""
 
     function: str  # the func.func holding the op (after specialisation)
-    op_kind: str  # "dot_general", "dot", "convolution"
+    op_kind: str  # "dot_general", "dot", "convolution", "ragged_dot"
     scope: str  # "Block_0/attn/query"; "" at top level
     direction: str  # "forward", "backward" or "recomputed" (remat's recomputed forward)
     operands_before: tuple[str, ...]  # element types, e.g. ("f32", "f32")

@@ -3,8 +3,9 @@
 In the manner of TensorFlow's auto-mixed-precision lists, each op kind (its StableHLO or
 CHLO name without the dialect prefix) has a class:
 
-- ``allow``: the matrix ops; ``insert_converts`` puts them in 16 bit and they seed
-  16-bit regions.
+- ``allow``: the matrix ops (``dot_general``, ``dot``, ``convolution`` and CHLO's
+  ``ragged_dot``, a mixture-of-experts' grouped matmul); ``insert_converts`` puts them in
+  16 bit and they seed 16-bit regions.
 - ``infer``: elementwise arithmetic that follows its inputs; painted only when it sits
   on a path between 16-bit ops.
 - ``clear``: data movement that does not change values (a max/min ``reduce`` or
@@ -58,7 +59,7 @@ OTHER = "other"  # not in the table: treated like deny
 
 OP_CLASSES: dict[str, str] = {
     # allow
-    "dot_general": ALLOW, "dot": ALLOW, "convolution": ALLOW,
+    "dot_general": ALLOW, "dot": ALLOW, "convolution": ALLOW, "ragged_dot": ALLOW,
     # infer
     "add": INFER, "subtract": INFER, "multiply": INFER, "divide": INFER,
     "negate": INFER, "abs": INFER, "sign": INFER, "tanh": INFER, "logistic": INFER,
@@ -84,9 +85,14 @@ OP_CLASSES: dict[str, str] = {
     "batch_norm_inference": DENY, "batch_norm_grad": DENY, "custom_call": DENY,
 }
 
-# The matrix ops by their MLIR names ("stablehlo.dot_general", ...).
-MATRIX_OP_NAMES = frozenset(f"stablehlo.{kind}" for kind, cls in OP_CLASSES.items()
-                            if cls == ALLOW)
+# The matrix op kinds that are CHLO ops: jax lowers ragged_dot for GPU and TPU as
+# ``chlo.ragged_dot`` (on CPU it writes dense dot_generals instead).
+_CHLO_MATRIX_OPS = frozenset({"ragged_dot"})
+# The matrix ops by their MLIR names, with their op kind ("stablehlo.dot_general":
+# "dot_general", "chlo.ragged_dot": "ragged_dot").
+MATRIX_OP_KINDS = {f"{'chlo' if kind in _CHLO_MATRIX_OPS else 'stablehlo'}.{kind}": kind
+                   for kind, cls in OP_CLASSES.items() if cls == ALLOW}
+MATRIX_OP_NAMES = frozenset(MATRIX_OP_KINDS)
 
 # Stricter under f16 only (see the module docstring).
 F16_DENY = frozenset({"divide", "tan", "square"})

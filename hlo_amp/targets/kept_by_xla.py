@@ -49,6 +49,10 @@ _TRITON_FUSION = re.compile(r'calls=%?([\w.\-]+).*"kind":"__triton')
 _CALL_SEGMENT = re.compile(r"^(?:closed_call|core_call|shard_map|eval_jaxpr|p?jit\(.*\))$")
 
 UNMATCHED = "no matrix op of its scope left in XLA's HLO (merged or removed)"
+# XLA:GPU runs a ragged_dot as a GEMM named ``…/ragged_dot_general``; XLA:TPU as Mosaic
+# kernels (``tpu_custom_call``) named ``ragged-dot-…``, without the name stack.
+RAGGED_UNREAD = ("ragged_dot: no GEMM named for it in XLA's HLO (XLA:TPU runs it as a "
+                 "Mosaic kernel without the op's name)")
 MERGED = "XLA merged or removed some matrix ops of its scope"
 
 
@@ -64,6 +68,11 @@ class XlaGemm:
     # Elements of its (first) result, which a decision's ``shape`` also gives: two ops of
     # one scope are told apart by it. None where the line does not say.
     elements: int | None = None
+
+    @property
+    def ragged(self) -> bool:
+        """Whether it runs a ``ragged_dot`` (its op name's last segment says so)."""
+        return self.op_name.rsplit("/", 1)[-1].startswith("ragged_dot")
 
     @property
     def low(self) -> bool:
@@ -230,24 +239,28 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
     GEMM; ``device`` names a GPU or TPU compiled for without one (``"H100"``, ``"TPU v5e"``).
     """
     target = as_target(target)
-    xla_by_scope: dict[str, list[XlaGemm]] = {}
+    # Per scope, and ragged_dot apart from the dense ops: one's verdict is no other's.
+    xla_by_scope: dict[tuple[str, bool], list[XlaGemm]] = {}
     for gemm in xla_gemms(hlo_text, target):
-        xla_by_scope.setdefault(scope_key(gemm.op_name), []).append(gemm)
-    converted: dict[str, list[int]] = {}
-    total: dict[str, int] = {}
+        xla_by_scope.setdefault((scope_key(gemm.op_name), gemm.ragged), []).append(gemm)
+    converted: dict[tuple[str, bool], list[int]] = {}
+    total: dict[tuple[str, bool], int] = {}
     for index, decision in enumerate(report.decisions):
-        key = scope_key(decision.location)
+        key = (scope_key(decision.location), decision.op_kind == "ragged_dot")
         total[key] = total.get(key, 0) + 1
         if decision.low_precision and decision.changed:
             converted.setdefault(key, []).append(index)
     unknown: dict[str, int] = {}
     for key, indices in converted.items():
         gemms = xla_by_scope.get(key)
+        scope, ragged = key
         if gemms is None:  # a location without its caller's prefix (hlo-amp-opt inputs)
-            gemms = [g for name, found in xla_by_scope.items()
-                     if key and name.endswith("/" + key) for g in found]
+            gemms = [g for (name, kind), found in xla_by_scope.items()
+                     if scope and kind == ragged and name.endswith("/" + scope)
+                     for g in found]
         if not gemms:
-            unknown[UNMATCHED] = unknown.get(UNMATCHED, 0) + len(indices)
+            why = RAGGED_UNREAD if ragged else UNMATCHED
+            unknown[why] = unknown.get(why, 0) + len(indices)
             continue
         complete = len(gemms) >= total[key]
         verdicts = _assign([report.decisions[i] for i in indices], gemms, complete)

@@ -92,7 +92,7 @@ def test_parse_full_grammar() -> None:
     )
     assert policy.compute_dtype == "bfloat16"
     assert dict(policy.ops) == {"dot_general": "compute", "dot": "compute",
-                                "convolution": "keep"}
+                                "convolution": "keep", "ragged_dot": "compute"}
     assert dict(policy.scopes) == {"head": "float32", "Block_*/attn": "keep"}
     assert list(policy.scopes) == ["head", "Block_*/attn"]  # order is kept
     assert policy.backward == "compute"
@@ -569,7 +569,7 @@ def test_fp8_preset() -> None:
     assert policy == Policy.preset("fp8")
     assert policy.compute_dtype == "bfloat16"
     assert dict(policy.ops) == {"dot_general": "float8_e5m2", "dot": "compute",
-                                "convolution": "compute"}
+                                "convolution": "compute", "ragged_dot": "float8_e5m2"}
     assert (policy.first_matrix_op, policy.last_matrix_op) == ("compute", "compute")
     assert policy.uses_fp8 and not Policy.parse("bf16").uses_fp8
     assert policy.to_string() == "fp8,compute=bfloat16"

@@ -22,6 +22,7 @@ from hlo_amp.ir.modules import (
     op_key,
     walk_operations,
 )
+from hlo_amp.ir.op_classes import MATRIX_OP_KINDS
 from hlo_amp.ir.program_hints import EndStacks
 from hlo_amp.ir.sites import (
     Site,
@@ -35,7 +36,7 @@ from hlo_amp.passes.insert_converts.plan import TypeNames, float_bits
 from hlo_amp.policy import FIRST_MATRIX_OP, LAST_MATRIX_OP, OP_KINDS, Policy
 
 # The candidate ops by name, with their policy op kind.
-_MATRIX_OPS = {f"stablehlo.{kind}": kind for kind in OP_KINDS}
+_MATRIX_OPS = {name: kind for name, kind in MATRIX_OP_KINDS.items() if kind in OP_KINDS}
 _CALL = "func.call"
 _WATCHED = frozenset({*_MATRIX_OPS, _CALL})
 
