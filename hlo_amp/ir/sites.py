@@ -372,13 +372,10 @@ def operand_precisions(op: object) -> list[str] | None:
 
 def asks_for_precision(op: object) -> str | None:
     """What the program asked for when it pinned this op's precision, else None:
-    HIGH or HIGHEST on both operands (HIGH is three bf16 passes on GPU and TPU, more than
-    the one a 16-bit policy gives), or an explicit dot algorithm."""
+    HIGHEST on both operands, or an explicit dot algorithm."""
     entries = operand_precisions(op)
     if entries is None:
         return "an explicit dot algorithm"
     if entries and all("HIGHEST" in entry for entry in entries):
         return "HIGHEST precision"
-    if entries and all("HIGH" in entry for entry in entries):  # HIGH, or HIGH and HIGHEST
-        return "HIGH precision"
     return None

@@ -308,22 +308,3 @@ def test_explicit_precision_is_kept_unless_a_scope_names_it() -> None:
     np.testing.assert_array_equal(np.asarray(hlo_amp.compile(highest, "bf16")(x, w)), want)
     ignored = np.asarray(hlo_amp.compile(highest, "bf16,explicit_precision=ignore")(x, w))
     assert not np.array_equal(ignored, want)
-
-
-def test_high_precision_is_kept_too() -> None:
-    """HIGH (three bf16 passes on GPU and TPU) was turned into one bf16 pass silently."""
-    x, w = jax.random.normal(jax.random.key(0), (4, 8)), jax.random.normal(jax.random.key(1),
-                                                                               (8, 8))
-    high, highest, default = (jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST,
-                              jax.lax.Precision.DEFAULT)
-
-    def pinned(x, w):
-        return (jnp.dot(x, w, precision=high) + jnp.dot(x, w, precision=(high, highest))
-                + jnp.dot(x, w, precision=(high, default)))
-
-    text = jax.jit(pinned).lower(x, w).as_text(debug_info=True)
-    _, report = hlo_amp.rewrite(text, "bf16", return_report=True)
-    assert [(d.changed, d.reason) for d in report.decisions] == [
-        (False, "kept: the program asked for HIGH precision"),
-        (False, "kept: the program asked for HIGH precision"),
-        (True, "bf16 operands, f32 accumulation")]  # not on both operands
