@@ -29,6 +29,7 @@ from hlo_amp.ir.modules import (
     strip_decision_marks,
     walk_operations,
 )
+from hlo_amp.ir.op_classes import MATRIX_OP_KINDS
 from hlo_amp.ir.program_hints import strip_program_hints
 from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.passes.batch_amax import BatchAmax
@@ -175,7 +176,8 @@ def record_final_types(module: ir.Module, report: Report, policy: Policy) -> Non
     if not report.decisions:
         return
     names = TypeNames()
-    kinds = frozenset(f"stablehlo.{d.op_kind}" for d in report.decisions)
+    decided = {d.op_kind for d in report.decisions}
+    kinds = frozenset(name for name, kind in MATRIX_OP_KINDS.items() if kind in decided)
     seen: set[int] = set()
     for op in walk_operations(module, names=kinds):
         index = decision_of(op)

@@ -63,6 +63,10 @@ def test_h100_converts_forward_and_both_backward_modes(policy: str) -> None:
     assert [d.op_kind for d in decisions] == ["ragged_dot"] * 3
     assert all(d.changed and d.low_precision and d.flops == FLOPS for d in decisions), decisions
     assert {d.direction for d in decisions} == {"forward", "backward"}
+    # The report gives each op's types as the rewritten module has them (the fast mode's
+    # 16-bit result read f32: record_final_types looked for "stablehlo.ragged_dot").
+    assert sorted((list(d.operands_after) + ["i32"], d.result_after) for d in decisions) == (
+        sorted(types))
 
 
 def test_report_counts_its_flops_beside_a_dense_dot() -> None:
