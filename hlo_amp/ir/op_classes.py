@@ -18,7 +18,9 @@ CHLO name without the dialect prefix) has a class:
   ``rsqrt``, sums (``reduce`` with an add body: sums, means, variances; ``reduce_window``
   with an add body over more than ``SHORT_SUM`` elements: cumulative sums), scatters,
   sorts, and JAX's own precision idiom ``reduce_precision``, which must stay exactly as
-  written. ``optimization_barrier`` is deny here, but the propagation pass passes each
+  written (one that rounds to its operand's own format, jax.checkpoint's mark on a saved
+  residual, is ``clear``: it changes no value, and it is rewritten to the 16-bit
+  format when painted). ``optimization_barrier`` is deny here, but the propagation pass passes each
   of its operands through as a loop carry (a link) unless a rule keeps it.
 
 An add ``reduce_window`` over at most ``SHORT_SUM`` (16) elements, i.e. an average-pool
@@ -187,12 +189,31 @@ def op_class(op: Any, compute_dtype: str) -> str:
         return DENY
     if kind == "scatter" and single_update_scatter(op):
         return INFER
+    if kind == "reduce_precision" and rounds_to_its_own_type(op):
+        return CLEAR
     if kind in ("reduce", "reduce_window") and found == CLEAR and not picks_an_input(op):
         # Under f16 a short sum overflows too (16 elements of 9,000: 144,000).
         if kind == "reduce_window" and short_window_sum(op) and compute_dtype != "float16":
             return INFER
         return DENY
     return found
+
+
+# (exponent bits, mantissa bits) of each float type: reduce_precision to its own format
+# changes no value.
+FULL_FORMAT = {"f64": (11, 52), "f32": (8, 23), "bf16": (8, 7), "f16": (5, 10)}
+
+
+def rounds_to_its_own_type(op: Any) -> bool:
+    """Whether a ``reduce_precision`` rounds to its operand type's own format: jax's mark
+    on each residual a ``jax.checkpoint`` policy saves (``e8m23`` on an f32 value, so that
+    XLA keeps the saved value's precision); it changes no value, so the fast mode may
+    carry the residual in 16 bit, the mark rewritten to that type's format (deny, it kept
+    every saved residual f32 where a hand cast saves bf16)."""
+    element = str(ir.RankedTensorType(op.operands[0].type).element_type)
+    exponent = ir.IntegerAttr(op.attributes["exponent_bits"]).value
+    mantissa = ir.IntegerAttr(op.attributes["mantissa_bits"]).value
+    return FULL_FORMAT.get(element) == (exponent, mantissa)
 
 
 @functools.cache

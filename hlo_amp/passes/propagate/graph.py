@@ -62,8 +62,9 @@ SPECIAL_FUNCTIONS = frozenset({
     "lgamma", "digamma", "igamma", "igammac", "igamma_grad_a", "random_gamma_grad",
     "regularized_incomplete_beta", "polygamma", "zeta", "bessel_i0e", "bessel_i1e",
     "erf_inv"})
-# Op kinds whose class depends on their body as well as the table (see op_class).
-_BODY_CLASSED = frozenset({"reduce", "reduce_window", "scatter"})
+# Op kinds whose class depends on their body or attributes as well as the table (see
+# op_class).
+_BODY_CLASSED = frozenset({"reduce", "reduce_window", "scatter", "reduce_precision"})
 
 
 @dataclass(eq=False, slots=True)

@@ -18,7 +18,7 @@ from hlo_amp.ir.modules import (
     terminator,
     with_element,
 )
-from hlo_amp.ir.op_classes import ALLOW
+from hlo_amp.ir.op_classes import ALLOW, FULL_FORMAT
 from hlo_amp.passes.propagate.body import (
     BARRIER,
     CONTROL_FLOW_OPS,
@@ -122,6 +122,12 @@ class Rewriter:
             op = ops[index]
             for result in op.results:
                 self._retype(result)
+            if op.operation.name == "stablehlo.reduce_precision":
+                # A residual's mark (rounds to its own type): now to the 16-bit type's.
+                exponent, mantissa = FULL_FORMAT[str(self.low)]
+                i32 = ir.IntegerType.get_signless(32)
+                op.operation.attributes["exponent_bits"] = ir.IntegerAttr.get(i32, exponent)
+                op.operation.attributes["mantissa_bits"] = ir.IntegerAttr.get(i32, mantissa)
             for region in op.operation.regions:  # reduce bodies: a scalar max/min
                 for block in region.blocks:
                     for argument in block.arguments:
