@@ -36,6 +36,7 @@ location, so the quantise ops and the scale multiply sit in the dot's scope.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ from hlo_amp.passes.fp8_state import (
     one_caller_each,
     vector_element,
 )
-from hlo_amp.policy import FP8_SHORT
+from hlo_amp.policy import FIRST_MATRIX_OP, FP8_SHORT, LAST_MATRIX_OP
 from hlo_amp.report import Report
 from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MAX
 
@@ -126,6 +127,16 @@ class Fp8Quantize:
             if pairs:
                 report.notes.append(_summary(report, pairs, quantizing, self.scaling,
                                              threads))
+            elif report.decisions:
+                # An fp8 policy that quantises nothing (a two-dot model: both ends kept
+                # 16-bit by the preset) said nothing, and ran exactly as mixed_bfloat16.
+                rules = Counter(d.rule or "no rule" for d in report.decisions)
+                line = ("fp8: no dot_general as fp8 GEMMs; the matrix ops' rules: "
+                        + ", ".join(f"{rule} {n}" for rule, n in rules.most_common()))
+                if rules.keys() & {FIRST_MATRIX_OP, LAST_MATRIX_OP}:
+                    line += (" (the fp8 preset keeps the first and last matrix ops 16-bit; "
+                             "first_matrix_op=none,last_matrix_op=none quantises them)")
+                report.notes.append(line)
 
 
 def _summary(report: Report, pairs: dict[str, int], quantizing: _Quantizing, scaling: str,

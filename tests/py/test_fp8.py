@@ -494,3 +494,23 @@ def test_only_if_faster_keeps_the_gemms_whose_fp8_form_pays() -> None:
     assert all(d.fp8 for d in plain.decisions)
     from hlo_amp.targets.target import Target
     assert Target().fp8_loses(2 * small**3, [(small * small, 16)] * 2) is None
+
+
+def test_an_fp8_policy_that_quantises_nothing_says_so() -> None:
+    """A two-dot model under the fp8 preset: both dots are ends, kept bf16, so the step
+    runs exactly as mixed_bfloat16; the report said nothing about fp8."""
+    rng = np.random.default_rng(0)
+    w1, w2 = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((64, 128), (128, 32)))
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+
+    def step(w1, w2):
+        return jax.grad(lambda w1, w2: jnp.mean(jax.nn.relu(x @ w1) @ w2) ** 2,
+                        argnums=(0, 1))(w1, w2)
+
+    notes = [n for n in hlo_amp.compile(step, "fp8").lower(w1, w2).report().notes
+             if n.startswith("fp8")]
+    assert len(notes) == 1 and notes[0].startswith("fp8: no dot_general as fp8 GEMMs")
+    assert "first_matrix_op 2" in notes[0] and "last_matrix_op 3" in notes[0]
+    quantised = [n for n in hlo_amp.compile(step, f"fp8,{FP8.split(',', 1)[1]}").lower(
+        w1, w2).report().notes if n.startswith("fp8")]
+    assert quantised[0].startswith("fp8: 5 dot_general as fp8 GEMMs")
