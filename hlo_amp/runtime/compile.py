@@ -796,6 +796,9 @@ def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = N
                "donate_argnums": donate_argnums, "filter": filter}
     if fn is None or isinstance(fn, (Policy, str, Mapping)):
         chosen = policy if fn is None else fn  # @hlo_amp.compile("bf16")
+        if fn is None:  # @hlo_amp.compile(policy=...): a bad policy is just that
+            as_policy(chosen)
+            return functools.partial(compile, policy=chosen, **options)
         try:
             as_policy(chosen)
         except (TypeError, ValueError) as error:

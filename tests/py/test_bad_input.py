@@ -243,6 +243,13 @@ def test_compile_rejects_non_callable() -> None:
         hlo_amp.compile("not a function")
 
 
+def test_a_decorators_bad_policy_is_named_as_such() -> None:
+    # @hlo_amp.compile(policy="float16") was told it expected a callable, got None.
+    with pytest.raises(ValueError, match="^Unknown preset 'float16'.*accepted") as raised:
+        hlo_amp.compile(policy="float16")
+    assert "callable" not in str(raised.value)
+
+
 # ---- rules that match nothing -------------------------------------------------------------
 
 
