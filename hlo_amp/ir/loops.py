@@ -16,7 +16,17 @@ from typing import Any
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import callee_name, constant_value, is_call, op_key, terminator
+from hlo_amp.ir.modules import (
+    callee_name,
+    constant_value,
+    function_name,
+    functions,
+    is_call,
+    is_public,
+    op_key,
+    terminator,
+    walk_operations,
+)
 
 WHILE = "stablehlo.while"
 # The direction that reads the same with the operands swapped.
@@ -153,6 +163,38 @@ class LoopCounts:
                     count *= trip + 1 if in_cond else trip
             inner, parent = parent, parent.parent
         return Runs(count, unknown)
+
+
+def function_runs(module: ir.Module, loops: LoopCounts) -> dict[str, Runs]:
+    """How often each function of ``module`` runs per call of its public function: a
+    public one once, a private one as often as its call sites together, each its
+    caller's runs times the trip counts of the loops around the call (a scanned
+    layer's body: the layer count)."""
+    by_name = {function_name(fn): fn for fn in functions(module)}
+    callers: dict[str, list[tuple[str, Any]]] = {}
+    for name, fn in by_name.items():
+        for op in walk_operations(fn):
+            if is_call(op):
+                callers.setdefault(callee_name(op), []).append((name, op))
+    found: dict[str, Runs] = {}
+
+    def runs_of(name: str, stack: tuple[str, ...]) -> Runs:
+        if name in found:
+            return found[name]
+        sites = [] if is_public(by_name[name]) else callers.get(name, [])
+        if not sites or name in stack:
+            return found.setdefault(name, Runs(1))
+        count, unknown = 0, 0
+        for caller, call in sites:
+            outer = runs_of(caller, stack + (name,))
+            here = loops.runs(call)
+            count += outer.count * here.count
+            unknown += outer.unknown + here.unknown
+        return found.setdefault(name, Runs(count, unknown))
+
+    for name in by_name:
+        runs_of(name, ())
+    return found
 
 
 def loop_body(loop: object) -> ir.Block:

@@ -449,3 +449,48 @@ def test_a_softmax_classifier_is_no_attention_site() -> None:
     args = (jnp.ones((32, 10)), jnp.ones((8, 32)), jnp.arange(8) % 10)
     lowered = hlo_amp.compile(jax.grad(loss), "bf16").lower(*args, target="h100")
     assert lowered.report().attention == []
+
+
+def test_a_scanned_sites_flops_count_every_layer() -> None:
+    """A fused site in a scanned layer reported one layer's FLOPs (a quarter of four
+    layers' on H100, where the CPU form and an unrolled stack count all four)."""
+    layers = 4
+
+    def layer(h, w):
+        qkv, out = w
+        with jax.named_scope("proj"):
+            q, k, v = (jnp.einsum("btd,dnh->btnh", h, qkv[i]) for i in range(3))
+        with jax.named_scope("attn"):
+            return h + jnp.einsum("btnh,nhd->btd", _plain(q, k, v), out), None
+
+    def loss(w, x):
+        h, _ = jax.lax.scan(jax.checkpoint(layer), x, w)
+        return jnp.mean(h ** 2)
+
+    x = jnp.ones((2, programs.T, 64))
+    keys = jax.random.split(jax.random.key(0))
+    w = (jax.random.normal(keys[0], (layers, 3, 64, 2, 64)) * 0.05,
+         jax.random.normal(keys[1], (layers, 2, 64, 64)) * 0.05)
+    policy = "bf16,scope:proj=float32"
+    cpu = hlo_amp.compile(jax.grad(loss), policy).lower(w, x).report()
+    gpu = hlo_amp.compile(jax.grad(loss), policy).lower(w, x, target="h100").report()
+    assert gpu.attention and all(s.fused for s in gpu.attention)
+    assert gpu.flops_by_scope()["attn"] == cpu.flops_by_scope()["attn"]
+    # Per layer: the forward's Q·Kᵀ and P·V, and the backward's recomputed Q·Kᵀ and P·V,
+    # dP, dV, dQ, dK; each 2·B·N·T·S·H.
+    one_layer = (2 + 6) * 2 * 2 * 2 * programs.T * programs.T * 64
+    assert sum(s.flops for s in gpu.attention) == layers * one_layer
+
+
+def test_one_kv_head_under_a_constant_output_gradient_is_left_with_a_reason() -> None:
+    """A loss linear in the output (dO a constant) with one kv head: jax's backward gives
+    v without the kv-head dimension, and the rewrite raised half-way (PassError: the
+    compile failed). It is now refused before anything is written."""
+    q, kv = jnp.ones((2, programs.T, 4, 64)), jnp.ones((2, programs.T, 1, 64))
+    step = jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v)),
+                    argnums=(0, 1, 2))
+    lowered = hlo_amp.compile(step, "mixed_bfloat16").lower(q, kv, kv, target="h100")
+    sites = lowered.report().attention
+    assert sites and not any(s.fused for s in sites)
+    assert "lacks the kernel's batch dimension" in sites[0].reason
+    lowered.compile()  # and XLA compiles the program as written

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from jaxlib.mlir import ir
 
+from hlo_amp.ir.loops import LoopCounts, function_runs
 from hlo_amp.ir.modules import (
     function_name,
     functions,
@@ -82,6 +83,10 @@ class FusedAttention:
             obstacle = (f"the program is partitioned over {partitions} devices (XLA cannot "
                         "partition the kernel's custom call)")
         fused = 0
+        # A site in a scanned layer runs once per layer: its FLOPs count every run, as
+        # a matrix op's decision does (they counted one, a quarter of four layers').
+        loops = LoopCounts()
+        runs = function_runs(module, loops)
         for fn in functions(module):
             prefix = prefixes.get(function_name(fn), "")
             for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"})):
@@ -91,6 +96,7 @@ class FusedAttention:
                 if found is None:
                     continue
                 site, planned, match = found
+                times = runs[function_name(fn)].count * loops.runs(op).count
                 if planned is not None:
                     try:
                         self._fuse(*planned, site.kernel_name)
@@ -102,7 +108,7 @@ class FusedAttention:
                 if match is not None:  # found, not fused: its matmuls stay attention's
                     _mark_matmuls(match)
                 if report is not None:
-                    report.attention.append(site)
+                    report.attention.append(replace(site, flops=site.flops * times))
         if report is not None and fused:
             report.notes.append(f"fused-attention: {fused} attention site(s) run as "
                                 f"{_KERNEL_NAMES[self.kernel]} attention")

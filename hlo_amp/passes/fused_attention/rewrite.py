@@ -289,6 +289,7 @@ def rewrite(match: Match, kernel: Kernel, call: AttentionCall, layout: Layout,
     first = ordered[0]
     _check_defined_before([match.q, match.k, match.v]
                           + [v for v, _roles in match.mask_leaves], first)
+    _check_roles(match, layout)
     element = element_of(dtype)
     sizes = match.sizes
     location = ir.Location.name(name.rsplit("/", 1)[0] + "/fused_attention",
@@ -341,6 +342,19 @@ def _check_defined_before(values: list[ir.Value | None], op: ir.Operation) -> No
         owner = value.owner.operation
         if owner.block == op.block and not owner.is_before_in_block(op):
             raise NotFused("an input of the attention is computed after its first use")
+
+
+def _check_roles(match: Match, layout: Layout) -> None:
+    """Each of q, k and v has every dimension the kernel's layout orders (checked before
+    anything is written: a rewrite that fails half-way fails the compile). A backward
+    whose output gradient is a constant (a loss linear in the attention's output) gave v
+    without its kv-head dimension for one kv head, and the pass raised."""
+    for name, roles in (("q", match.q_roles), ("k", match.k_roles), ("v", match.v_roles)):
+        missing = [role for role in layout.order(name) if role not in roles]
+        if missing:
+            named = ", ".join(f"batch dimension {role[1]} of the scores" if role[0] == "B"
+                              else str(role) for role in missing)
+            raise NotFused(f"{name} as the program computes it lacks the kernel's {named}")
 
 
 def _replace(op: ir.Operation, new: ir.Value) -> None:

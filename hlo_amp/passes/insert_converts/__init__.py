@@ -44,6 +44,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.gradients import GradientFlow
+from hlo_amp.ir.loops import function_runs
 from hlo_amp.ir.modules import (
     FP8_MARK,
     element_type,
@@ -98,8 +99,8 @@ class InsertConverts:
             graph.find_ends(public, forward_ends(module))
         for fn in public:
             graph.visit(fn, "")
-        if report is not None:
-            graph.count_runs()
+        if report is not None:  # after visit: calls name the clones
+            graph.runs = function_runs(module, graph.loops)
         # Which operand of a backward dot is the gradient: only e5m2 asks, and the
         # dataflow is read before any body is rewritten.
         flow = None

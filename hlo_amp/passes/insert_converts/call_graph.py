@@ -81,38 +81,6 @@ class CallGraph:
     # function name (after cloning) -> how often it runs per call of the program
     runs: dict[str, Runs] = field(default_factory=dict)
 
-    def count_runs(self) -> None:
-        """Fill ``runs`` for every instance: a public function runs once; a private one
-        as often as all its call sites together, each its caller's runs times the trip
-        counts of the loops around the call (after ``visit``: calls name the clones)."""
-        callers: dict[str, list[tuple[str, Any]]] = {}
-        for instance in self.instances:
-            caller = function_name(instance.fn)
-            for op, kind in self.ops_of(instance.fn):
-                if kind is None and callee_name(op) in self.by_name:
-                    callers.setdefault(callee_name(op), []).append((caller, op))
-        for instance in self.instances:
-            self._runs_of(function_name(instance.fn), callers, ())
-
-    def _runs_of(self, name: str, callers: dict[str, list[tuple[str, Any]]],
-                 stack: tuple[str, ...]) -> Runs:
-        found = self.runs.get(name)
-        if found is not None:
-            return found
-        sites = [] if is_public(self.by_name[name]) else callers.get(name, [])
-        if not sites or name in stack:  # public (or a cycle, which JAX never writes)
-            found = Runs(1)
-        else:
-            count, unknown = 0, 0
-            for caller, call in sites:
-                outer = self._runs_of(caller, callers, stack + (name,))
-                here = self.loops.runs(call)
-                count += outer.count * here.count
-                unknown += outer.unknown + here.unknown
-            found = Runs(count, unknown)
-        self.runs[name] = found
-        return found
-
     def ops_of(self, fn: Any) -> list[tuple[Any, str | None]]:
         """The matrix ops and calls of ``fn`` (walked once; the rewrite adds only
         converts, so the list stays good)."""
