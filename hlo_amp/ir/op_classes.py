@@ -40,8 +40,9 @@ ops whose result can be far larger than their inputs stay f32 under f16 only:
 square (``chlo.square``, ``x * x``: past 256; the tanh GELU's ``x ** 3`` and its
 gradient's ``3 x²``, a squared ReLU, a norm's ``x²``), a product only sums read (a
 norm's backward ``x * dy`` under a loss scale) and short sums. Sums and means stay f32 under both. Under either, an infer
-or clear op reading a constant the 16-bit type cannot hold (a mask's fill of f32's
-largest magnitude) stays f32 (passes/propagate/graph.py).
+or clear op reading a constant f16 cannot hold (a mask's fill of f32's largest
+magnitude, -1e9) stays f32 under f16; under bf16 f32's extremes are clamped into its range
+instead (passes/propagate/graph.py, rewrite.py).
 """
 
 from __future__ import annotations

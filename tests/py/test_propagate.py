@@ -412,13 +412,36 @@ def _padded_attention(fill):
     ("mixed_float16,fuse_attention=false", -1e9)])
 def test_a_mask_fill_beyond_the_16bit_range_stays_f32(policy, fill):
     """Converted to 16 bit the fill was -inf: a padded row's softmax, and through
-    NaN * 0 every gradient, NaN (jax.jit: finite)."""
+    NaN * 0 every gradient, NaN (jax.jit: finite). (Under bf16 finfo(f32).min is
+    clamped into bf16's range instead: the next test.)"""
     grad, args = _padded_attention(fill)
     want = jax.jit(grad)(*args)
     for target in ("gpu", "tpu") if "bfloat16" in policy else ("gpu",):
         got = _gpu_form(grad, policy, *args, target=target)
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in got), target
         _close(got, want, _dtype(policy))
+
+
+def test_f32s_own_extreme_as_a_fill_is_saturated_into_bf16():
+    """finfo(f32).min, the fill of a causal or padding mask, is 0.4% past bf16's range:
+    it kept the scores and probabilities behind it f32 (on TPU, where nothing fuses the
+    attention, 2.75 times the hand cast's temp). The fast mode now paints them, the fill
+    clamped to bf16's finite minimum (converted as it is, -inf: a padded row's softmax,
+    and every gradient, NaN)."""
+    grad, args = _padded_attention(float(jnp.finfo(jnp.float32).min))
+    lowered = jax.jit(grad).lower(*args)
+    module = copy_module(lowered.compiler_ir("stablehlo"))
+    policy = Policy.parse("mixed_bfloat16,fuse_attention=false")
+    report = run_pipeline(module, policy, target="tpu")
+    text = module_text(module)
+    selects = re.findall(r"stablehlo\.select .* : tensor<[\dx]+xi1>, tensor<[\dx]+x(\w+)>", text)
+    assert "bf16" in selects, selects  # the masked scores, in 16 bit
+    assert re.search(r"stablehlo\.clamp .*tensor<f32>", text), "the fill is not saturated"
+    assert not any(r.startswith("beyond the 16-bit range") for r in
+                   (report.propagation or {}).get("reasons", {})), report.propagation
+    got = _gpu_form(grad, "mixed_bfloat16,fuse_attention=false", *args, target="tpu")
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in got)
+    _close(got, jax.jit(grad)(*args), "bfloat16")
 
 
 def _f16_overflow_programs():

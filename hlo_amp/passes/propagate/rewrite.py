@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import ml_dtypes
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
@@ -166,7 +167,7 @@ class Rewriter:
                 for number, value in enumerate(operands):
                     want = retyped.get(value)
                     if want is not None and want != value.type:
-                        op.operands[number] = self._convert(op, value, want, shared)
+                        op.operands[number] = self._convert(op, value, want, shared, inst_id)
                 continue
             for number, value in enumerate(operands):
                 wants_low = self._wants_low(index, op, name, number, inst, facts, owners)
@@ -176,7 +177,7 @@ class Rewriter:
                 if wants_low and type_kind(want) == F32:
                     want = with_element(want, self.low)
                 if want != value.type:
-                    op.operands[number] = self._convert(op, value, want, shared)
+                    op.operands[number] = self._convert(op, value, want, shared, inst_id)
         for index, name in enumerate(names):  # the matrix ops' operand converts whose
             if name != "stablehlo.convert":   # input is 16-bit now
                 continue
@@ -247,14 +248,28 @@ class Rewriter:
         return False
 
     def _convert(self, consumer: Any, value: ir.Value, want: ir.Type,
-                 shared: dict[tuple[Any, ir.Value, str], ir.Value]) -> ir.Value:
+                 shared: dict[tuple[Any, ir.Value, str], ir.Value], inst_id: int) -> ir.Value:
         block = consumer.operation.block
         key = (block, value, str(want))
         converted = shared.get(key)
         if converted is None:
             with consumer.location, ir.InsertionPoint(consumer):
-                converted = hlo.convert(want, value)
+                converted = hlo.convert(want, self._saturated(value, want, inst_id))
             shared[key] = converted
         return converted
 
-
+    def _saturated(self, value: ir.Value, want: ir.Type, inst_id: int) -> ir.Value:
+        """``value`` clamped to bf16's finite range where it is a constant beyond it (f32's
+        extremes: finfo(f32).min as a mask's fill; graph.py paints what reads them under
+        bf16), at the current insertion point; converted as they are they would be -inf,
+        and a masked row's softmax NaN. Else ``value``."""
+        if str(ir.RankedTensorType(want).element_type) != "bf16":
+            return value
+        found = self.graph.constant_magnitude(inst_id, value)
+        limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+        if found is None or found <= limit:
+            return value
+        scalar = ir.RankedTensorType.get([], ir.RankedTensorType(value.type).element_type)
+        low, high = (hlo.constant(ir.DenseElementsAttr.get_splat(
+            scalar, ir.FloatAttr.get(scalar.element_type, bound))) for bound in (-limit, limit))
+        return hlo.clamp(low, value, high)
