@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,19 +78,30 @@ def abstract_arguments(tree: Any, target: Target, placed_by_jit: bool = False) -
     A leaf with a ``NamedSharding`` whose mesh has as many devices as the target keeps it,
     rebuilt on ``target_mesh(target, <its axes>)`` (a mesh made by ``target_mesh``, or real
     arrays sharded over this machine's devices with the same axis names and sizes), as
-    ``jax.jit`` keeps an argument's sharding; every other array is replicated, or, where
+    ``jax.jit`` keeps an argument's sharding; every other array is replicated (with a
+    warning where a mesh of several devices meets a target of another number), or, where
     the jit places its arguments itself (``placed_by_jit``: its ``in_shardings``), left
     without a sharding, as jax.jit takes a NumPy array there.
     """
     replicated = (None if placed_by_jit else
                   jax.sharding.NamedSharding(target.mesh(), jax.sharding.PartitionSpec()))
     meshes: dict[tuple, jax.sharding.Mesh] = {}
+    warned: set[int] = set()
 
     def on_target(sharding: Any) -> Any:
         if not isinstance(sharding, jax.sharding.NamedSharding):
             return replicated
         mesh = sharding.mesh
         if mesh.size != target.devices:
+            if mesh.size > 1 and target.devices > 1 and mesh.size not in warned:
+                # Replicated, the compiled figures describe another program (a 16-device
+                # mesh's argument on a 4-device target took 16 times its bytes).
+                warned.add(mesh.size)
+                warnings.warn(
+                    f"an argument sharded over a mesh of {mesh.size} devices "
+                    f"({dict(mesh.shape)}) is replicated on the {target.devices} devices of "
+                    f"target {target.name!r}; to keep its sharding, shard it over "
+                    f"hlo_amp.target_mesh({target.name!r}, axes)", UserWarning, stacklevel=2)
             return replicated
         key = (tuple(mesh.shape.items()), tuple(mesh.axis_types))
         if key not in meshes:

@@ -133,12 +133,13 @@ def tpu_device(name: str) -> TpuTarget | None:
     """A TPU generation (``"tpu-v5e"``: one chip of its smallest slice), or a whole slice
     (``"tpu-v5e:4x4"``, 16 chips); None for a name not in ``_TPUS``, a ValueError naming
     what is accepted for a slice libtpu does not describe."""
-    generation, _, shape = name.partition(":")
+    generation, colon, shape = name.partition(":")
     if generation not in _TPUS:
         return None
     device, slice_name, bf16, hbm, fp8_modes = _TPUS[generation]
     slices = _SLICES[generation]
-    chips = _slice_chips(name, generation, shape, slices) if shape else 1
+    # "tpu-v5e:" (a slice left empty) was one chip, named with its colon.
+    chips = _slice_chips(name, generation, shape, slices) if shape or colon else 1
     topology = f"{slice_name.split(':')[0]}:{shape}" if shape else slice_name
     devices = chips * slices.devices_per_chip if shape else 1
     return TpuTarget(name, device, f"Google {device} ({topology})",

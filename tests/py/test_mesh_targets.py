@@ -71,6 +71,7 @@ def test_link_bandwidth_is_nvlink_in_a_node_and_the_network_between_nodes() -> N
     ("tpu-v5e:32x32", r"is 1024 chips: .*at most 256 chips"),
     ("tpu-v5p:2x2", r"a tpu-v5p slice is AxBxC chips .* e\.g\. tpu-v5p:2x2x1"),
     ("tpu-v6e:4xfour", r"a tpu-v6e slice is AxB chips"),
+    ("tpu-v5e:", r"a tpu-v5e slice is AxB chips"),  # was one chip named "tpu-v5e:"
 ])
 def test_bad_names_say_what_is_accepted(name: str, accepted: str) -> None:
     with pytest.raises(ValueError, match=rf"target={name!r}.*{accepted}"):
@@ -239,7 +240,9 @@ def test_arguments_of_another_size_or_unsharded_are_replicated() -> None:
 
     args = (sds(NamedSharding(mesh, P("fsdp"))), sds(NamedSharding(other, P("fsdp"))),
             jnp.ones((16, 16)), sds(NamedSharding(abstract, P("data", "model"))))
-    placed = deviceless.abstract_arguments(args, targets.device_target("h100x8"))
+    with pytest.warns(UserWarning, match=r"mesh of 4 devices .* replicated on the 8 "
+                      r"devices of target 'h100x8'.*target_mesh"):
+        placed = deviceless.abstract_arguments(args, targets.device_target("h100x8"))
     assert placed[0].sharding == args[0].sharding
     assert [a.sharding.spec for a in placed[1:3]] == [P(), P()]
     assert all(a.sharding.mesh.devices.size == 8 for a in placed)
