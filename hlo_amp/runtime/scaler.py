@@ -264,13 +264,21 @@ def _scaled_value_and_grad(
         out = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                # The value's shape, not its class (a tracer's, jax's internal name).
+                got = (f"{type(out).__name__} of {len(out)}"
+                       if isinstance(out, (tuple, list)) else
+                       f"an array of shape {jnp.shape(out)}" if hasattr(out, "shape")
+                       else type(out).__name__)
                 raise TypeError(
-                    "with has_aux=True the function must return a pair (loss, aux), got "
-                    f"{type(out).__name__}"
-                )
+                    f"with has_aux=True the function must return a pair (loss, aux), got "
+                    f"{got}")
             loss, aux = out
         else:
             loss, aux = out, None
+            if isinstance(out, (tuple, list)):
+                raise TypeError(
+                    f"the function returned a {type(out).__name__} of {len(out)}; a loss "
+                    f"with auxiliary outputs needs has_aux=True (returning (loss, aux))")
         loss = jnp.asarray(loss)
         if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
             raise TypeError(

@@ -149,6 +149,18 @@ def test_rejects_other_state_types_and_bad_losses() -> None:
         dynamic_scale_grad(lambda w: jnp.sum(w), redo_on_nan=True)  # it was taken as 1
 
 
+def test_a_has_aux_mismatch_names_has_aux() -> None:
+    # Without has_aux, a (loss, aux) pair failed in jax ("dtype object is not a valid JAX
+    # array type"); with it, a bare loss was "got LinearizeTracer".
+    state = DynamicScalerState()
+    with pytest.raises(TypeError, match=r"tuple of 2; .* needs has_aux=True"):
+        dynamic_scale_value_and_grad(lambda w: (jnp.sum(w), {"a": 1}))(
+            jnp.ones(2), dynamic_scaler_state=state)
+    with pytest.raises(TypeError, match=r"pair \(loss, aux\), got an array of shape \(\)"):
+        dynamic_scale_value_and_grad(lambda w: jnp.sum(w), has_aux=True)(
+            jnp.ones(2), dynamic_scaler_state=state)
+
+
 # ------------------------------------------------------------------------ underflow
 
 
