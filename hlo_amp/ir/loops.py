@@ -177,24 +177,26 @@ def function_runs(module: ir.Module, loops: LoopCounts) -> dict[str, Runs]:
             if is_call(op):
                 callers.setdefault(callee_name(op), []).append((name, op))
     found: dict[str, Runs] = {}
-
-    def runs_of(name: str, stack: tuple[str, ...]) -> Runs:
-        if name in found:
-            return found[name]
-        sites = [] if is_public(by_name[name]) else callers.get(name, [])
-        if not sites or name in stack:
-            return found.setdefault(name, Runs(1))
-        count, unknown = 0, 0
-        for caller, call in sites:
-            outer = runs_of(caller, stack + (name,))
-            here = loops.runs(call)
-            count += outer.count * here.count
-            unknown += outer.unknown + here.unknown
-        return found.setdefault(name, Runs(count, unknown))
-
-    for name in by_name:
-        runs_of(name, ())
+    for name in by_name:  # a module-level helper: a recursive closure is a reference cycle
+        _runs_of(name, (), by_name, callers, loops, found)
     return found
+
+
+def _runs_of(name: str, stack: tuple[str, ...], by_name: dict[str, Any],
+             callers: dict[str, list[tuple[str, Any]]], loops: LoopCounts,
+             found: dict[str, Runs]) -> Runs:
+    if name in found:
+        return found[name]
+    sites = [] if is_public(by_name[name]) else callers.get(name, [])
+    if not sites or name in stack:  # public (or a cycle, which JAX never writes)
+        return found.setdefault(name, Runs(1))
+    count, unknown = 0, 0
+    for caller, call in sites:
+        outer = _runs_of(caller, stack + (name,), by_name, callers, loops, found)
+        here = loops.runs(call)
+        count += outer.count * here.count
+        unknown += outer.unknown + here.unknown
+    return found.setdefault(name, Runs(count, unknown))
 
 
 def loop_body(loop: object) -> ir.Block:
