@@ -432,7 +432,9 @@ class Policy:
         # The first preset whose op rules this policy has; then only what differs from it
         # (the empty preset f32 always fits: it states every op rule, so it is exact).
         mixed = "mixed_float16" if self.compute_dtype == "float16" else "mixed_bfloat16"
-        for name in ("fp8", mixed if self.propagate else "bf16", "f32"):
+        # The f16 preset by its name (it printed as "bf16,compute=float16").
+        accurate = "f16" if self.compute_dtype == "float16" else "bf16"
+        for name in ("fp8", mixed if self.propagate else accurate, "f32"):
             base = _preset(name)
             if all(self.ops.get(kind) == action for kind, action in base.ops.items()):
                 break

@@ -122,8 +122,9 @@ _TPU_F16 = ("float16", ("XLA:TPU upcasts f16 dots to f32 matrix-unit instruction
 
 def _tpu_fp8(device: str, fp8_modes: bool) -> tuple[tuple[str, str], ...]:
     why = (f"XLA:TPU upcasts a dot with an e4m3fn operand to f32 matrix-unit instructions "
-           f"({device}'s fp8 modes are e5m2 and e4m3b11fnuz; hlo_amp's fp8 dots read "
-           "e4m3fn)" if fp8_modes else
+           f"({device}'s fp8 modes are e5m2 and e4m3b11fnuz; every fp8 action of hlo_amp, "
+           "float8_e5m2 too, reads e4m3fn forward operands, e5m2 only for the incoming "
+           "gradient)" if fp8_modes else
            f"XLA:TPU upcasts fp8 dots to f32 matrix-unit instructions ({device} has no "
            "fp8 matrix unit)")
     return (("float8_e4m3fn", why), ("float8_e5m2", why))

@@ -573,6 +573,9 @@ def test_fp8_preset() -> None:
     assert (policy.first_matrix_op, policy.last_matrix_op) == ("compute", "compute")
     assert policy.uses_fp8 and not Policy.parse("bf16").uses_fp8
     assert policy.to_string() == "fp8,compute=bfloat16"
+    # Each preset prints under its own name (f16 printed as "bf16,compute=float16").
+    for name in ("bf16", "f16", "mixed_bfloat16", "mixed_float16"):
+        assert Policy.parse(name).to_string().split(",")[0] == name
     assert "first_matrix_op" in policy.rule_names() and "last_matrix_op" in policy.rule_names()
     # The fast mode by default (issue 47): 16-bit activations, as mixed_bfloat16.
     assert policy.propagate and not policy.keep_f32_results
