@@ -444,6 +444,35 @@ def test_f32s_own_extreme_as_a_fill_is_saturated_into_bf16():
     _close(got, jax.jit(grad)(*args), "bfloat16")
 
 
+@pytest.mark.parametrize("order", ["constant_first", "runtime_first"])
+@pytest.mark.parametrize("runtime_fill", [-1e30, -np.inf])
+def test_a_shared_function_saturates_its_constant_callers_fill_only(order, runtime_fill):
+    """One private function, called with finfo(f32).min and with a runtime fill: whether
+    the clamp was written followed the call site the rewriter met first. Met first, the
+    runtime call left the constant call -inf (NaN rows); the constant call clamped the
+    runtime -inf to a finite value. The clamp keeps inf and NaN now."""
+    mask = jnp.tril(jnp.ones((8, 8), bool))
+
+    @jax.jit
+    def masked(q, k, fill):
+        return jnp.where(mask, q @ k.T, fill) @ jnp.eye(8)
+
+    def f(q, k, fill):
+        calls = [lambda: masked(q, k, jnp.float32(np.finfo(np.float32).min)),
+                 lambda: masked(q * 2, k, fill)]
+        outs = [call() for call in (calls if order == "constant_first" else calls[::-1])]
+        return outs if order == "constant_first" else outs[::-1]
+
+    q = jnp.linspace(-1, 1, 64, dtype=jnp.float32).reshape(8, 8)
+    fill = jnp.float32(runtime_fill)
+    got = hlo_amp.compile(f, "bf16,propagate=true")(q, q, fill)
+    want = jax.jit(f)(q, q, fill)
+    for g, w in zip(got, want):  # non-finite exactly where f32 is, finite values close
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w))
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    assert bool(jnp.all(jnp.isfinite(got[0])))  # the constant caller: saturated
+
+
 def _f16_overflow_programs():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)

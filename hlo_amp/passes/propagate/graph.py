@@ -229,7 +229,7 @@ class Graph:
                 continue
             op = value.owner
             if op.name == "stablehlo.constant":
-                return _largest_finite(op)
+                return largest_finite(op)
             if op.name not in SAME_VALUE_OPS:
                 return None
             value = op.operands[0]
@@ -498,7 +498,7 @@ class Graph:
 _MAX_READ_ELEMENTS = 1 << 16
 
 
-def _largest_finite(op: Any) -> float | None:
+def largest_finite(op: Any) -> float | None:
     """The largest finite |element| of an f32 or f64 ``stablehlo.constant``; None for
     another element type, an unreadable or a large non-splat constant."""
     read = readable_attribute(op, "value")

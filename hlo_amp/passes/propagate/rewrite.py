@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -10,6 +11,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import (
+    SAME_VALUE_OPS,
     clone_private,
     discard,
     function_name,
@@ -31,7 +33,7 @@ from hlo_amp.passes.propagate.body import (
     type_kind,
     walk_once,
 )
-from hlo_amp.passes.propagate.graph import LINK, Graph, Instance
+from hlo_amp.passes.propagate.graph import LINK, Graph, Instance, largest_finite
 from hlo_amp.targets import NO_TARGET, Target
 
 
@@ -45,6 +47,8 @@ class Rewriter:
         self.result_in_16bit = result_in_16bit
         self.target = target
         self.retyped: dict[ir.Value, ir.Type] = {}  # value -> its type before the pass
+        # (function, argument number) pairs some call passes f32's extreme as: _saturated
+        self._extreme_arguments: set[tuple[str, int]] | None = None
         self.facts: dict[int, dict[str, set]] = defaultdict(
             lambda: {key: set() for key in ("painted", "carries", "args", "results",
                                             "allow", "sum_copies")})
@@ -259,17 +263,48 @@ class Rewriter:
         return converted
 
     def _saturated(self, value: ir.Value, want: ir.Type, inst_id: int) -> ir.Value:
-        """``value`` clamped to bf16's finite range where it is a constant beyond it (f32's
-        extremes: finfo(f32).min as a mask's fill; graph.py paints what reads them under
-        bf16), at the current insertion point; converted as they are they would be -inf,
-        and a masked row's softmax NaN. Else ``value``."""
-        if str(ir.RankedTensorType(want).element_type) != "bf16":
+        """``value`` with its finite elements clamped to bf16's range where it may hold a
+        constant beyond it (f32's extremes: finfo(f32).min as a mask's fill; graph.py
+        paints what reads them under bf16), at the current insertion point; converted
+        as they are they would be -inf, and a masked row's softmax NaN. inf and NaN stay
+        as they are, so a function body that other call sites pass runtime values
+        computes for them what the plain conversion would (finite values past bf16's
+        range finite, not inf). Else ``value``."""
+        if (str(ir.RankedTensorType(want).element_type) != "bf16"
+                or not self._may_hold_extreme(value, inst_id)):
             return value
-        found = self.graph.constant_magnitude(inst_id, value)
         limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
-        if found is None or found <= limit:
-            return value
-        scalar = ir.RankedTensorType.get([], ir.RankedTensorType(value.type).element_type)
-        low, high = (hlo.constant(ir.DenseElementsAttr.get_splat(
-            scalar, ir.FloatAttr.get(scalar.element_type, bound))) for bound in (-limit, limit))
-        return hlo.clamp(low, value, high)
+        element = ir.RankedTensorType(value.type).element_type
+        scalar = ir.RankedTensorType.get([], element)
+        low, high, inf = (hlo.constant(ir.DenseElementsAttr.get_splat(
+            scalar, ir.FloatAttr.get(element, bound))) for bound in (-limit, limit, math.inf))
+        clamped = hlo.clamp(low, value, high)
+        finite = hlo.compare(hlo.abs(value), hlo.broadcast_in_dim(value.type, inf, []),
+                             hlo.ComparisonDirectionAttr.get("LT"),
+                             compare_type=hlo.ComparisonTypeAttr.get("FLOAT"))
+        return hlo.select(finite, clamped, value)
+
+    def _may_hold_extreme(self, value: ir.Value, inst_id: int) -> bool:
+        """Whether ``value`` is, through data movement, a constant of f32's extremes or
+        an argument that some call of its function (any instance: clones and bodies
+        shared by several call sites alike) passes one."""
+        limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+        while not isinstance(value, ir.BlockArgument) and value.owner.name in SAME_VALUE_OPS:
+            value = value.owner.operands[0]
+        if not isinstance(value, ir.BlockArgument):
+            if value.owner.name != "stablehlo.constant":
+                return False
+            found = largest_finite(value.owner)
+            return found is not None and found > limit
+        if value.owner.owner.operation.name != "func.func":  # a loop's or branch's
+            return False
+        if self._extreme_arguments is None:
+            self._extreme_arguments = set()
+            for number, inst in enumerate(self.graph.instances):
+                for argument in first_block(inst.fn.regions[0]).arguments:
+                    found = self.graph.constant_magnitude(number, argument)
+                    if found is not None and found > limit:
+                        self._extreme_arguments.add((function_name(inst.fn),
+                                                     argument.arg_number))
+        original = function_name(self.graph.instances[inst_id].fn)
+        return (original, value.arg_number) in self._extreme_arguments
