@@ -6,7 +6,6 @@ dW (ragged contracting)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import warnings
 
@@ -134,7 +133,6 @@ def test_cpu_moe_layer_numerics() -> None:
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
 def test_tpu_v5e_converts_it_and_runs_bf16_operands() -> None:
     lowered = hlo_amp.compile(_moe, "bf16").lower(X, W, SIZES, target="tpu-v5e")
     # Not left f32 to XLA:TPU like a dense f32 dot: its Mosaic kernel runs f32 operands
