@@ -199,6 +199,14 @@ def _runs_of(name: str, stack: tuple[str, ...], by_name: dict[str, Any],
     return found.setdefault(name, Runs(count, unknown))
 
 
+def op_runs(runs: dict[str, Runs], loops: LoopCounts, fn_name: str, op: Any) -> Runs:
+    """How often ``op`` runs per call of the program: its function's runs
+    (``function_runs``) times the trip counts of the loops around it in that function."""
+    outer = runs.get(fn_name, Runs(1))
+    here = loops.runs(op)
+    return Runs(outer.count * here.count, outer.unknown + here.unknown)
+
+
 def loop_body(loop: object) -> ir.Block:
     """The body block of a ``stablehlo.while``."""
     return loop.operation.regions[1].blocks[0]

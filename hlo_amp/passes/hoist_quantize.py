@@ -75,12 +75,12 @@ from hlo_amp.ir.modules import (
     live_uses,
     op_key,
     walk_operations,
+    where_finite,
     with_element,
 )
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
 from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.ir.sites import RECOMPUTED, in_backward_pass, location_name
-from hlo_amp.passes.fp8 import keep_non_finite
 from hlo_amp.report import Report
 from hlo_amp.targets.dot_dims import dot_layout
 
@@ -115,7 +115,7 @@ class _Scale:
 class _Quantize:
     """``convert_f8(clamp(low, convert*(root) / broadcast(scale), high))``; under delayed
     scaling the clamp taken only where ``convert*(root)`` is finite (fp8.py's
-    ``keep_non_finite``)."""
+    ``where_finite``)."""
 
     convert: ir.Operation  # the convert to fp8
     chain: tuple[ir.Operation, ...]  # from the convert back to root: what it alone reads
@@ -180,7 +180,7 @@ def _match(convert: ir.Operation) -> _Quantize | None:
             or str(ir.RankedTensorType(convert.results[0].type).element_type) not in _FP8):
         return None
     clamp = defining_op(convert.operands[0])
-    kept = ()  # keep_non_finite's select(|x| < inf, clamp(low, x / s, high), x / s)
+    kept = ()  # where_finite's select(|x| < inf, clamp(low, x / s, high), x / s)
     if clamp is not None and clamp.name == "stablehlo.select" and clamp.block == convert.block:
         select = clamp
         check, clamp = defining_op(select.operands[0]), defining_op(select.operands[1])
@@ -329,7 +329,7 @@ def _build(quantize: _Quantize, value: ir.Value, scale: ir.Value, axis: int | No
     divided = hlo.divide(value, hlo.broadcast_in_dim(value.type, scale, dims))
     clamped = hlo.clamp(_constant_like(quantize.low), divided, _constant_like(quantize.high))
     if quantize.keeps_non_finite:
-        clamped = keep_non_finite(value, divided, clamped)
+        clamped = where_finite(value, clamped, divided)
     return hlo.convert(with_element(value.type, ir.RankedTensorType(
         quantize.convert.results[0].type).element_type), clamped)
 

@@ -31,17 +31,15 @@ def leaf_signature(leaf: Any) -> Any:
 
 def _sharding_key(sharding: Any, ndim: int) -> Any:
     """``sharding`` as a key in which equivalent specs are equal: ``P()`` and
-    ``P(None, None)``, ``P(("x",))`` and ``P("x")`` (a step fed its own output, which
-    jax writes the long way on an Explicit mesh, compiled a second time)."""
+    ``P(None, None)`` (a step fed its own output, which jax writes the long way on an
+    Explicit mesh, compiled a second time). ``PartitionSpec`` equates ``("x",)`` with
+    ``"x"`` itself; only the trailing ``None`` entries need filling in."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
     spec = sharding.spec
-    entries = tuple(spec) + (None,) * (ndim - len(spec))
-    entries = tuple(None if entry == () else
-                    entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
-                    for entry in entries)
-    return ("named", sharding.mesh, entries, sharding.memory_kind,
-            getattr(spec, "unreduced", None), getattr(spec, "reduced", None))
+    if len(spec) >= ndim:
+        return sharding
+    return sharding.update(spec=spec.update(partitions=(*spec, *(None,) * (ndim - len(spec)))))
 
 
 def normalise_argnums(argnums: int | Sequence[int], count: int) -> tuple[int, ...]:

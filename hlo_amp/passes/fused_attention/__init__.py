@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.loops import LoopCounts, function_runs
+from hlo_amp.ir.loops import LoopCounts, function_runs, op_runs
 from hlo_amp.ir.modules import (
     function_name,
     functions,
@@ -96,7 +96,7 @@ class FusedAttention:
                 if found is None:
                     continue
                 site, planned, match = found
-                times = runs[function_name(fn)].count * loops.runs(op).count
+                times = op_runs(runs, loops, function_name(fn), op).count
                 if planned is not None:
                     try:
                         self._fuse(*planned, site.kernel_name)

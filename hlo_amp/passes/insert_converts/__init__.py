@@ -44,7 +44,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.gradients import GradientFlow
-from hlo_amp.ir.loops import function_runs
+from hlo_amp.ir.loops import function_runs, op_runs
 from hlo_amp.ir.modules import (
     FP8_MARK,
     element_type,
@@ -60,7 +60,6 @@ from hlo_amp.passes.insert_converts.call_graph import (
     UNKNOWN_TRIPS,
     CallGraph,
     Instance,
-    op_runs,
 )
 from hlo_amp.passes.insert_converts.keep_f32 import kept_for_its_result, left_to_the_target
 from hlo_amp.passes.insert_converts.plan import (
@@ -156,7 +155,7 @@ class InsertConverts:
                 result_after = names.name(element_type(op.result))
             if report is not None:
                 report.note_outranked(rule.rule, rule.outranked)
-                runs = op_runs(graph, fn_name, op)
+                runs = op_runs(graph.runs, graph.loops, fn_name, op)
                 flops = estimate_flops(op, kind)
                 index = report.add(Decision(
                     function=fn_name, op_kind=kind, scope=site.scope_path,

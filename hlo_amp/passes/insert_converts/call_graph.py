@@ -264,11 +264,3 @@ def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:
 # fori_loop with traced bounds): its FLOPs count that loop once.
 UNKNOWN_TRIPS = ("trip count of an enclosing while loop unknown: FLOPs count one "
                  "iteration of it")
-
-
-def op_runs(graph: CallGraph, fn_name: str, op: Any) -> Runs:
-    """How often ``op`` runs per call of the program: its function's runs times the
-    trip counts of the loops around it in that function."""
-    outer = graph.runs.get(fn_name, Runs(1))
-    here = graph.loops.runs(op)
-    return Runs(outer.count * here.count, outer.unknown + here.unknown)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any
 
@@ -19,6 +18,7 @@ from hlo_amp.ir.modules import (
     op_key,
     set_function_type,
     terminator,
+    where_finite,
     with_element,
 )
 from hlo_amp.ir.op_classes import ALLOW, FULL_FORMAT
@@ -33,8 +33,11 @@ from hlo_amp.passes.propagate.body import (
     type_kind,
     walk_once,
 )
-from hlo_amp.passes.propagate.graph import LINK, Graph, Instance, largest_finite
+from hlo_amp.passes.propagate.graph import LINK, Graph, Instance
 from hlo_amp.targets import NO_TARGET, Target
+
+# bf16's largest finite value: f32's extremes beyond it are saturated (``_saturated``).
+_BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 
 class Rewriter:
@@ -273,29 +276,21 @@ class Rewriter:
         if (str(ir.RankedTensorType(want).element_type) != "bf16"
                 or not self._may_hold_extreme(value, inst_id)):
             return value
-        limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
         element = ir.RankedTensorType(value.type).element_type
         scalar = ir.RankedTensorType.get([], element)
-        low, high, inf = (hlo.constant(ir.DenseElementsAttr.get_splat(
-            scalar, ir.FloatAttr.get(element, bound))) for bound in (-limit, limit, math.inf))
-        clamped = hlo.clamp(low, value, high)
-        finite = hlo.compare(hlo.abs(value), hlo.broadcast_in_dim(value.type, inf, []),
-                             hlo.ComparisonDirectionAttr.get("LT"),
-                             compare_type=hlo.ComparisonTypeAttr.get("FLOAT"))
-        return hlo.select(finite, clamped, value)
+        low, high = (hlo.constant(ir.DenseElementsAttr.get_splat(
+            scalar, ir.FloatAttr.get(element, bound))) for bound in (-_BF16_MAX, _BF16_MAX))
+        return where_finite(value, hlo.clamp(low, value, high), value)
 
     def _may_hold_extreme(self, value: ir.Value, inst_id: int) -> bool:
         """Whether ``value`` is, through data movement, a constant of f32's extremes or
         an argument that some call of its function (any instance: clones and bodies
         shared by several call sites alike) passes one."""
-        limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
         while not isinstance(value, ir.BlockArgument) and value.owner.name in SAME_VALUE_OPS:
             value = value.owner.operands[0]
-        if not isinstance(value, ir.BlockArgument):
-            if value.owner.name != "stablehlo.constant":
-                return False
-            found = largest_finite(value.owner)
-            return found is not None and found > limit
+        if not isinstance(value, ir.BlockArgument):  # a constant, or no constant
+            found = self.graph.constant_magnitude(inst_id, value)
+            return found is not None and found > _BF16_MAX
         if value.owner.owner.operation.name != "func.func":  # a loop's or branch's
             return False
         if self._extreme_arguments is None:
@@ -303,7 +298,7 @@ class Rewriter:
             for number, inst in enumerate(self.graph.instances):
                 for argument in first_block(inst.fn.regions[0]).arguments:
                     found = self.graph.constant_magnitude(number, argument)
-                    if found is not None and found > limit:
+                    if found is not None and found > _BF16_MAX:
                         self._extreme_arguments.add((function_name(inst.fn),
                                                      argument.arg_number))
         original = function_name(self.graph.instances[inst_id].fn)
