@@ -40,7 +40,10 @@ class ProgramOwner(Protocol):
 
     def residual_tree(self, program: Program, avals: AvalsKey) -> Any: ...
 
-    def record_residual_tree(self, program: Program, avals: AvalsKey, tree: Any) -> None: ...
+    def residual_avals(self, program: Program, avals: AvalsKey) -> tuple: ...
+
+    def record_residuals(self, program: Program, avals: AvalsKey, tree: Any,
+                         residual_avals: tuple) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +253,8 @@ internals.fancy_primitive_batchers[amp_call_p] = _batch
 def _forward_with_residuals(program: Program, *primals: Any) -> list:
     outs, vjp_fn = jax.vjp(program.fn, *primals)
     residuals, tree = jax.tree_util.tree_flatten(vjp_fn)
-    program.owner.record_residual_tree(program, avals_key(primals), tree)
+    program.owner.record_residuals(program, avals_key(primals), tree,
+                                   tuple(jax.typeof(r) for r in residuals))
     return [*outs, *residuals]
 
 
@@ -317,9 +321,24 @@ def _tangent_map(program: Program, nonzero_in: tuple, float_out: tuple, *args: A
     return [t for t, is_float in zip(tangents_out, float_out) if is_float]
 
 
-def _cotangent_map(residual_tree: Any, nonzero_in: tuple, out_avals: tuple, n_residuals: int,
-                   *args: Any) -> list:
-    vjp_fn = jax.tree_util.tree_unflatten(residual_tree, args[:n_residuals])
+def _as_traced(value: Any, aval: Any) -> Any:
+    """``value`` (a residual read back from the forward program) in the type the forward
+    traced it with. A residual made inside ``jax.sharding.auto_axes`` has a type on the
+    Auto mesh, which a program's output loses to the caller's Explicit mesh; the vjp
+    ends then mix meshes ("context mesh ... should match the aval mesh")."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    current = getattr(jax.typeof(value).sharding, "mesh", None)
+    if mesh is None or mesh.empty or current is None or current.empty or mesh == current:
+        return value
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.reshard(value, aval.sharding.spec)
+
+
+def _cotangent_map(residual_tree: Any, residual_avals: tuple, nonzero_in: tuple,
+                   out_avals: tuple, *args: Any) -> list:
+    n_residuals = len(residual_avals)
+    vjp_fn = jax.tree_util.tree_unflatten(
+        residual_tree, list(map(_as_traced, args[:n_residuals], residual_avals)))
     live = iter(args[n_residuals:])
     cotangents = [next(live) if _is_float(a.dtype)
                   else np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
@@ -375,10 +394,11 @@ def _lin_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, program: Progra
 def _lin_transpose(cotangents: Sequence[Any], *args: Any, program: Program,
                    residual_tree: Any, nonzero_in: tuple, out_avals: tuple) -> list:
     primals, residuals, _ = _split_lin_args(args, residual_tree, nonzero_in)
+    residual_avals = program.owner.residual_avals(program, avals_key(primals))
     backward = program.derive(
-        ("vjp", residual_tree, nonzero_in),
-        functools.partial(_cotangent_map, residual_tree, nonzero_in, out_avals,
-                          len(residuals)),
+        ("vjp", residual_tree, residual_avals, nonzero_in),
+        functools.partial(_cotangent_map, residual_tree, residual_avals, nonzero_in,
+                          out_avals),
         f"vjp({program.name})",
         BackwardOf(_forward_program(program), avals_key(primals), len(residuals)))
     live = [internals.instantiate_zeros(ct) for ct in cotangents]

@@ -658,17 +658,27 @@ class AmpFunction:
         return [internals.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type,
                                       sharding=explicit_sharding(x)) for x in shapes]
 
-    def residual_tree(self, program: Program, avals: AvalsKey) -> Any:
+    def _residuals(self, program: Program, avals: AvalsKey) -> tuple[Any, tuple]:
+        """The tree of ``program``'s vjp residuals for ``avals`` and their types."""
         key = self._program_key(program, avals)
         if key not in self._residual_trees:  # traced through a cached export: trace again
             forward = functools.partial(jax.vjp, program.fn)
             with internals.fresh_source_info():  # as export_program traces it
-                self._residual_trees[key] = jax.tree_util.tree_structure(
-                    jax.eval_shape(lambda *xs: forward(*xs)[1], *shape_structs(avals)))
+                closed, shapes = jax.make_jaxpr(lambda *xs: forward(*xs)[1], return_shape=True)(
+                    *shape_structs(avals))
+            self._residual_trees[key] = (jax.tree_util.tree_structure(shapes),
+                                         tuple(closed.out_avals))
         return self._residual_trees[key]
 
-    def record_residual_tree(self, program: Program, avals: AvalsKey, tree: Any) -> None:
-        self._residual_trees[self._program_key(program, avals)] = tree
+    def residual_tree(self, program: Program, avals: AvalsKey) -> Any:
+        return self._residuals(program, avals)[0]
+
+    def residual_avals(self, program: Program, avals: AvalsKey) -> tuple:
+        return self._residuals(program, avals)[1]
+
+    def record_residuals(self, program: Program, avals: AvalsKey, tree: Any,
+                         residual_avals: tuple) -> None:
+        self._residual_trees[self._program_key(program, avals)] = (tree, residual_avals)
 
     # -- calls with tracers --
 

@@ -307,3 +307,46 @@ def test_a_call_with_sharded_arrays_sees_their_shardings() -> None:
     assert results["pick_shardings"] == [True, True]
     assert results["reduced_dots"] == ["tensor<8x16xbf16>"], results["reduced_dots"]
     assert results["same_as_lowered"]
+
+
+AUTO_AXES_GRAD = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P, auto_axes
+    import hlo_amp
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))  # Explicit axes
+    results = {}
+
+    def layer(w, x):
+        return auto_axes(lambda a, b: jnp.tanh(a @ b), out_sharding=P("data", None))(x, w)
+
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jax.random.normal(jax.random.key(0), (32, 64)) * 0.1, P(None, "model"))
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 32)), P("data"))
+        want = jax.grad(lambda w: jnp.sum(jax.jit(layer)(w, x) ** 2))(w)
+        for policy in ("bf16", "mixed_bfloat16"):
+            amp = hlo_amp.compile(layer, policy)
+            try:
+                got = jax.grad(lambda w: jnp.sum(amp(w, x) ** 2))(w)
+                results[policy] = [float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))),
+                                   str(jax.typeof(got)) == str(jax.typeof(want))]
+            except Exception as error:  # noqa: BLE001
+                results[policy] = f"{type(error).__name__}: {str(error)[:300]}"
+    print("RESULTS=" + json.dumps(results))
+""")
+
+
+def test_grad_through_auto_axes_on_an_explicit_mesh() -> None:
+    """jax.grad of a compiled function that computes inside ``jax.sharding.auto_axes``
+    on an Explicit mesh: the residuals made on the Auto mesh come back out of the
+    forward program typed on the caller's Explicit mesh, and the backward is traced
+    with their forward types again. It raised jax's "context mesh ... should match the
+    aval mesh" in the backward's trace."""
+    from host_devices import run_on_host_devices
+
+    results = run_on_host_devices(AUTO_AXES_GRAD)
+    for policy in ("bf16", "mixed_bfloat16"):
+        assert isinstance(results[policy], list), results[policy]
+        error, same_type = results[policy]
+        assert error <= 2e-2 and same_type, (policy, results[policy])
