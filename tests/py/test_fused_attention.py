@@ -380,6 +380,21 @@ def _plain(q, k, v):
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(_scores(q, k), axis=-1), v)
 
 
+def _soft_capped(q, k, v):  # Gemma 2's attention logit soft-capping
+    probs = jax.nn.softmax(30.0 * jnp.tanh(_scores(q, k) / 30.0), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def _sum_plus_eps(q, k, v):
+    scores = _scores(q, k)
+    e = jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
+    return jnp.einsum("bnts,bsnh->btnh", e / (e.sum(-1, keepdims=True) + 1e-6), v)
+
+
+def _softmax_over_queries(q, k, v):
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(_scores(q, k), axis=-2), v)
+
+
 @pytest.mark.parametrize(("fn", "reason", "direction"), [
     (_dropout_forward, "dropout on the probabilities", "forward"),
     (programs._grad_of(_dropout_forward), "dropout on the probabilities", "backward"),
@@ -395,13 +410,25 @@ def _plain(q, k, v):
     (jax.grad(lambda q, k, v: jnp.sum(jax.jit(_plain)(q, k, v) ** 2), argnums=(0, 1, 2)),
      ("the scores or probabilities have another reader: its function returns them to "
       "another function's backward"), "forward and backward"),
+    (_soft_capped, "the scores pass through tanh before the softmax", "forward"),
+    (programs._grad_of(_soft_capped), "the scores pass through tanh before the softmax",
+     "backward"),
+    (jax.grad(lambda q, k, v: jnp.sum(_soft_capped(q, k, v) ** 2), argnums=(0, 1, 2)),
+     "the scores pass through tanh before the softmax", "forward and backward"),
+    (_sum_plus_eps, "the softmax divides by its sum plus a term", "forward"),
+    (programs._grad_of(_sum_plus_eps), "the softmax divides by its sum plus a term",
+     "backward"),
+    (_softmax_over_queries, "the softmax runs along the queries", "forward"),
 ], ids=["dropout_forward", "dropout_training", "softmax_where", "softmax_where_training",
-        "dots_saveable", "grad_of_q", "grad_of_v", "inner_jit"])
+        "dots_saveable", "grad_of_q", "grad_of_v", "inner_jit", "soft_capped",
+        "soft_capped_training", "soft_capped_squared_loss", "sum_plus_eps", "sum_plus_eps_training",
+        "softmax_over_queries"])
 def test_sites_left_unfused_are_listed_with_their_reason(fn, reason, direction) -> None:
     """Each is an attention the kernel cannot take; the report lists it, with why and the
     pass it is in (these were missing from the report, and a refused training step's
     site said "forward"; a jax.jit attention's gradient said "forward", "the function
-    returns them")."""
+    returns them"; a soft-capped or sum-plus-eps attention was not listed, or listed as
+    a backward reading part of it, and so was a softmax over the queries)."""
     sites = hlo_amp.compile(fn, "bf16").lower(*QKV, target="h100").report().attention
     assert [(s.fused, s.direction) for s in sites] == [(False, direction)], sites
     assert sites[0].reason.startswith(reason)

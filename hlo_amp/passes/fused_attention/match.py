@@ -98,12 +98,15 @@ class _Site(MaskReading, ExitReading):
         self.masked_sum = False
         # The forward returns the probabilities to a backward in another function.
         self.split_backward = False
+        # The exponential is divided by its sum plus a term (exp / (sum + eps)).
+        self.shifted_sum = False
         self._canon: dict[tuple[ir.Value, Stack], tuple[ir.Value, Stack]] = {}
 
     # -- the cluster ----------------------------------------------------------------------
 
-    def walk(self) -> None:
-        queue = [(self.scores.results[0], ())]
+    def walk(self, start: ir.Value | None = None) -> None:
+        """The cluster and its exits, from the scores (or from ``start``)."""
+        queue = [(self.scores.results[0] if start is None else start, ())]
         while queue:
             value, stack = queue.pop()
             for reader, number, reader_stack in self.view.readers(value, stack):
@@ -213,7 +216,14 @@ class _Site(MaskReading, ExitReading):
         axis; NotFused (no attention) without them."""
         exps = [(op, st) for op, st in self.ops.values() if op.name == "stablehlo.exponential"]
         if not exps:
-            if self._softmax_past_a_barrier():
+            crossed = self._softmax_past()
+            if crossed is not None and crossed.name == "stablehlo.tanh" and _batched(
+                    self.scores):
+                self.walk(crossed.results[0])  # its exits tell the site's direction
+                raise NotFused("the scores pass through tanh before the softmax "
+                               "(soft-capping), which cuDNN's flash attention does not "
+                               "compute")
+            if crossed is not None and crossed.name == "stablehlo.optimization_barrier":
                 saved = NotFused("the scores are saved for the backward pass (a "
                                  "jax.checkpoint policy that saves matrix ops' results, such "
                                  "as dots_saveable, keeps them; one that does not, such as "
@@ -226,6 +236,9 @@ class _Site(MaskReading, ExitReading):
         exp, stack = exps[0]
         normalised = self._normalisation(exp, stack)
         if normalised is None:
+            if self.shifted_sum and _batched(self.scores):
+                raise NotFused("the softmax divides by its sum plus a term (exp / (sum + "
+                               "eps)), which cuDNN's flash attention does not compute")
             if self.exits and self._reads_dp(exp, stack):  # q or k's backward alone: no P
                 raise _partial("the gradient of q or k alone")
             raise NotFused("no softmax normalisation (exp over its sum) follows the scores",
@@ -263,6 +276,9 @@ class _Site(MaskReading, ExitReading):
             while producer is not None and producer.name in (
                     "stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
                 producer, _, p_stack = self.view.producer(producer.operands[0], p_stack)
+            if producer is not None and producer.name == "stablehlo.add" and any(
+                    self._sum_of(v, p_stack, e) for v in producer.operands):
+                self.shifted_sum = True  # e / (sum(e) + eps): no softmax, but say so
             if producer is None or producer.name != "stablehlo.reduce":
                 continue
             summed = self._strip(producer.operands[0], p_stack)
@@ -278,6 +294,16 @@ class _Site(MaskReading, ExitReading):
             return op, dims[0]
         return None
 
+    def _sum_of(self, value: ir.Value, stack: Stack, e: tuple[ir.Value, Stack]) -> bool:
+        """Whether ``value`` is a sum of ``e`` over one axis, through broadcasts,
+        reshapes and converts."""
+        producer, _, stack = self.view.producer(value, stack)
+        while producer is not None and producer.name in (
+                "stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
+            producer, _, stack = self.view.producer(producer.operands[0], stack)
+        return (producer is not None and producer.name == "stablehlo.reduce"
+                and _is_sum(producer) and self._strip(producer.operands[0], stack) == e)
+
     def _zeroed(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack] | None:
         """``x`` (before converts) where ``value`` is ``select(m, x, 0)``, else None."""
         op, _, stack = self.view.producer(value, stack)
@@ -287,19 +313,23 @@ class _Site(MaskReading, ExitReading):
             return None
         return self._strip(op.operands[1], stack)
 
-    def _softmax_past_a_barrier(self) -> bool:
-        """Whether the scores reach an exponential through an ``optimization_barrier``
-        (jax.checkpoint saving them: a remat policy's saved residuals pass one)."""
-        pending = [(self.scores.results[0], (), False)]
+    def _softmax_past(self) -> ir.Operation | None:
+        """The op the scores reach an exponential through, outside the cluster: an
+        ``optimization_barrier`` (jax.checkpoint saving them: a remat policy's saved
+        residuals pass one) or a ``tanh`` (soft-capping); else None."""
+        pending: list[tuple[ir.Value, Stack, ir.Operation | None]] = [
+            (self.scores.results[0], (), None)]
         seen: set[tuple[ir.Value, Stack]] = set()
         while pending and len(seen) < 64:
             value, stack, crossed = pending.pop()
             for reader, number, at in self.view.readers(value, stack):
                 name = reader.name
-                if name == "stablehlo.exponential" and crossed:
-                    return True
+                if name == "stablehlo.exponential" and crossed is not None:
+                    return crossed
                 if name == "stablehlo.optimization_barrier":
-                    follow, past = [reader.results[number]], True
+                    follow, past = [reader.results[number]], crossed or reader
+                elif name == "stablehlo.tanh":
+                    follow, past = list(reader.results), crossed or reader
                 elif name in CLUSTER_OPS or name == "stablehlo.reduce_precision":
                     follow, past = list(reader.results), crossed
                 else:
@@ -308,7 +338,7 @@ class _Site(MaskReading, ExitReading):
                     if (result, at) not in seen:
                         seen.add((result, at))
                         pending.append((result, at, past))
-        return False
+        return None
 
     def _to_scores(self, exp: ir.Operation, stack: Stack, key_role: Role
                    ) -> tuple[float, list]:
@@ -411,6 +441,13 @@ class _Site(MaskReading, ExitReading):
             if exits and self._reads_dp(*softmax[:2]):  # the gradient of q or k alone
                 raise _partial(", ".join(sorted(exits)), "out" in exits)
             raise NotFused("no matrix op reads the probabilities", attention=False)
+        if set(exits) == {"dv"} and not self._reads_dp(*softmax[:2]):
+            # P·V contracting what the roles call the queries: a forward whose softmax
+            # runs along the other free axis, not a backward.
+            along = NotFused("the softmax runs along the queries, not along the axis P·V "
+                             "contracts (the keys)")
+            along.direction = "forward"
+            raise along
         if self.masked_sum:
             raise NotFused("softmax(where=) masks the softmax's sum (a mask on the scores, "
                            "jnp.where(mask, scores, finfo.min), or dot_product_attention's "
