@@ -45,6 +45,7 @@ from hlo_amp.passes.insert_converts.plan import TypeNames
 from hlo_amp.passes.keep_shardings import KeepShardings
 from hlo_amp.passes.merge_amax import MergeAmax
 from hlo_amp.passes.propagate import Propagate
+from hlo_amp.passes.propagate.body import clear_type_kinds
 from hlo_amp.passes.recompute_residuals import RecomputeResiduals
 from hlo_amp.passes.reuse_amax import ReuseAmax
 from hlo_amp.passes.scatter_select import ScatterToSelect
@@ -163,6 +164,7 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
                     hint=f" ({VERIFY_EACH_ENV}=1 or hlo-amp-opt --verify-each names the "
                          f"pass)")
     finally:
+        clear_type_kinds()
         if collecting:
             gc.enable()
     return report

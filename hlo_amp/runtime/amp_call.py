@@ -31,7 +31,8 @@ AvalsKey = tuple[tuple[tuple[int, ...], np.dtype, bool, Any], ...]
 
 
 class ProgramOwner(Protocol):
-    """What a Program needs from the compiled function it came from."""
+    """What a Program needs from the compiled function it came from (its store of
+    programs, runtime/compile.py's ProgramStore, never the function itself)."""
 
     def export_program(self, program: Program, avals: AvalsKey,
                        platforms: tuple[str, ...] | None = None) -> Any: ...

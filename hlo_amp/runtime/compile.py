@@ -22,6 +22,7 @@ import functools
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -259,6 +260,135 @@ def _union(ours: Any, theirs: tuple, scalar: type) -> tuple:
     return tuple(dict.fromkeys((*_as_tuple(ours, scalar), *theirs)))
 
 
+class ProgramStore:
+    """What the programs of one compiled function share (runtime/amp_call.py's
+    ProgramOwner): its policy, and the exports and trees they are rewritten into.
+
+    A program holds its store, never the compiled function: jax caches the function's
+    traces weakly keyed on its dispatch function, a trace holds its programs, and a way
+    from a program back to that dispatch would keep the function, its executables and
+    its traces alive for good.
+    """
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.exports: dict[Any, Any] = {}
+        self.out_trees: dict[Any, Any] = {}
+        self.residual_trees: dict[Any, Any] = {}
+        # per forward program's export (jax.grad's): its first and last matrix ops
+        self.end_stacks: dict[Any, EndStacks] = {}
+        self.lowerings = 0
+
+    def clear(self) -> None:
+        for cache in (self.exports, self.out_trees, self.residual_trees, self.end_stacks):
+            cache.clear()
+
+    def tracing(self) -> Any:
+        """While ``fn`` is traced: under a policy that may fuse attention,
+        ``jax.nn.dot_product_attention(implementation="cudnn")`` on f32 arrays traces as
+        jax's XLA attention, which the fused-attention pass turns into cuDNN's kernel in
+        16 bit where the target has it (jax itself refuses f32 arrays there)."""
+        if self.policy.fuse_attention and self.policy.may_fuse_attention:
+            return internals.xla_attention_for_f32()
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def _program_key(program: Program, avals: AvalsKey) -> tuple:
+        """A program's cache key for ``avals`` in this trace context: as for jax.jit, a
+        changed configuration (x64, jax.default_matmul_precision) traces anew."""
+        return (program.key, avals, internals.program_context())
+
+    def export_program(self, program: Program, avals: AvalsKey,
+                       platforms: tuple[str, ...] | None = None) -> Any:
+        """``program`` exported for ``avals`` and rewritten, for ``platforms`` (None, or
+        jax's default backend alone: the default export); cached."""
+        key = self._program_key(program, avals)
+        if platforms == (jax_export.default_export_platform(),):  # "cuda", not "gpu"
+            platforms = None
+        exported = self.exports.get(key if platforms is None else (key, platforms))
+        if exported is None:
+            shapes = shape_structs(avals)
+            try:
+                # A fresh source context: a transformation's rule runs under the
+                # caller's traceback, which would name every op of the program after
+                # the call site (no user line: the ends of a backward program could
+                # not be told apart, ir/program_hints.py).
+                with self.tracing(), internals.fresh_source_info():
+                    exported = jax_export.export(jax.jit(program.fn),
+                                                 platforms=platforms)(*shapes)
+            except Exception as error:
+                if _export_refused(error):
+                    raise ExportRefused(str(error).splitlines()[0]) from error
+                raise
+            self.lowerings += 1
+            # The serialised portable artifact reads back 3x faster than the text.
+            module = internals.deserialize_portable_artifact(
+                exported.mlir_module_serialized, new_context())
+            if is_forward_program(program):  # what a backward program split from it needs
+                self.end_stacks[key] = end_stacks(module, self.policy)
+            if program.backward_of is not None:
+                self._mark_backward(module, program.backward_of, exported)
+            warn_unused_rules(run_pipeline(module, self.policy,
+                                           target=platforms_target(exported.platforms)))
+            exported = dataclasses.replace(
+                exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
+            self.exports[key if platforms is None else (key, platforms)] = exported
+        return exported
+
+    def _mark_backward(self, module: ir.Module, backward_of: BackwardOf,
+                       exported: Any) -> None:
+        """Tell the passes which arguments of a backward program are cotangents and
+        where its forward's ends are (ir/program_hints.py)."""
+        forward_key = self._program_key(backward_of.forward, backward_of.avals)
+        if forward_key not in self.end_stacks:  # the forward was exported by another run
+            self.export_program(backward_of.forward, backward_of.avals)
+        kept = list(exported.module_kept_var_idx)
+        main = next(fn for fn in functions(module) if function_name(fn) == "main")
+        # jax.export puts its own arguments (platform index, tokens) before the kept ones.
+        first = len(main.regions[0].blocks[0].arguments) - len(kept)
+        cotangents = [first + position for position, index in enumerate(kept)
+                      if index >= backward_of.residuals]
+        mark_backward_program(main, cotangents, self.end_stacks.get(forward_key, {}))
+
+    def out_avals(self, program: Program, avals: AvalsKey) -> list:
+        """Output avals of ``program``: from its export if there is one, else traced.
+
+        Tracing in the caller's context matters: under an outer ``vmap`` with a named
+        axis, ``fn`` alone can be traced but not exported.
+        """
+        exported = self.exports.get(self._program_key(program, avals))
+        if exported is not None:
+            return list(exported.out_avals)
+        # jax.jit caches this trace, and export_program's export of the same function
+        # reuses it: the same fresh source context as there.
+        with internals.fresh_source_info():
+            shapes = jax.eval_shape(program.fn, *shape_structs(avals))
+        return [internals.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type,
+                                      sharding=explicit_sharding(x)) for x in shapes]
+
+    def _residuals(self, program: Program, avals: AvalsKey) -> tuple[Any, tuple]:
+        """The tree of ``program``'s vjp residuals for ``avals`` and their types."""
+        key = self._program_key(program, avals)
+        if key not in self.residual_trees:  # traced through a cached export: trace again
+            forward = functools.partial(jax.vjp, program.fn)
+            with internals.fresh_source_info():  # as export_program traces it
+                closed, shapes = jax.make_jaxpr(lambda *xs: forward(*xs)[1], return_shape=True)(
+                    *shape_structs(avals))
+            self.residual_trees[key] = (jax.tree_util.tree_structure(shapes),
+                                        tuple(closed.out_avals))
+        return self.residual_trees[key]
+
+    def residual_tree(self, program: Program, avals: AvalsKey) -> Any:
+        return self._residuals(program, avals)[0]
+
+    def residual_avals(self, program: Program, avals: AvalsKey) -> tuple:
+        return self._residuals(program, avals)[1]
+
+    def record_residuals(self, program: Program, avals: AvalsKey, tree: Any,
+                         residual_avals: tuple) -> None:
+        self.residual_trees[self._program_key(program, avals)] = (tree, residual_avals)
+
+
 class AmpFunction:
     """What ``hlo_amp.compile`` returns: callable like ``jax.jit(fn)``."""
 
@@ -307,12 +437,10 @@ class AmpFunction:
                                static_argnames=self.static_argnames,
                                donate_argnums=self.donate_argnums)
         self._cache: dict[Any, AmpCompiled] = {}
-        self._exports: dict[Any, Any] = {}
-        self._out_trees: dict[Any, Any] = {}
-        self._residual_trees: dict[Any, Any] = {}
-        # per forward program's export (jax.grad's): its first and last matrix ops
-        self._end_stacks: dict[Any, EndStacks] = {}
-        self._own_lowerings = 0
+        self._programs = ProgramStore(self.policy)
+        # jax's caches of abstract evaluations hold programs and exports (ProgramStore):
+        # they go with the function.
+        weakref.finalize(self, internals.forget_exported_calls).atexit = False
         # Not the function's __dict__: a callable object's attributes (nnx.jit's
         # static_argnums, filter_jit's fn) would overwrite this object's own.
         functools.update_wrapper(self, fn, updated=())
@@ -343,7 +471,7 @@ class AmpFunction:
     @property
     def lowerings(self) -> int:
         """How many times fn was lowered (cache misses), framework-style calls included."""
-        return self._own_lowerings + sum(call.inner.lowerings
+        return self._programs.lowerings + sum(call.inner.lowerings
                                          for call in self._framework_calls.values())
 
     def _framework_call(self, style: str) -> NnxCall | FilterCall:
@@ -410,9 +538,8 @@ class AmpFunction:
 
     def clear_cache(self) -> None:
         """Drop every executable and rewritten program (as jax.jit's ``clear_cache``)."""
-        for cache in (self._cache, self._exports, self._out_trees, self._residual_trees,
-                      self._end_stacks):
-            cache.clear()
+        self._cache.clear()
+        self._programs.clear()
         self._jitted.clear_cache()
         self._dispatch.clear_cache()
         for call in self._framework_calls.values():
@@ -472,7 +599,7 @@ class AmpFunction:
     def _lower(self, args: tuple, kwargs: dict, device: Target | None = None
                ) -> AmpLowered:
         start = time.perf_counter()
-        with self._tracing():
+        with self._programs.tracing():
             if device is None:
                 original = self._jitted.trace(*args, **kwargs).lower()
                 target = lowering_target(original)
@@ -482,20 +609,11 @@ class AmpFunction:
                                             inner=self.fn)
                 target = device
         lower_seconds = time.perf_counter() - start
-        self._own_lowerings += 1
+        self._programs.lowerings += 1
         rewritten, report, pass_seconds = rewrite_lowered(original, self.policy, target)
         warn_unused_rules(report)
         return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds, target,
                           device)
-
-    def _tracing(self) -> Any:
-        """While ``fn`` is traced: under a policy that may fuse attention,
-        ``jax.nn.dot_product_attention(implementation="cudnn")`` on f32 arrays traces as
-        jax's XLA attention, which the fused-attention pass turns into cuDNN's kernel in
-        16 bit where the target has it (jax itself refuses f32 arrays there)."""
-        if self.policy.fuse_attention and self.policy.may_fuse_attention:
-            return internals.xla_attention_for_f32()
-        return contextlib.nullcontext()
 
     # -- calls --
 
@@ -565,6 +683,8 @@ class AmpFunction:
         """
         statics = normalise_argnums(self.static_argnums, len(args))
         static_kwargs = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        # Not self: a program's function must not reach this object (ProgramStore).
+        fn, out_trees = self.fn, self._programs.out_trees
 
         def flat_fn(*flat: Any) -> list:
             call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
@@ -572,8 +692,8 @@ class AmpFunction:
             for i in statics:
                 call_args.insert(i, args[i])
             out_leaves, out_tree = jax.tree_util.tree_flatten(
-                self.fn(*call_args, **call_kwargs, **static_kwargs))
-            self._out_trees[(key, avals_key(flat))] = out_tree
+                fn(*call_args, **call_kwargs, **static_kwargs))
+            out_trees[(key, avals_key(flat))] = out_tree
             return out_leaves
 
         flat_fn.__name__ = self.__name__
@@ -582,104 +702,6 @@ class AmpFunction:
         flat_fn.__wrapped__ = self.fn
         return flat_fn
 
-    # -- the Program owner interface (runtime/amp_call.py) --
-
-    @staticmethod
-    def _program_key(program: Program, avals: AvalsKey) -> tuple:
-        """A program's cache key for ``avals`` in this trace context: as for jax.jit, a
-        changed configuration (x64, jax.default_matmul_precision) traces anew."""
-        return (program.key, avals, internals.program_context())
-
-    def export_program(self, program: Program, avals: AvalsKey,
-                       platforms: tuple[str, ...] | None = None) -> Any:
-        """``program`` exported for ``avals`` and rewritten, for ``platforms`` (None, or
-        jax's default backend alone: the default export); cached."""
-        key = self._program_key(program, avals)
-        if platforms == (jax_export.default_export_platform(),):  # "cuda", not "gpu"
-            platforms = None
-        exported = self._exports.get(key if platforms is None else (key, platforms))
-        if exported is None:
-            shapes = shape_structs(avals)
-            try:
-                # A fresh source context: a transformation's rule runs under the
-                # caller's traceback, which would name every op of the program after
-                # the call site (no user line: the ends of a backward program could
-                # not be told apart, ir/program_hints.py).
-                with self._tracing(), internals.fresh_source_info():
-                    exported = jax_export.export(jax.jit(program.fn),
-                                                 platforms=platforms)(*shapes)
-            except Exception as error:
-                if _export_refused(error):
-                    raise ExportRefused(str(error).splitlines()[0]) from error
-                raise
-            self._own_lowerings += 1
-            # The serialised portable artifact reads back 3x faster than the text.
-            module = internals.deserialize_portable_artifact(
-                exported.mlir_module_serialized, new_context())
-            if is_forward_program(program):  # what a backward program split from it needs
-                self._end_stacks[key] = end_stacks(module, self.policy)
-            if program.backward_of is not None:
-                self._mark_backward(module, program.backward_of, exported)
-            warn_unused_rules(run_pipeline(module, self.policy,
-                                           target=platforms_target(exported.platforms)))
-            exported = dataclasses.replace(
-                exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
-            self._exports[key if platforms is None else (key, platforms)] = exported
-        return exported
-
-    def _mark_backward(self, module: ir.Module, backward_of: BackwardOf,
-                       exported: Any) -> None:
-        """Tell the passes which arguments of a backward program are cotangents and
-        where its forward's ends are (ir/program_hints.py)."""
-        forward_key = self._program_key(backward_of.forward, backward_of.avals)
-        if forward_key not in self._end_stacks:  # the forward was exported by another run
-            self.export_program(backward_of.forward, backward_of.avals)
-        kept = list(exported.module_kept_var_idx)
-        main = next(fn for fn in functions(module) if function_name(fn) == "main")
-        # jax.export puts its own arguments (platform index, tokens) before the kept ones.
-        first = len(main.regions[0].blocks[0].arguments) - len(kept)
-        cotangents = [first + position for position, index in enumerate(kept)
-                      if index >= backward_of.residuals]
-        mark_backward_program(main, cotangents, self._end_stacks.get(forward_key, {}))
-
-    def out_avals(self, program: Program, avals: AvalsKey) -> list:
-        """Output avals of ``program``: from its export if there is one, else traced.
-
-        Tracing in the caller's context matters: under an outer ``vmap`` with a named
-        axis, ``fn`` alone can be traced but not exported.
-        """
-        exported = self._exports.get(self._program_key(program, avals))
-        if exported is not None:
-            return list(exported.out_avals)
-        # jax.jit caches this trace, and export_program's export of the same function
-        # reuses it: the same fresh source context as there.
-        with internals.fresh_source_info():
-            shapes = jax.eval_shape(program.fn, *shape_structs(avals))
-        return [internals.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type,
-                                      sharding=explicit_sharding(x)) for x in shapes]
-
-    def _residuals(self, program: Program, avals: AvalsKey) -> tuple[Any, tuple]:
-        """The tree of ``program``'s vjp residuals for ``avals`` and their types."""
-        key = self._program_key(program, avals)
-        if key not in self._residual_trees:  # traced through a cached export: trace again
-            forward = functools.partial(jax.vjp, program.fn)
-            with internals.fresh_source_info():  # as export_program traces it
-                closed, shapes = jax.make_jaxpr(lambda *xs: forward(*xs)[1], return_shape=True)(
-                    *shape_structs(avals))
-            self._residual_trees[key] = (jax.tree_util.tree_structure(shapes),
-                                         tuple(closed.out_avals))
-        return self._residual_trees[key]
-
-    def residual_tree(self, program: Program, avals: AvalsKey) -> Any:
-        return self._residuals(program, avals)[0]
-
-    def residual_avals(self, program: Program, avals: AvalsKey) -> tuple:
-        return self._residuals(program, avals)[1]
-
-    def record_residuals(self, program: Program, avals: AvalsKey, tree: Any,
-                         residual_avals: tuple) -> None:
-        self._residual_trees[self._program_key(program, avals)] = (tree, residual_avals)
-
     # -- calls with tracers --
 
     def _traced_call(self, args: tuple, kwargs: dict, *, own_dispatch: bool = False) -> Any:
@@ -687,7 +709,8 @@ class AmpFunction:
         dyn_args, dyn_kwargs, static_key = self._split(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         key = ("call", treedef, static_key)
-        program = Program(self, self._bound(args, kwargs, treedef, key), self.__name__, key)
+        program = Program(self._programs, self._bound(args, kwargs, treedef, key),
+                          self.__name__, key)
         avals = avals_key(leaves)
         dispatching = getattr(_DISPATCHING, "call", None)
         if own_dispatch and dispatching and dispatching[0] is self and _any_sharded(
@@ -713,13 +736,13 @@ class AmpFunction:
             converted = _with_closed_tracers_as_arguments(program.fn, leaves)
             if converted is not None:
                 fn, hoisted = converted
-                program = Program(self, fn, self.__name__, ("closure", key))
+                program = Program(self._programs, fn, self.__name__, ("closure", key))
                 outs = amp_call_p.bind(*leaves, *hoisted, program=program)
-                return jax.tree_util.tree_unflatten(self._out_trees[(key, avals)], outs)
+                return jax.tree_util.tree_unflatten(self._programs.out_trees[(key, avals)], outs)
             # Exported alone, fn may not trace (a collective over an outer vmap's named
             # axis); the transformation's own rule exports what is needed, and raises.
         outs = amp_call_p.bind(*leaves, program=program)
-        return jax.tree_util.tree_unflatten(self._out_trees[(key, avals)], outs)
+        return jax.tree_util.tree_unflatten(self._programs.out_trees[(key, avals)], outs)
 
 
 def _with_closed_tracers_as_arguments(flat_fn: Callable[..., list], leaves: list

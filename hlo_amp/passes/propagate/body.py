@@ -98,8 +98,15 @@ def walk_once(fn: Any, walks: dict[int, Body]) -> Body:
 
 
 # Element kinds of a value's type, cached per type: a module has few distinct types.
+# A type holds its context, and the context all of its module's types and constants:
+# the pipeline clears the cache when it ends (clear_type_kinds), or every rewritten
+# module's context stayed alive.
 F32, FLOAT, PLAIN, BAD = "f32", "float", "plain", "bad"
 _KINDS: dict[ir.Type, str] = {}
+
+
+def clear_type_kinds() -> None:
+    _KINDS.clear()
 
 
 def type_kind(value_type: ir.Type) -> str:
@@ -118,8 +125,6 @@ def type_kind(value_type: ir.Type) -> str:
                 kind = BAD
             else:
                 kind = PLAIN
-        if len(_KINDS) > 10_000:  # types of many modules: start over
-            _KINDS.clear()
         _KINDS[value_type] = kind
     return kind
 
