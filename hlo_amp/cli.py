@@ -232,6 +232,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     if device is not None:
         _mark_for_device(report, modules, device)
     _write_outputs(args, text, report.to_json() + "\n")
+    for line in report.unused_rule_lines():  # a likely typo: as hlo_amp.compile warns
+        print(f"hlo-amp-opt: warning: policy rule(s) {line}", file=sys.stderr)
     return 0
 
 
@@ -246,7 +248,8 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
     if device is None:
         raise CliError("hlo-amp-opt: error: --autopolicy needs --xla-target (h100, "
                        "tpu-v5e, ...): the device whose step time it minimises")
-    source, _ = _read(args.input)
+    source, source_name = _read(args.input)
+    parse_module(source, source_name=source_name)  # refuses what the passes cannot read
     try:
         check_tolerance(args.budget, "budget", zero_ok=False)
         main = ModuleFunction(source)

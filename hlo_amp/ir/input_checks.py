@@ -119,6 +119,10 @@ def attribute_problem(module: ir.Module) -> str | None:
         if name in attributes and not _readable(lambda n=name: ir.IntegerAttr(attributes[n])):
             return (f"the module's {name} is not an integer ({_text(attributes, name)}); "
                     f"accepted: an integer attribute such as {name} = 8 : i32")
+        # XLA aborts the process on a count below one (a failed CHECK, no message).
+        if name in attributes and ir.IntegerAttr(attributes[name]).value < 1:
+            return (f"the module's {name} is {ir.IntegerAttr(attributes[name]).value}; "
+                    f"accepted: a positive integer such as {name} = 8 : i32")
     for index in range(len(attributes)):
         name = attributes[index].name
         if not _readable(lambda name=name: attributes[name]):
@@ -160,3 +164,30 @@ def _text(attributes: Any, name: str) -> str:
 def _unreadable(where: str) -> str:
     return (f"{where} cannot be read by jaxlib's bindings (a dense attribute of complex "
             f"elements); accepted: such values as the operand of a stablehlo.constant")
+
+
+def recursion_problem(calls: dict[str, list[str]]) -> str | None:
+    """A function that calls itself, directly or through others (``calls``: each
+    function's callees, in order): StableHLO programs do not recurse, and the passes
+    that follow calls would not end."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in calls:
+        if state.get(root):
+            continue
+        path, pending = [root], [iter(calls.get(root, ()))]
+        state[root] = 1
+        while pending:
+            callee = next(pending[-1], None)
+            if callee is None:
+                state[path.pop()] = 2
+                pending.pop()
+            elif state.get(callee) == 1:
+                cycle = path[path.index(callee):] + [callee]
+                return (f"@{callee} calls itself ({' -> '.join('@' + c for c in cycle)}); "
+                        f"accepted: a module without recursive calls, as jax lowers it")
+            elif not state.get(callee):
+                state[callee] = 1
+                path.append(callee)
+                pending.append(iter(calls.get(callee, ())))
+    return None
+

@@ -219,6 +219,7 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
     if isinstance(source, bytes) or "\\" in source:  # else no name can hold a bad byte
         _raise_if(input_checks.name_problem(module), source_name)
     _raise_if(input_checks.attribute_problem(module), source_name)
+    _raise_if(input_checks.recursion_problem(_callees(module)), source_name)
     if isinstance(source, bytes) or "hlo_amp." in source:
         strip_marks(module, RUN_MARKS)
     if not public_functions(module):
@@ -227,6 +228,18 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
             f"module with an entry function such as @main"
         )
     return module
+
+
+def _callees(module: ir.Module) -> dict[str, list[str]]:
+    """Each function's ``func.call`` callees, by symbol name."""
+    calls: dict[str, list[str]] = {}
+    for fn in module.body.operations:
+        if fn.operation.name != "func.func":
+            continue
+        name = ir.StringAttr(fn.attributes["sym_name"]).value
+        calls[name] = [ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+                       for call in walk_operations(fn, names=frozenset({"func.call"}))]
+    return calls
 
 
 def _raise_if(problem: str | None, source_name: str) -> None:

@@ -101,6 +101,22 @@ def _write(tmp_path: Path, name: str, data: str | bytes) -> Path:
 
 # Run as a subprocess: the process's own exit status and stderr.
 ERRORS = {
+    # XLA aborted the process (a failed CHECK, no message) compiling for the target.
+    "zero_partitions": (
+        lambda d: [_write(d, "np0.mlir", "module attributes {mhlo.num_partitions = 0 : i32} {\n"
+                          + MODULE + "}\n"), "--xla-target", "h100"],
+        r"mhlo\.num_partitions is 0; accepted: a positive integer"),
+    "zero_replicas_autopolicy": (
+        lambda d: [_write(d, "nr0.mlir", "module attributes {mhlo.num_replicas = 0 : i32} {\n"
+                          + MODULE + "}\n"), "--autopolicy", "--budget", "1e-2",
+                   "--xla-target", "h100"],
+        r"mhlo\.num_replicas is 0; accepted: a positive integer"),
+    # A recursive call graph was an "internal error" (RecursionError) in a pass.
+    "recursion": (
+        lambda d: [_write(d, "rec.mlir", MODULE.replace(
+            "  return %0", "  %1 = func.call @main(%0, %w) : (tensor<2x4xf32>, tensor<4x4xf32>)"
+            " -> tensor<2x4xf32>\n  return %1"))],
+        r"@main calls itself \(@main -> @main\); accepted: a module without recursive"),
     "missing_file": (lambda d: [d / "nope.mlir"], r"cannot read '.*nope\.mlir': No such file"),
     "directory": (lambda d: [d], r"cannot read '.*': Is a directory"),
     "not_mlir": (lambda d: [_write(d, "bad.mlir", "func.func @f() {\n  %0 = foo bar\n}\n")],
@@ -362,6 +378,17 @@ def test_stdin_to_stdout_with_scope_and_debug_info() -> None:
     assert (result.returncode, result.stderr) == (0, "")
     assert "xbf16" not in result.stdout
     assert 'loc("jit(f)/head/dot_general")' in result.stdout
+
+
+def test_a_rule_that_matches_nothing_is_warned_about(module_file: Path, tmp_path: Path
+                                                      ) -> None:
+    """A typo in a scope rule: hlo_amp.compile warns; the CLI said nothing (exit 0, only
+    the --report JSON listed it)."""
+    out = tmp_path / "out.mlir"
+    result = hlo_amp_opt(module_file, "--scope", "haed=float32", "-o", out)
+    assert result.returncode == 0
+    assert result.stderr == "hlo-amp-opt: warning: policy rule(s) matched no op: scope:haed\n"
+    assert CONVERTED in out.read_text()  # the other rules still apply
 
 
 def test_report_file(module_file: Path, tmp_path: Path) -> None:
