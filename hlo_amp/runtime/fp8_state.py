@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -137,6 +138,9 @@ class Fp8StatefulFunction:
         self._histories: dict[Any, jax.Array] = {}  # (program, columns) -> the history
         self._loaded: jax.Array | None = None
         self._last_state: Any = None  # the key of the last call's history
+        # A call takes a history, donates it and keeps the new one: calls from several
+        # threads take turns (each read a history another had donated).
+        self._state_lock = threading.RLock()
         # (program, shapes, target) -> (columns, which dots are fp8)
         self._columns_of: dict[Any, tuple[int, tuple]] = {}
 
@@ -186,48 +190,83 @@ class Fp8StatefulFunction:
             found = self._columns_of[key] = (report.fp8_state_columns, fp8)
         return found
 
+    def _state_of(self, args: tuple, kwargs: dict, program: Any, shapes: Any
+                  ) -> tuple[Any, tuple[int, int]]:
+        """(the key of the history a call with these arguments uses, its shape)."""
+        columns, fp8 = self._columns(args, kwargs, program, shapes)
+        # One history per program and set of fp8 dots: a new batch size shares it (the
+        # same tensors), unless it moves a dot to or from its bf16 fallback.
+        return (program, columns, fp8), (self.policy.amax_history, columns)
+
+    def _refuse_shape(self, history: jax.Array, shape: tuple[int, int]) -> None:
+        if tuple(history.shape) != shape:
+            raise ValueError(
+                f"{self.__name__}: the loaded fp8 state has shape {tuple(history.shape)}, "
+                f"this step keeps an amax history of {self.policy.amax_history} step(s) "
+                f"in {shape[1]} column(s): expected {shape} (the state was not taken; "
+                f"load one of that shape)")
+
     def _history(self, args: tuple, kwargs: dict, program: Any, shapes: Any, leaves: list
                  ) -> tuple[Any, jax.Array]:
         """(the key of this program's history, the history this call starts from;
         ``program``, ``shapes``, ``leaves``: the call's ``_signature``)."""
-        columns, fp8 = self._columns(args, kwargs, program, shapes)
-        # One history per program and set of fp8 dots: a new batch size shares it (the
-        # same tensors), unless it moves a dot to or from its bf16 fallback.
-        state = (program, columns, fp8)
-        shape = (self.policy.amax_history, columns)
-        if self._loaded is not None:
+        state, shape = self._state_of(args, kwargs, program, shapes)
+        if self._loaded is not None and shape[1]:  # a step quantising nothing waits
             # load_fp8_state's own f32 copy, for this call: one that does not fit is
-            # refused here (it was kept where the program had a history of its own, and
-            # fp8_state() went on returning it, a checkpoint no step could load).
+            # refused here, and dropped (it was kept where the program had a history of
+            # its own, and fp8_state() went on returning it, a checkpoint no step could
+            # load).
             history, self._loaded = self._loaded, None
-            if tuple(history.shape) != shape:
-                raise ValueError(
-                    f"{self.__name__}: the loaded fp8 state has shape {tuple(history.shape)}, "
-                    f"this step keeps an amax history of {self.policy.amax_history} step(s) "
-                    f"in {columns} column(s): expected {shape} (the state was not taken; "
-                    f"load one of that shape)")
+            self._refuse_shape(history, shape)
             return state, _replicated_like(history, leaves)
         history = self._histories.get(state)
         if history is not None:  # moved where this call's arguments are (another mesh)
             return state, _replicated_like(history, leaves)
         return state, _replicated_like(jnp.zeros(shape, jnp.float32), leaves)
 
-    def fp8_state(self) -> jax.Array:
-        """A copy of the amax history the next call starts from (the last call's, or one
-        ``load_fp8_state`` gave since): ``f32[amax_history, S]``, newest step first, one
-        column per quantised tensor (per layer for a tensor in a scan; save it with the
-        checkpoint)."""
-        if self._loaded is not None:
-            return jnp.copy(self._loaded)
-        if self._last_state is None:
-            raise RuntimeError(f"{self.__name__}: no fp8 state yet (it exists after the "
-                               "first call)")
-        return jnp.copy(self._histories[self._last_state])
+    def fp8_state(self, *args: Any, **kwargs: Any) -> jax.Array:
+        """A copy of an amax history, for a checkpoint: ``f32[amax_history, S]``, newest
+        step first, one column per quantised tensor (per layer for a tensor in a scan).
 
-    def load_fp8_state(self, history: Any) -> None:
-        """Restore an amax history ``fp8_state()`` returned: the next call starts from it
-        (where its step quantises another number of tensors, that call raises and the
-        state is not taken).
+        Without arguments: the history the next call starts from (the last call's, or
+        one ``load_fp8_state`` gave since); where the step keeps several (a static
+        argument that picks other layers, a short last batch whose dots fell back to
+        bf16), that is ambiguous and raises. With the step's arguments (arrays or
+        ``jax.ShapeDtypeStruct``s, the static ones as values): the history calls with
+        those arguments use."""
+        with self._state_lock:
+            if args or kwargs:
+                state, _ = self._selected(args, kwargs)
+                history = self._histories.get(state)
+                if history is None:
+                    raise RuntimeError(f"{self.__name__}: no fp8 state for these arguments "
+                                       "yet (it exists after the first call with them)")
+                return jnp.copy(history)
+            if self._loaded is not None:
+                return jnp.copy(self._loaded)
+            if self._last_state is None:
+                raise RuntimeError(f"{self.__name__}: no fp8 state yet (it exists after the "
+                                   "first call)")
+            # A history of no column (a short last batch's dots all fell back to bf16)
+            # holds nothing to save.
+            held = [state for state in self._histories if state[1]] or [self._last_state]
+            if len(held) > 1:
+                widths = sorted(state[1] for state in held)
+                raise ValueError(
+                    f"{self.__name__}: the step keeps {len(held)} fp8 amax histories (of "
+                    f"{', '.join(map(str, widths))} column(s)): one per static argument "
+                    f"value and per set of dots in fp8 (a batch under 16 rows falls back "
+                    f"to bf16); name one by the step's arguments, fp8_state(*args) and "
+                    f"load_fp8_state(history, *args), for each")
+            return jnp.copy(self._histories[self._last_state if self._last_state in held
+                                            else held[0]])
+
+    def load_fp8_state(self, history: Any, *args: Any, **kwargs: Any) -> None:
+        """Restore an amax history ``fp8_state()`` returned. Without more arguments the
+        next call that quantises starts from it (where its step quantises another number
+        of tensors, that call raises and the state is not taken); with the step's
+        arguments, the calls with those arguments do (a history of another shape raises
+        here).
         ``history`` stays the caller's: the step donates a copy of it."""
         if isinstance(history, (list, tuple)):  # a checkpoint written as JSON
             history = np.asarray(history)
@@ -245,7 +284,18 @@ class Fp8StatefulFunction:
             raise ValueError(f"{self.__name__}: an fp8 state is f32[{self.policy.amax_history}"
                              f", S] (amax_history={self.policy.amax_history}), got shape "
                              f"{tuple(history.shape)}")
-        self._loaded = history
+        with self._state_lock:
+            if args or kwargs:
+                state, shape = self._selected(args, kwargs)
+                self._refuse_shape(history, shape)
+                self._histories[state] = history
+                return
+            self._loaded = history
+
+    def _selected(self, args: tuple, kwargs: dict) -> tuple[Any, tuple[int, int]]:
+        """The history key and shape that a call with these arguments uses."""
+        program, shapes, _ = self._signature(args, kwargs)
+        return self._state_of(args, kwargs, program, shapes)
 
     # -- calls --
 
@@ -268,13 +318,14 @@ class Fp8StatefulFunction:
                 "jax.export or another transformation; call it at the top level (.lower() "
                 "gives the stateful step, history in and out, for AOT), or use "
                 "scaling=current there")
-        state, history = self._history(args, kwargs, program, shapes, leaves)
         if self._donated_names & kwargs.keys():
             # The inner function's signature is (history, *args, **kwargs): only positions
             # say what is donated, so a donated parameter passed by keyword goes by position.
             args, kwargs = _bound(self._fn_signature, args, kwargs)
-        out, self._histories[state] = self._inner(history, *args, **kwargs)
-        self._last_state = state
+        with self._state_lock:
+            state, history = self._history(args, kwargs, program, shapes, leaves)
+            out, self._histories[state] = self._inner(history, *args, **kwargs)
+            self._last_state = state
         return out
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
@@ -290,6 +341,14 @@ class Fp8StatefulFunction:
         columns, _ = self._columns(args, kwargs, program, shapes, target)
         history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
         return self._inner.lower_for(target, history, *args, **kwargs)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        """The stateful function traced for these arguments, as ``lower`` lowers it:
+        its jaxpr takes the history first and returns ``(outputs, history)``."""
+        program, shapes, _ = self._signature(args, kwargs)
+        columns, _ = self._columns(args, kwargs, program, shapes)
+        history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
+        return self._inner.trace(history, *args, **kwargs)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The step's outputs' shapes and dtypes (the history aside), nothing compiled."""
