@@ -465,6 +465,7 @@ class AmpFunction:
         # So are calls with arrays sharded over several devices (_sharded); once one
         # was seen, each call checks its arguments before the dispatch.
         self._sharded_calls = False
+        self._refused_traces = 0
 
     # -- NNX's and Equinox's contracts (runtime/frameworks.py) --
 
@@ -530,9 +531,9 @@ class AmpFunction:
 
     def cache_size(self) -> int:
         """How many executables are cached, one per input signature (like jax.jit's)."""
-        dispatched = internals.jit_cache_size(self._dispatch)
-        if self._through_lowering:  # jax.jit counts the trace the export refused
-            dispatched = max(dispatched - 1, 0)
+        # jax.jit counts the traces the dispatch refused (sharded arguments, an export
+        # jax refuses), which hold no executable.
+        dispatched = max(internals.jit_cache_size(self._dispatch) - self._refused_traces, 0)
         return (dispatched + len(self._cache)
                 + sum(call.inner.cache_size() for call in self._framework_calls.values()))
 
@@ -542,6 +543,7 @@ class AmpFunction:
         self._programs.clear()
         self._jitted.clear_cache()
         self._dispatch.clear_cache()
+        self._refused_traces = 0
         for call in self._framework_calls.values():
             call.inner.clear_cache()
 
@@ -662,8 +664,10 @@ class AmpFunction:
                 return self._dispatch(*args, **kwargs)
             except ShardedArguments:
                 self._sharded_calls = True  # from now on checked before the dispatch
+                self._refused_traces += 1
             except ExportRefused:
                 self._through_lowering = True
+                self._refused_traces += 1
             finally:
                 _DISPATCHING.call = None
         dyn_args, dyn_kwargs, leaves, _, key = self._flatten(args, kwargs)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -178,7 +179,24 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target,
         args, kwargs = abstract_arguments(
             (args, kwargs), target,
             placed_by_jit=_has_in_shardings(jitted) or _has_shardings(inner))
-        return jitted.trace(*args, **kwargs).lower(lowering_platforms=(target.platform,))
+        traced = jitted.trace(*args, **kwargs)
+        try:
+            return traced.lower(lowering_platforms=(target.platform,))
+        except RuntimeError as error:
+            # jax lowers a host callback through the live backend of its platform.
+            callback = _HOST_CALLBACK.search(str(traced.jaxpr))
+            if callback is None or "Unknown backend" not in str(error):
+                raise
+            raise ValueError(
+                f"{getattr(jitted, '__name__', 'the function')} calls back into Python "
+                f"({callback.group(1)}: jax.debug.print, jax.debug.callback, io_callback or "
+                f"pure_callback), which jax lowers only on a machine with the device; "
+                f"compiled for {target.name} without one it cannot be: compile it without "
+                f"the callbacks, or for this machine") from None
+
+
+# The primitives of jax's host callbacks, as a jaxpr prints them.
+_HOST_CALLBACK = re.compile(r"\b(debug_callback|debug_print|io_callback|pure_callback)\[")
 
 
 def _has_in_shardings(jitted: Any) -> bool:

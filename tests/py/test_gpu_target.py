@@ -475,3 +475,21 @@ def test_fp8_dots_stay_fp8_inside_triton_gemm_fusions(workload: str) -> None:
     assert "__triton" in hlo and "__cublas$lt$matmul$f8" not in hlo
     assert fp8 and all(d.kept_by_xla and d.xla_form.startswith("Triton f8") for d in fp8)
     assert fp8_dots == len(fp8)
+
+
+@pytest.mark.parametrize("callback", ["debug_print", "io_callback"])
+def test_a_host_callback_compiled_for_a_gpu_without_one_is_named(callback) -> None:
+    """jax lowers a host callback through the live GPU backend: compiled without the
+    device it failed in jax's callback lowering ("Unknown backend: 'gpu' requested")."""
+    def f(x, w):
+        h = x @ w
+        if callback == "debug_print":
+            jax.debug.print("{}", h[0, 0])
+        else:
+            jax.experimental.io_callback(lambda v: None, None, h[0, 0], ordered=True)
+        return jnp.tanh(h)
+
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 16))
+    with pytest.raises(ValueError, match=r"f calls back into Python .*compiled for h100 "
+                                         r"without one it cannot be"):
+        hlo_amp.compile(f, "bf16").lower(x, w, target="h100")

@@ -292,6 +292,15 @@ CALL_SEES_SHARDINGS = textwrap.dedent("""
     results["reduced_dots"] = [line.split("->")[-1].strip() for line in
                                step.lower(w, x).as_text().splitlines()
                                if "dot_general" in line and "8x16" in line.split("->")[-1]]
+
+    # As many executables as jax.jit holds for the same calls (a refused trace of the
+    # dispatch, for sharded arguments, was counted as one).
+    amp, jitted, sizes = hlo_amp.compile(grad_w, "bf16"), jax.jit(grad_w), []
+    w1 = jnp.ones((16, 8))
+    for args in ((w1, jnp.ones((64, 16))), (w, x), (w, x), (w1, x)):
+        amp(*args), jitted(*args)
+        sizes.append([amp.cache_size(), jitted._cache_size()])
+    results["cache_sizes"] = sizes
     print("RESULTS=" + json.dumps(results))
 """)
 
@@ -304,6 +313,7 @@ def test_a_call_with_sharded_arrays_sees_their_shardings() -> None:
     from host_devices import run_on_host_devices
 
     results = run_on_host_devices(CALL_SEES_SHARDINGS)
+    assert all(ours == jits for ours, jits in results["cache_sizes"]), results["cache_sizes"]
     assert results["pick_shardings"] == [True, True]
     assert results["reduced_dots"] == ["tensor<8x16xbf16>"], results["reduced_dots"]
     assert results["same_as_lowered"]
