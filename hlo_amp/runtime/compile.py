@@ -216,6 +216,8 @@ class AmpTraced:
 
     def __init__(self, function: AmpFunction, args: tuple, kwargs: dict, traced: Any):
         self._function, self._args, self._kwargs, self._traced = function, args, kwargs, traced
+        # Why jax's lowering options (jax.export) are refused, where not the default's.
+        self.export_refusal: str | None = None
 
     @property
     def jaxpr(self) -> Any:
@@ -230,13 +232,16 @@ class AmpTraced:
         """Lower and rewrite, as ``AmpFunction.lower_for(target, *args, **kwargs)``.
         jax's lowering options (``lowering_platforms``, which ``jax.export.export``
         passes) are refused in one line: they are a ``jax.jit`` of the step's."""
+        if jax_options and self.export_refusal is not None:
+            raise TypeError(self.export_refusal)
         if jax_options:
             name = self._function.__name__
+            public = sorted(k for k in jax_options if not k.startswith("_")) or ["_private"]
             raise TypeError(
-                f"{name}.trace(...).lower() takes target= only, not jax's lowering options "
-                f"({', '.join(sorted(jax_options))}): wrap the compiled function in "
-                f"jax.jit, jax.jit({name}).trace(...).lower(lowering_platforms=...) or "
-                f"jax.export.export(jax.jit({name})), which exports the rewritten program")
+                f"jax.export.export takes a jax.jit function: export jax.jit({name}), "
+                f"which exports the rewritten program ({name}.trace(...).lower() takes "
+                f"target= only, not jax's lowering options: {', '.join(public)}; "
+                f"jax.jit({name}).trace(...).lower(lowering_platforms=...) takes them)")
         return self._function.lower_for(target, *self._args, **self._kwargs)
 
 
@@ -253,6 +258,22 @@ def _lowered_text(lowered: Any, dialect: str | None, debug_info: bool) -> str:
 
 def _as_tuple(value: Any, scalar: type) -> tuple:
     return (value,) if isinstance(value, scalar) else tuple(value)
+
+
+def _positions_of(signature: Any, names: tuple[str, ...], fn_name: str) -> tuple[int, ...]:
+    """The positions of the parameters ``names`` (``donate_argnames``): the call donates
+    by position, and an argument passed by keyword with it."""
+    parameters = list(signature.parameters.values()) if signature is not None else []
+    positional = {p.name: i for i, p in enumerate(parameters) if p.kind in (
+        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    for name in names:
+        if name not in positional:
+            accepted = ", ".join(positional) or "none"
+            raise ValueError(
+                f"hlo_amp.compile({fn_name}): donate_argnames names {name!r}, which is no "
+                f"positional parameter of {fn_name} (accepted: {accepted}; a keyword-only "
+                f"or **kwargs parameter cannot be donated by name)")
+    return tuple(positional[name] for name in names)
 
 
 def _union(ours: Any, theirs: tuple, scalar: type) -> tuple:
@@ -396,6 +417,7 @@ class AmpFunction:
                  *, static_argnums: int | Sequence[int] = (),
                  static_argnames: str | Sequence[str] = (),
                  donate_argnums: int | Sequence[int] = (),
+                 donate_argnames: str | Sequence[str] = (),
                  filter: bool | None = None, decorator: JitDecorator | None = None):
         """``decorator``: the options of a framework's jit decorator that wrapped the
         function ``fn`` wraps in turn (the delayed-scaling step's, runtime/fp8_state.py),
@@ -433,6 +455,10 @@ class AmpFunction:
             self.static_argnums, self.static_argnames = (
                 internals.infer_argnums_and_argnames(
                     signature, self.static_argnums or None, self.static_argnames or None))
+        if donate_argnames:
+            self.donate_argnums = _union(self.donate_argnums, _positions_of(
+                signature, _as_tuple(donate_argnames, str),
+                getattr(fn, "__name__", type(fn).__name__)), int)
         self._jitted = jax.jit(fn, static_argnums=self.static_argnums,
                                static_argnames=self.static_argnames,
                                donate_argnums=self.donate_argnums)
@@ -816,6 +842,7 @@ def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = N
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (),
             donate_argnums: int | Sequence[int] = (),
+            donate_argnames: str | Sequence[str] = (),
             filter: bool | None = None) -> Any:
     """Like ``jax.jit(fn)``, but dot/conv ops run in the policy's precision.
 
@@ -830,7 +857,8 @@ def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = N
     it wraps, with its decorator's static and donated arguments (``unwrap_jit``).
     """
     options = {"static_argnums": static_argnums, "static_argnames": static_argnames,
-               "donate_argnums": donate_argnums, "filter": filter}
+               "donate_argnums": donate_argnums, "donate_argnames": donate_argnames,
+               "filter": filter}
     if fn is None or isinstance(fn, (Policy, str, Mapping)):
         chosen = policy if fn is None else fn  # @hlo_amp.compile("bf16")
         if fn is None:  # @hlo_amp.compile(policy=...): a bad policy is just that

@@ -348,7 +348,12 @@ class Fp8StatefulFunction:
         program, shapes, _ = self._signature(args, kwargs)
         columns, _ = self._columns(args, kwargs, program, shapes)
         history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
-        return self._inner.trace(history, *args, **kwargs)
+        traced = self._inner.trace(history, *args, **kwargs)
+        traced.export_refusal = (
+            f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
+            f"history between calls, so jax.export cannot export it (nor jax.jit of it); "
+            f"export a step compiled with scaling=current")
+        return traced
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The step's outputs' shapes and dtypes (the history aside), nothing compiled."""

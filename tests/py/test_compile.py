@@ -158,6 +158,23 @@ def test_donate_argnums_like_jax_jit():
     np.testing.assert_array_equal(out, 2.0 * np.ones(16))
 
 
+@pytest.mark.parametrize("policy", ["bf16", "fp8,scaling=delayed"])
+def test_donate_argnames_like_jax_jit(policy):
+    """jax.jit's donate_argnames: compile() had no such argument (TypeError)."""
+    def fn(p, x):
+        return p * 2.0 + x
+
+    step = hlo_amp.compile(fn, policy, donate_argnames="p")
+    for call in (lambda p, x: step(p, x), lambda p, x: step(x=x, p=p)):
+        p, x = jnp.ones(16), jnp.ones(16)
+        out = call(p, x)
+        assert p.is_deleted() and not x.is_deleted()
+        np.testing.assert_array_equal(out, 3.0 * np.ones(16))
+    with pytest.raises(ValueError, match=r"donate_argnames names 'q', which is no positional "
+                                         r"parameter of fn \(accepted: p, x"):
+        hlo_amp.compile(fn, "bf16", donate_argnames="q")
+
+
 def test_static_and_donated_arguments_by_keyword_like_jax_jit():
     # jax.jit reads the signature: an argument static or donated by position is so when
     # passed by keyword too, and static_argnames covers the argument passed positionally.
@@ -624,8 +641,14 @@ def test_a_compiled_function_exports_for_other_platforms(platforms):
     text = step.trace(w).lower(lowering_platforms=platforms).as_text()
     assert text.count("bf16>) -> tensor<") >= 2  # the forward and the gradient's dot
     # Without the jax.jit it is one line saying so (it was "unexpected keyword argument").
-    with pytest.raises(TypeError, match=r"takes target= only.*jax.export.export\(jax.jit"):
+    with pytest.raises(TypeError, match=r"^jax.export.export takes a jax.jit function: "
+                                        r"export jax.jit\(_matmul\).*lowering_platforms;"):
         jax.export.export(amp, platforms=platforms)(x, w)
+    # Under delayed scaling no jax.jit helps: it says so (it was jax's "must be the
+    # result of jit", then, with .trace, the advice above, which does not hold there).
+    delayed = hlo_amp.compile(_matmul, "fp8,scaling=delayed")
+    with pytest.raises(TypeError, match=r"scaling=delayed .* jax.export cannot export it"):
+        jax.export.export(delayed, platforms=platforms)(x, w)
     # A compiled function deep-copies, as a jax.jit one does.
     np.testing.assert_array_equal(copy.deepcopy(amp)(x, w), amp(x, w))
 
