@@ -383,6 +383,7 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
     notes = list(notes_bound)
     faster = [b for b in baselines if b.met and b.step_seconds < chosen_time]
     top_level = "stay at the base policy's precision"
+    returned_baseline = None
     if faster:
         best = min(faster, key=lambda b: b.step_seconds)
         notes.append(f"note: the baseline {best.name!r} is within budget and modelled "
@@ -390,6 +391,7 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
         chosen, chosen_time, current = Policy.parse(best.policy), best.step_seconds, best.error
         state = baseline_states[best.name]
         top_level = f"run as the returned baseline {best.name!r} runs every matrix op"
+        returned_baseline = best.name
     if start_error > budget:
         notes.append(f"note: with every named scope f32 the error is {short(start_error)}, "
                      f"over budget {budget:g}: ops outside named scopes, or the policy's "
@@ -412,7 +414,10 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
             g, len(groups[g]), sum(d.flops or 0 for d in groups[g]), fp8_dots.get(g, 0),
             tuple(names[v] for v in levels[g]), names[level],
             alone_error.get((g, level), math.nan),
-            saved.get((g, level), math.nan), why.get(g, _why_not(g, levels, saved))))
+            saved.get((g, level), math.nan),
+            # The search's reason describes where its moves ended, not a baseline's level.
+            f"set by the returned baseline {returned_baseline!r}" if returned_baseline
+            else why.get(g, _why_not(g, levels, saved))))
     return TargetAutoPolicy(
         chosen, device.device or device.name, budget, current, current <= budget,
         chosen_time, rows, baselines, moves, reference, spent(), model.compiles,

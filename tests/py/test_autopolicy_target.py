@@ -74,6 +74,34 @@ def test_the_top_level_note_names_what_the_returned_policy_does_with_unscoped_op
     assert top == [f"note: matrix ops outside any named scope {said} (no scope rule can name them)"]
 
 
+def test_where_a_baseline_is_returned_each_row_says_so():
+    """Where a baseline beats where the moves ended, every scope's level is the
+    baseline's: the rows said "no lower level is modelled faster" beside a choice the
+    search had not made."""
+    keys = jax.random.split(jax.random.key(0), 8)
+    w = {n: jax.random.normal(keys[i], (32, 32)) / np.sqrt(32)
+         for i, n in enumerate(["q", "k", "v", "o", "m1", "m2"])}
+    x = jax.random.normal(keys[7], (2, 16, 32))
+
+    def model(w, x):
+        for i in range(2):
+            with jax.named_scope(f"blocks/{i}"):
+                q, k, v = x @ w["q"], x @ w["k"], x @ w["v"]
+                a = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(32), -1)
+                x = x + jnp.einsum("bts,bsd->btd", a, v) @ w["o"]
+                x = x + jax.nn.gelu(x @ w["m1"]) @ w["m2"]
+        with jax.named_scope("head"):
+            return jnp.mean((x @ w["o"]) ** 2)
+
+    result = hlo_amp.autopolicy(model, w, x, budget=1e-2, depth=2, target="h100",
+                                progress=False)
+    returned = [n for n in result.notes if "it is the one returned" in n]
+    assert len(returned) == 1, result.notes
+    name = returned[0].split("'")[1]
+    assert [row.why for row in result.scopes] == [
+        f"set by the returned baseline {name!r}"] * len(result.scopes)
+
+
 def test_a_mesh_target_is_searched_like_one_device():
     # 8 H100s (the arguments replicated over them): the same contract, the device named
     node = _search(0.01, "h100x8")
