@@ -203,12 +203,24 @@ def _program_positions(names: tuple[str, ...]) -> tuple[int, ...]:
                  if not name.endswith("_context_manager") and name != "user_context")
 
 
+_FORGET = threading.Event()
+
+
+def forget_exported_calls_later() -> None:
+    """Ask ``forget_exported_calls`` to drop jax's caches of abstract evaluations, which
+    hold each ``Exported.call``'s Exported, and the traces and lowerings it reached,
+    after the function that made them is gone (about 1.3 MiB a compiled function, up to
+    4,096 of them). Later, not here: a finalizer runs wherever the collector does,
+    inside one of those caches' own lookups too."""
+    _FORGET.set()
+
+
 def forget_exported_calls() -> None:
-    """Drop jax's caches of abstract evaluations, which hold each ``Exported.call``'s
-    Exported, and the traces and lowerings it reached, after the function that made
-    them is gone: about 1.3 MiB a compiled function, up to 4,096 of them."""
-    _call_exported_abstract_eval.cache_clear()
-    _cached_abstract_eval.cache_clear()
+    """Drop the caches ``forget_exported_calls_later`` asked for, if it did."""
+    if _FORGET.is_set():
+        _FORGET.clear()
+        _call_exported_abstract_eval.cache_clear()
+        _cached_abstract_eval.cache_clear()
 
 
 def jit_cache_size(jitted: Any) -> int:

@@ -465,8 +465,9 @@ class AmpFunction:
         self._cache: dict[Any, AmpCompiled] = {}
         self._programs = ProgramStore(self.policy)
         # jax's caches of abstract evaluations hold programs and exports (ProgramStore):
-        # they go with the function.
-        weakref.finalize(self, internals.forget_exported_calls).atexit = False
+        # they go with the function, at the next compiled function's creation or call.
+        weakref.finalize(self, internals.forget_exported_calls_later).atexit = False
+        internals.forget_exported_calls()
         # Not the function's __dict__: a callable object's attributes (nnx.jit's
         # static_argnums, filter_jit's fn) would overwrite this object's own.
         functools.update_wrapper(self, fn, updated=())
@@ -663,6 +664,7 @@ class AmpFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if jax.config.jax_disable_jit:  # as jax.jit: the Python function runs op by op
             return self.fn(*args, **kwargs)
+        internals.forget_exported_calls()
         style = self._style(args, kwargs)
         try:
             if style != "jax":
