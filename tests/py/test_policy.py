@@ -6,6 +6,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -475,6 +476,23 @@ def test_a_16bit_action_leaves_a_16bit_dot_alone(policy: str, dtype) -> None:
     [decision] = hlo_amp.compile(fn, policy).lower(x, jnp.ones((32, 8), dtype)).report(
         ).decisions
     assert not decision.changed and decision.reason == "already low precision"
+
+
+@pytest.mark.parametrize("policy", ["bf16,scope:s=float16", "bf16,op:dot_general=float16",
+                                    "bf16,backward=f16,scope:s=f16"])
+def test_a_16bit_action_leaves_a_16bit_dot_with_an_f32_result_alone(policy: str) -> None:
+    """A bf16 x bf16 -> f32 dot (preferred_element_type, a model with bf16 parameters)
+    went to f16 operands and result under a 16-bit action: 8e6 came out inf."""
+    def fn(x):
+        with jax.named_scope("s"):
+            return jax.lax.dot_general(x, x, (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+
+    x = jnp.full((4, 8), 1000.0, jnp.bfloat16)
+    compiled = hlo_amp.compile(fn, policy)
+    [decision] = compiled.lower(x).report().decisions
+    assert not decision.changed and decision.reason == "already low precision"
+    np.testing.assert_array_equal(compiled(x), jax.jit(fn)(x))
 
 
 @pytest.mark.parametrize("policy", ["bf16,scope:s=bfloat16", "bf16,op:dot_general=float16",

@@ -161,9 +161,10 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
                         f"{compute} operands and result (cuDNN's form), converted to "
                         f"{result}")
         return Plan(action, rule, targets, None, f"{compute} operands, {result} accumulation")
-    # As under compute, no 16-bit action on an op already 16-bit (a bf16 dot of the
-    # program went to f16 under scope:s=float16).
-    if DTYPE_BITS[action] <= 16 and max(bits + [result_bits]) <= 16:
+    # As under compute, no 16-bit action on an op whose operands are 16-bit already (a
+    # bf16 dot of the program went to f16 under scope:s=float16; one accumulating to an
+    # f32 result, a model with bf16 parameters, overflowed f16 there: inf).
+    if DTYPE_BITS[action] <= 16 and max(bits) <= 16:
         return Plan(action, rule, none, None, "already low precision")
     element = DTYPE_TO_ELEMENT[action]
     targets = tuple(element if str(t) != element else None for t in operands)
