@@ -28,6 +28,7 @@ effects, and without regions other than a reduction's body, move, and at most
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from hlo_amp.ir.modules import (
     discard,
     erase_discarded,
     is_discarded,
+    live_uses,
     op_key,
     producers,
     walk_operations,
@@ -90,8 +92,7 @@ class MergeAmax:
         merged = 0
         with module.context, ir.Location.unknown():
             for block in _blocks_with_amaxes(module):
-                while _merge_one_pair(block):
-                    merged += 1
+                merged += _merge_pairs(block)
         erase_discarded(self.name)
         if report is not None and merged:
             report.notes.append(f"merge-amax: {merged} pair(s) of amaxes of tensors computed "
@@ -121,75 +122,97 @@ def _sources(value: ir.Value) -> set[Any]:
     return found
 
 
-def _computed_from(value: ir.Value, target: ir.Operation, position: dict[int, int]) -> bool:
-    """Whether ``value`` is computed (in its block) from ``target``'s result."""
-    floor = position[op_key(target)]
-    seen: set[int] = set()
-    stack = [value]
+def _in_block(op: Any, block: ir.Block) -> ir.Operation | None:
+    """``op``, or the op of ``block`` that holds it in a region; None outside it."""
+    op = op.operation
+    while op.block != block:
+        parent = op.parent
+        if parent is None:
+            return None
+        op = parent.operation
+    return op
+
+
+def _in_order(ops: list[ir.Operation]) -> list[ir.Operation]:
+    return sorted(ops, key=functools.cmp_to_key(
+        lambda a, b: 0 if a == b else -1 if a.is_before_in_block(b) else 1))
+
+
+def _dependents_before(first: ir.Operation, end: ir.Operation
+                       ) -> tuple[list[ir.Operation] | None, bool]:
+    """(The ops before ``end`` that read ``first``'s result, directly, through each
+    other or from inside their regions, in block order, or None where they may not all
+    move; whether that None is for good: ``end`` is computed from ``first``, or one of
+    them may never move, which no other merge changes).
+
+    Only ops before ``end`` are followed (an op after it reaches nothing before it),
+    and at most ``_MOVE_LIMIT`` of them: the search is bounded, not the block (MLIR
+    keeps the block's order: ``is_before_in_block``)."""
+    block = first.block
+    found: dict[int, ir.Operation] = {}
+    stack = [first]
     while stack:
-        op = defining_op(stack.pop())
-        if op is None:
-            continue
-        key = op_key(op)
-        if key == op_key(target):
-            return True
-        if key in seen or position.get(key, -1) <= floor:
-            continue  # another block's op, or one before the target
-        seen.add(key)
-        stack.extend(op.operands)
-    return False
+        for result in stack.pop().results:
+            for use in live_uses(result):
+                reader = _in_block(use.owner, block)
+                if reader is None or op_key(reader) in found:
+                    continue
+                if reader == end:
+                    return None, True  # the second tensor is computed from the first amax
+                if not reader.is_before_in_block(end):
+                    continue
+                if reader.name in _UNMOVABLE or (reader.regions
+                                                 and reader.name != "stablehlo.reduce"):
+                    return None, True
+                found[op_key(reader)] = reader
+                if len(found) > _MOVE_LIMIT:
+                    return None, False
+                stack.append(reader)
+    return _in_order(list(found.values())), False
 
 
-def _reads(op: ir.Operation, keys: set[int]) -> bool:
-    """Whether ``op`` or an op in its regions reads a result of an op in ``keys``."""
-    def producer_in(operand: ir.Value) -> bool:
-        producer = defining_op(operand)
-        return producer is not None and op_key(producer) in keys
+def _merge_pairs(block: ir.Block) -> int:
+    """Merge the pairs of amaxes in ``block`` that qualify, in block order; how many.
 
-    if any(producer_in(v) for v in op.operands):
-        return True
-    return any(_reads(inner.operation, keys) for region in op.regions
-               for inner_block in region.blocks for inner in inner_block.operations)
-
-
-def _dependents_before(first: ir.Operation, limit: int, ops: list[ir.Operation]
-                       ) -> list[ir.Operation] | None:
-    """The ops before index ``limit`` that read ``first``'s result, directly or through
-    each other, in block order; None when one of them may not move."""
-    tainted = {op_key(first)}
-    moving = []
-    for op in ops[ops.index(first) + 1:limit]:
-        if _reads(op, tainted):
-            if op.name in _UNMOVABLE or (op.regions and op.name != "stablehlo.reduce"):
-                return None
-            tainted.add(op_key(op))
-            moving.append(op)
-    return moving if len(moving) <= _MOVE_LIMIT else None
-
-
-def _merge_one_pair(block: ir.Block) -> bool:
-    """Merge the first pair of amaxes in ``block`` that qualifies; whether one did."""
-    ops = [op.operation for op in block.operations]
-    position = {op_key(op): index for index, op in enumerate(ops)}
-    amaxes = [a for a in (match_amax(op) for op in ops
+    Whether two amaxes share a source, and whether one tensor is computed from the
+    other's amax, hold for good (a merge moves ops and only adds reads): such a pair is
+    checked once, and a search is bounded by the ops that may move (it restarted after
+    every merge and searched the block per pair: 34 s on the 2,265 ops of six nested
+    jax.checkpoint levels)."""
+    operations = [op.operation for op in block.operations]
+    amaxes = [a for a in (match_amax(op) for op in operations
                           if op.name == "stablehlo.reduce" and not is_discarded(op))
               if a is not None]
     sources = [_sources(a.reduce.operands[0]) for a in amaxes]
-    for i, first in enumerate(amaxes):
-        for j in range(i + 1, len(amaxes)):
-            second = amaxes[j]
-            x, y = first.reduce.operands[0], second.reduce.operands[0]
-            if x.type != y.type or not sources[i] & sources[j]:
+    never: set[tuple[int, int]] = set()
+    done: set[int] = set()
+    merged = 0
+    while True:
+        merged_this_round = 0
+        for i, first in enumerate(amaxes):
+            if i in done:
                 continue
-            if _computed_from(y, first.reduce, position):
-                continue
-            y_producer = defining_op(y)  # the abs
-            moving = _dependents_before(first.reduce, position[op_key(y_producer)], ops)
-            if moving is None:
-                continue
-            _merge(first, second, y_producer, moving)
-            return True
-    return False
+            for j in range(i + 1, len(amaxes)):
+                if j in done or (i, j) in never:
+                    continue
+                second = amaxes[j]
+                x, y = first.reduce.operands[0], second.reduce.operands[0]
+                if x.type != y.type or not sources[i] & sources[j]:
+                    never.add((i, j))
+                    continue
+                y_producer = defining_op(y)  # the abs
+                moving, for_good = _dependents_before(first.reduce, y_producer)
+                if moving is None:
+                    if for_good:
+                        never.add((i, j))
+                    continue
+                _merge(first, second, y_producer, moving)
+                done.update((i, j))
+                merged_this_round += 1
+                break
+        merged += merged_this_round
+        if not merged_this_round:
+            return merged
 
 
 def _merge(first: Amax, second: Amax, y_producer: ir.Operation,
@@ -200,12 +223,13 @@ def _merge(first: Amax, second: Amax, y_producer: ir.Operation,
     for op in moving:
         op.move_after(anchor)
         anchor = op
-    readers = {op_key(use.owner) for amax in (first, second)
-               for use in amax.reduce.results[0].uses}
-    operations = [op.operation for op in second.reduce.block.operations]
-    start = operations.index(y_producer)
-    earliest = next((op for op in operations[start + 1:] if op_key(op) in readers),
-                    operations[-1])  # read by nothing: before the terminator
+    block = second.reduce.block
+    readers = [reader for amax in (first, second) for use in live_uses(amax.reduce.results[0])
+               if (reader := _in_block(use.owner, block)) is not None]
+    # Every reader is after y's producer now (the first's moved there); read by
+    # nothing: before the terminator.
+    earliest = (_in_order(readers)[0] if readers
+                else next(iter(reversed(block.operations))).operation)
     x, y = first.reduce.operands[0], second.reduce.operands[0]
     shaped = ir.RankedTensorType(x.type)
     scalar = ir.RankedTensorType.get([], shaped.element_type)
