@@ -64,6 +64,10 @@ _LAYOUT = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
                      "stablehlo.transpose", "stablehlo.reduce"})
 CLUSTER_OPS = ELEMENTWISE | _LAYOUT
 _DOT = "stablehlo.dot_general"
+# How many ops from the scores a softmax's exponential may be (a scale, a mask, a cast,
+# the row maximum's reduction, its broadcast and the subtraction take eight).
+_NEAR = 24
+_NEAR_THROUGH = frozenset({"stablehlo.tanh", "stablehlo.reduce_precision"})
 
 
 def _partial(which: str, forward: bool = False) -> NotFused:
@@ -412,7 +416,34 @@ class _Site(MaskReading, ExitReading):
 
     # -- the exits -----------------------------------------------------------------------------
 
+    def _exponential_near(self) -> bool:
+        """Whether an exponential follows the scores within ``_NEAR`` ops (through the
+        ops a cluster holds, a barrier and tanh): a softmax's does. Most matrix ops have
+        none, and the walk of their cluster (up to ``MAX_CLUSTER`` ops, through a
+        residual stream) cost 2.5 ms each."""
+        frontier, seen = [(self.scores.results[0], ())], 0
+        for _hop in range(_NEAR):
+            following = []
+            for value, stack in frontier:
+                for reader, number, at in self.view.readers(value, stack):
+                    name = reader.name
+                    if name == "stablehlo.exponential":
+                        return True
+                    if name == "stablehlo.optimization_barrier":
+                        following.append((reader.results[number], at))
+                    elif name in CLUSTER_OPS or name in _NEAR_THROUGH:
+                        following.extend((r, at) for r in reader.results)
+            if not following:
+                return False
+            seen += len(following)
+            if seen > MAX_CLUSTER:
+                return True  # not told cheaply: the walk tells
+            frontier = following
+        return False
+
     def match(self) -> Match:
+        if not self._exponential_near():
+            raise NotFused("no softmax", attention=False)
         self.walk()
         softmax = self.softmax()  # before the roles: most matmuls have no softmax after
         self.assign_roles()
