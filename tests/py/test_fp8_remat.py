@@ -86,3 +86,27 @@ def test_a_call_computes_what_lower_reports() -> None:
     for a, b in zip(jax.tree.leaves(called), jax.tree.leaves(ahead)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(called[0]["w_in"]), np.asarray(args[0]["w_in"]))
+
+
+@pytest.mark.parametrize("transform", [jax.grad, jax.value_and_grad])
+def test_the_ends_stay_16_bit_under_checkpoint_recomputed_and_backward(transform) -> None:
+    """fp8's preset keeps the first and last matrix ops bf16, and their backward dots.
+    Under jax.checkpoint the recomputed copies and the backward dots took op:dot_general
+    (fp8: the gradient came from an fp8 recomputation the forward never ran); with
+    jax.grad alone, whose forward's dots are all recomputed, no op had either rule."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (16, 32))
+    w0, w1 = (jax.random.normal(k, (32, 32)) * 0.2 for k in keys[1:])
+
+    def loss(x, w0, w1):
+        def block(h):
+            return jnp.tanh(jnp.tanh(h @ w0) @ w1)
+        return jnp.sum(jax.checkpoint(block)(x))
+
+    step = transform(loss, argnums=(1, 2))
+    decisions = hlo_amp.compile(step, "fp8").lower(x, w0, w1, target="h100").report().decisions
+    assert len(decisions) >= 5
+    assert {d.direction for d in decisions} >= {"recomputed", "backward"}
+    assert [d.rule for d in decisions if d.rule not in ("first_matrix_op", "last_matrix_op")
+            ] == []
+    assert all(d.operands_after == ("bf16", "bf16") for d in decisions)

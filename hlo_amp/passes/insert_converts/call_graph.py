@@ -160,22 +160,32 @@ class CallGraph:
             looped: set[tuple[str, int, str, CallPath]] = set()
             self._program_order(function_name(fn), "", order, (), looped)
             stacks = dict(given or {})
-            forward = []
+            forward, recomputed = [], []
             for key, op, kind in order:
-                if (not self.site(op, kind, key[2]).backward
-                        and all(float_bits(element_type(v)) for v in list(op.operands)[:2])):
+                if not all(float_bits(element_type(v)) for v in list(op.operands)[:2]):
+                    continue
+                site = self.site(op, kind, key[2])
+                if not site.backward:
                     forward.append((key, op, kind))
+                elif site.recomputed:
+                    recomputed.append((key, op, kind))
+            # jax.grad of a function under jax.checkpoint: the forward's matrix ops run
+            # only recomputed, in the backward pass (its ends had no rule at all).
+            forward = forward or recomputed
             # An end inside a loop is every iteration's op (each scanned layer's), not a
             # stem or a head: no rule for that end.
             candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, forward[-1])
                           ) if forward else ()
             ends = [(position, end) for position, end in candidates if end[0] not in looped]
             own: EndStacks = {}
+            own_frames: dict[tuple[str, str, str], tuple[str, ...]] = {}
             bases: dict[str, set[Any]] = {}
             for position, (key, op, kind) in ends:
                 self.positions[key] = self.positions.get(key, ()) + (position,)
                 stack = _stack_key(self.site(op, kind, key[2]), op, kind)
                 own[stack] = own.get(stack, ()) + (position,)
+                frame = _innermost(stack)
+                own_frames[frame] = own_frames.get(frame, ()) + (position,)
                 bases[position] = _operand_bases(op)
             alike = len(own) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]
             if not alike:  # first and last that look alike are no stacks to hand on
@@ -195,6 +205,16 @@ class CallGraph:
                     if (position, id(op)) in sharing or (
                             position not in found_by_operand and not alike):
                         marked += (position,)  # no op reads its operands: by stack alone
+                if stack not in own:
+                    # Under jax.checkpoint the forward's stack lacks the checkpointed
+                    # call's frame that its recomputation and backward have: the same
+                    # line and scope, and one of the end's operands (or of its
+                    # recomputation's, which its weight gradient reads), make them its.
+                    for position in own_frames.get(_innermost(stack), ()):
+                        if bases[position] & _operand_bases(op):
+                            marked += (position,)
+                            if self.site(op, kind, key[2]).recomputed:
+                                bases[position] = bases[position] | _operand_bases(op)
                 if marked:
                     self.positions[key] = self.positions.get(key, ()) + marked
         return found
@@ -241,15 +261,29 @@ def end_stacks(module: ir.Module, policy: Policy) -> EndStacks:
 
 
 def _operand_bases(op: Any) -> set[Any]:
-    """``op``'s matrix operands before transposes, converts, reshapes and broadcasts."""
+    """``op``'s matrix operands before transposes, converts, reshapes, broadcasts and
+    optimization barriers (jax.checkpoint's: its recomputed forward and the backward
+    read the forward's values through one)."""
     found = set()
     for value in list(op.operands)[:2]:
         for _step in range(8):
-            if isinstance(value, ir.BlockArgument) or value.owner.name not in SAME_VALUE_OPS:
+            if isinstance(value, ir.BlockArgument):
+                break
+            if value.owner.name == "stablehlo.optimization_barrier":
+                value = value.owner.operands[ir.OpResult(value).result_number]
+                continue
+            if value.owner.name not in SAME_VALUE_OPS:
                 break
             value = value.owner.operands[0]
         found.add(value)
     return found
+
+
+def _innermost(stack: tuple[str, str, str]) -> tuple[str, str, str]:
+    """``stack`` with its location's innermost frame alone."""
+    scope, kind, location = stack
+    at = location.find(" at ")
+    return scope, kind, location if at < 0 else location[:at]
 
 
 def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:
