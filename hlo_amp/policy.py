@@ -523,7 +523,11 @@ class Policy:
             if start is None:
                 continue
             parts = pattern_parts(pattern)[0]
-            if stop is not None and start <= stop and parts != (AMP_STOP,):
+            # A pattern whose match names the innermost amp_stop segment itself
+            # ("amp_stop", "amp_stop/inner", "mlp/amp_stop") is written for its inside.
+            names_stop = (stop is not None and AMP_STOP in parts
+                          and start <= stop < start + len(parts))
+            if stop is not None and start <= stop and not names_stop:
                 # amp_stop shields its inside from rules set outside it; the same
                 # pattern may still match inside it (mlp/amp_stop/mlp).
                 start = match_start(pattern, scope, after=stop)

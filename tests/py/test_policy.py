@@ -414,6 +414,19 @@ def test_an_anchored_amp_stop_rule_names_the_ops_inside_it() -> None:
     assert policy.decide(("amp_stop", "x"), "dot_general", False) == Rule("keep", "amp_stop")
 
 
+@pytest.mark.parametrize(("pattern", "scope"), [
+    ("amp_stop/inner", ("amp_stop", "inner")), ("/amp_stop/inner$", ("amp_stop", "inner")),
+    ("outer/amp_stop", ("outer", "amp_stop", "x")), ("amp_stop", ("outer", "amp_stop", "x"))])
+def test_a_rule_naming_the_amp_stop_segment_names_the_ops_inside_it(pattern, scope) -> None:
+    """``amp_stop`` alone reached inside; a longer pattern naming the same segment lost
+    to amp_stop (and was warned about as lost on precedence)."""
+    policy = Policy.parse(f"bf16,scope:{pattern}=compute")
+    assert policy.decide(scope, "dot_general", False) == Rule("compute", f"scope:{pattern}")
+    # A pattern that names another segment outside the amp_stop still does not reach in.
+    assert Policy.parse("bf16,scope:outer=compute").decide(
+        ("outer", "amp_stop", "x"), "dot_general", False) == Rule("keep", "amp_stop")
+
+
 def test_scope_rules_beat_op_rules() -> None:
     policy = Policy.parse("bf16,op:convolution=float16,scope:head=keep")
     assert policy.decide(("head",), "dot_general", False) == Rule("keep", "scope:head")
