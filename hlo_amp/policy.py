@@ -293,6 +293,10 @@ class Policy:
         if self.scaling == "delayed" and not self.uses_fp8:
             raise ValueError("scaling=delayed applies to fp8 actions; start from the fp8 "
                              "preset or add op:dot_general=float8_e4m3fn")
+        if self.amax_history != 1024 and self.scaling != "delayed":
+            # Accepted and spelled out by to_string(), it did nothing.
+            raise ValueError(f"amax_history={self.amax_history} applies to delayed scaling "
+                             f"(the history's length); add scaling=delayed to an fp8 policy")
         if self.explicit_precision not in EXPLICIT_PRECISION:
             raise ValueError(
                 f"Unknown explicit_precision {self.explicit_precision!r}; accepted: "

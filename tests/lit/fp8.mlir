@@ -242,7 +242,7 @@ func.func @scoped(%x: tensor<32x64xf32>, %wa: tensor<64x64xf32>, %wm: tensor<64x
 // JSON-NEXT:   "bf16"
 // JSON:      "reason": "fp8 fallback: n=4 under 16 (cuBLASLt pads fp8 GEMMs to multiples of 16); bf16 operands, f32 accumulation",
 // JSON:      "reason": "fp8 fallback: a matrix-vector product (the fp8 GEMM needs a free dimension on each operand); bf16 operands, f32 accumulation",
-// JSON:      "reason": "fp8 fallback: f64 dot (the fp8 GEMM dequantises to f32, bf16 or f16); f64 op (not asked: include_f64)",
+// JSON:      "reason": "fp8 fallback: f64 dot (the fp8 GEMM dequantises to f32, bf16 or f16); f64 op (not asked: f64=true)",
 // JSON:      "reason": "not a float op",
 // JSON:      "op_kind": "convolution",
 // JSON:      "action": "compute",

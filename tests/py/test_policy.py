@@ -427,6 +427,14 @@ def test_a_rule_naming_the_amp_stop_segment_names_the_ops_inside_it(pattern, sco
         ("outer", "amp_stop", "x"), "dot_general", False) == Rule("keep", "amp_stop")
 
 
+@pytest.mark.parametrize("spec", ["bf16,amax_history=16", "fp8,amax_history=16"])
+def test_amax_history_without_delayed_scaling_is_refused(spec) -> None:
+    """It was accepted, and spelled out by to_string(), and did nothing."""
+    with pytest.raises(ValueError, match=r"amax_history=16 applies to delayed scaling"):
+        Policy.parse(spec)
+    assert Policy.parse("fp8,scaling=delayed,amax_history=16").amax_history == 16
+
+
 def test_scope_rules_beat_op_rules() -> None:
     policy = Policy.parse("bf16,op:convolution=float16,scope:head=keep")
     assert policy.decide(("head",), "dot_general", False) == Rule("keep", "scope:head")
@@ -522,7 +530,7 @@ def test_an_f64_dot_is_left_alone_without_f64_true_whatever_the_action(policy: s
         [with_flag] = hlo_amp.compile(fn, policy + ",f64=true").lower(x, w).report().decisions
     finally:
         jax.config.update("jax_enable_x64", False)
-    assert not decision.changed and "not asked: include_f64" in decision.reason
+    assert not decision.changed and "not asked: f64=true" in decision.reason
     assert with_flag.changed
 
 

@@ -142,7 +142,7 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
         return Plan(action, rule, none, None, "not a float op")
     # f64 only with f64=true, whatever the action (docs/policies.md).
     if 64 in bits + [result_bits] and not policy.include_f64:
-        return Plan(action, rule, none, None, "f64 op (not asked: include_f64)")
+        return Plan(action, rule, none, None, "f64 op (not asked: f64=true)")
     if action == COMPUTE:
         target_bits = DTYPE_BITS[policy.compute_dtype]
         targets = _to_compute(bits, policy)
