@@ -500,7 +500,7 @@ def test_a_16bit_action_leaves_a_16bit_dot_alone(policy: str, dtype) -> None:
 
 
 @pytest.mark.parametrize("policy", ["bf16,scope:s=float16", "bf16,op:dot_general=float16",
-                                    "bf16,backward=f16,scope:s=f16"])
+                                    "bf16,scope:s=f16"])
 def test_a_16bit_action_leaves_a_16bit_dot_with_an_f32_result_alone(policy: str) -> None:
     """A bf16 x bf16 -> f32 dot (preferred_element_type, a model with bf16 parameters)
     went to f16 operands and result under a 16-bit action: 8e6 came out inf."""
