@@ -117,6 +117,9 @@ SCRIPT = textwrap.dedent("""
     xs = jax.device_put(jax.random.normal(keys[2], (256, 64)), NamedSharding(cpu, P("data")))
     ys = jax.device_put(jax.random.normal(keys[3], (256, 32)), NamedSharding(cpu, P("data")))
     reference = jax.jit(grads)(params, xs, ys)
+    for policy in ("mixed_bfloat16,reduce=bfloat16",):
+        decisions = hlo_amp.compile(grads, policy).lower(params, xs, ys).report().decisions
+        results[f"{policy}/result_notes"] = [[d.result_after, list(d.notes)] for d in decisions]
     for policy in ("bf16", "bf16,reduce=bfloat16"):
         amp = hlo_amp.compile(grads, policy)
         out = amp(params, xs, ys)
@@ -182,6 +185,16 @@ def test_gradients_match_f32(results: dict) -> None:
         assert results[f"{policy}/sharding_equivalent"]
     assert not results["bf16/notes"] or "return" not in results["bf16/notes"][0]
     assert "2 dot(s)" in results["bf16,reduce=bfloat16/notes"][0]
+
+
+def test_a_dot_retyped_for_reduce_says_why(results: dict) -> None:
+    """On CPU the fast mode keeps matrix-op results f32: a bf16 result there is reduce='s
+    (the note blamed the fast mode, and under bf16 no note said why)."""
+    notes = results["mixed_bfloat16,reduce=bfloat16/result_notes"]
+    retyped = [n for result, n in notes if result == "bf16"]
+    assert retyped and all(
+        n == ["result stored as bf16: reduce= sums it across devices in bf16"] for n in retyped)
+    assert all(result == "f32" for result, n in notes if not n)
 
 
 def test_reduce_in_the_policy_grammar() -> None:

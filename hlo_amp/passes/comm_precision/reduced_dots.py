@@ -5,6 +5,7 @@ through the op's decision mark (``Decision.runs_as``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxlib.mlir import ir
@@ -68,6 +69,11 @@ def retype_reduced_dots(module: ir.Module, axes: ModuleAxes, wanted: ir.Type,
         for use in readers:
             use.owner.operands[use.operand_number] = back.result
         retyped += 1
+        index = decision_of(op)
+        if report is not None and index is not None:  # why its result is 16-bit
+            found = report.decisions[index]
+            report.decisions[index] = dataclasses.replace(found, notes=found.notes + (
+                f"result stored as {wanted}: reduce= sums it across devices in {wanted}",))
     return retyped
 
 
