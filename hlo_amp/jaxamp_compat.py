@@ -144,8 +144,7 @@ default_amp_policy: dict[Any, Callable[..., Any]] = {
 
 def amp_stop(f: Callable[..., Any] | None = None) -> Any:
     """jaxamp's ``amp_stop``: ``with amp_stop():``, ``@amp_stop`` or ``@amp_stop()``."""
-    context = _policy.amp_stop()
-    return context if f is None else context(f)
+    return _policy.amp_stop(f)
 
 
 def _key_name(key: Any) -> str:

@@ -605,11 +605,13 @@ def as_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
     )
 
 
-def amp_stop() -> Any:
+def amp_stop(fn: Any = None) -> Any:
     """A ``jax.named_scope("amp_stop")``: ops inside keep the program's precision.
 
-    Use as ``with hlo_amp.amp_stop(): ...`` or as a decorator ``@hlo_amp.amp_stop()``.
+    Use as ``with hlo_amp.amp_stop(): ...`` or as a decorator, ``@hlo_amp.amp_stop()``
+    or ``@hlo_amp.amp_stop``.
     """
     import jax  # here, not at the top: hlo-amp-opt parses policies without jax
 
-    return jax.named_scope(AMP_STOP)
+    scope = jax.named_scope(AMP_STOP)
+    return scope if fn is None else scope(fn)

@@ -564,10 +564,14 @@ def test_amp_stop_context_manager_names_the_ops_inside() -> None:
     assert 'loc("jit(f)/dot_general"' in text
 
 
-def test_amp_stop_decorator_names_the_ops_inside() -> None:
-    @hlo_amp.amp_stop()
+@pytest.mark.parametrize("parentheses", [True, False])
+def test_amp_stop_decorator_names_the_ops_inside(parentheses) -> None:
+    """``@hlo_amp.amp_stop`` without parentheses raised "amp_stop() takes 0 positional
+    arguments" (jaxamp's own took both forms)."""
     def head(x: jax.Array, w: jax.Array) -> jax.Array:
         return x @ w
+
+    head = hlo_amp.amp_stop()(head) if parentheses else hlo_amp.amp_stop(head)
 
     def f(x: jax.Array, w: jax.Array) -> jax.Array:
         with jax.named_scope("Block_0"):
