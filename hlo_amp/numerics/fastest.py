@@ -460,4 +460,7 @@ def with_scaling(policy: Policy, fp8_scaling: str) -> Policy:
     without them takes no scaling)."""
     if not policy.uses_fp8 or policy.scaling == fp8_scaling:
         return policy
-    return Policy.from_dict({**policy.to_dict(), "scaling": fp8_scaling})
+    fields = {**policy.to_dict(), "scaling": fp8_scaling}
+    if fp8_scaling != "delayed":  # a history's length is delayed scaling's alone
+        fields.pop("amax_history", None)
+    return Policy.from_dict(fields)

@@ -102,6 +102,17 @@ def test_where_a_baseline_is_returned_each_row_says_so():
         f"set by the returned baseline {name!r}"] * len(result.scopes)
 
 
+def test_a_delayed_base_is_priced_under_current_scaling_without_its_history_length():
+    """with_scaling kept amax_history=16 beside scaling=current, which the policy now
+    refuses (autopolicy with a delayed base raised, blaming the user's history length)."""
+    from hlo_amp.numerics.fastest import with_scaling
+
+    base = hlo_amp.Policy.parse("fp8,scaling=delayed,amax_history=16")
+    current = with_scaling(base, "current")
+    assert (current.scaling, current.amax_history) == ("current", 1024)
+    assert with_scaling(current, "delayed").scaling == "delayed"
+
+
 def test_a_mesh_target_is_searched_like_one_device():
     # 8 H100s (the arguments replicated over them): the same contract, the device named
     node = _search(0.01, "h100x8")

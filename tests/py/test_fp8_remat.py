@@ -110,3 +110,27 @@ def test_the_ends_stay_16_bit_under_checkpoint_recomputed_and_backward(transform
     assert [d.rule for d in decisions if d.rule not in ("first_matrix_op", "last_matrix_op")
             ] == []
     assert all(d.operands_after == ("bf16", "bf16") for d in decisions)
+
+
+def test_without_checkpoint_a_helpers_other_calls_are_not_the_ends() -> None:
+    """The checkpoint rule above reads the end's call frames within the op's: a helper's
+    matrix op called from other lines (k and v from the same x as q) is not the first
+    end's backward (dWk and dWv were marked first_matrix_op, bf16, by its innermost
+    frame alone)."""
+    def dense(x, w):
+        return x @ w
+
+    def loss(p, x):
+        q, k, v = dense(x, p["wq"]), dense(x, p["wk"]), dense(x, p["wv"])
+        h = dense(jnp.tanh(q) * jnp.tanh(k) + v, p["w1"])
+        return jnp.sum(dense(jnp.tanh(h), p["w2"]) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    p = {n: jax.random.normal(key, (64, 64)) / 8
+         for n, key in zip(["wq", "wk", "wv", "w1", "w2"], keys)}
+    x = jax.random.normal(keys[5], (32, 64))
+    decisions = hlo_amp.compile(jax.grad(loss), "fp8").lower(p, x).report().decisions
+    ends = sorted((d.direction, d.rule) for d in decisions if d.rule.endswith("matrix_op"))
+    assert ends == [("backward", "first_matrix_op"), ("backward", "last_matrix_op"),
+                    ("backward", "last_matrix_op"), ("forward", "first_matrix_op"),
+                    ("forward", "last_matrix_op")]

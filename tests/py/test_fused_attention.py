@@ -434,6 +434,24 @@ def test_sites_left_unfused_are_listed_with_their_reason(fn, reason, direction) 
     assert sites[0].reason.startswith(reason)
 
 
+def test_an_attention_whose_softmax_is_far_from_its_scores_is_still_listed() -> None:
+    """A matrix op that no exponential follows is told cheaply (the probe before the
+    cluster's walk); one whose chain goes on past the probe's reach is the walk's to
+    tell: thirty bias adds left the attention out of the report."""
+    bias = jnp.full((30, programs.T, programs.T), 0.01)
+
+    def attend(q, k, v, bias):
+        scores = _scores(q, k)
+        for i in range(30):
+            scores = scores + bias[i]
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
+
+    sites = hlo_amp.compile(attend, "bf16").lower(*QKV, bias, target="h100").report(
+        ).attention
+    assert [(s.fused, s.reason.split(" (")[0]) for s in sites] == [
+        (False, "an additive bias on the scores")]
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "training"])
 def test_a_fused_sites_matmuls_count_in_the_flop_share(grad) -> None:
     """The kernel's matmuls run in 16 bit: their FLOPs (the program's matmuls it

@@ -33,6 +33,8 @@ probabilities outside the attention) leaves the site unfused with the reason.
 
 from __future__ import annotations
 
+import math
+
 from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import op_key
@@ -64,8 +66,9 @@ _LAYOUT = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.reshape",
                      "stablehlo.transpose", "stablehlo.reduce"})
 CLUSTER_OPS = ELEMENTWISE | _LAYOUT
 _DOT = "stablehlo.dot_general"
-# How many ops from the scores a softmax's exponential may be (a scale, a mask, a cast,
-# the row maximum's reduction, its broadcast and the subtraction take eight).
+# How far the ops after a matrix op are followed before the walk decides (a scale, a
+# mask, a cast, the row maximum's reduction, its broadcast and the subtraction take eight
+# to a softmax's exponential).
 _NEAR = 24
 _NEAR_THROUGH = frozenset({"stablehlo.tanh", "stablehlo.reduce_precision"})
 
@@ -417,10 +420,13 @@ class _Site(MaskReading, ExitReading):
     # -- the exits -----------------------------------------------------------------------------
 
     def _exponential_near(self) -> bool:
-        """Whether an exponential follows the scores within ``_NEAR`` ops (through the
-        ops a cluster holds, a barrier and tanh): a softmax's does. Most matrix ops have
-        none, and the walk of their cluster (up to ``MAX_CLUSTER`` ops, through a
-        residual stream) cost 2.5 ms each."""
+        """Whether an exponential may follow the scores (through the ops a cluster
+        holds, a barrier and tanh, on values of the scores' size): False where those end
+        within ``_NEAR`` hops without one. Most matrix ops are such, and the walk of their cluster (up to
+        ``MAX_CLUSTER`` ops, through a residual stream) cost 2.5 ms each."""
+        # A softmax exponentiates values of the scores' size: smaller ones (a row's
+        # maximum, a loss's sum) are not followed.
+        size = math.prod(shape_of(self.scores.results[0]))
         frontier, seen = [(self.scores.results[0], ())], 0
         for _hop in range(_NEAR):
             following = []
@@ -430,16 +436,20 @@ class _Site(MaskReading, ExitReading):
                     if name == "stablehlo.exponential":
                         return True
                     if name == "stablehlo.optimization_barrier":
-                        following.append((reader.results[number], at))
+                        results = [reader.results[number]]
                     elif name in CLUSTER_OPS or name in _NEAR_THROUGH:
-                        following.extend((r, at) for r in reader.results)
+                        results = list(reader.results)
+                    else:
+                        continue
+                    following.extend((r, at) for r in results
+                                     if math.prod(shape_of(r)) >= size)
             if not following:
                 return False
             seen += len(following)
             if seen > MAX_CLUSTER:
                 return True  # not told cheaply: the walk tells
             frontier = following
-        return False
+        return True  # still going: the walk tells (only a chain that ends is no softmax)
 
     def match(self) -> Match:
         if not self._exponential_near():

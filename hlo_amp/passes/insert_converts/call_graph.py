@@ -179,6 +179,7 @@ class CallGraph:
             ends = [(position, end) for position, end in candidates if end[0] not in looped]
             own: EndStacks = {}
             own_frames: dict[tuple[str, str, str], tuple[str, ...]] = {}
+            end_stacks: dict[str, tuple[str, str, str]] = {}
             bases: dict[str, set[Any]] = {}
             for position, (key, op, kind) in ends:
                 self.positions[key] = self.positions.get(key, ()) + (position,)
@@ -186,6 +187,7 @@ class CallGraph:
                 own[stack] = own.get(stack, ()) + (position,)
                 frame = _innermost(stack)
                 own_frames[frame] = own_frames.get(frame, ()) + (position,)
+                end_stacks[position] = stack
                 bases[position] = _operand_bases(op)
             alike = len(own) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]
             if not alike:  # first and last that look alike are no stacks to hand on
@@ -207,11 +209,12 @@ class CallGraph:
                         marked += (position,)  # no op reads its operands: by stack alone
                 if stack not in own:
                     # Under jax.checkpoint the forward's stack lacks the checkpointed
-                    # call's frame that its recomputation and backward have: the same
-                    # line and scope, and one of the end's operands (or of its
+                    # call's frame that its recomputation and backward have: the end's
+                    # frames among theirs, and one of the end's operands (or of its
                     # recomputation's, which its weight gradient reads), make them its.
                     for position in own_frames.get(_innermost(stack), ()):
-                        if bases[position] & _operand_bases(op):
+                        if (_within(end_stacks[position], stack)
+                                and bases[position] & _operand_bases(op)):
                             marked += (position,)
                             if self.site(op, kind, key[2]).recomputed:
                                 bases[position] = bases[position] | _operand_bases(op)
@@ -284,6 +287,21 @@ def _innermost(stack: tuple[str, str, str]) -> tuple[str, str, str]:
     scope, kind, location = stack
     at = location.find(" at ")
     return scope, kind, location if at < 0 else location[:at]
+
+
+def _within(end: tuple[str, str, str], stack: tuple[str, str, str]) -> bool:
+    """Whether ``end``'s call frames are ``stack``'s with some left out, in order: the
+    frame of a checkpointed call, which the forward's location lacks. (A helper's
+    matrix op called from another line has another frame, not one more.)"""
+    frames = iter(_frames(stack[2]))
+    return all(any(frame == other for other in frames) for frame in _frames(end[2]))
+
+
+def _frames(location: str) -> list[str]:
+    """A location's call frames, innermost first, without the ``loc(callsite(`` and
+    the closing parentheses their nesting adds."""
+    return [frame.removeprefix("loc(").removeprefix("callsite(").rstrip(")")
+            for frame in location.split(" at ")]
 
 
 def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:
