@@ -36,11 +36,13 @@ import numpy as np
 from hlo_amp import jax_internals as internals
 from hlo_amp.passes.fp8_state import STATE_SCOPE
 from hlo_amp.policy import Policy
+from hlo_amp.runtime.arguments import argument_problem
 from hlo_amp.runtime.deviceless import split_device_target
 from hlo_amp.runtime.frameworks import JitDecorator, argument_style
 from hlo_amp.runtime.signature import (
     donated_names,
     leaf_signature,
+    normalise_argnums,
     signature_of,
     split_static,
 )
@@ -169,6 +171,12 @@ class Fp8StatefulFunction:
                 continue
             if filtered is None:
                 filtered = argument_style(args, kwargs, self.filter, self._styles) == "filter"
+            if not filtered and isinstance(leaf, (bool, int, float, complex)):
+                # Traced as jax.jit traces it: Flax's TrainState.step is 0 at first and
+                # a weak int32 array after a step, one program (it made two histories).
+                aval = jax.typeof(leaf)
+                kinds.append((str(aval.dtype), bool(aval.weak_type)))
+                continue
             kinds.append(_static_part(leaf) if filtered else type(leaf).__name__)
         return (tree, tuple(kinds), static), tuple(shapes), leaves
 
@@ -204,25 +212,30 @@ class Fp8StatefulFunction:
                 f"{self.__name__}: the loaded fp8 state has shape {tuple(history.shape)}, "
                 f"this step keeps an amax history of {self.policy.amax_history} step(s) "
                 f"in {shape[1]} column(s): expected {shape} (the state was not taken; "
-                f"load one of that shape)")
+                f"load one of that shape, or, where the step has several programs (static "
+                f"arguments), load_fp8_state(history, *args) with the arguments of the "
+                f"calls it is for)")
 
     def _history(self, args: tuple, kwargs: dict, program: Any, shapes: Any, leaves: list
-                 ) -> tuple[Any, jax.Array]:
-        """(the key of this program's history, the history this call starts from;
-        ``program``, ``shapes``, ``leaves``: the call's ``_signature``)."""
+                 ) -> tuple[Any, jax.Array, bool]:
+        """(the key of this program's history, the history this call starts from,
+        whether it is the one ``load_fp8_state`` gave; ``program``, ``shapes``,
+        ``leaves``: the call's ``_signature``)."""
         state, shape = self._state_of(args, kwargs, program, shapes)
         if self._loaded is not None and shape[1]:  # a step quantising nothing waits
             # load_fp8_state's own f32 copy, for this call: one that does not fit is
             # refused here, and dropped (it was kept where the program had a history of
             # its own, and fp8_state() went on returning it, a checkpoint no step could
-            # load).
-            history, self._loaded = self._loaded, None
-            self._refuse_shape(history, shape)
-            return state, _replicated_like(history, leaves)
+            # load). One that fits stays loaded until the call succeeds: the call
+            # donates a copy.
+            if tuple(self._loaded.shape) != shape:
+                history, self._loaded = self._loaded, None
+                self._refuse_shape(history, shape)
+            return state, _replicated_like(jnp.copy(self._loaded), leaves), True
         history = self._histories.get(state)
         if history is not None:  # moved where this call's arguments are (another mesh)
-            return state, _replicated_like(history, leaves)
-        return state, _replicated_like(jnp.zeros(shape, jnp.float32), leaves)
+            return state, _replicated_like(history, leaves), False
+        return state, _replicated_like(jnp.zeros(shape, jnp.float32), leaves), False
 
     def fp8_state(self, *args: Any, **kwargs: Any) -> jax.Array:
         """A copy of an amax history, for a checkpoint: ``f32[amax_history, S]``, newest
@@ -236,20 +249,24 @@ class Fp8StatefulFunction:
         those arguments use."""
         with self._state_lock:
             if args or kwargs:
-                state, _ = self._selected(args, kwargs)
+                state, shape = self._selected(args, kwargs)
                 history = self._histories.get(state)
+                if history is None and self._loaded is not None and tuple(
+                        self._loaded.shape) == shape and shape[1]:
+                    history = self._loaded  # what the next such call starts from
                 if history is None:
                     raise RuntimeError(f"{self.__name__}: no fp8 state for these arguments "
                                        "yet (it exists after the first call with them)")
                 return jnp.copy(history)
             if self._loaded is not None:
                 return jnp.copy(self._loaded)
-            if self._last_state is None:
-                raise RuntimeError(f"{self.__name__}: no fp8 state yet (it exists after the "
-                                   "first call)")
             # A history of no column (a short last batch's dots all fell back to bf16)
             # holds nothing to save.
-            held = [state for state in self._histories if state[1]] or [self._last_state]
+            held = [state for state in self._histories if state[1]]
+            if not held and self._last_state is None:
+                raise RuntimeError(f"{self.__name__}: no fp8 state yet (it exists after the "
+                                   "first call)")
+            held = held or [self._last_state]
             if len(held) > 1:
                 widths = sorted(state[1] for state in held)
                 raise ValueError(
@@ -270,6 +287,9 @@ class Fp8StatefulFunction:
         ``history`` stays the caller's: the step donates a copy of it."""
         if isinstance(history, (list, tuple)):  # a checkpoint written as JSON
             history = np.asarray(history)
+        if isinstance(history, jax.ShapeDtypeStruct):
+            raise TypeError(f"{self.__name__}: an fp8 state is an array of amaxes "
+                            f"(fp8_state()'s), got a ShapeDtypeStruct, which holds none")
         given = getattr(history, "dtype", None)
         if given is None or not jnp.issubdtype(given, jnp.floating):
             raise TypeError(f"{self.__name__}: an fp8 state is a float array (fp8_state()'s "
@@ -317,16 +337,35 @@ class Fp8StatefulFunction:
                 "history between calls, so it cannot run under jax.jit, vmap, grad, "
                 "jax.export or another transformation; call it at the top level (.lower() "
                 "gives the stateful step, history in and out, for AOT), or use "
-                "scaling=current there")
+                "scaling=current there; step.eval_shape(*args) gives the outputs' shapes")
         if self._donated_names & kwargs.keys():
             # The inner function's signature is (history, *args, **kwargs): only positions
             # say what is donated, so a donated parameter passed by keyword goes by position.
             args, kwargs = _bound(self._fn_signature, args, kwargs)
         with self._state_lock:
-            state, history = self._history(args, kwargs, program, shapes, leaves)
-            out, self._histories[state] = self._inner(history, *args, **kwargs)
+            try:
+                state, history, loaded = self._history(args, kwargs, program, shapes,
+                                                       leaves)
+                out, self._histories[state] = self._inner(history, *args, **kwargs)
+            except (TypeError, ValueError):
+                self._raise_for_arguments(args, kwargs)  # named as the step has them
+                raise
+            if loaded:
+                self._loaded = None
             self._last_state = state
         return out
+
+    def _raise_for_arguments(self, args: tuple, kwargs: dict) -> None:
+        """After a failed call: one message naming an argument the step cannot take, by
+        its own position (the inner step's are one further: the history is first)."""
+        style = argument_style(args, kwargs, self.filter, self._styles)
+        problem = argument_problem(
+            self.__name__, args, kwargs,
+            static_argnums=normalise_argnums(self.static_argnums, len(args)),
+            static_argnames=self.static_argnames,
+            style=style if style != "nnx" else "statics only")
+        if problem:
+            raise TypeError(problem) from None
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The stateful function lowered and rewritten: its compiled form takes the

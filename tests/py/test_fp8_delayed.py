@@ -738,6 +738,58 @@ def test_calls_from_several_threads_take_turns() -> None:
     assert recorded.sum() == 25  # one row per call, none lost
 
 
+def test_a_python_number_and_the_weak_array_a_step_returns_for_it_share_a_history() -> None:
+    """Flax's TrainState.step starts as the Python int 0 and comes back a weak int32
+    array: jax.jit traces both alike, but they keyed two programs, so the second call
+    quantised from an empty history again and fp8_state() refused ("2 histories")."""
+    p, x = _mlp_params(1)
+
+    def counted(p, x, state):
+        p, loss = _mlp_step(p, x)
+        return p, {"step": state["step"] + 1}, loss
+
+    step = hlo_amp.compile(counted, _delayed(4))
+    state = {"step": 0}
+    for _ in range(3):
+        p, state, _ = step(p, x, state)
+    assert int(state["step"]) == 3
+    history = np.asarray(step.fp8_state())
+    assert (history[:3] > 0).all() and (history[3] == 0).all()
+
+
+def test_a_loaded_history_outlives_a_call_that_fails() -> None:
+    """It was taken before the call ran: a failing call (a deleted buffer passed) lost
+    it, and the next call started from zeros."""
+    p, x = _mlp_params(1)
+    original = hlo_amp.compile(_mlp_step, _delayed(4))
+    for _ in range(2):
+        p, _ = original(p, x)
+    saved = np.asarray(original.fp8_state())
+    resumed = hlo_amp.compile(_mlp_step, _delayed(4))
+    resumed.load_fp8_state(saved)
+    dead = jax.tree.map(jnp.copy, p)
+    dead["w1"].delete()
+    with pytest.raises(RuntimeError):
+        resumed(dead, x)
+    np.testing.assert_array_equal(np.asarray(resumed.fp8_state()), saved)
+    jax.tree.map(np.testing.assert_array_equal, resumed(p, x), original(p, x))
+
+
+def test_an_argument_error_names_the_steps_own_position() -> None:
+    """The history goes first in the step the wrapper calls: an error named args[N+1]."""
+    p, x = _mlp_params(1)
+    current = hlo_amp.compile(lambda p, x, tag: _mlp_step(p, x), "fp8")
+    delayed = hlo_amp.compile(lambda p, x, tag: _mlp_step(p, x), _delayed(4))
+    messages = []
+    for step in (current, delayed):
+        with pytest.raises(TypeError) as raised:
+            step(p, x, "a string")
+        messages.append(str(raised.value).split(":")[1])
+    assert messages[0] == messages[1] and "args[2]" in messages[0]
+    with pytest.raises(TypeError, match="got a ShapeDtypeStruct"):
+        delayed.load_fp8_state(jax.ShapeDtypeStruct((4, 3), jnp.float32))
+
+
 def test_the_stateful_step_traces_as_it_lowers() -> None:
     p, x = _mlp_params(1)
     step = hlo_amp.compile(_mlp_step, _delayed(4))
