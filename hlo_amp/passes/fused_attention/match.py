@@ -70,6 +70,8 @@ _DOT = "stablehlo.dot_general"
 # mask, a cast, the row maximum's reduction, its broadcast and the subtraction take eight
 # to a softmax's exponential).
 _NEAR = 24
+# ... and how many values: a residual stream goes on; a sum's chain ends in a few.
+_NEAR_VALUES = 48
 _NEAR_THROUGH = frozenset({"stablehlo.tanh", "stablehlo.reduce_precision"})
 
 
@@ -446,7 +448,7 @@ class _Site(MaskReading, ExitReading):
             if not following:
                 return False
             seen += len(following)
-            if seen > MAX_CLUSTER:
+            if seen > _NEAR_VALUES:
                 return True  # not told cheaply: the walk tells
             frontier = following
         return True  # still going: the walk tells (only a chain that ends is no softmax)
