@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from hlo_amp.runtime.frameworks import argument_style
+from hlo_amp.runtime.signature import normalise_argnums
 
 _CONTRACTS = ("a compiled function takes arrays and pytrees of them (as jax.jit does), "
               "Flax NNX graph objects (as nnx.jit does) and Equinox modules (as "
@@ -119,3 +120,16 @@ def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Se
                         f"{static_hint}; if it is a container, register it as a pytree; or "
                         f"compile with filter=True to make every non-array leaf static.")
     return None
+
+
+def raise_argument_problem(name: str, args: tuple, kwargs: dict, *,
+                           static_argnums: Sequence[int], static_argnames: Sequence[str],
+                           style: str) -> None:
+    """After a failed call: raise one TypeError naming an argument it cannot take, if
+    any (``style``: the call's ``argument_style``)."""
+    problem = argument_problem(
+        name, args, kwargs, static_argnums=normalise_argnums(static_argnums, len(args)),
+        static_argnames=static_argnames, style=style if style != "nnx" else "statics only")
+    if problem:
+        raise TypeError(problem) from None
+

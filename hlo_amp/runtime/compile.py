@@ -48,7 +48,7 @@ from hlo_amp.runtime.amp_call import (
     is_forward_program,
     shape_structs,
 )
-from hlo_amp.runtime.arguments import argument_problem
+from hlo_amp.runtime.arguments import raise_argument_problem
 from hlo_amp.runtime.deviceless import lower_for_target, not_runnable, split_device_target
 from hlo_amp.runtime.fp8_state import Fp8StatefulFunction
 from hlo_amp.runtime.frameworks import (
@@ -676,13 +676,9 @@ class AmpFunction:
 
     def _raise_for_arguments(self, args: tuple, kwargs: dict, style: str) -> None:
         """After a failed call: one message naming an argument it cannot take, if any."""
-        problem = argument_problem(
-            self.__name__, args, kwargs,
-            static_argnums=normalise_argnums(self.static_argnums, len(args)),
-            static_argnames=self.static_argnames,
-            style=style if style != "nnx" else "statics only")
-        if problem:
-            raise TypeError(problem) from None
+        raise_argument_problem(self.__name__, args, kwargs,
+                               static_argnums=self.static_argnums,
+                               static_argnames=self.static_argnames, style=style)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if not self._through_lowering and not (self._sharded_calls

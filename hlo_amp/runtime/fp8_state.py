@@ -36,13 +36,12 @@ import numpy as np
 from hlo_amp import jax_internals as internals
 from hlo_amp.passes.fp8_state import STATE_SCOPE
 from hlo_amp.policy import Policy
-from hlo_amp.runtime.arguments import argument_problem
+from hlo_amp.runtime.arguments import raise_argument_problem
 from hlo_amp.runtime.deviceless import split_device_target
 from hlo_amp.runtime.frameworks import JitDecorator, argument_style
 from hlo_amp.runtime.signature import (
     donated_names,
     leaf_signature,
-    normalise_argnums,
     signature_of,
     split_static,
 )
@@ -348,24 +347,17 @@ class Fp8StatefulFunction:
                                                        leaves)
                 out, self._histories[state] = self._inner(history, *args, **kwargs)
             except (TypeError, ValueError):
-                self._raise_for_arguments(args, kwargs)  # named as the step has them
+                # Named by the step's own positions (the inner step's are one further:
+                # the history is first).
+                raise_argument_problem(
+                    self.__name__, args, kwargs, static_argnums=self.static_argnums,
+                    static_argnames=self.static_argnames,
+                    style=argument_style(args, kwargs, self.filter, self._styles))
                 raise
             if loaded:
                 self._loaded = None
             self._last_state = state
         return out
-
-    def _raise_for_arguments(self, args: tuple, kwargs: dict) -> None:
-        """After a failed call: one message naming an argument the step cannot take, by
-        its own position (the inner step's are one further: the history is first)."""
-        style = argument_style(args, kwargs, self.filter, self._styles)
-        problem = argument_problem(
-            self.__name__, args, kwargs,
-            static_argnums=normalise_argnums(self.static_argnums, len(args)),
-            static_argnames=self.static_argnames,
-            style=style if style != "nnx" else "statics only")
-        if problem:
-            raise TypeError(problem) from None
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The stateful function lowered and rewritten: its compiled form takes the
