@@ -170,7 +170,9 @@ def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerSt
     due = finite & (count >= state.patience)
     grown = state.scaler * state.adjust_factor
     grow = due & jnp.isfinite(grown)  # never grow into inf: hold the scaler instead
-    backed_off = jnp.maximum(state.scaler / state.adjust_factor, state.min_scaler)
+    # Never below min_scaler, and never up: a scaler set below it holds on overflow.
+    backed_off = jnp.minimum(state.scaler,
+                             jnp.maximum(state.scaler / state.adjust_factor, state.min_scaler))
     scaler = jnp.where(finite, jnp.where(grow, grown, state.scaler), backed_off)
     return state._replace(
         scaler=scaler,

@@ -303,6 +303,13 @@ def test_backoff_growth_and_floor() -> None:
         assert bool(all_finite(grads)) == (batch is good), i
         assert_state(state, scaler=scaler, count=count, total_resets=resets)
 
+    # A scaler set below min_scaler holds on a bad step: backing off raised it to the
+    # floor (0.25 -> 2.0, a larger scale after an overflow).
+    low, grads = step(params, bad, dynamic_scaler_state=DynamicScalerState(
+        scaler=0.25, patience=3, min_scaler=2.0))
+    assert not bool(all_finite(grads))
+    assert_state(low, scaler=0.25, count=0, total_resets=1)
+
     # Growing 2**100 by 2**40 would overflow f32: the scaler is held, the count reset.
     huge = DynamicScalerState(scaler=2.0**100, adjust_factor=2.0**40, patience=1)
     huge, grads = step(params, good, dynamic_scaler_state=huge)
