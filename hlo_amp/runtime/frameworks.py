@@ -35,6 +35,7 @@ import functools
 import inspect
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -338,7 +339,10 @@ class NnxCall:
         # state in, split state and outputs out.
         pure_fn = self.wrapped.jitted_fn.__wrapped__
         self.inner = make_inner(pure_fn)
-        self.wrapped.jitted_fn = self.inner
+        # Weakly: the pure function holds nnx.jit's object (its context tag), and a
+        # strong way from it back to the inner function, whose traces jax caches weakly
+        # keyed on that function's dispatch, kept every compiled step alive.
+        self.wrapped.jitted_fn = weakref.proxy(self.inner)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.wrapped(*args, **kwargs)
@@ -449,6 +453,20 @@ def is_traced_leaf(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def _pure_call(fn: Callable[..., Any], donated: dict, kept: dict, static: StaticArguments
+               ) -> tuple:
+    """``fn`` of the arguments ``FilterCall.split_arguments`` split: its array outputs,
+    and the rest as a static pytree."""
+    args, kwargs = static.tree
+    arrays = {**donated, **kept}
+    args = [_combine(arrays[("arg", i)], a) if ("arg", i) in arrays else a
+            for i, a in enumerate(args)]
+    kwargs = {k: _combine(arrays[("kw", k)], v) if ("kw", k) in arrays else v
+              for k, v in kwargs.items()}
+    arrays_out, rest_out = split_traced(fn(*args, **kwargs))
+    return arrays_out, StaticOutput(rest_out)
+
+
 class FilterCall:
     """``fn`` called the ``eqx.filter_jit`` way through a rewritten function of
     (donated arrays, other arrays, static rest)."""
@@ -460,23 +478,16 @@ class FilterCall:
         # As jax.jit: a parameter donated by position is donated when passed by keyword.
         self.donated_names = donated_names(signature_of(fn), donate_argnums)
         self.donation = donation  # eqx.filter_jit(donate=...) of a decorated step
-        self.inner = make_inner(self._pure, static_argnums=(2,),
+        # A function of fn alone, not a method: its traces are cached by jax weakly keyed
+        # on the inner function's dispatch, and a way back to it (self.inner) through
+        # this object kept every compiled step alive.
+        self.inner = make_inner(functools.partial(_pure_call, self.fn), static_argnums=(2,),
                                 donate_argnums=(0,) if donate_argnums or donation else ())
 
     def _donated(self, key: tuple[str, Any]) -> bool:
         return ((key[0] == "arg" and key[1] in self.donate_argnums)
                 or (key[0] == "kw" and key[1] in self.donated_names)
                 or (self.donation is not None and self.donation(key)))
-
-    def _pure(self, donated: dict, kept: dict, static: StaticArguments) -> tuple:
-        args, kwargs = static.tree
-        arrays = {**donated, **kept}
-        args = [_combine(arrays[("arg", i)], a) if ("arg", i) in arrays else a
-                for i, a in enumerate(args)]
-        kwargs = {k: _combine(arrays[("kw", k)], v) if ("kw", k) in arrays else v
-                  for k, v in kwargs.items()}
-        arrays_out, rest_out = split_traced(self.fn(*args, **kwargs))
-        return arrays_out, StaticOutput(rest_out)
 
     def split_arguments(self, args: tuple, kwargs: dict) -> tuple[dict, dict, StaticArguments]:
         donated: dict = {}
