@@ -173,7 +173,11 @@ class Fp8StatefulFunction:
             if not filtered and isinstance(leaf, (bool, int, float, complex)):
                 # Traced as jax.jit traces it: Flax's TrainState.step is 0 at first and
                 # a weak int32 array after a step, one program (it made two histories).
-                aval = jax.typeof(leaf)
+                try:
+                    aval = jax.typeof(leaf)
+                except (OverflowError, TypeError):  # jax.jit's call names the argument
+                    kinds.append(type(leaf).__name__)
+                    continue
                 kinds.append((str(aval.dtype), bool(aval.weak_type)))
                 continue
             kinds.append(_static_part(leaf) if filtered else type(leaf).__name__)
@@ -250,8 +254,7 @@ class Fp8StatefulFunction:
             if args or kwargs:
                 state, shape = self._selected(args, kwargs)
                 history = self._histories.get(state)
-                if history is None and self._loaded is not None and tuple(
-                        self._loaded.shape) == shape and shape[1]:
+                if self._loaded is not None and tuple(self._loaded.shape) == shape and shape[1]:
                     history = self._loaded  # what the next such call starts from
                 if history is None:
                     raise RuntimeError(f"{self.__name__}: no fp8 state for these arguments "
@@ -308,6 +311,8 @@ class Fp8StatefulFunction:
                 state, shape = self._selected(args, kwargs)
                 self._refuse_shape(history, shape)
                 self._histories[state] = history
+                if self._loaded is not None and tuple(self._loaded.shape) == shape:
+                    self._loaded = None  # the later load, for these calls, wins
                 return
             self._loaded = history
 

@@ -775,6 +775,24 @@ def test_a_loaded_history_outlives_a_call_that_fails() -> None:
     jax.tree.map(np.testing.assert_array_equal, resumed(p, x), original(p, x))
 
 
+def test_a_pending_load_is_what_fp8_state_of_the_arguments_gives_and_a_later_load_wins(
+        ) -> None:
+    """fp8_state(*args) gave the program's previous history while a load was pending
+    for its next call; a load with arguments after one without left the earlier one to
+    the next call."""
+    p, x = _mlp_params(1)
+    step = hlo_amp.compile(_mlp_step, _delayed(4))
+    step(p, x)
+    columns = step.fp8_state().shape[1]
+    first, second = (np.full((4, columns), value, np.float32) for value in (3.0, 5.0))
+    step.load_fp8_state(first)
+    np.testing.assert_array_equal(np.asarray(step.fp8_state(p, x)), first)
+    step.load_fp8_state(second, p, x)
+    np.testing.assert_array_equal(np.asarray(step.fp8_state()), second)
+    step(p, x)
+    assert (np.asarray(step.fp8_state())[1] == 5.0).all()  # started from the second
+
+
 def test_an_argument_error_names_the_steps_own_position() -> None:
     """The history goes first in the step the wrapper calls: an error named args[N+1]."""
     p, x = _mlp_params(1)
