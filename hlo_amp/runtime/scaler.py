@@ -111,6 +111,11 @@ class DynamicScalerState(_ScalerFields):
         total_resets: Any = 0,
         min_scaler: Any = 1.0,
     ) -> Self:
+        if isinstance(adjust_factor, (int, float)) and not adjust_factor > 1:
+            # Backing off divides by it: at or below 1 the scaler never backs off.
+            raise ValueError(f"adjust_factor must be above 1 (the scaler is multiplied by "
+                             f"it to grow and divided by it to back off), got "
+                             f"{adjust_factor!r}")
         values = (patience, adjust_factor, scaler, count, total_resets, min_scaler)
         leaves = [
             _normalise_leaf(v, _field_dtype(name))

@@ -310,6 +310,11 @@ def test_backoff_growth_and_floor() -> None:
     assert not bool(all_finite(grads))
     assert_state(low, scaler=0.25, count=0, total_resets=1)
 
+    # At or below 1 the scaler would never back off (it divides by adjust_factor).
+    for factor in (1.0, 0.5):
+        with pytest.raises(ValueError, match="adjust_factor must be above 1"):
+            DynamicScalerState(adjust_factor=factor)
+
     # Growing 2**100 by 2**40 would overflow f32: the scaler is held, the count reset.
     huge = DynamicScalerState(scaler=2.0**100, adjust_factor=2.0**40, patience=1)
     huge, grads = step(params, good, dynamic_scaler_state=huge)
