@@ -341,6 +341,7 @@ class Policy:
         if items[0] in PRESETS:
             base = cls.preset(items.pop(0))
         fields = base.to_dict()
+        given: dict[str, str] = {}  # key -> value, as written in this spec
         for item in items:
             # A scope pattern may hold '=' (a scope named "lr=0.1"); its action never does.
             split = item.rpartition if _SCOPE_ITEM.match(item) else item.partition
@@ -358,6 +359,10 @@ class Policy:
                 )
             if not sep or not value:
                 raise ValueError(f"Malformed item {item!r} in {spec!r}; expected KEY=VALUE")
+            if key in given:  # the last one won, unseen
+                raise ValueError(f"{key} is given twice in {spec!r} ({given[key]!r} and "
+                                 f"{value!r}); accepted: one value per key")
+            given[key] = value
             if key.startswith("op:"):
                 fields["ops"][key[3:]] = value
             elif key.startswith("scope:"):

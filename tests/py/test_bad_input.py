@@ -205,6 +205,10 @@ def test_policy_rejects(kwargs: dict, needles: tuple[str, ...]) -> None:
     ("bf16,f32", ("Preset 'f32'", "first item")),
     # '²' passed str.isdigit() and int() raised its own message.
     ("fp8,amax_history=²", ("Unknown value '²' for amax_history", "a positive integer")),
+    # A key written twice: the last value won, unseen.
+    ("bf16,scope:head=keep,scope:head=float16",
+     ("scope:head is given twice", "('keep' and 'float16')", "one value per key")),
+    ("bf16,compute=float16,compute=bfloat16", ("compute is given twice",)),
 ])
 def test_policy_string_rejects(spec: str, needles: tuple[str, ...]) -> None:
     with pytest.raises(ValueError) as info:
