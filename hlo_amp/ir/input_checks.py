@@ -120,9 +120,10 @@ def attribute_problem(module: ir.Module) -> str | None:
             return (f"the module's {name} is not an integer ({_text(attributes, name)}); "
                     f"accepted: an integer attribute such as {name} = 8 : i32")
         # XLA aborts the process on a count below one (a failed CHECK, no message).
-        if name in attributes and ir.IntegerAttr(attributes[name]).value < 1:
-            return (f"the module's {name} is {ir.IntegerAttr(attributes[name]).value}; "
-                    f"accepted: a positive integer such as {name} = 8 : i32")
+        count = ir.IntegerAttr(attributes[name]).value if name in attributes else 1
+        if count < 1:
+            return (f"the module's {name} is {count}; accepted: a positive integer such "
+                    f"as {name} = 8 : i32")
     for index in range(len(attributes)):
         name = attributes[index].name
         if not _readable(lambda name=name: attributes[name]):

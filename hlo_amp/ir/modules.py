@@ -232,14 +232,9 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
 
 def _callees(module: ir.Module) -> dict[str, list[str]]:
     """Each function's ``func.call`` callees, by symbol name."""
-    calls: dict[str, list[str]] = {}
-    for fn in module.body.operations:
-        if fn.operation.name != "func.func":
-            continue
-        name = ir.StringAttr(fn.attributes["sym_name"]).value
-        calls[name] = [ir.FlatSymbolRefAttr(call.attributes["callee"]).value
-                       for call in walk_operations(fn, names=frozenset({"func.call"}))]
-    return calls
+    return {function_name(fn): [callee_name(call) for call in
+                                walk_operations(fn, names=frozenset({"func.call"}))]
+            for fn in functions(module)}
 
 
 def _raise_if(problem: str | None, source_name: str) -> None:

@@ -373,18 +373,19 @@ class Fp8StatefulFunction:
 
     def lower_for(self, target: Any, /, *args: Any, **kwargs: Any) -> Any:
         """``lower(*args, **kwargs)`` for the device ``target`` (None: this machine's)."""
+        history = self._zero_history(args, kwargs, target)
+        return self._inner.lower_for(target, history, *args, **kwargs)
+
+    def _zero_history(self, args: tuple, kwargs: dict, target: Any = None) -> jax.Array:
+        """An all-zero history of the width calls with these arguments take."""
         program, shapes, _ = self._signature(args, kwargs)
         columns, _ = self._columns(args, kwargs, program, shapes, target)
-        history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
-        return self._inner.lower_for(target, history, *args, **kwargs)
+        return jnp.zeros((self.policy.amax_history, columns), jnp.float32)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """The stateful function traced for these arguments, as ``lower`` lowers it:
         its jaxpr takes the history first and returns ``(outputs, history)``."""
-        program, shapes, _ = self._signature(args, kwargs)
-        columns, _ = self._columns(args, kwargs, program, shapes)
-        history = jnp.zeros((self.policy.amax_history, columns), jnp.float32)
-        traced = self._inner.trace(history, *args, **kwargs)
+        traced = self._inner.trace(self._zero_history(args, kwargs), *args, **kwargs)
         traced.export_refusal = (
             f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
             f"history between calls, so jax.export cannot export it (nor jax.jit of it); "

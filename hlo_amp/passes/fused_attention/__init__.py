@@ -88,15 +88,16 @@ class FusedAttention:
         loops = LoopCounts()
         runs = function_runs(module, loops)
         for fn in functions(module):
-            prefix = prefixes.get(function_name(fn), "")
+            name = function_name(fn)
+            prefix = prefixes.get(name, "")
             for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"})):
                 if is_discarded(op):
                     continue
-                found = self._site(view, op, prefix, obstacle, function_name(fn))
+                found = self._site(view, op, prefix, obstacle, name)
                 if found is None:
                     continue
                 site, planned, match = found
-                times = op_runs(runs, loops, function_name(fn), op).count
+                times = op_runs(runs, loops, name, op).count
                 if planned is not None:
                     try:
                         self._fuse(*planned, site.kernel_name)

@@ -281,10 +281,7 @@ class _Site(MaskReading, ExitReading):
                 continue
             if self._strip(op.operands[0], op_stack) != e:
                 continue
-            producer, _, p_stack = self.view.producer(op.operands[1], op_stack)
-            while producer is not None and producer.name in (
-                    "stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
-                producer, _, p_stack = self.view.producer(producer.operands[0], p_stack)
+            producer, p_stack = self._past_layout(op.operands[1], op_stack)
             if producer is not None and producer.name == "stablehlo.add" and any(
                     self._sum_of(v, p_stack, e) for v in producer.operands):
                 self.shifted_sum = True  # e / (sum(e) + eps): no softmax, but say so
@@ -303,13 +300,20 @@ class _Site(MaskReading, ExitReading):
             return op, dims[0]
         return None
 
-    def _sum_of(self, value: ir.Value, stack: Stack, e: tuple[ir.Value, Stack]) -> bool:
-        """Whether ``value`` is a sum of ``e`` over one axis, through broadcasts,
-        reshapes and converts."""
+    def _past_layout(self, value: ir.Value, stack: Stack
+                     ) -> tuple[ir.Operation | None, Stack]:
+        """The op that makes ``value``, seen through broadcasts, reshapes and converts
+        (None: an argument), and its stack."""
         producer, _, stack = self.view.producer(value, stack)
         while producer is not None and producer.name in (
                 "stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
             producer, _, stack = self.view.producer(producer.operands[0], stack)
+        return producer, stack
+
+    def _sum_of(self, value: ir.Value, stack: Stack, e: tuple[ir.Value, Stack]) -> bool:
+        """Whether ``value`` is a sum of ``e`` over one axis, through broadcasts,
+        reshapes and converts."""
+        producer, stack = self._past_layout(value, stack)
         return (producer is not None and producer.name == "stablehlo.reduce"
                 and _is_sum(producer) and self._strip(producer.operands[0], stack) == e)
 
