@@ -187,6 +187,14 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
         raise ModuleError(
             f"{source_name}: error: the input is empty; expected a StableHLO module"
         )
+    if isinstance(source, str) and "\0" in source:
+        # MLIR's lexer skips a NUL as blank: NULs alone read as an empty module, a NUL
+        # inside one drops a character unseen.
+        line = source.count("\n", 0, source.index("\0")) + 1
+        raise ModuleError(
+            f"{source_name}:{line}: error: not MLIR text (a NUL byte); accepted: StableHLO "
+            f"text (.mlir) or bytecode"
+        )
     portable = isinstance(source, bytes) and _is_portable(source)
     if isinstance(source, bytes):
         if portable:

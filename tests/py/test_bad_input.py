@@ -57,6 +57,12 @@ BAD_FILES: dict[str, tuple[bytes, tuple[str, ...]]] = {
     "truncated": (DOT[: len(DOT) // 2].encode(), (":", "error: ")),
     "unregistered_dialect": (UNREGISTERED.encode(), (":2:", "unregistered dialect")),
     "no_public_function": (NO_PUBLIC.encode(), ("no public func.func", "@main")),
+    # MLIR's lexer skips NULs: these read as a module with no function, and a NUL in a
+    # module dropped a character unseen.
+    "nul_bytes": (b"\x00\x00\x00", ("not MLIR text (a NUL byte)", "accepted")),
+    "nul_in_module": ("\n".join(line + "\x00" * (number == 1) for number, line in
+                                enumerate(DOT.split("\n"))).encode(),
+                      (":2: error: not MLIR text",)),
 }
 
 
