@@ -231,6 +231,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     text = "// -----\n".join(outputs)
     if device is not None:
         _mark_for_device(report, modules, device)
+    # A row's line tells the chunks of --split-input-file apart, and names the file.
+    report.name_parsed_buffer(source_name)
     _write_outputs(args, text, report.to_json() + "\n")
     for line in report.unused_rule_lines():  # a likely typo: as hlo_amp.compile warns
         print(f"hlo-amp-opt: warning: policy rule(s) {line}", file=sys.stderr)

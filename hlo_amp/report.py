@@ -128,6 +128,15 @@ class Report:
     # Every softmax attention found, fused or not (passes/fused_attention/).
     attention: list[AttentionSite] = field(default_factory=list)
 
+    def name_parsed_buffer(self, source_name: str) -> None:
+        """Write ``source_name`` for the ``-`` that jaxlib's bindings name a parsed text
+        buffer in its ops' locations (``-:7`` becomes ``in.mlir:7``)."""
+        def named(source: str | None) -> str | None:
+            return f"{source_name}{source[1:]}" if source and source.startswith("-:") else source
+
+        self.decisions = [replace(d, source=named(d.source)) for d in self.decisions]
+        self.attention = [replace(a, source=named(a.source)) for a in self.attention]
+
     def add(self, decision: Decision) -> int:
         """Append ``decision``; its index, which the pass marks its op with."""
         self.decisions.append(decision)

@@ -418,6 +418,21 @@ def test_split_input_file(tmp_path: Path) -> None:
     assert [d["function"] for d in report["decisions"]] == ["main", "second"]
 
 
+def test_split_input_file_rows_name_their_file_and_line(tmp_path: Path) -> None:
+    """An op without a location of its own was reported at ``-:2`` (the bindings' name
+    for a parsed buffer): the chunks' rows could not be told apart, nor the file."""
+    plain = re.sub(r' loc\("[^"]*"\)', "", MODULE)
+    path = _write(tmp_path, "two.mlir", plain + "// -----\n" + plain)
+    second_dot = plain.count("\n") + 1 + 2  # the marker's line, then the dot's
+    for args, name in (([path], str(path)), (["-"], "<stdin>")):
+        result = hlo_amp_opt(*args, "--split-input-file", "--report", "-",
+                             stdin=path.read_text() if args == ["-"] else None)
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stderr)
+        assert [d["source"] for d in report["decisions"]] == [f"{name}:2",
+                                                              f"{name}:{second_dot}"]
+
+
 def test_a_marker_at_the_end_splits_off_nothing(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """As mlir-opt takes it: a trailing ``// -----`` was an "input is empty" error."""
