@@ -121,13 +121,15 @@ def _groups(report: Report, depth: Any) -> dict[str, list[Decision]]:
     """Decisions by the first ``depth`` segments of their scope ("" for top level)."""
     deepest = max((len(_segments(d.scope)) for d in report.decisions), default=0)
     # Without any named scope depth 1 is still a question: its one row is the top level.
-    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1 or (
-            report.decisions and depth > max(deepest, 1)):
+    is_int = isinstance(depth, (int, np.integer)) and not isinstance(depth, bool)
+    if not is_int or depth < 1 or (report.decisions and depth > max(deepest, 1)):
         example = max((d.scope for d in report.decisions), key=lambda s: len(_segments(s)),
                       default="")
-        accepted = (f"1 to {deepest} (fn's deepest scope is {example!r})" if deepest
-                    else "an int >= 1 (fn's matrix ops have no named scope)")
-        raise ValueError(f"Unknown depth {depth!r}; accepted: {accepted}")
+        accepted = (f"an int from 1 to {deepest} (fn's deepest scope is {example!r})"
+                    if deepest else "an int >= 1 (fn's matrix ops have no named scope)")
+        # depth="1" read "Unknown depth '1'; accepted: 1 to 1": name the type it has.
+        given = repr(depth) if is_int else f"{depth!r} (a {type(depth).__name__})"
+        raise ValueError(f"Unknown depth {given}; accepted: {accepted}")
     groups: dict[str, list[Decision]] = {}
     for d in report.decisions:
         groups.setdefault("/".join(_segments(d.scope)[:int(depth)]), []).append(d)

@@ -373,8 +373,11 @@ def test_a_function_without_named_scopes_is_one_top_level_row():
 
 
 @pytest.mark.parametrize(("depth", "match"), [
-    (0, r"Unknown depth 0; accepted: 1 to 1"), (3, r"Unknown depth 3; accepted: 1 to 1"),
-    ("1", r"Unknown depth '1'"), (True, r"Unknown depth True")])
+    (0, r"Unknown depth 0; accepted: an int from 1 to 1"),
+    (3, r"Unknown depth 3; accepted: an int from 1 to 1"),
+    # A string read "accepted: 1 to 1" as if '1' were out of range: the type is named.
+    ("1", r"Unknown depth '1' \(a str\); accepted: an int"),
+    (True, r"Unknown depth True \(a bool\)"), (1.0, r"Unknown depth 1.0 \(a float\)")])
 def test_unknown_depth(depth, match):
     with pytest.raises(ValueError, match=match):
         hlo_amp.attribute(make_program(), "bf16", X, W, depth=depth)
