@@ -32,7 +32,9 @@ with jax 0.11.2, XLA:GPU's combined gather of three f32 weights named none), the
 of the instructions that read its result are kept, through its ``-done``,
 ``get-tuple-element``s, bitcasts, copies, converts and fusions without metadata: the
 ops that needed it (a
-combined reduce-scatter XLA made without metadata gets its readers', if they have any).
+combined reduce-scatter XLA made without metadata gets its readers', if they have any,
+and else those of the instructions that made its operands: the backward dots whose
+gradients it reduces).
 Where an operand is an argument of the step (through converts, copies, bitcasts and
 one-operand fusions), the argument's name is kept too (``params[0]``).
 """
@@ -223,7 +225,8 @@ class _CollectiveWalker(HloWalker):
         types = tuple(dict.fromkeys(a.dtype for a in larger))
         op_name = _OP_NAME.search(inst.attrs)
         name = op_name.group(1) if op_name else ""
-        scopes = _scopes(name) or self._reader_scopes(inst.name)
+        scopes = (_scopes(name) or self._reader_scopes(inst.name)
+                  or self._producer_scopes(inst.operands))
         source = _SOURCE.search(inst.attrs)
         return Collective(
             kind=kind, element_types=types, bytes=total, count=count,
@@ -263,6 +266,26 @@ class _CollectiveWalker(HloWalker):
                 elif reader.op in _RESULT_THROUGH or (op_name is None and
                                                       reader.op == "fusion"):
                     passed_on.append(reader.name)  # XLA:CPU's convert fusions: no metadata
+            frontier = passed_on
+        return tuple(found)
+
+    def _producer_scopes(self, names: list[str]) -> tuple[str, ...]:
+        """The user scopes of the instructions that made ``names``, looking back through
+        what only passes a value on (XLA:GPU's gradient reduce-scatter has no metadata
+        and feeds the optimizer's unscoped update: its operands come from the scoped
+        backward dots)."""
+        found: dict[str, None] = {}
+        frontier, seen = list(names), set(names)
+        for _ in range(6):
+            passed_on = []
+            for inst in (self.defs[n] for n in frontier if n in self.defs):
+                op_name = _OP_NAME.search(inst.attrs)
+                scopes = _scopes(op_name.group(1)) if op_name else ()
+                if scopes:
+                    found.update(dict.fromkeys(scopes))
+                elif inst.op in _RESULT_THROUGH or (op_name is None and inst.op == "fusion"):
+                    passed_on.extend(o for o in inst.operands if o not in seen)
+                    seen.update(inst.operands)
             frontier = passed_on
         return tuple(found)
 

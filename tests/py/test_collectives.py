@@ -231,6 +231,32 @@ def test_a_collective_without_scopes_has_its_readers(metadata: str) -> None:
     assert gather.parameters == ("w", "v") and gather.bytes == (256 * 64 + 128 * 32) * 4
 
 
+# XLA:GPU's gradient reduce-scatter (as for an FSDP step on h100x8): no metadata, read by
+# the optimizer's unscoped update; its operands come from the backward dots' results.
+GRADIENT_SCATTER = """\
+HloModule gpu_step
+
+ENTRY %main (x: f32[16,1024], d: f32[16,512], w: f32[256,512]) -> f32[256,512] {
+  %x = f32[16,1024]{1,0} parameter(0), metadata={op_name="x"}
+  %d = f32[16,512]{1,0} parameter(1), metadata={op_name="d"}
+  %w = f32[256,512]{1,0} parameter(2), metadata={op_name="w"}
+  %dw = (f32[1024,512]{1,0}, s8[4]{0}) custom-call(%x, %d), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/transpose(jvp(layer1))/dot_general"}
+  %g = f32[1024,512]{1,0} get-tuple-element(%dw), index=0
+  %g2 = f32[1024,512]{1,0} copy(%g)
+  %rs-start = ((f32[1024,512]{1,0}), f32[256,512]{1,0}) reduce-scatter-start(%g2), channel_id=9, replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true, dimensions={0}, to_apply=%add, metadata={scheduling_name="rs"}
+  %rs-done = f32[256,512]{1,0} reduce-scatter-done(%rs-start)
+  ROOT %new = f32[256,512]{1,0} subtract(%w, %rs-done), metadata={op_name="jit(step)/sub"}
+}
+"""
+
+
+def test_a_collective_without_scoped_readers_has_its_producers_scopes() -> None:
+    """Its scopes were empty (a reduce-scatter on h100x8: 'scopes': [])."""
+    (scatter,) = read_collectives(GRADIENT_SCATTER)
+    assert scatter.kind == "reduce-scatter" and scatter.scopes == ("layer1",)
+    assert scatter.bytes == 1024 * 512 * 4
+
+
 def test_collectives_sharing_a_channel_id_each_count() -> None:
     """XLA:GPU numbers a shard_map's collectives all ``channel_id=1``: two equal gathers
     at the top level are two collectives (only XLA:TPU's fused copies count once)."""
