@@ -635,7 +635,7 @@ class AmpFunction:
             else:
                 refuse_policy_on_device(self.policy, device)
                 original = lower_for_target(self._jitted, args, kwargs, device,
-                                            inner=self.fn)
+                                            inner=getattr(self.fn, "amp_inner", self.fn))
                 target = device
         lower_seconds = time.perf_counter() - start
         self._programs.lowerings += 1

@@ -119,6 +119,9 @@ class Fp8StatefulFunction:
             return fn(*args, **kwargs), marked
 
         stateful.__name__ = self.__name__
+        # A jax.jit step's shardings place its arguments when it is lowered for a
+        # target (AmpFunction._lower): the wrapper has none of its own.
+        stateful.amp_inner = fn  # type: ignore[attr-defined]
         # What a decorator gave beyond static and donated positions (eqx.filter_jit's
         # donate=, nnx.jit's graph modes) reaches the step behind the history.
         carried = None

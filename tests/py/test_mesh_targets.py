@@ -10,6 +10,7 @@ Tiny shapes throughout: every compile here takes about a second.
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -352,12 +353,16 @@ def test_cli_compiles_a_module_sharded_over_a_node(tmp_path: Path) -> None:
         "devices (h100x8, tpu-v5e:2x4)")]
 
 
-def test_a_jax_jit_with_shardings_compiles_for_a_target_as_its_peer() -> None:
+@pytest.mark.parametrize("policy", [
+    "bf16", "fp8,scaling=delayed,first_matrix_op=none,last_matrix_op=none"])
+def test_a_jax_jit_with_shardings_compiles_for_a_target_as_its_peer(policy: str) -> None:
     """hlo_amp.compile of a jax.jit given in_shardings and out_shardings, compiled for
     h100x8: its arguments are placed by its in_shardings, as compile_for_target's peer
     places them. They were replicated on the target's one-axis mesh: with out_shardings
     the compile failed (IndivisibleError), with in_shardings each GPU took the whole
-    weight (5.00 MiB of arguments against the peer's 0.75)."""
+    weight (5.00 MiB of arguments against the peer's 0.75). Under delayed scaling the
+    step is wrapped to carry its amax history: its shardings were missed so until
+    2026-11-29 (the history, replicated, comes first)."""
     mesh = hlo_amp.target_mesh("h100x8", {"fsdp": 4, "tp": 2})
 
     def step(w, x):
@@ -369,11 +374,18 @@ def test_a_jax_jit_with_shardings_compiles_for_a_target_as_its_peer() -> None:
     w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
     x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
     peer = hlo_amp.compile_for_target(jitted, w, x, target="h100x8").jax_compiled
-    ours = hlo_amp.compile(jitted, "bf16").lower(w, x, target="h100x8").compile().jax_compiled
-    for got, want in zip(jax.tree.leaves(ours.input_shardings),
-                         jax.tree.leaves(peer.input_shardings)):
+    ours = hlo_amp.compile(jitted, policy).lower(w, x, target="h100x8").compile().jax_compiled
+    inputs = jax.tree.leaves(ours.input_shardings)
+    history_bytes = 0
+    if "delayed" in policy:
+        history, *inputs = inputs
+        assert history.is_fully_replicated
+        history_bytes = math.prod(ours.in_avals[0][0].shape) * 4
+        assert history_bytes > 0  # the step's dots are fp8
+    assert len(inputs) == 2
+    for got, want in zip(inputs, jax.tree.leaves(peer.input_shardings)):
         assert got.is_equivalent_to(want, 2), (got, want)
     assert jax.tree.leaves(ours.output_shardings)[0].is_equivalent_to(
         jax.tree.leaves(peer.output_shardings)[0], 2)
-    assert (ours.memory_analysis().argument_size_in_bytes
+    assert (ours.memory_analysis().argument_size_in_bytes - history_bytes
             == peer.memory_analysis().argument_size_in_bytes)
