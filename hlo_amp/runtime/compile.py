@@ -476,6 +476,9 @@ class AmpFunction:
         def dispatched(*args: Any, **kwargs: Any) -> Any:
             return self._traced_call(args, kwargs, own_dispatch=True)
 
+        # jax.jit's errors name the function ("argument w of f"), not this closure.
+        dispatched.__name__ = self.__name__
+        dispatched.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         if signature is not None:
             # jax.jit donates an argument passed by keyword through the names it reads
             # from the signature (``*args, **kwargs`` has none).

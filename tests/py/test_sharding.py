@@ -360,3 +360,35 @@ def test_grad_through_auto_axes_on_an_explicit_mesh() -> None:
         assert isinstance(results[policy], list), results[policy]
         error, same_type = results[policy]
         assert error <= 2e-2 and same_type, (policy, results[policy])
+
+
+DEVICE_CLASH = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    import hlo_amp
+
+    def matmul(w, x):
+        return x @ w
+
+    w = jax.device_put(np.ones((8, 8), np.float32), jax.devices()[3])
+    x = jax.device_put(np.ones((4, 8), np.float32), jax.devices()[5])
+    results = {}
+    for name, fn in (("jit", jax.jit(matmul)), ("amp", hlo_amp.compile(matmul, "bf16"))):
+        try:
+            fn(w, x)
+            results[name] = "ran"
+        except ValueError as error:
+            results[name] = str(error)
+    print("RESULTS=" + json.dumps(results))
+""")
+
+
+def test_arguments_on_two_devices_are_refused_naming_the_function() -> None:
+    """As jax.jit: "Got argument w of matmul ..."; it named the dispatch's closure
+    ("argument w of AmpFunction.__init__.<locals>.dispatched")."""
+    from host_devices import run_on_host_devices
+
+    results = run_on_host_devices(DEVICE_CLASH)
+    assert "incompatible devices" in results["jit"], results
+    assert results["amp"] == results["jit"]
+    assert "argument w of matmul" in results["amp"]
