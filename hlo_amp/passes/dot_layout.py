@@ -51,7 +51,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.layouts import fenced, reshaped
-from hlo_amp.ir.modules import decision_of, discard, walk_operations
+from hlo_amp.ir.modules import decision_of, discard, walk_operations, with_element
+from hlo_amp.ir.shardings import is_partitioned
 from hlo_amp.ir.sites import location_name
 from hlo_amp.targets.cpu import (
     _MAX_PROVENANCE_DEPTH,
@@ -67,6 +68,10 @@ from hlo_amp.targets.cpu import (
 
 # The note a relaid dot gets in the report (details of the permutation follow it).
 RELAID = "dot relaid to the NT form [batch, m, k] x [batch, n, k] for XLA:CPU's bf16 path"
+# ... and the note of one computed in f32 instead, in a partitioned program.
+WIDENED = ("dot computed from f32 copies of its bf16 operands (XLA:CPU's f32 path): "
+           "relaying it for XLA:CPU's bf16 path would reshape values of a partitioned "
+           "program, whose shardings the reshapes drop")
 
 __all__ = ["FastDotLayout"]
 
@@ -117,6 +122,15 @@ class FastDotLayout:
                 todo.append((op, layout, provenance))
         memo.clear()
         shared: dict[tuple[Any, ...], ir.Value] = {}
+        if todo and is_partitioned(module):
+            # The NT form collapses dimensions and fences operands through 1-D reshapes:
+            # a sharded dimension merged into an unsharded one loses its sharding (an
+            # activation sharded on its sequence axis came back replicated). An f32 dot
+            # is what XLA:CPU runs for a layout YNNPACK refuses anyway, and it cannot
+            # meet the bf16 dot's run-time failure a transposed result brings.
+            for relaid in todo:
+                self._widen(relaid[0], shared, report)
+            return
         nt_dims: dict[int, ir.Attribute] = {}  # the NT dimension numbers per batch rank
         for op, layout, provenance in todo:
             # A dot relaid before this one may have put a reshape on an operand's
@@ -184,6 +198,20 @@ class FastDotLayout:
                 notes.append(f"result {list(out_shape)} -> {list(result_type.shape)}")
         if report is not None and hasattr(report, "note"):
             report.note(f"{RELAID} ({'; '.join(notes)})", decision, location_name(location))
+
+    @staticmethod
+    def _widen(op: hlo.DotGeneralOp, shared: dict[tuple[Any, ...], ir.Value],
+               report: Any) -> None:
+        """``op`` computed from f32 copies of its operands (one per value and block)."""
+        with op.location, ir.InsertionPoint(op):
+            f32 = ir.F32Type.get()
+            for index, value in enumerate(list(op.operands)[:2]):
+                key = (op.operation.block, value, "f32")
+                if key not in shared:
+                    shared[key] = hlo.convert(with_element(value.type, f32), value)
+                op.operands[index] = shared[key]
+        if report is not None and hasattr(report, "note"):
+            report.note(WIDENED, decision_of(op), location_name(op.location))
 
     @staticmethod
     def _nt_operand(
