@@ -35,12 +35,13 @@ from hlo_amp.ir.modules import (
     functions,
     is_discarded,
     mark_attention,
+    op_key,
     walk_operations,
 )
 from hlo_amp.ir.shardings import partition_count
 from hlo_amp.ir.sites import Site, asks_for_precision, location_name, site_of
 from hlo_amp.passes.fused_attention.calls import CallView
-from hlo_amp.passes.fused_attention.match import match_site
+from hlo_amp.passes.fused_attention.match import exponential_sources, match_site
 from hlo_amp.passes.fused_attention.rewrite import (
     Layout,
     bias_shape_of,
@@ -87,11 +88,13 @@ class FusedAttention:
         # a matrix op's decision does (they counted one, a quarter of four layers').
         loops = LoopCounts()
         runs = function_runs(module, loops)
+        # Only a matrix op an exponential follows can start a softmax attention.
+        sources = exponential_sources(view, module)
         for fn in functions(module):
             name = function_name(fn)
             prefix = prefixes.get(name, "")
             for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"})):
-                if is_discarded(op):
+                if is_discarded(op) or sources is not None and op_key(op) not in sources:
                     continue
                 found = self._site(view, op, prefix, obstacle, name)
                 if found is None:

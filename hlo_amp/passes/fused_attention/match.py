@@ -37,7 +37,7 @@ import math
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import op_key
+from hlo_amp.ir.modules import op_key, walk_operations
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
 from hlo_amp.passes.fused_attention.constants import splat_value
 from hlo_amp.passes.fused_attention.exits import ExitReading
@@ -601,6 +601,48 @@ def _is_sum(reduce: ir.Operation) -> bool:
     body = reduce.regions[0].blocks[0]
     names = [op.operation.name for op in body.operations]
     return names[:1] == ["stablehlo.add"]
+
+
+# How many values the walk back from one exponential may meet before it gives up (an
+# exponential of the residual stream reaches the whole program).
+_SOURCE_VALUES = 400
+
+
+def exponential_sources(view: CallView, module: ir.Module) -> set[int] | None:
+    """The op keys of the ``dot_general`` ops an exponential may follow: walking back from
+    every exponential through the ops the probe and the walk follow forward (a cluster's
+    ops, a barrier, tanh), into called functions and out to every caller of a function.
+    A scores matmul is among them (its softmax's exponential follows it so); most matrix
+    ops are not, and need no probe. None where a walk meets more than ``_SOURCE_VALUES``
+    values: then every matrix op is asked."""
+    sources: set[int] = set()
+    followed = CLUSTER_OPS | _NEAR_THROUGH
+    for exponential in walk_operations(module, names=frozenset({"stablehlo.exponential"})):
+        pending: list[tuple[ir.Value, Stack]] = [(exponential.operands[0], ())]
+        seen: set[tuple[ir.Value, Stack]] = set()
+        while pending:
+            value, stack = pending.pop()
+            if (value, stack) in seen:
+                continue
+            seen.add((value, stack))
+            if len(seen) > _SOURCE_VALUES:
+                return None
+            op, made, at = view.producer(value, stack)
+            if op is None:  # an argument: of a called function, every call's operand
+                owner = made.owner.owner
+                owner = getattr(owner, "operation", owner)
+                if owner is not None and owner.name == "func.func":
+                    name = ir.StringAttr(owner.attributes["sym_name"]).value
+                    pending.extend((call.operands[made.arg_number], ())
+                                   for call in view.callers.get(name, ()))
+                continue
+            if op.name == _DOT:
+                sources.add(op_key(op))
+            elif op.name == "stablehlo.optimization_barrier":
+                pending.append((op.operands[ir.OpResult(made).result_number], at))
+            elif op.name in followed:
+                pending.extend((operand, at) for operand in op.operands)
+    return sources
 
 
 def match_site(view: CallView, scores: ir.Operation) -> Match:
