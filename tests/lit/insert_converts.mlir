@@ -112,6 +112,35 @@ func.func @complex_dot(%a: tensor<2x4xcomplex<f32>>, %b: tensor<4x3xcomplex<f32>
 
 // -----
 
+// A complex convolution as jax lowers it (Gauss's trick: three real convolutions of the
+// parts, their results subtracted): left as written, as a complex op is. A convolution
+// of a part and a real weight is a real op, and computes in bf16.
+// CHECK-LABEL: func.func @complex_conv_parts
+// CHECK-NOT:     stablehlo.convert {{.*}}xbf16>
+// CHECK:         %[[K1:.*]] = stablehlo.convolution(%{{.*}}, %{{.*}}) {{.*}} : (tensor<1x2x4xf32>, tensor<2x2x1xf32>)
+// CHECK:         stablehlo.convolution({{.*}}) {{.*}} : (tensor<1x2x4xf32>, tensor<2x2x1xf32>)
+// CHECK:         stablehlo.convolution({{.*}}) {{.*}} : (tensor<1x2x4xf32>, tensor<2x2x1xf32>)
+// CHECK:         stablehlo.convolution({{.*}}) {{.*}} : (tensor<1x2x4xbf16>, tensor<2x2x1xbf16>)
+func.func @complex_conv_parts(%x: tensor<1x2x4xcomplex<f32>>, %y: tensor<2x2x1xcomplex<f32>>, %w: tensor<2x2x1xf32>) -> (tensor<1x2x4xcomplex<f32>>, tensor<1x2x4xf32>) {
+  %xr = stablehlo.real %x : (tensor<1x2x4xcomplex<f32>>) -> tensor<1x2x4xf32>
+  %xi = stablehlo.imag %x : (tensor<1x2x4xcomplex<f32>>) -> tensor<1x2x4xf32>
+  %yr = stablehlo.real %y : (tensor<2x2x1xcomplex<f32>>) -> tensor<2x2x1xf32>
+  %yi = stablehlo.imag %y : (tensor<2x2x1xcomplex<f32>>) -> tensor<2x2x1xf32>
+  %s = stablehlo.add %xr, %xi : tensor<1x2x4xf32>
+  %k1 = stablehlo.convolution(%s, %yr) dim_numbers = [b, f, 0]x[o, i, 0]->[b, f, 0], window = {stride = [1], pad = [[0, 0]], lhs_dilate = [1], rhs_dilate = [1]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<1x2x4xf32>, tensor<2x2x1xf32>) -> tensor<1x2x4xf32>
+  %d = stablehlo.subtract %yi, %yr : tensor<2x2x1xf32>
+  %k2 = stablehlo.convolution(%xr, %d) dim_numbers = [b, f, 0]x[o, i, 0]->[b, f, 0], window = {stride = [1], pad = [[0, 0]], lhs_dilate = [1], rhs_dilate = [1]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<1x2x4xf32>, tensor<2x2x1xf32>) -> tensor<1x2x4xf32>
+  %e = stablehlo.add %yr, %yi : tensor<2x2x1xf32>
+  %k3 = stablehlo.convolution(%xi, %e) dim_numbers = [b, f, 0]x[o, i, 0]->[b, f, 0], window = {stride = [1], pad = [[0, 0]], lhs_dilate = [1], rhs_dilate = [1]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<1x2x4xf32>, tensor<2x2x1xf32>) -> tensor<1x2x4xf32>
+  %re = stablehlo.subtract %k1, %k3 : tensor<1x2x4xf32>
+  %im = stablehlo.add %k1, %k2 : tensor<1x2x4xf32>
+  %c = stablehlo.complex %re, %im : tensor<1x2x4xcomplex<f32>>
+  %real = stablehlo.convolution(%xr, %w) dim_numbers = [b, f, 0]x[o, i, 0]->[b, f, 0], window = {stride = [1], pad = [[0, 0]], lhs_dilate = [1], rhs_dilate = [1]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (tensor<1x2x4xf32>, tensor<2x2x1xf32>) -> tensor<1x2x4xf32>
+  return %c, %real : tensor<1x2x4xcomplex<f32>>, tensor<1x2x4xf32>
+}
+
+// -----
+
 // Already bf16: nothing to do under "compute", nor under a 16-bit dtype (f16 operands
 // and result overflowed where bf16 accumulating to f32 did not: docs/policies.md).
 // CHECK-LABEL: func.func @bf16_dot
