@@ -349,8 +349,14 @@ class ProgramStore:
                 self.end_stacks[key] = end_stacks(module, self.policy)
             if program.backward_of is not None:
                 self._mark_backward(module, program.backward_of, exported)
-            warn_unused_rules(run_pipeline(module, self.policy,
-                                           target=platforms_target(exported.platforms)))
+            report = run_pipeline(module, self.policy,
+                                  target=platforms_target(exported.platforms))
+            if program.backward_of is None:
+                # A forward or jvp program holds no gradient op: backward= is for the
+                # backward program a jax.grad exports beside it ("matched no op" was
+                # warned where the rule applied).
+                report.rules_used.add("backward")
+            warn_unused_rules(report)
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
             self.exports[key if platforms is None else (key, platforms)] = exported

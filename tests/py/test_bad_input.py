@@ -296,6 +296,28 @@ def test_compile_report_lists_unused_rule() -> None:
     assert "unused rules: matched no op: scope:nothere" in str(report)
 
 
+def test_grad_of_a_compiled_function_warns_of_backward_only_where_no_gradient_op_is() -> None:
+    """jax.grad of a compiled function exports a forward program (no gradient op) and a
+    backward one; backward= applies in the backward program, yet the forward program
+    warned "matched no op: backward" (twice, under vmap of the grad too)."""
+    w, x = jnp.ones((8, 8)) * 0.1, jnp.ones((4, 8))
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) @ w)
+
+    amp = hlo_amp.compile(loss, "bf16,backward=keep")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = jax.grad(amp)(w, x)
+        jax.vmap(jax.grad(amp), in_axes=(None, 0))(w, x[None])
+    want = hlo_amp.compile(jax.grad(loss), "bf16,backward=keep")(w, x)
+    assert bool((got == want).all())  # the rule applied as it does to the whole step
+    # A gradient with no matrix op of its own (d/da of a * sum(tanh(x @ w))) still warns.
+    scaled = hlo_amp.compile(lambda a, x: a * jnp.sum(jnp.tanh(x @ w)), "bf16,backward=keep")
+    with pytest.warns(UserWarning, match=r"matched no op: backward"):
+        jax.grad(scaled)(2.0, x)
+
+
 # ---- shape polymorphism, zero-size tensors, f64 ------------------------------------------
 
 
