@@ -299,9 +299,13 @@ internals.primitive_jvps[amp_call_p] = _jvp
 
 
 def _not_transposable(cts: Any, *args: Any, program: Program) -> Any:
+    # Linear or not, the compiled call is one opaque primitive to jax: it cannot read
+    # off its transpose (it called a linear map "not linear").
     raise TypeError(
-        f"hlo_amp: {program.name} is not linear, so jax.linear_transpose cannot apply "
-        f"to it; compile the outer function instead (hlo_amp.compile(outer, policy))")
+        f"hlo_amp: jax.linear_transpose cannot transpose a call of the compiled "
+        f"{program.name}: jax sees it as one primitive without a transpose rule: compile "
+        f"the outer function instead (hlo_amp.compile(outer, policy)), or transpose the "
+        f"linear map jax.linearize(compiled, x)[1] returns")
 
 
 internals.primitive_transposes[amp_call_p] = _not_transposable

@@ -277,6 +277,12 @@ def test_unsupported_transform_error_is_one_clear_line():
     assert "\n" not in message
     assert "linear_transpose" in message and "project" in message
     assert "compile the outer function" in message
+    # project is linear: the message said "project is not linear"; it names the way
+    # that works, the map jax.linearize returns
+    assert "not linear" not in message and "jax.linearize" in message
+    _, linear = jax.linearize(hlo_amp.compile(project, "bf16"), _rand(1, (3, 8)))
+    (transposed,) = jax.linear_transpose(linear, _rand(1, (3, 8)))(jnp.ones((3, 4)))
+    assert transposed.shape == (3, 8)
 
 
 def test_host_callback_under_vmap_warns_and_runs_unchanged():
