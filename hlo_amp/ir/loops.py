@@ -263,6 +263,18 @@ def in_while(op: object) -> bool:
     return False
 
 
+def enclosing_loops(op: object) -> tuple[int, ...]:
+    """The ``stablehlo.while`` ops around ``op`` in its function, outermost first, as op
+    keys."""
+    loops = []
+    parent = op.operation.parent
+    while parent is not None and parent.name != "func.func":
+        if parent.name == WHILE:
+            loops.append(op_key(parent))
+        parent = parent.parent
+    return tuple(reversed(loops))
+
+
 # A loop whose results carry sharding attributes keeps its carries in the hoisting passes:
 # one more would need a sharding of its own.
 _SHARDING_ATTRIBUTES = ("sdy.sharding", "mhlo.sharding")

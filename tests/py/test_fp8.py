@@ -404,6 +404,63 @@ def test_ends_inside_a_scan_are_no_stem_or_head() -> None:
 
 
 
+def test_a_loop_around_the_whole_step_leaves_the_ends_their_rules() -> None:
+    """A loop that runs the whole step (the loss scaler's redo_on_nan, a scan over
+    microbatches accumulating gradients) makes no op a layer's: the stem and head stay
+    bf16. An end was dropped inside any loop, and both went fp8 with their gradients.
+    A scanned layer inside such a loop is still every layer's op: it stays fp8."""
+    import optax
+
+    key = jax.random.split(jax.random.key(0), 5)
+    params = {"stem": jax.random.normal(key[0], (16, 64)) / 4,
+              "mid": jax.random.normal(key[1], (64, 64)) / 8,
+              "head": jax.random.normal(key[2], (64, 32)) / 8}
+    x, y = jax.random.normal(key[3], (4, 128, 16)), jnp.arange(4 * 128).reshape(4, 128) % 32
+
+    def loss(p, x, y):
+        h = jax.nn.silu(jax.nn.silu(x @ p["stem"]) @ p["mid"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["head"], y).mean()
+
+    def accumulate(p, x, y):
+        zero = jax.tree.map(jnp.zeros_like, p)
+        step = lambda g, b: (jax.tree.map(jnp.add, g, jax.grad(loss)(p, *b)), None)
+        return jax.lax.scan(step, zero, (x, y))[0]
+
+    scaled = hlo_amp.dynamic_scale_value_and_grad(loss, redo_on_nan=1)
+
+    def redo(p, x, y):
+        return scaled(p, x[0], y[0], dynamic_scaler_state=hlo_amp.DynamicScalerState())
+
+    def plain(p, x, y):
+        return jax.grad(loss)(p, x[0], y[0])
+
+    def rules(fn, *args):
+        report = hlo_amp.compile(fn, "fp8").lower(*args).report()
+        return [(d.direction, d.rule, d.fp8) for d in report.decisions]
+
+    want = rules(plain, params, x, y)
+    assert [r for r in want if r[0] == "forward"] == [
+        ("forward", "first_matrix_op", False), ("forward", "op:dot_general", True),
+        ("forward", "last_matrix_op", False)]
+    assert rules(accumulate, params, x, y) == want
+    assert rules(redo, params, x, y) == want
+
+    # Layers scanned inside the microbatch loop: their dot is each layer's, fp8.
+    def layered(p, layers, x, y):
+        def one(p, x, y):
+            h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x @ p["stem"], layers)[0]
+            return optax.softmax_cross_entropy_with_integer_labels(h @ p["head"], y).mean()
+
+        step = lambda g, b: (g + jax.grad(one)(p, *b)["head"], None)
+        return jax.lax.scan(step, jnp.zeros_like(p["head"]), (x, y))[0]
+
+    layers = jax.random.normal(key[4], (3, 64, 64)) / 8
+    found = rules(layered, params, layers, x, y)
+    forward = sorted(r for r in found if r[0] == "forward")
+    assert forward == [("forward", "first_matrix_op", False), ("forward", "last_matrix_op", False),
+                       ("forward", "op:dot_general", True)], found
+
+
 def test_a_block_called_at_each_layer_has_its_own_first_and_last_call() -> None:
     """A jax.jit block called at every layer (a private function, one call-site name
     for all four calls): its first call is the program's first matrix op and its last

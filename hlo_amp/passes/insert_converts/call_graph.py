@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.loops import LoopCounts, Runs, in_while
+from hlo_amp.ir.loops import LoopCounts, Runs, enclosing_loops
 from hlo_amp.ir.modules import (
     SAME_VALUE_OPS,
     callee_name,
@@ -157,7 +157,7 @@ class CallGraph:
         found: EndStacks = {}
         for fn in public:
             order: list[tuple[tuple[str, int, str, CallPath], Any, str]] = []
-            looped: set[tuple[str, int, str, CallPath]] = set()
+            looped: dict[tuple[str, int, str, CallPath], tuple[int, ...]] = {}
             self._program_order(function_name(fn), "", order, (), looped)
             stacks = dict(given or {})
             forward, recomputed = [], []
@@ -173,10 +173,15 @@ class CallGraph:
             # only recomputed, in the backward pass (its ends had no rule at all).
             forward = forward or recomputed
             # An end inside a loop is every iteration's op (each scanned layer's), not a
-            # stem or a head: no rule for that end.
+            # stem or a head: no rule for that end. Loops around every forward matrix op
+            # run the whole step (the loss scaler's redo_on_nan, a scan accumulating
+            # gradients over microbatches): they make no op a layer's (the ends lost
+            # their rule there, and the stem and head went fp8).
+            whole = _common_prefix([looped.get(key, ()) for key, _, _ in forward])
             candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, forward[-1])
                           ) if forward else ()
-            ends = [(position, end) for position, end in candidates if end[0] not in looped]
+            ends = [(position, end) for position, end in candidates
+                    if len(looped.get(end[0], ())) == len(whole)]
             own: EndStacks = {}
             own_frames: dict[tuple[str, str, str], tuple[str, ...]] = {}
             end_stacks: dict[str, tuple[str, str, str]] = {}
@@ -224,21 +229,22 @@ class CallGraph:
 
     def _program_order(self, name: str, prefix: str,
                        out: list[tuple[tuple[str, int, str, CallPath], Any, str]],
-                       stack: tuple[str, ...], looped: set[tuple[str, int, str, CallPath]],
-                       in_loop: bool = False, path: CallPath = ()) -> None:
+                       stack: tuple[str, ...],
+                       looped: dict[tuple[str, int, str, CallPath], tuple[int, ...]],
+                       loops: tuple[int, ...] = (), path: CallPath = ()) -> None:
         """Matrix ops in program order into ``out``, keyed by function, index, prefix
-        and call path (a function called twice at one scope has each call's ops); the
-        keys of those that run inside a loop (a while body, or a function called from
-        one) into ``looped``."""
+        and call path (a function called twice at one scope has each call's ops); for
+        those that run inside loops (while bodies, or a function called from one), the
+        loops around them, outermost first, into ``looped``."""
         for index, (op, kind) in enumerate(self.ops_of(self.by_name[name])):
-            inside = in_loop or in_while(op)
+            around = loops + enclosing_loops(op)
             if kind is not None:
                 out.append(((name, index, prefix, path), op, kind))
-                if inside:
-                    looped.add((name, index, prefix, path))
+                if around:
+                    looped[(name, index, prefix, path)] = around
             elif callee_name(op) in self.by_name and callee_name(op) not in stack:
                 self._program_order(callee_name(op), self._callee_prefix(prefix, op), out,
-                                    stack + (name,), looped, inside, path + ((name, index),))
+                                    stack + (name,), looped, around, path + ((name, index),))
 
     def _instantiate(self, original: str) -> str:
         if original not in self.used_names:
@@ -261,6 +267,17 @@ def end_stacks(module: ir.Module, policy: Policy) -> EndStacks:
     for fn in functions(module):
         graph.by_name[function_name(fn)] = fn
     return graph.find_ends([fn for fn in functions(module) if is_public(fn)])
+
+
+def _common_prefix(tuples: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The longest tuple every one of ``tuples`` starts with (() for none)."""
+    if not tuples:
+        return ()
+    shortest = min(tuples, key=len)
+    for length in range(len(shortest), -1, -1):
+        if all(t[:length] == shortest[:length] for t in tuples):
+            return shortest[:length]
+    return ()
 
 
 def _operand_bases(op: Any) -> set[Any]:
