@@ -26,7 +26,7 @@ import contextvars
 import functools
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -215,6 +215,7 @@ class _State:
     frames: tuple[_Frame, ...] = ()
     path: Path = ()  # the segments the scoped calls in progress pushed
     owner: int | None = None  # id of the module whose call is innermost
+    caller: Any = None  # that module
 
 
 _STATE: contextvars.ContextVar[_State | None] = contextvars.ContextVar(
@@ -227,6 +228,13 @@ def _locate(state: _State, module: Any) -> tuple[Path | None, _Frame | None]:
     for frame in reversed(state.frames):
         rel = frame.paths.get(id(module))
         if rel is not None:
+            # A module held at several places (a projection shared by the root and its
+            # blocks) has one path in the frame, the first the framework's walk met
+            # (NNX's: in attribute-name order); called by a module that holds it, it
+            # takes the path through that module's own attribute.
+            held = _held_by(state.caller, module)
+            if held is not None:
+                return state.path + held, None
             return frame.base + rel, None
     kind = _kind(module)
     frames = [frame for frame in state.frames if frame.kind == kind]
@@ -252,6 +260,38 @@ def _locate(state: _State, module: Any) -> tuple[Path | None, _Frame | None]:
     return None, None
 
 
+def _held_by(caller: Any, module: Any, depth: int = 3) -> Path | None:
+    """The path of ``module`` among ``caller``'s attributes (through lists, tuples and
+    dicts, NNX's ``List`` and ``Dict`` among them), or None."""
+    if caller is None:
+        return None
+    try:
+        items = list(vars(caller).items())
+    except TypeError:
+        return None
+    return _held_in(items, module, depth)
+
+
+def _held_in(items: list[tuple[Any, Any]], module: Any, depth: int) -> Path | None:
+    for key, value in items:
+        if isinstance(key, str) and key.startswith("_pytree__"):
+            continue  # NNX's bookkeeping
+        if value is module:
+            return (_segment(key),)
+        if depth <= 0 or isinstance(value, (str, bytes)):
+            continue
+        if isinstance(value, Mapping):
+            inner = list(value.items())
+        elif isinstance(value, Sequence):
+            inner = list(enumerate(value))
+        else:
+            continue
+        below = _held_in(inner, module, depth - 1)
+        if below is not None:
+            return (_segment(key), *below)
+    return None
+
+
 def _scoped_call(call: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> Any:
     state = _STATE.get()
     if state is None or not state.frames or state.owner == id(module):
@@ -267,7 +307,7 @@ def _scoped_call(call: Callable[..., Any], module: Any, args: tuple, kwargs: dic
         if frame is not None:
             frame.base = path
     frames = state.frames + ((frame,) if frame is not None else ())
-    token = _STATE.set(_State(frames, path, id(module)))
+    token = _STATE.set(_State(frames, path, id(module), module))
     try:
         with contextlib.ExitStack() as scopes:
             for segment in push:

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -201,6 +202,45 @@ def test_nnx_submodule_called_from_the_root_gets_its_full_path() -> None:
     with hlo_amp.module_scopes(model):
         scopes = _forward_scopes(lambda x: model.blocks[1].attn(model.blocks[0].attn.q(x)), X)
     assert scopes == {"blocks/0/attn/q", "blocks/1/attn", "blocks/1/attn/q", "blocks/1/attn/k"}
+
+
+class _SharedBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, shared: nnx.Linear):
+        self.own = nnx.Linear(D, D, rngs=rngs)
+        self.shared = shared
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.shared(self.own(x))
+
+
+class _SharedProjection(nnx.Module):
+    """A projection the root calls and its blocks hold too: ``proj`` sorts after
+    ``blocks``, so NNX's walk meets it first at ``blocks/0/shared``."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.proj = nnx.Linear(D, D, rngs=rngs)
+        self.blocks = nnx.List([_SharedBlock(rngs, self.proj) for _ in range(2)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = block(x)
+        return self.proj(x)
+
+
+def test_nnx_shared_module_takes_the_path_its_caller_holds_it_at() -> None:
+    """Each call of a shared module is named through its caller's attribute. All took the
+    first path NNX's walk met: block 1's was blocks/1/blocks/0/shared, and the root's own
+    call of self.proj was blocks/0/shared (both rules naming them matched no op)."""
+    model = _SharedProjection(nnx.Rngs(0))
+    step, args = _nnx_step(model)
+    assert _forward_scopes(hlo_amp.module_scopes(model)(step), *args) == {
+        "blocks/0/own", "blocks/0/shared", "blocks/1/own", "blocks/1/shared", "proj"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both rules match
+        decisions = _decisions(hlo_amp.module_scopes(model)(step),
+                               "bf16,scope:/proj=keep,scope:blocks/1/shared=keep", *args)
+    kept = {d.scope for d in decisions if d.rule.startswith("scope:")}
+    assert kept == {"proj", "blocks/1/shared"}
 
 
 def test_nnx_bit_identical_under_jit_and_grad() -> None:
