@@ -48,6 +48,10 @@ Each entry and why we need it:
   capability checks jax makes while tracing are answered for the target
   (``cudnn_checks_answered``), since the public ``jax.nn.dot_product_attention`` cannot
   be lowered for a GPU this machine lacks.
+- ``checkify.error_checks`` and ``checkify.jaxpr_to_checkify_jaxpr`` (optional: looked up
+  with ``getattr``): ``checkify.checkify`` of a compiled function checks its program
+  rewritten, as it checks a ``jax.jit``'s jaxpr (runtime/amp_call.py); without them it
+  saw one opaque call and dropped every error inside.
 - ``nn.functions.cudnn_dot_product_attention`` and ``_dot_product_attention_xla``: what
   ``jax.nn.dot_product_attention(implementation="cudnn")`` calls, and jax's XLA attention;
   ``xla_attention_for_f32`` routes the first to the second for f32 arrays while
@@ -138,6 +142,16 @@ fancy_primitive_batchers = _needs(batching, "jax._src.interpreters.batching",
 # public convert_element_type makes every result strongly typed.
 convert_element_type = _needs(lax_internal, "jax._src.lax.lax", "_convert_element_type",
                               ("operand", "new_dtype", "weak_type"))
+
+# checkify's rules per primitive and its checked form of a jaxpr: ``checkify.checkify``
+# of a compiled function checks the rewritten program (runtime/amp_call.py). Optional:
+# where this jax lacks them, checkify sees the call as one opaque primitive, as before.
+try:
+    from jax._src import checkify as _checkify
+except ImportError:  # pragma: no cover - every supported jax has it
+    _checkify = None
+checkify_rules = getattr(_checkify, "error_checks", None)
+jaxpr_to_checkify_jaxpr = getattr(_checkify, "jaxpr_to_checkify_jaxpr", None)
 
 from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention
 from jax._src.nn import functions as _nn_functions

@@ -46,6 +46,9 @@ class ProgramOwner(Protocol):
     def record_residuals(self, program: Program, avals: AvalsKey, tree: Any,
                          residual_avals: tuple) -> None: ...
 
+    def checked_program(self, key: Any, avals: AvalsKey,
+                        make: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class BackwardOf:
@@ -309,6 +312,52 @@ def _not_transposable(cts: Any, *args: Any, program: Program) -> Any:
 
 
 internals.primitive_transposes[amp_call_p] = _not_transposable
+
+
+# ---- checkify: the program with its checks, rewritten -------------------------------------
+
+
+def _checked(program: Program, tag: Any, enabled_errors: Any, err_tree: Any,
+             avals: AvalsKey, errors: int) -> tuple[Any, Any]:
+    """``program.fn``'s jaxpr checked for ``enabled_errors``: it takes the error's leaves,
+    then the function's arguments, and returns ``(error, outputs)`` flat; and that tree.
+    Traced once per program and avals (the store keeps it): checkify numbers each error
+    as it is traced, and the error the rule returns must know the numbers the program
+    computes."""
+    def make() -> tuple[Any, Any]:
+        shapes = shape_structs(avals)
+        closed = jax.make_jaxpr(lambda *args: program.fn(*args))(*shapes[errors:])
+        error_avals = jax.make_jaxpr(lambda *leaves: leaves)(*shapes[:errors]).in_avals
+        checked, out_tree, _ = internals.jaxpr_to_checkify_jaxpr(
+            closed, enabled_errors, err_tree, *error_avals, *closed.in_avals)
+        return checked, out_tree
+
+    return program.owner.checked_program((tag, program.key), avals, make)
+
+
+def _run_checked(program: Program, tag: Any, enabled_errors: Any, err_tree: Any,
+                 errors: int, *values: Any) -> list:
+    checked, _ = _checked(program, tag, enabled_errors, err_tree, avals_key(values), errors)
+    return internals.eval_jaxpr(checked.jaxpr, checked.consts, *values)
+
+
+def _checkify(error: Any, enabled_errors: Any, *args: Any, program: Program) -> tuple:
+    """checkify's rule: the program with checkify's checks, exported and rewritten as
+    a program (it saw one opaque call: a NaN made inside was no error, and a
+    ``checkify.check`` inside raised "not functionalized")."""
+    err_vals, err_tree = jax.tree_util.tree_flatten(error)
+    tag = ("checkify", enabled_errors, err_tree)
+    values = (*err_vals, *args)
+    _, out_tree = _checked(program, tag, enabled_errors, err_tree, avals_key(values),
+                           len(err_vals))
+    checked = program.derive(
+        tag, functools.partial(_run_checked, program, tag, enabled_errors, err_tree,
+                               len(err_vals)), f"checkify({program.name})")
+    return jax.tree_util.tree_unflatten(out_tree, amp_call_p.bind(*values, program=checked))
+
+
+if internals.checkify_rules is not None and internals.jaxpr_to_checkify_jaxpr is not None:
+    internals.checkify_rules[amp_call_p] = _checkify
 
 
 # ---- amp_lin_p: the tangent map at a point -----------------------------------------------

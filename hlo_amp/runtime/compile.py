@@ -298,10 +298,13 @@ class ProgramStore:
         self.residual_trees: dict[Any, Any] = {}
         # per forward program's export (jax.grad's): its first and last matrix ops
         self.end_stacks: dict[Any, EndStacks] = {}
+        # checkify's checked jaxpr of a program and its output tree (amp_call.py)
+        self.checked: dict[Any, tuple[Any, Any]] = {}
         self.lowerings = 0
 
     def clear(self) -> None:
-        for cache in (self.exports, self.out_trees, self.residual_trees, self.end_stacks):
+        for cache in (self.exports, self.out_trees, self.residual_trees, self.end_stacks,
+                      self.checked):
             cache.clear()
 
     def tracing(self) -> Any:
@@ -414,6 +417,14 @@ class ProgramStore:
     def record_residuals(self, program: Program, avals: AvalsKey, tree: Any,
                          residual_avals: tuple) -> None:
         self.residual_trees[self._program_key(program, avals)] = (tree, residual_avals)
+
+    def checked_program(self, key: Any, avals: AvalsKey,
+                        make: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+        """checkify's checked form of the program ``key`` for ``avals``, made once."""
+        found = self.checked.get((key, avals, internals.program_context()))
+        if found is None:
+            found = self.checked[(key, avals, internals.program_context())] = make()
+        return found
 
 
 class AmpFunction:
