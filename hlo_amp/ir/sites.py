@@ -372,10 +372,14 @@ def operand_precisions(op: object) -> list[str] | None:
 
 def asks_for_precision(op: object) -> str | None:
     """What the program asked for when it pinned this op's precision, else None:
-    HIGHEST on both operands, or an explicit dot algorithm."""
+    HIGHEST on an operand, or an explicit dot algorithm. XLA computes a dot at its
+    operands' highest precision (f32, no TF32, where one asks for HIGHEST): jax writes
+    ``(HIGHEST, DEFAULT)`` where the other operand is exact in any precision
+    (``conv_general_dilated_patches``' one-hot filter, behind ``toeplitz``), and under
+    a rule for both operands such a copy of the data came out rounded to bf16."""
     entries = operand_precisions(op)
     if entries is None:
         return "an explicit dot algorithm"
-    if entries and all("HIGHEST" in entry for entry in entries):
+    if any("HIGHEST" in entry for entry in entries):
         return "HIGHEST precision"
     return None
