@@ -176,9 +176,18 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target,
     # (without it every such program failed here with "cuDNN not found").
     capability = getattr(target, "compute_capability", None)
     with scope, cudnn_checks_answered(capability, DEVICELESS_CUDNN):
-        args, kwargs = abstract_arguments(
+        placed_args, placed_kwargs = abstract_arguments(
             (args, kwargs), target,
             placed_by_jit=_has_in_shardings(jitted) or _has_shardings(inner))
+        # Static arguments stay what they are: a Python number made an abstract scalar
+        # reached the function (train=False as a ShapeDtypeStruct: "len() of unsized
+        # object").
+        info = jit_info(jitted)
+        static = {n if n >= 0 else n + len(args) for n in getattr(info, "static_argnums", ())}
+        names = set(getattr(info, "static_argnames", ()))
+        args = tuple(arg if n in static else placed for n, (arg, placed) in
+                     enumerate(zip(args, placed_args)))
+        kwargs = {k: kwargs[k] if k in names else placed_kwargs[k] for k in kwargs}
         traced = jitted.trace(*args, **kwargs)
         try:
             return traced.lower(lowering_platforms=(target.platform,))

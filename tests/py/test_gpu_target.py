@@ -493,3 +493,28 @@ def test_a_host_callback_compiled_for_a_gpu_without_one_is_named(callback) -> No
     with pytest.raises(ValueError, match=r"f calls back into Python .*compiled for h100 "
                                          r"without one it cannot be"):
         hlo_amp.compile(f, "bf16").lower(x, w, target="h100")
+
+
+def test_static_arguments_reach_the_function_as_they_are() -> None:
+    """A static argument (a Python number, a shape tuple, a flag) compiled for a target
+    reaches the function unchanged, as under jax.jit: it was made an abstract scalar like
+    every other Python number, and the function failed (train=False: "len() of unsized
+    object"; a shape: "Shapes must be 1D sequences of concrete values")."""
+    w, x = jnp.ones((64, 64)), jnp.ones((32, 64))
+
+    def step(w, x, scale, shape, train=True):
+        y = jnp.tanh(x @ w) * scale
+        return (y.reshape(shape) if train else y).sum()
+
+    jitted = jax.jit(step, static_argnums=(2, 3), static_argnames=("train",))
+    peer = hlo_amp.compile_for_target(jitted, w, x, 3, (4, 8, 64), train=False, target="h100")
+    assert peer.memory_analysis() is not None
+    for target in ("h100", "tpu-v5e"):
+        amp = hlo_amp.compile(step, "bf16", static_argnums=(2, 3), static_argnames=("train",))
+        for train in (True, False):
+            compiled = amp.lower(w, x, 3, (4, 8, 64), train=train, target=target).compile()
+            assert compiled.report().decisions  # the dot was traced and rewritten
+        # negative static positions count from the end, as jax.jit's do
+        negative = hlo_amp.compile(lambda w, x, n: (x @ w).sum() * n, "bf16",
+                                   static_argnums=(-1,))
+        assert negative.lower(w, x, 2, target=target).compile().report().decisions
