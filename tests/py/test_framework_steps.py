@@ -910,7 +910,11 @@ step = hlo_amp.compile(train_step, "bf16,scope:head=float32")
 model, optimizer = create(mesh)
 report = step.lower(model, optimizer, x, y).report()
 results["head_f32"] = all(not d.low_precision for d in report.decisions if d.scope == "head")
-results["others_bf16"] = all(d.low_precision for d in report.decisions if d.op_kind == "dot_general" and d.scope != "head")
+# (a dot XLA:CPU takes in bf16 only relaid is computed in f32 in a partitioned program:
+# passes/dot_layout.py)
+results["others_bf16"] = all(d.low_precision or any(n.startswith("dot computed from f32") for n in d.notes)
+                             for d in report.decisions if d.op_kind == "dot_general" and d.scope != "head")
+results["some_bf16"] = any(d.low_precision for d in report.decisions if d.scope != "head")
 results["scopes"] = sorted({d.scope for d in report.decisions})
 print(json.dumps(results))
 ''')
@@ -934,7 +938,7 @@ def test_nnx_guide_step_on_a_data_model_mesh_of_8_host_devices(tmp_path):
         assert results[name]["count"] == 3  # one dropout draw per step, written back
     np.testing.assert_allclose(results["bf16"]["losses"], results["nnx.jit"]["losses"],
                                rtol=5e-2)
-    assert results["head_f32"] and results["others_bf16"]
+    assert results["head_f32"] and results["others_bf16"] and results["some_bf16"]
     assert results["scopes"] == ["fc1", "fc2", "head"]  # module paths, no wrapper
 
 

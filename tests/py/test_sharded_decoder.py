@@ -88,8 +88,12 @@ SCRIPT = textwrap.dedent("""
             runs[mode, where] = (losses, [np.asarray(x) for x in jax.tree.leaves(p)])
             if mode != "f32":
                 decisions = fn.lower(*inputs[where]).report().decisions
+                # A dot XLA:CPU takes in bf16 only relaid is computed in f32 in a
+                # partitioned program (passes/dot_layout.py): "widened".
                 results[f"{mode}/{where}/dots"] = [
-                    list(d.operands_after) for d in decisions if d.op_kind == "dot_general"]
+                    ["widened"] if any(n.startswith("dot computed from f32") for n in d.notes)
+                    else list(d.operands_after)
+                    for d in decisions if d.op_kind == "dot_general"]
 
     initial = [np.asarray(x) for x in jax.tree.leaves(params)]
 
@@ -168,4 +172,6 @@ def test_report_shows_matrix_ops_in_bf16(results: dict, policy: str) -> None:
     sharded, unsharded = results[f"{policy}/sharded/dots"], results[f"{policy}/unsharded/dots"]
     # 2 layers x 9 forward matmuls + the head, each with two backward ones at most.
     assert len(sharded) >= 19 and len(sharded) == len(unsharded), (len(sharded), unsharded)
-    assert all(operands == ["bf16", "bf16"] for operands in sharded), sharded
+    assert all(operands in (["bf16", "bf16"], ["widened"]) for operands in sharded), sharded
+    assert sharded.count(["bf16", "bf16"]) >= len(sharded) // 3, sharded
+    assert all(operands == ["bf16", "bf16"] for operands in unsharded), unsharded
