@@ -25,7 +25,11 @@ FREE = frozenset({
     "async-done", "async-update", "fusion-update", "fusion-done",
     # An async collective's kernel is its start (its result read from the done's).
     "all-gather-done", "all-reduce-done", "collective-permute-done", "reduce-scatter-done",
+    # So is an async copy's or slice's (XLA:TPU's prefetch into VMEM): the done waits.
+    "copy-done", "slice-done",
 })
+# XLA:TPU's concatenation of the slices it prefetched into one VMEM buffer: a bitcast.
+_BITCAST_CALL = 'custom_call_target="ConcatBitcast"'
 _SIZES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
           "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25, "token": 0}
@@ -187,7 +191,7 @@ class HloWalker:
 
     def walk(self, computation: str, count: int, out: list[Any]) -> None:
         for inst in self.computations.get(computation, []):
-            if inst.op in FREE:
+            if inst.op in FREE or (inst.op == "custom-call" and _BITCAST_CALL in inst.attrs):
                 continue
             if inst.op == "while":
                 trips = inst.backend_config().get("known_trip_count", {}).get("n")

@@ -156,3 +156,46 @@ def test_recorded_command_leaves_out_where_results_were_written() -> None:
     assert recorded_command(["--device", "h100-aot", "--out", "/tmp/x", "--stress-layers", "0"]
                             ) == "python -m benchmarks.run --device h100-aot --stress-layers 0"
     assert recorded_command(["--out=/tmp/x", "--quick"]) == "python -m benchmarks.run --quick"
+
+
+# XLA:TPU's prefetches into VMEM (S(1)): a copy of a whole array and slices of another,
+# each with its done, then a fusion reading the copies.
+TPU_PREFETCH = """\
+HloModule tpu_step
+
+%add (a: f32[512,2048], b: f32[512,2048]) -> f32[512,2048] {
+  %a = f32[512,2048]{1,0} parameter(0)
+  %b = f32[512,2048]{1,0} parameter(1)
+  ROOT %s = f32[512,2048]{1,0} add(%a, %b)
+}
+
+ENTRY %main (x: f32[4096,2048], w: f32[2048,2048]) -> f32[512,2048] {
+  %x = f32[4096,2048]{1,0:T(8,128)} parameter(0)
+  %w = f32[2048,2048]{1,0:T(8,128)} parameter(1)
+  %copy-start = (f32[4096,2048]{1,0:T(8,128)S(1)}, f32[4096,2048]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%x), cross_program_prefetch_index=0
+  %copy-done = f32[4096,2048]{1,0:T(8,128)S(1)} copy-done(%copy-start)
+  %slice-start = ((f32[2048,2048]{1,0:T(8,128)}), f32[512,2048]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:512], [0:2048]}
+  %slice-done = f32[512,2048]{1,0:T(8,128)S(1)} slice-done(%slice-start)
+  %slice-start.1 = ((f32[2048,2048]{1,0:T(8,128)}), f32[512,2048]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[512:1024], [0:2048]}
+  %slice-done.1 = f32[512,2048]{1,0:T(8,128)S(1)} slice-done(%slice-start.1)
+  %joined = f32[1024,2048]{1,0:T(8,128)S(1)} custom-call(%slice-done, %slice-done.1), custom_call_target="ConcatBitcast"
+  %top = f32[512,2048]{1,0} slice(%copy-done), slice={[0:512], [0:2048]}
+  %half = f32[512,2048]{1,0} slice(%joined), slice={[0:512], [0:2048]}
+  ROOT %sum = f32[512,2048]{1,0} fusion(%top, %half), kind=kLoop, calls=%add
+}
+"""
+
+
+def test_an_async_prefetch_is_one_read_of_what_it_moves() -> None:
+    """A copy-start reads its array once and a slice-start its slice; their dones launch
+    nothing. Each half was charged its operand and its whole result tuple (the source
+    again): 192 MiB for a 32 MiB copy, and mixed_bfloat16 ranked slower than f32 on
+    TPU v5e (a 2048-wide MLP step: 2,040 against 1,589 us; now 954 us both, 400 against
+    512 MiB)."""
+    result = estimate(TPU_PREFETCH, "tpu-v5e")
+    by_op = {k.op: k for k in result.kernels}
+    assert "copy-done" not in by_op and "slice-done" not in by_op
+    # ... and XLA:TPU's ConcatBitcast of the prefetched slices is a bitcast
+    assert "custom-call" not in by_op
+    assert by_op["copy-start"].bytes == 4096 * 2048 * 4
+    assert by_op["slice-start"].bytes == 512 * 2048 * 4
