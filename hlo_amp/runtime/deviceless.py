@@ -188,7 +188,18 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target,
         args = tuple(arg if n in static else placed for n, (arg, placed) in
                      enumerate(zip(args, placed_args)))
         kwargs = {k: kwargs[k] if k in names else placed_kwargs[k] for k in kwargs}
-        traced = jitted.trace(*args, **kwargs)
+        try:
+            traced = jitted.trace(*args, **kwargs)
+        except RuntimeError as error:
+            if capability is not None or "cuDNN" not in str(error):
+                raise
+            # jax's own check of cuDNN attention, made while tracing: on a TPU it said
+            # only "cuDNN not found".
+            raise ValueError(
+                f"{getattr(jitted, '__name__', 'the function')} calls cuDNN "
+                f"(jax.nn.dot_product_attention(implementation='cudnn')), which runs on "
+                f"NVIDIA GPUs only; compiled for {target.name} it cannot be: use "
+                f"implementation='xla' or None there ({error})") from None
         try:
             return traced.lower(lowering_platforms=(target.platform,))
         except RuntimeError as error:

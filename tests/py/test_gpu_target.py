@@ -518,3 +518,18 @@ def test_static_arguments_reach_the_function_as_they_are() -> None:
         negative = hlo_amp.compile(lambda w, x, n: (x @ w).sum() * n, "bf16",
                                    static_argnums=(-1,))
         assert negative.lower(w, x, 2, target=target).compile().report().decisions
+
+
+def test_cudnn_attention_compiled_for_a_tpu_says_it_needs_a_gpu() -> None:
+    """jax checks cuDNN while it traces implementation="cudnn"; for a TPU target that
+    check said only "cuDNN not found"."""
+    q = jnp.ones((2, 16, 4, 64), jnp.bfloat16)
+
+    def attend(q):
+        return jax.nn.dot_product_attention(q, q, q, implementation="cudnn")
+
+    for lower in (lambda: hlo_amp.compile(attend, "bf16").lower(q, target="tpu-v5e"),
+                  lambda: hlo_amp.compile_for_target(attend, q, target="tpu-v5e")):
+        with pytest.raises(ValueError, match=r"attend calls cuDNN .*NVIDIA GPUs only; "
+                                             r"compiled for tpu-v5e it cannot be"):
+            lower()
