@@ -92,18 +92,22 @@ _COMPLEX_PARTS = frozenset({"stablehlo.real", "stablehlo.imag"})
 def _complex_product_part(op: Any) -> bool:
     """Whether both operands of ``op`` are real or imaginary parts of complex values, or
     a sum or difference of two such parts (Gauss's trick: ``(re + im) * re``)."""
-    def part(value: ir.Value, sums: bool) -> bool:
-        owner = value.owner
-        if not isinstance(owner, ir.Operation) and not hasattr(owner, "operation"):
-            return False  # a block argument
-        owner = getattr(owner, "operation", owner)
-        if owner.name in _COMPLEX_PARTS:
-            return True
-        return sums and owner.name in ("stablehlo.add", "stablehlo.subtract") and all(
-            part(v, False) for v in owner.operands)
-
     operands = list(op.operands)[:2]
-    return len(operands) == 2 and all(part(v, True) for v in operands)
+    return len(operands) == 2 and all(_complex_part(v, sums=True) for v in operands)
+
+
+def _complex_part(value: ir.Value, sums: bool) -> bool:
+    """Whether ``value`` is a real or imaginary part (or, with ``sums``, a sum or
+    difference of two). Module level: a nested recursive function is a reference cycle
+    per call, garbage the passes must not leave (tests/py/test_pass_cost.py)."""
+    owner = value.owner
+    if not isinstance(owner, ir.Operation) and not hasattr(owner, "operation"):
+        return False  # a block argument
+    owner = getattr(owner, "operation", owner)
+    if owner.name in _COMPLEX_PARTS:
+        return True
+    return sums and owner.name in ("stablehlo.add", "stablehlo.subtract") and all(
+        _complex_part(v, sums=False) for v in owner.operands)
 
 
 class TypeNames:
