@@ -48,8 +48,8 @@ Each entry and why we need it:
   capability checks jax makes while tracing are answered for the target
   (``cudnn_checks_answered``), since the public ``jax.nn.dot_product_attention`` cannot
   be lowered for a GPU this machine lacks.
-- ``checkify.error_checks`` and ``checkify.jaxpr_to_checkify_jaxpr`` (optional: looked up
-  with ``getattr``): ``checkify.checkify`` of a compiled function checks its program
+- ``checkify.error_checks``, ``checkify.jaxpr_to_checkify_jaxpr``, ``init_error``,
+  ``update_error`` and ``next_code`` (optional: looked up with ``getattr``): ``checkify.checkify`` of a compiled function checks its program
   rewritten, as it checks a ``jax.jit``'s jaxpr (runtime/amp_call.py); without them it
   saw one opaque call and dropped every error inside.
 - ``nn.functions.cudnn_dot_product_attention`` and ``_dot_product_attention_xla``: what
@@ -152,6 +152,9 @@ except ImportError:  # pragma: no cover - every supported jax has it
     _checkify = None
 checkify_rules = getattr(_checkify, "error_checks", None)
 jaxpr_to_checkify_jaxpr = getattr(_checkify, "jaxpr_to_checkify_jaxpr", None)
+checkify_init_error = getattr(_checkify, "init_error", None)  # the empty error
+checkify_update_error = getattr(_checkify, "update_error", None)  # first error wins
+checkify_next_code = getattr(_checkify, "next_code", None)  # errors numbered as traced
 
 from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention
 from jax._src.nn import functions as _nn_functions

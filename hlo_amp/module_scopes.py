@@ -228,6 +228,10 @@ def _locate(state: _State, module: Any) -> tuple[Path | None, _Frame | None]:
     for frame in reversed(state.frames):
         rel = frame.paths.get(id(module))
         if rel is not None:
+            path = frame.base + rel
+            if _holds_at(state.caller, path[len(state.path):], module) and (
+                    path[:len(state.path)] == state.path):
+                return path, None  # the caller's own child, at its path
             # A module held at several places (a projection shared by the root and its
             # blocks) has one path in the frame, the first the framework's walk met
             # (NNX's: in attribute-name order); called by a module that holds it, it
@@ -235,7 +239,7 @@ def _locate(state: _State, module: Any) -> tuple[Path | None, _Frame | None]:
             held = _held_by(state.caller, module)
             if held is not None:
                 return state.path + held, None
-            return frame.base + rel, None
+            return path, None
     kind = _kind(module)
     frames = [frame for frame in state.frames if frame.kind == kind]
     if not frames:
@@ -258,6 +262,23 @@ def _locate(state: _State, module: Any) -> tuple[Path | None, _Frame | None]:
             path = state.path
         return path, _Frame.of(kind, module, path, model=False, modules=own)
     return None, None
+
+
+def _holds_at(caller: Any, path: Path, module: Any) -> bool:
+    """Whether ``module`` is ``caller``'s attribute ``path[0]``, or sits at ``path[1:]``
+    in the lists, tuples and dicts that attribute holds (no module between)."""
+    if caller is None or not path:
+        return False
+    node = getattr(caller, path[0], None)
+    for segment in path[1:]:
+        if isinstance(node, Mapping):
+            node = node.get(segment)
+        elif (isinstance(node, Sequence) and not isinstance(node, (str, bytes))
+              and segment.isdigit() and int(segment) < len(node)):
+            node = node[int(segment)]
+        else:
+            return False
+    return node is module
 
 
 def _held_by(caller: Any, module: Any, depth: int = 3) -> Path | None:

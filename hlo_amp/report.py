@@ -136,6 +136,7 @@ class Report:
 
         self.decisions = [replace(d, source=named(d.source)) for d in self.decisions]
         self.attention = [replace(a, source=named(a.source)) for a in self.attention]
+        self.notes = [named(n) for n in self.notes]  # an op's note without a decision
 
     def add(self, decision: Decision) -> int:
         """Append ``decision``; its index, which the pass marks its op with."""

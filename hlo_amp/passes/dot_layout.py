@@ -34,7 +34,11 @@ around a reduce_window that scans a major dimension (``jnp.cumsum(x, 0)``,
 result as a permuted operand of the dot that reads it (``is_major_scan``; before, the
 bf16 dot failed at run time).
 
-The dot keeps its result type, location and precision: only the layout of its operands
+In a partitioned module the relay's reshapes would merge sharded dimensions (and lose
+their shardings), so there the same dots are computed from f32 copies of their operands
+instead (``WIDENED``), as XLA:CPU computes a dot its bf16 kernel does not take.
+
+Relaid, the dot keeps its result type, location and precision: only the layout of its operands
 changes, so the products and the f32 accumulation are the same and the result differs
 from XLA's upcast-to-f32 kernel only by summation order. See
 ``benchmarks/DOT_LAYOUT.md``: on CPUs without native bf16 arithmetic (no AVX512-BF16 or

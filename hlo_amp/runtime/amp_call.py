@@ -317,46 +317,57 @@ internals.primitive_transposes[amp_call_p] = _not_transposable
 # ---- checkify: the program with its checks, rewritten -------------------------------------
 
 
-def _checked(program: Program, tag: Any, enabled_errors: Any, err_tree: Any,
-             avals: AvalsKey, errors: int) -> tuple[Any, Any]:
-    """``program.fn``'s jaxpr checked for ``enabled_errors``: it takes the error's leaves,
-    then the function's arguments, and returns ``(error, outputs)`` flat; and that tree.
-    Traced once per program and avals (the store keeps it): checkify numbers each error
-    as it is traced, and the error the rule returns must know the numbers the program
+def _checked(program: Program, enabled_errors: Any, avals: AvalsKey) -> tuple[Any, Any]:
+    """``program.fn``'s jaxpr checked for ``enabled_errors`` from the empty error: it takes
+    the function's arguments and returns ``(error, outputs)`` flat; and that tree. Traced
+    once per program and avals (the store keeps it): checkify numbers each error as it
+    is traced, and the error the rule returns must know the numbers the program
     computes."""
     def make() -> tuple[Any, Any]:
-        shapes = shape_structs(avals)
-        closed = jax.make_jaxpr(lambda *args: program.fn(*args))(*shapes[errors:])
-        error_avals = jax.make_jaxpr(lambda *leaves: leaves)(*shapes[:errors]).in_avals
+        closed = jax.make_jaxpr(lambda *args: program.fn(*args))(*shape_structs(avals))
+        empty = jax.tree_util.tree_structure(internals.checkify_init_error)
         checked, out_tree, _ = internals.jaxpr_to_checkify_jaxpr(
-            closed, enabled_errors, err_tree, *error_avals, *closed.in_avals)
+            closed, enabled_errors, empty, *closed.in_avals)
         return checked, out_tree
 
-    return program.owner.checked_program((tag, program.key), avals, make)
+    return program.owner.checked_program((("checkify", enabled_errors), program.key),
+                                         avals, make)
 
 
-def _run_checked(program: Program, tag: Any, enabled_errors: Any, err_tree: Any,
-                 errors: int, *values: Any) -> list:
-    checked, _ = _checked(program, tag, enabled_errors, err_tree, avals_key(values), errors)
+def _run_checked(program: Program, enabled_errors: Any, *values: Any) -> list:
+    checked, _ = _checked(program, enabled_errors, avals_key(values))
     return internals.eval_jaxpr(checked.jaxpr, checked.consts, *values)
 
 
 def _checkify(error: Any, enabled_errors: Any, *args: Any, program: Program) -> tuple:
     """checkify's rule: the program with checkify's checks, exported and rewritten as
     a program (it saw one opaque call: a NaN made inside was no error, and a
-    ``checkify.check`` inside raised "not functionalized")."""
-    err_vals, err_tree = jax.tree_util.tree_flatten(error)
-    tag = ("checkify", enabled_errors, err_tree)
-    values = (*err_vals, *args)
-    _, out_tree = _checked(program, tag, enabled_errors, err_tree, avals_key(values),
-                           len(err_vals))
-    checked = program.derive(
-        tag, functools.partial(_run_checked, program, tag, enabled_errors, err_tree,
-                               len(err_vals)), f"checkify({program.name})")
-    return jax.tree_util.tree_unflatten(out_tree, amp_call_p.bind(*values, program=checked))
+    ``checkify.check`` inside raised "not functionalized"). The program starts from the
+    empty error, so one export serves every call; its error joins the incoming one
+    here, the incoming first, as checkify keeps the first error."""
+    _, out_tree = _checked(program, enabled_errors, avals_key(args))
+    checked = program.derive(("checkify", enabled_errors),
+                             functools.partial(_run_checked, program, enabled_errors),
+                             f"checkify({program.name})")
+    found, outs = jax.tree_util.tree_unflatten(out_tree, amp_call_p.bind(*args,
+                                                                         program=checked))
+    # checkify reports the failed check of the lowest number, numbers given as it traces:
+    # the program's were given when it was first traced, so they are numbered again
+    # here, after the checks traced before this call and before those after it.
+    numbers = {old: internals.checkify_next_code() for old in sorted(found._metadata)}
+    metadata = {numbers[old]: tree for old, tree in found._metadata.items()}
+    for effect, failed in found._pred.items():
+        code = found._code[effect]
+        for old, new in numbers.items():
+            code = jnp.where(code == old, new, code)
+        error = internals.checkify_update_error(error, failed, code, metadata,
+                                                found._payload[effect], effect)
+    return error, outs
 
 
-if internals.checkify_rules is not None and internals.jaxpr_to_checkify_jaxpr is not None:
+if None not in (internals.checkify_rules, internals.jaxpr_to_checkify_jaxpr,
+                internals.checkify_init_error, internals.checkify_update_error,
+                internals.checkify_next_code):
     internals.checkify_rules[amp_call_p] = _checkify
 
 

@@ -354,10 +354,12 @@ class ProgramStore:
                 self._mark_backward(module, program.backward_of, exported)
             report = run_pipeline(module, self.policy,
                                   target=platforms_target(exported.platforms))
-            if program.backward_of is None:
-                # A forward or jvp program holds no gradient op: backward= is for the
-                # backward program a jax.grad exports beside it ("matched no op" was
-                # warned where the rule applied).
+            if program.backward_of is None and not any(
+                    d.direction == "backward" for d in report.decisions):
+                # A program without a gradient op (a jax.grad's forward, a jvp) leaves
+                # backward= to the backward program exported beside it ("matched no op"
+                # was warned where the rule applied); a backward program, or one that
+                # holds gradient ops (vmap of a compiled jax.grad), is told as ever.
                 report.rules_used.add("backward")
             warn_unused_rules(report)
             exported = dataclasses.replace(

@@ -251,41 +251,35 @@ class _CollectiveWalker(HloWalker):
         """The user scopes of the instructions that read ``name``'s result, looking
         through what only passes it on (a ``-done``, ``get-tuple-element``, a convert, a
         fusion without metadata)."""
-        found: dict[str, None] = {}
-        frontier, seen = [name], {name}
-        for _ in range(6):
-            passed_on = []
-            for reader in (r for n in frontier for r in self.readers.get(n, ())):
-                if reader.name in seen:
-                    continue
-                seen.add(reader.name)
-                op_name = _OP_NAME.search(reader.attrs)
-                scopes = _scopes(op_name.group(1)) if op_name else ()
-                if scopes:
-                    found.update(dict.fromkeys(scopes))
-                elif reader.op in _RESULT_THROUGH or (op_name is None and
-                                                      reader.op == "fusion"):
-                    passed_on.append(reader.name)  # XLA:CPU's convert fusions: no metadata
-            frontier = passed_on
-        return tuple(found)
+        return self._scopes_along([name], lambda n: self.readers.get(n, ()),
+                                  lambda inst: [inst.name])
 
     def _producer_scopes(self, names: list[str]) -> tuple[str, ...]:
         """The user scopes of the instructions that made ``names``, looking back through
         what only passes a value on (XLA:GPU's gradient reduce-scatter has no metadata
         and feeds the optimizer's unscoped update: its operands come from the scoped
         backward dots)."""
+        return self._scopes_along(names, lambda n: [self.defs[n]] if n in self.defs else (),
+                                  lambda inst: inst.operands)
+
+    @staticmethod
+    def _scopes_along(start: list[str], step: Any, onward: Any) -> tuple[str, ...]:
+        """The user scopes of the first scoped instructions met walking from ``start``
+        (``step``: a value's instructions that way; ``onward``: where an instruction
+        without scopes that only passes values on leads), six steps at most."""
         found: dict[str, None] = {}
-        frontier, seen = list(names), set(names)
+        frontier, seen = list(start), set(start)
         for _ in range(6):
             passed_on = []
-            for inst in (self.defs[n] for n in frontier if n in self.defs):
+            for inst in (i for n in frontier for i in step(n)):
                 op_name = _OP_NAME.search(inst.attrs)
                 scopes = _scopes(op_name.group(1)) if op_name else ()
                 if scopes:
                     found.update(dict.fromkeys(scopes))
                 elif inst.op in _RESULT_THROUGH or (op_name is None and inst.op == "fusion"):
-                    passed_on.extend(o for o in inst.operands if o not in seen)
-                    seen.update(inst.operands)
+                    following = [n for n in onward(inst) if n not in seen]
+                    seen.update(following)
+                    passed_on.extend(following)
             frontier = passed_on
         return tuple(found)
 

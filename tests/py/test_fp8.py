@@ -454,6 +454,15 @@ def test_a_loop_around_the_whole_step_leaves_the_ends_their_rules() -> None:
         step = lambda g, b: (g + jax.grad(one)(p, *b)["head"], None)
         return jax.lax.scan(step, jnp.zeros_like(p["head"]), (x, y))[0]
 
+    # An RNN's cell dots, every matrix op in its time scan (its gradients in a scan of
+    # their own): each step's op, no stem or head.
+    def rnn(p, xs):
+        cell = lambda h, x: (jnp.tanh(x @ p["stem"] + h @ p["mid"]), None)
+        return jax.lax.scan(cell, jnp.zeros((128, 64)), xs)[0].sum()
+
+    for fn in (rnn, jax.grad(rnn)):
+        assert {rule for _, rule, _ in rules(fn, params, x)} == {"op:dot_general"}
+
     layers = jax.random.normal(key[4], (3, 64, 64)) / 8
     found = rules(layered, params, layers, x, y)
     forward = sorted(r for r in found if r[0] == "forward")

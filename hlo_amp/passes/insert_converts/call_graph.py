@@ -160,7 +160,7 @@ class CallGraph:
             looped: dict[tuple[str, int, str, CallPath], tuple[int, ...]] = {}
             self._program_order(function_name(fn), "", order, (), looped)
             stacks = dict(given or {})
-            forward, recomputed = [], []
+            forward, recomputed, gradients = [], [], []
             for key, op, kind in order:
                 if not all(float_bits(element_type(v)) for v in list(op.operands)[:2]):
                     continue
@@ -169,15 +169,21 @@ class CallGraph:
                     forward.append((key, op, kind))
                 elif site.recomputed:
                     recomputed.append((key, op, kind))
+                else:
+                    gradients.append(key)
             # jax.grad of a function under jax.checkpoint: the forward's matrix ops run
             # only recomputed, in the backward pass (its ends had no rule at all).
             forward = forward or recomputed
-            # An end inside a loop is every iteration's op (each scanned layer's), not a
-            # stem or a head: no rule for that end. Loops around every forward matrix op
-            # run the whole step (the loss scaler's redo_on_nan, a scan accumulating
-            # gradients over microbatches): they make no op a layer's (the ends lost
-            # their rule there, and the stem and head went fp8).
-            whole = _common_prefix([looped.get(key, ()) for key, _, _ in forward])
+            # An end inside a loop is every iteration's op (each scanned layer's, an RNN
+            # cell's), not a stem or a head: no rule for that end. Loops around every
+            # matrix op, the gradients' too, run the whole step (the loss scaler's
+            # redo_on_nan, a scan accumulating gradients over microbatches): they make
+            # no op a layer's (the ends lost their rule there, and the stem and head
+            # went fp8). A scan over layers or time runs its gradients in a loop of its
+            # own, and a program without gradients has no such loop to tell.
+            whole = _common_prefix([looped.get(key, ()) for key in
+                                    [k for k, _, _ in forward + recomputed] + gradients]
+                                   ) if gradients else ()
             candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, forward[-1])
                           ) if forward else ()
             ends = [(position, end) for position, end in candidates

@@ -14,7 +14,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import chlo
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import element_count, element_type, is_attention_matmul
+from hlo_amp.ir.modules import defining_op, element_count, element_type, is_attention_matmul
 from hlo_amp.policy import (
     COMPUTE,
     DTYPE_BITS,
@@ -90,8 +90,9 @@ _COMPLEX_PARTS = frozenset({"stablehlo.real", "stablehlo.imag"})
 
 
 def _complex_product_part(op: Any) -> bool:
-    """Whether both operands of ``op`` are real or imaginary parts of complex values, or
-    a sum or difference of two such parts (Gauss's trick: ``(re + im) * re``)."""
+    """Whether both operands of ``op`` (a convolution: jax writes Gauss's trick for those
+    alone) are real or imaginary parts of complex values, or a sum or difference of two
+    such parts (``(re + im) * re``)."""
     operands = list(op.operands)[:2]
     return len(operands) == 2 and all(_complex_part(v, sums=True) for v in operands)
 
@@ -100,10 +101,9 @@ def _complex_part(value: ir.Value, sums: bool) -> bool:
     """Whether ``value`` is a real or imaginary part (or, with ``sums``, a sum or
     difference of two). Module level: a nested recursive function is a reference cycle
     per call, garbage the passes must not leave (tests/py/test_pass_cost.py)."""
-    owner = value.owner
-    if not isinstance(owner, ir.Operation) and not hasattr(owner, "operation"):
-        return False  # a block argument
-    owner = getattr(owner, "operation", owner)
+    owner = defining_op(value)
+    if owner is None:
+        return False
     if owner.name in _COMPLEX_PARTS:
         return True
     return sums and owner.name in ("stablehlo.add", "stablehlo.subtract") and all(
@@ -152,7 +152,7 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
     if elements is None:
         elements = ([element_type(v) for v in list(op.operands)[:2]],
                     element_type(op.result))
-    if action not in (None, KEEP) and _complex_product_part(op):
+    if kind == "convolution" and action not in (None, KEEP) and _complex_product_part(op):
         return Plan(action, rule, (None,) * len(elements[0]), None, COMPLEX_PART)
     if is_fp8(action):
         return _plan_fp8(op, kind, policy, action, rule, target, elements, gradient,
