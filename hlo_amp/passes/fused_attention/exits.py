@@ -72,6 +72,12 @@ class ExitReading:
                 free = [i for i, r in enumerate(other_roles) if r is None]
                 if len(free) != 1:
                     raise NotFused("V (or dO) has more than one free dimension")
+                if kind == "out" and any(r is not None and r[0] == "Q" for r in other_roles):
+                    # A V with a query axis (a different V per query: a router mixing
+                    # each token's expert outputs) is no attention the kernel computes;
+                    # rewritten, the module failed to verify.
+                    raise NotFused("V has a query dimension (a value per query: not "
+                                   "attention over keys)")
                 other_roles[free[0]] = HV_ROLE
             else:
                 free = [i for i, r in enumerate(other_roles) if r is None]

@@ -148,6 +148,9 @@ class MaskReading:
             raise NotFused("the mask varies along more than one query dimension")
         if varying:
             return varying.pop()
+        if not candidates:  # q [B, N, H] against a cache: one query, no axis for it
+            raise NotFused("the query has no query-length dimension (a decode step: give "
+                           "q a length-1 axis, [B, 1, N, H])")
         return max(candidates, key=lambda r: (self.sizes[r], -r[1]))
 
     def _is_causal(self, folded: Folded, axis_roles: list[Role], t_role: Role) -> bool:
