@@ -135,9 +135,10 @@ class _Site(MaskReading, ExitReading):
                         self.split_backward = True
                         self.escapes.append(
                             "its function returns them to another function's backward "
-                            "(a jax.jit inside the differentiated function puts the "
-                            "forward and backward in two functions, which the pass does "
-                            "not fuse across: drop the inner jax.jit)")
+                            "(a jax.jit inside the differentiated function, or a scan body "
+                            "without jax.checkpoint, puts the forward and backward in two "
+                            "functions, which the pass does not fuse across: drop the "
+                            "inner jax.jit, or checkpoint the scan body)")
                         continue
                     what = ("the function returns them" if name == "func.return" else
                             f"{name.split('.')[-1]} reads them")
