@@ -77,7 +77,7 @@ class ExitReading:
                     # each token's expert outputs) is no attention the kernel computes;
                     # rewritten, the module failed to verify.
                     raise NotFused("V has a query dimension (a value per query: not "
-                                   "attention over keys)")
+                                   "attention over keys)", attention=False)
                 other_roles[free[0]] = HV_ROLE
             else:
                 free = [i for i, r in enumerate(other_roles) if r is None]
