@@ -229,17 +229,15 @@ def _locate(state: _State, module: Any) -> tuple[Path | None, _Frame | None]:
         rel = frame.paths.get(id(module))
         if rel is not None:
             path = frame.base + rel
-            if _holds_at(state.caller, path[len(state.path):], module) and (
-                    path[:len(state.path)] == state.path):
-                return path, None  # the caller's own child, at its path
             # A module held at several places (a projection shared by the root and its
             # blocks) has one path in the frame, the first the framework's walk met
-            # (NNX's: in attribute-name order); called by a module that holds it, it
-            # takes the path through that module's own attribute.
-            held = _held_by(state.caller, module)
-            if held is not None:
-                return state.path + held, None
-            return path, None
+            # (NNX's: in attribute-name order); called by a module that holds it
+            # elsewhere, it takes the path through that module's own attribute.
+            held = list(_holdings(state.caller, module))
+            below = path[len(state.path):] if path[:len(state.path)] == state.path else None
+            if not held or below in held:
+                return path, None
+            return state.path + held[0], None
     kind = _kind(module)
     frames = [frame for frame in state.frames if frame.kind == kind]
     if not frames:
@@ -264,41 +262,26 @@ def _locate(state: _State, module: Any) -> tuple[Path | None, _Frame | None]:
     return None, None
 
 
-def _holds_at(caller: Any, path: Path, module: Any) -> bool:
-    """Whether ``module`` is ``caller``'s attribute ``path[0]``, or sits at ``path[1:]``
-    in the lists, tuples and dicts that attribute holds (no module between)."""
-    if caller is None or not path:
-        return False
-    node = getattr(caller, path[0], None)
-    for segment in path[1:]:
-        if isinstance(node, Mapping):
-            node = node.get(segment)
-        elif (isinstance(node, Sequence) and not isinstance(node, (str, bytes))
-              and segment.isdigit() and int(segment) < len(node)):
-            node = node[int(segment)]
-        else:
-            return False
-    return node is module
-
-
-def _held_by(caller: Any, module: Any, depth: int = 3) -> Path | None:
-    """The path of ``module`` among ``caller``'s attributes (through lists, tuples and
-    dicts, NNX's ``List`` and ``Dict`` among them), or None."""
+def _holdings(caller: Any, module: Any, depth: int = 3) -> Iterator[Path]:
+    """The paths at which ``caller`` holds ``module``: one of its attributes, or a place
+    in the lists, tuples and dicts such an attribute holds (NNX's ``List`` and ``Dict``
+    among them), in attribute order."""
     if caller is None:
-        return None
+        return
     try:
         items = list(vars(caller).items())
     except TypeError:
-        return None
-    return _held_in(items, module, depth)
+        return
+    yield from _held_in(items, module, depth)
 
 
-def _held_in(items: list[tuple[Any, Any]], module: Any, depth: int) -> Path | None:
+def _held_in(items: list[tuple[Any, Any]], module: Any, depth: int) -> Iterator[Path]:
     for key, value in items:
         if isinstance(key, str) and key.startswith("_pytree__"):
             continue  # NNX's bookkeeping
         if value is module:
-            return (_segment(key),)
+            yield (_segment(key),)
+            continue
         if depth <= 0 or isinstance(value, (str, bytes)):
             continue
         if isinstance(value, Mapping):
@@ -307,10 +290,8 @@ def _held_in(items: list[tuple[Any, Any]], module: Any, depth: int) -> Path | No
             inner = list(enumerate(value))
         else:
             continue
-        below = _held_in(inner, module, depth - 1)
-        if below is not None:
-            return (_segment(key), *below)
-    return None
+        for below in _held_in(inner, module, depth - 1):
+            yield (_segment(key), *below)
 
 
 def _scoped_call(call: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> Any:

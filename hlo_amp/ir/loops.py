@@ -10,6 +10,7 @@ argument, and a ``while_loop``'s condition can be anything: their trip count is 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,26 +254,24 @@ def outside_value(value: ir.Value, loop: object) -> ir.Value:
     return value if index is None else loop.operation.operands[index]
 
 
-def in_while(op: object) -> bool:
-    """Whether ``op`` sits in a ``stablehlo.while`` region of its function, at any depth."""
+def _whiles_around(op: object) -> Iterator[ir.Operation]:
+    """The ``stablehlo.while`` ops around ``op`` in its function, innermost first."""
     parent = op.operation.parent
     while parent is not None and parent.name != "func.func":
         if parent.name == WHILE:
-            return True
+            yield parent
         parent = parent.parent
-    return False
+
+
+def in_while(op: object) -> bool:
+    """Whether ``op`` sits in a ``stablehlo.while`` region of its function, at any depth."""
+    return next(_whiles_around(op), None) is not None
 
 
 def enclosing_loops(op: object) -> tuple[int, ...]:
     """The ``stablehlo.while`` ops around ``op`` in its function, outermost first, as op
     keys."""
-    loops = []
-    parent = op.operation.parent
-    while parent is not None and parent.name != "func.func":
-        if parent.name == WHILE:
-            loops.append(op_key(parent))
-        parent = parent.parent
-    return tuple(reversed(loops))
+    return tuple(reversed([op_key(loop) for loop in _whiles_around(op)]))
 
 
 # A loop whose results carry sharding attributes keeps its carries in the hoisting passes:

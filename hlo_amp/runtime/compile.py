@@ -423,10 +423,10 @@ class ProgramStore:
     def checked_program(self, key: Any, avals: AvalsKey,
                         make: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
         """checkify's checked form of the program ``key`` for ``avals``, made once."""
-        found = self.checked.get((key, avals, internals.program_context()))
-        if found is None:
-            found = self.checked[(key, avals, internals.program_context())] = make()
-        return found
+        key = (key, avals, internals.program_context())
+        if key not in self.checked:
+            self.checked[key] = make()
+        return self.checked[key]
 
 
 class AmpFunction:

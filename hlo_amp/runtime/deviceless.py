@@ -41,7 +41,7 @@ import numpy as np
 
 from hlo_amp.jax_internals import cudnn_checks_answered
 from hlo_amp.runtime.frameworks import jax_jit_info, jit_info, shardings_given
-from hlo_amp.runtime.signature import signature_of
+from hlo_amp.runtime.signature import normalise_argnums, signature_of
 from hlo_amp.targets import Target, device_target
 from hlo_amp.targets.attention_kernels import DEVICELESS_CUDNN
 from hlo_amp.targets.topology import NoCompilerForTarget
@@ -183,7 +183,7 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target,
         # reached the function (train=False as a ShapeDtypeStruct: "len() of unsized
         # object").
         info = jit_info(jitted)
-        static = {n if n >= 0 else n + len(args) for n in getattr(info, "static_argnums", ())}
+        static = normalise_argnums(getattr(info, "static_argnums", ()), len(args))
         names = set(getattr(info, "static_argnames", ()))
         args = tuple(arg if n in static else placed for n, (arg, placed) in
                      enumerate(zip(args, placed_args)))

@@ -37,7 +37,7 @@ import math
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import op_key, walk_operations
+from hlo_amp.ir.modules import function_name, op_key, walk_operations
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
 from hlo_amp.passes.fused_attention.constants import splat_value
 from hlo_amp.passes.fused_attention.exits import ExitReading
@@ -633,9 +633,8 @@ def exponential_sources(view: CallView, module: ir.Module) -> set[int] | None:
                 owner = made.owner.owner
                 owner = getattr(owner, "operation", owner)
                 if owner is not None and owner.name == "func.func":
-                    name = ir.StringAttr(owner.attributes["sym_name"]).value
                     pending.extend((call.operands[made.arg_number], ())
-                                   for call in view.callers.get(name, ()))
+                                   for call in view.callers.get(function_name(owner), ()))
                 continue
             if op.name == _DOT:
                 sources.add(op_key(op))
