@@ -18,6 +18,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import (
+    body_name,
     callee_name,
     constant_value,
     function_name,
@@ -175,8 +176,8 @@ def function_runs(module: ir.Module, loops: LoopCounts) -> dict[str, Runs]:
     callers: dict[str, list[tuple[str, Any]]] = {}
     for name, fn in by_name.items():
         for op in walk_operations(fn):
-            if is_call(op):
-                callers.setdefault(callee_name(op), []).append((name, op))
+            if (body := body_name(op)) is not None:  # a composite's decomposition too
+                callers.setdefault(body, []).append((name, op))
     found: dict[str, Runs] = {}
     for name in by_name:  # a module-level helper: a recursive closure is a reference cycle
         _runs_of(name, (), by_name, callers, loops, found)

@@ -545,6 +545,26 @@ def callee_name(call: object) -> str:
     return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
 
 
+# The ops an attribute of which names a function run in their place: a call's callee,
+# and a composite's decomposition (XLA inlines it unless a backend knows its name).
+BODY_ATTRIBUTE = {"func.call": "callee", "stablehlo.composite": "decomposition"}
+
+
+def body_name(op: object) -> str | None:
+    """The function a ``func.call`` calls or a ``stablehlo.composite`` decomposes into;
+    None for another op."""
+    attribute = BODY_ATTRIBUTE.get(op.operation.name)
+    if attribute is None:
+        return None
+    return ir.FlatSymbolRefAttr(op.operation.attributes[attribute]).value
+
+
+def set_body_name(op: object, name: str) -> None:
+    """Point ``op`` (a call or a composite) at the function ``name``."""
+    op.operation.attributes[BODY_ATTRIBUTE[op.operation.name]] = ir.FlatSymbolRefAttr.get(
+        name, context=op.context)
+
+
 def call_target(custom_call: object) -> str:
     """A ``stablehlo.custom_call``'s target (``__cudnn$fmhaSoftmax``)."""
     return ir.StringAttr(custom_call.attributes["call_target_name"]).value

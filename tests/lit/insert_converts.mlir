@@ -434,3 +434,30 @@ func.func private @leaf(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4x
   %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("dot_general")
   return %0 : tensor<2x4xf32>
 }
+
+// -----
+
+// A composite's decomposition is what XLA runs in its place (jax.lax.composite), so its
+// matrix ops are decided like a callee's, under the composite's scope: the "head"
+// composite's gets a clone kept in f32, the other keeps @decomposed and computes in
+// bf16. The composites' own f32 signatures stay.
+// CHECK-LABEL: func.func @composites_from_two_scopes
+// CHECK:         %[[E:.*]] = stablehlo.composite "my.mm" %arg0, %arg1 {decomposition = @decomposed} : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+// CHECK:         stablehlo.composite "my.mm" %[[E]], %arg1 {decomposition = @decomposed_amp0} : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+// CHECK-LABEL: func.func private @decomposed(
+// CHECK-SAME:    -> tensor<2x4xf32>
+// CHECK:         %[[X16:.*]] = stablehlo.convert %arg0
+// CHECK:         %[[W16:.*]] = stablehlo.convert %arg1
+// CHECK:         stablehlo.dot_general %[[X16]], %[[W16]], {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>
+// CHECK-LABEL: func.func private @decomposed_amp0(
+// CHECK-NOT:     stablehlo.convert
+// CHECK:         stablehlo.dot_general %arg0, %arg1, {{.*}} : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
+func.func @composites_from_two_scopes(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
+  %0 = stablehlo.composite "my.mm" %x, %w {decomposition = @decomposed} : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/enc/my.mm")
+  %1 = stablehlo.composite "my.mm" %0, %w {decomposition = @decomposed} : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/head/my.mm")
+  return %1 : tensor<2x4xf32>
+}
+func.func private @decomposed(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("mm/dot_general")
+  return %0 : tensor<2x4xf32>
+}

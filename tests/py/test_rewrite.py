@@ -331,3 +331,31 @@ def test_highest_on_one_operand_keeps_the_op_as_xla_computes_it() -> None:
         report = hlo_amp.compile(dot, "bf16").lower(x, w).report()
         changed.append([d.changed for d in report.decisions])
     assert changed == [[False], [True]]
+
+
+def test_dots_inside_a_composite_are_decided_like_a_callees() -> None:
+    """XLA runs a composite's decomposition in its place (jax.lax.composite): its dots
+    are decided as a called function's, under the composite's scope, and reported. They
+    were never reached: left f32 and missing from the report ("no dot or convolution
+    ops found" for a program whose only dot was there)."""
+    dense = jax.lax.composite(lambda x, w: jnp.tanh(x @ w), name="my.dense")
+
+    def net(x, w):
+        with jax.named_scope("head"):
+            x = dense(x, w)
+        return dense(x, w)
+
+    x, w = jax.random.normal(jax.random.key(0), (8, 16)), jax.random.normal(
+        jax.random.key(1), (16, 16)) / 4
+    compiled = hlo_amp.compile(net, "bf16,scope:head=float32")
+    lowered = compiled.lower(x, w)
+    decisions = lowered.report().decisions
+    assert [(d.scope, d.operands_after) for d in decisions] == [
+        ("head", ("f32", "f32")), ("", ("bf16", "bf16"))]
+    text = lowered.as_text()
+    assert text.count("stablehlo.composite") == 2  # the composites stay, f32 in and out
+    assert "tensor<8x16xbf16>" in text
+    got, want = compiled(x, w), jax.jit(net)(x, w)
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-2)
+    assert not np.array_equal(np.asarray(got), np.asarray(want))  # the second went bf16

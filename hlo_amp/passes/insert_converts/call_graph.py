@@ -12,14 +12,16 @@ from jaxlib.mlir import ir
 
 from hlo_amp.ir.loops import LoopCounts, Runs, enclosing_loops
 from hlo_amp.ir.modules import (
+    BODY_ATTRIBUTE,
     SAME_VALUE_OPS,
-    callee_name,
+    body_name,
     clone_private,
     element_type,
     function_name,
     functions,
     is_public,
     op_key,
+    set_body_name,
     walk_operations,
 )
 from hlo_amp.ir.op_classes import MATRIX_OP_KINDS
@@ -37,8 +39,8 @@ from hlo_amp.policy import FIRST_MATRIX_OP, LAST_MATRIX_OP, OP_KINDS, Policy
 
 # The candidate ops by name, with their policy op kind.
 _MATRIX_OPS = {name: kind for name, kind in MATRIX_OP_KINDS.items() if kind in OP_KINDS}
-_CALL = "func.call"
-_WATCHED = frozenset({*_MATRIX_OPS, _CALL})
+# Calls, and composites: their decompositions are what XLA runs (jax.lax.composite).
+_WATCHED = frozenset({*_MATRIX_OPS, *BODY_ATTRIBUTE})
 
 
 # The calls from a public function to a body: (original caller name, index of the call
@@ -116,8 +118,8 @@ class CallGraph:
                 # get one action, but each is reported under its own rule.
                 parts.append((self.policy.decide(site.scope, kind, site.gradient_pass, positions,
                                                  asks_for_precision(op)).action, positions))
-            elif callee_name(op) in self.by_name:
-                inner = callee_name(op)
+            elif body_name(op) in self.by_name:
+                inner = body_name(op)
                 parts.append(self.signature(inner, self._callee_prefix(prefix, op),
                                             path + ((original, index),)))
         self.signatures[(original, prefix, path)] = tuple(parts)
@@ -131,9 +133,9 @@ class CallGraph:
         self.instances.append(Instance(fn, prefix, path))
         caller = self.origin.get(function_name(fn), function_name(fn))
         for index, (op, kind) in enumerate(self.ops_of(fn)):
-            if kind is not None or callee_name(op) not in self.by_name:
+            if kind is not None or body_name(op) not in self.by_name:
                 continue
-            name = callee_name(op)
+            name = body_name(op)
             original = self.origin.get(name, name)
             callee_prefix = self._callee_prefix(prefix, op)
             callee_path = path + ((caller, index),)
@@ -144,7 +146,7 @@ class CallGraph:
                 self.memo[key] = target
                 self.visit(self.by_name[target], callee_prefix, callee_path)
             if target != name:
-                op.attributes["callee"] = ir.FlatSymbolRefAttr.get(target, context=op.context)
+                set_body_name(op, target)
 
     def find_ends(self, public: list[Any], given: EndStacks | None = None) -> EndStacks:
         """Fill ``positions``: per public function, the first and last float matrix op
@@ -248,8 +250,8 @@ class CallGraph:
                 out.append(((name, index, prefix, path), op, kind))
                 if around:
                     looped[(name, index, prefix, path)] = around
-            elif callee_name(op) in self.by_name and callee_name(op) not in stack:
-                self._program_order(callee_name(op), self._callee_prefix(prefix, op), out,
+            elif body_name(op) in self.by_name and body_name(op) not in stack:
+                self._program_order(body_name(op), self._callee_prefix(prefix, op), out,
                                     stack + (name,), looped, around, path + ((name, index),))
 
     def _instantiate(self, original: str) -> str:
