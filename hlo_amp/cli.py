@@ -218,10 +218,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     selected = [available[name] for name in args.passes] or None
     source, source_name = _read(args.input)
     outputs: list[str] = []
-    modules = []
+    modules, chunks = [], []
     report = Report(policy=policy.to_string(), rules=policy.rule_names())
     for chunk, _ in _chunks(source, args.split_input_file):
         module = parse_module(chunk, source_name=source_name)
+        chunks.append(chunk)
         if selected is None:
             drop_marks_for_the_full_pipeline(module, chunk)
         run_pipeline(module, policy, report=report, passes=selected, target=target,
@@ -230,7 +231,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         modules.append(module)
     text = "// -----\n".join(outputs)
     if device is not None:
-        _mark_for_device(report, modules, device)
+        _mark_for_device(report, modules, device, chunks, source_name)
     # A row's line tells the chunks of --split-input-file apart, and names the file.
     report.name_parsed_buffer(source_name)
     _write_outputs(args, text, report.to_json() + "\n")
@@ -292,12 +293,14 @@ def _device_target(args: argparse.Namespace) -> Target | None:
     return device
 
 
-def _mark_for_device(report: Report, modules: list, device: Target) -> None:
-    """Compile each rewritten module for ``device`` and fill the report's verdicts."""
+def _mark_for_device(report: Report, modules: list, device: Target, chunks: list[str],
+                     source_name: str) -> None:
+    """Compile each rewritten module for ``device`` and fill the report's verdicts
+    (``chunks``: the input texts the modules were parsed from)."""
     from hlo_amp.runtime.deviceless import compile_module_for_target
 
     texts = []
-    for module in modules:
+    for module, chunk in zip(modules, chunks, strict=True):
         try:
             with fd2_muted():  # the CUDA plugin's driver probes, libtpu's host probes
                 executable = compile_module_for_target(module, device)
@@ -308,11 +311,26 @@ def _mark_for_device(report: Report, modules: list, device: Target) -> None:
                            ) from None
         except Exception as error:  # noqa: BLE001 - XLA's refusal, in one line
             first = (str(error).splitlines() or [type(error).__name__])[0]
-            raise CliError(f"hlo-amp-opt: error: XLA could not compile the rewritten module "
-                           f"for {device.description}: {first}") from None
+            whose = ("the module as given (before any rewrite)"
+                     if _refused_as_given(chunk, source_name, device) else "the rewritten module")
+            raise CliError(f"hlo-amp-opt: error: XLA could not compile {whose} for "
+                           f"{device.description}: {first}") from None
         texts.extend(hlo.to_string() for hlo in executable.hlo_modules())
     mark_kept_by_xla(report, "\n".join(texts), device, device=device.device)
     report.collectives = [c for text in texts for c in read_collectives(text)]
+
+
+def _refused_as_given(chunk: str, source_name: str, device: Target) -> bool:
+    """Whether XLA refuses the input ``chunk`` itself for ``device``: a tuple or an
+    unranked argument, an unbounded dynamic shape; the rewrite is then not to blame."""
+    from hlo_amp.runtime.deviceless import compile_module_for_target
+
+    try:
+        with fd2_muted():
+            compile_module_for_target(parse_module(chunk, source_name=source_name), device)
+    except Exception:  # noqa: BLE001 - any refusal of the input as given
+        return True
+    return False
 
 
 def _write_outputs(args: argparse.Namespace, text: str, report: str) -> None:

@@ -191,6 +191,12 @@ MORE_ERRORS = {
     "target_and_xla_target_disagree": (
         lambda d: [d / "in.mlir", "--target", "gpu", "--xla-target", "tpu-v5e"],
         r"--target gpu and --xla-target tpu-v5e name different platforms"),
+    # XLA's own refusal of the input was put on the rewrite ("the rewritten module").
+    "xla_refuses_the_input": (
+        lambda d: [_write(d, "dyn.mlir", MODULE.replace("tensor<2x4xf32>", "tensor<?x4xf32>")),
+                   "--xla-target", "h100"],
+        (r"XLA could not compile the module as given \(before any rewrite\) for NVIDIA "
+         r"H100.*Unbounded dynamism")),
     # A search option without the search was silently ignored.
     "budget_without_autopolicy": (lambda d: [d / "in.mlir", "--budget", "1e-2"],
                                   r"--budget applies to --autopolicy, which was not given"),
