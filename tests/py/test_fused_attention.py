@@ -419,16 +419,23 @@ def _softmax_over_queries(q, k, v):
     (programs._grad_of(_sum_plus_eps), "the softmax divides by its sum plus a term",
      "backward"),
     (_softmax_over_queries, "the softmax runs along the queries", "forward"),
+    (programs._grad_of(_softmax_over_queries), "the softmax runs along the queries",
+     "backward"),
+    (jax.grad(lambda q, k, v: jnp.sum(_softmax_over_queries(q, k, v) ** 2), argnums=(0, 1, 2)),
+     "the softmax runs along the queries", "forward and backward"),
 ], ids=["dropout_forward", "dropout_training", "softmax_where", "softmax_where_training",
         "dots_saveable", "grad_of_q", "grad_of_v", "inner_jit", "soft_capped",
         "soft_capped_training", "soft_capped_squared_loss", "sum_plus_eps", "sum_plus_eps_training",
-        "softmax_over_queries"])
+        "softmax_over_queries", "softmax_over_queries_training",
+        "softmax_over_queries_squared_loss"])
 def test_sites_left_unfused_are_listed_with_their_reason(fn, reason, direction) -> None:
     """Each is an attention the kernel cannot take; the report lists it, with why and the
     pass it is in (these were missing from the report, and a refused training step's
     site said "forward"; a jax.jit attention's gradient said "forward", "the function
     returns them"; a soft-capped or sum-plus-eps attention was not listed, or listed as
-    a backward reading part of it, and so was a softmax over the queries)."""
+    a backward reading part of it, and so was a softmax over the queries; in a training
+    step that one read "only part of the attention's backward reads it", or, when the
+    loss read the output, matched as an attention that only a later check refused)."""
     sites = hlo_amp.compile(fn, "bf16").lower(*QKV, target="h100").report().attention
     assert [(s.fused, s.direction) for s in sites] == [(False, direction)], sites
     assert sites[0].reason.startswith(reason)

@@ -38,6 +38,7 @@ import math
 from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import function_name, op_key, walk_operations
+from hlo_amp.ir.sites import site_of
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
 from hlo_amp.passes.fused_attention.constants import splat_value
 from hlo_amp.passes.fused_attention.exits import ExitReading
@@ -73,6 +74,29 @@ _NEAR = 24
 # ... and how many values: a residual stream goes on; a sum's chain ends in a few.
 _NEAR_VALUES = 48
 _NEAR_THROUGH = frozenset({"stablehlo.tanh", "stablehlo.reduce_precision"})
+
+
+def _along_queries(direction: str) -> NotFused:
+    """A softmax along the queries: the roles take the summed axis for the keys, so the
+    axis P·V contracts reads as the queries."""
+    error = NotFused("the softmax runs along the queries, not along the axis P·V "
+                     "contracts (the keys)")
+    error.direction = direction
+    return error
+
+
+def _direction_swapped(exits: dict[str, tuple[ir.Operation, int]]) -> str | None:
+    """The direction of a training step's attention whose softmax runs along the
+    queries, read off its matrix ops' locations: its forward P·V reads as ``dv`` and
+    dV = Pᵀ·dO, a backward op, as ``out``. None where the roles agree with the
+    locations, or no location names a backward op (nothing to tell by)."""
+    backward = {kind: site_of(op.location, "dot_general", "").gradient_pass
+                for kind, (op, _) in exits.items()}
+    if not any(backward.values()):
+        return None
+    if backward.get("dv") is False:  # P·V in the forward pass
+        return "forward and backward"
+    return "backward" if backward.get("out") else None
 
 
 def _partial(which: str, forward: bool = False) -> NotFused:
@@ -483,6 +507,9 @@ class _Site(MaskReading, ExitReading):
         self._set_operand_roles(q_index)
         p_like = self._p_like(p_value)
         exits = self._classify_exits(p_like)
+        swapped = _direction_swapped(exits)
+        if swapped is not None:  # told only by "an input ... computed after its first use"
+            raise _along_queries(swapped)
         if "out" not in exits and "dv" not in exits:
             if any(self._dropped_out(op.operands[n], p_like) for op, n in self.exits):
                 raise NotFused(DROPOUT)  # P·V reads the probabilities after dropout
@@ -492,10 +519,7 @@ class _Site(MaskReading, ExitReading):
         if set(exits) == {"dv"} and not self._reads_dp(*softmax[:2]):
             # P·V contracting what the roles call the queries: a forward whose softmax
             # runs along the other free axis, not a backward.
-            along = NotFused("the softmax runs along the queries, not along the axis P·V "
-                             "contracts (the keys)")
-            along.direction = "forward"
-            raise along
+            raise _along_queries("forward")
         if self.masked_sum:
             raise NotFused("softmax(where=) masks the softmax's sum (a mask on the scores, "
                            "jnp.where(mask, scores, finfo.min), or dot_product_attention's "
