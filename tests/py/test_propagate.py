@@ -593,6 +593,42 @@ def test_parameters_updated_over_several_steps_stay_f32(scan, policy):
                 jnp.max(jnp.abs(wanted)))
 
 
+@pytest.mark.parametrize("write", ["dynamic_update_slice", "at_set"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_a_cache_carried_through_a_decode_step_keeps_its_unwritten_entries(write, policy):
+    """A KV cache is state from argument to result: a decode step slices it per layer,
+    writes one slot, attends over it and stacks the layers again. Every entry came back
+    rounded to 16 bit (7.8e-3 under bf16), those the step did not write too; the data
+    movement between argument and result was painted."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(keys[0], (32, 32)) / 6
+    x = jax.random.normal(keys[1], (16, 32))
+    cache = jax.random.normal(keys[2], (2, 16, 8, 32))
+
+    def decode(w, cache, x, pos):
+        layers = []
+        for layer in range(2):
+            new = (x @ w)[:, None]
+            if write == "at_set":
+                kv = cache[layer].at[:, pos].set(new[:, 0])
+            else:
+                kv = jax.lax.dynamic_update_slice(cache[layer], new, (0, pos, 0))
+            scores = jnp.einsum("bd,btd->bt", x @ w, kv)
+            x = jnp.einsum("bt,btd->bd", jax.nn.softmax(scores), kv) @ w
+            layers.append(kv)
+        return jnp.stack(layers), x
+
+    want = jax.jit(decode)(w, cache, x, 3)
+    for got in (hlo_amp.compile(decode, policy)(w, cache, x, 3),
+                _gpu_form(decode, policy, w, cache, x, 3)):
+        unwritten = np.arange(8) != 3
+        np.testing.assert_array_equal(np.asarray(got[0])[:, :, unwritten],
+                                      np.asarray(cache)[:, :, unwritten])
+        _close(got, want, {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}[policy])
+    report = hlo_amp.compile(decode, policy).lower(w, cache, x, 3).report()
+    assert all(d.changed for d in report.decisions)  # the dots still compute in 16 bit
+
+
 def test_f16_denies_divide_bf16_does_not():
     def fn(p, x):
         return ((x @ p["w1"]) / p["d"]) @ p["w2"]

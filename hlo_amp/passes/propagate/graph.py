@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,21 @@ OUT_OF_RANGE = "beyond the 16-bit range"
 # An add or subtract in a chain of them from a public argument to a public result (a
 # parameter update, carried through the steps of a scan): f32 state, kept so.
 STATE_UPDATE = "updates f32 state the function returns"
+# Ops that carry a value's entries along unchanged (moved, picked or written): in a chain
+# from a public argument to a public result they are state too, as a KV cache a decode
+# step slices per layer, writes a slot of and stacks again.
+_STATE_MOVES = frozenset({
+    "reshape", "transpose", "broadcast_in_dim", "broadcast", "slice", "dynamic_slice",
+    "dynamic_update_slice", "concatenate", "pad", "reverse", "gather", "select", "scatter",
+    "sdy.sharding_constraint", "sdy.reshard"})
+
+
+def _updates_state(node: Node) -> bool:
+    return node.cls == LINK or (node.cls == INFER and node.kind in ("add", "subtract"))
+
+
+def _moves_state(node: Node) -> bool:
+    return node.cls == LINK or node.kind in _STATE_MOVES
 LINK = "link"
 # A convert to the compute dtype, or the updates of an add scatter kept f32: where a
 # region may end.
@@ -151,11 +167,22 @@ class Graph:
         self._deny_state_updates()
 
     def _deny_state_updates(self) -> None:
-        """Keep f32 the adds and subtracts that carry a public argument to a public result
-        (through adds, subtracts and loop carries only): several training steps in one
-        function, where the next step's dots read the new parameters too, had ``p + u``
-        painted, and the parameters rounded to 16 bit every step (5.6x the update's
-        error of a hand cast under bf16)."""
+        """Keep f32 what carries a public argument to a public result through loop
+        carries and either adds and subtracts only or data movement only: several
+        training steps in one function, where the next step's dots read the new
+        parameters too, had ``p + u`` painted, and the parameters rounded to 16 bit every
+        step (5.6x the update's error of a hand cast under bf16); a KV cache a decode
+        step slices, writes and stacks came back with every entry rounded to 16 bit,
+        those it did not write too. (A chain mixing the two is no state: an embedding
+        row that a residual stream adds to.)"""
+        for follows in (_updates_state, _moves_state):
+            for node in self._state_chain(follows):
+                node.cls = DENY if node.cls in (INFER, CLEAR) else node.cls  # a link: f32
+                node.reason = STATE_UPDATE
+
+    def _state_chain(self, follows: Callable[[Node], bool]) -> list[Node]:
+        """The nodes ``follows`` admits on a path from a public f32 argument to a public
+        result, through such nodes alone."""
         chain: dict[int, Node] = {}
         pending = [(inst_id, argument) for inst_id, inst in enumerate(self.instances)
                    if is_public(inst.fn) for argument in first_block(inst.fn.regions[0]).arguments
@@ -163,31 +190,26 @@ class Graph:
         seen = set(pending)
         while pending:
             for reader in self.consumers(pending.pop()):
-                if not isinstance(reader, Node) or id(reader) in chain or not (
-                        reader.cls == LINK or (reader.cls == INFER
-                                               and reader.kind in ("add", "subtract"))):
+                if not isinstance(reader, Node) or id(reader) in chain or not follows(reader):
                     continue
                 chain[id(reader)] = reader
                 for key in reader.outputs:
                     if key not in seen:
                         seen.add(key)
                         pending.append(key)
-        kept: set[int] = set()
+        kept: dict[int, Node] = {}
         pending_nodes = [n for n in chain.values()
                          if any(self._publicly_returned(key) for key in n.outputs)]
         while pending_nodes:
             node = pending_nodes.pop()
             if id(node) in kept:
                 continue
-            kept.add(id(node))
+            kept[id(node)] = node
             for key in node.inputs:
                 producer = self.producer.get(key)
                 if producer is not None and id(producer) in chain:
                     pending_nodes.append(producer)
-        for node in chain.values():
-            if id(node) in kept:  # an add or subtract: deny; a carry or call link: f32
-                node.cls = DENY if node.cls == INFER else node.cls
-                node.reason = STATE_UPDATE
+        return list(kept.values())
 
     def _publicly_returned(self, key: tuple[int, ir.Value]) -> bool:
         inst_id, value = key
