@@ -182,10 +182,11 @@ class CallGraph:
             # redo_on_nan, a scan accumulating gradients over microbatches): they make
             # no op a layer's (the ends lost their rule there, and the stem and head
             # went fp8). A scan over layers or time runs its gradients in a loop of its
-            # own, and a program without gradients has no such loop to tell.
+            # own. Without gradients, the loops around every forward matrix op run the
+            # whole forward: a generation loop decoding a token per iteration (its stem
+            # and head went fp8 there).
             whole = _common_prefix([looped.get(key, ()) for key in
-                                    [k for k, _, _ in forward + recomputed] + gradients]
-                                   ) if gradients else ()
+                                    [k for k, _, _ in forward + recomputed] + gradients])
             candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, forward[-1])
                           ) if forward else ()
             ends = [(position, end) for position, end in candidates
