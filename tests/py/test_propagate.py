@@ -629,6 +629,32 @@ def test_a_cache_carried_through_a_decode_step_keeps_its_unwritten_entries(write
     assert all(d.changed for d in report.decisions)  # the dots still compute in 16 bit
 
 
+def test_f16_keeps_f32_what_reads_a_constant_below_its_smallest_normal():
+    """odeint's default tolerances (1.4e-8) are zero in f16: the error scale atol +
+    rtol * |y| was painted, so the first step size was inf / inf and the solve NaN (all
+    128 outputs, in the GPU form). bf16 holds f32's exponent range: no such constant."""
+    from jax.experimental.ode import odeint
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(keys[0], (8, 8)) / 3
+    field = jax.random.normal(keys[1], (8, 8)) / 3
+    x = jax.random.normal(keys[2], (16, 8))
+
+    def solve(w, field, x):
+        ys = odeint(lambda y, t, m: jnp.tanh(y @ m), x @ w, jnp.array([0.0, 2.0]), field)
+        return ys[-1] @ w
+
+    want = jax.jit(solve)(w, field, x)
+    got = _gpu_form(solve, "mixed_float16", w, field, x)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2)
+    text = jax.jit(solve).lower(w, field, x).as_text()
+    _, report = hlo_amp.rewrite(text, "mixed_float16", return_report=True)
+    _, bf16 = hlo_amp.rewrite(text, "mixed_bfloat16", return_report=True)
+    assert "beyond the 16-bit range: reads a constant" in json.dumps(report.propagation)
+    assert "beyond the 16-bit range: reads a constant" not in json.dumps(bf16.propagation)
+
+
 def test_f16_denies_divide_bf16_does_not():
     def fn(p, x):
         return ((x @ p["w1"]) / p["d"]) @ p["w2"]

@@ -220,8 +220,14 @@ class Graph:
         """An infer or clear op that reads a constant the compute type cannot hold (jax's
         and Flax's mask fills -0.7 * f32 max and finfo(f32).min, -1e9 under f16, a scale
         of 1e8 under f16) stays f32: converted to 16 bit the constant is inf, and a
-        masked row's softmax, or the product, NaN."""
-        largest = float(ml_dtypes.finfo(np.dtype(self.policy.compute_dtype)).max)
+        masked row's softmax, or the product, NaN. Likewise under f16 a nonzero constant
+        below its smallest normal number (6.1e-5), where f16 holds fewer bits and flushes
+        what is under 3e-8 to zero: odeint's default tolerances (1.4e-8) made its error
+        scale 0, and the solve NaN."""
+        finfo = ml_dtypes.finfo(np.dtype(self.policy.compute_dtype))
+        largest = float(finfo.max)
+        # bf16's smallest normal is f32's: only f32's own subnormals are under it.
+        smallest = float(finfo.smallest_normal) if self.policy.compute_dtype == "float16" else 0.0
         if self.policy.compute_dtype == "bfloat16":
             # bf16 has f32's exponent range: only f32's own extremes (finfo(f32).min, a
             # mask's fill) pass bf16's largest, by 0.4%, and the rewrite saturates them
@@ -233,8 +239,11 @@ class Graph:
             if node.cls not in (INFER, CLEAR):
                 continue
             for inst_id, value in node.inputs:
-                found = self.constant_magnitude(inst_id, value)
-                if found is not None and found > largest:
+                op = self._constant_op(inst_id, value)
+                high = None if op is None else largest_finite(op)
+                low = None if op is None or not smallest else smallest_nonzero(op)
+                if (high is not None and high > largest) or (low is not None
+                                                             and low < smallest):
                     node.cls, node.reason = DENY, f"{OUT_OF_RANGE}: reads a constant"
                     break
 
@@ -242,6 +251,12 @@ class Graph:
         """The largest finite magnitude of the f32 constant that ``value`` holds, seen
         through converts, broadcasts, reshapes and a called function's arguments; None
         where ``value`` is no such constant."""
+        op = self._constant_op(inst_id, value)
+        return None if op is None else largest_finite(op)
+
+    def _constant_op(self, inst_id: int, value: ir.Value) -> Any | None:
+        """The ``stablehlo.constant`` ``value`` holds, as ``constant_magnitude`` sees
+        through; None where it is no constant."""
         for _step in range(8):
             if isinstance(value, ir.BlockArgument):
                 caller = self.call_argument.get((inst_id, value))
@@ -251,7 +266,7 @@ class Graph:
                 continue
             op = value.owner
             if op.name == "stablehlo.constant":
-                return largest_finite(op)
+                return op
             if op.name not in SAME_VALUE_OPS:
                 return None
             value = op.operands[0]
@@ -523,6 +538,19 @@ _MAX_READ_ELEMENTS = 1 << 16
 def largest_finite(op: Any) -> float | None:
     """The largest finite |element| of an f32 or f64 ``stablehlo.constant``; None for
     another element type, an unreadable or a large non-splat constant."""
+    found = _finite_magnitudes(op)
+    return None if found is None or not found.size else float(found.max())
+
+
+def smallest_nonzero(op: Any) -> float | None:
+    """The smallest nonzero finite |element| of such a constant; None as above, or
+    where every element is zero."""
+    found = _finite_magnitudes(op)
+    found = None if found is None else found[found > 0]
+    return None if found is None or not found.size else float(found.min())
+
+
+def _finite_magnitudes(op: Any) -> np.ndarray | None:
     read = readable_attribute(op, "value")
     if read is None:
         return None
@@ -535,8 +563,7 @@ def largest_finite(op: Any) -> float | None:
         values = np.asarray(attr, dtype=np.float64)
     else:
         return None
-    finite = np.abs(values[np.isfinite(values)])
-    return float(finite.max()) if finite.size else None
+    return np.abs(values[np.isfinite(values)])
 
 
 def _sums_updates(node: Node, op: Any, number: int) -> bool:
