@@ -655,6 +655,45 @@ def test_f16_keeps_f32_what_reads_a_constant_below_its_smallest_normal():
     assert "beyond the 16-bit range: reads a constant" not in json.dumps(bf16.propagation)
 
 
+def test_a_loop_accumulator_stays_f32_a_scanned_layers_stream_does_not():
+    """A value a loop updates from itself through arithmetic (an RNN's state, an Euler
+    solver's) is a sum over many steps: carried in bf16 it was rounded every step (13% to
+    17% error over 200 to 1024 steps, against 0.3% under bf16). A scan over stacked
+    layers keeps its residual stream 16-bit, as between unrolled layers."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    w_in, w_out = (jax.random.normal(k, (16, 16)) / 4 for k in keys[:2])
+    x = jax.random.normal(keys[2], (1024, 16)) + 1.0
+    layers = jax.random.normal(keys[3], (4, 16, 16)) / 4
+
+    def rnn(w_in, w_out, x):
+        step = lambda h, b: (0.999 * h + b, 0.999 * h + b)
+        return jax.lax.scan(step, jnp.zeros(16), x @ w_in)[1] @ w_out
+
+    def euler(w_in, w_out, x):
+        step = lambda y, _: (y + 0.01 * jnp.tanh(y @ w_in), None)
+        return jax.lax.scan(step, x[:16] @ w_in, None, length=200)[0] @ w_out
+
+    def error(fn, policy, *args):
+        want = jax.jit(fn)(*args)
+        return float(jnp.linalg.norm(hlo_amp.compile(fn, policy)(*args) - want)
+                     / jnp.linalg.norm(want))
+
+    for fn in (rnn, euler):
+        assert error(fn, "mixed_bfloat16", w_in, w_out, x) < 2 * error(fn, "bf16", w_in, w_out, x)
+        text = hlo_amp.compile(fn, "mixed_bfloat16").lower(w_in, w_out, x,
+                                                          target="h100").as_text()
+        carries = re.search(r"stablehlo\.while\(.*\) : (.*)", text).group(1)
+        assert "16xf32>" in carries.replace("1024x16xf32", "")  # the state, not the xs
+
+    def stack(layers, x):
+        step = lambda h, w: (h + jnp.tanh(h @ w), None)
+        return jax.lax.scan(step, x[:16] @ layers[0], layers)[0] @ layers[1]
+
+    text = hlo_amp.compile(stack, "mixed_bfloat16").lower(layers, x, target="h100").as_text()
+    carries = re.search(r"stablehlo\.while\(.*\) : (.*)", text).group(1)
+    assert "tensor<16x16xbf16>" in carries and "tensor<16x16xf32>" not in carries, carries
+
+
 def test_f16_denies_divide_bf16_does_not():
     def fn(p, x):
         return ((x @ p["w1"]) / p["d"]) @ p["w2"]

@@ -80,6 +80,7 @@ from jaxlib.mlir import ir
 from hlo_amp.passes.propagate.accounting import bytes_table, intermediate_bytes, op_counts
 from hlo_amp.passes.propagate.body import Body
 from hlo_amp.passes.propagate.graph import Graph
+from hlo_amp.passes.propagate.recurrences import deny_loop_accumulators
 from hlo_amp.passes.propagate.rewrite import Rewriter
 from hlo_amp.passes.propagate.solve import solve
 from hlo_amp.policy import DTYPE_TO_ELEMENT, Policy
@@ -107,6 +108,7 @@ class Propagate:
         before = intermediate_bytes(module, walks)
         graph = Graph(self.policy, low, walks)
         graph.build(module)
+        deny_loop_accumulators(graph)
         in_16bit = self.target.matrix_result_in_16bit
         solve(graph, self.target.paint_form(self.policy.keep_f32_results))
         counts = op_counts(graph)

@@ -62,13 +62,6 @@ _STATE_MOVES = frozenset({
     "dynamic_update_slice", "concatenate", "pad", "reverse", "gather", "select", "scatter",
     "sdy.sharding_constraint", "sdy.reshard"})
 
-
-def _updates_state(node: Node) -> bool:
-    return node.cls == LINK or (node.cls == INFER and node.kind in ("add", "subtract"))
-
-
-def _moves_state(node: Node) -> bool:
-    return node.cls == LINK or node.kind in _STATE_MOVES
 LINK = "link"
 # A convert to the compute dtype, or the updates of an add scatter kept f32: where a
 # region may end.
@@ -81,6 +74,14 @@ SPECIAL_FUNCTIONS = frozenset({
 # Op kinds whose class depends on their body or attributes as well as the table (see
 # op_class).
 _BODY_CLASSED = frozenset({"reduce", "reduce_window", "scatter", "reduce_precision"})
+
+
+def _updates_state(node: Node) -> bool:
+    return node.cls == LINK or (node.cls == INFER and node.kind in ("add", "subtract"))
+
+
+def _moves_state(node: Node) -> bool:
+    return node.cls == LINK or node.kind in _STATE_MOVES
 
 
 @dataclass(eq=False, slots=True)
@@ -523,11 +524,15 @@ class Graph:
         return found
 
     def _node_of(self, inst_id: int, op: Any) -> Node | None:
+        index = self.op_index(inst_id, op)
+        return None if index is None else self.op_node.get((inst_id, index))
+
+    def op_index(self, inst_id: int, op: Any) -> int | None:
+        """``op``'s index in instance ``inst_id``'s ops; None for an op not walked."""
         inst = self.instances[inst_id]
         if not inst.index:
             inst.index = {op_key(o): i for i, o in enumerate(inst.ops)}
-        index = inst.index.get(op_key(op))
-        return None if index is None else self.op_node.get((inst_id, index))
+        return inst.index.get(op_key(op))
 
 
 
