@@ -225,6 +225,32 @@ def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool
     return result
 
 
+def _fill_from_unnamed(xla_by_scope: dict[tuple[str, bool], list[XlaGemm]],
+                       unnamed: list[XlaGemm], decisions: list[Decision],
+                       total: dict[tuple[str, bool], int]) -> None:
+    """Give each scope that XLA has fewer matrix ops of than the report some of the ops
+    XLA's HLO names no scope for (XLA:CPU's weight-gradient convolution lost its
+    ``op_name``, and its scope's every op read "merged or removed"): one of the kind and
+    size of a decision of the scope, else of its kind. What is left is the top level's."""
+    wanted: dict[tuple[str, bool], list[tuple[bool, int | None]]] = {}
+    for decision in decisions:
+        key = (scope_key(decision.location), decision.op_kind == "ragged_dot")
+        wanted.setdefault(key, []).append((decision.op_kind == "convolution",
+                                           _decision_elements(decision)))
+    for key, count in total.items():
+        gemms = xla_by_scope.setdefault(key, [])
+        for conv, elements in wanted[key][len(gemms):] if len(gemms) < count else ():
+            pick = next((g for g in unnamed if g.conv == conv and g.elements == elements),
+                        next((g for g in unnamed if g.conv == conv), None))
+            if pick is not None:
+                unnamed.remove(pick)
+                gemms.append(pick)
+        if not gemms:
+            del xla_by_scope[key]
+    for gemm in unnamed:
+        xla_by_scope.setdefault(("", gemm.ragged), []).append(gemm)
+
+
 def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None = None,
                      device: str | None = None) -> None:
     """Fill ``kept_by_xla`` for each converted decision from XLA's optimized HLO.
@@ -241,7 +267,11 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
     target = as_target(target)
     # Per scope, and ragged_dot apart from the dense ops: one's verdict is no other's.
     xla_by_scope: dict[tuple[str, bool], list[XlaGemm]] = {}
+    unnamed: list[XlaGemm] = []
     for gemm in xla_gemms(hlo_text, target):
+        if not gemm.op_name:
+            unnamed.append(gemm)
+            continue
         xla_by_scope.setdefault((scope_key(gemm.op_name), gemm.ragged), []).append(gemm)
     converted: dict[tuple[str, bool], list[int]] = {}
     total: dict[tuple[str, bool], int] = {}
@@ -250,6 +280,7 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
         total[key] = total.get(key, 0) + 1
         if decision.low_precision and decision.changed:
             converted.setdefault(key, []).append(index)
+    _fill_from_unnamed(xla_by_scope, unnamed, report.decisions, total)
     unknown: dict[str, int] = {}
     for key, indices in converted.items():
         gemms = xla_by_scope.get(key)
