@@ -239,9 +239,10 @@ def parse_module(source: str | bytes, *, source_name: str = "<input>",
 
 
 def _callees(module: ir.Module) -> dict[str, list[str]]:
-    """Each function's ``func.call`` callees, by symbol name."""
-    return {function_name(fn): [callee_name(call) for call in
-                                walk_operations(fn, names=frozenset({"func.call"}))]
+    """Each function's callees by symbol name: its calls' and its composites'
+    decompositions (a cycle through a composite recursed in the passes as a call's did)."""
+    return {function_name(fn): [body_name(op) for op in
+                                walk_operations(fn, names=frozenset(BODY_ATTRIBUTE))]
             for fn in functions(module)}
 
 

@@ -191,6 +191,13 @@ MORE_ERRORS = {
     "target_and_xla_target_disagree": (
         lambda d: [d / "in.mlir", "--target", "gpu", "--xla-target", "tpu-v5e"],
         r"--target gpu and --xla-target tpu-v5e name different platforms"),
+    # A cycle through composites' decompositions recursed in insert_converts (an
+    # internal error, RecursionError), where one through calls was refused.
+    "recursion_through_composites": (
+        lambda d: [_write(d, "rec.mlir", MODULE.replace(
+            "  return %0", "  %1 = stablehlo.composite \"my.f\" %0, %w {decomposition = @main}"
+            " : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>\n  return %1"))],
+        r"@main calls itself \(@main -> @main\); accepted: a module without recursive"),
     # XLA's own refusal of the input was put on the rewrite ("the rewritten module").
     "xla_refuses_the_input": (
         lambda d: [_write(d, "dyn.mlir", MODULE.replace("tensor<2x4xf32>", "tensor<?x4xf32>")),
