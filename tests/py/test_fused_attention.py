@@ -660,3 +660,20 @@ def test_a_softmax_mix_the_kernel_cannot_compute_is_left_with_its_reason(fn, sha
         assert not site.fused and site.reason.startswith(reason), site.reason
     np.testing.assert_allclose(hlo_amp.compile(fn, "mixed_bfloat16")(*args), jax.jit(fn)(*args),
                                rtol=3e-2, atol=3e-2)
+
+
+def test_an_attention_inside_a_composite_is_ruled_by_the_composites_scope() -> None:
+    """A composite's decomposition is named under the composite's scope: the attention
+    inside one under named_scope("attn") was fused in bf16 with scope '' although
+    scope:attn=float32 asked to keep it, and the rule read "matched no op"."""
+    sdpa = jax.lax.composite(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), name="my.attn")
+
+    def net(q, k, v):
+        with jax.named_scope("attn"):
+            return sdpa(q, k, v)
+
+    q = jax.random.normal(jax.random.key(0), (2, 128, 4, 64))
+    for policy, fused in (("bf16", True), ("bf16,scope:attn=float32", False)):
+        sites = hlo_amp.compile(net, policy).lower(q, q, q, target="h100").report().attention
+        assert [(s.scope, s.fused) for s in sites] == [("attn", fused)], sites

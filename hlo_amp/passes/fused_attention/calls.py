@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import (
+    BODY_ATTRIBUTE,
+    body_name,
     callee_name,
     function_name,
     functions,
@@ -29,6 +31,7 @@ from hlo_amp.ir.sites import call_prefix, join_names, location_name
 Stack = tuple[int, ...]  # op keys of the func.call ops, outermost first
 
 _CALL = "func.call"
+_BODIES = frozenset(BODY_ATTRIBUTE)
 _RETURN = "func.return"
 _WHILE = "stablehlo.while"
 
@@ -46,20 +49,25 @@ class CallView:
         # and each function's calls, from one walk.
         self.callers: dict[str, list[ir.Operation]] = {}
         self.calls_in: dict[str, list[ir.Operation]] = {}
+        # ... and its calls and composites, whose decompositions' ops are named under
+        # them (the matcher does not follow a composite: its types are its own).
+        self._bodies_in: dict[str, list[ir.Operation]] = {}
         for name, fn in self.functions.items():
-            found = self.calls_in[name] = walk_operations(fn, names=frozenset({_CALL}))
-            for call in found:
+            found = self._bodies_in[name] = walk_operations(fn, names=_BODIES)
+            self.calls_in[name] = [op for op in found if op.name == _CALL]
+            for call in self.calls_in[name]:
                 self.callers.setdefault(callee_name(call), []).append(call)
 
     def call_prefixes(self) -> dict[str, str]:
         """Each private function's call-site name prefix (its first caller's, from the
-        public functions down), as insert_converts names ops in private functions."""
+        public functions down, a composite's for its decomposition), as insert_converts
+        names ops in private functions."""
         prefixes: dict[str, str] = {}
         pending = [(name, "") for name, fn in self.functions.items() if is_public(fn)]
         while pending:
             name, prefix = pending.pop()
-            for call in self.calls_in[name]:
-                callee = callee_name(call)
+            for call in self._bodies_in[name]:
+                callee = body_name(call)
                 fn = self.functions.get(callee)
                 if fn is not None and callee not in prefixes and not is_public(fn):
                     prefixes[callee] = call_prefix(
