@@ -230,8 +230,9 @@ def _fill_from_unnamed(xla_by_scope: dict[tuple[str, bool], list[XlaGemm]],
                        total: dict[tuple[str, bool], int]) -> None:
     """Give each scope that XLA has fewer matrix ops of than the report some of the ops
     XLA's HLO names no scope for (XLA:CPU's weight-gradient convolution lost its
-    ``op_name``, and its scope's every op read "merged or removed"): one of the kind and
-    size of a decision of the scope, else of its kind. What is left is the top level's."""
+    ``op_name``, a composite's inlined dot is named ``dot_general`` alone, and their
+    scopes' every op read "merged or removed"): one of the kind and size of a decision
+    of the scope, else of its kind. What is left is the top level's."""
     wanted: dict[tuple[str, bool], list[tuple[bool, int | None]]] = {}
     for decision in decisions:
         key = (scope_key(decision.location), decision.op_kind == "ragged_dot")
@@ -269,7 +270,9 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
     xla_by_scope: dict[tuple[str, bool], list[XlaGemm]] = {}
     unnamed: list[XlaGemm] = []
     for gemm in xla_gemms(hlo_text, target):
-        if not gemm.op_name:
+        # No name, or an op's name alone (a composite's decomposition, which XLA inlines
+        # without its caller's name stack; every other op's starts with jit(f)/).
+        if "/" not in gemm.op_name:
             unnamed.append(gemm)
             continue
         xla_by_scope.setdefault((scope_key(gemm.op_name), gemm.ragged), []).append(gemm)

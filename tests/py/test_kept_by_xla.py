@@ -157,6 +157,18 @@ def test_matrix_ops_xla_names_no_scope_fill_a_scope_short_of_them() -> None:
     assert [d.kept_by_xla for d in report.decisions] == [False, False, False]
     assert report.unknown_to_xla == {}
 
+    # XLA inlines a composite's decomposition naming its dot "dot_general" alone: the
+    # bf16 GEMM it ran read "unknown: merged or removed".
+    dense = jax.lax.composite(lambda x, w: jnp.tanh(x @ w), name="my.dense")
+
+    def net(x, w):
+        with jax.named_scope("blk"):
+            return dense(x, w)
+
+    x, w = jnp.ones((32, 64)), jnp.ones((64, 64)) / 8
+    report = hlo_amp.compile(net, "bf16").lower(x, w, target="h100").compile().report()
+    assert [d.kept_by_xla for d in report.decisions] == [True]
+
 
 # One scope, two converted dots: XLA:CPU upcast the small one (f32 operands) and kept the
 # large one, which comes first in the report.
