@@ -484,6 +484,15 @@ def test_a_loop_around_the_whole_step_leaves_the_ends_their_rules() -> None:
     assert forward == [("forward", "first_matrix_op", False), ("forward", "last_matrix_op", False),
                        ("forward", "op:dot_general", True)], found
 
+    # A scan over stacked layers alone, without gradients: every matrix op reads a
+    # layer's slice of the stack, each iteration another, so none is a stem or a head.
+    def stack_alone(layers, x):
+        return jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, layers)[0]
+
+    for fn in (stack_alone, jax.grad(lambda l, x: stack_alone(l, x).sum())):
+        assert {rule for _, rule, _ in rules(fn, layers, x[0, :, :16] @ params["stem"])} == {
+            "op:dot_general"}
+
 
 def test_a_block_called_at_each_layer_has_its_own_first_and_last_call() -> None:
     """A jax.jit block called at every layer (a private function, one call-site name

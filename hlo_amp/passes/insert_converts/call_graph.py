@@ -22,6 +22,7 @@ from hlo_amp.ir.modules import (
     is_public,
     op_key,
     set_body_name,
+    terminator,
     walk_operations,
 )
 from hlo_amp.ir.op_classes import MATRIX_OP_KINDS
@@ -183,14 +184,16 @@ class CallGraph:
             # no op a layer's (the ends lost their rule there, and the stem and head
             # went fp8). A scan over layers or time runs its gradients in a loop of its
             # own. Without gradients, the loops around every forward matrix op run the
-            # whole forward: a generation loop decoding a token per iteration (its stem
-            # and head went fp8 there).
+            # whole forward when the ends' weights are the same at every iteration: a
+            # generation loop decoding a token per iteration (its stem and head went fp8
+            # there), not a scan over stacked layers.
             whole = _common_prefix([looped.get(key, ()) for key in
                                     [k for k, _, _ in forward + recomputed] + gradients])
             candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, forward[-1])
                           ) if forward else ()
             ends = [(position, end) for position, end in candidates
-                    if len(looped.get(end[0], ())) == len(whole)]
+                    if len(looped.get(end[0], ())) == len(whole)
+                    and (gradients or not whole or self._reads_invariant(end[0], end[1]))]
             own: EndStacks = {}
             own_frames: dict[tuple[str, str, str], tuple[str, ...]] = {}
             end_stacks: dict[str, tuple[str, str, str]] = {}
@@ -235,6 +238,34 @@ class CallGraph:
                 if marked:
                     self.positions[key] = self.positions.get(key, ()) + marked
         return found
+
+    def _reads_invariant(self, key: tuple[str, int, str, CallPath], op: Any) -> bool:
+        """Whether a matrix op (``key``: its function, index, prefix and call path) reads
+        a value the loops around it do not change: a constant, an argument of the
+        program, or a loop carry passed on unchanged (seen through converts, reshapes,
+        transposes, broadcasts and out of called functions); a scanned layer's weight is
+        a slice of a stack, different at every iteration."""
+        for operand in list(op.operands)[:2]:
+            value, path = operand, key[3]
+            for _step in range(16):
+                if not isinstance(value, ir.BlockArgument):
+                    if value.owner.name not in SAME_VALUE_OPS:
+                        break
+                    value = value.owner.operands[0]
+                    continue
+                owner = value.owner.owner.operation
+                if owner.name == "stablehlo.while":
+                    if terminator(value.owner).operands[value.arg_number] == value:
+                        return True
+                    break
+                if owner.name != "func.func" or not path:
+                    return owner.name == "func.func"  # the program's own argument
+                caller, index = path[-1]
+                call = self.ops_of(self.by_name[caller])[index][0]
+                value, path = call.operands[value.arg_number], path[:-1]
+            if not isinstance(value, ir.BlockArgument) and value.owner.name == "stablehlo.constant":
+                return True
+        return False
 
     def _program_order(self, name: str, prefix: str,
                        out: list[tuple[tuple[str, int, str, CallPath], Any, str]],

@@ -81,7 +81,7 @@ def _updates_state(node: Node) -> bool:
 
 
 def _moves_state(node: Node) -> bool:
-    return node.cls == LINK or node.kind in _STATE_MOVES
+    return node.cls == LINK or (node.cls in (INFER, CLEAR) and node.kind in _STATE_MOVES)
 
 
 @dataclass(eq=False, slots=True)
@@ -176,41 +176,40 @@ class Graph:
         step slices, writes and stacks came back with every entry rounded to 16 bit,
         those it did not write too. (A chain mixing the two is no state: an embedding
         row that a residual stream adds to.)"""
+        starts = [(inst_id, argument) for inst_id, inst in enumerate(self.instances)
+                  if is_public(inst.fn) for argument in first_block(inst.fn.regions[0]).arguments
+                  if self.f32(argument)]
         for follows in (_updates_state, _moves_state):
-            for node in self._state_chain(follows):
+            found = self.paths(starts, follows, lambda node: any(
+                self._publicly_returned(key) for key in node.outputs))
+            for node in found:
                 node.cls = DENY if node.cls in (INFER, CLEAR) else node.cls  # a link: f32
-                node.reason = STATE_UPDATE
+                node.reason = node.reason or STATE_UPDATE
 
-    def _state_chain(self, follows: Callable[[Node], bool]) -> list[Node]:
-        """The nodes ``follows`` admits on a path from a public f32 argument to a public
-        result, through such nodes alone."""
-        chain: dict[int, Node] = {}
-        pending = [(inst_id, argument) for inst_id, inst in enumerate(self.instances)
-                   if is_public(inst.fn) for argument in first_block(inst.fn.regions[0]).arguments
-                   if self.f32(argument)]
-        seen = set(pending)
+    def paths(self, starts: list[tuple[int, ir.Value]], follows: Callable[[Node], bool],
+              ends: Callable[[Node], bool]) -> list[Node]:
+        """The nodes on a path from a value of ``starts`` to a node ``ends`` admits,
+        through nodes ``follows`` admits alone."""
+        reached: dict[int, Node] = {}
+        seen, pending = set(starts), list(starts)
         while pending:
             for reader in self.consumers(pending.pop()):
-                if not isinstance(reader, Node) or id(reader) in chain or not follows(reader):
+                if not isinstance(reader, Node) or id(reader) in reached or not follows(reader):
                     continue
-                chain[id(reader)] = reader
+                reached[id(reader)] = reader
                 for key in reader.outputs:
                     if key not in seen:
                         seen.add(key)
                         pending.append(key)
-        kept: dict[int, Node] = {}
-        pending_nodes = [n for n in chain.values()
-                         if any(self._publicly_returned(key) for key in n.outputs)]
-        while pending_nodes:
-            node = pending_nodes.pop()
-            if id(node) in kept:
+        found: dict[int, Node] = {}
+        back = [n for n in reached.values() if ends(n)]
+        while back:
+            node = back.pop()
+            if node is None or id(node) not in reached or id(node) in found:
                 continue
-            kept[id(node)] = node
-            for key in node.inputs:
-                producer = self.producer.get(key)
-                if producer is not None and id(producer) in chain:
-                    pending_nodes.append(producer)
-        return list(kept.values())
+            found[id(node)] = node
+            back.extend(self.producer.get(key) for key in node.inputs)
+        return list(found.values())
 
     def _publicly_returned(self, key: tuple[int, ir.Value]) -> bool:
         inst_id, value = key
@@ -222,13 +221,15 @@ class Graph:
         and Flax's mask fills -0.7 * f32 max and finfo(f32).min, -1e9 under f16, a scale
         of 1e8 under f16) stays f32: converted to 16 bit the constant is inf, and a
         masked row's softmax, or the product, NaN. Likewise under f16 a nonzero constant
-        below its smallest normal number (6.1e-5), where f16 holds fewer bits and flushes
-        what is under 3e-8 to zero: odeint's default tolerances (1.4e-8) made its error
-        scale 0, and the solve NaN."""
+        below its smallest subnormal number (6e-8), which f16 rounds to zero or to twice
+        itself: odeint's default tolerances (1.4e-8) made its error scale 0, and the
+        solve NaN. (A norm's eps of 1e-5 or 1e-6 is a subnormal f16 holds to 0.3% or
+        1%: not kept, as that would keep every norm's output f32.)"""
         finfo = ml_dtypes.finfo(np.dtype(self.policy.compute_dtype))
         largest = float(finfo.max)
-        # bf16's smallest normal is f32's: only f32's own subnormals are under it.
-        smallest = float(finfo.smallest_normal) if self.policy.compute_dtype == "float16" else 0.0
+        # bf16's smallest subnormal is f32's: nothing f32 holds is under it.
+        smallest = (float(finfo.smallest_subnormal) if self.policy.compute_dtype == "float16"
+                    else 0.0)
         if self.policy.compute_dtype == "bfloat16":
             # bf16 has f32's exponent range: only f32's own extremes (finfo(f32).min, a
             # mask's fill) pass bf16's largest, by 0.4%, and the rewrite saturates them
@@ -241,10 +242,11 @@ class Graph:
                 continue
             for inst_id, value in node.inputs:
                 op = self._constant_op(inst_id, value)
-                high = None if op is None else largest_finite(op)
-                low = None if op is None or not smallest else smallest_nonzero(op)
-                if (high is not None and high > largest) or (low is not None
-                                                             and low < smallest):
+                magnitudes = None if op is None else _finite_magnitudes(op)
+                if magnitudes is None or not magnitudes.size:
+                    continue
+                nonzero = magnitudes[magnitudes > 0]
+                if magnitudes.max() > largest or (nonzero.size and nonzero.min() < smallest):
                     node.cls, node.reason = DENY, f"{OUT_OF_RANGE}: reads a constant"
                     break
 
@@ -545,14 +547,6 @@ def largest_finite(op: Any) -> float | None:
     another element type, an unreadable or a large non-splat constant."""
     found = _finite_magnitudes(op)
     return None if found is None or not found.size else float(found.max())
-
-
-def smallest_nonzero(op: Any) -> float | None:
-    """The smallest nonzero finite |element| of such a constant; None as above, or
-    where every element is zero."""
-    found = _finite_magnitudes(op)
-    found = None if found is None else found[found > 0]
-    return None if found is None or not found.size else float(found.min())
 
 
 def _finite_magnitudes(op: Any) -> np.ndarray | None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.loops import loop_body
-from hlo_amp.ir.modules import element_type, terminator
+from hlo_amp.ir.modules import element_type, op_key, terminator
 from hlo_amp.ir.op_classes import CLEAR, DENY, INFER, MATRIX_OP_NAMES
 from hlo_amp.passes.propagate.graph import LINK
 
@@ -31,59 +32,51 @@ _PICKING = frozenset({"select", "maximum", "minimum", "clamp", "compare"})
 def deny_loop_accumulators(graph: Graph) -> None:
     """Deny the infer and clear ops of each accumulation cycle of a loop carry, and keep
     the carry f32, unless the carry is a stream of layers."""
+    parents = {child: (inst_id, index) for inst_id, inst in enumerate(graph.instances)
+               for index, child in inst.calls.items()}
     loops: dict[tuple[int, int], _Loop] = {}
     for node in graph.nodes:
         if node.cls != LINK or node.kind != "while" or node.reason:
             continue
-        members = _accumulation(graph, node)
-        if not members:
-            continue
         key = (node.inst, node.index)
         if key not in loops:
-            loops[key] = _Loop(graph, node.inst, graph.instances[node.inst].ops[node.index])
-        if loops[key].streams_layers(node.slot):
+            loops[key] = _Loop(graph, node.inst, graph.instances[node.inst].ops[node.index],
+                               parents)
+        members = _accumulation(graph, node, loops[key])
+        if not members or loops[key].streams_layers(node.slot):
             continue
         for member in members + [node]:
-            # arithmetic and data movement: deny; the carries: f32, not painted
+            # Painted, the sum is rounded at every iteration; its carry stays f32 too.
             member.cls = DENY if member.cls in (INFER, CLEAR) else member.cls
-            member.reason = LOOP_ACCUMULATOR
+            member.reason = member.reason or LOOP_ACCUMULATOR
 
 
-def _accumulation(graph: Graph, carry: Node) -> list[Node]:
-    """The infer, clear and link nodes on a path from ``carry``'s body argument to its
-    body result through such nodes, if one of them is arithmetic."""
+def _accumulation(graph: Graph, carry: Node, loop: _Loop) -> list[Node]:
+    """The infer, clear and link nodes inside ``loop`` on a path from ``carry``'s body
+    argument to its body result through such nodes, if one of them is arithmetic."""
     start, end = carry.outputs[0], carry.inputs[1]
     if start[1] == end[1]:  # passed through unchanged
         return []
-    reached: dict[int, Node] = {}
-    seen, pending = {start}, [start]
-    while pending:
-        for reader in graph.consumers(pending.pop()):
-            if (isinstance(reader, str) or reader is carry or id(reader) in reached
-                    or reader.cls not in (INFER, CLEAR, LINK)):
-                continue
-            reached[id(reader)] = reader
-            for key in reader.outputs:
-                if key not in seen:
-                    seen.add(key)
-                    pending.append(key)
-    if end not in seen:
-        return []
-    cycle: dict[int, Node] = {}
-    back = [graph.producer.get(end)]
-    while back:
-        node = back.pop()
-        if node is None or id(node) not in reached or id(node) in cycle:
-            continue
-        cycle[id(node)] = node
-        back.extend(graph.producer.get(key) for key in node.inputs)
-    members = list(cycle.values())
+    members = graph.paths(
+        [start],
+        lambda node: (node is not carry and node.cls in (INFER, CLEAR, LINK)
+                      and loop.holds(node.inst, graph.instances[node.inst].ops[node.index])),
+        lambda node: end in node.outputs)
     if not any(n.cls == INFER and n.kind not in _PICKING for n in members):
         return []  # data movement alone: each entry is rounded once, nothing compounds
     return members
 
 
 _Key = tuple[int, ir.Value]  # (instance, value)
+# Ops that move, cast or cut the values they read (a stack reshaped, split, concatenated
+# or cast to the compute type is still the weights the program was given).
+_MOVES = frozenset({
+    "stablehlo.constant", "stablehlo.iota", "stablehlo.reshape", "stablehlo.transpose",
+    "stablehlo.broadcast_in_dim", "stablehlo.convert", "stablehlo.slice",
+    "stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice", "stablehlo.gather",
+    "stablehlo.concatenate", "stablehlo.pad", "stablehlo.reverse", "stablehlo.select",
+    "stablehlo.optimization_barrier", "sdy.sharding_constraint", "stablehlo.while",
+    "func.call"})
 _FLOATS = frozenset({"f64", "f32", "bf16", "f16"})
 _NONE: frozenset[int] = frozenset()
 
@@ -92,9 +85,13 @@ class _Loop:
     """One while loop's body seen backward from its values to its carries (through
     called functions and nested loops): which carries a value depends on."""
 
-    def __init__(self, graph: Graph, inst_id: int, loop: Any) -> None:
+    def __init__(self, graph: Graph, inst_id: int, loop: Any,
+                 parents: dict[int, tuple[int, int]]) -> None:
         self.graph = graph
         self.inst_id = inst_id
+        self.loop_key = op_key(loop)
+        self.loop_operands = list(loop.operands)
+        self.parents = parents  # instance -> (its caller's instance, the call's index)
         self.body = loop_body(loop)
         self.results = list(terminator(self.body).operands)
         arguments = list(self.body.arguments)
@@ -103,46 +100,116 @@ class _Loop:
         self.float_changing = {slot for slot in self.changing
                                if str(element_type(arguments[slot])) in _FLOATS}
         self.memo: dict[_Key, frozenset[int]] = {}
+        # The loop counters: signed integer scalars each iteration makes from themselves
+        # alone (i + 1; a PRNG key the loop splits is an unsigned array, picks no layer).
+        self.counters = {slot for slot in self.changing - self.float_changing
+                         if str(element_type(arguments[slot])) in ("i32", "i64")
+                         and ir.RankedTensorType(arguments[slot].type).rank == 0
+                         and self.carries_behind((inst_id, self.results[slot])) <= {slot}}
+
+    def holds(self, inst_id: int, op: Any) -> bool:
+        """Whether ``op`` (of instance ``inst_id``) runs inside this loop's body: in it,
+        in a loop or region in it, or in a function called from it."""
+        while True:
+            inner, parent = op.operation, op.operation.parent
+            while parent is not None and parent.name != "func.func":
+                if (inst_id == self.inst_id and op_key(parent) == self.loop_key
+                        and inner.block == self.body):
+                    return True
+                inner, parent = parent, parent.parent
+            if inst_id not in self.parents:
+                return False
+            inst_id, index = self.parents[inst_id]
+            op = self.graph.instances[inst_id].ops[index]
 
     def streams_layers(self, slot: int) -> bool:
         """Whether carry ``slot`` is a stream of layers: a matrix op on its way from its
-        body argument to its body result reads, beside a value made from it, a value
-        each iteration makes from the loop counter alone (a slice of stacked weights,
-        dequantised or split as it may be) and from no float carry the loop changes. A
-        per-step input (an RNN's x_t) is read with loop-invariant weights, a recurrence's
-        weights are invariant, and what a loop sums its gradients of reads no layer."""
+        body argument to its body result reads, beside a value made from it, a layer's
+        weight: a matrix without the op's batch dimensions that each iteration picks with
+        the loop counter, without a matrix op, from stacks the program was given
+        (sliced, split or dequantised as it may be), and from no float carry the loop
+        changes. A per-step input (an RNN's x_t, a delta rule's k_t = x_t @ W_k, or a
+        k_t given as such, batched with its state or a vector) is no layer's weight, a
+        recurrence's weights are the same at every iteration, and what a loop sums its
+        gradients of reads no layer."""
         for inst_id, op in self._matrix_ops_behind((self.inst_id, self.results[slot])):
-            sides = [self.carries_behind((inst_id, value)) for value in list(op.operands)[:2]]
-            for own, other in (sides, sides[::-1]):
-                if (slot in own and other & self.changing
-                        and not other & self.float_changing):
+            for side in (0, 1):
+                own, other = op.operands[1 - side], op.operands[side]
+                if (slot in self.carries_behind((inst_id, own)) and _weight_shaped(op, side)
+                        and self._picks_a_layer((inst_id, other))):
                     return True
         return False
+
+    def _picks_a_layer(self, key: _Key) -> bool:
+        carries = self.carries_behind(key)
+        if not carries & self.counters or carries & self.float_changing:
+            return False
+        if self._matrix_ops_behind(key):
+            return False
+        stacks = [slot for slot in carries - self.changing  # the indices' aside
+                  if str(element_type(self.loop_operands[slot])) in _FLOATS]
+        return all(self._given((self.inst_id, self.loop_operands[slot])) for slot in stacks)
+
+    def _given(self, key: _Key) -> bool:
+        """Whether the float values the value ``key`` (outside this loop) is made from are
+        all what the program was given, moved, cast or cut: its public arguments and
+        constants, through data movement, calls and loops (a forward loop's stack of
+        each layer's derived weight, which jax saves for the backward loop)."""
+        seen, pending = {key}, [key]
+        while pending:
+            current = pending.pop()
+            inst_id, value = current
+            if str(element_type(value)) not in _FLOATS:
+                continue  # an index
+            if isinstance(value, ir.BlockArgument):
+                if (value.owner.owner.operation.name == "func.func"
+                        and (inst_id, value) not in self.graph.call_argument):
+                    continue  # the program's own argument
+            elif value.owner.operation.name not in _MOVES:
+                return False
+            step = self._step_back(current)
+            if isinstance(step, frozenset):
+                return False  # this loop's own carry
+            for next_key in step:
+                if next_key not in seen:
+                    seen.add(next_key)
+                    pending.append(next_key)
+        return True
 
     def carries_behind(self, key: _Key) -> frozenset[int]:
         """The carries (slots) the value ``key`` depends on within one iteration."""
         if key in self.memo:
             return self.memo[key]
+        found: dict[_Key, frozenset[int]] = {}
+        partial: set[_Key] = set()  # found while one of its inputs was still open
         pending: list[tuple[_Key, bool]] = [(key, False)]
         before: dict[_Key, list[_Key]] = {}
         while pending:
             current, expanded = pending.pop()
-            if current in self.memo:
+            if current in self.memo or current in found:
                 continue
             if expanded:
-                self.memo[current] = _NONE.union(
-                    *(self.memo.get(k, _NONE) for k in before.pop(current)))
+                inputs = before.pop(current)
+                found[current] = _NONE.union(
+                    *(self.memo.get(k, found.get(k, _NONE)) for k in inputs))
+                # A nested loop's carry met again on its own cycle adds no carry of
+                # this loop, but what was found with it open is only whole at the
+                # value that opened it: only complete values are memoised.
+                if any(k in before or k in partial for k in inputs):
+                    partial.add(current)
+                else:
+                    self.memo[current] = found[current]
                 continue
-            if current in before:  # a nested loop's carry reached again: no new carry
+            if current in before:
                 continue
-            found = self._step_back(current)
-            if isinstance(found, frozenset):
-                self.memo[current] = found
+            step = self._step_back(current)
+            if isinstance(step, frozenset):
+                self.memo[current] = step
                 continue
-            before[current] = found
+            before[current] = step
             pending.append((current, True))
-            pending.extend((k, False) for k in found if k not in self.memo)
-        return self.memo.get(key, _NONE)
+            pending.extend((k, False) for k in step if k not in self.memo)
+        return self.memo.get(key, found.get(key, _NONE))
 
     def _matrix_ops_behind(self, key: _Key) -> list[tuple[int, Any]]:
         """The matrix ops the value ``key`` is made from within one iteration."""
@@ -173,9 +240,8 @@ class _Loop:
             if owner.name == "func.func":
                 caller = graph.call_argument.get(key)
                 return _NONE if caller is None else [caller]
-            if owner.name == "stablehlo.while":  # a nested loop's carry
-                return [(inst_id, owner.operands[value.arg_number]),
-                        (inst_id, terminator(loop_body(owner)).operands[value.arg_number])]
+            if owner.name == "stablehlo.while":
+                return _carried(inst_id, owner, value.arg_number)
             return _NONE
         op = value.owner.operation
         number = ir.OpResult(value).result_number
@@ -187,8 +253,7 @@ class _Loop:
             entry = graph.instances[child].fn.regions[0].blocks[0]
             return [(child, terminator(entry).operands[number])]
         if op.name == "stablehlo.while":
-            return [(inst_id, op.operands[number]),
-                    (inst_id, terminator(loop_body(op)).operands[number])]
+            return _carried(inst_id, op, number)
         if op.name == "stablehlo.optimization_barrier":  # jax.checkpoint's: pairwise
             return [(inst_id, op.operands[number])]
         if op.name in ("stablehlo.case", "stablehlo.if"):
@@ -196,3 +261,20 @@ class _Loop:
                 (inst_id, terminator(region.blocks[0]).operands[number])
                 for region in op.regions]
         return [(inst_id, operand) for operand in op.operands]
+
+
+def _carried(inst_id: int, loop: Any, slot: int) -> list[_Key]:
+    """What a nested loop's carry ``slot`` is made from: its operand and its body's
+    result."""
+    return [(inst_id, loop.operands[slot]), (inst_id, terminator(loop_body(loop)).operands[slot])]
+
+
+def _weight_shaped(op: Any, side: int) -> bool:
+    """Whether operand ``side`` of matrix op ``op`` is shaped as a layer's weight: a
+    matrix (or a filter) that shares no batch dimension with the other operand."""
+    if ir.RankedTensorType(op.operands[side].type).rank < 2:
+        return False
+    if op.name != "stablehlo.dot_general":
+        return True
+    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    return not (dims.rhs_batching_dimensions if side else dims.lhs_batching_dimensions)
