@@ -266,8 +266,7 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
             target_fn=main.for_platform(device.platform),
             fp8_scaling=args.fp8_scaling or "current")
     except (ValueError, TypeError) as error:
-        first = (str(error).splitlines() or [type(error).__name__])[0]
-        raise CliError(f"hlo-amp-opt: error: --autopolicy: {first}") from None
+        raise CliError(f"hlo-amp-opt: error: --autopolicy: {_first_line(error)}") from None
     except NoCompilerForTarget as error:
         raise CliError(f"hlo-amp-opt: error: {error}") from None
     print(result, file=sys.stderr)
@@ -310,27 +309,32 @@ def _mark_for_device(report: Report, modules: list, device: Target, chunks: list
             raise CliError(f"hlo-amp-opt: error: --xla-target {device.name}: {error}"
                            ) from None
         except Exception as error:  # noqa: BLE001 - XLA's refusal, in one line
-            first = (str(error).splitlines() or [type(error).__name__])[0]
-            whose = ("the module as given (before any rewrite)"
-                     if _refused_as_given(chunk, source_name, device) else "the rewritten module")
+            given = _refusal_of_the_input(chunk, source_name, device)
+            whose = ("the module as given (before any rewrite)" if given is not None
+                     else "the rewritten module")
             raise CliError(f"hlo-amp-opt: error: XLA could not compile {whose} for "
-                           f"{device.description}: {first}") from None
+                           f"{device.description}: {given or _first_line(error)}") from None
         texts.extend(hlo.to_string() for hlo in executable.hlo_modules())
     mark_kept_by_xla(report, "\n".join(texts), device, device=device.device)
     report.collectives = [c for text in texts for c in read_collectives(text)]
 
 
-def _refused_as_given(chunk: str, source_name: str, device: Target) -> bool:
-    """Whether XLA refuses the input ``chunk`` itself for ``device``: a tuple or an
-    unranked argument, an unbounded dynamic shape; the rewrite is then not to blame."""
+def _refusal_of_the_input(chunk: str, source_name: str, device: Target) -> str | None:
+    """The first line of XLA's refusal of the input ``chunk`` itself for ``device`` (a
+    tuple or an unranked argument, an unbounded dynamic shape: the rewrite is not to
+    blame), or None where XLA compiles it."""
     from hlo_amp.runtime.deviceless import compile_module_for_target
 
     try:
         with fd2_muted():
             compile_module_for_target(parse_module(chunk, source_name=source_name), device)
-    except Exception:  # noqa: BLE001 - any refusal of the input as given
-        return True
-    return False
+    except Exception as error:  # noqa: BLE001 - any refusal of the input as given
+        return _first_line(error)
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0]
 
 
 def _write_outputs(args: argparse.Namespace, text: str, report: str) -> None:

@@ -6,7 +6,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Iterator
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any
 
 from jaxlib.mlir import ir
@@ -548,7 +548,8 @@ def callee_name(call: object) -> str:
 
 # The ops an attribute of which names a function run in their place: a call's callee,
 # and a composite's decomposition (XLA inlines it unless a backend knows its name).
-BODY_ATTRIBUTE = {"func.call": "callee", "stablehlo.composite": "decomposition"}
+BODY_ATTRIBUTE = MappingProxyType({"func.call": "callee",
+                                   "stablehlo.composite": "decomposition"})
 
 
 def body_name(op: object) -> str | None:

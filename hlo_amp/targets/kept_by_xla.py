@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from hlo_amp.ir.sites import split_segments
@@ -226,28 +227,35 @@ def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool
 
 
 def _fill_from_unnamed(xla_by_scope: dict[tuple[str, bool], list[XlaGemm]],
-                       unnamed: list[XlaGemm], decisions: list[Decision],
-                       total: dict[tuple[str, bool], int]) -> None:
+                       unnamed: list[XlaGemm],
+                       wanted: dict[tuple[str, bool], list[tuple[bool, int | None]]]) -> None:
     """Give each scope that XLA has fewer matrix ops of than the report some of the ops
     XLA's HLO names no scope for (XLA:CPU's weight-gradient convolution lost its
     ``op_name``, a composite's inlined dot is named ``dot_general`` alone, and their
-    scopes' every op read "merged or removed"): one of the kind and size of a decision
-    of the scope, else of its kind. What is left is the top level's."""
-    wanted: dict[tuple[str, bool], list[tuple[bool, int | None]]] = {}
-    for decision in decisions:
-        key = (scope_key(decision.location), decision.op_kind == "ragged_dot")
-        wanted.setdefault(key, []).append((decision.op_kind == "convolution",
-                                           _decision_elements(decision)))
-    for key, count in total.items():
-        gemms = xla_by_scope.setdefault(key, [])
-        for conv, elements in wanted[key][len(gemms):] if len(gemms) < count else ():
-            pick = next((g for g in unnamed if g.conv == conv and g.elements == elements),
-                        next((g for g in unnamed if g.conv == conv), None))
-            if pick is not None:
-                unnamed.remove(pick)
-                gemms.append(pick)
-        if not gemms:
-            del xla_by_scope[key]
+    scopes' every op read "merged or removed"). ``wanted``: each scope's decisions as
+    (convolution?, result elements). What a scope's named ops do not match is filled
+    first by unnamed ops of that kind and size across every scope, then of that kind;
+    what is left is the top level's."""
+    missing: dict[tuple[str, bool], list[tuple[bool, int | None]]] = {}
+    for key, decisions in wanted.items():
+        named = xla_by_scope.get(key, [])
+        have = Counter((gemm.conv, gemm.elements) for gemm in named)
+        unmatched = []
+        for item in decisions:
+            if have[item]:
+                have[item] -= 1
+            else:
+                unmatched.append(item)
+        missing[key] = unmatched[:max(len(decisions) - len(named), 0)]
+    for same_size in (True, False):
+        for key, unmatched in missing.items():
+            for item in list(unmatched):
+                pick = next((g for g in unnamed if g.ragged == key[1] and g.conv == item[0]
+                             and (not same_size or g.elements == item[1])), None)
+                if pick is not None:
+                    unnamed.remove(pick)
+                    unmatched.remove(item)
+                    xla_by_scope.setdefault(key, []).append(pick)
     for gemm in unnamed:
         xla_by_scope.setdefault(("", gemm.ragged), []).append(gemm)
 
@@ -277,13 +285,14 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
             continue
         xla_by_scope.setdefault((scope_key(gemm.op_name), gemm.ragged), []).append(gemm)
     converted: dict[tuple[str, bool], list[int]] = {}
-    total: dict[tuple[str, bool], int] = {}
+    wanted: dict[tuple[str, bool], list[tuple[bool, int | None]]] = {}
     for index, decision in enumerate(report.decisions):
         key = (scope_key(decision.location), decision.op_kind == "ragged_dot")
-        total[key] = total.get(key, 0) + 1
+        wanted.setdefault(key, []).append((decision.op_kind == "convolution",
+                                           _decision_elements(decision)))
         if decision.low_precision and decision.changed:
             converted.setdefault(key, []).append(index)
-    _fill_from_unnamed(xla_by_scope, unnamed, report.decisions, total)
+    _fill_from_unnamed(xla_by_scope, unnamed, wanted)
     unknown: dict[str, int] = {}
     for key, indices in converted.items():
         gemms = xla_by_scope.get(key)
@@ -296,7 +305,7 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
             why = RAGGED_UNREAD if ragged else UNMATCHED
             unknown[why] = unknown.get(why, 0) + len(indices)
             continue
-        complete = len(gemms) >= total[key]
+        complete = len(gemms) >= len(wanted[key])
         verdicts = _assign([report.decisions[i] for i in indices], gemms, complete)
         for index, (verdict, form) in zip(indices, verdicts):
             report.decisions[index] = dataclasses.replace(

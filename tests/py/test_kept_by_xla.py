@@ -170,6 +170,30 @@ def test_matrix_ops_xla_names_no_scope_fill_a_scope_short_of_them() -> None:
     assert [d.kept_by_xla for d in report.decisions] == [True]
 
 
+# Two unnamed XLA dots: a bf16 one of 64 elements (scope b's size) and an f32 one of 16
+# (no scope's), and an unnamed ragged GEMM no dense scope may take.
+_UNNAMED_HLO = """
+ENTRY %main {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = bf16[8,8]{1,0} parameter(1)
+  %big = f32[8,8]{1,0} dot(bf16[8,8]{1,0} %b, bf16[8,8]{1,0} %b)
+  %small = f32[4,4]{1,0} dot(f32[4,4]{1,0} %a, f32[4,4]{1,0} %a)
+  ROOT %r = f32[4,4]{1,0} custom-call(bf16[8,8]{1,0} %b, bf16[8,8]{1,0} %b), custom_call_target="__cublas$gemm", metadata={op_name="ragged_dot_general"}
+}
+"""
+
+
+def test_unnamed_ops_go_to_the_scope_of_their_size_then_of_their_kind(converted_decision):
+    """Filled scope by scope, the first scope short of an op took the first unnamed one
+    of its kind, another scope's exact match (scope a's 32 took b's 64); a ragged GEMM
+    could fill a dense scope."""
+    make = converted_decision
+    report = Report(decisions=[dataclasses.replace(make("jit(f)/a/dot_general"), shape="4x8"),
+                               dataclasses.replace(make("jit(f)/b/dot_general"), shape="8x8")])
+    mark_kept_by_xla(report, _UNNAMED_HLO)
+    assert [d.kept_by_xla for d in report.decisions] == [False, True]
+
+
 # One scope, two converted dots: XLA:CPU upcast the small one (f32 operands) and kept the
 # large one, which comes first in the report.
 _TWO_SIZES_HLO = """

@@ -629,7 +629,7 @@ def test_a_cache_carried_through_a_decode_step_keeps_its_unwritten_entries(write
     assert all(d.changed for d in report.decisions)  # the dots still compute in 16 bit
 
 
-def test_f16_keeps_f32_what_reads_a_constant_below_its_smallest_normal():
+def test_f16_keeps_f32_what_reads_a_constant_below_its_smallest_subnormal():
     """odeint's default tolerances (1.4e-8) are zero in f16: the error scale atol +
     rtol * |y| was painted, so the first step size was inf / inf and the solve NaN (all
     128 outputs, in the GPU form). bf16 holds f32's exponent range: no such constant."""
@@ -653,6 +653,17 @@ def test_f16_keeps_f32_what_reads_a_constant_below_its_smallest_normal():
     _, bf16 = hlo_amp.rewrite(text, "mixed_bfloat16", return_report=True)
     assert "beyond the 16-bit range: reads a constant" in json.dumps(report.propagation)
     assert "beyond the 16-bit range: reads a constant" not in json.dumps(bf16.propagation)
+
+    # A norm's eps is a subnormal f16 holds (1e-6 to 1%): painted, or every norm's output
+    # would stay f32.
+    def normed(w, x):
+        h = x @ w
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+        return h @ w
+
+    text = jax.jit(normed).lower(w, x).as_text()
+    _, report = hlo_amp.rewrite(text, "mixed_float16", return_report=True)
+    assert "reads a constant" not in json.dumps(report.propagation)
 
 
 def _while_carries(text: str) -> list[str]:

@@ -52,6 +52,7 @@ class CallView:
         # ... and its calls and composites, whose decompositions' ops are named under
         # them (the matcher does not follow a composite: its types are its own).
         self._bodies_in: dict[str, list[ir.Operation]] = {}
+        self._prefixes: dict[str, str] | None = None
         for name, fn in self.functions.items():
             found = self._bodies_in[name] = walk_operations(fn, names=_BODIES)
             self.calls_in[name] = [op for op in found if op.name == _CALL]
@@ -61,8 +62,11 @@ class CallView:
     def call_prefixes(self) -> dict[str, str]:
         """Each private function's call-site name prefix (its first caller's, from the
         public functions down, a composite's for its decomposition), as insert_converts
-        names ops in private functions."""
+        names ops in private functions (worked out once per module)."""
+        if self._prefixes is not None:
+            return self._prefixes
         prefixes: dict[str, str] = {}
+        self._prefixes = prefixes
         pending = [(name, "") for name, fn in self.functions.items() if is_public(fn)]
         while pending:
             name, prefix = pending.pop()
@@ -74,6 +78,15 @@ class CallView:
                         join_names(prefix, location_name(call.location)))
                     pending.append((callee, prefixes[callee]))
         return prefixes
+
+    def prefix_of(self, op: ir.Operation) -> str:
+        """The call-site name prefix of the function holding ``op``."""
+        parent = op.operation.parent
+        while parent is not None and parent.name != "func.func":
+            parent = parent.parent
+        if parent is None:
+            return ""
+        return self.call_prefixes().get(ir.StringAttr(parent.attributes["sym_name"]).value, "")
 
     def remember(self, call: ir.Operation) -> int:
         key = op_key(call)

@@ -85,12 +85,13 @@ def _along_queries(direction: str) -> NotFused:
     return error
 
 
-def _direction_swapped(exits: dict[str, tuple[ir.Operation, int]]) -> str | None:
+def _direction_swapped(exits: dict[str, tuple[ir.Operation, int]], view: CallView
+                       ) -> str | None:
     """The direction of a training step's attention whose softmax runs along the
     queries, read off its matrix ops' locations: its forward P·V reads as ``dv`` and
     dV = Pᵀ·dO, a backward op, as ``out``. None where the roles agree with the
     locations, or no location names a backward op (nothing to tell by)."""
-    backward = {kind: site_of(op.location, "dot_general", "").gradient_pass
+    backward = {kind: site_of(op.location, "dot_general", view.prefix_of(op)).gradient_pass
                 for kind, (op, _) in exits.items()}
     if not any(backward.values()):
         return None
@@ -507,7 +508,7 @@ class _Site(MaskReading, ExitReading):
         self._set_operand_roles(q_index)
         p_like = self._p_like(p_value)
         exits = self._classify_exits(p_like)
-        swapped = _direction_swapped(exits)
+        swapped = _direction_swapped(exits, self.view)
         if swapped is not None:  # told only by "an input ... computed after its first use"
             raise _along_queries(swapped)
         if "out" not in exits and "dv" not in exits:
