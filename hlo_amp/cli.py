@@ -313,7 +313,8 @@ def _mark_for_device(report: Report, modules: list, device: Target, chunks: list
             whose = ("the module as given (before any rewrite)" if given is not None
                      else "the rewritten module")
             raise CliError(f"hlo-amp-opt: error: XLA could not compile {whose} for "
-                           f"{device.description}: {given or _first_line(error)}") from None
+                           f"{device.description}: {_first_line(error) if given is None else given}"
+                           ) from None
         texts.extend(hlo.to_string() for hlo in executable.hlo_modules())
     mark_kept_by_xla(report, "\n".join(texts), device, device=device.device)
     report.collectives = [c for text in texts for c in read_collectives(text)]
@@ -334,7 +335,8 @@ def _refusal_of_the_input(chunk: str, source_name: str, device: Target) -> str |
 
 
 def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0]
+    return next((line for line in str(error).splitlines() if line.strip()),
+                type(error).__name__)
 
 
 def _write_outputs(args: argparse.Namespace, text: str, report: str) -> None:

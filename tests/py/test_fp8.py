@@ -489,7 +489,11 @@ def test_a_loop_around_the_whole_step_leaves_the_ends_their_rules() -> None:
     def stack_alone(layers, x):
         return jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, layers)[0]
 
-    for fn in (stack_alone, jax.grad(lambda l, x: stack_alone(l, x).sum())):
+    def stack_inner_loop(layers, x):  # the layer's weight passed on by an inner loop
+        return jax.lax.scan(lambda h, w: (jax.lax.fori_loop(
+            0, 2, lambda i, h: h + jnp.tanh(h @ w), h), None), x, layers)[0]
+
+    for fn in (stack_alone, jax.grad(lambda l, x: stack_alone(l, x).sum()), stack_inner_loop):
         assert {rule for _, rule, _ in rules(fn, layers, x[0, :, :16] @ params["stem"])} == {
             "op:dot_general"}
 

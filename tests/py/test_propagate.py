@@ -718,12 +718,21 @@ def _accumulators():
         return jax.lax.scan(step, (x[:8] @ w_in, jax.random.key(1)), None, length=300
                             )[0][0] @ w_out
 
-    programs = (rnn, euler, linear_attention, delta_rule, rnn_weight_gradient, rnn_dropout)
+    def sgd_loop(w_in, w_out, x):  # weights a training loop updates, not returned
+        data, target = x.reshape(64, 8, 16), jnp.tanh(x.reshape(64, 8, 16) @ w_out)
+
+        def step(i, w):
+            loss = lambda w: jnp.mean((jnp.tanh(data[i] @ w) - target[i]) ** 2)
+            return w - 0.01 * jax.grad(loss)(w)
+        return jnp.tanh(data[0] @ jax.lax.fori_loop(0, 64, step, w_in))
+
+    programs = (rnn, euler, linear_attention, delta_rule, rnn_weight_gradient, rnn_dropout,
+                sgd_loop)
     return {fn.__name__: (fn, (w_in, w_out, x)) for fn in programs}
 
 
 @pytest.mark.parametrize("name", ["rnn", "euler", "linear_attention", "delta_rule",
-                                  "rnn_weight_gradient", "rnn_dropout"])
+                                  "rnn_weight_gradient", "rnn_dropout", "sgd_loop"])
 def test_a_loop_accumulator_stays_f32(name):
     """A value a loop updates from itself through arithmetic (an RNN's state, an Euler
     solver's, a linear attention's or delta rule's state, the gradient an RNN's backward
@@ -764,12 +773,13 @@ def _streams():
             0, 4, lambda i, h: block(h, jnp.take(layers, i, axis=0)), jnp.tanh(x)
         ) @ layers[0],
         "nested_accumulator": scanned(with_ema, lambda layers: layers),
+        "masked_stack": scanned(block, lambda layers: layers * (jnp.arange(16) < 12)),
     }
     return streams, (layers, x)
 
 
 @pytest.mark.parametrize("name", ["stacked", "two_per_iteration", "fused_and_split",
-                                  "indexed", "nested_accumulator"])
+                                  "indexed", "nested_accumulator", "masked_stack"])
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
 def test_a_scanned_layers_stream_stays_16_bit(name, grad):
     """A stream of layers (a matrix op on its way reads a slice of the stacked weights

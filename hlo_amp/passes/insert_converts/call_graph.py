@@ -241,10 +241,10 @@ class CallGraph:
 
     def _reads_invariant(self, key: tuple[str, int, str, CallPath], op: Any) -> bool:
         """Whether a matrix op (``key``: its function, index, prefix and call path) reads
-        a value the loops around it do not change: a constant, an argument of the
-        program, or a loop carry passed on unchanged (seen through converts, reshapes,
-        transposes, broadcasts and out of called functions); a scanned layer's weight is
-        a slice of a stack, different at every iteration."""
+        a value the loops around it do not change: a constant or an argument of the
+        program, seen through converts, reshapes, transposes, broadcasts, loop carries
+        passed on unchanged and out of called functions; a scanned layer's weight is a
+        slice of a stack, different at every iteration."""
         for operand in list(op.operands)[:2]:
             value, path = operand, key[3]
             for _step in range(16):
@@ -255,9 +255,11 @@ class CallGraph:
                     continue
                 owner = value.owner.owner.operation
                 if owner.name == "stablehlo.while":
-                    if terminator(value.owner).operands[value.arg_number] == value:
-                        return True
-                    break
+                    if terminator(value.owner).operands[value.arg_number] != value:
+                        break
+                    # Passed on unchanged by this loop: what an outer loop gives it.
+                    value = owner.operands[value.arg_number]
+                    continue
                 if owner.name != "func.func" or not path:
                     return owner.name == "func.func"  # the program's own argument
                 caller, index = path[-1]

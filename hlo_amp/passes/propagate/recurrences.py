@@ -11,6 +11,7 @@ over many steps."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from jaxlib.mlir import ir
@@ -68,16 +69,8 @@ def _accumulation(graph: Graph, carry: Node, loop: _Loop) -> list[Node]:
 
 
 _Key = tuple[int, ir.Value]  # (instance, value)
-# Ops that move, cast or cut the values they read (a stack reshaped, split, concatenated
-# or cast to the compute type is still the weights the program was given).
-_MOVES = frozenset({
-    "stablehlo.constant", "stablehlo.iota", "stablehlo.reshape", "stablehlo.transpose",
-    "stablehlo.broadcast_in_dim", "stablehlo.convert", "stablehlo.slice",
-    "stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice", "stablehlo.gather",
-    "stablehlo.concatenate", "stablehlo.pad", "stablehlo.reverse", "stablehlo.select",
-    "stablehlo.optimization_barrier", "sdy.sharding_constraint", "stablehlo.while",
-    "func.call"})
 _FLOATS = frozenset({"f64", "f32", "bf16", "f16"})
+_INTEGER = re.compile(r"u?i(8|16|32|64)")  # not i1, a boolean
 _NONE: frozenset[int] = frozenset()
 
 
@@ -100,10 +93,10 @@ class _Loop:
         self.float_changing = {slot for slot in self.changing
                                if str(element_type(arguments[slot])) in _FLOATS}
         self.memo: dict[_Key, frozenset[int]] = {}
-        # The loop counters: signed integer scalars each iteration makes from themselves
-        # alone (i + 1; a PRNG key the loop splits is an unsigned array, picks no layer).
+        # The loop counters: integer scalars each iteration makes from themselves alone
+        # (i + 1; a PRNG key the loop splits is an array, and picks no layer).
         self.counters = {slot for slot in self.changing - self.float_changing
-                         if str(element_type(arguments[slot])) in ("i32", "i64")
+                         if _INTEGER.fullmatch(str(element_type(arguments[slot])))
                          and ir.RankedTensorType(arguments[slot].type).rank == 0
                          and self.carries_behind((inst_id, self.results[slot])) <= {slot}}
 
@@ -124,18 +117,19 @@ class _Loop:
 
     def streams_layers(self, slot: int) -> bool:
         """Whether carry ``slot`` is a stream of layers: a matrix op on its way from its
-        body argument to its body result reads, beside a value made from it, a layer's
-        weight: a matrix without the op's batch dimensions that each iteration picks with
-        the loop counter, without a matrix op, from stacks the program was given
-        (sliced, split or dequantised as it may be), and from no float carry the loop
-        changes. A per-step input (an RNN's x_t, a delta rule's k_t = x_t @ W_k, or a
-        k_t given as such, batched with its state or a vector) is no layer's weight, a
-        recurrence's weights are the same at every iteration, and what a loop sums its
-        gradients of reads no layer."""
+        body argument to its body result contracts, along its trailing dimensions (its
+        features), a value made from it with a layer's weight: a matrix without the op's
+        batch dimensions that each iteration picks with the loop counter, without a
+        matrix op, from no float carry the loop changes. A per-step input (an RNN's
+        x_t, a delta rule's k_t = x_t @ W_k, or a k_t given as such, batched with its
+        state or a vector) is no layer's weight, weights a training loop updates are
+        contracted along their rows, a recurrence's weights are the same at every
+        iteration, and what a loop sums its gradients of reads no layer."""
         for inst_id, op in self._matrix_ops_behind((self.inst_id, self.results[slot])):
             for side in (0, 1):
                 own, other = op.operands[1 - side], op.operands[side]
                 if (slot in self.carries_behind((inst_id, own)) and _weight_shaped(op, side)
+                        and _features_contracted(op, 1 - side)
                         and self._picks_a_layer((inst_id, other))):
                     return True
         return False
@@ -148,33 +142,8 @@ class _Loop:
             return False
         stacks = [slot for slot in carries - self.changing  # the indices' aside
                   if str(element_type(self.loop_operands[slot])) in _FLOATS]
-        return all(self._given((self.inst_id, self.loop_operands[slot])) for slot in stacks)
-
-    def _given(self, key: _Key) -> bool:
-        """Whether the float values the value ``key`` (outside this loop) is made from are
-        all what the program was given, moved, cast or cut: its public arguments and
-        constants, through data movement, calls and loops (a forward loop's stack of
-        each layer's derived weight, which jax saves for the backward loop)."""
-        seen, pending = {key}, [key]
-        while pending:
-            current = pending.pop()
-            inst_id, value = current
-            if str(element_type(value)) not in _FLOATS:
-                continue  # an index
-            if isinstance(value, ir.BlockArgument):
-                if (value.owner.owner.operation.name == "func.func"
-                        and (inst_id, value) not in self.graph.call_argument):
-                    continue  # the program's own argument
-            elif value.owner.operation.name not in _MOVES:
-                return False
-            step = self._step_back(current)
-            if isinstance(step, frozenset):
-                return False  # this loop's own carry
-            for next_key in step:
-                if next_key not in seen:
-                    seen.add(next_key)
-                    pending.append(next_key)
-        return True
+        return not any(self._matrix_ops_behind((self.inst_id, self.loop_operands[slot]))
+                       for slot in stacks)
 
     def carries_behind(self, key: _Key) -> frozenset[int]:
         """The carries (slots) the value ``key`` depends on within one iteration."""
@@ -278,3 +247,16 @@ def _weight_shaped(op: Any, side: int) -> bool:
         return True
     dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
     return not (dims.rhs_batching_dimensions if side else dims.lhs_batching_dimensions)
+
+
+def _features_contracted(op: Any, side: int) -> bool:
+    """Whether matrix op ``op`` contracts operand ``side`` along its trailing dimensions
+    alone, as a layer contracts its activations' features (a training loop's weights
+    are contracted along their rows: x_t @ w)."""
+    if op.name != "stablehlo.dot_general":
+        return True
+    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    contracted = sorted(dims.rhs_contracting_dimensions if side
+                        else dims.lhs_contracting_dimensions)
+    rank = ir.RankedTensorType(op.operands[side].type).rank
+    return contracted == list(range(rank - len(contracted), rank))
