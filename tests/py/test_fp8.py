@@ -474,6 +474,21 @@ def test_a_loop_around_the_whole_step_leaves_the_ends_their_rules() -> None:
     def generate(p, x):  # each iteration's input: the last one's first 16 logits
         return jax.lax.fori_loop(0, 3, lambda i, h: forward(p, h)[:, :16], x)
 
+    # Teacher-forced, the step's tokens picked by the loop, the head's weight cut (a
+    # padded vocabulary): the stem's input is an activation, the head's weight the
+    # same at every iteration. Both ends went fp8.
+    tokens = jnp.arange(4 * 128).reshape(4, 128) % 16
+    embedding = jax.random.normal(key[4], (16, 16))
+
+    def teacher_forced(p, tokens):
+        def step(i, logits):
+            h = jax.nn.silu(embedding[tokens[i]] @ p["stem"]) @ p["mid"]
+            return logits.at[i].set(jax.nn.silu(h) @ p["head"][:, :24])
+        return jax.lax.fori_loop(0, 4, step, jnp.zeros((4, 128, 24)))
+
+    assert [r[1] for r in rules(teacher_forced, params, tokens)] == [
+        "first_matrix_op", "op:dot_general", "last_matrix_op"]
+
     alone = rules(forward, params, x[0])
     assert [r[1] for r in alone] == ["first_matrix_op", "op:dot_general", "last_matrix_op"]
     assert rules(generate, params, x[0]) == alone
@@ -493,7 +508,11 @@ def test_a_loop_around_the_whole_step_leaves_the_ends_their_rules() -> None:
         return jax.lax.scan(lambda h, w: (jax.lax.fori_loop(
             0, 2, lambda i, h: h + jnp.tanh(h @ w), h), None), x, layers)[0]
 
-    for fn in (stack_alone, jax.grad(lambda l, x: stack_alone(l, x).sum()), stack_inner_loop):
+    def heads_over_one_input(layers, x):  # the activation the same at every iteration
+        return jax.lax.scan(lambda c, w: (c, jnp.tanh(x @ w)), 0.0, layers)[1]
+
+    for fn in (stack_alone, jax.grad(lambda l, x: stack_alone(l, x).sum()), stack_inner_loop,
+               heads_over_one_input):
         assert {rule for _, rule, _ in rules(fn, layers, x[0, :, :16] @ params["stem"])} == {
             "op:dot_general"}
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.loops import LoopCounts, Runs, enclosing_loops
 from hlo_amp.ir.modules import (
@@ -241,33 +242,103 @@ class CallGraph:
 
     def _reads_invariant(self, key: tuple[str, int, str, CallPath], op: Any) -> bool:
         """Whether a matrix op (``key``: its function, index, prefix and call path) reads
-        a value the loops around it do not change: a constant or an argument of the
-        program, seen through converts, reshapes, transposes, broadcasts, loop carries
-        passed on unchanged and out of called functions; a scanned layer's weight is a
-        slice of a stack, different at every iteration."""
-        for operand in list(op.operands)[:2]:
-            value, path = operand, key[3]
-            for _step in range(16):
-                if not isinstance(value, ir.BlockArgument):
-                    if value.owner.name not in SAME_VALUE_OPS:
-                        break
-                    value = value.owner.operands[0]
-                    continue
-                owner = value.owner.owner.operation
-                if owner.name == "stablehlo.while":
-                    if terminator(value.owner).operands[value.arg_number] != value:
-                        break
-                    # Passed on unchanged by this loop: what an outer loop gives it.
-                    value = owner.operands[value.arg_number]
-                    continue
-                if owner.name != "func.func" or not path:
-                    return owner.name == "func.func"  # the program's own argument
-                caller, index = path[-1]
-                call = self.ops_of(self.by_name[caller])[index][0]
-                value, path = call.operands[value.arg_number], path[:-1]
-            if not isinstance(value, ir.BlockArgument) and value.owner.name == "stablehlo.constant":
+        a value the loops around it do not change and no weight they pick: a stem's or
+        a head's, not a scanned layer's (a slice of a stack, different at every
+        iteration, read as a weight, whatever the other operand is; a step's input the
+        loop picks, a teacher-forced token's embedding, is read as an activation)."""
+        origins = [self._origin(value, key[3], ()) for value in list(op.operands)[:2]]
+        return _INVARIANT in origins and not any(
+            origin == _PICKED and _read_as_weight(op, side)
+            for side, origin in enumerate(origins))
+
+    def _origin(self, value: Any, path: CallPath, entered: tuple[Any, ...],
+                depth: int = 0) -> str:
+        """What ``value`` is made from across the loops around it: ``_INVARIANT`` (the
+        program's arguments and constants, through loop carries passed on unchanged,
+        calls, data movement and arithmetic: a padded head's slice, a tied embedding's
+        transpose, a dequantised weight), ``_PICKED`` (a slice such a value's stack
+        gives at an index: a scanned layer's weight) or ``_COMPUTED``. ``path``: the
+        calls from the program down to ``value``'s function; ``entered``: calls whose
+        results were followed into their callees."""
+        if depth > 24:
+            return _COMPUTED
+        if isinstance(value, ir.BlockArgument):
+            owner = value.owner.owner.operation
+            if owner.name == "stablehlo.while":
+                if terminator(value.owner).operands[value.arg_number] != value:
+                    return _COMPUTED  # a carry the loop changes
+                return self._origin(owner.operands[value.arg_number], path, entered, depth + 1)
+            if owner.name != "func.func":
+                return _COMPUTED
+            if entered:
+                return self._origin(entered[-1].operands[value.arg_number], path,
+                                    entered[:-1], depth + 1)
+            if not path:
+                return _INVARIANT  # the program's own argument
+            caller, index = path[-1]
+            call = self.ops_of(self.by_name[caller])[index][0]
+            return self._origin(call.operands[value.arg_number], path[:-1], (), depth + 1)
+        op = value.owner
+        name = op.name
+        if name in ("stablehlo.constant", "stablehlo.iota"):
+            return _INVARIANT
+        if name in MATRIX_OP_KINDS or name in ("stablehlo.while", "stablehlo.case"):
+            return _COMPUTED
+        if name in BODY_ATTRIBUTE:  # a call, or a composite's decomposition
+            callee = self.by_name.get(body_name(op))
+            if callee is None or not callee.regions[0].blocks:
+                return _COMPUTED
+            returned = terminator(callee.regions[0].blocks[0]).operands[
+                ir.OpResult(value).result_number]
+            return self._origin(returned, path, entered + (op,), depth + 1)
+        floats = [v for v in op.operands if float_bits(element_type(v))]
+        origins = [self._origin(v, path, entered, depth + 1) for v in floats]
+        if name in ("stablehlo.dynamic_slice", "stablehlo.gather") and origins == [_INVARIANT]:
+            # A slice a loop's counter picks is a layer's; one a value the program
+            # computes picks (a token's embedding row) is an activation.
+            indices = [v for v in op.operands if not float_bits(element_type(v))]
+            if any(self._read_from_floats(v, path, entered, set()) for v in indices):
+                return _COMPUTED
+            return _PICKED
+        if _COMPUTED in origins or not origins:
+            return _COMPUTED
+        return _PICKED if _PICKED in origins else _INVARIANT
+
+    def _read_from_floats(self, value: Any, path: CallPath, entered: tuple[Any, ...],
+                          seen: set[Any], depth: int = 0) -> bool:
+        """Whether the integer ``value`` (an index) is made from a float value: a token
+        a generation loop took from its logits, not a loop counter (through the loops
+        that carry it: their body's result for it, and their operand)."""
+        if depth > 24 or value in seen:
+            return depth > 24
+        seen.add(value)
+        if float_bits(element_type(value)):
+            return True
+        if isinstance(value, ir.BlockArgument):
+            owner = value.owner.owner.operation
+            if owner.name == "stablehlo.while":
+                return any(self._read_from_floats(v, path, entered, seen, depth + 1) for v in (
+                    owner.operands[value.arg_number],
+                    terminator(value.owner).operands[value.arg_number]))
+            if owner.name != "func.func" or not (entered or path):
+                return False
+            if entered:
+                return self._read_from_floats(entered[-1].operands[value.arg_number], path,
+                                              entered[:-1], seen, depth + 1)
+            caller, index = path[-1]
+            call = self.ops_of(self.by_name[caller])[index][0]
+            return self._read_from_floats(call.operands[value.arg_number], path[:-1], (),
+                                          seen, depth + 1)
+        op = value.owner
+        if op.name in BODY_ATTRIBUTE:
+            callee = self.by_name.get(body_name(op))
+            if callee is None or not callee.regions[0].blocks:
                 return True
-        return False
+            returned = terminator(callee.regions[0].blocks[0]).operands[
+                ir.OpResult(value).result_number]
+            return self._read_from_floats(returned, path, entered + (op,), seen, depth + 1)
+        return any(self._read_from_floats(v, path, entered, seen, depth + 1)
+                   for v in op.operands)
 
     def _program_order(self, name: str, prefix: str,
                        out: list[tuple[tuple[str, int, str, CallPath], Any, str]],
@@ -369,6 +440,22 @@ def _stack_key(site: Site, op: Any, kind: str) -> tuple[str, str, str]:
     location = op.location
     stack = str(location.child_loc) if isinstance(location, ir.NameLoc) else str(location)
     return site.scope_path, kind, stack
+
+
+# What a matrix op's operand is made from across the loops around it (CallGraph._origin).
+_INVARIANT, _PICKED, _COMPUTED = "invariant", "picked", "computed"
+
+def _read_as_weight(op: Any, side: int) -> bool:
+    """Whether matrix op ``op`` reads operand ``side`` as a layer reads its weight: a
+    convolution's filter, or a dot operand contracted along its leading dimensions (its
+    rows) without batch dimensions; an activation is contracted along its features."""
+    if op.name != "stablehlo.dot_general":
+        return side == 1
+    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    batch = dims.rhs_batching_dimensions if side else dims.lhs_batching_dimensions
+    contracted = sorted(dims.rhs_contracting_dimensions if side
+                        else dims.lhs_contracting_dimensions)
+    return not batch and contracted == list(range(len(contracted)))
 
 
 # The note of an op inside a loop whose trip count could not be read (a while_loop, a
