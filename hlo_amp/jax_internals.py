@@ -250,6 +250,13 @@ def lowering_platforms(lowered: Any) -> tuple[str, ...]:
     return tuple(getattr(lowered._lowering, "_platforms", ()) or ())
 
 
+def lowering_backend(lowered: Any) -> str | None:
+    """The platform of the backend a ``jax.jit(...).lower()`` result compiles with (its
+    device assignment's: a jit's own shardings name devices); None if not known."""
+    backend = getattr(lowered._lowering, "compile_args", {}).get("backend")
+    return getattr(backend, "platform", None)
+
+
 def cudnn_attention_module() -> Any:
     """jax's cuDNN attention module (``jax._src.cudnn.fused_attention_stablehlo``)."""
     return _cudnn_attention

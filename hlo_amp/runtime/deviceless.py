@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hlo_amp.jax_internals import cudnn_checks_answered
+from hlo_amp.jax_internals import cudnn_checks_answered, lowering_backend
 from hlo_amp.runtime.frameworks import jax_jit_info, jit_info, shardings_given
 from hlo_amp.runtime.signature import normalise_argnums, signature_of
 from hlo_amp.targets import Target, device_target
@@ -201,7 +201,7 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target,
                 f"NVIDIA GPUs only; compiled for {target.name} it cannot be: use "
                 f"implementation='xla' or None there ({error})") from None
         try:
-            return traced.lower(lowering_platforms=(target.platform,))
+            lowered = traced.lower(lowering_platforms=(target.platform,))
         except RuntimeError as error:
             # jax lowers a host callback through the live backend of its platform.
             callback = _HOST_CALLBACK.search(str(traced.jaxpr))
@@ -213,6 +213,18 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target,
                 f"pure_callback), which jax lowers only on a machine with the device; "
                 f"compiled for {target.name} without one it cannot be: compile it without "
                 f"the callbacks, or for this machine") from None
+    backend = lowering_backend(lowered)
+    if backend == "cpu":
+        # A jax.jit's own in_shardings/out_shardings on this machine's devices place
+        # the program there: XLA:CPU compiled it (bf16 dots upcast, f32 collectives),
+        # and the report read as the target's.
+        raise ValueError(
+            f"{getattr(jitted, '__name__', 'the function')} is a jax.jit whose shardings "
+            f"name this machine's cpu devices, so it compiles for them, not for "
+            f"{target.name}: build its in_shardings/out_shardings on "
+            f"hlo_amp.target_mesh({target.name!r}, axes), or drop them and pass arguments "
+            f"sharded on that mesh")
+    return lowered
 
 
 # The primitives of jax's host callbacks, as a jaxpr prints them.

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from host_devices import host_devices_env
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hlo_amp
@@ -389,3 +390,23 @@ def test_a_jax_jit_with_shardings_compiles_for_a_target_as_its_peer(policy: str)
         jax.tree.leaves(peer.output_shardings)[0], 2)
     assert (ours.memory_analysis().argument_size_in_bytes - history_bytes
             == peer.memory_analysis().argument_size_in_bytes)
+
+
+def test_a_jax_jit_sharded_on_this_machines_devices_is_refused_for_a_target() -> None:
+    """A jax.jit whose shardings are on this machine's CPU devices, compiled nested for
+    a GPU target, compiled for those devices: XLA:CPU's program (bf16 dots upcast,
+    collectives in f32) came back as the GPU's, 'kept by XLA: 0/11'. It is refused
+    naming what to do; the jit built on the target's mesh compiles for the target."""
+    def step(w, x):
+        return jnp.tanh(x @ w) @ w.T
+
+    w, x = jax.ShapeDtypeStruct((32, 32), jnp.float32), jax.ShapeDtypeStruct((64, 32),
+                                                                            jnp.float32)
+    host = Mesh(np.array(jax.devices()[:1]), ("b",))
+    jitted = jax.jit(step, in_shardings=(NamedSharding(host, P()), NamedSharding(host, P())))
+    with pytest.raises(ValueError, match=r"name this machine's cpu devices.*target_mesh"):
+        hlo_amp.compile(jitted, "bf16").lower(w, x, target="h100")
+    target = hlo_amp.target_mesh("h100", {"b": 1})
+    jitted = jax.jit(step, in_shardings=(NamedSharding(target, P()), NamedSharding(target, P())))
+    report = hlo_amp.compile(jitted, "bf16").lower(w, x, target="h100").compile().report()
+    assert [d.kept_by_xla for d in report.decisions] == [True, True]
