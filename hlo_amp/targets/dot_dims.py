@@ -1,7 +1,8 @@
 """The dimension facts of one ``stablehlo.dot_general`` (batch, free and contracting
 dimensions, the canonical m, k, n), as XLA's DotDecomposer
 (xla/hlo/transforms/expanders/dot_decomposer.cc) and the targets' dot rules read them:
-XLA:CPU's bf16 dot layouts (targets/cpu.py) and cuBLASLt's fp8 GEMM form (targets/fp8_gemm.py).
+XLA:CPU's bf16 dot layouts (targets/cpu.py) and cuBLASLt's fp8 GEMM form (targets/fp8_gemm.py);
+the passes read which of a dot's operands is a layer's weight from them too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,22 @@ class DotLayout:
     rhs_batch: tuple[int, ...]
     lhs_contracting: tuple[int, ...]
     rhs_contracting: tuple[int, ...]
+
+    def batch(self, side: int) -> tuple[int, ...]:
+        """The batch dimensions of operand ``side`` (0: lhs, 1: rhs)."""
+        return self.rhs_batch if side else self.lhs_batch
+
+    def contracting(self, side: int) -> tuple[int, ...]:
+        """The contracting dimensions of operand ``side``."""
+        return self.rhs_contracting if side else self.lhs_contracting
+
+    def contracts_edge(self, side: int, *, leading: bool) -> bool:
+        """Whether operand ``side`` is contracted along its leading dimensions alone (a
+        weight's rows) or, with ``leading=False``, its trailing ones (features)."""
+        rank = len(self.rhs_shape if side else self.lhs_shape)
+        count = len(self.contracting(side))
+        edge = range(count) if leading else range(rank - count, rank)
+        return sorted(self.contracting(side)) == list(edge)
 
     @functools.cached_property
     def lhs_free(self) -> tuple[int, ...]:

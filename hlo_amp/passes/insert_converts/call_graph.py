@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.loops import LoopCounts, Runs, enclosing_loops
 from hlo_amp.ir.modules import (
@@ -38,6 +37,7 @@ from hlo_amp.ir.sites import (
 )
 from hlo_amp.passes.insert_converts.plan import TypeNames, float_bits
 from hlo_amp.policy import FIRST_MATRIX_OP, LAST_MATRIX_OP, OP_KINDS, Policy
+from hlo_amp.targets.dot_dims import dot_layout
 
 # The candidate ops by name, with their policy op kind.
 _MATRIX_OPS = {name: kind for name, kind in MATRIX_OP_KINDS.items() if kind in OP_KINDS}
@@ -270,14 +270,10 @@ class CallGraph:
                 return self._origin(owner.operands[value.arg_number], path, entered, depth + 1)
             if owner.name != "func.func":
                 return _COMPUTED
-            if entered:
-                return self._origin(entered[-1].operands[value.arg_number], path,
-                                    entered[:-1], depth + 1)
-            if not path:
+            source = self._argument_source(value, path, entered)
+            if source is None:
                 return _INVARIANT  # the program's own argument
-            caller, index = path[-1]
-            call = self.ops_of(self.by_name[caller])[index][0]
-            return self._origin(call.operands[value.arg_number], path[:-1], (), depth + 1)
+            return self._origin(*source, depth + 1)
         op = value.owner
         name = op.name
         if name in ("stablehlo.constant", "stablehlo.iota"):
@@ -285,11 +281,9 @@ class CallGraph:
         if name in MATRIX_OP_KINDS or name in ("stablehlo.while", "stablehlo.case"):
             return _COMPUTED
         if name in BODY_ATTRIBUTE:  # a call, or a composite's decomposition
-            callee = self.by_name.get(body_name(op))
-            if callee is None or not callee.regions[0].blocks:
+            returned = self._returned(op, value)
+            if returned is None:
                 return _COMPUTED
-            returned = terminator(callee.regions[0].blocks[0]).operands[
-                ir.OpResult(value).result_number]
             return self._origin(returned, path, entered + (op,), depth + 1)
         floats = [v for v in op.operands if float_bits(element_type(v))]
         origins = [self._origin(v, path, entered, depth + 1) for v in floats]
@@ -320,25 +314,38 @@ class CallGraph:
                 return any(self._read_from_floats(v, path, entered, seen, depth + 1) for v in (
                     owner.operands[value.arg_number],
                     terminator(value.owner).operands[value.arg_number]))
-            if owner.name != "func.func" or not (entered or path):
-                return False
-            if entered:
-                return self._read_from_floats(entered[-1].operands[value.arg_number], path,
-                                              entered[:-1], seen, depth + 1)
-            caller, index = path[-1]
-            call = self.ops_of(self.by_name[caller])[index][0]
-            return self._read_from_floats(call.operands[value.arg_number], path[:-1], (),
-                                          seen, depth + 1)
+            source = (self._argument_source(value, path, entered)
+                      if owner.name == "func.func" else None)
+            return source is not None and self._read_from_floats(*source, seen, depth + 1)
         op = value.owner
         if op.name in BODY_ATTRIBUTE:
-            callee = self.by_name.get(body_name(op))
-            if callee is None or not callee.regions[0].blocks:
-                return True
-            returned = terminator(callee.regions[0].blocks[0]).operands[
-                ir.OpResult(value).result_number]
-            return self._read_from_floats(returned, path, entered + (op,), seen, depth + 1)
+            returned = self._returned(op, value)
+            return returned is None or self._read_from_floats(
+                returned, path, entered + (op,), seen, depth + 1)
         return any(self._read_from_floats(v, path, entered, seen, depth + 1)
                    for v in op.operands)
+
+    def _argument_source(self, argument: Any, path: CallPath, entered: tuple[Any, ...]
+                         ) -> tuple[Any, CallPath, tuple[Any, ...]] | None:
+        """What a function's ``argument`` is at the call that reached it (the last of
+        ``entered``, else the last of ``path``), with the calls left: (value, path,
+        entered); None for an argument of the program itself."""
+        if entered:
+            return entered[-1].operands[argument.arg_number], path, entered[:-1]
+        if not path:
+            return None
+        caller, index = path[-1]
+        call = self.ops_of(self.by_name[caller])[index][0]
+        return call.operands[argument.arg_number], path[:-1], ()
+
+    def _returned(self, call: Any, result: Any) -> Any | None:
+        """What the function a call or composite runs returns for its ``result``; None
+        for a function without a body."""
+        callee = self.by_name.get(body_name(call))
+        if callee is None or not callee.regions[0].blocks:
+            return None
+        return terminator(callee.regions[0].blocks[0]).operands[
+            ir.OpResult(result).result_number]
 
     def _program_order(self, name: str, prefix: str,
                        out: list[tuple[tuple[str, int, str, CallPath], Any, str]],
@@ -451,11 +458,9 @@ def _read_as_weight(op: Any, side: int) -> bool:
     rows) without batch dimensions; an activation is contracted along its features."""
     if op.name != "stablehlo.dot_general":
         return side == 1
-    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-    batch = dims.rhs_batching_dimensions if side else dims.lhs_batching_dimensions
-    contracted = sorted(dims.rhs_contracting_dimensions if side
-                        else dims.lhs_contracting_dimensions)
-    return not batch and contracted == list(range(len(contracted)))
+    layout = dot_layout(op)
+    return (layout is not None and not layout.batch(side)
+            and layout.contracts_edge(side, leading=True))
 
 
 # The note of an op inside a loop whose trip count could not be read (a while_loop, a

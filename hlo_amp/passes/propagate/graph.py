@@ -28,6 +28,7 @@ from hlo_amp.ir.op_classes import (
     CLEAR,
     DENY,
     INFER,
+    OP_CLASSES,
     body_is_one_add,
     op_class,
     short_name,
@@ -56,11 +57,12 @@ OUT_OF_RANGE = "beyond the 16-bit range"
 STATE_UPDATE = "updates f32 state the function returns"
 # Ops that carry a value's entries along unchanged (moved, picked or written): in a chain
 # from a public argument to a public result they are state too, as a KV cache a decode
-# step slices per layer, writes a slot of and stacks again.
-_STATE_MOVES = frozenset({
-    "reshape", "transpose", "broadcast_in_dim", "broadcast", "slice", "dynamic_slice",
-    "dynamic_update_slice", "concatenate", "pad", "reverse", "gather", "select", "scatter",
-    "sdy.sharding_constraint", "sdy.reshard"})
+# step slices per layer, writes a slot of and stacks again. The table's data movement,
+# less the reductions (a clear reduce picks a maximum, it moves no entry), and the
+# select and scatter that write entries.
+_STATE_MOVES = frozenset(
+    {kind for kind, cls in OP_CLASSES.items() if cls == CLEAR} - {"reduce", "reduce_window"}
+    | {"select", "scatter"})
 
 LINK = "link"
 # A convert to the compute dtype, or the updates of an add scatter kept f32: where a

@@ -11,16 +11,15 @@ over many steps."""
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any
 
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.loops import loop_body
+from hlo_amp.ir.loops import enclosing_loops, loop_body
 from hlo_amp.ir.modules import element_type, op_key, terminator
 from hlo_amp.ir.op_classes import CLEAR, DENY, INFER, MATRIX_OP_NAMES
 from hlo_amp.passes.propagate.graph import LINK
+from hlo_amp.targets.dot_dims import dot_layout
 
 if TYPE_CHECKING:
     from hlo_amp.passes.propagate.graph import Graph, Node
@@ -69,8 +68,6 @@ def _accumulation(graph: Graph, carry: Node, loop: _Loop) -> list[Node]:
 
 
 _Key = tuple[int, ir.Value]  # (instance, value)
-_FLOATS = frozenset({"f64", "f32", "bf16", "f16"})
-_INTEGER = re.compile(r"u?i(8|16|32|64)")  # not i1, a boolean
 _NONE: frozenset[int] = frozenset()
 
 
@@ -91,25 +88,21 @@ class _Loop:
         self.changing = {slot for slot, value in enumerate(self.results)
                          if value != arguments[slot]}
         self.float_changing = {slot for slot in self.changing
-                               if str(element_type(arguments[slot])) in _FLOATS}
+                               if _is_float(arguments[slot])}
         self.memo: dict[_Key, frozenset[int]] = {}
         # The loop counters: integer scalars each iteration makes from themselves alone
         # (i + 1; a PRNG key the loop splits is an array, and picks no layer).
         self.counters = {slot for slot in self.changing - self.float_changing
-                         if _INTEGER.fullmatch(str(element_type(arguments[slot])))
+                         if _is_integer(arguments[slot])
                          and ir.RankedTensorType(arguments[slot].type).rank == 0
                          and self.carries_behind((inst_id, self.results[slot])) <= {slot}}
 
     def holds(self, inst_id: int, op: Any) -> bool:
-        """Whether ``op`` (of instance ``inst_id``) runs inside this loop's body: in it,
-        in a loop or region in it, or in a function called from it."""
+        """Whether ``op`` (of instance ``inst_id``) runs inside this loop: in it, in a
+        loop or region in it, or in a function called from it."""
         while True:
-            inner, parent = op.operation, op.operation.parent
-            while parent is not None and parent.name != "func.func":
-                if (inst_id == self.inst_id and op_key(parent) == self.loop_key
-                        and inner.block == self.body):
-                    return True
-                inner, parent = parent, parent.parent
+            if inst_id == self.inst_id and self.loop_key in enclosing_loops(op):
+                return True
             if inst_id not in self.parents:
                 return False
             inst_id, index = self.parents[inst_id]
@@ -141,7 +134,7 @@ class _Loop:
         if self._matrix_ops_behind(key):
             return False
         stacks = [slot for slot in carries - self.changing  # the indices' aside
-                  if str(element_type(self.loop_operands[slot])) in _FLOATS]
+                  if _is_float(self.loop_operands[slot])]
         return not any(self._matrix_ops_behind((self.inst_id, self.loop_operands[slot]))
                        for slot in stacks)
 
@@ -245,8 +238,8 @@ def _weight_shaped(op: Any, side: int) -> bool:
         return False
     if op.name != "stablehlo.dot_general":
         return True
-    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-    return not (dims.rhs_batching_dimensions if side else dims.lhs_batching_dimensions)
+    layout = dot_layout(op)
+    return layout is not None and not layout.batch(side)
 
 
 def _features_contracted(op: Any, side: int) -> bool:
@@ -255,8 +248,15 @@ def _features_contracted(op: Any, side: int) -> bool:
     are contracted along their rows: x_t @ w)."""
     if op.name != "stablehlo.dot_general":
         return True
-    dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-    contracted = sorted(dims.rhs_contracting_dimensions if side
-                        else dims.lhs_contracting_dimensions)
-    rank = ir.RankedTensorType(op.operands[side].type).rank
-    return contracted == list(range(rank - len(contracted), rank))
+    layout = dot_layout(op)
+    return layout is not None and layout.contracts_edge(side, leading=False)
+
+
+def _is_float(value: ir.Value) -> bool:
+    return isinstance(element_type(value), ir.FloatType)
+
+
+def _is_integer(value: ir.Value) -> bool:
+    """An integer, not a boolean (i1)."""
+    element = element_type(value)
+    return isinstance(element, ir.IntegerType) and ir.IntegerType(element).width > 1
