@@ -64,6 +64,10 @@ def argument_style(args: tuple, kwargs: dict, filter_leaves: bool | None,
     nnx, eqx = _nnx(), _eqx()
     if nnx is None and eqx is None:
         return "filter" if filter_leaves else "jax"  # no framework object can exist
+    # A module or optimizer passed as an argument itself (how NNX steps are written)
+    # decides it without flattening the model's graph, a few ms per call.
+    if nnx is not None and any(_is_graph(nnx, x) for x in (*args, *kwargs.values())):
+        return "nnx"
     if known is None:
         return _find_style(args, kwargs, filter_leaves, nnx, eqx)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -74,12 +78,15 @@ def argument_style(args: tuple, kwargs: dict, filter_leaves: bool | None,
     return style
 
 
-def _find_style(args: tuple, kwargs: dict, filter_leaves: bool | None, nnx: Any,
-                eqx: Any) -> str:
+def _is_graph(nnx: Any, x: Any) -> bool:
     # Variables alone (an nnx.split State) stay pytrees, as under jax.jit: only modules,
     # optimizers, Rngs and other graph objects take nnx.jit's contract.
-    is_graph = ((lambda x: nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable))
-                if nnx is not None else (lambda _: False))
+    return nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
+
+
+def _find_style(args: tuple, kwargs: dict, filter_leaves: bool | None, nnx: Any,
+                eqx: Any) -> str:
+    is_graph = (lambda x: _is_graph(nnx, x)) if nnx is not None else (lambda _: False)
     is_module = (lambda x: isinstance(x, eqx.Module)) if eqx is not None else (lambda _: False)
     found = jax.tree_util.tree_leaves((args, kwargs),
                                       is_leaf=lambda x: is_graph(x) or is_module(x))
