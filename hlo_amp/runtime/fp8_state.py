@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import threading
 import types
 from collections.abc import Callable, Sequence
@@ -49,6 +50,22 @@ from hlo_amp.runtime.signature import (
 
 def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
     return tuple(n + 1 if n >= 0 else n for n in argnums)
+
+
+# XLA's message for a deleted (donated) buffer, which counts the executable's flat
+# arguments: the history is the first.
+_EXECUTE_ARGUMENT = re.compile(r"(passed to Execute\(\) as argument )(\d+)( to replica)")
+
+
+def _argument_named_as_the_steps(error: Exception) -> ValueError | None:
+    """``error`` (XLA's "Invalid buffer passed to Execute() as argument N") with N
+    counted as the step's own arguments are, the history left out; None for others."""
+    message = str(error)
+    found = _EXECUTE_ARGUMENT.search(message)
+    if not isinstance(error, ValueError) or found is None or found.group(2) == "0":
+        return None
+    index = int(found.group(2)) - 1
+    return ValueError(_EXECUTE_ARGUMENT.sub(rf"\g<1>{index}\g<3>", message, count=1))
 
 
 def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
@@ -354,13 +371,16 @@ class Fp8StatefulFunction:
                 state, history, loaded = self._history(args, kwargs, program, shapes,
                                                        leaves)
                 out, self._histories[state] = self._inner(history, *args, **kwargs)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError) as error:
                 # Named by the step's own positions (the inner step's are one further:
                 # the history is first).
                 raise_argument_problem(
                     self.__name__, args, kwargs, static_argnums=self.static_argnums,
                     static_argnames=self.static_argnames,
                     style=argument_style(args, kwargs, self.filter, self._styles))
+                renamed = _argument_named_as_the_steps(error)
+                if renamed is not None:
+                    raise renamed from None
                 raise
             if loaded:
                 self._loaded = None

@@ -852,6 +852,30 @@ def test_an_argument_donated_by_position_is_donated_by_keyword_too() -> None:
     assert f.cache_size() == 1
 
 
+def test_a_deleted_argument_is_named_by_the_steps_own_position() -> None:
+    """A donated array passed again fails as under jax.jit, naming the step's argument:
+    the executable's first argument is the history, and XLA's message said "argument 1"
+    for the step's argument 0."""
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+    def w_first(w, x):
+        return step(w, x)
+
+    def w_second(x, w):
+        return step(w, x)
+
+    x = jnp.ones((16, 32)) * 0.1
+    for index, stepped in ((0, w_first), (1, w_second)):
+        f = hlo_amp.compile(stepped, _delayed(4), donate_argnums=index)
+        for fn in (f, jax.jit(stepped, donate_argnums=index)):
+            w = jnp.ones((32, 32)) * 0.01
+            args = (w, x) if index == 0 else (x, w)
+            fn(*args)
+            with pytest.raises(ValueError, match=rf"as argument {index} to replica"):
+                fn(*args)
+
+
 def test_a_python_scalar_argument_is_traced_and_the_second_call_compiles_nothing() -> None:
     """A learning rate given as a Python float, a new value each step: one lowering to
     count the columns and one executable, as jax.jit gives (the first call's history
