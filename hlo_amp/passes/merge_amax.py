@@ -200,19 +200,29 @@ def _merge_pairs(block: ir.Block) -> int:
                 if x.type != y.type or not sources[i] & sources[j]:
                     never.add((i, j))
                     continue
-                y_producer = defining_op(y)  # the abs
-                moving, for_good = _dependents_before(first.reduce, y_producer)
+                # The tensor computed last is "y" here: an earlier merge may have moved
+                # the first amax's tensor after the second's (block order was taken once).
+                earlier, later = ((first, second) if _computed_before(x, y)
+                                  else (second, first))
+                y_producer = defining_op(later.reduce.operands[0])  # the abs
+                moving, for_good = _dependents_before(earlier.reduce, y_producer)
                 if moving is None:
                     if for_good:
                         never.add((i, j))
                     continue
-                _merge(first, second, y_producer, moving)
+                _merge(earlier, later, y_producer, moving)
                 done.update((i, j))
                 merged_this_round += 1
                 break
         merged += merged_this_round
         if not merged_this_round:
             return merged
+
+
+def _computed_before(x: ir.Value, y: ir.Value) -> bool:
+    """Whether ``x`` is defined before ``y`` in their block (an argument first)."""
+    x_op, y_op = defining_op(x), defining_op(y)
+    return x_op is None or (y_op is not None and x_op.is_before_in_block(y_op))
 
 
 def _merge(first: Amax, second: Amax, y_producer: ir.Operation,

@@ -72,3 +72,30 @@ def test_xla_reduces_the_merged_amaxes_in_one_kernel(monkeypatch):
     _no_merge(monkeypatch)
     separate = hlo_amp.compile(_swiglu_step, policy).lower(p, x, target="h100").compile()
     assert _reduction_kernels(merged.as_text()) < _reduction_kernels(separate.as_text())
+
+
+@pytest.mark.parametrize("policy", ["fp8", "fp8,scaling=delayed"])
+def test_a_pair_whose_tensors_an_earlier_merge_reordered_merges_in_the_new_order(policy):
+    """A block under jax.checkpoint(dots_saveable), differentiated: an earlier merge moved
+    one amax's tensor after the other's, and the pair (ordered once, in block order) put
+    its reduction before that tensor was defined: an invalid module ("operand #0 does not
+    dominate this use"), an internal error for the user."""
+    def block(w, h):
+        return jnp.tanh(jnp.tanh(h @ w["a"]) @ w["b"]) + h
+
+    def loss(p, x):
+        h = jnp.tanh(x @ p["w0"])
+        h = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_saveable)(p["b1"], h)
+        return jnp.mean((h @ p["w3"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    p = {k: jnp.asarray(rng.standard_normal((64, 64)) / 8, jnp.float32) for k in ("w0", "w3")}
+    p["b1"] = {k: jnp.asarray(rng.standard_normal((64, 64)) / 8, jnp.float32) for k in "ab"}
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    step = hlo_amp.compile(jax.value_and_grad(loss), policy)
+    assert any(n.startswith("merge-amax:") for n in step.lower(p, x).report().notes)
+    value, grads = step(p, x)
+    expected, expected_grads = jax.jit(jax.value_and_grad(loss))(p, x)
+    assert float(value) == pytest.approx(float(expected), rel=0.02)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.15
