@@ -105,6 +105,10 @@ def _placement(op: Any) -> _Placement | None:
     addressed = list(numbers.scattered_dims_to_operand_dims)
     if any(dim not in inserted for dim in addressed):
         return None  # an index starting a longer window: not a position
+    if any(operand.shape[dim] - 1 > _largest(indices.element_type) for dim in addressed):
+        # XLA bounds-checks the index in its own type, where the dim's size wraps (an
+        # int8 index 100 into a dim of 300 is dropped): left to XLA.
+        return None
     window = [d for d in range(operand.rank) if d not in inserted and d not in operand_batch]
     update_window = list(numbers.update_window_dims)
     if len(update_window) != len(window) or any(
@@ -130,6 +134,12 @@ def _placement(op: Any) -> _Placement | None:
     )
 
 
+def _largest(index_type: ir.Type) -> int:
+    """The largest value of an integer type."""
+    integer = ir.IntegerType(index_type)
+    return 2 ** (integer.width - (0 if integer.is_unsigned else 1)) - 1
+
+
 def _rewrite(op: Any, placement: _Placement, sharding: Any) -> bool:
     """Replace ``op``; True where the select carries ``sharding``."""
     operand, indices, updates = op.operation.operands
@@ -137,7 +147,12 @@ def _rewrite(op: Any, placement: _Placement, sharding: Any) -> bool:
     indices_type = ir.RankedTensorType(indices.type)
     updates_type = ir.RankedTensorType(updates.type)
     shape = operand_type.shape
+    # Positions compared in 32 bits at least: an 8- or 16-bit iota wraps over a dim the
+    # type cannot count (a uint8 index 10 matched positions 10 and 266 of a dim of 300;
+    # a size-1 window at 0, every 256th position); a narrow index widens by value.
     index_type = indices_type.element_type
+    if ir.IntegerType(index_type).width < 32:
+        index_type = ir.IntegerType.get_signless(32)
     positions_type = ir.RankedTensorType.get(shape, index_type)
     vector_dim = placement.index_vector_dim
 
@@ -153,6 +168,9 @@ def _rewrite(op: Any, placement: _Placement, sharding: Any) -> bool:
             starts[vector_dim], limits[vector_dim] = component, component + 1
         piece = hlo.SliceOp(indices, _ints(starts), _ints(limits),
                             _ints([1] * indices_type.rank)).result
+        if indices_type.element_type != index_type:
+            piece = hlo.ConvertOp(ir.RankedTensorType.get(
+                ir.RankedTensorType(piece.type).shape, index_type), piece).result
         per_batch = hlo.ReshapeOp(ir.RankedTensorType.get(
             [indices_type.shape[d] for d in placement.index_batch_dims], index_type), piece).result
         position = hlo.BroadcastInDimOp(positions_type, per_batch,

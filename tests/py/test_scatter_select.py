@@ -39,6 +39,18 @@ def _picks_with_select(fn, *args):
     return swap_module(lowered, module).compile()(*args), before, after
 
 
+def _add_at(update, index):  # one position of a dim longer than a narrow index type counts
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                              scatter_dims_to_operand_dims=(0,))
+    return jax.lax.scatter_add(jnp.zeros((300,), jnp.float32), index, update, numbers)
+
+
+def _add_at_row_start(update, index):  # (index, 0) of a 100 x 300 buffer
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(), inserted_window_dims=(0, 1), scatter_dims_to_operand_dims=(0,))
+    return jax.lax.scatter_add(jnp.zeros((100, 300), jnp.float32), index, update, numbers)
+
+
 def _cases():
     key = jax.random.key(0)
     logits = jax.random.normal(key, (4, 6, 32)) * 4.0
@@ -52,6 +64,10 @@ def _cases():
         "label pick bf16": (jax.grad(_label_loss), logits.astype(jnp.bfloat16), labels),
         "leading axis": (jax.grad(_pick_axis0), x, jnp.array([0, 4, 2, 2, 1, 3, 9])),
         "one column": (jax.grad(_pick_one), x, jnp.array([3])),
+        # An int8 index into a dim it counts, the row's start (position 0 of a dim of
+        # 300) fixed: an 8-bit position iota wrapped there, 0 matched 256 too.
+        "int8 index, a wider dim at 0": (_add_at_row_start, jnp.float32(2.5),
+                                         jnp.array([7], jnp.int8)),
     }
 
 
@@ -63,6 +79,21 @@ def test_select_gives_the_scatters_values_bit_for_bit(case):
     assert before >= 1 and after == 0, (before, after)
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("index", [np.array([10], np.uint8), np.array([-1], np.int8),
+                                   np.array([100], np.int8)])
+def test_a_narrow_index_into_a_dim_its_type_cannot_count_stays_a_scatter(index):
+    """An index type whose largest value is below the dim's last position: XLA checks
+    the bound in that type (int8 100 into 300 is dropped), and the select compared
+    positions in it (uint8 10 also matched 266, int8 -1 matched 255)."""
+    update = jnp.float32(2.5)
+    got, before, after = _picks_with_select(_add_at, update, jnp.asarray(index))
+    assert before == after >= 1
+    np.testing.assert_array_equal(got, jax.jit(_add_at)(update, jnp.asarray(index)))
+    fast = hlo_amp.compile(lambda w, u, i: (w @ w, _add_at(u, i)), "mixed_bfloat16")
+    np.testing.assert_array_equal(fast(jnp.eye(4), update, jnp.asarray(index))[1],
+                                  jax.jit(_add_at)(update, jnp.asarray(index)))
 
 
 def test_scatters_that_can_meet_or_add_into_a_computed_buffer_stay():
