@@ -310,6 +310,23 @@ def test_explicit_precision_is_kept_unless_a_scope_names_it() -> None:
     assert not np.array_equal(ignored, want)
 
 
+@pytest.mark.parametrize("target", ["h100", "tpu-v5e"])
+@pytest.mark.parametrize("policy", ["bf16,explicit_precision=ignore", "bf16,scope:fast=compute",
+                                    "bf16,scope:fast=bfloat16"])
+def test_a_converted_dot_drops_the_algorithm_its_f32_operands_had(policy, target) -> None:
+    """An explicit algorithm (ALG_DOT_F32_F32_F32) names the operand types: kept on the
+    16-bit operands of a converted dot, XLA:GPU and XLA:TPU refused to compile it."""
+    def algo(x, w):
+        with jax.named_scope("fast"):
+            return jax.lax.dot(x, w, precision=jax.lax.DotAlgorithmPreset.F32_F32_F32)
+
+    x, w = jnp.ones((32, 64)), jnp.ones((64, 64))
+    lowered = hlo_amp.compile(algo, policy).lower(x, w, target=target)
+    (dot,) = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+    assert "xbf16>" in dot and "algorithm" not in dot, dot
+    assert lowered.compile().memory_analysis() is not None
+
+
 def test_highest_on_one_operand_keeps_the_op_as_xla_computes_it() -> None:
     """XLA computes a dot at its operands' highest precision, and jax writes (HIGHEST,
     DEFAULT) where the other operand is exact: toeplitz builds its matrix with

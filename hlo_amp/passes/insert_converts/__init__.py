@@ -197,6 +197,12 @@ def _apply(op: Any, plan: Plan, shared: dict[tuple[Any, Any, str], ir.Value]) ->
                     converted = hlo.convert(new_type, value)
                 shared[key] = converted
             op.operands[index] = converted
+        if any(plan.operand_targets) and "algorithm" in op.operation.attributes:
+            # An explicit dot algorithm names the operand types it was written for
+            # (ALG_DOT_F32_F32_F32): kept on 16-bit operands, XLA:GPU and XLA:TPU refused
+            # the dot. Converted (explicit_precision=ignore, a scope rule), the dot's
+            # precision is the converted operands'.
+            del op.operation.attributes["algorithm"]
         if plan.result_target is not None:
             original_type = op.result.type
             op.result.set_type(with_element(original_type, ir.Type.parse(plan.result_target)))
