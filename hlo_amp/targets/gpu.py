@@ -49,6 +49,12 @@ class GpuTarget(Target):
         result."""
         return kind == "convolution"
 
+    def accumulates_16bit_into_f64(self, kind: str) -> bool:
+        """Not a dot: cuBLAS has no 16-bit GEMM with an f64 result ("GEMM is not supported
+        by cublasLt"), so under ``f64=true`` a dot accumulates in f32, converted to f64.
+        Convolutions compile (XLA:GPU runs a bf16 -> f64 one in f64)."""
+        return kind == "convolution"
+
     @property
     def sums_read_a_16bit_copy(self) -> bool:
         """Yes. XLA:GPU folds the sum's round trip (f32 -> 16 -> f32) back into a read of

@@ -91,6 +91,11 @@ class Target:
         op produces the 16-bit type and a convert follows it). No by default."""
         return False
 
+    def accumulates_16bit_into_f64(self, kind: str) -> bool:
+        """Whether this target runs ``kind`` on 16-bit operands with an f64 result
+        (``f64=true``). Yes by default (XLA:CPU and XLA:TPU do)."""
+        return True
+
     @property
     def deny_pins_its_inputs(self) -> bool:
         """Whether, in the mixed modes, an f32-only (deny) op keeps the value it reads f32.

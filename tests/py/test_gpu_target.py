@@ -533,3 +533,27 @@ def test_cudnn_attention_compiled_for_a_tpu_says_it_needs_a_gpu() -> None:
         with pytest.raises(ValueError, match=r"attend calls cuDNN .*NVIDIA GPUs only; "
                                              r"compiled for tpu-v5e it cannot be"):
             lower()
+
+
+@pytest.mark.parametrize("policy", ["bf16,f64=true", "f16,f64=true", "mixed_bfloat16,f64=true",
+                                    "fp8,f64=true"])
+def test_f64_dots_accumulate_in_f32_for_a_gpu(policy):
+    """cuBLAS has no 16-bit GEMM with an f64 result: under f64=true the dot was written
+    bf16 x bf16 -> f64 and XLA:GPU refused the program ("GEMM is not supported by
+    cublasLt"). For a GPU it accumulates in f32, converted to f64; on this machine's CPU
+    it keeps the f64 result."""
+    def f(x, w):
+        return jnp.tanh(jnp.tanh(x @ w) @ w) @ w
+
+    with jax.enable_x64(True):
+        x, w = jnp.ones((32, 64), jnp.float64), jnp.ones((64, 64), jnp.float64) / 64
+        step = hlo_amp.compile(f, policy)
+        lowered = step.lower(x, w, target="h100")
+        dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+        assert dots and all(re.search(r"x(bf16|f16)>\) -> tensor<\w+xf32>", d) for d in dots)
+        assert lowered.compile().memory_analysis() is not None
+        assert any("f32 accumulation, converted to f64" in d.reason
+                   for d in lowered.report().decisions)
+        on_cpu = step.lower(x, w).as_text()
+        assert re.search(r"x(bf16|f16)>\) -> tensor<\w+xf64>", on_cpu)
+        assert step(x, w).dtype == jnp.float64

@@ -192,6 +192,10 @@ def plan_op(op: Any, kind: str, policy: Policy, action: str | None, rule: str,
             return Plan(action, rule, targets, result_target,
                         f"{compute} operands and result (cuDNN's form), converted to "
                         f"{result}")
+        if result_bits == 64 and not target.accumulates_16bit_into_f64(kind):
+            return Plan(action, rule, targets, "f32",
+                        f"{compute} operands, f32 accumulation, converted to {result} "
+                        f"(no {compute} GEMM into f64 on this target)")
         return Plan(action, rule, targets, None, f"{compute} operands, {result} accumulation")
     # As under compute, no 16-bit action on an op whose operands are 16-bit already (a
     # bf16 dot of the program went to f16 under scope:s=float16; one accumulating to an
