@@ -133,6 +133,15 @@ PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16", "fp8")
 _SCOPE_ITEM = re.compile(r"\s*scope\s*:")
 
 
+# Ops an op rule may not paint 16-bit: the propagation retypes an op's operands and
+# results, which these read by their type (each made an invalid module or a failed run).
+_NOT_RETYPED = {
+    "sort": "its comparator compares values of the types it was written for",
+    "bitcast_convert": "it reinterprets the bits of its input's type",
+    "custom_call": "its target reads the buffer types it was written for",
+}
+
+
 @dataclass(frozen=True)
 class Rule:
     """One decision: the action and the rule text that produced it."""
@@ -246,6 +255,11 @@ class Policy:
                     f"Unsupported action {action!r} for op rule {kind!r}; accepted for "
                     f"ops other than {', '.join(OP_KINDS)}: compute (or {compute}), "
                     f"keep, float32"
+                )
+            if action in (COMPUTE, compute) and kind in _NOT_RETYPED:
+                raise ValueError(
+                    f"Unsupported action {action!r} for op rule {kind!r}: {kind} cannot "
+                    f"run in 16 bit ({_NOT_RETYPED[kind]}); accepted for it: keep, float32"
                 )
         if self.keep_f32_results and not propagate:
             raise ValueError(

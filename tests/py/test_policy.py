@@ -718,3 +718,15 @@ def test_first_and_last_matrix_op_rules_in_decide() -> None:
     assert both.decide((), "dot_general", False, last) == Rule("float8_e5m2",
                                                                "op:dot_general")
     assert both.decide((), "dot_general", True, first) == Rule("keep", "backward")
+
+
+@pytest.mark.parametrize("kind", ["sort", "bitcast_convert", "custom_call"])
+def test_op_rules_refuse_16bit_for_ops_read_by_their_types(kind):
+    """The propagation retypes what it paints: a sort's comparator, a bitcast's bits and
+    a custom call's buffers were left as written (an invalid module, an internal error;
+    a LAPACK call given a bf16 buffer failed at run time). keep and float32 stay."""
+    for action in ("compute", "bfloat16"):
+        with pytest.raises(ValueError, match=rf"op rule '{kind}': {kind} cannot run in 16 bit"):
+            Policy.parse(f"mixed_bfloat16,op:{kind}={action}")
+    for action in ("keep", "float32"):
+        assert Policy.parse(f"mixed_bfloat16,op:{kind}={action}").ops[kind] == action
