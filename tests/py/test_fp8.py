@@ -627,3 +627,24 @@ def test_an_fp8_policy_that_quantises_nothing_says_so() -> None:
     quantised = [n for n in hlo_amp.compile(step, f"fp8,{FP8.split(',', 1)[1]}").lower(
         w1, w2).report().notes if n.startswith("fp8")]
     assert quantised[0].startswith("fp8: 5 dot_general as fp8 GEMMs")
+
+
+@pytest.mark.parametrize("policy", ["fp8", "bf16,first_matrix_op=float32,last_matrix_op=float32"])
+def test_a_matrix_op_in_a_while_loops_condition_is_decided(policy):
+    """A while loop whose condition computes a residual's norm (A @ x - b): the loop-end
+    rules followed the condition's carry through the body's terminator as if it were
+    the body's (an IndexError, an internal error in insert-converts)."""
+    def solve(a, b, x0):
+        def cond(carry):
+            x, i = carry
+            return (jnp.linalg.norm(a @ x - b) > 1e-3) & (i < 50)
+
+        def body(carry):
+            x, i = carry
+            return x - 0.01 * (a @ x - b), i + 1
+
+        return jax.lax.while_loop(cond, body, (x0, 0))[0]
+
+    a, b, x0 = jnp.eye(8) * 2.0, jnp.ones((8, 8)), jnp.zeros((8, 8))
+    got = hlo_amp.compile(solve, policy)(a, b, x0)
+    np.testing.assert_allclose(got, jax.jit(solve)(a, b, x0), rtol=0.05, atol=0.02)

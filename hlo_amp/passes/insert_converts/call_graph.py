@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.loops import LoopCounts, Runs, enclosing_loops
+from hlo_amp.ir.loops import LoopCounts, Runs, enclosing_loops, loop_body
 from hlo_amp.ir.modules import (
     BODY_ATTRIBUTE,
     SAME_VALUE_OPS,
@@ -246,34 +246,48 @@ class CallGraph:
         a head's, not a scanned layer's (a slice of a stack, different at every
         iteration, read as a weight, whatever the other operand is; a step's input the
         loop picks, a teacher-forced token's embedding, is read as an activation)."""
-        origins = [self._origin(value, key[3], ()) for value in list(op.operands)[:2]]
+        memo: dict[tuple[Any, ...], str] = {}
+        origins = [self._origin(value, key[3], (), memo) for value in list(op.operands)[:2]]
         return _INVARIANT in origins and not any(
             origin == _PICKED and _read_as_weight(op, side)
             for side, origin in enumerate(origins))
 
     def _origin(self, value: Any, path: CallPath, entered: tuple[Any, ...],
-                depth: int = 0) -> str:
+                memo: dict[tuple[Any, ...], str], depth: int = 0) -> str:
         """What ``value`` is made from across the loops around it: ``_INVARIANT`` (the
         program's arguments and constants, through loop carries passed on unchanged,
         calls, data movement and arithmetic: a padded head's slice, a tied embedding's
         transpose, a dequantised weight), ``_PICKED`` (a slice such a value's stack
         gives at an index: a scanned layer's weight) or ``_COMPUTED``. ``path``: the
         calls from the program down to ``value``'s function; ``entered``: calls whose
-        results were followed into their callees."""
+        results were followed into their callees; ``memo``: the answers so far (a value
+        read on several paths, ``z * z + z``, is walked once)."""
+        key = (value, path, entered)
+        if key not in memo:
+            memo[key] = self._origin_of(value, path, entered, memo, depth)
+        return memo[key]
+
+    def _origin_of(self, value: Any, path: CallPath, entered: tuple[Any, ...],
+                   memo: dict[tuple[Any, ...], str], depth: int) -> str:
+        """``_origin`` without the memo."""
         if depth > 24:
             return _COMPUTED
         if isinstance(value, ir.BlockArgument):
             owner = value.owner.owner.operation
             if owner.name == "stablehlo.while":
-                if terminator(value.owner).operands[value.arg_number] != value:
+                # A carry, read in the body or the condition: the body's result for it.
+                body = loop_body(owner)
+                if terminator(body).operands[value.arg_number] != body.arguments[
+                        value.arg_number]:
                     return _COMPUTED  # a carry the loop changes
-                return self._origin(owner.operands[value.arg_number], path, entered, depth + 1)
+                return self._origin(owner.operands[value.arg_number], path, entered, memo,
+                                    depth + 1)
             if owner.name != "func.func":
                 return _COMPUTED
             source = self._argument_source(value, path, entered)
             if source is None:
                 return _INVARIANT  # the program's own argument
-            return self._origin(*source, depth + 1)
+            return self._origin(*source, memo, depth + 1)
         op = value.owner
         name = op.name
         if name in ("stablehlo.constant", "stablehlo.iota"):
@@ -284,9 +298,13 @@ class CallGraph:
             returned = self._returned(op, value)
             if returned is None:
                 return _COMPUTED
-            return self._origin(returned, path, entered + (op,), depth + 1)
-        floats = [v for v in op.operands if float_bits(element_type(v))]
-        origins = [self._origin(v, path, entered, depth + 1) for v in floats]
+            return self._origin(returned, path, entered + (op,), memo, depth + 1)
+        origins = []
+        for operand in op.operands:
+            if float_bits(element_type(operand)):
+                origins.append(self._origin(operand, path, entered, memo, depth + 1))
+                if origins[-1] == _COMPUTED:
+                    return _COMPUTED
         if name in ("stablehlo.dynamic_slice", "stablehlo.gather") and origins == [_INVARIANT]:
             # A slice a loop's counter picks is a layer's; one a value the program
             # computes picks (a token's embedding row) is an activation.
@@ -310,10 +328,10 @@ class CallGraph:
             return True
         if isinstance(value, ir.BlockArgument):
             owner = value.owner.owner.operation
-            if owner.name == "stablehlo.while":
+            if owner.name == "stablehlo.while":  # the body's result for it, in either region
                 return any(self._read_from_floats(v, path, entered, seen, depth + 1) for v in (
                     owner.operands[value.arg_number],
-                    terminator(value.owner).operands[value.arg_number]))
+                    terminator(loop_body(owner)).operands[value.arg_number]))
             source = (self._argument_source(value, path, entered)
                       if owner.name == "func.func" else None)
             return source is not None and self._read_from_floats(*source, seen, depth + 1)
