@@ -85,6 +85,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hlo_amp.ir.op_classes import NOT_RETYPED
 from hlo_amp.policy_terms import (
     AMP_STOP,
     COMPUTE,
@@ -131,15 +132,6 @@ FP8_OPS = {"dot_general": "float8_e5m2", "dot": COMPUTE, "convolution": COMPUTE,
 PRESETS = ("bf16", "f16", "f32", "mixed_bfloat16", "mixed_float16", "fp8")
 # A scope item of the string grammar ("scope:PATTERN=ACTION", spaces allowed).
 _SCOPE_ITEM = re.compile(r"\s*scope\s*:")
-
-
-# Ops an op rule may not paint 16-bit: the propagation retypes an op's operands and
-# results, which these read by their type (each made an invalid module or a failed run).
-_NOT_RETYPED = {
-    "sort": "its comparator compares values of the types it was written for",
-    "bitcast_convert": "it reinterprets the bits of its input's type",
-    "custom_call": "its target reads the buffer types it was written for",
-}
 
 
 @dataclass(frozen=True)
@@ -256,10 +248,10 @@ class Policy:
                     f"ops other than {', '.join(OP_KINDS)}: compute (or {compute}), "
                     f"keep, float32"
                 )
-            if action in (COMPUTE, compute) and kind in _NOT_RETYPED:
+            if action in (COMPUTE, compute) and kind in NOT_RETYPED:
                 raise ValueError(
                     f"Unsupported action {action!r} for op rule {kind!r}: {kind} cannot "
-                    f"run in 16 bit ({_NOT_RETYPED[kind]}); accepted for it: keep, float32"
+                    f"run in 16 bit ({NOT_RETYPED[kind]}); accepted for it: keep, float32"
                 )
         if self.keep_f32_results and not propagate:
             raise ValueError(

@@ -88,6 +88,16 @@ OP_CLASSES: dict[str, str] = {
     "batch_norm_inference": DENY, "batch_norm_grad": DENY, "custom_call": DENY,
 }
 
+# Ops an op rule may not paint 16-bit, and why: the propagation retypes an op's operands
+# and results, and these read them by the types they were written for (each made an
+# invalid module or a failed run). Policy refuses such a rule.
+NOT_RETYPED = {
+    "sort": "its comparator compares values of the types it was written for",
+    "bitcast_convert": "it reinterprets the bits of its input's type",
+    "custom_call": "its target reads the buffer types it was written for",
+    "composite": "its decomposition computes in the types it was written for",
+}
+
 # The matrix op kinds that are CHLO ops: jax lowers ragged_dot for GPU and TPU as
 # ``chlo.ragged_dot`` (on CPU it writes dense dot_generals instead).
 _CHLO_MATRIX_OPS = frozenset({"ragged_dot"})

@@ -720,7 +720,7 @@ def test_first_and_last_matrix_op_rules_in_decide() -> None:
     assert both.decide((), "dot_general", True, first) == Rule("keep", "backward")
 
 
-@pytest.mark.parametrize("kind", ["sort", "bitcast_convert", "custom_call"])
+@pytest.mark.parametrize("kind", ["sort", "bitcast_convert", "custom_call", "composite"])
 def test_op_rules_refuse_16bit_for_ops_read_by_their_types(kind):
     """The propagation retypes what it paints: a sort's comparator, a bitcast's bits and
     a custom call's buffers were left as written (an invalid module, an internal error;
