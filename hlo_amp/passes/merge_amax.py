@@ -220,9 +220,9 @@ def _merge_pairs(block: ir.Block) -> int:
 
 
 def _computed_before(x: ir.Value, y: ir.Value) -> bool:
-    """Whether ``x`` is defined before ``y`` in their block (an argument first)."""
-    x_op, y_op = defining_op(x), defining_op(y)
-    return x_op is None or (y_op is not None and x_op.is_before_in_block(y_op))
+    """Whether ``x`` is computed before ``y`` in their block (two amaxes' abs values:
+    match_amax takes no block argument)."""
+    return defining_op(x).is_before_in_block(defining_op(y))
 
 
 def _merge(first: Amax, second: Amax, y_producer: ir.Operation,
