@@ -656,6 +656,25 @@ def test_a_compiled_function_exports_for_other_platforms(platforms):
     np.testing.assert_array_equal(copy.deepcopy(amp)(x, w), amp(x, w))
 
 
+@pytest.mark.parametrize("policy", ["bf16", "fp8,first_matrix_op=none,last_matrix_op=none"])
+def test_an_export_of_a_compiled_function_serializes_and_runs_read_back(policy):
+    """``Exported.serialize`` of ``jax.jit(compiled)`` (and of its gradient) reads back
+    with ``jax.export.deserialize`` to the rewritten program: same signature, the 16-bit
+    or fp8 dots, the same results as the compiled function."""
+    x, w = _rand(0, (16, 32)), _rand(1, (32, 16))  # fp8 GEMMs take dimensions of 16 up
+    amp = hlo_amp.compile(_matmul, policy)
+    narrow = "f8E4M3FN" if policy.startswith("fp8") else "bf16"
+    read_back = jax.export.deserialize(jax.export.export(jax.jit(amp))(x, w).serialize())
+    assert (read_back.in_avals, read_back.out_avals) == (
+        (jax.typeof(x), jax.typeof(w)), (jax.typeof(_matmul(x, w)),))
+    assert narrow in read_back.mlir_module()
+    np.testing.assert_array_equal(read_back.call(x, w), amp(x, w))
+    grad = jax.jit(jax.grad(lambda w: jnp.sum(amp(x, w) ** 2)))
+    grad_back = jax.export.deserialize(jax.export.export(grad)(w).serialize())
+    assert grad_back.mlir_module().count(narrow) >= 2
+    np.testing.assert_array_equal(grad_back.call(w), grad(w))
+
+
 def test_an_output_that_is_no_array_is_named_as_jax_jit_names_it():
     """The error names the user's function and line (it named hlo_amp's flat_fn)."""
     def step(x):
