@@ -115,11 +115,14 @@ class AmpCompiled:
         self._target = target
         self.device = device  # set when compiled for a device this machine lacks
         self.compile_seconds = compile_seconds
+        self.history_shape: tuple[int, ...] | None = None  # AmpLowered.history_shape
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.device is not None:
             raise RuntimeError(not_runnable(self.device, "report()", "Call the compiled "
                                             "function itself, or .lower() without target="))
+        if self.history_shape is not None:
+            _check_history_first(args, self.history_shape)
         return self._call(*args, **kwargs)
 
     def as_text(self) -> str:
@@ -158,6 +161,24 @@ class AmpCompiled:
         return getattr(self._compiled, name)
 
 
+def _check_history_first(args: tuple, shape: tuple[int, ...]) -> None:
+    """A scaling=delayed step's compiled form takes its amax history first: a call
+    without it says so (jax said its input pytree did not match)."""
+    first = args[0] if args else None
+    if getattr(first, "shape", None) == shape and str(getattr(first, "dtype", "")) == "float32":
+        return
+    given = (f"{first.dtype}{list(first.shape)}"
+             if hasattr(first, "shape") and hasattr(first, "dtype")
+             else "nothing" if not args else f"a {type(first).__name__}")
+    history = f"f32{list(shape)}"
+    raise TypeError(
+        f"a step compiled with scaling=delayed takes its amax history first: "
+        f"compiled(history, *args) returns (outputs, history), the history a {history} "
+        f"(jnp.zeros({tuple(shape)}) to start, or the step's fp8_state()), and was given "
+        f"{given} first. Calling the step hlo_amp.compile returned carries the "
+        f"history itself")
+
+
 class AmpLowered:
     """A lowered and rewritten function, like ``jax.jit(f).lower(...)``'s result."""
 
@@ -175,6 +196,9 @@ class AmpLowered:
         # makes the compiled form take the caller's objects, as nnx.jit's and
         # eqx.filter_jit's do (runtime/frameworks.py sets it).
         self.calling: Callable[[Callable], Callable] | None = None
+        # A scaling=delayed step's (runtime/fp8_state.py sets it): the shape of the amax
+        # history its compiled form takes first.
+        self.history_shape: tuple[int, ...] | None = None
 
     def as_text(self, dialect: str | None = None, *, debug_info: bool = False) -> str:
         """The rewritten module: StableHLO, or ``dialect="hlo"`` (as jax's ``as_text``)."""
@@ -203,8 +227,10 @@ class AmpLowered:
                    **(compiler_options or {})} or None
         compiled = self._rewritten.compile(options)
         seconds = time.perf_counter() - start
-        return AmpCompiled(compiled, self._report, seconds, self._target, self.device,
-                           self.calling)
+        compiled = AmpCompiled(compiled, self._report, seconds, self._target, self.device,
+                               self.calling)
+        compiled.history_shape = self.history_shape
+        return compiled
 
     @property
     def jax_lowered(self) -> Any:

@@ -397,7 +397,9 @@ class Fp8StatefulFunction:
     def lower_for(self, target: Any, /, *args: Any, **kwargs: Any) -> Any:
         """``lower(*args, **kwargs)`` for the device ``target`` (None: this machine's)."""
         history = self._zero_history(args, kwargs, target)
-        return self._inner.lower_for(target, history, *args, **kwargs)
+        lowered = self._inner.lower_for(target, history, *args, **kwargs)
+        lowered.history_shape = tuple(history.shape)
+        return lowered
 
     def _zero_history(self, args: tuple, kwargs: dict, target: Any = None) -> jax.Array:
         """An all-zero history of the width calls with these arguments take."""

@@ -1095,6 +1095,14 @@ def test_jax_export_of_the_stateful_function_says_what_it_supports() -> None:
     out, history = lowered.compile()(jnp.zeros((4, columns)), w, x)
     assert out.shape == (16, 16) and history.shape == (4, columns)
     assert float(history[0].max()) == 1.0  # this step's amax (all ones) recorded
+    # Called as the step is, without the history: one line that names the form (it was
+    # jax's "Function compiled with input pytree does not match").
+    for args in [(w, x), (jnp.zeros((4, columns + 1)), w, x)]:
+        with pytest.raises(TypeError, match=(
+                rf"^a step compiled with scaling=delayed takes its amax history first: "
+                rf"compiled\(history, \*args\) .* f32\[4, {columns}\] .* was given "
+                rf"float32\[{args[0].shape[0]}, {args[0].shape[1]}\] first")):
+            lowered.compile()(*args)
 
 
 def test_an_equinox_step_carries_its_history_too() -> None:
