@@ -5,7 +5,8 @@
 // GEMM whose m or n XLA pads to a multiple of 8 for cuBLAS, a convolution (cuDNN returns
 // the 16-bit type). The aligned GEMM, the unaligned one whose result feeds another
 // matrix op, and one whose operands outweigh its result are converted. Without a
-// target, and in the fast mode, everything is converted.
+// target, and in the fast mode, everything is converted. A result read by a call, a loop,
+// a branch, a custom call or a composite may reach a matrix op there: converted.
 //
 // RUN: hlo-amp-opt %s --pass hlo-amp-insert-converts --policy bf16 --target gpu \
 // RUN:   | filecheck %s --check-prefix=GPU
@@ -68,4 +69,19 @@ func.func @in_a_loop(%x: tensor<16x196xf32>, %g: tensor<16x128xf32>, %w: tensor<
       stablehlo.return %next, %sum : tensor<i32>, tensor<196x128xf32>
     }
   return %r#1 : tensor<196x128xf32>
+}
+
+// Read by a composite whose decomposition holds a matrix op: the result reaches that
+// op, not only the return: converted (it was kept f32).
+// GPU-LABEL: func.func @into_a_composite
+// GPU:         stablehlo.dot_general {{.*}} : (tensor<16x196xbf16>, tensor<16x128xbf16>) -> tensor<196x128xf32>
+func.func @into_a_composite(%x: tensor<16x196xf32>, %g: tensor<16x128xf32>, %v: tensor<128x4xf32>) -> tensor<196x4xf32> {
+  %dw = stablehlo.dot_general %x, %g, contracting_dims = [0] x [0] : (tensor<16x196xf32>, tensor<16x128xf32>) -> tensor<196x128xf32> loc("jit(step)/transpose(jvp(fc1))/dot_general")
+  %c = stablehlo.composite "test.mix" %dw, %v {decomposition = @mix_impl} : (tensor<196x128xf32>, tensor<128x4xf32>) -> tensor<196x4xf32>
+  return %c : tensor<196x4xf32>
+}
+
+func.func private @mix_impl(%t: tensor<196x128xf32>, %v: tensor<128x4xf32>) -> tensor<196x4xf32> {
+  %u = stablehlo.dot_general %t, %v, contracting_dims = [1] x [0] : (tensor<196x128xf32>, tensor<128x4xf32>) -> tensor<196x4xf32> loc("jit(step)/jvp(out)/dot_general")
+  return %u : tensor<196x4xf32>
 }

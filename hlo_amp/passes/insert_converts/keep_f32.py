@@ -88,9 +88,9 @@ def kept_for_its_result(op: Any, kind: str, elements: tuple, plan: Plan, policy:
 
 
 # Ops whose readers the walk below does not follow: any of them may lead to a matrix op
-# (a region's terminator: a loop carry, a branch result).
+# (a region's terminator: a loop carry, a branch result; a composite's decomposition).
 _OPAQUE_READERS = frozenset({"func.call", "stablehlo.while", "stablehlo.case",
-                             "stablehlo.if", "stablehlo.custom_call",
+                             "stablehlo.if", "stablehlo.custom_call", "stablehlo.composite",
                              "stablehlo.optimization_barrier", "stablehlo.return"})
 _MAX_READERS_WALKED = 64
 
