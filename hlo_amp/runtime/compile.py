@@ -166,6 +166,11 @@ def _check_history_first(args: tuple, shape: tuple[int, ...]) -> None:
     without it says so (jax said its input pytree did not match)."""
     first = args[0] if args else None
     if getattr(first, "shape", None) == shape and str(getattr(first, "dtype", "")) == "float32":
+        if isinstance(first, jax.Array) and first.is_deleted():
+            raise ValueError(
+                "the amax history given first was donated to an earlier call (a step "
+                "compiled with scaling=delayed donates its history): pass the history that "
+                "call returned, or a copy kept before it")
         return
     given = (f"{first.dtype}{list(first.shape)}"
              if hasattr(first, "shape") and hasattr(first, "dtype")
@@ -244,6 +249,7 @@ class AmpTraced:
         self._function, self._args, self._kwargs, self._traced = function, args, kwargs, traced
         # Why jax's lowering options (jax.export) are refused, where not the default's.
         self.export_refusal: str | None = None
+        self.history_shape: tuple[int, ...] | None = None  # AmpLowered.history_shape
 
     @property
     def jaxpr(self) -> Any:
@@ -268,7 +274,9 @@ class AmpTraced:
                 f"which exports the rewritten program ({name}.trace(...).lower() takes "
                 f"target= only, not jax's lowering options: {', '.join(public)}; "
                 f"jax.jit({name}).trace(...).lower(lowering_platforms=...) takes them)")
-        return self._function.lower_for(target, *self._args, **self._kwargs)
+        lowered = self._function.lower_for(target, *self._args, **self._kwargs)
+        lowered.history_shape = self.history_shape
+        return lowered
 
 
 def _lowered_text(lowered: Any, dialect: str | None, debug_info: bool) -> str:

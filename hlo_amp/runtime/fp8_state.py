@@ -4,8 +4,9 @@ The function compiled is ``stateful(history, *args) -> (fn(*args), history')``: 
 history ``f32[L, S]`` (L steps of amax, newest first, for each of the S tensors the fp8
 pass quantises) goes in through a barrier in the scope ``STATE_SCOPE``, which the pass
 (passes/fp8_state.py) replaces by the new history. This object keeps one history per
-program (the static arguments' values, the argument structure and dtypes: a new batch
-size shares it, the same tensors; a static argument that picks other tensors does not),
+program (the static arguments' values, the argument structure and dtypes, the shapes
+beyond each argument's leading dimension, jax's trace configuration: a new batch size
+shares it, the same tensors; a static argument that picks other tensors does not),
 passes it in, donates it and keeps what comes back, so the user's step keeps its
 signature. S is read from a first lowering with an empty history (no XLA compile), once
 per signature (a Python scalar argument is traced, as under ``jax.jit``: a new value
@@ -52,20 +53,27 @@ def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
     return tuple(n + 1 if n >= 0 else n for n in argnums)
 
 
-# XLA's message for a deleted (donated) buffer, which counts the executable's flat
-# arguments: the history is the first.
+# XLA's messages for a deleted (donated) buffer ("Invalid buffer passed to Execute() as
+# argument N") and for one donated and read in one call ("flattened argument N, ...,
+# first use: M"), which count the executable's flat arguments: the history is the first.
 _EXECUTE_ARGUMENT = re.compile(r"(passed to Execute\(\) as argument )(\d+)( to replica)")
+_DONATED_TWICE = re.compile(r"(flattened argument )(\d+)(,[^)]*first use: )(\d+)")
 
 
-def _argument_named_as_the_steps(error: Exception) -> ValueError | None:
-    """``error`` (XLA's "Invalid buffer passed to Execute() as argument N") with N
-    counted as the step's own arguments are, the history left out; None for others."""
+def _argument_named_as_the_steps(error: Exception) -> Exception | None:
+    """``error`` (one of XLA's messages above) with its argument numbers counted as the
+    step's own arguments are, the history left out; None for others."""
     message = str(error)
     found = _EXECUTE_ARGUMENT.search(message)
-    if not isinstance(error, ValueError) or found is None or found.group(2) == "0":
-        return None
-    index = int(found.group(2)) - 1
-    return ValueError(_EXECUTE_ARGUMENT.sub(rf"\g<1>{index}\g<3>", message, count=1))
+    if isinstance(error, ValueError) and found is not None and found.group(2) != "0":
+        index = int(found.group(2)) - 1
+        return ValueError(_EXECUTE_ARGUMENT.sub(rf"\g<1>{index}\g<3>", message, count=1))
+    found = _DONATED_TWICE.search(message)
+    if (isinstance(error, jax.errors.JaxRuntimeError) and found is not None
+            and found.group(2) != "0" and found.group(4) != "0"):
+        renamed = (rf"\g<1>{int(found.group(2)) - 1}\g<3>{int(found.group(4)) - 1}")
+        return jax.errors.JaxRuntimeError(_DONATED_TWICE.sub(renamed, message, count=1))
+    return None
 
 
 def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
@@ -96,6 +104,12 @@ def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
     if isinstance(history, jax.Array) and history.committed:
         return jnp.asarray(np.asarray(history))
     return history
+
+
+def _beyond_leading(shapes: tuple) -> tuple:
+    """``leaf_signature``s (``_signature``'s: a traced Python number's as a scalar's) as
+    the rank and the dimensions after the first of each array."""
+    return tuple((len(s[0]), s[0][1:]) for s in shapes)
 
 
 def _static_part(leaf: Any) -> Any:
@@ -169,9 +183,10 @@ class Fp8StatefulFunction:
 
     def _signature(self, args: tuple, kwargs: dict) -> tuple[Any, Any, list]:
         """(the program: the static arguments' values, the structure, dtypes and weak
-        types of the others, a filtered call's non-array leaves; the arrays' shapes and
-        shardings; the dynamic leaves). A Python scalar that is not static is traced (as
-        under jax.jit): its type counts, not its value."""
+        types of the others, a filtered call's non-array leaves; the shapes and
+        shardings of the arrays and traced numbers; the dynamic leaves). A Python scalar
+        that is not static is traced (as under jax.jit): its type counts, not its
+        value."""
         # As jax traces them: an argument passed by keyword or by position, a default
         # given or left out, make one program (each had a history of its own).
         args, kwargs = _bound(self._fn_signature, args, kwargs)
@@ -199,9 +214,13 @@ class Fp8StatefulFunction:
                     kinds.append(type(leaf).__name__)
                     continue
                 kinds.append((str(aval.dtype), bool(aval.weak_type)))
+                shapes.append(((), str(aval.dtype), bool(aval.weak_type), None))
                 continue
             kinds.append(_static_part(leaf) if filtered else type(leaf).__name__)
-        return (tree, tuple(kinds), static), tuple(shapes), leaves
+        # jax's trace configuration too (jax.default_matmul_precision("highest") keeps
+        # every dot out of fp8): a call under another one traces another program, whose
+        # history of no column shifted zeros into the step's own.
+        return (tree, tuple(kinds), static, internals.program_context()), tuple(shapes), leaves
 
     def _columns(self, args: tuple, kwargs: dict, program: Any, shapes: Any,
                  target: Any = None) -> tuple[int, tuple]:
@@ -225,9 +244,13 @@ class Fp8StatefulFunction:
                   ) -> tuple[Any, tuple[int, int]]:
         """(the key of the history a call with these arguments uses, its shape)."""
         columns, fp8 = self._columns(args, kwargs, program, shapes)
-        # One history per program and set of fp8 dots: a new batch size shares it (the
-        # same tensors), unless it moves a dot to or from its bf16 fallback.
-        return (program, columns, fp8), (self.policy.amax_history, columns)
+        # One history per program, set of fp8 dots and the arguments' shapes beyond their
+        # leading (batch) dimension: a new batch size shares it (the same tensors), unless
+        # it moves a dot to or from its bf16 fallback; arguments of other widths do not,
+        # though the columns match (a step that picks its weights by its input's shape
+        # gave one weight the other's scales: its outputs were all 0).
+        return (program, columns, fp8, _beyond_leading(shapes)), (self.policy.amax_history,
+                                                                 columns)
 
     def _refuse_shape(self, history: jax.Array, shape: tuple[int, int]) -> None:
         if tuple(history.shape) != shape:
@@ -294,8 +317,8 @@ class Fp8StatefulFunction:
                 raise ValueError(
                     f"{self.__name__}: the step keeps {len(held)} fp8 amax histories (of "
                     f"{', '.join(map(str, widths))} column(s)): one per static argument "
-                    f"value and per set of dots in fp8 (a batch under 16 rows falls back "
-                    f"to bf16); name one by the step's arguments, fp8_state(*args) and "
+                    f"value, per set of dots in fp8 (a batch under 16 rows falls back "
+                    f"to bf16) and per argument shape beyond the leading dimension; name one by the step's arguments, fp8_state(*args) and "
                     f"load_fp8_state(history, *args), for each")
             return jnp.copy(self._histories[self._last_state if self._last_state in held
                                             else held[0]])
@@ -382,6 +405,11 @@ class Fp8StatefulFunction:
                 if renamed is not None:
                     raise renamed from None
                 raise
+            except jax.errors.JaxRuntimeError as error:  # an argument donated and read
+                renamed = _argument_named_as_the_steps(error)
+                if renamed is not None:
+                    raise renamed from None
+                raise
             if loaded:
                 self._loaded = None
             self._last_state = state
@@ -410,7 +438,9 @@ class Fp8StatefulFunction:
     def trace(self, *args: Any, **kwargs: Any) -> Any:
         """The stateful function traced for these arguments, as ``lower`` lowers it:
         its jaxpr takes the history first and returns ``(outputs, history)``."""
-        traced = self._inner.trace(self._zero_history(args, kwargs), *args, **kwargs)
+        history = self._zero_history(args, kwargs)
+        traced = self._inner.trace(history, *args, **kwargs)
+        traced.history_shape = tuple(history.shape)
         traced.export_refusal = (
             f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
             f"history between calls, so jax.export cannot export it (nor jax.jit of it); "

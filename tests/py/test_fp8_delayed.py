@@ -704,6 +704,57 @@ def test_a_checkpoint_of_several_histories_names_each_by_the_arguments() -> None
         jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+def test_arguments_of_other_widths_keep_another_history_a_new_batch_shares_it() -> None:
+    """A step that picks its weights by its input's width quantises other tensors in the
+    same number of columns: it shared one history, and the narrow branch, scaled by the
+    wide one's amax (1e6 apart), came out all 0 (relative error 1.0) on every call. A
+    batch of other rows shares the history (the same tensors)."""
+    rng = np.random.default_rng(0)
+
+    def encode(p, feats):
+        return feats @ (p["wide"] if feats.shape[1] == 64 else p["narrow"])
+
+    p = {"wide": jnp.asarray(rng.standard_normal((64, 64)) * 1e3, jnp.float32),
+         "narrow": jnp.asarray(rng.standard_normal((32, 64)) * 1e-3, jnp.float32)}
+    wide, narrow = (jnp.asarray(rng.standard_normal((32, n)), jnp.float32) for n in (64, 32))
+    step = hlo_amp.compile(encode, _delayed(16))
+    for _ in range(3):
+        step(p, wide), step(p, narrow)
+    for x in (wide, narrow):
+        assert _relative(step(p, x), encode(p, x)) < 0.1
+    with pytest.raises(ValueError, match=r"keeps 2 fp8 amax histories .* per argument shape "
+                                         r"beyond the leading dimension"):
+        step.fp8_state()
+    before = np.asarray(step.fp8_state(p, narrow))
+    step(p, narrow[:16])  # 16 rows: the same tensors, the same history, one step on
+    np.testing.assert_array_equal(np.asarray(step.fp8_state(p, narrow))[1:], before[:-1])
+
+
+def _matmul_fn(w: jax.Array, x: jax.Array) -> jax.Array:
+    return x @ w
+
+
+def test_a_call_under_another_jax_config_keeps_the_steps_history() -> None:
+    """jax.default_matmul_precision("highest") keeps every dot out of fp8: a program of
+    its own. Its calls shifted zeros into the step's history (the next call quantised
+    with scale 1: 0.73 off against 0.04), and a step first called under it kept current
+    scaling and a history of no column for every later call."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((32, 64)) * 1000, jnp.float32)  # amax past 448
+    want = _matmul_fn(w, x)
+    first_highest = hlo_amp.compile(_matmul_fn, _delayed(2))
+    with jax.default_matmul_precision("highest"):
+        first_highest(w, x)
+    step = hlo_amp.compile(_matmul_fn, _delayed(2))
+    for _ in range(3):
+        first_highest(w, x), step(w, x)
+    assert first_highest.fp8_state().shape == step.fp8_state().shape == (2, 2)
+    with jax.default_matmul_precision("highest"):
+        step(w, x), step(w, x)
+    assert _relative(step(w, x), want) < 0.1
+
+
 def test_a_short_last_batch_leaves_the_training_history_to_save() -> None:
     """A batch under 16 rows puts every dot back in bf16: a history of no column. Saved
     after such a batch, the checkpoint was that empty history, which the next full batch
@@ -874,6 +925,14 @@ def test_a_deleted_argument_is_named_by_the_steps_own_position() -> None:
             fn(*args)
             with pytest.raises(ValueError, match=rf"as argument {index} to replica"):
                 fn(*args)
+    # One array given for a donated argument and another: "flattened argument 1 ...
+    # first use: 0", as jax.jit says (it said 2 and 1, the history counted).
+    f = hlo_amp.compile(w_first, _delayed(4), donate_argnums=0)
+    for fn in (f, jax.jit(w_first, donate_argnums=0)):
+        w = jnp.ones((32, 32)) * 0.01
+        with pytest.raises(jax.errors.JaxRuntimeError,
+                           match=r"flattened argument 1, .*first use: 0\)"):
+            fn(w, w)
 
 
 def test_a_python_scalar_argument_is_traced_and_the_second_call_compiles_nothing() -> None:
@@ -1103,6 +1162,16 @@ def test_jax_export_of_the_stateful_function_says_what_it_supports() -> None:
                 rf"compiled\(history, \*args\) .* f32\[4, {columns}\] .* was given "
                 rf"float32\[{args[0].shape[0]}, {args[0].shape[1]}\] first")):
             lowered.compile()(*args)
+    # So does the form step.trace(...).lower() gives; and a history passed twice, which
+    # the first call donated, is named (it was XLA's "Buffer has been deleted or donated").
+    traced = f.trace(w, x).lower().compile()
+    with pytest.raises(TypeError, match=r"^a step compiled with scaling=delayed takes its"):
+        traced(w, x)
+    history = jnp.zeros(traced.history_shape)
+    traced(history, w, x)
+    with pytest.raises(ValueError, match=r"^the amax history given first was donated to an "
+                                         r"earlier call .*: pass the history that call "):
+        traced(history, w, x)
 
 
 def test_an_equinox_step_carries_its_history_too() -> None:
