@@ -217,8 +217,14 @@ class Policy:
                 f"scopes must be a dict of pattern -> action, got {self.scopes!r}"
             )
         ops: dict[str, str] = {}
+        named_by: dict[str, Any] = {}  # op kind -> the key that named it
         for key, action in self.ops.items():
             for kind in canonical_op_kind(key):
+                if kind in named_by:  # the key written later won, unseen
+                    raise ValueError(
+                        f"op kind {kind} is given twice in ops ({named_by[kind]!r} and "
+                        f"{key!r}); accepted: one action per op kind")
+                named_by[kind] = key
                 ops[kind] = canonical_action(action, where=f"op rule {kind!r}")
         scopes: dict[str, str] = {}
         for pattern, action in self.scopes.items():
@@ -348,6 +354,7 @@ class Policy:
             base = cls.preset(items.pop(0))
         fields = base.to_dict()
         given: dict[str, str] = {}  # key -> value, as written in this spec
+        op_keys: dict[str, str] = {}  # op kind -> the "op:..." key that named it
         for item in items:
             # A scope pattern may hold '=' (a scope named "lr=0.1"); its action never does.
             split = item.rpartition if _SCOPE_ITEM.match(item) else item.partition
@@ -370,7 +377,15 @@ class Policy:
                                  f"{value!r}); accepted: one value per key")
             given[key] = value
             if key.startswith("op:"):
-                fields["ops"][key[3:]] = value
+                # Under the op kinds it names: a kind spelled two ways ("op:dot_general",
+                # "op:stablehlo.dot_general") is a repeat too (the first one won, unseen).
+                for kind in canonical_op_kind(key[3:]):
+                    if kind in op_keys:
+                        raise ValueError(
+                            f"op kind {kind} is given twice in {spec!r} ({op_keys[kind]} "
+                            f"and {key}); accepted: one action per op kind")
+                    op_keys[kind] = key
+                    fields["ops"][kind] = value
             elif key.startswith("scope:"):
                 fields["scopes"][key[6:]] = value
             elif key in ("compute", "compute_dtype"):

@@ -215,6 +215,11 @@ def test_policy_rejects(kwargs: dict, needles: tuple[str, ...]) -> None:
     ("bf16,scope:head=keep,scope:head=float16",
      ("scope:head is given twice", "('keep' and 'float16')", "one value per key")),
     ("bf16,compute=float16,compute=bfloat16", ("compute is given twice",)),
+    # An op kind spelled two ways: the first one won, unseen.
+    ("bf16,op:stablehlo.dot_general=keep,op:dot_general=compute",
+     ("op kind dot_general is given twice", "(op:stablehlo.dot_general and op:dot_general)",
+      "one action per op kind")),
+    ("bf16,op:dot_general_p=keep,op:dot=compute", ("op kind dot is given twice",)),
 ])
 def test_policy_string_rejects(spec: str, needles: tuple[str, ...]) -> None:
     with pytest.raises(ValueError) as info:
@@ -229,6 +234,12 @@ def test_pythons_float_means_float32_as_the_string_does() -> None:
 
 
 def test_policy_dict_and_type_rejects() -> None:
+    with pytest.raises(ValueError, match=r"op kind dot_general is given twice in ops "
+                                         r"\('dot_general' and 'stablehlo.dot_general'\)"):
+        hlo_amp.Policy(ops={"dot_general": "compute", "stablehlo.dot_general": "keep"})
+    # A preset's kind named again by a user's key in a string replaces it, as before.
+    assert hlo_amp.Policy.parse("bf16,op:stablehlo.dot_general=keep").ops["dot_general"] \
+        == "keep"
     with pytest.raises(ValueError, match="Unknown key 'scope' in policy dict"):
         hlo_amp.Policy.from_dict({"scope": {"a": "keep"}})
     with pytest.raises(ValueError, match="Unsupported policy 42"):
