@@ -69,22 +69,30 @@ def signal_reading(read: Callable[[], Any]) -> str | None:
         return f"signal {number}"
 
 
+# What MLIR's parser recurses into: regions and dictionaries ({), arrays ([), tuples and
+# function types ((), types and attribute parameters (<); an arrow's > closes nothing.
+_OPENING, _CLOSING = frozenset("{[(<"), frozenset("}])>")
+_BRACKETS = re.compile(r"->|[{}\[\]()<>]")
+
+
 def nesting_problem(text: str) -> str | None:
-    """Regions nested deeper than MAX_NESTING (counted by braces outside strings)."""
-    if text.count("{") <= MAX_NESTING:
+    """Regions, attributes or types nested deeper than MAX_NESTING (counted by brackets
+    outside strings): 10,000 nested arrays in an attribute ended the process as deep
+    regions did."""
+    if sum(text.count(c) for c in _OPENING) <= MAX_NESTING:
         return None
     depth = deepest = 0
     for piece in _QUOTED.split(text)[::2]:  # the text between quoted strings
-        for char in piece:
-            if char == "{":
+        for found in _BRACKETS.findall(piece):
+            if found in _OPENING:
                 depth += 1
                 deepest = max(deepest, depth)
-            elif char == "}":
+            elif found in _CLOSING:
                 depth -= 1
     if deepest <= MAX_NESTING:
         return None
-    return (f"regions nested {deepest} deep; accepted: at most {MAX_NESTING} (MLIR's "
-            f"parser would overflow its stack)")
+    return (f"regions, attributes or types nested {deepest} deep ({{, [, ( or <); accepted: "
+            f"at most {MAX_NESTING} (MLIR's parser would overflow its stack)")
 
 
 def name_problem(module: ir.Module) -> str | None:

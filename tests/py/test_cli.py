@@ -59,6 +59,22 @@ def _corrupted_bytecode() -> bytes:
     return good.replace(b"stablehlo\x00", b"st\xaablehlo\x00")
 
 
+def _deep_nesting_modules(depth: int) -> dict[str, str]:
+    """Modules with an attribute of ``depth`` nested arrays, an argument of that many
+    nested tuple types, a result type in that many parentheses: MLIR's parser overflowed
+    its stack on each (a segfault) past a few thousand."""
+    private = "func.func private @g(%x: {arg}) -> {result} {{\n  return %x : tensor<f32>\n}}"
+    return {
+        "arrays": MODULE.replace("func.func @main", "module attributes {foo.x = "
+                                 + "[" * depth + "1" + "]" * depth + "} {\nfunc.func @main")
+        + "}\n",
+        "tuples": MODULE + private.format(arg="tuple<" * depth + "tensor<f32>" + ">" * depth,
+                                          result="tensor<f32>"),
+        "parentheses": MODULE + private.format(arg="tensor<f32>", result="(" * depth
+                                               + "tensor<f32>" + ")" * depth),
+    }
+
+
 def _nested(depth: int) -> str:
     """A valid module of ``depth`` nested stablehlo.case regions (MLIR's parser
     overflowed its stack past about 2400: a segfault)."""
@@ -154,7 +170,13 @@ ERRORS = {
                             r"a process with SIGABRT: a corrupted file\)")),
     # Refused before MLIR's parser or a pass reads them (each ended the process).
     "nested_too_deep": (lambda d: [_write(d, "deep.mlir", _nested(2500))],
-                        r"deep\.mlir: error: regions nested 2501 deep; accepted: at most 1000"),
+                        (r"deep\.mlir: error: regions, attributes or types nested \d+ deep "
+                         r"\(\{, \[, \( or <\); accepted: at most 1000")),
+    # So are arrays, types and function types nested 10,000 deep (SIGSEGV, status 139).
+    **{f"nested_too_deep_{name}": (
+        lambda d, text=text: [_write(d, "deep.mlir", text)],
+        r"deep\.mlir: error: regions, attributes or types nested 100\d\d deep")
+       for name, text in _deep_nesting_modules(10000).items()},
     # Read from an attribute dictionary, a dense attribute of complex elements aborted
     # the process (reduce=, a backward program's hint, a partitioned scatter's copy).
     "complex_argument_attribute": (
