@@ -146,11 +146,15 @@ def _chunks(source: str | bytes, split: bool) -> list[tuple[str | bytes, int]]:
     """(chunk, first line number - 1); padding with newlines keeps diagnostics exact."""
     if not split or isinstance(source, bytes) and source.startswith(b"ML\xefR"):
         return [(source, 0)]
-    text = source.decode("utf-8", errors="replace") if isinstance(source, bytes) else source
+    # Bytes split as bytes: a chunk that is not UTF-8 is refused as the whole file would
+    # be (decoded with errors="replace", its bytes became U+FFFD in the output, exit 0).
+    marker = (re.compile(_SPLIT_MARKER.pattern.encode(), re.MULTILINE)
+              if isinstance(source, bytes) else _SPLIT_MARKER)
+    newline = b"\n" if isinstance(source, bytes) else "\n"
     pieces, line = [], 0
-    for piece in _SPLIT_MARKER.split(text):
-        pieces.append(("\n" * line + piece, line))
-        line += piece.count("\n")
+    for piece in marker.split(source):
+        pieces.append((newline * line + piece, line))
+        line += piece.count(newline)
     # A marker at the end (or two in a row) leaves a blank piece: nothing to run, as
     # mlir-opt takes it, not an empty input.
     written = [(piece, first) for piece, first in pieces if piece.strip()]

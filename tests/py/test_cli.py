@@ -274,6 +274,13 @@ MORE_ERRORS = {
         lambda d: [_write(d, "split.mlir", MODULE + "// -----\nfunc.func @g() {\n  %0 = foo\n}\n"),
                    "--split-input-file"],
         r"split\.mlir:7:8: error: custom op 'foo'"),
+    # A chunk that is not UTF-8 is refused as the whole file is (its byte became U+FFFD
+    # in the output, exit 0).
+    "split_not_utf8": (
+        lambda d: [_write(d, "split.mlir", (MODULE + "// -----\n").encode()
+                          + MODULE.replace("head", "caf\xe9").encode("latin-1")),
+                   "--split-input-file"],
+        r"split\.mlir: error: not MLIR text or bytecode"),
 }
 
 
