@@ -27,6 +27,7 @@ import re
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 
 from hlo_amp import jaxlib_internals
@@ -347,6 +348,9 @@ def _write_outputs(args: argparse.Namespace, text: str, report: str) -> None:
     """The output and, if asked, the report: both or neither (an unwritable report
     left the output written)."""
     files = [(args.output, text)]
+    if args.report == "-" and _stderr_closed.is_set():
+        raise CliError("hlo-amp-opt: error: cannot write the report: stderr is closed; "
+                       "give --report FILE")
     if args.report == "-":
         sys.stderr.write(report)
     elif args.report:
@@ -417,7 +421,27 @@ def _umask() -> int:
     return current
 
 
+# Set when the tool started with stderr closed (2>&-).
+_stderr_closed = threading.Event()
+
+
+def _reopen_closed_stderr() -> None:
+    """Started with stderr closed (2>&-), Python's sys.stderr is None, and print(...,
+    file=None) writes to stdout: warnings and errors went into the module written there.
+    They are dropped instead, as the shell asked; fd 2 is /dev/null, so no file the tool
+    opens takes it."""
+    if sys.stderr is not None:
+        return
+    _stderr_closed.set()
+    fd = os.open(os.devnull, os.O_WRONLY)
+    if fd != 2:
+        os.dup2(fd, 2)
+        os.close(fd)
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the process's own stderr
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _reopen_closed_stderr()
     try:
         return run(argv)
     except CliError as error:

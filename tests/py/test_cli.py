@@ -402,6 +402,23 @@ def test_a_link_to_a_pipe_and_a_closed_stdout(module_file: Path, tmp_path: Path)
         "hlo-amp-opt: error: cannot write the output: stdout is closed; give -o FILE"]
 
 
+def test_a_closed_stderr_leaves_the_output_as_it_is(module_file: Path) -> None:
+    """With stderr closed (2>&-) Python's print(..., file=sys.stderr) wrote to stdout: a
+    warning went into the module written there, which no longer parsed; --report - was
+    an internal error. Messages are dropped; the report asks for a file."""
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        words = " ".join(shlex.quote(a) for a in (sys.executable, "-m", "hlo_amp.cli",
+                                                  str(module_file), *args))
+        return subprocess.run(f"{words} 2>&-", shell=True, text=True,
+                              stdout=subprocess.PIPE, timeout=120, check=False)
+
+    warned = run("--scope", "nowhere=float32")  # a rule that matches no op: a warning
+    assert warned.returncode == 0 and "warning" not in warned.stdout
+    assert warned.stdout.rstrip().endswith("}") and CONVERTED in warned.stdout
+    for refused in (run("--report", "-"), run("--policy", "bogus")):
+        assert (refused.returncode, refused.stdout) == (1, "")
+
+
 # ---- success -------------------------------------------------------------------------
 
 
