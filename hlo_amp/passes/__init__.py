@@ -32,6 +32,7 @@ from hlo_amp.ir.modules import (
 from hlo_amp.ir.op_classes import MATRIX_OP_KINDS
 from hlo_amp.ir.program_hints import strip_program_hints
 from hlo_amp.ir.shardings import is_partitioned
+from hlo_amp.ir.sites import name_shard_map_bodies
 from hlo_amp.passes.batch_amax import BatchAmax
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.comm_precision import CommPrecision
@@ -148,6 +149,7 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
     collecting = gc.isenabled()
     gc.disable()
     drop_discarded()  # a pass run outside a pipeline (a test) leaves its own marks only
+    name_shard_map_bodies(module)
     if is_partitioned(module):  # keep_shardings, their one reader, acts only then
         mark_program_converts(module)
     try:

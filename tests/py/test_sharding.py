@@ -113,6 +113,22 @@ SCRIPT = textwrap.dedent("""
     results["shard_map_err"] = float(jnp.max(jnp.abs(sm_out - x @ w)))
     results["shard_map_scale"] = float(jnp.max(jnp.abs(x @ w)))
     results["shard_map_text_bf16"] = "bf16" in amp_sm.lower(x, w).as_text()
+    # The scopes around a shard_map, its backward pass and amp_stop reach the ops in
+    # its body (jax names them from the body alone).
+    def scoped(w, x):
+        with jax.named_scope("sm"):
+            return jnp.sum(sm(x, w) ** 2)
+
+    def stopped(w, x):
+        with hlo_amp.amp_stop():
+            return sm(x, w)
+
+    grad = jax.grad(scoped)
+    results["shard_map_rules"] = {
+        policy: [[d.scope, d.direction, d.rule, d.low_precision]
+                 for d in hlo_amp.compile(fn, policy).lower(w, x).report().decisions]
+        for fn, policy in ((grad, "bf16,backward=keep"), (grad, "bf16,scope:sm=keep"),
+                           (stopped, "bf16"))}
 
     # The fast mode paints the activations inside a shard_map body too.
     def chain(xb, w):
@@ -230,6 +246,20 @@ def test_shard_map_body_rewritten(results):
     # last, the body's result, keeps the program's f32
     assert results["shard_map_mixed_tanh"] == [True, False]
     assert results["shard_map_mixed_err"] <= 2e-2
+
+
+def test_rules_reach_into_a_shard_map_body(results):
+    """Scope rules, backward= and amp_stop around a shard_map apply to the ops in its
+    body: each op was at top level, forward, rule op:dot_general, bf16 (and the rules
+    "matched no op")."""
+    rules = results["shard_map_rules"]
+    backward = rules["bf16,backward=keep"]
+    assert sorted(r[:3] for r in backward) == [
+        ["sm", "backward", "backward"], ["sm", "forward", "op:dot_general"]]
+    assert [r[3] for r in sorted(backward)] == [False, True]
+    assert rules["bf16,scope:sm=keep"] == [["sm", d, "scope:sm", False]
+                                           for d in ("forward", "backward")]
+    assert rules["bf16"] == [["amp_stop", "forward", "amp_stop", False]]
 
 
 def test_mixed_mode_keeps_shardings_and_paints(results):
