@@ -577,6 +577,30 @@ def test_an_ends_backward_dots_are_its_own_not_every_layers(loss) -> None:
     assert rules[("backward", "last_matrix_op")] == 2
 
 
+def test_a_jit_layers_backward_dots_follow_its_first_and_last_call() -> None:
+    """A jax.jit layer called per layer: the backward function its transpose calls is
+    one function for every layer (its ops one stack). The ends' backward dots are those
+    whose call passes the end's operands; they ran fp8 (the operands were compared as
+    the callee's own arguments, and a dot on three call paths was one op)."""
+    layer = jax.jit(lambda w, h: jax.nn.relu(h @ w))
+    ws = [jax.random.normal(jax.random.key(i), (32, 32)) / 6 for i in range(3)]
+    x = jax.random.normal(jax.random.key(9), (16, 32))
+
+    def loss(ws, x):
+        for w in ws:
+            x = layer(w, x)
+        return jnp.sum(x ** 2)
+
+    report = hlo_amp.compile(jax.grad(loss, argnums=(0, 1)), "fp8").lower(ws, x).report()
+    found = collections.Counter((d.direction, d.rule, d.fp8) for d in report.decisions)
+    assert found == {("forward", "first_matrix_op", False): 1,
+                     ("forward", "op:dot_general", True): 1,
+                     ("forward", "last_matrix_op", False): 1,
+                     ("backward", "first_matrix_op", False): 2,
+                     ("backward", "op:dot_general", True): 2,
+                     ("backward", "last_matrix_op", False): 2}
+
+
 def test_only_if_faster_keeps_the_gemms_whose_fp8_form_pays() -> None:
     """Under only_if_faster, a GEMM whose fp8 form saves less GEMM time than quantising its
     operands costs (Target.fp8_loses) computes in bf16 with the reason; a large one stays

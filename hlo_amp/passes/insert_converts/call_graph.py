@@ -206,7 +206,7 @@ class CallGraph:
                 frame = _innermost(stack)
                 own_frames[frame] = own_frames.get(frame, ()) + (position,)
                 end_stacks[position] = stack
-                bases[position] = _operand_bases(op)
+                bases[position] = self._bases(op, key[3])
             alike = len(own) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]
             if not alike:  # first and last that look alike are no stacks to hand on
                 found.update(own)
@@ -215,14 +215,16 @@ class CallGraph:
                         for site in (self.site(op, kind, key[2]),) if site.backward]
             # An end's backward ops read one of its operands (dW reads x, dx reads W):
             # of the ops with its stack (every layer written on one line has it), those.
-            sharing = {(position, id(op)) for _, op, _, stack in backward
+            # By key, not by op: a function called at several sites (a jax.jit layer's
+            # backward, called per layer) is one op on several call paths.
+            sharing = {(position, key) for key, op, _, stack in backward
                        for position in own.get(stack, ())
-                       if bases[position] & _operand_bases(op)}
+                       if bases[position] & self._bases(op, key[3])}
             found_by_operand = {position for position, _ in sharing}
             for key, op, kind, stack in backward:
                 marked = tuple(stacks.get(stack, ()))  # a forward program's, handed on
                 for position in own.get(stack, ()):
-                    if (position, id(op)) in sharing or (
+                    if (position, key) in sharing or (
                             position not in found_by_operand and not alike):
                         marked += (position,)  # no op reads its operands: by stack alone
                 if stack not in own:
@@ -232,12 +234,32 @@ class CallGraph:
                     # recomputation's, which its weight gradient reads), make them its.
                     for position in own_frames.get(_innermost(stack), ()):
                         if (_within(end_stacks[position], stack)
-                                and bases[position] & _operand_bases(op)):
+                                and bases[position] & self._bases(op, key[3])):
                             marked += (position,)
                             if self.site(op, kind, key[2]).recomputed:
-                                bases[position] = bases[position] | _operand_bases(op)
+                                bases[position] = bases[position] | self._bases(op, key[3])
                 if marked:
                     self.positions[key] = self.positions.get(key, ()) + marked
+        return found
+
+    def _bases(self, op: Any, path: CallPath) -> set[Any]:
+        """``_operand_bases`` of ``op`` in the function instance ``path`` reaches, each
+        argument of a called function followed to the operand its call passes (a
+        ``jax.jit`` layer called per layer: its forward and the backward function its
+        transpose calls read the caller's x and W through their own arguments)."""
+        found = set()
+        for value in _operand_bases(op):
+            at = path
+            while at and isinstance(value, ir.BlockArgument):
+                function = value.owner.owner
+                if function.operation.name != "func.func":  # a loop's or branch's
+                    break
+                caller, index = at[-1]
+                call = self.ops_of(self.by_name[caller])[index][0]
+                if call.name != "func.call" or value.arg_number >= len(call.operands):
+                    break
+                value, at = _base(call.operands[value.arg_number]), at[:-1]
+            found.add(value)
         return found
 
     def _reads_invariant(self, key: tuple[str, int, str, CallPath], op: Any) -> bool:
@@ -422,19 +444,21 @@ def _operand_bases(op: Any) -> set[Any]:
     """``op``'s matrix operands before transposes, converts, reshapes, broadcasts and
     optimization barriers (jax.checkpoint's: its recomputed forward and the backward
     read the forward's values through one)."""
-    found = set()
-    for value in list(op.operands)[:2]:
-        for _step in range(8):
-            if isinstance(value, ir.BlockArgument):
-                break
-            if value.owner.name == "stablehlo.optimization_barrier":
-                value = value.owner.operands[ir.OpResult(value).result_number]
-                continue
-            if value.owner.name not in SAME_VALUE_OPS:
-                break
-            value = value.owner.operands[0]
-        found.add(value)
-    return found
+    return {_base(value) for value in list(op.operands)[:2]}
+
+
+def _base(value: Any) -> Any:
+    """``value`` before transposes, converts, reshapes, broadcasts and barriers."""
+    for _step in range(8):
+        if isinstance(value, ir.BlockArgument):
+            break
+        if value.owner.name == "stablehlo.optimization_barrier":
+            value = value.owner.operands[ir.OpResult(value).result_number]
+            continue
+        if value.owner.name not in SAME_VALUE_OPS:
+            break
+        value = value.owner.operands[0]
+    return value
 
 
 def _innermost(stack: tuple[str, str, str]) -> tuple[str, str, str]:
