@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Self
 
@@ -66,6 +67,12 @@ class _ScalerFields(NamedTuple):
 
 def _field_dtype(name: str) -> np.dtype:
     return np.dtype(np.float32) if name in _FLOAT_FIELDS else np.dtype(np.int32)
+
+
+def _is_number(value: Any) -> bool:
+    """A Python or NumPy real number (what ``_normalise_leaf`` converts), not a bool."""
+    return (isinstance(value, (int, float, np.integer, np.floating))
+            and not isinstance(value, (bool, np.bool_)))
 
 
 def _normalise_leaf(value: Any, dtype: np.dtype) -> Any:
@@ -111,11 +118,20 @@ class DynamicScalerState(_ScalerFields):
         total_resets: Any = 0,
         min_scaler: Any = 1.0,
     ) -> Self:
-        if isinstance(adjust_factor, (int, float)) and not adjust_factor > 1:
+        # Python and NumPy numbers (np.float32's 0.5 passed where 0.5 was refused).
+        if _is_number(adjust_factor) and not 1 < float(adjust_factor) < math.inf:
             # Backing off divides by it: at or below 1 the scaler never backs off.
-            raise ValueError(f"adjust_factor must be above 1 (the scaler is multiplied by "
-                             f"it to grow and divided by it to back off), got "
-                             f"{adjust_factor!r}")
+            raise ValueError(f"adjust_factor must be above 1 and finite (the scaler is "
+                             f"multiplied by it to grow and divided by it to back off), "
+                             f"got {adjust_factor!r}")
+        for name, value in (("scaler", scaler), ("min_scaler", min_scaler)):
+            # inf (1e39 is inf in f32) or 0 never backs off to a finite, nonzero scale:
+            # every later step was non-finite and skipped.
+            with np.errstate(over="ignore"):  # 1e39 is inf in f32: refused below
+                in_f32 = float(np.float32(value)) if _is_number(value) else None
+            if in_f32 is not None and not 0 < in_f32 < math.inf:
+                raise ValueError(f"{name} must be positive and finite in f32 (at most "
+                                 f"{float(np.finfo(np.float32).max):.4g}), got {value!r}")
         values = (patience, adjust_factor, scaler, count, total_resets, min_scaler)
         leaves = [
             _normalise_leaf(v, _field_dtype(name))
@@ -175,9 +191,14 @@ def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerSt
     due = finite & (count >= state.patience)
     grown = state.scaler * state.adjust_factor
     grow = due & jnp.isfinite(grown)  # never grow into inf: hold the scaler instead
-    # Never below min_scaler, and never up: a scaler set below it holds on overflow.
-    backed_off = jnp.minimum(state.scaler,
-                             jnp.maximum(state.scaler / state.adjust_factor, state.min_scaler))
+    # Never below min_scaler, and never up: a scaler set below it holds on overflow. An
+    # array state given inf or 0 (the constructor refuses those numbers) backs off from
+    # f32's largest value and stops at its smallest normal one, not at inf or 0, where
+    # every later step was non-finite.
+    f32 = jnp.finfo(jnp.float32)
+    current = jnp.minimum(state.scaler, f32.max)
+    floor = jnp.maximum(state.min_scaler, f32.tiny)
+    backed_off = jnp.minimum(current, jnp.maximum(current / state.adjust_factor, floor))
     scaler = jnp.where(finite, jnp.where(grow, grown, state.scaler), backed_off)
     return state._replace(
         scaler=scaler,

@@ -310,10 +310,25 @@ def test_backoff_growth_and_floor() -> None:
     assert not bool(all_finite(grads))
     assert_state(low, scaler=0.25, count=0, total_resets=1)
 
-    # At or below 1 the scaler would never back off (it divides by adjust_factor).
-    for factor in (1.0, 0.5):
-        with pytest.raises(ValueError, match="adjust_factor must be above 1"):
+    # At or below 1 the scaler would never back off (it divides by adjust_factor); NumPy
+    # numbers alike (np.float32(0.5) was taken, and the scaler moved the wrong way).
+    for factor in (1.0, 0.5, np.float32(0.5), np.float16(1.0), np.int32(1), np.inf):
+        with pytest.raises(ValueError, match="adjust_factor must be above 1 and finite"):
             DynamicScalerState(adjust_factor=factor)
+    # A scaler or floor of inf (1e39 in f32) or 0 never backs off to a usable scale: every
+    # later step was skipped. As numbers they are refused; as arrays the back-off leaves
+    # inf for f32's largest value and stops at its smallest normal one, not at 0.
+    for field in ("scaler", "min_scaler"):
+        for value in (1e39, np.inf, 0.0, -1.0, np.float32(0)):
+            with pytest.raises(ValueError, match=rf"^{field} must be positive and finite"):
+                DynamicScalerState(**{field: value})
+    for scaler, floor in ((jnp.inf, 1.0), (1e-37, jnp.zeros(()))):
+        state = DynamicScalerState(scaler=jnp.float32(scaler), min_scaler=floor)
+        for _ in range(3):
+            state, grads = step(params, bad, dynamic_scaler_state=state)
+        assert 0 < float(state.scaler) < np.inf, (scaler, float(state.scaler))
+        state, grads = step(params, good, dynamic_scaler_state=state)
+        assert bool(all_finite(grads))
 
     # Growing 2**100 by 2**40 would overflow f32: the scaler is held, the count reset.
     huge = DynamicScalerState(scaler=2.0**100, adjust_factor=2.0**40, patience=1)
