@@ -242,9 +242,23 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
         raise ValueError(
             f"select_tree needs a scalar bool predicate, got shape {pred.shape} dtype {pred.dtype}"
         )
-    return jax.tree_util.tree_map(
-        lambda a, b: jax.lax.select(pred, jnp.asarray(a), jnp.asarray(b)), on_true, on_false
-    )
+
+    def pick(path: Any, a: Any, b: Any) -> Any:
+        if _is_array_like(a) and _is_array_like(b):
+            return jax.lax.select(pred, jnp.asarray(a), jnp.asarray(b))
+        if a is b:  # one object on both sides (an Equinox model's activation function)
+            return a
+        raise TypeError(
+            f"select_tree picks arrays leaf by leaf; at {jax.tree_util.keystr(path)} it got "
+            f"{type(a).__name__} and {type(b).__name__}, which are neither arrays nor one "
+            f"object (filter them out first, e.g. eqx.filter(tree, eqx.is_array))")
+
+    return jax.tree_util.tree_map_with_path(pick, on_true, on_false)
+
+
+def _is_array_like(value: Any) -> bool:
+    """An array, a tracer or a Python or NumPy number: what ``lax.select`` can take."""
+    return isinstance(value, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
 def _unscale(grads: PyTree, scaler: jax.Array) -> PyTree:

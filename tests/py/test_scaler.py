@@ -532,6 +532,18 @@ def test_select_tree_picks_whole_trees() -> None:
         select_tree(jnp.array([True, False]), a, b)
     with pytest.raises(ValueError, match="scalar bool"):
         select_tree(jnp.array(1.0), a, b)
+    # An Equinox model's non-array leaves (its activation functions), one object in both
+    # trees, are kept (it was jax's "custom_jvp object is not a valid JAX array type");
+    # two different non-arrays are named by their path.
+    import equinox as eqx
+
+    model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+    moved = jax.tree.map(lambda x: x + 1 if eqx.is_array(x) else x, model)
+    kept = select_tree(jnp.array(False), model, moved)
+    assert _leaves_equal(eqx.filter(kept, eqx.is_array), eqx.filter(moved, eqx.is_array))
+    assert kept.activation is model.activation
+    with pytest.raises(TypeError, match=r"at \['f'\] it got str and str"):
+        select_tree(jnp.array(True), {"f": "relu"}, {"f": "gelu"})
 
 
 # ------------------------------------------------------------------- train step f16
