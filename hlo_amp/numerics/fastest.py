@@ -47,7 +47,7 @@ from hlo_amp.numerics.attribute import TOP_LEVEL, _groups, _pattern, with_scopes
 from hlo_amp.numerics.measure import Session
 from hlo_amp.numerics.render import json_number, short
 from hlo_amp.policy import SCALINGS, Policy
-from hlo_amp.policy_terms import FP8_ACTIONS
+from hlo_amp.policy_terms import FP8_ACTIONS, OP_KINDS
 from hlo_amp.report import Report, text_table
 from hlo_amp.runtime.compile import compile as amp_compile
 from hlo_amp.runtime.compile import rewrite_lowered
@@ -282,8 +282,12 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
             fp8_dots[group] = sum(1 for d in decisions if d.fp8)
     levels = {g: (F32, COMPUTE, FP8) if fp8_dots.get(g) else (F32, COMPUTE) for g in named}
 
+    # A base that does not compute its dots in 16 bit (fp8, f32): the compute level is
+    # a rule of its own (without one, a scope "at bf16" ran the base's fp8 or f32).
+    explicit = base.ops.get("dot_general") != COMPUTE
+
     def policy_of(state: Mapping[str, str]) -> Policy:
-        rules = {patterns[g]: a for g, a in state.items() if a != COMPUTE}
+        rules = {patterns[g]: a for g, a in state.items() if a != COMPUTE or explicit}
         return with_scaling(with_scopes(base, rules), fp8_scaling)
 
     # Phase 1 plus the final compiles (the chosen policy and three baselines, each run
@@ -381,13 +385,19 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
         bar.close()
 
     notes = list(notes_bound)
-    faster = [b for b in baselines if b.met and b.step_seconds < chosen_time]
+    # Where the moves ended over the budget (ops no scope rule names), a baseline within
+    # it is returned however fast: an over-budget policy was returned beside one that met.
+    over_budget = current > budget
+    faster = [b for b in baselines
+              if b.met and (over_budget or b.step_seconds < chosen_time)]
     top_level = "stay at the base policy's precision"
     returned_baseline = None
     if faster:
         best = min(faster, key=lambda b: b.step_seconds)
-        notes.append(f"note: the baseline {best.name!r} is within budget and modelled "
-                     f"faster than where the moves ended; it is the one returned")
+        notes.append(f"note: the baseline {best.name!r} is within budget and "
+                     + ("where the moves ended is not" if over_budget else
+                        "modelled faster than where the moves ended")
+                     + "; it is the one returned")
         chosen, chosen_time, current = Policy.parse(best.policy), best.step_seconds, best.error
         state = baseline_states[best.name]
         top_level = f"run as the returned baseline {best.name!r} runs every matrix op"
@@ -440,7 +450,10 @@ def _why_not(group: str, levels: Mapping[str, tuple[str, ...]],
 def _baselines(base: Policy, low: str, no_fp8: str | None, f32_policy: Policy,
                fp8_scaling: str = "current") -> list[tuple[str, Policy, str]]:
     """(name, policy, the level it gives a scope that has it)."""
-    out = [("f32 everywhere", f32_policy, F32), (f"{low} everywhere", base, COMPUTE)]
+    # A base whose dots are not 16-bit (fp8, f32): its op rules compute every kind.
+    everywhere = base if base.ops.get("dot_general") == COMPUTE else Policy.from_dict(
+        {**base.to_dict(), "ops": {**base.ops, **dict.fromkeys(OP_KINDS, COMPUTE)}})
+    out = [("f32 everywhere", f32_policy, F32), (f"{low} everywhere", everywhere, COMPUTE)]
     if no_fp8 is None:
         ops = {**base.ops, "dot_general": FP8}
         out.append(("fp8 everywhere eligible", with_scaling(

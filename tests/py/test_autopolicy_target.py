@@ -102,6 +102,43 @@ def test_where_a_baseline_is_returned_each_row_says_so():
         f"set by the returned baseline {name!r}"] * len(result.scopes)
 
 
+def test_where_the_moves_end_over_budget_a_baseline_within_it_is_returned():
+    """A dot that bf16 ruins outside any named scope: no move can reach the budget. The
+    'f32 everywhere' baseline meets it at the same modelled time, and was not returned
+    (only a faster one was): the result was over budget, met=False."""
+    def cancelling(w, x):
+        y = jnp.tanh(x @ w)
+        return ((y + 1e-3) @ w - y @ w) * 1000
+
+    w = jax.random.normal(jax.random.key(0), (32, 32))
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+    result = hlo_amp.autopolicy(cancelling, w, x, budget=1e-2, target="h100",
+                                progress=False)
+    assert result.met and result.error <= 1e-2
+    f32 = next(b for b in result.baselines if b.name == "f32 everywhere")
+    assert f32.met and str(result.policy) == f32.policy
+    assert "note: the baseline 'f32 everywhere' is within budget and where the moves " \
+           "ended is not; it is the one returned" in result.notes
+
+
+@pytest.mark.parametrize("base", ["fp8", "f32"])
+def test_a_base_whose_dots_are_not_16_bit_is_searched_at_each_level_it_names(base):
+    """The 16-bit level of a scope and the '16-bit everywhere' baseline were the base
+    itself: under fp8 a scope "at bf16" ran fp8 (and was kept f32 for fp8's error), under
+    f32 every level ran f32."""
+    result = hlo_amp.autopolicy(PROGRAM, X, W, budget=0.05, base=base,
+                                target=COMPUTE_BOUND_H100, progress=False)
+    for name, policy in [("bf16 everywhere", next(
+            b.policy for b in result.baselines if b.name == "bf16 everywhere")),
+            ("chosen", str(result.policy))]:
+        report = hlo_amp.compile(PROGRAM, policy).lower(X, W).report()
+        levels = {d.scope.split("/")[0]: d.operands_after[0] for d in report.decisions}
+        for scope, choice in (result.choices.items() if name == "chosen"
+                              else dict.fromkeys(levels, "bf16").items()):
+            want = {"f32": "f32", "bf16": "bf16", "fp8": "f8E4M3FN"}[choice]
+            assert levels[scope] == want, (name, scope, choice, levels)
+
+
 def test_a_delayed_base_is_priced_under_current_scaling_without_its_history_length():
     """with_scaling kept amax_history=16 beside scaling=current, which the policy now
     refuses (autopolicy with a delayed base raised, blaming the user's history length)."""
