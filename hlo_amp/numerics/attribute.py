@@ -13,6 +13,7 @@ import numpy as np
 
 from hlo_amp.numerics.measure import (
     ATOL,
+    DELAYED_NOTE,
     Session,
     check_reference,
     check_tolerance,
@@ -178,6 +179,8 @@ def attribution_of(session: Session, base: Policy, depth: Any, reference: str, a
                      f"these ops (wrap them in jax.named_scope), so they stay at the "
                      f"policy's precision in every other row and autopolicy cannot keep "
                      f"them f32")
+    if base.scaling == "delayed" and base.uses_fp8:
+        notes.append(DELAYED_NOTE)
     dtypes = run_dtypes(report, base)
     attribution = Attribution(base.to_string(), int(depth), reference, dtypes,
                               tolerance(dtypes), atol, base_error, rows,
@@ -204,11 +207,16 @@ def plot_attribution(attribution: Attribution, path: str | Path, budget: float |
     figure_type = matplotlib_figure("Attribution.plot")
     import matplotlib.ticker
 
+    if budget is not None:
+        budget = check_tolerance(budget, "budget", zero_ok=False)
     rows = list(reversed(attribution.scopes))  # worst on top
     positive = [v for row in rows for v in (row.only_low, row.only_f32, attribution.error)
                 if v and math.isfinite(v)] or [1e-7]
-    left = 10 ** math.floor(math.log10(min(positive)))  # bars start at a decade
-    floor = 1.5 * left  # a zero error is drawn as a stub, visible on the log axis
+    # Bars start a decade below the smallest error (and the budget), so a zero error,
+    # drawn as a stub labelled 0, stays shorter than every real one (at the smallest's
+    # decade, its stub outgrew a real 1.36e-3).
+    left = 10 ** (math.floor(math.log10(min(positive + ([budget] if budget else [])))) - 1)
+    floor = 1.5 * left
     # An infinite (overflowed) or NaN error is drawn past every finite one and the budget.
     cap = 10 * max(positive + ([budget] if budget and math.isfinite(budget) else []))
 
@@ -227,6 +235,8 @@ def plot_attribution(attribution: Attribution, path: str | Path, budget: float |
         for row, value in zip(y, values):
             if value is not None and not math.isfinite(value):
                 ax.text(cap, row + offset, f" {value}", va="center", fontsize=7)
+            elif value == 0:
+                ax.text(floor, row + offset, " 0", va="center", fontsize=7)
     error = attribution.error
     unbounded = error is not None and not math.isfinite(error)
     ax.axvline(bar(error), color="k", ls="--", lw=1,
@@ -240,8 +250,10 @@ def plot_attribution(attribution: Attribution, path: str | Path, budget: float |
     ax.set_xlabel(f"error (max over outputs, scaled; against {attribution.reference})")
     ax.set_title(f"error per scope at depth {attribution.depth}, {attribution.policy}",
                  fontsize=9)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
-    fig.tight_layout()
+    # Below the axis label, in a band of its own (under the axes it covered the label).
+    height = fig.get_figheight()
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=2)
+    fig.tight_layout(rect=(0, 0.6 / height, 1, 1))
     out = Path(path)
     fig.savefig(out, dpi=110)
     return out

@@ -15,7 +15,13 @@ from hlo_amp.numerics.fastest import (
     check_fp8_scaling,
     target_autopolicy,
 )
-from hlo_amp.numerics.measure import ATOL, Session, check_reference, check_tolerance
+from hlo_amp.numerics.measure import (
+    ATOL,
+    DELAYED_NOTE,
+    Session,
+    check_reference,
+    check_tolerance,
+)
 from hlo_amp.numerics.render import json_number, short
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import text_table
@@ -180,12 +186,15 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
     notes = []
     within = [k for k in tried if passed[k]]
     candidate, error, rows = tried[min(within) if within else max(tried)]
-    if error > budget:
+    floor = session.f32_floor_note(budget, reference, atol) if error > budget else None
+    if floor is not None:  # "name the remaining ops" cannot help there
+        notes.append(floor)
+    elif error > budget:
         notes.append(
             f"note: no policy with f32 scopes at depth {depth} meets budget {budget:g}: "
             f"with all {len(named)} f32 the error is {short(error)} (ops outside named "
             f"scopes, or the policy's activations, still run in low precision); raise the "
             f"budget, go deeper, or name the remaining ops")
-    notes += [n for n in attribution.notes if "no dot_general" in n]
+    notes += [n for n in attribution.notes if "no dot_general" in n or n == DELAYED_NOTE]
     return AutoPolicy(candidate, budget, error, error <= budget, [r.scope for r in rows],
                       trail, attribution, session.compiles, session.seconds, notes)

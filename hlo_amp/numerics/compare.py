@@ -9,6 +9,7 @@ from typing import Any
 
 from hlo_amp.numerics.measure import (
     ATOL,
+    DELAYED_NOTE,
     LeafError,
     Session,
     check_reference,
@@ -131,5 +132,7 @@ def compare(fn: Callable[..., Any], policy: Policy | str | Mapping[str, Any], *a
                      "nothing, and the outputs are those of fn as written")
     elif not dtypes:
         notes.append("note: the policy converts none of fn's matrix ops to a narrower type")
+    if policy.scaling == "delayed" and policy.uses_fp8:
+        notes.append(DELAYED_NOTE)
     return Comparison(policy.to_string(), reference, dtypes, rtol, atol, leaves,
                       session.compiles, session.seconds, notes, report)

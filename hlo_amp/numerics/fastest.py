@@ -402,7 +402,10 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
         state = baseline_states[best.name]
         top_level = f"run as the returned baseline {best.name!r} runs every matrix op"
         returned_baseline = best.name
-    if start_error > budget:
+    floor = session.f32_floor_note(budget, reference, atol) if start_error > budget else None
+    if floor is not None:
+        notes.append(floor)
+    elif start_error > budget:
         notes.append(f"note: with every named scope f32 the error is {short(start_error)}, "
                      f"over budget {budget:g}: ops outside named scopes, or the policy's "
                      "activations, still run in low precision")

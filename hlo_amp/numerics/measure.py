@@ -146,6 +146,12 @@ def _with_statics_bound(fn: Callable[..., Any], args: tuple, statics: tuple[int,
     return bound, tuple(a for i, a in enumerate(args) if i not in statics)
 
 
+# The runs here are jax.jit's, which carry no state between calls.
+DELAYED_NOTE = ("note: scaling=delayed is measured with current scaling (these runs carry "
+                "no amax history; a filled history approaches current scaling, and a "
+                "compiled step's first call, at scale 1, is further off)")
+
+
 class Session:
     """One public call: its arguments, the runs it made, what it compiled."""
 
@@ -199,6 +205,17 @@ class Session:
             self.errors[key] = worst(leaf_errors(self, got, self.reference(reference), 1.0,
                                               atol))
         return self.errors[key]
+
+    def f32_floor_note(self, budget: float, reference: str, atol: float) -> str | None:
+        """Against f64, the note that the program in f32 is itself over ``budget`` (no
+        policy can be within it); None where it is not, or the reference is f32."""
+        if reference != "f64":
+            return None
+        floor = self.error(Policy.preset("f32"), reference, atol)
+        if floor <= budget:
+            return None
+        return (f"note: the program in f32 is itself {floor:.3g} from f64, over budget "
+                f"{budget:g}: no policy can meet it; raise the budget to at least that")
 
     def run_f64(self) -> list[np.ndarray] | None:
         """Flat outputs of ``fn`` on f64 inputs under ``jax.enable_x64``; None (and a

@@ -304,6 +304,38 @@ def test_compare_verdicts_flip_around_the_dtype_tolerance(policy, d, m, ok):
     assert ("within" if ok else "OUTSIDE") in str(result)
 
 
+def test_a_budget_below_the_f32_programs_own_error_says_so():
+    """Against f64 the f32 program is itself some error away: under a budget below it,
+    the note said ops outside named scopes ran in low precision and advised going deeper
+    or naming them, where every op was f32 and named."""
+    def f(w, x):
+        with jax.named_scope("a"):
+            y = jnp.tanh(x @ w)
+        with jax.named_scope("b"):
+            return (y @ w) * 1e4
+
+    w = jax.random.normal(jax.random.key(0), (64, 64))
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+    floor = hlo_amp.compare(f, "f32", w, x, reference="f64").error
+    result = hlo_amp.autopolicy(f, w, x, budget=floor / 4, reference="f64")
+    assert not result.met
+    assert result.notes[0] == (
+        f"note: the program in f32 is itself {floor:.3g} from f64, over budget "
+        f"{floor / 4:g}: no policy can meet it; raise the budget to at least that")
+
+
+def test_delayed_scaling_is_said_to_be_measured_with_current_scaling():
+    """compare, attribute and autopolicy run jax.jit, which carries no amax history: a
+    scaling=delayed policy is measured with current scaling, which they now say (only
+    the pass report inside said the module carried no fp8 state)."""
+    from hlo_amp.numerics.measure import DELAYED_NOTE
+
+    fn, policy = make_program(), "fp8,scaling=delayed"
+    assert DELAYED_NOTE in hlo_amp.compare(fn, policy, X, W, f64=False).notes
+    assert DELAYED_NOTE in hlo_amp.autopolicy(fn, X, W, budget=0.5, base=policy).notes
+    assert DELAYED_NOTE not in hlo_amp.compare(fn, "fp8", X, W, f64=False).notes
+
+
 def test_compare_reports_f64_and_leaves_the_callers_x64_alone():
     fn = make_program()
     result = hlo_amp.compare(fn, "bf16", X, W, reference="f64")
@@ -451,6 +483,33 @@ def test_an_infinite_error_is_drawn_past_every_finite_one(monkeypatch, tmp_path,
     given = [v for row in scopes for v in (row.only_low, row.only_f32)]
     assert every_scope == max(drawn["bars"]) > max([budget] + [v for v in given if v < 1])
     assert drawn["bars"].count(every_scope) == given.count(float("inf"))
+
+
+def test_a_zero_error_is_drawn_shorter_than_every_real_one(monkeypatch, tmp_path):
+    """An error of 0 (bf16 exact on small integers) is a stub labelled 0 below every
+    nonzero bar: it was drawn at 1.5 times the smallest error's decade, past a real
+    1.36e-3. A budget that is no positive number is refused in one line."""
+    from matplotlib.axes import Axes
+
+    from hlo_amp.numerics.attribute import Attribution, ScopeError
+
+    drawn: list[float] = []
+    labels: list[str] = []
+    barh, text = Axes.barh, Axes.text
+    monkeypatch.setattr(Axes, "barh", lambda self, y, width, *a, **k: (
+        drawn.extend(width), barh(self, y, width, *a, **k))[1])
+    monkeypatch.setattr(Axes, "text", lambda self, x, y, s, *a, **k: (
+        labels.append(s), text(self, x, y, s, *a, **k))[1])
+    scopes = [ScopeError("rounded", 1, 32, 1.36e-3, 0.0, "rounded"),
+              ScopeError("exact", 1, 32, 0.0, 1.36e-3, "exact")]
+    attribution = Attribution("bf16", 1, "f32", ["bf16"], 1e-2, 1e-6, 1.36e-3, scopes, 3, 0.1)
+    attribution.plot(tmp_path / "zero.png", budget=1e-2)
+    zero, real = min(drawn), max(drawn)
+    assert drawn.count(zero) == 2 and drawn.count(real) == 2 and 0 < zero < real == 1.36e-3
+    assert labels.count(" 0") == 2
+    for budget in ("1e-2", -1.0):
+        with pytest.raises(ValueError, match=r"^Invalid budget .*; accepted: a finite number > 0"):
+            attribution.plot(tmp_path / "bad.png", budget=budget)
 
 
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
