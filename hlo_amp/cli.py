@@ -421,27 +421,44 @@ def _umask() -> int:
     return current
 
 
-# Set when the tool started with stderr closed (2>&-).
+# Set while a run of main() has no stderr (2>&-, or sys.stderr None in-process).
 _stderr_closed = threading.Event()
 
 
-def _reopen_closed_stderr() -> None:
-    """Started with stderr closed (2>&-), Python's sys.stderr is None, and print(...,
-    file=None) writes to stdout: warnings and errors went into the module written there.
-    They are dropped instead, as the shell asked; fd 2 is /dev/null, so no file the tool
-    opens takes it."""
-    if sys.stderr is not None:
-        return
-    _stderr_closed.set()
-    fd = os.open(os.devnull, os.O_WRONLY)
-    if fd != 2:
-        os.dup2(fd, 2)
-        os.close(fd)
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the process's own stderr
+def _cover_closed_fd2() -> None:
+    """Where fd 2 itself is closed (2>&-), /dev/null takes it, so no file the tool
+    opens does (XLA's and jaxlib's C++ logs write there)."""
+    try:
+        os.fstat(2)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        if fd != 2:
+            os.dup2(fd, 2)
+            os.close(fd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _reopen_closed_stderr()
+    # With no stderr, Python's sys.stderr is None and print(..., file=None) writes to
+    # stdout: warnings and errors went into the module written there. They are dropped
+    # instead, as the shell asked, for this run (an in-process caller's sys.stderr and
+    # fd 2 are given back as they were).
+    given = sys.stderr
+    if given is None:
+        _stderr_closed.set()
+        _cover_closed_fd2()
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - closed below
+    else:
+        _stderr_closed.clear()
+    try:
+        return _main(argv)
+    finally:
+        if given is None:
+            sys.stderr.close()
+            sys.stderr = given
+            _stderr_closed.clear()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         return run(argv)
     except CliError as error:

@@ -165,8 +165,12 @@ def _check_history_first(args: tuple, shape: tuple[int, ...]) -> None:
     """A scaling=delayed step's compiled form takes its amax history first: a call
     without it says so (jax said its input pytree did not match)."""
     first = args[0] if args else None
-    if getattr(first, "shape", None) == shape and str(getattr(first, "dtype", "")) == "float32":
-        if isinstance(first, jax.Array) and first.is_deleted():
+    dtype = getattr(first, "dtype", None)
+    # As jax takes it: NumPy's float64 zeros are f32 without x64.
+    if (getattr(first, "shape", None) == shape and dtype is not None
+            and str(jax.dtypes.canonicalize_dtype(dtype)) == "float32"):
+        if (isinstance(first, jax.Array) and not isinstance(first, internals.Tracer)
+                and first.is_deleted()):
             raise ValueError(
                 "the amax history given first was donated to an earlier call (a step "
                 "compiled with scaling=delayed donates its history): pass the history that "

@@ -5,8 +5,9 @@ history ``f32[L, S]`` (L steps of amax, newest first, for each of the S tensors 
 pass quantises) goes in through a barrier in the scope ``STATE_SCOPE``, which the pass
 (passes/fp8_state.py) replaces by the new history. This object keeps one history per
 program (the static arguments' values, the argument structure and dtypes, the shapes
-beyond each argument's leading dimension, jax's trace configuration: a new batch size
-shares it, the same tensors; a static argument that picks other tensors does not),
+beyond each argument's leading dimension, which dots are fp8, as jax's trace
+configuration may change that: a new batch size shares it, the same tensors; a static
+argument that picks other tensors does not),
 passes it in, donates it and keeps what comes back, so the user's step keeps its
 signature. S is read from a first lowering with an empty history (no XLA compile), once
 per signature (a Python scalar argument is traced, as under ``jax.jit``: a new value
@@ -176,7 +177,8 @@ class Fp8StatefulFunction:
         # A call takes a history, donates it and keeps the new one: calls from several
         # threads take turns (each read a history another had donated).
         self._state_lock = threading.RLock()
-        # (program, shapes, target) -> (columns, which dots are fp8)
+        # (program, shapes, target, jax's trace configuration) -> (columns, which dots
+        # are fp8)
         self._columns_of: dict[Any, tuple[int, tuple]] = {}
 
     # -- the state --
@@ -217,10 +219,7 @@ class Fp8StatefulFunction:
                 shapes.append(((), str(aval.dtype), bool(aval.weak_type), None))
                 continue
             kinds.append(_static_part(leaf) if filtered else type(leaf).__name__)
-        # jax's trace configuration too (jax.default_matmul_precision("highest") keeps
-        # every dot out of fp8): a call under another one traces another program, whose
-        # history of no column shifted zeros into the step's own.
-        return (tree, tuple(kinds), static, internals.program_context()), tuple(shapes), leaves
+        return (tree, tuple(kinds), static), tuple(shapes), leaves
 
     def _columns(self, args: tuple, kwargs: dict, program: Any, shapes: Any,
                  target: Any = None) -> tuple[int, tuple]:
@@ -229,7 +228,11 @@ class Fp8StatefulFunction:
         are fp8 (a dot under 16 rows falls back to bf16: which tensors own the columns
         depends on the shapes); ``program`` and ``shapes``: their ``_signature``; a
         lowering with an empty history, once per signature."""
-        key = (program, shapes, target)
+        # Per jax trace configuration too: under jax.default_matmul_precision("highest")
+        # no dot is fp8, so its calls key a history of their own by these columns (they
+        # shifted zeros into the step's history); a configuration that changes neither
+        # (jax.default_device) keeps the step's history.
+        key = (program, shapes, target, internals.program_context())
         found = self._columns_of.get(key)
         if found is None:
             # Arrays, not ShapeDtypeStructs: a filtered call (Equinox) would take a

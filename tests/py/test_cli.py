@@ -402,6 +402,30 @@ def test_a_link_to_a_pipe_and_a_closed_stdout(module_file: Path, tmp_path: Path)
         "hlo-amp-opt: error: cannot write the output: stdout is closed; give -o FILE"]
 
 
+def test_an_in_process_caller_without_stderr_gets_it_back(module_file: Path,
+                                                         tmp_path: Path,
+                                                         monkeypatch) -> None:
+    """cli.main with sys.stderr None in-process, fd 2 open: messages are dropped for that
+    run alone; sys.stderr and fd 2 are the caller's after it, and a later --report -
+    writes (the first fix pointed fd 2 at /dev/null for good and refused it)."""
+    fd2 = os.readlink("/proc/self/fd/2") if Path("/proc/self/fd/2").exists() else None
+    monkeypatch.setattr(sys, "stderr", None)
+    assert cli.main([str(module_file), "-o", str(tmp_path / "a.mlir"), "--report", "-"]) == 1
+    assert sys.stderr is None
+    monkeypatch.undo()
+    assert fd2 is None or os.readlink("/proc/self/fd/2") == fd2
+    assert cli.main([str(module_file), "-o", str(tmp_path / "b.mlir"), "--report", "-"]) == 0
+
+
+def test_comments_are_no_nesting(tmp_path: Path) -> None:
+    """A lit file's CHECK lines hold cut-off signatures whose brackets close nothing:
+    1,100 of them were refused as nested 1,103 deep."""
+    checks = "// CHECK: func.func @main(%x: tensor<2x4xbf16>\n" * 1100
+    module = _write(tmp_path, "lit.mlir", checks + MODULE)
+    assert cli.main([str(module), "-o", str(tmp_path / "out.mlir")]) == 0
+    assert CONVERTED in (tmp_path / "out.mlir").read_text()
+
+
 def test_a_closed_stderr_leaves_the_output_as_it_is(module_file: Path) -> None:
     """With stderr closed (2>&-) Python's print(..., file=sys.stderr) wrote to stdout: a
     warning went into the module written there, which no longer parsed; --report - was

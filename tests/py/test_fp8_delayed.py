@@ -753,6 +753,16 @@ def test_a_call_under_another_jax_config_keeps_the_steps_history() -> None:
     with jax.default_matmul_precision("highest"):
         step(w, x), step(w, x)
     assert _relative(step(w, x), want) < 0.1
+    # A configuration that changes no fp8 dot keeps the step's history: read and
+    # restored outside it (the first review of this fix keyed every configuration apart:
+    # "no fp8 state for these arguments", a loaded checkpoint ignored).
+    with jax.default_device(jax.devices()[0]):
+        step(w, x)
+    step.load_fp8_state(jnp.full((2, 2), 5000.0), w, x)
+    with jax.default_device(jax.devices()[0]):
+        step(w, x)
+    newest, loaded = np.asarray(step.fp8_state(w, x))  # the call stepped the history on
+    assert (newest < 5000).all() and (loaded == 5000).all(), (newest, loaded)
 
 
 def test_a_short_last_batch_leaves_the_training_history_to_save() -> None:
@@ -1167,6 +1177,9 @@ def test_jax_export_of_the_stateful_function_says_what_it_supports() -> None:
     traced = f.trace(w, x).lower().compile()
     with pytest.raises(TypeError, match=r"^a step compiled with scaling=delayed takes its"):
         traced(w, x)
+    traced(np.zeros(traced.history_shape), w, x)  # NumPy's float64: f32 without x64
+    with pytest.raises(TypeError, match=r"^Cannot apply JAX transformations"):  # jax's
+        jax.jit(traced)(jnp.zeros(traced.history_shape), w, x)
     history = jnp.zeros(traced.history_shape)
     traced(history, w, x)
     with pytest.raises(ValueError, match=r"^the amax history given first was donated to an "
