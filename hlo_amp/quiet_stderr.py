@@ -95,9 +95,13 @@ def _write_all(fd: int, data: bytes) -> None:
 def fd2_filtered() -> Iterator[None]:
     """Inside the block fd 2 goes through a pipe whose reader forwards every line to the
     real stderr as it arrives (a crash loses nothing but a partial line), except the CUDA
-    stub's lines."""
-    sys.stderr.flush()
-    saved = os.dup(2)
+    stub's lines. With fd 2 closed (2>&-) there is nothing to filter."""
+    _flush_stderr()
+    try:
+        saved = os.dup(2)
+    except OSError:  # fd 2 closed: `import hlo_amp` raised here
+        yield
+        return
     read_end, write_end = os.pipe()
 
     def forward() -> None:
@@ -116,7 +120,7 @@ def fd2_filtered() -> Iterator[None]:
     try:
         yield
     finally:
-        sys.stderr.flush()
+        _flush_stderr()
         os.dup2(saved, 2)  # the pipe's last write end closes: the reader sees EOF
         reader.join(timeout=10)
         if not reader.is_alive():  # else a child holds the pipe: the reader keeps both fds
@@ -126,16 +130,29 @@ def fd2_filtered() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _fd2_to(fd: int) -> Iterator[None]:
-    """File descriptor 2 sent to ``fd`` inside the block."""
-    sys.stderr.flush()
-    saved = os.dup(2)
+    """File descriptor 2 sent to ``fd`` inside the block (closed again after it, where
+    it was closed before)."""
+    _flush_stderr()
+    try:
+        saved: int | None = os.dup(2)
+    except OSError:  # fd 2 closed (2>&-)
+        saved = None
     try:
         os.dup2(fd, 2)
         yield
     finally:
+        _flush_stderr()
+        if saved is None:
+            os.close(2)
+        else:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _flush_stderr() -> None:
+    """Python's stderr flushed before fd 2 moves; it is None where fd 2 was closed."""
+    if sys.stderr is not None:
         sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 @contextlib.contextmanager

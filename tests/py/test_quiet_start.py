@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,20 @@ def test_hlo_amp_imported_first_leaves_stderr_empty():
         return
     assert result.stdout == "cpu 3.0\n"
     assert result.stderr == ""
+
+
+def test_a_script_with_stderr_closed_imports_and_compiles_for_a_gpu():
+    """`import hlo_amp` with stderr closed (2>&-) raised: the filter flushed Python's
+    stderr, which is None then, and dup'ed the closed fd 2. A compile for an H100 reads
+    XLA's log from fd 2 the same way."""
+    script = ("import hlo_amp, jax.numpy as jnp\n"
+              "f = hlo_amp.compile(lambda x: x @ x, 'bf16')\n"
+              "print(float(f(jnp.ones((2, 2))).sum()))\n"
+              "print(f.lower(jnp.ones((16, 16)), target='h100').compile().device.device)")
+    result = subprocess.run(f"{sys.executable} -c {shlex.quote(script)} 2>&-", shell=True,
+                            text=True, stdout=subprocess.PIPE, timeout=300, check=False,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert (result.returncode, result.stdout) == (0, "8.0\nH100\n")
 
 
 def test_a_machine_with_an_accelerator_keeps_jaxs_own_start():
