@@ -14,9 +14,11 @@ that is exported and rewritten in turn, never with the unrewritten function:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -154,7 +156,34 @@ amp_call_p.multiple_results = True
 
 
 def _call(*args: Any, program: Program) -> Any:
-    return program.exported(avals_key(args)).call(*args)
+    with _devices_named(program):
+        return program.exported(avals_key(args)).call(*args)
+
+
+@contextlib.contextmanager
+def _devices_named(program: Program) -> Iterator[None]:
+    """jax's refusal of a program exported for several devices (a ``shard_map``'s mesh)
+    in a context of one, which uncommitted arguments outside ``jax.set_mesh`` make,
+    said with the ways out (jax names only its own ``_forward_with_residuals``)."""
+    try:
+        yield
+    except ValueError as error:
+        found = _DEVICE_COUNTS.search(str(error))
+        if found is None:
+            raise
+        name = program.name
+        while (inner := re.fullmatch(r"\w+\((.*)\)", name)) is not None:
+            name = inner.group(1)  # fwd(step): the compiled function's own name
+        raise ValueError(
+            f"hlo_amp.compile({name}) runs on {found.group(1)} devices (a shard_map's mesh) and is "
+            f"called under a transformation (jax.grad, jax.vmap, ...) in a context of "
+            f"{found.group(2)}: give it arrays placed on those devices (jax.device_put(x, "
+            f"NamedSharding(mesh, P()))), or trace it under jax.set_mesh(mesh); called "
+            f"directly it runs as it is") from None
+
+
+_DEVICE_COUNTS = re.compile(r"was exported for (\d+) devices and is called in a context "
+                            r"with (\d+) devices")
 
 
 def _abstract_eval(*avals: Any, program: Program) -> list:
@@ -169,7 +198,8 @@ def _lower(ctx: Any, *args: Any, program: Program) -> Any:
     def call(*values: Any) -> Any:
         return program.exported(avals_key(values), platforms).call(*values)
 
-    return internals.lower_fun(call, multiple_results=True)(ctx, *args)
+    with _devices_named(program):
+        return internals.lower_fun(call, multiple_results=True)(ctx, *args)
 
 
 amp_call_p.def_impl(_call)

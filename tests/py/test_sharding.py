@@ -124,6 +124,18 @@ SCRIPT = textwrap.dedent("""
             return sm(x, w)
 
     grad = jax.grad(scoped)
+    # jax.grad of the compiled function: on uncommitted arrays outside jax.set_mesh, jax
+    # refuses the program exported for the mesh's devices (named after its own
+    # _forward_with_residuals); hlo_amp says what to do, and doing it works.
+    amp_scoped = hlo_amp.compile(scoped, "bf16")
+    try:
+        jax.grad(amp_scoped)(w, x)
+        results["shard_map_grad_refusal"] = None
+    except ValueError as error:
+        results["shard_map_grad_refusal"] = str(error)
+    with jax.set_mesh(mesh):
+        results["shard_map_grad_err"] = float(jnp.max(jnp.abs(
+            jax.grad(amp_scoped)(w, x) - jax.grad(scoped)(w, x))))
     results["shard_map_rules"] = {
         policy: [[d.scope, d.direction, d.rule, d.low_precision]
                  for d in hlo_amp.compile(fn, policy).lower(w, x).report().decisions]
@@ -246,6 +258,14 @@ def test_shard_map_body_rewritten(results):
     # last, the body's result, keeps the program's f32
     assert results["shard_map_mixed_tanh"] == [True, False]
     assert results["shard_map_mixed_err"] <= 2e-2
+
+
+def test_the_gradient_of_a_compiled_shard_map_names_its_devices(results):
+    assert results["shard_map_grad_refusal"].startswith(
+        "hlo_amp.compile(scoped) runs on 8 devices (a shard_map's mesh) and is called "
+        "under a transformation")
+    assert "jax.set_mesh(mesh)" in results["shard_map_grad_refusal"]
+    assert results["shard_map_grad_err"] < 0.05
 
 
 def test_rules_reach_into_a_shard_map_body(results):
