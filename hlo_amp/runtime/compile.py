@@ -161,6 +161,21 @@ class AmpCompiled:
         return getattr(self._compiled, name)
 
 
+def _hashable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, or a function calling it where it cannot be hashed, as jax.jit's caches
+    need (an Equinox module or bound method with array fields: .lower() and .trace()
+    raised "unhashable type", where calls went through a closure of their own)."""
+    try:
+        hash(fn)
+    except TypeError:
+        @functools.wraps(fn, updated=())
+        def calling(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        return calling
+    return fn
+
+
 def _check_history_first(args: tuple, shape: tuple[int, ...]) -> None:
     """A scaling=delayed step's compiled form takes its amax history first: a call
     without it says so (jax said its input pytree did not match)."""
@@ -516,7 +531,7 @@ class AmpFunction:
             self.donate_argnums = _union(self.donate_argnums, _positions_of(
                 signature, _as_tuple(donate_argnames, str),
                 getattr(fn, "__name__", type(fn).__name__)), int)
-        self._jitted = jax.jit(fn, static_argnums=self.static_argnums,
+        self._jitted = jax.jit(_hashable(fn), static_argnums=self.static_argnums,
                                static_argnames=self.static_argnames,
                                donate_argnums=self.donate_argnums)
         self._cache: dict[Any, AmpCompiled] = {}

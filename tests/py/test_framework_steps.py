@@ -486,6 +486,20 @@ def test_equinox_module_passes_straight_in_and_filter_is_automatic():
     assert traced.cache_size() == 1
 
 
+def test_an_equinox_model_compiled_itself_lowers_and_traces():
+    """hlo_amp.compile(model) of an Equinox module (or its bound method, a module too):
+    called, it ran; .lower() and .trace() raised "unhashable type" from the module's
+    hash, which jax.jit's caches ask for."""
+    model = EqxMLP(jax.random.key(0))
+    x, _ = _batch()
+    forward = hlo_amp.compile(model.__call__, "bf16")
+    for fn in (hlo_amp.compile(model, "bf16"), forward):
+        key = jax.random.key(3)
+        assert fn.lower(x[0], key).report().decisions
+        assert fn.trace(x[0], key).out_info.shape == model(x[0], key).shape
+        np.testing.assert_array_equal(fn.lower(x[0], key).compile()(x[0], key), fn(x[0], key))
+
+
 # ---- steps already decorated with the framework's jit (issue 33) -------------------------
 
 
