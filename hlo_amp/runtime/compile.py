@@ -586,13 +586,13 @@ class AmpFunction:
                                static_argnames=self.static_argnames,
                                donate_argnums=self.donate_argnums, modes=modes)
             else:
-                if self.static_argnums or self.static_argnames:
-                    raise TypeError(
-                        f"hlo_amp.compile({self.__name__}): static_argnums/static_argnames "
-                        f"and filtered arguments (Equinox modules, filter=True) do not mix: "
-                        f"every non-array leaf is static already; drop static_argnums")
+                # Static arguments hold no arrays, and every non-array leaf of a filtered
+                # call is static already: they mix (a @jax.jit step with static_argnums
+                # taking an Equinox module was refused).
                 call = FilterCall(self.fn, self._inner, donate_argnums=self.donate_argnums,
-                                  donation=self.decorator.donation if self.decorator else None)
+                                  donation=self.decorator.donation if self.decorator else None,
+                                  static=(self.static_argnums, self.static_argnames),
+                                  name=self.__name__)
             self._framework_calls[style] = call
         return call
 

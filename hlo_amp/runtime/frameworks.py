@@ -479,8 +479,14 @@ class FilterCall:
     (donated arrays, other arrays, static rest)."""
 
     def __init__(self, fn: Callable[..., Any], make_inner: Callable[..., Any], *,
-                 donate_argnums: tuple, donation: FilteredDonation | None = None):
+                 donate_argnums: tuple, donation: FilteredDonation | None = None,
+                 static: tuple[tuple[int, ...], tuple[str, ...]] = ((), ()),
+                 name: str = ""):
         self.fn = with_module_paths(fn)
+        # static_argnums and static_argnames: static as every non-array leaf is, and
+        # refused where they hold an array (as jax.jit refuses an unhashable one).
+        self.static_argnums, self.static_argnames = frozenset(static[0]), frozenset(static[1])
+        self.name = name
         self.donate_argnums = frozenset(donate_argnums)
         # As jax.jit: a parameter donated by position is donated when passed by keyword.
         self.donated_names = donated_names(signature_of(fn), donate_argnums)
@@ -489,6 +495,7 @@ class FilterCall:
         # on the inner function's dispatch, and a way back to it (self.inner) through
         # this object kept every compiled step alive.
         self.inner = make_inner(functools.partial(_pure_call, self.fn), static_argnums=(2,),
+                                static_argnames=(),
                                 donate_argnums=(0,) if donate_argnums or donation else ())
 
     def _donated(self, key: tuple[str, Any]) -> bool:
@@ -502,14 +509,26 @@ class FilterCall:
         static_args = []
         for i, arg in enumerate(args):
             arrays, rest = split_traced(arg)
+            if i in self.static_argnums or i - len(args) in self.static_argnums:
+                self._refuse_static_arrays(f"argument {i}", arrays)
             (donated if self._donated(("arg", i)) else kept)[("arg", i)] = arrays
             static_args.append(rest)
         static_kwargs = {}
         for name, value in kwargs.items():
             arrays, rest = split_traced(value)
+            if name in self.static_argnames:
+                self._refuse_static_arrays(f"argument {name!r}", arrays)
             (donated if self._donated(("kw", name)) else kept)[("kw", name)] = arrays
             static_kwargs[name] = rest
         return donated, kept, StaticArguments((tuple(static_args), static_kwargs))
+
+    def _refuse_static_arrays(self, which: str, arrays: Any) -> None:
+        if any(leaf is not None for leaf in
+               jax.tree_util.tree_leaves(arrays, is_leaf=lambda x: x is None)):
+            raise ValueError(
+                f"hlo_amp.compile({self.name}): {which} is static (static_argnums/"
+                f"static_argnames) but holds arrays; accepted: hashable non-array values, "
+                f"as jax.jit takes them (an Equinox module's arrays are traced without it)")
 
     @contextlib.contextmanager
     def _quiet(self) -> Iterator[None]:

@@ -11,6 +11,7 @@ regression (issue 18).
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -498,6 +499,29 @@ def test_an_equinox_model_compiled_itself_lowers_and_traces():
         assert fn.lower(x[0], key).report().decisions
         assert fn.trace(x[0], key).out_info.shape == model(x[0], key).shape
         np.testing.assert_array_equal(fn.lower(x[0], key).compile()(x[0], key), fn(x[0], key))
+
+
+def test_a_jax_jit_step_with_static_arguments_takes_an_equinox_model():
+    """A @jax.jit step with static_argnums given an Equinox module runs as jax.jit runs
+    it: it was refused ("static_argnums ... and filtered arguments do not mix"), with
+    advice no decorated step could follow. A static argument holding arrays is refused,
+    naming it."""
+    model = eqx.nn.Linear(4, 4, key=jax.random.key(0))  # arrays and ints: jax.jit takes it
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def step(model, x, mode):
+        y = jax.vmap(model)(x)
+        return y.sum() if mode == "sum" else y.mean()
+
+    for compiled in (hlo_amp.compile(step, "f32"),
+                     hlo_amp.compile(step.__wrapped__, "f32", static_argnums=2)):
+        for mode in ("sum", "mean", "sum"):
+            np.testing.assert_allclose(compiled(model, x, mode), step(model, x, mode),
+                                       rtol=1e-5)
+        assert compiled.cache_size() == 2
+        with pytest.raises(TypeError, match=r"static argument 2 holds a jax.Array"):
+            compiled(model, x, jnp.ones(2))
 
 
 # ---- steps already decorated with the framework's jit (issue 33) -------------------------
