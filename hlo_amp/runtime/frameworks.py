@@ -33,6 +33,8 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
+import os
 import sys
 import warnings
 import weakref
@@ -558,9 +560,60 @@ class FilterCall:
         return call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._quiet():
-            arrays, static_out = self.inner(*self.split_arguments(args, kwargs))
+        # eqx.error_if's stack, taken where the step is traced, ends at the frame holding
+        # this name: as in eqx.filter_jit, its error reads as Equinox's own.
+        __equinox_jit_id__ = os.urandom(16)  # read by Equinox from this frame
+        try:
+            with self._quiet(), _equinox_callback_quiet():
+                arrays, static_out = self.inner(*self.split_arguments(args, kwargs))
+        except (jax.errors.JaxRuntimeError, ValueError) as error:
+            equinox_error = _equinox_runtime_error(error, __equinox_jit_id__)
+            if equinox_error is None:
+                raise
+            raise equinox_error from None
         return _combine(arrays, static_out.value)
+
+
+@contextlib.contextmanager
+def _equinox_callback_quiet() -> Iterator[None]:
+    """As eqx.filter_jit: jax's log line for the failed callback of an eqx.error_if is
+    left out (the error says it)."""
+    if "equinox" not in sys.modules:
+        yield
+        return
+    logger = logging.getLogger("jax._src.callback")
+    quiet = _FailedCallbackFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+class _FailedCallbackFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "jax.pure_callback failed"
+
+
+def _equinox_runtime_error(error: Exception, jit_id: bytes) -> Exception | None:
+    """An ``eqx.error_if`` that fired, as ``eqx.filter_jit`` raises it: Equinox's
+    ``EquinoxRuntimeError`` with the message and the stack inside the step (it was jax's
+    raw callback error, the message buried in a traceback and Equinox's advice to use
+    filter_jit); None for any other error."""
+    equinox_jit = sys.modules.get("equinox._jit")
+    info = getattr(equinox_jit, "last_error_info", None)
+    if info is None or "_EquinoxRuntimeError: " not in str(error):
+        return None
+    message, stack = info
+    pieces: list[str] = []
+    for entry in stack:
+        if type(entry) is str:
+            pieces.append(entry)
+        elif entry == jit_id:
+            break
+    template = getattr(equinox_jit, "_on_error_msg", "{stack}\n{msg}")
+    return equinox_jit.EquinoxRuntimeError(
+        template.format(msg=message, stack="".join(reversed(pieces))))
 
 
 def split_traced(tree: Any) -> tuple[Any, Any]:

@@ -524,6 +524,27 @@ def test_a_jax_jit_step_with_static_arguments_takes_an_equinox_model():
             compiled(model, x, jnp.ones(2))
 
 
+def test_an_eqx_error_if_raises_equinoxs_own_error(capfd):
+    """eqx.error_if in a step taking an Equinox module: its message is Equinox's
+    EquinoxRuntimeError, as under eqx.filter_jit (it was jax's raw callback error, the
+    message inside a long traceback, and Equinox's advice to use filter_jit on stderr)."""
+    class Model(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return x @ self.w
+
+    def step(model, x):
+        x = eqx.error_if(x, jnp.any(x < 0), "negative input!")
+        return model(x).sum()
+
+    compiled, model = hlo_amp.compile(step, "bf16"), Model(jnp.ones((4, 4)))
+    assert float(compiled(model, jnp.ones((2, 4)))) == 32.0
+    with pytest.raises(eqx.EquinoxRuntimeError, match="negative input!"):
+        compiled(model, -jnp.ones((2, 4)))
+    assert "do not appear to be using `equinox.filter_jit`" not in capfd.readouterr().err
+
+
 # ---- steps already decorated with the framework's jit (issue 33) -------------------------
 
 
