@@ -222,6 +222,38 @@ def test_not_where_a_scale_after_the_mask_undoes_its_fill(fill, scale_after) -> 
     assert reasons and "a mask's fill) where the softmax reads it" in reasons[0]
 
 
+def _iota(dtype, dimension):
+    return jax.lax.broadcasted_iota(dtype, (programs.T, programs.T), dimension)
+
+
+@pytest.mark.parametrize(("mask", "causal"), [
+    # Block-causal (query block >= key block): integer division, on int32 and uint32.
+    (lambda: jax.lax.div(_iota(jnp.int32, 0), 4) >= jax.lax.div(_iota(jnp.int32, 1), 4),
+     False),
+    (lambda: _iota(jnp.uint32, 0) // 4 >= _iota(jnp.uint32, 1) // 4, False),
+    # Causal through unsigned wrap-around: i - j < T only where j <= i.
+    (lambda: (_iota(jnp.uint32, 0) - _iota(jnp.uint32, 1)) < programs.T, True),
+    # Causal and a bitwise condition: not causal.
+    (lambda: (_iota(jnp.int32, 0) >= _iota(jnp.int32, 1))
+     & ((_iota(jnp.int32, 0) & 3) >= (_iota(jnp.int32, 1) & 3)), False),
+], ids=["block_div", "block_uint", "causal_uint_wrap", "bitwise_and"])
+def test_a_constant_mask_of_integer_arithmetic_is_read_as_the_program_computes_it(
+        mask, causal) -> None:
+    """Integer division was true division, and/or/xor logical, unsigned values int64:
+    block-causal masks were fused as causal (122% off), a causal one written with
+    unsigned wrap-around as no mask (100% off)."""
+    def attend(q, k, v):
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k) * programs.H ** -0.5
+        scores = jnp.where(mask(), scores, -1e9)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
+
+    (site,) = hlo_amp.compile(attend, "bf16").lower(*QKV, target="h100").report().attention
+    assert (site.fused, site.mask if site.fused else None) == (
+        (True, "causal") if causal else (False, None)), site
+    if not causal:
+        assert "not causal" in site.reason
+
+
 def test_a_causal_mask_over_queries_and_keys_of_different_lengths_is_named() -> None:
     # It said "a constant mask that is not causal".
     q = jnp.ones((2, 16, 4, 8))

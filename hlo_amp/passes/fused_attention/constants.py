@@ -50,12 +50,31 @@ def splat_value(view: CallView, value: ir.Value, stack: Stack) -> float | None:
 
 def evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folded | None:
     """``value`` computed from constants and iotas alone, seen through calls and loop
-    carries the loop passes on unchanged; None when it reads anything else."""
+    carries the loop passes on unchanged; None when it reads anything else. An integer
+    value is held in its own type (unsigned ones wrap, as in the program), a float one
+    in float64."""
     key = (value, stack)
     if key not in memo:
         memo[key] = None  # a cycle (a loop carry) is not constant
-        memo[key] = _evaluate(view, value, stack, memo)
+        found = _evaluate(view, value, stack, memo)
+        dtype = _numpy_type(value)
+        if found is not None and dtype is not None and found.array.dtype != dtype:
+            found = Folded(found.array.astype(dtype), found.axes, found.shape)
+        memo[key] = found
     return memo[key]
+
+
+# Integer element types as numpy holds them (i1: bool).
+_INTEGERS = {"i1": np.bool_, **{f"i{n}": getattr(np, f"int{n}") for n in (8, 16, 32, 64)},
+             **{f"ui{n}": getattr(np, f"uint{n}") for n in (8, 16, 32, 64)}}
+
+
+def _numpy_type(value: ir.Value) -> np.dtype | None:
+    """The numpy type of an integer or boolean ``value``; None for floats (float64)."""
+    if not isinstance(value.type, ir.RankedTensorType):
+        return None
+    found = _INTEGERS.get(str(ir.RankedTensorType(value.type).element_type))
+    return None if found is None else np.dtype(found)
 
 
 def _shape(value: ir.Value) -> tuple[int, ...] | None:
@@ -65,12 +84,40 @@ def _shape(value: ir.Value) -> tuple[int, ...] | None:
     return tuple(ranked.shape) if ranked.has_static_shape else None
 
 
+def _divide(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """StableHLO's divide: integers truncated toward zero (a mask's ``lax.div(i, 4)``
+    was evaluated as true division, and a block-causal mask taken for causal); None
+    where an integer divisor is 0 (XLA's result is its own)."""
+    if a.dtype.kind in "iu":
+        if np.any(b == 0):
+            return None
+        quotient = np.abs(a.astype(np.int64)) // np.abs(b.astype(np.int64))
+        return (np.sign(a.astype(np.int64)) * np.sign(b.astype(np.int64)) * quotient
+                ).astype(a.dtype)
+    return np.divide(a, b)
+
+
+def _remainder(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """StableHLO's remainder: the sign of the dividend (C's ``%``, numpy's ``fmod``)."""
+    if a.dtype.kind in "iu" and np.any(b == 0):
+        return None
+    return np.fmod(a, b)
+
+
+def _bitwise(logical: object, bitwise: object) -> object:
+    """StableHLO's and/or/xor: logical on i1, bitwise on other integers (``i & 3`` was
+    taken as a truth value)."""
+    return lambda a, b: (logical if a.dtype == bool else bitwise)(a, b)
+
+
 _BINARY = {
-    "stablehlo.and": np.logical_and, "stablehlo.or": np.logical_or,
-    "stablehlo.xor": np.logical_xor, "stablehlo.add": np.add,
+    "stablehlo.and": _bitwise(np.logical_and, np.bitwise_and),
+    "stablehlo.or": _bitwise(np.logical_or, np.bitwise_or),
+    "stablehlo.xor": _bitwise(np.logical_xor, np.bitwise_xor), "stablehlo.add": np.add,
     "stablehlo.subtract": np.subtract, "stablehlo.multiply": np.multiply,
     "stablehlo.maximum": np.maximum, "stablehlo.minimum": np.minimum,
-    "stablehlo.divide": np.divide, "stablehlo.power": np.power,
+    "stablehlo.divide": _divide, "stablehlo.remainder": _remainder,
+    "stablehlo.power": np.power,
 }
 _UNARY = {"stablehlo.sqrt": np.sqrt, "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a),
           "stablehlo.exponential": np.exp, "stablehlo.log": np.log, "stablehlo.abs": np.abs}
@@ -166,7 +213,7 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
             function = _BINARY[name]
         with np.errstate(all="ignore"):
             array = function(left.expanded(axes), right.expanded(axes))
-        return _checked(array, axes, shape)
+        return None if array is None else _checked(array, axes, shape)
     if name == "stablehlo.select":
         parts = [of(i) for i in range(3)]
         if any(p is None for p in parts):
@@ -200,10 +247,16 @@ def _scalar(attr: ir.Attribute) -> object:
 
 
 def _cast(array: np.ndarray, element: str) -> np.ndarray:
-    if element == "i1":
-        return array.astype(bool)
-    if element.startswith(("i", "ui")):
-        return array.astype(np.int64)
+    """A convert to ``element``: an integer type wraps as the program's does (it was
+    int64 for every integer, so an unsigned mask never wrapped)."""
+    integer = _INTEGERS.get(element)
+    if integer is not None:
+        if integer is np.bool_:
+            return array != 0
+        if array.dtype.kind == "f":  # a float to an integer truncates toward zero
+            array = np.trunc(array)
+        with np.errstate(all="ignore"):
+            return array.astype(integer)
     return array.astype(np.float64)
 
 
