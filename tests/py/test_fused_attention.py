@@ -374,6 +374,37 @@ def test_a_bf16_program_pinning_bf16_bf16_f32_is_fused() -> None:
         return jnp.einsum("bnts,bsnh->btnh", probs, v, precision="highest")
 
     assert "HIGHEST" in _reasons(highest, QKV, "bf16", "h100")[0]
+    # BF16_BF16_F32_X3 and _X6 are several bf16 passes, near f32: pins that stay (they
+    # were fused as one bf16 pass).
+    for preset in ("BF16_BF16_F32_X3", "BF16_BF16_F32_X6"):
+        algorithm = getattr(jax.lax.DotAlgorithmPreset, preset)
+
+        def pinned(q, k, v, algorithm=algorithm):
+            scores = jnp.einsum("btnh,bsnh->bnts", q, k, precision=algorithm) / 8.0
+            probs = jax.nn.softmax(scores, axis=-1)
+            return jnp.einsum("bnts,bsnh->btnh", probs, v, precision=algorithm)
+
+        assert _reasons(pinned, QKV, "mixed_bfloat16", "h100") == [
+            "kept: the program asked for an explicit dot algorithm"], preset
+
+
+def test_a_softmax_whose_sum_starts_elsewhere_or_whose_scores_are_rounded_stays() -> None:
+    """lax.reduce(e, 1.0, add) is 1 + sum(e), and a convert to int32 and back rounds the
+    scores: both were fused as a plain softmax of the scores (56% and 19% off)."""
+    def shifted(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
+        e = jnp.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True)))
+        total = jax.lax.reduce(e, jnp.float32(1.0), jax.lax.add, (3,))[..., None]
+        return jnp.einsum("bnts,bsnh->btnh", e / total, v)
+
+    def rounded(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
+        s = (s * 4).astype(jnp.int32).astype(jnp.float32)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, -1), v)
+
+    assert "divides by its sum plus a term" in _reasons(shifted, QKV, "bf16", "h100")[0]
+    assert not any(site.fused for site in hlo_amp.compile(rounded, "bf16").lower(
+        *QKV, target="h100").report().attention)
 
 
 def test_dropout_on_the_probabilities_is_named() -> None:

@@ -207,13 +207,17 @@ _ALGORITHM_TYPES = {DTYPE_TO_ELEMENT[d]: d for d in COMPUTE_DTYPES}
 
 def _sixteen_bit_algorithm(op: ir.Operation) -> str | None:
     """"bfloat16" or "float16" when ``op`` names an explicit dot algorithm with operands
-    of that type and f32 accumulation; None otherwise."""
+    of that type, f32 accumulation and one pass; None otherwise (BF16_BF16_F32_X3 and
+    _X6 split each f32 operand into 3 or 6 bf16 products, near f32: they were fused as
+    one bf16 pass)."""
     if "algorithm" not in op.attributes:
         return None
     text = str(op.attributes["algorithm"])
     found = re.search(r"lhs_precision_type = (\w+), rhs_precision_type = (\w+), "
                       r"accumulation_type = (\w+)", text)
-    if found is None or found[3] != "f32" or found[1] != found[2]:
+    passes = re.search(r"num_primitive_operations = (\d+)", text)
+    if (found is None or found[3] != "f32" or found[1] != found[2]
+            or (passes is not None and passes[1] != "1")):
         return None
     return _ALGORITHM_TYPES.get(found[1])
 

@@ -294,7 +294,7 @@ class _Site(MaskReading, ExitReading):
         """``value`` before converts (seen through calls)."""
         while True:
             op, value, stack = self.view.producer(value, stack)
-            if op is None or op.name != "stablehlo.convert":
+            if op is None or not float_convert(op):
                 return value, stack
             value = op.operands[0]
 
@@ -317,7 +317,10 @@ class _Site(MaskReading, ExitReading):
             masked = summed != e and self._zeroed(*summed) == e
             if summed != e and not masked:
                 continue
-            if not _is_sum(producer):
+            if not _is_sum(self.view, producer, p_stack):
+                # A sum from another start (lax.reduce(e, 1.0, add)) is sum(e) plus a term.
+                if _adds(producer) and not masked:
+                    self.shifted_sum = True
                 continue
             dims = list(ir.DenseI64ArrayAttr(producer.attributes["dimensions"]))
             if len(dims) != 1:
@@ -341,7 +344,8 @@ class _Site(MaskReading, ExitReading):
         reshapes and converts."""
         producer, stack = self._past_layout(value, stack)
         return (producer is not None and producer.name == "stablehlo.reduce"
-                and _is_sum(producer) and self._strip(producer.operands[0], stack) == e)
+                and _is_sum(self.view, producer, stack)
+                and self._strip(producer.operands[0], stack) == e)
 
     def _zeroed(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack] | None:
         """``x`` (before converts) where ``value`` is ``select(m, x, 0)``, else None."""
@@ -386,7 +390,7 @@ class _Site(MaskReading, ExitReading):
         op, value, stack = self.view.producer(value, stack)
         # The fast mode's own output converts the 16-bit subtract to f32 for the exp:
         # seen through, a second run of the pipeline finds the site again.
-        while op is not None and op.name == "stablehlo.convert":
+        while op is not None and float_convert(op):
             op, value, stack = self.view.producer(op.operands[0], stack)
         if op is not None and op.name == "stablehlo.subtract":
             row, row_stack = op.operands[1], stack
@@ -406,7 +410,7 @@ class _Site(MaskReading, ExitReading):
                 return scale, masks
             name = op.name
             operands = list(op.operands)
-            if name in ("stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape"):
+            if name in ("stablehlo.transpose", "stablehlo.reshape") or float_convert(op):
                 value = operands[0]
                 continue
             chain = [i for i, v in enumerate(operands) if self.in_cluster(v, stack)]
@@ -553,7 +557,7 @@ class _Site(MaskReading, ExitReading):
         scores' dimensions (an attention's backward; a softmax classifier's reads none,
         an MLP's scores are not batched)."""
         if not _batched(self.scores) or not any(
-                op.name == "stablehlo.reduce" and _is_sum(op)
+                op.name == "stablehlo.reduce" and _is_sum(self.view, op, st)
                 and self._strip(op.operands[0], st) == (exp.results[0], exp_stack)
                 for op, st in self.ops.values()):
             return False
@@ -608,9 +612,9 @@ class _Site(MaskReading, ExitReading):
                         op.results[0], stack) in found:
                     source = True  # softmax(where=)'s where(mask, P, 0)
                 else:
-                    source = op.name in ("stablehlo.convert", "stablehlo.transpose",
-                                         "stablehlo.reshape") and self.canon(
-                                             op.operands[0], stack) in found
+                    source = (op.name in ("stablehlo.transpose", "stablehlo.reshape")
+                              or float_convert(op)) and self.canon(
+                                  op.operands[0], stack) in found
                 if source:
                     key = (op.results[0], stack)
                     if key not in found:
@@ -623,10 +627,25 @@ def _batched(dot: ir.Operation) -> bool:
     return bool(list(dot_dims(dot).lhs_batching_dimensions))
 
 
-def _is_sum(reduce: ir.Operation) -> bool:
+def _is_sum(view: CallView, reduce: ir.Operation, stack: Stack) -> bool:
+    """Whether ``reduce`` sums, from 0: ``lax.reduce(e, 1.0, add)`` is 1 + sum(e), a
+    softmax's sum plus a term (it was fused as a plain softmax, 56% off)."""
+    return (_adds(reduce) and len(reduce.operands) == 2
+            and splat_value(view, reduce.operands[1], stack) == 0)
+
+
+def _adds(reduce: ir.Operation) -> bool:
+    """Whether ``reduce``'s body adds."""
     body = reduce.regions[0].blocks[0]
-    names = [op.operation.name for op in body.operations]
-    return names[:1] == ["stablehlo.add"]
+    return [op.operation.name for op in body.operations][:1] == ["stablehlo.add"]
+
+
+def float_convert(op: ir.Operation) -> bool:
+    """Whether ``op`` converts a float to a float: a convert to or from an integer type
+    between the scores and the softmax rounds them (it was walked through as a no-op)."""
+    return op.name == "stablehlo.convert" and all(
+        isinstance(ir.RankedTensorType(v.type).element_type, ir.FloatType)
+        for v in (op.operands[0], op.results[0]))
 
 
 # How many values the walk back from one exponential may meet before it gives up (an
