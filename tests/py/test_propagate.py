@@ -444,6 +444,30 @@ def test_f32s_own_extreme_as_a_fill_is_saturated_into_bf16():
     _close(got, jax.jit(grad)(*args), "bfloat16")
 
 
+def _mask_bias(w, x, mask):  # HF-Flax's form: the fill in a bias jnp.where makes
+    bias = jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax((x @ w) @ x.T + bias, -1) @ x
+
+
+def _scanned_fill(w, x, mask):  # a fill the scanned body closes over: a loop carry
+    fill = jnp.full((8, 8), jnp.finfo(jnp.float32).min)
+    return jax.lax.scan(lambda h, _: (jax.nn.softmax(
+        jnp.where(mask, (h @ w) @ h.T, fill), -1) @ h, None), x, None, length=2)[0]
+
+
+@pytest.mark.parametrize("fn", [_mask_bias, _scanned_fill])
+def test_a_fill_reached_through_a_select_a_call_or_a_loop_is_saturated(fn):
+    """finfo(f32).min behind jnp.where's select in a function of its own, or carried into
+    a scan's loop, was converted to bf16 as it was: -inf, and the masked row's softmax
+    NaN (jax.jit: finite)."""
+    w = jax.random.normal(jax.random.key(0), (16, 16)) / 4
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    mask = jnp.tril(jnp.ones((8, 8), bool)).at[0].set(False)  # query 0 sees no key
+    got = _gpu_form(fn, "mixed_bfloat16,fuse_attention=false", w, x, mask)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    _close(got, jax.jit(fn)(w, x, mask), "bfloat16")
+
+
 @pytest.mark.parametrize("order", ["constant_first", "runtime_first"])
 @pytest.mark.parametrize("runtime_fill", [-1e30, -np.inf])
 def test_a_shared_function_saturates_its_constant_callers_fill_only(order, runtime_fill):

@@ -11,9 +11,11 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import (
     SAME_VALUE_OPS,
+    callee_name,
     clone_private,
     discard,
     function_name,
+    is_call,
     is_discarded,
     op_key,
     set_function_type,
@@ -40,6 +42,19 @@ from hlo_amp.targets import NO_TARGET, Target
 _BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 
+def _value_sources(op: Any, number: int) -> list[ir.Value]:
+    """The values result ``number`` of ``op`` is one of: a select's sides, a loop's start
+    and carried value, each branch's result; none for any other op."""
+    name = op.name
+    if name == "stablehlo.select":
+        return [op.operands[1], op.operands[2]]
+    if name == "stablehlo.while":
+        return [op.operands[number], terminator(op.regions[1].blocks[0]).operands[number]]
+    if name in ("stablehlo.case", "stablehlo.if"):
+        return [terminator(region.blocks[0]).operands[number] for region in op.regions]
+    return []
+
+
 class Rewriter:
     """Apply a painting: clone private functions per painting, retype, insert converts."""
 
@@ -51,7 +66,8 @@ class Rewriter:
         self.target = target
         self.retyped: dict[ir.Value, ir.Type] = {}  # value -> its type before the pass
         # (function, argument number) pairs some call passes f32's extreme as: _saturated
-        self._extreme_arguments: set[tuple[str, int]] | None = None
+        # (value, instance) -> whether it may hold f32's extremes (_may_hold_extreme)
+        self._extremes: dict[tuple[ir.Value, int], bool] = {}
         self.facts: dict[int, dict[str, set]] = defaultdict(
             lambda: {key: set() for key in ("painted", "carries", "args", "results",
                                             "allow", "sum_copies")})
@@ -283,23 +299,59 @@ class Rewriter:
         return where_finite(value, hlo.clamp(low, value, high), value)
 
     def _may_hold_extreme(self, value: ir.Value, inst_id: int) -> bool:
-        """Whether ``value`` is, through data movement, a constant of f32's extremes or
-        an argument that some call of its function (any instance: clones and bodies
-        shared by several call sites alike) passes one."""
+        """Whether ``value`` may hold a constant of f32's extremes: through data movement,
+        a select's either side, a call's, loop's or branch's result, a loop carry's start
+        and what the body passes on, and a function's argument to what some call of the
+        function passes (any instance: clones and bodies shared by several call sites
+        alike). (The select of jnp.where(mask, 0, finfo.min) in a function of its own, a
+        mask bias, and a fill a scan body closes over were converted as they were: -inf,
+        and a masked row's softmax NaN.)"""
+        key = (value, inst_id)
+        found = self._extremes.get(key)
+        if found is None:
+            self._extremes[key] = False  # a cycle through loop carries holds none
+            found = self._extremes[key] = self._holds_extreme(value, inst_id, (), 0)
+        return found
+
+    def _holds_extreme(self, value: ir.Value, inst_id: int, calls: tuple, depth: int
+                       ) -> bool:
+        """``_may_hold_extreme`` of ``value`` in instance ``inst_id``, inside the callees
+        of ``calls`` (entered through their results)."""
+        if depth > 24:
+            return False
         while not isinstance(value, ir.BlockArgument) and value.owner.name in SAME_VALUE_OPS:
             value = value.owner.operands[0]
-        if not isinstance(value, ir.BlockArgument):  # a constant, or no constant
-            found = self.graph.constant_magnitude(inst_id, value)
-            return found is not None and found > _BF16_MAX
-        if value.owner.owner.operation.name != "func.func":  # a loop's or branch's
+        if not isinstance(value, ir.BlockArgument):
+            op = value.owner
+            if op.name == "stablehlo.constant":
+                found = self.graph.constant_magnitude(inst_id, value)
+                return found is not None and found > _BF16_MAX
+            if is_call(op):
+                callee = self.graph.by_name.get(callee_name(op))
+                returned = None if callee is None else terminator(
+                    first_block(callee.regions[0])).operands[ir.OpResult(value).result_number]
+                return returned is not None and self._holds_extreme(
+                    returned, inst_id, (*calls, op), depth + 1)
+            sources = _value_sources(op, ir.OpResult(value).result_number)
+            return any(self._holds_extreme(v, inst_id, calls, depth + 1) for v in sources)
+        parent = value.owner.owner.operation
+        number = value.arg_number
+        if parent.name == "stablehlo.while":  # a carry: its start or what the body passes
+            body = parent.regions[1].blocks[0]
+            return any(self._holds_extreme(v, inst_id, calls, depth + 1) for v in (
+                parent.operands[number], terminator(body).operands[number]))
+        if parent.name != "func.func":  # a loop condition's or another region's
             return False
-        if self._extreme_arguments is None:
-            self._extreme_arguments = set()
-            for number, inst in enumerate(self.graph.instances):
-                for argument in first_block(inst.fn.regions[0]).arguments:
-                    found = self.graph.constant_magnitude(number, argument)
-                    if found is not None and found > _BF16_MAX:
-                        self._extreme_arguments.add((function_name(inst.fn),
-                                                     argument.arg_number))
-        original = function_name(self.graph.instances[inst_id].fn)
-        return (original, value.arg_number) in self._extreme_arguments
+        if calls:  # a callee entered through its call: that call's operand
+            return self._holds_extreme(calls[-1].operands[number], inst_id, calls[:-1],
+                                       depth + 1)
+        # What any call of this function passes (a body several call sites share).
+        name = function_name(parent)
+        for other, inst in enumerate(self.graph.instances):
+            if function_name(inst.fn) != name:
+                continue
+            argument = first_block(inst.fn.regions[0]).arguments[number]
+            caller = self.graph.call_argument.get((other, argument))
+            if caller is not None and self._may_hold_extreme(caller[1], caller[0]):
+                return True
+        return False
