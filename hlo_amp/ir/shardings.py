@@ -29,6 +29,7 @@ from jaxlib.mlir.dialects import sdy
 
 from hlo_amp import jaxlib_internals
 from hlo_amp.ir.modules import copy_module, is_public, walk_operations
+from hlo_amp.ir.sites import call_prefix, join_names, location_name
 
 _PROBE = "hlo_amp.sharding_probe"
 _MESHES = frozenset({"sdy.mesh"})
@@ -161,3 +162,28 @@ def constrain(value: ir.Value, sharding: ir.Attribute | None, *, opened: bool = 
             tensor.mesh_or_ref,
             [sdy.DimensionShardingAttr.get(list(d.axes), False) for d in dims])
     return sdy.ShardingConstraintOp(value, sharding).result
+
+
+def name_shard_map_bodies(module: ir.Module) -> None:
+    """Give the ops of each ``jax.shard_map`` body (an ``sdy.manual_computation``'s
+    region) the name stack of the manual computation itself. jax names them from the
+    body alone (``dot_general``), where the scopes around the ``shard_map``, its
+    ``transpose(jvp(...))`` and ``amp_stop`` are on the manual computation's location:
+    scope rules, ``backward=`` and ``amp_stop`` missed every op in it (and said "matched
+    no op"). Innermost first, so a nested body gets both prefixes; a name that already
+    starts with the prefix (a jax that writes the whole stack) is left as it is."""
+    manual = walk_operations(module, names=frozenset({"sdy.manual_computation"}))
+    for computation in reversed(manual):  # the walk lists an outer one first
+        prefix = call_prefix(location_name(computation.location))
+        if not prefix:
+            continue
+        for op in walk_operations(computation):
+            location = op.location
+            if not isinstance(location, ir.NameLoc):
+                continue
+            name = location_name(location)
+            if not name or name.startswith(f"{prefix}/"):
+                continue
+            op.location = ir.Location.name(join_names(prefix, name),
+                                           childLoc=location.child_loc,
+                                           context=location.context)

@@ -341,33 +341,6 @@ def call_prefix(call_name: str) -> str:
     return "/".join(segments)
 
 
-def name_shard_map_bodies(module: ir.Module) -> None:
-    """Give the ops of each ``jax.shard_map`` body (an ``sdy.manual_computation``'s
-    region) the name stack of the manual computation itself. jax names them from the
-    body alone (``dot_general``), where the scopes around the ``shard_map``, its
-    ``transpose(jvp(...))`` and ``amp_stop`` are on the manual computation's location:
-    scope rules, ``backward=`` and ``amp_stop`` missed every op in it (and said "matched
-    no op"). Innermost first, so a nested body gets both prefixes; a name that already
-    starts with the prefix (a jax that writes the whole stack) is left as it is."""
-    from hlo_amp.ir.modules import walk_operations
-
-    manual = walk_operations(module, names=frozenset({"sdy.manual_computation"}))
-    for computation in reversed(manual):  # the walk lists an outer one first
-        prefix = call_prefix(location_name(computation.location))
-        if not prefix:
-            continue
-        for op in walk_operations(computation):
-            location = op.location
-            if not isinstance(location, ir.NameLoc):
-                continue
-            name = location_name(location)
-            if not name or name.startswith(f"{prefix}/"):
-                continue
-            op.location = ir.Location.name(join_names(prefix, name),
-                                           childLoc=location.child_loc,
-                                           context=location.context)
-
-
 def in_backward_pass(op: object) -> bool:
     """Whether ``op``'s own location names it a backward op (``transpose(...)`` in its
     name stack; the callers' prefix of an op in a private function is not read)."""

@@ -31,8 +31,7 @@ from hlo_amp.ir.modules import (
 )
 from hlo_amp.ir.op_classes import MATRIX_OP_KINDS
 from hlo_amp.ir.program_hints import strip_program_hints
-from hlo_amp.ir.shardings import is_partitioned
-from hlo_amp.ir.sites import name_shard_map_bodies
+from hlo_amp.ir.shardings import is_partitioned, name_shard_map_bodies
 from hlo_amp.passes.batch_amax import BatchAmax
 from hlo_amp.passes.cleanup import CleanupConverts
 from hlo_amp.passes.comm_precision import CommPrecision

@@ -58,6 +58,16 @@ _Provenance = tuple[bool, int]
 _ROW_MAJOR: _Provenance = (False, -1)
 
 
+def _gather_transposes(gather: ir.Operation, rank: int) -> bool:
+    """Whether XLA writes ``gather`` as a gather and a transpose: its offset (sliced)
+    dimensions are not the result's trailing ones (``h[:, idx]``), and the canonical
+    gather puts them last. That transpose folds into a bf16 dot reading it, which
+    XLA:CPU's DotThunk cannot run ("Unsupported element type ... BF16 x BF16 = F32")."""
+    numbers = hlo.GatherDimensionNumbers(gather.attributes["dimension_numbers"])
+    offset = list(numbers.offset_dims)
+    return offset != list(range(rank - len(offset), rank))
+
+
 def _provenance(value: ir.Value, memo: dict[ir.Value, _Provenance] | None = None) -> _Provenance:
     """Follow the layout-preserving producers of `value` (see :func:`_maybe_permuted`).
 
@@ -106,7 +116,8 @@ def _provenance(value: ir.Value, memo: dict[ir.Value, _Provenance] | None = None
                 found = (True, 0)
                 break
             following = owner.operands[0]
-        elif is_major_scan(owner):
+        elif is_major_scan(owner) or (name == "stablehlo.gather"
+                                       and _gather_transposes(owner, ttype.rank)):
             found = (True, 0)
             break
         elif name == "stablehlo.optimization_barrier":

@@ -548,3 +548,23 @@ def test_operand_chain_lengthened_by_an_earlier_relaid_dot(negates: int, barrier
     run_pass(FastDotLayout(), module, None)
     module.operation.verify()
     assert str(module).count("stablehlo.optimization_barrier") == barriers
+
+
+@pytest.mark.parametrize("policy", ["bf16", "mixed_bfloat16"])
+def test_a_dot_reading_gathered_columns_runs(policy: str) -> None:
+    """h[:, idx] is a gather whose sliced dimension is not the last: XLA writes it as a
+    gather and a transpose, which folded into the bf16 dot (the call failed: "Unsupported
+    element type for DotThunk::Execute: BF16 x BF16 = F32"). Its operand is relaid."""
+    import hlo_amp
+
+    def f(x, w, idx):
+        return jnp.tanh(x)[:, idx] @ w
+
+    x = jax.random.normal(jax.random.key(0), (8, 32))
+    w = jax.random.normal(jax.random.key(1), (8, 16))
+    idx = jnp.arange(8) * 3
+    compiled = hlo_amp.compile(f, policy)
+    text = compiled.lower(x, w, idx).as_text()
+    assert re.search(r"stablehlo\.optimization_barrier %\d+ : tensor<64xbf16>", text), text
+    got = jax.block_until_ready(compiled(x, w, idx))  # XLA:CPU's default flags failed here
+    np.testing.assert_allclose(got, jax.jit(f)(x, w, idx), atol=0.05, rtol=0.02)
