@@ -407,6 +407,50 @@ def test_a_softmax_whose_sum_starts_elsewhere_or_whose_scores_are_rounded_stays(
         *QKV, target="h100").report().attention)
 
 
+@jax.custom_vjp
+def _clip_gradient(x):
+    return x
+
+
+_clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1e-3, 1e-3),))
+
+
+def _halve_gradient_fwd(x):
+    return x, None
+
+
+@jax.custom_vjp
+def _halve_gradient(x):
+    return x
+
+
+_halve_gradient.defvjp(_halve_gradient_fwd, lambda _, g: (g * 0.5,))
+
+
+@pytest.mark.parametrize(("change", "what"), [
+    (lambda s: _clip_gradient(s), "maximum after dP"),  # jnp.clip: a max and a min
+    (lambda s: _halve_gradient(s), "a factor of 0.5"),
+    (None, "add of a term not from dP"),  # + 0.05 * sum(s ** 2) in the loss
+], ids=["custom_vjp_clip", "custom_vjp_halve", "penalty"])
+def test_a_term_added_to_the_scores_gradient_is_left_unfused(change, what) -> None:
+    """The backward was fused once its exits contracted the right axes: a custom_vjp
+    clipping or halving the scores' gradient, or the gradient of a penalty on the scores
+    (under jax.grad alone, where the penalty's forward is dead), was lost (dq and dk
+    60% to 160% off)."""
+    def loss(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
+        s = s if change is None else change(s)
+        causal = jnp.tril(jnp.ones((programs.T, programs.T), bool))
+        s = jnp.where(causal, s, -1e9)
+        out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, -1), v)
+        penalty = 0.05 * jnp.sum(s ** 2) if change is None else 0.0
+        return jnp.sum(out * jnp.cos(out)) + penalty
+
+    reasons = _reasons(jax.grad(loss, argnums=(0, 1, 2)), QKV, "bf16", "h100")
+    assert reasons and reasons[0].startswith(
+        f"the gradient of the scores has a term the softmax's does not ({what})"), reasons
+
+
 def test_dropout_on_the_probabilities_is_named() -> None:
     """NNX attention with dropout in training: cuDNN would draw other random numbers."""
     from flax import nnx

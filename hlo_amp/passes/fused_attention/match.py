@@ -58,6 +58,12 @@ from hlo_amp.passes.fused_attention.roles import (
 )
 from hlo_amp.passes.fused_attention.site import Match
 
+# The op kinds of a softmax's gradient from dP to dS (jax's and a hand-written one's).
+_GRADIENT_OPS = frozenset({
+    "stablehlo.multiply", "stablehlo.divide", "stablehlo.subtract", "stablehlo.add",
+    "stablehlo.negate", "stablehlo.select", "stablehlo.convert", "stablehlo.broadcast_in_dim",
+    "stablehlo.reshape", "stablehlo.transpose", "stablehlo.reduce", "stablehlo.compare",
+    "stablehlo.and", "stablehlo.or", "stablehlo.not"})
 # A cluster larger than this is no attention's (the scores reach the rest of the program).
 MAX_CLUSTER = 400
 # A mask's fill is a large negative number (finfo.min, -0.7 * finfo.max, -1e9, -inf).
@@ -536,6 +542,8 @@ class _Site(MaskReading, ExitReading):
                            f"{self.escapes[0]}")
         if set(exits) not in ({"out"}, {"dv", "dq", "dk"}, {"out", "dv", "dq", "dk"}):
             raise _partial(", ".join(sorted(exits)), "out" in exits)
+        if "dq" in exits:
+            self._check_gradient_terms(scale)
         roles_of_selects = [self.roles.get((op.results[0], st)) for _, st, _, op in selects]
         if any(r is None or None in r for r in roles_of_selects):
             raise NotFused("the mask's dimensions could not be read")
@@ -550,6 +558,59 @@ class _Site(MaskReading, ExitReading):
             match.causal = self._is_causal(folded, axis_roles, match.t_role)
         self._check_leaves(match)
         return match
+
+    def _is_dp(self, value: ir.Value, stack: Stack) -> bool:
+        """Whether ``value`` (outside the cluster) is dP = dO·Vᵀ: a batched matrix op's
+        result of the scores' dimensions, through converts and transposes."""
+        made, _, at = self.view.producer(value, stack)
+        while made is not None and made.name in ("stablehlo.convert", "stablehlo.transpose"):
+            made, _, at = self.view.producer(made.operands[0], at)
+        return (made is not None and made.name == _DOT and _batched(made)
+                and sorted(shape_of(made.results[0])) == sorted(shape_of(
+                    self.scores.results[0])))
+
+    def _check_gradient_terms(self, scale: float) -> None:
+        """The backward computes dS from dP as the softmax's gradient alone: its ops (those
+        after dP) are the softmax gradient's kinds, add and subtract only terms that both
+        come from dP, and scale by nothing but the attention's scale, 1, -1 or 0.
+        cuDNN's backward computes that gradient, so a term the program adds (a
+        custom_vjp clipping or scaling the scores' gradient, the gradient of a penalty
+        on the scores) was lost: dq and dk 60% to 160% off."""
+        after_dp: set[tuple[ir.Value, Stack]] = set()
+        for op, stack in self.ops.values():  # found in the order of the walk
+            if any(not self.in_cluster(v, stack) and self._is_dp(v, stack)
+                   or self.canon(v, stack) in after_dp for v in op.operands):
+                after_dp.update(self.canon(r, stack) for r in op.results)
+        # The walk's order need not put every reader after its producer: to a fixpoint.
+        changed = True
+        while changed:
+            changed = False
+            for op, stack in self.ops.values():
+                if (self.canon(op.results[0], stack) not in after_dp and any(
+                        self.canon(v, stack) in after_dp for v in op.operands)):
+                    after_dp.update(self.canon(r, stack) for r in op.results)
+                    changed = True
+        allowed = (0.0, 1.0, -1.0, scale, -scale, 1.0 / scale, -1.0 / scale)
+        why = ("the gradient of the scores has a term the softmax's does not ({}): "
+               "cuDNN's backward computes the softmax's alone (a custom_vjp on the "
+               "scores, a penalty on them)")
+        for op, stack in self.ops.values():
+            if self.canon(op.results[0], stack) not in after_dp:
+                continue
+            name = op.name
+            if name not in _GRADIENT_OPS:
+                raise NotFused(why.format(f"{name.split('.')[-1]} after dP"))
+            operands = list(op.operands)
+            if name in ("stablehlo.add", "stablehlo.subtract") and not all(
+                    self.canon(v, stack) in after_dp or splat_value(self.view, v, stack) == 0
+                    for v in operands):
+                raise NotFused(why.format(f"{name.split('.')[-1]} of a term not from dP"))
+            if name in ("stablehlo.multiply", "stablehlo.divide"):
+                for v in operands:
+                    factor = splat_value(self.view, v, stack)
+                    if factor is not None and not any(
+                            math.isclose(factor, a, rel_tol=1e-6) for a in allowed):
+                        raise NotFused(why.format(f"a factor of {factor:g}"))
 
     def _reads_dp(self, exp: ir.Operation, exp_stack: Stack) -> bool:
         """Whether the cluster is a softmax's (the exponential summed along an axis) over
