@@ -415,10 +415,17 @@ def test_unknown_depth(depth, match):
         hlo_amp.attribute(make_program(), "bf16", X, W, depth=depth)
 
 
-@pytest.mark.parametrize("budget", [0, -0.1, float("nan"), float("inf"), "1e-2", None])
+@pytest.mark.parametrize("budget", [0, -0.1, float("nan"), float("inf"), "1e-2", None,
+                                    jnp.float32(-1.0), jnp.ones(2)])
 def test_budget_must_be_positive(budget):
     with pytest.raises(ValueError, match=r"Invalid budget .*; accepted: a finite number > 0"):
         hlo_amp.autopolicy(make_program(), X, W, budget=budget)
+
+
+def test_a_budget_given_as_a_jax_scalar_is_its_number():
+    """jnp.float32(0.5) (a 0-d array) was refused as "Invalid budget Array(0.5...)"."""
+    fn = make_program()
+    assert hlo_amp.autopolicy(fn, X, W, budget=jnp.float32(0.5)).budget == 0.5
 
 
 def test_non_float_output():
