@@ -409,6 +409,9 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
         notes.append(f"note: with every named scope f32 the error is {short(start_error)}, "
                      f"over budget {budget:g}: ops outside named scopes, or the policy's "
                      "activations, still run in low precision")
+    if not groups:  # as autopolicy without a target says it (this said nothing)
+        notes.append("note: fn has no dot_general or convolution op: no policy changes "
+                     "it, and each runs fn as written")
     if TOP_LEVEL in groups or "" in groups:
         notes.append(f"note: matrix ops outside any named scope {top_level} (no scope rule "
                      "can name them)")

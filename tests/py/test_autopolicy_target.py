@@ -139,6 +139,15 @@ def test_a_base_whose_dots_are_not_16_bit_is_searched_at_each_level_it_names(bas
             assert levels[scope] == want, (name, scope, choice, levels)
 
 
+def test_a_program_without_matrix_ops_is_said_to_have_none():
+    # Without a target autopolicy says so; with one it gave an empty table and no note.
+    result = hlo_amp.autopolicy(lambda x: jnp.tanh(x) * 2, jnp.ones((4, 4)), budget=0.01,
+                                target="h100", progress=False)
+    assert result.met and not result.scopes
+    assert result.notes == [("note: fn has no dot_general or convolution op: no policy "
+                             "changes it, and each runs fn as written")]
+
+
 def test_a_delayed_base_is_priced_under_current_scaling_without_its_history_length():
     """with_scaling kept amax_history=16 beside scaling=current, which the policy now
     refuses (autopolicy with a delayed base raised, blaming the user's history length)."""
