@@ -82,7 +82,10 @@ class Comparison:
         lines = [f"policy {self.policy} against {self.reference} ({dtype}: "
                  + f"|a-e| <= {self.atol:g} + {self.rtol:g}*max|e|)", *text_table(header, rows)]
         verdict = "within" if self.ok else "OUTSIDE"
-        lines.append(f"error {short(self.error)}: {verdict} the {dtype} tolerance; "
+        # An rtol given to compare is no dtype's tolerance (it said "the bf16 tolerance").
+        which = (f"the {dtype} tolerance" if self.rtol == tolerance(self.dtypes)
+                 else f"the tolerance asked for (rtol {self.rtol:g})")
+        lines.append(f"error {short(self.error)}: {verdict} {which}; "
                      f"{self.compiles} XLA compile(s), {self.seconds:.2f} s")
         lines += self.notes
         return "\n".join(lines)

@@ -440,6 +440,14 @@ def test_non_float_output():
             call()
 
 
+def test_a_given_rtol_is_named_as_such():
+    """With rtol= the verdict said "the bf16 tolerance", which it was not."""
+    fn = make_program()
+    assert "within the tolerance asked for (rtol 2)" in str(
+        hlo_amp.compare(fn, "bf16", X, W, f64=False, rtol=2.0))
+    assert "the bf16 tolerance" in str(hlo_amp.compare(fn, "bf16", X, W, f64=False))
+
+
 def test_other_bad_arguments():
     with pytest.raises(ValueError, match=r"Unknown reference 'f16'; accepted: 'f32', 'f64'"):
         hlo_amp.compare(make_program(), "bf16", X, W, reference="f16")
