@@ -236,7 +236,14 @@ def _iota(dtype, dimension):
     # Causal and a bitwise condition: not causal.
     (lambda: (_iota(jnp.int32, 0) >= _iota(jnp.int32, 1))
      & ((_iota(jnp.int32, 0) & 3) >= (_iota(jnp.int32, 1) & 3)), False),
-], ids=["block_div", "block_uint", "causal_uint_wrap", "bitwise_and"])
+    # A float difference converted to uint8 saturates at 0 (numpy wraps to 255): i - j
+    # + 1 > 0 is causal, i - j < 128 holds everywhere.
+    (lambda: (_iota(jnp.float32, 0) - _iota(jnp.float32, 1) + 1).astype(jnp.uint8) > 0,
+     True),
+    (lambda: (_iota(jnp.float32, 0) - _iota(jnp.float32, 1)).astype(jnp.uint8) < 128,
+     None),
+], ids=["block_div", "block_uint", "causal_uint_wrap", "bitwise_and", "saturated_causal",
+        "saturated_none"])
 def test_a_constant_mask_of_integer_arithmetic_is_read_as_the_program_computes_it(
         mask, causal) -> None:
     """Integer division was true division, and/or/xor logical, unsigned values int64:
@@ -248,6 +255,9 @@ def test_a_constant_mask_of_integer_arithmetic_is_read_as_the_program_computes_i
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
 
     (site,) = hlo_amp.compile(attend, "bf16").lower(*QKV, target="h100").report().attention
+    if causal is None:  # a mask that masks nothing
+        assert (site.fused, site.mask) == (True, "none"), site
+        return
     assert (site.fused, site.mask if site.fused else None) == (
         (True, "causal") if causal else (False, None)), site
     if not causal:
@@ -427,11 +437,29 @@ def _halve_gradient(x):
 _halve_gradient.defvjp(_halve_gradient_fwd, lambda _, g: (g * 0.5,))
 
 
+def _gradient_changed(change):
+    @jax.custom_vjp
+    def changed(x):
+        return x
+
+    changed.defvjp(lambda x: (x, None), lambda _, g: (change(g),))
+    return changed
+
+
+_WEIGHTS = jnp.linspace(0.1, 2.0, programs.T * programs.T).reshape(programs.T, programs.T)
+
+
 @pytest.mark.parametrize(("change", "what"), [
     (lambda s: _clip_gradient(s), "maximum after dP"),  # jnp.clip: a max and a min
     (lambda s: _halve_gradient(s), "a factor of 0.5"),
     (None, "add of a term not from dP"),  # + 0.05 * sum(s ** 2) in the loss
-], ids=["custom_vjp_clip", "custom_vjp_halve", "penalty"])
+    (_gradient_changed(lambda g: jnp.where(g > 1e-3, 1e-3, g)),
+     "a select of the gradient against another value"),
+    (_gradient_changed(lambda g: g + g), "add of a term with itself"),
+    (_gradient_changed(lambda g: g * g), "multiply of two gradient terms"),
+    (_gradient_changed(lambda g: g * _WEIGHTS), "a factor from outside the attention"),
+], ids=["custom_vjp_clip", "custom_vjp_halve", "penalty", "where_clip", "doubled",
+        "squared", "weighted"])
 def test_a_term_added_to_the_scores_gradient_is_left_unfused(change, what) -> None:
     """The backward was fused once its exits contracted the right axes: a custom_vjp
     clipping or halving the scores' gradient, or the gradient of a penalty on the scores

@@ -57,8 +57,10 @@ def evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folde
     if key not in memo:
         memo[key] = None  # a cycle (a loop carry) is not constant
         found = _evaluate(view, value, stack, memo)
-        dtype = _numpy_type(value)
-        if found is not None and dtype is not None and found.array.dtype != dtype:
+        # Held in the value's own type: a float iota's np.arange is float64, not int64
+        # (a float difference converted to uint8 wrapped, where XLA saturates).
+        dtype = _numpy_type(value) or np.dtype(np.float64)
+        if found is not None and found.array.dtype != dtype:
             found = Folded(found.array.astype(dtype), found.axes, found.shape)
         memo[key] = found
     return memo[key]
@@ -253,8 +255,11 @@ def _cast(array: np.ndarray, element: str) -> np.ndarray:
     if integer is not None:
         if integer is np.bool_:
             return array != 0
-        if array.dtype.kind == "f":  # a float to an integer truncates toward zero
-            array = np.trunc(array)
+        if array.dtype.kind == "f":
+            # As XLA converts: toward zero, saturating at the type's range, NaN to 0
+            # (numpy wraps: -1.0 to uint8 is 255 there, 0 in the program).
+            info = np.iinfo(integer)
+            array = np.clip(np.trunc(np.nan_to_num(array, nan=0.0)), info.min, info.max)
         with np.errstate(all="ignore"):
             return array.astype(integer)
     return array.astype(np.float64)

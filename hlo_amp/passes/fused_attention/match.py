@@ -62,8 +62,7 @@ from hlo_amp.passes.fused_attention.site import Match
 _GRADIENT_OPS = frozenset({
     "stablehlo.multiply", "stablehlo.divide", "stablehlo.subtract", "stablehlo.add",
     "stablehlo.negate", "stablehlo.select", "stablehlo.convert", "stablehlo.broadcast_in_dim",
-    "stablehlo.reshape", "stablehlo.transpose", "stablehlo.reduce", "stablehlo.compare",
-    "stablehlo.and", "stablehlo.or", "stablehlo.not"})
+    "stablehlo.reshape", "stablehlo.transpose", "stablehlo.reduce"})
 # A cluster larger than this is no attention's (the scores reach the rest of the program).
 MAX_CLUSTER = 400
 # A mask's fill is a large negative number (finfo.min, -0.7 * finfo.max, -1e9, -inf).
@@ -571,11 +570,13 @@ class _Site(MaskReading, ExitReading):
 
     def _check_gradient_terms(self, scale: float) -> None:
         """The backward computes dS from dP as the softmax's gradient alone: its ops (those
-        after dP) are the softmax gradient's kinds, add and subtract only terms that both
-        come from dP, and scale by nothing but the attention's scale, 1, -1 or 0.
-        cuDNN's backward computes that gradient, so a term the program adds (a
-        custom_vjp clipping or scaling the scores' gradient, the gradient of a penalty
-        on the scores) was lost: dq and dk 60% to 160% off."""
+        after dP) are the softmax gradient's kinds, add and subtract two different terms
+        that both come from dP, multiply by dP's, the forward's or the attention's scale
+        (1, -1, 0) only, and select dP's term against 0 only by the forward's choice (a
+        mask). cuDNN's backward computes that gradient, so a term the program adds (a
+        custom_vjp clipping, doubling or scaling the scores' gradient, the gradient of a
+        penalty on the scores) was lost: dq and dk 60% to 160% off. (Not every such
+        change can be told by its ops: a sign flip reads as the softmax's own negate.)"""
         after_dp: set[tuple[ir.Value, Stack]] = set()
         for op, stack in self.ops.values():  # found in the order of the walk
             if any(not self.in_cluster(v, stack) and self._is_dp(v, stack)
@@ -594,6 +595,11 @@ class _Site(MaskReading, ExitReading):
         why = ("the gradient of the scores has a term the softmax's does not ({}): "
                "cuDNN's backward computes the softmax's alone (a custom_vjp on the "
                "scores, a penalty on them)")
+
+        def from_dp(v: ir.Value, stack: Stack) -> bool:
+            return self.canon(v, stack) in after_dp or (
+                not self.in_cluster(v, stack) and self._is_dp(v, stack))
+
         for op, stack in self.ops.values():
             if self.canon(op.results[0], stack) not in after_dp:
                 continue
@@ -601,16 +607,35 @@ class _Site(MaskReading, ExitReading):
             if name not in _GRADIENT_OPS:
                 raise NotFused(why.format(f"{name.split('.')[-1]} after dP"))
             operands = list(op.operands)
-            if name in ("stablehlo.add", "stablehlo.subtract") and not all(
-                    self.canon(v, stack) in after_dp or splat_value(self.view, v, stack) == 0
-                    for v in operands):
-                raise NotFused(why.format(f"{name.split('.')[-1]} of a term not from dP"))
-            if name in ("stablehlo.multiply", "stablehlo.divide"):
+            if name in ("stablehlo.add", "stablehlo.subtract"):
+                if not all(from_dp(v, stack) or splat_value(self.view, v, stack) == 0
+                           for v in operands):
+                    raise NotFused(why.format(f"{name.split('.')[-1]} of a term not from dP"))
+                if self.canon(operands[0], stack) == self.canon(operands[1], stack):
+                    raise NotFused(why.format(f"{name.split('.')[-1]} of a term with itself"))
+            elif name in ("stablehlo.multiply", "stablehlo.divide"):
+                # A factor is dP's, the forward's (P, its sum, a max's indicators) or
+                # the scale: not a constant array, nor a value from outside the site;
+                # and the gradient is linear in dP: no product of two of its terms.
+                if all(from_dp(v, stack) for v in operands):
+                    raise NotFused(why.format(f"{name.split('.')[-1]} of two gradient terms"))
                 for v in operands:
+                    if from_dp(v, stack) or self.in_cluster(v, stack):
+                        continue
                     factor = splat_value(self.view, v, stack)
-                    if factor is not None and not any(
-                            math.isclose(factor, a, rel_tol=1e-6) for a in allowed):
+                    if factor is None:
+                        raise NotFused(why.format("a factor from outside the attention"))
+                    if not any(math.isclose(factor, a, rel_tol=1e-6) for a in allowed):
                         raise NotFused(why.format(f"a factor of {factor:g}"))
+            elif name == "stablehlo.select":
+                # A mask's (or a max's indicators') select of dP's term against 0; one
+                # whose choice or other side depends on the gradient clips or replaces it.
+                pick, *sides = operands
+                if from_dp(pick, stack) or not all(
+                        from_dp(v, stack) or splat_value(self.view, v, stack) == 0
+                        for v in sides):
+                    raise NotFused(why.format("a select of the gradient against another "
+                                              "value"))
 
     def _reads_dp(self, exp: ir.Operation, exp_stack: Stack) -> bool:
         """Whether the cluster is a softmax's (the exponential summed along an axis) over
