@@ -566,12 +566,22 @@ class FilterCall:
         try:
             with self._quiet(), _equinox_callback_quiet():
                 arrays, static_out = self.inner(*self.split_arguments(args, kwargs))
+                if "equinox" in sys.modules and not internals_tracing(arrays):
+                    # As eqx.filter_jit: the call waits for the step, so an error_if
+                    # that fires raises here (after the call returned it surfaced raw
+                    # where an output was read).
+                    jax.block_until_ready(arrays)
         except (jax.errors.JaxRuntimeError, ValueError) as error:
             equinox_error = _equinox_runtime_error(error, __equinox_jit_id__)
             if equinox_error is None:
                 raise
             raise equinox_error from None
         return _combine(arrays, static_out.value)
+
+
+def internals_tracing(tree: Any) -> bool:
+    """Whether ``tree`` holds a tracer (a call under an outer transformation)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 @contextlib.contextmanager
