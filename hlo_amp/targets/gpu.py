@@ -76,9 +76,15 @@ class GpuTarget(Target):
         """The GPU's CUDA compute capability: the target config's, or (a GPU of this
         machine, ``target_config`` empty) the first CUDA device's; None if unknown."""
         if self.target_config:
-            found = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*"
-                              r"(\d+)", self.target_config)
-            return (int(found[1]), int(found[2])) if found else None
+            # Proto text leaves a zero out: XLA's own spec files write 8.0 as
+            # "{ major: 8 }" (read as no capability, fp8 was applied to an A100).
+            found = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", self.target_config)
+            if found is None:
+                return None
+            fields = dict(re.findall(r"(major|minor)\s*:\s*(\d+)", found[1]))
+            if "major" not in fields:
+                return None
+            return int(fields["major"]), int(fields.get("minor", 0))
         return _local_compute_capability()
 
     @property
@@ -353,7 +359,12 @@ def gpu_device(key: str) -> GpuTarget | None:
 
 def gpu_from_config_file(path: Path) -> GpuTarget:
     """A GPU described by a user's ``GpuTargetConfig`` text-proto file (no peaks)."""
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"target config file {str(path)!r} is not text (not UTF-8); "
+                         f"accepted: a GpuTargetConfig text proto (docs/gpu_target.md)"
+                         ) from None
     if not text.strip():  # as the GPU of this machine it made "not a device to compile for"
         raise ValueError(f"target config file {str(path)!r} is empty; accepted: a "
                          f"GpuTargetConfig text proto (docs/gpu_target.md)")

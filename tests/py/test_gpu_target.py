@@ -276,6 +276,27 @@ def test_a_bad_config_file_says_where_and_an_empty_one_says_so(tmp_path: Path) -
     with pytest.raises(ValueError, match=r"empty\.txtpb' is empty; accepted: a "
                                          r"GpuTargetConfig text proto"):
         amp.lower(*args, target=str(empty))
+    binary = tmp_path / "binary.txtpb"
+    binary.write_bytes(b"\x00\x01\xff\xfe")  # it raised a bare UnicodeDecodeError
+    with pytest.raises(ValueError, match=r"binary\.txtpb' is not text \(not UTF-8\); "
+                                         r"accepted: a GpuTargetConfig text proto"):
+        amp.lower(*args, target=str(binary))
+
+
+def test_a_config_file_written_as_xlas_spec_files_keeps_its_compute_capability(
+        tmp_path: Path) -> None:
+    """XLA's spec files (a100_sxm_80.txtpb) leave minor: 0 out, as proto text does: the
+    capability read as unknown, and fp8 was applied to an A100, whose XLA upcast all."""
+    spec = tmp_path / "a100_sxm_80.txtpb"
+    spec.write_text(targets.device_target("a100").target_config.replace(
+        "cuda_compute_capability { major: 8 minor: 0 }",
+        "cuda_compute_capability {\n    major: 8\n  }"))
+    assert targets.device_target(str(spec)).compute_capability == (8, 0)
+    step, args = WORKLOADS["mlp"]
+    report = hlo_amp.compile(step, "fp8,first_matrix_op=none,last_matrix_op=none").lower(
+        *args, target=str(spec)).report()
+    assert not any(d.fp8 for d in report.decisions)
+    assert any("compute capability 8.0" in d.reason for d in report.decisions)
 
 
 def test_unknown_target_names_what_is_accepted() -> None:
