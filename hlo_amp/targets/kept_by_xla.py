@@ -23,7 +23,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from hlo_amp.ir.sites import split_segments
+from hlo_amp.ir.sites import split_segments, unwrap
 from hlo_amp.report import Decision, Report, is_narrow
 from hlo_amp.targets import CpuTarget, GpuTarget, Target, TpuTarget, as_target
 from hlo_amp.targets.hlo_text import parse_instruction
@@ -182,21 +182,49 @@ def mark_attention_kept(report: Report, hlo_text: str) -> None:
 
 
 def scope_key(name: str) -> str:
-    """A name stack without call segments and without its last (op name) segment."""
-    segments = [s for s in split_segments(name) if not _CALL_SEGMENT.match(s)]
+    """A name stack without call segments and without its last (op name) segment; a
+    call inside transforms keeps the transforms alone (XLA's ``jvp(jit(layer))``, the
+    report's ``jvp()``: a jax.jit layer under grad or vmap read "merged or removed")."""
+    segments = []
+    for segment in split_segments(name):
+        if _CALL_SEGMENT.match(segment):
+            continue
+        wrappers, inner = unwrap(segment)
+        if wrappers and (not inner or _CALL_SEGMENT.match(inner)):
+            segment = "".join(f"{w}(" for w in wrappers) + ")" * len(wrappers)
+        segments.append(segment)
     return "/".join(segments[:-1])
 
 
-def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool
-            ) -> list[tuple[bool | None, str | None]]:
+def _matches(decision: Decision, gemm: XlaGemm) -> bool:
+    """Whether ``gemm`` computes as ``decision`` asks: an fp8 op's an fp8 GEMM, a 16-bit
+    op's one of its own 16-bit types (a bf16 op took an fp8 GEMM, or an f16 one)."""
+    if decision.fp8:
+        return gemm.fp8
+    return gemm.low and not gemm.fp8 and set(gemm.operand_types) <= set(
+        decision.operands_after)
+
+
+def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool,
+            reserved: list[Decision] = ()) -> list[tuple[bool | None, str | None]]:
     """(kept, XLA's form) per converted decision of one scope, against the scope's ops.
 
-    An fp8 op is kept by an fp8 GEMM, a 16-bit op by any 16-bit or narrower one; each XLA
-    op keeps at most one decision, one of its own kind (a convolution, a dot) where there
-    is one. Ops left over are not kept (False, with the form of a leftover XLA op of their
+    An fp8 op is kept by an fp8 GEMM, a 16-bit op by one of its 16-bit type; each XLA op
+    keeps at most one decision, one of its own kind (a convolution, a dot) where there is
+    one. ``reserved``: the scope's ops the program wrote narrow itself, which take their
+    GEMMs first (a converted op that XLA merged away was credited with the program's own
+    GEMM). Ops left over are not kept (False, with the form of a leftover XLA op of their
     kind) when XLA has every op of the scope, else unknown (None).
     """
     free = list(gemms)
+    for same_size in (True, False):
+        for decision in list(reserved):
+            size = _decision_elements(decision)
+            pick = next((g for g in free if _matches(decision, g)
+                         and (not same_size or g.elements == size)), None)
+            if pick is not None:
+                free.remove(pick)
+                reserved = [d for d in reserved if d is not decision]
     result: list[tuple[bool | None, str | None]] = [(None, None)] * len(decisions)
     order = sorted(range(len(decisions)), key=lambda i: not decisions[i].fp8)
     sizes = [_decision_elements(d) for d in decisions]
@@ -208,7 +236,7 @@ def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool
                 continue
             decision = decisions[i]
             for gemm in free:
-                if ((gemm.fp8 if decision.fp8 else gemm.low)
+                if (_matches(decision, gemm)
                         and (not same_size or (sizes[i] is not None
                                                and gemm.elements == sizes[i]))
                         and (not same_kind or gemm.conv == (decision.op_kind == "convolution"))):
@@ -285,6 +313,7 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
             continue
         xla_by_scope.setdefault((scope_key(gemm.op_name), gemm.ragged), []).append(gemm)
     converted: dict[tuple[str, bool], list[int]] = {}
+    own_narrow: dict[tuple[str, bool], list[Decision]] = {}  # written narrow by the program
     wanted: dict[tuple[str, bool], list[tuple[bool, int | None]]] = {}
     for index, decision in enumerate(report.decisions):
         key = (scope_key(decision.location), decision.op_kind == "ragged_dot")
@@ -292,6 +321,8 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
                                            _decision_elements(decision)))
         if decision.low_precision and decision.changed:
             converted.setdefault(key, []).append(index)
+        elif decision.low_precision:
+            own_narrow.setdefault(key, []).append(decision)
     _fill_from_unnamed(xla_by_scope, unnamed, wanted)
     unknown: dict[str, int] = {}
     for key, indices in converted.items():
@@ -306,7 +337,8 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
             unknown[why] = unknown.get(why, 0) + len(indices)
             continue
         complete = len(gemms) >= len(wanted[key])
-        verdicts = _assign([report.decisions[i] for i in indices], gemms, complete)
+        verdicts = _assign([report.decisions[i] for i in indices], gemms, complete,
+                           own_narrow.get(key, []))
         for index, (verdict, form) in zip(indices, verdicts):
             report.decisions[index] = dataclasses.replace(
                 report.decisions[index], kept_by_xla=verdict, xla_form=form)

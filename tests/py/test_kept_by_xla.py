@@ -257,6 +257,46 @@ def test_fp8_ops_count_as_kept_only_against_an_fp8_gemm(converted_decision):
     assert "numerics preview" not in summary  # only said for XLA:CPU
 
 
+def _verdicts(fn, policy, *args):
+    report = hlo_amp.compile(fn, policy).lower(*args, target="h100").compile().report()
+    return [(d.changed, "x".join(d.operands_after), d.kept_by_xla, d.xla_form)
+            for d in report.decisions]
+
+
+def test_each_op_gets_the_verdict_of_a_gemm_of_its_own_type_and_call():
+    """Against XLA's optimized HLO for an H100: (1) a batch of 24, which XLA pads for its
+    fp8 GEMMs, let a bf16 op take an fp8 GEMM and the fp8 op be called upcast; (2) a
+    converted dot XLA turned into a multiply took the GEMM of the program's own bf16 dot;
+    (3) a jax.jit layer under grad (XLA names jvp(jit(layer)), the report jvp()) read
+    "merged or removed" for all five dots XLA kept."""
+    def mlp(w1, w2, w3, x):
+        return jnp.mean((jax.nn.gelu(jax.nn.gelu(x @ w1) @ w2) @ w3) ** 2)
+
+    padded = _verdicts(jax.grad(mlp), "fp8", jnp.ones((32, 64)), jnp.ones((64, 64)),
+                       jnp.ones((64, 32)), jnp.ones((24, 32)))
+    for _, types, kept, form in padded:
+        assert kept and ("fp8 " + types.lower().replace("x", "×") if "f8" in types
+                         else "bf16×bf16") in form, padded
+
+    def outer_and_own(a, b, c, d):
+        own = c.astype(jnp.bfloat16) @ d.astype(jnp.bfloat16)
+        return jnp.sum(a @ b) + jnp.sum(own.astype(jnp.float32))
+
+    both = _verdicts(outer_and_own, "bf16", jnp.ones((32, 1)), jnp.ones((1, 32)),
+                     jnp.ones((32, 32)), jnp.ones((32, 32)))
+    (outer,) = [v for v in both if v[0]]  # the converted one
+    assert outer[2] is None, both  # merged away: unknown, not kept
+
+    layer = jax.jit(lambda h, w: jax.nn.relu(h @ w))
+
+    def loss(w1, w2, x):
+        return jnp.mean(layer(layer(x, w1), w2) ** 2)
+
+    nested = _verdicts(jax.grad(loss, argnums=(0, 1)), "bf16", jnp.ones((16, 32)),
+                       jnp.ones((32, 32)), jnp.ones((32, 16)))
+    assert len(nested) == 5 and all(kept for _, _, kept, _ in nested), nested
+
+
 def test_gpu_gemm_calls_are_read_with_their_matrix_operands():
     from hlo_amp.targets.kept_by_xla import xla_gemms
 
