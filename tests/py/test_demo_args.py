@@ -21,6 +21,9 @@ from examples import vit_digits
     (["--dropout", "1.5"], "--dropout 1.5 is not in [0, 1)"),
     (["--autopolicy", "-1"], "--autopolicy -1.0 is not a positive error budget"),
     (["--out", __file__], "exists and is not a directory"),  # after every training
+    (["--out", __file__ + "/sub"], "exists and is not a directory"),  # after training
+    (["--seed", str(2**32)], "--seed 4294967296 is not in [0, 2**32)"),  # sklearn's error
+    (["--lr", "inf"], "--lr inf is not a positive finite number"),  # a NaN loss
 ])
 def test_a_bad_value_is_one_line_before_training(argv: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,3 +50,29 @@ def test_a_failed_variant_makes_the_demo_exit_non_zero(
     with pytest.raises(SystemExit, match=r"failed: f32 \(above\)"):
         vit_digits.main(["--variants", "f32", "--steps", "2", "--out", str(tmp_path)])
     assert "f32: FAILED: integer modulo by zero" in capsys.readouterr().out
+
+
+def test_no_variant_named_is_refused() -> None:
+    # It trained nothing and exited 0.
+    with pytest.raises(SystemExit, match=r"--variants: none named; accepted: f32"):
+        vit_digits.parse_variants(",")
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"batch": 2000}, "--batch 2000 is more than the 1437 training images"),  # looped
+    ({"steps": 0}, "--steps 0 is below 1"),  # numpy's "need at least one array to stack"
+])
+def test_run_variant_checks_its_options_as_the_command_line(options, message) -> None:
+    with pytest.raises(ValueError, match=f"^run_variant: {message}"):
+        vit_digits.run_variant("f32", **options)
+
+
+def test_step_times_leave_the_compiling_first_call_out_and_find_f32_anywhere() -> None:
+    """An hlo_amp step compiles again on its first call: in a 2-step run it read 2.4 s a
+    step, "0.04x" f32; with f32 listed second no ratio was given."""
+    def run(name, seconds):
+        return vit_digits.Run(name=name, step_seconds=seconds, losses=[1.0], accuracy=0.5)
+
+    rows = vit_digits.table([run("bf16", [2.4, 0.05]), run("f32", [0.1, 0.1])])
+    bf16 = next(line for line in rows.splitlines() if "hlo_amp bf16" in line)
+    assert " 50.00 " in bf16 and " 2.00x " in bf16, rows
