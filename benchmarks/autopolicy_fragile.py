@@ -9,13 +9,15 @@ H100 and f32 is modelled fastest, so the tests use a compute-bound copy of the H
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 
 import hlo_amp
+from benchmarks.cli_args import comma_names, positive_int, split_names
+from hlo_amp.numerics.fastest import check_target
 
 
 def make_program():
@@ -45,11 +47,28 @@ def inputs(n: int, k: int = 1024) -> tuple[jax.Array, dict[str, jax.Array]]:
     return jax.random.normal(jax.random.key(1), (n, n)), weights
 
 
-def main(argv: list[str]) -> None:
-    targets = (argv[0] if argv else "h100,tpu-v5e").split(",")
-    n = int(argv[1]) if len(argv) > 1 else 4096
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.autopolicy_fragile",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("targets", nargs="?", type=comma_names, default="h100,tpu-v5e",
+                   help="comma-separated devices to choose the policy for (default "
+                        "h100,tpu-v5e)")
+    p.add_argument("n", nargs="?", type=positive_int, default=4096,
+                   help="the dots' size, n x n by n x n (default 4096)")
+    args = p.parse_args(argv)
+    for target in split_names(args.targets):  # not a traceback after the first target's search
+        try:
+            check_target(target)
+        except ValueError as error:
+            p.error(f"targets: {error}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    n = args.n  # the dots' size, in each heading
     x, w = inputs(n)
-    for target in targets:
+    for target in split_names(args.targets):
         for budget in (1e-2, 1e-1):
             start = time.perf_counter()
             result = hlo_amp.autopolicy(make_program(), x, w, budget=budget, target=target,
@@ -59,4 +78,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -12,6 +12,7 @@ import argparse
 import datetime
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -23,7 +24,9 @@ import jax
 import jax.numpy as jnp
 
 import hlo_amp
+from benchmarks.cli_args import check_names, comma_names, positive_int, split_names
 from benchmarks.workloads import variant_step, workloads
+from hlo_amp.numerics.fastest import check_target
 
 
 def cpu_line() -> str:
@@ -48,16 +51,25 @@ def forward(graphdef: object) -> object:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.autopolicy_target",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--full", action="store_true", help="the benchmarks' full sizes")
     p.add_argument("--budget", type=float, default=1e-2)
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--targets", default="h100,tpu-v5e")
-    p.add_argument("--workloads", default="decoder,vit")
+    p.add_argument("--depth", type=positive_int, default=3)
+    p.add_argument("--targets", type=comma_names, default="h100,tpu-v5e")
+    p.add_argument("--workloads", type=comma_names, default="decoder,vit")
     p.add_argument("--fn", choices=("forward", "step"), default="forward",
                    help="forward: (logits, loss) of the model; step: the Adam train step "
                         "(new params, optimizer state, loss)")
     args = p.parse_args(argv)
+    # A KeyError (a workload) or a traceback after the first searches (a target) before.
+    chosen = {w.name: w for w in workloads(quick=not args.full)}
+    check_names(p, "--workloads", split_names(args.workloads), chosen)
+    for target in split_names(args.targets):
+        try:
+            check_target(target)
+        except ValueError as error:
+            p.error(f"--targets: {error}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
     out = ["## autopolicy for a target (issue 36)", "",
@@ -66,15 +78,14 @@ def main(argv: list[str] | None = None) -> None:
            (f"- jax {jax.__version__}, date {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} "
            f"UTC, commit {commit}"),
            (f"- command: `JAX_PLATFORMS=cpu python -m benchmarks.autopolicy_target "
-           f"{' '.join(argv if argv is not None else sys.argv[1:])}`"),
+           f"{shlex.join(argv if argv is not None else sys.argv[1:])}`"),
            (f"- function: {args.fn} ("
             + ("the model's logits and loss" if args.fn == "forward" else
                "the Adam train step: new params, optimizer state, loss")
             + f"); budget {args.budget:g} (error = max over its outputs, against f32); "
            "scopes at depth "
            f"{args.depth}; search: {hlo_amp.numerics.fastest.SEARCH}"), ""]
-    chosen = {w.name: w for w in workloads(quick=not args.full)}
-    for name in args.workloads.split(","):
+    for name in split_names(args.workloads):
         workload = chosen[name]
         step, params, opt_state = variant_step(workload, "f32")
         x, y = workload.batch()
@@ -86,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         # NNX pushes no scopes: module_scopes names each submodule call by its path
         fn = hlo_amp.module_scopes(workload.build(jnp.float32))(fn)
         out += [f"### {workload.name}: {workload.description}", ""]
-        for target in args.targets.split(","):
+        for target in split_names(args.targets):
             start = time.perf_counter()
             result = hlo_amp.autopolicy(fn, *fn_args, budget=args.budget,
                                         depth=args.depth, target=target)

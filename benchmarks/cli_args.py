@@ -4,7 +4,8 @@ line from argparse (exit 2), not a traceback or a silently changed run."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -15,6 +16,26 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An int of 0 or more (a seed, warm-up steps)."""
     return _int_at_least(text, 0)
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """The type of an int of ``low`` or more, for a bound other than 0 or 1."""
+    def parse(text: str) -> int:
+        return _int_at_least(text, low)
+    return parse
+
+
+def comma_names(text: str) -> str:
+    """A comma-separated list naming at least one thing, kept as written: ``,`` would
+    run nothing and then rewrite the results without their sections."""
+    if not any(name.strip() for name in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing")
+    return text
+
+
+def split_names(text: str) -> list[str]:
+    """The names of a ``comma_names`` list, blanks dropped."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _int_at_least(text: str, low: int) -> int:
@@ -34,3 +55,31 @@ def check_names(parser: argparse.ArgumentParser, flag: str, given: Iterable[str]
     unknown = [name for name in given if name not in accepted]
     if unknown:
         parser.error(f"{flag}: unknown {unknown[0]!r}; accepted: {', '.join(accepted)}")
+
+
+def check_out_dir(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:
+    """Exit through ``parser.error`` when ``path`` cannot be made a directory (it or a
+    folder above it is a file): found up front, not by a ``mkdir`` after the whole run."""
+    blocking = _not_a_directory([path, *path.parents])
+    if blocking == path:
+        parser.error(f"{flag} {path} exists and is not a directory")
+    if blocking is not None:
+        parser.error(f"{flag} {path}: {blocking} exists and is not a directory")
+
+
+def check_out_file(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:
+    """Exit through ``parser.error`` when ``path`` cannot be written as a file (it is a
+    directory, or a folder above it is a file), before the run rather than after it."""
+    if path.is_dir():
+        parser.error(f"{flag} {path} is a directory, not a file")
+    blocking = _not_a_directory(path.parents)
+    if blocking is not None:
+        parser.error(f"{flag} {path}: {blocking} exists and is not a directory")
+
+
+def _not_a_directory(paths: Iterable[Path]) -> Path | None:
+    """The first of ``paths`` that exists, when it is not a directory; else None."""
+    for path in paths:
+        if path.exists():  # False for a path under a file (ENOTDIR)
+            return None if path.is_dir() else path
+    return None

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cli_args import check_out_file, non_negative_int, positive_int
+
 GOAL_RATIO = 1.1
 LEAVES = 300
 
@@ -34,11 +36,15 @@ LEAVES = 300
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.dispatch",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=20, help="timed rounds per callable")
-    p.add_argument("--calls", type=int, default=200, help="calls per round")
-    p.add_argument("--warmup", type=int, default=20, help="untimed calls per callable")
+    p.add_argument("--rounds", type=positive_int, default=20, help="timed rounds per callable")
+    p.add_argument("--calls", type=positive_int, default=200, help="calls per round")
+    p.add_argument("--warmup", type=non_negative_int, default=20,
+                   help="untimed calls per callable")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.out is not None:  # not after the timing, as a traceback
+        check_out_file(p, "--out", args.out)
+    return args
 
 
 # ---- the cases ---------------------------------------------------------------------------

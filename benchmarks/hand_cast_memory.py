@@ -15,7 +15,7 @@ not change them (printed all the same). MobileNet's compiles take a minute each 
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from typing import Any
 
@@ -23,6 +23,7 @@ import jax
 
 import hlo_amp
 from benchmarks.autopolicy_target import cpu_line
+from benchmarks.cli_args import check_names, comma_names, split_names
 from benchmarks.hand_cast_workloads import NAMES, hand_cast_case, param_bytes_16bit
 
 # A target name -> (the device compiled for, XLA flags over its defaults).
@@ -55,12 +56,13 @@ def parameter_copies(name: str, small: bool = False) -> int:
     return param_bytes_16bit((args[0][0],) if name == "mobilenet" else args)
 
 
-def main(argv: list[str]) -> None:
-    targets = (argv[0] if argv else "h100,h100+triton,tpu-v5e").split(",")
-    unknown = [t for t in targets if t not in COMPILES]
-    if unknown:
-        raise SystemExit(f"unknown target(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(COMPILES)}")
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hand_cast_memory",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("targets", nargs="?", type=comma_names, default="h100,h100+triton,tpu-v5e",
+                   help=f"comma-separated, of {', '.join(COMPILES)} (default: all)")
+    targets = split_names(p.parse_args(argv).targets)
+    check_names(p, "targets", targets, COMPILES)
     print(f"- compiled on {cpu_line()}; jax {jax.__version__}; temp bytes per step\n")
     print("| model | target | f32 | hand cast | bf16 | mixed_bfloat16 | f32 + 16-bit "
           "parameters | mixed <= hand cast | modes <= f32 + parameters | seconds |")
@@ -80,4 +82,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

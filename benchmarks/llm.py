@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import math
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hlo_amp
-from benchmarks.cli_args import positive_int
+from benchmarks.cli_args import check_out_file, positive_int
 from hlo_amp.targets import device_target, refuse_policy_on_device
 
 
@@ -502,11 +503,18 @@ def write_section(path: Path, lines: list[str], key: str,
     path.write_text(text)
 
 
+def recorded_command(argv: list[str] | None) -> str:
+    """The command line a results section records, quoted as a shell reads it
+    (``--variant "hlo_amp bf16"``)."""
+    return "python -m benchmarks.llm " + shlex.join(argv if argv is not None else sys.argv[1:])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="h100x8-aot",
                         help=f"{', '.join(DEVICES)}, or any target name (h100x8, "
-                        "tpu-v5e:4x4)")
+                        "tpu-v5e:4x4): compiled without the device; "
+                        f"{' or '.join(LOCAL_DEVICES)}: trained on this machine's device")
     parser.add_argument("--small", action="store_true", help="the SMALL preset")
     parser.add_argument("--layers", type=positive_int,
                         help="override the preset's layer count")
@@ -534,6 +542,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path,
                         help="write the table into this markdown file (benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
+    if args.results is not None:  # not after every variant compiled or ran: a traceback
+        check_out_file(parser, "--results", args.results)
     config = SMALL if args.small else Config()
     if args.layers is not None:
         config = dataclasses.replace(config, layers=args.layers)
@@ -575,10 +585,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row(variant, target.name, config, donate=donate))
         print("\n".join(table(rows)[-1:]), flush=True)
     if args.results:
-        command = "python -m benchmarks.llm " + " ".join(argv if argv is not None
-                                                          else sys.argv[1:])
         write_section(args.results,
-                      section(args.device, config, rows, refused, command, donate),
+                      section(args.device, config, rows, refused, recorded_command(argv),
+                              donate),
                       section_key(args.device, config, donate))
         print(f"wrote {args.results}")
 
@@ -703,8 +712,6 @@ def run_local(args: Any, config: Config, argv: list[str] | None) -> None:
         rows.append(local_row(variant, config, args.steps, roofline_target))
         print("\n".join(local_table(rows)[-1:]), flush=True)
     if args.results:
-        command = "python -m benchmarks.llm " + " ".join(argv if argv is not None
-                                                          else sys.argv[1:])
         key = section_key(args.device, config)
         lines = [f"<!-- benchmarks.llm --device {key}: begin (replaced by each run) -->",
                  f"## LLM-scale: Llama-style decoder trained on one {kind}",
@@ -713,7 +720,7 @@ def run_local(args: Any, config: Config, argv: list[str] | None) -> None:
                   f"{config.batch} x seq {config.seq}, attention written as "
                   f"{config.attention}; {args.steps} timed steps after 2 warm-up steps, "
                   "median; MFU: PaLM's model FLOPs over the bf16 dense peak"),
-                 f"- command: `{command}`; jax {jax.__version__}",
+                 f"- command: `{recorded_command(argv)}`; jax {jax.__version__}",
                  "", *local_table(rows), "",
                  f"<!-- benchmarks.llm --device {key}: end -->"]
         write_section(args.results, lines, key)

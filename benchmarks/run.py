@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cli_args import check_names, non_negative_int, positive_int
+from benchmarks.cli_args import (
+    check_names,
+    check_out_dir,
+    comma_names,
+    non_negative_int,
+    positive_int,
+    split_names,
+)
 
 TARGET_SPEEDUP = {"mlp": 1.5, "vit": 1.3}
 # mixed_bfloat16's XLA temp memory: at most this share of f32's, on these workloads.
@@ -63,9 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 20, 10 with --quick)")
     p.add_argument("--warmup", type=non_negative_int, default=3,
                    help="untimed steps per variant")
-    p.add_argument("--workloads", default=None,
+    p.add_argument("--workloads", type=comma_names, default=None,
                    help="default mlp,vit,cnn (and decoder with --device h100-aot/h200-aot)")
-    p.add_argument("--variants", default=None,
+    p.add_argument("--variants", type=comma_names, default=None,
                    help="comma-separated subset of the variants (default: all), e.g. "
                         "'f32,hlo_amp bf16,hlo_amp fp8'; f32 is always run first")
     p.add_argument("--stress-layers", type=non_negative_int, default=24,
@@ -79,8 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # An unknown name was dropped: an H100 section with no workloads replaced the
     # committed one.
     if args.workloads is not None:
-        check_names(p, "--workloads", [w.strip() for w in args.workloads.split(",")
-                                       if w.strip()], WORKLOAD_NAMES)
+        check_names(p, "--workloads", split_names(args.workloads), WORKLOAD_NAMES)
+    # Found by the last mkdir before: after every measurement, a traceback.
+    check_out_dir(p, "--out", args.out)
+    if args.trace is not None:
+        check_out_dir(p, "--trace", args.trace)
     return args
 
 
@@ -191,7 +201,7 @@ def chosen_variants(device: str, wanted: str | None) -> tuple[str, ...]:
     available = variants(device)
     if wanted is None:
         return available
-    names = [v.strip() for v in wanted.split(",") if v.strip()]
+    names = split_names(wanted)
     unknown = [v for v in names if v not in available]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; accepted: {', '.join(available)}")
@@ -408,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.workloads import workloads
 
     steps = args.steps if args.steps is not None else (10 if args.quick else 20)
-    wanted = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    wanted = split_names(args.workloads)
     label = machine(args.device)
     command = recorded_command(argv if argv is not None else sys.argv[1:])
     print(f"{label}; jax {jax.__version__}; {steps} timed steps after {args.warmup} warm-up",
@@ -547,11 +557,26 @@ def main(argv: list[str] | None = None) -> None:
         "",
     ]
     results_md = args.out / "RESULTS.md"
-    kept = ""  # hand-written sections (analysis, demo, dispatch) survive a re-run
-    if results_md.exists() and HAND_WRITTEN in results_md.read_text():
-        kept = results_md.read_text()[results_md.read_text().index(HAND_WRITTEN):]
-    results_md.write_text("\n".join(md) + ("\n" + kept if kept else ""))
+    kept = kept_below(results_md.read_text()) if results_md.exists() else HAND_WRITTEN + "\n"
+    results_md.write_text("\n".join(md) + "\n" + kept)
     print(f"wrote {args.out / 'RESULTS.md'} and {png}")
+
+
+# Another script's section of RESULTS.md: "<!-- NAME: begin ... -->" to "<!-- NAME: end -->"
+# (benchmarks.llm, compile_cost, stress, this file's --device h100-aot).
+MARKED_SECTION = re.compile(r"<!-- (?P<name>[^>]*?): ?begin\b[^>]*-->.*?<!-- (?P=name): ?end -->",
+                            re.DOTALL)
+
+
+def kept_below(text: str) -> str:
+    """What a CPU run keeps of the RESULTS.md it rewrites: the hand-written line and all
+    below it (analysis, demo, dispatch, other scripts' sections); in a file without that
+    line (written by another script's ``--results`` or ``--out``), the line and that
+    file's marked sections: its unmarked text is an older CPU part, replaced."""
+    if HAND_WRITTEN in text:
+        return text[text.index(HAND_WRITTEN):]
+    sections = [m.group(0) for m in MARKED_SECTION.finditer(text)]
+    return "\n\n".join([HAND_WRITTEN, *sections]) + "\n"
 
 
 # ---- a GPU compiled without the device (--device h100-aot / h200-aot) -----------------------
@@ -831,8 +856,7 @@ def aot_main(args: argparse.Namespace, argv: list[str] | None) -> None:
     from hlo_amp.targets import device_target
 
     target = device_target(AOT_DEVICES[args.device])
-    wanted = [w.strip() for w in (args.workloads or "mlp,vit,cnn,decoder").split(",")
-              if w.strip()]
+    wanted = split_names(args.workloads or "mlp,vit,cnn,decoder")
     command = recorded_command(argv if argv is not None else sys.argv[1:])
     print(f"compiling for {target.device} without a device; jax {jax.__version__}", flush=True)
     md = aot_header(target, command, jax.__version__)

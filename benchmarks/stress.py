@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hlo_amp
+from benchmarks.cli_args import int_at_least, positive_int
 from hlo_amp.ir.modules import copy_module, parse_module, walk_operations
 from hlo_amp.passes import run_pipeline
 from hlo_amp.policy import as_policy
@@ -137,7 +138,7 @@ def transformer_section(layers: int, d: int, heads: int, seq: int, batch: int,
     ref_loss = float(jax.jit(make_train_step(heads))(params, x, y)[1])
     try:
         _, loss = compiled(params, x, y)
-        run_line = f"- loss bf16 {float(loss):.5f} vs f32 {ref_loss:.5f}"
+        run_line = f"- loss {policy} {float(loss):.5f} vs f32 {ref_loss:.5f}"
     except jax.errors.JaxRuntimeError as error:  # report it; the pass numbers still hold
         run_line = f"- running the step FAILED: {str(error).splitlines()[0]}"
     xla = compiled.compile_seconds
@@ -160,6 +161,8 @@ def transformer_section(layers: int, d: int, heads: int, seq: int, batch: int,
 
 
 def signatures_section(count: int) -> list[str]:
+    """``count`` (2 or more) signatures: the first is the untimed warm-up, the rest are
+    timed and the figures are per timed signature."""
     def step(w, x):
         with jax.named_scope("layer"):
             return jnp.sum(jnp.tanh(x @ w) ** 2)
@@ -205,16 +208,24 @@ def append_results(text: str, path: Path = RESULTS) -> None:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.stress")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--d", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--layers", type=positive_int, default=24)
+    parser.add_argument("--d", type=positive_int, default=64)
+    parser.add_argument("--heads", type=positive_int, default=4, help="dividing --d")
+    parser.add_argument("--seq", type=positive_int, default=16)
+    parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--policy", default="bf16")
-    parser.add_argument("--signatures", type=int, default=50)
+    parser.add_argument("--signatures", type=int_at_least(2), default=50,
+                        help="input signatures compiled; the first is an untimed warm-up")
     parser.add_argument("--no-write", action="store_true",
                         help="print only; do not update benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
+    # Refused here: they were tracebacks from the heads' reshape and from compiling.
+    if args.d % args.heads:
+        parser.error(f"--heads {args.heads} does not divide --d {args.d}")
+    try:
+        as_policy(args.policy)
+    except ValueError as error:
+        parser.error(f"--policy {args.policy}: {error}")
     lines = [
         "## Stress",
         "",
