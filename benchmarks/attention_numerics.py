@@ -28,6 +28,7 @@ import hlo_amp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "py"))
 import attention_programs as programs  # the tests' programs
 
+from benchmarks.cli_args import check_out_file
 from benchmarks.llm import write_section
 
 TOLERANCE = 2e-2
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, help="write the table into this file")
     parser.add_argument("--only", action="append", help="run these programs only")
     args = parser.parse_args(argv)
+    if args.results is not None:  # found by the write after every program before
+        check_out_file(parser, "--results", args.results)
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
     if device.platform != "gpu":

@@ -35,7 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cli_args import check_names
+from benchmarks.cli_args import check_names, check_out_file
 from hlo_amp.targets.hlo_text import Instruction, parse_module
 
 VARIANTS = ("hlo_amp mixed_bfloat16", "hlo_amp fp8")
@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="write the tables into this markdown file (benchmarks/RESULTS.md)")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.results is not None:  # found by the write after every compile before
+        check_out_file(parser, "--results", args.results)
     if args.child:
         child(args.child[0], config_of(args.attention, args.small), Path(args.child[1]))
         return

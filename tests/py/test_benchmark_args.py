@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import (
+    attention_numerics,
     autopolicy_fragile,
     autopolicy_target,
     compile_cost,
@@ -59,6 +60,12 @@ NO_WRITE = ["--no-write", "--layers", "1"]
     (llm.main, ["--small", "--results", str(UNDER / "x.md")],
      f"--results {UNDER / 'x.md'}: {HERE} exists and is not a directory"),
     (llm.main, ["--device", "cpu", "--small", "--results", str(HERE.parent)],
+     f"--results {HERE.parent} is a directory, not a file"),
+    # The same after every compile or program (a bad --variant, no GPU: a regression
+    # stops there, before any compile).
+    (compile_cost.main, ["--variant", "bogus", "--results", str(UNDER / "x.md")],
+     f"--results {UNDER / 'x.md'}: {HERE} exists and is not a directory"),
+    (attention_numerics.main, ["--results", str(HERE.parent)],
      f"--results {HERE.parent} is a directory, not a file"),
     # Tracebacks (heads, policy), a division by zero (1) and nonsense (0) before.
     (stress.main, [*NO_WRITE, "--heads", "3"], "--heads 3 does not divide --d 64"),
