@@ -60,7 +60,7 @@ def check_names(parser: argparse.ArgumentParser, flag: str, given: Iterable[str]
 def check_out_dir(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:
     """Exit through ``parser.error`` when ``path`` cannot be made a directory (it or a
     folder above it is a file): found up front, not by a ``mkdir`` after the whole run."""
-    blocking = _not_a_directory([path, *path.parents])
+    blocking = blocking_file(path)
     if blocking == path:
         parser.error(f"{flag} {path} exists and is not a directory")
     if blocking is not None:
@@ -75,6 +75,12 @@ def check_out_file(parser: argparse.ArgumentParser, flag: str, path: Path) -> No
     blocking = _not_a_directory(path.parents)
     if blocking is not None:
         parser.error(f"{flag} {path}: {blocking} exists and is not a directory")
+
+
+def blocking_file(path: Path) -> Path | None:
+    """The file that keeps ``path`` from being a directory: ``path`` itself or a folder
+    above it that exists and is no directory; None where there is none."""
+    return _not_a_directory([path, *path.parents])
 
 
 def _not_a_directory(paths: Iterable[Path]) -> Path | None:

@@ -60,7 +60,7 @@ from flax import nnx
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from benchmarks.cli_args import non_negative_int, positive_int
+from benchmarks.cli_args import blocking_file, non_negative_int, positive_int
 from examples.models import ViT
 from hlo_amp import DynamicScalerState, dynamic_scale_value_and_grad
 
@@ -130,8 +130,7 @@ def check_args(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
     if args.autopolicy is not None and not args.autopolicy > 0:
         error(f"--autopolicy {args.autopolicy} is not a positive error budget")
     # A file on the way: the runs trained, and the artefacts' mkdir failed at the end.
-    blocked = next((path for path in (args.out, *args.out.parents)
-                    if path.exists() and not path.is_dir()), None)
+    blocked = blocking_file(args.out)
     if blocked is not None:
         error(f"--out {args.out}: {blocked} exists and is not a directory")
 

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from types import MappingProxyType, TracebackType
 from typing import Any
 
+import ml_dtypes
+import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import stablehlo as hlo
@@ -16,6 +18,13 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 from hlo_amp import jaxlib_internals
 from hlo_amp.ir import input_checks
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
+
+# MLIR element types as numpy holds them (i1: bool).
+NUMPY_TYPES: MappingProxyType[str, type] = MappingProxyType({
+    "f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16,
+    "i64": np.int64, "i32": np.int32, "i16": np.int16, "i8": np.int8,
+    "ui64": np.uint64, "ui32": np.uint32, "ui16": np.uint16, "ui8": np.uint8,
+    "i1": np.bool_})
 
 
 class ModuleError(ValueError):

@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 
+from hlo_amp import jax_internals as internals
 from hlo_amp.module_scopes import module_scopes
 from hlo_amp.runtime.signature import donated_names, signature_of
 
@@ -566,7 +567,8 @@ class FilterCall:
         try:
             with self._quiet(), _equinox_callback_quiet():
                 arrays, static_out = self.inner(*self.split_arguments(args, kwargs))
-                if "equinox" in sys.modules and not internals_tracing(arrays):
+                if "equinox" in sys.modules and not any(
+                        isinstance(x, internals.Tracer) for x in jax.tree_util.tree_leaves(arrays)):
                     # As eqx.filter_jit: the call waits for the step, so an error_if
                     # that fires raises here (after the call returned it surfaced raw
                     # where an output was read).
@@ -577,11 +579,6 @@ class FilterCall:
                 raise
             raise equinox_error from None
         return _combine(arrays, static_out.value)
-
-
-def internals_tracing(tree: Any) -> bool:
-    """Whether ``tree`` holds a tracer (a call under an outer transformation)."""
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 @contextlib.contextmanager

@@ -18,10 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_DTYPES = {"f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": jnp.bfloat16,
-           "i64": np.int64, "i32": np.int32, "i16": np.int16, "i8": np.int8,
-           "ui64": np.uint64, "ui32": np.uint32, "ui16": np.uint16, "ui8": np.uint8,
-           "i1": np.bool_}
+from hlo_amp.ir.modules import NUMPY_TYPES as _DTYPES
 
 
 def _host_callback(module: Any) -> str | None:

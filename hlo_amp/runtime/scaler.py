@@ -69,10 +69,13 @@ def _field_dtype(name: str) -> np.dtype:
     return np.dtype(np.float32) if name in _FLOAT_FIELDS else np.dtype(np.int32)
 
 
+# The Python and NumPy scalars the constructor turns into arrays.
+_NUMBERS = (bool, int, float, np.bool_, np.integer, np.floating)
+
+
 def _is_number(value: Any) -> bool:
     """A Python or NumPy real number (what ``_normalise_leaf`` converts), not a bool."""
-    return (isinstance(value, (int, float, np.integer, np.floating))
-            and not isinstance(value, (bool, np.bool_)))
+    return isinstance(value, _NUMBERS) and not isinstance(value, (bool, np.bool_))
 
 
 def _normalise_leaf(value: Any, dtype: np.dtype) -> Any:
@@ -82,7 +85,7 @@ def _normalise_leaf(value: Any, dtype: np.dtype) -> Any:
     utilities pass to constructors are returned as they are, so unflattening a
     `DynamicScalerState` with any leaves keeps working.
     """
-    if isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
+    if isinstance(value, _NUMBERS):
         return jnp.asarray(value, dtype=dtype)
     return value
 

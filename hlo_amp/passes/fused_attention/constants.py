@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import readable_attribute
+from hlo_amp.ir.modules import NUMPY_TYPES, readable_attribute
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
 
 # Larger constants are left unevaluated (the pass then treats the value as not constant).
@@ -67,8 +67,7 @@ def evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folde
 
 
 # Integer element types as numpy holds them (i1: bool).
-_INTEGERS = {"i1": np.bool_, **{f"i{n}": getattr(np, f"int{n}") for n in (8, 16, 32, 64)},
-             **{f"ui{n}": getattr(np, f"uint{n}") for n in (8, 16, 32, 64)}}
+_INTEGERS = {name: kind for name, kind in NUMPY_TYPES.items() if name[0] in "iu"}
 
 
 def _numpy_type(value: ir.Value) -> np.dtype | None:

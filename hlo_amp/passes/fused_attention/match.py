@@ -577,18 +577,18 @@ class _Site(MaskReading, ExitReading):
         custom_vjp clipping, doubling or scaling the scores' gradient, the gradient of a
         penalty on the scores) was lost: dq and dk 60% to 160% off. (Not every such
         change can be told by its ops: a sign flip reads as the softmax's own negate.)"""
+        # The values computed from dP, to a fixpoint (the walk's order need not put
+        # every reader after its producer).
         after_dp: set[tuple[ir.Value, Stack]] = set()
-        for op, stack in self.ops.values():  # found in the order of the walk
-            if any(not self.in_cluster(v, stack) and self._is_dp(v, stack)
-                   or self.canon(v, stack) in after_dp for v in op.operands):
-                after_dp.update(self.canon(r, stack) for r in op.results)
-        # The walk's order need not put every reader after its producer: to a fixpoint.
         changed = True
         while changed:
             changed = False
             for op, stack in self.ops.values():
-                if (self.canon(op.results[0], stack) not in after_dp and any(
-                        self.canon(v, stack) in after_dp for v in op.operands)):
+                if self.canon(op.results[0], stack) in after_dp:
+                    continue
+                if any(self.canon(v, stack) in after_dp
+                       or not self.in_cluster(v, stack) and self._is_dp(v, stack)
+                       for v in op.operands):
                     after_dp.update(self.canon(r, stack) for r in op.results)
                     changed = True
         allowed = (0.0, 1.0, -1.0, scale, -scale, 1.0 / scale, -1.0 / scale)
@@ -647,19 +647,8 @@ class _Site(MaskReading, ExitReading):
                 and self._strip(op.operands[0], st) == (exp.results[0], exp_stack)
                 for op, st in self.ops.values()):
             return False
-        square = sorted(shape_of(self.scores.results[0]))
-        for op, stack in self.ops.values():
-            for value in op.operands:
-                if self.in_cluster(value, stack):
-                    continue
-                made, _, at = self.view.producer(value, stack)
-                while made is not None and made.name in ("stablehlo.convert",
-                                                         "stablehlo.transpose"):
-                    made, _, at = self.view.producer(made.operands[0], at)
-                if made is not None and made.name == _DOT and _batched(made) and sorted(
-                        shape_of(made.results[0])) == square:
-                    return True
-        return False
+        return any(not self.in_cluster(value, stack) and self._is_dp(value, stack)
+                   for op, stack in self.ops.values() for value in op.operands)
 
     def _set_operand_roles(self, q_index: int) -> None:
         dims = dot_dims(self.scores)

@@ -65,10 +65,9 @@ class Rewriter:
         self.result_in_16bit = result_in_16bit
         self.target = target
         self.retyped: dict[ir.Value, ir.Type] = {}  # value -> its type before the pass
-        # (function, argument number) pairs some call passes f32's extreme as: _saturated
-        # (value, instance) -> whether it may hold f32's extremes (_may_hold_extreme)
-        self._extremes: dict[tuple[ir.Value, int], bool] = {}
-        self._extremes_within: dict[tuple[ir.Value, int, tuple], bool] = {}
+        # (value, instance, calls entered) -> whether it may hold f32's extremes
+        # (_may_hold_extreme, which _saturated asks)
+        self._extremes: dict[tuple[ir.Value, int, tuple], bool] = {}
         self.facts: dict[int, dict[str, set]] = defaultdict(
             lambda: {key: set() for key in ("painted", "carries", "args", "results",
                                             "allow", "sum_copies")})
@@ -307,12 +306,7 @@ class Rewriter:
         alike). (The select of jnp.where(mask, 0, finfo.min) in a function of its own, a
         mask bias, and a fill a scan body closes over were converted as they were: -inf,
         and a masked row's softmax NaN.)"""
-        key = (value, inst_id)
-        found = self._extremes.get(key)
-        if found is None:
-            self._extremes[key] = False  # a cycle through loop carries holds none
-            found = self._extremes[key] = self._holds_extreme(value, inst_id, (), 0)
-        return found
+        return self._holds_extreme(value, inst_id, (), 0)
 
     def _holds_extreme(self, value: ir.Value, inst_id: int, calls: tuple, depth: int
                        ) -> bool:
@@ -321,10 +315,10 @@ class Rewriter:
         answered once (selects that swap two values each round were walked 2^depth
         times: 5.7 s for 20 rounds)."""
         key = (value, inst_id, tuple(op_key(call) for call in calls))
-        found = self._extremes_within.get(key)
+        found = self._extremes.get(key)
         if found is None:
-            self._extremes_within[key] = False  # a cycle holds none
-            found = self._extremes_within[key] = self._holds_extreme_once(
+            self._extremes[key] = False  # a cycle through loop carries holds none
+            found = self._extremes[key] = self._holds_extreme_once(
                 value, inst_id, calls, depth)
         return found
 
