@@ -33,7 +33,7 @@ from hlo_amp.ir.sites import call_prefix, join_names, location_name
 
 _PROBE = "hlo_amp.sharding_probe"
 _MESHES = frozenset({"sdy.mesh"})
-_GIVEN = frozenset({"sdy.sharding_constraint", "sdy.reshard"})
+GIVEN_SHARDINGS = frozenset({"sdy.sharding_constraint", "sdy.reshard"})  # ops giving one
 
 
 def is_partitioned(module: ir.Module) -> bool:
@@ -122,9 +122,23 @@ def fixed_sharding(value: ir.Value) -> ir.Attribute | None:
         if "sdy.sharding" not in attributes:
             return None
         return attributes["sdy.sharding"]
-    if owner.name in _GIVEN and "sharding" in owner.attributes:
+    if owner.name in GIVEN_SHARDINGS and "sharding" in owner.attributes:
         return owner.attributes["sharding"]
     return None
+
+
+def leaves_unreduced(op: ir.Operation) -> bool:
+    """Whether ``op`` is an ``sdy.sharding_constraint`` or ``sdy.reshard`` whose sharding
+    leaves its value ``unreduced`` (partial sums, summed where a later sharding says)."""
+    return (op.name in GIVEN_SHARDINGS and "sharding" in op.attributes
+            and len(sdy.TensorShardingAttr(op.attributes["sharding"]).unreduced_axes) > 0)
+
+
+def reads_unreduced(op: ir.Operation) -> bool:
+    """Whether ``op``'s first operand is a value ``leaves_unreduced`` made."""
+    if not op.operands or isinstance(op.operands[0], ir.BlockArgument):
+        return False
+    return leaves_unreduced(op.operands[0].owner.operation)
 
 
 def leaves_an_axis_free(module: ir.Module, sharding: ir.Attribute) -> bool:

@@ -491,3 +491,56 @@ def test_a_dot_xla_cpu_would_upcast_keeps_the_shardings_of_a_partitioned_program
         assert spec == results["want"], (policy, results)
         assert error < 2e-2, (policy, error)
         assert any(n.startswith("dot computed from f32 copies") for n in notes), notes
+
+
+UNREDUCED = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P, AxisType
+    import hlo_amp
+
+    mesh = jax.make_mesh((8,), ("m",), axis_types=(AxisType.Explicit,))
+
+    def row_parallel(x, w):  # partial sums left unreduced, summed at the reshard
+        y = jnp.matmul(x, w, out_sharding=P(None, None, unreduced={"m"}))
+        return jax.reshard(y, P(None, None)).astype(jnp.bfloat16)
+
+    def reduced_step(w, x):  # a reduced parameter's gradient comes back unreduced
+        g = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(w, x)
+        return jax.reshard(g, P(None, None))
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    results = {}
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jax.random.normal(keys[0], (32, 512)), P(None, "m"))
+        w = jax.device_put(jax.random.normal(keys[1], (512, 32)) / 16, P("m", None))
+        xs = jax.device_put(jax.random.normal(keys[2], (512, 32)), P("m", None))
+        wr = jax.device_put(jax.random.normal(keys[3], (32, 32)) / 4,
+                            P(None, None, reduced={"m"}))
+        for name, fn, args in (("row_parallel", row_parallel, (x, w)),
+                               ("reduced_step", reduced_step, (wr, xs))):
+            want = np.asarray(jax.jit(fn)(*args), np.float32)
+            for policy in ("bf16", "f16", "mixed_bfloat16", "bf16,reduce=bfloat16",
+                           "mixed_bfloat16,reduce=float32", "fp8"):
+                got = np.asarray(hlo_amp.compile(fn, policy)(*args), np.float32)
+                results[f"{name} {policy}"] = float(
+                    np.abs(got - want).max() / np.abs(want).max())
+        text = hlo_amp.compile(row_parallel, "bf16").lower(x, w).as_text()
+        results["partial sums"] = sorted({line.rsplit(":", 1)[1].strip() for line in
+                                          text.splitlines() if "unreduced=" in line})
+    print("RESULTS=" + json.dumps(results))
+""")
+
+
+def test_partial_sums_left_unreduced_are_summed_once() -> None:
+    """A dot whose partial sums jax leaves ``unreduced`` (Explicit mesh) keeps that
+    sharding on the dot: a convert or an fp8 scale written between them made Shardy sum
+    at the dot, and the reshard summed again (8x the value on 8 devices); the accurate
+    mode's convert after the sum was also moved above it (the sum in bf16)."""
+    from host_devices import run_on_host_devices
+
+    results = run_on_host_devices(UNREDUCED)
+    partial_sums = results.pop("partial sums")
+    for case, error in results.items():
+        assert error < (6e-2 if case.endswith("fp8") else 1e-2), (case, results)
+    assert partial_sums == ["tensor<32x32xf32>"], partial_sums  # bf16 sums f32, as jax.jit

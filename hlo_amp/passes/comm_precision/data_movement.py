@@ -18,6 +18,7 @@ from hlo_amp.ir.modules import (
     walk_operations,
     with_element,
 )
+from hlo_amp.ir.shardings import leaves_unreduced, reads_unreduced
 
 # Ops that only move or replicate the elements of their first operand (the others, if
 # any, are integer indices): one result of the first operand's element type, no smaller
@@ -42,7 +43,9 @@ def _is_mover(op: ir.Operation) -> bool:
         return False  # a second float operand (a padding value): not one value moved
     if op.name == "stablehlo.custom_call":
         return call_target(op) in _MOVER_CALLS
-    return True
+    # A sharding that leaves partial sums unreduced, or one that reads them (the sum
+    # itself), is no move: jax's form keeps the unreduced sharding on the sum's producer.
+    return not (leaves_unreduced(op) or reads_unreduced(op))
 
 
 def _narrowing_target(converts: list[ir.Operation], source: ir.Type) -> ir.Type | None:

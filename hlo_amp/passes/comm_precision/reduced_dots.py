@@ -12,6 +12,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import decision_of, element_type, live_uses, with_element
+from hlo_amp.ir.shardings import leaves_unreduced
 from hlo_amp.passes.comm_precision.axes import Axes, ModuleAxes, summed_everywhere
 from hlo_amp.report import Report
 
@@ -61,6 +62,8 @@ def retype_reduced_dots(module: ir.Module, axes: ModuleAxes, wanted: ir.Type,
             continue  # a dot the policy kept in f32: its reduction stays as written
         if str(wanted) not in (str(operand_element), "f32"):
             continue
+        if any(leaves_unreduced(use.owner.operation) for use in live_uses(result)):
+            continue  # jax leaves its partial sums unreduced: the program says where they are summed
         old_type = result.type
         readers = list(live_uses(result))
         with op.location, ir.InsertionPoint.after(op):
