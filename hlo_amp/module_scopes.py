@@ -154,8 +154,9 @@ class _Frame:
         return cls(kind, root, base, model, paths, modules)
 
     def like(self, signature: tuple, shapes: dict[Path, tuple[int, ...]]) -> list[Path]:
-        """Absolute paths of this frame's modules with ``signature``; of several, those
-        whose arrays have ``shapes`` or are stacks of them (a scan's layer)."""
+        """Absolute paths of this frame's modules with ``signature`` whose arrays have
+        ``shapes`` or are stacks of them (a scan's layer); of several that all differ,
+        every one."""
         if self._by_signature is None:
             self._by_signature = {}
             for path, module in self.modules:
@@ -163,9 +164,11 @@ class _Frame:
                 self._by_signature.setdefault(_signature(module, below), []).append(
                     (path, module))
         found = self._by_signature.get(signature, [])
-        if len(found) > 1:  # look-alikes of other sizes (an encoder's and a decoder's MLP)
-            fitting = [(p, m) for p, m in found if _fits(shapes, _shapes(self.kind, m))]
-            found = fitting or found
+        fitting = [(p, m) for p, m in found if _fits(shapes, _shapes(self.kind, m))]
+        if fitting or len(found) == 1:
+            # One look-alike of other sizes is another module of that class (a probe the
+            # step closes over), not a copy; of several, which one is unknown.
+            found = fitting
         return [self.base + p for p, _ in found]
 
 

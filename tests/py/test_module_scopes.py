@@ -368,6 +368,25 @@ def test_nnx_look_alikes_of_other_sizes_keep_their_paths() -> None:
     assert all(d.low_precision for d in decisions if d not in mine)
 
 
+def test_nnx_a_module_outside_the_model_gets_no_path() -> None:
+    """A module of the model's class that the step closes over (a probe of other sizes)
+    is not a copy of the model's one module of that class: it took the path 'enc' and
+    the rule scope:enc computed its dot in f32."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.enc = nnx.Linear(8, 16, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return jnp.tanh(self.enc(x))
+
+    model, probe = Net(nnx.Rngs(0)), nnx.Linear(16, 3, rngs=nnx.Rngs(1))
+    decisions = _decisions(lambda m, x: probe(m(x)).sum(), "bf16,scope:enc=float32",
+                           model, jnp.ones((2, 8)))
+    assert {(d.shape, d.scope, d.low_precision) for d in decisions} == {
+        ("2x16", "enc", False), ("2x3", "", True)}
+
+
 def test_nnx_no_scopes_or_patches_after_exit() -> None:
     model = NnxModel(nnx.Rngs(0))
     step, args = _nnx_step(model)
@@ -570,6 +589,24 @@ def test_equinox_look_alikes_of_other_sizes_keep_their_paths() -> None:
     scoped = hlo_amp.module_scopes(model)(_eqx_step)
     assert _forward_scopes(scoped, model, X) == {"enc/fc/eqx.nn.Linear",
                                                  "dec/fc/eqx.nn.Linear"}
+
+
+def test_equinox_a_module_outside_the_model_gets_no_path() -> None:
+    """As with NNX: a closed-over eqx.nn.Linear of other sizes took the model's one
+    Linear's path."""
+
+    class Net(eqx.Module):
+        enc: eqx.nn.Linear
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return jnp.tanh(self.enc(x))
+
+    model = Net(eqx.nn.Linear(8, 16, key=jax.random.PRNGKey(0)))
+    probe = eqx.nn.Linear(16, 3, key=jax.random.PRNGKey(1))
+    decisions = _decisions(lambda m, x: jax.vmap(lambda v: probe(m(v)))(x).sum(),
+                           "bf16,scope:enc=float32", model, jnp.ones((2, 8)))
+    assert {(d.shape, d.scope, d.low_precision) for d in decisions} == {
+        ("16x2", "enc/eqx.nn.Linear", False), ("3x2", "eqx.nn.Linear", True)}
 
 
 def test_equinox_no_scopes_or_patches_after_exit() -> None:
