@@ -384,6 +384,8 @@ def _write(files: list[tuple[str, str]]) -> None:
             if current == "-" or (os.path.exists(current) and not os.path.isfile(current)):
                 direct.append((current, text))
                 continue
+            with contextlib.suppress(FileNotFoundError):  # a new file, or a dangling link
+                os.stat(current)  # a loop of links fails here, as a shell's > fails
             target = os.path.realpath(current)
             mode = (stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target)
                     else 0o666 & ~_umask())
@@ -393,7 +395,8 @@ def _write(files: list[tuple[str, str]]) -> None:
             with os.fdopen(handle, "w") as out:
                 out.write(text)
             os.chmod(temporary, mode)
-        for current, text in direct:
+        # stdout last: a device or directory that cannot be written fails before it.
+        for current, text in sorted(direct, key=lambda pair: pair[0] == "-"):
             if current != "-":
                 with open(current, "w") as out:
                     out.write(text)

@@ -652,3 +652,25 @@ def test_console_script_is_installed(module_file: Path) -> None:
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert CONVERTED in result.stdout
+
+
+def test_an_unwritable_report_leaves_stdout_unwritten(module_file: Path, tmp_path: Path
+                                                      ) -> None:
+    """Both or neither with the output on stdout: a --report naming a directory or
+    /dev/full failed after the module was printed."""
+    for report in (tmp_path, Path("/dev/full")):
+        run = hlo_amp_opt(module_file, "--report", report)
+        assert run.returncode == 1 and run.stdout == "", (report, run.stdout[:200])
+        assert run.stderr.startswith(f"hlo-amp-opt: error: cannot write '{report}'"), run.stderr
+
+
+def test_output_to_a_loop_of_links_is_refused(module_file: Path, tmp_path: Path) -> None:
+    """-o naming a loop of symbolic links fails as a shell's > does; the link was
+    replaced by a regular file."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    run = hlo_amp_opt(module_file, "-o", tmp_path / "a")
+    assert run.returncode == 1, run.stderr
+    assert run.stderr == (f"hlo-amp-opt: error: cannot write '{tmp_path / 'a'}': "
+                          f"Too many levels of symbolic links\n"), run.stderr
+    assert (tmp_path / "a").is_symlink()
