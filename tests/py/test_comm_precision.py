@@ -9,11 +9,17 @@ show the precision. Numerics run on 8 CPU host devices.
 
 from __future__ import annotations
 
+import re
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
 from host_devices import run_on_host_devices
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import hlo_amp
 from hlo_amp.policy import Policy
 
 SCRIPT = textwrap.dedent("""
@@ -211,3 +217,43 @@ def test_reduce_in_the_policy_grammar() -> None:
         Policy.parse("bf16,reduce=float16")
     with pytest.raises(ValueError, match=r"Unsupported reduce 'int8'"):
         Policy(reduce="int8")
+
+
+def _weight_gradient_sums(fn, args, policy: str) -> tuple[list[str], str]:
+    """The element types of the all-reduces of arrays (not an fp8 amax's scalar) XLA
+    compiles ``jax.grad(fn)`` with, for 8 H100s without a device, and the report's
+    summary."""
+    compiled = hlo_amp.compile(jax.grad(fn), policy).lower(*args, target="h100x8").compile()
+    sums = re.findall(r"= (\w+)\[[\d,]+\]\S* all-reduce(?:-start)?\(", compiled.as_text())
+    return sums, compiled.report().summary()
+
+
+def test_reduce_reaches_the_gradients_after_a_lookup_and_fp8_gemms() -> None:
+    """reduce= sums every data-parallel weight gradient in its type: after an embedding
+    lookup (a gather: its batch-sharded result was read as unsharded, and no gradient
+    after it counted as summed) and under fp8 (an fp8 GEMM's result was never retyped,
+    and the fp8 pass's clamp to the format's range hid the batch sharding from every
+    later dot: 3 of 4 sums kept the other type)."""
+    mesh = hlo_amp.target_mesh("h100x8", {"data": 8})
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    table = jax.ShapeDtypeStruct((1024, 256), jnp.float32, sharding=replicated)
+    weight = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=replicated)
+    ids = jax.ShapeDtypeStruct((64, 32), jnp.int32, sharding=batch)
+
+    def after_lookup(w, table, ids):
+        return jnp.mean((table[ids] @ w) ** 2)
+
+    sums, _ = _weight_gradient_sums(after_lookup, (weight, table, ids), "bf16,reduce=bfloat16")
+    assert sums == ["bf16"], sums
+
+    def mlp(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x ** 2)
+
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32, sharding=batch)
+    for policy, wanted in (("fp8,reduce=float32", "f32"),
+                           ("fp8,propagate=false,reduce=bfloat16", "bf16")):
+        sums, summary = _weight_gradient_sums(mlp, ([weight] * 4, x), policy)
+        assert sums and set(sums) == {wanted}, (policy, sums)
+        assert "fp8 GEMMs kept by XLA: 6/6" in summary, summary

@@ -28,6 +28,7 @@ _SAME_RANK = frozenset({"stablehlo.slice", "stablehlo.reverse", "stablehlo.pad",
 _SHAPE_CHANGERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.transpose",
                              "stablehlo.reshape", "stablehlo.reduce"})
 _DOT = "stablehlo.dot_general"
+_SCALAR_OPERANDS = frozenset({"stablehlo.clamp", "stablehlo.select"})
 # walk_operations' ``into`` that enters no op: a function body's own ops.
 _TOP_LEVEL: frozenset[str] = frozenset()
 _MANUALS = frozenset({"sdy.manual_computation"})
@@ -127,6 +128,8 @@ def _result_axes(op: ir.Operation, known: dict[Any, Axes]) -> Axes | None:
         out += [lhs[d] for d in range(lhs_rank) if d not in lb and d not in lc]
         out += [rhs[d] for d in range(rhs_rank) if d not in rb and d not in rc]
         return _one_dim_per_axis(out)
+    if name == "stablehlo.gather":
+        return _gather_axes(op, operands[0], operands[1], rank)
     if first is None and name in _SHAPE_CHANGERS:
         return None
     if name == "stablehlo.broadcast_in_dim":
@@ -147,7 +150,11 @@ def _result_axes(op: ir.Operation, known: dict[Any, Axes]) -> Axes | None:
             return None
     else:  # elementwise ops (every operand has the result's shape)
         shape = list(ir.RankedTensorType(op.results[0].type).shape)
-        if any(_rank(value) != rank or list(ir.RankedTensorType(value.type).shape) != shape
+        # A clamp's bounds and a select's choice may be scalars (the fp8 pass's clamp to
+        # the format's range): they move nothing.
+        scalars_allowed = name in _SCALAR_OPERANDS
+        if any(not (scalars_allowed and _rank(value) == 0)
+               and (_rank(value) != rank or list(ir.RankedTensorType(value.type).shape) != shape)
                for value in op.operands):
             return None
     # The union per dimension.
@@ -156,6 +163,35 @@ def _result_axes(op: ir.Operation, known: dict[Any, Axes]) -> Axes | None:
         return None
     return _one_dim_per_axis([frozenset().union(*(axes[d] for axes in shaped))
                               for d in range(rank)])
+
+
+def _gather_axes(op: ir.Operation, operand: Axes | None, indices: Axes | None,
+                 rank: int) -> Axes:
+    """A gather's result: its batch dimensions take the indices' axes (an embedding
+    lookup's batch-sharded token ids), its offset dimensions the operand's where a
+    slice spans the whole operand dimension."""
+    numbers = hlo.GatherDimensionNumbers(op.attributes["dimension_numbers"])
+    offset_dims = list(numbers.offset_dims)
+    out = [frozenset[str]() for _ in range(rank)]
+    batch_positions = [d for d in range(rank) if d not in offset_dims]
+    index_dims = [d for d in range(_rank(op.operands[1]) or 0) if d != numbers.index_vector_dim]
+    position_of = dict(zip(index_dims, batch_positions, strict=False))
+    if indices is not None:
+        for index_dim, position in position_of.items():
+            out[position] = indices[index_dim]
+    if operand is not None:
+        operand_shape = list(ir.RankedTensorType(op.operands[0].type).shape)
+        sizes = _i64s(op.attributes["slice_sizes"])
+        dropped = {*numbers.collapsed_slice_dims, *numbers.operand_batching_dims}
+        kept = [d for d in range(len(operand_shape)) if d not in dropped]
+        for position, dim in zip(offset_dims, kept, strict=False):
+            if sizes[dim] == operand_shape[dim]:
+                out[position] = out[position] | operand[dim]
+        for operand_dim, index_dim in zip(numbers.operand_batching_dims,
+                                          numbers.start_indices_batching_dims, strict=False):
+            if index_dim in position_of:
+                out[position_of[index_dim]] |= operand[operand_dim]
+    return _one_dim_per_axis(out)
 
 
 def _one_dim_per_axis(dims: list[frozenset[str]]) -> Axes:

@@ -42,7 +42,7 @@ def _summed_across_devices(op: ir.Operation, known: dict[Any, Axes]) -> bool:
 
 def retype_reduced_dots(module: ir.Module, axes: ModuleAxes, wanted: ir.Type,
                          report: Report | None) -> int:
-    """Give ``wanted`` as the result element of the 16-bit dots whose partial results are
+    """Give ``wanted`` as the result element of the 16-bit and fp8 dots whose partial results are
     summed across devices in every context their function is called in, at any depth of
     loops and branches; a convert back keeps the readers' type."""
     # Decided before any is retyped: a retyped dot's readers read a convert.
@@ -52,16 +52,24 @@ def retype_reduced_dots(module: ir.Module, axes: ModuleAxes, wanted: ir.Type,
         operand_elements = {str(element_type(value)) for value in op.operands}
         result = op.results[0]
         have = element_type(result)
-        if str(have) == str(wanted) or len(operand_elements) != 1:
+        if str(have) == str(wanted):
             continue
-        operand_element = element_type(op.operands[0])
-        # An f32 dot the target runs as one 16-bit pass (insert_converts' TPU rule) counts
-        # as that type: f32 x f32 -> bf16 there is the converted dot's arithmetic.
-        operand_element = _runs_as(op, report) or operand_element
-        if not isinstance(operand_element, ir.FloatType) or operand_element.width != 16:
-            continue  # a dot the policy kept in f32: its reduction stays as written
-        if str(wanted) not in (str(operand_element), "f32"):
-            continue
+        # An fp8 GEMM (e5m2 x e4m3 in the backward pass) returns the type asked of it:
+        # its partial sums cross devices in that type, the scale multiply after the sum.
+        fp8 = all(isinstance(element_type(v), ir.FloatType) and element_type(v).width == 8
+                  for v in op.operands)
+        if not fp8:
+            if len(operand_elements) != 1:
+                continue
+            operand_element = element_type(op.operands[0])
+            # An f32 dot the target runs as one 16-bit pass (insert_converts' TPU rule)
+            # counts as that type: f32 x f32 -> bf16 there is the converted dot's
+            # arithmetic.
+            operand_element = _runs_as(op, report) or operand_element
+            if not isinstance(operand_element, ir.FloatType) or operand_element.width != 16:
+                continue  # a dot the policy kept in f32: its reduction stays as written
+            if str(wanted) not in (str(operand_element), "f32"):
+                continue
         if any(leaves_unreduced(use.owner.operation) for use in live_uses(result)):
             continue  # jax leaves its partial sums unreduced: the program says where they are summed
         old_type = result.type
