@@ -127,6 +127,9 @@ class Report:
     collectives: list[Any] = field(default_factory=list)
     # Every softmax attention found, fused or not (passes/fused_attention/).
     attention: list[AttentionSite] = field(default_factory=list)
+    # False where the passes run left out insert_converts, which decides matrix ops
+    # (hlo-amp-opt --pass ...): no decision then says nothing of the ops there are.
+    matrix_ops_decided: bool = True
 
     def name_parsed_buffer(self, source_name: str) -> None:
         """Write ``source_name`` for the ``-`` that jaxlib's bindings name a parsed text
@@ -190,7 +193,14 @@ class Report:
         kinds = [k for k in _KIND_ORDER if any(d.op_kind == k for d in self.decisions)]
         kinds += sorted({d.op_kind for d in self.decisions} - set(kinds))
         if not kinds:
-            line = "no dot or convolution ops found"
+            if not self.matrix_ops_decided:
+                line = "no matrix-op decisions: the passes run leave out hlo-amp-insert-converts"
+            elif any(a.fused for a in self.attention):
+                # Its matmuls run in the fused kernels' 16-bit type.
+                line = ("no dot or convolution ops outside fused attention; 100% of FLOPs in "
+                        "16-bit or narrower")
+            else:
+                line = "no dot or convolution ops found"
             if self.attention:
                 line += "; " + self.attention_clause()
             return line + ("; " + self.collectives_clause() if self.collectives else "")
@@ -206,6 +216,9 @@ class Report:
         low = sum(d.flops or 0 for d in self.decisions if d.low_precision) + fused
         share = f"{100.0 * low / total:.0f}%" if total else "n/a"
         line = f"low precision: {', '.join(parts)}; {share} of FLOPs in 16-bit or narrower"
+        unknown = sum(d.flops is None for d in self.decisions)
+        if unknown:  # a dynamic shape: the share leaves them out
+            line += f" ({unknown} {'op' if unknown == 1 else 'ops'} of unknown FLOPs left out)"
         left = [d for d in self.decisions if d.runs_as]
         if left:
             types = "/".join(dict.fromkeys(d.runs_as or "" for d in left))
@@ -346,6 +359,9 @@ class Report:
 
     def plot(self, path: Any, depth: int = 1, top: int = 25) -> Any:
         """Write a PNG bar chart of ``flops_by_scope(depth)`` (the ``top`` biggest scopes)."""
+        if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+            raise ValueError(f"top must be a whole number >= 1 (the scopes drawn as bars of "
+                             f"their own); got {top!r}")
         rows = self.flops_by_scope(depth)
         figure_type = matplotlib_figure("Report.plot")
         names = list(rows)[:top]
@@ -367,9 +383,11 @@ class Report:
         axes.invert_yaxis()  # biggest scope on top
         axes.set_xlabel(f"{unit} per call")
         axes.set_title(f"{self.policy}: FLOPs per scope (depth {depth})", fontsize=10)
-        axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.5 / (4 + len(names))),
-                    ncol=3, fontsize=8, frameon=False)
-        figure.tight_layout()
+        # Below the axis label, in a band of its own (under the axes it covered the
+        # label of a chart of few scopes), as Attribution.plot's.
+        figure.legend(*axes.get_legend_handles_labels(), loc="lower center", ncol=3,
+                      fontsize=8, frameon=False)
+        figure.tight_layout(rect=(0, 0.35 / figure.get_figheight(), 1, 1))
         figure.savefig(path, dpi=110)
         return path
 

@@ -140,6 +140,8 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
     if verify_each is None:
         verify_each = verify_each_requested()
     pipeline = list(passes if passes is not None else default_pipeline(policy, target))
+    if not report.decisions and not any(isinstance(p, InsertConverts) for p in pipeline):
+        report.matrix_ops_decided = False
     # The passes make no reference cycles: all they allocate is freed by reference
     # counting (tests/py/test_pass_cost.py checks), so the cyclic collector has nothing
     # to find in them. Left on, the tens of thousands of short-lived objects a large

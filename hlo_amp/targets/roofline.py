@@ -259,6 +259,17 @@ def _conv_flops(call: Instruction, shapes: list[Array], target: str) -> int:
     return 2 * math.prod(output.shape) * math.prod(kernel.shape) // max(1, out_features)
 
 
+def window_products(out_size: int, in_size: int, size: int, stride: int = 1,
+                    lhs_dilate: int = 1, rhs_dilate: int = 1, pad_low: int = 0) -> int:
+    """Along one spatial dimension of a convolution, the (output position, window
+    position) pairs that land on an input element: not on padding, not on a hole of
+    ``lhs_dilate`` (a transposed convolution's). ``out_size * size`` without either."""
+    extent = (in_size - 1) * lhs_dilate
+    return sum(1 for o in range(out_size) for k in range(size)
+               if 0 <= (p := o * stride + k * rhs_dilate - pad_low) <= extent
+               and p % lhs_dilate == 0)
+
+
 def _hlo_conv_flops(conv: Instruction, shapes: list[Array]) -> int:
     """FLOPs of an HLO ``convolution`` counting only the products XLA computes: per
     output element, the window positions that land on an input element, not on padding
@@ -282,10 +293,9 @@ def _hlo_conv_flops(conv: Instruction, shapes: list[Array]) -> int:
         lhs_dilate = window.get("lhs_dilate", [1] * len(spatial))[d]
         rhs_dilate = window.get("rhs_dilate", [1] * len(spatial))[d]
         pad_low = window.get("pad", [0] * 2 * len(spatial))[2 * d]
-        extent = (lhs.shape[lhs_labels.index(label)] - 1) * lhs_dilate
-        macs *= sum(1 for o in range(out.shape[out_labels.index(label)]) for k in range(size)
-                    if 0 <= (p := o * stride + k * rhs_dilate - pad_low) <= extent
-                    and p % lhs_dilate == 0)
+        macs *= window_products(out.shape[out_labels.index(label)],
+                                lhs.shape[lhs_labels.index(label)], size, stride,
+                                lhs_dilate, rhs_dilate, pad_low)
     return 2 * macs
 
 

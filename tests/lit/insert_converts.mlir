@@ -375,25 +375,28 @@ func.func @in_case(%p: tensor<i32>, %x: tensor<2x4xf32>, %w: tensor<4x4xf32>) ->
 
 // -----
 
-// A private function called from scopes the policy treats differently is specialised:
-// the "head" call gets a clone @inner_amp0 kept in f32; "enc" and "dec" decide alike
-// and share @inner.
+// A private function called from several scopes is specialised per scope, so that each
+// call's ops are reported under its own scope: the "head" call gets a clone @inner_amp0
+// kept in f32, "dec" a clone @inner_amp1 in bf16 as "enc"'s @inner.
 // CHECK-LABEL: func.func @calls_from_two_scopes
 // CHECK:         %[[E:.*]] = call @inner(%arg0, %arg1)
 // CHECK:         %[[H:.*]] = call @inner_amp0(%[[E]], %arg1)
-// CHECK:         call @inner(%[[H]], %arg1)
+// CHECK:         call @inner_amp1(%[[H]], %arg1)
 // CHECK-LABEL: func.func private @inner(
 // CHECK:         %[[X16:.*]] = stablehlo.convert %arg0
 // CHECK:         %[[W16:.*]] = stablehlo.convert %arg1
 // CHECK:         stablehlo.dot_general %[[X16]], %[[W16]], {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>
+// CHECK-LABEL: func.func private @inner_amp1(
+// CHECK:         stablehlo.dot_general {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>) -> tensor<2x4xf32>
 // CHECK-LABEL: func.func private @inner_amp0(
 // CHECK-NOT:     stablehlo.convert
 // CHECK:         stablehlo.dot_general %arg0, %arg1, {{.*}} : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32>
-// Under a policy that decides all three calls alike there is no clone.
+// Under a policy that decides all three calls alike each scope still has its body.
 // F16-LABEL:   func.func @calls_from_two_scopes
-// F16-NOT:       @inner_amp0
+// F16:           call @inner(
+// F16:           call @inner_amp0(
+// F16:           call @inner_amp1(
 // F16:           func.func private @inner(
-// F16-NOT:       @inner_amp0
 func.func @calls_from_two_scopes(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
   %0 = func.call @inner(%x, %w) : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/enc/jit(inner)")
   %1 = func.call @inner(%0, %w) : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/head/jit(inner)")

@@ -6,7 +6,8 @@
 // Idempotence, on located output.
 // RUN: hlo-amp-opt %S/inputs/inner_jit.mlir --policy 'bf16,scope:head=keep' --debug-info \
 // RUN:   | hlo-amp-opt --policy 'bf16,scope:head=keep' | filecheck %s --enable-var-scope
-// Decided alike from both scopes: no clone.
+// Decided alike from both scopes: still a body per scope, each call's op reported under
+// its own scope.
 // RUN: hlo-amp-opt %S/inputs/inner_jit.mlir --policy bf16 | filecheck %s --check-prefix=SAME
 // RUN: hlo-amp-opt %S/inputs/inner_jit.mlir --policy 'bf16,scope:head=keep' --report - \
 // RUN:   -o /dev/null 2>&1 | filecheck %s --check-prefix=JSON
@@ -25,9 +26,11 @@
 // CHECK-NOT:     func.func
 
 // SAME-LABEL: func.func public @main
-// SAME-COUNT-2: call @inner(
-// SAME-NOT:     @inner_amp
+// SAME:         call @inner(
+// SAME:         call @inner_amp0(
 // SAME:         func.func private @inner(
+// SAME:         stablehlo.dot_general {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>)
+// SAME:         func.func private @inner_amp0(
 // SAME:         stablehlo.dot_general {{.*}} : (tensor<2x4xbf16>, tensor<4x4xbf16>)
 // SAME-NOT:     func.func
 

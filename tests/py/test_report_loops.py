@@ -114,6 +114,25 @@ def test_inner_jit_called_twice():
     assert sum(d.flops for d in report.decisions) == 2 * 2 * WIDTH ** 3
 
 
+def test_inner_jit_called_under_two_scopes_is_reported_under_each():
+    """One private function called under two named scopes with the same decisions: each
+    call site's ops are reported (and measured by attribute) under their own scope. The
+    body was shared and reported once, under the first scope with both calls' FLOPs."""
+    inner = jax.jit(lambda h, w: jnp.tanh(h @ w))
+
+    def fn(x, w):
+        with jax.named_scope("enc"):
+            h = inner(x, w)
+        with jax.named_scope("dec"):
+            return inner(h, w)
+
+    args = jnp.ones((BATCH, WIDTH)), jnp.ones((WIDTH, WIDTH))
+    report = _report(fn, "bf16", *args)
+    assert sorted((d.scope, d.runs, d.flops) for d in report.decisions) == [
+        ("dec", 1, 2 * BATCH * WIDTH * WIDTH), ("enc", 1, 2 * BATCH * WIDTH * WIDTH)]
+    assert sorted(hlo_amp.attribute(fn, "bf16", *args).ranking) == ["dec", "enc"]
+
+
 @pytest.mark.parametrize("traced_bound", [False, True], ids=["while_loop", "fori_traced"])
 def test_unknown_trip_count_counts_once_and_says_so(traced_bound):
     if traced_bound:
@@ -159,3 +178,28 @@ def test_trip_count_of_a_count_down(direction, trips):
         (loop,) = walk_operations(module, names=frozenset({"stablehlo.while"}))
         found = trip_count(loop)
     assert found == trips
+
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+@pytest.mark.parametrize("conv", [
+    lambda a, b: jax.lax.conv_general_dilated(a, b, (1, 1), "VALID", dimension_numbers=_NHWC),
+    lambda a, b: jax.lax.conv_general_dilated(a, b, (2, 1), "SAME", dimension_numbers=_NHWC,
+                                              rhs_dilation=(1, 2)),
+    lambda a, b: jax.lax.conv_transpose(a, b, (2, 2), "SAME", dimension_numbers=_NHWC),
+    # its gradients: the input's is lhs-dilated, the kernel's a batch-grouped conv
+    lambda a, b: jax.grad(lambda a, b: jnp.sum(jax.lax.conv_general_dilated(
+        a, b, (2, 2), "SAME", dimension_numbers=_NHWC) ** 2), argnums=(0, 1))(a, b),
+    lambda a, b: jax.lax.conv_general_dilated(a, b[..., :2, :], (1, 1), "SAME",
+                                              dimension_numbers=_NHWC, feature_group_count=2),
+], ids=["valid", "same_strided_dilated", "transposed", "gradients", "grouped"])
+def test_convolution_flops_are_the_products_xla_computes(conv):
+    """A convolution's FLOPs leave out the products with padding and with the holes of
+    lhs_dilation, as XLA's cost analysis counts them: a transposed convolution was
+    counted 4.4x, a SAME one 1.19x."""
+    x, w = jnp.ones((2, 8, 8, 4)), jnp.ones((3, 3, 4, 6))
+    report = _report(conv, "f32", x, w)
+    want = jax.jit(conv).lower(x, w).compile().cost_analysis()["flops"]
+    got = sum(d.flops for d in report.decisions)
+    assert report.decisions and got <= want <= got * 1.02, (got, want)  # XLA counts the loss too

@@ -72,6 +72,40 @@ def test_bad_depth_is_one_clear_error(depth):
         report.flops_by_scope(depth)
 
 
+@pytest.mark.parametrize("top", [0, -1, 2.5, "3", True])
+def test_bad_top_is_one_clear_error(top, tmp_path):
+    """top=-1 drew a tail bar named '(4 more)' holding one scope; 2.5 raised a bare
+    TypeError from a slice."""
+    with pytest.raises(ValueError, match=r"top must be a whole number >= 1.*got"):
+        _report("bf16").plot(tmp_path / "x.png", top=top)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_the_legend_keeps_off_the_axis_label(tmp_path, monkeypatch):
+    """With one to a few scopes the legend was drawn over the x axis's label."""
+    import matplotlib.figure
+
+    overlaps = []
+    save = matplotlib.figure.Figure.savefig
+
+    def checked(figure, *args, **kwargs):
+        saved = save(figure, *args, **kwargs)  # measured at the dpi it is saved with
+        renderer = figure.canvas.get_renderer()
+        label = figure.axes[0].xaxis.label.get_window_extent(renderer)
+        legends = figure.legends + [figure.axes[0].get_legend()] * bool(
+            figure.axes[0].get_legend())
+        overlaps.append([label.overlaps(legend.get_window_extent(renderer))
+                         for legend in legends])
+        return saved
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", checked)
+    report = _report("bf16")
+    for depth in (1, 2):
+        report.plot(tmp_path / f"depth{depth}.png", depth=depth)
+    report.plot(tmp_path / "top1.png", depth=2, top=1)
+    assert overlaps == [[False]] * 3
+
+
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     report = _report("bf16")
     for name in list(sys.modules):

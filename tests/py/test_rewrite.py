@@ -200,6 +200,35 @@ def test_report_summary_line() -> None:
     assert Report().summary() == "no dot or convolution ops found"
 
 
+def test_report_summary_without_decisions_says_why() -> None:
+    """Passes run without insert_converts decide no matrix op (hlo-amp-opt --pass): the
+    line said "no dot or convolution ops found" of a module full of them. A program whose
+    every matmul went into fused attention is all 16-bit (it said the same, no share);
+    ops of unknown FLOPs (a dynamic shape) are named as left out of the share."""
+    from hlo_amp.passes import CleanupConverts, run_pipeline
+
+    module = parse_module(TEXT)
+    report = run_pipeline(module, hlo_amp.Policy.parse("bf16"), passes=[CleanupConverts()])
+    assert report.summary() == ("no matrix-op decisions: the passes run leave out "
+                                "hlo-amp-insert-converts")
+    q = jnp.ones((2, 128, 4, 64))
+
+    def attend(q, k, v):
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
+
+    fused = hlo_amp.compile(attend, "bf16").lower(q, q, q, target="h100").report()
+    assert fused.summary().startswith("no dot or convolution ops outside fused attention; "
+                                      "100% of FLOPs in 16-bit or narrower; attention: 1 of 1")
+    unknown = Report(decisions=[Decision(
+        function="main", op_kind="dot_general", scope="", direction="forward",
+        operands_before=("f32", "f32"), operands_after=("bf16", "bf16"),
+        result_before="f32", result_after="f32", action="compute", rule="op:dot_general",
+        changed=True, reason="", flops=None)])
+    assert unknown.summary().endswith("of FLOPs in 16-bit or narrower (1 op of unknown FLOPs "
+                                      "left out)")
+
+
 def test_report_json_and_unused_rules() -> None:
     report = _report("bf16,scope:head=keep,scope:nowhere=keep,backward=compute")
     data = json.loads(report.to_json())

@@ -117,9 +117,12 @@ class CallGraph:
                 site = self.site(op, kind, prefix)
                 positions = self.positions.get((original, index, prefix, path), ())
                 # The positions too: the first and the last call of one function may
-                # get one action, but each is reported under its own rule.
+                # get one action, but each is reported under its own rule; and the scope
+                # path: a layer called under two named scopes is reported (and measured
+                # by attribute/autopolicy) under each, not twice under the first.
                 parts.append((self.policy.decide(site.scope, kind, site.gradient_pass, positions,
-                                                 asks_for_precision(op)).action, positions))
+                                                 asks_for_precision(op)).action, positions,
+                              site.scope_path))
             elif body_name(op) in self.by_name:
                 inner = body_name(op)
                 parts.append(self.signature(inner, self._callee_prefix(prefix, op),

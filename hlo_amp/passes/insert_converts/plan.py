@@ -28,6 +28,7 @@ from hlo_amp.policy import (
 )
 from hlo_amp.targets import NO_TARGET, Target
 from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, dequantized_format
+from hlo_amp.targets.roofline import window_products
 
 
 def estimate_flops(op: Any, kind: str) -> int | None:
@@ -52,12 +53,38 @@ def estimate_flops(op: Any, kind: str) -> int | None:
         return 2 * out * (lhs.shape[-1] if lhs.rank else 1)
     if kind == "ragged_dot":
         return _ragged_dot_flops(op, lhs, rhs)
+    return _conv_flops(op, lhs, rhs, result)
+
+
+def _conv_flops(op: Any, lhs: ir.RankedTensorType, rhs: ir.RankedTensorType,
+                result: ir.RankedTensorType) -> int:
+    """2 × the products a ``stablehlo.convolution`` computes: per output batch element and
+    feature, the kernel's input features times, along each spatial dimension, the
+    window positions that land on an input element (not on padding or on the holes of
+    ``lhs_dilation``: a transposed convolution, a strided one's input gradient), as
+    XLA's cost analysis and the roofline count them."""
     numbers = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
-    kernel = 1
-    for size in rhs.shape:
-        kernel *= size
-    out_features = rhs.shape[numbers.kernel_output_feature_dimension]
-    return 2 * out * kernel // max(out_features, 1)
+    spatial = len(numbers.output_spatial_dimensions)
+
+    def window(name: str, default: int) -> list[int]:
+        if name not in op.attributes:
+            return [default] * spatial
+        return list(ir.DenseI64ArrayAttr(op.attributes[name]))
+
+    strides, lhs_dilation, rhs_dilation = (window("window_strides", 1),
+                                           window("lhs_dilation", 1), window("rhs_dilation", 1))
+    padding = (list(ir.DenseIntElementsAttr(op.attributes["padding"]))
+               if "padding" in op.attributes else [0] * 2 * spatial)
+    products = (result.shape[numbers.output_batch_dimension]
+                * result.shape[numbers.output_feature_dimension]
+                * rhs.shape[numbers.kernel_input_feature_dimension])
+    for d in range(spatial):
+        products *= window_products(
+            result.shape[numbers.output_spatial_dimensions[d]],
+            lhs.shape[numbers.input_spatial_dimensions[d]],
+            rhs.shape[numbers.kernel_spatial_dimensions[d]],
+            strides[d], lhs_dilation[d], rhs_dilation[d], padding[2 * d])
+    return 2 * products
 
 
 def _ragged_dot_flops(op: Any, lhs: ir.RankedTensorType, rhs: ir.RankedTensorType) -> int:
