@@ -27,6 +27,9 @@ Each entry and why we need it:
 - ``config.trace_context`` and ``trace_context_names``: ``program_context``, the
   configuration a trace reads (x64, default matmul precision), in the export and
   measurement cache keys as in jax.jit's.
+- ``mesh.get_concrete_mesh``: ``mesh_context``, the mesh ``jax.set_mesh`` set (with its
+  devices' order), in a call's key as in jax.jit's; ``jax.sharding.get_mesh`` refuses to
+  answer inside a trace, where hlo_amp binds its call.
 - ``api_util.infer_argnums_and_argnames``: static arguments by position and by name
   complete each other as under jax.jit (``AmpFunction``).
 - ``source_info_util._source_info_context`` and ``new_source_info``: ``fresh_source_info``, so
@@ -78,6 +81,7 @@ import jax.extend.core
 import jax.numpy as jnp
 from jax._src import api_util, core, source_info_util, stages
 from jax._src import config as jax_config
+from jax._src import mesh as mesh_lib
 from jax._src.export import _export as export_internals
 from jax._src.interpreters import ad, batching, partial_eval
 from jax._src.interpreters import mlir as jax_mlir
@@ -110,6 +114,7 @@ eval_jaxpr = _needs(core, "jax._src.core", "eval_jaxpr", ("jaxpr", "consts"))
 # jax.jit's cache keys, and of ours (program_context below).
 _trace_context = _needs(jax_config, "jax._src.config", "trace_context")
 _trace_context_names = _needs(jax_config, "jax._src.config", "trace_context_names")
+_concrete_mesh = _needs(mesh_lib, "jax._src.mesh", "get_concrete_mesh", ())
 # jax.jit's completion of static/donated argument numbers from names and back.
 infer_argnums_and_argnames = _needs(api_util, "jax._src.api_util",
                                     "infer_argnums_and_argnames", ("sig", "argnums", "argnames"))
@@ -210,6 +215,14 @@ def program_context() -> tuple:
     if len(names) != len(values):
         return values
     return tuple(values[i] for i in _program_positions(names))
+
+
+def mesh_context() -> tuple:
+    """The mesh ``jax.set_mesh`` set where a function is called, abstract and concrete
+    (its devices' order), which its trace reads (a bare ``PartitionSpec`` in
+    ``with_sharding_constraint``, ``get_abstract_mesh()``): part of a call's key, as of
+    jax.jit's; ``program_context`` leaves the mesh out."""
+    return (jax.sharding.get_abstract_mesh(), _concrete_mesh())
 
 
 @functools.lru_cache(maxsize=8)

@@ -619,16 +619,23 @@ class AmpFunction:
     # -- signatures --
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
+        """The dynamic arguments and the static ones' key: each value with its type, as
+        jax.jit keys them (1, 1.0 and True are equal, and trace different programs)."""
         dyn_args, dyn_kwargs, static_args, static_kwargs = split_static(
             args, kwargs, self.static_argnums, self.static_argnames)
-        return dyn_args, dyn_kwargs, (static_args, static_kwargs)
+        return dyn_args, dyn_kwargs, (tuple((i, type(v), v) for i, v in static_args),
+                                      tuple((k, type(v), v) for k, v in static_kwargs))
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list, Any, Any]:
         """Dynamic args and kwargs, their leaves and treedef, and the cache key."""
         dyn_args, dyn_kwargs, static_key = self._split(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        key = (treedef, tuple(leaf_signature(x) for x in leaves), static_key,
-               internals.program_context())
+        # Committed or not, as jax.jit keys it: the outputs of a call with uncommitted
+        # arrays are uncommitted.
+        key = (treedef, tuple((leaf_signature(x), isinstance(x, jax.Array)
+                               and not isinstance(x, internals.Tracer) and x.committed)
+                              for x in leaves), static_key,
+               internals.program_context(), internals.mesh_context())
         return dyn_args, dyn_kwargs, leaves, treedef, key
 
     def cache_size(self) -> int:
@@ -811,7 +818,7 @@ class AmpFunction:
         """Bind the amp_call primitive, so vmap/jvp/grad around it stay rewritten."""
         dyn_args, dyn_kwargs, static_key = self._split(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        key = ("call", treedef, static_key)
+        key = ("call", treedef, static_key, internals.mesh_context())
         program = Program(self._programs, self._bound(args, kwargs, treedef, key),
                           self.__name__, key)
         avals = avals_key(leaves)

@@ -86,6 +86,25 @@ def test_static_argnums_and_argnames():
     assert amp.lowerings == 3
 
 
+def test_equal_static_values_of_other_types_trace_anew():
+    """1, 1.0 and True are equal static values that trace different programs (the
+    fill's dtype follows its Python type), as jax.jit keys them; the first call's program
+    served all three, on the dispatch path and on the host-callback path."""
+    def fill(x, w, value):
+        return x @ w, jnp.full((2,), value)
+
+    def fill_with_callback(x, w, value):
+        jax.debug.callback(lambda v: None, x.sum())
+        return x @ w, jnp.full((2,), value)
+
+    x, w = _rand(0, (4, 8)), _rand(1, (8, 8))
+    for fn in (fill, fill_with_callback):
+        want = [jax.jit(fn, static_argnums=2)(x, w, v)[1].dtype for v in (1, 1.0, True)]
+        amp = hlo_amp.compile(fn, "bf16", static_argnums=2)
+        assert [amp(x, w, v)[1].dtype for v in (1, 1.0, True)] == want, fn.__name__
+        assert want == [jnp.int32, jnp.float32, jnp.bool_]
+
+
 # XLA:CPU alone fails this (DotThunk rejects a bf16 dot whose result it transposes);
 # the fast-dot-layout pass relays the dot so it runs.
 def _live(type_names: tuple[str, ...]) -> int:

@@ -544,3 +544,52 @@ def test_partial_sums_left_unreduced_are_summed_once() -> None:
     for case, error in results.items():
         assert error < (6e-2 if case.endswith("fp8") else 1e-2), (case, results)
     assert partial_sums == ["tensor<32x32xf32>"], partial_sums  # bf16 sums f32, as jax.jit
+
+
+CALL_CONTEXT = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P, AxisType
+    import hlo_amp
+
+    d0, d1 = jax.devices()[:2]
+    meshes = [Mesh(np.array(devices), ("d",), axis_types=(AxisType.Auto,))
+              for devices in ([d0, d1], [d1, d0], [d0])]
+
+    def constrained(x, w):  # reads the mesh jax.set_mesh gives
+        y = jax.lax.with_sharding_constraint(x @ w, P("d"))
+        return y, jnp.float32(jax.sharding.get_abstract_mesh().size)
+
+    def with_callback(x, w):  # dispatched from hlo_amp's own cache
+        jax.debug.callback(lambda v: None, x.sum())
+        return x @ w
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    results = {}
+    for name, fn in (("jit", jax.jit(constrained)),
+                     ("amp", hlo_amp.compile(constrained, "bf16"))):
+        seen = []
+        for mesh in meshes:
+            with jax.set_mesh(mesh):
+                y, size = fn(x, w)
+            seen.append([[d.id for d in y.sharding.mesh.devices.flat], float(size)])
+        results[name] = seen
+    for name, fn in (("jit committed", jax.jit(with_callback)),
+                     ("amp committed", hlo_amp.compile(with_callback, "bf16"))):
+        first = fn(jax.device_put(x, d0), jax.device_put(w, d0)).committed
+        results[name] = [first, fn(x, w).committed]
+    print("RESULTS=" + json.dumps(results))
+""")
+
+
+def test_a_call_keys_on_the_context_mesh_and_on_committed_arguments() -> None:
+    """As jax.jit's cache: a call under another jax.set_mesh mesh (other devices' order,
+    another size) traces anew (the first mesh's program ran: its devices, its size read
+    in the function), and a function dispatched from hlo_amp's own cache (a host
+    callback) keys on whether its arguments are committed (uncommitted arrays after
+    committed ones came back committed)."""
+    from host_devices import run_on_host_devices
+
+    results = run_on_host_devices(CALL_CONTEXT, devices=2)
+    assert results["amp"] == results["jit"] == [[[0, 1], 2.0], [[1, 0], 2.0], [[0], 1.0]]
+    assert results["amp committed"] == results["jit committed"] == [True, False]
