@@ -127,7 +127,8 @@ def _groups(report: Report, depth: Any) -> dict[str, list[Decision]]:
         example = max((d.scope for d in report.decisions), key=lambda s: len(_segments(s)),
                       default="")
         accepted = (f"an int from 1 to {deepest} (fn's deepest scope is {example!r})"
-                    if deepest else "an int >= 1 (fn's matrix ops have no named scope)")
+                    if deepest else "1 (fn's matrix ops have no named scope)"
+                    if report.decisions else "an int >= 1")
         # depth="1" read "Unknown depth '1'; accepted: 1 to 1": name the type it has.
         given = repr(depth) if is_int else f"{depth!r} (a {type(depth).__name__})"
         raise ValueError(f"Unknown depth {given}; accepted: {accepted}")

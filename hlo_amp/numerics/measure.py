@@ -3,6 +3,7 @@ and the scaled error of every output leaf."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import weakref
@@ -127,6 +128,22 @@ def _static_argnums(fn: Any) -> tuple[int, ...]:
     return tuple(info.static_argnums) if info is not None else ()
 
 
+def _as_written(fn: Any) -> tuple[Any, tuple[int, ...]]:
+    """``fn`` as written and its static argument positions: an ``hlo_amp.compile``
+    function's own function, also under ``functools.partial`` (which binding a
+    keyword-only static argument needs), so that the reference is not a rewrite."""
+    if isinstance(fn, functools.partial):
+        inner, statics = _as_written(fn.func)
+        if inner is fn.func:
+            return fn, _static_argnums(fn)
+        bound = len(fn.args)
+        return (functools.partial(inner, *fn.args, **fn.keywords),
+                tuple(i - bound for i in statics if i >= bound))
+    if isinstance(fn, AmpFunction):  # measure the function, not a rewritten rewrite
+        return fn.fn, fn.static_argnums
+    return fn, _static_argnums(fn)
+
+
 def _with_statics_bound(fn: Callable[..., Any], args: tuple, statics: tuple[int, ...]
                         ) -> tuple[Callable[..., Any], tuple]:
     """``fn`` as a function of the arguments not at ``statics``, those bound to their
@@ -156,9 +173,7 @@ class Session:
     """One public call: its arguments, the runs it made, what it compiled."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, what: str) -> None:
-        statics = _static_argnums(fn)
-        if isinstance(fn, AmpFunction):  # measure the function, not a rewritten rewrite
-            fn = fn.fn
+        fn, statics = _as_written(fn)
         if not callable(fn):
             raise ValueError(f"hlo_amp.{what} expects a callable, got {fn!r}")  # noqa: TRY004
         fn, args = _with_statics_bound(fn, args, normalise_argnums(statics, len(args)))

@@ -8,6 +8,7 @@ exact result is the sum of the noise and whose bf16 operands round the noise awa
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 
@@ -397,8 +398,34 @@ def test_a_function_without_named_scopes_is_one_top_level_row():
 
     attribution = hlo_amp.attribute(fn, "bf16", X)
     assert [row.scope for row in attribution.scopes] == ["(top level)"]
+    # Depth 2 was refused naming "an int >= 1" as accepted.
+    with pytest.raises(ValueError, match=r"^Unknown depth 2; accepted: 1 \(fn's matrix ops "
+                                         r"have no named scope\)$"):
+        hlo_amp.attribute(fn, "bf16", X, depth=2)
     chosen = hlo_amp.autopolicy(fn, X, budget=1.0, progress=False)
     assert chosen.met and chosen.policy == hlo_amp.Policy.preset("bf16")
+
+
+def test_a_partial_of_a_compiled_function_is_measured_as_written():
+    """functools.partial of an hlo_amp.compile function (how a keyword-only static
+    argument is bound) is measured against its function as written: the reference was
+    the compiled bf16 program itself, every error 0, and autopolicy returned plain bf16
+    for a budget bf16 misses by 100x."""
+    def fn(x, w, *, layers):
+        for i in range(layers):
+            with jax.named_scope(f"l{i}"):
+                x = jnp.tanh(x @ w) * 3
+        return x
+
+    w = jax.random.normal(jax.random.key(0), (32, 32)) / 6
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    step = hlo_amp.compile(fn, "bf16", static_argnames="layers")
+    bound = functools.partial(step, w=w, layers=2)
+    want = hlo_amp.compare(functools.partial(fn, w=w, layers=2), "bf16", x, f64=False).error
+    assert want > 1e-3
+    assert hlo_amp.compare(bound, "bf16", x, f64=False).error == want
+    chosen = hlo_amp.autopolicy(bound, x, budget=1e-4, progress=False)
+    assert chosen.policy != hlo_amp.Policy.preset("bf16") and chosen.error <= 1e-4
 
 
 # ---- bad arguments -----------------------------------------------------------------------
