@@ -388,8 +388,10 @@ def check_reference(reference: Any) -> str:
 
 def check_tolerance(value: Any, what: str, *, zero_ok: bool) -> float:
     if (isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
-            and jnp.issubdtype(value.dtype, jnp.floating)):
-        value = float(value)  # jnp.float32(1e-2), a 0-d array: its number (it was refused)
+            and (jnp.issubdtype(value.dtype, jnp.floating)
+                 or jnp.issubdtype(value.dtype, jnp.integer))):
+        # jnp.float32(1e-2), jnp.int32(1), a 0-d array: its number (they were refused)
+        value = float(value)
     ok = (isinstance(value, (int, float, np.floating, np.integer))
           and not isinstance(value, bool) and math.isfinite(float(value))
           and (float(value) >= 0 if zero_ok else float(value) > 0))

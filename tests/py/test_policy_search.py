@@ -453,6 +453,8 @@ def test_a_budget_given_as_a_jax_scalar_is_its_number():
     """jnp.float32(0.5) (a 0-d array) was refused as "Invalid budget Array(0.5...)"."""
     fn = make_program()
     assert hlo_amp.autopolicy(fn, X, W, budget=jnp.float32(0.5)).budget == 0.5
+    # An integer one too, as 1 and np.int32(1) are (jnp.int32(1) was refused).
+    assert hlo_amp.autopolicy(fn, X, W, budget=jnp.int32(1)).budget == 1.0
 
 
 def test_non_float_output():
