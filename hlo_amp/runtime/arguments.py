@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from hlo_amp.runtime.frameworks import argument_style
 from hlo_amp.runtime.signature import normalise_argnums
@@ -29,7 +30,10 @@ def _type_name(value: Any) -> str:
 def _describe(value: Any) -> str:
     if isinstance(value, jax.Array):
         return f"a jax.Array of dtype {value.dtype}"
-    return f"a {_type_name(value)}"
+    if isinstance(value, np.ndarray):  # of a dtype jax has no type for (str, object)
+        return f"a numpy.ndarray of dtype {value.dtype}"
+    name = _type_name(value)
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _is_jax_value(leaf: Any) -> bool:
@@ -115,8 +119,10 @@ def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Se
                 position = root.removeprefix("args[").split("]")[0]
                 static_hint = (f"static_argnums=({position},)" if root.startswith("args[")
                                else f"static_argnames=({root[8:-2]!r},)")
+                what = ("an array of a dtype jax has no type for" if isinstance(leaf, np.ndarray)
+                        else "not an array")
                 return (f"hlo_amp.compile({name}): argument {where} is {_describe(leaf)}, "
-                        f"not an array; {_CONTRACTS}. If it is configuration, pass it with "
+                        f"{what}; {_CONTRACTS}. If it is configuration, pass it with "
                         f"{static_hint}; if it is a container, register it as a pytree; or "
                         f"compile with filter=True to make every non-array leaf static.")
     return None
