@@ -85,6 +85,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from hlo_amp.ir.op_classes import NOT_RETYPED
 from hlo_amp.policy_terms import (
     AMP_STOP,
@@ -125,6 +127,7 @@ __all__ = [
 PRESET_OPS = {kind: COMPUTE for kind in OP_KINDS}
 EXPLICIT_PRECISION = ("keep", "ignore")
 SCALINGS = ("current", "delayed")
+MAX_AMAX_HISTORY = 65536  # steps; Transformer Engine's recipes keep 1024 at most
 # The fp8 preset's op rules: dot_general in fp8 (e4m3fn, e5m2 gradients), the rest bf16.
 # ragged_dot asks for fp8 too, so its decision says why it computes in bf16 instead.
 FP8_OPS = {"dot_general": "float8_e5m2", "dot": COMPUTE, "convolution": COMPUTE,
@@ -229,14 +232,17 @@ class Policy:
         scopes: dict[str, str] = {}
         for pattern, action in self.scopes.items():
             text = check_pattern(pattern)
+            if text in scopes:  # two spellings of one pattern (" head " and "head"): the later won
+                raise ValueError(f"scope pattern {text!r} is given twice in scopes; accepted: "
+                                 f"one action per pattern")
             scopes[text] = canonical_action(action, where=f"scope rule {text!r}")
         # A flag is a bool: bool("false") is True, so {"propagate": "false"} was the
         # fast mode (the string form refuses such a value; so does this).
         for flag in ("propagate", "include_f64", "only_if_faster", "keep_f32_results",
                      "fuse_attention"):
             value = getattr(self, flag)
-            if not (isinstance(value, bool) or type(value).__name__ == "bool_"):  # numpy's
-                raise ValueError(f"{flag}={value!r}; accepted: True, False (or in a "
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{flag}={value!r}; accepted: True, False (or in a "  # noqa: TRY004
                                  f"policy string: {flag}=true, {flag}=false)")
         propagate = bool(self.propagate)
         for kind, action in ops.items():
@@ -277,7 +283,7 @@ class Policy:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "ops", _FrozenDict(ops))
-        object.__setattr__(self, "scopes", _FrozenDict(scopes))
+        object.__setattr__(self, "scopes", _OrderedFrozenDict(scopes))
         object.__setattr__(self, "backward", backward)
         object.__setattr__(self, "include_f64", bool(self.include_f64))
         object.__setattr__(self, "only_if_faster", bool(self.only_if_faster))
@@ -298,10 +304,14 @@ class Policy:
         if self.scaling not in SCALINGS:
             raise ValueError(f"Unknown scaling {self.scaling!r}; accepted: "
                              f"{', '.join(SCALINGS)}")
-        if (isinstance(self.amax_history, bool) or not isinstance(self.amax_history, int)
-                or self.amax_history < 1):
-            raise ValueError(f"amax_history must be a positive int (steps of amax kept for "
-                             f"delayed scaling), got {self.amax_history!r}")
+        history = self.amax_history
+        if (isinstance(history, (bool, np.bool_))
+                or not isinstance(history, (int, np.integer))
+                or not 1 <= history <= MAX_AMAX_HISTORY):
+            # A length past memory was taken, then failed at the first call (bad_alloc).
+            raise ValueError(f"amax_history must be an int from 1 to {MAX_AMAX_HISTORY} (steps "
+                             f"of amax kept for delayed scaling), got {history!r}")
+        object.__setattr__(self, "amax_history", int(history))
         if self.scaling == "delayed" and not self.uses_fp8:
             raise ValueError("scaling=delayed applies to fp8 actions; start from the fp8 "
                              "preset or add op:dot_general=float8_e4m3fn")
@@ -389,6 +399,9 @@ class Policy:
             elif key.startswith("scope:"):
                 fields["scopes"][key[6:]] = value
             elif key in ("compute", "compute_dtype"):
+                if "compute" in given and "compute_dtype" in given:
+                    raise ValueError(f"compute is given twice in {spec!r} (as compute and "
+                                     f"compute_dtype); accepted: one value per key")
                 fields["compute_dtype"] = value
             elif key == "backward":
                 fields["backward"] = value
@@ -558,9 +571,14 @@ class Policy:
             names_stop = (stop is not None and AMP_STOP in parts
                           and start <= stop < start + len(parts))
             if stop is not None and start <= stop and not names_stop:
+                # A later match may name the innermost amp_stop (one nested in another:
+                # "amp_stop" on amp_stop/amp_stop): written for its inside too.
+                inner = next((s for s in range(max(start + 1, stop - len(parts) + 1), stop + 1)
+                              if match_start(pattern, scope, after=s - 1) == s),
+                             None) if AMP_STOP in parts else None
                 # amp_stop shields its inside from rules set outside it; the same
                 # pattern may still match inside it (mlp/amp_stop/mlp).
-                start = match_start(pattern, scope, after=stop)
+                start = inner if inner is not None else match_start(pattern, scope, after=stop)
                 if start is None:
                     shielded.append(Rule(self.scopes[pattern], f"scope:{pattern}"))
                     continue
@@ -613,6 +631,23 @@ class _FrozenDict(dict):
         # pickle and copy.deepcopy rebuild a dict subclass item by item (__setitem__):
         # build it whole instead.
         return (_FrozenDict, (dict(self),))
+
+
+class _OrderedFrozenDict(_FrozenDict):
+    """The scope rules: their order is part of what they decide (of two patterns that
+    match alike, the one written first wins), so it is part of equality and the hash."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, dict) and list(self.items()) == list(other.items())
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self.items()))
+
+    def __reduce__(self) -> tuple:
+        return (_OrderedFrozenDict, (dict(self),))
 
 
 def as_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:

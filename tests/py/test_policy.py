@@ -416,7 +416,11 @@ def test_an_anchored_amp_stop_rule_names_the_ops_inside_it() -> None:
 
 @pytest.mark.parametrize(("pattern", "scope"), [
     ("amp_stop/inner", ("amp_stop", "inner")), ("/amp_stop/inner$", ("amp_stop", "inner")),
-    ("outer/amp_stop", ("outer", "amp_stop", "x")), ("amp_stop", ("outer", "amp_stop", "x"))])
+    ("outer/amp_stop", ("outer", "amp_stop", "x")), ("amp_stop", ("outer", "amp_stop", "x")),
+    # an amp_stop nested in another (a library's inside the user's): the pattern names
+    # the inner one too (only the outermost match was tried, and it lost to the inner)
+    ("amp_stop", ("amp_stop", "amp_stop")), ("amp_stop", ("amp_stop", "b", "amp_stop")),
+    ("mlp/amp_stop", ("mlp", "amp_stop", "mlp", "amp_stop", "x"))])
 def test_a_rule_naming_the_amp_stop_segment_names_the_ops_inside_it(pattern, scope) -> None:
     """``amp_stop`` alone reached inside; a longer pattern naming the same segment lost
     to amp_stop (and was warned about as lost on precedence)."""
@@ -425,6 +429,43 @@ def test_a_rule_naming_the_amp_stop_segment_names_the_ops_inside_it(pattern, sco
     # A pattern that names another segment outside the amp_stop still does not reach in.
     assert Policy.parse("bf16,scope:outer=compute").decide(
         ("outer", "amp_stop", "x"), "dot_general", False) == Rule("keep", "amp_stop")
+
+
+def test_scope_rule_order_is_part_of_equality() -> None:
+    """Of two patterns matching alike the one written first wins, so two policies that
+    differ only in that order decide differently: they compared and hashed equal."""
+    first = Policy.parse("bf16,scope:l?=float16,scope:l[1]=keep")
+    second = Policy.parse("bf16,scope:l[1]=keep,scope:l?=float16")
+    assert first.decide(("l1",), "dot_general", False) != second.decide(
+        ("l1",), "dot_general", False)
+    assert first != second and len({first, second}) == 2
+    assert first == Policy.parse(first.to_string()) and hash(first) == hash(
+        Policy.parse(first.to_string()))
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: Policy(scopes={"head": "keep", " head ": "float32"}),
+     r"scope pattern 'head' is given twice in scopes"),
+    (lambda: Policy.parse("bf16,compute=bfloat16,compute_dtype=float16"),
+     r"compute is given twice in .* \(as compute and compute_dtype\)"),
+    (lambda: Policy.parse("fp8,scaling=delayed,amax_history=99999999999999999999"),
+     r"amax_history must be an int from 1 to 65536"),
+    (lambda: Policy.parse("fp8,scaling=delayed,amax_history=10000000000000"),
+     r"amax_history must be an int from 1 to 65536")])
+def test_repeats_and_lengths_past_memory_are_refused(make, match) -> None:
+    """Two spellings of one scope pattern or of compute: the later won, unseen; an
+    amax_history of 10**13 was taken, then ended the first call (std::bad_alloc)."""
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_numpy_flags_and_integers_are_taken() -> None:
+    """np.True_ (NumPy 2's type is named 'bool') was refused as 'propagate=True;
+    accepted: True, False'; np.int64(5) as amax_history too."""
+    assert Policy(propagate=np.True_).propagate is True
+    policy = Policy(ops={"dot_general": "float8_e4m3fn"}, scaling="delayed",
+                    amax_history=np.int64(5))
+    assert policy.amax_history == 5 and type(policy.amax_history) is int
 
 
 @pytest.mark.parametrize("spec", ["bf16,amax_history=16", "fp8,amax_history=16"])
