@@ -395,8 +395,9 @@ def _write(files: list[tuple[str, str]]) -> None:
             with os.fdopen(handle, "w") as out:
                 out.write(text)
             os.chmod(temporary, mode)
-        # stdout last: a device or directory that cannot be written fails before it.
-        for current, text in sorted(direct, key=lambda pair: pair[0] == "-"):
+        # The output last (stdout, /dev/stdout): a report to a device or directory that
+        # cannot be written fails before it.
+        for current, text in sorted(direct, key=lambda pair: pair[0] == files[0][0]):
             if current != "-":
                 with open(current, "w") as out:
                     out.write(text)

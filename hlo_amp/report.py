@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -359,7 +360,7 @@ class Report:
 
     def plot(self, path: Any, depth: int = 1, top: int = 25) -> Any:
         """Write a PNG bar chart of ``flops_by_scope(depth)`` (the ``top`` biggest scopes)."""
-        if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        if not isinstance(top, numbers.Integral) or isinstance(top, bool) or top < 1:
             raise ValueError(f"top must be a whole number >= 1 (the scopes drawn as bars of "
                              f"their own); got {top!r}")
         rows = self.flops_by_scope(depth)

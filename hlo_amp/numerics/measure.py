@@ -24,6 +24,7 @@ from hlo_amp.runtime.compile import (
     lowering_target,
     rewrite_lowered,
 )
+from hlo_amp.runtime.fp8_state import Fp8StatefulFunction
 from hlo_amp.runtime.frameworks import jax_jit_info
 from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
 
@@ -134,12 +135,10 @@ def _as_written(fn: Any) -> tuple[Any, tuple[int, ...]]:
     keyword-only static argument needs), so that the reference is not a rewrite."""
     if isinstance(fn, functools.partial):
         inner, statics = _as_written(fn.func)
-        if inner is fn.func:
-            return fn, _static_argnums(fn)
-        bound = len(fn.args)
+        bound = len(fn.args)  # the positions the partial fills come first
         return (functools.partial(inner, *fn.args, **fn.keywords),
                 tuple(i - bound for i in statics if i >= bound))
-    if isinstance(fn, AmpFunction):  # measure the function, not a rewritten rewrite
+    if isinstance(fn, (AmpFunction, Fp8StatefulFunction)):  # not a rewritten rewrite
         return fn.fn, fn.static_argnums
     return fn, _static_argnums(fn)
 

@@ -564,6 +564,9 @@ class AmpFunction:
         # jax.export refuses host callbacks; such functions are rewritten from
         # jax.jit's lowering instead and dispatched from our own cache.
         self._through_lowering = False
+        # The meshes (internals.mesh_context) under which the export is a program for
+        # several devices: calls under them take that path too, others the dispatch.
+        self._lowering_meshes: set[tuple] = set()
         # So are calls with arrays sharded over several devices (_sharded); once one
         # was seen, each call checks its arguments before the dispatch.
         self._sharded_calls = False
@@ -763,13 +766,17 @@ class AmpFunction:
                                static_argnames=self.static_argnames, style=style)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        if not self._through_lowering and not (self._sharded_calls
-                                               and _any_sharded((args, kwargs))):
+        if not self._through_lowering and not (
+                self._lowering_meshes and internals.mesh_context() in self._lowering_meshes
+        ) and not (self._sharded_calls and _any_sharded((args, kwargs))):
             _DISPATCHING.call = (self, args, kwargs)  # what a cache miss's trace checks
             try:
                 return self._dispatch(*args, **kwargs)
             except ShardedArguments:
                 self._sharded_calls = True  # from now on checked before the dispatch
+                self._refused_traces += 1
+            except MeshExportRefused:
+                self._lowering_meshes.add(internals.mesh_context())
                 self._refused_traces += 1
             except ExportRefused:
                 self._through_lowering = True
@@ -831,7 +838,7 @@ class AmpFunction:
             if own_dispatch and exported.nr_devices != 1:
                 # A program with its own mesh (shard_map) must be lowered where JAX sees
                 # that mesh: jax.jit's lowering, not a call inside our dispatch jit.
-                raise ExportRefused(f"it was exported for {exported.nr_devices} devices")
+                raise MeshExportRefused(f"it was exported for {exported.nr_devices} devices")
         except ExportRefused as refused:  # e.g. host callbacks, which jax.export refuses
             if own_dispatch:
                 raise
@@ -903,6 +910,12 @@ def _sharded(leaf: Any) -> bool:
 class ExportRefused(Exception):
     """jax.export cannot serialise the function (host callbacks, some effects), or the
     export cannot be called from our dispatch jit (a program with its own mesh)."""
+
+
+class MeshExportRefused(ExportRefused):
+    """The export is a program for several devices: one with its own mesh (shard_map),
+    or one traced under a ``jax.set_mesh`` mesh, whose calls there take jax.jit's
+    lowering (calls outside that mesh keep the dispatch)."""
 
 
 class ShardedArguments(Exception):

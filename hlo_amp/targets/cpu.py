@@ -259,7 +259,10 @@ def layout_is_fast(
     return known is not None and _fast_as_written(*known)
 
 
-_FOLLOWED_TO_A_TRANSPOSE = frozenset({"stablehlo.reshape", "stablehlo.convert"})
+# Sharding constraints too: jax writes one after each op of unreduced partial sums
+# (dot, constraint, transpose, constraint, reshard), which the partitioner removes.
+_FOLLOWED_TO_A_TRANSPOSE = frozenset({"stablehlo.reshape", "stablehlo.convert",
+                                      "sdy.sharding_constraint", "sdy.reshard"})
 
 
 def is_major_scan(op: ir.Operation) -> bool:

@@ -659,9 +659,11 @@ def test_an_unwritable_report_leaves_stdout_unwritten(module_file: Path, tmp_pat
     """Both or neither with the output on stdout: a --report naming a directory or
     /dev/full failed after the module was printed."""
     for report in (tmp_path, Path("/dev/full")):
-        run = hlo_amp_opt(module_file, "--report", report)
-        assert run.returncode == 1 and run.stdout == "", (report, run.stdout[:200])
-        assert run.stderr.startswith(f"hlo-amp-opt: error: cannot write '{report}'"), run.stderr
+        for output in ("-", "/dev/stdout"):
+            run = hlo_amp_opt(module_file, "-o", output, "--report", report)
+            assert run.returncode == 1 and run.stdout == "", (report, output, run.stdout[:200])
+            assert run.stderr.startswith(f"hlo-amp-opt: error: cannot write '{report}'"), (
+                run.stderr)
 
 
 def test_output_to_a_loop_of_links_is_refused(module_file: Path, tmp_path: Path) -> None:

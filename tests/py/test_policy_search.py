@@ -426,6 +426,16 @@ def test_a_partial_of_a_compiled_function_is_measured_as_written():
     assert hlo_amp.compare(bound, "bf16", x, f64=False).error == want
     chosen = hlo_amp.autopolicy(bound, x, budget=1e-4, progress=False)
     assert chosen.policy != hlo_amp.Policy.preset("bf16") and chosen.error <= 1e-4
+    # A partial of a jax.jit function with static arguments: the positions the partial
+    # fills shift them (jax's 'Non-hashable static arguments' on a tracer), and a
+    # delayed-scaling step (it was refused as if called under jax.jit).
+    def positional(x, w, layers):
+        return fn(x, w, layers=layers)
+
+    jitted = jax.jit(positional, static_argnums=2)
+    assert hlo_amp.compare(functools.partial(jitted, x), "bf16", w, 2, f64=False).error == want
+    delayed = hlo_amp.compile(positional, "fp8,scaling=delayed", static_argnums=2)
+    assert hlo_amp.compare(delayed, "bf16", x, w, 2, f64=False).error == want
 
 
 # ---- bad arguments -----------------------------------------------------------------------

@@ -7,6 +7,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import hlo_amp
@@ -63,6 +64,8 @@ def test_plot_writes_a_png(tmp_path):
     # The long tail folds into one bar: the picture still draws with top=1.
     report.plot(tmp_path / "top1.png", depth=2, top=1)
     assert (tmp_path / "top1.png").read_bytes() != data
+    report.plot(tmp_path / "top1_numpy.png", depth=2, top=np.int64(1))  # a NumPy integer too
+    assert (tmp_path / "top1_numpy.png").read_bytes() == (tmp_path / "top1.png").read_bytes()
 
 
 @pytest.mark.parametrize("depth", [0, -1, 1.5, "2", True])

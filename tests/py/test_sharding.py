@@ -505,6 +505,12 @@ UNREDUCED = textwrap.dedent("""
         y = jnp.matmul(x, w, out_sharding=P(None, None, unreduced={"m"}))
         return jax.reshard(y, P(None, None)).astype(jnp.bfloat16)
 
+    def transposed(x, w):  # the partial sums transposed before the reshard: the bf16
+        # dot's result reached a transpose through jax's constraints, unrelaid, and
+        # XLA:CPU failed (DotThunk: BF16 x BF16 = F32)
+        y = jnp.matmul(x, w, out_sharding=P(None, None, unreduced={"m"}))
+        return jax.reshard(y.T, P(None, None))
+
     def reduced_step(w, x):  # a reduced parameter's gradient comes back unreduced
         g = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(w, x)
         return jax.reshard(g, P(None, None))
@@ -518,6 +524,7 @@ UNREDUCED = textwrap.dedent("""
         wr = jax.device_put(jax.random.normal(keys[3], (32, 32)) / 4,
                             P(None, None, reduced={"m"}))
         for name, fn, args in (("row_parallel", row_parallel, (x, w)),
+                               ("transposed", transposed, (x, w)),
                                ("reduced_step", reduced_step, (wr, xs))):
             want = np.asarray(jax.jit(fn)(*args), np.float32)
             for policy in ("bf16", "f16", "mixed_bfloat16", "bf16,reduce=bfloat16",
@@ -574,6 +581,16 @@ CALL_CONTEXT = textwrap.dedent("""
                 y, size = fn(x, w)
             seen.append([[d.id for d in y.sharding.mesh.devices.flat], float(size)])
         results[name] = seen
+    # One call under a mesh: calls outside it keep their dispatch and program (every
+    # later call went through jax.jit's lowering, and lowered its program again).
+    plain = hlo_amp.compile(lambda x, w: jnp.tanh(x @ w), "bf16")
+    plain(x, w)
+    with jax.set_mesh(jax.make_mesh((2,), ("m",), axis_types=(AxisType.Explicit,))):
+        plain(x, w)
+    after_mesh = plain.lowerings
+    plain(x, w)
+    plain(x, w)
+    results["lowerings after the mesh call"] = plain.lowerings - after_mesh
     for name, fn in (("jit committed", jax.jit(with_callback)),
                      ("amp committed", hlo_amp.compile(with_callback, "bf16"))):
         first = fn(jax.device_put(x, d0), jax.device_put(w, d0)).committed
@@ -593,3 +610,4 @@ def test_a_call_keys_on_the_context_mesh_and_on_committed_arguments() -> None:
     results = run_on_host_devices(CALL_CONTEXT, devices=2)
     assert results["amp"] == results["jit"] == [[[0, 1], 2.0], [[1, 0], 2.0], [[0], 1.0]]
     assert results["amp committed"] == results["jit committed"] == [True, False]
+    assert results["lowerings after the mesh call"] == 0
