@@ -577,6 +577,37 @@ def test_an_ends_backward_dots_are_its_own_not_every_layers(loss) -> None:
     assert rules[("backward", "last_matrix_op")] == 2
 
 
+def _critic(params, x):  # a loss linear in the head: under jax.grad its forward is dead
+    with jax.named_scope("body"):
+        h = jax.nn.relu(x @ params["w0"])
+        h = jax.nn.relu(h @ params["w1"])
+    with jax.named_scope("head"):
+        return jnp.mean(h @ params["w2"])
+
+
+def test_the_head_of_a_loss_linear_in_it_is_the_last_end_under_grad() -> None:
+    """jax.grad of a critic's mean score: jax drops the head's forward matmul, whose
+    backward dots run first. They ran fp8 and the body's second layer took the
+    last_matrix_op rule; with jax.value_and_grad (the head's forward kept) they are the
+    head's, as they are now under jax.grad alone."""
+    import hlo_amp
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"w0": jax.random.normal(keys[0], (64, 64)),
+              "w1": jax.random.normal(keys[1], (64, 64)),
+              "w2": jax.random.normal(keys[2], (64, 32))}
+    x = jax.random.normal(keys[3], (64, 64))
+
+    def ends(fn):
+        report = hlo_amp.compile(fn, "fp8,propagate=false").lower(params, x).report()
+        return sorted((d.scope, d.direction, d.rule) for d in report.decisions
+                      if d.rule == "last_matrix_op")
+
+    assert ends(jax.grad(_critic)) == [("head", "backward", "last_matrix_op")] * 2
+    assert ends(jax.value_and_grad(_critic)) == (
+        [("head", "backward", "last_matrix_op")] * 2 + [("head", "forward", "last_matrix_op")])
+
+
 def test_a_jit_layers_backward_dots_follow_its_first_and_last_call() -> None:
     """A jax.jit layer called per layer: the backward function its transpose calls is
     one function for every layer (its ops one stack). The ends' backward dots are those

@@ -168,6 +168,7 @@ class CallGraph:
             self._program_order(function_name(fn), "", order, (), looped)
             stacks = dict(given or {})
             forward, recomputed, gradients = [], [], []
+            first_gradient = None
             for key, op, kind in order:
                 if not all(float_bits(element_type(v)) for v in list(op.operands)[:2]):
                     continue
@@ -178,6 +179,7 @@ class CallGraph:
                     recomputed.append((key, op, kind))
                 else:
                     gradients.append(key)
+                    first_gradient = first_gradient or (key, op, kind)
             # jax.grad of a function under jax.checkpoint: the forward's matrix ops run
             # only recomputed, in the backward pass (its ends had no rule at all).
             forward = forward or recomputed
@@ -193,8 +195,12 @@ class CallGraph:
             # there), not a scan over stacked layers.
             whole = _common_prefix([looped.get(key, ()) for key in
                                     [k for k, _, _ in forward + recomputed] + gradients])
+            dead_head = self._dead_head(first_gradient, forward + recomputed, looped, whole,
+                                        given)
             candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, forward[-1])
                           ) if forward else ()
+            if dead_head is not None:  # the forward's last op is a layer's, not the head
+                candidates = candidates[:1]
             ends = [(position, end) for position, end in candidates
                     if len(looped.get(end[0], ())) == len(whole)
                     and (gradients or not whole or self._reads_invariant(end[0], end[1]))]
@@ -210,6 +216,9 @@ class CallGraph:
                 own_frames[frame] = own_frames.get(frame, ()) + (position,)
                 end_stacks[position] = stack
                 bases[position] = self._bases(op, key[3])
+            if dead_head is not None:  # its backward ops, by stack alone
+                own[dead_head] = own.get(dead_head, ()) + (LAST_MATRIX_OP,)
+                bases[LAST_MATRIX_OP] = set()
             alike = len(own) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]
             if not alike:  # first and last that look alike are no stacks to hand on
                 found.update(own)
@@ -244,6 +253,24 @@ class CallGraph:
                 if marked:
                     self.positions[key] = self.positions.get(key, ()) + marked
         return found
+
+    def _dead_head(self, first_gradient: tuple | None, forward: list[tuple],
+                   looped: dict, whole: tuple[int, ...], given: EndStacks | None
+                   ) -> tuple[str, str, str] | None:
+        """Under ``jax.grad`` of a loss linear in the head (a critic's mean score) the
+        head's forward matmul is dead, removed, and its backward dots run first in the
+        gradient program: their stack, whose source line no forward op has, is the last
+        end (the forward's last op was taken for it, and the head's gradients went fp8).
+        None otherwise, and for a backward program split from its forward (``given``)."""
+        if first_gradient is None or not forward or given:
+            return None
+        key, op, kind = first_gradient
+        stack = _stack_key(self.site(op, kind, key[2]), op, kind)
+        lines = {_innermost(_stack_key(self.site(o, k, at[2]), o, k))[2]
+                 for at, o, k in forward}
+        if _innermost(stack)[2] in lines or len(looped.get(key, ())) != len(whole):
+            return None
+        return stack
 
     def _bases(self, op: Any, path: CallPath) -> set[Any]:
         """``_operand_bases`` of ``op`` in the function instance ``path`` reaches, each
