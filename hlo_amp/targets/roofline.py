@@ -84,6 +84,10 @@ _ALIASING_STARTS = frozenset({"all-gather-start", "collective-permute-start",
 _ASYNC_MOVES = frozenset({"copy-start", "slice-start"})
 # NVIDIA's dense non-tensor-core f32 peaks (FLOP/s), for GEMMs XLA runs at full f32
 # precision; Target.peak_flops["f32"] is TF32, XLA's default for f32 dots.
+# The bf16 passes XLA:TPU's matrix unit makes of an f32 matrix op by its precision, as
+# jax.lax.Precision documents them (DEFAULT one; libtpu's LLO shows HIGH and HIGHEST
+# with more instructions still, targets/tpu.py: a lower bound on their time).
+_F32_PASSES = {"high": 3, "highest": 6}
 F32_NON_TENSOR = {"H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
 
 
@@ -99,6 +103,9 @@ class Kernel:
     matrix: str | None = None  # "GEMM", "GEMM fp8", "conv" for a library call or Triton GEMM
     operand_types: tuple[str, ...] = ()  # element types of its two matrix operands
     full_f32: bool = False  # an f32 GEMM XLA runs at full f32 precision (not TF32)
+    # XLA:TPU's bf16 matrix-unit passes for an f32 matrix op at HIGH (3) or HIGHEST (6)
+    # precision (jax.lax.Precision); 1 at DEFAULT, one bf16 pass.
+    tpu_passes: int = 1
 
     @property
     def dtype_class(self) -> str:
@@ -124,6 +131,8 @@ class Kernel:
                              peaks.get("f32", 1.0))
         if self.full_f32:
             return F32_NON_TENSOR.get(device, peaks.get("f32", 1.0))
+        if device.startswith("TPU"):
+            return peaks.get("f32", 1.0) / self.tpu_passes
         return peaks.get("f32", 1.0)
 
     def seconds(self, peaks: dict[str, float], device: str, bandwidth: float) -> float:
@@ -375,8 +384,9 @@ class _Walker(HloWalker):
             seen.add(operand)
             param = params.get(position)
             read += full if param is None else min(full, self._read_bytes(param, users, in_place))
-        flops, matrix, types, full = self._fused_matrix_ops(body)
-        return Kernel(inst.name, inst.op, read + written, count, flops, matrix, types, full)
+        flops, matrix, types, full, passes = self._fused_matrix_ops(body)
+        return Kernel(inst.name, inst.op, read + written, count, flops, matrix, types, full,
+                      passes)
 
     @staticmethod
     def _def_in(body: list[Instruction], name: str) -> Instruction | None:
@@ -416,11 +426,12 @@ class _Walker(HloWalker):
         return value.bytes
 
     def _fused_matrix_ops(self, body: list[Instruction], depth: int = 0
-                          ) -> tuple[int, str | None, tuple[str, ...], bool]:
-        """FLOPs, kind, operand types and full-f32-ness of the dots/convolutions inside a
-        fusion (Triton), and of the library calls in one (XLA 0.12's dynamic-slice
-        fusions wrap a cuBLAS GEMM and the slicing of its operands)."""
-        flops, kind, types, full = 0, None, (), False
+                          ) -> tuple[int, str | None, tuple[str, ...], bool, int]:
+        """FLOPs, kind, operand types, full-f32-ness and XLA:TPU passes (``Kernel``) of
+        the dots/convolutions inside a fusion (Triton's, XLA:TPU's), and of the library
+        calls in one (XLA 0.12's dynamic-slice fusions wrap a cuBLAS GEMM and the slicing
+        of its operands)."""
+        flops, kind, types, full, passes = 0, None, (), False, 1
         local = {i.name: i for i in body}
         for i in body:
             if i.op == "fusion" and depth < 4:
@@ -428,6 +439,7 @@ class _Walker(HloWalker):
                     self.computations.get(i.attr("calls") or "", []), depth + 1)
                 flops += inner[0]
                 kind, types, full = kind or inner[1], types or inner[2], full or inner[3]
+                passes = max(passes, inner[4])
             if i.op not in ("dot", "convolution", "custom-call") or len(i.operands) < 2:
                 continue
             shapes = [local[o].arrays[0] if o in local and local[o].arrays else self.shape(o)
@@ -448,7 +460,10 @@ class _Walker(HloWalker):
                 flops += _hlo_conv_flops(i, shapes)
                 kind = kind or "conv"
             types = types or tuple(s.dtype for s in shapes)
-        return flops, kind, types, full
+            precision = re.search(r"operand_precision=\{(\w+)", i.attrs)
+            if precision and all(s.dtype == "f32" for s in shapes):
+                passes = max(passes, _F32_PASSES.get(precision.group(1).lower(), 1))
+        return flops, kind, types, full, passes
 
 
 def estimate(hlo_text: str, target: Any = "h100") -> Estimate:

@@ -143,9 +143,14 @@ def tpu_device(name: str) -> TpuTarget | None:
     chips = _slice_chips(name, generation, shape, slices) if shape or colon else 1
     topology = f"{slice_name.split(':')[0]}:{shape}" if shape else slice_name
     devices = chips * slices.devices_per_chip if shape else 1
+    # A device is what XLA:TPU compiles the step for: on v4 one of a chip's two
+    # TensorCores, with half its matrix units, HBM bandwidth and links (priced at the
+    # whole chip's, a v4 step's roofline was about half XLA:TPU's own estimate).
+    share = slices.devices_per_chip
     return TpuTarget(name, device, f"Google {device} ({topology})",
-                     peak_flops={"f32": bf16, "bf16": bf16}, hbm_bytes_per_second=hbm,
-                     devices=devices, link_bytes_per_second=slices.ici_bytes_per_second,
+                     peak_flops={"f32": bf16 / share, "bf16": bf16 / share},
+                     hbm_bytes_per_second=hbm / share, devices=devices,
+                     link_bytes_per_second=slices.ici_bytes_per_second / share,
                      topology=topology, unsupported=(_TPU_F16, *_tpu_fp8(device, fp8_modes)))
 
 

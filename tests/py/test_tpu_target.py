@@ -274,3 +274,34 @@ def test_aot_estimate_counts_batched_dots_and_loops_as_xla_tpu_writes_them() -> 
     assert "known_trip_count" not in hlo
     found = estimate(hlo, "tpu-v5e")
     assert found.matrix_flops == 12 * 2 * 16 * 128 * 128 and found.unknown_trip_counts == 0
+
+
+def _roofline_against_xla(target: str, precision: str = "default") -> tuple[float, float]:
+    """(the roofline's seconds, XLA:TPU's own optimal_seconds) of a 2048^3 f32 dot
+    compiled for ``target``."""
+    from hlo_amp import compile_for_target
+    from hlo_amp.targets.roofline import estimate
+
+    a = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+    compiled = compile_for_target(
+        jax.jit(lambda w, x: jnp.dot(x, w, precision=precision)), a, a, target=target)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return estimate(compiled.as_text(), target).roofline_seconds, cost["optimal_seconds"]
+
+
+def test_a_v4_device_is_priced_as_the_tensorcore_xla_compiles_for() -> None:
+    """libtpu's v4 devices are single TensorCores, two per chip: priced at the whole
+    chip's peak, a v4 roofline was 0.41x XLA:TPU's own estimate where v5e's is 0.84x."""
+    v4, v4_xla = _roofline_against_xla("tpu-v4")
+    v5e, v5e_xla = _roofline_against_xla("tpu-v5e")
+    assert 0.75 < (v4 / v4_xla) / (v5e / v5e_xla) < 1.33, (v4 / v4_xla, v5e / v5e_xla)
+
+
+def test_high_and_highest_f32_dots_take_their_bf16_passes() -> None:
+    """XLA:TPU runs an f32 dot at HIGH in 3 bf16 passes and at HIGHEST in 6: they were
+    priced as one (DEFAULT's), so bf16 saved only bytes in the model."""
+    default, _ = _roofline_against_xla("tpu-v5e")
+    high, _ = _roofline_against_xla("tpu-v5e", "high")
+    highest, _ = _roofline_against_xla("tpu-v5e", "highest")
+    assert 2 * default < high < highest and 5 * default < highest
