@@ -409,6 +409,7 @@ class Report:
             "collectives": [asdict(c) for c in self.collectives],
             "attention": [asdict(a) for a in self.attention],
             "rules_outranked": dict(self.rules_outranked),
+            "matrix_ops_decided": self.matrix_ops_decided,
         }
 
     def to_json(self, indent: int | None = 2) -> str:

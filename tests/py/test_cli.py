@@ -501,6 +501,37 @@ def test_split_input_file(tmp_path: Path) -> None:
     assert [d["function"] for d in report["decisions"]] == ["main", "second"]
 
 
+def test_split_input_file_reports_the_propagation_of_every_chunk(tmp_path: Path) -> None:
+    """The mixed modes' activation figures cover every chunk, whatever their order: each
+    chunk's replaced the ones before (0% with a chunk without dots last, 50% first)."""
+    two_dots = (
+        "func.func public @main(%w: tensor<16x16xf32>, %x: tensor<8x16xf32>) -> "
+        "tensor<8x16xf32> {\n"
+        "  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : "
+        "(tensor<8x16xf32>, tensor<16x16xf32>) -> tensor<8x16xf32>\n"
+        "  %1 = stablehlo.tanh %0 : tensor<8x16xf32>\n"
+        "  %2 = stablehlo.dot_general %1, %w, contracting_dims = [1] x [0] : "
+        "(tensor<8x16xf32>, tensor<16x16xf32>) -> tensor<8x16xf32>\n"
+        "  return %2 : tensor<8x16xf32>\n}\n")
+    dots = _write(tmp_path, "dots.mlir", two_dots)
+    plain = ("func.func public @plain(%x: tensor<8x16xf32>) -> tensor<8x16xf32> {\n"
+             "  %0 = stablehlo.tanh %x : tensor<8x16xf32>\n"
+             "  return %0 : tensor<8x16xf32>\n}\n")
+    summaries = []
+    for first, second in ((two_dots, plain), (plain, two_dots)):
+        path = _write(tmp_path, "two.mlir", first + "// -----\n" + second)
+        result = hlo_amp_opt(path, "--split-input-file", "--policy", "mixed_bfloat16",
+                             "--report", "-", "-o", tmp_path / "out.mlir")
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stderr)
+        assert {row["function"] for row in report["propagation"]["functions"]} >= {
+            "main", "plain"}
+        summaries.append(report["summary"])
+    alone = json.loads(hlo_amp_opt(dots, "--policy", "mixed_bfloat16", "--report", "-", "-o",
+                                   tmp_path / "out.mlir").stderr)["summary"]
+    assert summaries[0] == summaries[1] != alone, summaries
+
+
 def test_split_input_file_rows_name_their_file_and_line(tmp_path: Path) -> None:
     """An op without a location of its own was reported at ``-:2`` (the bindings' name
     for a parsed buffer): the chunks' rows could not be told apart, nor the file."""

@@ -74,6 +74,7 @@ converts and barriers) and ``accounting``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from jaxlib.mlir import ir
 
@@ -115,12 +116,27 @@ class Propagate:
         with ir.Location.unknown(module.context):  # types are built outside any op
             clones = Rewriter(graph, low, in_16bit, self.target).rewrite(module)
         if report is not None:
-            report.propagation = {
+            report.propagation = _merged(report.propagation, {
                 "ops": counts,
                 "functions": bytes_table(before, intermediate_bytes(module, walks)),
                 "clones": clones,
-            }
+            })
             report.rules_used.update(graph.rules_used)
             for loser, winner in graph.rules_outranked.items():
                 report.note_outranked(winner, [loser])
 
+
+def _merged(earlier: dict[str, Any] | None, this: dict[str, Any]) -> dict[str, Any]:
+    """The propagation's figures for one more module added to a report's (the chunks of
+    hlo-amp-opt --split-input-file share one report: the last chunk's replaced them)."""
+    if earlier is None:
+        return this
+    ops = {kind: {"painted": row["painted"], "f32": dict(row["f32"])}
+           for kind, row in earlier["ops"].items()}
+    for kind, row in this["ops"].items():
+        into = ops.setdefault(kind, {"painted": 0, "f32": {}})
+        into["painted"] += row["painted"]
+        for why, count in row["f32"].items():
+            into["f32"][why] = into["f32"].get(why, 0) + count
+    return {"ops": ops, "functions": [*earlier["functions"], *this["functions"]],
+            "clones": earlier["clones"] + this["clones"]}
