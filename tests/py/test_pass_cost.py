@@ -367,8 +367,9 @@ def test_relaid_note_lands_on_its_own_op_among_ops_of_one_name():
 
 
 def test_relaid_note_of_a_private_function_shared_by_two_call_sites():
-    # One private function, called under two scopes with the same decisions: one
-    # instance, named in its body without either caller's prefix.
+    # One private function, called under two scopes with the same decisions: an
+    # instance per scope (each call's ops reported under its own), each named in its
+    # body without its caller's prefix.
     inner = jax.jit(lambda a, c: lax.dot_general(a, c, _TN))
 
     def f(a, c):
@@ -383,7 +384,8 @@ def test_relaid_note_of_a_private_function_shared_by_two_call_sites():
     module = parse_module(text)
     report = run_pipeline(module, as_policy("bf16"), target="cpu")
     assert [len(n) for n in _relaid_notes(report)] == [1] * len(report.decisions) != []
-    assert not report.notes
+    assert [d.scope for d in report.decisions] == ["first", "second"]
+    assert report.notes == ["specialised 1 private function(s) per call-site decision"]
     assert DECISION_KEY not in str(module)
 
 

@@ -235,7 +235,7 @@ def test_report_json_and_unused_rules() -> None:
     assert set(data) == {"policy", "summary", "decisions", "unused_rules", "notes",
                          "unknown_to_xla", "xla_checked", "xla_target", "xla_device",
                          "xla_fp8_note", "fp8_state_columns", "propagation", "collectives",
-                         "attention", "rules_outranked"}
+                         "attention", "rules_outranked", "matrix_ops_decided"}
     assert data["propagation"] is None  # the accurate mode does not run the pass
     assert data["collectives"] == []  # read from XLA's HLO, after a compile
     assert data["summary"] == report.summary()
