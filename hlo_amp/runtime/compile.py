@@ -156,6 +156,12 @@ class AmpCompiled:
 
     def __getattr__(self, name: str) -> Any:
         # The rest of jax's Compiled (input_shardings, out_info, ...), as jax has it.
+        if name == "_executable":  # jax.experimental.serialize_executable.serialize reads it
+            raise AttributeError(
+                "_executable: an hlo_amp compiled object wraps jax's; serialize its "
+                "jax_compiled (serialize_executable.serialize(compiled.jax_compiled)), which "
+                "runs the rewritten program as jax's Compiled does, without hlo_amp's call "
+                "(NNX and Equinox arguments, a delayed step's history check)")
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._compiled, name)
@@ -266,9 +272,21 @@ class AmpTraced:
 
     def __init__(self, function: AmpFunction, args: tuple, kwargs: dict, traced: Any):
         self._function, self._args, self._kwargs, self._traced = function, args, kwargs, traced
+        # The configuration it was traced under (x64, matmul precision, the mesh): a
+        # lowering for a device traces again, which it must do under the same.
+        self._context = (internals.program_context(), internals.mesh_context())
         # Why jax's lowering options (jax.export) are refused, where not the default's.
         self.export_refusal: str | None = None
         self.history_shape: tuple[int, ...] | None = None  # AmpLowered.history_shape
+        # A stateful (scaling=delayed) step's lowering for a device target: its history
+        # has that target's width, not this machine's.
+        self.lower_for_target: Callable[[Any], AmpLowered] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        """The rest of jax's ``Traced`` (``args_info``, ``in_tree``, ``out_tree``, ...)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._traced, name)
 
     @property
     def jaxpr(self) -> Any:
@@ -293,7 +311,19 @@ class AmpTraced:
                 f"which exports the rewritten program ({name}.trace(...).lower() takes "
                 f"target= only, not jax's lowering options: {', '.join(public)}; "
                 f"jax.jit({name}).trace(...).lower(lowering_platforms=...) takes them)")
-        lowered = self._function.lower_for(target, *self._args, **self._kwargs)
+        if target is None:  # the program traced, as jax's Traced.lower lowers it
+            lowered = self._function.lower_traced(self._traced)
+        elif (internals.program_context(), internals.mesh_context()) != self._context:
+            name = self._function.__name__
+            raise ValueError(
+                f"{name}.trace(...) was traced under another jax configuration (x64, "
+                f"default_matmul_precision, the mesh, ...) than this .lower(target=...), "
+                f"which traces again for the target: lower it where it was traced, or call "
+                f"{name}.lower(..., target=...) there")
+        elif self.lower_for_target is not None:
+            return self.lower_for_target(target)
+        else:
+            lowered = self._function.lower_for(target, *self._args, **self._kwargs)
         lowered.history_shape = self.history_shape
         return lowered
 
@@ -665,7 +695,9 @@ class AmpFunction:
         if self._style(args, kwargs) != "jax":
             raise TypeError(f"{self.__name__}.trace takes arrays and pytrees of them; for "
                             f"NNX or Equinox arguments use .lower(...) or .eval_shape(...)")
-        return AmpTraced(self, args, kwargs, self._jitted.trace(*args, **kwargs))
+        with self._programs.tracing():  # as _lower traces it (f32 cuDNN attention)
+            traced = self._jitted.trace(*args, **kwargs)
+        return AmpTraced(self, args, kwargs, traced)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The outputs' shapes and dtypes, as the framework's jit gives them (the pass
@@ -710,12 +742,17 @@ class AmpFunction:
             self._raise_for_arguments(args, kwargs, style)
             raise
 
-    def _lower(self, args: tuple, kwargs: dict, device: Target | None = None
-               ) -> AmpLowered:
+    def lower_traced(self, traced: Any) -> AmpLowered:
+        """A program ``trace`` traced, lowered for this machine and rewritten."""
+        return self._lower((), {}, traced=traced)
+
+    def _lower(self, args: tuple, kwargs: dict, device: Target | None = None,
+               traced: Any = None) -> AmpLowered:
         start = time.perf_counter()
         with self._programs.tracing():
             if device is None:
-                original = self._jitted.trace(*args, **kwargs).lower()
+                traced = traced if traced is not None else self._jitted.trace(*args, **kwargs)
+                original = traced.lower()
                 target = lowering_target(original)
             else:
                 refuse_policy_on_device(self.policy, device)

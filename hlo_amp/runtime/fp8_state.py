@@ -444,6 +444,9 @@ class Fp8StatefulFunction:
         history = self._zero_history(args, kwargs)
         traced = self._inner.trace(history, *args, **kwargs)
         traced.history_shape = tuple(history.shape)
+        # For a device target the history is that target's width (this machine's took
+        # the target's amaxes to current scaling).
+        traced.lower_for_target = lambda target: self.lower_for(target, *args, **kwargs)
         traced.export_refusal = (
             f"hlo_amp.compile({self.__name__}) with scaling=delayed keeps its fp8 amax "
             f"history between calls, so jax.export cannot export it (nor jax.jit of it); "

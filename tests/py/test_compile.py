@@ -258,6 +258,44 @@ def test_under_disable_jit_the_function_runs_op_by_op_like_jax_jit(policy):
     assert seen == [float(x.sum())]
 
 
+def test_trace_then_lower_lowers_what_was_traced():
+    """As jax's Traced.lower: the program traced under x64 or HIGHEST precision is the
+    one lowered (.lower() traced again where it was called: f32 in and out, the HIGHEST
+    dot rewritten to bf16); a device target, which traces again, refuses another
+    configuration in one line; the rest of jax's Traced is there (args_info, in_tree)."""
+    def fn(x, w):
+        return x @ w
+
+    x = np.ones((8, 8))
+    amp = hlo_amp.compile(fn, "bf16")
+    with jax.enable_x64(True):
+        traced = amp.trace(x, x)
+    assert traced.lower().out_info.dtype == jnp.float64
+    with pytest.raises(ValueError, match=r"traced under another jax configuration"):
+        traced.lower(target="h100")
+    with jax.default_matmul_precision("highest"):
+        traced = amp.trace(jnp.ones((8, 8)), jnp.ones((8, 8)))
+    text = traced.lower().as_text()
+    assert "HIGHEST" in text and "bf16" not in text
+    want = jax.jit(fn).trace(jnp.ones((8, 8)), jnp.ones((8, 8)))
+    assert traced.in_tree == want.in_tree and traced.out_tree == want.out_tree
+    assert len(traced.args_info[0]) == 2
+
+
+def test_serializing_a_compiled_object_names_its_jax_form():
+    """jax.experimental.serialize_executable.serialize of hlo_amp's compiled object was
+    a bare AttributeError '_executable'; its jax_compiled serializes."""
+    from jax.experimental import serialize_executable
+
+    x = jnp.ones((4, 8))
+    compiled = hlo_amp.compile(_matmul, "bf16").lower(x, jnp.ones((8, 8))).compile()
+    with pytest.raises(AttributeError, match=r"serialize its jax_compiled"):
+        serialize_executable.serialize(compiled)
+    loaded = serialize_executable.deserialize_and_load(
+        *serialize_executable.serialize(compiled.jax_compiled))
+    np.testing.assert_array_equal(loaded(x, jnp.ones((8, 8))), compiled(x, jnp.ones((8, 8))))
+
+
 def test_a_changed_trace_context_traces_anew_like_jax_jit():
     # jax.jit keys its cache on the configuration a trace reads; a program exported
     # before it changed must not answer after.

@@ -875,6 +875,16 @@ def test_the_stateful_step_traces_as_it_lowers() -> None:
     traced = step.trace(p, x)
     history = traced.jaxpr.in_avals[0]
     assert history.shape == (4, step.lower(p, x).report().fp8_state_columns)
+    # For a device target its history is the target's width: trace(...).lower(target=)
+    # took this machine's (CPU keeps small dots bf16) and ran every fp8 GEMM at current
+    # scaling.
+    policy = _delayed(4) + ",only_if_faster=true,first_matrix_op=none,last_matrix_op=none"
+    big = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    step = hlo_amp.compile(lambda x, w: jnp.tanh(x @ w), policy)
+    direct = step.lower(big, big, target="h100")
+    via_trace = step.trace(big, big).lower(target="h100")
+    assert via_trace.history_shape == direct.history_shape == (
+        4, direct.report().fp8_state_columns) and direct.history_shape[1] > 0
 
 
 def test_a_typed_prng_key_argument_is_taken() -> None:
