@@ -460,9 +460,13 @@ class _Walker(HloWalker):
                 flops += _hlo_conv_flops(i, shapes)
                 kind = kind or "conv"
             types = types or tuple(s.dtype for s in shapes)
-            precision = re.search(r"operand_precision=\{(\w+)", i.attrs)
+            # XLA:TPU computes the dot at its operands' highest precision (libtpu's LLO:
+            # {default,highest} runs as HIGH does).
+            precision = re.search(r"operand_precision=\{([\w,]+)\}", i.attrs)
             if precision and all(s.dtype == "f32" for s in shapes):
-                passes = max(passes, _F32_PASSES.get(precision.group(1).lower(), 1))
+                named = precision.group(1).lower().split(",")
+                passes = max(passes, _F32_PASSES["high"] if len(set(named)) > 1 and any(
+                    p in _F32_PASSES for p in named) else _F32_PASSES.get(named[0], 1))
         return flops, kind, types, full, passes
 
 

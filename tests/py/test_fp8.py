@@ -607,6 +607,32 @@ def test_the_head_of_a_loss_linear_in_it_is_the_last_end_under_grad() -> None:
     assert ends(jax.value_and_grad(_critic)) == (
         [("head", "backward", "last_matrix_op")] * 2 + [("head", "forward", "last_matrix_op")])
 
+    # A live head whose first gradient dots are on other lines is no dead head: a
+    # custom_vjp's own backward dots, a linalg solve's after the head (each took the
+    # rule from the live head, whose forward then ran fp8).
+    @jax.custom_vjp
+    def dense(h, w):
+        return h @ w
+
+    dense.defvjp(lambda h, w: (h @ w, (h, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+    def custom(params, x):
+        with jax.named_scope("body"):
+            h = jax.nn.relu(x @ params["w0"])
+        with jax.named_scope("head"):
+            return jnp.mean(dense(h, params["w2"]) ** 2)
+
+    def solved(params, x):
+        with jax.named_scope("body"):
+            h = x @ params["w0"]
+        with jax.named_scope("head"):
+            y = h @ params["w2"]
+        return jnp.sum(jnp.linalg.solve(jnp.eye(32) * 4 + 0.1, y.T) ** 2)
+
+    assert ("head", "forward", "last_matrix_op") in ends(jax.grad(custom))
+    assert ends(jax.grad(solved)) == (
+        [("head", "backward", "last_matrix_op")] * 2 + [("head", "forward", "last_matrix_op")])
+
 
 def test_a_jit_layers_backward_dots_follow_its_first_and_last_call() -> None:
     """A jax.jit layer called per layer: the backward function its transpose calls is

@@ -305,3 +305,9 @@ def test_high_and_highest_f32_dots_take_their_bf16_passes() -> None:
     high, _ = _roofline_against_xla("tpu-v5e", "high")
     highest, _ = _roofline_against_xla("tpu-v5e", "highest")
     assert 2 * default < high < highest and 5 * default < highest
+    # Per-operand precisions: XLA:TPU runs (DEFAULT, HIGHEST) and (HIGHEST, DEFAULT) as
+    # HIGH (libtpu's LLO); the first operand's alone priced them 1 and 6 passes.
+    mixed = [_roofline_against_xla("tpu-v5e", order)[0] for order in (
+        (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST),
+        (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT))]
+    assert mixed == [high, high], (mixed, high)

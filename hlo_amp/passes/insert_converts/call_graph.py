@@ -195,8 +195,8 @@ class CallGraph:
             # there), not a scan over stacked layers.
             whole = _common_prefix([looped.get(key, ()) for key in
                                     [k for k, _, _ in forward + recomputed] + gradients])
-            dead_head = self._dead_head(first_gradient, forward + recomputed, looped, whole,
-                                        given)
+            dead_head = self._dead_head(first_gradient, forward + recomputed, order, looped,
+                                        whole, given)
             candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, forward[-1])
                           ) if forward else ()
             if dead_head is not None:  # the forward's last op is a layer's, not the head
@@ -254,13 +254,14 @@ class CallGraph:
                     self.positions[key] = self.positions.get(key, ()) + marked
         return found
 
-    def _dead_head(self, first_gradient: tuple | None, forward: list[tuple],
+    def _dead_head(self, first_gradient: tuple | None, forward: list[tuple], order: list,
                    looped: dict, whole: tuple[int, ...], given: EndStacks | None
                    ) -> tuple[str, str, str] | None:
         """Under ``jax.grad`` of a loss linear in the head (a critic's mean score) the
         head's forward matmul is dead, removed, and its backward dots run first in the
-        gradient program: their stack, whose source line no forward op has, is the last
-        end (the forward's last op was taken for it, and the head's gradients went fp8).
+        gradient program: their stack, whose source line no forward op has, reading a
+        weight no forward matrix op reads, is the last end (the forward's last op was
+        taken for it, and the head's gradients went fp8).
         None otherwise, and for a backward program split from its forward (``given``)."""
         if first_gradient is None or not forward or given:
             return None
@@ -269,6 +270,15 @@ class CallGraph:
         lines = {_innermost(_stack_key(self.site(o, k, at[2]), o, k))[2]
                  for at, o, k in forward}
         if _innermost(stack)[2] in lines or len(looped.get(key, ())) != len(whole):
+            return None
+        # And they read the head's weight, an argument no forward matrix op reads: a
+        # custom_vjp's backward dots (their own lines) read the live head's, and a
+        # linalg solve's backward its factors.
+        read = set().union(*(self._bases(o, at[3]) for at, o, _ in forward))
+        head = [(at, o) for at, o, k in order
+                if _stack_key(self.site(o, k, at[2]), o, k) == stack]
+        if not any(isinstance(base, ir.BlockArgument)
+                   for at, o in head for base in self._bases(o, at[3]) - read):
             return None
         return stack
 
