@@ -878,7 +878,7 @@ def test_the_stateful_step_traces_as_it_lowers() -> None:
     # For a device target its history is the target's width: trace(...).lower(target=)
     # took this machine's (CPU keeps small dots bf16) and ran every fp8 GEMM at current
     # scaling.
-    policy = _delayed(4) + ",only_if_faster=true,first_matrix_op=none,last_matrix_op=none"
+    policy = _delayed(4) + ",only_if_faster=true"
     big = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
     step = hlo_amp.compile(lambda x, w: jnp.tanh(x @ w), policy)
     direct = step.lower(big, big, target="h100")
