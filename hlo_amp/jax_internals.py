@@ -27,6 +27,9 @@ Each entry and why we need it:
 - ``config.trace_context`` and ``trace_context_names``: ``program_context``, the
   configuration a trace reads (x64, default matmul precision), in the export and
   measurement cache keys as in jax.jit's.
+- ``core.ManualAxisType`` (an aval's ``mat``, or ``vma`` where a jax has that instead):
+  ``varying_axes`` and ``with_varying``, the manual (shard_map) axes a value varies
+  along, which the amp_call primitive's outputs take from its inputs as a jax.jit's do.
 - ``mesh.get_concrete_mesh``: ``mesh_context``, the mesh ``jax.set_mesh`` set (with its
   devices' order), in a call's key as in jax.jit's; ``jax.sharding.get_mesh`` refuses to
   answer inside a trace, where hlo_amp binds its call.
@@ -108,6 +111,8 @@ def _needs(module: Any, qualified: str, attribute: str,
 Primitive = _needs(jax.extend.core, "jax.extend.core", "Primitive")
 ShapedArray = _needs(core, "jax._src.core", "ShapedArray", ("shape", "dtype"))
 Tracer = _needs(core, "jax._src.core", "Tracer")
+# Optional: a jax whose avals carry ``vma`` in place of ``mat`` has no need of it.
+_ManualAxisType = getattr(core, "ManualAxisType", None)
 trace_state_clean = _needs(core, "jax._src.core", "trace_state_clean", ())
 eval_jaxpr = _needs(core, "jax._src.core", "eval_jaxpr", ("jaxpr", "consts"))
 # The configuration a trace depends on (x64, default matmul precision, ...): part of
@@ -215,6 +220,28 @@ def program_context() -> tuple:
     if len(names) != len(values):
         return values
     return tuple(values[i] for i in _program_positions(names))
+
+
+def varying_axes(aval: Any) -> frozenset:
+    """The manual (shard_map) axes ``aval`` varies along; empty outside shard_map."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def with_varying(aval: Any, axes: frozenset) -> Any:
+    """``aval`` varying along ``axes`` (its unreduced and reduced axes kept), typed on
+    the shard_map's mesh where it has no mesh of its own (a manual axis needs one)."""
+    mat = getattr(aval, "mat", None)
+    if mat is None:
+        return aval.update(vma=axes)
+    sharding = aval.sharding
+    if getattr(sharding.mesh, "empty", False):
+        sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(),
+                                              jax.sharding.PartitionSpec(*[None] * aval.ndim))
+    return aval.update(sharding=sharding, manual_axis_type=_ManualAxisType(
+        varying=axes, unreduced=mat.unreduced, reduced=mat.reduced))
 
 
 def mesh_context() -> tuple:

@@ -187,7 +187,30 @@ _DEVICE_COUNTS = re.compile(r"was exported for (\d+) devices and is called in a 
 
 
 def _abstract_eval(*avals: Any, program: Program) -> list:
-    return program.owner.out_avals(program, avals_key(avals))
+    # Inside jax.shard_map an output varies along the manual axes its inputs vary along,
+    # as a jax.jit's does (typed invariant, the residuals of a replicated weight's
+    # gradient were device 0's on every device).
+    varying = varying_axes(avals)
+    outs = program.owner.out_avals(program, avals_key(avals))
+    return [internals.with_varying(out, varying) for out in outs] if varying else outs
+
+
+def varying_axes(values: Sequence[Any]) -> frozenset:
+    """The manual (shard_map) axes any of ``values`` varies along."""
+    return frozenset().union(*(internals.varying_axes(
+        value if isinstance(value, internals.ShapedArray) else jax.typeof(value))
+        for value in values))
+
+
+def vary_alike(values: Sequence[Any]) -> list:
+    """``values`` each made to vary along every manual axis one of them varies along, as
+    jax does to a primitive's operands inside shard_map: the transpose of that cast sums
+    an invariant operand's cotangent over the axes (a replicated weight's gradient)."""
+    varying = varying_axes(values)
+    if not varying:
+        return list(values)
+    return [value if varying <= (missing := varying_axes([value])) else jax.lax.pcast(
+        value, tuple(sorted(varying - missing)), to="varying") for value in values]
 
 
 def _lower(ctx: Any, *args: Any, program: Program) -> Any:
@@ -223,22 +246,40 @@ def _example(value: Any, axis: int | None) -> jax.ShapeDtypeStruct:
 
 
 def _batched_outputs(fn: Callable[..., list], args: Sequence[Any], in_axes: tuple,
-                     axis_name: str | None = None) -> tuple[bool, ...] | None:
+                     axis_name: str | None = None, size: int | None = None
+                     ) -> tuple[bool, ...] | None:
     """Per output of ``fn``: whether it depends on a batched argument (else it is the
     same for every example, and vmap may return it unbatched: ``out_axes=None``). None
-    where ``fn`` cannot be traced alone (a collective over the vmap's named axis).
-    An ``axis_index`` of the vmap's axis is batched: it varies along the axis with no
-    batched input."""
+    where ``fn`` cannot be traced alone. It is traced with the vmap's named axis bound:
+    a sum or gather over that axis (``psum``, ``pmean``, ``all_gather``) is the same for
+    every example, as jax.jit's vmap gives it; an ``axis_index`` of the axis is
+    batched: it varies along the axis with no batched input."""
+    env = [(axis_name, size)] if axis_name is not None and size is not None else None
     try:
-        jaxpr = jax.make_jaxpr(fn)(*map(_example, args, in_axes)).jaxpr
+        jaxpr = jax.make_jaxpr(fn, axis_env=env)(*map(_example, args, in_axes)).jaxpr
     except Exception:  # noqa: BLE001
         return None
     batched = {v for v, d in zip(jaxpr.invars, in_axes) if d is not None}
     for eqn in jaxpr.eqns:
+        if axis_name is not None and _same_along_axis(eqn, axis_name):
+            continue
         if any(not isinstance(v, Literal) and v in batched for v in eqn.invars) or (
                 axis_name is not None and _indexes_axis(eqn, axis_name)):
             batched.update(eqn.outvars)
     return tuple(not isinstance(v, Literal) and v in batched for v in jaxpr.outvars)
+
+
+# Collectives whose result is the same at every index of the axes they run over.
+_SAME_ALONG_AXIS = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invariant"})
+
+
+def _same_along_axis(eqn: Any, axis_name: str) -> bool:
+    """Whether ``eqn`` sums, reduces or gathers over ``axis_name`` (its result is the
+    same for every example of the vmap naming it)."""
+    if eqn.primitive.name not in _SAME_ALONG_AXIS:
+        return False
+    names = eqn.params.get("axes", eqn.params.get("axis_name"))
+    return names == axis_name or (isinstance(names, tuple) and axis_name in names)
 
 
 def _indexes_axis(eqn: Any, axis_name: str) -> bool:
@@ -265,7 +306,7 @@ def _batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *,
     axis_name = axis_data.name if isinstance(axis_data.name, str) else None
     # An output no batched argument reaches stays unbatched, as under jax.jit (a caller's
     # out_axes=None asks for that).
-    found = (_batched_outputs(program.fn, args, in_axes, axis_name)
+    found = (_batched_outputs(program.fn, args, in_axes, axis_name, axis_data.size)
              if axis_name is not None or any(d is not None for d in in_axes) else None)
     if all(d is None for d in in_axes) and not any(found or ()):
         # Nothing batched here (jacfwd's primal pass), nor an axis_index of the axis.

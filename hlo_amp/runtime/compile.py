@@ -47,6 +47,7 @@ from hlo_amp.runtime.amp_call import (
     explicit_sharding,
     is_forward_program,
     shape_structs,
+    vary_alike,
 )
 from hlo_amp.runtime.arguments import raise_argument_problem
 from hlo_amp.runtime.deviceless import lower_for_target, not_runnable, split_device_target
@@ -893,9 +894,19 @@ class AmpFunction:
                 program = Program(self._programs, fn, self.__name__, ("closure", key))
                 outs = amp_call_p.bind(*leaves, *hoisted, program=program)
                 return jax.tree_util.tree_unflatten(self._programs.out_trees[(key, avals)], outs)
+            manual = jax.sharding.get_abstract_mesh().manual_axes
+            if manual:
+                # Inside jax.shard_map or jax.pmap: a collective over their axes cannot
+                # be exported alone (jax asserted in axis_groups when lowering it).
+                warn_at_user_code(
+                    f"hlo_amp: cannot rewrite {self.__name__} inside jax.shard_map or "
+                    f"jax.pmap (axes {', '.join(map(str, manual))}: a collective over them "
+                    f"is not exported alone); it runs unchanged. Compile the function that "
+                    f"calls shard_map or pmap instead")
+                return self.fn(*args, **kwargs)
             # Exported alone, fn may not trace (a collective over an outer vmap's named
             # axis); the transformation's own rule exports what is needed, and raises.
-        outs = amp_call_p.bind(*leaves, program=program)
+        outs = amp_call_p.bind(*vary_alike(leaves), program=program)
         return jax.tree_util.tree_unflatten(self._programs.out_trees[(key, avals)], outs)
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from host_devices import host_devices_env
 
@@ -611,3 +612,67 @@ def test_a_call_keys_on_the_context_mesh_and_on_committed_arguments() -> None:
     assert results["amp"] == results["jit"] == [[[0, 1], 2.0], [[1, 0], 2.0], [[0], 1.0]]
     assert results["amp committed"] == results["jit committed"] == [True, False]
     assert results["lowerings after the mesh call"] == 0
+
+
+INSIDE_SHARD_MAP = textwrap.dedent("""
+    import json, warnings
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P
+    import hlo_amp
+
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def f(a, w):
+        return jnp.sum(jnp.tanh(a @ w))
+
+    def with_psum(a, w):
+        return jax.lax.psum(jnp.sum(jnp.tanh(a @ w)), "d")[None]
+
+    x = jax.random.normal(jax.random.key(0), (32, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 8)) / 4
+    results = {}
+    for name, g in (("jit", jax.jit(f)), ("f32", hlo_amp.compile(f, "f32")),
+                    ("bf16", hlo_amp.compile(f, "bf16"))):
+        types = []
+
+        def body(a, w):
+            out = g(a, w)
+            types.append(str(jax.typeof(out)))
+            return out[None]
+
+        sm = jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
+        grads = jax.jit(jax.grad(lambda a, w: sm(a, w).sum(), argnums=(0, 1)))(x, w)
+        results[name] = [types[0], [np.asarray(g).tolist() for g in grads]]
+        try:
+            jax.shard_map(g, mesh=mesh, in_specs=(P("d"), P()), out_specs=P())(x, w)
+            results[name + " replicated out"] = "accepted"
+        except ValueError as error:
+            results[name + " replicated out"] = "refused"
+    for name, g in (("jit psum", jax.jit(with_psum)), ("amp psum", hlo_amp.compile(with_psum, "bf16"))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = jax.shard_map(g, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))(x, w)
+        results[name] = [np.asarray(out).tolist(), [str(c.message)[:60] for c in caught]]
+    print("RESULTS=" + json.dumps(results))
+""")
+
+
+def test_a_compiled_function_inside_shard_map_varies_as_jax_jits_does() -> None:
+    """Inside jax.shard_map its outputs vary along the axes its inputs vary along: they
+    were typed invariant, so a replicated weight's gradient was device 0's residuals'
+    times 4, out_specs=P() on a varying output was taken, and a sharded argument's
+    gradient failed ("Expected cotangent type float32[8,16]{V:d}"). One with a psum over
+    the shard_map's axis warns and runs unchanged (jax's bare AssertionError)."""
+    from host_devices import run_on_host_devices
+
+    results = run_on_host_devices(INSIDE_SHARD_MAP, devices=4)
+    want_type, want_grads = results["jit"]
+    for policy, tolerance in (("f32", 1e-5), ("bf16", 3e-2)):
+        got_type, got_grads = results[policy]
+        assert got_type == want_type, (policy, got_type)
+        for got, want in zip(got_grads, want_grads, strict=True):
+            np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+        assert results[policy + " replicated out"] == results["jit replicated out"] == "refused"
+    np.testing.assert_allclose(results["amp psum"][0], results["jit psum"][0], rtol=2e-2)
+    assert [m.startswith("hlo_amp: cannot rewrite with_psum inside jax.shard_map")
+            for m in results["amp psum"][1]] == [True]

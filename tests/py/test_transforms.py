@@ -139,6 +139,25 @@ def test_vmap_with_named_axis_collective():
     _assert_close_not_equal(got, jax.vmap(centred, axis_name="batch")(xs))
 
 
+def test_vmap_of_a_collective_over_its_axis_may_return_it_unbatched():
+    """A psum, pmean or all_gather over the vmap's axis is the same for every example:
+    vmap(out_axes=None) takes it, as under jax.jit (it raised "vmap has mapped output
+    (axis_name=b) but out_axes is None")."""
+    xs = _rand(1, (2, 4, 16))
+    w = _rand(0, (16, 8)) * 0.3
+
+    def fn(x, w):
+        y = jnp.tanh(x @ w)
+        return jax.lax.pmean(jnp.sum(y), "b"), jax.lax.all_gather(y.sum(0), "b"), y
+
+    vmap = functools.partial(jax.vmap, in_axes=(0, None), axis_name="b",
+                             out_axes=(None, None, 0))
+    got, want = vmap(hlo_amp.compile(fn, "bf16"))(xs, w), vmap(jax.jit(fn))(xs, w)
+    assert [g.shape for g in got] == [g.shape for g in want]
+    for g, v in zip(got, want, strict=True):  # a sum of 64 bf16 tanh: a few % off
+        np.testing.assert_allclose(g, v, rtol=5e-2, atol=5e-2)
+
+
 @pytest.mark.parametrize("batched_x", [True, False], ids=["x_batched", "nothing_batched"])
 def test_vmap_with_an_axis_index_output(batched_x):
     """An output made from ``lax.axis_index`` of the vmap's axis (per-example dropout
