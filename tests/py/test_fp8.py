@@ -604,6 +604,18 @@ def test_the_head_of_a_loss_linear_in_it_is_the_last_end_under_grad() -> None:
                       if d.rule == "last_matrix_op")
 
     assert ends(jax.grad(_critic)) == [("head", "backward", "last_matrix_op")] * 2
+
+    # Its weight scaled, or closed over as a constant: no bare argument (found none).
+    def scaled(params, x):
+        return _critic({**params, "w2": params["w2"] * 0.5}, x)
+
+    frozen = np.asarray(params["w2"])
+
+    def constant(params, x):
+        return _critic({**params, "w2": frozen}, x)
+
+    assert ends(jax.grad(scaled)) == [("head", "backward", "last_matrix_op")] * 2
+    assert ends(jax.grad(constant)) == [("head", "backward", "last_matrix_op")]
     assert ends(jax.value_and_grad(_critic)) == (
         [("head", "backward", "last_matrix_op")] * 2 + [("head", "forward", "last_matrix_op")])
 

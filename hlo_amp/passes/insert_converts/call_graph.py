@@ -31,6 +31,7 @@ from hlo_amp.ir.sites import (
     Site,
     asks_for_precision,
     call_prefix,
+    in_backward_pass,
     join_names,
     location_name,
     site_of,
@@ -266,18 +267,21 @@ class CallGraph:
         if first_gradient is None or not forward or given:
             return None
         key, op, kind = first_gradient
-        stack = _stack_key(self.site(op, kind, key[2]), op, kind)
+        site = self.site(op, kind, key[2])
+        stack = _stack_key(site, op, kind)
         lines = {_innermost(_stack_key(self.site(o, k, at[2]), o, k))[2]
                  for at, o, k in forward}
-        if _innermost(stack)[2] in lines or len(looped.get(key, ())) != len(whole):
+        # A line of the user's (a linalg solve's backward dots have none)...
+        if (site.source is None or _innermost(stack)[2] in lines
+                or len(looped.get(key, ())) != len(whole)):
             return None
-        # And they read the head's weight, an argument no forward matrix op reads: a
-        # custom_vjp's backward dots (their own lines) read the live head's, and a
-        # linalg solve's backward its factors.
+        # ...whose dots read a forward value no forward matrix op reads: the dead head's
+        # weight (an argument, a constant, a scaled or tied one) or input. A custom_vjp's
+        # backward dots on lines of their own read the live head's operands.
         read = set().union(*(self._bases(o, at[3]) for at, o, _ in forward))
         head = [(at, o) for at, o, k in order
                 if _stack_key(self.site(o, k, at[2]), o, k) == stack]
-        if not any(isinstance(base, ir.BlockArgument)
+        if not any(_forward_value(base)
                    for at, o in head for base in self._bases(o, at[3]) - read):
             return None
         return stack
@@ -478,6 +482,12 @@ def _common_prefix(tuples: list[tuple[int, ...]]) -> tuple[int, ...]:
         if all(t[:length] == shortest[:length] for t in tuples):
             return shortest[:length]
     return ()
+
+
+def _forward_value(value: Any) -> bool:
+    """Whether ``value`` is an argument or made by an op of the forward pass (not from a
+    cotangent, which the backward pass's ops make)."""
+    return isinstance(value, ir.BlockArgument) or not in_backward_pass(value.owner)
 
 
 def _operand_bases(op: Any) -> set[Any]:
