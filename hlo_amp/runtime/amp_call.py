@@ -264,19 +264,28 @@ def _batched_outputs(fn: Callable[..., list], args: Sequence[Any], in_axes: tupl
         if axis_name is not None and _same_along_axis(eqn, axis_name):
             continue
         if any(not isinstance(v, Literal) and v in batched for v in eqn.invars) or (
-                axis_name is not None and _indexes_axis(eqn, axis_name)):
+                axis_name is not None and (_indexes_axis(eqn, axis_name)
+                                           or _over_axis(eqn, axis_name, _VARY_ALONG_AXIS))):
             batched.update(eqn.outvars)
     return tuple(not isinstance(v, Literal) and v in batched for v in jaxpr.outvars)
 
 
-# Collectives whose result is the same at every index of the axes they run over.
+# Collectives whose result is the same at every index of the axes they run over, and
+# those whose result differs at each (a scatter's share, a permutation), whatever they
+# read.
 _SAME_ALONG_AXIS = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invariant"})
+_VARY_ALONG_AXIS = frozenset({"reduce_scatter", "ppermute", "all_to_all"})
 
 
 def _same_along_axis(eqn: Any, axis_name: str) -> bool:
     """Whether ``eqn`` sums, reduces or gathers over ``axis_name`` (its result is the
     same for every example of the vmap naming it)."""
-    if eqn.primitive.name not in _SAME_ALONG_AXIS:
+    return _over_axis(eqn, axis_name, _SAME_ALONG_AXIS)
+
+
+def _over_axis(eqn: Any, axis_name: str, primitives: frozenset[str]) -> bool:
+    """Whether ``eqn`` is one of ``primitives`` run over ``axis_name``."""
+    if eqn.primitive.name not in primitives:
         return False
     names = eqn.params.get("axes", eqn.params.get("axis_name"))
     return names == axis_name or (isinstance(names, tuple) and axis_name in names)

@@ -892,22 +892,50 @@ class AmpFunction:
             if converted is not None:
                 fn, hoisted = converted
                 program = Program(self._programs, fn, self.__name__, ("closure", key))
-                outs = amp_call_p.bind(*leaves, *hoisted, program=program)
+                outs = amp_call_p.bind(*vary_alike([*leaves, *hoisted]), program=program)
                 return jax.tree_util.tree_unflatten(self._programs.out_trees[(key, avals)], outs)
-            manual = jax.sharding.get_abstract_mesh().manual_axes
+            manual = _collective_axes(program.fn, leaves) & set(
+                jax.sharding.get_abstract_mesh().manual_axes)
             if manual:
                 # Inside jax.shard_map or jax.pmap: a collective over their axes cannot
-                # be exported alone (jax asserted in axis_groups when lowering it).
+                # be exported alone (jax asserted in axis_groups when lowering it). One
+                # over an inner vmap's axis is the vmap rule's to export.
                 warn_at_user_code(
                     f"hlo_amp: cannot rewrite {self.__name__} inside jax.shard_map or "
-                    f"jax.pmap (axes {', '.join(map(str, manual))}: a collective over them "
-                    f"is not exported alone); it runs unchanged. Compile the function that "
-                    f"calls shard_map or pmap instead")
+                    f"jax.pmap (axes {', '.join(sorted(map(str, manual)))}: a collective "
+                    f"over them is not exported alone); it runs unchanged. Compile the "
+                    f"function that calls shard_map or pmap instead")
                 return self.fn(*args, **kwargs)
             # Exported alone, fn may not trace (a collective over an outer vmap's named
             # axis); the transformation's own rule exports what is needed, and raises.
         outs = amp_call_p.bind(*vary_alike(leaves), program=program)
         return jax.tree_util.tree_unflatten(self._programs.out_trees[(key, avals)], outs)
+
+
+def _collective_axes(flat_fn: Callable[..., list], leaves: list) -> set:
+    """The axis names the collectives of ``flat_fn`` run over, traced here (inside a
+    shard_map, where its axes are bound), at any depth of nested jaxprs."""
+    try:
+        jaxpr = jax.make_jaxpr(flat_fn)(*leaves).jaxpr
+    except Exception:  # noqa: BLE001
+        return set()
+    found: set = set()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, (tuple, list)):
+            for item in value:
+                visit(item)
+            return
+        inner = getattr(value, "jaxpr", value)
+        for eqn in getattr(inner, "eqns", ()):
+            names = eqn.params.get("axes", eqn.params.get("axis_name"))
+            if names is not None and eqn.primitive.name != "shard_map":
+                found.update(names if isinstance(names, tuple) else (names,))
+            for param in eqn.params.values():
+                visit(param)
+
+    visit(jaxpr)
+    return found
 
 
 def _with_closed_tracers_as_arguments(flat_fn: Callable[..., list], leaves: list

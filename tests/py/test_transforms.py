@@ -154,6 +154,15 @@ def test_vmap_of_a_collective_over_its_axis_may_return_it_unbatched():
                              out_axes=(None, None, 0))
     got, want = vmap(hlo_amp.compile(fn, "bf16"))(xs, w), vmap(jax.jit(fn))(xs, w)
     assert [g.shape for g in got] == [g.shape for g in want]
+
+    # A scatter of an unbatched value differs at each index: it was returned unbatched
+    # ("vmap has mapped output ... but out_axes is None").
+    def scattered(x, w):
+        return jax.lax.psum_scatter(jnp.tanh(w.T @ w)[:2], "b", tiled=True), x @ w
+
+    shapes = [[o.shape for o in jax.vmap(g, in_axes=(0, None), axis_name="b")(xs, w)]
+              for g in (hlo_amp.compile(scattered, "bf16"), jax.jit(scattered))]
+    assert shapes[0] == shapes[1]
     for g, v in zip(got, want, strict=True):  # a sum of 64 bf16 tanh: a few % off
         np.testing.assert_allclose(g, v, rtol=5e-2, atol=5e-2)
 
