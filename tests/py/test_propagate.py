@@ -1007,3 +1007,39 @@ def test_saved_residuals_are_16bit_as_the_hand_casts(saves: str) -> None:
     for name in p:
         scale = float(jnp.max(jnp.abs(want[name])))
         assert float(jnp.max(jnp.abs(got[name] - want[name]))) <= 1e-5 + 2.3e-2 * scale
+
+
+def _weak_fill(w, x, mask):  # both sides Python floats: jax converts the where to f32
+    return jax.nn.softmax((x @ w) @ x.T + jnp.where(mask, 0.0, -1e9), -1) @ x
+
+
+def _padded_fill(w, x, mask):  # the fill padded in (jnp.pad), flipped and rolled
+    fill = jnp.finfo(jnp.float32).min
+    bias = jnp.pad(jnp.where(mask[:, 1:], 0.0, fill), ((0, 0), (1, 0)), constant_values=fill)
+    bias = jnp.roll(jnp.flip(jnp.flip(bias, 1), 1), 0, axis=1)
+    return jax.nn.softmax((x @ w) @ x.T + bias, -1) @ x
+
+
+_LARGE_BIAS = np.where(np.tril(np.ones((300, 300), bool)) & (np.arange(300) >= 1)[None, :],
+                       0.0, np.finfo(np.float32).min).astype(np.float32)
+
+
+def _large_constant_bias(w, x, mask):  # a 300-token bias held as one constant
+    xs = jnp.tile(x, (38, 1))[:300]
+    return jax.nn.softmax((xs @ w) @ xs.T + _LARGE_BIAS, -1) @ xs
+
+
+@pytest.mark.parametrize(("fn", "policy"), [
+    (_weak_fill, "mixed_float16"), (_padded_fill, "mixed_bfloat16"),
+    (_large_constant_bias, "mixed_bfloat16"), (_large_constant_bias, "mixed_float16")])
+def test_a_fill_behind_a_convert_data_movement_or_a_large_constant_stays_finite(fn, policy):
+    """A -1e9 fill behind jax's f32-to-f32 convert of a weakly typed jnp.where (not kept
+    f32 under f16), finfo(f32).min padded, flipped or rolled into a bias (not clamped
+    under bf16), and a bias constant of more than 65,536 elements (not read): each was
+    converted to -inf, and the fully masked row's softmax NaN (jax.jit: finite)."""
+    w = jax.random.normal(jax.random.key(0), (16, 16)) / 4
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    mask = jnp.tril(jnp.ones((8, 8), bool)) & (jnp.arange(8) >= 1)[None, :]  # row 0: no key
+    got = _gpu_form(fn, policy + ",fuse_attention=false", w, x, mask)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    _close(got, jax.jit(fn)(w, x, mask), _dtype(policy))

@@ -78,6 +78,7 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
+from hlo_amp.ir.modules import walk_operations
 from hlo_amp.passes.propagate.accounting import bytes_table, intermediate_bytes, op_counts
 from hlo_amp.passes.propagate.body import Body
 from hlo_amp.passes.propagate.graph import Graph
@@ -105,6 +106,7 @@ class Propagate:
         # hand out is a new Python object. The rewrite only adds and discards converts,
         # which the byte count skips by name (and step 5's barriers, which hold such a
         # convert's value), so the walks stay good for the "after".
+        _drop_same_type_converts(module)
         walks: dict[int, Body] = {}
         before = intermediate_bytes(module, walks)
         graph = Graph(self.policy, low, walks)
@@ -140,3 +142,20 @@ def _merged(earlier: dict[str, Any] | None, this: dict[str, Any]) -> dict[str, A
             into["f32"][why] = into["f32"].get(why, 0) + count
     return {"ops": ops, "functions": [*earlier["functions"], *this["functions"]],
             "clones": earlier["clones"] + this["clones"]}
+
+
+def _drop_same_type_converts(module: ir.Module) -> None:
+    """Readers of a convert to its own type (jax writes one after a weakly typed
+    ``jnp.where``) read its operand: the graph has no node for such a convert, and the
+    f32 kept behind a -1e9 fill under f16 stopped at it (the add after it converted the
+    fill to f16: -inf, and a masked row's softmax NaN)."""
+    same = [op for op in walk_operations(module, names=_CONVERTS)
+            if op.operands[0].type == op.results[0].type]
+    for op in same:
+        op.results[0].replace_all_uses_with(op.operands[0])
+        # Erased now, before any walk holds it (discarded, the rewrite's own walk of
+        # converts met it again, and it was erased twice).
+        op.operation.erase()
+
+
+_CONVERTS = frozenset({"stablehlo.convert"})

@@ -540,8 +540,10 @@ class Graph:
 
 
 
-# A non-splat constant larger than this is not read (no mask fill or scale is).
-_MAX_READ_ELEMENTS = 1 << 16
+# A non-splat constant larger than this is not read: a mask bias held as a constant is
+# one per position pair (a 300-token one is 90,000, and was not read at 1 << 16: its
+# finfo.min fill became -inf), read from its buffer in about a millisecond a million.
+_MAX_READ_ELEMENTS = 1 << 22
 
 
 def largest_finite(op: Any) -> float | None:
@@ -561,7 +563,7 @@ def _finite_magnitudes(op: Any) -> np.ndarray | None:
     if attr.is_splat:
         values = np.asarray([ir.FloatAttr(attr.get_splat_value()).value])
     elif len(attr) <= _MAX_READ_ELEMENTS:
-        values = np.asarray(attr, dtype=np.float64)
+        values = np.array(attr, copy=False)  # the attribute's buffer, not a copy per element
     else:
         return None
     return np.abs(values[np.isfinite(values)])

@@ -14,6 +14,7 @@ from hlo_amp.ir.modules import (
     callee_name,
     clone_private,
     discard,
+    element_type,
     function_name,
     is_call,
     is_discarded,
@@ -42,12 +43,23 @@ from hlo_amp.targets import NO_TARGET, Target
 _BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 
+# Ops whose result holds elements of their float operands (and a pad's padding value):
+# a mask bias padded, rolled, flipped, sliced, joined or gathered holds its fill.
+_MOVING_OPS = frozenset({"stablehlo.pad", "stablehlo.slice", "stablehlo.dynamic_slice",
+                         "stablehlo.concatenate", "stablehlo.reverse", "stablehlo.gather",
+                         "stablehlo.dynamic_update_slice"})
+
+
 def _value_sources(op: Any, number: int) -> list[ir.Value]:
     """The values result ``number`` of ``op`` is one of: a select's sides, a loop's start
-    and carried value, each branch's result; none for any other op."""
+    and carried value, each branch's result, the float operands data movement takes its
+    elements from (``jnp.pad``, ``jnp.roll``, ``jnp.flip``, a concatenation); none for
+    any other op."""
     name = op.name
     if name == "stablehlo.select":
         return [op.operands[1], op.operands[2]]
+    if name in _MOVING_OPS:
+        return [v for v in op.operands if isinstance(element_type(v), ir.FloatType)]
     if name == "stablehlo.while":
         return [op.operands[number], terminator(op.regions[1].blocks[0]).operands[number]]
     if name in ("stablehlo.case", "stablehlo.if"):
