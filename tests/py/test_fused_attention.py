@@ -172,6 +172,39 @@ def test_not_where_a_scope_rule_keeps_it_f32() -> None:
     assert "amp_stop" in _reasons(stopped, QKV, "bf16", "h100")[0]
 
 
+def test_not_where_backward_or_an_end_rule_keeps_a_matmul_f32() -> None:
+    """backward=, first_matrix_op= and last_matrix_op= keep the site's matmuls f32 as
+    they keep an unfused site's: fused, its backward (and first and last) matmuls ran
+    in bf16, and the rule was warned about as matching no op."""
+    def step(q, k, v):
+        return jax.grad(lambda q, k, v: jnp.sum(_attend(q, k, v) ** 2), argnums=(0, 1, 2))(
+            q, k, v)
+
+    assert _reasons(step, QKV, "bf16,backward=keep", "h100") == [
+        "the policy keeps it f32 (backward)"]
+    assert _reasons(_attend, QKV, "bf16,first_matrix_op=float32", "h100") == [
+        "the policy keeps it f32 (first_matrix_op)"]
+    assert _reasons(_attend, QKV, "bf16,last_matrix_op=keep", "h100") == [
+        "the policy keeps it f32 (last_matrix_op)"]
+    assert _reasons(step, QKV, "fp8", "h100") == []  # its ends compute in bf16: fused
+
+
+@pytest.mark.parametrize(("dtype", "policy"), [(jnp.bfloat16, "f16"), (jnp.float16, "bf16")])
+def test_a_16bit_site_keeps_its_own_type(dtype, policy) -> None:
+    """Already-16-bit ops are never moved to the other 16-bit type: a bf16 attention
+    under an f16 policy was fused in f16, its q, k and v converted (inf past 65504)."""
+    def by_hand(q, k, v):  # jax's dot_product_attention pins its matmuls' type itself
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
+
+    qkv = [x.astype(dtype) for x in QKV]
+    lowered = hlo_amp.compile(by_hand, policy).lower(*qkv, target="h100")
+    (site,) = lowered.report().attention
+    assert site.fused and site.dtype == jnp.dtype(dtype).name
+    other = "f16" if dtype == jnp.bfloat16 else "bf16"
+    assert f"x{other}>" not in lowered.as_text()
+
+
 def test_not_when_turned_off() -> None:
     lowered = hlo_amp.compile(_attend, "bf16,fuse_attention=false").lower(*QKV, target="h100")
     assert lowered.report().attention == []

@@ -31,6 +31,7 @@ from jaxlib.mlir import ir
 
 from hlo_amp.ir.loops import LoopCounts, function_runs, op_runs
 from hlo_amp.ir.modules import (
+    element_type,
     function_name,
     functions,
     is_discarded,
@@ -39,7 +40,13 @@ from hlo_amp.ir.modules import (
     walk_operations,
 )
 from hlo_amp.ir.shardings import partition_count
-from hlo_amp.ir.sites import Site, asks_for_precision, location_name, site_of
+from hlo_amp.ir.sites import (
+    Site,
+    asks_for_precision,
+    in_backward_pass,
+    location_name,
+    site_of,
+)
 from hlo_amp.passes.fused_attention.calls import CallView
 from hlo_amp.passes.fused_attention.match import exponential_sources, match_site
 from hlo_amp.passes.fused_attention.rewrite import (
@@ -52,12 +59,21 @@ from hlo_amp.passes.fused_attention.rewrite import (
 )
 from hlo_amp.passes.fused_attention.roles import H_ROLE, S_ROLE, NotFused
 from hlo_amp.passes.fused_attention.site import Match
-from hlo_amp.policy import COMPUTE, COMPUTE_DTYPES, DTYPE_TO_ELEMENT, Policy, is_fp8
+from hlo_amp.policy import (
+    COMPUTE,
+    COMPUTE_DTYPES,
+    DTYPE_TO_ELEMENT,
+    FIRST_MATRIX_OP,
+    LAST_MATRIX_OP,
+    Policy,
+    is_fp8,
+)
 from hlo_amp.report import AttentionSite, Report
 from hlo_amp.targets import NO_TARGET, Target
 from hlo_amp.targets.attention_kernels import KERNELS, AttentionCall, lower_kernel
 
 _KERNEL_NAMES = {"cudnn": "cuDNN flash", "reference": "XLA reference"}
+_MATRIX_OPS = frozenset({"stablehlo.dot_general", "stablehlo.convolution"})
 
 
 # What fusing one site takes: its match, the kernel's layout and call, the 16-bit type.
@@ -149,9 +165,15 @@ class FusedAttention:
         return entry, ((match, layout, call, dtype) if reason is None else None), match
 
     def _dtype(self, match: Match, prefix: str) -> tuple[str, str | None]:
-        """The 16-bit type the policy computes the site in, or why none."""
+        """The 16-bit type the policy computes the site in, or why none: every matmul of
+        the site, its backward's under ``backward=``, and the program's first and last
+        matrix op under their rules (a rule keeping one f32 kept it there unfused, and
+        fused the site ran it in 16 bit); a site whose matmuls are 16-bit already keeps
+        that type (a bf16 one went to f16 under an f16 policy: inf past 65504)."""
         actions, pinned_types = [], set()
-        for op in [match.scores] + ([match.exits["out"].op] if "out" in match.exits else []):
+        ops = [match.scores] + [exit_.op for exit_ in match.exits.values()]
+        ends = self._program_ends(match)
+        for op in ops:
             site = site_of(op.location, "dot_general", prefix)
             # A matmul the program pinned to 16-bit operands with f32 accumulation (jax's
             # own attention on bf16 arrays: DotAlgorithmPreset.BF16_BF16_F32) asks for
@@ -159,7 +181,8 @@ class FusedAttention:
             sixteen = _sixteen_bit_algorithm(op)
             if sixteen is not None:
                 pinned_types.add(sixteen)
-            rule = self.policy.decide(site.scope, "dot_general", False, (),
+            rule = self.policy.decide(site.scope, "dot_general", site.gradient_pass,
+                                      ends.get(op_key(op), ()),
                                       None if sixteen else asks_for_precision(op))
             actions.append(rule)
         for rule in actions:
@@ -167,12 +190,32 @@ class FusedAttention:
             if action is None or action not in (COMPUTE, *COMPUTE_DTYPES) and not is_fp8(action):
                 why = rule.reason or f"the policy keeps it f32 ({rule.rule})"
                 return "", why
-        chosen = pinned_types or {a.action if a.action in COMPUTE_DTYPES
-                                  else self.policy.compute_dtype for a in actions}
+        own = {str(element_type(v)) for v in list(match.scores.operands)[:2]}
+        native = {"bf16": "bfloat16", "f16": "float16"}.get(own.pop()) if len(own) == 1 else None
+        chosen = ({native} if native else pinned_types) or {
+            a.action if a.action in COMPUTE_DTYPES else self.policy.compute_dtype
+            for a in actions}
         if len(chosen) != 1 or next(iter(chosen)) not in COMPUTE_DTYPES:
             return "", (f"the policy computes it in {', '.join(sorted(chosen))}, not one "
                         "16-bit type")
         return chosen.pop(), None
+
+    def _program_ends(self, match: Match) -> dict[int, tuple[str, ...]]:
+        """The site's scores or output matmul where it is its function's first or last
+        forward matrix op, with that position, when the policy has a rule for it."""
+        if (self.policy.first_matrix_op, self.policy.last_matrix_op) == (None, None):
+            return {}
+        block = match.scores.operation.parent
+        while block is not None and block.name != "func.func":
+            block = block.parent
+        forward = [op for op in walk_operations(block, names=_MATRIX_OPS)
+                   if not in_backward_pass(op)] if block is not None else []
+        ends: dict[int, tuple[str, ...]] = {}
+        if forward:
+            ends[op_key(forward[0])] = (FIRST_MATRIX_OP,)
+            last = op_key(forward[-1])
+            ends[last] = (*ends.get(last, ()), LAST_MATRIX_OP)
+        return ends
 
     def _fuse(self, match: Match, layout: Layout, call: AttentionCall, dtype: str,
               name: str) -> None:
