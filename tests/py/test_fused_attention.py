@@ -188,6 +188,16 @@ def test_not_where_backward_or_an_end_rule_keeps_a_matmul_f32() -> None:
         "the policy keeps it f32 (last_matrix_op)"]
     assert _reasons(step, QKV, "fp8", "h100") == []  # its ends compute in bf16: fused
 
+    # A site in a called layer between projections is no end: the rules matched the
+    # projections, and the site was left unfused naming them.
+    core = jax.jit(_attend)
+
+    def projected(q, k, v):
+        return core(q @ jnp.eye(q.shape[-1]), k, v) @ jnp.eye(q.shape[-1])
+
+    for policy in ("bf16,first_matrix_op=float32", "bf16,last_matrix_op=float32"):
+        assert _reasons(projected, QKV, policy, "h100") == [], policy
+
 
 @pytest.mark.parametrize(("dtype", "policy"), [(jnp.bfloat16, "f16"), (jnp.float16, "bf16")])
 def test_a_16bit_site_keeps_its_own_type(dtype, policy) -> None:
@@ -203,6 +213,13 @@ def test_a_16bit_site_keeps_its_own_type(dtype, policy) -> None:
     assert site.fused and site.dtype == jnp.dtype(dtype).name
     other = "f16" if dtype == jnp.bfloat16 else "bf16"
     assert f"x{other}>" not in lowered.as_text()
+    # q and k in one 16-bit type, v f32 the policy computes in the other: not one type
+    # (v went to q's type, past its range).
+    mixed = [qkv[0], qkv[1], QKV[2]]
+    computed = "float16" if policy == "f16" else "bfloat16"
+    want = (f"its q, k and v are {jnp.dtype(dtype).name} and f32, which the policy "
+            f"computes in {computed}: not one 16-bit type")
+    assert _reasons(by_hand, mixed, policy, "h100") == [want]
 
 
 def test_not_when_turned_off() -> None:

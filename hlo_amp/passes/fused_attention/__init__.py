@@ -35,6 +35,7 @@ from hlo_amp.ir.modules import (
     function_name,
     functions,
     is_discarded,
+    is_public,
     mark_attention,
     op_key,
     walk_operations,
@@ -74,6 +75,7 @@ from hlo_amp.targets.attention_kernels import KERNELS, AttentionCall, lower_kern
 
 _KERNEL_NAMES = {"cudnn": "cuDNN flash", "reference": "XLA reference"}
 _MATRIX_OPS = frozenset({"stablehlo.dot_general", "stablehlo.convolution"})
+_SIXTEEN_BIT = {"bf16": "bfloat16", "f16": "float16"}
 
 
 # What fusing one site takes: its match, the kernel's layout and call, the 16-bit type.
@@ -190,26 +192,39 @@ class FusedAttention:
             if action is None or action not in (COMPUTE, *COMPUTE_DTYPES) and not is_fp8(action):
                 why = rule.reason or f"the policy keeps it f32 ({rule.rule})"
                 return "", why
-        own = {str(element_type(v)) for v in list(match.scores.operands)[:2]}
-        native = {"bf16": "bfloat16", "f16": "float16"}.get(own.pop()) if len(own) == 1 else None
-        chosen = ({native} if native else pinned_types) or {
-            a.action if a.action in COMPUTE_DTYPES else self.policy.compute_dtype
-            for a in actions}
+        chosen = pinned_types or {a.action if a.action in COMPUTE_DTYPES
+                                  else self.policy.compute_dtype for a in actions}
+        # q, k and v 16-bit already: that type (its other values, if f32, go to it too
+        # only where the policy computes them in it).
+        values = [v for v in (match.q, match.k, match.v) if v is not None]
+        own = {_SIXTEEN_BIT.get(str(element_type(v))) for v in values}
+        if None not in own and len(own) == 1:
+            chosen = set(own)
+        elif len(own - {None}) == 1 and own - {None} != chosen:
+            return "", (f"its q, k and v are {', '.join(sorted(own - {None}))} and f32, "
+                        f"which the policy computes in {', '.join(sorted(chosen))}: not one "
+                        f"16-bit type")
         if len(chosen) != 1 or next(iter(chosen)) not in COMPUTE_DTYPES:
             return "", (f"the policy computes it in {', '.join(sorted(chosen))}, not one "
                         "16-bit type")
         return chosen.pop(), None
 
     def _program_ends(self, match: Match) -> dict[int, tuple[str, ...]]:
-        """The site's scores or output matmul where it is its function's first or last
-        forward matrix op, with that position, when the policy has a rule for it."""
+        """The site's scores or output matmul where it is the program's first or last
+        forward matrix op, with that position, when the policy has a rule for it: a
+        public function's own op outside loops (insert_converts' ends; one in a called
+        layer or a scan body is taken for none, as an end inside a loop is there)."""
         if (self.policy.first_matrix_op, self.policy.last_matrix_op) == (None, None):
             return {}
         block = match.scores.operation.parent
         while block is not None and block.name != "func.func":
+            if block.name == "stablehlo.while":
+                return {}
             block = block.parent
+        if block is None or not is_public(block.opview):
+            return {}
         forward = [op for op in walk_operations(block, names=_MATRIX_OPS)
-                   if not in_backward_pass(op)] if block is not None else []
+                   if not in_backward_pass(op)]
         ends: dict[int, tuple[str, ...]] = {}
         if forward:
             ends[op_key(forward[0])] = (FIRST_MATRIX_OP,)
