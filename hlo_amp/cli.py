@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from hlo_amp import jaxlib_internals
 from hlo_amp.ir.modules import (
@@ -58,33 +59,47 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"hlo-amp-opt: error: {message} (see hlo-amp-opt --help)")
 
 
+class _Once(argparse.Action):
+    """An option given at most once: a second value was taken, the first dropped unseen
+    (--policy 'bf16,scope:head=float32' --policy f16 ran f16), as the policy grammar
+    refuses a repeated key."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if getattr(namespace, f"_{self.dest}_given", False):
+            parser.error(f"{option_string} is given twice ({getattr(namespace, self.dest)!r} "
+                         f"and {values!r}); accepted: one (--scope, --op and --pass repeat)")
+        setattr(namespace, f"_{self.dest}_given", True)
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hlo-amp-opt",
         description="Rewrite a StableHLO module for mixed precision (hlo_amp).",
     )
     parser.add_argument("input", nargs="?", default="-", help="input .mlir file, or - for stdin")
-    parser.add_argument("-o", dest="output", default="-", help="output file (default stdout)")
-    parser.add_argument("--policy", default="bf16",
+    parser.add_argument("-o", dest="output", action=_Once, default="-", help="output file (default stdout)")
+    parser.add_argument("--policy", action=_Once, default="bf16",
                         help="a preset (bf16, f16, f32, mixed_bfloat16, mixed_float16, fp8) or a "
                              "policy string, e.g. 'bf16,scope:head=float32'")
     parser.add_argument("--scope", action="append", default=[], metavar="PATTERN=ACTION",
                         help="add a scope rule; may be repeated")
     parser.add_argument("--op", action="append", default=[], metavar="KIND=ACTION",
                         help="add an op rule; may be repeated")
-    parser.add_argument("--report", metavar="OUT.json",
+    parser.add_argument("--report", action=_Once, metavar="OUT.json",
                         help="write the report as JSON to this file (- for stderr)")
     parser.add_argument("--split-input-file", action="store_true",
                         help="treat '// -----' separated chunks as separate modules")
     parser.add_argument("--debug-info", action="store_true",
                         help="keep locations (scope metadata) in the output")
-    parser.add_argument("--target", choices=("cpu", "gpu", "tpu"), default=None,
+    parser.add_argument("--target", action=_Once, choices=("cpu", "gpu", "tpu"), default=None,
                         help="the backend the module is for: 'cpu' adds the CPU dot-layout "
                              "pass and enables the policy's only_if_faster rule; 'gpu' gives "
                              "convolutions cuDNN's 16-bit result; 'tpu' keeps bf16xbf16->f32 "
                              "dots and convolutions (in the mixed modes a matrix op in a "
                              "16-bit region returns 16 bit, as on GPU)")
-    parser.add_argument("--xla-target", metavar="DEVICE",
+    parser.add_argument("--xla-target", action=_Once, metavar="DEVICE",
                         help="also compile the rewritten module with XLA for this GPU or "
                              "TPU, without one (h100, h200, a100, a GpuTargetConfig .txtpb "
                              "file; a node h100x8 or nodes h100:2x8; tpu-v4, tpu-v5e, tpu-v5p, "
@@ -95,19 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead of rewriting, search the policy the --xla-target "
                              "device runs fastest (roofline) with the error measured here "
                              "within --budget; writes the policy string (docs/cli.md)")
-    parser.add_argument("--budget", type=float, default=None,
+    parser.add_argument("--budget", action=_Once, type=float, default=None,
                         help="--autopolicy: the error bound (as hlo_amp.autopolicy's)")
-    parser.add_argument("--inputs", metavar="FILE.npz", default=None,
+    parser.add_argument("--inputs", action=_Once, metavar="FILE.npz", default=None,
                         help="--autopolicy: main's arguments, np.savez(path, *arrays) in "
                              "argument order (default: standard normal floats from --seed)")
-    parser.add_argument("--seed", type=int, default=None,
+    parser.add_argument("--seed", action=_Once, type=int, default=None,
                         help="--autopolicy: input seed (default 0)")
-    parser.add_argument("--depth", type=int, default=None,
+    parser.add_argument("--depth", action=_Once, type=int, default=None,
                         help="--autopolicy: the name-stack depth of the scopes searched "
                              "(default 1)")
-    parser.add_argument("--max-compiles", type=int, default=None,
+    parser.add_argument("--max-compiles", action=_Once, type=int, default=None,
                         help="--autopolicy: at most this many XLA compiles")
-    parser.add_argument("--fp8-scaling", choices=SCALINGS, default=None,
+    parser.add_argument("--fp8-scaling", action=_Once, choices=SCALINGS, default=None,
                         help="--autopolicy: the scaling the fp8 policies are priced and "
                              "returned with (docs/fp8.md; default current)")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",

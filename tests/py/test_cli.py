@@ -707,3 +707,17 @@ def test_output_to_a_loop_of_links_is_refused(module_file: Path, tmp_path: Path)
     assert run.stderr == (f"hlo-amp-opt: error: cannot write '{tmp_path / 'a'}': "
                           f"Too many levels of symbolic links\n"), run.stderr
     assert (tmp_path / "a").is_symlink()
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (["--policy", "bf16,scope:head=float32"], ["--policy", "f16"]),
+    (["-o", "a.mlir"], ["-o", "b.mlir"]), (["--target", "cpu"], ["--target", "gpu"])])
+def test_an_option_given_twice_is_refused(module_file: Path, tmp_path: Path, first, second
+                                          ) -> None:
+    """The second --policy (-o, --target, ...) was taken and the first dropped unseen, as
+    the policy grammar refuses a repeated key; --scope and --op repeat by design."""
+    run = hlo_amp_opt(module_file, *first, *second)
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.startswith(f"hlo-amp-opt: error: {first[0]} is given twice"), run.stderr
+    assert hlo_amp_opt(module_file, "--scope", "a=keep", "--scope", "b=keep", "-o",
+                       tmp_path / "out.mlir").returncode == 0
