@@ -78,6 +78,8 @@ def discard(op: ir.Operation | ir.OpView) -> None:
     returned (``erase_discarded``). Until then it stays in its block; readers of use
     lists skip it with ``is_discarded``."""
     operation = op.operation
+    if DISCARDED_KEY in operation.attributes:  # twice: listed twice, it was erased twice
+        return
     operation.attributes[DISCARDED_KEY] = ir.UnitAttr.get(operation.context)
     _PENDING.ops.append(operation)
 

@@ -176,3 +176,29 @@ def test_bytes_read_after_mlir_threads_started_do_not_wait_for_them():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("SECONDS")]
     assert proc.returncode == 0 and lines, proc.stderr[-2000:]
     assert float(lines[-1].split()[1]) < 30
+
+
+_DISCARD_TWICE = """
+from hlo_amp.ir.modules import discard, erase_discarded, new_context, parse_module, walk_operations
+with new_context():
+    module = parse_module('''func.func @main(%a: tensor<4xf32>) -> tensor<4xf32> {
+      %0 = stablehlo.convert %a : tensor<4xf32>
+      return %a : tensor<4xf32>
+    }''')
+    (convert,) = walk_operations(module, names=frozenset({"stablehlo.convert"}))
+    discard(convert)
+    discard(walk_operations(module, names=frozenset({"stablehlo.convert"}))[0])
+    print("erased", erase_discarded("test"), "convert" in str(module))
+"""
+
+
+def test_an_op_discarded_twice_is_erased_once() -> None:
+    """Two passes' walks (propagation's drop of same-type converts, then its rewrite's
+    walk of converts) discarding one op listed it twice: erased twice, a segfault."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _DISCARD_TWICE], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["erased", "1", "False"]

@@ -78,7 +78,7 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import walk_operations
+from hlo_amp.ir.modules import discard, walk_operations
 from hlo_amp.passes.propagate.accounting import bytes_table, intermediate_bytes, op_counts
 from hlo_amp.passes.propagate.body import Body
 from hlo_amp.passes.propagate.graph import Graph
@@ -149,13 +149,10 @@ def _drop_same_type_converts(module: ir.Module) -> None:
     ``jnp.where``) read its operand: the graph has no node for such a convert, and the
     f32 kept behind a -1e9 fill under f16 stopped at it (the add after it converted the
     fill to f16: -inf, and a masked row's softmax NaN)."""
-    same = [op for op in walk_operations(module, names=_CONVERTS)
-            if op.operands[0].type == op.results[0].type]
-    for op in same:
-        op.results[0].replace_all_uses_with(op.operands[0])
-        # Erased now, before any walk holds it (discarded, the rewrite's own walk of
-        # converts met it again, and it was erased twice).
-        op.operation.erase()
+    for op in walk_operations(module, names=_CONVERTS):
+        if op.operands[0].type == op.results[0].type:
+            op.results[0].replace_all_uses_with(op.operands[0])
+            discard(op)
 
 
 _CONVERTS = frozenset({"stablehlo.convert"})
