@@ -1043,3 +1043,24 @@ def test_a_fill_behind_a_convert_data_movement_or_a_large_constant_stays_finite(
     got = _gpu_form(fn, policy + ",fuse_attention=false", w, x, mask)
     assert bool(jnp.all(jnp.isfinite(got)))
     _close(got, jax.jit(fn)(w, x, mask), _dtype(policy))
+
+
+_SAME_TYPE_CONVERT = """func.func public @main(%x: tensor<4x8xf32>, %w: tensor<8x8xf32>) -> tensor<4x8xf32> {
+  %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<4x8xf32>, tensor<8x8xf32>) -> tensor<4x8xf32>
+  %1 = stablehlo.tanh %0 : tensor<4x8xf32>
+  %2 = stablehlo.convert %1 : tensor<4x8xf32>
+  %3 = stablehlo.dot_general %2, %w, contracting_dims = [1] x [0] : (tensor<4x8xf32>, tensor<8x8xf32>) -> tensor<4x8xf32>
+  return %3 : tensor<4x8xf32>
+}"""
+
+
+def test_a_convert_to_its_own_type_is_no_reader_that_keeps_f32():
+    """The f32-to-f32 convert jax writes is dropped before propagation, and its value's
+    readers are what it read: still listed, it made the tanh before it a value 'that
+    feeds an op that reads f32 exactly', kept f32."""
+    for text in (_SAME_TYPE_CONVERT,
+                 _SAME_TYPE_CONVERT.replace("  %2 = stablehlo.convert %1 : tensor<4x8xf32>\n",
+                                            "").replace("%2, %w", "%1, %w")):
+        out = hlo_amp.rewrite(text, "mixed_float16")
+        assert re.search(r"stablehlo\.tanh .* tensor<4x8xf16>", out), out
+        assert "stablehlo.convert %1 : tensor<4x8xf32>" not in out
