@@ -198,6 +198,14 @@ def test_not_where_backward_or_an_end_rule_keeps_a_matmul_f32() -> None:
     for policy in ("bf16,first_matrix_op=float32", "bf16,last_matrix_op=float32"):
         assert _reasons(projected, QKV, policy, "h100") == [], policy
 
+    # Nor is a site before or after a called layer: that layer holds the end (the site
+    # was taken for it, as only the public function's own ops were looked at).
+    proj = jax.jit(lambda x: x @ jnp.eye(x.shape[-1]))
+    assert _reasons(lambda q, k, v: _attend(proj(q), k, v), QKV,
+                    "bf16,first_matrix_op=float32", "h100") == []
+    assert _reasons(lambda q, k, v: proj(_attend(q, k, v)), QKV,
+                    "bf16,last_matrix_op=float32", "h100") == []
+
 
 @pytest.mark.parametrize(("dtype", "policy"), [(jnp.bfloat16, "f16"), (jnp.float16, "bf16")])
 def test_a_16bit_site_keeps_its_own_type(dtype, policy) -> None:

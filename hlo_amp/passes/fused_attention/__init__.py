@@ -31,6 +31,7 @@ from jaxlib.mlir import ir
 
 from hlo_amp.ir.loops import LoopCounts, function_runs, op_runs
 from hlo_amp.ir.modules import (
+    callee_name,
     element_type,
     function_name,
     functions,
@@ -76,6 +77,7 @@ from hlo_amp.targets.attention_kernels import KERNELS, AttentionCall, lower_kern
 _KERNEL_NAMES = {"cudnn": "cuDNN flash", "reference": "XLA reference"}
 _MATRIX_OPS = frozenset({"stablehlo.dot_general", "stablehlo.convolution"})
 _SIXTEEN_BIT = {"bf16": "bfloat16", "f16": "float16"}
+_CALLS = frozenset({"func.call"})
 
 
 # What fusing one site takes: its match, the kernel's layout and call, the 16-bit type.
@@ -223,8 +225,14 @@ class FusedAttention:
             block = block.parent
         if block is None or not is_public(block.opview):
             return {}
-        forward = [op for op in walk_operations(block, names=_MATRIX_OPS)
-                   if not in_backward_pass(op)]
+        # A call of a function holding matrix ops (a jax.jit layer) holds an end there.
+        module = block.parent
+        holds = {function_name(op): any(True for _ in walk_operations(op, names=_MATRIX_OPS))
+                 for op in module.regions[0].blocks[0].operations
+                 if op.operation.name == "func.func"} if module is not None else {}
+        forward = [op for op in walk_operations(block, names=_MATRIX_OPS | _CALLS)
+                   if not in_backward_pass(op)
+                   and (op.name != "func.call" or holds.get(callee_name(op), False))]
         ends: dict[int, tuple[str, ...]] = {}
         if forward:
             ends[op_key(forward[0])] = (FIRST_MATRIX_OP,)
