@@ -1029,14 +1029,39 @@ def _large_constant_bias(w, x, mask):  # a 300-token bias held as one constant
     return jax.nn.softmax((xs @ w) @ xs.T + _LARGE_BIAS, -1) @ xs
 
 
+def _clipped_fill(w, x, mask):  # -inf clipped to f32's minimum inside jnp.clip's call
+    bias = jnp.clip(jnp.where(mask, 0.0, -jnp.inf), jnp.finfo(jnp.float32).min, 0.0)
+    return jax.nn.softmax((x @ w) @ x.T + bias, -1) @ x
+
+
+def _branch_minimum(w, x, mask):  # two biases' minimum in a branch kept f32
+    fill = jnp.finfo(jnp.float32).min
+    bias = jax.lax.cond(mask[0, 0], lambda m: jnp.zeros(m.shape), lambda m: jnp.minimum(
+        jnp.where(m, 0.0, fill), jnp.where(jnp.tril(jnp.ones_like(m)), 0.0, fill)), mask)
+    return jax.nn.softmax((x @ w) @ x.T + bias, -1) @ x
+
+
+_HUGE_BIAS = np.where(np.tril(np.ones((2049, 2049), bool)) & (np.arange(2049) >= 1)[None, :],
+                      0.0, -1e9).astype(np.float32)
+
+
+def _huge_constant_bias(w, x, mask):  # more than 4M elements: read a chunk at a time
+    xs = jnp.tile(x, (257, 1))[:2049, :4]
+    return (jax.nn.softmax((xs @ w[:4, :4]) @ xs.T + _HUGE_BIAS, -1) @ xs)[:8]
+
+
 @pytest.mark.parametrize(("fn", "policy"), [
     (_weak_fill, "mixed_float16"), (_padded_fill, "mixed_bfloat16"),
-    (_large_constant_bias, "mixed_bfloat16"), (_large_constant_bias, "mixed_float16")])
+    (_large_constant_bias, "mixed_bfloat16"), (_large_constant_bias, "mixed_float16"),
+    (_clipped_fill, "mixed_bfloat16"), (_branch_minimum, "mixed_bfloat16"),
+    (_huge_constant_bias, "mixed_float16")])
 def test_a_fill_behind_a_convert_data_movement_or_a_large_constant_stays_finite(fn, policy):
     """A -1e9 fill behind jax's f32-to-f32 convert of a weakly typed jnp.where (not kept
     f32 under f16), finfo(f32).min padded, flipped or rolled into a bias (not clamped
-    under bf16), and a bias constant of more than 65,536 elements (not read): each was
-    converted to -inf, and the fully masked row's softmax NaN (jax.jit: finite)."""
+    under bf16) or clipped or taken as a minimum where that op stays f32 (a call, a
+    branch), and a bias constant of more than 65,536 elements (not read; over 4M, read
+    a chunk at a time): each was converted to -inf, and the fully masked row's softmax
+    NaN (jax.jit: finite)."""
     w = jax.random.normal(jax.random.key(0), (16, 16)) / 4
     x = jax.random.normal(jax.random.key(1), (8, 16))
     mask = jnp.tril(jnp.ones((8, 8), bool)) & (jnp.arange(8) >= 1)[None, :]  # row 0: no key

@@ -540,9 +540,10 @@ class Graph:
 
 
 
-# A non-splat constant larger than this is not read: a mask bias held as a constant is
-# one per position pair (a 300-token one is 90,000, and was not read at 1 << 16: its
-# finfo.min fill became -inf), read from its buffer in about a millisecond a million.
+# A non-splat constant up to this size is read whole (a mask bias held as a constant is
+# one per position pair: a 300-token one is 90,000, and was not read at 1 << 16, its
+# finfo.min fill became -inf), read from its buffer in about a millisecond a million; a
+# larger one a chunk of this size at a time, for its extremes only.
 _MAX_READ_ELEMENTS = 1 << 22
 
 
@@ -562,11 +563,23 @@ def _finite_magnitudes(op: Any) -> np.ndarray | None:
         return None
     if attr.is_splat:
         values = np.asarray([ir.FloatAttr(attr.get_splat_value()).value])
-    elif len(attr) <= _MAX_READ_ELEMENTS:
-        values = np.array(attr, copy=False)  # the attribute's buffer, not a copy per element
     else:
-        return None
-    return np.abs(values[np.isfinite(values)])
+        values = np.array(attr, copy=False)  # the attribute's buffer, not a copy per element
+    if values.size <= _MAX_READ_ELEMENTS:
+        return np.abs(values[np.isfinite(values)])
+    # Larger (a 4096-token bias, a per-head one): its largest and smallest nonzero finite
+    # magnitude, a chunk at a time, are all the readers ask (one over the limit was not
+    # read, and its finfo.min fill became -inf).
+    flat, largest, smallest = values.reshape(-1), 0.0, np.inf
+    for start in range(0, flat.size, _MAX_READ_ELEMENTS):
+        chunk = np.abs(flat[start:start + _MAX_READ_ELEMENTS])
+        chunk = chunk[np.isfinite(chunk)]
+        if chunk.size:
+            largest = max(largest, float(chunk.max()))
+            nonzero = chunk[chunk > 0]
+            smallest = min(smallest, float(nonzero.min())) if nonzero.size else smallest
+    found = [largest] + ([smallest] if np.isfinite(smallest) else [])
+    return np.asarray(found)
 
 
 def _sums_updates(node: Node, op: Any, number: int) -> bool:

@@ -50,16 +50,23 @@ _MOVING_OPS = frozenset({"stablehlo.pad", "stablehlo.slice", "stablehlo.dynamic_
                          "stablehlo.dynamic_update_slice"})
 
 
+# Ops whose result is one of their operands' elements: a fill clipped or capped
+# (jnp.clip(bias, finfo.min), jnp.minimum of two mask biases) is the fill.
+_PICKING_OPS = frozenset({"stablehlo.clamp", "stablehlo.minimum", "stablehlo.maximum"})
+
+
 def _value_sources(op: Any, number: int) -> list[ir.Value]:
     """The values result ``number`` of ``op`` is one of: a select's sides, a loop's start
     and carried value, each branch's result, the float operands data movement takes its
-    elements from (``jnp.pad``, ``jnp.roll``, ``jnp.flip``, a concatenation); none for
-    any other op."""
+    elements from (``jnp.pad``, ``jnp.roll``, ``jnp.flip``, a concatenation) or a clamp,
+    minimum or maximum picks one of, a barrier's operand; none for any other op."""
     name = op.name
     if name == "stablehlo.select":
         return [op.operands[1], op.operands[2]]
-    if name in _MOVING_OPS:
+    if name in _MOVING_OPS or name in _PICKING_OPS:
         return [v for v in op.operands if isinstance(element_type(v), ir.FloatType)]
+    if name == "stablehlo.optimization_barrier":  # remat's: each result its operand
+        return [op.operands[number]]
     if name == "stablehlo.while":
         return [op.operands[number], terminator(op.regions[1].blocks[0]).operands[number]]
     if name in ("stablehlo.case", "stablehlo.if"):
