@@ -675,6 +675,9 @@ def clone_private(fn: func_dialect.FuncOp, suffix: str, taken: dict[str, object]
         clone = fn.operation.clone()
     clone.attributes["sym_name"] = ir.StringAttr.get(name, context=clone.context)
     clone.attributes["sym_visibility"] = ir.StringAttr.get("private", context=clone.context)
+    if _PENDING.ops:  # the copies of ops discarded in fn are discarded too (they were left)
+        _PENDING.ops.extend(op.operation for op in walk_operations(clone)
+                            if DISCARDED_KEY in op.operation.attributes)
     taken[name] = clone.opview
     return clone.opview
 

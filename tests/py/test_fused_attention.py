@@ -205,6 +205,9 @@ def test_not_where_backward_or_an_end_rule_keeps_a_matmul_f32() -> None:
                     "bf16,first_matrix_op=float32", "h100") == []
     assert _reasons(lambda q, k, v: proj(_attend(q, k, v)), QKV,
                     "bf16,last_matrix_op=float32", "h100") == []
+    nested = jax.jit(lambda x: jax.nn.relu(proj(x)))  # the end one call deeper
+    assert _reasons(lambda q, k, v: _attend(nested(q), k, v), QKV,
+                    "bf16,first_matrix_op=float32", "h100") == []
 
 
 @pytest.mark.parametrize(("dtype", "policy"), [(jnp.bfloat16, "f16"), (jnp.float16, "bf16")])

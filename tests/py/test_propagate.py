@@ -1089,3 +1089,17 @@ def test_a_convert_to_its_own_type_is_no_reader_that_keeps_f32():
         out = hlo_amp.rewrite(text, "mixed_float16")
         assert re.search(r"stablehlo\.tanh .* tensor<4x8xf16>", out), out
         assert "stablehlo.convert %1 : tensor<4x8xf32>" not in out
+
+
+def test_a_dropped_convert_leaves_no_copy_in_a_clone():
+    """A private function holding a same-type convert, painted two ways, is cloned after
+    the convert was dropped: the clone kept its copy, dead and marked discarded, in the
+    output."""
+    shared = jax.jit(lambda a: jnp.tanh(jnp.where(a > 0, a, -1e9)) * 2.0)
+
+    def fn(x, w):
+        return shared(x @ w) @ w, jnp.exp(shared(x)).sum(-1)  # a 16-bit and an f32 call
+
+    x, w = jnp.ones((8, 16)), jnp.eye(16)
+    out = hlo_amp.rewrite(jax.jit(fn).lower(x, w).as_text(), "mixed_bfloat16")
+    assert "hlo_amp.discarded" not in out and "_mixed0" in out

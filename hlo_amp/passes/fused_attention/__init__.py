@@ -225,14 +225,24 @@ class FusedAttention:
             block = block.parent
         if block is None or not is_public(block.opview):
             return {}
-        # A call of a function holding matrix ops (a jax.jit layer) holds an end there.
+        # A call of a function holding matrix ops (a jax.jit layer, at any depth of
+        # calls) holds an end there.
         module = block.parent
-        holds = {function_name(op): any(True for _ in walk_operations(op, names=_MATRIX_OPS))
-                 for op in module.regions[0].blocks[0].operations
-                 if op.operation.name == "func.func"} if module is not None else {}
+        bodies = {function_name(op): op for op in module.regions[0].blocks[0].operations
+                  if op.operation.name == "func.func"} if module is not None else {}
+        holds: dict[str, bool] = {}
+
+        def held(name: str) -> bool:
+            if name not in holds:
+                holds[name] = False  # a cycle holds none (jax writes none)
+                holds[name] = name in bodies and any(
+                    op.name != "func.call" or held(callee_name(op)) for op in
+                    walk_operations(bodies[name], names=_MATRIX_OPS | _CALLS))
+            return holds[name]
+
         forward = [op for op in walk_operations(block, names=_MATRIX_OPS | _CALLS)
                    if not in_backward_pass(op)
-                   and (op.name != "func.call" or holds.get(callee_name(op), False))]
+                   and (op.name != "func.call" or held(callee_name(op)))]
         ends: dict[int, tuple[str, ...]] = {}
         if forward:
             ends[op_key(forward[0])] = (FIRST_MATRIX_OP,)
