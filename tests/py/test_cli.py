@@ -716,6 +716,9 @@ def test_an_option_given_twice_is_refused(module_file: Path, tmp_path: Path, fir
                                           ) -> None:
     """The second --policy (-o, --target, ...) was taken and the first dropped unseen, as
     the policy grammar refuses a repeated key; --scope and --op repeat by design."""
+    # Output files in tmp_path: where the option is taken twice, it writes one.
+    first, second = ([str(tmp_path / a) if a.endswith(".mlir") else a for a in args]
+                     for args in (first, second))
     run = hlo_amp_opt(module_file, *first, *second)
     assert run.returncode == 1 and run.stdout == ""
     assert run.stderr.startswith(f"hlo-amp-opt: error: {first[0]} is given twice"), run.stderr
