@@ -31,7 +31,6 @@ from jaxlib.mlir import ir
 
 from hlo_amp.ir.loops import LoopCounts, function_runs, op_runs
 from hlo_amp.ir.modules import (
-    callee_name,
     element_type,
     function_name,
     functions,
@@ -41,14 +40,9 @@ from hlo_amp.ir.modules import (
     op_key,
     walk_operations,
 )
+from hlo_amp.ir.program_hints import forward_ends
 from hlo_amp.ir.shardings import partition_count
-from hlo_amp.ir.sites import (
-    Site,
-    asks_for_precision,
-    in_backward_pass,
-    location_name,
-    site_of,
-)
+from hlo_amp.ir.sites import Site, asks_for_precision, location_name, site_of
 from hlo_amp.passes.fused_attention.calls import CallView
 from hlo_amp.passes.fused_attention.match import exponential_sources, match_site
 from hlo_amp.passes.fused_attention.rewrite import (
@@ -61,23 +55,14 @@ from hlo_amp.passes.fused_attention.rewrite import (
 )
 from hlo_amp.passes.fused_attention.roles import H_ROLE, S_ROLE, NotFused
 from hlo_amp.passes.fused_attention.site import Match
-from hlo_amp.policy import (
-    COMPUTE,
-    COMPUTE_DTYPES,
-    DTYPE_TO_ELEMENT,
-    FIRST_MATRIX_OP,
-    LAST_MATRIX_OP,
-    Policy,
-    is_fp8,
-)
+from hlo_amp.passes.insert_converts.call_graph import CallGraph
+from hlo_amp.policy import COMPUTE, COMPUTE_DTYPES, DTYPE_TO_ELEMENT, Policy, is_fp8
 from hlo_amp.report import AttentionSite, Report
 from hlo_amp.targets import NO_TARGET, Target
 from hlo_amp.targets.attention_kernels import KERNELS, AttentionCall, lower_kernel
 
 _KERNEL_NAMES = {"cudnn": "cuDNN flash", "reference": "XLA reference"}
-_MATRIX_OPS = frozenset({"stablehlo.dot_general", "stablehlo.convolution"})
 _SIXTEEN_BIT = {"bf16": "bfloat16", "f16": "float16"}
-_CALLS = frozenset({"func.call"})
 
 
 # What fusing one site takes: its match, the kernel's layout and call, the 16-bit type.
@@ -110,13 +95,14 @@ class FusedAttention:
         runs = function_runs(module, loops)
         # Only a matrix op an exponential follows can start a softmax attention.
         sources = exponential_sources(view, module)
+        ends = self._program_ends(module)
         for fn in functions(module):
             name = function_name(fn)
             prefix = prefixes.get(name, "")
             for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"})):
                 if is_discarded(op) or sources is not None and op_key(op) not in sources:
                     continue
-                found = self._site(view, op, prefix, obstacle, name)
+                found = self._site(view, op, prefix, obstacle, name, ends)
                 if found is None:
                     continue
                 site, planned, match = found
@@ -138,7 +124,8 @@ class FusedAttention:
                                 f"{_KERNEL_NAMES[self.kernel]} attention")
 
     def _site(self, view: CallView, op: ir.Operation, prefix: str, obstacle: str | None,
-              fn_name: str) -> tuple[AttentionSite, _Planned | None, Match | None] | None:
+              fn_name: str, ends: dict[int, tuple[str, ...]]
+              ) -> tuple[AttentionSite, _Planned | None, Match | None] | None:
         """The report's entry for the attention at ``op`` (None: no attention starts
         there), what fusing it takes when it is to be fused, and its match (None where
         the matcher did not get that far)."""
@@ -159,7 +146,7 @@ class FusedAttention:
         reason = obstacle
         dtype = ""
         if reason is None:
-            dtype, reason = self._dtype(match, prefix)
+            dtype, reason = self._dtype(match, prefix, ends)
         if reason is None:
             reason = _cudnn_obstacle(match, self.target)
         layout = layout_of(match)
@@ -168,7 +155,8 @@ class FusedAttention:
                        dtype, _KERNEL_NAMES[self.kernel])
         return entry, ((match, layout, call, dtype) if reason is None else None), match
 
-    def _dtype(self, match: Match, prefix: str) -> tuple[str, str | None]:
+    def _dtype(self, match: Match, prefix: str, ends: dict[int, tuple[str, ...]]
+               ) -> tuple[str, str | None]:
         """The 16-bit type the policy computes the site in, or why none: every matmul of
         the site, its backward's under ``backward=``, and the program's first and last
         matrix op under their rules (a rule keeping one f32 kept it there unfused, and
@@ -176,7 +164,6 @@ class FusedAttention:
         that type (a bf16 one went to f16 under an f16 policy: inf past 65504)."""
         actions, pinned_types = [], set()
         ops = [match.scores] + [exit_.op for exit_ in match.exits.values()]
-        ends = self._program_ends(match)
         for op in ops:
             site = site_of(op.location, "dot_general", prefix)
             # A matmul the program pinned to 16-bit operands with f32 accumulation (jax's
@@ -211,44 +198,18 @@ class FusedAttention:
                         "16-bit type")
         return chosen.pop(), None
 
-    def _program_ends(self, match: Match) -> dict[int, tuple[str, ...]]:
-        """The site's scores or output matmul where it is the program's first or last
-        forward matrix op, with that position, when the policy has a rule for it: a
-        public function's own op outside loops (insert_converts' ends; one in a called
-        layer or a scan body is taken for none, as an end inside a loop is there)."""
+    def _program_ends(self, module: ir.Module) -> dict[int, tuple[str, ...]]:
+        """The program's first and last matrix ops, and their backward's, by op, as
+        insert_converts finds them (``CallGraph.find_ends``), when the policy has a rule
+        for one: a site holding one is decided under that rule."""
         if (self.policy.first_matrix_op, self.policy.last_matrix_op) == (None, None):
             return {}
-        block = match.scores.operation.parent
-        while block is not None and block.name != "func.func":
-            if block.name == "stablehlo.while":
-                return {}
-            block = block.parent
-        if block is None or not is_public(block.opview):
-            return {}
-        # A call of a function holding matrix ops (a jax.jit layer, at any depth of
-        # calls) holds an end there.
-        module = block.parent
-        bodies = {function_name(op): op for op in module.regions[0].blocks[0].operations
-                  if op.operation.name == "func.func"} if module is not None else {}
-        holds: dict[str, bool] = {}
-
-        def held(name: str) -> bool:
-            if name not in holds:
-                holds[name] = False  # a cycle holds none (jax writes none)
-                holds[name] = name in bodies and any(
-                    op.name != "func.call" or held(callee_name(op)) for op in
-                    walk_operations(bodies[name], names=_MATRIX_OPS | _CALLS))
-            return holds[name]
-
-        forward = [op for op in walk_operations(block, names=_MATRIX_OPS | _CALLS)
-                   if not in_backward_pass(op)
-                   and (op.name != "func.call" or held(callee_name(op)))]
-        ends: dict[int, tuple[str, ...]] = {}
-        if forward:
-            ends[op_key(forward[0])] = (FIRST_MATRIX_OP,)
-            last = op_key(forward[-1])
-            ends[last] = (*ends.get(last, ()), LAST_MATRIX_OP)
-        return ends
+        graph = CallGraph(self.policy)
+        for fn in functions(module):
+            graph.by_name[function_name(fn)] = fn
+        graph.find_ends([fn for fn in functions(module) if is_public(fn)],
+                        forward_ends(module))
+        return graph.end_positions()
 
     def _fuse(self, match: Match, layout: Layout, call: AttentionCall, dtype: str,
               name: str) -> None:

@@ -255,6 +255,15 @@ class CallGraph:
                     self.positions[key] = self.positions.get(key, ()) + marked
         return found
 
+    def end_positions(self) -> dict[int, tuple[str, ...]]:
+        """``positions`` by op (``op_key``), over every call path: for a pass that reads
+        the ends before insert_converts has cloned anything (fused attention)."""
+        found: dict[int, tuple[str, ...]] = {}
+        for (name, index, _prefix, _path), positions in self.positions.items():
+            key = op_key(self.ops_of(self.by_name[name])[index][0])
+            found[key] = tuple(dict.fromkeys(found.get(key, ()) + positions))
+        return found
+
     def _dead_head(self, first_gradient: tuple | None, forward: list[tuple], order: list,
                    looped: dict, whole: tuple[int, ...], given: EndStacks | None
                    ) -> tuple[str, str, str] | None:
