@@ -190,12 +190,12 @@ def _abstract_eval(*avals: Any, program: Program) -> list:
     # Inside jax.shard_map an output varies along the manual axes its inputs vary along,
     # as a jax.jit's does (typed invariant, the residuals of a replicated weight's
     # gradient were device 0's on every device).
-    varying = varying_axes(avals)
+    varying = _varying_along(avals)
     outs = program.owner.out_avals(program, avals_key(avals))
     return [internals.with_varying(out, varying) for out in outs] if varying else outs
 
 
-def varying_axes(values: Sequence[Any]) -> frozenset:
+def _varying_along(values: Sequence[Any]) -> frozenset:
     """The manual (shard_map) axes any of ``values`` varies along."""
     return frozenset().union(*(internals.varying_axes(
         value if isinstance(value, internals.ShapedArray) else jax.typeof(value))
@@ -206,10 +206,10 @@ def vary_alike(values: Sequence[Any]) -> list:
     """``values`` each made to vary along every manual axis one of them varies along, as
     jax does to a primitive's operands inside shard_map: the transpose of that cast sums
     an invariant operand's cotangent over the axes (a replicated weight's gradient)."""
-    varying = varying_axes(values)
+    varying = _varying_along(values)
     if not varying:
         return list(values)
-    return [value if varying <= (missing := varying_axes([value])) else jax.lax.pcast(
+    return [value if varying <= (missing := _varying_along([value])) else jax.lax.pcast(
         value, tuple(sorted(varying - missing)), to="varying") for value in values]
 
 
@@ -261,7 +261,7 @@ def _batched_outputs(fn: Callable[..., list], args: Sequence[Any], in_axes: tupl
         return None
     batched = {v for v, d in zip(jaxpr.invars, in_axes) if d is not None}
     for eqn in jaxpr.eqns:
-        if axis_name is not None and _same_along_axis(eqn, axis_name):
+        if axis_name is not None and _over_axis(eqn, axis_name, _SAME_ALONG_AXIS):
             continue
         if any(not isinstance(v, Literal) and v in batched for v in eqn.invars) or (
                 axis_name is not None and (_indexes_axis(eqn, axis_name)
@@ -277,34 +277,46 @@ _SAME_ALONG_AXIS = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invari
 _VARY_ALONG_AXIS = frozenset({"reduce_scatter", "ppermute", "all_to_all"})
 
 
-def _same_along_axis(eqn: Any, axis_name: str) -> bool:
-    """Whether ``eqn`` sums, reduces or gathers over ``axis_name`` (its result is the
-    same for every example of the vmap naming it)."""
-    return _over_axis(eqn, axis_name, _SAME_ALONG_AXIS)
+def _axis_names(eqn: Any) -> tuple:
+    """The named axes ``eqn`` runs over (a collective's ``axes``, an ``axis_index``'s or
+    gather's ``axis_name``); none for another op."""
+    names = eqn.params.get("axes", eqn.params.get("axis_name"))
+    return () if names is None else names if isinstance(names, tuple) else (names,)
 
 
 def _over_axis(eqn: Any, axis_name: str, primitives: frozenset[str]) -> bool:
     """Whether ``eqn`` is one of ``primitives`` run over ``axis_name``."""
-    if eqn.primitive.name not in primitives:
-        return False
-    names = eqn.params.get("axes", eqn.params.get("axis_name"))
-    return names == axis_name or (isinstance(names, tuple) and axis_name in names)
+    return eqn.primitive.name in primitives and axis_name in _axis_names(eqn)
+
+
+def _eqns_within(eqn: Any) -> Iterator[Any]:
+    """The equations of the jaxprs in ``eqn``'s parameters (a nested jit, a scan body, a
+    shard_map's), at any depth."""
+    pending = list(eqn.params.values())
+    while pending:
+        value = pending.pop()
+        if isinstance(value, (tuple, list)):
+            pending.extend(value)
+            continue
+        for inner in getattr(getattr(value, "jaxpr", value), "eqns", ()):
+            yield inner
+            pending.extend(inner.params.values())
+
+
+def collective_axes(jaxpr: Any) -> set:
+    """The axis names the collectives of ``jaxpr`` run over, at any depth of nested
+    jaxprs (a shard_map's own mesh axes aside)."""
+    return {name for top in jaxpr.eqns for eqn in (top, *_eqns_within(top))
+            if eqn.primitive.name != "shard_map" for name in _axis_names(eqn)}
 
 
 def _indexes_axis(eqn: Any, axis_name: str) -> bool:
     """Whether ``eqn`` is ``lax.axis_index(axis_name)`` or holds one in a jaxpr of its
     parameters (a nested jit, a scan body)."""
-    if eqn.primitive.name == "axis_index":
-        name = eqn.params.get("axis_name")
-        return name == axis_name or (isinstance(name, tuple) and axis_name in name)
+    return any(_over_axis(e, axis_name, _AXIS_INDEX) for e in (eqn, *_eqns_within(eqn)))
 
-    def holds(value: Any) -> bool:
-        if isinstance(value, (tuple, list)):
-            return any(map(holds, value))
-        inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's jaxpr
-        return hasattr(inner, "eqns") and any(_indexes_axis(e, axis_name) for e in inner.eqns)
 
-    return any(holds(v) for v in eqn.params.values())
+_AXIS_INDEX = frozenset({"axis_index"})
 
 
 def _batch(axis_data: Any, args: Sequence[Any], dims: Sequence[Any], *,

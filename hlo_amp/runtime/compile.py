@@ -44,6 +44,7 @@ from hlo_amp.runtime.amp_call import (
     Program,
     amp_call_p,
     avals_key,
+    collective_axes,
     explicit_sharding,
     is_forward_program,
     shape_structs,
@@ -888,13 +889,19 @@ class AmpFunction:
             # fn may close over an outer trace's values (a step defined inside jax.jit
             # or jax.grad): those become arguments of the program, as jax.jit's closure
             # conversion makes them.
-            converted = _with_closed_tracers_as_arguments(program.fn, leaves)
+            # Traced here once, for both questions below.
+            try:
+                closed = jax.make_jaxpr(program.fn)(*leaves)
+            except Exception:  # noqa: BLE001
+                closed = None  # not these problems: the bind below raises its own error
+            converted = None if closed is None else _with_closed_tracers_as_arguments(
+                program.fn, closed)
             if converted is not None:
                 fn, hoisted = converted
                 program = Program(self._programs, fn, self.__name__, ("closure", key))
                 outs = amp_call_p.bind(*vary_alike([*leaves, *hoisted]), program=program)
                 return jax.tree_util.tree_unflatten(self._programs.out_trees[(key, avals)], outs)
-            manual = _collective_axes(program.fn, leaves) & set(
+            manual = (set() if closed is None else collective_axes(closed.jaxpr)) & set(
                 jax.sharding.get_abstract_mesh().manual_axes)
             if manual:
                 # Inside jax.shard_map or jax.pmap: a collective over their axes cannot
@@ -912,40 +919,11 @@ class AmpFunction:
         return jax.tree_util.tree_unflatten(self._programs.out_trees[(key, avals)], outs)
 
 
-def _collective_axes(flat_fn: Callable[..., list], leaves: list) -> set:
-    """The axis names the collectives of ``flat_fn`` run over, traced here (inside a
-    shard_map, where its axes are bound), at any depth of nested jaxprs."""
-    try:
-        jaxpr = jax.make_jaxpr(flat_fn)(*leaves).jaxpr
-    except Exception:  # noqa: BLE001
-        return set()
-    found: set = set()
-
-    def visit(value: Any) -> None:
-        if isinstance(value, (tuple, list)):
-            for item in value:
-                visit(item)
-            return
-        inner = getattr(value, "jaxpr", value)
-        for eqn in getattr(inner, "eqns", ()):
-            names = eqn.params.get("axes", eqn.params.get("axis_name"))
-            if names is not None and eqn.primitive.name != "shard_map":
-                found.update(names if isinstance(names, tuple) else (names,))
-            for param in eqn.params.values():
-                visit(param)
-
-    visit(jaxpr)
-    return found
-
-
-def _with_closed_tracers_as_arguments(flat_fn: Callable[..., list], leaves: list
+def _with_closed_tracers_as_arguments(flat_fn: Callable[..., list], closed: Any
                                       ) -> tuple[Callable[..., list], list] | None:
-    """``flat_fn`` as a function of ``leaves`` and then of the outer trace's values it
-    closes over (with those values), or None where it closes over none."""
-    try:
-        closed = jax.make_jaxpr(flat_fn)(*leaves)
-    except Exception:  # noqa: BLE001
-        return None  # not a closure problem: the caller's path raises its own error
+    """``flat_fn`` (traced as ``closed``) as a function of its leaves and then of the
+    outer trace's values it closes over (with those values), or None where it closes
+    over none."""
     positions = [i for i, c in enumerate(closed.consts) if isinstance(c, internals.Tracer)]
     if not positions:
         return None
