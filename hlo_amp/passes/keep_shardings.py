@@ -86,9 +86,9 @@ _RESULT_OPS = frozenset({"stablehlo.convert", "stablehlo.multiply"})
 def _partial_operand(op: ir.Operation) -> int | None:
     """The operand of ``op`` (in ``_RESULT_OPS``) that carries the partial sums: the one
     of the result's shape not broadcast from a scale; None if not exactly one."""
-    shape = str(op.results[0].type).split("x")[:-1]
+    shape = ir.RankedTensorType(op.results[0].type).shape
     found = [number for number, value in enumerate(op.operands)
-             if str(value.type).split("x")[:-1] == shape
+             if ir.RankedTensorType(value.type).shape == shape
              and (isinstance(value, ir.BlockArgument)
                   or value.owner.name != "stablehlo.broadcast_in_dim")]
     return found[0] if len(found) == 1 else None

@@ -78,7 +78,7 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import discard, walk_operations
+from hlo_amp.ir.modules import discard, erase_discarded, walk_operations
 from hlo_amp.passes.propagate.accounting import bytes_table, intermediate_bytes, op_counts
 from hlo_amp.passes.propagate.body import Body
 from hlo_amp.passes.propagate.graph import Graph
@@ -107,6 +107,7 @@ class Propagate:
         # which the byte count skips by name (and step 5's barriers, which hold such a
         # convert's value), so the walks stay good for the "after".
         _drop_same_type_converts(module)
+        erase_discarded(self.name)  # gone before any walk lists them (nothing holds them)
         walks: dict[int, Body] = {}
         before = intermediate_bytes(module, walks)
         graph = Graph(self.policy, low, walks)

@@ -7,7 +7,7 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import is_discarded, op_key, walk_operations
+from hlo_amp.ir.modules import op_key, walk_operations
 
 CONTROL_FLOW_OPS = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if"})
 # shard_map's body: per-device code, painted like any other; its arguments and results
@@ -49,9 +49,7 @@ class Body:
     __slots__ = ("_inner_uses", "_operands", "_results", "_uses", "names", "ops")
 
     def __init__(self, fn: Any) -> None:
-        # Not the ops discarded before the walk (the same-type converts the pass drops
-        # first): one still reading its operand made that value's reader a DENY.
-        self.ops = [op for op in body_ops(fn) if not is_discarded(op)]
+        self.ops = body_ops(fn)
         self.names = [op.name for op in self.ops]
         self._operands: list[tuple[ir.Value, ...]] | None = None
         self._results: list[tuple[ir.Value, ...]] | None = None
