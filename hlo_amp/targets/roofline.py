@@ -84,11 +84,11 @@ _ALIASING_STARTS = frozenset({"all-gather-start", "collective-permute-start",
 _ASYNC_MOVES = frozenset({"copy-start", "slice-start"})
 # NVIDIA's dense non-tensor-core f32 peaks (FLOP/s), for GEMMs XLA runs at full f32
 # precision; Target.peak_flops["f32"] is TF32, XLA's default for f32 dots.
+F32_NON_TENSOR = {"H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
 # The bf16 passes XLA:TPU's matrix unit makes of an f32 matrix op by its precision, as
 # jax.lax.Precision documents them (DEFAULT one; libtpu's LLO shows HIGH and HIGHEST
 # with more instructions still, targets/tpu.py: a lower bound on their time).
 _F32_PASSES = {"high": 3, "highest": 6}
-F32_NON_TENSOR = {"H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
 
 
 @dataclass(frozen=True)
