@@ -580,25 +580,24 @@ class _Site(MaskReading, ExitReading):
         # The values computed from dP, to a fixpoint (the walk's order need not put
         # every reader after its producer).
         after_dp: set[tuple[ir.Value, Stack]] = set()
+
+        def from_dp(v: ir.Value, stack: Stack) -> bool:
+            return self.canon(v, stack) in after_dp or (
+                not self.in_cluster(v, stack) and self._is_dp(v, stack))
+
         changed = True
         while changed:
             changed = False
             for op, stack in self.ops.values():
                 if self.canon(op.results[0], stack) in after_dp:
                     continue
-                if any(self.canon(v, stack) in after_dp
-                       or not self.in_cluster(v, stack) and self._is_dp(v, stack)
-                       for v in op.operands):
+                if any(from_dp(v, stack) for v in op.operands):
                     after_dp.update(self.canon(r, stack) for r in op.results)
                     changed = True
         allowed = (0.0, 1.0, -1.0, scale, -scale, 1.0 / scale, -1.0 / scale)
         why = ("the gradient of the scores has a term the softmax's does not ({}): "
                "cuDNN's backward computes the softmax's alone (a custom_vjp on the "
                "scores, a penalty on them)")
-
-        def from_dp(v: ir.Value, stack: Stack) -> bool:
-            return self.canon(v, stack) in after_dp or (
-                not self.in_cluster(v, stack) and self._is_dp(v, stack))
 
         for op, stack in self.ops.values():
             if self.canon(op.results[0], stack) not in after_dp:
