@@ -638,6 +638,30 @@ def test_parameters_updated_over_several_steps_stay_f32(scan, policy):
                 jnp.max(jnp.abs(wanted)))
 
 
+@pytest.mark.parametrize("decay", ["multiply", "divide"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_parameters_scaled_by_a_decay_over_several_steps_stay_f32(decay, policy):
+    """Decoupled weight decay as PyTorch writes it, ``w * (1 - lr * wd) - lr * g``, over
+    two steps unrolled: the scaling broke the add/subtract chain of the state, and the
+    first step's parameters were stored in 16 bit (the update 15.6x off under bf16)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    x, y = jax.random.normal(keys[0], (32, 8)), jax.random.normal(keys[1], (32, 4))
+    w = 1.0 + 0.1 * jax.random.normal(keys[2], (8, 4))  # near 1: a bf16 ulp is 2**-7
+    lr, wd = 1e-4, 0.1
+
+    def train(w):
+        for _ in range(2):
+            g = jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+            kept = w * (1 - lr * wd) if decay == "multiply" else w / (1 + lr * wd)
+            w = kept - lr * g
+        return w
+
+    wanted = jax.jit(train)(w) - w
+    for got in (hlo_amp.compile(train, policy)(w), _gpu_form(train, policy, w)):
+        assert float(jnp.max(jnp.abs((got - w) - wanted))) <= 0.02 * float(
+            jnp.max(jnp.abs(wanted)))
+
+
 @pytest.mark.parametrize("write", ["dynamic_update_slice", "at_set"])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_a_cache_carried_through_a_decode_step_keeps_its_unwritten_entries(write, policy):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,10 +77,6 @@ SPECIAL_FUNCTIONS = frozenset({
 # Op kinds whose class depends on their body or attributes as well as the table (see
 # op_class).
 _BODY_CLASSED = frozenset({"reduce", "reduce_window", "scatter", "reduce_precision"})
-
-
-def _updates_state(node: Node) -> bool:
-    return node.cls == LINK or (node.cls == INFER and node.kind in ("add", "subtract"))
 
 
 def _moves_state(node: Node) -> bool:
@@ -171,8 +168,8 @@ class Graph:
 
     def _deny_state_updates(self) -> None:
         """Keep f32 what carries a public argument to a public result through loop
-        carries and either adds and subtracts only or data movement only: several
-        training steps in one function, where the next step's dots read the new
+        carries and either adds, subtracts and scalings only or data movement only:
+        several training steps in one function, where the next step's dots read the new
         parameters too, had ``p + u`` painted, and the parameters rounded to 16 bit every
         step (5.6x the update's error of a hand cast under bf16); a KV cache a decode
         step slices, writes and stacks came back with every entry rounded to 16 bit,
@@ -181,12 +178,45 @@ class Graph:
         starts = [(inst_id, argument) for inst_id, inst in enumerate(self.instances)
                   if is_public(inst.fn) for argument in first_block(inst.fn.regions[0]).arguments
                   if self.f32(argument)]
-        for follows in (_updates_state, _moves_state):
+        for follows in (self._updates_state, _moves_state):
             found = self.paths(starts, follows, lambda node: any(
                 self._publicly_returned(key) for key in node.outputs))
             for node in found:
                 node.cls = DENY if node.cls in (INFER, CLEAR) else node.cls  # a link: f32
                 node.reason = node.reason or STATE_UPDATE
+
+    def _updates_state(self, node: Node) -> bool:
+        """A link, an add or subtract, or a scaling by one number: optax's moments
+        (``b1 * m + (1 - b1) * g``) and decoupled weight decay as PyTorch writes it
+        (``w * (1 - lr * wd) - lr * g``) scale the state they carry."""
+        if node.cls == LINK or (node.cls == INFER and node.kind in ("add", "subtract")):
+            return True
+        if node.cls != INFER or node.kind not in ("multiply", "divide"):
+            return False
+        operands = list(self.instances[node.inst].ops[node.index].operands)
+        # A divide scales by its divisor only (``s / x`` is no scaling of ``s``).
+        scalings = operands if node.kind == "multiply" else operands[1:]
+        return any(self._one_number(node.inst, value) for value in scalings)
+
+    def _one_number(self, inst_id: int, value: ir.Value) -> bool:
+        """Whether ``value`` holds one number, possibly broadcast, reshaped or converted
+        (a splat constant too), seen through a called function's arguments."""
+        for _step in range(8):
+            if math.prod(ir.ShapedType(value.type).shape) == 1:
+                return True
+            if isinstance(value, ir.BlockArgument):
+                caller = self.call_argument.get((inst_id, value))
+                if caller is None:
+                    return False
+                inst_id, value = caller
+                continue
+            op = value.owner
+            if op.name == "stablehlo.constant":
+                return ir.DenseElementsAttr(op.attributes["value"]).is_splat
+            if op.name not in SAME_VALUE_OPS:
+                return False
+            value = op.operands[0]
+        return False
 
     def paths(self, starts: list[tuple[int, ir.Value]], follows: Callable[[Node], bool],
               ends: Callable[[Node], bool]) -> list[Node]:
