@@ -22,6 +22,7 @@ import functools
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -563,9 +564,11 @@ class AmpFunction:
             self.donate_argnums = _union(self.donate_argnums, _positions_of(
                 signature, _as_tuple(donate_argnames, str),
                 getattr(fn, "__name__", type(fn).__name__)), int)
-        self._jitted = jax.jit(_hashable(fn), static_argnums=self.static_argnums,
-                               static_argnames=self.static_argnames,
-                               donate_argnums=self.donate_argnums)
+        # A jax.jit step's shardings and device apply to the call itself, as jax.jit's.
+        placement = dict(self.decorator.placement) if self.decorator else {}
+        self._jitted = _jit(_hashable(fn), placement, static_argnums=self.static_argnums,
+                            static_argnames=self.static_argnames,
+                            donate_argnums=self.donate_argnums)
         self._cache: dict[Any, AmpCompiled] = {}
         self._programs = ProgramStore(self.policy)
         # jax's caches of abstract evaluations hold programs and exports (ProgramStore):
@@ -590,9 +593,9 @@ class AmpFunction:
 
         # Calls go through jax.jit's own dispatch (its C++ cache of executables); a
         # cache miss traces ``dispatched``, which binds the rewritten program.
-        self._dispatch = jax.jit(dispatched, static_argnums=self.static_argnums,
-                                 static_argnames=self.static_argnames,
-                                 donate_argnums=self.donate_argnums)
+        self._dispatch = _jit(dispatched, placement, static_argnums=self.static_argnums,
+                              static_argnames=self.static_argnames,
+                              donate_argnums=self.donate_argnums)
         # jax.export refuses host callbacks; such functions are rewritten from
         # jax.jit's lowering instead and dispatched from our own cache.
         self._through_lowering = False
@@ -982,6 +985,14 @@ def _export_refused(error: Exception) -> bool:
     return any(marker in text for marker in (
         "custom call", "callback", "effects", "Cannot serialize", "not supported",
     ))
+
+
+def _jit(fn: Callable[..., Any], placement: dict, **options: Any) -> Any:
+    """``jax.jit(fn, **options)`` with a jax.jit step's ``placement`` (its device= was
+    deprecated where the user wrote it: not warned about again here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return jax.jit(fn, **placement, **options)
 
 
 def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = None,

@@ -161,7 +161,7 @@ class Fp8StatefulFunction:
             donation = decorator.donation and dataclasses.replace(decorator.donation, offset=1)
             carried = dataclasses.replace(decorator, fn=stateful, static_argnums=(),
                                           static_argnames=(), donate_argnums=(),
-                                          donation=donation)
+                                          donation=donation, placement=())
         self._inner = make(stateful, policy, static_argnums=_shifted(static_argnums),
                            static_argnames=tuple(static_argnames),
                            donate_argnums=(0, *_shifted(donate_argnums)), filter=filter,

@@ -171,6 +171,8 @@ class JitDecorator:
     filter: bool | None = None  # True for eqx.filter_jit: non-array leaves are static
     donation: FilteredDonation | None = None  # eqx.filter_jit's donate=
     nnx_modes: tuple[tuple[str, bool], ...] = ()  # nnx.jit's graph / graph_updates
+    # jax.jit's in_shardings, out_shardings, device and backend as given (``placement``)
+    placement: tuple[tuple[str, Any], ...] = ()
 
 
 def unwrap_jit(fn: Any, name: str) -> JitDecorator | None:
@@ -220,9 +222,33 @@ def jit_info(jitted: Any) -> Any:
 def shardings_given(info: Any, unknown: bool = True) -> bool:
     """Whether a ``jax.jit`` function's options (``jit_info``) give ``in_shardings`` or
     ``out_shardings``; ``unknown`` where this jax does not record them."""
-    return bool(getattr(info, "user_specified_in_shardings", unknown)) or any(
-        type(s).__name__ != "UnspecifiedValue"
-        for s in getattr(info, "out_shardings_leaves", (None,) if unknown else ()))
+    return bool(getattr(info, "user_specified_in_shardings", unknown)) or _out_shardings_given(
+        info, unknown)
+
+
+def _out_shardings_given(info: Any, unknown: bool = True) -> bool:
+    return any(type(s).__name__ != "UnspecifiedValue"
+               for s in getattr(info, "out_shardings_leaves", (None,) if unknown else ()))
+
+
+def placement(info: Any) -> tuple[tuple[str, Any], ...]:
+    """The ``in_shardings``, ``out_shardings``, ``device`` and ``backend`` a ``jax.jit``
+    function was given, as ``jax.jit`` keywords: the top-level jit that runs the
+    rewritten step takes them too, as a nested jit's are not its caller's (on an Explicit
+    mesh its out_shardings typed no result, and a step pinned to one device ran on the
+    default one)."""
+    if info is None:
+        return ()
+    given = []
+    if getattr(info, "user_specified_in_shardings", False):
+        given.append(("in_shardings", info.in_shardings_treedef.unflatten(
+            info.in_shardings_leaves)))
+    if _out_shardings_given(info, unknown=False):
+        given.append(("out_shardings", info.out_shardings_treedef.unflatten(
+            info.out_shardings_leaves)))
+    given += [(option, getattr(info, option)) for option in ("device", "backend")
+              if getattr(info, option, None) is not None]
+    return tuple(given)
 
 
 def _replace_decorator(name: str, decorator: str, problem: str) -> TypeError:
@@ -322,7 +348,8 @@ def _unwrap_jax(jitted: Any, name: str) -> JitDecorator | None:
     return JitDecorator("jax.jit", fn,
                         static_argnums=tuple(info.static_argnums),
                         static_argnames=tuple(info.static_argnames),
-                        donate_argnums=_positional_donations(info, "jax.jit", name))
+                        donate_argnums=_positional_donations(info, "jax.jit", name),
+                        placement=placement(info))
 
 
 # ---- nnx.jit's contract -------------------------------------------------------------------

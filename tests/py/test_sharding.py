@@ -450,6 +450,61 @@ def test_arguments_on_two_devices_are_refused_naming_the_function() -> None:
     assert "argument w of matmul" in results["amp"]
 
 
+JIT_PLACEMENT = textwrap.dedent("""
+    import json, warnings
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P, AxisType, SingleDeviceSharding
+    import hlo_amp
+
+    warnings.simplefilter("ignore", DeprecationWarning)  # jax.jit's device=
+
+    def f(x, w):
+        h = jnp.tanh(x @ w)
+        return {"h": h, "loss": jnp.mean(h ** 2, axis=1)}
+
+    def placed(out):
+        return {k: [str(jax.typeof(v)), sorted(d.id for d in v.devices())]
+                for k, v in out.items()}
+
+    x = np.ones((8, 16), np.float32)
+    w = np.ones((16, 32), np.float32) / 16
+    on_2 = SingleDeviceSharding(jax.devices()[2])
+    steps = {"out_shardings on device 2": jax.jit(f, out_shardings=on_2),
+             "in_shardings on device 2": jax.jit(f, in_shardings=(on_2, on_2)),
+             "device 2": jax.jit(f, device=jax.devices()[2])}
+    results = {}
+    for name, step in steps.items():
+        amp = hlo_amp.compile(step, "bf16")
+        results[name] = [placed(step(x, w)), placed(amp(x, w)),
+                         placed(amp.lower(x, w).compile()(x, w))]
+    mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    step = jax.jit(f, out_shardings={"h": P(None, "y"), "loss": P()})
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, P("x", None))
+        ws = jax.device_put(w, P())
+        amp = hlo_amp.compile(step, "mixed_bfloat16")
+        results["explicit mesh out_shardings"] = [
+            placed(step(xs, ws)), placed(amp(xs, ws)),
+            placed(amp.lower(xs, ws).compile()(xs, ws))]
+    print("RESULTS=" + json.dumps(results))
+""")
+
+
+def test_a_jax_jit_steps_shardings_and_device_place_the_call() -> None:
+    """A ``jax.jit`` step's own placement is the call's, as under jax.jit: a step pinned
+    to device 2 (by ``device=``, ``in_shardings`` or ``out_shardings``) ran on device 0
+    when called (its ``.lower().compile()`` on device 2), and on an Explicit mesh its
+    ``out_shardings`` typed no result (``h`` came back ``8@x``, ``loss`` sharded): the
+    nested jit that carried them is not the top-level call."""
+    from host_devices import run_on_host_devices
+
+    results = run_on_host_devices(JIT_PLACEMENT, devices=4)
+    for name, (want, called, ahead_of_time) in results.items():
+        assert called == want and ahead_of_time == want, (name, results[name])
+    assert results["device 2"][0]["h"][1] == [2]
+    assert "@y" in results["explicit mesh out_shardings"][0]["h"][0]
+
+
 SEQUENCE_SHARDED = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
