@@ -65,6 +65,14 @@ _STATE_MOVES = frozenset(
     {kind for kind, cls in OP_CLASSES.items() if cls == CLEAR} - {"reduce", "reduce_window"}
     | {"select", "scatter"})
 
+# Ops a parameter update passes the parameters through, their shape kept: adds, clips
+# and projections, and entries written back (a select skipping a non-finite step,
+# ``.at[].set`` freezing a part). No op moving entries to a new shape: embedding rows
+# gathered, which a residual stream adds to, are no state.
+_STATE_UPDATES = frozenset({
+    "add", "subtract", "negate", "abs", "maximum", "minimum", "clamp", "select",
+    "dynamic_update_slice", "scatter"})
+
 LINK = "link"
 # A convert to the compute dtype, or the updates of an add scatter kept f32: where a
 # region may end.
@@ -168,13 +176,14 @@ class Graph:
 
     def _deny_state_updates(self) -> None:
         """Keep f32 what carries a public argument to a public result through loop
-        carries and either adds, subtracts and scalings only or data movement only:
-        several training steps in one function, where the next step's dots read the new
-        parameters too, had ``p + u`` painted, and the parameters rounded to 16 bit every
-        step (5.6x the update's error of a hand cast under bf16); a KV cache a decode
-        step slices, writes and stacks came back with every entry rounded to 16 bit,
-        those it did not write too. (A chain mixing the two is no state: an embedding
-        row that a residual stream adds to.)"""
+        carries and either updates that keep its shape only (``_updates_state``) or
+        data movement only: several training steps in one function, where the next
+        step's dots read the new parameters too, had ``p + u`` painted (``w * (1 - lr *
+        wd)``, a clip or a select skipping a step too, until 2026-11-30), and the
+        parameters rounded to 16 bit every step (5.6x the update's error of a hand cast
+        under bf16); a KV cache a decode step slices, writes and stacks came back with
+        every entry rounded to 16 bit, those it did not write too. (A chain mixing
+        gathers and adds is no state: an embedding row that a residual stream adds to.)"""
         starts = [(inst_id, argument) for inst_id, inst in enumerate(self.instances)
                   if is_public(inst.fn) for argument in first_block(inst.fn.regions[0]).arguments
                   if self.f32(argument)]
@@ -186,12 +195,15 @@ class Graph:
                 node.reason = node.reason or STATE_UPDATE
 
     def _updates_state(self, node: Node) -> bool:
-        """A link, an add or subtract, or a scaling by one number: optax's moments
-        (``b1 * m + (1 - b1) * g``) and decoupled weight decay as PyTorch writes it
-        (``w * (1 - lr * wd) - lr * g``) scale the state they carry."""
-        if node.cls == LINK or (node.cls == INFER and node.kind in ("add", "subtract")):
+        """A link, an op of ``_STATE_UPDATES``, or a scaling by one number: optax's
+        moments (``b1 * m + (1 - b1) * g``) and decoupled weight decay as PyTorch writes
+        it (``w * (1 - lr * wd) - lr * g``) scale the state they carry. (A product with
+        a tensor is no such update: a norm's backward multiplies the stream made from a
+        parameter into that parameter's gradient.)"""
+        if node.cls == LINK or (node.cls in (INFER, CLEAR, DENY)
+                                and node.kind in _STATE_UPDATES):
             return True
-        if node.cls != INFER or node.kind not in ("multiply", "divide"):
+        if node.cls not in (INFER, DENY) or node.kind not in ("multiply", "divide"):
             return False
         operands = list(self.instances[node.inst].ops[node.index].operands)
         # A divide scales by its divisor only (``s / x`` is no scaling of ``s``).
