@@ -995,13 +995,33 @@ def _jit(fn: Callable[..., Any], placement: dict, **options: Any) -> Any:
         return jax.jit(fn, **placement, **options)
 
 
+# jax.jit's options that hlo_amp.compile takes from a jax.jit step instead.
+_PLACEMENT_OPTIONS = ("in_shardings", "out_shardings", "device", "backend")
+
+
+def _jit_options_refused(given: dict) -> TypeError:
+    """The error for keywords ``compile`` does not take: jax.jit's placement options
+    are a jax.jit step's, whose shardings and device the call keeps."""
+    names = ", ".join(f"{name}=" for name in given)
+    if not set(given) <= set(_PLACEMENT_OPTIONS):
+        return TypeError(
+            f"hlo_amp.compile got an unexpected keyword argument ({names}); it takes "
+            "policy, static_argnums, static_argnames, donate_argnums, donate_argnames "
+            "and filter")
+    return TypeError(
+        f"hlo_amp.compile takes no {names}: compile a jax.jit step given them "
+        f"(hlo_amp.compile(jax.jit(step, {names}...), policy)), whose shardings and "
+        "device place the call as under jax.jit, or place the arguments with "
+        "jax.device_put")
+
+
 def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = None,
             policy: Policy | str | Mapping[str, Any] = "bf16", *,
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (),
             donate_argnums: int | Sequence[int] = (),
             donate_argnames: str | Sequence[str] = (),
-            filter: bool | None = None) -> Any:
+            filter: bool | None = None, **jit_options: Any) -> Any:
     """Like ``jax.jit(fn)``, but dot/conv ops run in the policy's precision.
 
     ``policy`` is a Policy, a string (``"bf16"``, ``"bf16,scope:head=float32"``) or a
@@ -1014,6 +1034,8 @@ def compile(fn: Callable[..., Any] | Policy | str | Mapping[str, Any] | None = N
     An ``nnx.jit`` / ``eqx.filter_jit`` / ``jax.jit`` function is compiled as the function
     it wraps, with its decorator's static and donated arguments (``unwrap_jit``).
     """
+    if jit_options:
+        raise _jit_options_refused(jit_options)
     options = {"static_argnums": static_argnums, "static_argnames": static_argnames,
                "donate_argnums": donate_argnums, "donate_argnames": donate_argnames,
                "filter": filter}

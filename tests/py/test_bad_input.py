@@ -271,6 +271,21 @@ def test_a_decorators_bad_policy_is_named_as_such() -> None:
     assert "callable" not in str(raised.value)
 
 
+@pytest.mark.parametrize("option", ["in_shardings", "out_shardings", "device", "backend"])
+def test_jax_jits_placement_options_point_at_a_jax_jit_step(option) -> None:
+    # Python's "compile() got an unexpected keyword argument 'in_shardings'" said nothing
+    # of where hlo_amp takes them.
+    for call in (lambda: hlo_amp.compile(lambda a: a @ a, "bf16", **{option: None}),
+                 lambda: hlo_amp.compile(policy="bf16", **{option: None})):
+        with pytest.raises(TypeError, match=rf"takes no {option}=: compile a jax.jit step"):
+            call()
+
+
+def test_an_unknown_keyword_names_the_accepted_ones() -> None:
+    with pytest.raises(TypeError, match=r"unexpected keyword argument \(polcy=\).*static_argnums"):
+        hlo_amp.compile(lambda a: a @ a, polcy="bf16")
+
+
 # ---- rules that match nothing -------------------------------------------------------------
 
 
