@@ -7,6 +7,7 @@ internal jitted function.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,14 +81,25 @@ def _holds_graph(value: Any) -> bool:
     return argument_style((value,), {}, None) == "nnx"
 
 
+def _parameter_names(signature: inspect.Signature | None, count: int) -> list[str]:
+    """For each of ``count`` positional arguments, ``" (parameter w)"`` where the
+    signature names it, else ``""``: jax's errors name the parameter."""
+    names = [] if signature is None else [
+        parameter.name for parameter in signature.parameters.values()
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    return [f" (parameter {names[i]})" if i < len(names) else "" for i in range(count)]
+
+
 def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Sequence[int],
-                     static_argnames: Sequence[str], style: str) -> str | None:
+                     static_argnames: Sequence[str], style: str,
+                     signature: inspect.Signature | None = None) -> str | None:
     """The message for the first argument the call cannot take, or None if all are fine."""
     statics = set(static_argnums)  # normalised by the caller (non-negative positions)
+    named = _parameter_names(signature, len(args))
     for i, arg in enumerate(args):
         if i in statics:
-            problem = _static_problem(name, f"{i}", f"args[{i}]", f"drop {i} from static_argnums",
-                                      arg)
+            problem = _static_problem(name, f"{i}{named[i]}", f"args[{i}]",
+                                      f"drop {i} from static_argnums", arg)
             if problem:
                 return problem
     for key, value in kwargs.items():
@@ -96,11 +108,12 @@ def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Se
                                       f"drop {key!r} from static_argnames", value)
             if problem:
                 return problem
-    dynamic = ([(f"args[{i}]", a) for i, a in enumerate(args) if i not in statics]
-               + [(f"kwargs[{k!r}]", v) for k, v in kwargs.items() if k not in static_argnames])
-    for root, value in dynamic:
+    dynamic = ([(f"args[{i}]", a, named[i]) for i, a in enumerate(args) if i not in statics]
+               + [(f"kwargs[{k!r}]", v, "") for k, v in kwargs.items()
+                  if k not in static_argnames])
+    for root, value, parameter in dynamic:
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-            where = root + jax.tree_util.keystr(path)
+            where = root + jax.tree_util.keystr(path) + parameter
             if style == "filter":
                 error = None if _is_jax_value(leaf) else _unhashable(leaf)
                 if error:
@@ -130,12 +143,14 @@ def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Se
 
 def raise_argument_problem(name: str, args: tuple, kwargs: dict, *,
                            static_argnums: Sequence[int], static_argnames: Sequence[str],
-                           style: str) -> None:
+                           style: str, signature: inspect.Signature | None = None) -> None:
     """After a failed call: raise one TypeError naming an argument it cannot take, if
-    any (``style``: the call's ``argument_style``)."""
+    any (``style``: the call's ``argument_style``; ``signature``: the step's, whose
+    parameters name its positions)."""
     problem = argument_problem(
         name, args, kwargs, static_argnums=normalise_argnums(static_argnums, len(args)),
-        static_argnames=static_argnames, style=style if style != "nnx" else "statics only")
+        static_argnames=static_argnames, style=style if style != "nnx" else "statics only",
+        signature=signature)
     if problem:
         raise TypeError(problem) from None
 

@@ -553,7 +553,7 @@ class AmpFunction:
                                 else tuple(static_argnames))
         self.donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
                                else tuple(donate_argnums))
-        signature = signature_of(fn)
+        signature = self._signature = signature_of(fn)
         if signature is not None:
             # As jax.jit: an argument static by position is static by name too, and the
             # other way round, unless both were given.
@@ -805,7 +805,8 @@ class AmpFunction:
         """After a failed call: one message naming an argument it cannot take, if any."""
         raise_argument_problem(self.__name__, args, kwargs,
                                static_argnums=self.static_argnums,
-                               static_argnames=self.static_argnames, style=style)
+                               static_argnames=self.static_argnames, style=style,
+                               signature=self._signature)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if not self._through_lowering and not (

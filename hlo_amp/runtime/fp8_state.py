@@ -403,7 +403,8 @@ class Fp8StatefulFunction:
                 raise_argument_problem(
                     self.__name__, args, kwargs, static_argnums=self.static_argnums,
                     static_argnames=self.static_argnames,
-                    style=argument_style(args, kwargs, self.filter, self._styles))
+                    style=argument_style(args, kwargs, self.filter, self._styles),
+                    signature=self._fn_signature)
                 renamed = _argument_named_as_the_steps(error)
                 if renamed is not None:
                     raise renamed from None

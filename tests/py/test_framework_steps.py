@@ -520,7 +520,7 @@ def test_a_jax_jit_step_with_static_arguments_takes_an_equinox_model():
             np.testing.assert_allclose(compiled(model, x, mode), step(model, x, mode),
                                        rtol=1e-5)
         assert compiled.cache_size() == 2
-        with pytest.raises(TypeError, match=r"static argument 2 holds a jax.Array"):
+        with pytest.raises(TypeError, match=r"static argument 2 \(parameter mode\) holds a jax.Array"):
             compiled(model, x, jnp.ones(2))
 
 
@@ -870,11 +870,12 @@ class _NnxWithFunctionData(nnx.Module):
      ["args[0]['act']", "str", "not an array"]),
     # A NumPy array of strings was "a numpy.ndarray, not an array"; "a object" read so.
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16")(W, np.array(["a", "b"])),
-     ["args[1] is a numpy.ndarray of dtype <U1, an array of a dtype jax has no type for"]),
+     ["args[1] (parameter c) is a numpy.ndarray of dtype <U1, an array of a dtype jax has "
+      "no type for"]),
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16")(W, object()),
-     ["args[1] is an object, not an array"]),
+     ["args[1] (parameter c) is an object, not an array"]),
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16", static_argnums=1)(W, [1, 2]),
-     ["static argument 1", "list", "not hashable", "tuple"]),
+     ["static argument 1 (parameter c)", "list", "not hashable", "tuple"]),
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16", static_argnums=1)(
         W, {"key": jax.random.key(0)}),
      ["static argument 1", "key<fry>", "args[1]['key']", "dynamic argument"]),
