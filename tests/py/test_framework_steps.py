@@ -870,8 +870,8 @@ class _NnxWithFunctionData(nnx.Module):
      ["args[0]['act']", "str", "not an array"]),
     # A NumPy array of strings was "a numpy.ndarray, not an array"; "a object" read so.
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16")(W, np.array(["a", "b"])),
-     ["args[1] (parameter c) is a numpy.ndarray of dtype <U1, an array of a dtype jax has "
-      "no type for"]),
+     ["args[1] (parameter c) is a numpy.ndarray of dtype <U1",
+      "an array of a dtype jax has no type for"]),
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16")(W, object()),
      ["args[1] (parameter c) is an object, not an array"]),
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16", static_argnums=1)(W, [1, 2]),
