@@ -565,7 +565,7 @@ class AmpFunction:
                 signature, _as_tuple(donate_argnames, str),
                 getattr(fn, "__name__", type(fn).__name__)), int)
         # A jax.jit step's shardings and device apply to the call itself, as jax.jit's.
-        placement = dict(self.decorator.placement) if self.decorator else {}
+        placement = _placement(self.decorator, self.static_argnums)
         self._jitted = _jit(_hashable(fn), placement, static_argnums=self.static_argnums,
                             static_argnames=self.static_argnames,
                             donate_argnums=self.donate_argnums)
@@ -986,6 +986,25 @@ def _export_refused(error: Exception) -> bool:
     return any(marker in text for marker in (
         "custom call", "callback", "effects", "Cannot serialize", "not supported",
     ))
+
+
+def _placement(decorator: JitDecorator | None, static_argnums: tuple[int, ...]) -> dict:
+    """A jax.jit step's placement options for hlo_amp's own jits, whose static arguments
+    may be more than the step's: its ``in_shardings``, one per dynamic argument of the
+    step, lose those the extra static ones take (jax refused the tuple's length)."""
+    if decorator is None:
+        return {}
+    placement = dict(decorator.placement)
+    shardings = placement.get("in_shardings")
+    extra = set(static_argnums) - set(decorator.static_argnums)
+    if not isinstance(shardings, tuple) or not extra or min(
+            (*static_argnums, *decorator.static_argnums)) < 0:
+        return placement
+    dynamic = [position for position in range(len(shardings) + len(decorator.static_argnums))
+               if position not in decorator.static_argnums]
+    placement["in_shardings"] = tuple(sharding for position, sharding in zip(
+        dynamic, shardings) if position not in extra)
+    return placement
 
 
 def _jit(fn: Callable[..., Any], placement: dict, **options: Any) -> Any:

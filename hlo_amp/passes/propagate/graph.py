@@ -65,13 +65,14 @@ _STATE_MOVES = frozenset(
     {kind for kind, cls in OP_CLASSES.items() if cls == CLEAR} - {"reduce", "reduce_window"}
     | {"select", "scatter"})
 
-# Ops a parameter update passes the parameters through, their shape kept: adds, clips
-# and projections, and entries written back (a select skipping a non-finite step,
-# ``.at[].set`` freezing a part). No op moving entries to a new shape: embedding rows
-# gathered, which a residual stream adds to, are no state.
-_STATE_UPDATES = frozenset({
-    "add", "subtract", "negate", "abs", "maximum", "minimum", "clamp", "select",
-    "dynamic_update_slice", "scatter"})
+# Ops a parameter update passes the parameters through, their shape kept: adds and
+# entries written back (``.at[].set`` freezing a part). No op moving entries to a new
+# shape: embedding rows gathered, which a residual stream adds to, are no state.
+_STATE_UPDATES = frozenset({"add", "subtract", "dynamic_update_slice", "scatter"})
+# A decay scales state by a number near 1 (optax's b1 = 0.9 and b2 = 0.999, an EMA's
+# 0.999, 1 - lr * wd); other constants (a mean's 1 / N, a square's 2) scale
+# activations and gradients (a residual stream's, an input's gradient).
+_DECAYS = (0.8, 1.25)
 
 LINK = "link"
 # A convert to the compute dtype, or the updates of an add scatter kept f32: where a
@@ -195,40 +196,54 @@ class Graph:
                 node.reason = node.reason or STATE_UPDATE
 
     def _updates_state(self, node: Node) -> bool:
-        """A link, an op of ``_STATE_UPDATES``, or a scaling by one number: optax's
-        moments (``b1 * m + (1 - b1) * g``) and decoupled weight decay as PyTorch writes
-        it (``w * (1 - lr * wd) - lr * g``) scale the state they carry. (A product with
-        a tensor is no such update: a norm's backward multiplies the stream made from a
-        parameter into that parameter's gradient.)"""
+        """A link, an add, subtract or write (``_STATE_UPDATES``), a decay (a multiply
+        or divide by a number near 1, or by one computed at run time: optax's moments
+        ``b1 * m + (1 - b1) * g``, decoupled weight decay as PyTorch writes it, ``w * (1
+        - lr * wd) - lr * g``), or a select by one predicate (a step skipped when not
+        finite, ``hlo_amp.select_tree``; an EMA's warm-up). Not a product with a tensor
+        (a norm's backward multiplies the stream made from a parameter into that
+        parameter's gradient), nor a mask's select, a relu's maximum or a clip (a
+        residual stream's or a feature extractor's activations)."""
         if node.cls == LINK or (node.cls in (INFER, CLEAR, DENY)
                                 and node.kind in _STATE_UPDATES):
             return True
-        if node.cls not in (INFER, DENY) or node.kind not in ("multiply", "divide"):
+        if node.cls not in (INFER, CLEAR, DENY):
             return False
         operands = list(self.instances[node.inst].ops[node.index].operands)
+        if node.kind == "select":
+            return self._one_number(node.inst, operands[0]) is not None
+        if node.kind not in ("multiply", "divide"):
+            return False
         # A divide scales by its divisor only (``s / x`` is no scaling of ``s``).
         scalings = operands if node.kind == "multiply" else operands[1:]
-        return any(self._one_number(node.inst, value) for value in scalings)
+        return any(number is not None and (
+            np.isnan(number) or _DECAYS[0] <= number <= _DECAYS[1])
+            for number in (self._one_number(node.inst, value) for value in scalings))
 
-    def _one_number(self, inst_id: int, value: ir.Value) -> bool:
-        """Whether ``value`` holds one number, possibly broadcast, reshaped or converted
-        (a splat constant too), seen through a called function's arguments."""
+    def _one_number(self, inst_id: int, value: ir.Value) -> float | None:
+        """Where ``value`` holds one number (possibly broadcast, reshaped or converted;
+        seen through a called function's arguments): that number if it is a constant,
+        else NaN; None where it holds several."""
         for _step in range(8):
-            if math.prod(ir.ShapedType(value.type).shape) == 1:
-                return True
             if isinstance(value, ir.BlockArgument):
                 caller = self.call_argument.get((inst_id, value))
                 if caller is None:
-                    return False
+                    break
                 inst_id, value = caller
                 continue
             op = value.owner
             if op.name == "stablehlo.constant":
-                return ir.DenseElementsAttr(op.attributes["value"]).is_splat
+                attr = ir.DenseElementsAttr(op.attributes["value"])
+                if not attr.is_splat:
+                    break
+                try:
+                    return float(ir.FloatAttr(attr.get_splat_value()).value)
+                except (TypeError, ValueError):  # an integer or boolean constant
+                    return np.nan
             if op.name not in SAME_VALUE_OPS:
-                return False
+                break
             value = op.operands[0]
-        return False
+        return np.nan if math.prod(ir.ShapedType(value.type).shape) == 1 else None
 
     def paths(self, starts: list[tuple[int, ir.Value]], follows: Callable[[Node], bool],
               ends: Callable[[Node], bool]) -> list[Node]:

@@ -46,7 +46,11 @@ def deny_loop_accumulators(graph: Graph) -> None:
             loops[key] = _Loop(graph, node.inst, graph.instances[node.inst].ops[node.index],
                                parents)
         members = _accumulation(graph, node, loops[key])
-        if not members or loops[key].streams_layers(node.slot):
+        # Carries taking turns stream layers if any of them does (a reversible net's
+        # (a, b) -> (b, a + F(b)) over stacked weights: a's own result reads no layer).
+        turns = {node.slot} | {member.slot for member in members if member.kind == "while"
+                               and (member.inst, member.index) == key}
+        if not members or any(loops[key].streams_layers(slot) for slot in turns):
             continue
         for member in members + [node]:
             # Painted, the sum is rounded at every iteration; its carry stays f32 too.
