@@ -57,7 +57,8 @@ _COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
 # JAX primitive name -> the StableHLO op kinds it lowers to, one to one. Primitives that
 # share an op kind with others (the comparisons: ``compare``; the reductions: ``reduce``)
-# are left out, since a rule on one would change them all.
+# are left out, since a rule on one would change them all; so are primitives jax lowers
+# to several ops (``logistic``: negate, exponential, add and divide).
 _PRIMITIVE_KINDS: dict[str, tuple[str, ...]] = {
     "dot_general": ("dot_general", "dot"),
     "conv_general_dilated": ("convolution",),
@@ -65,7 +66,7 @@ _PRIMITIVE_KINDS: dict[str, tuple[str, ...]] = {
         "add": "add", "add_any": "add", "sub": "subtract", "mul": "multiply",
         "div": "divide", "neg": "negate", "abs": "abs", "sign": "sign", "max": "maximum",
         "min": "minimum", "exp": "exponential", "expm1": "exponential_minus_one",
-        "log": "log", "log1p": "log_plus_one", "tanh": "tanh", "logistic": "logistic",
+        "log": "log", "log1p": "log_plus_one", "tanh": "tanh",
         "sqrt": "sqrt", "rsqrt": "rsqrt", "cbrt": "cbrt", "square": "square",
         "pow": "power", "sin": "sine", "cos": "cosine", "tan": "tan", "atan": "atan",
         "atan2": "atan2", "sinh": "sinh", "cosh": "cosh", "erf": "erf", "erfc": "erfc",

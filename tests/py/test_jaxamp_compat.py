@@ -364,6 +364,16 @@ def test_unknown_primitive_lists_the_accepted_ones() -> None:
         assert accepted in message
 
 
+def test_a_primitive_lowered_to_several_ops_is_refused() -> None:
+    """jax lowers logistic_p (sigmoid) to negate, exponential, add and divide: a rule on
+    it was mapped to a 'logistic' op kind that never occurs, accepted, and did nothing."""
+    with pytest.raises(ValueError) as error:
+        jaxamp.amp(jax.nn.sigmoid, amp_policy={lax.logistic_p: jaxamp.use_compute_precision})
+    assert "logistic_p" in str(error.value)
+    text = jax.jit(jax.nn.sigmoid).lower(jnp.ones(3)).as_text()
+    assert "logistic" not in text  # what the mapping assumed
+
+
 @pytest.mark.parametrize("compute_dtype", [jnp.int32, "float64", "fp8", None])
 def test_bad_compute_dtype(compute_dtype: Any) -> None:
     with pytest.raises(ValueError) as error:
