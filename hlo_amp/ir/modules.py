@@ -613,6 +613,17 @@ def readable_attribute(op: ir.Operation | ir.OpView, name: str) -> ir.Attribute 
         return None
 
 
+def dense_value(op: ir.Operation | ir.OpView) -> ir.DenseElementsAttr | None:
+    """A ``stablehlo.constant``'s elements, or None where the bindings cannot read them
+    (complex elements) or the constant holds none inline (a ``dense_resource`` blob,
+    which hlo-amp-opt reads from a file: casting it raised ValueError)."""
+    read = readable_attribute(op, "value")
+    try:
+        return None if read is None else ir.DenseElementsAttr(read)
+    except ValueError:
+        return None
+
+
 def constant_value(value: ir.Value) -> ir.Attribute | None:
     """The ``value`` attribute of the ``stablehlo.constant`` that defines ``value``; None
     for another producer, a block argument or a value the bindings cannot read."""

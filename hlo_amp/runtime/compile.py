@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import threading
 import time
 import types
@@ -565,7 +566,7 @@ class AmpFunction:
                 signature, _as_tuple(donate_argnames, str),
                 getattr(fn, "__name__", type(fn).__name__)), int)
         # A jax.jit step's shardings and device apply to the call itself, as jax.jit's.
-        placement = _placement(self.decorator, self.static_argnums)
+        placement = _placement(self.decorator, self.static_argnums, signature)
         self._jitted = _jit(_hashable(fn), placement, static_argnums=self.static_argnums,
                             static_argnames=self.static_argnames,
                             donate_argnums=self.donate_argnums)
@@ -988,7 +989,8 @@ def _export_refused(error: Exception) -> bool:
     ))
 
 
-def _placement(decorator: JitDecorator | None, static_argnums: tuple[int, ...]) -> dict:
+def _placement(decorator: JitDecorator | None, static_argnums: tuple[int, ...],
+               signature: inspect.Signature | None) -> dict:
     """A jax.jit step's placement options for hlo_amp's own jits, whose static arguments
     may be more than the step's: its ``in_shardings``, one per dynamic argument of the
     step, lose those the extra static ones take (jax refused the tuple's length)."""
@@ -996,14 +998,20 @@ def _placement(decorator: JitDecorator | None, static_argnums: tuple[int, ...]) 
         return {}
     placement = dict(decorator.placement)
     shardings = placement.get("in_shardings")
-    extra = set(static_argnums) - set(decorator.static_argnums)
-    if not isinstance(shardings, tuple) or not extra or min(
-            (*static_argnums, *decorator.static_argnums)) < 0:
+    positional = None if signature is None else [
+        p.kind for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    if not isinstance(shardings, tuple) or not positional or (
+            inspect.Parameter.VAR_POSITIONAL in positional):
+        return placement  # a negative position would stay unresolved: as given
+    count = len(positional)
+    ours = {position % count for position in static_argnums}
+    steps = {position % count for position in decorator.static_argnums}
+    dynamic = [position for position in range(count) if position not in steps]
+    if ours == steps or len(dynamic) != len(shardings):
         return placement
-    dynamic = [position for position in range(len(shardings) + len(decorator.static_argnums))
-               if position not in decorator.static_argnums]
     placement["in_shardings"] = tuple(sharding for position, sharding in zip(
-        dynamic, shardings) if position not in extra)
+        dynamic, shardings, strict=True) if position not in ours)
     return placement
 
 

@@ -692,16 +692,26 @@ def _activations_to_a_result():
     def input_gradient(x, w1, w2):
         return jax.grad(lambda x: jnp.mean((jnp.tanh(jnp.tanh(x @ w1) @ w2) - x) ** 2))(x)
 
-    return {fn.__name__: (fn, (x, w1, w2))
-            for fn in (resnet_features, residual_masked, input_gradient)}
+    def scaled_by_a_temperature(x, w1, t):  # a number computed at run time
+        h = x * t
+        for _ in range(3):
+            h = h + jnp.tanh(norm(h) @ w1) @ w1
+        return h / t
+
+    programs = {fn.__name__: (fn, (x, w1, w2))
+                for fn in (resnet_features, residual_masked, input_gradient)}
+    programs["scaled_by_a_temperature"] = (scaled_by_a_temperature, (x, w1, jnp.float32(0.7)))
+    return programs
 
 
-@pytest.mark.parametrize("name", ["resnet_features", "residual_masked", "input_gradient"])
-def test_activations_reaching_a_result_through_a_relu_mask_or_mean_are_no_state(name):
-    """A relu's maximum, a mask's select and a mean's 1 / N put activations on a chain
-    from an argument to a result, as a clip, a skipped step and a decay put parameters:
-    taken for state, the features' 16-bit share fell from 36% to 11%, an input
-    gradient's from 59% to 15% (a review of the state rule's widening)."""
+@pytest.mark.parametrize("name", ["resnet_features", "residual_masked", "input_gradient",
+                                  "scaled_by_a_temperature"])
+def test_activations_reaching_a_result_through_a_relu_mask_or_scale_are_no_state(name):
+    """A relu's maximum, a mask's select, a mean's 1 / N and a run-time scale put
+    activations on a chain from an argument to a result, as a clip, a skipped step and
+    a decay put parameters: taken for state, the features' 16-bit share fell from 36% to
+    11%, an input gradient's from 59% to 15%, a temperature-scaled stream's from 59% to
+    40% (reviews of the state rule's widening)."""
     fn, args = _activations_to_a_result()[name]
     report = str(hlo_amp.compile(fn, "mixed_bfloat16").lower(*args).report())
     assert STATE_UPDATE not in report

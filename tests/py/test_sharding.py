@@ -481,10 +481,11 @@ JIT_PLACEMENT = textwrap.dedent("""
     # dynamic argument of the step: jax refused the tuple's length.
     scaled = jax.jit(lambda x, n, w: {k: v * n for k, v in f(x, w).items()},
                      in_shardings=(on_2, on_2, on_2))
-    amp = hlo_amp.compile(scaled, "bf16", static_argnums=1)
-    results["in_shardings and an extra static argument"] = [
-        placed(scaled(x, 3.0, w)), placed(amp(x, 3.0, w)),
-        placed(amp.lower(x, 3.0, w).compile()(x, w))]
+    for static in (1, -2):  # by position from the end too
+        amp = hlo_amp.compile(scaled, "bf16", static_argnums=static)
+        results[f"in_shardings and an extra static argument {static}"] = [
+            placed(scaled(x, 3.0, w)), placed(amp(x, 3.0, w)),
+            placed(amp.lower(x, 3.0, w).compile()(x, w))]
     mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
     step = jax.jit(f, out_shardings={"h": P(None, "y"), "loss": P()})
     with jax.set_mesh(mesh):

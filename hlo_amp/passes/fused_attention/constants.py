@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import NUMPY_TYPES, readable_attribute
+from hlo_amp.ir.modules import NUMPY_TYPES, dense_value
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
 
 # Larger constants are left unevaluated (the pass then treats the value as not constant).
@@ -138,10 +138,9 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
         return evaluate(view, operands[index], stack, memo)
 
     if name == "stablehlo.constant":
-        read = readable_attribute(op, "value")
-        if read is None:  # complex elements
+        attr = dense_value(op)
+        if attr is None:  # complex elements, a dense_resource blob
             return None
-        attr = ir.DenseElementsAttr(read)
         if attr.is_splat:
             return Folded(np.asarray(_scalar(attr.get_splat_value())), (), shape)
         if int(np.prod(shape)) > MAX_ELEMENTS:

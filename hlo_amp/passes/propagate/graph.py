@@ -15,13 +15,13 @@ from jaxlib.mlir import ir
 from hlo_amp.ir.modules import (
     SAME_VALUE_OPS,
     callee_name,
+    dense_value,
     element_type,
     function_name,
     functions,
     is_call,
     is_public,
     op_key,
-    readable_attribute,
     terminator,
 )
 from hlo_amp.ir.op_classes import (
@@ -197,13 +197,14 @@ class Graph:
 
     def _updates_state(self, node: Node) -> bool:
         """A link, an add, subtract or write (``_STATE_UPDATES``), a decay (a multiply
-        or divide by a number near 1, or by one computed at run time: optax's moments
-        ``b1 * m + (1 - b1) * g``, decoupled weight decay as PyTorch writes it, ``w * (1
-        - lr * wd) - lr * g``), or a select by one predicate (a step skipped when not
-        finite, ``hlo_amp.select_tree``; an EMA's warm-up). Not a product with a tensor
-        (a norm's backward multiplies the stream made from a parameter into that
-        parameter's gradient), nor a mask's select, a relu's maximum or a clip (a
-        residual stream's or a feature extractor's activations)."""
+        or divide by a constant near 1: optax's moments ``b1 * m + (1 - b1) * g``,
+        decoupled weight decay as PyTorch writes it, ``w * (1 - lr * wd) - lr * g``,
+        with a Python lr), or a select by one predicate (a step skipped when not finite,
+        ``hlo_amp.select_tree``; an EMA's warm-up). Not a product with a tensor (a
+        norm's backward multiplies the stream made from a parameter into that
+        parameter's gradient) or with a number computed at run time (an input scaled by
+        a temperature or a noise level), nor a mask's select, a relu's maximum or a clip
+        (a residual stream's or a feature extractor's activations)."""
         if node.cls == LINK or (node.cls in (INFER, CLEAR, DENY)
                                 and node.kind in _STATE_UPDATES):
             return True
@@ -216,9 +217,8 @@ class Graph:
             return False
         # A divide scales by its divisor only (``s / x`` is no scaling of ``s``).
         scalings = operands if node.kind == "multiply" else operands[1:]
-        return any(number is not None and (
-            np.isnan(number) or _DECAYS[0] <= number <= _DECAYS[1])
-            for number in (self._one_number(node.inst, value) for value in scalings))
+        return any(number is not None and _DECAYS[0] <= number <= _DECAYS[1]
+                   for number in (self._one_number(node.inst, value) for value in scalings))
 
     def _one_number(self, inst_id: int, value: ir.Value) -> float | None:
         """Where ``value`` holds one number (possibly broadcast, reshaped or converted;
@@ -233,13 +233,14 @@ class Graph:
                 continue
             op = value.owner
             if op.name == "stablehlo.constant":
-                attr = ir.DenseElementsAttr(op.attributes["value"])
-                if not attr.is_splat:
+                attr = dense_value(op)
+                if attr is None or not attr.is_splat:
                     break
-                try:
-                    return float(ir.FloatAttr(attr.get_splat_value()).value)
-                except (TypeError, ValueError):  # an integer or boolean constant
-                    return np.nan
+                splat = attr.get_splat_value()
+                for kind in (ir.FloatAttr, ir.IntegerAttr):
+                    if splat.typeid == kind.static_typeid:
+                        return float(kind(splat).value)
+                return np.nan  # a boolean
             if op.name not in SAME_VALUE_OPS:
                 break
             value = op.operands[0]
@@ -612,10 +613,9 @@ def largest_finite(op: Any) -> float | None:
 
 
 def _finite_magnitudes(op: Any) -> np.ndarray | None:
-    read = readable_attribute(op, "value")
-    if read is None:
+    attr = dense_value(op)
+    if attr is None:
         return None
-    attr = ir.DenseElementsAttr(read)
     if str(ir.RankedTensorType(attr.type).element_type) not in ("f32", "f64"):
         return None
     if attr.is_splat:
