@@ -642,19 +642,25 @@ def test_parameters_updated_over_several_steps_stay_f32(scan, policy):
 _UPDATES = {  # w and its gradient g -> the step's new w
     "decay as a multiply": lambda w, g: w * (1 - 1e-5) - 1e-4 * g,
     "decay as a divide": lambda w, g: w / (1 + 1e-5) - 1e-4 * g,
+    # a learning rate computed at run time (a schedule's)
+    "decay by a run-time rate": lambda w, g: (
+        w * (1 - (1e-4 + 0 * jnp.sum(w)) * 0.1) - (1e-4 + 0 * jnp.sum(w)) * g),
     "skip if not finite": lambda w, g: jnp.where(jnp.all(jnp.isfinite(g)), w - 1e-4 * g, w),
+    "clip": lambda w, g: jnp.clip(w - 1e-4 * g, 0.5, 1.5),  # WGAN's weight clipping
+    "keep positive": lambda w, g: jnp.maximum(w - 1e-4 * g, 0.0),
+    "keep entries": lambda w, g: jnp.where(w - 1e-4 * g > 0, w - 1e-4 * g, w),
 }
 
 
 @pytest.mark.parametrize("update", list(_UPDATES))
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-def test_parameters_decayed_or_selected_over_several_steps_stay_f32(update, policy):
+def test_parameters_decayed_selected_or_projected_over_several_steps_stay_f32(update, policy):
     """Two steps unrolled whose update scales the parameters by a decay (decoupled
-    weight decay as PyTorch writes it, ``w * (1 - lr * wd) - lr * g``, a moment's
-    ``0.9 * m``) or selects between old and new by one predicate (a step skipped when
-    not finite): each broke the add/subtract chain of the state, and the first step's
-    parameters were stored in 16 bit (the change 3.9x to 15.6x off under bf16, a hand
-    cast 0.006)."""
+    weight decay as PyTorch writes it, ``w * (1 - lr * wd) - lr * g``), selects between
+    old and new by one predicate (a step skipped when not finite) or projects them
+    after the gradient step (a clip, a maximum, a select per entry): each broke the
+    add/subtract chain of the state, and the first step's parameters were stored in 16
+    bit (the change 3.9x to 15.6x off under bf16, a hand cast 0.006)."""
     keys = jax.random.split(jax.random.key(0), 3)
     x, y = jax.random.normal(keys[0], (32, 8)), jax.random.normal(keys[1], (32, 4))
     w = 1.0 + 0.1 * jax.random.normal(keys[2], (8, 4))  # near 1: a bf16 ulp is 2**-7
@@ -698,20 +704,33 @@ def _activations_to_a_result():
             h = h + jnp.tanh(norm(h) @ w1) @ w1
         return h / t
 
+    def scaled_by_a_decay(x, w1, w2):
+        h = x
+        for _ in range(3):
+            h = 0.9 * h + jnp.tanh(norm(h) @ w1) @ w2
+        return h
+
+    def switched_by_a_flag(x, w1, w2):  # (a select of the argument itself moves state)
+        h = x + jnp.tanh(norm(x) @ w1) @ w2
+        return jnp.where(jnp.sum(w2) > 0, h + jnp.tanh(norm(h) @ w1) @ w2, h)
+
     programs = {fn.__name__: (fn, (x, w1, w2))
-                for fn in (resnet_features, residual_masked, input_gradient)}
+                for fn in (resnet_features, residual_masked, input_gradient, scaled_by_a_decay,
+                           switched_by_a_flag)}
     programs["scaled_by_a_temperature"] = (scaled_by_a_temperature, (x, w1, jnp.float32(0.7)))
     return programs
 
 
 @pytest.mark.parametrize("name", ["resnet_features", "residual_masked", "input_gradient",
-                                  "scaled_by_a_temperature"])
+                                  "scaled_by_a_temperature", "scaled_by_a_decay",
+                                  "switched_by_a_flag"])
 def test_activations_reaching_a_result_through_a_relu_mask_or_scale_are_no_state(name):
-    """A relu's maximum, a mask's select, a mean's 1 / N and a run-time scale put
-    activations on a chain from an argument to a result, as a clip, a skipped step and
-    a decay put parameters: taken for state, the features' 16-bit share fell from 36% to
-    11%, an input gradient's from 59% to 15%, a temperature-scaled stream's from 59% to
-    40% (reviews of the state rule's widening)."""
+    """A relu's maximum, a mask's select, a mean's 1 / N, a run-time scale, a 0.9 and a
+    flag's select put activations on a chain from an argument to a result, as a clip, a
+    skipped step and a decay put parameters, but apply no gradient: taken for state, the
+    features' 16-bit share fell from 36% to 11%, an input gradient's from 59% to 15%, a
+    temperature-scaled stream's from 59% to 40% (reviews of the state rule's
+    widening)."""
     fn, args = _activations_to_a_result()[name]
     report = str(hlo_amp.compile(fn, "mixed_bfloat16").lower(*args).report())
     assert STATE_UPDATE not in report

@@ -69,9 +69,13 @@ _STATE_MOVES = frozenset(
 # entries written back (``.at[].set`` freezing a part). No op moving entries to a new
 # shape: embedding rows gathered, which a residual stream adds to, are no state.
 _STATE_UPDATES = frozenset({"add", "subtract", "dynamic_update_slice", "scatter"})
+# Ops a training step's update passes the parameters through too, in a chain that
+# applies a gradient (``Graph._steps_state``): decays, selects and projections. A relu'd,
+# masked or scaled residual stream passes the same ops and applies none.
+_STEPS = frozenset({"multiply", "divide", "select", "maximum", "minimum", "clamp"})
 # A decay scales state by a number near 1 (optax's b1 = 0.9 and b2 = 0.999, an EMA's
 # 0.999, 1 - lr * wd); other constants (a mean's 1 / N, a square's 2) scale
-# activations and gradients (a residual stream's, an input's gradient).
+# activations and gradients (an input's gradient).
 _DECAYS = (0.8, 1.25)
 
 LINK = "link"
@@ -86,6 +90,10 @@ SPECIAL_FUNCTIONS = frozenset({
 # Op kinds whose class depends on their body or attributes as well as the table (see
 # op_class).
 _BODY_CLASSED = frozenset({"reduce", "reduce_window", "scatter", "reduce_precision"})
+
+
+def _updates_state(node: Node) -> bool:
+    return node.cls == LINK or (node.cls in (INFER, CLEAR, DENY) and node.kind in _STATE_UPDATES)
 
 
 def _moves_state(node: Node) -> bool:
@@ -177,48 +185,84 @@ class Graph:
 
     def _deny_state_updates(self) -> None:
         """Keep f32 what carries a public argument to a public result through loop
-        carries and either updates that keep its shape only (``_updates_state``) or
-        data movement only: several training steps in one function, where the next
-        step's dots read the new parameters too, had ``p + u`` painted (``w * (1 - lr *
-        wd)``, a clip or a select skipping a step too, until 2026-11-30), and the
-        parameters rounded to 16 bit every step (5.6x the update's error of a hand cast
-        under bf16); a KV cache a decode step slices, writes and stacks came back with
-        every entry rounded to 16 bit, those it did not write too. (A chain mixing
-        gathers and adds is no state: an embedding row that a residual stream adds to.)"""
+        carries and either adds, subtracts and writes only (``_STATE_UPDATES``) or data
+        movement only, and a chain through decays, selects and projections too where it
+        applies a gradient (``_steps_state``): several training steps in one function,
+        where the next step's dots read the new parameters too, had ``p + u`` painted
+        (``w * (1 - lr * wd)``, a clip or a select skipping a step too, until
+        2026-11-30), and the parameters rounded to 16 bit every step (5.6x the update's
+        error of a hand cast under bf16); a KV cache a decode step slices, writes and
+        stacks came back with every entry rounded to 16 bit, those it did not write too.
+        (A chain mixing gathers and adds is no state: an embedding row that a residual
+        stream adds to; nor is a relu'd, masked or scaled residual stream, which applies
+        no gradient.)"""
         starts = [(inst_id, argument) for inst_id, inst in enumerate(self.instances)
                   if is_public(inst.fn) for argument in first_block(inst.fn.regions[0]).arguments
                   if self.f32(argument)]
-        for follows in (self._updates_state, _moves_state):
-            found = self.paths(starts, follows, lambda node: any(
-                self._publicly_returned(key) for key in node.outputs))
-            for node in found:
-                node.cls = DENY if node.cls in (INFER, CLEAR) else node.cls  # a link: f32
-                node.reason = node.reason or STATE_UPDATE
 
-    def _updates_state(self, node: Node) -> bool:
-        """A link, an add, subtract or write (``_STATE_UPDATES``), a decay (a multiply
-        or divide by a constant near 1: optax's moments ``b1 * m + (1 - b1) * g``,
-        decoupled weight decay as PyTorch writes it, ``w * (1 - lr * wd) - lr * g``,
-        with a Python lr), or a select by one predicate (a step skipped when not finite,
-        ``hlo_amp.select_tree``; an EMA's warm-up). Not a product with a tensor (a
-        norm's backward multiplies the stream made from a parameter into that
-        parameter's gradient) or with a number computed at run time (an input scaled by
-        a temperature or a noise level), nor a mask's select, a relu's maximum or a clip
-        (a residual stream's or a feature extractor's activations)."""
-        if node.cls == LINK or (node.cls in (INFER, CLEAR, DENY)
-                                and node.kind in _STATE_UPDATES):
+        def returned(node: Node) -> bool:
+            return any(self._publicly_returned(key) for key in node.outputs)
+
+        found = [node for follows in (_updates_state, _moves_state)
+                 for node in self.paths(starts, follows, returned)]
+        if any(node.kind in _STEPS for node in self.nodes):
+            for start in starts:
+                chain = self.paths([start], self._steps_state, returned)
+                if any(not _updates_state(node) for node in chain) and (
+                        self._applies_a_gradient(chain)):
+                    found += chain
+        for node in found:
+            node.cls = DENY if node.cls in (INFER, CLEAR) else node.cls  # a link: f32
+            node.reason = node.reason or STATE_UPDATE
+
+    def _applies_a_gradient(self, chain: list[Node]) -> bool:
+        """Whether an add or subtract of ``chain`` adds a value made from a backward op
+        (``transpose(...)`` in its name stack) a few ops up (``w - lr * g``)."""
+        on_chain = {id(node) for node in chain}
+        for node in chain:
+            if node.kind not in ("add", "subtract"):
+                continue
+            pending = [key for key in node.inputs
+                       if id(self.producer.get(key)) not in on_chain]
+            seen: set[int] = set()
+            while pending and len(seen) < 64:
+                producer = self.producer.get(pending.pop())
+                if producer is None or id(producer) in seen or id(producer) in on_chain:
+                    continue
+                seen.add(id(producer))
+                if producer.cls != LINK and self.in_backward(producer):
+                    return True
+                pending.extend(producer.inputs)
+        return False
+
+    def in_backward(self, node: Node) -> bool:
+        """Whether the op (for a link: the loop, branch or call) is in the backward pass
+        (``transpose(...)`` in its name stack, the caller's included)."""
+        inst = self.instances[node.inst]
+        name = join_names(inst.prefix, location_name(inst.ops[node.index].location))
+        return parse_name(name, node.kind).backward
+
+    def _steps_state(self, node: Node) -> bool:
+        """``_updates_state``, a decay (a multiply or divide by a constant near 1 or by a
+        number computed at run time: optax's moments ``b1 * m + (1 - b1) * g``,
+        decoupled weight decay as PyTorch writes it, ``w * (1 - lr * wd) - lr * g``), a
+        select (a step skipped when not finite, ``hlo_amp.select_tree``; an EMA's
+        warm-up; entries kept) or a projection (a clip, WGAN's weight clipping,
+        ``projection_non_negative``). Not a product with a tensor (a norm's backward
+        multiplies the stream made from a parameter into that parameter's gradient) or
+        other constants (an input gradient's 2 / N)."""
+        if _updates_state(node):
             return True
-        if node.cls not in (INFER, CLEAR, DENY):
+        if node.cls not in (INFER, CLEAR, DENY) or node.kind not in _STEPS:
             return False
-        operands = list(self.instances[node.inst].ops[node.index].operands)
-        if node.kind == "select":
-            return self._one_number(node.inst, operands[0]) is not None
         if node.kind not in ("multiply", "divide"):
-            return False
+            return True
+        operands = list(self.instances[node.inst].ops[node.index].operands)
         # A divide scales by its divisor only (``s / x`` is no scaling of ``s``).
         scalings = operands if node.kind == "multiply" else operands[1:]
-        return any(number is not None and _DECAYS[0] <= number <= _DECAYS[1]
-                   for number in (self._one_number(node.inst, value) for value in scalings))
+        return any(number is not None and (
+            np.isnan(number) or _DECAYS[0] <= number <= _DECAYS[1])
+            for number in (self._one_number(node.inst, value) for value in scalings))
 
     def _one_number(self, inst_id: int, value: ir.Value) -> float | None:
         """Where ``value`` holds one number (possibly broadcast, reshaped or converted;

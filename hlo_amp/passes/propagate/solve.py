@@ -10,7 +10,6 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import element_count, from_constant
 from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
-from hlo_amp.ir.sites import join_names, location_name, parse_name
 from hlo_amp.passes.propagate.graph import (
     DENY_CLASS,
     LINK,
@@ -338,9 +337,7 @@ def _in_backward(graph: Graph, node: Node, cache: dict[int, bool]) -> bool:
     (``transpose(...)`` in its name stack, the caller's included)."""
     found = cache.get(id(node))
     if found is None:
-        inst = graph.instances[node.inst]
-        name = join_names(inst.prefix, location_name(inst.ops[node.index].location))
-        found = cache[id(node)] = parse_name(name, node.kind).backward
+        found = cache[id(node)] = graph.in_backward(node)
     return found
 
 
