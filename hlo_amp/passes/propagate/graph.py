@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,33 +207,59 @@ class Graph:
                  for node in self.paths(starts, follows, returned)]
         if any(node.kind in _STEPS for node in self.nodes):
             for start in starts:
-                chain = self.paths([start], self._steps_state, returned)
+                # A step keeps the parameters' shape (an evaluation after the step, its
+                # activations made from the new biases, is no state).
+                shape = ir.ShapedType(start[1].type).shape
+
+                def steps(node: Node, shape: list = shape) -> bool:
+                    return self._steps_state(node) and all(
+                        ir.ShapedType(value.type).shape == shape for _, value in node.outputs)
+
+                chain = self.paths([start], steps, returned)
                 if any(not _updates_state(node) for node in chain) and (
-                        self._applies_a_gradient(chain)):
+                        self._applies_a_gradient(chain, shape)):
                     found += chain
         for node in found:
             node.cls = DENY if node.cls in (INFER, CLEAR) else node.cls  # a link: f32
             node.reason = node.reason or STATE_UPDATE
 
-    def _applies_a_gradient(self, chain: list[Node]) -> bool:
-        """Whether an add or subtract of ``chain`` adds a value made from a backward op
-        (``transpose(...)`` in its name stack) a few ops up (``w - lr * g``)."""
+    def _applies_a_gradient(self, chain: list[Node], shape: list[int]) -> bool:
+        """Whether an add or subtract of ``chain``, itself outside the backward pass,
+        adds a value made from a gradient of the state's ``shape`` a few ops up (``w -
+        lr * g``, ``g * lr`` after a long schedule, ``w - lr * (g @ Q)``): read breadth
+        first, through matrix ops and the converts before them, up to the first backward
+        op (``transpose(...)`` in its name stack) of each way. (A gradient stream's own
+        adds add gradients too; an evaluation after the step adds biases made from
+        gradients of another shape.)"""
         on_chain = {id(node) for node in chain}
         for node in chain:
-            if node.kind not in ("add", "subtract"):
+            if node.kind not in ("add", "subtract") or self.in_backward(node):
                 continue
-            pending = [key for key in node.inputs
-                       if id(self.producer.get(key)) not in on_chain]
-            seen: set[int] = set()
-            while pending and len(seen) < 64:
-                producer = self.producer.get(pending.pop())
+            pending, seen = deque(node.inputs), set()
+            while pending and len(seen) < 256:
+                producer = self._producer_through_converts(pending.popleft())
                 if producer is None or id(producer) in seen or id(producer) in on_chain:
                     continue
                 seen.add(id(producer))
                 if producer.cls != LINK and self.in_backward(producer):
-                    return True
+                    if all(ir.ShapedType(value.type).shape == shape
+                           for _, value in producer.outputs):
+                        return True
+                    continue
                 pending.extend(producer.inputs)
         return False
+
+    def _producer_through_converts(self, key: tuple[int, ir.Value]) -> Node | None:
+        """The node making ``key``'s value, seen through converts the graph has no node
+        for (those insert_converts put before a matrix op)."""
+        inst_id, value = key
+        for _step in range(4):
+            node = self.producer.get((inst_id, value))
+            if node is not None or isinstance(value, ir.BlockArgument) or (
+                    value.owner.name != "stablehlo.convert"):
+                return node
+            value = value.owner.operands[0]
+        return None
 
     def in_backward(self, node: Node) -> bool:
         """Whether the op (for a link: the loop, branch or call) is in the backward pass
