@@ -747,6 +747,9 @@ def _activations_to_a_result():
                 for fn in (resnet_features, residual_masked, input_gradient, scaled_by_a_decay,
                            switched_by_a_flag, evaluated_after_a_step)}
     programs["gradient_stream"] = (gradient_stream, (x, w1, jnp.cos(x)))
+    # a batch of 64 rows: the activations have the weights' shape, and their gradients'
+    programs["evaluated_after_a_step_square"] = (
+        evaluated_after_a_step, (jnp.concatenate([x, x[::-1]]), w1, w2))
     programs["scaled_by_a_temperature"] = (scaled_by_a_temperature, (x, w1, jnp.float32(0.7)))
     return programs
 
@@ -754,7 +757,7 @@ def _activations_to_a_result():
 @pytest.mark.parametrize("name", ["resnet_features", "residual_masked", "input_gradient",
                                   "scaled_by_a_temperature", "scaled_by_a_decay",
                                   "switched_by_a_flag", "gradient_stream",
-                                  "evaluated_after_a_step"])
+                                  "evaluated_after_a_step", "evaluated_after_a_step_square"])
 def test_activations_reaching_a_result_through_a_relu_mask_or_scale_are_no_state(name):
     """A relu's maximum, a mask's select, a mean's 1 / N, a run-time scale, a 0.9 and a
     flag's select put activations on a chain from an argument to a result, as a clip, a

@@ -205,6 +205,7 @@ class Graph:
 
         found = [node for follows in (_updates_state, _moves_state)
                  for node in self.paths(starts, follows, returned)]
+        updated = {id(node) for node in found}  # what an add chain already keeps
         if any(node.kind in _STEPS for node in self.nodes):
             for start in starts:
                 # A step keeps the parameters' shape (an evaluation after the step, its
@@ -217,27 +218,30 @@ class Graph:
 
                 chain = self.paths([start], steps, returned)
                 if any(not _updates_state(node) for node in chain) and (
-                        self._applies_a_gradient(chain, shape)):
+                        self._applies_a_gradient(chain, shape, updated)):
                     found += chain
         for node in found:
             node.cls = DENY if node.cls in (INFER, CLEAR) else node.cls  # a link: f32
             node.reason = node.reason or STATE_UPDATE
 
-    def _applies_a_gradient(self, chain: list[Node], shape: list[int]) -> bool:
+    def _applies_a_gradient(self, chain: list[Node], shape: list[int],
+                            updated: set[int]) -> bool:
         """Whether an add or subtract of ``chain``, itself outside the backward pass,
         adds a value made from a gradient of the state's ``shape`` a few ops up (``w -
         lr * g``, ``g * lr`` after a long schedule, ``w - lr * (g @ Q)``): read breadth
-        first, through matrix ops and the converts before them, up to the first backward
-        op (``transpose(...)`` in its name stack) of each way. (A gradient stream's own
-        adds add gradients too; an evaluation after the step adds biases made from
-        gradients of another shape.)"""
+        first up to the first backward op (``transpose(...)`` in its name stack) of each
+        way, into a forward matrix op's operands but no further, and not through another
+        state's update (``updated``). (A gradient stream's own adds add gradients too;
+        an evaluation after the step reads weights and biases made from gradients.)"""
         on_chain = {id(node) for node in chain}
         for node in chain:
             if node.kind not in ("add", "subtract") or self.in_backward(node):
                 continue
-            pending, seen = deque(node.inputs), set()
+            pending = deque((key, True) for key in node.inputs)
+            seen: set[int] = set()
             while pending and len(seen) < 256:
-                producer = self._producer_through_converts(pending.popleft())
+                key, onward = pending.popleft()
+                producer = self._producer_through_converts(key)
                 if producer is None or id(producer) in seen or id(producer) in on_chain:
                     continue
                 seen.add(id(producer))
@@ -246,7 +250,8 @@ class Graph:
                            for _, value in producer.outputs):
                         return True
                     continue
-                pending.extend(producer.inputs)
+                if onward and id(producer) not in updated:
+                    pending.extend((key, producer.cls != ALLOW) for key in producer.inputs)
         return False
 
     def _producer_through_converts(self, key: tuple[int, ir.Value]) -> Node | None:
