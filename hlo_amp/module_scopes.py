@@ -79,8 +79,11 @@ def _framework(model: Any) -> str:
     if _instance_of(model, "haiku", "Transformed", "TransformedWithState", "MultiTransformed",
                     "MultiTransformedWithState", "Module"):
         return "haiku"
-    what = "a class" if isinstance(model, type) else "an object"
-    raise TypeError(f"hlo_amp.module_scopes got {what} of type "
+    if isinstance(model, type):  # the class, not a model: name it, not its metaclass
+        raise TypeError(f"hlo_amp.module_scopes got the class {model.__module__}."
+                        f"{model.__qualname__}, not a model; pass an instance "
+                        f"({model.__qualname__}(...)); accepted: {_ACCEPTED}")
+    raise TypeError(f"hlo_amp.module_scopes got an object of type "
                     f"{type(model).__module__}.{type(model).__qualname__}; accepted: {_ACCEPTED}")
 
 

@@ -28,22 +28,26 @@ BACKWARD_TRANSFORMS = frozenset({"transpose"})
 RECOMPUTED = "rematted_computation"
 # Segments JAX itself writes for control flow and calls; not user scopes.
 STRUCTURAL = frozenset({
-    "while", "scan", "closed_call", "core_call", "checkpoint",
+    "scan", "closed_call", "core_call", "checkpoint",
     "rematted_computation", "remat", "remat2", "pjit", "jit", "shard_map", "cond_branch",
-    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "switch", "branch",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
     "call", "remat_opt", "fori_loop",
     # jax 0.11 writes it before a scan body's scopes ("eval_jaxpr/cell"; seen with jax
     # 0.11.2 on the lent H100 machine, 2026-11-26).
     "eval_jaxpr",
 })
 # "body" and "cond" are JAX's only right after "while" ("while/body", "while/cond"),
-# and "cond" right before a branch ("cond/branch_0_fun"); elsewhere they are user scopes.
+# and "cond" or "switch" right before a branch ("cond/branch_0_fun"), "while" right
+# before "body" or "cond", a branch ("branch_1", "branch1_fun") right after "cond" or
+# "switch" (or ending in "_fun"); elsewhere they are user scopes: a Linen list
+# attribute ``self.branch = [...]`` names its modules branch_0, branch_1, a Switch
+# Transformer's router may be "switch".
 _LOOP_PARTS = frozenset({"body", "cond"})
 _BRANCH_RE = re.compile(r"^branch_?\d+(_fun)?$")
+_BRANCH_FUN_RE = re.compile(r"^branch_?\d+_fun$")
+_SWITCHES = frozenset({"cond", "switch"})
 _STRUCTURAL_RE = re.compile(
-    r"^(jit|pjit|checkpoint|remat|custom_jvp_call|custom_vjp_call)\(.*\)$"
-    r"|^branch_?\d+(_fun)?$"
-)
+    r"^(jit|pjit|checkpoint|remat|custom_jvp_call|custom_vjp_call)\(.*\)$")
 # A NameLoc prints as loc("name") or loc("name"(child)); a FileLineColLoc as
 # loc("file":line:col), which is no name.
 _NAME_RE = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"(?=[()])')
@@ -251,6 +255,12 @@ def _is_structural(segment: str) -> bool:
     return segment in STRUCTURAL or bool(_STRUCTURAL_RE.match(segment))
 
 
+def _subsequence(short: list[str], long: list[str]) -> bool:
+    """Whether ``short`` is ``long`` with some items left out, in order."""
+    rest = iter(long)
+    return all(item in rest for item in short)
+
+
 def _is_einsum_spec(segment: str) -> bool:
     return "->" in segment or "," in segment
 
@@ -285,8 +295,11 @@ def parse_name(name: str, op_kind: str | None = None) -> Site:
         # first entry on are the ones the re-entry names again.
         if wrappers:
             for earlier, earlier_inner, start in reversed(wrapped):
+                # Under an outer vmap or jvp the re-entry keeps the outer transforms:
+                # vmap(transpose(jvp(M)))/vmap(jvp(M)) (per-example gradients),
+                # jvp(transpose(jvp(M)))/jvp(jvp(M)) (a Hessian-vector product).
                 if (earlier_inner == inner and len(wrappers) < len(earlier)
-                        and earlier[-len(wrappers):] == wrappers):
+                        and _subsequence(wrappers, earlier)):
                     del parts[start:]
                     break
             wrapped.append((wrappers, inner, len(parts)))
@@ -302,7 +315,11 @@ def parse_name(name: str, op_kind: str | None = None) -> Site:
             continue
         if part in _LOOP_PARTS and before == "while":
             continue
-        if part == "cond" and _BRANCH_RE.match(after):
+        if part == "while" and after in _LOOP_PARTS:
+            continue
+        if part in _SWITCHES and _BRANCH_RE.match(after):
+            continue
+        if _BRANCH_FUN_RE.match(part) or (_BRANCH_RE.match(part) and before in _SWITCHES):
             continue
         if _is_einsum_spec(part):
             einsum = part

@@ -836,7 +836,8 @@ def test_keras_rule_names_one_instance() -> None:
 
 @pytest.mark.parametrize("given, named", [
     (object(), "builtins.object"),
-    (NnxModel, "a class of type"),
+    # It named the metaclass ("a class of type flax.nnx...ModuleMeta").
+    (NnxModel, f"the class {NnxModel.__module__}.NnxModel, not a model; pass an instance"),
     (lambda x: x, "builtins.function"),
     ({"w": jnp.ones(2)}, "builtins.dict"),
 ])

@@ -351,6 +351,21 @@ def test_report_of_scan_bodies_inlined_into_main() -> None:
         ("jit(f)/jvp(Block_0)/Block_0/dot_general", ("Block_0", "Block_0"), ("jvp",), False,
          None),
         ("jit(f)/amp_stop/lora/dot_general", ("amp_stop", "lora"), (), False, None),
+        # User scopes named as jax's own parts are jax's only where jax writes them: a
+        # Linen list attribute self.branch = [...] names branch_0, branch_1, a router
+        # "switch", a loop module "while" (each was dropped, and a rule for it
+        # matched nothing).
+        ("jit(f)/Model/branch_1/dot_general", ("Model", "branch_1"), (), False, None),
+        ("jit(f)/Model/switch/dot_general", ("Model", "switch"), (), False, None),
+        ("jit(f)/Model/while/dot_general", ("Model", "while"), (), False, None),
+        ("jit(f)/switch/branch_2/dot_general", (), (), False, None),
+        ("jit(f)/while/body/while/body/dot_general", (), (), False, None),
+        # remat re-entered under an outer vmap or jvp keeps the outer transform
+        # (per-example gradients, a Hessian-vector product): one Model/enc, not two.
+        ("jit(g)/vmap(transpose(jvp(Model)))/vmap(jvp(Model))/checkpoint/enc/dot_general",
+         ("Model", "enc"), ("vmap", "transpose", "jvp", "vmap", "jvp"), True, None),
+        ("jit(g)/jvp(transpose(jvp(Model)))/jvp(jvp(Model))/enc/dot_general",
+         ("Model", "enc"), ("jvp", "transpose", "jvp", "jvp", "jvp"), True, None),
     ],
 )
 def test_parse_name(name: str, scope: tuple[str, ...], transforms: tuple[str, ...],
