@@ -21,8 +21,10 @@ from hlo_amp.ir.modules import (
     functions,
     is_call,
     is_public,
+    named_outside_calls,
     op_key,
     terminator,
+    walk_operations,
 )
 from hlo_amp.ir.op_classes import (
     ALLOW,
@@ -156,6 +158,7 @@ class Graph:
         # (instance, op_key of the consuming op) -> operand number -> link node
         self.link_use: dict[tuple[int, int], dict[int, Node]] = defaultdict(dict)
         self.by_name: dict[str, Any] = {}
+        self.named_elsewhere: set[str] = set()
         self.rules_used: set[str] = set()
         self.rules_outranked: dict[str, str] = {}  # rule -> the rule that won over it
         self._decided: dict[tuple[str, str, str], tuple[str | None, str]] = {}
@@ -173,6 +176,11 @@ class Graph:
 
     def build(self, module: ir.Module) -> None:
         self.by_name = {function_name(fn): fn for fn in functions(module)}
+        # A function a composite decomposes into or a custom call runs keeps its
+        # signature, as a public one: a call of it too is a boundary (retyped for the
+        # call, it no longer matched the composite's types: an invalid module).
+        self.named_elsewhere = named_outside_calls(walk_operations(
+            module, names=frozenset({"stablehlo.composite", "stablehlo.custom_call"})))
         for fn in functions(module):
             if is_public(fn):
                 self._instantiate(fn, "")
@@ -422,7 +430,7 @@ class Graph:
             op = inst.ops[index]
             if is_call(op) and callee_name(op) in self.by_name:
                 callee = self.by_name[callee_name(op)]
-                if is_public(callee):
+                if is_public(callee) or callee_name(op) in self.named_elsewhere:
                     continue  # a public callee keeps its signature: a boundary
                 child_prefix = call_prefix(join_names(prefix, location_name(op.location)))
                 inst.calls[index] = self._instantiate(callee, child_prefix)
