@@ -18,6 +18,9 @@ PRECISIONS = ("16-bit or narrower", "f32 by policy", "f32: XLA upcast it")
 # bf16, f16 and the fp8/fp6/fp4 families (MLIR's f8E4M3FN, XLA's f8e4m3fn): a prefix
 # alone took f64 for an fp6 type.
 _NARROW_FLOAT = re.compile(r"^(bf16|f16|f[468][eE])")
+# Integers 16 bits wide or narrower (MLIR's i8, si8, ui4; XLA's s8, u8): an int8 GEMM
+# the program wrote is narrow too, not "f32 by policy".
+_NARROW_INTEGER = re.compile(r"^(i|si|ui|s|u)(1|2|4|8|16)$")
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class Decision:
     @property
     def low_precision(self) -> bool:
         """Whether the op's operands end up 16 bits wide or narrower."""
-        return bool(self.operands_after) and all(map(is_narrow, self.operands_after))
+        return bool(self.operands_after) and all(map(narrow_operand, self.operands_after))
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,14 @@ class AttentionSite:
 
 def is_narrow(element_type: str) -> bool:
     """Whether ``element_type`` (MLIR's spelling or XLA's HLO text) is a float 16 bits
-    wide or narrower: "low precision" for a Decision and for XLA's verdict alike."""
+    wide or narrower."""
     return _NARROW_FLOAT.match(element_type) is not None
+
+
+def narrow_operand(element_type: str) -> bool:
+    """Whether a matrix op's operand of ``element_type`` is 16 bits wide or narrower, a
+    float or an integer: "low precision" for a Decision and for XLA's verdict alike."""
+    return is_narrow(element_type) or _NARROW_INTEGER.match(element_type) is not None
 
 
 @dataclass

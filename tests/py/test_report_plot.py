@@ -56,6 +56,20 @@ def test_ops_xla_upcast_are_their_own_part():
     assert rows["head"] == {LOW: 0, BY_POLICY: DOT_FLOPS, UPCAST: 0}
 
 
+def test_an_int8_gemm_the_program_wrote_is_narrow_not_f32():
+    """An int8 x int8 -> int32 dot is left alone ("not a float op"); its FLOPs went to
+    "f32 by policy", and a model of int8 GEMMs read 0% in 16-bit or narrower."""
+    def int8_model(x, w):
+        with jax.named_scope("int8_mm"):
+            return jnp.einsum("md,df->mf", x, w, preferred_element_type=jnp.int32)
+
+    x, w = jnp.ones((16, 32), jnp.int8), jnp.ones((32, 64), jnp.int8)
+    report = hlo_amp.compile(int8_model, "bf16").lower(x, w).report()
+    assert report.flops_by_scope()["int8_mm"] == {LOW: 2 * 16 * 32 * 64, BY_POLICY: 0,
+                                                  UPCAST: 0}
+    assert "100% of FLOPs in 16-bit or narrower" in report.summary()
+
+
 def test_plot_writes_a_png(tmp_path):
     report = _report("bf16,scope:head=float32")
     path = report.plot(tmp_path / "flops.png", depth=2)
