@@ -102,7 +102,8 @@ def is_narrow(element_type: str) -> bool:
 
 def narrow_operand(element_type: str) -> bool:
     """Whether a matrix op's operand of ``element_type`` is 16 bits wide or narrower, a
-    float or an integer: "low precision" for a Decision and for XLA's verdict alike."""
+    float or an integer: "low precision" for a Decision (XLA's verdict, which matches
+    float types, reads ``is_narrow``)."""
     return is_narrow(element_type) or _NARROW_INTEGER.match(element_type) is not None
 
 

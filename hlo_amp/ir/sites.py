@@ -42,7 +42,8 @@ STRUCTURAL = frozenset({
 # "switch" (or ending in "_fun"); elsewhere they are user scopes: a Linen list
 # attribute ``self.branch = [...]`` names its modules branch_0, branch_1, a Switch
 # Transformer's router may be "switch".
-_LOOP_PARTS = frozenset({"body", "cond"})
+# ("body_pred": the cond's second lowering inside a batched while's body, under vmap.)
+_LOOP_PARTS = frozenset({"body", "cond", "body_pred"})
 _BRANCH_RE = re.compile(r"^branch_?\d+(_fun)?$")
 _BRANCH_FUN_RE = re.compile(r"^branch_?\d+_fun$")
 _SWITCHES = frozenset({"cond", "switch"})
@@ -255,10 +256,15 @@ def _is_structural(segment: str) -> bool:
     return segment in STRUCTURAL or bool(_STRUCTURAL_RE.match(segment))
 
 
-def _subsequence(short: list[str], long: list[str]) -> bool:
-    """Whether ``short`` is ``long`` with some items left out, in order."""
-    rest = iter(long)
-    return all(item in rest for item in short)
+def _reenters(wrappers: list[str], earlier: list[str]) -> bool:
+    """Whether a segment wrapped in ``wrappers`` is remat's re-entry into one wrapped in
+    ``earlier``: fewer transforms, the inner ones (``transpose(jvp(M))/jvp(M)``) or all
+    but the transposes (``vmap(transpose(jvp(M)))/vmap(jvp(M))``); an inner vmap in an
+    outer scope of the same name (``vmap(jvp(X))/vmap(X)``) is no re-entry."""
+    if len(wrappers) >= len(earlier):
+        return False
+    return earlier[-len(wrappers):] == wrappers or wrappers == [
+        t for t in earlier if t not in BACKWARD_TRANSFORMS]
 
 
 def _is_einsum_spec(segment: str) -> bool:
@@ -298,8 +304,7 @@ def parse_name(name: str, op_kind: str | None = None) -> Site:
                 # Under an outer vmap or jvp the re-entry keeps the outer transforms:
                 # vmap(transpose(jvp(M)))/vmap(jvp(M)) (per-example gradients),
                 # jvp(transpose(jvp(M)))/jvp(jvp(M)) (a Hessian-vector product).
-                if (earlier_inner == inner and len(wrappers) < len(earlier)
-                        and _subsequence(wrappers, earlier)):
+                if earlier_inner == inner and _reenters(wrappers, earlier):
                     del parts[start:]
                     break
             wrapped.append((wrappers, inner, len(parts)))

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hlo_amp.ir.sites import split_segments, unwrap
-from hlo_amp.report import Decision, Report, narrow_operand
+from hlo_amp.report import Decision, Report, is_narrow
 from hlo_amp.targets import CpuTarget, GpuTarget, Target, TpuTarget, as_target
 from hlo_amp.targets.hlo_text import parse_instruction
 
@@ -78,7 +78,7 @@ class XlaGemm:
     @property
     def low(self) -> bool:
         """Whether it computes in 16 bit or narrower."""
-        return bool(self.operand_types) and all(map(narrow_operand, self.operand_types))
+        return bool(self.operand_types) and all(map(is_narrow, self.operand_types))
 
     @property
     def fp8(self) -> bool:
@@ -321,7 +321,9 @@ def mark_kept_by_xla(report: Report, hlo_text: str, target: Target | str | None 
                                            _decision_elements(decision)))
         if decision.low_precision and decision.changed:
             converted.setdefault(key, []).append(index)
-        elif decision.low_precision:
+        elif decision.low_precision and all(map(is_narrow, decision.operands_after)):
+            # (An int8 GEMM the program wrote is narrow too, but XLA's s8 GEMM is no
+            # float one for a converted op to take: it reserves none.)
             own_narrow.setdefault(key, []).append(decision)
     _fill_from_unnamed(xla_by_scope, unnamed, wanted)
     unknown: dict[str, int] = {}

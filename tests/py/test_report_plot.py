@@ -70,6 +70,23 @@ def test_an_int8_gemm_the_program_wrote_is_narrow_not_f32():
     assert "100% of FLOPs in 16-bit or narrower" in report.summary()
 
 
+def test_an_int8_gemm_lends_no_form_to_an_op_xla_upcast():
+    """Beside the program's int8 GEMM, an f16 dot XLA:CPU upcasts reads XLA's f32 form:
+    counted narrow, the int8 decision reserved nothing it could take (XLA says s8, the
+    decision i8) and its free s8 GEMM was shown as the upcast op's form."""
+    w_int8, w = jnp.ones((64, 64), jnp.int8), jnp.ones((64, 64)) * 0.01
+
+    def model(x):
+        with jax.named_scope("blk"):
+            acc = jax.lax.dot_general(x.astype(jnp.int8), w_int8, (((1,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.int32)
+            return acc.astype(jnp.float32) + x @ w
+
+    report = hlo_amp.compile(model, "f16").lower(jnp.ones((32, 64))).compile().report()
+    (upcast,) = [d for d in report.decisions if d.changed]
+    assert upcast.kept_by_xla is False and upcast.xla_form == "XLA f32×f32"
+
+
 def test_plot_writes_a_png(tmp_path):
     report = _report("bf16,scope:head=float32")
     path = report.plot(tmp_path / "flops.png", depth=2)

@@ -366,6 +366,12 @@ def test_report_of_scan_bodies_inlined_into_main() -> None:
          ("Model", "enc"), ("vmap", "transpose", "jvp", "vmap", "jvp"), True, None),
         ("jit(g)/jvp(transpose(jvp(Model)))/jvp(jvp(Model))/enc/dot_general",
          ("Model", "enc"), ("jvp", "transpose", "jvp", "jvp", "jvp"), True, None),
+        # ... but an inner vmap in an outer scope of the same name is two scopes.
+        ("jit(f)/vmap(jvp(X))/vmap(X)/dot_general", ("X", "X"), ("vmap", "jvp", "vmap"),
+         False, None),
+        # A batched while lowers its cond again in the body: "while/body_pred".
+        ("jit(s)/vmap(solver)/while/body_pred/dot_general", ("solver",), ("vmap",), False,
+         None),
     ],
 )
 def test_parse_name(name: str, scope: tuple[str, ...], transforms: tuple[str, ...],
