@@ -305,8 +305,9 @@ class Graph:
 
     def _one_number(self, inst_id: int, value: ir.Value) -> float | None:
         """Where ``value`` holds one number (possibly broadcast, reshaped or converted;
-        seen through a called function's arguments): that number if it is a constant,
-        else NaN; None where it holds several."""
+        seen through a called function's arguments): that number if it is a constant
+        (an integer one too), else NaN (computed at run time, or a boolean); None where
+        it holds several."""
         for _step in range(8):
             if isinstance(value, ir.BlockArgument):
                 caller = self.call_argument.get((inst_id, value))
@@ -431,7 +432,7 @@ class Graph:
             if is_call(op) and callee_name(op) in self.by_name:
                 callee = self.by_name[callee_name(op)]
                 if is_public(callee) or callee_name(op) in self.named_elsewhere:
-                    continue  # a public callee keeps its signature: a boundary
+                    continue  # it keeps its signature (named_elsewhere): a boundary
                 child_prefix = call_prefix(join_names(prefix, location_name(op.location)))
                 inst.calls[index] = self._instantiate(callee, child_prefix)
         return inst_id
