@@ -258,13 +258,23 @@ def _is_structural(segment: str) -> bool:
 
 def _reenters(wrappers: list[str], earlier: list[str]) -> bool:
     """Whether a segment wrapped in ``wrappers`` is remat's re-entry into one wrapped in
-    ``earlier``: fewer transforms, the inner ones (``transpose(jvp(M))/jvp(M)``) or all
-    but the transposes (``vmap(transpose(jvp(M)))/vmap(jvp(M))``); an inner vmap in an
-    outer scope of the same name (``vmap(jvp(X))/vmap(X)``) is no re-entry."""
-    if len(wrappers) >= len(earlier):
-        return False
-    return earlier[-len(wrappers):] == wrappers or wrappers == [
-        t for t in earlier if t not in BACKWARD_TRANSFORMS]
+    ``earlier``: ``earlier`` less some runs of transforms, each ending in a transpose
+    (the backward pass's own: ``transpose(jvp(M))/jvp(M)``,
+    ``vmap(transpose(jvp(M)))/vmap(jvp(M))`` under per-example gradients,
+    ``vmap(jvp(vmap(transpose(jvp(M)))))/vmap(jvp(jvp(M)))`` under a Hessian, whose
+    jacrev batches the transposed pass). An inner vmap in an outer scope of the same
+    name (``vmap(jvp(X))/vmap(X)``) drops no transpose: no re-entry."""
+
+    def rest_from(i: int, j: int) -> bool:  # earlier[i:] less runs gives wrappers[j:]
+        if j == len(wrappers):
+            return i == len(earlier) or earlier[-1] in BACKWARD_TRANSFORMS
+        # keep earlier[i] as wrappers[j], or drop a run earlier[i:k + 1] ending in one
+        if i < len(earlier) and earlier[i] == wrappers[j] and rest_from(i + 1, j + 1):
+            return True
+        return any(earlier[k] in BACKWARD_TRANSFORMS and rest_from(k + 1, j)
+                   for k in range(i, len(earlier)))
+
+    return len(wrappers) < len(earlier) and rest_from(0, 0)
 
 
 def _is_einsum_spec(segment: str) -> bool:

@@ -196,6 +196,10 @@ def scope_key(name: str) -> str:
     return "/".join(segments[:-1])
 
 
+def _is_float(element_type: str) -> bool:
+    return element_type.startswith(("f", "bf"))
+
+
 def _matches(decision: Decision, gemm: XlaGemm) -> bool:
     """Whether ``gemm`` computes as ``decision`` asks: an fp8 op's an fp8 GEMM, a 16-bit
     op's one of its own 16-bit types (a bf16 op took an fp8 GEMM, or an f16 one)."""
@@ -249,7 +253,9 @@ def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool,
         conv = decisions[i].op_kind == "convolution"
         # Its own size first; an fp8 op XLA ran as a 16-bit GEMM shows that form first,
         # then the wide ones.
-        rest = sorted(free, key=lambda g: (g.elements != sizes[i], g.conv != conv, not g.low))
+        # (Not an integer GEMM the program wrote, which ties with the wide float ones.)
+        rest = sorted(free, key=lambda g: (g.elements != sizes[i], g.conv != conv, not g.low,
+                                           not any(map(_is_float, g.operand_types))))
         result[i] = (False, rest[0].form if rest else None)
     return result
 

@@ -82,9 +82,16 @@ def test_an_int8_gemm_lends_no_form_to_an_op_xla_upcast():
                                       preferred_element_type=jnp.int32)
             return acc.astype(jnp.float32) + x @ w
 
-    report = hlo_amp.compile(model, "f16").lower(jnp.ones((32, 64))).compile().report()
-    (upcast,) = [d for d in report.decisions if d.changed]
-    assert upcast.kept_by_xla is False and upcast.xla_form == "XLA f32×f32"
+    def reading_the_upcast_op(x):  # XLA prints the s8 GEMM first here
+        with jax.named_scope("blk"):
+            return jax.lax.dot_general((x @ w).astype(jnp.int8), w_int8,
+                                       (((1,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.int32)
+
+    for fn in (model, reading_the_upcast_op):
+        report = hlo_amp.compile(fn, "f16").lower(jnp.ones((32, 64))).compile().report()
+        (upcast,) = [d for d in report.decisions if d.changed]
+        assert upcast.kept_by_xla is False and upcast.xla_form == "XLA f32×f32"
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -366,6 +366,13 @@ def test_report_of_scan_bodies_inlined_into_main() -> None:
          ("Model", "enc"), ("vmap", "transpose", "jvp", "vmap", "jvp"), True, None),
         ("jit(g)/jvp(transpose(jvp(Model)))/jvp(jvp(Model))/enc/dot_general",
          ("Model", "enc"), ("jvp", "transpose", "jvp", "jvp", "jvp"), True, None),
+        # ... and under a Hessian (jacfwd of jacrev, whose vmap batches the transposed
+        # pass) or jacrev of jacrev: the re-entry drops the transpose and that vmap.
+        (("jit(h)/vmap(jvp(vmap(transpose(jvp(enc)))))/vmap(jvp(jvp(enc)))/checkpoint/blk/"
+          "dot_general"), ("enc", "blk"),
+         ("vmap", "jvp", "vmap", "transpose", "jvp", "vmap", "jvp", "jvp"), True, None),
+        ("jit(h)/jvp(vmap(transpose(jvp(enc))))/jvp(jvp(enc))/checkpoint/blk/dot_general",
+         ("enc", "blk"), ("jvp", "vmap", "transpose", "jvp", "jvp", "jvp"), True, None),
         # ... but an inner vmap in an outer scope of the same name is two scopes.
         ("jit(f)/vmap(jvp(X))/vmap(X)/dot_general", ("X", "X"), ("vmap", "jvp", "vmap"),
          False, None),
