@@ -41,6 +41,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from benchmarks.cli_args import blocking_file, non_negative_int, positive_int
+from benchmarks.run import cpu_bf16_line, machine
 from examples.models import ViT
 from hlo_amp import DynamicScalerState, dynamic_scale_value_and_grad
 
@@ -77,7 +79,7 @@ IMAGE_SIZE = 8  # the digits are 8 x 8
 TRAIN_IMAGES = 1437  # load_data's 80% of the 1797 digits
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, check_out: bool = True) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=1000, help="train steps per variant")
@@ -105,7 +107,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="name-stack depth of the scopes --autopolicy may keep f32")
     args = p.parse_args(argv)
     check_args(args, p.error)
+    if check_out:
+        check_out_dir(args.out, p.error)
     return args
+
+
+def check_out_dir(out: Path, error: Callable[[str], Any]) -> None:
+    """Before any training, where the artefacts go: a file on the way, or a directory
+    that cannot be made or written (the runs trained, and the artefacts' mkdir failed at
+    the end with a traceback)."""
+    blocked = blocking_file(out)
+    if blocked is not None:
+        error(f"--out {out}: {blocked} exists and is not a directory")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    try:  # a file made and dropped: access() says yes to root on a read-only mount
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as problem:
+        error(f"--out {out}: {existing} is not writable ({problem.strerror})")
 
 
 def check_args(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
@@ -129,10 +147,6 @@ def check_args(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
         error(f"--seed {args.seed} is not in [0, 2**32)")
     if args.autopolicy is not None and not args.autopolicy > 0:
         error(f"--autopolicy {args.autopolicy} is not a positive error budget")
-    # A file on the way: the runs trained, and the artefacts' mkdir failed at the end.
-    blocked = blocking_file(args.out)
-    if blocked is not None:
-        error(f"--out {args.out}: {blocked} exists and is not a directory")
 
 
 # ---- data ------------------------------------------------------------------------------
@@ -329,10 +343,11 @@ def train(name: str, args: argparse.Namespace, data: tuple, order: np.ndarray, *
     return run, lowered_amp
 
 
-def _step_median(run: Run) -> float:
-    """The median step, the first left out where there are others: an hlo_amp step
-    compiles again on its first call (2.4 s against 86 ms in a 2-step run)."""
-    return statistics.median(run.step_seconds[1:] or run.step_seconds)
+def _step_median(run: Run) -> float | None:
+    """The median step, the first left out: an hlo_amp step compiles again on its first
+    call (2.4 s against 86 ms in a 2-step run). None for a run of one step, whose only
+    call compiled (its 'vs f32' compared a compile with f32's step: 0.02x)."""
+    return statistics.median(run.step_seconds[1:]) if len(run.step_seconds) > 1 else None
 
 
 def table(runs: list[Run]) -> str:
@@ -355,8 +370,8 @@ def table(runs: list[Run]) -> str:
             LABELS[r.name],
             f"{100 * r.accuracy:.2f}%",
             f"{final:.5f}",
-            f"{1e3 * med:.2f}",
-            f"{base / med:.2f}x" if base else "-",
+            "-" if med is None else f"{1e3 * med:.2f}",
+            f"{base / med:.2f}x" if base and med else "-",
             f"{r.temp_bytes / 2**20:.2f} MiB",
             "-" if r.pass_seconds is None else f"{1e3 * r.pass_seconds:.1f}",
             f"{r.compile_seconds:.2f}",
@@ -411,7 +426,9 @@ def run_variant(name: str, steps: int = 1000, **options: Any) -> float:
     """
     if name not in LABELS:
         raise ValueError(f"unknown variant {name!r}; accepted: {', '.join(LABELS)}")
-    args = parse_args([])  # the defaults, not sys.argv
+    # The defaults, not sys.argv; nothing is written, so --out is not checked (a file
+    # named "out" in the working directory made argparse exit).
+    args = parse_args([], check_out=False)
     args.steps = steps
     for key, value in options.items():
         if not hasattr(args, key):
@@ -467,11 +484,17 @@ def main(argv: list[str] | None = None) -> None:
           f"{len(data[0])} train / {len(data[1])} test images; ViT dim {args.dim}, "
           f"depth {args.depth}, heads {args.heads}, patch {args.patch}; "
           f"{args.steps} steps of batch {args.batch}", flush=True)
+    if jax.devices()[0].platform == "cpu":  # timings compare only on like CPUs
+        print(cpu_bf16_line(machine("cpu")).removeprefix("- "), flush=True)
     chosen = None
     if args.autopolicy is not None:
         print(f"autopolicy: budget {args.autopolicy:g}, scopes at depth "
               f"{args.autopolicy_depth} of the bf16 train step ...", flush=True)
-        chosen = choose_policy(args, data, order)
+        try:
+            chosen = choose_policy(args, data, order)
+        except ValueError as error:  # a depth beyond the step's deepest scope, ...
+            raise SystemExit(f"vit_digits.py: error: --autopolicy-depth "
+                             f"{args.autopolicy_depth}: {error}") from None
         print(chosen.attribution)
         print(chosen)
         variants = [*variants, AUTO]

@@ -76,3 +76,44 @@ def test_step_times_leave_the_compiling_first_call_out_and_find_f32_anywhere() -
     rows = vit_digits.table([run("bf16", [2.4, 0.05]), run("f32", [0.1, 0.1])])
     bf16 = next(line for line in rows.splitlines() if "hlo_amp bf16" in line)
     assert " 50.00 " in bf16 and " 2.00x " in bf16, rows
+
+
+def test_a_one_step_run_gives_no_step_time_or_ratio() -> None:
+    """A run of one step has only its compiling call: "step ms" read the compile and
+    "vs f32" compared it with f32's step (0.02x)."""
+    def run(name, seconds):
+        return vit_digits.Run(name=name, step_seconds=seconds, losses=[1.0], accuracy=0.5)
+
+    rows = vit_digits.table([run("f32", [0.05]), run("bf16", [2.4])]).splitlines()
+    bf16 = next(line for line in rows if "hlo_amp bf16" in line)
+    assert "2400" not in bf16 and "x " not in bf16, rows
+
+
+def test_an_unwritable_out_is_refused_before_training(capsys) -> None:
+    # It trained every variant, then mkdir raised an OSError with a traceback (/proc
+    # takes no new file, as root too, as a read-only mount takes none).
+    with pytest.raises(SystemExit) as exited:
+        vit_digits.parse_args(["--out", "/proc/hlo_amp_demo/out"])
+    assert exited.value.code == 2
+    assert "--out /proc/hlo_amp_demo/out: /proc is not writable" in capsys.readouterr().err
+
+
+def test_run_variant_writes_nothing_so_checks_no_out(tmp_path, monkeypatch) -> None:
+    # A file named "out" in the working directory made run_variant exit through argparse.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").write_text("")
+    args = vit_digits.parse_args([], check_out=False)
+    assert args.out.name == "out"
+    with pytest.raises(ValueError, match="^run_variant: --steps 0 is below 1"):
+        vit_digits.run_variant("f32", steps=0)
+
+
+def test_an_autopolicy_depth_beyond_the_step_is_one_line(monkeypatch) -> None:
+    # hlo_amp.autopolicy's ValueError ended the demo in a 22-line traceback.
+    def too_deep(args, data, order):
+        raise ValueError("Unknown depth 5; accepted: an int from 1 to 4")
+
+    monkeypatch.setattr(vit_digits, "choose_policy", too_deep)
+    with pytest.raises(SystemExit, match=r"--autopolicy-depth 5: Unknown depth 5"):
+        vit_digits.main(["--steps", "1", "--variants", "f32", "--autopolicy", "0.01",
+                         "--autopolicy-depth", "5"])
