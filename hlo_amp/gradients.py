@@ -9,7 +9,9 @@ Every value gets one of three kinds, in program order:
 
 - CONST: constants, iota, and what is computed from them alone (outside the backward);
   and every value that is not a float tensor (loop counters, indices, masks);
-- GRAD: a result of an op with a GRAD operand, or of a backward op (its name stack has
+- GRAD: a result of an op with a GRAD operand (but an add or subtract outside the
+  backward pass of a GRAD and a PRIMAL value, a training step's ``p - lr * g``, is
+  PRIMAL: the next step's parameters), or of a backward op (its name stack has
   ``transpose(...)``) none of whose operands is PRIMAL -- the seed cotangent JAX starts
   the backward pass from (``broadcast(1.0)``, ``1/n`` of a mean) and the zeros it
   accumulates into (not the constants of remat's recomputed forward, named ``remat2``,
@@ -54,6 +56,7 @@ CONST, PRIMAL, GRAD = 0, 1, 2
 _NO_OPERANDS_CONST = frozenset({"stablehlo.constant", "stablehlo.iota"})
 _PER_POSITION = frozenset({"stablehlo.optimization_barrier", "stablehlo.while"})
 _RETURNS = frozenset({"func.return"})
+_UPDATES = frozenset({"stablehlo.add", "stablehlo.subtract"})
 _MAX_ROUNDS = 10
 _REMAT_PRIMITIVE = "remat2"  # jax's checkpoint primitive (ad_checkpoint.remat_p)
 
@@ -188,7 +191,14 @@ class GradientFlow:
                     kinds[result] = (operand_kinds[position] if position < len(operand_kinds)
                                      and _is_float(result, floats) else CONST)
                 continue
-            if GRAD in operand_kinds:
+            if (op_name in _UPDATES and GRAD in operand_kinds and PRIMAL in operand_kinds
+                    and not _is_backward(_name(prefix, location_name(op.location),
+                                               operand_kinds))):
+                # A training step's update outside the backward pass, p - lr * g: the
+                # next step's parameters, no gradient (GRAD, they made every later
+                # backward dot's two operands GRAD, and both e4m3fn).
+                kind = PRIMAL
+            elif GRAD in operand_kinds:
                 kind = GRAD
             elif PRIMAL not in operand_kinds and _is_backward(
                     _name(prefix, location_name(op.location), operand_kinds)):

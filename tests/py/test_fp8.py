@@ -130,6 +130,34 @@ def test_backward_dot_quantises_the_gradient_to_e5m2() -> None:
     assert np.abs(got - model).max() <= 1e-4 * scale.max()
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_every_step_of_several_quantises_its_gradient_to_e5m2(scan: bool) -> None:
+    """Several SGD steps in one function: the update p - lr * g made the next step's
+    parameters 'gradient', so from step 2 on (every step in a scan) each backward dot
+    had two gradient operands, and both went e4m3fn (small gradients flushed)."""
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32) for k in "ab"}
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+
+    def loss(p):
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"]) ** 2)
+
+    def step(p, _=None):
+        return jax.tree.map(lambda w, d: w - 1e-3 * d, p, jax.grad(loss)(p)), None
+
+    def steps(p):
+        if scan:
+            return jax.lax.scan(step, p, None, length=2)[0]
+        for _ in range(2):
+            p = step(p)[0]
+        return p
+
+    report = hlo_amp.compile(steps, FP8_ACCURATE).lower(params).report()
+    backward = [d for d in report.decisions if d.direction == "backward" and d.fp8]
+    assert backward and all("f8E5M2" in d.operands_after for d in backward), [
+        (d.operands_after, d.reason) for d in backward]
+
+
 # ---- the amax guard ------------------------------------------------------------------------
 
 
