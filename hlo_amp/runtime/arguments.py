@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from hlo_amp.runtime.frameworks import argument_style
-from hlo_amp.runtime.signature import normalise_argnums
+from hlo_amp.runtime.signature import normalise_argnums, positional_parameters
 
 _CONTRACTS = ("a compiled function takes arrays and pytrees of them (as jax.jit does), "
               "Flax NNX graph objects (as nnx.jit does) and Equinox modules (as "
@@ -84,9 +84,7 @@ def _holds_graph(value: Any) -> bool:
 def _parameter_names(signature: inspect.Signature | None, count: int) -> list[str]:
     """For each of ``count`` positional arguments, ``" (parameter w)"`` where the
     signature names it, else ``""``: jax's errors name the parameter."""
-    names = [] if signature is None else [
-        parameter.name for parameter in signature.parameters.values()
-        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    names = [parameter.name for parameter in positional_parameters(signature)]
     return [f" (parameter {names[i]})" if i < len(names) else "" for i in range(count)]
 
 

@@ -56,6 +56,7 @@ from hlo_amp.runtime.arguments import raise_argument_problem
 from hlo_amp.runtime.deviceless import lower_for_target, not_runnable, split_device_target
 from hlo_amp.runtime.fp8_state import Fp8StatefulFunction
 from hlo_amp.runtime.frameworks import (
+    PLACEMENT_OPTIONS,
     FilterCall,
     JitDecorator,
     NnxCall,
@@ -65,6 +66,7 @@ from hlo_amp.runtime.frameworks import (
 from hlo_amp.runtime.signature import (
     leaf_signature,
     normalise_argnums,
+    positional_parameters,
     signature_of,
     split_static,
 )
@@ -350,9 +352,7 @@ def _as_tuple(value: Any, scalar: type) -> tuple:
 def _positions_of(signature: Any, names: tuple[str, ...], fn_name: str) -> tuple[int, ...]:
     """The positions of the parameters ``names`` (``donate_argnames``): the call donates
     by position, and an argument passed by keyword with it."""
-    parameters = list(signature.parameters.values()) if signature is not None else []
-    positional = {p.name: i for i, p in enumerate(parameters) if p.kind in (
-        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    positional = {p.name: i for i, p in enumerate(positional_parameters(signature))}
     for name in names:
         if name not in positional:
             accepted = ", ".join(positional) or "none"
@@ -998,15 +998,12 @@ def _placement(decorator: JitDecorator | None, static_argnums: tuple[int, ...],
         return {}
     placement = dict(decorator.placement)
     shardings = placement.get("in_shardings")
-    positional = None if signature is None else [
-        p.kind for p in signature.parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
-    if not isinstance(shardings, tuple) or not positional or (
-            inspect.Parameter.VAR_POSITIONAL in positional):
+    count = len(positional_parameters(signature))
+    if not isinstance(shardings, tuple) or not count or any(
+            p.kind == p.VAR_POSITIONAL for p in signature.parameters.values()):
         return placement  # a negative position would stay unresolved: as given
-    count = len(positional)
-    ours = {position % count for position in static_argnums}
-    steps = {position % count for position in decorator.static_argnums}
+    ours = set(normalise_argnums(static_argnums, count))
+    steps = set(normalise_argnums(decorator.static_argnums, count))
     dynamic = [position for position in range(count) if position not in steps]
     if ours == steps or len(dynamic) != len(shardings):
         return placement
@@ -1023,15 +1020,11 @@ def _jit(fn: Callable[..., Any], placement: dict, **options: Any) -> Any:
         return jax.jit(fn, **placement, **options)
 
 
-# jax.jit's options that hlo_amp.compile takes from a jax.jit step instead.
-_PLACEMENT_OPTIONS = ("in_shardings", "out_shardings", "device", "backend")
-
-
 def _jit_options_refused(given: dict) -> TypeError:
     """The error for keywords ``compile`` does not take: jax.jit's placement options
     are a jax.jit step's, whose shardings and device the call keeps."""
     names = ", ".join(f"{name}=" for name in given)
-    if not set(given) <= set(_PLACEMENT_OPTIONS):
+    if not set(given) <= set(PLACEMENT_OPTIONS):
         return TypeError(
             f"hlo_amp.compile got an unexpected keyword argument ({names}); it takes "
             "policy, static_argnums, static_argnames, donate_argnums, donate_argnames "

@@ -231,6 +231,11 @@ def _out_shardings_given(info: Any, unknown: bool = True) -> bool:
                for s in getattr(info, "out_shardings_leaves", (None,) if unknown else ()))
 
 
+# The jax.jit options that place a call (``placement``), which hlo_amp.compile takes from
+# a jax.jit step only.
+PLACEMENT_OPTIONS = ("in_shardings", "out_shardings", "device", "backend")
+
+
 def placement(info: Any) -> tuple[tuple[str, Any], ...]:
     """The ``in_shardings``, ``out_shardings``, ``device`` and ``backend`` a ``jax.jit``
     function was given, as ``jax.jit`` keywords: the top-level jit that runs the
@@ -246,7 +251,7 @@ def placement(info: Any) -> tuple[tuple[str, Any], ...]:
     if _out_shardings_given(info, unknown=False):
         given.append(("out_shardings", info.out_shardings_treedef.unflatten(
             info.out_shardings_leaves)))
-    given += [(option, getattr(info, option)) for option in ("device", "backend")
+    given += [(option, getattr(info, option)) for option in PLACEMENT_OPTIONS[2:]
               if getattr(info, option, None) is not None]
     return tuple(given)
 

@@ -62,14 +62,20 @@ def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int],
                          key=lambda item: item[0])))
 
 
+def positional_parameters(signature: inspect.Signature | None) -> list[inspect.Parameter]:
+    """The parameters ``signature`` takes by position, in order (none for no signature;
+    a ``*args`` is not one)."""
+    if signature is None:
+        return []
+    return [p for p in signature.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def donated_names(signature: inspect.Signature | None, donate_argnums: Sequence[int]
                   ) -> frozenset[str]:
     """The names of the parameters ``donate_argnums`` donates by position: jax.jit donates
     them when passed by keyword too (a positional-only one cannot be)."""
-    if signature is None:
-        return frozenset()
-    positional = [p for p in signature.parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = positional_parameters(signature)
     donated = normalise_argnums(donate_argnums, len(positional))
     return frozenset(p.name for i, p in enumerate(positional)
                      if i in donated and p.kind == p.POSITIONAL_OR_KEYWORD)

@@ -308,27 +308,17 @@ class Graph:
         seen through a called function's arguments): that number if it is a constant
         (an integer one too), else NaN (computed at run time, or a boolean); None where
         it holds several."""
-        for _step in range(8):
-            if isinstance(value, ir.BlockArgument):
-                caller = self.call_argument.get((inst_id, value))
-                if caller is None:
-                    break
-                inst_id, value = caller
-                continue
-            op = value.owner
-            if op.name == "stablehlo.constant":
-                attr = dense_value(op)
-                if attr is None or not attr.is_splat:
-                    break
+        found, source = self._same_value_source(inst_id, value)
+        constant = _defining_constant(found, source)
+        if constant is not None:
+            attr = dense_value(constant)
+            if attr is not None and attr.is_splat:
                 splat = attr.get_splat_value()
                 for kind in (ir.FloatAttr, ir.IntegerAttr):
                     if splat.typeid == kind.static_typeid:
                         return float(kind(splat).value)
                 return np.nan  # a boolean
-            if op.name not in SAME_VALUE_OPS:
-                break
-            value = op.operands[0]
-        return np.nan if math.prod(ir.ShapedType(value.type).shape) == 1 else None
+        return np.nan if math.prod(ir.ShapedType(source.type).shape) == 1 else None
 
     def paths(self, starts: list[tuple[int, ir.Value]], follows: Callable[[Node], bool],
               ends: Callable[[Node], bool]) -> list[Node]:
@@ -404,20 +394,24 @@ class Graph:
     def _constant_op(self, inst_id: int, value: ir.Value) -> Any | None:
         """The ``stablehlo.constant`` ``value`` holds, as ``constant_magnitude`` sees
         through; None where it is no constant."""
+        return _defining_constant(*self._same_value_source(inst_id, value))
+
+    def _same_value_source(self, inst_id: int, value: ir.Value) -> tuple[bool, ir.Value]:
+        """Where ``value`` comes from through converts, broadcasts, reshapes, transposes
+        and a called function's arguments (at most 8 steps): (whether the walk ended
+        within them, the value it ended at)."""
         for _step in range(8):
             if isinstance(value, ir.BlockArgument):
                 caller = self.call_argument.get((inst_id, value))
                 if caller is None:
-                    return None
+                    return True, value
                 inst_id, value = caller
                 continue
             op = value.owner
-            if op.name == "stablehlo.constant":
-                return op
             if op.name not in SAME_VALUE_OPS:
-                return None
+                return True, value
             value = op.operands[0]
-        return None
+        return False, value
 
     def _instantiate(self, fn: Any, prefix: str) -> int:
         inst_id = len(self.instances)
@@ -687,6 +681,14 @@ class Graph:
 # finfo.min fill became -inf), read from its buffer in about a millisecond a million; a
 # larger one a chunk of this size at a time, for its extremes only.
 _MAX_READ_ELEMENTS = 1 << 22
+
+
+def _defining_constant(found: bool, source: ir.Value) -> Any | None:
+    """The ``stablehlo.constant`` a finished walk (``Graph._same_value_source``) ended
+    at, or None."""
+    if not found or isinstance(source, ir.BlockArgument):
+        return None
+    return source.owner if source.owner.name == "stablehlo.constant" else None
 
 
 def largest_finite(op: Any) -> float | None:
