@@ -110,6 +110,10 @@ MATRIX_OP_NAMES = frozenset(MATRIX_OP_KINDS)
 # Stricter under f16 only (see the module docstring).
 F16_DENY = frozenset({"divide", "tan", "square"})
 
+# Elementwise op kinds whose result is one of their operands' elements (a select's side,
+# a clip's bound): no rounding compounds through them, and a fill they pick is the fill.
+PICKING_KINDS = frozenset({"select", "maximum", "minimum", "clamp"})
+
 # An add reduce_window over at most this many elements (2x2, 3x3, 4x4 pooling) is infer.
 SHORT_SUM = 16
 # reduce / reduce_window bodies that only pick an input: data movement, not arithmetic.

@@ -32,6 +32,7 @@ from hlo_amp.ir.op_classes import (
     DENY,
     INFER,
     OP_CLASSES,
+    PICKING_KINDS,
     body_is_one_add,
     op_class,
     short_name,
@@ -74,7 +75,7 @@ _STATE_UPDATES = frozenset({"add", "subtract", "dynamic_update_slice", "scatter"
 # Ops a training step's update passes the parameters through too, in a chain that
 # applies a gradient (``Graph._steps_state``): decays, selects and projections. A relu'd,
 # masked or scaled residual stream passes the same ops and applies none.
-_STEPS = frozenset({"multiply", "divide", "select", "maximum", "minimum", "clamp"})
+_STEPS = frozenset({"multiply", "divide"}) | PICKING_KINDS
 # A decay scales state by a number near 1 (optax's b1 = 0.9 and b2 = 0.999, an EMA's
 # 0.999, 1 - lr * wd); other constants (a mean's 1 / N, a square's 2) scale
 # activations and gradients (an input's gradient).

@@ -17,7 +17,7 @@ from jaxlib.mlir import ir
 
 from hlo_amp.ir.loops import enclosing_loops, loop_body
 from hlo_amp.ir.modules import element_type, op_key, terminator
-from hlo_amp.ir.op_classes import CLEAR, DENY, INFER, MATRIX_OP_NAMES
+from hlo_amp.ir.op_classes import CLEAR, DENY, INFER, MATRIX_OP_NAMES, PICKING_KINDS
 from hlo_amp.passes.propagate.graph import LINK, STATE_UPDATE
 from hlo_amp.targets.dot_dims import dot_layout
 
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from hlo_amp.passes.propagate.graph import Graph, Node
 
 LOOP_ACCUMULATOR = "accumulates a loop-carried value over iterations"
-# Infer ops that pick one of their inputs: no rounding compounds through them.
-_PICKING = frozenset({"select", "maximum", "minimum", "clamp", "compare"})
+# Infer ops that pick one of their inputs, or compare them: no rounding compounds.
+_PICKING = PICKING_KINDS | {"compare"}
 
 
 def deny_loop_accumulators(graph: Graph) -> None:

@@ -24,7 +24,7 @@ from hlo_amp.ir.modules import (
     where_finite,
     with_element,
 )
-from hlo_amp.ir.op_classes import ALLOW, FULL_FORMAT
+from hlo_amp.ir.op_classes import ALLOW, FULL_FORMAT, PICKING_KINDS
 from hlo_amp.passes.propagate.body import (
     BARRIER,
     CONTROL_FLOW_OPS,
@@ -51,8 +51,9 @@ _MOVING_OPS = frozenset({"stablehlo.pad", "stablehlo.slice", "stablehlo.dynamic_
 
 
 # Ops whose result is one of their operands' elements: a fill clipped or capped
-# (jnp.clip(bias, finfo.min), jnp.minimum of two mask biases) is the fill.
-_PICKING_OPS = frozenset({"stablehlo.clamp", "stablehlo.minimum", "stablehlo.maximum"})
+# (jnp.clip(bias, finfo.min), jnp.minimum of two mask biases) is the fill (a select's
+# sides are read before these, by position).
+_PICKING_OPS = frozenset(f"stablehlo.{kind}" for kind in PICKING_KINDS)
 
 
 def _value_sources(op: Any, number: int) -> list[ir.Value]:
