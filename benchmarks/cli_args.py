@@ -4,6 +4,7 @@ line from argparse (exit 2), not a traceback or a silently changed run."""
 from __future__ import annotations
 
 import argparse
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -59,12 +60,18 @@ def check_names(parser: argparse.ArgumentParser, flag: str, given: Iterable[str]
 
 def check_out_dir(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:
     """Exit through ``parser.error`` when ``path`` cannot be made a directory (it or a
-    folder above it is a file): found up front, not by a ``mkdir`` after the whole run."""
+    folder above it is a file) or written (the nearest folder that exists takes no new
+    file): found up front, not by a ``mkdir`` after the whole run."""
     blocking = blocking_file(path)
     if blocking == path:
         parser.error(f"{flag} {path} exists and is not a directory")
     if blocking is not None:
         parser.error(f"{flag} {path}: {blocking} exists and is not a directory")
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    try:  # a file made and dropped: access() says yes to root on a read-only mount
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as problem:
+        parser.error(f"{flag} {path}: {existing} is not writable ({problem.strerror})")
 
 
 def check_out_file(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:

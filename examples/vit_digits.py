@@ -41,7 +41,6 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,7 +60,7 @@ from flax import nnx
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from benchmarks.cli_args import blocking_file, non_negative_int, positive_int
+from benchmarks.cli_args import check_out_dir, non_negative_int, positive_int
 from benchmarks.run import cpu_bf16_line, machine
 from examples.models import ViT
 from hlo_amp import DynamicScalerState, dynamic_scale_value_and_grad
@@ -107,23 +106,9 @@ def parse_args(argv: list[str] | None = None, check_out: bool = True) -> argpars
                    help="name-stack depth of the scopes --autopolicy may keep f32")
     args = p.parse_args(argv)
     check_args(args, p.error)
-    if check_out:
-        check_out_dir(args.out, p.error)
+    if check_out:  # before any training (the runs trained, and mkdir failed at the end)
+        check_out_dir(p, "--out", args.out)
     return args
-
-
-def check_out_dir(out: Path, error: Callable[[str], Any]) -> None:
-    """Before any training, where the artefacts go: a file on the way, or a directory
-    that cannot be made or written (the runs trained, and the artefacts' mkdir failed at
-    the end with a traceback)."""
-    blocked = blocking_file(out)
-    if blocked is not None:
-        error(f"--out {out}: {blocked} exists and is not a directory")
-    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
-    try:  # a file made and dropped: access() says yes to root on a read-only mount
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError as problem:
-        error(f"--out {out}: {existing} is not writable ({problem.strerror})")
 
 
 def check_args(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
