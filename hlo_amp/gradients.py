@@ -22,9 +22,18 @@ Every value gets one of three kinds, in program order:
   a cotangent of a backward program split from its forward, is GRAD:
   ir/program_hints.py.)
 
-A backward dot's incoming gradient is its one GRAD operand; with none or two (remat's
-recomputed forward, or a function whose arguments say nothing) there is no single
-gradient operand and the caller treats the dot like a forward one. Ops inside remat's
+A backward dot's incoming gradient is, first, read off the structure: when one of its
+operands (through converts, transposes, reshapes and reverses) is a value a forward
+matrix op reads -- a residual: dW = x^T dy reads the forward's x, dx = dy W^T its W --
+and the other is not, the other is the gradient. This holds whatever the seed: a
+constant one, the loss times a loss scale (an argument), a vjp's cotangent argument, a
+custom_vjp whose residual is a constant (its transpose, a backward op of a constant,
+reads as a seed). Such a gradient operand the kinds below did not see is made GRAD and
+the flow is run again from it, so the backward dots it reaches in loops and callees
+(whose residuals are other values) find it too. Else the dot's gradient is its one GRAD
+operand; with none or two (remat's recomputed forward, a backward program split from its
+forward without hints) there is no single gradient operand and the caller treats the dot
+like a forward one. Ops inside remat's
 ``rematted_computation`` are the forward recomputed, so they do not count as backward.
 ``optimization_barrier`` passes each operand's kind to the result at its position; a
 while loop's carry (body argument and result) gets the kind of its initial value joined
@@ -44,6 +53,7 @@ from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import (
     callee_name,
+    defining_op,
     element_type,
     function_name,
     terminator,
@@ -58,6 +68,13 @@ _PER_POSITION = frozenset({"stablehlo.optimization_barrier", "stablehlo.while"})
 _RETURNS = frozenset({"func.return"})
 _UPDATES = frozenset({"stablehlo.add", "stablehlo.subtract"})
 _MAX_ROUNDS = 10
+_CALLS = frozenset({"func.call"})
+_MAX_SOURCE_STEPS = 64  # layout ops and calls followed back from a dot's operand
+_MATRIX_OPS = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
+# Ops that hand a value on in another layout or type: a residual a backward dot reads
+# through them (b.T, a convolution's reversed kernel) is still the forward's operand.
+_LAYOUT_OPS = frozenset({"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
+                         "stablehlo.reverse", "stablehlo.bitcast_convert"})
 _REMAT_PRIMITIVE = "remat2"  # jax's checkpoint primitive (ad_checkpoint.remat_p)
 
 
@@ -100,8 +117,70 @@ class GradientFlow:
 
     def __init__(self, bodies: Sequence[tuple[Any, str]]) -> None:
         """``bodies``: (func.func, call-site prefix) pairs, callers before callees."""
-        self.kinds: dict[ir.Value, int] = {}
         self._floats: dict[ir.Type, bool] = {}
+        # The values forward matrix ops read (seen through layout ops): a backward dot's
+        # operand among them is a residual, so the other one is the gradient.
+        self._forward_operands: set[ir.Value] = set()
+        # A private function called once: its arguments are that call's operands (jax
+        # lowers a nested jax.jit to one, its forward and backward calls apart).
+        self._entry_blocks: dict[ir.Block, Any] = {}
+        calls: dict[str, list[Any]] = {}
+        for fn, _prefix in bodies:
+            self._entry_blocks[fn.regions[0].blocks[0]] = fn
+            for call in walk_operations(fn, names=_CALLS):
+                calls.setdefault(callee_name(call), []).append(call)
+        self._only_call = {name: found[0] for name, found in calls.items()
+                           if len(found) == 1}
+        backward_dots: list[Any] = []
+        for fn, prefix in bodies:
+            for op in walk_operations(fn, names=_MATRIX_OPS):
+                if _is_backward(join_names(prefix, location_name(op.location))):
+                    backward_dots.append(op)
+                else:
+                    self._forward_operands.update(
+                        self._source(v) for v in list(op.operands)[:2])
+        # A seed cotangent the dataflow cannot see (a primal value: the loss times a
+        # loss scale, a vjp's cotangent argument) leaves a backward dot without a
+        # gradient operand; the operand the structure names is one, and the flow is run
+        # again from it (it reaches the backward dots in loops and callees).
+        seeds: set[ir.Value] = set()
+        for _ in range(_MAX_ROUNDS):
+            self.kinds = self._flow(bodies, seeds)
+            found = {op.operands[index] for op in backward_dots
+                     if GRAD not in (self.kind(v) for v in list(op.operands)[:2])
+                     and (index := self._residual_partner(op)) is not None}
+            if found <= seeds:
+                break
+            seeds |= found
+
+    def _source(self, value: ir.Value) -> ir.Value:
+        """``value`` before the layout ops (_LAYOUT_OPS) that made it and the one call
+        that passed it to a private function."""
+        for _ in range(_MAX_SOURCE_STEPS):
+            op = defining_op(value)
+            if op is not None:
+                if op.name not in _LAYOUT_OPS:
+                    return value
+                value = op.operands[0]
+                continue
+            fn = self._entry_blocks.get(value.owner)
+            call = fn is not None and self._only_call.get(function_name(fn))
+            if not call:
+                return value
+            value = call.operands[value.arg_number]
+        return value
+
+    def _residual_partner(self, op: Any) -> int | None:
+        """The index of the operand of a backward dot that is not a residual, when the
+        other one is (a value a forward matrix op reads) and it is not."""
+        forward = [self._source(v) in self._forward_operands
+                   for v in list(op.operands)[:2]]
+        return forward.index(False) if len(forward) == 2 and forward.count(True) == 1 else None
+
+    def _flow(self, bodies: Sequence[tuple[Any, str]],
+              seeds: set[ir.Value]) -> dict[ir.Value, int]:
+        """Every value's kind, ``seeds`` GRAD wherever they are computed."""
+        kinds: dict[ir.Value, int] = {}
         # A private function is run once per distinct tuple of argument kinds its call
         # sites pass (a context), and each call's results get the returns of its own
         # context: jax shares one private function between unrelated call sites when
@@ -119,7 +198,8 @@ class GradientFlow:
                 for given in _contexts(calls, fn):
                     state = states.setdefault((index, given), {})
                     before = dict(state)
-                    self._run(fn, prefix, given, state, returns, seen_calls, seen_returns)
+                    self._run(fn, prefix, given, state, returns, seen_calls, seen_returns,
+                              seeds)
                     changed = changed or before != state
             if not changed and seen_calls == calls and seen_returns == returns:
                 break
@@ -128,13 +208,18 @@ class GradientFlow:
         for index, (fn, _prefix) in enumerate(bodies):
             for given in _contexts(calls, fn):
                 for value, kind in states.get((index, given), {}).items():
-                    self.kinds[value] = max(self.kinds.get(value, CONST), kind)
+                    kinds[value] = max(kinds.get(value, CONST), kind)
+        return kinds
 
     def kind(self, value: ir.Value) -> int:
         return self.kinds.get(value, PRIMAL)
 
     def incoming_gradient(self, op: Any) -> int | None:
-        """The index (0 or 1) of the one operand of ``op`` that carries the gradient."""
+        """The index (0 or 1) of the one operand of ``op`` that carries the gradient:
+        the one that is not a residual when the other is, else the one GRAD operand."""
+        partner = self._residual_partner(op)
+        if partner is not None:
+            return partner
         kinds = [self.kind(v) for v in list(op.operands)[:2]]
         if kinds.count(GRAD) == 1:
             return kinds.index(GRAD)
@@ -144,7 +229,8 @@ class GradientFlow:
              kinds: dict[ir.Value, int],
              returns: dict[tuple[str, tuple[int, ...]], tuple[int, ...]],
              seen_calls: dict[str, set[tuple[int, ...]]],
-             seen_returns: dict[tuple[str, tuple[int, ...]], tuple[int, ...]]) -> None:
+             seen_returns: dict[tuple[str, tuple[int, ...]], tuple[int, ...]],
+             seeds: set[ir.Value]) -> None:
         floats = self._floats
         name = function_name(fn)
         # A backward program split from its forward: its cotangent arguments carry the
@@ -152,7 +238,7 @@ class GradientFlow:
         cotangents = gradient_arguments(fn)
         for index, argument in enumerate(fn.regions[0].blocks[0].arguments):
             kinds[argument] = given[index] if given and index < len(given) else PRIMAL
-            if index in cotangents:
+            if index in cotangents or argument in seeds:
                 kinds[argument] = GRAD
             if not _is_float(argument, floats):
                 kinds[argument] = CONST
@@ -209,4 +295,5 @@ class GradientFlow:
             else:
                 kind = PRIMAL
             for result in results:
-                kinds[result] = kind if _is_float(result, floats) else CONST
+                kinds[result] = (GRAD if result in seeds else kind) if _is_float(
+                    result, floats) else CONST

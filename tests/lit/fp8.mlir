@@ -211,7 +211,7 @@ func.func @conv(%x: tensor<1x8x8x16xf32>, %k: tensor<3x3x16x16xf32>) -> tensor<1
 // CHECK-LABEL: func.func @scoped
 // CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xf8E4M3FN>, tensor<64x64xf8E4M3FN>) -> tensor<32x64xf32>
 // CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xf8E4M3FN>, tensor<64x64xf8E4M3FN>) -> tensor<32x64xf32>
-// CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xf8E4M3FN>, tensor<32x64xf8E4M3FN>) -> tensor<64x64xf32>
+// CHECK:         stablehlo.dot_general {{.*}} : (tensor<32x64xf8E4M3FN>, tensor<32x64xf8E5M2>) -> tensor<64x64xf32>
 // CHECK:         return
 func.func @scoped(%x: tensor<32x64xf32>, %wa: tensor<64x64xf32>, %wm: tensor<64x64xf32>, %g: tensor<32x64xf32>) -> (tensor<32x64xf32>, tensor<64x64xf32>) {
   %0 = stablehlo.dot_general %x, %wa, contracting_dims = [1] x [0] : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32> loc("jit(f)/jvp(attn)/dot_general")
@@ -251,7 +251,7 @@ func.func @scoped(%x: tensor<32x64xf32>, %wa: tensor<64x64xf32>, %wm: tensor<64x
 // JSON:      "fp8: 1 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 1)
 // JSON:      "fp8: 2 dot_general as fp8 GEMMs (e4m3fn x e5m2 1, e5m2 x e4m3fn 1)
 // JSON:      "fp8: 2 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 2)
-// JSON:      "fp8: 3 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 3), {{.*}}; 3 fp8 fallback(s) to the compute dtype (reasons per op)"
+// JSON:      "fp8: 3 dot_general as fp8 GEMMs (e4m3fn x e4m3fn 2, e4m3fn x e5m2 1), {{.*}}; 3 fp8 fallback(s) to the compute dtype (reasons per op)"
 
 // -----
 

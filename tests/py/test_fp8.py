@@ -8,6 +8,7 @@ to f32 (the values a Hopper GEMM multiplies) and the dot runs in f32.
 from __future__ import annotations
 
 import collections
+import functools
 import re
 
 import jax
@@ -156,6 +157,79 @@ def test_every_step_of_several_quantises_its_gradient_to_e5m2(scan: bool) -> Non
     backward = [d for d in report.decisions if d.direction == "backward" and d.fp8]
     assert backward and all("f8E5M2" in d.operands_after for d in backward), [
         (d.operands_after, d.reason) for d in backward]
+
+
+@jax.jit  # a private function: its backward dots' residuals are its own arguments
+def _layer(h: jax.Array, w: jax.Array) -> jax.Array:
+    return h + jnp.tanh(h @ w)
+
+
+@jax.custom_vjp
+def _custom_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return a @ b
+
+
+def _custom_matmul_forward(a, b):
+    return a @ b, (a, b)
+
+
+def _custom_matmul_backward(residuals, g):
+    a, b = residuals
+    return g @ b.T, a.T @ g  # b.T, a.T: backward ops of residuals (a constant's, too)
+
+
+_custom_matmul.defvjp(_custom_matmul_forward, _custom_matmul_backward)
+
+
+@pytest.mark.parametrize("seed", ["loss_scaler", "loss_times_scale", "vjp_cotangent",
+                                  "custom_vjp_constant_residual"])
+def test_a_seed_that_is_not_a_constant_still_finds_every_gradient(seed: str) -> None:
+    """The cotangent seed was found only as a constant (jax.grad's 1.0): the loss times a
+    loss scale (hlo_amp's own dynamic_scale_grad) or a vjp's cotangent argument made no
+    value a gradient, and a custom_vjp's transpose of a constant residual read as a
+    seed, so backward dots went e4m3fn x e4m3fn. Each form must quantise as the plain
+    jax.grad of the same program does."""
+    rng = np.random.default_rng(4)
+    params = {k: jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32) for k in "abh"}
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+
+    def net(p, x):
+        return _layer(_layer(x, p["a"]), p["b"]) @ p["h"]
+
+    def custom(p, x):
+        return jnp.tanh(_custom_matmul(jnp.tanh(_custom_matmul(x, p["a"])), p["b"]))
+
+    def loss(p, x):
+        return jnp.sum((custom if seed.startswith("custom") else net)(p, x) ** 2)
+
+    if seed == "loss_scaler":
+        step, args = (lambda p, st: hlo_amp.dynamic_scale_grad(functools.partial(
+            loss, x=x))(p, dynamic_scaler_state=st)), (params, hlo_amp.DynamicScalerState())
+    elif seed == "loss_times_scale":
+        step, args = (lambda p, s: jax.grad(lambda q: loss(q, x) * s)(p)), (
+            params, jnp.float32(1024))
+    elif seed == "vjp_cotangent":  # the primal output kept: its last dot is a forward op
+        def step(p, c):
+            out, pullback = jax.vjp(lambda q: net(q, x), p)
+            return out, pullback(c)[0]
+        args = (params, cotangent)
+    else:  # x a constant of the program, its transpose a backward op of constants only
+        step, args = (lambda p: jax.grad(loss)(p, x)), (params,)
+    if seed == "vjp_cotangent":
+        reference, reference_args = (jax.grad(lambda p, c: jnp.sum(net(p, x) * c)),
+                                     (params, cotangent))
+    else:  # x an argument: the seed is jax.grad's constant and x a primal value
+        reference, reference_args = jax.grad(loss), (params, x)
+
+    def backward(fn, args):
+        report = hlo_amp.compile(fn, FP8_ACCURATE).lower(*args).report()
+        return [d.operands_after for d in report.decisions
+                if d.direction == "backward" and d.fp8]
+
+    expected = backward(reference, reference_args)
+    assert expected and all(sorted(d) == ["f8E4M3FN", "f8E5M2"] for d in expected)
+    assert backward(step, args) == expected
 
 
 # ---- the amax guard ------------------------------------------------------------------------
