@@ -117,3 +117,20 @@ def test_an_autopolicy_depth_beyond_the_step_is_one_line(monkeypatch) -> None:
     with pytest.raises(SystemExit, match=r"--autopolicy-depth 5: Unknown depth 5"):
         vit_digits.main(["--steps", "1", "--variants", "f32", "--autopolicy", "0.01",
                          "--autopolicy-depth", "5"])
+
+
+@pytest.mark.parametrize("measure", [False, True])
+def test_the_progress_line_times_steps_after_the_compiling_first(measure, capsys) -> None:
+    """The progress line's ms/step took in the first call, which compiles: a run of one
+    step printed its compile as a step time."""
+    args = vit_digits.parse_args(["--steps", "2", "--log-every", "1", "--dim", "16",
+                                  "--heads", "2", "--depth", "1", "--mlp-dim", "16",
+                                  "--batch", "8"], check_out=False)
+    data = vit_digits.load_data(args.seed)
+    order = vit_digits.batches(len(data[0]), args.batch, args.steps, args.seed)
+    run, _ = vit_digits.train("f32", args, data, order, measure=measure)
+    assert not run.error, run.error
+    lines = [line for line in capsys.readouterr().out.splitlines() if "] step" in line]
+    assert len(lines) == 2, lines
+    assert "first step (compiles)" in lines[0] and "ms/step" not in lines[0], lines
+    assert "ms/step" in lines[1], lines
