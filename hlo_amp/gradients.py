@@ -14,27 +14,29 @@ Every value gets one of three kinds, in program order:
   PRIMAL: the next step's parameters), or of a backward op (its name stack has
   ``transpose(...)``) none of whose operands is PRIMAL -- the seed cotangent JAX starts
   the backward pass from (``broadcast(1.0)``, ``1/n`` of a mean) and the zeros it
-  accumulates into (not the constants of remat's recomputed forward, named ``remat2``,
-  and a constant is judged by its own name: jax.export leaves some unnamed, and under a
-  backward call site's prefix they would read as the seed);
+  accumulates into (not a backward op of a constant holding data, a custom_vjp's
+  transpose of a constant residual; not the constants of remat's recomputed forward,
+  named ``remat2``; and a constant is judged by its own name: jax.export leaves some
+  unnamed, and under a backward call site's prefix they would read as the seed);
 - PRIMAL: everything else: the function's arguments, forward results, and backward ops
   computing from forward values only. (An argument marked ``hlo_amp.incoming_gradient``,
   a cotangent of a backward program split from its forward, is GRAD:
   ir/program_hints.py.)
 
-A backward dot's incoming gradient is, first, read off the structure: when one of its
-operands (through converts, transposes, reshapes and reverses) is a value a forward
-matrix op reads -- a residual: dW = x^T dy reads the forward's x, dx = dy W^T its W --
-and the other is not, the other is the gradient. This holds whatever the seed: a
-constant one, the loss times a loss scale (an argument), a vjp's cotangent argument, a
-custom_vjp whose residual is a constant (its transpose, a backward op of a constant,
-reads as a seed). Such a gradient operand the kinds below did not see is made GRAD and
-the flow is run again from it, so the backward dots it reaches in loops and callees
-(whose residuals are other values) find it too. Else the dot's gradient is its one GRAD
-operand; with none or two (remat's recomputed forward, a backward program split from its
-forward without hints) there is no single gradient operand and the caller treats the dot
-like a forward one. Ops inside remat's
-``rematted_computation`` are the forward recomputed, so they do not count as backward.
+A backward dot's incoming gradient is its one GRAD operand. Where there is none, or
+two, it is read off the structure: when one of its operands (through converts,
+transposes, reshapes, reverses, an optimization barrier and a private function's one
+call) is a residual -- a value a forward matrix op reads (dW = x^T dy reads the
+forward's x, dx = dy W^T its W), or a forward the backward pass recomputes from
+residuals (a custom_vjp whose bwd runs jax.vjp of its forward) -- and the other is not,
+the other is the gradient. That finds a seed the kinds cannot see (the loss times a
+loss scale, an argument; a vjp's cotangent argument); such a gradient operand is made
+GRAD and the flow run again from it, so the backward dots it reaches in loops and
+callees (whose residuals are other values) find it too. With neither answer (remat's
+recomputed forward, a backward program split from its forward without hints) there is
+no single gradient operand and the caller treats the dot like a forward one.
+
+Ops inside remat's ``rematted_computation`` are the forward recomputed, so they do not count as backward.
 ``optimization_barrier`` passes each operand's kind to the result at its position; a
 while loop's carry (body argument and result) gets the kind of its initial value joined
 with the kind the body returns at its position (GRAD beats PRIMAL beats CONST); a
@@ -54,6 +56,7 @@ from jaxlib.mlir import ir
 from hlo_amp.ir.modules import (
     callee_name,
     defining_op,
+    dense_value,
     element_type,
     function_name,
     terminator,
@@ -69,6 +72,9 @@ _RETURNS = frozenset({"func.return"})
 _UPDATES = frozenset({"stablehlo.add", "stablehlo.subtract"})
 _MAX_ROUNDS = 10
 _CALLS = frozenset({"func.call"})
+_BARRIER = "stablehlo.optimization_barrier"
+_CONSTANT_CARRIERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.convert",
+                                "stablehlo.reshape"})
 _MAX_SOURCE_STEPS = 64  # layout ops and calls followed back from a dot's operand
 _MATRIX_OPS = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
 # Ops that hand a value on in another layout or type: a residual a backward dot reads
@@ -96,6 +102,26 @@ def _name(prefix: str, own: str, operand_kinds: list[int]) -> str:
     return join_names(prefix, own) if operand_kinds else own
 
 
+def _is_constant(value: ir.Value) -> bool:
+    """Whether ``value`` is a constant, or a constant broadcast, converted or reshaped."""
+    for _ in range(_MAX_SOURCE_STEPS):
+        op = defining_op(value)
+        if op is None:
+            return False
+        if op.name in _NO_OPERANDS_CONST:
+            return True
+        if op.name not in _CONSTANT_CARRIERS:
+            return False
+        value = op.operands[0]
+    return False
+
+
+def _holds_data(constant: ir.Operation) -> bool:
+    """Whether a ``stablehlo.constant`` holds more than one number."""
+    read = dense_value(constant)
+    return read is None or not read.is_splat
+
+
 def _is_float(value: ir.Value, cache: dict[ir.Type, bool]) -> bool:
     """Whether ``value`` is a float tensor (only those carry a gradient)."""
     found = cache.get(value.type)
@@ -121,6 +147,7 @@ class GradientFlow:
         # The values forward matrix ops read (seen through layout ops): a backward dot's
         # operand among them is a residual, so the other one is the gradient.
         self._forward_operands: set[ir.Value] = set()
+        self._recomputed: set[ir.Value] = set()
         # A private function called once: its arguments are that call's operands (jax
         # lowers a nested jax.jit to one, its forward and backward calls apart).
         self._entry_blocks: dict[ir.Block, Any] = {}
@@ -139,6 +166,20 @@ class GradientFlow:
                 else:
                     self._forward_operands.update(
                         self._source(v) for v in list(op.operands)[:2])
+        # A forward recomputed in the backward pass by the program itself (a custom_vjp
+        # whose bwd runs jax.vjp of its forward): a backward matrix op reading residuals
+        # only, and what is computed from it with residuals and constants, are residuals
+        # too (the recomputed activation is not the gradient of the dot beside it).
+        for fn, prefix in bodies:
+            for op in walk_operations(fn):
+                if len(op.results) != 1 or not len(op.operands) or not _is_backward(
+                        join_names(prefix, location_name(op.location))):
+                    continue
+                sources = [self._source(v) for v in op.operands]
+                if all(v in self._forward_operands or _is_constant(v) for v in sources) and (
+                        op.name in _MATRIX_OPS or any(v in self._recomputed for v in sources)):
+                    self._forward_operands.add(op.results[0])
+                    self._recomputed.add(op.results[0])
         # A seed cotangent the dataflow cannot see (a primal value: the loss times a
         # loss scale, a vjp's cotangent argument) leaves a backward dot without a
         # gradient operand; the operand the structure names is one, and the flow is run
@@ -159,6 +200,9 @@ class GradientFlow:
         for _ in range(_MAX_SOURCE_STEPS):
             op = defining_op(value)
             if op is not None:
+                if op.name == _BARRIER:  # each operand to the result at its position
+                    value = op.operands[ir.OpResult(value).result_number]
+                    continue
                 if op.name not in _LAYOUT_OPS:
                     return value
                 value = op.operands[0]
@@ -216,14 +260,11 @@ class GradientFlow:
 
     def incoming_gradient(self, op: Any) -> int | None:
         """The index (0 or 1) of the one operand of ``op`` that carries the gradient:
-        the one that is not a residual when the other is, else the one GRAD operand."""
-        partner = self._residual_partner(op)
-        if partner is not None:
-            return partner
+        the one GRAD operand, else the one that is not a residual when the other is."""
         kinds = [self.kind(v) for v in list(op.operands)[:2]]
         if kinds.count(GRAD) == 1:
             return kinds.index(GRAD)
-        return None
+        return self._residual_partner(op)
 
     def _run(self, fn: Any, prefix: str, given: tuple[int, ...] | None,
              kinds: dict[ir.Value, int],
@@ -233,6 +274,15 @@ class GradientFlow:
              seeds: set[ir.Value]) -> None:
         floats = self._floats
         name = function_name(fn)
+
+        def settle(result: ir.Value, kind: int) -> None:
+            kinds[result] = (GRAD if result in seeds else kind) if _is_float(
+                result, floats) else CONST
+
+        # Constants holding data (not one number: not a seed's 1.0 or zeros), and what
+        # is computed from them alone: a backward op reading one (a custom_vjp's
+        # transpose of a constant residual) is not the seed.
+        data: set[ir.Value] = set()
         # A backward program split from its forward: its cotangent arguments carry the
         # incoming gradient (ir/program_hints.py).
         cotangents = gradient_arguments(fn)
@@ -255,7 +305,7 @@ class GradientFlow:
                 known = returns.get((callee, context))
                 if known is not None and len(known) == len(op.results):
                     for result, kind in zip(op.results, known):
-                        kinds[result] = kind if _is_float(result, floats) else CONST
+                        settle(result, kind)
                     continue
             results = op.results
             if not len(results) and op_name != "stablehlo.while":
@@ -274,8 +324,8 @@ class GradientFlow:
                                                    and _is_float(argument, floats)
                                                    else CONST)
                 for position, result in enumerate(results):
-                    kinds[result] = (operand_kinds[position] if position < len(operand_kinds)
-                                     and _is_float(result, floats) else CONST)
+                    settle(result, operand_kinds[position]
+                           if position < len(operand_kinds) else CONST)
                 continue
             if (op_name in _UPDATES and GRAD in operand_kinds and PRIMAL in operand_kinds
                     and not _is_backward(_name(prefix, location_name(op.location),
@@ -286,7 +336,8 @@ class GradientFlow:
                 kind = PRIMAL
             elif GRAD in operand_kinds:
                 kind = GRAD
-            elif PRIMAL not in operand_kinds and _is_backward(
+            elif PRIMAL not in operand_kinds and not any(
+                    v in data for v in op.operands) and _is_backward(
                     _name(prefix, location_name(op.location), operand_kinds)):
                 kind = GRAD  # the seed cotangent, or zeros the backward accumulates into
             elif not operand_kinds or op_name in _NO_OPERANDS_CONST or (
@@ -294,6 +345,8 @@ class GradientFlow:
                 kind = CONST
             else:
                 kind = PRIMAL
+            if kind == CONST and (any(v in data for v in op.operands) or (
+                    op_name == "stablehlo.constant" and _holds_data(op))):
+                data.update(results)
             for result in results:
-                kinds[result] = (GRAD if result in seeds else kind) if _is_float(
-                    result, floats) else CONST
+                settle(result, kind)

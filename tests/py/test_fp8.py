@@ -182,17 +182,22 @@ _custom_matmul.defvjp(_custom_matmul_forward, _custom_matmul_backward)
 
 
 @pytest.mark.parametrize("seed", ["loss_scaler", "loss_times_scale", "vjp_cotangent",
-                                  "custom_vjp_constant_residual"])
+                                  "custom_vjp_constant_residual", "custom_vjp_scaled",
+                                  "checkpoint_dots_scaled", "cotangent_statistic",
+                                  "single_custom_scaled"])
 def test_a_seed_that_is_not_a_constant_still_finds_every_gradient(seed: str) -> None:
     """The cotangent seed was found only as a constant (jax.grad's 1.0): the loss times a
-    loss scale (hlo_amp's own dynamic_scale_grad) or a vjp's cotangent argument made no
-    value a gradient, and a custom_vjp's transpose of a constant residual read as a
-    seed, so backward dots went e4m3fn x e4m3fn. Each form must quantise as the plain
-    jax.grad of the same program does."""
+    loss scale (hlo_amp's own dynamic_scale_grad, also under a saving remat policy, whose
+    optimization barrier the residuals pass) or a vjp's cotangent argument made no value
+    a gradient, and a custom_vjp's transpose of a constant residual read as a seed, so
+    backward dots went e4m3fn x e4m3fn. A forward dot reading the cotangent (a K-FAC
+    statistic) must not make it a residual. Each form quantises as the plain jax.grad
+    of the same program does."""
     rng = np.random.default_rng(4)
     params = {k: jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32) for k in "abh"}
     x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
     cotangent = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    scale = jnp.float32(1024)
 
     def net(p, x):
         return _layer(_layer(x, p["a"]), p["b"]) @ p["h"]
@@ -200,27 +205,45 @@ def test_a_seed_that_is_not_a_constant_still_finds_every_gradient(seed: str) -> 
     def custom(p, x):
         return jnp.tanh(_custom_matmul(jnp.tanh(_custom_matmul(x, p["a"])), p["b"]))
 
-    def loss(p, x):
-        return jnp.sum((custom if seed.startswith("custom") else net)(p, x) ** 2)
+    def mlp(p, x):
+        return jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"])
 
+    def single_custom(p, x):  # one backward dot: nothing else finds its gradient
+        return jnp.tanh(_custom_matmul(x, p["a"]))
+
+    model = {"custom": custom, "single": single_custom, "checkpoint": jax.checkpoint(
+        mlp, policy=jax.checkpoint_policies.checkpoint_dots)}.get(seed.split("_")[0], net)
+
+    def loss(p, x):
+        return jnp.sum(model(p, x) ** 2)
+
+    def linear_loss(p, x, eps, target):  # the last forward dot is dead code in its grad
+        return jnp.sum((mlp(p, x) @ p["h"] + eps) * target)
+
+    # x an argument in the reference: the seed is jax.grad's constant, x a primal value
+    reference, reference_args = jax.grad(loss), (params, x)
     if seed == "loss_scaler":
         step, args = (lambda p, st: hlo_amp.dynamic_scale_grad(functools.partial(
             loss, x=x))(p, dynamic_scaler_state=st)), (params, hlo_amp.DynamicScalerState())
-    elif seed == "loss_times_scale":
-        step, args = (lambda p, s: jax.grad(lambda q: loss(q, x) * s)(p)), (
-            params, jnp.float32(1024))
+    elif seed in ("loss_times_scale", "custom_vjp_scaled", "checkpoint_dots_scaled",
+                  "single_custom_scaled"):
+        step, args = (lambda p, s: jax.grad(lambda q: loss(q, x) * s)(p)), (params, scale)
     elif seed == "vjp_cotangent":  # the primal output kept: its last dot is a forward op
         def step(p, c):
             out, pullback = jax.vjp(lambda q: net(q, x), p)
             return out, pullback(c)[0]
         args = (params, cotangent)
-    else:  # x a constant of the program, its transpose a backward op of constants only
-        step, args = (lambda p: jax.grad(loss)(p, x)), (params,)
-    if seed == "vjp_cotangent":
         reference, reference_args = (jax.grad(lambda p, c: jnp.sum(net(p, x) * c)),
                                      (params, cotangent))
-    else:  # x an argument: the seed is jax.grad's constant and x a primal value
-        reference, reference_args = jax.grad(loss), (params, x)
+    elif seed == "cotangent_statistic":
+        def step(p, target):
+            g, d = jax.grad(linear_loss, (0, 2))(p, x, jnp.zeros((32, 32)), target)
+            return g, d.T @ d
+        args = (params, cotangent)
+        reference, reference_args = (jax.grad(linear_loss, (0, 2)),
+                                     (params, x, jnp.zeros((32, 32)), cotangent))
+    else:  # x a constant of the program, its transpose a backward op of constants only
+        step, args = (lambda p: jax.grad(loss)(p, x)), (params,)
 
     def backward(fn, args):
         report = hlo_amp.compile(fn, FP8_ACCURATE).lower(*args).report()
@@ -230,6 +253,41 @@ def test_a_seed_that_is_not_a_constant_still_finds_every_gradient(seed: str) -> 
     expected = backward(reference, reference_args)
     assert expected and all(sorted(d) == ["f8E4M3FN", "f8E5M2"] for d in expected)
     assert backward(step, args) == expected
+
+
+def _recomputing_block(w1, w2, z):
+    return jnp.tanh(jnp.tanh(z @ w1) @ w2)
+
+
+@jax.custom_vjp
+def _recomputed_block(w1, w2, z):
+    return _recomputing_block(w1, w2, z)
+
+
+_recomputed_block.defvjp(  # the bwd runs the forward again: jax.vjp of the block
+    lambda w1, w2, z: (_recomputing_block(w1, w2, z), (w1, w2, z)),
+    lambda residuals, g: jax.vjp(_recomputing_block, *residuals)[1](g))
+
+
+def test_a_forward_recomputed_in_a_custom_bwd_is_no_gradient() -> None:
+    """A custom_vjp whose bwd recomputes its forward: the recomputed activation was
+    taken for the gradient of its dot with a weight (e5m2 on an activation), which then
+    gave the weight-gradient dot beside it two 'gradients'. The recomputed dots are
+    forward values (e4m3fn x e4m3fn); the bwd's own backward dots each have one
+    gradient."""
+    rng = np.random.default_rng(5)
+    params = {k: jnp.asarray(rng.standard_normal((32, 32)) / 5, jnp.float32) for k in "ab"}
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+
+    def grad(p):
+        return jax.grad(lambda q: jnp.sum(_recomputed_block(q["a"], q["b"], x) ** 2))(p)
+
+    report = hlo_amp.compile(grad, FP8_ACCURATE).lower(params).report()
+    backward = [d for d in report.decisions if d.direction == "backward" and d.fp8]
+    recomputed = [d.operands_after for d in backward if "transpose(jvp(jvp" in d.location]
+    gradients = [d.operands_after for d in backward if "transpose(jvp(jvp" not in d.location]
+    assert recomputed == [("f8E4M3FN", "f8E4M3FN")] * 2, recomputed
+    assert gradients and all(sorted(d) == ["f8E4M3FN", "f8E5M2"] for d in gradients), gradients
 
 
 # ---- the amax guard ------------------------------------------------------------------------
