@@ -303,13 +303,17 @@ def _iota(dtype, dimension):
      True),
     (lambda: (_iota(jnp.float32, 0) - _iota(jnp.float32, 1)).astype(jnp.uint8) < 128,
      None),
+    # bf16 positions past 256 round two neighbours to one number (257 to 256): not
+    # causal, where float64 arithmetic read them as causal (23% off).
+    (lambda: _iota(jnp.bfloat16, 0) + 256 >= _iota(jnp.bfloat16, 1) + 256, False),
 ], ids=["block_div", "block_uint", "causal_uint_wrap", "bitwise_and", "saturated_causal",
-        "saturated_none"])
+        "saturated_none", "bf16_positions"])
 def test_a_constant_mask_of_integer_arithmetic_is_read_as_the_program_computes_it(
         mask, causal) -> None:
-    """Integer division was true division, and/or/xor logical, unsigned values int64:
-    block-causal masks were fused as causal (122% off), a causal one written with
-    unsigned wrap-around as no mask (100% off)."""
+    """Integer division was true division, and/or/xor logical, unsigned values int64,
+    floats float64: block-causal masks were fused as causal (122% off), a causal one
+    written with unsigned wrap-around as no mask (100% off), bf16 positions that round
+    together as causal (23% off)."""
     def attend(q, k, v):
         scores = jnp.einsum("btnh,bsnh->bnts", q, k) * programs.H ** -0.5
         scores = jnp.where(mask(), scores, -1e9)
@@ -507,6 +511,16 @@ def _gradient_changed(change):
     return changed
 
 
+def _gradient_weighted_by_scores(change):
+    """A custom_vjp on the scores whose backward reads them (its residual)."""
+    @jax.custom_vjp
+    def changed(x):
+        return x
+
+    changed.defvjp(lambda x: (x, x), lambda x, g: (change(x, g),))
+    return changed
+
+
 _WEIGHTS = jnp.linspace(0.1, 2.0, programs.T * programs.T).reshape(programs.T, programs.T)
 
 
@@ -519,13 +533,25 @@ _WEIGHTS = jnp.linspace(0.1, 2.0, programs.T * programs.T).reshape(programs.T, p
     (_gradient_changed(lambda g: g + g), "add of a term with itself"),
     (_gradient_changed(lambda g: g * g), "multiply of two gradient terms"),
     (_gradient_changed(lambda g: g * _WEIGHTS), "a factor from outside the attention"),
+    # The scale is 1/8: a factor equal to it, or to its reciprocal, was taken for it
+    # (here the 0.125 is matched first and the scale's own division by 8 is the extra).
+    (_gradient_changed(lambda g: g * 0.125), "a factor of 8"),
+    (_gradient_changed(lambda g: g * 8.0), "a factor of 8"),
+    # Gated or weighted by the scores themselves (a forward value, but not P's).
+    (_gradient_weighted_by_scores(lambda x, g: jnp.where(jnp.abs(x) < 2.0, g, 0.0)),
+     "a select of the gradient against another value"),
+    (_gradient_weighted_by_scores(lambda x, g: g / (1 + x * x)),
+     "a factor computed from the scores"),
+    (_gradient_weighted_by_scores(lambda x, g: -g * x), "a factor computed from the scores"),
 ], ids=["custom_vjp_clip", "custom_vjp_halve", "penalty", "where_clip", "doubled",
-        "squared", "weighted"])
+        "squared", "weighted", "times_the_scale", "times_its_reciprocal", "gated_by_scores",
+        "divided_by_scores", "times_scores"])
 def test_a_term_added_to_the_scores_gradient_is_left_unfused(change, what) -> None:
     """The backward was fused once its exits contracted the right axes: a custom_vjp
     clipping or halving the scores' gradient, or the gradient of a penalty on the scores
     (under jax.grad alone, where the penalty's forward is dead), was lost (dq and dk
-    60% to 160% off)."""
+    60% to 160% off); so was one multiplying it by the scale or its reciprocal, or gating
+    or weighting it by the scores (100% to 320% off)."""
     def loss(q, k, v):
         s = jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
         s = s if change is None else change(s)

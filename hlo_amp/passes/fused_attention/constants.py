@@ -62,6 +62,14 @@ def evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folde
         dtype = _numpy_type(value) or np.dtype(np.float64)
         if found is not None and found.array.dtype != dtype:
             found = Folded(found.array.astype(dtype), found.axes, found.shape)
+        # A float value rounded to its own type, as the program computes it: bf16
+        # positions (jnp.arange(T, dtype=bfloat16)) round 259 and 260 to one number, so
+        # their comparison is no causal mask.
+        rounding = _ROUNDED.get(_element_name(value))
+        if found is not None and rounding is not None:
+            with np.errstate(all="ignore"):
+                rounded = found.array.astype(rounding).astype(np.float64)
+            found = Folded(rounded, found.axes, found.shape)
         memo[key] = found
     return memo[key]
 
@@ -70,11 +78,20 @@ def evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folde
 _INTEGERS = {name: kind for name, kind in NUMPY_TYPES.items() if name[0] in "iu"}
 
 
-def _numpy_type(value: ir.Value) -> np.dtype | None:
-    """The numpy type of an integer or boolean ``value``; None for floats (float64)."""
+# Float element types narrower than float64, which evaluate() rounds each value to.
+_ROUNDED = {name: kind for name, kind in NUMPY_TYPES.items()
+            if name in ("f32", "f16", "bf16")}
+
+
+def _element_name(value: ir.Value) -> str | None:
     if not isinstance(value.type, ir.RankedTensorType):
         return None
-    found = _INTEGERS.get(str(ir.RankedTensorType(value.type).element_type))
+    return str(ir.RankedTensorType(value.type).element_type)
+
+
+def _numpy_type(value: ir.Value) -> np.dtype | None:
+    """The numpy type of an integer or boolean ``value``; None for floats (float64)."""
+    found = _INTEGERS.get(_element_name(value))
     return None if found is None else np.dtype(found)
 
 

@@ -140,6 +140,9 @@ class _Site(MaskReading, ExitReading):
         # The exponential is divided by its sum plus a term (exp / (sum + eps)).
         self.shifted_sum = False
         self._canon: dict[tuple[ir.Value, Stack], tuple[ir.Value, Stack]] = {}
+        # The constants the scores are multiplied by on their way to the softmax (a
+        # divide's as its reciprocal): the backward multiplies the gradient by each once.
+        self.scale_factors: list[float] = []
 
     # -- the cluster ----------------------------------------------------------------------
 
@@ -424,7 +427,9 @@ class _Site(MaskReading, ExitReading):
                 if other is None or other == 0 or (name == "stablehlo.divide" and chain[0] != 0):
                     raise NotFused(f"the scores are scaled by a {name.split('.')[-1]} "
                                    "that is not a constant")
-                scale *= other if name == "stablehlo.multiply" else 1.0 / other
+                factor = other if name == "stablehlo.multiply" else 1.0 / other
+                scale *= factor
+                self.scale_factors.append(factor)
                 value = operands[chain[0]]
                 continue
             if name == "stablehlo.select" and chain and chain[0] in (1, 2) and len(chain) == 1:
@@ -542,7 +547,7 @@ class _Site(MaskReading, ExitReading):
         if set(exits) not in ({"out"}, {"dv", "dq", "dk"}, {"out", "dv", "dq", "dk"}):
             raise _partial(", ".join(sorted(exits)), "out" in exits)
         if "dq" in exits:
-            self._check_gradient_terms(scale)
+            self._check_gradient_terms(*softmax[:2])
         roles_of_selects = [self.roles.get((op.results[0], st)) for _, st, _, op in selects]
         if any(r is None or None in r for r in roles_of_selects):
             raise NotFused("the mask's dimensions could not be read")
@@ -568,15 +573,17 @@ class _Site(MaskReading, ExitReading):
                 and sorted(shape_of(made.results[0])) == sorted(shape_of(
                     self.scores.results[0])))
 
-    def _check_gradient_terms(self, scale: float) -> None:
+    def _check_gradient_terms(self, exp: ir.Operation, exp_stack: Stack) -> None:
         """The backward computes dS from dP as the softmax's gradient alone: its ops (those
         after dP) are the softmax gradient's kinds, add and subtract two different terms
-        that both come from dP, multiply by dP's, the forward's or the attention's scale
-        (1, -1, 0) only, and select dP's term against 0 only by the forward's choice (a
-        mask). cuDNN's backward computes that gradient, so a term the program adds (a
-        custom_vjp clipping, doubling or scaling the scores' gradient, the gradient of a
-        penalty on the scores) was lost: dq and dk 60% to 160% off. (Not every such
-        change can be told by its ops: a sign flip reads as the softmax's own negate.)"""
+        that both come from dP, multiply by dP's terms, the forward's softmax values (P,
+        the exponential, its sum: _softmax_values) and each constant the forward scaled
+        the scores by, once (and by 1, -1, 0), and select dP's term against 0 only by a
+        mask or a max's indicators. cuDNN's backward computes that gradient, so a term
+        the program adds (a custom_vjp clipping, doubling, scaling or weighting the
+        scores' gradient by the scores, the gradient of a penalty on them) was lost: dq
+        and dk 60% to 320% off. (Not every such change can be told by its ops: a sign
+        flip reads as the softmax's own negate.)"""
         # The values computed from dP, to a fixpoint (the walk's order need not put
         # every reader after its producer).
         after_dp: set[tuple[ir.Value, Stack]] = set()
@@ -594,7 +601,8 @@ class _Site(MaskReading, ExitReading):
                 if any(from_dp(v, stack) for v in op.operands):
                     after_dp.update(self.canon(r, stack) for r in op.results)
                     changed = True
-        allowed = (0.0, 1.0, -1.0, scale, -scale, 1.0 / scale, -1.0 / scale)
+        softmax_values, indicators = self._softmax_values(exp, exp_stack, after_dp)
+        unmatched = list(self.scale_factors)  # each forward scale, matched once
         why = ("the gradient of the scores has a term the softmax's does not ({}): "
                "cuDNN's backward computes the softmax's alone (a custom_vjp on the "
                "scores, a penalty on them)")
@@ -613,28 +621,70 @@ class _Site(MaskReading, ExitReading):
                 if self.canon(operands[0], stack) == self.canon(operands[1], stack):
                     raise NotFused(why.format(f"{name.split('.')[-1]} of a term with itself"))
             elif name in ("stablehlo.multiply", "stablehlo.divide"):
-                # A factor is dP's, the forward's (P, its sum, a max's indicators) or
-                # the scale: not a constant array, nor a value from outside the site;
-                # and the gradient is linear in dP: no product of two of its terms.
+                # A factor is dP's, the softmax's own values or a max's indicators, or
+                # a forward scale: not the scores or what else is computed from them,
+                # not a constant array, nor a value from outside the site; and the
+                # gradient is linear in dP: no product of two of its terms.
                 if all(from_dp(v, stack) for v in operands):
                     raise NotFused(why.format(f"{name.split('.')[-1]} of two gradient terms"))
-                for v in operands:
-                    if from_dp(v, stack) or self.in_cluster(v, stack):
+                for position, v in enumerate(operands):
+                    if from_dp(v, stack):
                         continue
+                    if self.in_cluster(v, stack):
+                        if self.canon(v, stack) in softmax_values | indicators:
+                            continue
+                        raise NotFused(why.format("a factor computed from the scores"))
                     factor = splat_value(self.view, v, stack)
                     if factor is None:
                         raise NotFused(why.format("a factor from outside the attention"))
-                    if not any(math.isclose(factor, a, rel_tol=1e-6) for a in allowed):
+                    if factor in (0.0, 1.0, -1.0):
+                        continue
+                    applied = 1.0 / factor if name == "stablehlo.divide" and position else factor
+                    if not _match_scale(applied, unmatched):
                         raise NotFused(why.format(f"a factor of {factor:g}"))
             elif name == "stablehlo.select":
                 # A mask's (or a max's indicators') select of dP's term against 0; one
-                # whose choice or other side depends on the gradient clips or replaces it.
+                # whose choice is computed from the scores otherwise, or from the
+                # gradient, or whose other side is not 0, clips or replaces it.
                 pick, *sides = operands
-                if from_dp(pick, stack) or not all(
+                if from_dp(pick, stack) or (self.in_cluster(pick, stack) and self.canon(
+                        pick, stack) not in indicators) or not all(
                         from_dp(v, stack) or splat_value(self.view, v, stack) == 0
                         for v in sides):
                     raise NotFused(why.format("a select of the gradient against another "
                                               "value"))
+
+    def _softmax_values(self, exp: ir.Operation, exp_stack: Stack,
+                        after_dp: set[tuple[ir.Value, Stack]]
+                        ) -> tuple[set[tuple[ir.Value, Stack]], set[tuple[ir.Value, Stack]]]:
+        """The forward values the softmax's gradient multiplies by: the exponential and
+        what is computed from it alone with values from outside the cluster (its sum,
+        P, the sum's reciprocal); and a max's indicators (an EQ compare of two cluster
+        values, the scores and their max, and what is made of it alone: jax's gradient
+        of a max that is not stop_gradient'ed)."""
+        softmax_values = {self.canon(exp.results[0], exp_stack)}
+        indicators: set[tuple[ir.Value, Stack]] = set()
+        changed = True
+        while changed:
+            changed = False
+            for op, stack in self.ops.values():
+                key = self.canon(op.results[0], stack)
+                if key in after_dp or key in softmax_values or key in indicators:
+                    continue
+                inside = [self.canon(v, stack) for v in op.operands
+                          if self.in_cluster(v, stack)]
+                indicator = (inside and all(v in indicators for v in inside)) or (
+                    op.name == "stablehlo.compare" and len(inside) == 2 and str(
+                        op.attributes["comparison_direction"]).split()[-1].rstrip(">")
+                    == "EQ")
+                if indicator:
+                    indicators.add(key)
+                elif inside and all(v in softmax_values for v in inside):
+                    softmax_values.add(key)
+                else:
+                    continue
+                changed = True
+        return softmax_values, indicators
 
     def _reads_dp(self, exp: ir.Operation, exp_stack: Stack) -> bool:
         """Whether the cluster is a softmax's (the exponential summed along an axis) over
@@ -695,6 +745,19 @@ class _Site(MaskReading, ExitReading):
                         found.add(key)
                         changed = True
         return found
+
+
+def _match_scale(applied: float, unmatched: list[float]) -> bool:
+    """Whether a constant factor of the backward is one of the forward's scales not yet
+    matched (sign aside), or the product of all of them (removed from ``unmatched``)."""
+    for index, scale in enumerate(unmatched):
+        if math.isclose(abs(applied), abs(scale), rel_tol=1e-6):
+            del unmatched[index]
+            return True
+    if unmatched and math.isclose(abs(applied), abs(math.prod(unmatched)), rel_tol=1e-6):
+        unmatched.clear()
+        return True
+    return False
 
 
 def _batched(dot: ir.Operation) -> bool:
