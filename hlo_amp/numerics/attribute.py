@@ -102,19 +102,24 @@ def _segments(scope: str) -> tuple[str, ...]:
     return tuple(scope.split("/")) if scope else ()
 
 
+# A scope's characters a glob reads as its own, each written as a class matching itself.
+_GLOB_LITERALS = {"*": "[*]", "?": "[?]", "$": "[$]", "[": "[[]", "]": "[]]"}
+
+
 def _pattern(group: str, depth: int) -> str | None:
     """The anchored pattern naming exactly ``group``'s ops, or None when no rule can
-    (whitespace, or '[' or ']' which a glob reads as a character class).
+    (the top level, an empty segment, whitespace or ',', which a policy's scope
+    pattern cannot hold).
 
     A leading '/' keeps it from matching further in (``head`` inside ``blocks/0/head``);
     a group shorter than ``depth`` holds only ops whose scope is exactly its segments,
     so a trailing '$' keeps it out of longer groups it prefixes (``head/dense``).
     """
     segments = group.split("/")
-    if not group or any(ch.isspace() or ch in "[]" for ch in group) or "" in segments:
+    if not group or any(ch.isspace() or ch == "," for ch in group) or "" in segments:
         return None
-    globs = [seg.replace("*", "[*]").replace("?", "[?]").replace("$", "[$]")
-             for seg in segments]
+    # 'layer[1]' was refused (no rule), and autopolicy blamed "ops outside named scopes".
+    globs = ["".join(_GLOB_LITERALS.get(ch, ch) for ch in seg) for seg in segments]
     return "/" + "/".join(globs) + ("$" if len(segments) < depth else "")
 
 
@@ -177,9 +182,9 @@ def attribution_of(session: Session, base: Policy, depth: Any, reference: str, a
     unnamed = [row.scope for row in rows if row.pattern is None]
     if unnamed:
         notes.append(f"note: {', '.join(repr(s) for s in unnamed)}: no scope rule can name "
-                     f"these ops (wrap them in jax.named_scope), so they stay at the "
-                     f"policy's precision in every other row and autopolicy cannot keep "
-                     f"them f32")
+                     f"these ops (outside any jax.named_scope, or a scope name with "
+                     f"whitespace or ','), so they stay at the policy's precision in every "
+                     f"other row and autopolicy cannot keep them f32")
     if base.scaling == "delayed" and base.uses_fp8:
         notes.append(DELAYED_NOTE)
     dtypes = run_dtypes(report, base)

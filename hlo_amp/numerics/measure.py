@@ -25,7 +25,7 @@ from hlo_amp.runtime.compile import (
     rewrite_lowered,
 )
 from hlo_amp.runtime.fp8_state import Fp8StatefulFunction
-from hlo_amp.runtime.frameworks import jax_jit_info
+from hlo_amp.runtime.frameworks import argument_style, jax_jit_info, unwrap_jit
 from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
 
 ATOL = 1e-5
@@ -129,18 +129,51 @@ def _static_argnums(fn: Any) -> tuple[int, ...]:
     return tuple(info.static_argnums) if info is not None else ()
 
 
-def _as_written(fn: Any) -> tuple[Any, tuple[int, ...]]:
-    """``fn`` as written and its static argument positions: an ``hlo_amp.compile``
-    function's own function, also under ``functools.partial`` (which binding a
-    keyword-only static argument needs), so that the reference is not a rewrite."""
+def _as_written(fn: Any) -> tuple[Any, tuple[int, ...], bool | None]:
+    """``fn`` as written, its static argument positions and whether its arguments' non-
+    array leaves are static (``eqx.filter_jit``'s; None: as Equinox modules decide): an
+    ``hlo_amp.compile`` function's own function, also under ``functools.partial``
+    (which binding a keyword-only static argument needs), so that the reference is not
+    a rewrite."""
     if isinstance(fn, functools.partial):
-        inner, statics = _as_written(fn.func)
+        inner, statics, filtered = _as_written(fn.func)
         bound = len(fn.args)  # the positions the partial fills come first
         return (functools.partial(inner, *fn.args, **fn.keywords),
-                tuple(i - bound for i in statics if i >= bound))
+                tuple(i - bound for i in statics if i >= bound), filtered)
     if isinstance(fn, (AmpFunction, Fp8StatefulFunction)):  # not a rewritten rewrite
-        return fn.fn, fn.static_argnums
-    return fn, _static_argnums(fn)
+        return fn.fn, fn.static_argnums, getattr(fn, "filter", None)
+    try:  # an nnx.jit / eqx.filter_jit step: its static arguments and filtering
+        decorator = unwrap_jit(fn, getattr(fn, "__name__", "fn"))
+    except TypeError:  # options hlo_amp.compile cannot carry: measured as it is
+        decorator = None
+    if decorator is not None and decorator.name != "jax.jit":
+        return decorator.fn, decorator.static_argnums, decorator.filter
+    return fn, _static_argnums(fn), None
+
+
+def _with_arrays_only(fn: Callable[..., Any], args: tuple, filtered: bool | None,
+                      what: str) -> tuple[Callable[..., Any], tuple]:
+    """``fn`` as a function of its arguments' arrays where they are taken as
+    ``eqx.filter_jit`` takes them (an Equinox module's functions and other non-array
+    leaves static, outputs' non-array leaves dropped); a Flax NNX object is refused."""
+    style = argument_style(args, {}, filtered)
+    if style == "nnx":
+        raise ValueError(f"hlo_amp.{what} does not take Flax NNX objects as arguments; "
+                         f"accepted: arrays and pytrees of them (Equinox modules too): give "
+                         f"an NNX step as a pure function of nnx.split's state "
+                         f"(docs/numerics.md)")
+    if style != "filter":
+        return fn, args
+    import equinox as eqx  # filtered arguments: Equinox is there
+
+    arrays, static = eqx.partition(args, eqx.is_array)
+
+    def with_arrays(*dynamic: Any) -> Any:
+        return eqx.filter(fn(*eqx.combine(dynamic, static)), eqx.is_array)
+
+    with_arrays.__name__ = getattr(fn, "__name__", "fn")
+    with_arrays.__wrapped__ = fn
+    return with_arrays, tuple(arrays)
 
 
 def _with_statics_bound(fn: Callable[..., Any], args: tuple, statics: tuple[int, ...]
@@ -172,10 +205,13 @@ class Session:
     """One public call: its arguments, the runs it made, what it compiled."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, what: str) -> None:
-        fn, statics = _as_written(fn)
+        fn, statics, filtered = _as_written(fn)
         if not callable(fn):
             raise ValueError(f"hlo_amp.{what} expects a callable, got {fn!r}")  # noqa: TRY004
         fn, args = _with_statics_bound(fn, args, normalise_argnums(statics, len(args)))
+        # An eqx.filter_jit step, as hlo_amp.compile runs it (jax's TypeError on the
+        # module's activation function before).
+        fn, args = _with_arrays_only(fn, args, filtered, what)
         self.start = time.perf_counter()
         self.fn = fn
         self.args = args

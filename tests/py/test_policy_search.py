@@ -187,6 +187,30 @@ def test_a_rule_names_exactly_its_scope():
     assert dict(result.policy.scopes) == {rows["blocks"].pattern: "float32"}
 
 
+def test_a_scope_named_with_brackets_gets_its_rule():
+    """'layer[1]' (a glob's character class) had no rule: attribute's row said no rule
+    can name ops that are in a named scope, and autopolicy missed the budget."""
+
+    def fn(x, w):
+        with jax.named_scope("layer[0]"):
+            y = x @ w["head"]
+        with jax.named_scope("layer[1]"):
+            c = w["u"] @ w["sign"]  # the fragile one
+        return y, c
+
+    weights = {"head": W["embed"], "u": W["u"], "sign": W["sign"]}
+    attribution = hlo_amp.attribute(fn, "bf16", X, weights)
+    rows = {row.scope: row for row in attribution.scopes}
+    assert attribution.ranking[0] == "layer[1]"
+    assert None not in (rows["layer[0]"].pattern, rows["layer[1]"].pattern)
+    only = hlo_amp.Policy.parse(f"bf16,scope:{rows['layer[1]'].pattern}=float32")
+    assert only.decide(("layer[1]",), "dot_general", False).action == "float32"
+    assert only.decide(("layer[0]",), "dot_general", False).action == "compute"
+    assert only.decide(("layer1",), "dot_general", False).action == "compute"
+    result = hlo_amp.autopolicy(fn, X, weights, budget=0.01)
+    assert result.f32_scopes == ["layer[1]"] and result.met
+
+
 @pytest.mark.parametrize("fragile", [("blocks", "0", "head"), ("head", "dense")])
 def test_at_depth_each_group_has_its_own_rule(fragile):
     """At depth 2, ``head`` (ops directly in it) prefixes ``head/dense`` and is nested as
@@ -601,6 +625,49 @@ def test_a_compiled_functions_static_arguments_stay_static():
         assert measured.error == bound.error > 0
     ranked = hlo_amp.attribute(hlo_amp.compile(layers, static_argnums=2), "bf16", w, x, 3)
     assert sorted(ranked.ranking) == ["layer0", "layer1", "layer2"]
+
+
+def test_framework_steps_are_measured_as_their_jit_takes_their_arguments():
+    """An eqx.filter_jit step (a module with functions among its leaves, a Python int)
+    and an nnx.jit one with static_argnums ran under hlo_amp.compile but failed in
+    compare/attribute/autopolicy with jax's TypeError or a traced loop bound."""
+    import equinox as eqx
+    from flax import nnx
+
+    def layers(x, count, w):
+        for i in range(count):
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ w)
+        return x
+
+    w, x = np.eye(8, dtype=np.float32) * 0.5 + 0.01, np.ones((4, 8), np.float32)
+    bound = hlo_amp.compare(lambda x, w: layers(x, 3, w), "bf16", x, w, f64=False)
+    for step in (eqx.filter_jit(layers), nnx.jit(layers, static_argnums=1),
+                 hlo_amp.compile(eqx.filter_jit(layers), "f16")):
+        assert hlo_amp.compare(step, "bf16", x, 3, w, f64=False).error == bound.error > 0
+        assert sorted(hlo_amp.attribute(step, "bf16", x, 3, w).ranking) == [
+            "layer0", "layer1", "layer2"]
+
+    mlp = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(0))  # activation functions: leaves
+
+    def loss(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    params, static = eqx.partition(mlp, eqx.is_array)
+    xs = np.asarray(jax.random.normal(jax.random.key(1), (16, 8))) * 8
+    pure = hlo_amp.compare(lambda p, x: loss(eqx.combine(p, static), x), "bf16", params,
+                           xs, f64=False)
+    step = hlo_amp.compile(eqx.filter_jit(loss), "bf16")
+    assert hlo_amp.compare(step, "bf16", mlp, xs, f64=False).error == pure.error > 0
+    assert hlo_amp.autopolicy(step, mlp, xs, budget=1.0).met
+
+
+def test_an_nnx_object_is_refused_in_one_message():
+    from flax import nnx
+
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="^hlo_amp.compare does not take Flax NNX objects"):
+        hlo_amp.compare(lambda m, x: m(x), "bf16", model, np.ones((2, 8), np.float32))
 
 
 def test_executables_are_cached_per_function_and_freed_with_it():
