@@ -608,8 +608,13 @@ def test_a_compiled_function_is_measured_as_written():
 def test_a_compiled_functions_static_arguments_stay_static():
     """``hlo_amp.compile(fn, static_argnums=...)`` and ``jax.jit(fn, static_argnums=...)``
     are measured with their static arguments bound, as ``functools.partial`` binds them
-    (they were traced: the loop bound failed inside the user's function)."""
+    (they were traced: the loop bound failed inside the user's function); so are an
+    ``eqx.filter_jit`` step's Python ints and an ``nnx.jit`` one's static_argnums
+    (traced too, compiled by hlo_amp or not)."""
     import functools
+
+    import equinox as eqx
+    from flax import nnx
 
     def layers(w, x, count):
         for i in range(count):
@@ -620,33 +625,19 @@ def test_a_compiled_functions_static_arguments_stay_static():
     w, x = np.eye(8, dtype=np.float32) * 0.5 + 0.01, np.ones((4, 8), np.float32)
     bound = hlo_amp.compare(functools.partial(layers, count=3), "bf16", w, x, f64=False)
     for given in (hlo_amp.compile(layers, "f16", static_argnums=2),
-                  jax.jit(layers, static_argnums=2)):
+                  jax.jit(layers, static_argnums=2), eqx.filter_jit(layers),
+                  nnx.jit(layers, static_argnums=2),
+                  hlo_amp.compile(eqx.filter_jit(layers), "f16")):
         measured = hlo_amp.compare(given, "bf16", w, x, 3, f64=False)
         assert measured.error == bound.error > 0
-    ranked = hlo_amp.attribute(hlo_amp.compile(layers, static_argnums=2), "bf16", w, x, 3)
-    assert sorted(ranked.ranking) == ["layer0", "layer1", "layer2"]
+        ranked = hlo_amp.attribute(given, "bf16", w, x, 3)
+        assert sorted(ranked.ranking) == ["layer0", "layer1", "layer2"]
 
 
-def test_framework_steps_are_measured_as_their_jit_takes_their_arguments():
-    """An eqx.filter_jit step (a module with functions among its leaves, a Python int)
-    and an nnx.jit one with static_argnums ran under hlo_amp.compile but failed in
-    compare/attribute/autopolicy with jax's TypeError or a traced loop bound."""
+def test_an_equinox_step_is_measured_as_filter_jit_takes_its_module():
+    """An eqx.filter_jit step whose module holds functions among its leaves ran under
+    hlo_amp.compile but failed in compare/attribute/autopolicy with jax's TypeError."""
     import equinox as eqx
-    from flax import nnx
-
-    def layers(x, count, w):
-        for i in range(count):
-            with jax.named_scope(f"layer{i}"):
-                x = jnp.tanh(x @ w)
-        return x
-
-    w, x = np.eye(8, dtype=np.float32) * 0.5 + 0.01, np.ones((4, 8), np.float32)
-    bound = hlo_amp.compare(lambda x, w: layers(x, 3, w), "bf16", x, w, f64=False)
-    for step in (eqx.filter_jit(layers), nnx.jit(layers, static_argnums=1),
-                 hlo_amp.compile(eqx.filter_jit(layers), "f16")):
-        assert hlo_amp.compare(step, "bf16", x, 3, w, f64=False).error == bound.error > 0
-        assert sorted(hlo_amp.attribute(step, "bf16", x, 3, w).ranking) == [
-            "layer0", "layer1", "layer2"]
 
     mlp = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(0))  # activation functions: leaves
 
