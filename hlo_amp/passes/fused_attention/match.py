@@ -837,8 +837,19 @@ def match_site(view: CallView, scores: ir.Operation) -> Match:
         readers = len(site.exits)
         if site.split_backward:
             error.direction = error.direction or "forward and backward"
+        if not error.direction and readers and all(
+                _forward_mode(op) for op, _number in site.exits):
+            # jax.jvp's tangents read the probabilities too (dP·V, P·dV): not a backward.
+            error.direction = "forward"
         error.direction = error.direction or ("forward" if readers < 2 else
                            "forward and backward" if readers >= 4 else "backward")
         raise
+
+
+def _forward_mode(op: ir.Operation) -> bool:
+    """Whether ``op``'s location names it a forward-mode op (under ``jvp(...)``, not a
+    backward's ``transpose(...)``); False where it says neither."""
+    site = site_of(op.location, "dot_general")
+    return not site.backward and any(t.startswith("jvp") for t in site.transforms)
 
 
