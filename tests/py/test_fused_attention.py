@@ -566,6 +566,32 @@ def test_a_term_added_to_the_scores_gradient_is_left_unfused(change, what) -> No
         f"the gradient of the scores has a term the softmax's does not ({what})"), reasons
 
 
+def _row_max(s):
+    return s.max(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("shifted", [
+    lambda s: s - jnp.where(jnp.isneginf(_row_max(s)), 0.0, _row_max(s)),  # a guard
+    lambda s: s - jnp.max(s, -1, keepdims=True, initial=-jnp.inf),
+    lambda s: s - jnp.maximum(_row_max(s), -1e30),  # a floor
+    lambda s: s * 0.35 - _row_max(s) * 0.35,  # the scale after the max
+], ids=["guard", "initial", "floor", "scale_after_max"])
+def test_a_softmax_whose_row_max_is_guarded_still_fuses(shifted) -> None:
+    """The gradient through a softmax's row max (not stop_gradient'ed) is zero whatever
+    is computed on it: a guard, initial=, a floor or a scale there was taken for a term
+    the softmax's gradient has not (refused after 03acd88)."""
+    causal = jnp.tril(jnp.ones((programs.T, programs.T), bool))
+
+    def attend(q, k, v):
+        s = jnp.where(causal, jnp.einsum("btnh,bsnh->bnts", q, k), -jnp.inf)
+        e = jnp.exp(shifted(s))
+        return jnp.einsum("bnts,bsnh->btnh", e / e.sum(-1, keepdims=True), v)
+
+    step = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))), argnums=(0, 1, 2))
+    sites = hlo_amp.compile(step, "bf16").lower(*QKV, target="h100").report().attention
+    assert [(s.fused, s.reason) for s in sites] == [(True, "")], sites
+
+
 def test_dropout_on_the_probabilities_is_named() -> None:
     """NNX attention with dropout in training: cuDNN would draw other random numbers."""
     from flax import nnx

@@ -624,35 +624,48 @@ class _Site(MaskReading, ExitReading):
                 # A factor is dP's, the softmax's own values or a max's indicators, or
                 # a forward scale: not the scores or what else is computed from them,
                 # not a constant array, nor a value from outside the site; and the
-                # gradient is linear in dP: no product of two of its terms.
+                # gradient is linear in dP: no product of two of its terms. A term that
+                # does not vary along the keys is the row max's gradient (a guard, an
+                # initial=, a floor or a scale on the max): zero, as a softmax does not
+                # change when its row is shifted, whatever multiplies it.
                 if all(from_dp(v, stack) for v in operands):
                     raise NotFused(why.format(f"{name.split('.')[-1]} of two gradient terms"))
+                on_rows = self._along_rows(op.results[0], stack)
                 for position, v in enumerate(operands):
                     if from_dp(v, stack):
                         continue
                     if self.in_cluster(v, stack):
-                        if self.canon(v, stack) in softmax_values | indicators:
+                        if self.canon(v, stack) in softmax_values | indicators or (
+                                self._along_rows(v, stack)):
                             continue
                         raise NotFused(why.format("a factor computed from the scores"))
                     factor = splat_value(self.view, v, stack)
                     if factor is None:
                         raise NotFused(why.format("a factor from outside the attention"))
-                    if factor in (0.0, 1.0, -1.0):
+                    if factor in (0.0, 1.0, -1.0) or on_rows:
                         continue
                     applied = 1.0 / factor if name == "stablehlo.divide" and position else factor
                     if not _match_scale(applied, unmatched):
                         raise NotFused(why.format(f"a factor of {factor:g}"))
             elif name == "stablehlo.select":
                 # A mask's (or a max's indicators') select of dP's term against 0; one
-                # whose choice is computed from the scores otherwise, or from the
-                # gradient, or whose other side is not 0, clips or replaces it.
+                # whose choice is computed from the scores otherwise (but a row max's
+                # guard), or from the gradient, or whose other side is not 0, clips or
+                # replaces it.
                 pick, *sides = operands
                 if from_dp(pick, stack) or (self.in_cluster(pick, stack) and self.canon(
-                        pick, stack) not in indicators) or not all(
+                        pick, stack) not in indicators and not self._along_rows(
+                            pick, stack)) or not all(
                         from_dp(v, stack) or splat_value(self.view, v, stack) == 0
                         for v in sides):
                     raise NotFused(why.format("a select of the gradient against another "
                                               "value"))
+
+    def _along_rows(self, value: ir.Value, stack: Stack) -> bool:
+        """Whether ``value`` (of the cluster) is known not to vary along the keys: a row
+        value, such as the scores' row max and what is computed from it."""
+        roles = self.role(value, stack)
+        return roles is not None and None not in roles and S_ROLE not in roles
 
     def _softmax_values(self, exp: ir.Operation, exp_stack: Stack,
                         after_dp: set[tuple[ir.Value, Stack]]
