@@ -23,18 +23,23 @@ Every value gets one of three kinds, in program order:
   a cotangent of a backward program split from its forward, is GRAD:
   ir/program_hints.py.)
 
-A backward dot's incoming gradient is its one GRAD operand. Where there is none, or
-two, it is read off the structure: when one of its operands (through converts,
-transposes, reshapes, reverses, an optimization barrier and a private function's one
-call) is a residual -- a value a forward matrix op reads (dW = x^T dy reads the
-forward's x, dx = dy W^T its W), or a forward the backward pass recomputes from
-residuals (a custom_vjp whose bwd runs jax.vjp of its forward) -- and the other is not,
-the other is the gradient. That finds a seed the kinds cannot see (the loss times a
-loss scale, an argument; a vjp's cotangent argument); such a gradient operand is made
-GRAD and the flow run again from it, so the backward dots it reaches in loops and
-callees (whose residuals are other values) find it too. With neither answer (remat's
-recomputed forward, a backward program split from its forward without hints) there is
-no single gradient operand and the caller treats the dot like a forward one.
+A backward dot's incoming gradient is first read off the structure: when one of its
+operands (through converts, transposes, reshapes, reverses, an optimization barrier and a
+private function's one call) is a residual and the other is not, the other is the
+gradient. A residual is a value a forward matrix op reads (dW = x^T dy reads the
+forward's x, dx = dy W^T its W) -- but not a value the backward computed (a cotangent a
+K-FAC statistic d.T @ d reads) unless the dot's other operand is one too (a learned
+optimizer's network reading a gradient, under its own transposes) -- or what the
+backward computes from residuals and constants alone (a forward a custom_vjp's bwd
+recomputes with jax.vjp, a residual it scales). That finds a seed the kinds cannot see
+(the loss times a loss scale, an argument; a vjp's cotangent argument) and sees past a
+wrong one (a constant factor in a custom bwd is a backward op of a constant); such a
+gradient operand is made GRAD and the flow run again from it, so the backward dots it
+reaches in loops and callees (whose residuals are other values) find it too. Else the
+dot's gradient is its one GRAD operand; with none or two (remat's recomputed forward, a
+backward program split from its forward without hints, a dot whose forward is dead code
+under a loss scale) there is no single gradient operand and the caller treats the dot
+like a forward one.
 
 Ops inside remat's ``rematted_computation`` are the forward recomputed, so they do not count as backward.
 ``optimization_barrier`` passes each operand's kind to the result at its position; a
@@ -147,7 +152,13 @@ class GradientFlow:
         # The values forward matrix ops read (seen through layout ops): a backward dot's
         # operand among them is a residual, so the other one is the gradient.
         self._forward_operands: set[ir.Value] = set()
-        self._recomputed: set[ir.Value] = set()
+        # Values the backward pass computed: one a later forward op reads (a K-FAC
+        # statistic d.T @ d of a cotangent) is no residual to a backward dot whose other
+        # operand the backward did not compute (dW = d^T h reads the forward's h); a
+        # gradient a forward network reads (a learned optimizer's) is one to that
+        # network's transposes (their other operand is its dY, a cotangent).
+        self._backward_values: set[ir.Value] = set()
+        self._derived: set[ir.Value] = set()  # residuals the backward computes from some
         # A private function called once: its arguments are that call's operands (jax
         # lowers a nested jax.jit to one, its forward and backward calls apart).
         self._entry_blocks: dict[ir.Block, Any] = {}
@@ -159,27 +170,30 @@ class GradientFlow:
         self._only_call = {name: found[0] for name, found in calls.items()
                            if len(found) == 1}
         backward_dots: list[Any] = []
-        for fn, prefix in bodies:
-            for op in walk_operations(fn, names=_MATRIX_OPS):
-                if _is_backward(join_names(prefix, location_name(op.location))):
-                    backward_dots.append(op)
-                else:
-                    self._forward_operands.update(
-                        self._source(v) for v in list(op.operands)[:2])
-        # A forward recomputed in the backward pass by the program itself (a custom_vjp
-        # whose bwd runs jax.vjp of its forward): a backward matrix op reading residuals
-        # only, and what is computed from it with residuals and constants, are residuals
-        # too (the recomputed activation is not the gradient of the dot beside it).
+        backward_ops: list[Any] = []  # in program order
         for fn, prefix in bodies:
             for op in walk_operations(fn):
-                if len(op.results) != 1 or not len(op.operands) or not _is_backward(
-                        join_names(prefix, location_name(op.location))):
+                backward = _is_backward(join_names(prefix, location_name(op.location)))
+                if backward:
+                    backward_ops.append(op)
+                    self._backward_values.update(op.results)
+                if op.name not in _MATRIX_OPS:
                     continue
-                sources = [self._source(v) for v in op.operands]
-                if all(v in self._forward_operands or _is_constant(v) for v in sources) and (
-                        op.name in _MATRIX_OPS or any(v in self._recomputed for v in sources)):
-                    self._forward_operands.add(op.results[0])
-                    self._recomputed.add(op.results[0])
+                if backward:
+                    backward_dots.append(op)
+                    continue
+                self._forward_operands.update(self._source(v) for v in list(op.operands)[:2])
+        # What the backward computes from residuals alone (with constants): a forward
+        # the program recomputes there (a custom_vjp whose bwd runs jax.vjp of its
+        # forward), a residual it scales (w * 0.5): residuals too, not the gradient of
+        # the dot beside them.
+        for op in backward_ops:
+            if len(op.results) != 1 or not len(op.operands):
+                continue
+            sources = [self._source(v) for v in op.operands]
+            residual = [self._is_residual(v) for v in sources]
+            if any(residual) and all(r or _is_constant(v) for v, r in zip(sources, residual)):
+                self._derived.add(op.results[0])
         # A seed cotangent the dataflow cannot see (a primal value: the loss times a
         # loss scale, a vjp's cotangent argument) leaves a backward dot without a
         # gradient operand; the operand the structure names is one, and the flow is run
@@ -214,12 +228,25 @@ class GradientFlow:
             value = call.operands[value.arg_number]
         return value
 
+    def _is_residual(self, source: ir.Value, partner: ir.Value | None = None) -> bool:
+        """Whether ``source`` is a residual (to a backward dot whose other operand is
+        ``partner``)."""
+        if source in self._derived:
+            return True
+        if source not in self._forward_operands:
+            return False
+        return (source not in self._backward_values or partner is None
+                or self._source(partner) in self._backward_values)
+
     def _residual_partner(self, op: Any) -> int | None:
         """The index of the operand of a backward dot that is not a residual, when the
         other one is (a value a forward matrix op reads) and it is not."""
-        forward = [self._source(v) in self._forward_operands
-                   for v in list(op.operands)[:2]]
-        return forward.index(False) if len(forward) == 2 and forward.count(True) == 1 else None
+        operands = list(op.operands)[:2]
+        if len(operands) != 2:
+            return None
+        forward = [self._is_residual(self._source(v), operands[1 - i])
+                   for i, v in enumerate(operands)]
+        return forward.index(False) if forward.count(True) == 1 else None
 
     def _flow(self, bodies: Sequence[tuple[Any, str]],
               seeds: set[ir.Value]) -> dict[ir.Value, int]:
@@ -260,11 +287,12 @@ class GradientFlow:
 
     def incoming_gradient(self, op: Any) -> int | None:
         """The index (0 or 1) of the one operand of ``op`` that carries the gradient:
-        the one GRAD operand, else the one that is not a residual when the other is."""
+        the one that is not a residual when the other is, else the one GRAD operand."""
+        partner = self._residual_partner(op)
+        if partner is not None:
+            return partner
         kinds = [self.kind(v) for v in list(op.operands)[:2]]
-        if kinds.count(GRAD) == 1:
-            return kinds.index(GRAD)
-        return self._residual_partner(op)
+        return kinds.index(GRAD) if kinds.count(GRAD) == 1 else None
 
     def _run(self, fn: Any, prefix: str, given: tuple[int, ...] | None,
              kinds: dict[ir.Value, int],

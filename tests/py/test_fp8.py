@@ -255,6 +255,62 @@ def test_a_seed_that_is_not_a_constant_still_finds_every_gradient(seed: str) -> 
     assert backward(step, args) == expected
 
 
+def _backward_fp8(fn, *args):
+    report = hlo_amp.compile(fn, FP8_ACCURATE).lower(*args).report()
+    return [d.operands_after for d in report.decisions if d.direction == "backward" and d.fp8]
+
+
+def test_a_scaled_cotangent_a_statistic_reads_puts_no_e5m2_on_a_forward_value() -> None:
+    """A K-FAC statistic d.T @ d of a loss-scaled cotangent made d a 'residual', so the
+    activation and the weight beside it went e5m2; the wrong seed then gave an unscaled
+    gradient of the same step two 'gradients'. jax's transposes read the cotangent as
+    their lhs: no backward dot here has its gradient on the rhs."""
+    rng = np.random.default_rng(6)
+    x, x2 = (jnp.asarray(rng.standard_normal((16, 32)), jnp.float32) for _ in range(2))
+    target = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+    params = {"a": jnp.asarray(rng.standard_normal((32, 48)) / 5, jnp.float32),
+              "b": jnp.asarray(rng.standard_normal((48, 64)) / 5, jnp.float32)}
+
+    def step(p, s):
+        def loss(q, eps):
+            return jnp.sum(((jnp.tanh(x @ q["a"]) @ q["b"]) + eps) * target) * s
+
+        g, d = jax.grad(loss, (0, 1))(p, jnp.zeros((16, 64)))
+        plain = jax.grad(lambda q: jnp.sum((jnp.tanh(x2 @ q["a"]) @ q["b"]) * target))(p)
+        return g, d.T @ d, plain
+
+    decided = _backward_fp8(step, params, jnp.float32(1024))
+    assert ("f8E4M3FN", "f8E5M2") not in decided, decided
+    assert decided[-3:] == [("f8E5M2", "f8E4M3FN")] * 3, decided  # the unscaled gradient
+
+
+@jax.custom_vjp
+def _halved_matmul(a, w):
+    return a @ w
+
+
+_halved_matmul.defvjp(lambda a, w: (a @ w, (a, w)),  # the bwd scales its residuals
+                      lambda res, g: (g @ (res[1] * 0.5).T, (res[0] * 0.5).T @ g))
+
+
+def test_a_residual_a_custom_bwd_scales_is_no_gradient() -> None:
+    """w * 0.5 in a custom_vjp's bwd: the splat 0.5, a backward op of a constant, was
+    taken for the seed, so under a loss scale the scaled weight and activation went
+    e5m2 and the cotangent e4m3fn."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+    params = {"a": jnp.asarray(rng.standard_normal((32, 48)) / 5, jnp.float32),
+              "b": jnp.asarray(rng.standard_normal((48, 16)) / 5, jnp.float32)}
+
+    def step(p, s):
+        net = lambda q: jnp.tanh(_halved_matmul(jnp.tanh(_halved_matmul(x, q["a"])), q["b"]))
+        return jax.grad(lambda q: jnp.sum(net(q) ** 2) * s)(p)
+
+    # dx = g @ (w/2)^T, then dW = (a/2)^T @ g for each layer: the gradient lhs, rhs, rhs
+    assert _backward_fp8(step, params, jnp.float32(1)) == [
+        ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2"), ("f8E4M3FN", "f8E5M2")]
+
+
 def _recomputing_block(w1, w2, z):
     return jnp.tanh(jnp.tanh(z @ w1) @ w2)
 
