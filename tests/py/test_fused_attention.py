@@ -543,9 +543,21 @@ _WEIGHTS = jnp.linspace(0.1, 2.0, programs.T * programs.T).reshape(programs.T, p
     (_gradient_weighted_by_scores(lambda x, g: g / (1 + x * x)),
      "a factor computed from the scores"),
     (_gradient_weighted_by_scores(lambda x, g: -g * x), "a factor computed from the scores"),
+    # Zeroed, or added to itself through a factor of one.
+    (_gradient_changed(lambda g: g * 0.0), "a factor of 0"),
+    (_gradient_changed(lambda g: g + 1.0 * g), "add of a term with itself"),
+    # Gated by the row's argmax, or weighted through an 'indicator' x == x: a max's
+    # indicators route only the row max's own gradient.
+    (_gradient_weighted_by_scores(
+        lambda x, g: jnp.where(x == x.max(-1, keepdims=True), g, 0.0)),
+     "a select of the gradient against another value"),
+    (_gradient_weighted_by_scores(
+        lambda x, g: g * ((x == x) * _WEIGHTS)),  # noqa: PLR0124 - x == x is the point
+     "a factor computed from the scores"),
 ], ids=["custom_vjp_clip", "custom_vjp_halve", "penalty", "where_clip", "doubled",
         "squared", "weighted", "times_the_scale", "times_its_reciprocal", "gated_by_scores",
-        "divided_by_scores", "times_scores"])
+        "divided_by_scores", "times_scores", "zeroed", "plus_one_times_itself",
+        "argmax_gate", "weighted_by_an_indicator"])
 def test_a_term_added_to_the_scores_gradient_is_left_unfused(change, what) -> None:
     """The backward was fused once its exits contracted the right axes: a custom_vjp
     clipping or halving the scores' gradient, or the gradient of a penalty on the scores

@@ -618,7 +618,7 @@ class _Site(MaskReading, ExitReading):
                 if not all(from_dp(v, stack) or splat_value(self.view, v, stack) == 0
                            for v in operands):
                     raise NotFused(why.format(f"{name.split('.')[-1]} of a term not from dP"))
-                if self.canon(operands[0], stack) == self.canon(operands[1], stack):
+                if self._unscaled(operands[0], stack) == self._unscaled(operands[1], stack):
                     raise NotFused(why.format(f"{name.split('.')[-1]} of a term with itself"))
             elif name in ("stablehlo.multiply", "stablehlo.divide"):
                 # A factor is dP's, the softmax's own values or a max's indicators, or
@@ -631,18 +631,25 @@ class _Site(MaskReading, ExitReading):
                 if all(from_dp(v, stack) for v in operands):
                     raise NotFused(why.format(f"{name.split('.')[-1]} of two gradient terms"))
                 on_rows = self._along_rows(op.results[0], stack)
+                row_term = all(self._row_broadcast(v, stack) for v in operands
+                               if from_dp(v, stack))
                 for position, v in enumerate(operands):
                     if from_dp(v, stack):
                         continue
                     if self.in_cluster(v, stack):
-                        if self.canon(v, stack) in softmax_values | indicators or (
-                                self._along_rows(v, stack)):
+                        known = self.canon(v, stack)
+                        # A max's indicators route the row max's gradient (a row term)
+                        # to the scores; on the scores' own gradient they gate it.
+                        if known in softmax_values or self._along_rows(v, stack) or (
+                                known in indicators and row_term):
                             continue
                         raise NotFused(why.format("a factor computed from the scores"))
                     factor = splat_value(self.view, v, stack)
                     if factor is None:
                         raise NotFused(why.format("a factor from outside the attention"))
-                    if factor in (0.0, 1.0, -1.0) or on_rows:
+                    if factor == 0.0:  # the gradient zeroed (g * 0), not the softmax's
+                        raise NotFused(why.format("a factor of 0"))
+                    if factor in (1.0, -1.0) or on_rows:
                         continue
                     applied = 1.0 / factor if name == "stablehlo.divide" and position else factor
                     if not _match_scale(applied, unmatched):
@@ -653,9 +660,11 @@ class _Site(MaskReading, ExitReading):
                 # guard), or from the gradient, or whose other side is not 0, clips or
                 # replaces it.
                 pick, *sides = operands
-                if from_dp(pick, stack) or (self.in_cluster(pick, stack) and self.canon(
-                        pick, stack) not in indicators and not self._along_rows(
-                            pick, stack)) or not all(
+                row_term = all(self._row_broadcast(v, stack) for v in sides
+                               if from_dp(v, stack))
+                if from_dp(pick, stack) or (self.in_cluster(pick, stack) and not (
+                        self.canon(pick, stack) in indicators and row_term)
+                        and not self._along_rows(pick, stack)) or not all(
                         from_dp(v, stack) or splat_value(self.view, v, stack) == 0
                         for v in sides):
                     raise NotFused(why.format("a select of the gradient against another "
@@ -666,6 +675,26 @@ class _Site(MaskReading, ExitReading):
         value, such as the scores' row max and what is computed from it."""
         roles = self.role(value, stack)
         return roles is not None and None not in roles and S_ROLE not in roles
+
+    def _unscaled(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
+        """``value`` past multiplies by one (g + 1.0 * g adds a term to itself)."""
+        for _step in range(8):
+            op, _made, made_stack = self.view.producer(value, stack)
+            if op is None or op.name != "stablehlo.multiply":
+                break
+            units = [splat_value(self.view, v, made_stack) == 1.0 for v in op.operands]
+            if units.count(True) != 1:
+                break
+            value, stack = op.operands[units.index(False)], made_stack
+        return self.canon(value, stack)
+
+    def _row_broadcast(self, value: ir.Value, stack: Stack) -> bool:
+        """Whether ``value`` is a row value or one broadcast along the keys."""
+        if self._along_rows(value, stack):
+            return True
+        op, _made, made_stack = self.view.producer(value, stack)
+        return (op is not None and op.name == "stablehlo.broadcast_in_dim"
+                and self._along_rows(op.operands[0], made_stack))
 
     def _softmax_values(self, exp: ir.Operation, exp_stack: Stack,
                         after_dp: set[tuple[ir.Value, Stack]]
@@ -686,10 +715,17 @@ class _Site(MaskReading, ExitReading):
                     continue
                 inside = [self.canon(v, stack) for v in op.operands
                           if self.in_cluster(v, stack)]
-                indicator = (inside and all(v in indicators for v in inside)) or (
-                    op.name == "stablehlo.compare" and len(inside) == 2 and str(
-                        op.attributes["comparison_direction"]).split()[-1].rstrip(">")
-                    == "EQ")
+                outside_constant = all(self.in_cluster(v, stack) or splat_value(
+                    self.view, v, stack) is not None for v in op.operands)
+                # The scores against their row max (s == max(s)), and what is made of
+                # that with constants alone: not s == s, nor a weight from elsewhere.
+                rows = [self._row_broadcast(v, stack) for v in op.operands]
+                indicator = outside_constant and (
+                    (inside and all(v in indicators for v in inside)) or (
+                        op.name == "stablehlo.compare" and len(inside) == 2
+                        and rows.count(True) == 1 and str(
+                            op.attributes["comparison_direction"]).split()[-1].rstrip(">")
+                        == "EQ"))
                 if indicator:
                     indicators.add(key)
                 elif inside and all(v in softmax_values for v in inside):
