@@ -34,6 +34,7 @@ probabilities outside the attention) leaves the site unfused with the reason.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from jaxlib.mlir import ir
 
@@ -601,7 +602,13 @@ class _Site(MaskReading, ExitReading):
                 if any(from_dp(v, stack) for v in op.operands):
                     after_dp.update(self.canon(r, stack) for r in op.results)
                     changed = True
-        softmax_values, indicators = self._softmax_values(exp, exp_stack, after_dp)
+        softmax_values = self._softmax_values(exp, exp_stack, after_dp)
+        max_path = self._max_gradient(exp, exp_stack, after_dp, from_dp)
+
+        def on_max_path(operands: list[ir.Value], stack: Stack) -> bool:
+            terms = [self.canon(v, stack) for v in operands if from_dp(v, stack)]
+            return bool(terms) and all(t in max_path for t in terms)
+
         unmatched = list(self.scale_factors)  # each forward scale, matched once
         why = ("the gradient of the scores has a term the softmax's does not ({}): "
                "cuDNN's backward computes the softmax's alone (a custom_vjp on the "
@@ -624,24 +631,22 @@ class _Site(MaskReading, ExitReading):
                 # A factor is dP's, the softmax's own values or a max's indicators, or
                 # a forward scale: not the scores or what else is computed from them,
                 # not a constant array, nor a value from outside the site; and the
-                # gradient is linear in dP: no product of two of its terms. A term that
-                # does not vary along the keys is the row max's gradient (a guard, an
-                # initial=, a floor or a scale on the max): zero, as a softmax does not
-                # change when its row is shifted, whatever multiplies it.
+                # gradient is linear in dP: no product of two of its terms. The row
+                # max's gradient (the row sum of the gradient at the exponential's
+                # input, and what a guard, initial=, a floor, a scale or the max's
+                # indicators make of it) is zero, as a softmax does not change when
+                # its row is shifted, whatever multiplies it.
                 if all(from_dp(v, stack) for v in operands):
                     raise NotFused(why.format(f"{name.split('.')[-1]} of two gradient terms"))
-                on_rows = self._along_rows(op.results[0], stack)
-                row_term = all(self._row_broadcast(v, stack) for v in operands
-                               if from_dp(v, stack))
+                on_rows = on_max_path(operands, stack)
                 for position, v in enumerate(operands):
                     if from_dp(v, stack):
                         continue
                     if self.in_cluster(v, stack):
                         known = self.canon(v, stack)
-                        # A max's indicators route the row max's gradient (a row term)
-                        # to the scores; on the scores' own gradient they gate it.
-                        if known in softmax_values or self._along_rows(v, stack) or (
-                                known in indicators and row_term):
+                        # On the row max's gradient (zero) anything may: a max's
+                        # indicators route it to the scores, a guard or floor scales it.
+                        if known in softmax_values or on_rows:
                             continue
                         raise NotFused(why.format("a factor computed from the scores"))
                     factor = splat_value(self.view, v, stack)
@@ -654,17 +659,19 @@ class _Site(MaskReading, ExitReading):
                     applied = 1.0 / factor if name == "stablehlo.divide" and position else factor
                     if not _match_scale(applied, unmatched):
                         raise NotFused(why.format(f"a factor of {factor:g}"))
+            elif name == "stablehlo.reduce" and not (
+                    _is_sum(self.view, op, stack) and self._along_rows(op.results[0], stack)):
+                # The softmax's gradient sums along the keys only (its row term, the
+                # row max's): g - g.max(-1) or a sum along the queries was fused.
+                raise NotFused(why.format("a reduction other than a sum along the keys"))
             elif name == "stablehlo.select":
                 # A mask's (or a max's indicators') select of dP's term against 0; one
                 # whose choice is computed from the scores otherwise (but a row max's
                 # guard), or from the gradient, or whose other side is not 0, clips or
                 # replaces it.
                 pick, *sides = operands
-                row_term = all(self._row_broadcast(v, stack) for v in sides
-                               if from_dp(v, stack))
-                if from_dp(pick, stack) or (self.in_cluster(pick, stack) and not (
-                        self.canon(pick, stack) in indicators and row_term)
-                        and not self._along_rows(pick, stack)) or not all(
+                if from_dp(pick, stack) or (self.in_cluster(pick, stack)
+                                            and not on_max_path(sides, stack)) or not all(
                         from_dp(v, stack) or splat_value(self.view, v, stack) == 0
                         for v in sides):
                     raise NotFused(why.format("a select of the gradient against another "
@@ -675,6 +682,39 @@ class _Site(MaskReading, ExitReading):
         value, such as the scores' row max and what is computed from it."""
         roles = self.role(value, stack)
         return roles is not None and None not in roles and S_ROLE not in roles
+
+    def _max_gradient(self, exp: ir.Operation, exp_stack: Stack,
+                      after_dp: set[tuple[ir.Value, Stack]], from_dp: Any
+                      ) -> set[tuple[ir.Value, Stack]]:
+        """The row max's gradient: a sum along the keys of dZ, the gradient at the
+        exponential's input (a dP term times the exponential, negated or converted),
+        and what is computed from it with no other gradient term."""
+        exponential = self.canon(exp.results[0], exp_stack)
+        dz: set[tuple[ir.Value, Stack]] = set()
+        found: set[tuple[ir.Value, Stack]] = set()
+        changed = True
+        while changed:
+            changed = False
+            for op, stack in self.ops.values():
+                key = self.canon(op.results[0], stack)
+                if key not in after_dp or key in dz or key in found:
+                    continue
+                operands = [self.canon(v, stack) for v in op.operands]
+                if (op.name == "stablehlo.multiply" and exponential in [
+                        self._strip(v, stack) for v in op.operands]) or (
+                        op.name in ("stablehlo.negate", "stablehlo.convert")
+                        and operands[0] in dz):
+                    dz.add(key)
+                elif (op.name == "stablehlo.reduce" and operands[0] in dz
+                      and self._along_rows(op.results[0], stack)
+                      and _is_sum(self.view, op, stack)) or (
+                        found and all(v in found for v, raw in zip(operands, op.operands)
+                                      if from_dp(raw, stack))):
+                    found.add(key)  # the row sum of dZ, or computed from it alone
+                else:
+                    continue
+                changed = True
+        return found
 
     def _unscaled(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
         """``value`` past multiplies by one (g + 1.0 * g adds a term to itself)."""
@@ -688,52 +728,25 @@ class _Site(MaskReading, ExitReading):
             value, stack = op.operands[units.index(False)], made_stack
         return self.canon(value, stack)
 
-    def _row_broadcast(self, value: ir.Value, stack: Stack) -> bool:
-        """Whether ``value`` is a row value or one broadcast along the keys."""
-        if self._along_rows(value, stack):
-            return True
-        op, _made, made_stack = self.view.producer(value, stack)
-        return (op is not None and op.name == "stablehlo.broadcast_in_dim"
-                and self._along_rows(op.operands[0], made_stack))
-
     def _softmax_values(self, exp: ir.Operation, exp_stack: Stack,
-                        after_dp: set[tuple[ir.Value, Stack]]
-                        ) -> tuple[set[tuple[ir.Value, Stack]], set[tuple[ir.Value, Stack]]]:
+                        after_dp: set[tuple[ir.Value, Stack]]) -> set[tuple[ir.Value, Stack]]:
         """The forward values the softmax's gradient multiplies by: the exponential and
         what is computed from it alone with values from outside the cluster (its sum,
-        P, the sum's reciprocal); and a max's indicators (an EQ compare of two cluster
-        values, the scores and their max, and what is made of it alone: jax's gradient
-        of a max that is not stop_gradient'ed)."""
+        P, the sum's reciprocal)."""
         softmax_values = {self.canon(exp.results[0], exp_stack)}
-        indicators: set[tuple[ir.Value, Stack]] = set()
         changed = True
         while changed:
             changed = False
             for op, stack in self.ops.values():
                 key = self.canon(op.results[0], stack)
-                if key in after_dp or key in softmax_values or key in indicators:
+                if key in after_dp or key in softmax_values:
                     continue
                 inside = [self.canon(v, stack) for v in op.operands
                           if self.in_cluster(v, stack)]
-                outside_constant = all(self.in_cluster(v, stack) or splat_value(
-                    self.view, v, stack) is not None for v in op.operands)
-                # The scores against their row max (s == max(s)), and what is made of
-                # that with constants alone: not s == s, nor a weight from elsewhere.
-                rows = [self._row_broadcast(v, stack) for v in op.operands]
-                indicator = outside_constant and (
-                    (inside and all(v in indicators for v in inside)) or (
-                        op.name == "stablehlo.compare" and len(inside) == 2
-                        and rows.count(True) == 1 and str(
-                            op.attributes["comparison_direction"]).split()[-1].rstrip(">")
-                        == "EQ"))
-                if indicator:
-                    indicators.add(key)
-                elif inside and all(v in softmax_values for v in inside):
+                if inside and all(v in softmax_values for v in inside):
                     softmax_values.add(key)
-                else:
-                    continue
-                changed = True
-        return softmax_values, indicators
+                    changed = True
+        return softmax_values
 
     def _reads_dp(self, exp: ir.Operation, exp_stack: Stack) -> bool:
         """Whether the cluster is a softmax's (the exponential summed along an axis) over
