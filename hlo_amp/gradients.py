@@ -187,12 +187,17 @@ class GradientFlow:
         # the program recomputes there (a custom_vjp whose bwd runs jax.vjp of its
         # forward), a residual it scales (w * 0.5): residuals too, not the gradient of
         # the dot beside them.
+        # Strictly: not from a cotangent a forward op reads, and a matrix op from no
+        # constant (the seed's broadcast 1.0 @ W^T, or times a residual, is a gradient).
         for op in backward_ops:
             if len(op.results) != 1 or not len(op.operands):
                 continue
             sources = [self._source(v) for v in op.operands]
-            residual = [self._is_residual(v) for v in sources]
-            if any(residual) and all(r or _is_constant(v) for v, r in zip(sources, residual)):
+            residual = [v in self._derived or (
+                v in self._forward_operands and v not in self._backward_values)
+                for v in sources]
+            if all(residual) if op.name in _MATRIX_OPS else any(residual) and all(
+                    r or _is_constant(v) for v, r in zip(sources, residual)):
                 self._derived.add(op.results[0])
         # A seed cotangent the dataflow cannot see (a primal value: the loss times a
         # loss scale, a vjp's cotangent argument) leaves a backward dot without a

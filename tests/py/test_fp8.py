@@ -284,6 +284,21 @@ def test_a_scaled_cotangent_a_statistic_reads_puts_no_e5m2_on_a_forward_value() 
     assert decided[-3:] == [("f8E5M2", "f8E4M3FN")] * 3, decided  # the unscaled gradient
 
 
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.checkpoint_dots])
+def test_the_seed_of_a_summed_linear_head_is_no_residual(policy) -> None:
+    """value_and_grad of sum(checkpoint(block)(x) @ o): the seed's broadcast 1.0 @ o^T,
+    a backward matrix op of a constant and a residual, was taken for a residual, so the
+    weight-gradient dot beside the block's recomputed activation put e5m2 on that
+    activation. jax's transposes read the cotangent as their lhs: all e5m2 x e4m3fn."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    params = {k: jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32) for k in "abo"}
+    block = jax.checkpoint(lambda p, z: jnp.tanh(z @ p["a"]) @ p["b"], policy=policy)
+    step = jax.value_and_grad(lambda q: jnp.sum(block(q, x) @ q["o"]))
+    decided = _backward_fp8(step, params)
+    assert decided and all(d == ("f8E5M2", "f8E4M3FN") for d in decided), decided
+
+
 @jax.custom_vjp
 def _halved_matmul(a, w):
     return a @ w
