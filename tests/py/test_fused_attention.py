@@ -554,6 +554,13 @@ _WEIGHTS = jnp.linspace(0.1, 2.0, programs.T * programs.T).reshape(programs.T, p
     (_gradient_weighted_by_scores(
         lambda x, g: g * ((x == x) * _WEIGHTS)),  # noqa: PLR0124 - x == x is the point
      "a factor computed from the scores"),
+    # A select by a mask that is not the forward's: a frozen head, a masked row sum.
+    (_gradient_changed(lambda g: jnp.where(
+        (jnp.arange(programs.N) % 2 == 0)[None, :, None, None], g, 0.0)),
+     "a select of the gradient against another value"),
+    (_gradient_changed(lambda g: g + jnp.where(
+        jnp.arange(programs.T) == 0, g, 0.0).sum(-1, keepdims=True)),
+     "a select of the gradient against another value"),
     # Reductions other than the softmax's sum along the keys.
     (_gradient_changed(lambda g: g - g.max(-1, keepdims=True)),
      "a reduction other than a sum along the keys"),
@@ -562,8 +569,8 @@ _WEIGHTS = jnp.linspace(0.1, 2.0, programs.T * programs.T).reshape(programs.T, p
 ], ids=["custom_vjp_clip", "custom_vjp_halve", "penalty", "where_clip", "doubled",
         "squared", "weighted", "times_the_scale", "times_its_reciprocal", "gated_by_scores",
         "divided_by_scores", "times_scores", "zeroed", "plus_one_times_itself",
-        "argmax_gate", "weighted_by_an_indicator", "row_max_of_the_gradient",
-        "sum_along_queries"])
+        "argmax_gate", "weighted_by_an_indicator", "frozen_head", "masked_row_sum",
+        "row_max_of_the_gradient", "sum_along_queries"])
 def test_a_term_added_to_the_scores_gradient_is_left_unfused(change, what) -> None:
     """The backward was fused once its exits contracted the right axes: a custom_vjp
     clipping or halving the scores' gradient, or the gradient of a penalty on the scores

@@ -144,6 +144,7 @@ class _Site(MaskReading, ExitReading):
         # The constants the scores are multiplied by on their way to the softmax (a
         # divide's as its reciprocal): the backward multiplies the gradient by each once.
         self.scale_factors: list[float] = []
+        self._mask_picks: set[tuple[ir.Value, Stack]] = set()  # the forward masks' roots
 
     # -- the cluster ----------------------------------------------------------------------
 
@@ -548,6 +549,7 @@ class _Site(MaskReading, ExitReading):
         if set(exits) not in ({"out"}, {"dv", "dq", "dk"}, {"out", "dv", "dq", "dk"}):
             raise _partial(", ".join(sorted(exits)), "out" in exits)
         if "dq" in exits:
+            self._mask_picks = {self._mask_root(pick, st) for pick, st, _, _ in selects}
             self._check_gradient_terms(*softmax[:2])
         roles_of_selects = [self.roles.get((op.results[0], st)) for _, st, _, op in selects]
         if any(r is None or None in r for r in roles_of_selects):
@@ -670,8 +672,11 @@ class _Site(MaskReading, ExitReading):
                 # guard), or from the gradient, or whose other side is not 0, clips or
                 # replaces it.
                 pick, *sides = operands
-                if from_dp(pick, stack) or (self.in_cluster(pick, stack)
-                                            and not on_max_path(sides, stack)) or not all(
+                # From outside the cluster, only the forward's own mask: a head mask or
+                # a column gate picks part of the gradient away.
+                foreign = (self.in_cluster(pick, stack)
+                           or self._mask_root(pick, stack) not in self._mask_picks)
+                if from_dp(pick, stack) or (foreign and not on_max_path(sides, stack)) or not all(
                         from_dp(v, stack) or splat_value(self.view, v, stack) == 0
                         for v in sides):
                     raise NotFused(why.format("a select of the gradient against another "
@@ -715,6 +720,16 @@ class _Site(MaskReading, ExitReading):
                     continue
                 changed = True
         return found
+
+    def _mask_root(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
+        """``value`` before the broadcasts, reshapes and converts that shape a mask."""
+        for _step in range(16):
+            op, _made, made_stack = self.view.producer(value, stack)
+            if op is None or op.name not in ("stablehlo.broadcast_in_dim",
+                                             "stablehlo.reshape", "stablehlo.convert"):
+                break
+            value, stack = op.operands[0], made_stack
+        return self.canon(value, stack)
 
     def _unscaled(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
         """``value`` past multiplies by one (g + 1.0 * g adds a term to itself)."""
