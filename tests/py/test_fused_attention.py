@@ -657,6 +657,31 @@ def test_a_softmax_whose_row_max_is_guarded_still_fuses(shifted) -> None:
     assert [(s.fused, s.reason) for s in sites] == [(True, "")], sites
 
 
+@pytest.mark.parametrize(("change", "what"), [
+    (lambda p, g: g * p, "a power of the probabilities other than the softmax's"),
+    (lambda p, g: g * (p > 0.1), "a factor computed from the scores"),
+    (lambda p, g: g / (p + 1.0), "a factor computed from the scores"),
+], ids=["times_p", "gated_by_p", "divided_by_p_plus_1"])
+def test_a_custom_vjp_on_the_probabilities_is_left_unfused(change, what) -> None:
+    """A custom_vjp on P multiplying its gradient by a function of P was fused (the
+    softmax's own gradient multiplies by P, and any value made from P passed for one):
+    dq and dk 26% to 285% off."""
+    @jax.custom_vjp
+    def hooked(p):
+        return p
+
+    hooked.defvjp(lambda p: (p, p), lambda p, g: (change(p, g),))
+
+    def attend(q, k, v):
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k) * 0.25
+        return jnp.einsum("bnts,bsnh->btnh", hooked(jax.nn.softmax(scores, -1)), v)
+
+    reasons = _reasons(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))),
+                                argnums=(0, 1, 2)), QKV, "bf16", "h100")
+    assert reasons and reasons[0].startswith(
+        f"the gradient of the scores has a term the softmax's does not ({what}"), reasons
+
+
 def test_dropout_on_the_probabilities_is_named() -> None:
     """NNX attention with dropout in training: cuDNN would draw other random numbers."""
     from flax import nnx

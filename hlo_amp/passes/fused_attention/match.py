@@ -580,7 +580,7 @@ class _Site(MaskReading, ExitReading):
         """The backward computes dS from dP as the softmax's gradient alone: its ops (those
         after dP) are the softmax gradient's kinds, add and subtract two different terms
         that both come from dP, multiply by dP's terms, the forward's softmax values (P,
-        the exponential, its sum: _softmax_values) and each constant the forward scaled
+        the exponential, its sum: _softmax_powers) and each constant the forward scaled
         the scores by, once (and by 1, -1, 0), and select dP's term against 0 only by a
         mask or a max's indicators. cuDNN's backward computes that gradient, so a term
         the program adds (a custom_vjp clipping, doubling, scaling or weighting the
@@ -604,7 +604,7 @@ class _Site(MaskReading, ExitReading):
                 if any(from_dp(v, stack) for v in op.operands):
                     after_dp.update(self.canon(r, stack) for r in op.results)
                     changed = True
-        softmax_values = self._softmax_values(exp, exp_stack, after_dp)
+        power = self._softmax_powers(exp, exp_stack, after_dp)
         max_path = self._max_gradient(exp, exp_stack, after_dp, from_dp)
 
         def on_max_path(operands: list[ir.Value], stack: Stack) -> bool:
@@ -648,7 +648,7 @@ class _Site(MaskReading, ExitReading):
                         known = self.canon(v, stack)
                         # On the row max's gradient (zero) anything may: a max's
                         # indicators route it to the scores, a guard or floor scales it.
-                        if known in softmax_values or on_rows:
+                        if known in power or on_rows:
                             continue
                         raise NotFused(why.format("a factor computed from the scores"))
                     factor = splat_value(self.view, v, stack)
@@ -681,6 +681,83 @@ class _Site(MaskReading, ExitReading):
                         for v in sides):
                     raise NotFused(why.format("a select of the gradient against another "
                                               "value"))
+        degrees = self._degrees_in_p(power, after_dp, max_path, from_dp)
+        for op, number in self.exits:
+            found = degrees.get(self.canon(op.operands[number], ()))
+            if found is not None and not found <= {1, 2}:
+                raise NotFused(why.format(
+                    "a power of the probabilities other than the softmax's "
+                    f"P·dP and P·rowsum(P·dP): {sorted(found)}"))
+
+    def _softmax_powers(self, exp: ir.Operation, exp_stack: Stack,
+                        after_dp: set[tuple[ir.Value, Stack]]) -> dict[tuple[ir.Value, Stack], int]:
+        """The forward values the softmax's gradient multiplies by, with the power of P
+        each holds: the exponential (one), its sum along the keys (none: P = e /
+        sum(e)), and their products, quotients, converts, broadcasts, reshapes and
+        transposes, with constants. Not what a comparison or a sum with a constant
+        makes of them (p > 0.1, p + 1: a custom_vjp's weighting)."""
+        power: dict[tuple[ir.Value, Stack], int] = {self.canon(exp.results[0], exp_stack): 1}
+        keep = ("stablehlo.convert", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                "stablehlo.transpose")
+        changed = True
+        while changed:
+            changed = False
+            for op, stack in self.ops.values():
+                key = self.canon(op.results[0], stack)
+                if key in after_dp or key in power:
+                    continue
+                known = [power.get(self.canon(v, stack)) if self.in_cluster(v, stack)
+                         else 0 if splat_value(self.view, v, stack) is not None else None
+                         for v in op.operands]
+                if None in known or not known:
+                    continue
+                if op.name in keep:
+                    power[key] = known[0]
+                elif op.name == "stablehlo.multiply":
+                    power[key] = sum(known)
+                elif op.name == "stablehlo.divide":
+                    power[key] = known[0] - known[1]
+                elif op.name == "stablehlo.reduce" and _is_sum(self.view, op, stack):
+                    power[key] = known[0] - 1
+                else:
+                    continue
+                changed = True
+        return power
+
+    def _degrees_in_p(self, power: dict[tuple[ir.Value, Stack], int],
+                      after_dp: set[tuple[ir.Value, Stack]],
+                      max_path: set[tuple[ir.Value, Stack]], from_dp: Any
+                      ) -> dict[tuple[ir.Value, Stack], set[int]]:
+        """Per gradient term, the powers of P its products hold: the softmax's gradient
+        P * (dP - rowsum(dP * P)) holds P once and twice; a custom_vjp multiplying the
+        probabilities' gradient by them (g * p) adds one (285% off, fused before). The
+        row max's gradient (zero) holds none that counts."""
+        degrees: dict[tuple[ir.Value, Stack], set[int]] = {}
+        changed = True
+        while changed:  # the gradient's terms
+            changed = False
+            for op, stack in self.ops.values():
+                key = self.canon(op.results[0], stack)
+                if key not in after_dp or key in max_path:
+                    continue
+                terms: set[int] = set()
+                shift = 0
+                for position, v in enumerate(op.operands):
+                    value = self.canon(v, stack)
+                    if value in max_path:
+                        continue
+                    if from_dp(v, stack):
+                        terms |= degrees.get(value, {0} if not self.in_cluster(v, stack)
+                                             else set())
+                    elif value in power and op.name == "stablehlo.multiply":
+                        shift += power[value]
+                    elif value in power and op.name == "stablehlo.divide" and position:
+                        shift -= power[value]
+                new = {t + shift for t in terms}
+                if new and not new <= degrees.get(key, set()):
+                    degrees[key] = degrees.get(key, set()) | new
+                    changed = True
+        return degrees
 
     def _along_rows(self, value: ir.Value, stack: Stack) -> bool:
         """Whether ``value`` (of the cluster) is known not to vary along the keys: a row
@@ -695,7 +772,32 @@ class _Site(MaskReading, ExitReading):
         exponential's input (a dP term times the exponential, negated or converted),
         and what is computed from it with no other gradient term."""
         exponential = self.canon(exp.results[0], exp_stack)
-        dz: set[tuple[ir.Value, Stack]] = set()
+        # dZ is the last product by the exponential: in exp / sum(exp)'s own backward
+        # an earlier one, inside the softmax's row term sum(dP * e), leads to it.
+        readers: dict[tuple[ir.Value, Stack], list[tuple[ir.Value, Stack]]] = {}
+        products = []
+        for op, stack in self.ops.values():
+            key = self.canon(op.results[0], stack)
+            if key not in after_dp:
+                continue
+            for v in op.operands:
+                readers.setdefault(self.canon(v, stack), []).append(key)
+            if op.name == "stablehlo.multiply" and exponential in [
+                    self._strip(v, stack) for v in op.operands]:
+                products.append(key)
+
+        def leads_to_another(start: tuple[ir.Value, Stack]) -> bool:
+            seen, queue = {start}, [start]
+            while queue:
+                for reader in readers.get(queue.pop(), ()):
+                    if reader in products:
+                        return True
+                    if reader not in seen:
+                        seen.add(reader)
+                        queue.append(reader)
+            return False
+
+        dz = {key for key in products if not leads_to_another(key)}
         found: set[tuple[ir.Value, Stack]] = set()
         changed = True
         while changed:
@@ -705,10 +807,7 @@ class _Site(MaskReading, ExitReading):
                 if key not in after_dp or key in dz or key in found:
                     continue
                 operands = [self.canon(v, stack) for v in op.operands]
-                if (op.name == "stablehlo.multiply" and exponential in [
-                        self._strip(v, stack) for v in op.operands]) or (
-                        op.name in ("stablehlo.negate", "stablehlo.convert")
-                        and operands[0] in dz):
+                if op.name in ("stablehlo.negate", "stablehlo.convert") and operands[0] in dz:
                     dz.add(key)
                 elif (op.name == "stablehlo.reduce" and operands[0] in dz
                       and self._along_rows(op.results[0], stack)
@@ -742,26 +841,6 @@ class _Site(MaskReading, ExitReading):
                 break
             value, stack = op.operands[units.index(False)], made_stack
         return self.canon(value, stack)
-
-    def _softmax_values(self, exp: ir.Operation, exp_stack: Stack,
-                        after_dp: set[tuple[ir.Value, Stack]]) -> set[tuple[ir.Value, Stack]]:
-        """The forward values the softmax's gradient multiplies by: the exponential and
-        what is computed from it alone with values from outside the cluster (its sum,
-        P, the sum's reciprocal)."""
-        softmax_values = {self.canon(exp.results[0], exp_stack)}
-        changed = True
-        while changed:
-            changed = False
-            for op, stack in self.ops.values():
-                key = self.canon(op.results[0], stack)
-                if key in after_dp or key in softmax_values:
-                    continue
-                inside = [self.canon(v, stack) for v in op.operands
-                          if self.in_cluster(v, stack)]
-                if inside and all(v in softmax_values for v in inside):
-                    softmax_values.add(key)
-                    changed = True
-        return softmax_values
 
     def _reads_dp(self, exp: ir.Operation, exp_stack: Stack) -> bool:
         """Whether the cluster is a softmax's (the exponential summed along an axis) over
