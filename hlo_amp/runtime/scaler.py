@@ -247,10 +247,19 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
         )
 
     def pick(path: Any, a: Any, b: Any) -> Any:
-        if _is_array_like(a) and _is_array_like(b):
-            return jax.lax.select(pred, jnp.asarray(a), jnp.asarray(b))
-        if a is b:  # one object on both sides (an Equinox model's activation function)
+        # One object on both sides (an Equinox model's activation function), or one
+        # Python number (eqx.nn.Dropout's p): kept as it is. A number turned into an
+        # array became a traced argument of the next filter_jit step.
+        if a is b or (type(a) is type(b) and isinstance(a, _NUMBERS) and a == b):
             return a
+        if _is_array_like(a) and _is_array_like(b):
+            a, b = jnp.asarray(a), jnp.asarray(b)
+            if a.dtype != b.dtype or a.shape != b.shape:
+                raise TypeError(
+                    f"select_tree picks leaves of one dtype and shape; at "
+                    f"{jax.tree_util.keystr(path)} it got {a.dtype}{list(a.shape)} and "
+                    f"{b.dtype}{list(b.shape)}")
+            return jax.lax.select(pred, a, b)
         raise TypeError(
             f"select_tree picks arrays leaf by leaf; at {jax.tree_util.keystr(path)} it got "
             f"{type(a).__name__} and {type(b).__name__}, which are neither arrays nor one "

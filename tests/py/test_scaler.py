@@ -544,6 +544,14 @@ def test_select_tree_picks_whole_trees() -> None:
     assert kept.activation is model.activation
     with pytest.raises(TypeError, match=r"at \['f'\] it got str and str"):
         select_tree(jnp.array(True), {"f": "relu"}, {"f": "gelu"})
+    # One Python number on both sides is kept (eqx.nn.Dropout's p came back an array,
+    # a traced argument of the next filter_jit step: TracerBoolConversionError there);
+    # leaves of two dtypes are named by their path (jax's lax.select message named none).
+    dropout = eqx.nn.Dropout(0.1)
+    assert type(select_tree(jnp.array(True), dropout, eqx.nn.Dropout(0.1)).p) is float
+    assert select_tree(jnp.array(False), {"lr": 3}, {"lr": 3}) == {"lr": 3}
+    with pytest.raises(TypeError, match=r"at \['w'\] .*float16\[2\] and float32\[2\]"):
+        select_tree(jnp.array(True), {"w": jnp.ones(2, jnp.float16)}, {"w": jnp.ones(2)})
 
 
 # ------------------------------------------------------------------- train step f16
