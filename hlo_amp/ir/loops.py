@@ -74,12 +74,12 @@ def _counter(loop: ir.Operation) -> tuple[int, int, int, int] | None:
     says which loops have one)."""
     cond = loop.regions[0].blocks[0]
     body = loop.regions[1].blocks[0]
-    predicate = terminator(cond).operands[0]
+    predicate = _unconstrained(terminator(cond).operands[0])
     if isinstance(predicate, ir.BlockArgument) or predicate.owner.name != "stablehlo.compare":
         return None
     compare = predicate.owner
     direction = hlo.ComparisonDirectionAttr(compare.attributes["comparison_direction"]).value
-    lhs, rhs = compare.operands
+    lhs, rhs = (_unconstrained(v) for v in compare.operands)
     counter = argument_number(lhs, cond)
     bound = rhs
     if counter is None:
@@ -89,11 +89,11 @@ def _counter(loop: ir.Operation) -> tuple[int, int, int, int] | None:
     limit = int_constant(bound)
     fixed = argument_number(bound, cond)
     # A carry the body hands back as it got it: the loop's operand is its value.
-    if (limit is None and fixed is not None
-            and argument_number(terminator(body).operands[fixed], body) == fixed):
-        limit = int_constant(loop.operands[fixed])
-    start = int_constant(loop.operands[counter])
-    step = _step(terminator(body).operands[counter], body, counter)
+    if (limit is None and fixed is not None and argument_number(
+            _unconstrained(terminator(body).operands[fixed]), body) == fixed):
+        limit = int_constant(_unconstrained(loop.operands[fixed]))
+    start = int_constant(_unconstrained(loop.operands[counter]))
+    step = _step(_unconstrained(terminator(body).operands[counter]), body, counter)
     if limit is None or start is None or not step:
         return None
     count = _iterations(direction, start, limit, step)
@@ -105,7 +105,7 @@ def _step(value: ir.Value, body: ir.Block, counter: int) -> int | None:
     if isinstance(value, ir.BlockArgument) or value.owner.name not in (
             "stablehlo.add", "stablehlo.subtract"):
         return None
-    lhs, rhs = value.owner.operands
+    lhs, rhs = (_unconstrained(v) for v in value.owner.operands)
     if value.owner.name == "stablehlo.subtract":
         constant = int_constant(rhs)
         ok = argument_number(lhs, body) == counter
@@ -114,6 +114,18 @@ def _step(value: ir.Value, body: ir.Block, counter: int) -> int | None:
         if argument_number(argument, body) == counter:
             return int_constant(other)
     return None
+
+
+# Ops that hand their operand on unchanged, only constraining its sharding: on an
+# Explicit mesh jax wraps a scan's counter, its bound and its increment in them.
+_CONSTRAINTS = frozenset({"sdy.sharding_constraint"})
+
+
+def _unconstrained(value: ir.Value) -> ir.Value:
+    """``value`` before the sharding constraints that hand it on."""
+    while not isinstance(value, ir.BlockArgument) and value.owner.name in _CONSTRAINTS:
+        value = value.owner.operands[0]
+    return value
 
 
 def _iterations(direction: str, start: int, limit: int, step: int) -> int | None:
