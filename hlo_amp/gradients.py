@@ -78,6 +78,7 @@ _UPDATES = frozenset({"stablehlo.add", "stablehlo.subtract"})
 _MAX_ROUNDS = 10
 _CALLS = frozenset({"func.call"})
 _BARRIER = "stablehlo.optimization_barrier"
+_MANUAL = "sdy.manual_computation"  # a shard_map body, per position as a call
 _CONSTANT_CARRIERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.convert",
                                 "stablehlo.reshape"})
 _MAX_SOURCE_STEPS = 64  # layout ops and calls followed back from a dot's operand
@@ -222,11 +223,20 @@ class GradientFlow:
                 if op.name == _BARRIER:  # each operand to the result at its position
                     value = op.operands[ir.OpResult(value).result_number]
                     continue
+                if op.name == _MANUAL:  # a shard_map's result: what its body returns
+                    value = terminator(op.regions[0].blocks[0]).operands[
+                        ir.OpResult(value).result_number]
+                    continue
                 if op.name not in _LAYOUT_OPS:
                     return value
                 value = op.operands[0]
                 continue
-            fn = self._entry_blocks.get(value.owner)
+            block = value.owner
+            holder = block.owner
+            if holder is not None and holder.operation.name == _MANUAL:
+                value = holder.operands[ir.BlockArgument(value).arg_number]
+                continue
+            fn = self._entry_blocks.get(block)
             call = fn is not None and self._only_call.get(function_name(fn))
             if not call:
                 return value
@@ -341,6 +351,17 @@ class GradientFlow:
                         settle(result, kind)
                     continue
             results = op.results
+            if op_name == _MANUAL:
+                # A shard_map body: its arguments are the op's operands, its results what
+                # the body returns (read from the last round: the body is walked after).
+                for position, argument in enumerate(op.regions[0].blocks[0].arguments):
+                    settle(argument, operand_kinds[position]
+                           if position < len(operand_kinds) else PRIMAL)
+                returned = terminator(op.regions[0].blocks[0]).operands
+                for position, result in enumerate(results):
+                    settle(result, kinds.get(returned[position], PRIMAL)
+                           if position < len(returned) else PRIMAL)
+                continue
             if not len(results) and op_name != "stablehlo.while":
                 continue
             if op_name in _PER_POSITION:

@@ -299,6 +299,34 @@ def test_the_seed_of_a_summed_linear_head_is_no_residual(policy) -> None:
     assert decided and all(d == ("f8E5M2", "f8E4M3FN") for d in decided), decided
 
 
+_SHARD_MAP_GRADIENT = """
+import json, jax, jax.numpy as jnp, numpy as np, hlo_amp
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("d",))
+rng = np.random.default_rng(9)
+x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+w = jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32)
+weights = jnp.where(jnp.arange(32) < 16, 1.0, 1e-6)
+local = lambda w, x: jnp.sum(jnp.tanh(x @ w) * weights)
+loss = lambda w, x: jax.shard_map(lambda w, x: jax.lax.psum(local(w, x), "d"), mesh=mesh,
+                                  in_specs=(P(), P("d")), out_specs=P())(w, x)
+report = hlo_amp.compile(jax.grad(loss), "%s").lower(w, x).report()
+print("RESULTS=" + json.dumps([d.operands_after for d in report.decisions
+                               if d.direction == "backward" and d.fp8]))
+"""
+
+
+def test_a_shard_map_bodys_backward_dots_quantise_the_gradient_to_e5m2() -> None:
+    """A shard_map body's arguments took no kind from the operands they stand for (an
+    sdy.manual_computation region, on two devices), so its backward dots went e4m3fn x
+    e4m3fn: gradient columns weighted 1e-6 were flushed (relative error 1.0; 0.07 under
+    jax.jit)."""
+    from host_devices import run_on_host_devices
+
+    decided = run_on_host_devices(_SHARD_MAP_GRADIENT % FP8_ACCURATE, devices=2)
+    assert decided and all(d == ["f8E5M2", "f8E4M3FN"] for d in decided), decided
+
+
 @jax.custom_vjp
 def _halved_matmul(a, w):
     return a @ w
