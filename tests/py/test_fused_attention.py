@@ -682,6 +682,34 @@ def test_a_custom_vjp_on_the_probabilities_is_left_unfused(change, what) -> None
         f"the gradient of the scores has a term the softmax's does not ({what}"), reasons
 
 
+@pytest.mark.parametrize("gate", [
+    lambda m, g: jnp.where(m[:, None, :, None], g, 0.0),  # the padding along the queries
+    lambda m, g: jnp.where(m[:, None, None, :], 0.0, g),  # inverted
+], ids=["along_the_queries", "inverted"])
+def test_a_gradient_selected_by_the_forward_mask_laid_out_otherwise_is_left_unfused(
+        gate) -> None:
+    """A custom_vjp selecting the scores' gradient by the forward's own padding mask,
+    broadcast along the other axis or with the sides swapped, was fused: its root is the
+    forward mask's (dq 56% off; inverted: zero gradients came out full)."""
+    b, t = programs.B, programs.T
+    pad = jnp.arange(t)[None, :] < jnp.array([5] + [t] * (b - 1))[:, None]
+
+    @jax.custom_vjp
+    def hooked(s, m):
+        return s
+
+    hooked.defvjp(lambda s, m: (s, m), lambda m, g: (gate(m, g), None))
+
+    def attend(q, k, v, m):
+        s = jnp.where(m[:, None, None, :], jnp.einsum("btnh,bsnh->bnts", q, k) * 0.35, -1e9)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(hooked(s, m), -1), v)
+
+    step = jax.grad(lambda q, k, v, m: jnp.sum(jnp.sin(attend(q, k, v, m))), argnums=(0, 1, 2))
+    reasons = _reasons(step, (*QKV, pad), "bf16", "h100")
+    assert reasons and reasons[0].startswith(
+        "the gradient of the scores has a term the softmax's does not (a select"), reasons
+
+
 def test_dropout_on_the_probabilities_is_named() -> None:
     """NNX attention with dropout in training: cuDNN would draw other random numbers."""
     from flax import nnx

@@ -144,7 +144,8 @@ class _Site(MaskReading, ExitReading):
         # The constants the scores are multiplied by on their way to the softmax (a
         # divide's as its reciprocal): the backward multiplies the gradient by each once.
         self.scale_factors: list[float] = []
-        self._mask_picks: set[tuple[ir.Value, Stack]] = set()  # the forward masks' roots
+        # The forward masks (_mask_key) and the side of their select the scores are on.
+        self._mask_picks: dict[tuple, int] = {}
 
     # -- the cluster ----------------------------------------------------------------------
 
@@ -549,7 +550,8 @@ class _Site(MaskReading, ExitReading):
         if set(exits) not in ({"out"}, {"dv", "dq", "dk"}, {"out", "dv", "dq", "dk"}):
             raise _partial(", ".join(sorted(exits)), "out" in exits)
         if "dq" in exits:
-            self._mask_picks = {self._mask_root(pick, st) for pick, st, _, _ in selects}
+            self._mask_picks = {self._mask_key(pick, st): 2 if on_false else 1
+                                for pick, st, on_false, _ in selects}
             self._check_gradient_terms(*softmax[:2])
         roles_of_selects = [self.roles.get((op.results[0], st)) for _, st, _, op in selects]
         if any(r is None or None in r for r in roles_of_selects):
@@ -672,10 +674,13 @@ class _Site(MaskReading, ExitReading):
                 # guard), or from the gradient, or whose other side is not 0, clips or
                 # replaces it.
                 pick, *sides = operands
-                # From outside the cluster, only the forward's own mask: a head mask or
-                # a column gate picks part of the gradient away.
-                foreign = (self.in_cluster(pick, stack)
-                           or self._mask_root(pick, stack) not in self._mask_picks)
+                # From outside the cluster, only the forward's own mask, laid out as there
+                # and keeping the gradient on the scores' side: a head mask, a column
+                # gate, the padding mask along the queries or inverted pick part of the
+                # gradient away.
+                side = self._mask_picks.get(self._mask_key(pick, stack))
+                foreign = (self.in_cluster(pick, stack) or side is None
+                           or not from_dp(operands[side], stack))
                 if from_dp(pick, stack) or (foreign and not on_max_path(sides, stack)) or not all(
                         from_dp(v, stack) or splat_value(self.view, v, stack) == 0
                         for v in sides):
@@ -820,15 +825,24 @@ class _Site(MaskReading, ExitReading):
                 changed = True
         return found
 
-    def _mask_root(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
-        """``value`` before the broadcasts, reshapes and converts that shape a mask."""
-        for _step in range(16):
-            op, _made, made_stack = self.view.producer(value, stack)
-            if op is None or op.name not in ("stablehlo.broadcast_in_dim",
-                                             "stablehlo.reshape", "stablehlo.convert"):
-                break
-            value, stack = op.operands[0], made_stack
-        return self.canon(value, stack)
+    def _mask_key(self, value: ir.Value, stack: Stack) -> tuple:
+        """A mask as a select reads it: its root, and how a broadcast lays it out."""
+        op, _made, made_stack = self.view.producer(value, stack)
+        while op is not None and float_convert(op):
+            op, _made, made_stack = self.view.producer(op.operands[0], made_stack)
+        if op is not None and op.name == "stablehlo.broadcast_in_dim":
+            dims = tuple(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
+            return (self._unconverted(op.operands[0], made_stack), dims,
+                    tuple(shape_of(op.results[0])))
+        return (self._unconverted(value, stack), None, None)
+
+    def _unconverted(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
+        """``value`` before float converts, as its producer sees it (a reshape of a mask
+        is another layout: m[:, None, :, None] is no m[:, None, None, :])."""
+        op, made, made_stack = self.view.producer(value, stack)
+        while op is not None and op.name == "stablehlo.convert":
+            op, made, made_stack = self.view.producer(op.operands[0], made_stack)
+        return made, made_stack
 
     def _unscaled(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
         """``value`` past multiplies by one (g + 1.0 * g adds a term to itself)."""
