@@ -250,7 +250,7 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
         # One object on both sides (an Equinox model's activation function), or one
         # Python number (eqx.nn.Dropout's p): kept as it is. A number turned into an
         # array became a traced argument of the next filter_jit step.
-        if a is b or (type(a) is type(b) and isinstance(a, _NUMBERS) and a == b):
+        if a is b or _same_number(a, b):
             return a
         if _is_array_like(a) and _is_array_like(b):
             a, b = jnp.asarray(a), jnp.asarray(b)
@@ -266,6 +266,17 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
             f"object (filter them out first, e.g. eqx.filter(tree, eqx.is_array))")
 
     return jax.tree_util.tree_map_with_path(pick, on_true, on_false)
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one Python or NumPy number, bit for bit (-0.0 is not
+    0.0; a NaN is itself)."""
+    if type(a) is not type(b) or not isinstance(a, _NUMBERS):
+        return False
+    try:
+        return np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    except OverflowError:  # a Python int past int64
+        return a == b
 
 
 def _is_array_like(value: Any) -> bool:

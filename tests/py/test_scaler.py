@@ -550,6 +550,10 @@ def test_select_tree_picks_whole_trees() -> None:
     dropout = eqx.nn.Dropout(0.1)
     assert type(select_tree(jnp.array(True), dropout, eqx.nn.Dropout(0.1)).p) is float
     assert select_tree(jnp.array(False), {"lr": 3}, {"lr": 3}) == {"lr": 3}
+    nan = select_tree(jnp.array(True), eqx.nn.Dropout(float("nan")), eqx.nn.Dropout(float("nan")))
+    assert type(nan.p) is float
+    # -0.0 and 0.0 compare equal but are two numbers: the one pred picks.
+    assert not np.signbit(select_tree(jnp.array(False), {"a": -0.0}, {"a": 0.0})["a"])
     with pytest.raises(TypeError, match=r"at \['w'\] .*float16\[2\] and float32\[2\]"):
         select_tree(jnp.array(True), {"w": jnp.ones(2, jnp.float16)}, {"w": jnp.ones(2)})
 
