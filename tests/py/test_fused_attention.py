@@ -710,6 +710,31 @@ def test_a_gradient_selected_by_the_forward_mask_laid_out_otherwise_is_left_unfu
         "the gradient of the scores has a term the softmax's does not (a select"), reasons
 
 
+@pytest.mark.parametrize("change", [
+    lambda e, g: g * e.sum(-1, keepdims=True), lambda e, g: g / e.sum(-1, keepdims=True),
+], ids=["times_the_sum", "over_the_sum"])
+def test_a_custom_vjp_on_the_exponential_weighting_by_its_sum_is_left_unfused(change) -> None:
+    """The exponential's row sum passed as a power of P none (P's own sum is one), so a
+    custom_vjp on the exponential multiplying or dividing its gradient by the sum was
+    fused (dq 68% to 78% off)."""
+    @jax.custom_vjp
+    def hooked(e):
+        return e
+
+    hooked.defvjp(lambda e: (e, e), lambda e, g: (change(e, g),))
+
+    def attend(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) * 0.35
+        e = hooked(jnp.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True))))
+        return jnp.einsum("bnts,bsnh->btnh", e / e.sum(-1, keepdims=True), v)
+
+    reasons = _reasons(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))),
+                                argnums=(0, 1, 2)), QKV, "bf16", "h100")
+    assert reasons and reasons[0].startswith(
+        "the gradient of the scores has a term the softmax's does not (a power of the "
+        "probabilities"), reasons
+
+
 def test_dropout_on_the_probabilities_is_named() -> None:
     """NNX attention with dropout in training: cuDNN would draw other random numbers."""
     from flax import nnx

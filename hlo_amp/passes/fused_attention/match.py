@@ -689,19 +689,21 @@ class _Site(MaskReading, ExitReading):
         degrees = self._degrees_in_p(power, after_dp, max_path, from_dp)
         for op, number in self.exits:
             found = degrees.get(self.canon(op.operands[number], ()))
-            if found is not None and not found <= {1, 2}:
+            if found is not None and not found <= {(1, -1), (2, -2)}:
                 raise NotFused(why.format(
                     "a power of the probabilities other than the softmax's "
-                    f"P·dP and P·rowsum(P·dP): {sorted(found)}"))
+                    f"P·dP and P·rowsum(P·dP): {_powers_text(found)}"))
 
     def _softmax_powers(self, exp: ir.Operation, exp_stack: Stack,
-                        after_dp: set[tuple[ir.Value, Stack]]) -> dict[tuple[ir.Value, Stack], int]:
-        """The forward values the softmax's gradient multiplies by, with the power of P
-        each holds: the exponential (one), its sum along the keys (none: P = e /
-        sum(e)), and their products, quotients, converts, broadcasts, reshapes and
+                        after_dp: set[tuple[ir.Value, Stack]]
+                        ) -> dict[tuple[ir.Value, Stack], tuple[int, int]]:
+        """The forward values the softmax's gradient multiplies by, with the powers of
+        the exponential e and of its sum along the keys s each holds (P = e / s: (1,
+        -1)): e, s, and their products, quotients, converts, broadcasts, reshapes and
         transposes, with constants. Not what a comparison or a sum with a constant
         makes of them (p > 0.1, p + 1: a custom_vjp's weighting)."""
-        power: dict[tuple[ir.Value, Stack], int] = {self.canon(exp.results[0], exp_stack): 1}
+        power: dict[tuple[ir.Value, Stack], tuple[int, int]] = {
+            self.canon(exp.results[0], exp_stack): (1, 0)}
         keep = ("stablehlo.convert", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
                 "stablehlo.transpose")
         changed = True
@@ -712,32 +714,34 @@ class _Site(MaskReading, ExitReading):
                 if key in after_dp or key in power:
                     continue
                 known = [power.get(self.canon(v, stack)) if self.in_cluster(v, stack)
-                         else 0 if splat_value(self.view, v, stack) is not None else None
-                         for v in op.operands]
+                         else (0, 0) if splat_value(self.view, v, stack) is not None
+                         else None for v in op.operands]
                 if None in known or not known:
                     continue
                 if op.name in keep:
                     power[key] = known[0]
                 elif op.name == "stablehlo.multiply":
-                    power[key] = sum(known)
+                    power[key] = (known[0][0] + known[1][0], known[0][1] + known[1][1])
                 elif op.name == "stablehlo.divide":
-                    power[key] = known[0] - known[1]
-                elif op.name == "stablehlo.reduce" and _is_sum(self.view, op, stack):
-                    power[key] = known[0] - 1
+                    power[key] = (known[0][0] - known[1][0], known[0][1] - known[1][1])
+                elif (op.name == "stablehlo.reduce" and _is_sum(self.view, op, stack)
+                      and known[0] == (1, 0)):
+                    power[key] = (0, 1)  # the exponential's sum
                 else:
                     continue
                 changed = True
         return power
 
-    def _degrees_in_p(self, power: dict[tuple[ir.Value, Stack], int],
+    def _degrees_in_p(self, power: dict[tuple[ir.Value, Stack], tuple[int, int]],
                       after_dp: set[tuple[ir.Value, Stack]],
                       max_path: set[tuple[ir.Value, Stack]], from_dp: Any
-                      ) -> dict[tuple[ir.Value, Stack], set[int]]:
-        """Per gradient term, the powers of P its products hold: the softmax's gradient
-        P * (dP - rowsum(dP * P)) holds P once and twice; a custom_vjp multiplying the
-        probabilities' gradient by them (g * p) adds one (285% off, fused before). The
-        row max's gradient (zero) holds none that counts."""
-        degrees: dict[tuple[ir.Value, Stack], set[int]] = {}
+                      ) -> dict[tuple[ir.Value, Stack], set[tuple[int, int]]]:
+        """Per gradient term, the powers of e and s its products hold: the softmax's
+        gradient P * (dP - rowsum(dP * P)) holds P = e / s once and twice, (1, -1) and
+        (2, -2); a custom_vjp multiplying the probabilities' gradient by them (g * p:
+        285% off) or by the sum (g * s) holds others. The row max's gradient (zero)
+        holds none that counts."""
+        degrees: dict[tuple[ir.Value, Stack], set[tuple[int, int]]] = {}
         changed = True
         while changed:  # the gradient's terms
             changed = False
@@ -745,20 +749,20 @@ class _Site(MaskReading, ExitReading):
                 key = self.canon(op.results[0], stack)
                 if key not in after_dp or key in max_path:
                     continue
-                terms: set[int] = set()
-                shift = 0
+                terms: set[tuple[int, int]] = set()
+                shift = (0, 0)
                 for position, v in enumerate(op.operands):
                     value = self.canon(v, stack)
                     if value in max_path:
                         continue
                     if from_dp(v, stack):
-                        terms |= degrees.get(value, {0} if not self.in_cluster(v, stack)
-                                             else set())
+                        terms |= degrees.get(value, {(0, 0)} if not self.in_cluster(
+                            v, stack) else set())
                     elif value in power and op.name == "stablehlo.multiply":
-                        shift += power[value]
+                        shift = (shift[0] + power[value][0], shift[1] + power[value][1])
                     elif value in power and op.name == "stablehlo.divide" and position:
-                        shift -= power[value]
-                new = {t + shift for t in terms}
+                        shift = (shift[0] - power[value][0], shift[1] - power[value][1])
+                new = {(e + shift[0], s + shift[1]) for e, s in terms}
                 if new and not new <= degrees.get(key, set()):
                     degrees[key] = degrees.get(key, set()) | new
                     changed = True
@@ -915,6 +919,11 @@ class _Site(MaskReading, ExitReading):
                         found.add(key)
                         changed = True
         return found
+
+
+def _powers_text(found: set[tuple[int, int]]) -> str:
+    """Terms as powers of the exponential e and its sum s (P = e / s)."""
+    return ", ".join(f"e^{e} s^{s}" for e, s in sorted(found))
 
 
 def _match_scale(applied: float, unmatched: list[float]) -> bool:
