@@ -735,6 +735,20 @@ def test_a_custom_vjp_on_the_exponential_weighting_by_its_sum_is_left_unfused(ch
         "probabilities"), reasons
 
 
+def test_a_softmax_whose_sum_is_held_constant_is_left_unfused() -> None:
+    """e / stop_gradient(sum(e)): the scores' gradient is P·dP alone, with no row term,
+    and cuDNN's backward subtracts it (dq 88% off, fused before)."""
+    def attend(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) * 0.35
+        e = jnp.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True)))
+        p = e / jax.lax.stop_gradient(e.sum(-1, keepdims=True))
+        return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+    reasons = _reasons(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))),
+                                argnums=(0, 1, 2)), QKV, "bf16", "h100")
+    assert reasons and "e^1 s^-1" in reasons[0], reasons
+
+
 def test_dropout_on_the_probabilities_is_named() -> None:
     """NNX attention with dropout in training: cuDNN would draw other random numbers."""
     from flax import nnx
