@@ -63,10 +63,12 @@ from hlo_amp.ir.modules import (
     defining_op,
     dense_value,
     element_type,
+    from_constant,
     function_name,
     terminator,
     walk_operations,
 )
+from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
 from hlo_amp.ir.program_hints import gradient_arguments
 from hlo_amp.ir.sites import RECOMPUTED, join_names, location_name, parse_name
 
@@ -76,13 +78,9 @@ _PER_POSITION = frozenset({"stablehlo.optimization_barrier", "stablehlo.while"})
 _RETURNS = frozenset({"func.return"})
 _UPDATES = frozenset({"stablehlo.add", "stablehlo.subtract"})
 _MAX_ROUNDS = 10
-_CALLS = frozenset({"func.call"})
 _BARRIER = "stablehlo.optimization_barrier"
 _MANUAL = "sdy.manual_computation"  # a shard_map body, per position as a call
-_CONSTANT_CARRIERS = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.convert",
-                                "stablehlo.reshape"})
 _MAX_SOURCE_STEPS = 64  # layout ops and calls followed back from a dot's operand
-_MATRIX_OPS = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
 # Ops that hand a value on in another layout or type: a residual a backward dot reads
 # through them (b.T, a convolution's reversed kernel) is still the forward's operand.
 _LAYOUT_OPS = frozenset({"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape",
@@ -106,20 +104,6 @@ def _name(prefix: str, own: str, operand_kinds: list[int]) -> str:
     private function unnamed (remat's recomputed forward's, in a function the backward
     calls): under the prefix they would read as the backward's seed."""
     return join_names(prefix, own) if operand_kinds else own
-
-
-def _is_constant(value: ir.Value) -> bool:
-    """Whether ``value`` is a constant, or a constant broadcast, converted or reshaped."""
-    for _ in range(_MAX_SOURCE_STEPS):
-        op = defining_op(value)
-        if op is None:
-            return False
-        if op.name in _NO_OPERANDS_CONST:
-            return True
-        if op.name not in _CONSTANT_CARRIERS:
-            return False
-        value = op.operands[0]
-    return False
 
 
 def _holds_data(constant: ir.Operation) -> bool:
@@ -163,27 +147,31 @@ class GradientFlow:
         # A private function called once: its arguments are that call's operands (jax
         # lowers a nested jax.jit to one, its forward and backward calls apart).
         self._entry_blocks: dict[ir.Block, Any] = {}
+        # Each body walked once, in program order: here and by every round of the flow.
+        self._walked = [walk_operations(fn) for fn, _prefix in bodies]
         calls: dict[str, list[Any]] = {}
-        for fn, _prefix in bodies:
-            self._entry_blocks[fn.regions[0].blocks[0]] = fn
-            for call in walk_operations(fn, names=_CALLS):
-                calls.setdefault(callee_name(call), []).append(call)
-        self._only_call = {name: found[0] for name, found in calls.items()
-                           if len(found) == 1}
         backward_dots: list[Any] = []
         backward_ops: list[Any] = []  # in program order
-        for fn, prefix in bodies:
-            for op in walk_operations(fn):
+        forward_reads: list[ir.Value] = []
+        for (fn, prefix), ops in zip(bodies, self._walked):
+            self._entry_blocks[fn.regions[0].blocks[0]] = fn
+            for op in ops:
+                if op.name == "func.call":
+                    calls.setdefault(callee_name(op), []).append(op)
                 backward = _is_backward(join_names(prefix, location_name(op.location)))
                 if backward:
                     backward_ops.append(op)
                     self._backward_values.update(op.results)
-                if op.name not in _MATRIX_OPS:
+                if op.name not in MATRIX_OP_NAMES:
                     continue
                 if backward:
                     backward_dots.append(op)
-                    continue
-                self._forward_operands.update(self._source(v) for v in list(op.operands)[:2])
+                else:
+                    forward_reads.extend(list(op.operands)[:2])
+        self._only_call = {name: found[0] for name, found in calls.items()
+                           if len(found) == 1}
+        # Sources once every call is known (a callee's argument is its one call's operand).
+        self._forward_operands.update(self._source(v) for v in forward_reads)
         # What the backward computes from residuals alone (with constants): a forward
         # the program recomputes there (a custom_vjp whose bwd runs jax.vjp of its
         # forward), a residual it scales (w * 0.5): residuals too, not the gradient of
@@ -197,8 +185,8 @@ class GradientFlow:
             residual = [v in self._derived or (
                 v in self._forward_operands and v not in self._backward_values)
                 for v in sources]
-            if all(residual) if op.name in _MATRIX_OPS else any(residual) and all(
-                    r or _is_constant(v) for v, r in zip(sources, residual)):
+            if all(residual) if op.name in MATRIX_OP_NAMES else any(residual) and all(
+                    r or from_constant(v) for v, r in zip(sources, residual)):
                 self._derived.add(op.results[0])
         # A seed cotangent the dataflow cannot see (a primal value: the loss times a
         # loss scale, a vjp's cotangent argument) leaves a backward dot without a
@@ -284,8 +272,8 @@ class GradientFlow:
                 for given in _contexts(calls, fn):
                     state = states.setdefault((index, given), {})
                     before = dict(state)
-                    self._run(fn, prefix, given, state, returns, seen_calls, seen_returns,
-                              seeds)
+                    self._run(fn, self._walked[index], prefix, given, state, returns,
+                              seen_calls, seen_returns, seeds)
                     changed = changed or before != state
             if not changed and seen_calls == calls and seen_returns == returns:
                 break
@@ -309,7 +297,7 @@ class GradientFlow:
         kinds = [self.kind(v) for v in list(op.operands)[:2]]
         return kinds.index(GRAD) if kinds.count(GRAD) == 1 else None
 
-    def _run(self, fn: Any, prefix: str, given: tuple[int, ...] | None,
+    def _run(self, fn: Any, ops: list[Any], prefix: str, given: tuple[int, ...] | None,
              kinds: dict[ir.Value, int],
              returns: dict[tuple[str, tuple[int, ...]], tuple[int, ...]],
              seen_calls: dict[str, set[tuple[int, ...]]],
@@ -335,7 +323,7 @@ class GradientFlow:
                 kinds[argument] = GRAD
             if not _is_float(argument, floats):
                 kinds[argument] = CONST
-        for op in walk_operations(fn):
+        for op in ops:
             op_name = op.name
             operand_kinds = [kinds.get(v, PRIMAL) for v in op.operands]
             if op_name in _RETURNS:  # only a function's own body ends in func.return
