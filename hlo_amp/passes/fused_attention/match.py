@@ -144,8 +144,6 @@ class _Site(MaskReading, ExitReading):
         # The constants the scores are multiplied by on their way to the softmax (a
         # divide's as its reciprocal): the backward multiplies the gradient by each once.
         self.scale_factors: list[float] = []
-        # The forward masks (_mask_key) and the side of their select the scores are on.
-        self._mask_picks: dict[tuple, int] = {}
 
     # -- the cluster ----------------------------------------------------------------------
 
@@ -550,9 +548,7 @@ class _Site(MaskReading, ExitReading):
         if set(exits) not in ({"out"}, {"dv", "dq", "dk"}, {"out", "dv", "dq", "dk"}):
             raise _partial(", ".join(sorted(exits)), "out" in exits)
         if "dq" in exits:
-            self._mask_picks = {self._mask_key(pick, st): 2 if on_false else 1
-                                for pick, st, on_false, _ in selects}
-            self._check_gradient_terms(*softmax[:2])
+            self._check_gradient_terms(*softmax[:2], selects)
         roles_of_selects = [self.roles.get((op.results[0], st)) for _, st, _, op in selects]
         if any(r is None or None in r for r in roles_of_selects):
             raise NotFused("the mask's dimensions could not be read")
@@ -578,7 +574,8 @@ class _Site(MaskReading, ExitReading):
                 and sorted(shape_of(made.results[0])) == sorted(shape_of(
                     self.scores.results[0])))
 
-    def _check_gradient_terms(self, exp: ir.Operation, exp_stack: Stack) -> None:
+    def _check_gradient_terms(self, exp: ir.Operation, exp_stack: Stack,
+                              selects: list) -> None:
         """The backward computes dS from dP as the softmax's gradient alone: its ops (those
         after dP) are the softmax gradient's kinds, add and subtract two different terms
         that both come from dP, multiply by dP's terms, the forward's softmax values (P,
@@ -614,6 +611,9 @@ class _Site(MaskReading, ExitReading):
             return bool(terms) and all(t in max_path for t in terms)
 
         unmatched = list(self.scale_factors)  # each forward scale, matched once
+        # The forward masks (_mask_key) and the side of their select the scores are on.
+        mask_sides = {self._mask_key(pick, st): 2 if on_false else 1
+                      for pick, st, on_false, _ in selects}
         why = ("the gradient of the scores has a term the softmax's does not ({}): "
                "cuDNN's backward computes the softmax's alone (a custom_vjp on the "
                "scores, a penalty on them)")
@@ -678,7 +678,7 @@ class _Site(MaskReading, ExitReading):
                 # and keeping the gradient on the scores' side: a head mask, a column
                 # gate, the padding mask along the queries or inverted pick part of the
                 # gradient away.
-                side = self._mask_picks.get(self._mask_key(pick, stack))
+                side = mask_sides.get(self._mask_key(pick, stack))
                 foreign = (self.in_cluster(pick, stack) or side is None
                            or not from_dp(operands[side], stack))
                 if from_dp(pick, stack) or (foreign and not on_max_path(sides, stack)) or not all(
@@ -832,23 +832,16 @@ class _Site(MaskReading, ExitReading):
         return found
 
     def _mask_key(self, value: ir.Value, stack: Stack) -> tuple:
-        """A mask as a select reads it: its root, and how a broadcast lays it out."""
+        """A mask as a select reads it: the value past float converts, and how a
+        broadcast lays it out (a reshape of a mask is another layout: m[:, None, :, None]
+        is no m[:, None, None, :])."""
+        value, stack = self._strip(value, stack)
         op, _made, made_stack = self.view.producer(value, stack)
-        while op is not None and float_convert(op):
-            op, _made, made_stack = self.view.producer(op.operands[0], made_stack)
         if op is not None and op.name == "stablehlo.broadcast_in_dim":
             dims = tuple(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
-            return (self._unconverted(op.operands[0], made_stack), dims,
+            return (self._strip(op.operands[0], made_stack), dims,
                     tuple(shape_of(op.results[0])))
-        return (self._unconverted(value, stack), None, None)
-
-    def _unconverted(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
-        """``value`` before float converts, as its producer sees it (a reshape of a mask
-        is another layout: m[:, None, :, None] is no m[:, None, None, :])."""
-        op, made, made_stack = self.view.producer(value, stack)
-        while op is not None and op.name == "stablehlo.convert":
-            op, made, made_stack = self.view.producer(op.operands[0], made_stack)
-        return made, made_stack
+        return ((value, stack), None, None)
 
     def _unscaled(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
         """``value`` past multiplies by one (g + 1.0 * g adds a term to itself)."""
