@@ -29,6 +29,7 @@ from hlo_amp.ir.modules import (
     terminator,
     walk_operations,
 )
+from hlo_amp.ir.shardings import GIVEN_SHARDINGS
 
 WHILE = "stablehlo.while"
 # The direction that reads the same with the operands swapped.
@@ -116,14 +117,10 @@ def _step(value: ir.Value, body: ir.Block, counter: int) -> int | None:
     return None
 
 
-# Ops that hand their operand on unchanged, only constraining its sharding: on an
-# Explicit mesh jax wraps a scan's counter, its bound and its increment in them.
-_CONSTRAINTS = frozenset({"sdy.sharding_constraint"})
-
-
 def _unconstrained(value: ir.Value) -> ir.Value:
-    """``value`` before the sharding constraints that hand it on."""
-    while not isinstance(value, ir.BlockArgument) and value.owner.name in _CONSTRAINTS:
+    """``value`` before the sharding constraints that hand it on (on an Explicit mesh
+    jax wraps a scan's counter, its bound and its increment in them)."""
+    while not isinstance(value, ir.BlockArgument) and value.owner.name in GIVEN_SHARDINGS:
         value = value.owner.operands[0]
     return value
 
