@@ -122,9 +122,8 @@ def _lowering(fn: Callable[..., Any], args: tuple) -> _Lowering:
 
 
 def _static_argnums(fn: Any) -> tuple[int, ...]:
-    """The static argument positions of ``hlo_amp.compile``'s or ``jax.jit``'s function."""
-    if isinstance(fn, AmpFunction):
-        return fn.static_argnums
+    """The static argument positions of a ``jax.jit`` function (``_as_written`` takes
+    an ``hlo_amp.compile`` function's, and an nnx.jit or eqx.filter_jit step's)."""
     info = jax_jit_info(fn)
     return tuple(info.static_argnums) if info is not None else ()
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import NUMPY_TYPES, dense_value
+from hlo_amp.ir.modules import NUMPY_TYPES, dense_value, element_type
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
 
 # Larger constants are left unevaluated (the pass then treats the value as not constant).
@@ -84,9 +84,8 @@ _ROUNDED = {name: kind for name, kind in NUMPY_TYPES.items()
 
 
 def _element_name(value: ir.Value) -> str | None:
-    if not isinstance(value.type, ir.RankedTensorType):
-        return None
-    return str(ir.RankedTensorType(value.type).element_type)
+    element = element_type(value)
+    return None if element is None else str(element)
 
 
 def _numpy_type(value: ir.Value) -> np.dtype | None:
