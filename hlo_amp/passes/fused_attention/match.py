@@ -578,14 +578,17 @@ class _Site(MaskReading, ExitReading):
                               selects: list) -> None:
         """The backward computes dS from dP as the softmax's gradient alone: its ops (those
         after dP) are the softmax gradient's kinds, add and subtract two different terms
-        that both come from dP, multiply by dP's terms, the forward's softmax values (P,
-        the exponential, its sum: _softmax_powers) and each constant the forward scaled
-        the scores by, once (and by 1, -1, 0), and select dP's term against 0 only by a
-        mask or a max's indicators. cuDNN's backward computes that gradient, so a term
-        the program adds (a custom_vjp clipping, doubling, scaling or weighting the
-        scores' gradient by the scores, the gradient of a penalty on them) was lost: dq
-        and dk 60% to 320% off. (Not every such change can be told by its ops: a sign
-        flip reads as the softmax's own negate.)"""
+        that both come from dP, multiply by dP's terms, the forward's softmax values (the
+        exponential, its sum and what is made of them: _softmax_powers) and each
+        constant the forward scaled the scores by, once (and by 1, -1), sum along the
+        keys only, select dP's term against 0 only by the forward's own mask, and reach
+        the matrix ops as P·dP and P·rowsum(P·dP) (_degrees_in_p). The row max's
+        gradient (_max_gradient), zero, may be scaled or selected by anything. cuDNN's
+        backward computes that gradient, so a term the program adds (a custom_vjp
+        clipping, doubling, scaling or weighting the scores' or probabilities' gradient,
+        the gradient of a penalty on them) was lost: dq and dk 26% to 320% off. (Not
+        every such change can be told by its ops: a sign flip reads as the softmax's own
+        negate.)"""
         # The values computed from dP, to a fixpoint (the walk's order need not put
         # every reader after its producer).
         after_dp: set[tuple[ir.Value, Stack]] = set()
@@ -632,14 +635,14 @@ class _Site(MaskReading, ExitReading):
                 if self._unscaled(operands[0], stack) == self._unscaled(operands[1], stack):
                     raise NotFused(why.format(f"{name.split('.')[-1]} of a term with itself"))
             elif name in ("stablehlo.multiply", "stablehlo.divide"):
-                # A factor is dP's, the softmax's own values or a max's indicators, or
-                # a forward scale: not the scores or what else is computed from them,
-                # not a constant array, nor a value from outside the site; and the
-                # gradient is linear in dP: no product of two of its terms. The row
-                # max's gradient (the row sum of the gradient at the exponential's
-                # input, and what a guard, initial=, a floor, a scale or the max's
-                # indicators make of it) is zero, as a softmax does not change when
-                # its row is shifted, whatever multiplies it.
+                # A factor is dP's, the softmax's own values or a forward scale: not the
+                # scores or what else is computed from them, not a constant array, nor
+                # a value from outside the site; and the gradient is linear in dP: no
+                # product of two of its terms. The row max's gradient (the row sum of
+                # the gradient at the exponential's input, and what a guard, initial=,
+                # a floor, a scale or the max's indicators make of it) is zero, as a
+                # softmax does not change when its row is shifted, whatever multiplies
+                # it.
                 if all(from_dp(v, stack) for v in operands):
                     raise NotFused(why.format(f"{name.split('.')[-1]} of two gradient terms"))
                 on_rows = on_max_path(operands, stack)
@@ -669,10 +672,10 @@ class _Site(MaskReading, ExitReading):
                 # row max's): g - g.max(-1) or a sum along the queries was fused.
                 raise NotFused(why.format("a reduction other than a sum along the keys"))
             elif name == "stablehlo.select":
-                # A mask's (or a max's indicators') select of dP's term against 0; one
-                # whose choice is computed from the scores otherwise (but a row max's
-                # guard), or from the gradient, or whose other side is not 0, clips or
-                # replaces it.
+                # A mask's select of dP's term against 0 (or anything on the row max's
+                # gradient: a guard, the max's indicators); one whose choice is computed
+                # from the scores otherwise, or from the gradient, or whose other side
+                # is not 0, clips or replaces it.
                 pick, *sides = operands
                 # From outside the cluster, only the forward's own mask, laid out as there
                 # and keeping the gradient on the scores' side: a head mask, a column
