@@ -45,6 +45,7 @@ from hlo_amp.ir.modules import (
     walk_operations,
 )
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_carries
+from hlo_amp.ir.shardings import GIVEN_SHARDINGS
 
 # The scope of the barrier that carries the history through the step.
 STATE_SCOPE = "hlo_amp_fp8_state"
@@ -384,17 +385,15 @@ class HistoryThreads:
                 chain[0].operands[use.operand_number] = newest
 
 
-# What jax puts between the state barrier's result and the return: sharding constraints.
-_PASS_THROUGH = frozenset({"sdy.sharding_constraint", "sdy.reshard"})
-
-
 def _constraints_to(op: Any, end: Any) -> list[Any]:
     """The chain of one-use sharding constraints from ``op`` to the function's return
     ``end``; a PassError if the state barrier's result reaches anything else (the new
     history would be dropped silently)."""
     chain = []
     while True:
-        if op.name not in _PASS_THROUGH or len(op.results) != 1:
+        # What jax puts between the state barrier's result and the return: sharding
+        # constraints, which pass the value on unchanged.
+        if op.name not in GIVEN_SHARDINGS or len(op.results) != 1:
             raise PassError("fp8 (delayed scaling)", op.name,
                             "the amax history reaches an op other than the return")
         chain.append(op)
