@@ -197,6 +197,18 @@ def einsum_broadcast_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arr
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
 
 
+def einsum_closed_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """A 0/1 float causal mask [1, 1, T, T] made outside the step, as Linen's
+    ``make_causal_mask`` at batch 1: its batch axis is the scores' (both of size 1), and
+    it was refused as 'a constant mask that varies along the batch or heads'."""
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5
+    scores = jnp.where(_CLOSED_CAUSAL, scores, -1e9)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
+
+
+_CLOSED_CAUSAL = np.tril(np.ones((1, 1, T, T), np.float32))
+
+
 def einsum_float_padding(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
                          ) -> jax.Array:
     """A 0/1 float padding mask passed to ``jnp.where``, which reads it as ``mask != 0``
@@ -222,6 +234,8 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "equinox_no_mask": equinox_program(),
         "einsum_sqrt_scale": (_grad_of(einsum_sqrt_scale), (q_mha, k_mha, v_mha)),
         "einsum_broadcast_causal": (_grad_of(einsum_broadcast_causal), (q_mha, k_mha, v_mha)),
+        "einsum_closed_causal_batch1": (_grad_of(einsum_closed_causal),
+                                        (q_mha[:1], k_mha[:1], v_mha[:1])),
         "einsum_bnth_padding": (_grad_of(einsum_bnth_padding),
                                 (*(jnp.swapaxes(a, 1, 2) for a in (q_mha, k_mha, v_mha)),
                                  padding_mask())),

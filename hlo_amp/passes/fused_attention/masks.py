@@ -66,10 +66,11 @@ class MaskReading:
                 array = folded.array
                 select_dims = [dims[a] for a in folded.axes]
                 # A batch or head axis the mask is the same along says nothing (a causal
-                # mask broadcast to [1, N, T, S], nnx.make_causal_mask's [B, 1, T, T]).
+                # mask broadcast to [1, N, T, S], nnx.make_causal_mask's [B, 1, T, T]),
+                # nor does one of size 1 (that mask at batch 1, where the scores' batch
+                # axis is of size 1 too).
                 for i in reversed(range(array.ndim)):
                     if (select_dims[i] is not None and roles[select_dims[i]][0] == "B"
-                            and array.shape[i] > 1
                             and (array == array.take([0], axis=i)).all()):
                         array = array.take(0, axis=i)
                         del select_dims[i]
