@@ -167,6 +167,13 @@ def dpa_program(wrap: str) -> tuple[Callable[..., Any], tuple]:
     return _wrapped(apply, (q_w, kv_w), _normal(3, (B, T, N * H)), wrap)
 
 
+def dpa_keys_as_given(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Queries and values projected, the keys x itself: under ``jax.checkpoint`` at batch 1
+    the backward's v read its batch dimension as a unit one, and the backward was refused
+    ('v as the program computes it lacks the kernel's batch dimension 0')."""
+    return jax.nn.dot_product_attention(x @ w, x, x @ w, is_causal=True)
+
+
 def einsum_sqrt_scale(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """benchmarks/workloads.py's decoder: the scale a runtime square root of a constant,
     a causal ``jnp.where`` on the f32 scores."""
@@ -241,6 +248,11 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
                                  padding_mask())),
         "einsum_float_padding": (_grad_of(einsum_float_padding),
                                  (q_mha, k_mha, v_mha, padding_mask().astype(jnp.float32))),
+        "dpa_one_kv_head_linear_loss": (
+            jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v)),
+                     argnums=(0, 1, 2)), (q, k[:, :, :1], v[:, :, :1])),
+        "dpa_keys_as_given_batch1": (_grad_of(jax.checkpoint(dpa_keys_as_given), 2),
+                                     (_normal(3, (1, T, N, H)), _normal(4, (H, H)) / 4)),
     }
     for wrap in WRAPS:
         found[f"dpa_{wrap}"] = dpa_program(wrap)

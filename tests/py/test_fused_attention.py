@@ -927,18 +927,18 @@ def test_a_scanned_sites_flops_count_every_layer() -> None:
     assert sum(s.flops for s in gpu.attention) == layers * one_layer
 
 
-def test_one_kv_head_under_a_constant_output_gradient_is_left_with_a_reason() -> None:
+def test_one_kv_head_under_a_constant_output_gradient_fuses() -> None:
     """A loss linear in the output (dO a constant) with one kv head: jax's backward gives
-    v without the kv-head dimension, and the rewrite raised half-way (PassError: the
-    compile failed). It is now refused before anything is written."""
+    v without the kv-head dimension. The rewrite raised half-way on it (PassError: the
+    compile failed), then the site was refused; the kernel's reshape now puts the size-1
+    dimension back (its numbers: attention_programs' ``dpa_one_kv_head_linear_loss``)."""
     q, kv = jnp.ones((2, programs.T, 4, 64)), jnp.ones((2, programs.T, 1, 64))
     step = jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v)),
                     argnums=(0, 1, 2))
     lowered = hlo_amp.compile(step, "mixed_bfloat16").lower(q, kv, kv, target="h100")
     sites = lowered.report().attention
-    assert sites and not any(s.fused for s in sites)
-    assert "lacks the kernel's batch dimension" in sites[0].reason
-    lowered.compile()  # and XLA compiles the program as written
+    assert sites and all(s.fused for s in sites), [s.reason for s in sites]
+    assert "__cudnn$fmhaSoftmaxBackward" in lowered.compile().as_text()
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))

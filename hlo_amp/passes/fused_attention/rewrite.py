@@ -127,7 +127,9 @@ class _Builder:
         kernel's four dimensions, converted to ``element``."""
         source = ir.RankedTensorType(value.type)
         units = [i for i, r in enumerate(roles) if r == UNIT or r not in order]
-        permutation = [roles.index(r) for r in order] + units
+        # A role of ``order`` the value lacks is of size 1 (_check_roles): the reshape
+        # to ``shape4`` puts it back.
+        permutation = [roles.index(r) for r in order if r in roles] + units
         if permutation != list(range(len(roles))):
             value = hlo.transpose(value, ir.DenseI64ArrayAttr.get(permutation))
         if list(ir.RankedTensorType(value.type).shape) != list(shape4):
@@ -140,10 +142,12 @@ class _Builder:
                     roles: list[Role], target: ir.RankedTensorType) -> ir.Value:
         """The kernel's result back into ``roles``' order and ``target``'s type."""
         element = ir.RankedTensorType(value.type).element_type
+        present = [r for r in roles if r != UNIT]
+        # A role of ``order`` the target lacks is of size 1 (_check_roles): dropped here.
+        order = [r for r in order if r in present]
         full = [sizes[r] for r in order]
         if list(ir.RankedTensorType(value.type).shape) != full:
             value = hlo.reshape(self.tensor(full, element), value)
-        present = [r for r in roles if r != UNIT]
         permutation = [order.index(r) for r in present]
         if permutation != list(range(len(order))):
             value = hlo.transpose(value, ir.DenseI64ArrayAttr.get(permutation))
@@ -345,12 +349,15 @@ def _check_defined_before(values: list[ir.Value | None], op: ir.Operation) -> No
 
 
 def _check_roles(match: Match, layout: Layout) -> None:
-    """Each of q, k and v has every dimension the kernel's layout orders (checked before
-    anything is written: a rewrite that fails half-way fails the compile). A backward
-    whose output gradient is a constant (a loss linear in the attention's output) gave v
-    without its kv-head dimension for one kv head, and the pass raised."""
+    """Each of q, k and v has every dimension the kernel's layout orders, but for ones of
+    size 1 (checked before anything is written: a rewrite that fails half-way fails the
+    compile). A backward whose output gradient is a constant (a loss linear in the
+    attention's output) gave v without its kv-head dimension for one kv head, and the
+    pass raised. At batch 1 a remat'd backward's v reads its batch dimension as a unit
+    one: the reshapes into and out of the kernel put it back and drop it again."""
     for name, roles in (("q", match.q_roles), ("k", match.k_roles), ("v", match.v_roles)):
-        missing = [role for role in layout.order(name) if role not in roles]
+        missing = [role for role in layout.order(name)
+                   if role not in roles and match.sizes[role] != 1]
         if missing:
             named = ", ".join(f"batch dimension {role[1]} of the scores" if role[0] == "B"
                               else str(role) for role in missing)
