@@ -267,11 +267,13 @@ def test_not_for_a_mask_other_than_causal_or_boolean() -> None:
     assert "not causal" in _reasons(windowed, QKV, "bf16", "h100")[0]
 
 
-@pytest.mark.parametrize(("fill", "scale_after"), [(-1e4, 1e-4), (-1e9, -1.0)])
+@pytest.mark.parametrize(("fill", "scale_after"),
+                         [(-1e4, 1e-4), (-1e9, -1.0), (float("nan"), 1.0)])
 def test_not_where_a_scale_after_the_mask_undoes_its_fill(fill, scale_after) -> None:
     """The softmax reads the fill times the scales after the select: -1e4 * 1e-4 is -1
     and -1e9 * -1 is +1e9, no mask at all (it was fused as causal: the kernel's output
-    differed from the program's by 565%)."""
+    differed from the program's by 565%). A NaN fill makes the program's rows NaN (it
+    was fused: finite numbers where jax.jit gives NaN)."""
     causal = jnp.tril(jnp.ones((programs.T, programs.T), bool))
 
     def masked_then_scaled(q, k, v):

@@ -437,8 +437,9 @@ class _Site(MaskReading, ExitReading):
                 fill = splat_value(self.view, operands[3 - chain[0]], stack)
                 # What the softmax sees is the fill times the scales after the select
                 # (``scale`` so far: the walk goes back from the exp): where(m, s, -1e4)
-                # * 1e-4 masks nothing (-1), nor does a negative scale (+1e9).
-                if fill is None or fill * scale > MASK_FILL:
+                # * 1e-4 masks nothing (-1), nor does a negative scale (+1e9); a NaN
+                # fill (every comparison false) makes the program's rows NaN.
+                if fill is None or not fill * scale <= MASK_FILL:
                     raise NotFused("the scores are selected against a value that is not a "
                                    "large negative constant (a mask's fill) where the "
                                    "softmax reads it")
