@@ -166,7 +166,7 @@ def _trace(value: ir.Value, count: int, low: str
                 leaf(current, statistics)
                 return True
             return False
-        owner = current.owner
+        owner = current.owner.operation  # an OpView's .name can be an attribute's
         if op_key(owner) in seen:
             return True
         if owner.name == "stablehlo.constant":

@@ -376,7 +376,7 @@ class _Copier:
             if value.owner != entry:
                 raise _CannotRecompute
             return self.value(call.operands[ir.BlockArgument(value).arg_number], calls[:-1])
-        owner = value.owner
+        owner = value.owner.operation  # an OpView's .name can be an attribute's
         number = ir.OpResult(value).result_number
         if _is_constant(owner, self.by_name):
             return self._clone(owner, []).results[number]

@@ -147,3 +147,46 @@ def test_tpu_v5e_converts_it_and_runs_bf16_operands() -> None:
     report = compiled.report()
     assert report.decisions[0].kept_by_xla is None  # no name to match it by: no claim
     assert report.unknown_to_xla == {RAGGED_UNREAD: 1}
+
+
+# A composite's signature in a module's text: its operands' and result's types.
+_COMPOSITE = re.compile(r'stablehlo\.composite "chlo\.ragged_dot".*: \((.*)\) -> (tensor<[^>]*>)')
+
+
+@pytest.mark.parametrize("policy", ["bf16", "mixed_bfloat16", "fp8"])
+def test_a_jax_export_for_gpu_runs_it_in_16_bit(policy: str) -> None:
+    """On a device hlo_amp.compile rewrites jax.export's artifact, where the op is a
+    ``stablehlo.composite`` whose decomposition is a dense dot per group, and XLA runs
+    the composite as its own ragged dot from the composite's types. The passes converted
+    the decomposition's dots (f32 GEMMs on the GPU under a report of bf16 ones), and the
+    fast modes raised (recompute_residuals read the composite's name attribute as its op
+    name); the composite is now read as the op, and the artifact holds it in bf16."""
+    exported = jax.export.export(jax.jit(hlo_amp.compile(_GRAD, policy)),
+                                 platforms=["cuda"])(X, W, SIZES)
+    composites = [match.groups() for match in map(_COMPOSITE.search,
+                                                   exported.mlir_module().splitlines())
+                  if match]
+    assert len(composites) == 3, composites  # forward, dX, dW
+    for operands, _result in composites:
+        assert [t.rsplit("x", 1)[-1] for t in operands.split(", ")] == [
+            "bf16>", "bf16>", "i32>"], operands
+
+
+def test_an_exported_modules_ragged_dot_is_decided_as_the_op() -> None:
+    """hlo-amp-opt's view of an artifact: the decisions name the ragged dot (with its
+    FLOPs), not a decomposition's per-group dots, and XLA runs bf16 GEMMs for it."""
+    from hlo_amp.ir.modules import module_text, parse_module
+    from hlo_amp.passes import run_pipeline
+    from hlo_amp.policy import Policy
+    from hlo_amp.runtime.deviceless import compile_module_for_target
+    from hlo_amp.targets import as_target
+
+    text = jax.export.export(jax.jit(_moe), platforms=["cuda"])(X, W, SIZES).mlir_module()
+    assert 'stablehlo.composite "chlo.ragged_dot"' in text
+    module = parse_module(text)
+    report = run_pipeline(module, Policy.parse("bf16"), target="h100")
+    assert [(d.op_kind, d.operands_after, d.flops) for d in report.decisions] == [
+        ("ragged_dot", ("bf16", "bf16"), FLOPS)]
+    compiled = compile_module_for_target(parse_module(module_text(module)), as_target("h100"))
+    gemms = xla_gemms(compiled.hlo_modules()[0].to_string())  # the text has no op names
+    assert gemms and all(g.operand_types == ("bf16", "bf16") for g in gemms), gemms
