@@ -368,8 +368,31 @@ def gpu_from_config_file(path: Path) -> GpuTarget:
     if not text.strip():  # as the GPU of this machine it made "not a device to compile for"
         raise ValueError(f"target config file {str(path)!r} is empty; accepted: a "
                          f"GpuTargetConfig text proto (docs/gpu_target.md)")
+    unset = [name for name in _POSITIVE_DEVICE_FIELDS if not _positive_number(text, name)]
+    if unset:
+        raise ValueError(
+            f"target config file {str(path)!r} gives no positive {', '.join(unset)} in its "
+            f"gpu_device_info (XLA divides by them: a missing or zero one kills the "
+            f"process); accepted: a GpuTargetConfig text proto with each set "
+            f"(docs/gpu_target.md)")
     description = _proto_string(text, "device_description_str") or path.stem
     return GpuTarget(str(path), description, description, target_config=text)
+
+
+# gpu_device_info fields a compile divides by or sizes launches with: XLA:GPU died of a
+# SIGFPE (threads_per_warp, block_dim_limit_x) or a SIGSEGV (threads_per_block_limit,
+# shared_memory_per_block) where one was missing or 0 (checked one field at a time on a
+# matmul, a reduction, a convolution, a sort and a cumsum).
+_POSITIVE_DEVICE_FIELDS = ("threads_per_block_limit", "threads_per_warp",
+                           "shared_memory_per_block", "block_dim_limit_x")
+
+
+def _positive_number(text: str, key: str) -> bool:
+    found = re.search(rf"\b{key}\s*:\s*([-+0-9.eE]+)", text)
+    try:
+        return found is not None and float(found.group(1)) > 0
+    except ValueError:
+        return False
 
 
 def _proto_string(text: str, key: str) -> str | None:

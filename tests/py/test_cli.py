@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from hlo_amp import cli
+from hlo_amp.targets import device_target
 
 MODULE = """\
 func.func @main(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>) -> tensor<2x4xf32> {
@@ -127,6 +128,12 @@ ERRORS = {
                           + MODULE + "}\n"), "--autopolicy", "--budget", "1e-2",
                    "--xla-target", "h100"],
         r"mhlo\.num_replicas is 0; accepted: a positive integer"),
+    # XLA died of a SIGFPE (exit 136, no message) compiling with a config without it.
+    "config_without_threads_per_warp": (
+        lambda d: [d / "in.mlir", "--xla-target", _write(
+            d, "my_gpu.txtpb", re.sub(r"\n\s*threads_per_warp: \d+", "",
+                                      device_target("h100").target_config))],
+        r"my_gpu\.txtpb' gives no positive threads_per_warp in its gpu_device_info"),
     # A recursive call graph was an "internal error" (RecursionError) in a pass.
     "recursion": (
         lambda d: [_write(d, "rec.mlir", MODULE.replace(

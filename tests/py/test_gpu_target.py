@@ -283,6 +283,23 @@ def test_a_bad_config_file_says_where_and_an_empty_one_says_so(tmp_path: Path) -
         amp.lower(*args, target=str(binary))
 
 
+@pytest.mark.parametrize("field", ["threads_per_block_limit", "threads_per_warp",
+                                   "shared_memory_per_block", "block_dim_limit_x"])
+@pytest.mark.parametrize("change", ["missing", "zero"])
+def test_a_config_file_without_a_field_xla_divides_by_is_refused(
+        tmp_path: Path, field: str, change: str) -> None:
+    """XLA:GPU killed the process (SIGFPE or SIGSEGV, no message) compiling for a config
+    whose gpu_device_info lacked one of these or gave 0."""
+    text = targets.device_target("h100").target_config
+    text = re.sub(rf"\n\s*{field}: \d+", "" if change == "missing" else f"\n  {field}: 0",
+                  text)
+    config = tmp_path / "my_gpu.txtpb"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=rf"my_gpu\.txtpb' gives no positive {field} in its "
+                                         r"gpu_device_info"):
+        targets.device_target(str(config))
+
+
 def test_a_config_file_written_as_xlas_spec_files_keeps_its_compute_capability(
         tmp_path: Path) -> None:
     """XLA's spec files (a100_sxm_80.txtpb) leave minor: 0 out, as proto text does: the
