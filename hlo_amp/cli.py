@@ -31,6 +31,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from jaxlib.mlir import ir
+
 from hlo_amp import jaxlib_internals
 from hlo_amp.ir.modules import (
     ModuleError,
@@ -38,6 +40,7 @@ from hlo_amp.ir.modules import (
     module_text,
     parse_module,
 )
+from hlo_amp.ir.shardings import partition_count
 from hlo_amp.passes import pass_names, run_pipeline
 from hlo_amp.policy import SCALINGS, Policy, as_policy
 from hlo_amp.quiet_stderr import fd2_muted, import_jax_for_cli
@@ -271,11 +274,20 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
     if device is None:
         raise CliError("hlo-amp-opt: error: --autopolicy needs --xla-target (h100, "
                        "tpu-v5e, ...): the device whose step time it minimises")
+    if args.seed is not None and args.seed < 0:
+        raise CliError(f"hlo-amp-opt: error: --seed {args.seed}; accepted: an integer >= 0")
     source, source_name = _read(args.input)
-    parse_module(source, source_name=source_name)  # refuses what the passes cannot read
+    module = parse_module(source, source_name=source_name)  # refuses what passes cannot read
+    devices = partition_count(module) * _replica_count(module)
+    if devices > 1:  # measured on one CPU device and priced on one device of the target
+        raise CliError(f"hlo-amp-opt: error: --autopolicy: {source_name} runs on {devices} "
+                       f"devices (mhlo.num_partitions, mhlo.num_replicas or its mesh); "
+                       f"accepted: a module of one device")
     try:
         check_tolerance(args.budget, "budget", zero_ok=False)
-        main = ModuleFunction(source)
+        # The parsed module's text: a jax.export artifact is VHLO until parse_module
+        # deserializes it (ModuleFunction read its bytes as they were).
+        main = ModuleFunction(module_text(module, debug_info=True))
         inputs = main.inputs_from(args.inputs, 0 if args.seed is None else args.seed)
         result = target_autopolicy(
             main.for_platform("cpu"), inputs, budget=args.budget,
@@ -292,6 +304,13 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
     print(result, file=sys.stderr)
     _write_outputs(args, result.policy.to_string() + "\n", result.to_json() + "\n")
     return 0
+
+
+def _replica_count(module: object) -> int:
+    attributes = module.operation.attributes
+    if "mhlo.num_replicas" not in attributes:
+        return 1
+    return max(1, ir.IntegerAttr(attributes["mhlo.num_replicas"]).value)
 
 
 def _device_target(args: argparse.Namespace) -> Target | None:
@@ -366,12 +385,12 @@ def _write_outputs(args: argparse.Namespace, text: str, report: str) -> None:
     if args.report == "-" and _stderr_closed.is_set():
         raise CliError("hlo-amp-opt: error: cannot write the report: stderr is closed; "
                        "give --report FILE")
-    if args.report == "-":
-        sys.stderr.write(report)
-    elif args.report:
+    if args.report and args.report != "-":
         files.append((args.report, report))
         _refuse_same_file(args, args.report)
     _write(files)
+    if args.report == "-":  # after the output: a failed write showed the whole report
+        sys.stderr.write(report)
 
 
 def _refuse_same_file(args: argparse.Namespace, report: str) -> None:

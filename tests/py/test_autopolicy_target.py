@@ -321,6 +321,9 @@ def test_cli_autopolicy_prices_delayed_fp8_scaling(tmp_path, capsys):
      "cannot read inputs 'nope.npz'"),
     (["--autopolicy", "--budget", "0.1", "--xla-target", "tpu-v5e", "--max-compiles", "0"],
      "Invalid max_compiles 0"),
+    # numpy's "expected non-negative integer", naming neither the option nor the value
+    (["--autopolicy", "--budget", "0.1", "--xla-target", "tpu-v5e", "--seed", "-5"],
+     "--seed -5; accepted: an integer >= 0"),
 ])
 def test_cli_autopolicy_bad_arguments(tmp_path, capsys, args, match):
     """Each a user error: one line on stderr, status 1."""
@@ -328,6 +331,33 @@ def test_cli_autopolicy_bad_arguments(tmp_path, capsys, args, match):
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_cli_autopolicy_refuses_a_module_of_several_devices(tmp_path, capsys):
+    """Measured on one CPU device and priced on one device of the target, a partitioned
+    module got a policy without a word (or jax's mesh error, or an internal error for a
+    shard_map)."""
+    path = tmp_path / "sharded.mlir"
+    path.write_text(_module_file(tmp_path).read_text().replace(
+        "mhlo.num_partitions = 1 : i32", "mhlo.num_partitions = 2 : i32"))
+    assert cli.main([str(path), "--autopolicy", "--budget", "0.1", "--xla-target",
+                     "h100"]) == 1
+    err = capsys.readouterr().err
+    assert f"--autopolicy: {path} runs on 2 devices" in err
+    assert "accepted: a module of one device" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_autopolicy_reads_a_jax_export_artifact(tmp_path, capsys):
+    """The rewrite takes jax.export's serialized module; --autopolicy read its bytes as
+    MLIR and failed on the VHLO ("Cannot cast attribute to StringAttr")."""
+    path = tmp_path / "step.bin"
+    path.write_bytes(jax.export.export(jax.jit(PROGRAM))(X, W).mlir_module_serialized)
+    status = cli.main([str(path), "--autopolicy", "--budget", "1e-2", "--xla-target",
+                       "tpu-v5e", "--report", str(tmp_path / "table.json"),
+                       "-o", str(tmp_path / "policy.txt")])
+    assert status == 0, capsys.readouterr().err
+    data = json.loads((tmp_path / "table.json").read_text())
+    assert {row["scope"] for row in data["scopes"]} == {"embed", "mix", "cancel", "head"}
 
 
 def test_cli_autopolicy_refuses_text_that_is_not_mlir(tmp_path, capsys):

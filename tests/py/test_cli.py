@@ -340,10 +340,13 @@ def test_more_errors_in_process(case: str, module_file: Path, tmp_path: Path,
     _check_error(code, captured.out, captured.err, pattern, out.parent)
 
 
-def test_unwritable_output_is_an_error(module_file: Path, tmp_path: Path,
+@pytest.mark.parametrize("report", [[], ["--report", "-"]])
+def test_unwritable_output_is_an_error(module_file: Path, tmp_path: Path, report: list[str],
                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """One line, and no report on stderr either (``--report -`` wrote it all before the
+    output failed)."""
     target = tmp_path / "missing_dir" / "out.mlir"
-    assert cli.main([str(module_file), "-o", str(target)]) == 1
+    assert cli.main([str(module_file), "-o", str(target), *report]) == 1
     assert capsys.readouterr().err.splitlines() == [
         f"hlo-amp-opt: error: cannot write '{target}': No such file or directory"]
 
