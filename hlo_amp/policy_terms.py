@@ -129,8 +129,11 @@ def canonical_op_kind(kind: Any) -> tuple[str, ...]:
         text = kind.strip().removeprefix("stablehlo.").removeprefix("chlo.")
         if text in OP_KINDS or text in op_names():
             return (text,)
-        if text.removesuffix("_p") in _PRIMITIVE_KINDS:
-            return _PRIMITIVE_KINDS[text.removesuffix("_p")]
+        # A primitive spelt as the message below lists it ("jax.lax.dot_general_p"): it
+        # was refused in the message naming it as accepted.
+        primitive = text.removeprefix("jax.").removeprefix("lax.").removesuffix("_p")
+        if primitive in _PRIMITIVE_KINDS:
+            return _PRIMITIVE_KINDS[primitive]
     raise ValueError(
         f"Unknown op kind {kind!r}; accepted: {', '.join(OP_KINDS)}, "
         f"jax.lax.dot_general_p, jax.lax.conv_general_dilated_p, "

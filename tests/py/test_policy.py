@@ -117,6 +117,12 @@ def test_parse_op_keys_stablehlo_and_primitive_names() -> None:
     # A primitive name maps to every StableHLO op it lowers to.
     assert dict(Policy.parse("f32,op:dot_general_p=keep").ops) == {
         "dot_general": "keep", "dot": "keep"}
+    # As the unknown-kind message spells them (it listed them as accepted and refused
+    # them; jax.lax has no ragged_dot_general_p for the dict form).
+    assert dict(Policy.parse("f32,op:jax.lax.ragged_dot_general_p=keep").ops) == {
+        "ragged_dot": "keep"}
+    assert dict(Policy(ops={"jax.lax.conv_general_dilated_p": "f16"}).ops) == {
+        "convolution": "float16"}
 
 
 def test_jax_primitives_as_op_keys() -> None:
