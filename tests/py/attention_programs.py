@@ -216,6 +216,19 @@ def einsum_closed_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 _CLOSED_CAUSAL = np.tril(np.ones((1, 1, T, T), np.float32))
 
 
+def einsum_group_axis_mask(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+                           ) -> jax.Array:
+    """A mask given with the scores' GQA group axis of size 1, [1, B, N, T, S] (as jax
+    hoists a padding mask out of a remat'd scan): the size-1 axis counted as a second
+    query dimension the mask varies along ('varies along more than one query
+    dimension')."""
+    b, t, n, h = q.shape
+    scores = jnp.einsum("btngh,bsnh->gbnts", q.reshape(b, t, n, 1, h), k) * h ** -0.5
+    scores = jnp.where(mask, scores, -1e9)
+    out = jnp.einsum("gbnts,bsnh->btngh", jax.nn.softmax(scores, axis=-1), v)
+    return out.reshape(b, t, n, h)
+
+
 def einsum_float_padding(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
                          ) -> jax.Array:
     """A 0/1 float padding mask passed to ``jnp.where``, which reads it as ``mask != 0``
@@ -251,6 +264,9 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "dpa_one_kv_head_linear_loss": (
             jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v)),
                      argnums=(0, 1, 2)), (q, k[:, :, :1], v[:, :, :1])),
+        "einsum_group_axis_mask": (
+            _grad_of(einsum_group_axis_mask), (q_mha, k_mha, v_mha, jax.random.bernoulli(
+                jax.random.key(9), 0.7, (1, B, N, T, T)).at[..., 0].set(True))),
         "dpa_keys_as_given_batch1": (_grad_of(jax.checkpoint(dpa_keys_as_given), 2),
                                      (_normal(3, (1, T, N, H)), _normal(4, (H, H)) / 4)),
     }

@@ -140,11 +140,14 @@ class MaskReading:
     def _query_axis(self, folded: Folded | None, axis_roles: list[Role],
                     leaves: list) -> Role:
         """The query position among the query's free dimensions: the one the mask varies
-        along, else the longest."""
+        along, else the longest. A dimension of size 1 varies along nothing (jax hoists a
+        padding mask out of a remat'd scan broadcast to the scores' [1, B, N, T, S] with a
+        GQA group axis of 1: 'varies along more than one query dimension')."""
         candidates = [r for r in self.q_roles if r[0] == "Q"]
-        varying = {r for r in axis_roles if r in candidates} if folded is not None else set()
+        longer = {r for r in candidates if self.sizes[r] > 1}
+        varying = {r for r in axis_roles if r in longer} if folded is not None else set()
         for _value, roles in leaves:
-            varying |= {r for r in roles if r in candidates}
+            varying |= {r for r in roles if r in longer}
         if len(varying) > 1:
             raise NotFused("the mask varies along more than one query dimension")
         if varying:
