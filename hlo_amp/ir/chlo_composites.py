@@ -1,15 +1,15 @@
-"""``stablehlo.composite "chlo.ragged_dot"`` back into the ``chlo.ragged_dot`` it stands
-for, before the passes.
+"""A ``jax.export`` artifact's ``stablehlo.composite "chlo.*"`` ops back into the CHLO ops
+they stand for, before the passes.
 
-jax lowers ``jax.lax.ragged_dot`` for GPU and TPU as ``chlo.ragged_dot``; a ``jax.export``
-artifact (what ``hlo_amp.compile`` rewrites on a device, and what ``hlo-amp-opt`` may be
-given) holds it as a composite whose decomposition is a dense dot per group. XLA turns
-the composite back into its own ragged dot from the composite's operand types and
-attributes and never runs the decomposition, so converting the decomposition's dots
-changed nothing (f32 GEMMs under a report of bf16 ones), and a decomposition's per-group
-dots would be G times the FLOPs if XLA did run them. As the op itself insert_converts
-decides it as it does on the direct lowering (``lower(target=...)``), and serialising the
-module wraps it again, in the types chosen.
+jax lowers ``jax.lax.ragged_dot``, ``erf``, ``top_k``, ``sinh``... for GPU and TPU as CHLO
+ops; a ``jax.export`` artifact (what ``hlo_amp.compile`` rewrites on a device, and what
+``hlo-amp-opt`` may be given) holds each as a composite whose decomposition computes it in
+StableHLO, and XLA turns the composite back into its own op from the composite's types and
+attributes, never running the decomposition. So the passes read the artifact as the direct
+lowering (``lower(target=...)``) has it: a ragged dot's decomposition (a dense dot per
+group) had its dots converted while XLA ran f32 GEMMs, and an ``erf`` composite, opaque to
+the fast mode's op table, kept a GELU's activations f32. Serialising the module wraps them
+again, in the types chosen.
 """
 
 from __future__ import annotations
@@ -26,38 +26,65 @@ _DIMENSION_FIELDS = ("lhs_batching_dimensions", "rhs_batching_dimensions",
                      "lhs_ragged_dimensions", "rhs_group_dimensions")
 
 
-def recompose_ragged_dots(module: ir.Module) -> int:
-    """Replace each ``chlo.ragged_dot`` composite of ``module`` by the op, and drop the
-    decompositions nothing else names; how many were replaced."""
-    composites = [op for op in walk_operations(module, names=frozenset({"stablehlo.composite"}))
-                  if ir.StringAttr(op.attributes["name"]).value == RAGGED_DOT]
+def recompose_chlo_composites(module: ir.Module) -> int:
+    """Replace each ``chlo.*`` composite of ``module`` by the op (a form the op does not
+    take is left as it is), and drop the decompositions nothing names any more; how many
+    were replaced."""
+    replaced = 0
     dropped: set[str] = set()
-    for composite in composites:
-        dropped.add(body_name(composite))
-        attributes = ir.DictAttr(composite.attributes["composite_attributes"])
-        numbers = [list(ir.DenseIntElementsAttr(a))
-                   for a in ir.ArrayAttr(attributes["ragged_dot_dimension_numbers"])]
-        if len(numbers) != len(_DIMENSION_FIELDS) or len(composite.results) != 1:
-            continue  # not the form jax writes: left to XLA as it is
-        fields = ", ".join(f"{field} = [{', '.join(map(str, dims))}]"
-                           for field, dims in zip(_DIMENSION_FIELDS, numbers))
-        precision = ", ".join(f"#chlo<precision {ir.StringAttr(p).value}>"
-                              for p in ir.ArrayAttr(attributes["precision_config"]))
+    for composite in walk_operations(module, names=frozenset({"stablehlo.composite"})):
+        name = ir.StringAttr(composite.attributes["name"]).value
+        if not name.startswith("chlo."):
+            continue
+        attributes = (ir.DictAttr(composite.attributes["composite_attributes"])
+                      if "composite_attributes" in composite.attributes else None)
+        given = (_ragged_dot_attributes(attributes) if name == RAGGED_DOT
+                 else {a.name: a.attr for a in attributes} if attributes is not None else {})
+        if given is None:
+            continue
         with composite.context, composite.location, ir.InsertionPoint(composite):
-            op = ir.Operation.create(
-                RAGGED_DOT, results=[composite.results[0].type],
-                operands=list(composite.operands),
-                attributes={
-                    "ragged_dot_dimension_numbers":
-                        ir.Attribute.parse(f"#chlo.ragged_dot<{fields}>"),
-                    "precision_config": ir.Attribute.parse(f"[{precision}]"),
-                })
-        composite.results[0].replace_all_uses_with(op.results[0])
+            try:
+                op = ir.Operation.create(name, results=[r.type for r in composite.results],
+                                         operands=list(composite.operands), attributes=given)
+            except Exception:  # noqa: BLE001, S112 - an op this jaxlib does not know: left
+                continue
+        if not _verifies(op):
+            op.erase()
+            continue
+        for old, new in zip(composite.results, op.results, strict=True):
+            old.replace_all_uses_with(new)
+        dropped.add(body_name(composite))
         composite.erase()
+        replaced += 1
     if dropped:
         named = {body_name(op) for op in walk_operations(
             module, names=frozenset({"func.call", "stablehlo.composite"}))}
         for fn in functions(module):
             if function_name(fn) in dropped - named:
                 fn.erase()
-    return len(composites)
+    return replaced
+
+
+def _ragged_dot_attributes(attributes: ir.DictAttr | None) -> dict[str, ir.Attribute] | None:
+    """``chlo.ragged_dot``'s attributes from its composite's (None: not jax's form)."""
+    if attributes is None or "ragged_dot_dimension_numbers" not in attributes:
+        return None
+    numbers = [list(ir.DenseIntElementsAttr(a))
+               for a in ir.ArrayAttr(attributes["ragged_dot_dimension_numbers"])]
+    if len(numbers) != len(_DIMENSION_FIELDS):
+        return None
+    fields = ", ".join(f"{field} = [{', '.join(map(str, dims))}]"
+                       for field, dims in zip(_DIMENSION_FIELDS, numbers, strict=True))
+    precision = ", ".join(f"#chlo<precision {ir.StringAttr(p).value}>"
+                          for p in ir.ArrayAttr(attributes["precision_config"]))
+    context = attributes.context
+    return {"ragged_dot_dimension_numbers": ir.Attribute.parse(f"#chlo.ragged_dot<{fields}>",
+                                                               context=context),
+            "precision_config": ir.Attribute.parse(f"[{precision}]", context=context)}
+
+
+def _verifies(op: ir.Operation) -> bool:
+    try:
+        return op.verify() is not False
+    except ir.MLIRError:
+        return False

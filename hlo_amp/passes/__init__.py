@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.chlo_composites import recompose_ragged_dots
+from hlo_amp.ir.chlo_composites import recompose_chlo_composites
 from hlo_amp.ir.modules import (
     ModuleError,
     PassError,
@@ -151,7 +151,7 @@ def run_pipeline(module: ir.Module, policy: Policy, *, report: Report | None = N
     collecting = gc.isenabled()
     gc.disable()
     drop_discarded()  # a pass run outside a pipeline (a test) leaves its own marks only
-    recompose_ragged_dots(module)  # a jax.export artifact's composites (ir/chlo_composites.py)
+    recompose_chlo_composites(module)  # a jax.export artifact's (ir/chlo_composites.py)
     name_shard_map_bodies(module)
     if is_partitioned(module):  # keep_shardings, their one reader, acts only then
         mark_program_converts(module)
