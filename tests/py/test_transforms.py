@@ -292,6 +292,28 @@ def test_grad_of_a_compiled_function_follows_the_fp8_recipe():
     assert _fp8_recipe(outside) == _fp8_recipe(inside) == {
         "bf16 dots": 5, "fp8 dots": 6, "e5m2": 2}
 
+
+def test_grad_of_a_compiled_function_with_layers_in_a_loop_keeps_their_gradients_fp8():
+    """Layers written in a Python loop share one stack, which the backward program marked
+    the stem's by stack alone: every hidden layer's gradient dots ran bf16 (0 e5m2 against
+    compile(jax.grad(f))'s 4). The shared stack is not handed on now: the hidden layers'
+    backward dots are fp8 as inside; only the stem's dW, which no stack can tell from
+    theirs, is fp8 too (inside it is bf16)."""
+    def mlp(ws, x):
+        h = x
+        for w in ws[:-1]:
+            h = jnp.tanh(h @ w)
+        return jnp.sum((h @ ws[-1]) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    ws = [jax.random.normal(k, (64, 64)) / 8 for k in keys[:4]]
+    x = jax.random.normal(keys[4], (32, 64))
+    outside = _fp8_recipe(jax.jit(jax.grad(hlo_amp.compile(mlp, "fp8"))).lower(ws, x).as_text())
+    inside = _fp8_recipe(hlo_amp.compile(jax.grad(mlp), "fp8").lower(ws, x).as_text())
+    assert inside["e5m2"] > 0 and outside["e5m2"] == inside["e5m2"] + 1  # the stem's too
+    assert outside["fp8 dots"] == inside["fp8 dots"] + 1
+    assert outside["bf16 dots"] == inside["bf16 dots"] - 1
+
 def test_unsupported_transform_error_is_one_clear_line():
     w = _rand(0, (8, 4))
 

@@ -5,6 +5,7 @@ each op runs per call of the program (the report's FLOPs)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,7 +223,13 @@ class CallGraph:
                 bases[LAST_MATRIX_OP] = set()
             alike = len(own) == 1 and len(ends) == 2 and forward[0][0] != forward[-1][0]
             if not alike:  # first and last that look alike are no stacks to hand on
-                found.update(own)
+                # Nor is the stack of a layer written in a Python loop, which every
+                # layer's op has: a backward program marks by stack alone, and every
+                # layer's gradients went 16-bit (jax.grad of a compiled fp8 loss).
+                shared = Counter(_stack_key(self.site(op, kind, key[2]), op, kind)
+                                 for key, op, kind in forward)
+                found.update({stack: positions for stack, positions in own.items()
+                              if shared[stack] <= 1})
             backward = [(key, op, kind, _stack_key(site, op, kind))
                         for key, op, kind in order
                         for site in (self.site(op, kind, key[2]),) if site.backward]
