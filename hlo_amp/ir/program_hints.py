@@ -28,6 +28,9 @@ from hlo_amp.ir.modules import ModuleError
 
 INCOMING_GRADIENT = "hlo_amp.incoming_gradient"
 FORWARD_ENDS = "hlo_amp.forward_ends"
+# The devices a program exported for one device is partitioned over once inlined (an
+# outer jax.jit with shardings): its module says 1.
+CALLER_DEVICES = "hlo_amp.caller_devices"
 
 # (scope path, op kind, source call stack) of a first or last matrix op -> its positions
 EndStacks = dict[tuple[str, str, str], tuple[str, ...]]
@@ -81,11 +84,25 @@ def gradient_arguments(fn: Any) -> frozenset[int]:
                      if INCOMING_GRADIENT in ir.DictAttr(attrs))
 
 
-def strip_program_hints(module: ir.Module) -> None:
-    """Remove both facts: the rewritten module carries no hlo_amp attribute."""
+def mark_caller_devices(module: ir.Module, devices: int) -> None:
+    """Write that ``module``, exported for one device, runs partitioned over ``devices``
+    in its caller's program."""
+    module.operation.attributes[CALLER_DEVICES] = ir.IntegerAttr.get(
+        ir.IntegerType.get_signless(64, context=module.context), devices)
+
+
+def caller_devices(module: ir.Module) -> int:
+    """The devices ``mark_caller_devices`` wrote (1 where it wrote nothing)."""
     attributes = module.operation.attributes
-    if FORWARD_ENDS in attributes:
-        del attributes[FORWARD_ENDS]
+    return ir.IntegerAttr(attributes[CALLER_DEVICES]).value if CALLER_DEVICES in attributes else 1
+
+
+def strip_program_hints(module: ir.Module) -> None:
+    """Remove the facts: the rewritten module carries no hlo_amp attribute."""
+    attributes = module.operation.attributes
+    for name in (FORWARD_ENDS, CALLER_DEVICES):
+        if name in attributes:
+            del attributes[name]
     with module.context:
         for op in module.body.operations:
             if op.operation.name != "func.func" or "arg_attrs" not in op.attributes:

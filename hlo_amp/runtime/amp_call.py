@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -37,7 +38,7 @@ class ProgramOwner(Protocol):
     programs, runtime/compile.py's ProgramStore, never the function itself)."""
 
     def export_program(self, program: Program, avals: AvalsKey,
-                       platforms: tuple[str, ...] | None = None) -> Any: ...
+                       platforms: tuple[str, ...] | None = None, devices: int = 1) -> Any: ...
 
     def out_avals(self, program: Program, avals: AvalsKey) -> list: ...
 
@@ -94,9 +95,11 @@ class Program:
                backward_of: BackwardOf | None = None) -> Program:
         return Program(self.owner, fn, name, (tag, self.key), backward_of)
 
-    def exported(self, avals: AvalsKey, platforms: tuple[str, ...] | None = None) -> Any:
-        """The rewritten export for ``avals``, for ``platforms`` (None: jax's default)."""
-        return self.owner.export_program(self, avals, platforms)
+    def exported(self, avals: AvalsKey, platforms: tuple[str, ...] | None = None,
+                 devices: int = 1) -> Any:
+        """The rewritten export for ``avals``, for ``platforms`` (None: jax's default),
+        for a caller partitioned over ``devices``."""
+        return self.owner.export_program(self, avals, platforms, devices)
 
 
 def avals_key(values: Sequence[Any]) -> AvalsKey:
@@ -217,12 +220,27 @@ def _lower(ctx: Any, *args: Any, program: Program) -> Any:
     """The export for the platforms being lowered for (``jax.export`` with ``platforms=``,
     ``lowering_platforms=``, a GPU target), inlined with ``Exported.call``."""
     platforms = tuple(ctx.module_context.platforms)
+    devices = _partitioned_devices(ctx.module_context.axis_context)
 
     def call(*values: Any) -> Any:
-        return program.exported(avals_key(values), platforms).call(*values)
+        return program.exported(avals_key(values), platforms, devices).call(*values)
 
     with _devices_named(program):
         return internals.lower_fun(call, multiple_results=True)(ctx, *args)
+
+
+def _partitioned_devices(axis_context: Any) -> int:
+    """The devices XLA's partitioner splits the caller's program over (jax.jit with
+    shardings: a ShardingContext; a mesh's axes not manual: an SPMDAxisContext), 1 in a
+    program of one device or a shard_map body (manual: per device)."""
+    devices = getattr(axis_context, "num_devices", None)
+    if devices is not None:
+        return int(devices)
+    mesh = getattr(axis_context, "mesh", None)
+    if mesh is None:
+        return 1
+    manual = getattr(axis_context, "manual_axes", frozenset())
+    return math.prod(size for name, size in mesh.shape.items() if name not in manual)
 
 
 amp_call_p.def_impl(_call)

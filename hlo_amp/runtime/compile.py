@@ -34,7 +34,7 @@ from jaxlib.mlir import ir
 
 from hlo_amp import jax_internals as internals
 from hlo_amp.ir.modules import copy_module, function_name, functions, module_text, new_context
-from hlo_amp.ir.program_hints import EndStacks, mark_backward_program
+from hlo_amp.ir.program_hints import EndStacks, mark_backward_program, mark_caller_devices
 from hlo_amp.passes import run_pipeline
 from hlo_amp.passes.insert_converts.call_graph import end_stacks
 from hlo_amp.policy import Policy, as_policy
@@ -410,13 +410,16 @@ class ProgramStore:
         return (program.key, avals, internals.program_context())
 
     def export_program(self, program: Program, avals: AvalsKey,
-                       platforms: tuple[str, ...] | None = None) -> Any:
+                       platforms: tuple[str, ...] | None = None, devices: int = 1) -> Any:
         """``program`` exported for ``avals`` and rewritten, for ``platforms`` (None, or
-        jax's default backend alone: the default export); cached."""
+        jax's default backend alone: the default export) and a caller partitioned over
+        ``devices`` (an outer jax.jit with shardings); cached."""
         key = self._program_key(program, avals)
         if platforms == (jax_export.default_export_platform(),):  # "cuda", not "gpu"
             platforms = None
-        exported = self.exports.get(key if platforms is None else (key, platforms))
+        cache_key = (key if platforms is None and devices == 1
+                     else (key, platforms) if devices == 1 else (key, platforms, devices))
+        exported = self.exports.get(cache_key)
         if exported is None:
             shapes = shape_structs(avals)
             try:
@@ -439,6 +442,15 @@ class ProgramStore:
                 self.end_stacks[key] = end_stacks(module, self.policy)
             if program.backward_of is not None:
                 self._mark_backward(module, program.backward_of, exported)
+            if devices > 1:
+                mark_caller_devices(module, devices)
+                if self.policy.reduce is not None:
+                    warnings.warn(
+                        f"hlo_amp.compile({program.name}) is lowered inside a jax.jit "
+                        f"partitioned over {devices} devices, whose partitioner adds the "
+                        f"all-reduces after the rewrite: reduce={self.policy.reduce} does "
+                        f"not reach them. Compile the outer function, or call the compiled "
+                        f"function on sharded arrays, for reduce=", stacklevel=2)
             report = run_pipeline(module, self.policy,
                                   target=platforms_target(exported.platforms))
             if program.backward_of is None and not any(
@@ -451,7 +463,7 @@ class ProgramStore:
             warn_unused_rules(report)
             exported = dataclasses.replace(
                 exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
-            self.exports[key if platforms is None else (key, platforms)] = exported
+            self.exports[cache_key] = exported
         return exported
 
     def _mark_backward(self, module: ir.Module, backward_of: BackwardOf,

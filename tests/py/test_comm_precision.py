@@ -257,3 +257,23 @@ def test_reduce_reaches_the_gradients_after_a_lookup_and_fp8_gemms() -> None:
         sums, summary = _weight_gradient_sums(mlp, ([weight] * 4, x), policy)
         assert sums and set(sums) == {wanted}, (policy, sums)
         assert "fp8 GEMMs kept by XLA: 6/6" in summary, summary
+
+
+def test_reduce_under_an_outer_partitioned_jit_warns() -> None:
+    """jax.jit(compiled, in_shardings=...) exports the compiled function for one device
+    and partitions it after the rewrite: reduce= never reached the all-reduces, silently
+    (XLA's gradient all-reduce stayed f32 where the report of the step compiled whole
+    says bf16)."""
+    mesh = hlo_amp.target_mesh("h100x2", {"data": 2})
+    batch, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=replicated)
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=batch)
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+    outer = jax.jit(hlo_amp.compile(step, "bf16,reduce=bfloat16"),
+                    in_shardings=(replicated, batch))
+    with pytest.warns(UserWarning, match=r"partitioned over 2 devices.*reduce=bfloat16 does "
+                                         r"not reach them"):
+        outer.trace(w, x).lower(lowering_platforms=("cuda",))

@@ -422,6 +422,27 @@ def test_not_in_a_program_partitioned_over_devices() -> None:
     assert reasons and "partitioned over 2 devices" in reasons[0]
 
 
+def test_not_in_a_compiled_function_an_outer_jit_partitions() -> None:
+    """jax.jit(compiled, in_shardings=...) exports the compiled function for one device,
+    then partitions it: its attention was fused, and XLA gathered q, k and v onto every
+    device to run the kernel on the whole batch. The export is told the caller's devices
+    now (runtime/amp_call.py), as a program compiled whole is (above)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = hlo_amp.target_mesh("h100x2", {"data": 2})
+    batch = NamedSharding(mesh, P("data"))
+    sharded = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch) for x in QKV]
+
+    def lowered_text(in_shardings):
+        outer = jax.jit(hlo_amp.compile(_attend, "bf16"), in_shardings=in_shardings)
+        return outer.trace(*sharded).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "__cudnn$fmha" not in lowered_text((batch,) * 3)
+    assert "__cudnn$fmha" in jax.jit(hlo_amp.compile(_attend, "bf16")).trace(*QKV).lower(
+        lowering_platforms=("cuda",)).as_text()  # one device: fused
+
+
 def test_a_matcher_error_leaves_the_site_and_says_so(monkeypatch) -> None:
     """Matching only reads the module: an error in it (a form it does not know) leaves
     the attention as written, the compile goes on, and the report names the error."""

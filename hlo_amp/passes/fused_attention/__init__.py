@@ -40,7 +40,7 @@ from hlo_amp.ir.modules import (
     op_key,
     walk_operations,
 )
-from hlo_amp.ir.program_hints import forward_ends
+from hlo_amp.ir.program_hints import caller_devices, forward_ends
 from hlo_amp.ir.shardings import partition_count
 from hlo_amp.ir.sites import Site, asks_for_precision, location_name, site_of
 from hlo_amp.passes.fused_attention.calls import CallView
@@ -84,7 +84,8 @@ class FusedAttention:
         view = CallView(module)
         prefixes = view.call_prefixes()
         obstacle = self.target.fused_attention_obstacle() if self.kernel == "cudnn" else None
-        partitions = partition_count(module)
+        # An outer jax.jit with shardings partitions a program exported for one device.
+        partitions = max(partition_count(module), caller_devices(module))
         if obstacle is None and partitions > 1:
             obstacle = (f"the program is partitioned over {partitions} devices (XLA cannot "
                         "partition the kernel's custom call)")
