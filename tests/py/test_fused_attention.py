@@ -815,6 +815,16 @@ def _softmax_over_queries(q, k, v):
     (programs._grad_of(_softmax_where), "softmax(where=) masks the softmax's sum", "backward"),
     (programs._grad_of(jax.checkpoint(_plain, policy=jax.checkpoint_policies.dots_saveable)),
      "the scores are saved for the backward pass", "forward and backward"),
+    # jax marks what these save with a reduce_precision to the values' own format (in a
+    # scan, and every value under everything_saveable): the sites were missing.
+    (programs._grad_of(lambda q, k, v: jax.lax.scan(
+        lambda h, _: (jax.checkpoint(_plain, policy=jax.checkpoint_policies.dots_saveable)(
+            h, k, v), None), q, None, length=2)[0]),
+     "the scores are saved for the backward pass", "forward and backward"),
+    (programs._grad_of(jax.checkpoint(
+        _plain, policy=jax.checkpoint_policies.everything_saveable)),
+     "the softmax's exponential and its sum are saved for the backward pass",
+     "forward and backward"),
     (programs._grad_of(_plain, 1),
      "only part of the attention's backward reads it (the gradient of q or k alone)",
      "backward"),
@@ -840,7 +850,7 @@ def _softmax_over_queries(q, k, v):
     (lambda q, k, v: jax.jvp(_plain, (q, k, v), (q, k, v)),
      "two matrix ops read the attention as its out", "forward"),
 ], ids=["dropout_forward", "dropout_training", "softmax_where", "softmax_where_training",
-        "dots_saveable", "grad_of_q", "grad_of_v", "inner_jit", "soft_capped",
+        "dots_saveable", "dots_saveable_scan", "everything_saveable", "grad_of_q", "grad_of_v", "inner_jit", "soft_capped",
         "soft_capped_training", "soft_capped_squared_loss", "sum_plus_eps", "sum_plus_eps_training",
         "softmax_over_queries", "softmax_over_queries_training",
         "softmax_over_queries_squared_loss", "jvp"])

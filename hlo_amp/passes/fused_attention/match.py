@@ -267,13 +267,9 @@ class _Site(MaskReading, ExitReading):
                 raise NotFused("the scores pass through tanh before the softmax "
                                "(soft-capping), which cuDNN's flash attention does not "
                                "compute")
-            if crossed is not None and crossed.name == "stablehlo.optimization_barrier":
-                saved = NotFused("the scores are saved for the backward pass (a "
-                                 "jax.checkpoint policy that saves matrix ops' results, such "
-                                 "as dots_saveable, keeps them; one that does not, such as "
-                                 "nothing_saveable, fuses)")
-                saved.direction = "forward and backward"  # saved for a backward pass
-                raise saved
+            if crossed is not None and (crossed.name == "stablehlo.optimization_barrier"
+                                        or _is_saved_marker(crossed)):
+                raise _saved("scores are")
             raise NotFused("no softmax", attention=False)
         if len(exps) > 1:
             raise NotFused("more than one exponential follows the scores", attention=False)
@@ -285,6 +281,9 @@ class _Site(MaskReading, ExitReading):
                                "eps)), which cuDNN's flash attention does not compute")
             if self.exits and self._reads_dp(exp, stack):  # q or k's backward alone: no P
                 raise _partial("the gradient of q or k alone")
+            if any(_is_saved_marker(reader) for reader, _, _ in
+                   self.view.readers(exp.results[0], stack)):
+                raise _saved("softmax's exponential and its sum are")  # everything_saveable
             raise NotFused("no softmax normalisation (exp over its sum) follows the scores",
                            attention=False)
         return exp, stack, *normalised
@@ -380,7 +379,7 @@ class _Site(MaskReading, ExitReading):
                     return crossed
                 if name == "stablehlo.optimization_barrier":
                     follow, past = [reader.results[number]], crossed or reader
-                elif name == "stablehlo.tanh":
+                elif name == "stablehlo.tanh" or _is_saved_marker(reader):
                     follow, past = list(reader.results), crossed or reader
                 elif name in CLUSTER_OPS or name == "stablehlo.reduce_precision":
                     follow, past = list(reader.results), crossed
@@ -966,6 +965,27 @@ def float_convert(op: ir.Operation) -> bool:
 # How many values the walk back from one exponential may meet before it gives up (an
 # exponential of the residual stream reaches the whole program).
 _SOURCE_VALUES = 400
+
+
+def _saved(what: str) -> NotFused:
+    saved = NotFused(f"the {what} saved for the backward pass (a jax.checkpoint policy "
+                     "that saves them, such as dots_saveable or everything_saveable, keeps "
+                     "them; one that does not, such as nothing_saveable, fuses)")
+    saved.direction = "forward and backward"  # saved for a backward pass
+    return saved
+
+
+def _is_saved_marker(op: ir.Operation) -> bool:
+    """A ``reduce_precision`` to its operand's own format: what jax marks a residual a
+    checkpoint policy saves with, in a scan or under everything_saveable (it rounds
+    nothing; jax's barrier against the value being recomputed)."""
+    if op.name != "stablehlo.reduce_precision":
+        return False
+    element = ir.RankedTensorType(op.operands[0].type).element_type
+    kept = {"f32": (8, 23), "bf16": (8, 7), "f16": (5, 10)}.get(str(element))
+    return kept is not None and (
+        ir.IntegerAttr(op.attributes["exponent_bits"]).value,
+        ir.IntegerAttr(op.attributes["mantissa_bits"]).value) >= kept
 
 
 def exponential_sources(view: CallView, module: ir.Module) -> set[int] | None:
