@@ -40,9 +40,20 @@ def _describe(value: Any) -> str:
 def _is_jax_value(leaf: Any) -> bool:
     try:
         jax.typeof(leaf)
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: an object with __jax_array__
         return False
     return True
+
+
+def _array_like_problem(name: str, where: str, leaf: Any) -> str | None:
+    """The message for an object jax converted through ``__jax_array__`` (a Keras
+    Variable), which jax no longer does when it traces; None for another leaf."""
+    if not hasattr(type(leaf), "__jax_array__"):
+        return None
+    return (f"hlo_amp.compile({name}): argument {where} is {_describe(leaf)}, which jax "
+            f"does not trace as an array (it converts __jax_array__ objects no more); pass "
+            f"its array: jnp.asarray(...), or a Keras Variable's .value "
+            f"([v.value for v in model.trainable_variables]).")
 
 
 def _unhashable(value: Any) -> str | None:
@@ -112,6 +123,9 @@ def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Se
     for root, value, parameter in dynamic:
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             where = root + jax.tree_util.keystr(path) + parameter
+            array_like = None if _is_jax_value(leaf) else _array_like_problem(name, where, leaf)
+            if array_like:
+                return array_like
             if style == "filter":
                 error = None if _is_jax_value(leaf) else _unhashable(leaf)
                 if error:

@@ -863,7 +863,25 @@ class _NnxWithFunctionData(nnx.Module):
         self.act = nnx.data(jax.nn.relu)
 
 
+class _ArrayLike:
+    """As a Keras Variable: jax converts it through __jax_array__, but not when it traces
+    (jax.typeof raises a ValueError, which the argument check let through: jax's error,
+    chained to hlo_amp's)."""
+
+    def __init__(self, value: jax.Array) -> None:
+        self.value = value
+
+    def __jax_array__(self) -> jax.Array:
+        return self.value
+
+    __hash__ = None  # as a Keras Variable's: filter=True cannot make it static either
+
+
 @pytest.mark.parametrize(("call", "words"), [
+    (lambda: hlo_amp.compile(lambda ws: X @ ws[0], "bf16")([_ArrayLike(W)]),
+     ["args[0][0] (parameter ws)", "_ArrayLike", "__jax_array__", ".value"]),
+    (lambda: hlo_amp.compile(lambda ws: X @ ws[0], "bf16", filter=True)([_ArrayLike(W)]),
+     ["args[0][0]", "_ArrayLike", "__jax_array__"]),
     (lambda: hlo_amp.compile(lambda w, c: X @ w, "bf16")(W, _Config()),
      ["args[1]", "_Config", "static_argnums=(1,)", "filter=True"]),
     (lambda: hlo_amp.compile(lambda p: X @ p["w"], "bf16")({"w": W, "act": "relu"}),
