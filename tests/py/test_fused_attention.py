@@ -849,11 +849,14 @@ def _softmax_over_queries(q, k, v):
     # jax.jvp: the tangents' matrix ops read the probabilities too ("backward" before).
     (lambda q, k, v: jax.jvp(_plain, (q, k, v), (q, k, v)),
      "two matrix ops read the attention as its out", "forward"),
+    # In q alone: "forward and backward", "only part of the attention's backward reads it".
+    (lambda q, k, v: jax.jvp(lambda q: _plain(q, k, v), (q,), (q,)),
+     "jax.jvp's tangents read the attention (forward-mode differentiation)", "forward"),
 ], ids=["dropout_forward", "dropout_training", "softmax_where", "softmax_where_training",
         "dots_saveable", "dots_saveable_scan", "everything_saveable", "grad_of_q", "grad_of_v", "inner_jit", "soft_capped",
         "soft_capped_training", "soft_capped_squared_loss", "sum_plus_eps", "sum_plus_eps_training",
         "softmax_over_queries", "softmax_over_queries_training",
-        "softmax_over_queries_squared_loss", "jvp"])
+        "softmax_over_queries_squared_loss", "jvp", "jvp_in_q"])
 def test_sites_left_unfused_are_listed_with_their_reason(fn, reason, direction) -> None:
     """Each is an attention the kernel cannot take; the report lists it, with why and the
     pass it is in (these were missing from the report, and a refused training step's

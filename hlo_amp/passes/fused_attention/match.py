@@ -1035,10 +1035,15 @@ def match_site(view: CallView, scores: ir.Operation) -> Match:
         readers = len(site.exits)
         if site.split_backward:
             error.direction = error.direction or "forward and backward"
-        if not error.direction and readers and all(
-                _forward_mode(op) for op, _number in site.exits):
-            # jax.jvp's tangents read the probabilities too (dP·V, P·dV): not a backward.
+        if readers and all(_forward_mode(op) for op, _number in site.exits):
+            # jax.jvp's tangents read the probabilities too (dP·V, P·dV): not a backward,
+            # whatever a check that took them for one said (jvp in q alone: "only part of
+            # the attention's backward reads it").
             error.direction = "forward"
+            if "backward" in error.reason:
+                error.reason = ("jax.jvp's tangents read the attention (forward-mode "
+                                "differentiation), which the kernel does not compute")
+                error.args = (error.reason,)
         error.direction = error.direction or ("forward" if readers < 2 else
                            "forward and backward" if readers >= 4 else "backward")
         raise
