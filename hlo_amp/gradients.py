@@ -65,6 +65,7 @@ from hlo_amp.ir.modules import (
     element_type,
     from_constant,
     function_name,
+    is_zero_constant,
     terminator,
     walk_operations,
 )
@@ -369,7 +370,13 @@ class GradientFlow:
                     settle(result, operand_kinds[position]
                            if position < len(operand_kinds) else CONST)
                 continue
-            if (op_name in _UPDATES and GRAD in operand_kinds and PRIMAL in operand_kinds
+            if (op_name == "stablehlo.select" and PRIMAL in operand_kinds[1:]
+                    and any(is_zero_constant(v) for v in op.operands[1:])):
+                # where(mask, x, 0) of a forward value in the backward pass (ragged_dot's
+                # dW masks x per group): the backward's zeros are GRAD, and x with them
+                # was, so both of dW's operands were.
+                kind = PRIMAL
+            elif (op_name in _UPDATES and GRAD in operand_kinds and PRIMAL in operand_kinds
                     and not _is_backward(_name(prefix, location_name(op.location),
                                                operand_kinds))):
                 # A training step's update outside the backward pass, p - lr * g: the

@@ -613,6 +613,25 @@ def readable_attribute(op: ir.Operation | ir.OpView, name: str) -> ir.Attribute 
         return None
 
 
+def is_zero_constant(value: ir.Value) -> bool:
+    """Whether ``value`` is a float constant of zeros, possibly broadcast, reshaped,
+    converted or transposed (``jnp.where(mask, x, 0)``'s fill)."""
+    for _step in range(5):
+        if isinstance(value, ir.BlockArgument):
+            return False
+        owner = value.owner
+        if owner.name == "stablehlo.constant":
+            read = dense_value(owner)
+            if read is None or not read.is_splat:
+                return False
+            splat = read.get_splat_value()
+            return isinstance(splat, ir.FloatAttr) and ir.FloatAttr(splat).value == 0.0
+        if owner.name not in SAME_VALUE_OPS:
+            return False
+        value = owner.operands[0]
+    return False
+
+
 def dense_value(op: ir.Operation | ir.OpView) -> ir.DenseElementsAttr | None:
     """A ``stablehlo.constant``'s elements, or None where the bindings cannot read them
     (complex elements) or the constant holds none inline (a ``dense_resource`` blob,

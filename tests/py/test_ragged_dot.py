@@ -190,3 +190,28 @@ def test_an_exported_modules_ragged_dot_is_decided_as_the_op() -> None:
     compiled = compile_module_for_target(parse_module(module_text(module)), as_target("h100"))
     gemms = xla_gemms(compiled.hlo_modules()[0].to_string())  # the text has no op names
     assert gemms and all(g.operand_types == ("bf16", "bf16") for g in gemms), gemms
+
+
+def test_fp8_on_cpu_quantises_dws_gradient_and_keeps_the_stems_backward_16_bit() -> None:
+    """On CPU ragged_dot lowers to dense dots whose dW reads x masked per group,
+    where(mask, x, 0) in the backward pass: the backward's zeros made that masked x a
+    gradient too, so dW had two (e4m3fn x e4m3fn, 'no single incoming-gradient operand'),
+    and the preset's first-matrix-op rule did not see dW read the stem's x (fp8 where the
+    forward and dX stayed bf16)."""
+    x = jax.random.normal(jax.random.key(0), (32, 16))  # every dim >= 16: no fp8 fallback
+    w = jax.random.normal(jax.random.key(1), (GROUPS, 16, 32)) * 0.3
+    sizes = jnp.array([12, 20], jnp.int32)
+
+    def loss(x, w, sizes):
+        return jnp.sum(jnp.tanh(_moe(x, w, sizes)) ** 2)
+
+    step = jax.grad(loss, argnums=(0, 1))
+    plain = hlo_amp.compile(step, "fp8,first_matrix_op=none,last_matrix_op=none").lower(
+        x, w, sizes).report().decisions
+    backward = [d for d in plain if d.direction == "backward"]
+    assert len(backward) == 2 and all("is the incoming gradient" in d.reason
+                                      for d in backward), backward
+    assert all(sorted(d.operands_after) == ["f8E4M3FN", "f8E5M2"] for d in backward)
+    preset = hlo_amp.compile(step, "fp8").lower(x, w, sizes).report().decisions
+    assert [(d.rule, d.operands_after) for d in preset] == [
+        ("first_matrix_op", ("bf16", "bf16"))] * 3, preset

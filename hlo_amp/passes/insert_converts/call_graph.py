@@ -21,6 +21,7 @@ from hlo_amp.ir.modules import (
     function_name,
     functions,
     is_public,
+    is_zero_constant,
     op_key,
     set_body_name,
     terminator,
@@ -514,12 +515,19 @@ def _operand_bases(op: Any) -> set[Any]:
 
 
 def _base(value: Any) -> Any:
-    """``value`` before transposes, converts, reshapes, broadcasts and barriers."""
+    """``value`` before transposes, converts, reshapes, broadcasts, barriers and a
+    select of it against zeros (ragged_dot's dW on CPU masks x per group)."""
     for _step in range(8):
         if isinstance(value, ir.BlockArgument):
             break
         if value.owner.name == "stablehlo.optimization_barrier":
             value = value.owner.operands[ir.OpResult(value).result_number]
+            continue
+        if value.owner.name == "stablehlo.select":
+            kept = [v for v in list(value.owner.operands)[1:] if not is_zero_constant(v)]
+            if len(kept) != 1:
+                break
+            value = kept[0]
             continue
         if value.owner.name not in SAME_VALUE_OPS:
             break
