@@ -14,6 +14,8 @@ again, in the types chosen.
 
 from __future__ import annotations
 
+import re
+
 from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import body_name, function_name, functions, walk_operations
@@ -34,7 +36,10 @@ def recompose_chlo_composites(module: ir.Module) -> int:
     dropped: set[str] = set()
     for composite in walk_operations(module, names=frozenset({"stablehlo.composite"})):
         name = ir.StringAttr(composite.attributes["name"]).value
-        if not name.startswith("chlo."):
+        # jax.export's own: its decomposition is NAME.impl (NAME.impl_1, ... for more);
+        # a jax.lax.composite a user named chlo.erf has its own, which XLA runs.
+        if not name.startswith("chlo.") or not re.fullmatch(
+                rf"{re.escape(name)}\.impl(_\d+)?", body_name(composite) or ""):
             continue
         attributes = (ir.DictAttr(composite.attributes["composite_attributes"])
                       if "composite_attributes" in composite.attributes else None)

@@ -72,3 +72,17 @@ def test_every_composite_becomes_its_op_and_computes_the_same() -> None:
     want = jax.tree.leaves(jax.jit(_special)(x))
     for a, b in zip(want, got, strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+
+
+def test_a_users_composite_named_like_a_chlo_op_is_left_to_its_decomposition() -> None:
+    """Only jax.export's own (decomposition NAME.impl) stand for the CHLO op: a
+    jax.lax.composite a user named chlo.erf computing tanh came out as erf, even under
+    the f32 preset (XLA runs a user composite's decomposition, on CPU too)."""
+    act = jax.lax.composite(lambda x: jnp.tanh(x), name="chlo.erf")
+
+    def f(x):
+        return act(x), jax.lax.erf(x)
+
+    x = jnp.linspace(-2.0, 2.0, 5)
+    for want, got in zip(jax.jit(f)(x), hlo_amp.compile(f, "f32")(x), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
