@@ -5,7 +5,6 @@ each op runs per call of the program (the report's FLOPs)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,11 +225,17 @@ class CallGraph:
             if not alike:  # first and last that look alike are no stacks to hand on
                 # Nor is the stack of a layer written in a Python loop, which every
                 # layer's op has: a backward program marks by stack alone, and every
-                # layer's gradients went 16-bit (jax.grad of a compiled fp8 loss).
-                shared = Counter(_stack_key(self.site(op, kind, key[2]), op, kind)
-                                 for key, op, kind in forward)
+                # layer's gradients went 16-bit (jax.grad of a compiled fp8 loss). Ops
+                # on one line that read one value are an end's siblings (two heads of
+                # one activation, two stems of one input): that stack is handed on.
+                sharing: dict[tuple[str, str, str], list[set[Any]]] = {}
+                for key, op, kind in forward:
+                    stack = _stack_key(self.site(op, kind, key[2]), op, kind)
+                    if stack in own:
+                        sharing.setdefault(stack, []).append(self._bases(op, key[3]))
                 found.update({stack: positions for stack, positions in own.items()
-                              if shared[stack] <= 1})
+                              if all(read & bases[position] for read in sharing[stack]
+                                     for position in positions if position in bases)})
             backward = [(key, op, kind, _stack_key(site, op, kind))
                         for key, op, kind in order
                         for site in (self.site(op, kind, key[2]),) if site.backward]
