@@ -388,11 +388,19 @@ _POSITIVE_DEVICE_FIELDS = ("threads_per_block_limit", "threads_per_warp",
 
 
 def _positive_number(text: str, key: str) -> bool:
-    found = re.search(rf"\b{key}\s*:\s*([-+0-9.eE]+)", text)
-    try:
-        return found is not None and float(found.group(1)) > 0
-    except ValueError:
-        return False
+    """Whether ``key: N`` is set to a positive number in the proto text (a ``#`` comment
+    is no setting; an integer may be hex, ``0x20``, as protobuf's text format takes)."""
+    for line in text.splitlines():
+        found = re.match(rf"\s*{key}\s*:\s*([^\s#]+)", line.split("#", 1)[0])
+        if found:
+            try:
+                return int(found.group(1), 0) > 0
+            except ValueError:
+                try:
+                    return float(found.group(1)) > 0
+                except ValueError:
+                    return False
+    return False
 
 
 def _proto_string(text: str, key: str) -> str | None:

@@ -300,6 +300,18 @@ def test_a_config_file_without_a_field_xla_divides_by_is_refused(
         targets.device_target(str(config))
 
 
+def test_a_config_files_fields_are_read_as_proto_text_reads_them(tmp_path: Path) -> None:
+    """A hex integer is a setting (it was read as 0 and refused); a commented-out line is
+    none (it passed the check, and XLA died of a SIGFPE)."""
+    text = targets.device_target("h100").target_config
+    config = tmp_path / "my_gpu.txtpb"
+    config.write_text(text.replace("threads_per_warp: 32", "threads_per_warp: 0x20"))
+    assert targets.device_target(str(config)).target_config
+    config.write_text(text.replace("threads_per_warp: 32", "# threads_per_warp: 32"))
+    with pytest.raises(ValueError, match="gives no positive threads_per_warp"):
+        targets.device_target(str(config))
+
+
 def test_a_config_file_written_as_xlas_spec_files_keeps_its_compute_capability(
         tmp_path: Path) -> None:
     """XLA's spec files (a100_sxm_80.txtpb) leave minor: 0 out, as proto text does: the
