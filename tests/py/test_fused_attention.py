@@ -443,6 +443,30 @@ def test_not_in_a_compiled_function_an_outer_jit_partitions() -> None:
         lowering_platforms=("cuda",)).as_text()  # one device: fused
 
 
+def test_a_rounding_of_the_scores_is_no_saved_marker() -> None:
+    """Only a reduce_precision to the values' own format is jax's mark of a saved value:
+    f16 scores rounded to bf16's format in a forward pass read as 'saved for the backward
+    pass'."""
+    def rounded(q, k, v):
+        scores = jax.lax.reduce_precision(_scores(q, k), exponent_bits=8, mantissa_bits=7)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
+
+    qkv = [x.astype(jnp.float16) for x in QKV]
+    sites = hlo_amp.compile(rounded, "bf16").lower(*qkv, target="h100").report().attention
+    assert not any("saved" in s.reason for s in sites), sites
+
+
+def test_a_gqa_decode_steps_causal_mask_is_named_for_its_lengths() -> None:
+    """A query of length 1 with a GQA group of 2: the group was taken for the query
+    position ('a constant mask that varies along the batch or heads')."""
+    q = jnp.ones((2, 1, 4, 8))
+    kv = jnp.ones((2, 16, 2, 8))
+    sites = hlo_amp.compile(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True), "bf16").lower(q, kv, kv, target="h100").report().attention
+    assert [s.reason for s in sites] == [
+        "a causal mask over queries and keys of different lengths"]
+
+
 def test_a_matcher_error_leaves_the_site_and_says_so(monkeypatch) -> None:
     """Matching only reads the module: an error in it (a form it does not know) leaves
     the attention as written, the compile goes on, and the report names the error."""

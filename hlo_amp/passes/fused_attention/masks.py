@@ -144,14 +144,16 @@ class MaskReading:
         padding mask out of a remat'd scan broadcast to the scores' [1, B, N, T, S] with a
         GQA group axis of 1: 'varies along more than one query dimension')."""
         candidates = [r for r in self.q_roles if r[0] == "Q"]
-        longer = {r for r in candidates if self.sizes[r] > 1}
-        varying = {r for r in axis_roles if r in longer} if folded is not None else set()
+        named = {r for r in axis_roles if r in candidates} if folded is not None else set()
         for _value, roles in leaves:
-            varying |= {r for r in roles if r in longer}
+            named |= {r for r in roles if r in candidates}
+        varying = {r for r in named if self.sizes[r] > 1}
         if len(varying) > 1:
             raise NotFused("the mask varies along more than one query dimension")
         if varying:
             return varying.pop()
+        if len(named) == 1:  # a decode step's query of length 1 (a GQA group is longer)
+            return named.pop()
         if not candidates:  # q [B, N, H] against a cache: one query, no axis for it
             raise NotFused("the query has no query-length dimension (a decode step: give "
                            "q a length-1 axis, [B, 1, N, H])")

@@ -976,7 +976,7 @@ def _saved(what: str) -> NotFused:
 
 
 def _is_saved_marker(op: ir.Operation) -> bool:
-    """A ``reduce_precision`` to its operand's own format: what jax marks a residual a
+    """A ``reduce_precision`` to exactly its operand's own format: what jax marks a residual a
     checkpoint policy saves with, in a scan or under everything_saveable (it rounds
     nothing; jax's barrier against the value being recomputed)."""
     if op.name != "stablehlo.reduce_precision":
@@ -985,7 +985,7 @@ def _is_saved_marker(op: ir.Operation) -> bool:
     kept = {"f32": (8, 23), "bf16": (8, 7), "f16": (5, 10)}.get(str(element))
     return kept is not None and (
         ir.IntegerAttr(op.attributes["exponent_bits"]).value,
-        ir.IntegerAttr(op.attributes["mantissa_bits"]).value) >= kept
+        ir.IntegerAttr(op.attributes["mantissa_bits"]).value) == kept
 
 
 def exponential_sources(view: CallView, module: ir.Module) -> set[int] | None:
