@@ -123,7 +123,9 @@ def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Se
     for root, value, parameter in dynamic:
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             where = root + jax.tree_util.keystr(path) + parameter
-            array_like = None if _is_jax_value(leaf) else _array_like_problem(name, where, leaf)
+            # (filter=True makes a hashable one static, as eqx.filter_jit does)
+            array_like = (None if _is_jax_value(leaf) or style == "filter"
+                          and not _unhashable(leaf) else _array_like_problem(name, where, leaf))
             if array_like:
                 return array_like
             if style == "filter":

@@ -928,6 +928,22 @@ def test_an_argument_it_cannot_take_gets_one_message_naming_it(call, words):
     assert "NoneType" not in message and "dispatched" not in message
 
 
+def test_a_hashable_array_like_leaf_is_static_under_filter():
+    """filter=True makes a hashable __jax_array__ leaf static (as eqx.filter_jit does):
+    a failure elsewhere in the call was blamed on it."""
+    class Scale:
+        def __init__(self, value: float) -> None:
+            self.v = value
+
+        def __jax_array__(self) -> jax.Array:
+            return jnp.asarray(self.v)
+
+    step = hlo_amp.compile(lambda cfg, w: (X @ w) * cfg.v, "bf16", filter=True)
+    assert step(Scale(2.0), W).shape == (X.shape[0], W.shape[1])
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
+        step(Scale(2.0), jnp.ones((W.shape[0] + 1, 3)))
+
+
 def test_errors_inside_the_step_are_not_rewritten():
     def broken(w, x):
         raise TypeError("the user's own error")
