@@ -5,6 +5,7 @@ each op runs per call of the program (the report's FLOPs)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +185,7 @@ class CallGraph:
                     first_gradient = first_gradient or (key, op, kind)
             # jax.grad of a function under jax.checkpoint: the forward's matrix ops run
             # only recomputed, in the backward pass (its ends had no rule at all).
+            only_recomputed = not forward
             forward = forward or recomputed
             # An end inside a loop is every iteration's op (each scanned layer's, an RNN
             # cell's), not a stem or a head: no rule for that end. Loops around every
@@ -203,6 +205,16 @@ class CallGraph:
                           ) if forward else ()
             if dead_head is not None:  # the forward's last op is a layer's, not the head
                 candidates = candidates[:1]
+            if given and only_recomputed:
+                # A backward program recomputes what was checkpointed, which need not hold
+                # the ends (checkpointed layers in a Python loop between a plain stem and
+                # head: the first and last hidden layers were taken for them, 16-bit): a
+                # recomputed op is an end only where the forward's end, if handed on, is it.
+                candidates = tuple(
+                    (position, end) for position, end in candidates
+                    if _is_given_end(given, position,
+                                     _stack_key(self.site(end[1], end[2], end[0][2]),
+                                                end[1], end[2])))
             ends = [(position, end) for position, end in candidates
                     if len(looped.get(end[0], ())) == len(whole)
                     and (gradients or not whole or self._reads_invariant(end[0], end[1]))]
@@ -234,7 +246,7 @@ class CallGraph:
                     if stack in own:
                         sharing.setdefault(stack, []).append(self._bases(op, key[3]))
                 found.update({stack: positions for stack, positions in own.items()
-                              if all(read & bases[position] for read in sharing[stack]
+                              if all(read & bases[position] for read in sharing.get(stack, ())
                                      for position in positions if position in bases)})
             backward = [(key, op, kind, _stack_key(site, op, kind))
                         for key, op, kind in order
@@ -249,6 +261,12 @@ class CallGraph:
             found_by_operand = {position for position, _ in sharing}
             for key, op, kind, stack in backward:
                 marked = tuple(stacks.get(stack, ()))  # a forward program's, handed on
+                if given and not marked:
+                    # A checkpointed end's recomputation and backward have the
+                    # checkpointed call's frame, which the forward's stack lacks.
+                    for end_stack, positions in given.items():
+                        if _recomputes(end_stack, stack):
+                            marked += positions
                 for position in own.get(stack, ()):
                     if (position, key) in sharing or (
                             position not in found_by_operand and not alike):
@@ -540,6 +558,21 @@ def _base(value: Any) -> Any:
     return value
 
 
+def _is_given_end(given: EndStacks, position: str, stack: tuple[str, str, str]) -> bool:
+    """Whether an op of ``stack`` may be the end ``position`` of a forward whose ends
+    ``given`` holds: the end's stack, or it within a checkpointed call; any op where
+    ``given`` holds no stack for that end (one it could not tell apart)."""
+    ends = [end for end, positions in given.items() if position in positions]
+    return not ends or any(_recomputes(end, stack) for end in ends)
+
+
+def _recomputes(end: tuple[str, str, str], stack: tuple[str, str, str]) -> bool:
+    """Whether an op of ``stack`` is the end of ``end``'s stack or its recomputation, its
+    backward, within a checkpointed call (whose frames the forward's stack lacks)."""
+    return end == stack or (end[:2] == stack[:2] and _frames(end[2])[:1] == _frames(
+        stack[2])[:1] and _within(end, stack))
+
+
 def _innermost(stack: tuple[str, str, str]) -> tuple[str, str, str]:
     """``stack`` with its location's innermost frame alone."""
     scope, kind, location = stack
@@ -558,7 +591,8 @@ def _within(end: tuple[str, str, str], stack: tuple[str, str, str]) -> bool:
 def _frames(location: str) -> list[str]:
     """A location's call frames, innermost first, without the ``loc(callsite(`` and
     the closing parentheses their nesting adds."""
-    return [frame.removeprefix("loc(").removeprefix("callsite(").rstrip(")")
+    # (a recomputed op's location nests its inner frames once more: callsite(callsite(")
+    return [re.sub(r"^(loc\()?(callsite\()*", "", frame).rstrip(")")
             for frame in location.split(" at ")]
 
 
