@@ -380,7 +380,7 @@ class NnxCall:
         # nnx.jit's inner jax.jit function wraps the pure function (NNX's JitFn): split
         # state in, split state and outputs out.
         pure_fn = self.wrapped.jitted_fn.__wrapped__
-        self.inner = make_inner(pure_fn)
+        self.inner = make_inner(_in_update_context(pure_fn, self.wrapped))
         # Weakly: the pure function holds nnx.jit's object (its context tag), and a
         # strong way from it back to the inner function, whose traces jax caches weakly
         # keyed on that function's dispatch, kept every compiled step alive.
@@ -416,6 +416,25 @@ class NnxCall:
                 self.wrapped.jitted_fn = inner
 
         return call
+
+
+def _in_update_context(pure_fn: Callable[..., Any], tag: Any) -> Callable[..., Any]:
+    """``pure_fn`` (NNX's inner function, which reads nnx.jit's update context) traced
+    in a context of its own when none is active: a program exported again while jax
+    lowers its call (for another platform, or inside a jax.jit partitioned over devices)
+    is traced outside nnx.jit's call ("No update context found")."""
+    from flax.nnx import graphlib
+
+    @functools.wraps(pure_fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        try:
+            graphlib.current_update_context(tag)
+        except ValueError:
+            with graphlib.update_context(tag):
+                return pure_fn(*args, **kwargs)
+        return pure_fn(*args, **kwargs)
+
+    return traced
 
 
 # ---- eqx.filter_jit's contract ------------------------------------------------------------

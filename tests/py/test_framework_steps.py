@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -944,6 +945,19 @@ def test_a_hashable_array_like_leaf_is_static_under_filter():
         step(Scale(2.0), jnp.ones((W.shape[0] + 1, 3)))
 
 
+def test_an_nnx_function_exports_for_another_platform():
+    """Exported again while jax lowers its call (jax.export for a GPU; an outer jax.jit
+    partitioned over devices does the same), NNX's inner function was traced outside
+    nnx.jit's update context: flax's "No update context found"."""
+    layer = nnx.Linear(32, 64, rngs=nnx.Rngs(0))
+    x = jnp.ones((8, 32))
+    step = hlo_amp.compile(lambda m, x: m(x), "bf16")
+    text = jax.export.export(jax.jit(step), platforms=["cuda"])(layer, x).mlir_module()
+    assert re.search(r"dot_general.*tensor<8x32xbf16>", text)
+    np.testing.assert_allclose(np.asarray(jax.jit(step)(layer, x)), np.asarray(layer(x)),
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_errors_inside_the_step_are_not_rewritten():
     def broken(w, x):
         raise TypeError("the user's own error")
@@ -956,6 +970,7 @@ def test_errors_inside_the_step_are_not_rewritten():
 
 MESH_SCRIPT = textwrap.dedent('''
 import json
+import re
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
