@@ -111,8 +111,16 @@ class FastDotLayout:
         # by value and only valid on the unchanged module.
         memo: dict[ir.Value, tuple[bool, int]] = {}
         todo = []
+        dynamic = []
         for op in walk_operations(module, names=_DOT_GENERAL):
             if not _is_bf16_to_f32(op):
+                continue
+            if any(ir.ShapedType(v.type).has_rank and not ir.ShapedType(v.type)
+                   .has_static_shape for v in list(op.operands)[:2]):
+                # A dynamic dimension (a shape-polymorphic export): XLA:CPU's dot kernel
+                # has no bf16 x bf16 -> f32 form for it ("Unsupported element type for
+                # DotThunk::Execute"), and no layout is read: computed from f32 copies.
+                dynamic.append(op)
                 continue
             layout = dot_layout(op)
             if layout is None or not meets_ynn_size(layout):
@@ -126,6 +134,8 @@ class FastDotLayout:
                 todo.append((op, layout, provenance))
         memo.clear()
         shared: dict[tuple[Any, ...], ir.Value] = {}
+        for op in dynamic:
+            self._widen(op, shared, report)
         if todo and is_partitioned(module):
             # The NT form collapses dimensions and fences operands through 1-D reshapes:
             # a sharded dimension merged into an unsharded one loses its sharding (an

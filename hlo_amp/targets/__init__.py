@@ -68,8 +68,12 @@ def device_target(target: str | Target) -> Target:
 
 def platforms_target(platforms: Sequence[str]) -> Target:
     """The target of a program lowered for ``platforms`` (JAX's names: ``cuda`` and
-    ``rocm`` are GPUs): that family's when they are one kind of device, else no target."""
+    ``rocm`` are GPUs): that family's when they are one kind of device; the CPU's when
+    the CPU is among several (the one module runs there too: a bf16 dot XLA:CPU cannot
+    run failed its CPU call, ``platforms=["cpu", "cuda"]``); else no target."""
     found = {_PLATFORMS.get(p) for p in platforms}
+    if len(found) > 1 and _PLATFORMS.get("cpu") in found:
+        return _PLATFORMS["cpu"]
     only = found.pop() if len(found) == 1 else None
     return only if only is not None else NO_TARGET
 

@@ -305,6 +305,11 @@ def has_transposed_result(op: hlo.DotGeneralOp) -> bool:
                 block = _callee_block(user)
                 if block is not None:
                     pending.append(block.arguments[use.operand_number])
+            elif name == "stablehlo.return" and user.parent is not None and (
+                    user.parent.name in ("stablehlo.case", "stablehlo.if")):
+                # Out of a branch (jax.export for several platforms puts each dot in a
+                # case over them): the case's result the branch returns.
+                pending.append(user.parent.results[use.operand_number])
     return False
 
 

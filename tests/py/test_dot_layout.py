@@ -568,3 +568,35 @@ def test_a_dot_reading_gathered_columns_runs(policy: str) -> None:
     assert re.search(r"stablehlo\.optimization_barrier %\d+ : tensor<64xbf16>", text), text
     got = jax.block_until_ready(compiled(x, w, idx))  # XLA:CPU's default flags failed here
     np.testing.assert_allclose(got, jax.jit(f)(x, w, idx), atol=0.05, rtol=0.02)
+
+
+def _mean_square_grad(w, x):
+    return jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+
+
+def test_an_export_for_the_cpu_and_a_gpu_runs_on_the_cpu() -> None:
+    """jax.export for several platforms puts each dot in a case over them: the pass ran
+    with no target (its platforms are not one family), and then did not see the dW's
+    transposed result through the case; the CPU call failed ('Unsupported element type
+    for DotThunk::Execute: BF16 x BF16 = F32')."""
+    w = jax.random.normal(jax.random.key(0), (32, 64)) / 6
+    x = jax.random.normal(jax.random.key(1), (3, 8, 32))
+    want = _mean_square_grad(w, x)
+    for platforms in (["cpu", "cuda"], ["cpu", "tpu"]):
+        exported = jax.export.export(jax.jit(hlo_amp.compile(_mean_square_grad, "bf16")),
+                                     platforms=platforms)(w, x)
+        got = exported.call(w, x)
+        assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) < 2e-2
+
+
+def test_a_shape_polymorphic_export_runs_on_the_cpu() -> None:
+    """A dot with a dynamic dimension has no layout to read: it kept bf16 operands with
+    an f32 result, which XLA:CPU cannot run for dynamic shapes; it is widened."""
+    w = jax.random.normal(jax.random.key(0), (32, 64)) / 6
+    x = jax.random.normal(jax.random.key(1), (3, 8, 32))
+    (batch,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(hlo_amp.compile(_mean_square_grad, "bf16")),
+                                 platforms=["cpu"])(
+        w, jax.ShapeDtypeStruct((batch, 8, 32), jnp.float32))
+    want = _mean_square_grad(w, x)
+    assert float(jnp.abs(exported.call(w, x) - want).max() / jnp.abs(want).max()) < 2e-2
