@@ -18,7 +18,15 @@ import re
 
 from jaxlib.mlir import ir
 
-from hlo_amp.ir.modules import body_name, function_name, functions, walk_operations
+from hlo_amp.ir.modules import (
+    body_name,
+    discard,
+    erase_discarded,
+    function_name,
+    functions,
+    is_discarded,
+    walk_operations,
+)
 
 RAGGED_DOT = "chlo.ragged_dot"
 # composite_attributes' ragged_dot_dimension_numbers, in order (the StableHLO extension's
@@ -54,19 +62,21 @@ def recompose_chlo_composites(module: ir.Module) -> int:
             except Exception:  # noqa: BLE001, S112 - an op this jaxlib does not know: left
                 continue
         if not _verifies(op):
-            op.erase()
+            discard(op)
             continue
         for old, new in zip(composite.results, op.results, strict=True):
             old.replace_all_uses_with(new)
         dropped.add(body_name(composite))
-        composite.erase()
+        discard(composite)
         replaced += 1
     if dropped:
         named = {body_name(op) for op in walk_operations(
-            module, names=frozenset({"func.call", "stablehlo.composite"}))}
+            module, names=frozenset({"func.call", "stablehlo.composite"}))
+                 if not is_discarded(op)}
         for fn in functions(module):
             if function_name(fn) in dropped - named:
-                fn.erase()
+                discard(fn)
+    erase_discarded("recompose chlo composites")  # before a pass reads the module
     return replaced
 
 
