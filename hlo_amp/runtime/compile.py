@@ -451,8 +451,10 @@ class ProgramStore:
                         f"all-reduces after the rewrite: reduce={self.policy.reduce} does "
                         f"not reach them. Compile the outer function, or call the compiled "
                         f"function on sharded arrays, for reduce=", stacklevel=2)
-            report = run_pipeline(module, self.policy,
-                                  target=platforms_target(exported.platforms))
+            target = platforms_target(exported.platforms)
+            # As lower(target=...) refuses it: an export for a TPU is compiled there.
+            refuse_policy_on_device(self.policy, target)
+            report = run_pipeline(module, self.policy, target=target)
             if program.backward_of is None and not any(
                     d.direction == "backward" for d in report.decisions):
                 # A program without a gradient op (a jax.grad's forward, a jvp) leaves

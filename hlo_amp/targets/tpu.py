@@ -67,8 +67,6 @@ class TpuTarget(Target):
         return first_devices(self, _tpu_topology(self.topology, self.description))
 
 
-TPU = TpuTarget()
-
 # TPU generations: (JAX's device name prefix, the smallest slice libtpu describes without
 # a device, bf16 peak FLOP/s per chip, HBM bytes/s per chip; Google Cloud's public specs;
 # whether the matrix unit has fp8 modes). A jax.jit f32 dot runs as one bf16 pass on TPU
@@ -128,6 +126,12 @@ def _tpu_fp8(device: str, fp8_modes: bool) -> tuple[tuple[str, str], ...]:
            f"XLA:TPU upcasts fp8 dots to f32 matrix-unit instructions ({device} has no "
            "fp8 matrix unit)")
     return (("float8_e4m3fn", why), ("float8_e5m2", why))
+
+
+# The family (target="tpu", an export for "tpu": the generation is not told): what no
+# TPU runs in its matrix unit (an export for a TPU took f16 and fp8 policies that a named
+# TPU refuses).
+TPU = TpuTarget(unsupported=(_TPU_F16, *_tpu_fp8("any TPU generation", fp8_modes=True)))
 
 
 def tpu_device(name: str) -> TpuTarget | None:

@@ -130,6 +130,19 @@ def test_f16_and_fp8_are_refused_with_the_reason(target: str, policy: str, dtype
         hlo_amp.compile(step, policy).lower(*args, target=target)
 
 
+@pytest.mark.parametrize(("policy", "dtype"), [("f16", "float16"),
+                                             ("mixed_float16", "float16"),
+                                             ("fp8", "float8_e5m2")])
+def test_an_export_for_a_tpu_refuses_them_too(policy: str, dtype: str) -> None:
+    """On a TPU, hlo_amp.compile rewrites a jax.export for "tpu" (the generation is not
+    told): it took the f16 and fp8 policies a named TPU refuses (f16 dots XLA:TPU ran as
+    f32 matrix-unit instructions)."""
+    step, args = WORKLOADS["mlp"]
+    with pytest.raises(ValueError, match=rf"cannot be compiled for tpu: it computes in "
+                                         rf"{dtype}, and XLA:TPU upcasts"):
+        jax.export.export(jax.jit(hlo_amp.compile(step, policy)), platforms=["tpu"])(*args)
+
+
 # Compiles one dot per operand-type pair for every generation with libtpu's LLO dump on
 # (flags libtpu reads once, when it loads: hence a fresh process) and prints the operand
 # type of the matrix-unit instructions XLA:TPU chose for each.
