@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -247,9 +248,10 @@ def fp8_refusal(device: Target) -> str | None:
 
 
 def check_max_compiles(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    # numbers.Integral: a NumPy integer too, as depth and budget take them
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"Invalid max_compiles {value!r}; accepted: an int >= 1")
-    return value
+    return int(value)
 
 
 def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, depth: Any,
@@ -457,7 +459,7 @@ def _baselines(base: Policy, low: str, no_fp8: str | None, f32_policy: Policy,
                fp8_scaling: str = "current") -> list[tuple[str, Policy, str]]:
     """(name, policy, the level it gives a scope that has it)."""
     # A base whose dots are not 16-bit (fp8, f32): its op rules compute every kind.
-    everywhere = base if base.ops.get("dot_general") == COMPUTE else Policy.from_dict(
+    everywhere = base if base.ops.get("dot_general") == COMPUTE else _fp8_fields_if_fp8(
         {**base.to_dict(), "ops": {**base.ops, **dict.fromkeys(OP_KINDS, COMPUTE)}})
     out = [("f32 everywhere", f32_policy, F32), (f"{low} everywhere", everywhere, COMPUTE)]
     if no_fp8 is None:
@@ -465,6 +467,15 @@ def _baselines(base: Policy, low: str, no_fp8: str | None, f32_policy: Policy,
         out.append(("fp8 everywhere eligible", with_scaling(
             Policy.from_dict({**base.to_dict(), "ops": ops}), fp8_scaling), FP8))
     return out
+
+
+def _fp8_fields_if_fp8(fields: dict[str, Any]) -> Policy:
+    """The policy of ``fields``, without its fp8 scaling fields when it has no fp8 action
+    left (a delayed-scaling base's bf16 baseline: Policy refused scaling=delayed there,
+    after the search had run)."""
+    plain = Policy.from_dict({k: v for k, v in fields.items()
+                              if k not in ("scaling", "amax_history")})
+    return Policy.from_dict(fields) if plain.uses_fp8 else plain
 
 
 def check_fp8_scaling(value: Any) -> str:

@@ -159,6 +159,21 @@ def test_a_delayed_base_is_priced_under_current_scaling_without_its_history_leng
     assert with_scaling(current, "delayed").scaling == "delayed"
 
 
+@pytest.mark.parametrize("base", ["fp8,scaling=delayed", "fp8,scaling=delayed,amax_history=16"])
+def test_a_search_from_a_delayed_base_completes(base):
+    """Its bf16 baseline (every dot at the compute type) kept scaling=delayed, which a
+    policy without fp8 actions refuses: the search raised after it had run, blaming the
+    base ('scaling=delayed applies to fp8 actions')."""
+    result = _search(0.1, "h100", base=base, max_compiles=60)
+    assert result.error <= 0.1
+    assert "bf16 everywhere" in {b.name for b in result.baselines}
+
+
+def test_max_compiles_takes_a_numpy_integer():
+    """As depth and budget do (it was 'Invalid max_compiles np.int64(40)')."""
+    assert _search(0.1, "h100", max_compiles=np.int64(40)).compiles <= 40
+
+
 def test_a_mesh_target_is_searched_like_one_device():
     # 8 H100s (the arguments replicated over them): the same contract, the device named
     node = _search(0.01, "h100x8")
