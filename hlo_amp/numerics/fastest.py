@@ -417,6 +417,11 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
     if TOP_LEVEL in groups or "" in groups:
         notes.append(f"note: matrix ops outside any named scope {top_level} (no scope rule "
                      "can name them)")
+    unnamable = [g for g in groups if g not in patterns and g not in (TOP_LEVEL, "")]
+    if unnamable:  # as attribute says it (the search's table left them out unmentioned)
+        notes.append(f"note: {', '.join(repr(g) for g in unnamable)}: no scope rule can "
+                     f"name these ops (a scope name with whitespace or ','), so they "
+                     f"{top_level}")
     if no_fp8:
         notes.append(f"note: fp8 not searched on {device.device}: {no_fp8}")
     elif named and not any(fp8_dots.values()):

@@ -169,6 +169,22 @@ def test_a_search_from_a_delayed_base_completes(base):
     assert "bf16 everywhere" in {b.name for b in result.baselines}
 
 
+def test_a_scope_no_rule_can_name_is_in_a_note():
+    """A scope named with a space holds two thirds of the FLOPs: the search's table
+    left it out and no note named it (attribute says no rule can keep it f32)."""
+    def f(w, x):
+        with jax.named_scope("a"):
+            x = jnp.tanh(x @ w)
+        with jax.named_scope("my block"):
+            return jnp.tanh(x @ w) @ w
+
+    w = jax.random.normal(jax.random.key(0), (32, 32)) / 6
+    x = jax.random.normal(jax.random.key(1), (32, 32))
+    result = hlo_amp.autopolicy(f, w, x, budget=1e-2, target="h100", max_compiles=40,
+                                progress=False)
+    assert any("'my block': no scope rule can name these ops" in n for n in result.notes)
+
+
 def test_max_compiles_takes_a_numpy_integer():
     """As depth and budget do (it was 'Invalid max_compiles np.int64(40)')."""
     assert _search(0.1, "h100", max_compiles=np.int64(40)).compiles <= 40
