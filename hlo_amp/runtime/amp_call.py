@@ -145,13 +145,6 @@ def _is_float(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
-def _zero_tangent(primal: Any) -> Any:
-    aval = jax.typeof(primal)
-    if _is_float(aval.dtype):
-        return jnp.zeros(aval.shape, aval.dtype)
-    return np.zeros(aval.shape, jax.dtypes.float0)
-
-
 # ---- amp_call_p --------------------------------------------------------------------------
 
 amp_call_p = internals.Primitive("hlo_amp_call")
@@ -489,10 +482,20 @@ amp_lin_p.multiple_results = True
 
 
 def _tangent_map(program: Program, nonzero_in: tuple, float_out: tuple, *args: Any) -> list:
-    primals, live = args[:len(nonzero_in)], iter(args[len(nonzero_in):])
-    tangents = [next(live) if nonzero else _zero_tangent(p)
-                for p, nonzero in zip(primals, nonzero_in)]
-    _, tangents_out = jax.jvp(program.fn, tuple(primals), tuple(tangents))
+    primals, tangents = list(args[:len(nonzero_in)]), args[len(nonzero_in):]
+    moving = [i for i, nonzero in enumerate(nonzero_in) if nonzero]
+
+    # Differentiated in the arguments with a tangent only, the others closed over: jax
+    # keeps their tangents symbolic zeros, as jax.jvp of fn itself does. As zero arrays
+    # they were computed with (x @ 0), a form XLA:CPU (jaxlib 0.10.2) miscompiled under
+    # vmap: jax.jacfwd of a compiled function returned values of 1e10 or NaN.
+    def of_moving(*values: Any) -> Any:
+        full = list(primals)
+        for i, value in zip(moving, values):
+            full[i] = value
+        return program.fn(*full)
+
+    _, tangents_out = jax.jvp(of_moving, tuple(primals[i] for i in moving), tuple(tangents))
     return [t for t, is_float in zip(tangents_out, float_out) if is_float]
 
 

@@ -215,6 +215,20 @@ def test_jacfwd_and_linearize(data):
     _assert_close_not_equal((value, linear(direction)), (ref_value, ref_linear(direction)))
 
 
+def test_jacfwd_in_one_argument_of_several():
+    """The arguments without a tangent were given zero arrays as tangents: the program
+    computed x @ 0, which XLA:CPU miscompiled under jacfwd's vmap of 8 or more tangents
+    (values of 1e10 or NaN against a largest true value of 3). They stay symbolic zeros."""
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    w = jax.random.normal(jax.random.key(0), (32, 64)) / 6
+    x = jax.random.normal(jax.random.key(2), (8, 32))
+    want = jax.jacfwd(f, argnums=1)(w, x)
+    got = jax.jacfwd(hlo_amp.compile(f, "f32"), argnums=1)(w, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_forward_over_reverse_hvp(data):
     params, x, y = data
     direction = jax.tree_util.tree_map(jnp.ones_like, params)
