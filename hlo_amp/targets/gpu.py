@@ -388,19 +388,20 @@ _POSITIVE_DEVICE_FIELDS = ("threads_per_block_limit", "threads_per_warp",
 
 
 def _positive_number(text: str, key: str) -> bool:
-    """Whether ``key: N`` is set to a positive number in the proto text (a ``#`` comment
-    is no setting; an integer may be hex, ``0x20``, as protobuf's text format takes)."""
-    for line in text.splitlines():
-        found = re.match(rf"\s*{key}\s*:\s*([^\s#]+)", line.split("#", 1)[0])
-        if found:
-            try:
-                return int(found.group(1), 0) > 0
-            except ValueError:
-                try:
-                    return float(found.group(1)) > 0
-                except ValueError:
-                    return False
-    return False
+    """Whether ``key: N`` is set to a positive number in the proto text, as its text
+    format reads it: anywhere on a line (a block on one line), ended by a space, ``,``
+    or ``;``, an integer hex too (``0x20``); a ``#`` comment is no setting."""
+    uncommented = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    found = re.search(rf"(?<![\w.]){key}\s*:\s*([^\s,;{{}}]+)", uncommented)
+    if found is None:
+        return False
+    try:
+        return int(found.group(1), 0) > 0
+    except ValueError:
+        try:
+            return float(found.group(1)) > 0
+        except ValueError:
+            return False
 
 
 def _proto_string(text: str, key: str) -> str | None:

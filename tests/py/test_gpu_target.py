@@ -310,6 +310,12 @@ def test_a_config_files_fields_are_read_as_proto_text_reads_them(tmp_path: Path)
     config.write_text(text.replace("threads_per_warp: 32", "# threads_per_warp: 32"))
     with pytest.raises(ValueError, match="gives no positive threads_per_warp"):
         targets.device_target(str(config))
+    # A block on one line, a field ended by ',' (the first reading refused both).
+    one_line = re.sub(r"gpu_device_info \{(.*?)\n\}", lambda m: "gpu_device_info { "
+                      + " ".join(m.group(1).split()) + " }", text, flags=re.DOTALL)
+    for accepted in (one_line, text.replace("threads_per_warp: 32", "threads_per_warp: 32,")):
+        config.write_text(accepted)
+        assert targets.device_target(str(config)).target_config
 
 
 def test_a_config_file_written_as_xlas_spec_files_keeps_its_compute_capability(
