@@ -452,8 +452,10 @@ class ProgramStore:
                         f"not reach them. Compile the outer function, or call the compiled "
                         f"function on sharded arrays, for reduce=", stacklevel=2)
             target = platforms_target(exported.platforms)
-            # As lower(target=...) refuses it: an export for a TPU is compiled there.
-            refuse_policy_on_device(self.policy, target)
+            # As lower(target=...) refuses it: an export for a TPU is compiled there,
+            # among other platforms too (their target is the CPU's, or none).
+            for platform in exported.platforms:
+                refuse_policy_on_device(self.policy, platforms_target((platform,)))
             report = run_pipeline(module, self.policy, target=target)
             if program.backward_of is None and not any(
                     d.direction == "backward" for d in report.decisions):

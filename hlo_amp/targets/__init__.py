@@ -84,6 +84,7 @@ def refuse_policy_on_device(policy: Any, target: Target) -> None:
     dtypes = {policy.compute_dtype, *(a for a in policy.actions if isinstance(a, str))}
     why = target.refusal(dtypes)
     if why:
+        where = target.device or f"a {target.platform.upper()}"  # a family: "a TPU"
         raise ValueError(f"policy {policy.to_string()!r} cannot be compiled for "
-                         f"{target.name}: {why}; on {target.device} use bf16, "
+                         f"{target.name}: {why}; on {where} use bf16, "
                          "mixed_bfloat16 or f32")

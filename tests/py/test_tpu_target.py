@@ -136,11 +136,14 @@ def test_f16_and_fp8_are_refused_with_the_reason(target: str, policy: str, dtype
 def test_an_export_for_a_tpu_refuses_them_too(policy: str, dtype: str) -> None:
     """On a TPU, hlo_amp.compile rewrites a jax.export for "tpu" (the generation is not
     told): it took the f16 and fp8 policies a named TPU refuses (f16 dots XLA:TPU ran as
-    f32 matrix-unit instructions)."""
+    f32 matrix-unit instructions), and among other platforms it still does."""
     step, args = WORKLOADS["mlp"]
-    with pytest.raises(ValueError, match=rf"cannot be compiled for tpu: it computes in "
-                                         rf"{dtype}, and XLA:TPU upcasts"):
-        jax.export.export(jax.jit(hlo_amp.compile(step, policy)), platforms=["tpu"])(*args)
+    for platforms in (["tpu"], ["cpu", "tpu"], ["tpu", "cuda"]):
+        with pytest.raises(ValueError, match=rf"cannot be compiled for tpu: it computes in "
+                                             rf"{dtype}, and XLA:TPU upcasts.*; on a TPU use "
+                                             r"bf16, mixed_bfloat16 or f32$"):
+            jax.export.export(jax.jit(hlo_amp.compile(step, policy)),
+                              platforms=platforms)(*args)
 
 
 # Compiles one dot per operand-type pair for every generation with libtpu's LLO dump on
