@@ -45,7 +45,7 @@ from typing import Any
 import jax
 
 from hlo_amp.numerics.attribute import TOP_LEVEL, _groups, _pattern, with_scopes
-from hlo_amp.numerics.measure import Session
+from hlo_amp.numerics.measure import DELAYED_NOTE, Session
 from hlo_amp.numerics.render import json_number, short
 from hlo_amp.policy import SCALINGS, Policy
 from hlo_amp.policy_terms import FP8_ACTIONS, OP_KINDS
@@ -427,9 +427,12 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
     elif named and not any(fp8_dots.values()):
         notes.append("note: fp8 not searched: no dot of a named scope takes the fp8 GEMM "
                      "form (m, k and n >= 16, one free and one contracting dimension)")
-    if no_fp8 is None and any(fp8_dots.values()):
+    # (also where a baseline returned fp8 for dots outside any named scope: h73)
+    if no_fp8 is None and (any(fp8_dots.values()) or chosen.uses_fp8):
         notes.append("note: fp8 errors are measured on this machine, whose fp8 dots "
                      "dequantise to f32 (scales rounded to f32, not bf16 as on a GPU)")
+    if chosen.uses_fp8 and chosen.scaling == "delayed":  # as autopolicy without a target
+        notes.append(DELAYED_NOTE)
     rows = []
     for g in named:
         level = state[g]

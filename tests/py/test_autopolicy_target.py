@@ -233,6 +233,11 @@ def test_delayed_fp8_scaling_is_priced_with_its_amax_history():
     assert hlo_amp.Policy.parse(fp8.policy).scaling == "delayed"
     bf16 = {b.name: b for b in delayed.baselines}["bf16 everywhere"]
     assert "scaling" not in bf16.policy  # no fp8 action, no scaling
+    # The errors are current scaling's: said as autopolicy without a target says it.
+    from hlo_amp.numerics.measure import DELAYED_NOTE
+
+    assert (DELAYED_NOTE in delayed.notes) == delayed.policy.uses_fp8
+    assert DELAYED_NOTE not in current.notes
 
 
 @pytest.mark.parametrize("kw, match", [
