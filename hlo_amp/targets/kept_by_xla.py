@@ -209,6 +209,12 @@ def _matches(decision: Decision, gemm: XlaGemm) -> bool:
         decision.operands_after)
 
 
+def _same_formats(decision: Decision, gemm: XlaGemm) -> bool:
+    """Whether ``gemm`` reads the element types ``decision`` gave its operands."""
+    return sorted(t.lower() for t in decision.operands_after) == sorted(
+        t.lower() for t in gemm.operand_types)
+
+
 def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool,
             reserved: list[Decision] = ()) -> list[tuple[bool | None, str | None]]:
     """(kept, XLA's form) per converted decision of one scope, against the scope's ops.
@@ -232,15 +238,19 @@ def _assign(decisions: list[Decision], gemms: list[XlaGemm], complete: bool,
     result: list[tuple[bool | None, str | None]] = [(None, None)] * len(decisions)
     order = sorted(range(len(decisions)), key=lambda i: not decisions[i].fp8)
     sizes = [_decision_elements(d) for d in decisions]
-    # First against XLA ops of the decision's own result size (two dots of one scope,
-    # one kept and one upcast, took each other's verdicts), then against any.
-    for same_size, same_kind in ((True, True), (False, True), (False, False)):
+    # First against XLA ops of the decision's own operand formats and result size (two
+    # dots of one scope, one kept and one upcast, took each other's verdicts; an e4m3fn x
+    # e4m3fn dot was given an e5m2 x e4m3fn GEMM's form), then against any.
+    for same_format, same_size, same_kind in ((True, True, True), (True, False, True),
+                                              (False, True, True), (False, False, True),
+                                              (False, False, False)):
         for i in order:
             if result[i][0]:
                 continue
             decision = decisions[i]
             for gemm in free:
                 if (_matches(decision, gemm)
+                        and (not same_format or _same_formats(decision, gemm))
                         and (not same_size or (sizes[i] is not None
                                                and gemm.elements == sizes[i]))
                         and (not same_kind or gemm.conv == (decision.op_kind == "convolution"))):

@@ -330,3 +330,28 @@ def test_fp8_on_cpu_is_a_numerics_preview():
     assert all(d.kept_by_xla is False for d in fp8)
     assert (f"fp8 GEMMs kept by XLA: 0/{len(fp8)} (XLA:CPU computes fp8 dots in a wider "
             "type: a numerics preview, not a speed-up)") in report.summary()
+
+
+def test_an_fp8_ops_xla_form_has_its_own_operand_formats() -> None:
+    """Within one scope the GEMMs were handed out by kind alone: an e4m3fn x e4m3fn
+    backward dot (an RNN scanned with unroll=2) was given an e5m2 x e4m3fn GEMM's form,
+    contradicting its own types."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(keys[0], (32, 32)) * 0.3
+    u = jax.random.normal(keys[1], (32, 32)) * 0.3
+    xs = jax.random.normal(keys[2], (6, 16, 32))
+
+    def loss(w, u, xs):
+        def cell(h, x):
+            h = jnp.tanh(h @ w + x @ u)
+            return h, h.sum()
+        h, ys = jax.lax.scan(cell, jnp.zeros((16, 32)), xs, unroll=2)
+        return (h ** 2).mean() + ys.mean() * 0.01
+
+    report = hlo_amp.compile(jax.grad(loss, (0, 1)), "fp8").lower(
+        w, u, xs, target="h100").compile().report()
+    fp8 = [d for d in report.decisions if d.fp8 and d.kept_by_xla]
+    assert fp8
+    for decision in fp8:
+        formats = sorted(t.lower() for t in decision.operands_after)
+        assert sorted(decision.xla_form.split()[-1].split("×")) == formats, decision
