@@ -61,7 +61,9 @@ from hlo_amp.runtime.frameworks import (
     JitDecorator,
     NnxCall,
     argument_style,
+    function_name_of,
     unwrap_jit,
+    wraps_named,
 )
 from hlo_amp.runtime.signature import (
     leaf_signature,
@@ -180,7 +182,7 @@ def _hashable(fn: Callable[..., Any]) -> Callable[..., Any]:
     try:
         hash(fn)
     except TypeError:
-        @functools.wraps(fn, updated=())
+        @wraps_named(fn, updated=())
         def calling(*args: Any, **kwargs: Any) -> Any:
             return fn(*args, **kwargs)
 
@@ -580,7 +582,7 @@ class AmpFunction:
         if donate_argnames:
             self.donate_argnums = _union(self.donate_argnums, _positions_of(
                 signature, _as_tuple(donate_argnames, str),
-                getattr(fn, "__name__", type(fn).__name__)), int)
+                function_name_of(fn)), int)
         # A jax.jit step's shardings and device apply to the call itself, as jax.jit's.
         placement = _placement(self.decorator, self.static_argnums, signature)
         self._jitted = _jit(_hashable(fn), placement, static_argnums=self.static_argnums,
@@ -595,14 +597,15 @@ class AmpFunction:
         # Not the function's __dict__: a callable object's attributes (nnx.jit's
         # static_argnums, filter_jit's fn) would overwrite this object's own.
         functools.update_wrapper(self, fn, updated=())
-        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__name__ = function_name_of(fn)
 
         def dispatched(*args: Any, **kwargs: Any) -> Any:
             return self._traced_call(args, kwargs, own_dispatch=True)
 
         # jax.jit's errors name the function ("argument w of f"), not this closure.
         dispatched.__name__ = self.__name__
-        dispatched.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+        qualname = getattr(fn, "__qualname__", None)
+        dispatched.__qualname__ = qualname if isinstance(qualname, str) else self.__name__
         if signature is not None:
             # jax.jit donates an argument passed by keyword through the names it reads
             # from the signature (``*args, **kwargs`` has none).

@@ -115,6 +115,29 @@ def _outermost_modules(tree: Any) -> list[Any]:
     return modules
 
 
+def function_name_of(fn: Any) -> str:
+    """``fn.__name__`` where it is a string, else its type's name: an Equinox module read
+    through its filter_jit wrapper (``eqx.filter_jit(eqx.filter_vmap(model))``) has
+    Equinox's Missing sentinel there, which a function's ``__name__`` refuses ("__name__
+    must be set to a string object", raised by functools.wraps)."""
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else type(fn).__name__
+
+
+def wraps_named(fn: Any, updated: tuple[str, ...] = functools.WRAPPER_UPDATES
+                ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``functools.wraps(fn)``, its names taken by `function_name_of`."""
+    def decorate(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        functools.update_wrapper(wrapper, fn, updated=updated, assigned=tuple(
+            a for a in functools.WRAPPER_ASSIGNMENTS if a not in ("__name__", "__qualname__")))
+        wrapper.__name__ = function_name_of(fn)
+        qualname = getattr(fn, "__qualname__", None)
+        wrapper.__qualname__ = qualname if isinstance(qualname, str) else wrapper.__name__
+        return wrapper
+
+    return decorate
+
+
 def with_module_paths(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` that traces with module-path scopes for the modules among its arguments.
 
@@ -122,7 +145,7 @@ def with_module_paths(fn: Callable[..., Any]) -> Callable[..., Any]:
     really calls (NNX and Equinox rebuild them from the arguments' state).
     """
 
-    @functools.wraps(fn)
+    @wraps_named(fn)
     def scoped(*args: Any, **kwargs: Any) -> Any:
         with contextlib.ExitStack() as stack:
             for module in _outermost_modules((args, kwargs)):

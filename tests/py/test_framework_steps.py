@@ -958,6 +958,17 @@ def test_an_nnx_function_exports_for_another_platform():
                                rtol=2e-2, atol=2e-2)
 
 
+def test_a_filter_jitted_filter_vmapped_module_compiles():
+    """eqx.filter_jit(eqx.filter_vmap(model)): read through its jit wrapper the module's
+    __name__ is Equinox's Missing sentinel, and compiling raised "__name__ must be set to
+    a string object" (functools.wraps)."""
+    model = eqx.nn.Linear(16, 16, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    ensemble = eqx.filter_jit(eqx.filter_vmap(model))
+    np.testing.assert_allclose(np.asarray(hlo_amp.compile(ensemble, "bf16")(x)),
+                               np.asarray(ensemble(x)), rtol=2e-2, atol=2e-2)
+
+
 def test_errors_inside_the_step_are_not_rewritten():
     def broken(w, x):
         raise TypeError("the user's own error")
