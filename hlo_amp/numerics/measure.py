@@ -25,7 +25,12 @@ from hlo_amp.runtime.compile import (
     rewrite_lowered,
 )
 from hlo_amp.runtime.fp8_state import Fp8StatefulFunction
-from hlo_amp.runtime.frameworks import argument_style, jax_jit_info, unwrap_jit
+from hlo_amp.runtime.frameworks import (
+    argument_style,
+    function_name_of,
+    jax_jit_info,
+    unwrap_jit,
+)
 from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
 
 ATOL = 1e-5
@@ -142,7 +147,7 @@ def _as_written(fn: Any) -> tuple[Any, tuple[int, ...], bool | None]:
     if isinstance(fn, (AmpFunction, Fp8StatefulFunction)):  # not a rewritten rewrite
         return fn.fn, fn.static_argnums, getattr(fn, "filter", None)
     try:  # an nnx.jit / eqx.filter_jit step: its static arguments and filtering
-        decorator = unwrap_jit(fn, getattr(fn, "__name__", "fn"))
+        decorator = unwrap_jit(fn, function_name_of(fn))
     except TypeError:  # options hlo_amp.compile cannot carry: measured as it is
         decorator = None
     if decorator is not None and decorator.name != "jax.jit":
@@ -170,7 +175,7 @@ def _with_arrays_only(fn: Callable[..., Any], args: tuple, filtered: bool | None
     def with_arrays(*dynamic: Any) -> Any:
         return eqx.filter(fn(*eqx.combine(dynamic, static)), eqx.is_array)
 
-    with_arrays.__name__ = getattr(fn, "__name__", "fn")
+    with_arrays.__name__ = function_name_of(fn)
     with_arrays.__wrapped__ = fn
     return with_arrays, tuple(arrays)
 
@@ -189,7 +194,7 @@ def _with_statics_bound(fn: Callable[..., Any], args: tuple, statics: tuple[int,
             full.insert(position, args[position])
         return fn(*full)
 
-    bound.__name__ = getattr(fn, "__name__", "fn")
+    bound.__name__ = function_name_of(fn)
     bound.__wrapped__ = fn
     return bound, tuple(a for i, a in enumerate(args) if i not in statics)
 

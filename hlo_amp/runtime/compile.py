@@ -553,7 +553,7 @@ class AmpFunction:
         # undecorated step would (the decorator's own jit would hide the step from the
         # framework contracts below, and its static arguments would meet tracers).
         self.decorator: JitDecorator | None = decorator or unwrap_jit(
-            fn, getattr(fn, "__name__", type(fn).__name__))
+            fn, function_name_of(fn))
         if self.decorator is not None:
             fn = self.decorator.fn
             static_argnums = _union(static_argnums, self.decorator.static_argnums, int)
@@ -598,6 +598,8 @@ class AmpFunction:
         # static_argnums, filter_jit's fn) would overwrite this object's own.
         functools.update_wrapper(self, fn, updated=())
         self.__name__ = function_name_of(fn)
+        if not isinstance(getattr(self, "__qualname__", ""), str):  # Equinox's Missing
+            self.__qualname__ = self.__name__
 
         def dispatched(*args: Any, **kwargs: Any) -> Any:
             return self._traced_call(args, kwargs, own_dispatch=True)

@@ -41,7 +41,7 @@ from hlo_amp.passes.fp8_state import STATE_SCOPE
 from hlo_amp.policy import Policy
 from hlo_amp.runtime.arguments import raise_argument_problem
 from hlo_amp.runtime.deviceless import split_device_target
-from hlo_amp.runtime.frameworks import JitDecorator, argument_style
+from hlo_amp.runtime.frameworks import JitDecorator, argument_style, function_name_of
 from hlo_amp.runtime.signature import (
     donated_names,
     leaf_signature,
@@ -143,7 +143,7 @@ class Fp8StatefulFunction:
         self.policy = policy
         self.fn = fn
         self._fn_signature = signature_of(fn)  # read once: every call binds to it
-        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__name__ = function_name_of(fn)
 
         def stateful(history: jax.Array, *args: Any, **kwargs: Any) -> Any:
             with jax.named_scope(STATE_SCOPE):

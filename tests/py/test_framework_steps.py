@@ -965,8 +965,13 @@ def test_a_filter_jitted_filter_vmapped_module_compiles():
     model = eqx.nn.Linear(16, 16, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (4, 16))
     ensemble = eqx.filter_jit(eqx.filter_vmap(model))
-    np.testing.assert_allclose(np.asarray(hlo_amp.compile(ensemble, "bf16")(x)),
-                               np.asarray(ensemble(x)), rtol=2e-2, atol=2e-2)
+    compiled = hlo_amp.compile(ensemble, "bf16")
+    np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(ensemble(x)),
+                               rtol=2e-2, atol=2e-2)
+    assert isinstance(compiled.__qualname__, str)
+    # and its siblings, which copied the name the same way (review h78)
+    assert hlo_amp.compile(ensemble, "fp8,scaling=delayed")(x).shape == (4, 16)
+    assert hlo_amp.compare(ensemble, "bf16", x).error < 2e-2
 
 
 def test_errors_inside_the_step_are_not_rewritten():
