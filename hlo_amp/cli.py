@@ -31,8 +31,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from jaxlib.mlir import ir
-
 from hlo_amp import jaxlib_internals
 from hlo_amp.ir.modules import (
     ModuleError,
@@ -40,7 +38,7 @@ from hlo_amp.ir.modules import (
     module_text,
     parse_module,
 )
-from hlo_amp.ir.shardings import partition_count
+from hlo_amp.ir.shardings import partition_count, replica_count
 from hlo_amp.passes import pass_names, run_pipeline
 from hlo_amp.policy import SCALINGS, Policy, as_policy
 from hlo_amp.quiet_stderr import fd2_muted, import_jax_for_cli
@@ -278,7 +276,7 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
         raise CliError(f"hlo-amp-opt: error: --seed {args.seed}; accepted: an integer >= 0")
     source, source_name = _read(args.input)
     module = parse_module(source, source_name=source_name)  # refuses what passes cannot read
-    devices = partition_count(module) * _replica_count(module)
+    devices = partition_count(module) * replica_count(module)
     if devices > 1:  # measured on one CPU device and priced on one device of the target
         raise CliError(f"hlo-amp-opt: error: --autopolicy: {source_name} runs on {devices} "
                        f"devices (mhlo.num_partitions, mhlo.num_replicas or its mesh); "
@@ -304,13 +302,6 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
     print(result, file=sys.stderr)
     _write_outputs(args, result.policy.to_string() + "\n", result.to_json() + "\n")
     return 0
-
-
-def _replica_count(module: object) -> int:
-    attributes = module.operation.attributes
-    if "mhlo.num_replicas" not in attributes:
-        return 1
-    return max(1, ir.IntegerAttr(attributes["mhlo.num_replicas"]).value)
 
 
 def _device_target(args: argparse.Namespace) -> Target | None:

@@ -36,6 +36,14 @@ _MESHES = frozenset({"sdy.mesh"})
 GIVEN_SHARDINGS = frozenset({"sdy.sharding_constraint", "sdy.reshard"})  # ops giving one
 
 
+def replica_count(module: ir.Module) -> int:
+    """The replicas XLA runs ``module`` on (``mhlo.num_replicas``, 1 where unset)."""
+    attributes = module.operation.attributes
+    if "mhlo.num_replicas" not in attributes:
+        return 1
+    return max(1, ir.IntegerAttr(attributes["mhlo.num_replicas"]).value)
+
+
 def is_partitioned(module: ir.Module) -> bool:
     """Whether XLA partitions ``module`` over several devices (``partition_count``)."""
     return partition_count(module) > 1

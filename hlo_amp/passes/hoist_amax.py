@@ -40,7 +40,13 @@ from hlo_amp.ir.loops import (
     outside_value,
     stack_slice,
 )
-from hlo_amp.ir.modules import constant_value, discard, growable_functions, live_uses, op_key
+from hlo_amp.ir.modules import (
+    discard,
+    growable_functions,
+    is_zero_constant,
+    live_uses,
+    op_key,
+)
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_invariants
 from hlo_amp.passes.fp8 import max_abs
 from hlo_amp.report import Report
@@ -91,17 +97,10 @@ def _build(value: ir.Value, converts: Sequence[ir.Type], dimensions: list[int]) 
     return max_abs(converted(value, converts), dimensions)
 
 
-def _is_zero(value: ir.Value) -> bool:
-    attribute = constant_value(value)
-    if not isinstance(attribute, ir.DenseFPElementsAttr) or not attribute.is_splat:
-        return False
-    return ir.FloatAttr(attribute.get_splat_value()).value == 0.0
-
-
 def match_amax(reduce: ir.Operation) -> Amax | None:
     """``reduce`` as an amax of the form ``max_abs`` writes, else None."""
     if (reduce.name != "stablehlo.reduce" or len(reduce.operands) != 2
-            or not _is_zero(reduce.operands[1])):
+            or not is_zero_constant(reduce.operands[1])):
         return None
     source = reduce.operands[0]
     rank = ir.RankedTensorType(source.type).rank

@@ -122,27 +122,29 @@ def argument_problem(name: str, args: tuple, kwargs: dict, *, static_argnums: Se
                   if k not in static_argnames])
     for root, value, parameter in dynamic:
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            if _is_jax_value(leaf):
+                continue
             where = root + jax.tree_util.keystr(path) + parameter
+            error = _unhashable(leaf) if style == "filter" else None
             # (filter=True makes a hashable one static, as eqx.filter_jit does)
-            array_like = (None if _is_jax_value(leaf) or style == "filter"
-                          and not _unhashable(leaf) else _array_like_problem(name, where, leaf))
+            array_like = (None if style == "filter" and not error
+                          else _array_like_problem(name, where, leaf))
             if array_like:
                 return array_like
             if style == "filter":
-                error = None if _is_jax_value(leaf) else _unhashable(leaf)
                 if error:
                     return (f"hlo_amp.compile({name}): argument {where} is "
                             f"{_describe(leaf)}, which the eqx.filter_jit-style call makes "
                             f"static, but it is not hashable ({error}). Make it hashable, or "
                             f"an array (static leaves key the compile cache).")
-            elif not _is_jax_value(leaf) and style == "statics only" and _holds_graph(value):
+            elif style == "statics only" and _holds_graph(value):
                 # Inside an NNX graph object: nnx.jit traces every data attribute too.
                 return (f"hlo_amp.compile({name}): argument {where} is {_describe(leaf)}, "
                         f"not an array, in an NNX object's data (nnx.data, a Variable), "
                         f"which nnx.jit traces as hlo_amp.compile does; store it as an "
                         f"attribute that is not data (nnx.static(...), or a plain "
                         f"attribute of a type NNX keeps static), or as an array.")
-            elif not _is_jax_value(leaf):
+            else:
                 position = root.removeprefix("args[").split("]")[0]
                 static_hint = (f"static_argnums=({position},)" if root.startswith("args[")
                                else f"static_argnames=({root[8:-2]!r},)")

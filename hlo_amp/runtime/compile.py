@@ -62,6 +62,7 @@ from hlo_amp.runtime.frameworks import (
     NnxCall,
     argument_style,
     function_name_of,
+    function_qualname_of,
     unwrap_jit,
     wraps_named,
 )
@@ -597,17 +598,13 @@ class AmpFunction:
         # Not the function's __dict__: a callable object's attributes (nnx.jit's
         # static_argnums, filter_jit's fn) would overwrite this object's own.
         functools.update_wrapper(self, fn, updated=())
-        self.__name__ = function_name_of(fn)
-        if not isinstance(getattr(self, "__qualname__", ""), str):  # Equinox's Missing
-            self.__qualname__ = self.__name__
+        self.__name__, self.__qualname__ = function_name_of(fn), function_qualname_of(fn)
 
         def dispatched(*args: Any, **kwargs: Any) -> Any:
             return self._traced_call(args, kwargs, own_dispatch=True)
 
         # jax.jit's errors name the function ("argument w of f"), not this closure.
-        dispatched.__name__ = self.__name__
-        qualname = getattr(fn, "__qualname__", None)
-        dispatched.__qualname__ = qualname if isinstance(qualname, str) else self.__name__
+        dispatched.__name__, dispatched.__qualname__ = self.__name__, self.__qualname__
         if signature is not None:
             # jax.jit donates an argument passed by keyword through the names it reads
             # from the signature (``*args, **kwargs`` has none).

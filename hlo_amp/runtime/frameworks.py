@@ -124,6 +124,12 @@ def function_name_of(fn: Any) -> str:
     return name if isinstance(name, str) else type(fn).__name__
 
 
+def function_qualname_of(fn: Any) -> str:
+    """``fn.__qualname__`` where it is a string, else `function_name_of`."""
+    qualname = getattr(fn, "__qualname__", None)
+    return qualname if isinstance(qualname, str) else function_name_of(fn)
+
+
 def wraps_named(fn: Any, updated: tuple[str, ...] = functools.WRAPPER_UPDATES
                 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``functools.wraps(fn)``, its names taken by `function_name_of`."""
@@ -131,8 +137,7 @@ def wraps_named(fn: Any, updated: tuple[str, ...] = functools.WRAPPER_UPDATES
         functools.update_wrapper(wrapper, fn, updated=updated, assigned=tuple(
             a for a in functools.WRAPPER_ASSIGNMENTS if a not in ("__name__", "__qualname__")))
         wrapper.__name__ = function_name_of(fn)
-        qualname = getattr(fn, "__qualname__", None)
-        wrapper.__qualname__ = qualname if isinstance(qualname, str) else wrapper.__name__
+        wrapper.__qualname__ = function_qualname_of(fn)
         return wrapper
 
     return decorate

@@ -39,6 +39,7 @@ from typing import Any
 from jaxlib.mlir import ir
 
 from hlo_amp.ir.modules import function_name, op_key, walk_operations
+from hlo_amp.ir.op_classes import rounds_to_its_own_type
 from hlo_amp.ir.sites import site_of
 from hlo_amp.passes.fused_attention.calls import CallView, Stack
 from hlo_amp.passes.fused_attention.constants import splat_value
@@ -976,16 +977,10 @@ def _saved(what: str) -> NotFused:
 
 
 def _is_saved_marker(op: ir.Operation) -> bool:
-    """A ``reduce_precision`` to exactly its operand's own format: what jax marks a residual a
-    checkpoint policy saves with, in a scan or under everything_saveable (it rounds
+    """A ``reduce_precision`` to exactly its operand's own format: what jax marks a residual
+    a checkpoint policy saves with, in a scan or under everything_saveable (it rounds
     nothing; jax's barrier against the value being recomputed)."""
-    if op.name != "stablehlo.reduce_precision":
-        return False
-    element = ir.RankedTensorType(op.operands[0].type).element_type
-    kept = {"f32": (8, 23), "bf16": (8, 7), "f16": (5, 10)}.get(str(element))
-    return kept is not None and (
-        ir.IntegerAttr(op.attributes["exponent_bits"]).value,
-        ir.IntegerAttr(op.attributes["mantissa_bits"]).value) == kept
+    return op.name == "stablehlo.reduce_precision" and rounds_to_its_own_type(op)
 
 
 def exponential_sources(view: CallView, module: ir.Module) -> set[int] | None:

@@ -240,13 +240,14 @@ class CallGraph:
                 # layer's gradients went 16-bit (jax.grad of a compiled fp8 loss). Ops
                 # on one line that read one value are an end's siblings (two heads of
                 # one activation, two stems of one input): that stack is handed on.
-                sharing: dict[tuple[str, str, str], list[set[Any]]] = {}
+                reads_by_stack: dict[tuple[str, str, str], list[set[Any]]] = {}
                 for key, op, kind in forward:
                     stack = _stack_key(self.site(op, kind, key[2]), op, kind)
                     if stack in own:
-                        sharing.setdefault(stack, []).append(self._bases(op, key[3]))
+                        reads_by_stack.setdefault(stack, []).append(self._bases(op, key[3]))
                 found.update({stack: positions for stack, positions in own.items()
-                              if all(read & bases[position] for read in sharing.get(stack, ())
+                              if all(read & bases[position]
+                                     for read in reads_by_stack.get(stack, ())
                                      for position in positions if position in bases)})
             backward = [(key, op, kind, _stack_key(site, op, kind))
                         for key, op, kind in order
