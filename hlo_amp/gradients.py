@@ -44,7 +44,8 @@ like a forward one.
 Ops inside remat's ``rematted_computation`` are the forward recomputed, so they do not count as backward.
 ``optimization_barrier`` passes each operand's kind to the result at its position; a
 while loop's carry (body argument and result) gets the kind of its initial value joined
-with the kind the body returns at its position (GRAD beats PRIMAL beats CONST); a
+with the kind the body returns at its position (GRAD beats PRIMAL beats CONST), a carry
+the body returns unchanged its initial value's alone; a
 private function runs once per tuple of argument kinds its call sites pass (a context),
 each call's results getting the kinds its own context returns, and a value in it the
 join over its contexts. The whole is iterated until nothing changes.
@@ -355,9 +356,17 @@ class GradientFlow:
                 continue
             if op_name in _PER_POSITION:
                 if op_name == "stablehlo.while":  # join with what the body returned
-                    returned = terminator(op.regions[1].blocks[0]).operands
+                    body = op.regions[1].blocks[0]
+                    returned = terminator(body).operands
+                    # A carry the body returns as it got it (scan's stacked residuals
+                    # in its backward loop) keeps its initial value's kind: joined with
+                    # itself, a kind the first round guessed (a stack built by a loop
+                    # whose returns were not known yet reads as a constant, and the
+                    # backward's reshape of it as the seed) would stay for good.
                     operand_kinds = [max(kind, kinds.get(returned[position], CONST))
-                                     if position < len(returned) else kind
+                                     if position < len(returned)
+                                     and returned[position] != body.arguments[position]
+                                     else kind
                                      for position, kind in enumerate(operand_kinds)]
                     for region in op.regions:
                         for block in region.blocks:
