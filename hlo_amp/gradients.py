@@ -66,6 +66,7 @@ from hlo_amp.ir.modules import (
     element_type,
     from_constant,
     function_name,
+    is_kernel_matmul,
     is_zero_constant,
     terminator,
     walk_operations,
@@ -164,8 +165,8 @@ class GradientFlow:
                 if backward:
                     backward_ops.append(op)
                     self._backward_values.update(op.results)
-                if op.name not in MATRIX_OP_NAMES:
-                    continue
+                if op.name not in MATRIX_OP_NAMES or is_kernel_matmul(op):
+                    continue  # a spliced kernel's matmuls are no program's (cuDNN's call)
                 if backward:
                     backward_dots.append(op)
                 else:

@@ -408,10 +408,10 @@ def drop_marks_for_the_full_pipeline(module: ir.Module, source: str | bytes) -> 
 
 
 def strip_decision_marks(module: ir.Module) -> None:
-    """Remove every ``DECISION_KEY``, ``PROGRAM_KEY`` and ``ATTENTION_KEY``: they mean
-    nothing outside the run that wrote them."""
+    """Remove every ``DECISION_KEY``, ``PROGRAM_KEY``, ``ATTENTION_KEY`` and
+    ``KERNEL_KEY``: they mean nothing outside the run that wrote them."""
     for op in walk_operations(module, names=MATRIX_OP_NAMES | _CONVERT):
-        for key in (DECISION_KEY, PROGRAM_KEY, ATTENTION_KEY):
+        for key in (DECISION_KEY, PROGRAM_KEY, ATTENTION_KEY, KERNEL_KEY):
             if key in op.attributes:
                 del op.attributes[key]
 
@@ -433,6 +433,23 @@ def is_attention_matmul(op: ir.Operation | ir.OpView) -> bool:
     return ATTENTION_KEY in op.attributes
 
 
+# The matrix ops of a fused kernel the fused-attention pass spliced in (the reference
+# kernel's: jax's XLA attention, standing in for cuDNN's call on a machine without a
+# GPU): the kernel's own computation, which the passes leave as it is, as they leave
+# cuDNN's custom call. Stripped with the decision marks.
+KERNEL_KEY = "hlo_amp.kernel"
+
+
+def mark_kernel_matmul(op: ir.Operation | ir.OpView) -> None:
+    """Mark ``op`` as a matrix op of a spliced kernel (``KERNEL_KEY``)."""
+    op.attributes[KERNEL_KEY] = ir.UnitAttr.get(op.context)
+
+
+def is_kernel_matmul(op: ir.Operation | ir.OpView) -> bool:
+    """Whether ``mark_kernel_matmul`` marked ``op``."""
+    return KERNEL_KEY in op.attributes
+
+
 # The converts the program itself has, marked by run_pipeline before the passes in a
 # partitioned module (the only kind passes/keep_shardings.py acts on), so that it tells
 # them from the ones the pipeline wrote and leaves the program's own as they are.
@@ -445,7 +462,7 @@ FP8_MARK = "hlo_amp.fp8"
 # module read from outside they are stale (or forged) and are dropped when it is read.
 # (The fp8 mark is not among them: --pass hlo-amp-insert-converts leaves it for a later
 # --pass hlo-amp-fp8; the full pipeline drops it, hlo_amp/cli.py.)
-RUN_MARKS = frozenset({DISCARDED_KEY, DECISION_KEY, ATTENTION_KEY, PROGRAM_KEY,
+RUN_MARKS = frozenset({DISCARDED_KEY, DECISION_KEY, ATTENTION_KEY, KERNEL_KEY, PROGRAM_KEY,
                        "hlo_amp.sharding_probe"})
 _CONVERT = frozenset({"stablehlo.convert"})
 

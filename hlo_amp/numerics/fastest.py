@@ -268,7 +268,10 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
     max_compiles = check_max_compiles(max_compiles)
     refuse_policy_on_device(base, device)  # f16 on a TPU: refused before any compile
     start = time.perf_counter()
-    session = Session(fn, args, "autopolicy")  # hlo_amp.compile's fn, statics bound
+    # hlo_amp.compile's fn, statics bound; its runs compute the target's program: its
+    # attention fused as there (with the reference kernel), so an fp8 scope measures the
+    # 16-bit attention the target runs, not attention matmuls in fp8.
+    session = Session(fn, args, "autopolicy", fused_as=device)
     groups = _groups(session.report(base), depth)  # a bad depth fails here
     patterns = {g: p for g in groups if (p := _pattern(g, int(depth))) is not None}
     named = list(patterns)

@@ -8,7 +8,7 @@ import math
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from hlo_amp.runtime.frameworks import (
     unwrap_jit,
 )
 from hlo_amp.runtime.signature import leaf_signature, normalise_argnums
+from hlo_amp.targets import Target
 
 ATOL = 1e-5
 # rtol per element type a run computes in: torch.testing's for f32, bf16 and f16; fp8 and
@@ -53,29 +54,32 @@ class _Lowering:
         # No reference to fn is kept: the cache is weakly keyed by it.
         self.lowered = jax.jit(fn).trace(*args).lower()
         self.target = lowering_target(self.lowered)
-        # policy string ("" = as written, "f64") -> (executable, report or None)
-        self.executables: OrderedDict[str, tuple[Any, Report | None]] = OrderedDict()
-        self.rewrites: OrderedDict[str, tuple[Any, Report]] = OrderedDict()
+        # _key ("" = as written, "f64") -> (executable, report or None)
+        self.executables: OrderedDict[Hashable, tuple[Any, Report | None]] = OrderedDict()
+        self.rewrites: OrderedDict[Hashable, tuple[Any, Report]] = OrderedDict()
         self.compiles = 0
 
-    def report(self, policy: Policy) -> Report:
+    def report(self, policy: Policy, fused_as: Target | None = None) -> Report:
         """The pass's report for ``policy``, without compiling."""
-        compiled = self.executables.get(policy.to_string())
-        return compiled[1] if compiled is not None else self.rewrite(policy)[1]
+        compiled = self.executables.get(_key(policy, fused_as))
+        return compiled[1] if compiled is not None else self.rewrite(policy, fused_as)[1]
 
-    def rewrite(self, policy: Policy) -> tuple[Any, Report]:
+    def rewrite(self, policy: Policy, fused_as: Target | None = None) -> tuple[Any, Report]:
         """A copy of the module rewritten under ``policy``, and its report (kept until
-        it is compiled)."""
-        key = policy.to_string()
+        it is compiled). ``fused_as``: attention fused as on that GPU, with the
+        reference kernel (passes.default_pipeline)."""
+        key = _key(policy, fused_as)
         found = self.rewrites.get(key)
         if found is None:
-            rewritten, report, _ = rewrite_lowered(self.lowered, policy, self.target)
+            rewritten, report, _ = rewrite_lowered(self.lowered, policy, self.target,
+                                                   fused_as=fused_as)
             found = (rewritten, report)
             _keep(self.rewrites, key, found)
         return found
 
-    def executable(self, policy: Policy | None) -> tuple[Any, Report | None]:
-        key = "" if policy is None else policy.to_string()
+    def executable(self, policy: Policy | None, fused_as: Target | None = None
+                   ) -> tuple[Any, Report | None]:
+        key = "" if policy is None else _key(policy, fused_as)
         found = self.executables.get(key)
         if found is not None:
             self.executables.move_to_end(key)
@@ -83,7 +87,7 @@ class _Lowering:
         if policy is None:
             found = (self.lowered.compile(), None)
         else:
-            rewritten, report = self.rewrite(policy)
+            rewritten, report = self.rewrite(policy, fused_as)
             found = (rewritten.compile(), report)
             del self.rewrites[key]  # the executable has what the module was kept for
         self.compiles += 1
@@ -100,7 +104,12 @@ class _Lowering:
         return found[0]
 
 
-def _keep(cache: OrderedDict, key: str, value: Any) -> None:
+def _key(policy: Policy, fused_as: Target | None) -> Hashable:
+    """A rewrite's cache key: the policy's string, and the GPU attention is fused as."""
+    return policy.to_string() if fused_as is None else (policy.to_string(), fused_as)
+
+
+def _keep(cache: OrderedDict, key: Hashable, value: Any) -> None:
     cache[key] = value
     while len(cache) > _CACHE_PER_SIGNATURE:
         cache.popitem(last=False)
@@ -208,7 +217,10 @@ DELAYED_NOTE = ("note: scaling=delayed is measured with current scaling (these r
 class Session:
     """One public call: its arguments, the runs it made, what it compiled."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, what: str) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple, what: str,
+                 fused_as: Target | None = None) -> None:
+        """``fused_as``: a GPU whose program the runs compute (attention fused as there,
+        with the reference kernel; the target autopolicy's)."""
         fn, statics, filtered = _as_written(fn)
         if not callable(fn):
             raise ValueError(f"hlo_amp.{what} expects a callable, got {fn!r}")  # noqa: TRY004
@@ -219,6 +231,7 @@ class Session:
         self.start = time.perf_counter()
         self.fn = fn
         self.args = args
+        self.fused_as = fused_as
         self.lowering = _lowering(fn, args)
         self.compiles_before = self.lowering.compiles
         self.names, self.kinds = _output_leaves(self.lowering.lowered.out_info, what)
@@ -239,13 +252,13 @@ class Session:
 
     def report(self, policy: Policy) -> Report:
         """The pass's report for ``policy``, without compiling."""
-        return self.lowering.report(policy)
+        return self.lowering.report(policy, self.fused_as)
 
     def run(self, policy: Policy | None) -> tuple[list[np.ndarray], Report | None]:
         """Flat outputs of ``fn`` under ``policy`` (None: as written) and the report."""
         if policy is None and self.as_written is not None:
             return self.as_written, None
-        executable, report = self.lowering.executable(policy)
+        executable, report = self.lowering.executable(policy, self.fused_as)
         outputs = _host_leaves(executable(*self.args))
         if policy is None:
             self.as_written = outputs

@@ -61,7 +61,8 @@ class Pass(Protocol):
     def run(self, module: ir.Module, report: Report | None = None) -> None: ...
 
 
-def default_pipeline(policy: Policy, target: str | Target | None = None) -> list[Pass]:
+def default_pipeline(policy: Policy, target: str | Target | None = None, *,
+                     fused_as: Target | None = None) -> list[Pass]:
     """The passes ``hlo_amp.compile`` and ``hlo-amp-opt`` run, in order, for ``target``
     (a `Target`, or what ``targets.as_target`` takes: None, "cpu", "gpu", "tpu", a
     device name).
@@ -84,12 +85,16 @@ def default_pipeline(policy: Policy, target: str | Target | None = None) -> list
     (passes/keep_shardings.py). First of all, when a rule computes a dot_general in 16
     bit (``fuse_attention``, on by default), softmax attention becomes a fused kernel on
     targets that have one, and the report lists every attention site
-    (passes/fused_attention/).
+    (passes/fused_attention/). With ``fused_as`` (a GPU), attention is fused where that
+    GPU would fuse it, with the reference kernel, and the rest is rewritten for
+    ``target``: a program that runs here and computes what the GPU's does (the target
+    autopolicy measures its errors on it).
     """
     target = as_target(target)
     passes: list[Pass] = []
     if policy.fuse_attention and policy.may_fuse_attention:
-        passes.append(FusedAttention(policy, target))
+        passes.append(FusedAttention(policy, target) if fused_as is None
+                      else FusedAttention(policy, fused_as, "reference"))
     passes.append(InsertConverts(policy, target))
     if policy.propagate:
         passes += [Propagate(policy, target), ScatterToSelect(target)]

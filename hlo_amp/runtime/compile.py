@@ -35,7 +35,7 @@ from jaxlib.mlir import ir
 from hlo_amp import jax_internals as internals
 from hlo_amp.ir.modules import copy_module, function_name, functions, module_text, new_context
 from hlo_amp.ir.program_hints import EndStacks, mark_backward_program, mark_caller_devices
-from hlo_amp.passes import run_pipeline
+from hlo_amp.passes import default_pipeline, run_pipeline
 from hlo_amp.passes.insert_converts.call_graph import end_stacks
 from hlo_amp.policy import Policy, as_policy
 from hlo_amp.report import Report
@@ -84,20 +84,23 @@ from hlo_amp.targets.collectives import read_collectives
 from hlo_amp.targets.kept_by_xla import mark_kept_by_xla
 
 
-def rewrite_module(module: ir.Module, policy: Policy, target: str | Target | None = None
-                   ) -> tuple[ir.Module, Report, float]:
-    """Copy ``module``, run the pipeline on the copy; return it, the report, seconds."""
+def rewrite_module(module: ir.Module, policy: Policy, target: str | Target | None = None,
+                   *, fused_as: Target | None = None) -> tuple[ir.Module, Report, float]:
+    """Copy ``module``, run the pipeline on the copy; return it, the report, seconds.
+    ``fused_as``: attention fused as on that GPU (``default_pipeline``)."""
     start = time.perf_counter()
     rewritten = copy_module(module)  # JAX's cached lowering stays untouched
-    report = run_pipeline(rewritten, policy, target=target)
+    report = run_pipeline(rewritten, policy, target=target, passes=None if fused_as is None
+                          else default_pipeline(policy, target, fused_as=fused_as))
     return rewritten, report, time.perf_counter() - start
 
 
-def rewrite_lowered(lowered: Any, policy: Policy, target: str | Target | None
-                    ) -> tuple[Any, Report, float]:
+def rewrite_lowered(lowered: Any, policy: Policy, target: str | Target | None, *,
+                    fused_as: Target | None = None) -> tuple[Any, Report, float]:
     """A JAX ``Lowered`` whose module is ``lowered``'s rewritten under ``policy``; the
     report and the pass seconds. ``lowered`` itself is untouched."""
-    module, report, seconds = rewrite_module(lowered.compiler_ir("stablehlo"), policy, target)
+    module, report, seconds = rewrite_module(lowered.compiler_ir("stablehlo"), policy, target,
+                                             fused_as=fused_as)
     return internals.swap_module(lowered, module), report, seconds
 
 

@@ -21,6 +21,10 @@ from test_policy_search import W, X, make_program
 
 import hlo_amp
 from hlo_amp import cli
+from hlo_amp.ir.modules import copy_module, module_text
+from hlo_amp.passes import default_pipeline, run_pipeline
+from hlo_amp.passes.fused_attention import FusedAttention
+from hlo_amp.runtime.module_call import ModuleFunction
 from hlo_amp.targets import device_target
 
 # One function object: its executables here are cached across the tests' searches.
@@ -413,3 +417,46 @@ def test_cli_inputs_that_do_not_match_main_are_refused(tmp_path, capsys):
                      "--xla-target", "tpu-v5e", "--inputs", str(tmp_path / "short.npz")]) == 1
     err = capsys.readouterr().err
     assert "hold float32[3]; main takes float32[16, 32]" in err
+
+
+def _projected_attention(wq, x):
+    with jax.named_scope("block"):
+        q = (x @ wq).reshape(2, 32, 4, 16)
+        with jax.named_scope("core"):
+            return jax.nn.dot_product_attention(q, q, q)
+
+
+def test_a_scope_holding_a_fused_attention_is_measured_as_the_target_runs_it():
+    """Under the scope's fp8 rule the H100 keeps the attention fused in bf16 (cuDNN);
+    measured here, where nothing is fused, its matmuls ran fp8: the search reported
+    fp8 at 0.10, within a 0.12 budget, for a program that measures 0.17. The errors are
+    now the target's program's: attention fused as on the H100, with the reference
+    kernel (jax's XLA attention on the same bf16 inputs)."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    wq = jax.random.normal(keys[0], (64, 64)) / 2
+    x = jax.random.normal(keys[1], (2, 32, 64))
+    result = hlo_amp.autopolicy(_projected_attention, wq, x, budget=1.0,
+                                target=COMPUTE_BOUND_H100, progress=False)
+    assert result.choices == {"block": "fp8"}
+    policy = result.policy
+    want = np.asarray(jax.jit(_projected_attention)(wq, x), np.float64)
+
+    def error(got) -> float:
+        return (float(np.abs(np.asarray(got, np.float64) - want).max()) - 1e-5) / float(
+            np.abs(want).max())
+
+    lowered = jax.jit(_projected_attention).lower(wq, x).compiler_ir("stablehlo")
+    as_on_h100 = [FusedAttention(policy, device_target("h100"), "reference"),
+                  *default_pipeline(policy, "cpu")[1:]]
+    module = copy_module(lowered)
+    report = run_pipeline(module, policy, passes=as_on_h100)
+    assert [s.fused for s in report.attention] == [True]
+    # The kernel's matmuls are its own: the projection is the one decided (fp8).
+    assert [d.operands_after for d in report.decisions] == [("f8E4M3FN", "f8E4M3FN")]
+    target_error = error(jax.jit(ModuleFunction(module_text(module)).for_platform("cpu"))(
+        wq, x)[0])
+    here = hlo_amp.compile(_projected_attention, policy)
+    assert sum(d.fp8 for d in here.lower(wq, x).report().decisions) == 3
+    here_error = error(here(wq, x))
+    assert abs(here_error - target_error) > 0.2 * target_error  # the two programs differ
+    assert result.error == pytest.approx(target_error, rel=1e-3)

@@ -19,7 +19,10 @@ attention starts there; for each one found it decides:
 
 Each site, fused or not, is one `AttentionSite` of the report (``Report.attention``).
 The kernel comes from targets/attention_kernels.py: ``cudnn``, or ``reference``
-(jax's XLA attention with the same interface, for checking the rewrite on a CPU).
+(jax's XLA attention with the same interface, for checking the rewrite on a CPU, and for
+measuring on a CPU what a GPU's program computes: ``default_pipeline``'s ``fused_as``).
+Either is fused where ``target`` can run cuDNN's kernel; the reference kernel's matmuls
+are marked as the kernel's own (``modules.mark_kernel_matmul``): no pass decides them.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class FusedAttention:
             raise ValueError(f"kernel={self.kernel!r}; accepted: {', '.join(KERNELS)}")
         view = CallView(module)
         prefixes = view.call_prefixes()
-        obstacle = self.target.fused_attention_obstacle() if self.kernel == "cudnn" else None
+        # The reference kernel stands in for cuDNN's where the target would run it.
+        obstacle = self.target.fused_attention_obstacle()
         # An outer jax.jit with shardings partitions a program exported for one device.
         partitions = max(partition_count(module), caller_devices(module))
         if obstacle is None and partitions > 1:

@@ -25,10 +25,12 @@ from hlo_amp.ir.modules import (
     discard,
     is_discarded,
     live_uses,
+    mark_kernel_matmul,
     op_key,
     terminator,
     walk_operations,
 )
+from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
 from hlo_amp.passes.fused_attention.roles import (
     H_ROLE,
     HV_ROLE,
@@ -218,6 +220,8 @@ def splice(text: str, operands: list[ir.Value], before: ir.Operation, name: str
     escaped = name.replace("\\", "\\\\").replace('"', '\\"')
     text = _LOC_DEFINITION.sub(lambda m: f'{m.group(1)} = loc("{escaped}")', text)
     kernel = ir.Module.parse(text, context=before.context)
+    for op in walk_operations(kernel, names=MATRIX_OP_NAMES):  # the reference kernel's
+        mark_kernel_matmul(op)
     functions = {ir.StringAttr(op.attributes["sym_name"]).value: op
                  for op in kernel.body.operations}
     main = functions.pop("main")

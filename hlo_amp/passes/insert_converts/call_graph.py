@@ -20,6 +20,7 @@ from hlo_amp.ir.modules import (
     element_type,
     function_name,
     functions,
+    is_kernel_matmul,
     is_public,
     is_zero_constant,
     op_key,
@@ -93,8 +94,10 @@ class CallGraph:
         converts, so the list stays good)."""
         found = self.watched.get(op_key(fn))
         if found is None:
+            # A spliced kernel's matmuls are its own (the reference attention kernel's).
             found = self.watched[op_key(fn)] = [
-                (op, _MATRIX_OPS.get(op.name)) for op in walk_operations(fn, names=_WATCHED)]
+                (op, _MATRIX_OPS.get(op.name)) for op in walk_operations(fn, names=_WATCHED)
+                if not is_kernel_matmul(op)]
         return found
 
     def site(self, op: Any, kind: str, prefix: str) -> Site:
