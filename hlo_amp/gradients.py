@@ -313,9 +313,11 @@ class GradientFlow:
             kinds[result] = (GRAD if result in seeds else kind) if _is_float(
                 result, floats) else CONST
 
-        # Constants holding data (not one number: not a seed's 1.0 or zeros), and what
-        # is computed from them alone: a backward op reading one (a custom_vjp's
-        # transpose of a constant residual) is not the seed.
+        # Constants holding data (not one number: not a seed's 1.0 or zeros; an iota),
+        # and what is computed from them alone, through calls and loop carries too: a
+        # backward op reading one (a custom_vjp's transpose of a constant residual, a
+        # slice of a closed-over batch or a positional table an unrolled scan's backward
+        # loop reads) is not the seed.
         data: set[ir.Value] = set()
         # A backward program split from its forward: its cotangent arguments carry the
         # incoming gradient (ir/program_hints.py).
@@ -340,6 +342,8 @@ class GradientFlow:
                 if known is not None and len(known) == len(op.results):
                     for result, kind in zip(op.results, known):
                         settle(result, kind)
+                    if any(v in data for v in op.operands):
+                        data.update(r for r in op.results if kinds[r] == CONST)
                     continue
             results = op.results
             if op_name == _MANUAL:
@@ -376,9 +380,14 @@ class GradientFlow:
                                                    if position < len(operand_kinds)
                                                    and _is_float(argument, floats)
                                                    else CONST)
+                                if (kinds[argument] == CONST and position < len(op.operands)
+                                        and op.operands[position] in data):
+                                    data.add(argument)
                 for position, result in enumerate(results):
                     settle(result, operand_kinds[position]
                            if position < len(operand_kinds) else CONST)
+                    if kinds[result] == CONST and op.operands[position] in data:
+                        data.add(result)
                 continue
             if (op_name == "stablehlo.select" and PRIMAL in operand_kinds[1:]
                     and any(is_zero_constant(v) for v in op.operands[1:])):
@@ -405,7 +414,8 @@ class GradientFlow:
             else:
                 kind = PRIMAL
             if kind == CONST and (any(v in data for v in op.operands) or (
-                    op_name == "stablehlo.constant" and _holds_data(op))):
+                    op_name == "stablehlo.constant" and _holds_data(op))
+                    or op_name == "stablehlo.iota"):
                 data.update(results)
             for result in results:
                 settle(result, kind)

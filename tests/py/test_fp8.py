@@ -181,25 +181,34 @@ def _custom_matmul_backward(residuals, g):
 _custom_matmul.defvjp(_custom_matmul_forward, _custom_matmul_backward)
 
 
+@pytest.mark.parametrize("inputs", ["argument", "closed_over", "positional_table"])
 @pytest.mark.parametrize("unroll", [2, 3])
-def test_an_unrolled_scans_backward_dots_quantise_the_gradient_to_e5m2(unroll: int) -> None:
+def test_an_unrolled_scans_backward_dots_quantise_the_gradient_to_e5m2(
+        unroll: int, inputs: str) -> None:
     """A scan with unroll > 1 stacks its residuals in a loop whose returns the first
     round of the flow does not know yet: the stacks read as constants, the backward
     loop's reshape of one as the seed, and the carry that passes the stack through kept
     that guess, so the dW reading the stacked hidden state had two gradient operands
-    and went e4m3fn x e4m3fn."""
+    and went e4m3fn x e4m3fn. Scanned inputs that are constants of the program (a
+    closed-over batch, a table computed from an iota) reach the backward loop through a
+    carry and a call: a slice of them read as the seed, and dU = x^T g went e4m3fn x
+    e4m3fn (hunt h79)."""
     rng = np.random.default_rng(0)
     w, u = (jnp.asarray(rng.standard_normal((32, 32)) * 0.3, jnp.float32) for _ in "wu")
-    xs = jnp.asarray(rng.standard_normal((6, 16, 32)), jnp.float32)
+    batch = jnp.asarray(rng.standard_normal((6, 16, 32)), jnp.float32)
+
+    def scanned(xs):
+        return {"argument": xs, "closed_over": batch, "positional_table": jnp.sin(
+            jnp.arange(xs.size, dtype=jnp.float32).reshape(xs.shape) * 0.37)}[inputs]
 
     def loss(w, u, xs):
         def cell(h, x):
             h = jnp.tanh(h @ w + x @ u)
             return h, h.sum()
-        h, ys = jax.lax.scan(cell, jnp.zeros((16, 32)), xs, unroll=unroll)
+        h, ys = jax.lax.scan(cell, jnp.zeros((16, 32)), scanned(xs), unroll=unroll)
         return (h ** 2).mean() + ys.mean() * 0.01
 
-    report = hlo_amp.compile(jax.grad(loss, (0, 1)), "fp8").lower(w, u, xs).report()
+    report = hlo_amp.compile(jax.grad(loss, (0, 1)), "fp8").lower(w, u, batch).report()
     backward = [d.operands_after for d in report.decisions if d.direction == "backward"]
     assert len(backward) == 3 and all(
         formats == ("f8E5M2", "f8E4M3FN") for formats in backward), backward
