@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 
+from hlo_amp.ir.shardings import partition_count
 from hlo_amp.numerics.attribute import TOP_LEVEL, _groups, _pattern, with_scopes
 from hlo_amp.numerics.measure import DELAYED_NOTE, Session
 from hlo_amp.numerics.render import json_number, short
@@ -268,15 +269,20 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
     max_compiles = check_max_compiles(max_compiles)
     refuse_policy_on_device(base, device)  # f16 on a TPU: refused before any compile
     start = time.perf_counter()
-    # hlo_amp.compile's fn, statics bound; its runs compute the target's program: its
-    # attention fused as there (with the reference kernel), so an fp8 scope measures the
-    # 16-bit attention the target runs, not attention matmuls in fp8.
-    session = Session(fn, args, "autopolicy", fused_as=device)
+    session = Session(fn, args, "autopolicy")  # hlo_amp.compile's fn, statics bound
+    # Groups from the program as written here, unfused: a scope holding an attention
+    # alone is searched too (at f32 the target leaves it unfused).
     groups = _groups(session.report(base), depth)  # a bad depth fails here
     patterns = {g: p for g in groups if (p := _pattern(g, int(depth))) is not None}
     named = list(patterns)
     no_fp8 = fp8_refusal(device)
     model = _TargetModel(target_fn or session.fn, session.args, device)
+    # The runs compute the target's program: attention fused as there (with the
+    # reference kernel), so an fp8 scope measures the 16-bit attention the target runs,
+    # not attention matmuls in fp8; none where the target's program is partitioned (a
+    # mesh: the pass leaves attention unfused there).
+    if partition_count(model.lowered.compiler_ir("stablehlo")) <= 1:
+        session.fused_as = device
     low = SHORT.get(base.compute_dtype, base.compute_dtype)
     names = {F32: "f32", COMPUTE: low, FP8: "fp8"}
 

@@ -220,7 +220,8 @@ class Session:
     def __init__(self, fn: Callable[..., Any], args: tuple, what: str,
                  fused_as: Target | None = None) -> None:
         """``fused_as``: a GPU whose program the runs compute (attention fused as there,
-        with the reference kernel; the target autopolicy's)."""
+        with the reference kernel; the target autopolicy's, which sets it once it knows
+        the target's program is not partitioned)."""
         fn, statics, filtered = _as_written(fn)
         if not callable(fn):
             raise ValueError(f"hlo_amp.{what} expects a callable, got {fn!r}")  # noqa: TRY004

@@ -160,11 +160,20 @@ def _cudnn(call: AttentionCall):
 
 
 def _reference(call: AttentionCall):
-    """XLA's attention with the cuDNN kernel's arguments and result."""
+    """XLA's attention with the cuDNN kernel's arguments and result. In f16 it runs on
+    f32 copies: jax's XLA attention asks for an F16_F16_F32 dot algorithm, which
+    XLA:CPU refuses; the products and f32 sums are the same, the probabilities stay f32
+    where an f16 P·V rounds them (2^-11)."""
     import jax
+    import jax.numpy as jnp
 
     def attend(q, k, v, bias):
-        return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=call.scale,
-                                            is_causal=call.causal, implementation="xla")
+        wide = q.dtype == jnp.float16
+        if wide:
+            q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+            bias = None if bias is None else bias.astype(jnp.float32)
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, scale=call.scale,
+                                           is_causal=call.causal, implementation="xla")
+        return out.astype(jnp.float16) if wide else out
 
     return attend

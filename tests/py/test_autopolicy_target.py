@@ -426,16 +426,19 @@ def _projected_attention(wq, x):
             return jax.nn.dot_product_attention(q, q, q)
 
 
-def test_a_scope_holding_a_fused_attention_is_measured_as_the_target_runs_it():
+@pytest.mark.parametrize("base", ["bf16", "f16"])
+def test_a_scope_holding_a_fused_attention_is_measured_as_the_target_runs_it(base):
     """Under the scope's fp8 rule the H100 keeps the attention fused in bf16 (cuDNN);
     measured here, where nothing is fused, its matmuls ran fp8: the search reported
     fp8 at 0.10, within a 0.12 budget, for a program that measures 0.17. The errors are
     now the target's program's: attention fused as on the H100, with the reference
-    kernel (jax's XLA attention on the same bf16 inputs)."""
+    kernel (jax's XLA attention on the same bf16 inputs; in f16 on f32 copies, as
+    XLA:CPU has no f16 dot with f32 accumulation: the f16 base's measurement fused
+    nothing, review h80)."""
     keys = jax.random.split(jax.random.key(0), 2)
     wq = jax.random.normal(keys[0], (64, 64)) / 2
     x = jax.random.normal(keys[1], (2, 32, 64))
-    result = hlo_amp.autopolicy(_projected_attention, wq, x, budget=1.0,
+    result = hlo_amp.autopolicy(_projected_attention, wq, x, budget=1.0, base=base,
                                 target=COMPUTE_BOUND_H100, progress=False)
     assert result.choices == {"block": "fp8"}
     policy = result.policy
@@ -460,3 +463,49 @@ def test_a_scope_holding_a_fused_attention_is_measured_as_the_target_runs_it():
     here_error = error(here(wq, x))
     assert abs(here_error - target_error) > 0.2 * target_error  # the two programs differ
     assert result.error == pytest.approx(target_error, rel=1e-3)
+
+
+def test_on_a_mesh_the_attention_is_measured_unfused_as_the_target_runs_it():
+    """The target's program partitioned over two devices leaves its attention unfused
+    (fp8 matmuls under the scope's rule): the measurement fused it (0.17 reported for
+    a program that measures 0.10, review h80)."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    wq = jax.random.normal(keys[0], (64, 64)) / 2
+    x = jax.random.normal(keys[1], (2, 32, 64))
+    mesh = device_target("h100x2")
+    mesh = dataclasses.replace(mesh, hbm_bytes_per_second=mesh.hbm_bytes_per_second * 1e3)
+    result = hlo_amp.autopolicy(_projected_attention, wq, x, budget=1.0, target=mesh,
+                                progress=False)
+    assert result.choices == {"block": "fp8"}
+    on_mesh = hlo_amp.compile(_projected_attention, result.policy).lower(
+        wq, x, target="h100x2").report()
+    assert [s.fused for s in on_mesh.attention] == [False]
+    want = np.asarray(jax.jit(_projected_attention)(wq, x), np.float64)
+    got = np.asarray(hlo_amp.compile(_projected_attention, result.policy)(wq, x), np.float64)
+    unfused = (float(np.abs(got - want).max()) - 1e-5) / float(np.abs(want).max())
+    assert result.error == pytest.approx(unfused, rel=1e-3)
+
+
+def test_a_scope_holding_an_attention_alone_is_searched():
+    """Its matmuls are no decisions where the attention is fused: the scope was not
+    searched, so no policy could keep the attention f32, and 'every scope f32' ran it
+    fused in bf16 (review h80)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"wq": jax.random.normal(keys[0], (64, 64)) / 4,
+              "wo": jax.random.normal(keys[1], (64, 64)) / 8}
+    x = jax.random.normal(keys[2], (2, 32, 64))
+
+    def f(p, x):
+        with jax.named_scope("proj"):
+            q = (x @ p["wq"]).reshape(2, 32, 4, 16)
+        with jax.named_scope("attn"):
+            o = jax.nn.dot_product_attention(q, q, q, is_causal=True)
+        with jax.named_scope("out"):
+            return o.reshape(2, 32, 64) @ p["wo"]
+
+    result = hlo_amp.autopolicy(f, params, x, budget=1.0, target=COMPUTE_BOUND_H100,
+                                progress=False)
+    assert [row.scope for row in result.scopes] == ["proj", "attn", "out"]
+    assert {m.scope for m in result.moves} >= {"attn"}
+    every_f32 = next(b for b in result.baselines if b.name == "f32 everywhere")
+    assert every_f32.error == 0

@@ -224,7 +224,8 @@ class FusedAttention:
             kernel = lower_kernel(call, self.kernel, self.target.lowering_capability)
         except (NotImplementedError, ValueError) as error:  # jax's own cuDNN checks
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise NotFused(f"cuDNN does not take it: {first}") from None
+            who = "cuDNN" if self.kernel == "cudnn" else "the reference kernel"
+            raise NotFused(f"{who} does not take it: {first}") from None
         with match.scores.context:
             rewrite(match, kernel, call, layout, dtype, name)
             discard_dead([match.scores, *match.home_ops,
