@@ -80,7 +80,7 @@ class AttentionSite:
     kernel: str = ""  # "cuDNN flash" when fused
     dtype: str = ""  # the kernel's 16-bit type
     shapes: str = ""  # "q 8x2048x32x64, k/v 8x2048x8x64 (BTNH)"
-    mask: str = ""  # "none", "causal", "mask", "causal+mask"
+    mask: str = ""  # "none", or "+" of "causal", "constant" (a bias), "mask" (the program's)
     location: str = ""  # the scores' matmul's name stack, without the op
     source: str | None = None
     # The name the fused kernel's forward ops carry (its backward's: + "_backward"); XLA

@@ -238,6 +238,15 @@ def einsum_float_padding(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
 
 
+def einsum_prefix_lm(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """A prefix-LM mask: the first 5 positions see each other, the rest causal (a
+    constant mask that is no band: written out in the kernel's bias)."""
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5
+    queries, keys = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+    scores = jnp.where((keys <= queries) | (keys < 5), scores, jnp.finfo(scores.dtype).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
+
+
 def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
     """name -> (function, arguments): every way of writing attention the tests run."""
     q, k, v = _qkv()
@@ -269,6 +278,17 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
                 jax.random.key(9), 0.7, (1, B, N, T, T)).at[..., 0].set(True))),
         "dpa_keys_as_given_batch1": (_grad_of(jax.checkpoint(dpa_keys_as_given), 2),
                                      (_normal(3, (1, T, N, H)), _normal(4, (H, H)) / 4)),
+        # Constant masks cuDNN's causal type is not: the kernel's bias (a band from
+        # positions, or written out).
+        "dpa_sliding_window_gqa": (_grad_of(dpa(is_causal=True, local_window_size=(3, 0))),
+                                   (q, k, v)),
+        "dpa_two_sided_window_padding": (
+            _grad_of(dpa(local_window_size=(4, 2), implementation="xla")),
+            (q_mha, k_mha, v_mha, padding_mask((T, T - 2)))),  # every query sees a key
+        "einsum_prefix_lm": (_grad_of(einsum_prefix_lm), (q_mha, k_mha, v_mha)),
+        "dpa_causal_chunk_of_queries": (_grad_of(dpa(is_causal=True)),
+                                        (q[:, :T // 2], k, v)),
+        "dpa_gqa_decode_step": (jax.jit(dpa(is_causal=True)), (q[:, :1], k, v)),
     }
     for wrap in WRAPS:
         found[f"dpa_{wrap}"] = dpa_program(wrap)

@@ -258,13 +258,34 @@ def test_not_when_the_probabilities_have_another_reader() -> None:
     assert reasons and all("another reader" in r for r in reasons)
 
 
-def test_not_for_a_mask_other_than_causal_or_boolean() -> None:
-    """A sliding window is a constant mask cuDNN's causal type is not: left as written,
-    never replaced by a different mask."""
-    def windowed(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, local_window_size=(3, 0))
+@pytest.mark.parametrize(("name", "mask"), [
+    ("dpa_sliding_window_gqa", "constant"), ("dpa_two_sided_window_padding", "constant+mask"),
+    ("einsum_prefix_lm", "constant"), ("dpa_causal_chunk_of_queries", "constant"),
+    ("dpa_gqa_decode_step", "constant")])
+def test_a_constant_mask_other_than_causal_becomes_the_kernels_bias(name, mask) -> None:
+    """A sliding window, a prefix-LM mask, causal over fewer queries than keys (a chunked
+    prefill, a decode step) were left unfused ('a constant mask that is not causal', 'a
+    causal mask over queries and keys of different lengths'): the kernel takes them in
+    its bias, a band computed from positions (no T x S constant), else written out
+    (test_every_form_fuses_and_matches_the_program checks the values)."""
+    module, report = _fuse(_lowered_text(name))
+    assert [(s.fused, s.mask) for s in report.attention] == [(True, mask)]
+    text = module_text(module)
+    assert "__cudnn$fmhaScaleBiasSoftmax" in text
+    t = programs.T
+    constants = re.findall(r"stablehlo.constant dense<(?!true>|false>)[^>]*> : tensor<([0-9x]+)"
+                           r"xi1>", text)
+    assert constants == ([] if name != "einsum_prefix_lm" else [f"{t}x{t}"]), constants
 
-    assert "not causal" in _reasons(windowed, QKV, "bf16", "h100")[0]
+
+def test_a_constant_mask_too_large_to_write_out_is_left_and_named(monkeypatch) -> None:
+    from hlo_amp.passes.fused_attention import masks
+    monkeypatch.setattr(masks, "MAX_CONSTANT_MASK", programs.T * programs.T - 1)
+    _module, report = _fuse(_lowered_text("einsum_prefix_lm"))
+    assert [s.fused for s in report.attention] == [False]
+    assert "neither causal nor a band" in report.attention[0].reason
+    _module, report = _fuse(_lowered_text("dpa_sliding_window_gqa"))  # a band: any size
+    assert [s.fused for s in report.attention] == [True]
 
 
 @pytest.mark.parametrize(("fill", "scale_after"),
@@ -322,21 +343,15 @@ def test_a_constant_mask_of_integer_arithmetic_is_read_as_the_program_computes_i
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
 
     (site,) = hlo_amp.compile(attend, "bf16").lower(*QKV, target="h100").report().attention
-    if causal is None:  # a mask that masks nothing
-        assert (site.fused, site.mask) == (True, "none"), site
-        return
-    assert (site.fused, site.mask if site.fused else None) == (
-        (True, "causal") if causal else (False, None)), site
-    if not causal:
-        assert "not causal" in site.reason
-
-
-def test_a_causal_mask_over_queries_and_keys_of_different_lengths_is_named() -> None:
-    # It said "a constant mask that is not causal".
-    q = jnp.ones((2, 16, 4, 8))
-    kv = jnp.ones((2, 32, 4, 8))
-    assert _reasons(_attend, (q, kv, kv), "bf16", "h100") == [
-        "a causal mask over queries and keys of different lengths"]
+    assert (site.fused, site.mask) == (
+        True, "none" if causal is None else "causal" if causal else "constant"), site
+    # A mask that is not causal goes to the kernel's bias as it was read: the values say
+    # whether it was read as the program computes it.
+    module, _report = _fuse(jax.jit(attend).lower(*QKV).as_text(debug_info=True),
+                            kernel="reference")
+    rewritten = ModuleFunction(module_text(module)).for_platform("cpu")
+    assert programs.max_relative_error(jax.jit(attend)(*QKV), jax.jit(rewritten)(
+        *QKV)[0]) < BF16_TOLERANCE
 
 
 def test_not_for_a_head_dimension_cudnn_does_not_take() -> None:
@@ -456,15 +471,16 @@ def test_a_rounding_of_the_scores_is_no_saved_marker() -> None:
     assert not any("saved" in s.reason for s in sites), sites
 
 
-def test_a_gqa_decode_steps_causal_mask_is_named_for_its_lengths() -> None:
+def test_a_gqa_decode_steps_causal_mask_is_read_along_its_query() -> None:
     """A query of length 1 with a GQA group of 2: the group was taken for the query
-    position ('a constant mask that varies along the batch or heads')."""
+    position ('a constant mask that varies along the batch or heads'); the mask is
+    jax's causal one over 1 query and 16 keys (the first key alone)."""
     q = jnp.ones((2, 1, 4, 8))
     kv = jnp.ones((2, 16, 2, 8))
     sites = hlo_amp.compile(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True), "bf16").lower(q, kv, kv, target="h100").report().attention
-    assert [s.reason for s in sites] == [
-        "a causal mask over queries and keys of different lengths"]
+    assert [(s.fused, s.mask, s.shapes) for s in sites] == [
+        (True, "constant", "q 2x1x4x8, k/v 2x16x2x8 (BTNH)")]
 
 
 def test_a_matcher_error_leaves_the_site_and_says_so(monkeypatch) -> None:

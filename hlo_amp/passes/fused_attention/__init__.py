@@ -272,11 +272,9 @@ def _cudnn_obstacle(match: Match, target: Target) -> str | None:
     largest = 256 if capability >= (9, 0) else 128
     if head % 8 or head > largest:
         return f"head dimension {head}: cuDNN takes a multiple of 8 up to {largest}"
-    if match.mask_leaves and match.training and (
+    if match.has_bias and match.training and (
             match.sizes[match.t_role] % 2 or match.sizes[S_ROLE] % 2):
         return "an odd sequence length with a mask (cuDNN's bias needs even lengths)"
-    if match.causal and match.sizes[match.t_role] != match.sizes[S_ROLE]:
-        return "a causal mask over queries and keys of different lengths"
     return None
 
 
@@ -298,9 +296,10 @@ def _entry(op: ir.Operation, site: Site, fn_name: str,
         q_shape = "x".join(map(str, call.q_shape))
         kv_shape = "x".join(map(str, call.kv_shape))
         shapes = f"q {q_shape}, k/v {kv_shape} (BTNH)"
-        mask = ("causal" if match.causal else "") + (
-            ("+" if match.causal else "") + "mask" if match.mask_leaves else "")
-        mask = mask or "none"
+        parts = (["causal"] if match.causal else []) + (
+            ["constant"] if match.constant_mask is not None else []) + (
+            ["mask"] if match.mask_leaves else [])
+        mask = "+".join(parts) or "none"
         # A training step whose loss does not read the output itself (jax drops P·V)
         # has the backward alone; jax.checkpoint's recomputation reads it again.
         direction = ("forward and backward" if "out" in match.exits and match.training

@@ -18,6 +18,21 @@ from hlo_amp.passes.fused_attention.constants import (
 )
 from hlo_amp.passes.fused_attention.roles import H_ROLE, HV_ROLE, S_ROLE, NotFused, Role, shape_of
 
+# The largest constant mask written out element by element for the kernel's bias (a
+# band, as a sliding window is, is computed from positions at any size): 16M booleans.
+MAX_CONSTANT_MASK = 1 << 24
+
+
+def band_of(array: np.ndarray) -> tuple[int, int] | None:
+    """(lo, hi) where the [T, S] ``array`` is true exactly where lo <= s - t <= hi (a
+    causal mask of any lengths, a sliding window), else None."""
+    t, s = array.shape
+    offsets = np.arange(s)[None, :] - np.arange(t)[:, None]
+    if not array.any():
+        return None
+    lo, hi = int(offsets[array].min()), int(offsets[array].max())
+    return (lo, hi) if np.array_equal(array, (offsets >= lo) & (offsets <= hi)) else None
+
 
 class MaskReading:
     """The mask half of match.py's site analysis (``view``, ``memo``, ``sizes`` and
@@ -159,22 +174,28 @@ class MaskReading:
                            "q a length-1 axis, [B, 1, N, H])")
         return max(candidates, key=lambda r: (self.sizes[r], -r[1]))
 
-    def _is_causal(self, folded: Folded, axis_roles: list[Role], t_role: Role) -> bool:
+    def _constant_mask(self, folded: Folded, axis_roles: list[Role], t_role: Role
+                       ) -> tuple[bool, np.ndarray | None]:
+        """Whether the constant part is causal (cuDNN's own mask), else it as a [T, S]
+        array for the kernel's bias (a sliding window, a prefix-LM or block-causal mask,
+        causal over queries and keys of different lengths: None where it masks nothing)."""
         if set(axis_roles) - {t_role, S_ROLE}:
             raise NotFused("a constant mask that varies along the batch or heads")
-        if set(axis_roles) != {t_role, S_ROLE}:
-            raise NotFused("a constant mask that is not causal")
+        t, s = self.sizes[t_role], self.sizes[S_ROLE]
         array = folded.array
-        if axis_roles.index(t_role) != 0:
+        if axis_roles == [S_ROLE, t_role]:
             array = array.T
-        t, s = array.shape
-        lower_triangle = np.array_equal(array, np.tri(t, s, dtype=bool))
-        if lower_triangle and t != s:
-            raise NotFused("a causal mask over queries and keys of different lengths")
-        if not lower_triangle or t != s:
-            raise NotFused("a constant mask that is not causal (cuDNN takes causal or a "
-                           "bias)")
-        return True
+        array = np.broadcast_to(array.reshape(
+            [t if t_role in axis_roles else 1, s if S_ROLE in axis_roles else 1]), (t, s))
+        if t == s and np.array_equal(array, np.tri(t, s, dtype=bool)):
+            return True, None
+        if array.all():
+            return False, None
+        if array.size > MAX_CONSTANT_MASK and band_of(array) is None:
+            raise NotFused(f"a constant mask of {t}x{s} that is neither causal nor a band "
+                           f"(the kernel's bias is written out up to {MAX_CONSTANT_MASK} "
+                           f"elements)")
+        return False, np.ascontiguousarray(array)
 
     def _check_leaves(self, match: object) -> None:
         for _value, roles in match.mask_leaves:  # type: ignore[attr-defined]

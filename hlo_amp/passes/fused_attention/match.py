@@ -561,7 +561,8 @@ class _Site(MaskReading, ExitReading):
         self._fill_exits(match, exits)
         match.t_role = self._query_axis(folded, axis_roles, leaves)
         if folded is not None:
-            match.causal = self._is_causal(folded, axis_roles, match.t_role)
+            match.causal, match.constant_mask = self._constant_mask(folded, axis_roles,
+                                                                    match.t_role)
         self._check_leaves(match)
         return match
 

@@ -31,6 +31,7 @@ from hlo_amp.ir.modules import (
     walk_operations,
 )
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
+from hlo_amp.passes.fused_attention.masks import band_of
 from hlo_amp.passes.fused_attention.roles import (
     H_ROLE,
     HV_ROLE,
@@ -92,7 +93,7 @@ def call_of(match: Match, layout: Layout, dtype: str, bias_shape: tuple | None
 
 def bias_shape_of(match: Match, layout: Layout) -> tuple[int, int, int, int] | None:
     """[B|1, N|1, T, S]: full along a group only where the mask varies along it."""
-    if not match.mask_leaves:
+    if not match.has_bias:
         return None
     varying = {r for _value, roles in match.mask_leaves for r in roles if r is not None}
     sizes = match.sizes
@@ -177,6 +178,10 @@ class _Builder:
         expanded = [sizes[r] if r in full else 1 for r in order]
         boolean = ir.IntegerType.get_signless(1)
         combined = None
+        if match.constant_mask is not None:  # [T, S]
+            combined = hlo.broadcast_in_dim(
+                self.tensor(expanded, boolean), self.positions_mask(match.constant_mask),
+                ir.DenseI64ArrayAttr.get([order.index(layout.t), order.index(S_ROLE)]))
         for value, roles in match.mask_leaves:
             leaf_element = ir.RankedTensorType(value.type).element_type
             if leaf_element != boolean:  # a 0/1 mask the program reads as x != 0
@@ -199,6 +204,30 @@ class _Builder:
         negative = self._splat(-0.7 * largest, expanded, element)
         bias = hlo.select(combined, zero, negative)
         return hlo.reshape(self.tensor(list(shape4), element), bias)
+
+    def positions_mask(self, array: np.ndarray) -> ir.Value:
+        """The [T, S] boolean ``array``: from the positions where it is a band, lo <=
+        s - t <= hi (a sliding window, causal over different lengths: no constant of
+        T x S in the module), else written out."""
+        boolean = ir.IntegerType.get_signless(1)
+        shape = list(array.shape)
+        band = band_of(array)
+        if band is None:
+            return hlo.constant(ir.DenseElementsAttr.get(
+                array, type=self.tensor(shape, boolean)))
+        int32 = ir.IntegerType.get_signless(32)
+        query = hlo.iota(self.tensor(shape, int32), 0)
+        key = hlo.iota(self.tensor(shape, int32), 1)
+        offset = hlo.subtract(key, query)
+        inside = None
+        lo, hi = band
+        for bound, direction, needed in ((lo, "GE", lo > 1 - shape[0]),
+                                         (hi, "LE", hi < shape[1] - 1)):
+            if needed:  # a bound every position meets is no test
+                test = hlo.compare(offset, self._splat(bound, shape, int32),
+                                   hlo.ComparisonDirectionAttr.get(direction))
+                inside = test if inside is None else hlo.AndOp(inside, test).result
+        return inside if inside is not None else self._splat(1, shape, boolean)
 
     def _splat(self, number: float, shape: list[int], element: ir.Type) -> ir.Value:
         scalar = ir.RankedTensorType.get([], element)

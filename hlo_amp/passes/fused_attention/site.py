@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from jaxlib.mlir import ir
 
 from hlo_amp.passes.fused_attention.roles import Role
@@ -35,6 +36,8 @@ class Match:
     # broadcast), whose AND is where attention may look; empty: nowhere masked.
     mask_leaves: list[tuple[ir.Value, list[Role | None]]]
     exits: dict[str, Exit]
+    # A constant mask that is not causal, [T, S] (ANDed with the leaves in the bias).
+    constant_mask: np.ndarray | None = None
     v: ir.Value | None = None
     v_roles: list[Role] = field(default_factory=list)
     d_out: ir.Value | None = None  # dO, the gradient of the output (a training step)
@@ -42,6 +45,12 @@ class Match:
     t_role: Role = ("Q", 0)  # the query position among the query's free dimensions
     # The cluster's ops in the home block: dead once the exits are replaced.
     home_ops: list[ir.Operation] = field(default_factory=list)
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the kernel takes a bias: a mask the program computes, or a constant
+        one that is not causal."""
+        return bool(self.mask_leaves) or self.constant_mask is not None
 
     @property
     def training(self) -> bool:
