@@ -289,6 +289,9 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "dpa_causal_chunk_of_queries": (_grad_of(dpa(is_causal=True)),
                                         (q[:, :T // 2], k, v)),
         "dpa_gqa_decode_step": (jax.jit(dpa(is_causal=True)), (q[:, :1], k, v)),
+        "dpa_constant_key_lengths": (
+            _grad_of(dpa(key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
+            (q_mha, k_mha, v_mha)),
     }
     for wrap in WRAPS:
         found[f"dpa_{wrap}"] = dpa_program(wrap)

@@ -18,20 +18,29 @@ from hlo_amp.passes.fused_attention.constants import (
 )
 from hlo_amp.passes.fused_attention.roles import H_ROLE, HV_ROLE, S_ROLE, NotFused, Role, shape_of
 
-# The largest constant mask written out element by element for the kernel's bias (a
-# band, as a sliding window is, is computed from positions at any size): 16M booleans.
-MAX_CONSTANT_MASK = 1 << 24
-
 
 def band_of(array: np.ndarray) -> tuple[int, int] | None:
     """(lo, hi) where the [T, S] ``array`` is true exactly where lo <= s - t <= hi (a
-    causal mask of any lengths, a sliding window), else None."""
+    causal mask of any lengths, a sliding window), else None. Read per row (its first
+    and last true key, its count): no T x S array of positions."""
     t, s = array.shape
-    offsets = np.arange(s)[None, :] - np.arange(t)[:, None]
-    if not array.any():
+    count = array.sum(axis=1)
+    rows = np.flatnonzero(count)
+    if rows.size == 0:
         return None
-    lo, hi = int(offsets[array].min()), int(offsets[array].max())
-    return (lo, hi) if np.array_equal(array, (offsets >= lo) & (offsets <= hi)) else None
+    first = array.argmax(axis=1)
+    last = s - 1 - array[:, ::-1].argmax(axis=1)
+    if (count[rows] != last[rows] - first[rows] + 1).any():  # a row with a gap
+        return None
+    lo, hi = int((first[rows] - rows).min()), int((last[rows] - rows).max())
+    queries = np.arange(t)
+    low, high = np.maximum(queries + lo, 0), np.minimum(queries + hi, s - 1)
+    empty = low > high
+    full = ~empty
+    if (count[empty] != 0).any() or (count[full] == 0).any() or (
+            first[full] != low[full]).any() or (last[full] != high[full]).any():
+        return None
+    return lo, hi
 
 
 class MaskReading:
@@ -176,25 +185,24 @@ class MaskReading:
 
     def _constant_mask(self, folded: Folded, axis_roles: list[Role], t_role: Role
                        ) -> tuple[bool, np.ndarray | None]:
-        """Whether the constant part is causal (cuDNN's own mask), else it as a [T, S]
-        array for the kernel's bias (a sliding window, a prefix-LM or block-causal mask,
-        causal over queries and keys of different lengths: None where it masks nothing)."""
+        """Whether the constant part is causal (cuDNN's own mask), else it for the
+        kernel's bias (a sliding window, a prefix-LM or block-causal mask, causal over
+        queries and keys of different lengths): [T, S], or [T, 1] / [1, S] where it
+        varies along one of them (constant sequence lengths: no T x S array); None where
+        it masks nothing."""
         if set(axis_roles) - {t_role, S_ROLE}:
             raise NotFused("a constant mask that varies along the batch or heads")
         t, s = self.sizes[t_role], self.sizes[S_ROLE]
         array = folded.array
         if axis_roles == [S_ROLE, t_role]:
             array = array.T
-        array = np.broadcast_to(array.reshape(
-            [t if t_role in axis_roles else 1, s if S_ROLE in axis_roles else 1]), (t, s))
-        if t == s and np.array_equal(array, np.tri(t, s, dtype=bool)):
-            return True, None
+        array = array.reshape([t if t_role in axis_roles else 1, s if S_ROLE in axis_roles
+                               else 1])
         if array.all():
             return False, None
-        if array.size > MAX_CONSTANT_MASK and band_of(array) is None:
-            raise NotFused(f"a constant mask of {t}x{s} that is neither causal nor a band "
-                           f"(the kernel's bias is written out up to {MAX_CONSTANT_MASK} "
-                           f"elements)")
+        if t == s and array.shape == (t, s) and np.array_equal(array, np.tri(t, s,
+                                                                             dtype=bool)):
+            return True, None
         return False, np.ascontiguousarray(array)
 
     def _check_leaves(self, match: object) -> None:

@@ -178,7 +178,7 @@ class _Builder:
         expanded = [sizes[r] if r in full else 1 for r in order]
         boolean = ir.IntegerType.get_signless(1)
         combined = None
-        if match.constant_mask is not None:  # [T, S]
+        if match.constant_mask is not None:  # [T|1, S|1]
             combined = hlo.broadcast_in_dim(
                 self.tensor(expanded, boolean), self.positions_mask(match.constant_mask),
                 ir.DenseI64ArrayAttr.get([order.index(layout.t), order.index(S_ROLE)]))
@@ -206,12 +206,12 @@ class _Builder:
         return hlo.reshape(self.tensor(list(shape4), element), bias)
 
     def positions_mask(self, array: np.ndarray) -> ir.Value:
-        """The [T, S] boolean ``array``: from the positions where it is a band, lo <=
-        s - t <= hi (a sliding window, causal over different lengths: no constant of
-        T x S in the module), else written out."""
+        """The [T|1, S|1] boolean ``array``: from the positions where it is a [T, S]
+        band, lo <= s - t <= hi (a sliding window, causal over different lengths: no
+        constant of T x S in the module), else written out."""
         boolean = ir.IntegerType.get_signless(1)
         shape = list(array.shape)
-        band = band_of(array)
+        band = band_of(array) if 1 not in shape else None
         if band is None:
             return hlo.constant(ir.DenseElementsAttr.get(
                 array, type=self.tensor(shape, boolean)))
