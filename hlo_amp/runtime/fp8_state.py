@@ -77,6 +77,16 @@ def _argument_named_as_the_steps(error: Exception) -> Exception | None:
     return None
 
 
+def _device_order(sharding: Any) -> tuple:
+    """The devices of ``sharding`` in the order a jax.jit call assigns them: its mesh's
+    (two meshes over the same devices in another order are different placements: jax
+    refuses arguments on both), else by id."""
+    devices = getattr(getattr(sharding, "mesh", None), "devices", None)
+    if devices is not None and getattr(devices, "size", 0):
+        return tuple(devices.flat)
+    return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+
+
 def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
     """``history`` replicated on the devices of the first committed array argument (as
     it is where it is there already: no copy); uncommitted where no argument is committed
@@ -87,7 +97,7 @@ def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
             continue
         sharding = leaf.sharding
         if (isinstance(history, jax.Array) and history.committed
-                and history.sharding.device_set == sharding.device_set
+                and _device_order(history.sharding) == _device_order(sharding)
                 and history.sharding.is_fully_replicated):
             return history
         mesh = getattr(sharding, "mesh", None)
@@ -145,9 +155,12 @@ class Fp8StatefulFunction:
         self._fn_signature = signature_of(fn)  # read once: every call binds to it
         self.__name__ = function_name_of(fn)
 
-        def stateful(history: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        # The history is positional only, under a name no step's argument has: a step's
+        # own argument named "history", passed by keyword, raised "got multiple values
+        # for argument 'history'" (and jax's debug info takes names as unique).
+        def stateful(hlo_amp_amax_history: jax.Array, /, *args: Any, **kwargs: Any) -> Any:
             with jax.named_scope(STATE_SCOPE):
-                (marked,) = jax.lax.optimization_barrier((history,))
+                (marked,) = jax.lax.optimization_barrier((hlo_amp_amax_history,))
             return fn(*args, **kwargs), marked
 
         stateful.__name__ = self.__name__
@@ -283,7 +296,17 @@ class Fp8StatefulFunction:
             return state, _replicated_like(jnp.copy(self._loaded), leaves), True
         history = self._histories.get(state)
         if history is not None:  # moved where this call's arguments are (another mesh)
-            return state, _replicated_like(history, leaves), False
+            placed = _replicated_like(history, leaves)
+            # The call donates a copy: one that fails while it runs (a checkify or
+            # eqx.error_if error) leaves the kept history as it was (it was deleted,
+            # and every later call and fp8_state() failed).
+            if placed is history:  # a copy placed as it is: committed with its own
+                # sharding (jnp.copy's spec, P(None, None) on an Explicit mesh, compiled
+                # the step again), uncommitted as it was (committed, it committed the
+                # step's outputs)
+                placed = (jax.device_put(history, history.sharding, may_alias=False)
+                          if history.committed else jnp.copy(history))
+            return state, placed, False
         return state, _replicated_like(jnp.zeros(shape, jnp.float32), leaves), False
 
     def fp8_state(self, *args: Any, **kwargs: Any) -> jax.Array:

@@ -1316,3 +1316,86 @@ def test_the_history_lives_replicated_on_the_parameters_mesh() -> None:
                     .split("; ")[-1])
     assert unreached > 0 and (mapped == 0).all(axis=0).sum() == unreached
     assert (mapped[:, (mapped != 0).any(axis=0)] > 0).all()  # the others: both steps
+
+
+_SAME_DEVICES_IN_ANOTHER_ORDER = f"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+import hlo_amp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+def step(w, x):
+    l, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2))(w)
+    return w - 0.1 * g, l
+
+devices = jax.devices()
+forward, backward = Mesh(np.array(devices), ("data",)), Mesh(np.array(devices[::-1]), ("data",))
+put = lambda a, mesh, spec: jax.device_put(a, NamedSharding(mesh, spec))
+w = jax.random.normal(jax.random.key(0), (32, 32)) / 5
+x = jax.random.normal(jax.random.key(1), (32, 32))
+policy = "fp8,scaling=delayed,amax_history=4,first_matrix_op=none,last_matrix_op=none"
+f = hlo_amp.compile(step, policy)
+f(put(w, forward, P()), put(x, forward, P("data")))
+saved = f.fp8_state()
+_, loss = f(put(w, backward, P()), put(x, backward, P("data")))
+restored = hlo_amp.compile(step, policy)
+restored.load_fp8_state(saved)
+_, again = restored(put(w, backward, P()), put(x, backward, P("data")))
+print("{RESULTS}" + json.dumps({{
+    "loss": float(loss), "restored": float(again),
+    "jit": float(jax.jit(step)(put(w, backward, P()), put(x, backward, P("data")))[1]),
+    "order": [d.id for d in f.fp8_state().sharding.mesh.devices.flat]}}))
+"""
+
+
+def test_the_history_follows_the_arguments_to_the_same_devices_in_another_order() -> None:
+    """A mesh over the same devices in another order is another placement (jax.jit
+    refuses arguments on both): the history stayed on the first mesh, and the step
+    raised jax's 'incompatible devices ... argument history' (review h82); so did a
+    history saved on one mesh and loaded into a step called on the other."""
+    found = run_on_host_devices(_SAME_DEVICES_IN_ANOTHER_ORDER, devices=2)
+    assert found["loss"] == pytest.approx(found["jit"], rel=0.05)
+    assert found["restored"] == found["loss"]
+    assert found["order"] == [1, 0]
+
+
+def test_a_steps_argument_named_history_goes_by_keyword() -> None:
+    """The stateful step's own history argument took the name: a step's argument
+    ``history`` passed by keyword raised 'got multiple values for argument' in the
+    call, ``.lower`` and ``.eval_shape`` (review h82)."""
+    def step(w, x, history):
+        y = jnp.tanh(x @ w) + history
+        return y, y.sum()
+
+    w = jax.random.normal(jax.random.key(0), (32, 32)) / 5
+    x = jax.random.normal(jax.random.key(1), (32, 32))
+    carried = jnp.ones((32, 32))
+    f = hlo_amp.compile(step, _delayed(4))
+    _, total = f(w, x, history=carried)
+    assert float(total) == pytest.approx(float(jax.jit(step)(w, x, history=carried)[1]),
+                                         rel=0.05)
+    assert f.eval_shape(w, x, history=carried)[1].shape == ()
+    assert f.lower(w, x, history=carried).compile() is not None
+
+
+def test_a_call_that_fails_while_it_runs_leaves_the_history_as_it_was() -> None:
+    """The step donated the history it keeps: a call failing in the executable (an
+    eqx.error_if on a bad batch) deleted it, and every later call and fp8_state()
+    raised 'Array has been deleted' (review h82). It donates a copy now."""
+    import equinox as eqx
+
+    def step(w, x):
+        x = eqx.error_if(x, ~jnp.all(jnp.isfinite(x)), "non-finite batch")
+        loss, grad = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * grad, loss
+
+    w = jax.random.normal(jax.random.key(0), (32, 32)) / 5
+    x = jax.random.normal(jax.random.key(1), (32, 32))
+    f = hlo_amp.compile(step, _delayed(4), filter=True)
+    w, _ = f(w, x)
+    before = np.asarray(f.fp8_state())
+    with pytest.raises(Exception, match="non-finite batch"):
+        f(w, x.at[0, 0].set(jnp.nan))
+    np.testing.assert_array_equal(np.asarray(f.fp8_state()), before)
+    _, loss = f(w, x)
+    assert np.isfinite(float(loss)) and np.asarray(f.fp8_state())[0].max() > 0
