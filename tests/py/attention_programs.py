@@ -292,6 +292,13 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         "dpa_constant_key_lengths": (
             _grad_of(dpa(key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
             (q_mha, k_mha, v_mha)),
+        "dpa_constant_query_and_key_lengths": (
+            jax.jit(dpa(query_seq_lengths=jnp.full((B,), T - 2),
+                        key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
+            (q_mha, k_mha, v_mha)),
+        "dpa_causal_constant_key_lengths": (
+            _grad_of(dpa(is_causal=True, key_value_seq_lengths=jnp.full((B,), T - 3),
+                         implementation="xla")), (q, k, v)),
     }
     for wrap in WRAPS:
         found[f"dpa_{wrap}"] = dpa_program(wrap)

@@ -264,7 +264,9 @@ def test_not_when_the_probabilities_have_another_reader() -> None:
     ("einsum_prefix_lm", "constant", [f"{programs.T}x{programs.T}"]),
     ("dpa_causal_chunk_of_queries", "constant", []),
     ("dpa_gqa_decode_step", "constant", [f"1x{programs.T}"]),
-    ("dpa_constant_key_lengths", "constant", [f"1x{programs.T}"])])
+    ("dpa_constant_key_lengths", "constant", [f"1x{programs.T}"]),
+    ("dpa_constant_query_and_key_lengths", "constant", [f"{programs.T}x1", f"1x{programs.T}"]),
+    ("dpa_causal_constant_key_lengths", "causal+constant", [f"1x{programs.T}"])])
 def test_a_constant_mask_other_than_causal_becomes_the_kernels_bias(name, mask,
                                                                     written) -> None:
     """A sliding window, a prefix-LM mask, causal over fewer queries than keys (a chunked
@@ -272,15 +274,16 @@ def test_a_constant_mask_other_than_causal_becomes_the_kernels_bias(name, mask,
     mask that is not causal', 'a causal mask over queries and keys of different
     lengths'): the kernel takes them in its bias, a band computed from positions, a mask
     along the keys alone written out as [1, S] (a T x S constant, and T x S arrays to
-    read it, made a long context's lowering take gigabytes: review h81), another
-    written out (test_every_form_fuses_and_matches_the_program checks the values)."""
+    read it, made a long context's lowering take gigabytes: review h81; query and key
+    lengths together were one T x S constant: review h83), another written out
+    (test_every_form_fuses_and_matches_the_program checks the values)."""
     module, report = _fuse(_lowered_text(name))
     assert [(s.fused, s.mask) for s in report.attention] == [(True, mask)]
     text = module_text(module)
     assert "__cudnn$fmhaScaleBiasSoftmax" in text
     constants = re.findall(r"stablehlo.constant dense<(?!true>|false>)[^>]*> : tensor<([0-9x]+)"
                            r"xi1>", text)
-    assert constants == written, constants
+    assert sorted(constants) == written, constants
 
 
 @pytest.mark.parametrize(("fill", "scale_after"),

@@ -11,7 +11,6 @@ from jaxlib.mlir import ir
 
 from hlo_amp.passes.fused_attention.calls import Stack
 from hlo_amp.passes.fused_attention.constants import (
-    Folded,
     evaluate,
     splat_value,
     unit_reshape_map,
@@ -48,10 +47,12 @@ class MaskReading:
     ``q_roles`` are the site's)."""
 
     def mask(self, selects: list, roles_of_select: list[list[Role]]
-             ) -> tuple[Folded | None, list[tuple[ir.Value, list[Role | None]]],
-                        list[Role]]:
-        """The constant part (evaluated, over select dimensions mapped to roles) and the
-        program's mask values (in the home block) of every mask select."""
+             ) -> tuple[list[tuple[np.ndarray, tuple[Role, ...]]],
+                        list[tuple[ir.Value, list[Role | None]]], list[Role]]:
+        """The constant parts (evaluated, ANDed per set of roles they vary along: a
+        causal or window part [T, S], sequence lengths [T] or [S], never broadcast to
+        one another), the program's mask values (in the home block) of every mask
+        select, and the roles the constant parts vary along."""
         # Each constant part: its array over the select dimensions it varies along.
         constant: list[tuple[np.ndarray, list[int], list[Role]]] = []
         leaves: list[tuple[ir.Value, list[Role | None]]] = []
@@ -60,22 +61,15 @@ class MaskReading:
                 raise NotFused("the mask selects the fill where it is true")
             shape = shape_of(pred)
             self._leaves(pred, stack, list(range(len(shape))), roles, constant, leaves)
-        folded = None
-        axis_roles: list[Role] = []
-        if constant:
-            axis_roles = sorted({rs[a] for _array, dims, rs in constant for a in dims})
-            arrays = []
-            for array, dims, rs in constant:
-                f_roles = [rs[a] for a in dims]
-                order = sorted(range(len(f_roles)), key=lambda i: axis_roles.index(f_roles[i]))
-                array = np.transpose(array, order) if order else array
-                shape = [self.sizes[r] if r in f_roles else 1 for r in axis_roles]
-                arrays.append(np.broadcast_to(array.reshape(shape),
-                                              [self.sizes[r] for r in axis_roles]))
-            combined = np.logical_and.reduce(arrays) if len(arrays) > 1 else arrays[0]
-            folded = Folded(np.asarray(combined, dtype=bool), tuple(range(len(axis_roles))),
-                            tuple(self.sizes[r] for r in axis_roles))
-        return folded, leaves, axis_roles
+        axis_roles = sorted({rs[a] for _array, dims, rs in constant for a in dims})
+        parts: dict[tuple[Role, ...], np.ndarray] = {}
+        for array, dims, rs in constant:
+            f_roles = [rs[a] for a in dims]
+            order = sorted(range(len(f_roles)), key=lambda i: axis_roles.index(f_roles[i]))
+            key = tuple(f_roles[i] for i in order)
+            array = np.transpose(array, order) if order else array
+            parts[key] = array if key not in parts else np.logical_and(parts[key], array)
+        return [(np.asarray(a, dtype=bool), k) for k, a in parts.items()], leaves, axis_roles
 
     def _leaves(self, value: ir.Value, stack: Stack, dims: list[int | None],
                 roles: list[Role], constant: list, leaves: list) -> None:
@@ -161,14 +155,13 @@ class MaskReading:
         element = ir.RankedTensorType(x.type).element_type
         return None if isinstance(element, ir.IntegerType) and element.width == 1 else x
 
-    def _query_axis(self, folded: Folded | None, axis_roles: list[Role],
-                    leaves: list) -> Role:
+    def _query_axis(self, constant: bool, axis_roles: list[Role], leaves: list) -> Role:
         """The query position among the query's free dimensions: the one the mask varies
         along, else the longest. A dimension of size 1 varies along nothing (jax hoists a
         padding mask out of a remat'd scan broadcast to the scores' [1, B, N, T, S] with a
         GQA group axis of 1: 'varies along more than one query dimension')."""
         candidates = [r for r in self.q_roles if r[0] == "Q"]
-        named = {r for r in axis_roles if r in candidates} if folded is not None else set()
+        named = {r for r in axis_roles if r in candidates} if constant else set()
         for _value, roles in leaves:
             named |= {r for r in roles if r in candidates}
         varying = {r for r in named if self.sizes[r] > 1}
@@ -183,27 +176,41 @@ class MaskReading:
                            "q a length-1 axis, [B, 1, N, H])")
         return max(candidates, key=lambda r: (self.sizes[r], -r[1]))
 
-    def _constant_mask(self, folded: Folded, axis_roles: list[Role], t_role: Role
-                       ) -> tuple[bool, np.ndarray | None]:
-        """Whether the constant part is causal (cuDNN's own mask), else it for the
-        kernel's bias (a sliding window, a prefix-LM or block-causal mask, causal over
-        queries and keys of different lengths): [T, S], or [T, 1] / [1, S] where it
-        varies along one of them (constant sequence lengths: no T x S array); None where
-        it masks nothing."""
+    def _constant_mask(self, parts: list[tuple[np.ndarray, tuple[Role, ...]]],
+                       axis_roles: list[Role], t_role: Role
+                       ) -> tuple[bool, tuple[np.ndarray, ...]]:
+        """Whether a constant part is causal (cuDNN's own mask), and the others for the
+        kernel's bias, each [T, S], [T, 1] or [1, S] (a sliding window, a prefix-LM or
+        block-causal mask, causal over queries and keys of different lengths, constant
+        sequence lengths: no part broadcast to T x S); none that masks nothing."""
         if set(axis_roles) - {t_role, S_ROLE}:
             raise NotFused("a constant mask that varies along the batch or heads")
         t, s = self.sizes[t_role], self.sizes[S_ROLE]
-        array = folded.array
-        if axis_roles == [S_ROLE, t_role]:
-            array = array.T
-        array = array.reshape([t if t_role in axis_roles else 1, s if S_ROLE in axis_roles
-                               else 1])
-        if array.all():
-            return False, None
-        if t == s and array.shape == (t, s) and np.array_equal(array, np.tri(t, s,
-                                                                             dtype=bool)):
-            return True, None
-        return False, np.ascontiguousarray(array)
+        factors = []
+        for array, roles in parts:
+            if roles == (S_ROLE, t_role):
+                array = array.T
+            factor = array.reshape([t if t_role in roles else 1, s if S_ROLE in roles else 1])
+            if not factor.all():
+                factors.append(np.ascontiguousarray(factor))
+        # A [T, S] part that is a [T] and an [S] mask ANDed (jax's sequence lengths, read
+        # as one constant), causal or not, goes as them (no T x S constant).
+        causal = False
+        split: list[np.ndarray] = []
+        for factor in factors:
+            if factor.shape == (t, s) and 1 not in factor.shape:
+                rows, keys = factor.any(axis=1, keepdims=True), factor.any(axis=0, keepdims=True)
+                outer = rows & keys
+                if t == s and not causal and np.array_equal(
+                        factor, np.tri(t, s, dtype=bool) & outer):
+                    causal = True
+                    split += [v for v in (rows, keys) if not v.all()]
+                    continue
+                if np.array_equal(factor, outer):
+                    split += [v for v in (rows, keys) if not v.all()]
+                    continue
+            split.append(factor)
+        return causal, tuple(split)
 
     def _check_leaves(self, match: object) -> None:
         for _value, roles in match.mask_leaves:  # type: ignore[attr-defined]

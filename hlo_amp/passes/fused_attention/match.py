@@ -553,15 +553,15 @@ class _Site(MaskReading, ExitReading):
         roles_of_selects = [self.roles.get((op.results[0], st)) for _, st, _, op in selects]
         if any(r is None or None in r for r in roles_of_selects):
             raise NotFused("the mask's dimensions could not be read")
-        folded, leaves, axis_roles = self.mask(selects, roles_of_selects)
+        parts, leaves, axis_roles = self.mask(selects, roles_of_selects)
         match = Match(home=self.home, scores=self.scores, q=self.q, k=self.k,
                       q_roles=self.q_roles, k_roles=self.k_roles, sizes=self.sizes,
                       scale=scale, causal=False, mask_leaves=leaves, exits={},
                       home_ops=[op for op, stack in self.ops.values() if not stack])
         self._fill_exits(match, exits)
-        match.t_role = self._query_axis(folded, axis_roles, leaves)
-        if folded is not None:
-            match.causal, match.constant_mask = self._constant_mask(folded, axis_roles,
+        match.t_role = self._query_axis(bool(parts), axis_roles, leaves)
+        if parts:
+            match.causal, match.constant_mask = self._constant_mask(parts, axis_roles,
                                                                     match.t_role)
         self._check_leaves(match)
         return match

@@ -178,10 +178,11 @@ class _Builder:
         expanded = [sizes[r] if r in full else 1 for r in order]
         boolean = ir.IntegerType.get_signless(1)
         combined = None
-        if match.constant_mask is not None:  # [T|1, S|1]
-            combined = hlo.broadcast_in_dim(
-                self.tensor(expanded, boolean), self.positions_mask(match.constant_mask),
+        for factor in match.constant_mask:  # [T|1, S|1]
+            value = hlo.broadcast_in_dim(
+                self.tensor(expanded, boolean), self.positions_mask(factor),
                 ir.DenseI64ArrayAttr.get([order.index(layout.t), order.index(S_ROLE)]))
+            combined = value if combined is None else hlo.AndOp(combined, value).result
         for value, roles in match.mask_leaves:
             leaf_element = ir.RankedTensorType(value.type).element_type
             if leaf_element != boolean:  # a 0/1 mask the program reads as x != 0

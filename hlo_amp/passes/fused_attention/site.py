@@ -36,8 +36,9 @@ class Match:
     # broadcast), whose AND is where attention may look; empty: nowhere masked.
     mask_leaves: list[tuple[ir.Value, list[Role | None]]]
     exits: dict[str, Exit]
-    # A constant mask that is not causal, [T, S] (ANDed with the leaves in the bias).
-    constant_mask: np.ndarray | None = None
+    # Constant masks that are not causal, each [T, S], [T, 1] or [1, S] (ANDed with the
+    # leaves in the bias).
+    constant_mask: tuple[np.ndarray, ...] = ()
     v: ir.Value | None = None
     v_roles: list[Role] = field(default_factory=list)
     d_out: ir.Value | None = None  # dO, the gradient of the output (a training step)
@@ -50,7 +51,7 @@ class Match:
     def has_bias(self) -> bool:
         """Whether the kernel takes a bias: a mask the program computes, or a constant
         one that is not causal."""
-        return bool(self.mask_leaves) or self.constant_mask is not None
+        return bool(self.mask_leaves) or bool(self.constant_mask)
 
     @property
     def training(self) -> bool:
