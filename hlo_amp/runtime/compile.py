@@ -129,7 +129,7 @@ class AmpCompiled:
         self.compile_seconds = compile_seconds
         self.history_shape: tuple[int, ...] | None = None  # AmpLowered.history_shape
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if self.device is not None:
             raise RuntimeError(not_runnable(self.device, "report()", "Call the compiled "
                                             "function itself, or .lower() without target="))
@@ -716,7 +716,7 @@ class AmpFunction:
         for call in self._framework_calls.values():
             call.inner.clear_cache()
 
-    def trace(self, *args: Any, **kwargs: Any) -> AmpTraced:
+    def trace(self, /, *args: Any, **kwargs: Any) -> AmpTraced:
         """``fn`` traced for these arguments, as ``jax.jit(fn).trace``: its jaxpr and
         output shapes (the pass keeps them), and ``.lower()`` to rewrite it."""
         if self._style(args, kwargs) != "jax":
@@ -726,21 +726,25 @@ class AmpFunction:
             traced = self._jitted.trace(*args, **kwargs)
         return AmpTraced(self, args, kwargs, traced)
 
-    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+    def eval_shape(self, /, *args: Any, **kwargs: Any) -> Any:
         """The outputs' shapes and dtypes, as the framework's jit gives them (the pass
         keeps them): ``jax.ShapeDtypeStruct`` leaves, nothing compiled."""
         style = self._style(args, kwargs)
-        if style == "nnx":
-            return self._framework_call(style).wrapped.eval_shape(*args, **kwargs)
-        if style != "jax":
-            import equinox as eqx  # filtered arguments: Equinox is there
+        try:
+            if style == "nnx":
+                return self._framework_call(style).wrapped.eval_shape(*args, **kwargs)
+            if style != "jax":
+                import equinox as eqx  # filtered arguments: Equinox is there
 
-            return eqx.filter_eval_shape(self.fn, *args, **kwargs)
-        return self._jitted.eval_shape(*args, **kwargs)
+                return eqx.filter_eval_shape(self.fn, *args, **kwargs)
+            return self._jitted.eval_shape(*args, **kwargs)
+        except (TypeError, ValueError):  # named as a call names it (jax's generic one)
+            self._raise_for_arguments(args, kwargs, style)
+            raise
 
     # -- AOT --
 
-    def lower(self, *args: Any, **kwargs: Any) -> AmpLowered:
+    def lower(self, /, *args: Any, **kwargs: Any) -> AmpLowered:
         """Lower ``fn`` for these arguments and rewrite it (like ``jax.jit().lower``).
 
         ``target="h100"`` (``"h200"``, ``"a100"``, a ``GpuTargetConfig`` file's path, or a
@@ -810,7 +814,7 @@ class AmpFunction:
         """A method decorated with it is bound to its instance, as under jax.jit."""
         return self if instance is None else types.MethodType(self, instance)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if jax.config.jax_disable_jit:  # as jax.jit: the Python function runs op by op
             return self.fn(*args, **kwargs)
         internals.forget_exported_calls()

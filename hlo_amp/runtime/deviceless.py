@@ -283,7 +283,7 @@ class CompiledForTarget:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.jax_compiled, name)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(not_runnable(self.device, "input_shardings",
                                         "Call the jax.jit function itself"))
 

@@ -24,12 +24,13 @@ the history first and returns ``(outputs, history)``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import re
 import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -48,6 +49,9 @@ from hlo_amp.runtime.signature import (
     signature_of,
     split_static,
 )
+
+# The history's name in the stateful step's signature (jax's messages name it).
+_HISTORY = "fp8_amax_history"
 
 
 def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
@@ -85,6 +89,23 @@ def _device_order(sharding: Any) -> tuple:
     if devices is not None and getattr(devices, "size", 0):
         return tuple(devices.flat)
     return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+
+
+def _devices_differ(name: str, args: tuple, kwargs: dict) -> str | None:
+    """The message for array arguments on different devices (jax.jit refuses them, and
+    its message named the history, placed with the first of them), else None."""
+    found: dict[tuple, str] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, jax.Array) and leaf.committed:
+            where = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+            found.setdefault(_device_order(leaf.sharding), where)
+            if len(found) > 1:
+                (first, one), (second, other) = found.items()
+                return (f"hlo_amp.compile({name}): its array arguments are on different "
+                        f"devices: {one} on {[d.id for d in first]}, {other} on "
+                        f"{[d.id for d in second]} (jax.jit refuses them too); put them on "
+                        f"the same devices (jax.device_put)")
+    return None
 
 
 def _replicated_like(history: jax.Array, leaves: list[Any]) -> jax.Array:
@@ -158,12 +179,21 @@ class Fp8StatefulFunction:
         # The history is positional only, under a name no step's argument has: a step's
         # own argument named "history", passed by keyword, raised "got multiple values
         # for argument 'history'" (and jax's debug info takes names as unique).
-        def stateful(hlo_amp_amax_history: jax.Array, /, *args: Any, **kwargs: Any) -> Any:
+        def stateful(fp8_amax_history: jax.Array, /, *args: Any, **kwargs: Any) -> Any:
             with jax.named_scope(STATE_SCOPE):
-                (marked,) = jax.lax.optimization_barrier((hlo_amp_amax_history,))
+                (marked,) = jax.lax.optimization_barrier((fp8_amax_history,))
             return fn(*args, **kwargs), marked
 
         stateful.__name__ = self.__name__
+        signature = self._fn_signature
+        if signature is not None and _HISTORY not in signature.parameters:
+            # The step's own parameters behind the history: jax names arguments by them
+            # (its messages read "argument x", not "args[1]"), and a step's parameter
+            # named args or kwargs, passed by keyword, no longer meets the wrapper's
+            # own names (jax's debug info raised an AssertionError).
+            stateful.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
+                inspect.Parameter(_HISTORY, inspect.Parameter.POSITIONAL_ONLY),
+                *signature.parameters.values()])
         # A jax.jit step's shardings place its arguments when it is lowered for a
         # target (AmpFunction._lower): the wrapper has none of its own.
         stateful.amp_inner = fn  # type: ignore[attr-defined]
@@ -309,7 +339,7 @@ class Fp8StatefulFunction:
             return state, placed, False
         return state, _replicated_like(jnp.zeros(shape, jnp.float32), leaves), False
 
-    def fp8_state(self, *args: Any, **kwargs: Any) -> jax.Array:
+    def fp8_state(self, /, *args: Any, **kwargs: Any) -> jax.Array:
         """A copy of an amax history, for a checkpoint: ``f32[amax_history, S]``, newest
         step first, one column per quantised tensor (per layer for a tensor in a scan).
 
@@ -349,7 +379,7 @@ class Fp8StatefulFunction:
             return jnp.copy(self._histories[self._last_state if self._last_state in held
                                             else held[0]])
 
-    def load_fp8_state(self, history: Any, *args: Any, **kwargs: Any) -> None:
+    def load_fp8_state(self, history: Any, /, *args: Any, **kwargs: Any) -> None:
         """Restore an amax history ``fp8_state()`` returned. Without more arguments the
         next call that quantises starts from it (where its step quantises another number
         of tensors, that call raises and the state is not taken); with the step's
@@ -396,7 +426,7 @@ class Fp8StatefulFunction:
         """A method decorated with it is bound to its instance, as under jax.jit."""
         return self if instance is None else types.MethodType(self, instance)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if jax.config.jax_disable_jit:  # as jax.jit: op by op, the history untouched
             return self.fn(*args, **kwargs)
         program, shapes, leaves = self._signature(args, kwargs)
@@ -416,33 +446,41 @@ class Fp8StatefulFunction:
             # say what is donated, so a donated parameter passed by keyword goes by position.
             args, kwargs = _bound(self._fn_signature, args, kwargs)
         with self._state_lock:
-            try:
+            with self._named_by_the_step(args, kwargs):
                 state, history, loaded = self._history(args, kwargs, program, shapes,
                                                        leaves)
                 out, self._histories[state] = self._inner(history, *args, **kwargs)
-            except (TypeError, ValueError) as error:
-                # Named by the step's own positions (the inner step's are one further:
-                # the history is first).
-                raise_argument_problem(
-                    self.__name__, args, kwargs, static_argnums=self.static_argnums,
-                    static_argnames=self.static_argnames,
-                    style=argument_style(args, kwargs, self.filter, self._styles),
-                    signature=self._fn_signature)
-                renamed = _argument_named_as_the_steps(error)
-                if renamed is not None:
-                    raise renamed from None
-                raise
-            except jax.errors.JaxRuntimeError as error:  # an argument donated and read
-                renamed = _argument_named_as_the_steps(error)
-                if renamed is not None:
-                    raise renamed from None
-                raise
             if loaded:
                 self._loaded = None
             self._last_state = state
         return out
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def _named_by_the_step(self, args: tuple, kwargs: dict) -> Iterator[None]:
+        """An error about an argument, named by the step's own positions and parameters
+        (the inner step's are one further: the history is first)."""
+        try:
+            yield
+        except (TypeError, ValueError) as error:
+            raise_argument_problem(
+                self.__name__, args, kwargs, static_argnums=self.static_argnums,
+                static_argnames=self.static_argnames,
+                style=argument_style(args, kwargs, self.filter, self._styles),
+                signature=self._fn_signature)
+            differ = _devices_differ(self.__name__, args, kwargs)
+            if differ is not None:  # jax's message named the history against one of them
+                raise ValueError(differ) from None
+            renamed = _argument_named_as_the_steps(error)
+            if renamed is not None:
+                raise renamed from None
+            raise
+        except jax.errors.JaxRuntimeError as error:  # an argument donated and read
+            renamed = _argument_named_as_the_steps(error)
+            if renamed is not None:
+                raise renamed from None
+            raise
+
+    def lower(self, /, *args: Any, **kwargs: Any) -> Any:
         """The stateful function lowered and rewritten: its compiled form takes the
         history (``f32[amax_history, S]``) first and returns ``(outputs, history)``.
         ``target=`` as for ``AmpFunction.lower``."""
@@ -451,8 +489,9 @@ class Fp8StatefulFunction:
 
     def lower_for(self, target: Any, /, *args: Any, **kwargs: Any) -> Any:
         """``lower(*args, **kwargs)`` for the device ``target`` (None: this machine's)."""
-        history = self._zero_history(args, kwargs, target)
-        lowered = self._inner.lower_for(target, history, *args, **kwargs)
+        with self._named_by_the_step(args, kwargs):
+            history = self._zero_history(args, kwargs, target)
+            lowered = self._inner.lower_for(target, history, *args, **kwargs)
         lowered.history_shape = tuple(history.shape)
         return lowered
 
@@ -462,11 +501,12 @@ class Fp8StatefulFunction:
         columns, _ = self._columns(args, kwargs, program, shapes, target)
         return jnp.zeros((self.policy.amax_history, columns), jnp.float32)
 
-    def trace(self, *args: Any, **kwargs: Any) -> Any:
+    def trace(self, /, *args: Any, **kwargs: Any) -> Any:
         """The stateful function traced for these arguments, as ``lower`` lowers it:
         its jaxpr takes the history first and returns ``(outputs, history)``."""
-        history = self._zero_history(args, kwargs)
-        traced = self._inner.trace(history, *args, **kwargs)
+        with self._named_by_the_step(args, kwargs):
+            history = self._zero_history(args, kwargs)
+            traced = self._inner.trace(history, *args, **kwargs)
         traced.history_shape = tuple(history.shape)
         # For a device target the history is that target's width (this machine's took
         # the target's amaxes to current scaling).
@@ -477,10 +517,11 @@ class Fp8StatefulFunction:
             f"export a step compiled with scaling=current")
         return traced
 
-    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+    def eval_shape(self, /, *args: Any, **kwargs: Any) -> Any:
         """The step's outputs' shapes and dtypes (the history aside), nothing compiled."""
         empty = jnp.zeros((self.policy.amax_history, 0), jnp.float32)
-        out, _history = self._inner.eval_shape(empty, *args, **kwargs)
+        with self._named_by_the_step(args, kwargs):
+            out, _history = self._inner.eval_shape(empty, *args, **kwargs)
         return out
 
     def clear_cache(self) -> None:

@@ -414,7 +414,7 @@ class NnxCall:
         # keyed on that function's dispatch, kept every compiled step alive.
         self.wrapped.jitted_fn = weakref.proxy(self.inner)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         return self.wrapped(*args, **kwargs)
 
     def lower(self, args: tuple, kwargs: dict, device: Any = None) -> Any:
@@ -639,7 +639,7 @@ class FilterCall:
 
         return call
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         # eqx.error_if's stack, taken where the step is traced, ends at the frame holding
         # this name: as in eqx.filter_jit, its error reads as Equinox's own.
         __equinox_jit_id__ = os.urandom(16)  # read by Equinox from this frame

@@ -1399,3 +1399,61 @@ def test_a_call_that_fails_while_it_runs_leaves_the_history_as_it_was() -> None:
     np.testing.assert_array_equal(np.asarray(f.fp8_state()), before)
     _, loss = f(w, x)
     assert np.isfinite(float(loss)) and np.asarray(f.fp8_state())[0].max() > 0
+
+
+@pytest.mark.parametrize("policy", ["bf16", _delayed(4)])
+def test_a_steps_parameters_named_as_the_wrappers_go_by_keyword(policy) -> None:
+    """Parameters named ``args``, ``kwargs`` or ``self``, passed by keyword: jax's debug
+    info raised a bare AssertionError (the stateful wrapper's own ``*args``), and
+    ``self`` met the compiled function's method (review h83)."""
+    def step(w, x, args, kwargs, self):
+        return jnp.mean(jnp.tanh(x @ w) ** 2) + args.sum() + kwargs.sum() + self.sum()
+
+    w = jax.random.normal(jax.random.key(0), (32, 32)) / 5
+    x = jax.random.normal(jax.random.key(1), (32, 32))
+    named = {"args": jnp.ones(3), "kwargs": jnp.ones(2), "self": jnp.ones(1)}
+    f = hlo_amp.compile(step, policy)
+    want = float(jax.jit(step)(w, x, **named))
+    assert float(f(w, x, **named)) == pytest.approx(want, rel=0.05)
+    assert f.eval_shape(w, x, **named).shape == ()
+
+
+@pytest.mark.parametrize("policy", ["fp8", _delayed(4)])
+@pytest.mark.parametrize("method", ["lower", "eval_shape"])
+def test_an_argument_it_cannot_take_is_named_by_the_steps_position(policy, method) -> None:
+    """``.lower`` of a delayed step named the second argument 'args[2]' (the history
+    counted), ``.eval_shape`` gave jax's message about an internal function (review
+    h83): they name it as a call does."""
+    def step(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    f = hlo_amp.compile(step, policy)
+    with pytest.raises(TypeError, match=r"argument args\[1\] \(parameter x\) is a str"):
+        getattr(f, method)(jnp.ones((32, 32)), "abc")
+
+
+_ARGUMENTS_ON_DIFFERENT_DEVICES = f"""
+import json
+import jax, jax.numpy as jnp, hlo_amp
+def step(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+first, second = jax.devices()[:2]
+w = jax.device_put(jnp.ones((32, 32)), first)
+x = jax.device_put(jnp.ones((32, 32)), second)
+f = hlo_amp.compile(step, "fp8,scaling=delayed,amax_history=4")
+try:
+    f(w, x)
+    message = None
+except ValueError as error:
+    message = str(error)
+print("{RESULTS}" + json.dumps({{"message": message}}))
+"""
+
+
+def test_arguments_on_different_devices_are_named() -> None:
+    """jax's message named the history (placed with the first argument) against the
+    second, by internal names (review h83): one message naming the step's arguments."""
+    found = run_on_host_devices(_ARGUMENTS_ON_DIFFERENT_DEVICES, devices=2)
+    assert found["message"].startswith(
+        "hlo_amp.compile(step): its array arguments are on different devices: args[0] on "
+        "[0], args[1] on [1]")
