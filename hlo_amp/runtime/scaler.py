@@ -198,9 +198,14 @@ def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerSt
     # array state given inf or 0 (the constructor refuses those numbers) backs off from
     # f32's largest value and stops at its smallest normal one, not at inf or 0, where
     # every later step was non-finite.
+    # A NaN scaler backs off as inf does; a NaN or infinite min_scaler is no floor (NaN
+    # made the scaler NaN, inf held it where every step overflowed); a scaler of 0 (or
+    # below) starts again from the floor (it held at 0, every step skipped).
     f32 = jnp.finfo(jnp.float32)
-    current = jnp.minimum(state.scaler, f32.max)
-    floor = jnp.maximum(state.min_scaler, f32.tiny)
+    current = jnp.where(jnp.isnan(state.scaler), f32.max, jnp.minimum(state.scaler, f32.max))
+    floor = jnp.where(jnp.isfinite(state.min_scaler),
+                      jnp.maximum(state.min_scaler, f32.tiny), f32.tiny)
+    current = jnp.where(current > 0, current, floor)
     backed_off = jnp.minimum(current, jnp.maximum(current / state.adjust_factor, floor))
     scaler = jnp.where(finite, jnp.where(grow, grown, state.scaler), backed_off)
     return state._replace(
@@ -415,10 +420,13 @@ def _scaled_value_and_grad(
 
 
 def _split_aux(aux: Any) -> tuple[list[Any], list[Any]]:
-    """(the aux's array leaves, [its tree, its other leaves with None for each array])."""
+    """(the aux's jax array leaves, [its tree, its other leaves with None for each
+    array]). A NumPy array is a value the loss made while traced, kept aside as it is
+    (through the retry loop it came back a jax array of another dtype: float64 as
+    float32)."""
     leaves, tree = jax.tree_util.tree_flatten(aux)
-    arrays = [leaf for leaf in leaves if isinstance(leaf, (jax.Array, np.ndarray))]
-    others = [None if isinstance(leaf, (jax.Array, np.ndarray)) else leaf for leaf in leaves]
+    arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
+    others = [None if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
     return arrays, [tree, others]
 
 

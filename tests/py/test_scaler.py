@@ -322,8 +322,11 @@ def test_backoff_growth_and_floor() -> None:
         for value in (1e39, np.inf, 0.0, -1.0, np.float32(0)):
             with pytest.raises(ValueError, match=rf"^{field} must be positive and finite"):
                 DynamicScalerState(**{field: value})
-    for scaler, floor in ((jnp.inf, 1.0), (1e-37, jnp.zeros(()))):
-        state = DynamicScalerState(scaler=jnp.float32(scaler), min_scaler=floor)
+    # A checkpoint's arrays holding 0 or NaN (or a NaN or inf floor) are not refused: they
+    # stayed at 0 or NaN, or held where every step overflowed (review h84).
+    for scaler, floor in ((jnp.inf, 1.0), (1e-37, jnp.zeros(())), (0.0, 1.0),
+                          (np.nan, 1.0), (3e38, np.nan), (3e38, np.inf)):
+        state = DynamicScalerState(scaler=jnp.float32(scaler), min_scaler=jnp.float32(floor))
         for _ in range(3):
             state, grads = step(params, bad, dynamic_scaler_state=state)
         assert 0 < float(state.scaler) < np.inf, (scaler, float(state.scaler))
@@ -831,3 +834,18 @@ def test_redo_on_nan_keeps_an_aux_that_is_no_array() -> None:
     assert got["tag"] == "done" and got["layers"] == 3
     np.testing.assert_allclose(got["norm"], want["norm"])
     np.testing.assert_allclose(grads, 2 * w)
+
+
+def test_redo_on_nan_keeps_a_numpy_aux_as_it_is() -> None:
+    """A NumPy array the loss returns in its aux went through the retry loop and came
+    back a jax array of another dtype (float64 as float32, int64 as int32) where
+    jax.value_and_grad and redo_on_nan=0 return it as it is (review h84)."""
+    table = np.linspace(0.0, 1.0, 3)
+
+    def loss(w: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        return jnp.sum(w ** 2), {"table": table, "ids": np.arange(3)}
+
+    scaled = dynamic_scale_value_and_grad(loss, has_aux=True, redo_on_nan=2)
+    _, ((_, got), _) = scaled(jnp.ones(3), dynamic_scaler_state=DynamicScalerState())
+    assert got["table"] is table
+    assert isinstance(got["ids"], np.ndarray) and got["ids"].dtype == np.arange(3).dtype
