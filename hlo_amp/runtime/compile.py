@@ -67,6 +67,7 @@ from hlo_amp.runtime.frameworks import (
     wraps_named,
 )
 from hlo_amp.runtime.signature import (
+    CATCH_ALL,
     leaf_signature,
     normalise_argnums,
     positional_parameters,
@@ -608,10 +609,11 @@ class AmpFunction:
 
         # jax.jit's errors name the function ("argument w of f"), not this closure.
         dispatched.__name__, dispatched.__qualname__ = self.__name__, self.__qualname__
-        if signature is not None:
-            # jax.jit donates an argument passed by keyword through the names it reads
-            # from the signature (``*args, **kwargs`` has none).
-            dispatched.__signature__ = signature
+        # jax.jit donates an argument passed by keyword through the names it reads from
+        # the signature (``*args, **kwargs`` has none); a callable without one gets
+        # catch-alls no argument is named (a keyword "args" met dispatched's own
+        # ``*args``: jax's debug info raised an AssertionError).
+        dispatched.__signature__ = signature if signature is not None else CATCH_ALL
 
         # Calls go through jax.jit's own dispatch (its C++ cache of executables); a
         # cache miss traces ``dispatched``, which binds the rewritten program.
@@ -722,8 +724,12 @@ class AmpFunction:
         if self._style(args, kwargs) != "jax":
             raise TypeError(f"{self.__name__}.trace takes arrays and pytrees of them; for "
                             f"NNX or Equinox arguments use .lower(...) or .eval_shape(...)")
-        with self._programs.tracing():  # as _lower traces it (f32 cuDNN attention)
-            traced = self._jitted.trace(*args, **kwargs)
+        try:
+            with self._programs.tracing():  # as _lower traces it (f32 cuDNN attention)
+                traced = self._jitted.trace(*args, **kwargs)
+        except (TypeError, ValueError):  # named as a call names it (jax's generic one)
+            self._raise_for_arguments(args, kwargs, "jax")
+            raise
         return AmpTraced(self, args, kwargs, traced)
 
     def eval_shape(self, /, *args: Any, **kwargs: Any) -> Any:

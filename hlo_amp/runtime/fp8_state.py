@@ -44,6 +44,7 @@ from hlo_amp.runtime.arguments import raise_argument_problem
 from hlo_amp.runtime.deviceless import split_device_target
 from hlo_amp.runtime.frameworks import JitDecorator, argument_style, function_name_of
 from hlo_amp.runtime.signature import (
+    CATCH_ALL,
     donated_names,
     leaf_signature,
     signature_of,
@@ -51,7 +52,9 @@ from hlo_amp.runtime.signature import (
 )
 
 # The history's name in the stateful step's signature (jax's messages name it).
-_HISTORY = "fp8_amax_history"
+_HISTORY = "hlo_amp_fp8_amax_history"
+# jax.jit's message for arguments on different devices.
+_INCOMPATIBLE_DEVICES = "incompatible devices"
 
 
 def _shifted(argnums: Sequence[int]) -> tuple[int, ...]:
@@ -179,21 +182,24 @@ class Fp8StatefulFunction:
         # The history is positional only, under a name no step's argument has: a step's
         # own argument named "history", passed by keyword, raised "got multiple values
         # for argument 'history'" (and jax's debug info takes names as unique).
-        def stateful(fp8_amax_history: jax.Array, /, *args: Any, **kwargs: Any) -> Any:
+        def stateful(hlo_amp_fp8_amax_history: jax.Array, /, *args: Any, **kwargs: Any) -> Any:
             with jax.named_scope(STATE_SCOPE):
-                (marked,) = jax.lax.optimization_barrier((fp8_amax_history,))
+                (marked,) = jax.lax.optimization_barrier((hlo_amp_fp8_amax_history,))
             return fn(*args, **kwargs), marked
 
         stateful.__name__ = self.__name__
-        signature = self._fn_signature
-        if signature is not None and _HISTORY not in signature.parameters:
-            # The step's own parameters behind the history: jax names arguments by them
-            # (its messages read "argument x", not "args[1]"), and a step's parameter
-            # named args or kwargs, passed by keyword, no longer meets the wrapper's
-            # own names (jax's debug info raised an AssertionError).
-            stateful.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
-                inspect.Parameter(_HISTORY, inspect.Parameter.POSITIONAL_ONLY),
-                *signature.parameters.values()])
+        # The step's own parameters behind the history: jax names arguments by them (its
+        # messages read "argument x", not "args[1]"), and a step's parameter named args
+        # or kwargs, passed by keyword, no longer meets the wrapper's own names (jax's
+        # debug info raised an AssertionError); the history under a name none of them
+        # has. A step without a signature gets catch-alls no keyword is named.
+        signature = self._fn_signature or CATCH_ALL
+        history = _HISTORY
+        while history in signature.parameters:
+            history += "_"
+        stateful.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
+            inspect.Parameter(history, inspect.Parameter.POSITIONAL_ONLY),
+            *signature.parameters.values()])
         # A jax.jit step's shardings place its arguments when it is lowered for a
         # target (AmpFunction._lower): the wrapper has none of its own.
         stateful.amp_inner = fn  # type: ignore[attr-defined]
@@ -467,7 +473,8 @@ class Fp8StatefulFunction:
                 static_argnames=self.static_argnames,
                 style=argument_style(args, kwargs, self.filter, self._styles),
                 signature=self._fn_signature)
-            differ = _devices_differ(self.__name__, args, kwargs)
+            differ = (_devices_differ(self.__name__, args, kwargs)
+                      if _INCOMPATIBLE_DEVICES in str(error) else None)
             if differ is not None:  # jax's message named the history against one of them
                 raise ValueError(differ) from None
             renamed = _argument_named_as_the_steps(error)

@@ -192,7 +192,11 @@ def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerSt
     """Advance the scaler after one step whose gradients were `finite` (or not)."""
     count = state.count + 1
     due = finite & (count >= state.patience)
-    grown = state.scaler * state.adjust_factor
+    # An array adjust_factor of NaN, inf or at most 1 (a checkpoint's: the constructor
+    # refuses those numbers) is 2, the default: NaN made the scaler NaN for good.
+    factor = jnp.where(jnp.isfinite(state.adjust_factor) & (state.adjust_factor > 1),
+                       state.adjust_factor, 2.0)
+    grown = state.scaler * factor
     grow = due & jnp.isfinite(grown)  # never grow into inf: hold the scaler instead
     # Never below min_scaler, and never up: a scaler set below it holds on overflow. An
     # array state given inf or 0 (the constructor refuses those numbers) backs off from
@@ -206,7 +210,7 @@ def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerSt
     floor = jnp.where(jnp.isfinite(state.min_scaler),
                       jnp.maximum(state.min_scaler, f32.tiny), f32.tiny)
     current = jnp.where(current > 0, current, floor)
-    backed_off = jnp.minimum(current, jnp.maximum(current / state.adjust_factor, floor))
+    backed_off = jnp.minimum(current, jnp.maximum(current / factor, floor))
     scaler = jnp.where(finite, jnp.where(grow, grown, state.scaler), backed_off)
     return state._replace(
         scaler=scaler,

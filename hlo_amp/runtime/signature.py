@@ -9,6 +9,12 @@ from typing import Any
 
 import jax
 
+# The signature a wrapper of a callable without one shows jax: catch-alls under names
+# no argument passed by keyword has (``*args, **kwargs`` met a keyword "args").
+CATCH_ALL = inspect.Signature([
+    inspect.Parameter("hlo_amp_positional", inspect.Parameter.VAR_POSITIONAL),
+    inspect.Parameter("hlo_amp_keywords", inspect.Parameter.VAR_KEYWORD)])
+
 
 def signature_of(fn: Callable[..., Any]) -> inspect.Signature | None:
     """``fn``'s signature, or None where Python cannot tell it (some builtins)."""

@@ -1457,3 +1457,64 @@ def test_arguments_on_different_devices_are_named() -> None:
     assert found["message"].startswith(
         "hlo_amp.compile(step): its array arguments are on different devices: args[0] on "
         "[0], args[1] on [1]")
+
+
+@pytest.mark.parametrize("policy", ["bf16", _delayed(4)])
+def test_keywords_named_as_the_history_or_catch_alls_go_by_keyword(policy) -> None:
+    """A step's parameter named as the history, or a ``**kwargs`` key named as it was
+    (fp8_amax_history), went by keyword into jax's debug info beside the history's own
+    name, and a callable without a signature given a keyword ``args`` met the wrapper's
+    ``*args``: a bare AssertionError (review h85). (A ``**kwargs`` key named
+    hlo_amp_fp8_amax_history still meets it.)"""
+    class NoSignature:
+        def __call__(self, *positional, **keywords):
+            return jnp.tanh(keywords["args"] @ positional[0])
+
+        @property
+        def __signature__(self):
+            raise ValueError("no signature")
+
+    def named(w, hlo_amp_fp8_amax_history):
+        return jnp.tanh(hlo_amp_fp8_amax_history @ w)
+
+    def keywords(w, **given):
+        return jnp.tanh(given["fp8_amax_history"] @ w)
+
+    w = jax.random.normal(jax.random.key(0), (32, 32)) / 5
+    x = jax.random.normal(jax.random.key(1), (32, 32))
+    for fn, name in ((NoSignature(), "args"), (named, "hlo_amp_fp8_amax_history"),
+                     (keywords, "fp8_amax_history")):
+        got = hlo_amp.compile(fn, policy)(w, **{name: x})
+        want = jax.jit(fn)(w, **{name: x})
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.1
+
+
+def test_an_error_of_the_step_is_not_taken_for_devices() -> None:
+    """With array arguments on different devices, every TypeError or ValueError (the
+    step's own, a shape error) read as the different-devices message (review h85)."""
+    found = run_on_host_devices(_A_STEPS_OWN_ERROR_ON_TWO_DEVICES, devices=2)
+    assert found == {"own": "step: a batch of 32 is not allowed",
+                     "shape": "TypeError"}
+
+
+_A_STEPS_OWN_ERROR_ON_TWO_DEVICES = f"""
+import json
+import jax, jax.numpy as jnp, hlo_amp
+def step(w, x):
+    if x.shape[0] == 32:
+        raise ValueError("step: a batch of 32 is not allowed")
+    return jnp.tanh(x @ w)
+first, second = jax.devices()[:2]
+w = jax.device_put(jnp.ones((32, 32)) / 32, first)
+f = hlo_amp.compile(step, "fp8,scaling=delayed,amax_history=4")
+found = {{}}
+try:
+    f(w, jax.device_put(jnp.ones((32, 32)), second))
+except ValueError as error:
+    found["own"] = str(error)
+try:
+    f(w, jax.device_put(jnp.ones((4, 5)), second))
+except Exception as error:
+    found["shape"] = type(error).__name__
+print("{RESULTS}" + json.dumps(found))
+"""

@@ -324,9 +324,12 @@ def test_backoff_growth_and_floor() -> None:
                 DynamicScalerState(**{field: value})
     # A checkpoint's arrays holding 0 or NaN (or a NaN or inf floor) are not refused: they
     # stayed at 0 or NaN, or held where every step overflowed (review h84).
-    for scaler, floor in ((jnp.inf, 1.0), (1e-37, jnp.zeros(())), (0.0, 1.0),
-                          (np.nan, 1.0), (3e38, np.nan), (3e38, np.inf)):
-        state = DynamicScalerState(scaler=jnp.float32(scaler), min_scaler=jnp.float32(floor))
+    # An adjust_factor of NaN or at most 1 likewise (review h85).
+    for scaler, floor, factor in ((jnp.inf, 1.0, 2.0), (1e-37, jnp.zeros(()), 2.0),
+                                  (0.0, 1.0, 2.0), (np.nan, 1.0, 2.0), (3e38, np.nan, 2.0),
+                                  (3e38, np.inf, 2.0), (8.0, 1.0, np.nan), (8.0, 1.0, 1.0)):
+        state = DynamicScalerState(scaler=jnp.float32(scaler), min_scaler=jnp.float32(floor),
+                                   adjust_factor=jnp.float32(factor))
         for _ in range(3):
             state, grads = step(params, bad, dynamic_scaler_state=state)
         assert 0 < float(state.scaler) < np.inf, (scaler, float(state.scaler))
