@@ -187,6 +187,7 @@ def attribution_of(session: Session, base: Policy, depth: Any, reference: str, a
                      f"other row and autopolicy cannot keep them f32")
     if base.scaling == "delayed" and base.uses_fp8:
         notes.append(DELAYED_NOTE)
+    notes += session.reference_notes(reference)
     dtypes = run_dtypes(report, base)
     attribution = Attribution(base.to_string(), int(depth), reference, dtypes,
                               tolerance(dtypes), atol, base_error, rows,

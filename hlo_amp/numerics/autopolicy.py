@@ -183,7 +183,7 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
                 break
             else:
                 k += 1
-    notes = []
+    notes = session.reference_notes(reference)
     within = [k for k in tried if passed[k]]
     candidate, error, rows = tried[min(within) if within else max(tried)]
     floor = session.f32_floor_note(budget, reference, atol) if error > budget else None

@@ -130,6 +130,7 @@ def compare(fn: Callable[..., Any], policy: Policy | str | Mapping[str, Any], *a
                 f"does, or dtypes pinned to f32)")
     elif session.f64_note:
         notes.append(f"note: {session.f64_note}")
+    notes += session.reference_notes("f64" if f64_outputs is not None else reference)
     if not report.decisions:
         notes.append("note: fn has no dot_general or convolution op: the policy rewrites "
                      "nothing, and the outputs are those of fn as written")

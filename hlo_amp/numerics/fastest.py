@@ -442,6 +442,7 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
                      "dequantise to f32 (scales rounded to f32, not bf16 as on a GPU)")
     if chosen.uses_fp8 and chosen.scaling == "delayed":  # as autopolicy without a target
         notes.append(DELAYED_NOTE)
+    notes += session.reference_notes(reference)
     rows = []
     for g in named:
         level = state[g]

@@ -375,6 +375,32 @@ def test_compare_reports_f64_and_leaves_the_callers_x64_alone():
     assert "policy vs f64" in str(result)
 
 
+def test_an_f64_reference_that_computed_in_f32_says_so():
+    """A model closing over its weights and fed tokens has no float argument to widen:
+    its "f64" run computed in f32, and compare showed f32 vs f64 of exactly 0 under the
+    header "against f64" without a word (hunt h86); so did attribute and autopolicy."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    embedding = jax.random.normal(keys[0], (50, 16))
+    w = jax.random.normal(keys[1], (16, 8)) / 4
+
+    def lm(tokens):
+        with jax.named_scope("head"):
+            return jnp.tanh(embedding[tokens] @ w)
+
+    tokens = jnp.arange(8) * 3
+    result = hlo_amp.compare(lm, "bf16", tokens, reference="f64")
+    assert result.leaves[0].f32_vs_f64 == 0
+    narrow = [note for note in result.notes if "not float64" in note]
+    assert len(narrow) == 1 and narrow[0].startswith(
+        "note: the f64 run's float outputs are float32, not float64")
+    assert narrow[0] in hlo_amp.attribute(lm, "bf16", tokens, reference="f64").notes
+    assert narrow[0] in hlo_amp.autopolicy(lm, tokens, budget=1.0, reference="f64").notes
+    # Weights passed as arguments are widened: no note.
+    widened = hlo_amp.compare(lambda e, w, t: jnp.tanh(e[t] @ w), "bf16", embedding, w,
+                              tokens, reference="f64")
+    assert not any("not float64" in note for note in widened.notes)
+
+
 def test_a_program_without_dots_has_zero_error_and_says_why():
     def fn(x):
         return jnp.tanh(x) * 2.0, jnp.argmax(x, axis=-1)
