@@ -331,6 +331,8 @@ class Fp8StatefulFunction:
                 self._refuse_shape(history, shape)
             return state, _replicated_like(jnp.copy(self._loaded), leaves), True
         history = self._histories.get(state)
+        if history is not None and not history.size and history.is_deleted():
+            history = None  # an empty one a failed call took (it is donated, not copied)
         if history is not None:  # moved where this call's arguments are (another mesh)
             placed = _replicated_like(history, leaves)
             # The call donates a copy: one that fails while it runs (a checkify or

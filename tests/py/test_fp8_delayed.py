@@ -1400,6 +1400,18 @@ def test_a_call_that_fails_while_it_runs_leaves_the_history_as_it_was() -> None:
     _, loss = f(w, x)
     assert np.isfinite(float(loss)) and np.asarray(f.fp8_state())[0].max() > 0
 
+    # A step quantising nothing: its empty history, donated without a copy, was deleted
+    # by the failing call the same way (review h87 of fdd664d).
+    def scaled(x, flag):
+        return eqx.error_if(x * 2.0, flag > 0, "flagged")
+
+    g = hlo_amp.compile(scaled, _delayed(4))
+    g(x, jnp.int32(0))
+    with pytest.raises(Exception, match="flagged"):
+        g(x, jnp.int32(1))
+    np.testing.assert_array_equal(g(x, jnp.int32(0)), x * 2.0)
+    assert g.fp8_state().shape == (4, 0)
+
 
 @pytest.mark.parametrize("policy", ["bf16", _delayed(4)])
 def test_a_steps_parameters_named_as_the_wrappers_go_by_keyword(policy) -> None:
