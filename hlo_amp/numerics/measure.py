@@ -242,7 +242,6 @@ class Session:
         self.errors: dict[tuple[str, str, float], float] = {}
         self.f64: list[np.ndarray] | None = None
         self.f64_note: str | None = None
-        self.f64_narrow_note: str | None = None  # the f64 run computed in f32
 
     @property
     def compiles(self) -> int:
@@ -276,8 +275,27 @@ class Session:
         return self.errors[key]
 
     def reference_notes(self, reference: str) -> list[str]:
-        """The note that the "f64" reference computed in f32, where it did."""
-        return [self.f64_narrow_note] if reference == "f64" and self.f64_narrow_note else []
+        """The note that the "f64" reference computed in f32, where it did: its float
+        outputs are not float64 and equal the f32 run's bit for bit (a model closing
+        over its weights and fed tokens has no float argument to widen; one that casts
+        its outputs to f32 computed in f64 all the same, and differs)."""
+        if reference != "f64" or self.f64 is None:
+            return []
+        floats = [(leaf, kind) for leaf, kind in zip(self.f64, self.kinds) if kind == "float"]
+        narrow = {str(leaf.dtype) for leaf, _kind in floats}
+        if not narrow or narrow & {"float64", "complex128"}:
+            return []
+        written = self.run(None)[0]
+        if not all(np.array_equal(a, b, equal_nan=True)
+                   for (a, kind), b in zip(zip(self.f64, self.kinds), written)
+                   if kind == "float"):
+            return []
+        return [(f"note: the f64 run computed in f32: its float outputs are "
+                 f"{', '.join(sorted(narrow))} and equal the f32 run's bit for bit (under "
+                 f"x64 fn still computes in f32 where its weights are closed over, with no "
+                 f"float argument to widen, where its arguments are complex64, which the "
+                 f"f64 run does not widen, or where it pins its dtypes), so 'f64' here is "
+                 f"the f32 program")]
 
     def f32_floor_note(self, budget: float, reference: str, atol: float) -> str | None:
         """Against f64, the note that the program in f32 is itself over ``budget`` (no
@@ -299,17 +317,6 @@ class Session:
                     args64 = jax.tree_util.tree_map(_to_f64, self.args)
                     executable = self.lowering.f64_executable(self.fn, args64)
                     self.f64 = _host_leaves(executable(*args64))
-                wide = {str(leaf.dtype) for leaf, kind in zip(self.f64, self.kinds)
-                        if kind == "float"}
-                if wide and not wide & {"float64", "complex128"}:
-                    # No float argument (a model closing over its weights, fed tokens) or
-                    # dtypes pinned: the "f64" run computed in f32, and matched it exactly.
-                    self.f64_narrow_note = (
-                        f"note: the f64 run's float outputs are {', '.join(sorted(wide))}, "
-                        f"not float64: under x64 fn still computes in f32 where its weights "
-                        f"are closed over (no float argument to widen) or its dtypes are "
-                        f"pinned, and then 'f64' here is the f32 program; pass the weights "
-                        f"as arguments")
             except Exception as error:  # noqa: BLE001 - e.g. a backend without f64
                 first = (str(error).strip().splitlines() or [type(error).__name__])[0]
                 self.f64_note = f"no f64 run: {first}"
