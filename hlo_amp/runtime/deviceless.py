@@ -249,7 +249,9 @@ def compile_for_target(jitted: Any, *args: Any, target: str | Target = "h100",
     ``target`` without the device: JAX's ``Compiled`` (``as_text()``,
     ``memory_analysis()``); the peer of ``AmpFunction.lower(..., target=...).compile()``
     for comparisons on one footing. ``compiler_options`` override the target's XLA flags."""
-    if hasattr(jitted, "policy") and hasattr(jitted, "lower"):  # hlo_amp.compile's
+    # hlo_amp.compile's own object (a method of its class: jax.jit of one copies its
+    # attributes, policy included, and was refused though it compiles as any jax.jit)
+    if hasattr(jitted, "policy") and hasattr(jitted, "lower_for"):
         raise TypeError(
             f"compile_for_target takes a jax.jit function, got hlo_amp.compile's "
             f"{getattr(jitted, '__name__', type(jitted).__name__)}: use its "

@@ -204,6 +204,12 @@ def test_compile_for_target_takes_what_jax_jit_takes_and_says_what_it_does_not()
             == peer.memory_analysis().temp_size_in_bytes > 0)
     with pytest.raises(TypeError, match=r"got hlo_amp.compile's .*\.lower\(\*args, target="):
         hlo_amp.compile_for_target(hlo_amp.compile(step, "bf16"), *args, target="h100")
+    # A jax.jit around a compiled function (it copies its attributes, policy included) is
+    # a jax.jit function: it was refused as hlo_amp.compile's, with advice its jax .lower
+    # cannot take (hunt h88).
+    wrapped = hlo_amp.compile_for_target(jax.jit(hlo_amp.compile(step, "bf16")), *args,
+                                         target="h100")
+    assert "bf16" in wrapped.as_text()
     # A jit placing its arguments itself takes NumPy arrays, as jax.jit does (it raised
     # "Sharding passed to jit does not match": they were replicated first).
     mesh = hlo_amp.target_mesh("h100x8", {"data": 4, "model": 2})
