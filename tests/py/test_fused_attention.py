@@ -327,8 +327,18 @@ def _iota(dtype, dimension):
     # bf16 positions past 256 round two neighbours to one number (257 to 256): not
     # causal, where float64 arithmetic read them as causal (23% off).
     (lambda: _iota(jnp.bfloat16, 0) + 256 >= _iota(jnp.bfloat16, 1) + 256, False),
+    # Chunked causal masks (Llama 4's local attention) written with jnp's floor division
+    # (sign, select, remainder) or floor, and a causal mask cut from a longer one: they
+    # were taken for masks of the program's (review h89).
+    (lambda: (_iota(jnp.int32, 1) <= _iota(jnp.int32, 0))
+     & ((_iota(jnp.int32, 0) - 7) // 4 == (_iota(jnp.int32, 1) - 7) // 4), False),
+    (lambda: (_iota(jnp.float32, 1) <= _iota(jnp.float32, 0))
+     & (jnp.floor(_iota(jnp.float32, 0) / 4) == jnp.floor(_iota(jnp.float32, 1) / 4)), False),
+    (lambda: jnp.tril(jnp.ones((4 * programs.T, 4 * programs.T), bool))[:programs.T,
+                                                                         :programs.T], True),
 ], ids=["block_div", "block_uint", "causal_uint_wrap", "bitwise_and", "saturated_causal",
-        "saturated_none", "bf16_positions"])
+        "saturated_none", "bf16_positions", "chunk_floor_divide", "chunk_floor",
+        "sliced_causal"])
 def test_a_constant_mask_of_integer_arithmetic_is_read_as_the_program_computes_it(
         mask, causal) -> None:
     """Integer division was true division, and/or/xor logical, unsigned values int64,

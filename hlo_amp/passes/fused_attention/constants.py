@@ -138,6 +138,11 @@ _BINARY = {
 }
 _UNARY = {"stablehlo.sqrt": np.sqrt, "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a),
           "stablehlo.exponential": np.exp, "stablehlo.log": np.log, "stablehlo.abs": np.abs}
+# Evaluated in the value's own type (a float position rounded as the program rounds it):
+# jnp's integer floor division writes sign, a float one floor (the chunked masks of
+# Llama 4's local attention, q // C == k // C).
+_ROUNDING = {"stablehlo.sign": np.sign, "stablehlo.floor": np.floor,
+             "stablehlo.ceil": np.ceil, "stablehlo.round_nearest_even": np.rint}
 _COMPARE = {"EQ": np.equal, "NE": np.not_equal, "GE": np.greater_equal,
             "GT": np.greater, "LE": np.less_equal, "LT": np.less}
 
@@ -215,6 +220,18 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
     if name == "stablehlo.negate":
         inner = of(0)
         return None if inner is None else Folded(-inner.array, inner.axes, shape)
+    if name in _ROUNDING:
+        inner = of(0)
+        return None if inner is None else Folded(_ROUNDING[name](inner.array), inner.axes,
+                                                 shape)
+    if name == "stablehlo.slice":  # a causal mask of the longest length, cut to T x S
+        inner = of(0)
+        if inner is None:
+            return None
+        bounds = [list(ir.DenseI64ArrayAttr(op.attributes[key]))
+                  for key in ("start_indices", "limit_indices", "strides")]
+        cut = tuple(slice(bounds[0][a], bounds[1][a], bounds[2][a]) for a in inner.axes)
+        return _checked(inner.array[cut], inner.axes, shape)
     if name in _BINARY or name == "stablehlo.compare":
         left, right = of(0), of(1)
         if left is None or right is None:
