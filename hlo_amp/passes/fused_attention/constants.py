@@ -29,6 +29,12 @@ class Folded:
     array: np.ndarray
     axes: tuple[int, ...]
     shape: tuple[int, ...]
+    # Whether ``array`` is what the program computes bit for bit: exp, log, rsqrt and a
+    # float power are evaluated correctly rounded, which XLA's approximations are not
+    # (their last bit differs for about 1 in 10 inputs); a comparison or a rounding of
+    # such a value may flip where the program's does not (a mask read wrong, fused as
+    # causal: 42% off), so none is evaluated. A scale may be one (a last-bit difference).
+    exact: bool = True
 
     def expanded(self, axes: tuple[int, ...]) -> np.ndarray:
         """``array`` with dimensions ``axes`` (a superset of its own, sorted), size 1 where
@@ -61,7 +67,7 @@ def evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folde
         # (a float difference converted to uint8 wrapped, where XLA saturates).
         dtype = _numpy_type(value) or np.dtype(np.float64)
         if found is not None and found.array.dtype != dtype:
-            found = Folded(found.array.astype(dtype), found.axes, found.shape)
+            found = Folded(found.array.astype(dtype), found.axes, found.shape, found.exact)
         # A float value rounded to its own type, as the program computes it: bf16
         # positions (jnp.arange(T, dtype=bfloat16)) round 259 and 260 to one number, so
         # their comparison is no causal mask.
@@ -69,7 +75,7 @@ def evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folde
         if found is not None and rounding is not None:
             with np.errstate(all="ignore"):
                 rounded = found.array.astype(rounding).astype(np.float64)
-            found = Folded(rounded, found.axes, found.shape)
+            found = Folded(rounded, found.axes, found.shape, found.exact)
         memo[key] = found
     return memo[key]
 
@@ -136,6 +142,8 @@ _BINARY = {
     "stablehlo.divide": _divide, "stablehlo.remainder": _remainder,
     "stablehlo.power": np.power,
 }
+# Correctly rounded in XLA as here (IEEE's sqrt; abs).
+_EXACT_UNARY = frozenset({"stablehlo.sqrt", "stablehlo.abs"})
 _UNARY = {"stablehlo.sqrt": np.sqrt, "stablehlo.rsqrt": lambda a: 1.0 / np.sqrt(a),
           "stablehlo.exponential": np.exp, "stablehlo.log": np.log, "stablehlo.abs": np.abs}
 # Evaluated in the value's own type (a float position rounded as the program rounds it):
@@ -183,13 +191,14 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
         dropped = [i for i in range(len(inner.axes)) if i not in keep]
         if dropped:
             array = array.reshape([array.shape[i] for i in keep]) if array.size else array
-        return Folded(array, tuple(dims[inner.axes[i]] for i in keep), shape)
+        return Folded(array, tuple(dims[inner.axes[i]] for i in keep), shape, inner.exact)
     if name == "stablehlo.transpose":
         inner = of(0)
         if inner is None:
             return None
         permutation = list(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
-        return Folded(inner.array, tuple(permutation.index(a) for a in inner.axes), shape)
+        return Folded(inner.array, tuple(permutation.index(a) for a in inner.axes), shape,
+                      inner.exact)
     if name == "stablehlo.reshape":
         inner = of(0)
         mapping = unit_reshape_map(_shape(operands[0]), shape)
@@ -197,33 +206,36 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
             return None
         keep = [i for i, a in enumerate(inner.axes) if mapping[a] is not None]
         array = inner.array.reshape([inner.array.shape[i] for i in keep])
-        return Folded(array, tuple(mapping[inner.axes[i]] for i in keep), shape)
+        return Folded(array, tuple(mapping[inner.axes[i]] for i in keep), shape, inner.exact)
     if name == "stablehlo.convert":
         inner = of(0)
         if inner is None:
             return None
         element = str(ir.RankedTensorType(value.type).element_type)
-        return Folded(_cast(inner.array, element), inner.axes, shape)
+        return Folded(_cast(inner.array, element), inner.axes, shape, inner.exact)
     if name == "stablehlo.not":
         inner = of(0)
         if inner is None:
             return None
         array = (np.logical_not(inner.array) if inner.array.dtype == bool
                  else np.invert(inner.array))
-        return Folded(array, inner.axes, shape)
+        return Folded(array, inner.axes, shape, inner.exact)
     if name in _UNARY:  # a scale written as 1 / sqrt(d) of a constant d
         inner = of(0)
         if inner is None:
             return None
         with np.errstate(all="ignore"):
-            return Folded(_UNARY[name](inner.array.astype(np.float64)), inner.axes, shape)
+            return Folded(_UNARY[name](inner.array.astype(np.float64)), inner.axes, shape,
+                          inner.exact and name in _EXACT_UNARY)
     if name == "stablehlo.negate":
         inner = of(0)
-        return None if inner is None else Folded(-inner.array, inner.axes, shape)
+        return None if inner is None else Folded(-inner.array, inner.axes, shape,
+                                                 inner.exact)
     if name in _ROUNDING:
         inner = of(0)
-        return None if inner is None else Folded(_ROUNDING[name](inner.array), inner.axes,
-                                                 shape)
+        if inner is None or not inner.exact:
+            return None
+        return Folded(_ROUNDING[name](inner.array), inner.axes, shape)
     if name == "stablehlo.slice":  # a causal mask of the longest length, cut to T x S
         inner = of(0)
         if inner is None:
@@ -231,10 +243,13 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
         bounds = [list(ir.DenseI64ArrayAttr(op.attributes[key]))
                   for key in ("start_indices", "limit_indices", "strides")]
         cut = tuple(slice(bounds[0][a], bounds[1][a], bounds[2][a]) for a in inner.axes)
-        return _checked(inner.array[cut], inner.axes, shape)
+        return _checked(inner.array[cut], inner.axes, shape, inner.exact)
     if name in _BINARY or name == "stablehlo.compare":
         left, right = of(0), of(1)
         if left is None or right is None:
+            return None
+        exact = left.exact and right.exact
+        if name == "stablehlo.compare" and not exact:
             return None
         axes = tuple(sorted(set(left.axes) | set(right.axes)))
         if name == "stablehlo.compare":
@@ -246,25 +261,27 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
             function = _BINARY[name]
         with np.errstate(all="ignore"):
             array = function(left.expanded(axes), right.expanded(axes))
-        return None if array is None else _checked(array, axes, shape)
+        if name == "stablehlo.power" and array is not None and array.dtype.kind == "f":
+            exact = False
+        return None if array is None else _checked(array, axes, shape, exact)
     if name == "stablehlo.select":
         parts = [of(i) for i in range(3)]
         if any(p is None for p in parts):
             return None
         axes = tuple(sorted(set().union(*(p.axes for p in parts))))
         pick, yes, no = (p.expanded(axes) for p in parts)
-        return _checked(np.where(pick, yes, no), axes, shape)
+        return _checked(np.where(pick, yes, no), axes, shape, all(p.exact for p in parts))
     return None
 
 
-def _checked(array: np.ndarray, axes: tuple[int, ...], shape: tuple[int, ...]
-             ) -> Folded | None:
+def _checked(array: np.ndarray, axes: tuple[int, ...], shape: tuple[int, ...],
+             exact: bool = True) -> Folded | None:
     """``array`` squeezed to the axes it varies along (a broadcast of size-1 axes)."""
     if array.size > MAX_ELEMENTS:
         return None
     keep = [i for i in range(array.ndim) if array.shape[i] != 1 or shape[axes[i]] == 1]
     return Folded(array.reshape([array.shape[i] for i in keep]),
-                  tuple(axes[i] for i in keep), shape)
+                  tuple(axes[i] for i in keep), shape, exact)
 
 
 def _scalar(attr: ir.Attribute) -> object:
