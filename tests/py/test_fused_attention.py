@@ -306,12 +306,15 @@ def test_not_where_a_scale_after_the_mask_undoes_its_fill(fill, scale_after) -> 
 
 @pytest.mark.parametrize("through_exp", [
     lambda i: jnp.floor(jnp.exp((i + 8700) / 1024)) != 4963,
-    lambda i: jnp.exp((i + 8700) / 1024) < 4963], ids=["floor_of_exp", "exp_compared"])
+    lambda i: jnp.exp((i + 8700) / 1024) < 4963,
+    lambda i: jnp.floor(i / 41.0) == 0], ids=["floor_of_exp", "exp_compared", "divided"])
 def test_a_mask_through_exp_is_not_evaluated_unlike_xla(through_exp) -> None:
     """exp, log and rsqrt were evaluated correctly rounded, which XLA's approximations
     are not (exp((14 + 8700) / 1024) is 4963.0 in XLA:CPU, 4962.9995 here): a mask
     comparing or flooring one was read wrong and fused as another (42% and 68% off;
-    review h90). Such a mask is the program's own now, read as it computes it."""
+    review h90). So was a division by a constant, which XLA computes as a multiply by
+    its reciprocal (41 / 41 floors to 0 there; 118% off; review h91). Such a mask is the
+    program's own now, read as it computes it."""
     t, h = 64, 16  # at 16 XLA folds the mask as numpy does
     q, k, v = (jax.random.normal(key, (1, t, 2, h)) for key in jax.random.split(
         jax.random.key(0), 3))
@@ -327,6 +330,23 @@ def test_a_mask_through_exp_is_not_evaluated_unlike_xla(through_exp) -> None:
     rewritten = ModuleFunction(module_text(module)).for_platform("cpu")
     assert programs.max_relative_error(jax.jit(attend)(q, k, v), jax.jit(rewritten)(
         q, k, v)[0]) < BF16_TOLERANCE
+
+
+def test_a_mask_of_subnormal_values_is_not_evaluated() -> None:
+    """XLA flushes subnormals to zero ((k + 1) * 1e-20 * 1e-19 is 0 there), where they
+    were evaluated as non-zero: the mask was read as causal alone (review h91)."""
+    t = 64
+    q = jnp.ones((1, t, 2, 16))
+    keys = jax.lax.broadcasted_iota(jnp.float32, (t, t), 1)
+
+    def attend(q, k, v):
+        tiny = (keys + 1) * 1e-20 * 1e-19
+        mask = (jax.lax.broadcasted_iota(jnp.float32, (t, t), 0) >= keys) & (tiny != 0)
+        scores = jnp.where(mask, jnp.einsum("btnh,bsnh->bnts", q, k), -1e9)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
+
+    _module, report = _fuse(jax.jit(attend).lower(q, q, q).as_text())
+    assert [(s.fused, s.mask) for s in report.attention] == [(True, "causal+mask")]
 
 
 def _iota(dtype, dimension):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 from jaxlib.mlir import ir
 
@@ -74,8 +75,13 @@ def evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Folde
         rounding = _ROUNDED.get(_element_name(value))
         if found is not None and rounding is not None:
             with np.errstate(all="ignore"):
-                rounded = found.array.astype(rounding).astype(np.float64)
-            found = Folded(rounded, found.axes, found.shape, found.exact)
+                narrow = found.array.astype(rounding)
+                # XLA flushes subnormals to zero (a product of 1e-20 and 1e-19 is 0
+                # there): a value holding one is not evaluated bit for bit.
+                tiny = ml_dtypes.finfo(rounding).smallest_normal
+                subnormal = bool(np.any((narrow != 0) & (np.abs(narrow) < tiny)))
+            found = Folded(narrow.astype(np.float64), found.axes, found.shape,
+                           found.exact and not subnormal)
         memo[key] = found
     return memo[key]
 
@@ -212,6 +218,8 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
         if inner is None:
             return None
         element = str(ir.RankedTensorType(value.type).element_type)
+        if not inner.exact and element in _INTEGERS:  # to i1 a comparison, to an
+            return None  # integer a rounding: of an inexact value, not evaluated
         return Folded(_cast(inner.array, element), inner.axes, shape, inner.exact)
     if name == "stablehlo.not":
         inner = of(0)
@@ -263,6 +271,9 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
             array = function(left.expanded(axes), right.expanded(axes))
         if name == "stablehlo.power" and array is not None and array.dtype.kind == "f":
             exact = False
+        if name == "stablehlo.divide" and array is not None and array.dtype.kind == "f" and (
+                not _powers_of_two(right.array)):
+            exact = False  # XLA divides by a constant as a multiply by its reciprocal
         return None if array is None else _checked(array, axes, shape, exact)
     if name == "stablehlo.select":
         parts = [of(i) for i in range(3)]
@@ -272,6 +283,13 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
         pick, yes, no = (p.expanded(axes) for p in parts)
         return _checked(np.where(pick, yes, no), axes, shape, all(p.exact for p in parts))
     return None
+
+
+def _powers_of_two(array: np.ndarray) -> bool:
+    """Whether every element is a power of two (its reciprocal exact)."""
+    with np.errstate(all="ignore"):
+        mantissa, _ = np.frexp(np.abs(array.astype(np.float64)))
+    return bool(np.all(mantissa == 0.5))
 
 
 def _checked(array: np.ndarray, axes: tuple[int, ...], shape: tuple[int, ...],

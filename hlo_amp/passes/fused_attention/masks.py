@@ -77,7 +77,7 @@ class MaskReading:
         ANDed parts: evaluated constants, or values of the home block."""
         shape = shape_of(value)
         folded = evaluate(self.view, value, stack, self.memo)
-        if folded is not None:
+        if folded is not None and folded.exact:
             if folded.array.dtype != bool:
                 raise NotFused("the mask is not boolean")
             if not folded.array.all():
