@@ -217,11 +217,7 @@ DELAYED_NOTE = ("note: scaling=delayed is measured with current scaling (these r
 class Session:
     """One public call: its arguments, the runs it made, what it compiled."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, what: str,
-                 fused_as: Target | None = None) -> None:
-        """``fused_as``: a GPU whose program the runs compute (attention fused as there,
-        with the reference kernel; the target autopolicy's, which sets it once it knows
-        the target's program is not partitioned)."""
+    def __init__(self, fn: Callable[..., Any], args: tuple, what: str) -> None:
         fn, statics, filtered = _as_written(fn)
         if not callable(fn):
             raise ValueError(f"hlo_amp.{what} expects a callable, got {fn!r}")  # noqa: TRY004
@@ -232,7 +228,10 @@ class Session:
         self.start = time.perf_counter()
         self.fn = fn
         self.args = args
-        self.fused_as = fused_as
+        # A GPU whose program the runs compute (attention fused as there, with the
+        # reference kernel): the target autopolicy sets it once it knows the target's
+        # program is not partitioned.
+        self.fused_as: Target | None = None
         self.lowering = _lowering(fn, args)
         self.compiles_before = self.lowering.compiles
         self.names, self.kinds = _output_leaves(self.lowering.lowered.out_info, what)
@@ -281,14 +280,12 @@ class Session:
         its outputs to f32 computed in f64 all the same, and differs)."""
         if reference != "f64" or self.f64 is None:
             return []
-        floats = [(leaf, kind) for leaf, kind in zip(self.f64, self.kinds) if kind == "float"]
-        narrow = {str(leaf.dtype) for leaf, _kind in floats}
+        floats = [i for i, kind in enumerate(self.kinds) if kind == "float"]
+        narrow = {str(self.f64[i].dtype) for i in floats}
         if not narrow or narrow & {"float64", "complex128"}:
             return []
         written = self.run(None)[0]
-        if not all(np.array_equal(a, b, equal_nan=True)
-                   for (a, kind), b in zip(zip(self.f64, self.kinds), written)
-                   if kind == "float"):
+        if not all(np.array_equal(self.f64[i], written[i], equal_nan=True) for i in floats):
             return []
         return [(f"note: the f64 run computed in f32: its float outputs are "
                  f"{', '.join(sorted(narrow))} and equal the f32 run's bit for bit (under "

@@ -25,7 +25,7 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -724,19 +724,16 @@ class AmpFunction:
         if self._style(args, kwargs) != "jax":
             raise TypeError(f"{self.__name__}.trace takes arrays and pytrees of them; for "
                             f"NNX or Equinox arguments use .lower(...) or .eval_shape(...)")
-        try:
-            with self._programs.tracing():  # as _lower traces it (f32 cuDNN attention)
-                traced = self._jitted.trace(*args, **kwargs)
-        except (TypeError, ValueError):  # named as a call names it (jax's generic one)
-            self._raise_for_arguments(args, kwargs, "jax")
-            raise
+        # as _lower traces it (f32 cuDNN attention)
+        with self._arguments_named(args, kwargs, "jax"), self._programs.tracing():
+            traced = self._jitted.trace(*args, **kwargs)
         return AmpTraced(self, args, kwargs, traced)
 
     def eval_shape(self, /, *args: Any, **kwargs: Any) -> Any:
         """The outputs' shapes and dtypes, as the framework's jit gives them (the pass
         keeps them): ``jax.ShapeDtypeStruct`` leaves, nothing compiled."""
         style = self._style(args, kwargs)
-        try:
+        with self._arguments_named(args, kwargs, style):
             if style == "nnx":
                 return self._framework_call(style).wrapped.eval_shape(*args, **kwargs)
             if style != "jax":
@@ -744,9 +741,6 @@ class AmpFunction:
 
                 return eqx.filter_eval_shape(self.fn, *args, **kwargs)
             return self._jitted.eval_shape(*args, **kwargs)
-        except (TypeError, ValueError):  # named as a call names it (jax's generic one)
-            self._raise_for_arguments(args, kwargs, style)
-            raise
 
     # -- AOT --
 
@@ -771,13 +765,10 @@ class AmpFunction:
         every keyword argument ``fn``'s."""
         device = device_target(target) if target is not None else None
         style = self._style(args, kwargs)
-        try:
+        with self._arguments_named(args, kwargs, style):
             if style != "jax":
                 return self._framework_call(style).lower(args, kwargs, device)
             return self._lower(args, kwargs, device)
-        except (TypeError, ValueError):
-            self._raise_for_arguments(args, kwargs, style)
-            raise
 
     def lower_traced(self, traced: Any) -> AmpLowered:
         """A program ``trace`` traced, lowered for this machine and rewritten."""
@@ -825,20 +816,23 @@ class AmpFunction:
             return self.fn(*args, **kwargs)
         internals.forget_exported_calls()
         style = self._style(args, kwargs)
-        try:
+        with self._arguments_named(args, kwargs, style):
             if style != "jax":
                 return self._framework_call(style)(*args, **kwargs)
             return self._call(args, kwargs)
-        except (TypeError, ValueError):
-            self._raise_for_arguments(args, kwargs, style)
-            raise
 
-    def _raise_for_arguments(self, args: tuple, kwargs: dict, style: str) -> None:
-        """After a failed call: one message naming an argument it cannot take, if any."""
-        raise_argument_problem(self.__name__, args, kwargs,
-                               static_argnums=self.static_argnums,
-                               static_argnames=self.static_argnames, style=style,
-                               signature=self._signature)
+    @contextlib.contextmanager
+    def _arguments_named(self, args: tuple, kwargs: dict, style: str) -> Iterator[None]:
+        """A call, lowering or trace that fails on its arguments: one message naming an
+        argument it cannot take, if any (jax's generic one otherwise)."""
+        try:
+            yield
+        except (TypeError, ValueError):
+            raise_argument_problem(self.__name__, args, kwargs,
+                                   static_argnums=self.static_argnums,
+                                   static_argnames=self.static_argnames, style=style,
+                                   signature=self._signature)
+            raise
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if not self._through_lowering and not (
