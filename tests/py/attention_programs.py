@@ -167,6 +167,30 @@ def dpa_program(wrap: str) -> tuple[Callable[..., Any], tuple]:
     return _wrapped(apply, (q_w, kv_w), _normal(3, (B, T, N * H)), wrap)
 
 
+def dpa_scan_padding(causal: bool) -> tuple[Callable[..., Any], tuple]:
+    """``jax.nn.dot_product_attention`` (GQA) with a padding mask the step is given, in
+    a ``jax.lax.scan`` of checkpointed layers: jax computes the mask (ANDed with causal)
+    before the loop, broadcast to the scores' [B, K, G, T, S], and passes it through the
+    loop unchanged; the forward loop's site read the group axis as a second query axis
+    ('the mask varies along more than one query dimension')."""
+    q_w, kv_w = _normal(4, (2, N * H, N * H)), _normal(5, (2, N * H, 2 * K * H))
+
+    def layer(x: jax.Array, params: Any, pad: jax.Array) -> jax.Array:
+        q = (x @ params[0] / 8.0).reshape(B, T, N, H)
+        k, v = jnp.split((x @ params[1] / 8.0).reshape(B, T, 2 * K, H), 2, axis=2)
+        out = jax.nn.dot_product_attention(q, k, v, mask=pad, is_causal=causal,
+                                           implementation="xla")
+        return x + out.reshape(B, T, N * H)
+
+    def loss(params: Any, x: jax.Array, pad: jax.Array) -> jax.Array:
+        remat = jax.checkpoint(layer)
+        out, _ = jax.lax.scan(lambda h, p: (remat(h, p, pad), None), x, params)
+        return jnp.sum(out * jnp.cos(out))
+
+    return jax.grad(loss, argnums=(0, 1)), ((q_w, kv_w), _normal(3, (B, T, N * H)),
+                                            padding_mask())
+
+
 def dpa_keys_as_given(x: jax.Array, w: jax.Array) -> jax.Array:
     """Queries and values projected, the keys x itself: under ``jax.checkpoint`` at batch 1
     the backward's v read its batch dimension as a unit one, and the backward was refused
@@ -300,6 +324,8 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
             _grad_of(dpa(is_causal=True, key_value_seq_lengths=jnp.full((B,), T - 3),
                          implementation="xla")), (q, k, v)),
     }
+    found["dpa_scan_causal_padding_gqa"] = dpa_scan_padding(causal=True)
+    found["dpa_scan_padding_gqa"] = dpa_scan_padding(causal=False)
     for wrap in WRAPS:
         found[f"dpa_{wrap}"] = dpa_program(wrap)
         found[f"nnx_causal_{wrap}"] = nnx_program(wrap)

@@ -121,6 +121,26 @@ def test_a_padding_mask_becomes_the_kernels_bias() -> None:
     assert "__cudnn$fmhaScaleBiasSoftmax" in module_text(module)
 
 
+def test_a_padding_mask_through_a_remat_scan_is_read_where_jax_made_it() -> None:
+    """jax computes a remat'd scan's padding mask (ANDed with causal) before the loop,
+    broadcast to the scores' [B, K, G, T, S], and passes it through the loop: the
+    forward loop's site was left unfused ('the mask varies along more than one query
+    dimension', the GQA group axis taken for a second query axis). The mask is read
+    before the loop now: causal for cuDNN, and the bias [B, 1, T, S] read from the
+    loop's value at the first head and group; XLA:GPU keeps both kernels."""
+    fn, args = programs.dpa_scan_padding(causal=True)
+    lowered = hlo_amp.compile(fn, "mixed_bfloat16").lower(*args, target="h100")
+    sites = lowered.compile().report().attention
+    assert [(s.fused, s.mask, s.kept_by_xla) for s in sites] == [
+        (True, "causal+mask", True), (True, "causal+mask", True)]
+    t = programs.T
+    calls = re.findall(r"custom_call @__cudnn\$fmhaScaleBiasSoftmax.*: \((.*)\) -> ",
+                       lowered.as_text())
+    biases = [ty for operands in calls for ty in re.findall(
+        rf"tensor<[0-9x]*x{t}x{t}xbf16>", operands)]
+    assert biases == [f"tensor<{programs.B}x1x{t}x{t}xbf16>"] * 3, biases
+
+
 def test_deviceless_h100_compile_keeps_the_kernels() -> None:
     """The whole pipeline (mixed mode) on a scanned, rematerialised decoder: XLA:GPU
     compiles it for an H100 and runs each site as cuDNN's calls (the report's check)."""

@@ -16,6 +16,7 @@ from hlo_amp.passes.fused_attention.constants import (
     unit_reshape_map,
 )
 from hlo_amp.passes.fused_attention.roles import H_ROLE, HV_ROLE, S_ROLE, NotFused, Role, shape_of
+from hlo_amp.passes.fused_attention.site import MaskLeaf
 
 
 def band_of(array: np.ndarray) -> tuple[int, int] | None:
@@ -47,15 +48,15 @@ class MaskReading:
     ``q_roles`` are the site's)."""
 
     def mask(self, selects: list, roles_of_select: list[list[Role]]
-             ) -> tuple[list[tuple[np.ndarray, tuple[Role, ...]]],
-                        list[tuple[ir.Value, list[Role | None]]], list[Role]]:
+             ) -> tuple[list[tuple[np.ndarray, tuple[Role, ...]]], list[MaskLeaf],
+                        list[Role]]:
         """The constant parts (evaluated, ANDed per set of roles they vary along: a
         causal or window part [T, S], sequence lengths [T] or [S], never broadcast to
         one another), the program's mask values (in the home block) of every mask
         select, and the roles the constant parts vary along."""
         # Each constant part: its array over the select dimensions it varies along.
         constant: list[tuple[np.ndarray, list[int], list[Role]]] = []
-        leaves: list[tuple[ir.Value, list[Role | None]]] = []
+        leaves: list[MaskLeaf] = []
         for (pred, stack, negated, _select), roles in zip(selects, roles_of_select):
             if negated:
                 raise NotFused("the mask selects the fill where it is true")
@@ -104,7 +105,8 @@ class MaskReading:
                 "stablehlo.reshape"):
             if stack != ():
                 raise NotFused("the mask is computed inside a called function")
-            leaves.append((value, [None if d is None else roles[d] for d in dims]))
+            leaves.append(self._hoisted(value, dims, roles, constant)
+                          or MaskLeaf(value, [None if d is None else roles[d] for d in dims]))
             return
         name = op.name
         if name == "stablehlo.and":
@@ -140,7 +142,35 @@ class MaskReading:
             return
         if stack != ():
             raise NotFused(f"the mask is computed inside a called function ({name})")
-        leaves.append((value, [None if d is None else roles[d] for d in dims]))
+        leaves.append(MaskLeaf(value, [None if d is None else roles[d] for d in dims]))
+
+    def _hoisted(self, value: ir.Value, dims: list[int | None], roles: list[Role],
+                 constant: list) -> MaskLeaf | None:
+        """The leaf of a mask jax computed before a loop and passes through it unchanged
+        (a remat'd scan's causal AND padding mask, broadcast to the scores' [B, K, G, T,
+        S]): read at index 0 along the dimensions the mask before the loop does not vary
+        along (a GQA group axis is no second query axis), its constant parts read there
+        too (cuDNN's causal mask). None where ``value`` is no such carry or that mask
+        cannot be read."""
+        if not isinstance(value, ir.BlockArgument):
+            return None
+        op, before, stack = self.view.producer(value, (), invariant_carries=True)
+        if op is None:
+            return None
+        before_constant: list = []
+        before_leaves: list[MaskLeaf] = []
+        try:
+            self._leaves(before, stack, dims, roles, before_constant, before_leaves)
+        except NotFused:
+            return None
+        varying = {rs[d] for _array, select_dims, rs in before_constant for d in select_dims}
+        varying |= {r for leaf in before_leaves for r in leaf.roles if r is not None}
+        shape = shape_of(value)
+        first_only = tuple(i for i, d in enumerate(dims)
+                           if shape[i] > 1 and (d is None or roles[d] not in varying))
+        constant.extend(before_constant)
+        return MaskLeaf(value, [None if d is None or i in first_only else roles[d]
+                                for i, d in enumerate(dims)], first_only)
 
     def _nonzero(self, op: ir.Operation, stack: Stack) -> ir.Value | None:
         """``x`` where ``op`` is ``compare NE x, 0`` of a float or integer ``x``."""
@@ -162,8 +192,8 @@ class MaskReading:
         GQA group axis of 1: 'varies along more than one query dimension')."""
         candidates = [r for r in self.q_roles if r[0] == "Q"]
         named = {r for r in axis_roles if r in candidates} if constant else set()
-        for _value, roles in leaves:
-            named |= {r for r in roles if r in candidates}
+        for leaf in leaves:
+            named |= {r for r in leaf.roles if r in candidates}
         varying = {r for r in named if self.sizes[r] > 1}
         if len(varying) > 1:
             raise NotFused("the mask varies along more than one query dimension")
@@ -213,6 +243,6 @@ class MaskReading:
         return causal, tuple(split)
 
     def _check_leaves(self, match: object) -> None:
-        for _value, roles in match.mask_leaves:  # type: ignore[attr-defined]
-            if HV_ROLE in roles or H_ROLE in roles:
+        for leaf in match.mask_leaves:  # type: ignore[attr-defined]
+            if HV_ROLE in leaf.roles or H_ROLE in leaf.roles:
                 raise NotFused("the mask has a head dimension")

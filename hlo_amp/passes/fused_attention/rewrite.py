@@ -95,7 +95,7 @@ def bias_shape_of(match: Match, layout: Layout) -> tuple[int, int, int, int] | N
     """[B|1, N|1, T, S]: full along a group only where the mask varies along it."""
     if not match.has_bias:
         return None
-    varying = {r for _value, roles in match.mask_leaves for r in roles if r is not None}
+    varying = {r for leaf in match.mask_leaves for r in leaf.roles if r is not None}
     sizes = match.sizes
     batch = math.prod(sizes[r] for r in layout.batch) if varying & set(layout.batch) else 1
     head_roles = set(layout.heads) | set(layout.groups)
@@ -166,7 +166,7 @@ class _Builder:
         """0 where every mask leaf is true, a large negative number elsewhere (jax's own
         ``combine_bias_and_mask``: -0.7 x the type's largest), ``shape4``."""
         sizes = match.sizes
-        varying = {r for _value, roles in match.mask_leaves for r in roles if r is not None}
+        varying = {r for leaf in match.mask_leaves for r in leaf.roles if r is not None}
         order = [*layout.batch, *layout.heads, *layout.groups, layout.t, S_ROLE]
         # Full along a whole kernel dimension (B, or N: heads and groups) where the mask
         # varies along any program dimension merged into it, as bias_shape_of says: the
@@ -183,7 +183,13 @@ class _Builder:
                 self.tensor(expanded, boolean), self.positions_mask(factor),
                 ir.DenseI64ArrayAttr.get([order.index(layout.t), order.index(S_ROLE)]))
             combined = value if combined is None else hlo.AndOp(combined, value).result
-        for value, roles in match.mask_leaves:
+        for value, roles, first_only in match.mask_leaves:
+            if first_only:
+                shape = list(shape_of(value))
+                value = hlo.slice(value, ir.DenseI64ArrayAttr.get([0] * len(shape)),
+                                  ir.DenseI64ArrayAttr.get([1 if i in first_only else n
+                                                            for i, n in enumerate(shape)]),
+                                  ir.DenseI64ArrayAttr.get([1] * len(shape)))
             leaf_element = ir.RankedTensorType(value.type).element_type
             if leaf_element != boolean:  # a 0/1 mask the program reads as x != 0
                 zero = self._splat(0, list(shape_of(value)), leaf_element)
@@ -326,7 +332,7 @@ def rewrite(match: Match, kernel: Kernel, call: AttentionCall, layout: Layout,
     ordered = _in_order([e.op for e in exits.values()])
     first = ordered[0]
     _check_defined_before([match.q, match.k, match.v]
-                          + [v for v, _roles in match.mask_leaves], first)
+                          + [leaf.value for leaf in match.mask_leaves], first)
     _check_roles(match, layout)
     element = element_of(dtype)
     sizes = match.sizes

@@ -4,11 +4,23 @@ replaces it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from jaxlib.mlir import ir
 
 from hlo_amp.passes.fused_attention.roles import Role
+
+
+class MaskLeaf(NamedTuple):
+    """A mask value of the home block and the role of each of its dimensions (None: of
+    size 1, or read at index 0 alone: ``first_only``)."""
+
+    value: ir.Value
+    roles: list[Role | None]
+    # Dimensions the value repeats itself along, of which the bias reads index 0 (a
+    # mask jax broadcast to the scores' shape before a loop: masks.py).
+    first_only: tuple[int, ...] = ()
 
 
 @dataclass
@@ -32,9 +44,9 @@ class Match:
     sizes: dict[Role, int]
     scale: float
     causal: bool
-    # Values of the home block, each with the role of each dimension (None: size 1 or
-    # broadcast), whose AND is where attention may look; empty: nowhere masked.
-    mask_leaves: list[tuple[ir.Value, list[Role | None]]]
+    # Values of the home block whose AND is where attention may look; empty: nowhere
+    # masked.
+    mask_leaves: list[MaskLeaf]
     exits: dict[str, Exit]
     # Constant masks that are not causal, each [T, S], [T, 1] or [1, S] (ANDed with the
     # leaves in the bias).
