@@ -56,6 +56,8 @@ class AttentionCall:
     causal: bool
     bias_shape: tuple[int, int, int, int] | None  # [B|1, N|1, T, S], in ``dtype``
     training: bool  # a backward function too, and the forward returns residuals
+    # Under the causal mask, cuDNN's sliding window: keys t - window < s <= t (0: none).
+    window: int = 0
 
     @property
     def q_shape(self) -> tuple[int, int, int, int]:
@@ -154,7 +156,8 @@ def _cudnn(call: AttentionCall):
 
     def attend(q, k, v, bias):
         return cudnn.dot_product_attention(q, k, v, bias, scale=call.scale,
-                                           mask_type=mask_type, qkv_layout="BTNH")
+                                           mask_type=mask_type, qkv_layout="BTNH",
+                                           sliding_window_length=call.window or None)
 
     return attend
 
@@ -172,8 +175,12 @@ def _reference(call: AttentionCall):
         if wide:
             q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
             bias = None if bias is None else bias.astype(jnp.float32)
+        # cuDNN's window, the left one, exclusive (jax's own conversion of
+        # local_window_size in jax.nn.dot_product_attention).
+        window = (call.window - 1, 0) if call.window else None
         out = jax.nn.dot_product_attention(q, k, v, bias=bias, scale=call.scale,
-                                           is_causal=call.causal, implementation="xla")
+                                           is_causal=call.causal, local_window_size=window,
+                                           implementation="xla")
         return out.astype(jnp.float16) if wide else out
 
     return attend

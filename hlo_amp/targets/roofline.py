@@ -232,14 +232,23 @@ def _attention_flops(call: Instruction, query: Array, target: str) -> int:
     [B, N, T, S] of the scores from its backend config and H the query's last dimension
     (BTNH and BNTH alike); two matmuls forward (Q·Kᵀ, P·V), five backward (Q·Kᵀ again,
     dO·Vᵀ, Pᵀ·dO, dS·K, dSᵀ·Q), as FlashAttention-2 counts them; half of it under a
-    causal mask, whose masked blocks the kernel skips."""
+    causal mask, whose masked blocks the kernel skips, and under a causal sliding window
+    of w keys the share of the scores inside it."""
     config = call.backend_config().get("cudnn_fmha_backend_config", {})
     scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
     if len(scores) != 4 or not query.shape:
         return 0
     matmuls = 5 if "Backward" in target else 2
     flops = 2 * matmuls * math.prod(scores) * query.shape[-1]
-    return flops // 2 if "CAUSAL" in str(config.get("mask_type", "")) else flops
+    if "CAUSAL" not in str(config.get("mask_type", "")):
+        return flops
+    queries, keys = scores[2:]
+    window = int(config.get("sliding_window_length", 0) or 0)
+    if not 0 < window < queries:
+        return flops // 2
+    # Query t sees min(t + 1, w) keys: w(w + 1)/2 over the first w queries, w after.
+    seen = window * (window + 1) // 2 + (queries - window) * window
+    return flops * seen // (queries * keys)
 
 
 def _dot_dims(attrs: str) -> dict[str, list[int]]:

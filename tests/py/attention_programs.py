@@ -191,6 +191,34 @@ def dpa_scan_padding(causal: bool) -> tuple[Callable[..., Any], tuple]:
                                             padding_mask())
 
 
+def einsum_scan_prefix_lm(x: jax.Array, params: jax.Array, pad: jax.Array) -> jax.Array:
+    """A prefix-LM mask of per-sequence prefix lengths ANDed with padding, made before a
+    scan of layers and passed through it: its constant part varies along the batch, no
+    constant mask of the kernel's; it was refused ('a constant mask that varies along
+    the batch or heads') once the mask before the loop was read (review h92)."""
+    positions = jnp.arange(T)
+    prefix = positions < jnp.array([3, 5])[:, None, None, None]  # [B, 1, 1, S]
+    mask = ((positions[:, None] >= positions) | prefix) & pad
+
+    def layer(h: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
+        q, k = (jnp.einsum("btd,de->bte", h, w[i]).reshape(B, T, N, H) for i in range(2))
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), h.reshape(B, T, N, H))
+        return h + out.reshape(B, T, N * H), None
+
+    return jax.lax.scan(layer, x, params)[0]
+
+
+def einsum_integer_and_mask(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array,
+                            b: jax.Array) -> jax.Array:
+    """An integer mask's bitwise and, ``(a & b) != 0``: it was read as ``(a != 0) & (b !=
+    0)``, 114% off (review h92)."""
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5
+    scores = jnp.where((a & b)[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
+
+
 def dpa_keys_as_given(x: jax.Array, w: jax.Array) -> jax.Array:
     """Queries and values projected, the keys x itself: under ``jax.checkpoint`` at batch 1
     the backward's v read its batch dimension as a unit one, and the backward was refused
@@ -320,10 +348,19 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
             jax.jit(dpa(query_seq_lengths=jnp.full((B,), T - 2),
                         key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
             (q_mha, k_mha, v_mha)),
+        "dpa_sliding_window_constant_key_lengths": (
+            _grad_of(dpa(is_causal=True, local_window_size=(4, 0),
+                         key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
+            (q, k, v)),
         "dpa_causal_constant_key_lengths": (
             _grad_of(dpa(is_causal=True, key_value_seq_lengths=jnp.full((B,), T - 3),
                          implementation="xla")), (q, k, v)),
     }
+    found["einsum_scan_prefix_lm"] = (jax.jit(einsum_scan_prefix_lm), (
+        _normal(3, (B, T, N * H)), _normal(6, (2, 2, N * H, N * H)) / 8, padding_mask()))
+    bits = jnp.array([[1, 2, 1, 2, 1, 2, 1, 3] * (T // 8)] * B, jnp.int32)
+    found["einsum_integer_and_mask"] = (jax.jit(einsum_integer_and_mask), (
+        q_mha, k_mha, v_mha, bits, jnp.array([[1, 1, 2, 2] * (T // 4)] * B, jnp.int32)))
     found["dpa_scan_causal_padding_gqa"] = dpa_scan_padding(causal=True)
     found["dpa_scan_padding_gqa"] = dpa_scan_padding(causal=False)
     for wrap in WRAPS:

@@ -279,14 +279,15 @@ def test_not_when_the_probabilities_have_another_reader() -> None:
 
 
 @pytest.mark.parametrize(("name", "mask", "written"), [
-    ("dpa_sliding_window_gqa", "constant", []),
     ("dpa_two_sided_window_padding", "constant+mask", []),
     ("einsum_prefix_lm", "constant", [f"{programs.T}x{programs.T}"]),
     ("dpa_causal_chunk_of_queries", "constant", []),
     ("dpa_gqa_decode_step", "constant", [f"1x{programs.T}"]),
     ("dpa_constant_key_lengths", "constant", [f"1x{programs.T}"]),
     ("dpa_constant_query_and_key_lengths", "constant", [f"{programs.T}x1", f"1x{programs.T}"]),
-    ("dpa_causal_constant_key_lengths", "causal+constant", [f"1x{programs.T}"])])
+    ("dpa_causal_constant_key_lengths", "causal+constant", [f"1x{programs.T}"]),
+    ("dpa_sliding_window_constant_key_lengths", "causal+window+constant",
+     [f"1x{programs.T}"])])
 def test_a_constant_mask_other_than_causal_becomes_the_kernels_bias(name, mask,
                                                                     written) -> None:
     """A sliding window, a prefix-LM mask, causal over fewer queries than keys (a chunked
@@ -304,6 +305,43 @@ def test_a_constant_mask_other_than_causal_becomes_the_kernels_bias(name, mask,
     constants = re.findall(r"stablehlo.constant dense<(?!true>|false>)[^>]*> : tensor<([0-9x]+)"
                            r"xi1>", text)
     assert sorted(constants) == written, constants
+
+
+@pytest.mark.parametrize("window", [1, 4, 9])
+def test_a_causal_sliding_window_is_cudnns_own(window) -> None:
+    """A causal sliding window (jax's local_window_size=(w - 1, 0), Mistral's and
+    Gemma's local layers) was the kernel's bias, which computes every block of the
+    scores: it is cuDNN's causal mask with its own sliding_window_length (jax's own
+    conversion for implementation="cudnn"), no bias, and the roofline counts the scores
+    inside the window alone."""
+    from hlo_amp.targets.roofline import estimate
+
+    t, h = 64, 16
+    q, k, v = (jax.random.normal(key, (1, t, 2, h), jnp.bfloat16)
+               for key in jax.random.split(jax.random.key(0), 3))
+
+    def attend(window_size):
+        return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=window_size))
+
+    lowered = hlo_amp.compile(attend((window - 1, 0)), "bf16").lower(q, k, v, target="h100")
+    assert [(s.fused, s.mask) for s in lowered.report().attention] == [
+        (True, "causal+window")]
+    text = lowered.as_text()
+    assert "__cudnn$fmhaSoftmax(" in text and "Bias" not in text
+    assert re.findall(r"sliding_window_length\\22: (\d+)", text) == [str(window)]
+    compiled = lowered.compile()
+    assert compiled.report().attention[0].kept_by_xla
+
+    def attention_flops(compiled_text):
+        kernels = [k for k in estimate(compiled_text, "h100").kernels if k.matrix == "attention"]
+        return sum(k.flops for k in kernels)
+
+    causal = hlo_amp.compile(attend(None), "bf16").lower(q, k, v, target="h100")
+    full = 2 * 2 * 2 * t * t * h  # Q·Kᵀ and P·V over two heads
+    assert attention_flops(causal.compile().as_text()) == full // 2
+    seen = int(np.sum(np.tri(t, t, dtype=bool) & ~np.tri(t, t, -window, dtype=bool)))
+    assert attention_flops(compiled.as_text()) == full * seen // (t * t)
 
 
 @pytest.mark.parametrize(("fill", "scale_after"),

@@ -297,6 +297,7 @@ def _entry(op: ir.Operation, site: Site, fn_name: str,
         kv_shape = "x".join(map(str, call.kv_shape))
         shapes = f"q {q_shape}, k/v {kv_shape} (BTNH)"
         parts = (["causal"] if match.causal else []) + (
+            ["window"] if match.window else []) + (
             ["constant"] if match.constant_mask else []) + (
             ["mask"] if match.mask_leaves else [])
         mask = "+".join(parts) or "none"

@@ -43,6 +43,30 @@ def band_of(array: np.ndarray) -> tuple[int, int] | None:
     return lo, hi
 
 
+def _is_boolean(value: ir.Value) -> bool:
+    element = ir.RankedTensorType(value.type).element_type
+    return isinstance(element, ir.IntegerType) and element.width == 1
+
+
+def causal_window(array: np.ndarray, outer: np.ndarray) -> int | None:
+    """For a square [T, T] ``array`` that is causal ANDed with ``outer`` (rows and keys
+    masked whole: constant sequence lengths), 0; causal with a sliding window, keys
+    t - w < s <= t (cuDNN's ``sliding_window_length``, jax's ``local_window_size=(w - 1,
+    0)``), w; else None."""
+    t = array.shape[0]
+    rows = np.flatnonzero(array.any(axis=1))
+    if rows.size == 0:
+        return None
+    lowest = int((array.argmax(axis=1)[rows] - rows).min())  # the least s - t seen
+    if lowest > 0:
+        return None
+    window = 0 if lowest <= 1 - t else 1 - lowest
+    expected = np.tri(t, t, dtype=bool)
+    if window:
+        expected &= ~np.tri(t, t, lowest - 1, dtype=bool)
+    return window if np.array_equal(array, expected & outer) else None
+
+
 class MaskReading:
     """The mask half of match.py's site analysis (``view``, ``memo``, ``sizes`` and
     ``q_roles`` are the site's)."""
@@ -109,7 +133,9 @@ class MaskReading:
                           or MaskLeaf(value, [None if d is None else roles[d] for d in dims]))
             return
         name = op.name
-        if name == "stablehlo.and":
+        if name == "stablehlo.and" and _is_boolean(value):
+            # (An integer mask's bitwise and, (a & b) != 0, is no logical and of a != 0
+            # and b != 0: it stays whole.)
             for operand in op.operands:
                 self._leaves(operand, stack, dims, roles, constant, leaves)
             return
@@ -164,6 +190,11 @@ class MaskReading:
         except NotFused:
             return None
         varying = {rs[d] for _array, select_dims, rs in before_constant for d in select_dims}
+        # A constant part that varies along the batch or heads (a prefix-LM mask of
+        # per-sequence prefix lengths) is no constant mask of the kernel's: the bias
+        # reads it in the loop's value.
+        if any(r[0] != "Q" and r != S_ROLE for r in varying):
+            before_constant = []
         varying |= {r for leaf in before_leaves for r in leaf.roles if r is not None}
         shape = shape_of(value)
         first_only = tuple(i for i, d in enumerate(dims)
@@ -208,11 +239,13 @@ class MaskReading:
 
     def _constant_mask(self, parts: list[tuple[np.ndarray, tuple[Role, ...]]],
                        axis_roles: list[Role], t_role: Role
-                       ) -> tuple[bool, tuple[np.ndarray, ...]]:
-        """Whether a constant part is causal (cuDNN's own mask), and the others for the
-        kernel's bias, each [T, S], [T, 1] or [1, S] (a sliding window, a prefix-LM or
-        block-causal mask, causal over queries and keys of different lengths, constant
-        sequence lengths: no part broadcast to T x S); none that masks nothing."""
+                       ) -> tuple[bool, int, tuple[np.ndarray, ...]]:
+        """Whether a constant part is causal (cuDNN's own mask), the length of a causal
+        sliding window in it (cuDNN's own too; 0: none), and the other parts for the
+        kernel's bias, each [T, S], [T, 1] or [1, S] (a two-sided window, a prefix-LM
+        or block-causal mask, causal over queries and keys of different lengths,
+        constant sequence lengths: no part broadcast to T x S); none that masks
+        nothing."""
         if set(axis_roles) - {t_role, S_ROLE}:
             raise NotFused("a constant mask that varies along the batch or heads")
         t, s = self.sizes[t_role], self.sizes[S_ROLE]
@@ -226,21 +259,22 @@ class MaskReading:
         # A [T, S] part that is a [T] and an [S] mask ANDed (jax's sequence lengths, read
         # as one constant), causal or not, goes as them (no T x S constant).
         causal = False
+        window = 0
         split: list[np.ndarray] = []
         for factor in factors:
             if factor.shape == (t, s) and 1 not in factor.shape:
                 rows, keys = factor.any(axis=1, keepdims=True), factor.any(axis=0, keepdims=True)
                 outer = rows & keys
-                if t == s and not causal and np.array_equal(
-                        factor, np.tri(t, s, dtype=bool) & outer):
-                    causal = True
+                found = causal_window(factor, outer) if t == s and not causal else None
+                if found is not None:
+                    causal, window = True, found
                     split += [v for v in (rows, keys) if not v.all()]
                     continue
                 if np.array_equal(factor, outer):
                     split += [v for v in (rows, keys) if not v.all()]
                     continue
             split.append(factor)
-        return causal, tuple(split)
+        return causal, window, tuple(split)
 
     def _check_leaves(self, match: object) -> None:
         for leaf in match.mask_leaves:  # type: ignore[attr-defined]

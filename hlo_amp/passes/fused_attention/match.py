@@ -561,8 +561,8 @@ class _Site(MaskReading, ExitReading):
         self._fill_exits(match, exits)
         match.t_role = self._query_axis(bool(parts), axis_roles, leaves)
         if parts:
-            match.causal, match.constant_mask = self._constant_mask(parts, axis_roles,
-                                                                    match.t_role)
+            match.causal, match.window, match.constant_mask = self._constant_mask(
+                parts, axis_roles, match.t_role)
         self._check_leaves(match)
         return match
 

@@ -88,7 +88,7 @@ def call_of(match: Match, layout: Layout, dtype: str, bias_shape: tuple | None
         batch=size(layout.batch), q_len=sizes[layout.t], kv_len=sizes[S_ROLE],
         q_heads=size(layout.heads) * size(layout.groups), kv_heads=size(layout.heads),
         head_dim=sizes[H_ROLE], dtype=dtype, scale=match.scale, causal=match.causal,
-        bias_shape=bias_shape, training=match.training)
+        bias_shape=bias_shape, training=match.training, window=match.window)
 
 
 def bias_shape_of(match: Match, layout: Layout) -> tuple[int, int, int, int] | None:

@@ -51,6 +51,8 @@ class Match:
     # Constant masks that are not causal, each [T, S], [T, 1] or [1, S] (ANDed with the
     # leaves in the bias).
     constant_mask: tuple[np.ndarray, ...] = ()
+    # Under a causal mask, cuDNN's sliding window: keys t - window < s <= t (0: none).
+    window: int = 0
     v: ir.Value | None = None
     v_roles: list[Role] = field(default_factory=list)
     d_out: ir.Value | None = None  # dO, the gradient of the output (a training step)
