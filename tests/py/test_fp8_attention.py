@@ -58,6 +58,45 @@ def test_an_unfused_attention_stays_16_bit_between_fp8_projections():
     assert len(projections) == 9 and all(d.fp8 for d in projections)
 
 
+def _refused_step(form: str):
+    """Attention the pass finds and refuses for a reason of its own, before the target's:
+    the site's matmuls were never marked attention's and went fp8 (P·V with e4m3
+    probabilities; hunt h93)."""
+    def attend(q, k, v):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D // HEADS)
+        if form == "softcap":  # Gemma-2's: 'the scores pass through tanh'
+            scores = 30.0 * jnp.tanh(scores / 30.0)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+    inner = jax.jit(attend) if form == "inner_jit" else attend
+
+    def layer(x, w):
+        q, k, v = ((x @ w[n]).reshape(B, T, HEADS, D // HEADS) for n in range(3))
+        return x + inner(q, k, v).reshape(B, T, D) @ w[3], None
+
+    def loss(w, x):
+        if form == "scan_without_checkpoint":  # its backward in the backward loop's body
+            return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
+        return jnp.mean(layer(x, w[0])[0] ** 2)
+
+    return jax.grad(loss)
+
+
+@pytest.mark.parametrize("form", ["softcap", "inner_jit", "scan_without_checkpoint"])
+def test_a_refused_attention_stays_16_bit(form):
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((2, 4, D, D)) / 8, jnp.float32)
+    _, x = _args()
+    report = hlo_amp.compile(_refused_step(form), f"fp8,{ALL}").lower(w, x).report()
+    assert report.attention and not any(s.fused for s in report.attention)
+    assert "CPU" not in report.attention[0].reason  # refused before the target says
+    dots = [d for d in report.decisions if d.op_kind == "dot_general"]
+    attention = [d for d in dots if any(e in d.location for e in ATTENTION_EINSUMS)]
+    assert len(attention) == 6, [d.location for d in dots]
+    assert all(not d.fp8 and ATTENTION_FALLBACK in d.reason for d in attention)
+    assert all(d.fp8 for d in dots if d not in attention)
+
+
 def test_a_scope_rule_asks_for_fp8_attention():
     attention, _ = _dots(f"fp8,{ALL},scope:attn=float8_e5m2")
     assert len(attention) == 6 and all(d.fp8 for d in attention)

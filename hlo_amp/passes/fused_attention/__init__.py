@@ -101,6 +101,7 @@ class FusedAttention:
         # Only a matrix op an exponential follows can start a softmax attention.
         sources = exponential_sources(view, module)
         ends = self._program_ends(module)
+        unfused: set[tuple[str, str, str] | None] = set()  # _named of unfused matmuls
         for fn in functions(module):
             name = function_name(fn)
             prefix = prefixes.get(name, "")
@@ -110,30 +111,34 @@ class FusedAttention:
                 found = self._site(view, op, prefix, obstacle, name, ends)
                 if found is None:
                     continue
-                site, planned, match = found
+                site, planned, matmuls = found
                 times = op_runs(runs, loops, name, op).count
                 if planned is not None:
                     try:
                         self._fuse(*planned, site.kernel_name)
                         fused += 1
-                        match = None
+                        matmuls = []
                     except NotFused as error:
                         site = replace(site, fused=False, reason=error.reason, kernel="",
                                        dtype="")
-                if match is not None:  # found, not fused: its matmuls stay attention's
-                    _mark_matmuls(match)
+                # Found, not fused: its matmuls stay attention's (never fp8: a refused
+                # site's went fp8 under an fp8 policy, P·V with e4m3 probabilities).
+                for matmul in matmuls:
+                    mark_attention(matmul)
+                    unfused.add(_named(matmul, prefix))
                 if report is not None:
                     report.attention.append(replace(site, flops=site.flops * times))
+        _mark_their_backward(module, prefixes, unfused)
         if report is not None and fused:
             report.notes.append(f"fused-attention: {fused} attention site(s) run as "
                                 f"{_KERNEL_NAMES[self.kernel]} attention")
 
     def _site(self, view: CallView, op: ir.Operation, prefix: str, obstacle: str | None,
               fn_name: str, ends: dict[int, tuple[str, ...]]
-              ) -> tuple[AttentionSite, _Planned | None, Match | None] | None:
+              ) -> tuple[AttentionSite, _Planned | None, list[ir.Operation]] | None:
         """The report's entry for the attention at ``op`` (None: no attention starts
-        there), what fusing it takes when it is to be fused, and its match (None where
-        the matcher did not get that far)."""
+        there), what fusing it takes when it is to be fused, and its matmuls (as far as
+        the matcher found them)."""
         site = site_of(op.location, "dot_general", prefix)
         try:
             match = match_site(view, op)
@@ -141,13 +146,13 @@ class FusedAttention:
             if not error.attention:
                 return None
             return (replace(_entry(op, site, fn_name, None, False, error.reason),
-                            direction=error.direction or "forward"), None, None)
+                            direction=error.direction or "forward"), None, error.matmuls)
         except Exception as error:  # noqa: BLE001 - matching only reads the module
             # A form the matcher does not know must not cost the user the compile: the
             # site stays as written and the report says why (a rewrite's error still
             # fails the pass: the module is half-written then).
             reason = f"not analysed ({type(error).__name__}: {error})"
-            return _entry(op, site, fn_name, None, False, reason), None, None
+            return _entry(op, site, fn_name, None, False, reason), None, [op]
         reason = obstacle
         dtype = ""
         if reason is None:
@@ -158,7 +163,8 @@ class FusedAttention:
         call = call_of(match, layout, dtype or "bfloat16", bias_shape_of(match, layout))
         entry = _entry(op, site, fn_name, (match, call), reason is None, reason or "",
                        dtype, _KERNEL_NAMES[self.kernel])
-        return entry, ((match, layout, call, dtype) if reason is None else None), match
+        return entry, ((match, layout, call, dtype) if reason is None else None), \
+            _matmuls_of(match)
 
     def _dtype(self, match: Match, prefix: str, ends: dict[int, tuple[str, ...]]
                ) -> tuple[str, str | None]:
@@ -232,16 +238,38 @@ class FusedAttention:
                           *(e.op for e in match.exits.values())])
 
 
-def _mark_matmuls(match: Match) -> None:
-    """Mark the matmuls of an attention left unfused (``mark_attention``): the scores',
-    the output's and, in a training step, their backward's (the exits, and dP = dO·Vᵀ,
-    the matmul that reads dO besides dV's)."""
+def _named(op: ir.Operation, prefix: str) -> tuple[str, str, str] | None:
+    """A matmul's scope, einsum and source line, which its backward's matmuls (jax's
+    transpose of it) share; None where the location has no source line."""
+    site = site_of(op.location, "dot_general", prefix)
+    return None if site.source is None else (site.scope_path, site.einsum or "", site.source)
+
+
+def _mark_their_backward(module: ir.Module, prefixes: dict[str, str],
+                         unfused: set[tuple[str, str, str] | None]) -> None:
+    """Mark the backward matmuls of unfused attentions that no site's analysis reached:
+    a scan body without jax.checkpoint stacks its probabilities for a backward loop in
+    another function (they went fp8 under an fp8 policy). Found by name: a backward
+    matmul with the scope, einsum and source line of an unfused attention's matmul."""
+    unfused.discard(None)
+    if not unfused:
+        return
+    for fn in functions(module):
+        prefix = prefixes.get(function_name(fn), "")
+        for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"})):
+            site = site_of(op.location, "dot_general", prefix)
+            if site.gradient_pass and _named(op, prefix) in unfused:
+                mark_attention(op)
+
+
+def _matmuls_of(match: Match) -> list[ir.Operation]:
+    """The matmuls of a matched attention: the scores', the output's and, in a training
+    step, their backward's (the exits, and dP = dO·Vᵀ, the matmul that reads dO besides
+    dV's)."""
     ops = [match.scores, *match.home_ops, *(e.op for e in match.exits.values())]
     if match.d_out is not None:
         ops += [use.owner for use in match.d_out.uses]
-    for op in ops:
-        if op.operation.name == "stablehlo.dot_general":
-            mark_attention(op)
+    return [op for op in ops if op.operation.name == "stablehlo.dot_general"]
 
 
 # MLIR's element type names of the 16-bit compute types ("bf16" -> "bfloat16").

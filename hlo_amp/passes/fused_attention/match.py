@@ -137,8 +137,10 @@ class _Site(MaskReading, ExitReading):
         # softmax(where=): the divide's sum reads select(where, exp, 0), and P is zeroed
         # where masked; read as a softmax so the site is found, then refused.
         self.masked_sum = False
-        # The forward returns the probabilities to a backward in another function.
+        # The forward returns the probabilities to a backward in another function (as
+        # its results ``returned``).
         self.split_backward = False
+        self.returned: list[int] = []
         # The exponential is divided by its sum plus a term (exp / (sum + eps)).
         self.shifted_sum = False
         self._canon: dict[tuple[ir.Value, Stack], tuple[ir.Value, Stack]] = {}
@@ -168,6 +170,7 @@ class _Site(MaskReading, ExitReading):
                     if name == "func.return" and self.view.returned_to_calls(self.home,
                                                                               number):
                         self.split_backward = True
+                        self.returned.append(number)
                         self.escapes.append(
                             "its function returns them to another function's backward "
                             "(a jax.jit inside the differentiated function, or a scan body "
@@ -189,6 +192,46 @@ class _Site(MaskReading, ExitReading):
                 for result in reader.results:
                     self.values.add((result, reader_stack))
                     queue.append((result, reader_stack))
+
+    def matmuls_found(self) -> list[ir.Operation]:
+        """The matmuls of the attention as far as the walk got: the scores', those that
+        read the cluster (P·V, and a training step's Pᵀ·dO, dS·K, dSᵀ·Q), also inside
+        called functions, and those whose results enter it (dP = dO·Vᵀ)."""
+        found = {op_key(self.scores): self.scores}
+        for op, _number in self.exits:
+            found.setdefault(op_key(op), op)
+        for op, stack in list(self.ops.values()):
+            for value in op.operands:
+                if self.in_cluster(value, stack):
+                    continue
+                made, _value, _stack = self.view.producer(value, stack)
+                if made is not None and made.name == _DOT:
+                    found.setdefault(op_key(made), made)
+            for result in op.results:
+                for reader, _number, _stack in self.view.readers(result, stack):
+                    if reader.name == _DOT:
+                        found.setdefault(op_key(reader), reader)
+        # The backward in another function: the matmuls that read what the forward
+        # returns it, through elementwise and layout ops (dV = Pᵀ·dO, dS·K, dSᵀ·Q).
+        parent = self.home.owner
+        parent = getattr(parent, "operation", parent)
+        callers = self.view.callers.get(ir.StringAttr(parent.attributes["sym_name"]).value,
+                                        []) if self.returned and parent is not None else []
+        queue = [(call.results[n], ()) for call in callers for n in self.returned]
+        seen: set[tuple[int, Stack]] = set()
+        while queue and len(seen) < MAX_CLUSTER:
+            value, stack = queue.pop()
+            for reader, _number, reader_stack in self.view.readers(value, stack):
+                if reader.name == _DOT:
+                    found.setdefault(op_key(reader), reader)
+                elif reader.name in CLUSTER_OPS and (op_key(reader), reader_stack) not in seen:
+                    seen.add((op_key(reader), reader_stack))
+                    queue.extend((result, reader_stack) for result in reader.results)
+                    for operand in reader.operands:  # dP, which dS = P·(dP - ...) reads
+                        made, _value, _stack = self.view.producer(operand, reader_stack)
+                        if made is not None and made.name == _DOT:
+                            found.setdefault(op_key(made), made)
+        return list(found.values())
 
     def canon(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
         """The value as the op that makes it sees it (a call's result is the callee's
@@ -1021,11 +1064,13 @@ def exponential_sources(view: CallView, module: ir.Module) -> set[int] | None:
 
 
 def match_site(view: CallView, scores: ir.Operation) -> Match:
-    """The attention starting at ``scores`` (a ``dot_general``), or NotFused."""
+    """The attention starting at ``scores`` (a ``dot_general``), or NotFused (with the
+    matmuls of the attention found so far, ``error.matmuls``)."""
     site = _Site(view, scores)
     try:
         return site.match()
     except NotFused as error:
+        error.matmuls = site.matmuls_found()
         # A forward pass has one matrix op reading its cluster (P·V); a training step's
         # backward adds Pᵀ·dO, dS·K and dSᵀ·Q.
         readers = len(site.exits)

@@ -31,6 +31,8 @@ class NotFused(Exception):
         super().__init__(reason)
         self.reason, self.attention = reason, attention
         self.direction: str | None = None  # the site's, as far as the analysis saw
+        # The attention's matmuls found before it was refused (match.py's match_site).
+        self.matmuls: list = []
 
 
 def shape_of(value: ir.Value) -> tuple[int, ...]:
