@@ -210,6 +210,18 @@ def einsum_scan_prefix_lm(x: jax.Array, params: jax.Array, pad: jax.Array) -> ja
     return jax.lax.scan(layer, x, params)[0]
 
 
+def einsum_sharding_constraints(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``with_sharding_constraint`` on the scores and the probabilities (as jax writes a
+    constraint after every op under an Explicit mesh, ``jax.make_mesh``'s default): the
+    site was not found, and under fp8 its matmuls went fp8 (hunt h93)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5
+    scores = jax.lax.with_sharding_constraint(scores, replicated)
+    probabilities = jax.lax.with_sharding_constraint(jax.nn.softmax(scores, -1), replicated)
+    return jnp.einsum("bnts,bsnh->btnh", probabilities, v)
+
+
 def einsum_integer_and_mask(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array,
                             b: jax.Array) -> jax.Array:
     """An integer mask's bitwise and, ``(a & b) != 0``: it was read as ``(a != 0) & (b !=
@@ -361,6 +373,8 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
     bits = jnp.array([[1, 2, 1, 2, 1, 2, 1, 3] * (T // 8)] * B, jnp.int32)
     found["einsum_integer_and_mask"] = (jax.jit(einsum_integer_and_mask), (
         q_mha, k_mha, v_mha, bits, jnp.array([[1, 1, 2, 2] * (T // 4)] * B, jnp.int32)))
+    found["einsum_sharding_constraints"] = (_grad_of(einsum_sharding_constraints),
+                                            (q_mha, k_mha, v_mha))
     found["dpa_scan_causal_padding_gqa"] = dpa_scan_padding(causal=True)
     found["dpa_scan_padding_gqa"] = dpa_scan_padding(causal=False)
     for wrap in WRAPS:

@@ -344,6 +344,28 @@ def test_a_causal_sliding_window_is_cudnns_own(window) -> None:
     assert attention_flops(compiled.as_text()) == full * seen // (t * t)
 
 
+@pytest.mark.parametrize("form", ["query_lengths", "left_padded_keys"])
+def test_causal_with_constant_lengths_is_no_window(form) -> None:
+    """Causal with constant query lengths, or with its first keys padded, hides row
+    T - 1's first key: it was read as a sliding window of the keys row T - 1 still
+    sees (review h94), a window the program does not have."""
+    t = np.arange(16)
+    left_padded = jnp.asarray((t[None] <= t[:, None]) & (t[None] >= 3))[None, None]
+
+    def attend(q, k, v):
+        if form == "query_lengths":
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                query_seq_lengths=jnp.array([10]),
+                                                implementation="xla")
+        return jax.nn.dot_product_attention(q, k, v, mask=left_padded, implementation="xla")
+
+    q, k, v = (jax.random.normal(key, (1, 16, 2, 8)) for key in jax.random.split(
+        jax.random.key(0), 3))
+    lowered = hlo_amp.compile(attend, "bf16").lower(q, k, v, target="h100")
+    assert [s.mask for s in lowered.report().attention] == ["causal+constant"]
+    assert re.findall(r"sliding_window_length\\22: (\d+)", lowered.as_text()) == ["0"]
+
+
 @pytest.mark.parametrize(("fill", "scale_after"),
                          [(-1e4, 1e-4), (-1e9, -1.0), (float("nan"), 1.0)])
 def test_not_where_a_scale_after_the_mask_undoes_its_fill(fill, scale_after) -> None:

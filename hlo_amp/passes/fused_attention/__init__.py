@@ -46,7 +46,7 @@ from hlo_amp.ir.modules import (
 from hlo_amp.ir.program_hints import caller_devices, forward_ends
 from hlo_amp.ir.shardings import partition_count
 from hlo_amp.ir.sites import Site, asks_for_precision, location_name, site_of
-from hlo_amp.passes.fused_attention.calls import CallView
+from hlo_amp.passes.fused_attention.calls import SHARDING_CONSTRAINT, CallView
 from hlo_amp.passes.fused_attention.match import exponential_sources, match_site
 from hlo_amp.passes.fused_attention.rewrite import (
     Layout,
@@ -267,8 +267,13 @@ def _matmuls_of(match: Match) -> list[ir.Operation]:
     step, their backward's (the exits, and dP = dO·Vᵀ, the matmul that reads dO besides
     dV's)."""
     ops = [match.scores, *match.home_ops, *(e.op for e in match.exits.values())]
-    if match.d_out is not None:
-        ops += [use.owner for use in match.d_out.uses]
+    pending = [match.d_out] if match.d_out is not None else []
+    while pending:  # dO's readers, through sharding constraints
+        for use in pending.pop().uses:
+            if use.owner.operation.name == SHARDING_CONSTRAINT:
+                pending.append(use.owner.results[0])
+            else:
+                ops.append(use.owner)
     return [op for op in ops if op.operation.name == "stablehlo.dot_general"]
 
 

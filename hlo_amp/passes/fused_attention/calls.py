@@ -34,6 +34,9 @@ _CALL = "func.call"
 _BODIES = frozenset(BODY_ATTRIBUTE)
 _RETURN = "func.return"
 _WHILE = "stablehlo.while"
+# Shardy's constraint (jax writes one after every op under an Explicit mesh, and for
+# with_sharding_constraint): the same values, seen through as if absent.
+SHARDING_CONSTRAINT = "sdy.sharding_constraint"
 
 
 class CallView:
@@ -101,13 +104,16 @@ class CallView:
 
     def readers(self, value: ir.Value, stack: Stack
                 ) -> Iterator[tuple[ir.Operation, int, Stack]]:
-        """Each op reading ``value`` (not discarded), seen through calls: (reader,
-        operand number, the reader's stack). A call is entered, a helper's return goes
-        back out through the call on top of ``stack``; the home function's own return
-        is yielded as a reader."""
+        """Each op reading ``value`` (not discarded), seen through calls and sharding
+        constraints: (reader, operand number, the reader's stack). A call is entered, a
+        helper's return goes back out through the call on top of ``stack``; the home
+        function's own return is yielded as a reader."""
         for use in live_uses(value):
             owner = use.owner.operation
             number = use.operand_number
+            if owner.name == SHARDING_CONSTRAINT:
+                yield from self.readers(owner.results[0], stack)
+                continue
             if owner.name == _CALL:
                 block = self.callee_block(owner)
                 if block is not None:
@@ -135,8 +141,9 @@ class CallView:
 
     def producer(self, value: ir.Value, stack: Stack, *, invariant_carries: bool = False
                  ) -> tuple[ir.Operation | None, ir.Value, Stack]:
-        """The op making ``value``, seen through calls: (op, the value it makes, its
-        stack); op is None for an argument of the home function or region. With
+        """The op making ``value``, seen through calls and sharding constraints: (op, the
+        value it makes, its stack); op is None for an argument of the home function or
+        region. With
         ``invariant_carries`` (for evaluating constants), a loop-body argument the loop
         passes on unchanged is followed to the loop's operand, and an argument of a
         private function called once to the call's operand (a constant mask jax hoisted
@@ -171,6 +178,9 @@ class CallView:
                 return None, value, stack
             op = value.owner
             op = op.operation if hasattr(op, "operation") else op
+            if op.name == SHARDING_CONSTRAINT:
+                value = op.operands[0]
+                continue
             if op.name == _CALL:
                 block = self.callee_block(op)
                 if block is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from jaxlib.mlir import ir
 
 from hlo_amp.ir.sites import location_name
-from hlo_amp.passes.fused_attention.calls import Stack
+from hlo_amp.passes.fused_attention.calls import SHARDING_CONSTRAINT, Stack
 from hlo_amp.passes.fused_attention.roles import (
     DROPOUT,
     H_ROLE,
@@ -114,7 +114,7 @@ class ExitReading:
                 steps = 0
                 while (not isinstance(value, ir.BlockArgument) and steps < 4
                        and producer.name in ("stablehlo.transpose", "stablehlo.convert",
-                                             "stablehlo.reshape")):
+                                             "stablehlo.reshape", SHARDING_CONSTRAINT)):
                     value = producer.operands[0]
                     producer = value.owner.operation
                     steps += 1

@@ -54,17 +54,18 @@ def causal_window(array: np.ndarray, outer: np.ndarray) -> int | None:
     t - w < s <= t (cuDNN's ``sliding_window_length``, jax's ``local_window_size=(w - 1,
     0)``), w; else None."""
     t = array.shape[0]
+    causal = np.tri(t, t, dtype=bool) & outer
+    if np.array_equal(array, causal):  # no window (query lengths or padded keys may
+        return 0                       # hide row T - 1's first key: review h94)
     rows = np.flatnonzero(array.any(axis=1))
     if rows.size == 0:
         return None
     lowest = int((array.argmax(axis=1)[rows] - rows).min())  # the least s - t seen
-    if lowest > 0:
+    if not 1 - t < lowest <= 0:
         return None
-    window = 0 if lowest <= 1 - t else 1 - lowest
-    expected = np.tri(t, t, dtype=bool)
-    if window:
-        expected &= ~np.tri(t, t, lowest - 1, dtype=bool)
-    return window if np.array_equal(array, expected & outer) else None
+    window = 1 - lowest
+    return window if np.array_equal(array, causal & ~np.tri(t, t, lowest - 1, dtype=bool)) \
+        else None
 
 
 class MaskReading:

@@ -31,6 +31,7 @@ from hlo_amp.ir.modules import (
     walk_operations,
 )
 from hlo_amp.ir.op_classes import MATRIX_OP_NAMES
+from hlo_amp.passes.fused_attention.calls import SHARDING_CONSTRAINT
 from hlo_amp.passes.fused_attention.masks import band_of
 from hlo_amp.passes.fused_attention.roles import (
     H_ROLE,
@@ -428,7 +429,8 @@ def discard_dead(seeds: list[ir.Operation]) -> int:
             continue
         if not is_discarded(operation):
             name = operation.name
-            if name in _IMPURE or not (name.startswith("stablehlo.") or name == "func.call"):
+            if name in _IMPURE or not (name.startswith("stablehlo.")
+                                       or name in ("func.call", SHARDING_CONSTRAINT)):
                 continue
             if any(True for result in operation.results for _ in live_uses(result)):
                 continue

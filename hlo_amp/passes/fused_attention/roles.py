@@ -103,15 +103,15 @@ def result_roles(op: ir.Operation, inputs: list[list[Role] | None]) -> list[Role
 
 
 def base_of(value: ir.Value) -> tuple[ir.Value, list[int | None]]:
-    """``value`` before transposes, converts and unit reshapes in its block, and each of
-    its dimensions' dimension there (None: a size-1 one added)."""
+    """``value`` before transposes, converts, unit reshapes and sharding constraints in its
+    block, and each of its dimensions' dimension there (None: a size-1 one added)."""
     mapping: list[int | None] = list(range(len(shape_of(value))))
     for _step in range(8):
         if isinstance(value, ir.BlockArgument):
             break
         op = value.owner.operation
         name = op.name
-        if name == "stablehlo.convert":
+        if name in ("stablehlo.convert", "sdy.sharding_constraint"):
             value = op.operands[0]
         elif name == "stablehlo.transpose":
             permutation = list(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
