@@ -73,7 +73,8 @@ def target_mesh(target: str | Target, axes: Mapping[str, int] | None = None
     return device_target(target).mesh(axes)
 
 
-def abstract_arguments(tree: Any, target: Target, placed_by_jit: bool = False) -> Any:
+def abstract_arguments(tree: Any, target: Target, placed_by_jit: bool = False,
+                       context: jax.sharding.Mesh | None = None) -> Any:
     """``tree`` with every array leaf an abstract value placed on the target's devices.
 
     A leaf with a ``NamedSharding`` whose mesh has as many devices as the target keeps it,
@@ -82,10 +83,13 @@ def abstract_arguments(tree: Any, target: Target, placed_by_jit: bool = False) -
     ``jax.jit`` keeps an argument's sharding; every other array is replicated (with a
     warning where a mesh of several devices meets a target of another number), or, where
     the jit places its arguments itself (``placed_by_jit``: its ``in_shardings``), left
-    without a sharding, as jax.jit takes a NumPy array there.
+    without a sharding, as jax.jit takes a NumPy array there. ``context``: the mesh of
+    ``jax.set_mesh`` on the target's devices, which replicated arguments go on (on the
+    target's own mesh, an Explicit context's ops met arguments of another: jax's
+    "context mesh ... should match the aval mesh").
     """
-    replicated = (None if placed_by_jit else
-                  jax.sharding.NamedSharding(target.mesh(), jax.sharding.PartitionSpec()))
+    replicated = (None if placed_by_jit else jax.sharding.NamedSharding(
+        context if context is not None else target.mesh(), jax.sharding.PartitionSpec()))
     meshes: dict[tuple, jax.sharding.Mesh] = {}
     warned: set[int] = set()
 
@@ -169,8 +173,8 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target,
             f"({dict(context.shape)}); target {target.name!r} has {target.devices}: lower "
             f"outside it, or set a mesh of its {target.devices} device(s) "
             f"(hlo_amp.target_mesh(target, axes))")
-    scope = (jax.set_mesh(on_target_mesh(context, target)) if not context.empty
-             else contextlib.nullcontext())
+    context_mesh = None if context.empty else on_target_mesh(context, target)
+    scope = jax.set_mesh(context_mesh) if context_mesh is not None else contextlib.nullcontext()
     # jax checks the cuDNN version and the GPU while it traces
     # dot_product_attention(implementation="cudnn"): answered for the GPU compiled for
     # (without it every such program failed here with "cuDNN not found").
@@ -178,7 +182,8 @@ def lower_for_target(jitted: Any, args: tuple, kwargs: dict, target: Target,
     with scope, cudnn_checks_answered(capability, DEVICELESS_CUDNN):
         placed_args, placed_kwargs = abstract_arguments(
             (args, kwargs), target,
-            placed_by_jit=_has_in_shardings(jitted) or _has_shardings(inner))
+            placed_by_jit=_has_in_shardings(jitted) or _has_shardings(inner),
+            context=context_mesh)
         # Static arguments stay what they are: a Python number made an abstract scalar
         # reached the function (train=False as a ShapeDtypeStruct: "len() of unsized
         # object").

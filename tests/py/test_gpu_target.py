@@ -229,6 +229,38 @@ def test_compile_for_target_takes_what_jax_jit_takes_and_says_what_it_does_not()
         hlo_amp.compile(matmul, "bf16").lower(w, x, target="h100")
 
 
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_a_set_mesh_of_the_targets_size_places_plain_arguments_on_it(axis_type) -> None:
+    """Under jax.set_mesh of a mesh of the target's size, arguments with no sharding of
+    their own (a NumPy batch, arrays made before the mesh) were replicated on the
+    target's own mesh: under an Explicit mesh (jax.make_mesh's default) jax refused the
+    trace ("context mesh ... should match the aval mesh"), under an Auto one it wrote an
+    identity reshape into the attention's backward, which was left unfused for a reason
+    it did not have (hunt h93)."""
+    def loss(w, x):
+        q, k, v = (jnp.einsum("btd,dnh->btnh", x, w[n]) for n in range(3))
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jnp.mean(jnp.einsum("btnh,nhd->btd", out, w[0].transpose(1, 2, 0)) ** 2)
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 32, 2, 16)).astype(np.float32) / 8
+    x = rng.standard_normal((2, 16, 32)).astype(np.float32)
+    mesh = jax.make_mesh((1,), ("dp",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    with jax.set_mesh(mesh):
+        report = hlo_amp.compile(jax.grad(loss), "mixed_bfloat16").lower(
+            w, x, target="h100").report()
+    assert [(s.fused, s.reason) for s in report.attention] == [(True, "")]
+
+
+def test_an_identity_reshape_keeps_its_unit_axes() -> None:
+    """jax's identity reshape of dS (16x4x64x1x64 to itself) was read as dropping its
+    size-1 GQA group axis, which lost the axis's role (hunt h93)."""
+    from hlo_amp.passes.fused_attention.constants import unit_reshape_map
+
+    assert unit_reshape_map((16, 4, 64, 1, 64), (16, 4, 64, 1, 64)) == [0, 1, 2, 3, 4]
+    assert unit_reshape_map((16, 1, 64), (16, 64)) == [0, None, 1]
+
+
 def test_the_cudnn_attention_a_user_writes_compiles_for_a_gpu() -> None:
     """jax.nn.dot_product_attention(implementation="cudnn") on bf16 arrays: jax checks
     cuDNN while it traces, answered for the target (it failed: "cuDNN not found"),

@@ -337,6 +337,8 @@ def unit_reshape_map(source: tuple[int, ...] | None, result: tuple[int, ...] | N
     result dimension (None for a dropped size-1 one); None for any other reshape."""
     if source is None or result is None:
         return None
+    if tuple(source) == tuple(result):  # jax's identity reshape keeps its size-1 axes
+        return list(range(len(source)))
     kept = [d for d, size in enumerate(result) if size != 1]
     mapping: list[int | None] = []
     position = 0
