@@ -119,7 +119,10 @@ def abstract_arguments(tree: Any, target: Target, placed_by_jit: bool = False,
     def place(leaf: Any) -> Any:
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             if isinstance(leaf, (bool, int, float, complex)):  # traced like jax.jit does
-                return jax.ShapeDtypeStruct((), jax.numpy.asarray(leaf).dtype,
+                # (Its dtype without an array: under the target's jax.set_mesh one went
+                # to the GPU compiled for, "'Executable' has no attribute
+                # 'local_devices'": review h95.)
+                return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(leaf)),
                                             sharding=replicated, weak_type=True)
             return leaf
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,

@@ -111,8 +111,8 @@ def _lower(call: AttentionCall, kernel: str,
     # cuda drivers" where there is no GPU: dropped (hlo_amp/quiet_stderr.py).
     quiet = (fd2_filtered() if kernel == "cudnn" and compute_capability is not None
              else contextlib.nullcontext())
-    with quiet, internals.cudnn_checks_answered(compute_capability, DEVICELESS_CUDNN,
-                                                active=kernel == "cudnn"):
+    with quiet, _outside_any_mesh(), internals.cudnn_checks_answered(
+            compute_capability, DEVICELESS_CUDNN, active=kernel == "cudnn"):
         if not call.training:
             forward, _outputs = _text(with_bias, inputs, platform)
             return Kernel(forward, None, 0)
@@ -134,6 +134,18 @@ def _lower(call: AttentionCall, kernel: str,
 
         backward, _outputs = _text(backward_fn, (*residual_avals, q), platform)
     return Kernel(forward, backward, len(residual_avals))
+
+
+def _outside_any_mesh() -> contextlib.AbstractContextManager:
+    """No jax.set_mesh mesh while a kernel is lowered: its functions serve every module
+    (cached), and under an Explicit mesh they held sharding constraints naming a mesh
+    another module lacks ("'sdy.sharding_constraint' op unknown mesh: @mesh")."""
+    import jax
+
+    try:
+        return jax.set_mesh(None)
+    except ValueError:  # inside a trace: no mesh of jax.set_mesh's to leave
+        return contextlib.nullcontext()
 
 
 def _text(function, inputs: tuple, platform: str) -> tuple[str, list]:

@@ -97,6 +97,27 @@ def test_a_refused_attention_stays_16_bit(form):
     assert all(d.fp8 for d in dots if d not in attention)
 
 
+def test_projections_on_the_attentions_line_are_no_attention():
+    """A backward matmul is taken for a refused attention's by its scope, einsum and
+    source line only where the attention's backward is in another function and its
+    matmuls name an einsum: the output projection's backward on the line of an
+    attention written with ``@`` was kept 16-bit as "an attention's matmul" (review
+    h95)."""
+    def loss(w, x):
+        q, k, v = x @ w[0], x @ w[1], x @ w[2]
+        y = jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / 8.0, -1) @ v @ w[3]
+        return jnp.mean(y ** 2)
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((4, D, D)) / 8, jnp.float32)
+    _, x = _args()
+    report = hlo_amp.compile(jax.grad(loss), f"fp8,{ALL}").lower(w, x).report()
+    dots = [d for d in report.decisions if d.op_kind == "dot_general"]
+    sixteen = [d for d in dots if not d.fp8]
+    assert len(dots) == 15 and len(sixteen) == 6  # the attention's scores, output, dQ,
+    assert all(ATTENTION_FALLBACK in d.reason for d in sixteen)  # dK, dV, dP
+
+
 def test_a_scope_rule_asks_for_fp8_attention():
     attention, _ = _dots(f"fp8,{ALL},scope:attn=float8_e5m2")
     assert len(attention) == 6 and all(d.fp8 for d in attention)

@@ -250,6 +250,45 @@ def test_a_set_mesh_of_the_targets_size_places_plain_arguments_on_it(axis_type) 
         report = hlo_amp.compile(jax.grad(loss), "mixed_bfloat16").lower(
             w, x, target="h100").report()
     assert [(s.fused, s.reason) for s in report.attention] == [(True, "")]
+    # The kernel lowered under that mesh serves the same shapes outside it (under an
+    # Explicit mesh its functions held the mesh's sharding constraints, and the module
+    # failed verify(): "unknown mesh: @mesh").
+    report = hlo_amp.compile(jax.grad(loss), "mixed_bfloat16").lower(
+        w, x, target="h100").report()
+    assert [(s.fused, s.reason) for s in report.attention] == [(True, "")]
+
+
+def test_an_explicit_meshs_constraints_and_python_scalars() -> None:
+    """Under an Explicit mesh a sharding constraint follows every op: the backward of a
+    checkpointed bf16 attention went unfused ('dP = dO·Vᵀ was not found', the walk to
+    dP counted the constraints as steps), and a Python scalar argument under
+    jax.set_mesh raised "'Executable' object has no attribute 'local_devices'" (review
+    h95)."""
+    def loss(q, k, v, scale):
+        def layer(c, _):
+            return c + jax.nn.dot_product_attention(c, k, v, is_causal=True), None
+        out = jax.lax.scan(jax.checkpoint(layer), q, None, length=2)[0]
+        return jnp.sum(out.astype(jnp.float32) ** 2) * scale
+
+    q, k, v = (jax.random.normal(key, (2, 16, 4, 8), jnp.bfloat16)
+               for key in jax.random.split(jax.random.key(0), 3))
+    mesh = jax.make_mesh((1,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        report = hlo_amp.compile(jax.grad(loss, argnums=(0, 1, 2)), "bf16").lower(
+            q, k, v, 2.0, target="h100").report()
+    assert [(s.direction, s.fused) for s in report.attention] == [
+        ("forward", True), ("backward", True)]
+    # A kernel lowered under that mesh serves the same shapes outside it (cached): it
+    # held the mesh's sharding constraints, and a module without the mesh failed
+    # verify() ("'sdy.sharding_constraint' op unknown mesh: @mesh").
+    from hlo_amp.targets.attention_kernels import AttentionCall, lower_kernel
+
+    call = AttentionCall(batch=2, q_len=24, kv_len=24, q_heads=4, kv_heads=2, head_dim=8,
+                         dtype="bfloat16", scale=0.3, causal=True, bias_shape=None,
+                         training=True)
+    with jax.set_mesh(mesh):
+        kernel = lower_kernel(call, "cudnn", (9, 0))
+    assert "sdy.sharding_constraint" not in kernel.forward + kernel.backward
 
 
 def test_an_identity_reshape_keeps_its_unit_axes() -> None:

@@ -111,7 +111,7 @@ class FusedAttention:
                 found = self._site(view, op, prefix, obstacle, name, ends)
                 if found is None:
                     continue
-                site, planned, matmuls = found
+                site, planned, matmuls, split = found
                 times = op_runs(runs, loops, name, op).count
                 if planned is not None:
                     try:
@@ -125,7 +125,8 @@ class FusedAttention:
                 # site's went fp8 under an fp8 policy, P·V with e4m3 probabilities).
                 for matmul in matmuls:
                     mark_attention(matmul)
-                    unfused.add(_named(matmul, prefix))
+                    if split:
+                        unfused.add(_named(matmul, prefix))
                 if report is not None:
                     report.attention.append(replace(site, flops=site.flops * times))
         _mark_their_backward(module, prefixes, unfused)
@@ -135,10 +136,10 @@ class FusedAttention:
 
     def _site(self, view: CallView, op: ir.Operation, prefix: str, obstacle: str | None,
               fn_name: str, ends: dict[int, tuple[str, ...]]
-              ) -> tuple[AttentionSite, _Planned | None, list[ir.Operation]] | None:
+              ) -> tuple[AttentionSite, _Planned | None, list[ir.Operation], bool] | None:
         """The report's entry for the attention at ``op`` (None: no attention starts
-        there), what fusing it takes when it is to be fused, and its matmuls (as far as
-        the matcher found them)."""
+        there), what fusing it takes when it is to be fused, its matmuls (as far as the
+        matcher found them), and whether its backward is in another function."""
         site = site_of(op.location, "dot_general", prefix)
         try:
             match = match_site(view, op)
@@ -146,13 +147,14 @@ class FusedAttention:
             if not error.attention:
                 return None
             return (replace(_entry(op, site, fn_name, None, False, error.reason),
-                            direction=error.direction or "forward"), None, error.matmuls)
+                            direction=error.direction or "forward"), None, error.matmuls,
+                    error.split_backward)
         except Exception as error:  # noqa: BLE001 - matching only reads the module
             # A form the matcher does not know must not cost the user the compile: the
             # site stays as written and the report says why (a rewrite's error still
             # fails the pass: the module is half-written then).
             reason = f"not analysed ({type(error).__name__}: {error})"
-            return _entry(op, site, fn_name, None, False, reason), None, [op]
+            return _entry(op, site, fn_name, None, False, reason), None, [op], False
         reason = obstacle
         dtype = ""
         if reason is None:
@@ -164,7 +166,7 @@ class FusedAttention:
         entry = _entry(op, site, fn_name, (match, call), reason is None, reason or "",
                        dtype, _KERNEL_NAMES[self.kernel])
         return entry, ((match, layout, call, dtype) if reason is None else None), \
-            _matmuls_of(match)
+            _matmuls_of(match), False
 
     def _dtype(self, match: Match, prefix: str, ends: dict[int, tuple[str, ...]]
                ) -> tuple[str, str | None]:
@@ -240,17 +242,22 @@ class FusedAttention:
 
 def _named(op: ir.Operation, prefix: str) -> tuple[str, str, str] | None:
     """A matmul's scope, einsum and source line, which its backward's matmuls (jax's
-    transpose of it) share; None where the location has no source line."""
+    transpose of it) share; None where the location has no source line or einsum (an
+    ``@`` names no attention: a projection's on the same line, or in the same helper,
+    was taken for one: review h95)."""
     site = site_of(op.location, "dot_general", prefix)
-    return None if site.source is None else (site.scope_path, site.einsum or "", site.source)
+    if site.source is None or not site.einsum:
+        return None
+    return site.scope_path, site.einsum, site.source
 
 
 def _mark_their_backward(module: ir.Module, prefixes: dict[str, str],
                          unfused: set[tuple[str, str, str] | None]) -> None:
-    """Mark the backward matmuls of unfused attentions that no site's analysis reached:
-    a scan body without jax.checkpoint stacks its probabilities for a backward loop in
-    another function (they went fp8 under an fp8 policy). Found by name: a backward
-    matmul with the scope, einsum and source line of an unfused attention's matmul."""
+    """Mark the backward matmuls of unfused attentions whose backward is in another
+    function that no site's analysis reached: a scan body without jax.checkpoint stacks
+    its probabilities for a backward loop (they went fp8 under an fp8 policy). Found by
+    name: a backward matmul with the scope, einsum and source line of such an
+    attention's matmul."""
     unfused.discard(None)
     if not unfused:
         return

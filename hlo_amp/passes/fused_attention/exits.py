@@ -115,9 +115,11 @@ class ExitReading:
                 while (not isinstance(value, ir.BlockArgument) and steps < 4
                        and producer.name in ("stablehlo.transpose", "stablehlo.convert",
                                              "stablehlo.reshape", SHARDING_CONSTRAINT)):
+                    # (Under an Explicit mesh a sharding constraint follows every op:
+                    # no step.)
+                    steps += producer.name != SHARDING_CONSTRAINT
                     value = producer.operands[0]
                     producer = value.owner.operation
-                    steps += 1
                 if isinstance(value, ir.BlockArgument) or producer.name != _DOT:
                     continue
                 operands = list(producer.operands)

@@ -1071,6 +1071,7 @@ def match_site(view: CallView, scores: ir.Operation) -> Match:
         return site.match()
     except NotFused as error:
         error.matmuls = site.matmuls_found()
+        error.split_backward = site.split_backward
         # A forward pass has one matrix op reading its cluster (P·V); a training step's
         # backward adds Pᵀ·dO, dS·K and dSᵀ·Q.
         readers = len(site.exits)

@@ -31,8 +31,10 @@ class NotFused(Exception):
         super().__init__(reason)
         self.reason, self.attention = reason, attention
         self.direction: str | None = None  # the site's, as far as the analysis saw
-        # The attention's matmuls found before it was refused (match.py's match_site).
+        # The attention's matmuls found before it was refused (match.py's match_site),
+        # and whether its backward is in another function.
         self.matmuls: list = []
+        self.split_backward = False
 
 
 def shape_of(value: ir.Value) -> tuple[int, ...]:
@@ -106,11 +108,13 @@ def base_of(value: ir.Value) -> tuple[ir.Value, list[int | None]]:
     """``value`` before transposes, converts, unit reshapes and sharding constraints in its
     block, and each of its dimensions' dimension there (None: a size-1 one added)."""
     mapping: list[int | None] = list(range(len(shape_of(value))))
-    for _step in range(8):
+    steps = 0
+    while steps < 8:
         if isinstance(value, ir.BlockArgument):
             break
         op = value.owner.operation
         name = op.name
+        steps += name != "sdy.sharding_constraint"  # (one after every op: no step)
         if name in ("stablehlo.convert", "sdy.sharding_constraint"):
             value = op.operands[0]
         elif name == "stablehlo.transpose":
