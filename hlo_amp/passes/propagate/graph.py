@@ -240,8 +240,9 @@ class Graph:
         lr * g``, ``g * lr`` after a long schedule, ``w - lr * (g @ Q)``): read breadth
         first up to the first backward op (``transpose(...)`` in its name stack) of each
         way, into a forward matrix op's operands but no further, and not through another
-        state's update (``updated``). (A gradient stream's own adds add gradients too;
-        an evaluation after the step reads weights and biases made from gradients.)"""
+        state's update (``updated``), or adds another state's new value of that shape
+        (an EMA of the parameters). (A gradient stream's own adds add gradients too; an
+        evaluation after the step reads weights and biases made from gradients.)"""
         on_chain = {id(node) for node in chain}
         for node in chain:
             if node.kind not in ("add", "subtract") or self.in_backward(node):
@@ -254,11 +255,18 @@ class Graph:
                 if producer is None or id(producer) in seen or id(producer) in on_chain:
                     continue
                 seen.add(id(producer))
+                same_shape = all(ir.ShapedType(value.type).shape == shape
+                                 for _, value in producer.outputs)
                 if producer.cls != LINK and self.in_backward(producer):
-                    if all(ir.ShapedType(value.type).shape == shape
-                           for _, value in producer.outputs):
+                    if same_shape:
                         return True
                     continue
+                if onward and id(producer) in updated and same_shape:
+                    # Another state's new value, not a matrix op's operand: an EMA of
+                    # the updated parameters (a mean teacher, a target network), whose
+                    # update over unrolled steps was rounded to 16 bit between them and
+                    # lost (hunt h96).
+                    return True
                 if onward and id(producer) not in updated:
                     pending.extend((key, producer.cls != ALLOW) for key in producer.inputs)
         return False
