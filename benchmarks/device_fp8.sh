@@ -6,7 +6,10 @@
 #      fp8 and fp8 delayed: step ms, loss, temp, compile s;
 #   2. benchmarks.run's ViT and decoder under the same three;
 #   3. where the fp8 step's device compile goes: the 1.1B step compiled under mixed and
-#      fp8 with XLA's Triton GEMM off, then with no autotuning at all (2 steps each).
+#      fp8 with XLA's Triton GEMM off, then with no autotuning at all (2 steps each);
+#   4. cuDNN's own sliding window and the masks read before a loop, which no machine
+#      without a GPU can run: benchmarks.attention_numerics on those programs (fused
+#      against XLA's attention in bf16 on the same GPU).
 #
 #     bash benchmarks/device_fp8.sh          # on the GPU machine, from the repo root
 #     SMOKE=1 bash benchmarks/device_fp8.sh  # here, on CPU at small sizes: the script runs
@@ -24,13 +27,13 @@ if [ "${SMOKE:-0}" = 1 ]; then
   probe=(--device cpu --small --steps 1)
   run=(--device cpu --quick --steps 2 --warmup 1)
   run_variants="hlo_amp mixed_bfloat16,hlo_amp fp8"  # delayed: a GPU variant
-  limits=(120 200 120)
+  limits=(120 200 120 60)
 else
   llm=(--device gpu --batch 8 --steps 6)
   probe=(--device gpu --batch 8 --steps 2)
   run=(--device gpu --steps 10)
   run_variants="hlo_amp mixed_bfloat16,hlo_amp fp8,hlo_amp fp8 delayed"
-  limits=(250 150 150)
+  limits=(240 140 140 40)
 fi
 
 part() {  # part NAME SECONDS COMMAND...
@@ -58,4 +61,8 @@ for flag in "--xla_gpu_enable_triton_gemm=false" "--xla_gpu_autotune_level=0"; d
   part "$name" "$((limits[2] / 2))" env XLA_FLAGS="$flag" "$python" -m benchmarks.llm \
     "${probe[@]}" --variant "hlo_amp mixed_bfloat16" --variant "hlo_amp fp8"
 done
+part attention "${limits[3]}" "$python" -m benchmarks.attention_numerics \
+  --only dpa_sliding_window_gqa --only dpa_sliding_window_constant_key_lengths \
+  --only dpa_two_sided_window_padding --only dpa_scan_causal_padding_gqa \
+  --only dpa_scan_padding_gqa --only einsum_scan_prefix_lm --results "$out/ATTENTION.md"
 ls -l "$out"

@@ -121,8 +121,9 @@ def abstract_arguments(tree: Any, target: Target, placed_by_jit: bool = False,
             if isinstance(leaf, (bool, int, float, complex)):  # traced like jax.jit does
                 # (Its dtype without an array: under the target's jax.set_mesh one went
                 # to the GPU compiled for, "'Executable' has no attribute
-                # 'local_devices'": review h95.)
-                return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(leaf)),
+                # 'local_devices'": review h95; an IntEnum's is an int's: review h97.)
+                kind = next(t for t in (bool, int, float, complex) if isinstance(leaf, t))
+                return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(kind),
                                             sharding=replicated, weak_type=True)
             return leaf
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,

@@ -895,17 +895,30 @@ def test_an_optimizers_matmuls_after_the_gradients_are_no_head() -> None:
         with jax.named_scope("head"):
             return jnp.mean((h @ p["w2"]) ** 2)
 
-    def step(p, x):
-        grads = jax.grad(loss)(p, x)
+    def muon(grads):
         with jax.named_scope("opt"):
-            update = {n: 1.5 * g - 0.5 * (g @ g.T) @ g for n, g in grads.items()}
-        return jax.tree.map(lambda a, b: a - 0.1 * b, p, update)
+            return {n: 1.5 * g - 0.5 * (g @ g.T) @ g for n, g in grads.items()}
 
-    for policy in ("fp8", "fp8,scope:opt=float32"):
-        decisions = hlo_amp.compile(step, policy).lower(params, x).report().decisions
+    def step(p, x):
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, muon(jax.grad(loss)(p, x)))
+
+    def accumulated(p, x):  # over microbatches: the ends are the scan's (review h97)
+        body = lambda acc, xb: (jax.tree.map(jnp.add, acc, jax.grad(loss)(p, xb)), None)
+        grads = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), x.reshape(2, 8, 32))[0]
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, muon(grads))
+
+    def checkpointed(p, x):  # the model's ops only recomputed: both ends took the update's
+        grads = jax.grad(jax.checkpoint(loss))(p, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, muon(grads))
+
+    for fn, policy, forward in ((step, "fp8", "forward"),
+                                (step, "fp8,scope:opt=float32", "forward"),
+                                (accumulated, "fp8", "forward"),
+                                (checkpointed, "fp8", "recomputed")):
+        decisions = hlo_amp.compile(fn, policy).lower(params, x).report().decisions
         ends = sorted((d.scope, d.direction) for d in decisions if d.rule == "last_matrix_op")
-        assert ends == [("head", "backward")] * 2 + [("head", "forward")], (policy, ends)
-        assert all(not d.fp8 for d in decisions if d.scope == "head")
+        assert ends == [("head", "backward")] * 2 + [("head", forward)], (policy, ends)
+        assert all(not d.fp8 for d in decisions if d.scope in ("stem", "head"))
 
 
 def test_the_head_of_a_loss_linear_in_it_is_the_last_end_under_grad() -> None:

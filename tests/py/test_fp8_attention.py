@@ -66,6 +66,12 @@ def _refused_step(form: str):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D // HEADS)
         if form == "softcap":  # Gemma-2's: 'the scores pass through tanh'
             scores = 30.0 * jnp.tanh(scores / 30.0)
+        if form == "log_softmax":  # forms the pass does not read: no site, and fp8
+            return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(jax.nn.log_softmax(scores)), v)
+        if form == "normalised_after":  # (hunt h98)
+            e = jnp.exp(scores - jnp.max(scores, -1, keepdims=True))
+            out = jnp.einsum("bhqk,bkhd->bqhd", e, v)
+            return out / jnp.swapaxes(jnp.sum(e, -1), 1, 2)[..., None]
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
 
     inner = jax.jit(attend) if form == "inner_jit" else attend
@@ -82,7 +88,8 @@ def _refused_step(form: str):
     return jax.grad(loss)
 
 
-@pytest.mark.parametrize("form", ["softcap", "inner_jit", "scan_without_checkpoint"])
+@pytest.mark.parametrize("form", ["softcap", "inner_jit", "scan_without_checkpoint",
+                                  "log_softmax", "normalised_after"])
 def test_a_refused_attention_stays_16_bit(form):
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.standard_normal((2, 4, D, D)) / 8, jnp.float32)
@@ -95,6 +102,34 @@ def test_a_refused_attention_stays_16_bit(form):
     assert len(attention) == 6, [d.location for d in dots]
     assert all(not d.fp8 and ATTENTION_FALLBACK in d.reason for d in attention)
     assert all(d.fp8 for d in dots if d not in attention)
+
+
+def test_an_attention_written_with_matmuls_in_a_scan_without_checkpoint_stays_16_bit():
+    """nanoGPT's attention (``@``, no einsum names) in a scan body without
+    jax.checkpoint: its backward, in the backward loop, is found by its matmuls' scope
+    and source line, names no other forward matmul has (its four backward matmuls went
+    fp8 when only einsum names were taken: review h97)."""
+    heads = 2
+
+    def layer(x, w):
+        q, k, v = ((x @ w[n]).reshape(B, T, heads, D // heads).transpose(0, 2, 1, 3)
+                   for n in range(3))
+        with jax.named_scope("attn"):
+            scores = (q @ jnp.swapaxes(k, -1, -2)) / np.sqrt(D // heads)
+            out = jax.nn.softmax(scores, axis=-1) @ v
+        return x + out.transpose(0, 2, 1, 3).reshape(B, T, D) @ w[3], None
+
+    def loss(w, x):
+        return jnp.mean(jax.lax.scan(layer, x, w)[0] ** 2)
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((2, 4, D, D)) / 8, jnp.float32)
+    _, x = _args()
+    report = hlo_amp.compile(jax.grad(loss), f"fp8,{ALL}").lower(w, x).report()
+    attention = [d for d in report.decisions if d.scope == "attn"]
+    assert len(attention) == 6 and not any(d.fp8 for d in attention)
+    assert all(d.fp8 for d in report.decisions if d.scope != "attn"
+               and d.op_kind == "dot_general")
 
 
 def test_projections_on_the_attentions_line_are_no_attention():

@@ -19,6 +19,7 @@ is an fp8 GEMM.
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import json
 import re
@@ -278,6 +279,11 @@ def test_an_explicit_meshs_constraints_and_python_scalars() -> None:
             q, k, v, 2.0, target="h100").report()
     assert [(s.direction, s.fused) for s in report.attention] == [
         ("forward", True), ("backward", True)]
+    # An int's subclass is an int (an IntEnum's dtype was object: review h97).
+    mode = enum.IntEnum("Mode", {"TRAIN": 2})
+    report = hlo_amp.compile(jax.grad(loss, argnums=(0, 1, 2)), "bf16").lower(
+        q, k, v, mode.TRAIN, target="h100").report()
+    assert len(report.attention) == 2
     # A kernel lowered under that mesh serves the same shapes outside it (cached): it
     # held the mesh's sharding constraints, and a module without the mesh failed
     # verify() ("'sdy.sharding_constraint' op unknown mesh: @mesh").

@@ -37,6 +37,7 @@ from hlo_amp.ir.modules import (
     element_type,
     function_name,
     functions,
+    is_attention_matmul,
     is_discarded,
     is_public,
     mark_attention,
@@ -242,13 +243,9 @@ class FusedAttention:
 
 def _named(op: ir.Operation, prefix: str) -> tuple[str, str, str] | None:
     """A matmul's scope, einsum and source line, which its backward's matmuls (jax's
-    transpose of it) share; None where the location has no source line or einsum (an
-    ``@`` names no attention: a projection's on the same line, or in the same helper,
-    was taken for one: review h95)."""
+    transpose of it) share; None where the location has no source line."""
     site = site_of(op.location, "dot_general", prefix)
-    if site.source is None or not site.einsum:
-        return None
-    return site.scope_path, site.einsum, site.source
+    return None if site.source is None else (site.scope_path, site.einsum or "", site.source)
 
 
 def _mark_their_backward(module: ir.Module, prefixes: dict[str, str],
@@ -261,12 +258,17 @@ def _mark_their_backward(module: ir.Module, prefixes: dict[str, str],
     unfused.discard(None)
     if not unfused:
         return
-    for fn in functions(module):
-        prefix = prefixes.get(function_name(fn), "")
-        for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"})):
-            site = site_of(op.location, "dot_general", prefix)
-            if site.gradient_pass and _named(op, prefix) in unfused:
-                mark_attention(op)
+    matmuls = [(op, prefixes.get(function_name(fn), "")) for fn in functions(module)
+               for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"}))]
+    # A name another forward matmul has too names no attention alone: a projection's
+    # on the line of an attention written with @, or in the same helper (review h95).
+    unfused -= {_named(op, prefix) for op, prefix in matmuls
+                if not is_attention_matmul(op)
+                and not site_of(op.location, "dot_general", prefix).backward}
+    for op, prefix in matmuls:
+        site = site_of(op.location, "dot_general", prefix)
+        if site.gradient_pass and _named(op, prefix) in unfused:
+            mark_attention(op)
 
 
 def _matmuls_of(match: Match) -> list[ir.Operation]:

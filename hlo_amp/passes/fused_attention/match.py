@@ -231,6 +231,8 @@ class _Site(MaskReading, ExitReading):
                         made, _value, _stack = self.view.producer(operand, reader_stack)
                         if made is not None and made.name == _DOT:
                             found.setdefault(op_key(made), made)
+        if _batched(self.scores):  # then so are its other matmuls, and no projection
+            return [op for op in found.values() if _batched(op)]
         return list(found.values())
 
     def canon(self, value: ir.Value, stack: Stack) -> tuple[ir.Value, Stack]:
@@ -1070,6 +1072,13 @@ def match_site(view: CallView, scores: ir.Operation) -> Match:
     try:
         return site.match()
     except NotFused as error:
+        if not error.attention and _batched(scores) and any(
+                _batched(op) for op, _number in site.exits):
+            # A batched matrix op, an exponential after it, and a batched matrix op
+            # reading what came of them: an attention the pass cannot read (a log-
+            # softmax, a normalisation after P·V, scaled probabilities), refused with
+            # its matmuls kept attention's (they went fp8 unreported: hunt h98).
+            error.attention = True
         error.matmuls = site.matmuls_found()
         error.split_backward = site.split_backward
         # A forward pass has one matrix op reading its cluster (P·V); a training step's

@@ -175,7 +175,7 @@ class CallGraph:
             stacks = dict(given or {})
             forward, recomputed, gradients = [], [], []
             first_gradient = None
-            before_gradients = 0  # the forward ops before the first gradient op
+            before_last_gradient = 0  # the forward ops before the last gradient op
             for key, op, kind in order:
                 if not all(float_bits(element_type(v)) for v in list(op.operands)[:2]):
                     continue
@@ -187,8 +187,13 @@ class CallGraph:
                 else:
                     gradients.append(key)
                     first_gradient = first_gradient or (key, op, kind)
-                if first_gradient is None:
-                    before_gradients = len(forward)
+                    before_last_gradient = len(forward)
+            # A training step's matrix ops after its last gradient are no model's: an
+            # optimizer's (Muon's Newton-Schulz, a preconditioner), an evaluation's or a
+            # metric's after the update. They took the last end, and the head went fp8
+            # (hunt h96); with the model under jax.checkpoint, the first end too.
+            if gradients:
+                forward = forward[:before_last_gradient]
             # jax.grad of a function under jax.checkpoint: the forward's matrix ops run
             # only recomputed, in the backward pass (its ends had no rule at all).
             only_recomputed = not forward
@@ -207,12 +212,7 @@ class CallGraph:
                                     [k for k, _, _ in forward + recomputed] + gradients])
             dead_head = self._dead_head(first_gradient, forward + recomputed, order, looped,
                                         whole, given)
-            # In a training step the head is the forward's last op before the gradients:
-            # an optimizer's matmuls after them (Muon's Newton-Schulz), or a metric's
-            # computed after the update, took the rule, and the head went fp8 (hunt h96).
-            head = forward[before_gradients - 1] if gradients and before_gradients else (
-                forward[-1] if forward else None)
-            candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, head)
+            candidates = ((FIRST_MATRIX_OP, forward[0]), (LAST_MATRIX_OP, forward[-1])
                           ) if forward else ()
             if dead_head is not None:  # the forward's last op is a layer's, not the head
                 candidates = candidates[:1]
