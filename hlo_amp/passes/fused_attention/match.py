@@ -1072,13 +1072,6 @@ def match_site(view: CallView, scores: ir.Operation) -> Match:
     try:
         return site.match()
     except NotFused as error:
-        if not error.attention and _batched(scores) and any(
-                _batched(op) for op, _number in site.exits):
-            # A batched matrix op, an exponential after it, and a batched matrix op
-            # reading what came of them: an attention the pass cannot read (a log-
-            # softmax, a normalisation after P·V, scaled probabilities), refused with
-            # its matmuls kept attention's (they went fp8 unreported: hunt h98).
-            error.attention = True
         error.matmuls = site.matmuls_found()
         error.split_backward = site.split_backward
         # A forward pass has one matrix op reading its cluster (P·V); a training step's
