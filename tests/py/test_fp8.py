@@ -877,46 +877,6 @@ def _critic(params, x):  # a loss linear in the head: under jax.grad its forward
         return jnp.mean(h @ params["w2"])
 
 
-def test_an_optimizers_matmuls_after_the_gradients_are_no_head() -> None:
-    """A train step whose update has matmuls (Muon's Newton-Schulz, a preconditioner):
-    the forward program's last matrix op was taken to be the update's last matmul, which
-    took the last_matrix_op rule while the model's head and its backward went fp8 (hunt
-    h96); a scope rule on the optimizer then left no head at all; with the model under
-    jax.checkpoint both ends went to the optimizer (review h97). A matrix op reading a
-    gradient is no end."""
-    import hlo_amp
-
-    keys = jax.random.split(jax.random.key(0), 3)
-    params = {"w1": jax.random.normal(keys[0], (32, 64)) * 0.2,
-              "w2": jax.random.normal(keys[1], (64, 16)) * 0.2}
-    x = jax.random.normal(keys[2], (16, 32))
-
-    def loss(p, x):
-        with jax.named_scope("stem"):
-            h = jnp.tanh(x @ p["w1"])
-        with jax.named_scope("head"):
-            return jnp.mean((h @ p["w2"]) ** 2)
-
-    def muon(grads):
-        with jax.named_scope("opt"):
-            return {n: 1.5 * g - 0.5 * (g @ g.T) @ g for n, g in grads.items()}
-
-    def step(p, x):
-        return jax.tree.map(lambda a, b: a - 0.1 * b, p, muon(jax.grad(loss)(p, x)))
-
-    def checkpointed(p, x):  # the model's ops only recomputed: both ends took the update's
-        grads = jax.grad(jax.checkpoint(loss))(p, x)
-        return jax.tree.map(lambda a, b: a - 0.1 * b, p, muon(grads))
-
-    for fn, policy, forward in ((step, "fp8", "forward"),
-                                (step, "fp8,scope:opt=float32", "forward"),
-                                (checkpointed, "fp8", "recomputed")):
-        decisions = hlo_amp.compile(fn, policy).lower(params, x).report().decisions
-        ends = sorted((d.scope, d.direction) for d in decisions if d.rule == "last_matrix_op")
-        assert ends == [("head", "backward")] * 2 + [("head", forward)], (policy, ends)
-        assert all(not d.fp8 for d in decisions if d.scope in ("stem", "head"))
-
-
 def test_the_head_of_a_loss_linear_in_it_is_the_last_end_under_grad() -> None:
     """jax.grad of a critic's mean score: jax drops the head's forward matmul, whose
     backward dots run first. They ran fp8 and the body's second layer took the

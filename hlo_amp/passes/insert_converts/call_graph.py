@@ -11,7 +11,6 @@ from typing import Any
 
 from jaxlib.mlir import ir
 
-from hlo_amp.gradients import GRAD, GradientFlow
 from hlo_amp.ir.loops import LoopCounts, Runs, enclosing_loops, loop_body
 from hlo_amp.ir.modules import (
     BODY_ATTRIBUTE,
@@ -187,15 +186,6 @@ class CallGraph:
                 else:
                     gradients.append(key)
                     first_gradient = first_gradient or (key, op, kind)
-            # A forward matrix op reading a gradient is no model's: an optimizer's (Muon's
-            # Newton-Schulz, a preconditioner), a statistic of the gradients. It took the
-            # last end, and the head went fp8 (hunt h96); with the model under
-            # jax.checkpoint, the first end too. (An evaluation after the update reads
-            # the new parameters, p - lr * g, no gradient: gradients.py's kinds.)
-            if gradients and forward:
-                flow = GradientFlow(self._bodies(function_name(fn)))
-                forward = [end for end in forward if not any(
-                    flow.kind(v) == GRAD for v in list(end[1].operands)[:2])]
             # jax.grad of a function under jax.checkpoint: the forward's matrix ops run
             # only recomputed, in the backward pass (its ends had no rule at all).
             only_recomputed = not forward
@@ -484,23 +474,6 @@ class CallGraph:
             return None
         return terminator(callee.regions[0].blocks[0]).operands[
             ir.OpResult(result).result_number]
-
-    def _bodies(self, name: str) -> list[tuple[Any, str]]:
-        """The functions ``name`` calls, itself first, each once with the call-site
-        prefix it is first reached under (callers before callees: GradientFlow's)."""
-        found: list[tuple[Any, str]] = []
-        seen: set[str] = set()
-        pending = [(name, "")]
-        while pending:
-            current, prefix = pending.pop(0)
-            if current in seen:
-                continue
-            seen.add(current)
-            found.append((self.by_name[current], prefix))
-            for op, kind in self.ops_of(self.by_name[current]):
-                if kind is None and body_name(op) in self.by_name:
-                    pending.append((body_name(op), self._callee_prefix(prefix, op)))
-        return found
 
     def _program_order(self, name: str, prefix: str,
                        out: list[tuple[tuple[str, int, str, CallPath], Any, str]],
