@@ -191,6 +191,45 @@ def dpa_scan_padding(causal: bool) -> tuple[Callable[..., Any], tuple]:
                                             padding_mask())
 
 
+def dpa_scan_mask_closed_over(unroll: int = 1, window: int = 0
+                              ) -> tuple[Callable[..., Any], tuple]:
+    """A causal (or windowed) padding mask made before a ``lax.scan`` of
+    ``jax.checkpoint``ed layers and closed over: the backward loop reads it through
+    jax.checkpoint's optimization barrier, where the causal part was lost to the bias
+    (review h101)."""
+    q, k, _ = _qkv(kv_heads=N)
+    positions = jnp.arange(T)
+    causal = positions[:, None] >= positions
+    if window:
+        causal &= positions[:, None] - positions < window
+
+    def loss(q, k, pad):
+        mask = causal[None, None] & pad
+
+        @jax.checkpoint
+        def layer(h, scale):
+            return h + jax.nn.dot_product_attention(q * scale, h, h, mask=mask), None
+
+        h, _ = jax.lax.scan(layer, k, jnp.array([1.0, 0.5]), unroll=unroll)
+        return jnp.sum(h * jnp.cos(h))
+
+    return jax.grad(loss, argnums=(0, 1)), (q, k, padding_mask())
+
+
+def flax_combined_masks(q: jax.Array, k: jax.Array, v: jax.Array, pad: jax.Array
+                        ) -> jax.Array:
+    """Flax's causal and padding masks, ``nnx.combine_masks(nnx.make_causal_mask(...),
+    nnx.make_attention_mask(pad, pad))``: 0/1 floats ANDed through bool conversions; the
+    causal part went into the bias (review h101)."""
+    from flax import nnx
+
+    tokens = jnp.zeros(pad.shape, jnp.int32)
+    # (Padded keys only: a padded query's row masked whole is the documented difference.)
+    mask = nnx.combine_masks(nnx.make_causal_mask(tokens),
+                             nnx.make_attention_mask(jnp.ones_like(pad), pad))
+    return nnx.dot_product_attention(q, k, v, mask=mask)
+
+
 def einsum_scan_prefix_lm(x: jax.Array, params: jax.Array, pad: jax.Array) -> jax.Array:
     """A prefix-LM mask of per-sequence prefix lengths ANDed with padding, made before a
     scan of layers and passed through it: its constant part varies along the batch, no
@@ -375,6 +414,11 @@ def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
         q_mha, k_mha, v_mha, bits, jnp.array([[1, 1, 2, 2] * (T // 4)] * B, jnp.int32)))
     found["einsum_sharding_constraints"] = (_grad_of(einsum_sharding_constraints),
                                             (q_mha, k_mha, v_mha))
+    found["dpa_scan_mask_closed_over"] = dpa_scan_mask_closed_over()
+    found["dpa_scan_window_closed_over"] = dpa_scan_mask_closed_over(window=8)
+    found["dpa_scan_unrolled_twice"] = dpa_scan_mask_closed_over(unroll=2)
+    found["flax_combined_masks"] = (_grad_of(flax_combined_masks), (
+        q_mha, k_mha, v_mha, jnp.arange(T)[None] < jnp.array([[T], [T - 5]])))
     found["dpa_scan_causal_padding_gqa"] = dpa_scan_padding(causal=True)
     found["dpa_scan_padding_gqa"] = dpa_scan_padding(causal=False)
     for wrap in WRAPS:

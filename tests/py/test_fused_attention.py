@@ -141,6 +141,22 @@ def test_a_padding_mask_through_a_remat_scan_is_read_where_jax_made_it() -> None
     assert biases == [f"tensor<{programs.B}x1x{t}x{t}xbf16>"] * 3, biases
 
 
+@pytest.mark.parametrize(("name", "masks"), [
+    ("dpa_scan_mask_closed_over", ["causal+mask", "causal+mask"]),
+    ("dpa_scan_window_closed_over", ["causal+window+mask", "causal+window+mask"]),
+    ("dpa_scan_unrolled_twice", ["causal+mask", "causal+mask"]),
+    ("flax_combined_masks", ["causal+mask"])])
+def test_a_masks_causal_part_is_cudnns_however_it_reaches_the_site(name, masks) -> None:
+    """Review h101: a mask made before a scan of checkpointed layers reaches the
+    backward loop through jax.checkpoint's optimization barrier; a scan unrolled twice
+    passes the fill jax hoisted to both calls of its body; Flax's 0/1 masks pass through
+    bool conversions: each site fused with the causal part (or window) in the bias,
+    computing every block, or (unrolled) not at all, 'the scores are selected against a
+    value that is not a large negative constant'."""
+    _module, report = _fuse(_lowered_text(name))
+    assert [s.mask for s in report.attention] == masks, [s.reason for s in report.attention]
+
+
 def test_deviceless_h100_compile_keeps_the_kernels() -> None:
     """The whole pipeline (mixed mode) on a scanned, rematerialised decoder: XLA:GPU
     compiles it for an H100 and runs each site as cuDNN's calls (the report's check)."""

@@ -146,7 +146,8 @@ class CallView:
         region. With
         ``invariant_carries`` (for evaluating constants), a loop-body argument the loop
         passes on unchanged is followed to the loop's operand, and an argument of a
-        private function called once to the call's operand (a constant mask jax hoisted
+        private function called once (or passed one value by every call) to the call's
+        operand (a constant mask jax hoisted
         out of a scan reaches the scan's body so)."""
         while True:
             if isinstance(value, ir.BlockArgument):
@@ -159,8 +160,12 @@ class CallView:
                 if invariant_carries and parent is not None and parent.name == "func.func":
                     name = ir.StringAttr(parent.attributes["sym_name"]).value
                     callers = self.callers.get(name, [])
-                    if len(callers) == 1 and not is_public(parent.opview):
-                        value = callers[0].operands[value.arg_number]
+                    # Called once, or every call passing the same value (the fill jax
+                    # hoists for a scan unrolled twice: review h101).
+                    passed = [call.operands[value.arg_number] for call in callers]
+                    if passed and all(v == passed[0] for v in passed) and not is_public(
+                            parent.opview):
+                        value = passed[0]
                         continue
                 if invariant_carries and parent is not None and parent.name == _WHILE:
                     loop = parent

@@ -127,13 +127,17 @@ class MaskReading:
         op, value, stack = self.view.producer(value, stack)
         if op is None or stack == () and op.name not in (
                 "stablehlo.and", "stablehlo.broadcast_in_dim", "stablehlo.transpose",
-                "stablehlo.reshape"):
+                "stablehlo.reshape", "stablehlo.convert", "stablehlo.compare"):
             if stack != ():
                 raise NotFused("the mask is computed inside a called function")
             leaves.append(self._hoisted(value, dims, roles, constant)
                           or MaskLeaf(value, [None if d is None else roles[d] for d in dims]))
             return
         name = op.name
+        if name == "stablehlo.convert" and _is_boolean(value) and _is_boolean(op.operands[0]):
+            # (jnp's astype(bool) of a boolean: Flax's combine_masks writes one.)
+            self._leaves(op.operands[0], stack, dims, roles, constant, leaves)
+            return
         if name == "stablehlo.and" and _is_boolean(value):
             # (An integer mask's bitwise and, (a & b) != 0, is no logical and of a != 0
             # and b != 0: it stays whole.)
@@ -144,7 +148,7 @@ class MaskReading:
         if nonzero is not None:
             # x != 0, jnp's astype(bool) of a 0/1 float mask (inside jnp.where's own
             # function): x is the leaf, and the bias compares it with 0 (Builder.bias).
-            self._leaves(nonzero, stack, dims, roles, constant, leaves)
+            self._leaves(*nonzero, dims, roles, constant, leaves)
             return
         if name == "stablehlo.broadcast_in_dim":
             inner = op.operands[0]
@@ -179,9 +183,16 @@ class MaskReading:
         along (a GQA group axis is no second query axis), its constant parts read there
         too (cuDNN's causal mask). None where ``value`` is no such carry or that mask
         cannot be read."""
-        if not isinstance(value, ir.BlockArgument):
-            return None
-        op, before, stack = self.view.producer(value, (), invariant_carries=True)
+        source = value
+        while not isinstance(source, ir.BlockArgument):
+            # (jax.checkpoint's backward passes it through an optimization barrier: the
+            # backward site lost cuDNN's causal mask, review h101.)
+            owner = source.owner
+            owner = getattr(owner, "operation", owner)
+            if owner.name != "stablehlo.optimization_barrier":
+                return None
+            source = owner.operands[ir.OpResult(source).result_number]
+        op, before, stack = self.view.producer(source, (), invariant_carries=True)
         if op is None:
             return None
         before_constant: list = []
@@ -204,8 +215,9 @@ class MaskReading:
         return MaskLeaf(value, [None if d is None or i in first_only else roles[d]
                                 for i, d in enumerate(dims)], first_only)
 
-    def _nonzero(self, op: ir.Operation, stack: Stack) -> ir.Value | None:
-        """``x`` where ``op`` is ``compare NE x, 0`` of a float or integer ``x``."""
+    def _nonzero(self, op: ir.Operation, stack: Stack) -> tuple[ir.Value, Stack] | None:
+        """``x`` (and its stack) where ``op`` is ``compare NE x, 0`` of a float or
+        integer ``x``; ``b`` where ``x`` is ``convert(b)`` of a boolean ``b``."""
         if op.name != "stablehlo.compare" or str(
                 op.attributes["comparison_direction"]).split()[-1].rstrip(">") != "NE":
             return None
@@ -215,7 +227,15 @@ class MaskReading:
         if splat_value(self.view, zero, stack) != 0:
             return None
         element = ir.RankedTensorType(x.type).element_type
-        return None if isinstance(element, ir.IntegerType) and element.width == 1 else x
+        if isinstance(element, ir.IntegerType) and element.width == 1:
+            return None
+        # convert(b) != 0 of a boolean b is b (Flax's 0/1 float masks, combine_masks of
+        # make_causal_mask: the causal part went into the bias, review h101).
+        made, _value, made_stack = self.view.producer(x, stack)
+        if made is not None and made.name == "stablehlo.convert" and _is_boolean(
+                made.operands[0]):
+            return made.operands[0], made_stack
+        return x, stack
 
     def _query_axis(self, constant: bool, axis_roles: list[Role], leaves: list) -> Role:
         """The query position among the query's free dimensions: the one the mask varies
