@@ -47,7 +47,7 @@ from hlo_amp.ir.modules import (
 from hlo_amp.ir.program_hints import caller_devices, forward_ends
 from hlo_amp.ir.shardings import partition_count
 from hlo_amp.ir.sites import Site, asks_for_precision, location_name, site_of
-from hlo_amp.passes.fused_attention.calls import SHARDING_CONSTRAINT, CallView
+from hlo_amp.passes.fused_attention.calls import CallView
 from hlo_amp.passes.fused_attention.match import exponential_sources, match_site
 from hlo_amp.passes.fused_attention.rewrite import (
     Layout,
@@ -102,7 +102,7 @@ class FusedAttention:
         # Only a matrix op an exponential follows can start a softmax attention.
         sources = exponential_sources(view, module)
         ends = self._program_ends(module)
-        unfused: set[tuple[str, str, str] | None] = set()  # _named of unfused matmuls
+        unfused: set[tuple[str, str, str] | None] = set()  # _name_of unfused matmuls
         for fn in functions(module):
             name = function_name(fn)
             prefix = prefixes.get(name, "")
@@ -127,7 +127,8 @@ class FusedAttention:
                 for matmul in matmuls:
                     mark_attention(matmul)
                     if split:
-                        unfused.add(_named(matmul, prefix))
+                        unfused.add(_name_of(site_of(matmul.location, "dot_general",
+                                                     prefix)))
                 if report is not None:
                     report.attention.append(replace(site, flops=site.flops * times))
         _mark_their_backward(module, prefixes, unfused)
@@ -167,7 +168,7 @@ class FusedAttention:
         entry = _entry(op, site, fn_name, (match, call), reason is None, reason or "",
                        dtype, _KERNEL_NAMES[self.kernel])
         return entry, ((match, layout, call, dtype) if reason is None else None), \
-            _matmuls_of(match), False
+            _matmuls_of(view, match), False
 
     def _dtype(self, match: Match, prefix: str, ends: dict[int, tuple[str, ...]]
                ) -> tuple[str, str | None]:
@@ -241,10 +242,9 @@ class FusedAttention:
                           *(e.op for e in match.exits.values())])
 
 
-def _named(op: ir.Operation, prefix: str) -> tuple[str, str, str] | None:
+def _name_of(site: Site) -> tuple[str, str, str] | None:
     """A matmul's scope, einsum and source line, which its backward's matmuls (jax's
     transpose of it) share; None where the location has no source line."""
-    site = site_of(op.location, "dot_general", prefix)
     return None if site.source is None else (site.scope_path, site.einsum or "", site.source)
 
 
@@ -258,31 +258,28 @@ def _mark_their_backward(module: ir.Module, prefixes: dict[str, str],
     unfused.discard(None)
     if not unfused:
         return
-    matmuls = [(op, prefixes.get(function_name(fn), "")) for fn in functions(module)
-               for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"}))]
+    named = []  # each matmul, its site and its name
+    for fn in functions(module):
+        prefix = prefixes.get(function_name(fn), "")
+        for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"})):
+            site = site_of(op.location, "dot_general", prefix)
+            named.append((op, site, _name_of(site)))
     # A name another forward matmul has too names no attention alone: a projection's
     # on the line of an attention written with @, or in the same helper (review h95).
-    unfused -= {_named(op, prefix) for op, prefix in matmuls
-                if not is_attention_matmul(op)
-                and not site_of(op.location, "dot_general", prefix).backward}
-    for op, prefix in matmuls:
-        site = site_of(op.location, "dot_general", prefix)
-        if site.gradient_pass and _named(op, prefix) in unfused:
+    unfused -= {name for op, site, name in named
+                if not is_attention_matmul(op) and not site.backward}
+    for op, site, name in named:
+        if site.gradient_pass and name in unfused:
             mark_attention(op)
 
 
-def _matmuls_of(match: Match) -> list[ir.Operation]:
+def _matmuls_of(view: CallView, match: Match) -> list[ir.Operation]:
     """The matmuls of a matched attention: the scores', the output's and, in a training
     step, their backward's (the exits, and dP = dO·Vᵀ, the matmul that reads dO besides
-    dV's)."""
+    dV's, seen through sharding constraints)."""
     ops = [match.scores, *match.home_ops, *(e.op for e in match.exits.values())]
-    pending = [match.d_out] if match.d_out is not None else []
-    while pending:  # dO's readers, through sharding constraints
-        for use in pending.pop().uses:
-            if use.owner.operation.name == SHARDING_CONSTRAINT:
-                pending.append(use.owner.results[0])
-            else:
-                ops.append(use.owner)
+    if match.d_out is not None:
+        ops += [reader for reader, _number, _stack in view.readers(match.d_out, ())]
     return [op for op in ops if op.operation.name == "stablehlo.dot_general"]
 
 

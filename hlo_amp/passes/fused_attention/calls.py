@@ -34,6 +34,7 @@ _CALL = "func.call"
 _BODIES = frozenset(BODY_ATTRIBUTE)
 _RETURN = "func.return"
 _WHILE = "stablehlo.while"
+_BARRIER = "stablehlo.optimization_barrier"
 # Shardy's constraint (jax writes one after every op under an Explicit mesh, and for
 # with_sharding_constraint): the same values, seen through as if absent.
 SHARDING_CONSTRAINT = "sdy.sharding_constraint"
@@ -147,8 +148,9 @@ class CallView:
         ``invariant_carries`` (for evaluating constants), a loop-body argument the loop
         passes on unchanged is followed to the loop's operand, and an argument of a
         private function called once (or passed one value by every call) to the call's
-        operand (a constant mask jax hoisted
-        out of a scan reaches the scan's body so)."""
+        operand, and an optimization barrier's result to its operand (a constant mask jax
+        hoisted out of a scan reaches the scan's body so, and jax.checkpoint's backward
+        through a barrier)."""
         while True:
             if isinstance(value, ir.BlockArgument):
                 parent = value.owner.owner
@@ -185,6 +187,9 @@ class CallView:
             op = op.operation if hasattr(op, "operation") else op
             if op.name == SHARDING_CONSTRAINT:
                 value = op.operands[0]
+                continue
+            if invariant_carries and op.name == _BARRIER:
+                value = op.operands[ir.OpResult(value).result_number]
                 continue
             if op.name == _CALL:
                 block = self.callee_block(op)

@@ -181,8 +181,6 @@ def _evaluate(view: CallView, value: ir.Value, stack: Stack, memo: dict) -> Fold
         if int(np.prod(shape)) > MAX_ELEMENTS:
             return None
         return Folded(np.array(attr), tuple(range(len(shape))), shape)
-    if name == "stablehlo.optimization_barrier":  # jax.checkpoint's: values unchanged
-        return evaluate(view, operands[ir.OpResult(value).result_number], stack, memo)
     if name == "stablehlo.iota":
         dim = ir.IntegerAttr(op.attributes["iota_dimension"]).value
         return Folded(np.arange(shape[dim]), (dim,), shape)

@@ -183,17 +183,11 @@ class MaskReading:
         along (a GQA group axis is no second query axis), its constant parts read there
         too (cuDNN's causal mask). None where ``value`` is no such carry or that mask
         cannot be read."""
-        source = value
-        while not isinstance(source, ir.BlockArgument):
-            # (jax.checkpoint's backward passes it through an optimization barrier: the
-            # backward site lost cuDNN's causal mask, review h101.)
-            owner = source.owner
-            owner = getattr(owner, "operation", owner)
-            if owner.name != "stablehlo.optimization_barrier":
-                return None
-            source = owner.operands[ir.OpResult(source).result_number]
-        op, before, stack = self.view.producer(source, (), invariant_carries=True)
-        if op is None:
+        # Followed out of the loop, out of the function called once, through
+        # jax.checkpoint's optimization barrier (its backward site lost cuDNN's causal
+        # mask: review h101); nothing followed, no mask made before.
+        op, before, stack = self.view.producer(value, (), invariant_carries=True)
+        if op is None or before == value:
             return None
         before_constant: list = []
         before_leaves: list[MaskLeaf] = []
@@ -226,8 +220,7 @@ class MaskReading:
             x, zero = zero, x
         if splat_value(self.view, zero, stack) != 0:
             return None
-        element = ir.RankedTensorType(x.type).element_type
-        if isinstance(element, ir.IntegerType) and element.width == 1:
+        if _is_boolean(x):
             return None
         # convert(b) != 0 of a boolean b is b (Flax's 0/1 float masks, combine_masks of
         # make_causal_mask: the causal part went into the bias, review h101).

@@ -200,7 +200,7 @@ class _Site(MaskReading, ExitReading):
         found = {op_key(self.scores): self.scores}
         for op, _number in self.exits:
             found.setdefault(op_key(op), op)
-        for op, stack in list(self.ops.values()):
+        for op, stack in self.ops.values():
             for value in op.operands:
                 if self.in_cluster(value, stack):
                     continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
+from hlo_amp.passes.fused_attention.calls import SHARDING_CONSTRAINT
 from hlo_amp.passes.fused_attention.constants import unit_reshape_map
 
 Role = tuple  # ("B", i), ("Q", j), ("S",), ("H",), ("Hv",), ("1",); None: not known yet
@@ -114,8 +115,8 @@ def base_of(value: ir.Value) -> tuple[ir.Value, list[int | None]]:
             break
         op = value.owner.operation
         name = op.name
-        steps += name != "sdy.sharding_constraint"  # (one after every op: no step)
-        if name in ("stablehlo.convert", "sdy.sharding_constraint"):
+        steps += name != SHARDING_CONSTRAINT  # (one after every op: no step)
+        if name in ("stablehlo.convert", SHARDING_CONSTRAINT):
             value = op.operands[0]
         elif name == "stablehlo.transpose":
             permutation = list(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
