@@ -9,7 +9,7 @@
 #      fp8 with XLA's Triton GEMM off, then with no autotuning at all (2 steps each);
 #   4. cuDNN's own sliding window and the masks read before a loop, which no machine
 #      without a GPU can run: benchmarks.attention_numerics on those programs (fused
-#      against XLA's attention in bf16 on the same GPU).
+#      against XLA's attention in bf16 on the same GPU); run first.
 #
 #     bash benchmarks/device_fp8.sh          # on the GPU machine, from the repo root
 #     SMOKE=1 bash benchmarks/device_fp8.sh  # here, on CPU at small sizes: the script runs
@@ -33,7 +33,7 @@ else
   probe=(--device gpu --batch 8 --steps 2)
   run=(--device gpu --steps 10)
   run_variants="hlo_amp mixed_bfloat16,hlo_amp fp8,hlo_amp fp8 delayed"
-  limits=(240 140 140 40)
+  limits=(240 140 120 50)
 fi
 
 part() {  # part NAME SECONDS COMMAND...
@@ -49,6 +49,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
   | tee "$out/gpu.txt"
 "$python" -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
 
+# First: the shortest part, and the one check of this code no CPU can make.
+part attention "${limits[3]}" "$python" -m benchmarks.attention_numerics \
+  --only dpa_sliding_window_gqa --only dpa_sliding_window_constant_key_lengths \
+  --only dpa_two_sided_window_padding --only dpa_scan_causal_padding_gqa \
+  --only dpa_scan_padding_gqa --only einsum_scan_prefix_lm --results "$out/ATTENTION.md"
 part llm "${limits[0]}" "$python" -m benchmarks.llm "${llm[@]}" "${variants[@]}" \
   --results "$out/RESULTS.md"
 part run "${limits[1]}" "$python" -m benchmarks.run "${run[@]}" --workloads vit,decoder \
@@ -61,8 +66,4 @@ for flag in "--xla_gpu_enable_triton_gemm=false" "--xla_gpu_autotune_level=0"; d
   part "$name" "$((limits[2] / 2))" env XLA_FLAGS="$flag" "$python" -m benchmarks.llm \
     "${probe[@]}" --variant "hlo_amp mixed_bfloat16" --variant "hlo_amp fp8"
 done
-part attention "${limits[3]}" "$python" -m benchmarks.attention_numerics \
-  --only dpa_sliding_window_gqa --only dpa_sliding_window_constant_key_lengths \
-  --only dpa_two_sided_window_padding --only dpa_scan_causal_padding_gqa \
-  --only dpa_scan_padding_gqa --only einsum_scan_prefix_lm --results "$out/ATTENTION.md"
 ls -l "$out"
