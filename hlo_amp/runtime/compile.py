@@ -118,9 +118,11 @@ class AmpCompiled:
 
     def __init__(self, compiled: Any, report: Report, compile_seconds: float,
                  target: Target = NO_TARGET, device: Target | None = None,
-                 calling: Callable[[Callable], Callable] | None = None):
+                 calling: Callable[[Callable], Callable] | None = None,
+                 chosen_options: dict[str, Any] | None = None):
         """``calling``: makes the executable, which takes a framework's inner arguments,
-        a function of the caller's (``AmpLowered.calling``)."""
+        a function of the caller's (``AmpLowered.calling``); ``chosen_options``: the XLA
+        flags hlo_amp chose for this machine's device (``Target.live_compiler_options``)."""
         self._compiled = compiled
         self._call = compiled if calling is None else calling(compiled)
         self._pass_report = report
@@ -129,6 +131,7 @@ class AmpCompiled:
         self.device = device  # set when compiled for a device this machine lacks
         self.compile_seconds = compile_seconds
         self.history_shape: tuple[int, ...] | None = None  # AmpLowered.history_shape
+        self.chosen_options = dict(chosen_options or {})
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if self.device is not None:
@@ -160,6 +163,11 @@ class AmpCompiled:
                 report.collectives = read_collectives(hlo_text)
             except Exception as error:  # noqa: BLE001  (advisory; never fail on it)
                 report.notes.append(f"could not read XLA's optimized HLO: {error}")
+            if self.chosen_options:
+                flags = ", ".join(f"{k}={str(v).lower()}" for k, v in self.chosen_options.items())
+                report.notes.append(
+                    f"compiled with {flags}: hlo_amp's default for fp8 GEMMs on a GPU "
+                    "(docs/fp8.md); .compile({...}) or XLA_FLAGS setting it overrides it")
             self._report = report
         return self._report
 
@@ -266,12 +274,18 @@ class AmpLowered:
         ``jax.jit(...).lower(...).compile``) override a device target's defaults, e.g.
         ``{"xla_gpu_enable_triton_gemm": True}``."""
         start = time.perf_counter()
-        options = {**(self.device.compiler_options if self.device else {}),
-                   **(compiler_options or {})} or None
-        compiled = self._rewritten.compile(options)
+        if self.device:
+            defaults = self.device.compiler_options
+        else:
+            defaults = self._target.live_compiler_options(
+                any(d.fp8 and d.changed for d in self._report.decisions))
+        options = {**defaults, **(compiler_options or {})}
+        compiled = self._rewritten.compile(options or None)
         seconds = time.perf_counter() - start
+        # The defaults hlo_amp chose for this machine's device, as the report says.
+        chosen = {k: v for k, v in defaults.items() if options[k] == v} if not self.device else {}
         compiled = AmpCompiled(compiled, self._report, seconds, self._target, self.device,
-                               self.calling)
+                               self.calling, chosen_options=chosen)
         compiled.history_shape = self.history_shape
         return compiled
 

@@ -7,6 +7,7 @@ file). What XLA:GPU turns into a Hopper fp8 GEMM is targets/fp8_gemm.py.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,18 @@ class GpuTarget(Target):
     @property
     def compiler_options(self) -> dict[str, Any]:
         return dict(DEVICELESS_GPU_OPTIONS)
+
+    def live_compiler_options(self, fp8_gemms: bool) -> dict[str, Any]:
+        """A module with fp8 GEMMs compiles with Triton GEMM off, as every deviceless
+        compile does. Measured on one H200 (jax 0.11.2, 2026-11-30, docs/fp8.md): XLA's
+        autotuner times Triton tilings of each fp8 GEMM against cuBLASLt, and with them
+        off the 1.1B decoder's fp8 step compiled in 3.3 s against 43.8 (77.7 delayed
+        against 3.9) and ran as fast (195.2 against 196.1 ms), benchmarks.run's ViT
+        and decoder faster (10.16 against 11.84 ms, 6.60 against 7.28)."""
+        if (not fp8_gemms or self.platform != "cuda"
+                or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", "")):
+            return {}
+        return {"xla_gpu_enable_triton_gemm": False}
 
     def topology_devices(self) -> tuple:
         """The GPUs of XLA's topology made from ``target_config`` (a node or nodes:

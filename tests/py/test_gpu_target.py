@@ -695,3 +695,31 @@ def test_f64_dots_accumulate_in_f32_for_a_gpu(policy):
         on_cpu = step.lower(x, w).as_text()
         assert re.search(r"x(bf16|f16)>\) -> tensor<\w+xf64>", on_cpu)
         assert step(x, w).dtype == jnp.float64
+
+
+def test_fp8_gemms_compile_with_triton_gemm_off_on_a_gpu(monkeypatch) -> None:
+    """On this machine's own GPU a module with fp8 GEMMs compiles with Triton GEMM off,
+    as every deviceless compile does (measured on an H200: docs/fp8.md); a 16-bit module,
+    a CPU, an XLA_FLAGS naming the flag and the caller's own options are left alone."""
+    gpu = targets.GPU
+    monkeypatch.setenv("XLA_FLAGS", "")  # read here only: XLA read it at start
+    assert gpu.live_compiler_options(True) == {"xla_gpu_enable_triton_gemm": False}
+    assert gpu.live_compiler_options(False) == {}
+    assert targets.platforms_target(("cpu",)).live_compiler_options(True) == {}
+
+    def lowered(policy: str) -> hlo_amp.runtime.compile.AmpLowered:
+        x = jnp.ones((64, 64), jnp.float32)
+        low = hlo_amp.compile(lambda a, b: jnp.tanh(a @ b) @ b, policy).lower(x, x)
+        low._target = gpu  # as lowered on a machine with a GPU (the wiring, compiled here)
+        return low
+
+    fp8 = lowered("fp8,first_matrix_op=none,last_matrix_op=none").compile()
+    assert fp8.chosen_options == {"xla_gpu_enable_triton_gemm": False}
+    assert any("xla_gpu_enable_triton_gemm=false" in n for n in fp8.report().notes)
+    assert lowered("mixed_bfloat16").compile().chosen_options == {}
+    mine = lowered("fp8,first_matrix_op=none,last_matrix_op=none").compile(
+        {"xla_gpu_enable_triton_gemm": True})
+    assert mine.chosen_options == {}
+    assert not any("triton" in n for n in mine.report().notes)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert gpu.live_compiler_options(True) == {}
