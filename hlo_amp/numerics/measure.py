@@ -88,7 +88,9 @@ class _Lowering:
             found = (self.lowered.compile(), None)
         else:
             rewritten, report = self.rewrite(policy, fused_as)
-            found = (rewritten.compile(), report)
+            # As hlo_amp.compile compiles the policy on this machine's device.
+            options = self.target.live_compiler_options(policy.uses_fp8)
+            found = (rewritten.compile(options or None), report)
             del self.rewrites[key]  # the executable has what the module was kept for
         self.compiles += 1
         _keep(self.executables, key, found)

@@ -235,8 +235,9 @@ class AmpLowered:
 
     def __init__(self, original: Any, rewritten: Any, report: Report,
                  pass_seconds: float, lower_seconds: float, target: Target = NO_TARGET,
-                 device: Target | None = None):
+                 device: Target | None = None, *, fp8: bool = False):
         self._target = target
+        self._fp8 = fp8  # the policy has fp8 actions (Target.live_compiler_options)
         self.device = device  # set when lowered for a device this machine lacks
         self._original = original
         self._rewritten = rewritten
@@ -277,8 +278,7 @@ class AmpLowered:
         if self.device:
             defaults = self.device.compiler_options
         else:
-            defaults = self._target.live_compiler_options(
-                any(d.fp8 and d.changed for d in self._report.decisions))
+            defaults = self._target.live_compiler_options(self._fp8)
         options = {**defaults, **(compiler_options or {})}
         compiled = self._rewritten.compile(options or None)
         seconds = time.perf_counter() - start
@@ -629,11 +629,8 @@ class AmpFunction:
         # ``*args``: jax's debug info raised an AssertionError).
         dispatched.__signature__ = signature if signature is not None else CATCH_ALL
 
-        # Calls go through jax.jit's own dispatch (its C++ cache of executables); a
-        # cache miss traces ``dispatched``, which binds the rewritten program.
-        self._dispatch = _jit(dispatched, placement, static_argnums=self.static_argnums,
-                              static_argnames=self.static_argnames,
-                              donate_argnums=self.donate_argnums)
+        self._dispatched, self._placement = dispatched, placement
+        self._dispatch_jit: Any = None  # made at the first call (_dispatch)
         # jax.export refuses host callbacks; such functions are rewritten from
         # jax.jit's lowering instead and dispatched from our own cache.
         self._through_lowering = False
@@ -714,11 +711,29 @@ class AmpFunction:
                internals.program_context(), internals.mesh_context())
         return dyn_args, dyn_kwargs, leaves, treedef, key
 
+    @property
+    def _dispatch(self) -> Any:
+        """Calls go through jax.jit's own dispatch (its C++ cache of executables); a
+        cache miss traces ``dispatched``, which binds the rewritten program. Made at the
+        first call, when this machine's backend is known: its XLA flags are the
+        target's for the policy (``Target.live_compiler_options``, as
+        ``AmpLowered.compile``'s), which a compile() of an unused function would not ask."""
+        if self._dispatch_jit is None:
+            target = platforms_target((jax.default_backend(),))
+            options = target.live_compiler_options(self.policy.uses_fp8)
+            self._dispatch_jit = _jit(
+                self._dispatched, self._placement, static_argnums=self.static_argnums,
+                static_argnames=self.static_argnames, donate_argnums=self.donate_argnums,
+                **({"compiler_options": options} if options else {}))
+        return self._dispatch_jit
+
     def cache_size(self) -> int:
         """How many executables are cached, one per input signature (like jax.jit's)."""
         # jax.jit counts the traces the dispatch refused (sharded arguments, an export
         # jax refuses), which hold no executable.
-        dispatched = max(internals.jit_cache_size(self._dispatch) - self._refused_traces, 0)
+        made = self._dispatch_jit
+        dispatched = max((internals.jit_cache_size(made) if made is not None else 0)
+                         - self._refused_traces, 0)
         return (dispatched + len(self._cache)
                 + sum(call.inner.cache_size() for call in self._framework_calls.values()))
 
@@ -727,7 +742,8 @@ class AmpFunction:
         self._cache.clear()
         self._programs.clear()
         self._jitted.clear_cache()
-        self._dispatch.clear_cache()
+        if self._dispatch_jit is not None:
+            self._dispatch_jit.clear_cache()
         self._refused_traces = 0
         for call in self._framework_calls.values():
             call.inner.clear_cache()
@@ -806,7 +822,7 @@ class AmpFunction:
         rewritten, report, pass_seconds = rewrite_lowered(original, self.policy, target)
         warn_unused_rules(report)
         return AmpLowered(original, rewritten, report, pass_seconds, lower_seconds, target,
-                          device)
+                          device, fp8=self.policy.uses_fp8)
 
     # -- calls --
 

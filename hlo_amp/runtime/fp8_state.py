@@ -165,6 +165,22 @@ def _canonical(dtype: Any) -> Any:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
+_CANONICAL_NAMES: dict[tuple[Any, bool], str] = {}
+
+
+def _canonical_name(dtype: Any) -> str:
+    """``str(_canonical(dtype))``, remembered per x64 setting (``_signature`` asks it
+    for every leaf of every call: NumPy's answers took most of a call's time)."""
+    key = (dtype, bool(jax.config.jax_enable_x64))
+    try:
+        return _CANONICAL_NAMES[key]
+    except KeyError:
+        name = _CANONICAL_NAMES[key] = str(_canonical(dtype))
+        return name
+    except TypeError:  # a dtype that cannot be hashed
+        return str(_canonical(dtype))
+
+
 class Fp8StatefulFunction:
     """What ``hlo_amp.compile`` returns under ``scaling=delayed``: called like the
     function, it carries the fp8 amax history between calls (``fp8_state()``,
@@ -250,7 +266,7 @@ class Fp8StatefulFunction:
         kinds, shapes = [], []
         for leaf in leaves:
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-                kinds.append((str(_canonical(leaf.dtype)),
+                kinds.append((_canonical_name(leaf.dtype),
                               bool(getattr(leaf, "weak_type", False))))
                 shapes.append(leaf_signature(leaf))
                 continue

@@ -30,9 +30,25 @@ def leaf_signature(leaf: Any) -> Any:
     compiled for: a new value, a NaN included, is not)."""
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
-        return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)),
-                _sharding_key(sharding, len(leaf.shape)))
+        shape = tuple(leaf.shape)
+        return (shape, dtype_name(leaf.dtype), bool(getattr(leaf, "weak_type", False)),
+                _sharding_key(sharding, len(shape)))
     return (type(leaf).__name__,)
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``str(dtype)``, remembered: NumPy's takes microseconds, and a call whose key is
+    made in Python (a delayed-scaling step's) asks it for every leaf."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+        return name
+    except TypeError:  # a dtype that cannot be hashed
+        return str(dtype)
 
 
 def _sharding_key(sharding: Any, ndim: int) -> Any:

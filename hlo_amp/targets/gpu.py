@@ -149,15 +149,16 @@ class GpuTarget(Target):
     def compiler_options(self) -> dict[str, Any]:
         return dict(DEVICELESS_GPU_OPTIONS)
 
-    def live_compiler_options(self, fp8_gemms: bool) -> dict[str, Any]:
-        """A module with fp8 GEMMs compiles with Triton GEMM off, as every deviceless
-        compile does. Measured on one H200 (jax 0.11.2, 2026-11-30, docs/fp8.md): XLA's
-        autotuner times Triton tilings of each fp8 GEMM against cuBLASLt, and with them
-        off the 1.1B decoder's fp8 step compiled in 3.3 s against 43.8 (77.7 delayed
-        against 3.9) and ran as fast (195.2 against 196.1 ms), benchmarks.run's ViT
-        and decoder faster (10.16 against 11.84 ms, 6.60 against 7.28)."""
-        if (not fp8_gemms or self.platform != "cuda"
-                or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", "")):
+    def live_compiler_options(self, fp8: bool) -> dict[str, Any]:
+        """An fp8 policy's module compiles on this machine's CUDA GPU with Triton GEMM
+        off, as every deviceless compile does. Measured on one H200 (jax 0.11.2,
+        2026-11-30, docs/fp8.md): XLA's autotuner times Triton tilings of each GEMM
+        against cuBLASLt, and with them off the 1.1B decoder's fp8 step compiled in 3.3
+        s against 43.8 (delayed: 3.9 against 77.7) and ran as fast (195.2 against 196.1
+        ms), benchmarks.run's ViT and decoder faster (10.16 against 11.84 ms, 6.60
+        against 7.28). Not on ROCm (not measured), nor where XLA_FLAGS sets the flag."""
+        if (not fp8 or _local_platform() != "cuda"
+                or xla_flag_given("xla_gpu_enable_triton_gemm")):
             return {}
         return {"xla_gpu_enable_triton_gemm": False}
 
@@ -235,6 +236,12 @@ def _local_gpus() -> tuple[Any, ...]:
             return tuple(d for d in jax.devices() if d.platform == "gpu")
         except RuntimeError:
             return ()
+
+
+def xla_flag_given(name: str) -> bool:
+    """Whether ``XLA_FLAGS`` sets the flag ``name`` (``--name=value`` or ``--name``)."""
+    return any(token.lstrip("-").split("=", 1)[0] == name
+               for token in os.environ.get("XLA_FLAGS", "").split())
 
 
 def _local_platform() -> str | None:

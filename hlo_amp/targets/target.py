@@ -236,9 +236,9 @@ class Target:
         """XLA flags for every compile of this device without the device."""
         return {}
 
-    def live_compiler_options(self, fp8_gemms: bool) -> dict[str, Any]:
+    def live_compiler_options(self, fp8: bool) -> dict[str, Any]:
         """XLA flags for a compile on this machine's own device, given whether the
-        module has fp8 GEMMs; a flag the user set in ``XLA_FLAGS`` is left to them."""
+        policy has fp8 actions; a flag the user set in ``XLA_FLAGS`` is left to them."""
         return {}
 
     def refusal(self, dtypes: set[str]) -> str | None:

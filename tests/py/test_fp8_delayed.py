@@ -465,6 +465,18 @@ def test_one_history_however_the_arguments_are_written() -> None:
         assert _relative(got, want) == pytest.approx(positional, rel=1e-6)
 
 
+def test_the_remembered_dtype_names_follow_x64() -> None:
+    """A call's key names its arrays' dtypes as jax traces them; the names are
+    remembered (NumPy's str took most of a 300-leaf call's time), per x64 setting:
+    float64 is f32 without x64 and f64 with it."""
+    from hlo_amp.runtime.fp8_state import _canonical_name
+
+    assert _canonical_name(np.dtype("float64")) == "float32"
+    with jax.enable_x64(True):
+        assert _canonical_name(np.dtype("float64")) == "float64"
+    assert _canonical_name(np.dtype("float64")) == "float32"
+
+
 def test_a_shape_that_moves_a_dot_to_bf16_keeps_another_history() -> None:
     """A dot under 16 rows falls back to bf16, so which tensors own a history's columns
     depends on the shapes: with the same count, b took a's columns (amax 4e6) and came

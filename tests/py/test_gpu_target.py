@@ -38,6 +38,7 @@ from gpu_workloads import ABSTRACT_WORKLOADS as WORKLOADS
 import hlo_amp
 from hlo_amp import targets
 from hlo_amp.runtime import deviceless
+from hlo_amp.runtime.frameworks import jit_info
 
 POLICIES = ("bf16", "f16", "mixed_bfloat16", "mixed_float16", "fp8")
 # Every dot in fp8 (the preset keeps the program's first and last in bf16).
@@ -697,29 +698,58 @@ def test_f64_dots_accumulate_in_f32_for_a_gpu(policy):
         assert step(x, w).dtype == jnp.float64
 
 
-def test_fp8_gemms_compile_with_triton_gemm_off_on_a_gpu(monkeypatch) -> None:
-    """On this machine's own GPU a module with fp8 GEMMs compiles with Triton GEMM off,
-    as every deviceless compile does (measured on an H200: docs/fp8.md); a 16-bit module,
-    a CPU, an XLA_FLAGS naming the flag and the caller's own options are left alone."""
+def test_fp8_policies_compile_with_triton_gemm_off_on_a_cuda_gpu(monkeypatch) -> None:
+    """On this machine's own CUDA GPU an fp8 policy's module compiles with Triton GEMM
+    off, as every deviceless compile does (measured on an H200: docs/fp8.md), by a call
+    as by ``.lower().compile()``; a 16-bit policy, a CPU, ROCm, an XLA_FLAGS setting the
+    flag and the caller's own options are left alone. No GPU here: the machine's
+    platform is answered, and XLA:CPU takes (and ignores) the GPU flag."""
+    from hlo_amp.runtime import compile as runtime_compile
+    from hlo_amp.targets import gpu as gpu_module
+
     gpu = targets.GPU
     monkeypatch.setenv("XLA_FLAGS", "")  # read here only: XLA read it at start
+    monkeypatch.setattr(gpu_module, "_local_platform", lambda: "cuda")
     assert gpu.live_compiler_options(True) == {"xla_gpu_enable_triton_gemm": False}
     assert gpu.live_compiler_options(False) == {}
     assert targets.platforms_target(("cpu",)).live_compiler_options(True) == {}
+    # Another flag whose name holds this one's (a real one), or a dump path, is not it.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_int4=true "
+                                    "--xla_dump_to=/tmp/xla_gpu_enable_triton_gemm")
+    assert gpu.live_compiler_options(True) == {"xla_gpu_enable_triton_gemm": False}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert gpu.live_compiler_options(True) == {}
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(gpu_module, "_local_platform", lambda: "rocm")
+    assert gpu.live_compiler_options(True) == {}
+    monkeypatch.setattr(gpu_module, "_local_platform", lambda: "cuda")
 
-    def lowered(policy: str) -> hlo_amp.runtime.compile.AmpLowered:
-        x = jnp.ones((64, 64), jnp.float32)
-        low = hlo_amp.compile(lambda a, b: jnp.tanh(a @ b) @ b, policy).lower(x, x)
+    fp8_policy = "fp8,first_matrix_op=none,last_matrix_op=none"
+    x = jnp.ones((64, 64), jnp.float32)
+
+    def compiled_fn(policy: str):
+        return hlo_amp.compile(lambda a, b: jnp.tanh(a @ b) @ b, policy)
+
+    def lowered(policy: str):
+        low = compiled_fn(policy).lower(x, x)
         low._target = gpu  # as lowered on a machine with a GPU (the wiring, compiled here)
         return low
 
-    fp8 = lowered("fp8,first_matrix_op=none,last_matrix_op=none").compile()
+    fp8 = lowered(fp8_policy).compile()
     assert fp8.chosen_options == {"xla_gpu_enable_triton_gemm": False}
     assert any("xla_gpu_enable_triton_gemm=false" in n for n in fp8.report().notes)
     assert lowered("mixed_bfloat16").compile().chosen_options == {}
-    mine = lowered("fp8,first_matrix_op=none,last_matrix_op=none").compile(
-        {"xla_gpu_enable_triton_gemm": True})
+    mine = lowered(fp8_policy).compile({"xla_gpu_enable_triton_gemm": True})
     assert mine.chosen_options == {}
     assert not any("triton" in n for n in mine.report().notes)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
-    assert gpu.live_compiler_options(True) == {}
+
+    # A call: its jax.jit dispatch is made at the first call, with the machine's flags.
+    monkeypatch.setattr(runtime_compile, "platforms_target", lambda platforms: gpu)
+    calls = {policy: compiled_fn(policy) for policy in (fp8_policy, "mixed_bfloat16")}
+    for policy, fn in calls.items():
+        assert fn.cache_size() == 0  # asked before the first call: nothing made
+        np.testing.assert_allclose(fn(x, x), jax.jit(fn.fn)(x, x), rtol=0.1)
+        options = dict(getattr(jit_info(fn._dispatch), "compiler_options_kvs", ()))
+        assert options == ({"xla_gpu_enable_triton_gemm": False}
+                           if policy == fp8_policy else {}), policy
+        assert fn.cache_size() == 1
