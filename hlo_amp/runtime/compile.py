@@ -630,7 +630,10 @@ class AmpFunction:
         dispatched.__signature__ = signature if signature is not None else CATCH_ALL
 
         self._dispatched, self._placement = dispatched, placement
-        self._dispatch_jit: Any = None  # made at the first call (_dispatch)
+        # The jax.jit dispatches (_dispatch), made at the first call: with this machine's
+        # XLA flags (True) or, for a call under another trace, none (False).
+        self._dispatch_jits: dict[bool, Any] = {}
+        self._live_options: dict[str, Any] | None = None
         # jax.export refuses host callbacks; such functions are rewritten from
         # jax.jit's lowering instead and dispatched from our own cache.
         self._through_lowering = False
@@ -717,23 +720,27 @@ class AmpFunction:
         cache miss traces ``dispatched``, which binds the rewritten program. Made at the
         first call, when this machine's backend is known: its XLA flags are the
         target's for the policy (``Target.live_compiler_options``, as
-        ``AmpLowered.compile``'s), which a compile() of an unused function would not ask."""
-        if self._dispatch_jit is None:
+        ``AmpLowered.compile``'s). A call under another trace (jax.jit, grad, scan) is
+        staged into that trace's compile, and jax refuses flags on a nested jit: such
+        calls take a jit without them."""
+        if self._live_options is None:
             target = platforms_target((jax.default_backend(),))
-            options = target.live_compiler_options(self.policy.uses_fp8)
-            self._dispatch_jit = _jit(
+            self._live_options = target.live_compiler_options(self.policy.uses_fp8)
+        flagged = bool(self._live_options) and internals.trace_state_clean()
+        jitted = self._dispatch_jits.get(flagged)
+        if jitted is None:
+            jitted = self._dispatch_jits[flagged] = _jit(
                 self._dispatched, self._placement, static_argnums=self.static_argnums,
                 static_argnames=self.static_argnames, donate_argnums=self.donate_argnums,
-                **({"compiler_options": options} if options else {}))
-        return self._dispatch_jit
+                **({"compiler_options": self._live_options} if flagged else {}))
+        return jitted
 
     def cache_size(self) -> int:
         """How many executables are cached, one per input signature (like jax.jit's)."""
         # jax.jit counts the traces the dispatch refused (sharded arguments, an export
         # jax refuses), which hold no executable.
-        made = self._dispatch_jit
-        dispatched = max((internals.jit_cache_size(made) if made is not None else 0)
-                         - self._refused_traces, 0)
+        made = sum(internals.jit_cache_size(jitted) for jitted in self._dispatch_jits.values())
+        dispatched = max(made - self._refused_traces, 0)
         return (dispatched + len(self._cache)
                 + sum(call.inner.cache_size() for call in self._framework_calls.values()))
 
@@ -742,8 +749,8 @@ class AmpFunction:
         self._cache.clear()
         self._programs.clear()
         self._jitted.clear_cache()
-        if self._dispatch_jit is not None:
-            self._dispatch_jit.clear_cache()
+        for jitted in self._dispatch_jits.values():
+            jitted.clear_cache()
         self._refused_traces = 0
         for call in self._framework_calls.values():
             call.inner.clear_cache()

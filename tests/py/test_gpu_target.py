@@ -753,3 +753,12 @@ def test_fp8_policies_compile_with_triton_gemm_off_on_a_cuda_gpu(monkeypatch) ->
         assert options == ({"xla_gpu_enable_triton_gemm": False}
                            if policy == fp8_policy else {}), policy
         assert fn.cache_size() == 1
+    # Under another trace the call is staged into that trace's compile, which jax
+    # refuses for a nested jit with flags ("compiler_options can only be passed to
+    # top-level jax.jit"; review h104): such calls dispatch without them.
+    fn = calls[fp8_policy]
+    want = fn(x, x)
+    np.testing.assert_allclose(jax.jit(lambda a: fn(a, a))(x), want, rtol=1e-6)
+    scanned, _ = jax.lax.scan(lambda c, _: (fn(c, x), None), x, None, length=1)
+    np.testing.assert_allclose(scanned, want, rtol=1e-6)
+    assert jnp.isfinite(jax.grad(lambda a: fn(a, a).sum())(x)).all()
