@@ -169,6 +169,15 @@ def vector_element(vector: ir.Value, index: int) -> ir.Value:
                      ir.DenseI64ArrayAttr.get([index + 1]), ir.DenseI64ArrayAttr.get([1]))
 
 
+def _finite(amaxes: ir.Value, size: int) -> ir.Value:
+    """``amaxes`` (f32[S]) with each non-finite one 0: an overflowed step (which the loss
+    scaler skips) records 0, so it does not hold every scale at 1 for the whole history;
+    taken where a block records them, before the running maximum over a loop's
+    iterations, so that the try a ``redo_on_nan`` loop accepts keeps its amax (an
+    overflowed try's inf won that maximum, and the column recorded 0)."""
+    return hlo.select(hlo.is_finite(amaxes), amaxes, _zeros(size))
+
+
 def _zeros(size: int) -> ir.Value:
     vector = _f32_vector(size)
     return hlo.constant(ir.DenseElementsAttr.get_splat(vector, ir.FloatAttr.get_f32(0.0)))
@@ -319,8 +328,8 @@ class HistoryThreads:
                     one, ir.FloatAttr.get_f32(0.0)))
                 pieces = [hlo.reshape(one, scalars[c]) if c in scalars else zero
                           for c in range(self.columns)]
-                parts.append(hlo.concatenate(pieces, ir.IntegerAttr.get(
-                    ir.IntegerType.get_signless(64), 0)))
+                parts.append(_finite(hlo.concatenate(pieces, ir.IntegerAttr.get(
+                    ir.IntegerType.get_signless(64), 0)), self.columns))
             if placed:
                 # Each iteration writes its own columns (the running maximum of the other
                 # iterations' comes in with parts), from one vector of f32[1] pieces as
@@ -331,7 +340,7 @@ class HistoryThreads:
                 for number, (index, _) in enumerate(placed):
                     columns = hlo.dynamic_update_slice(
                         columns, vector_element(amaxes, number), [index])
-                parts.append(columns)
+                parts.append(_finite(columns, self.columns))
             if not parts:
                 return _zeros(self.columns)
             vector = parts[0]
@@ -361,11 +370,8 @@ class HistoryThreads:
         result = self.barrier.results[0]
         end = terminator(self._main_entry)
         with self.barrier.location, ir.InsertionPoint(end):
-            # A non-finite amax (an overflowed step, which the loss scaler skips) is
-            # recorded as 0, so it does not hold every scale at 1 for the whole history.
-            finite = hlo.select(hlo.is_finite(amax), amax, _zeros(self.columns))
             newest = hlo.reshape(ir.RankedTensorType.get([1, self.columns],
-                                                         ir.F32Type.get()), finite)
+                                                         ir.F32Type.get()), amax)
             if self.length > 1:
                 older = hlo.slice(history, ir.DenseI64ArrayAttr.get([0, 0]),
                                   ir.DenseI64ArrayAttr.get([self.length - 1, self.columns]),

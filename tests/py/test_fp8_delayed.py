@@ -465,6 +465,38 @@ def test_one_history_however_the_arguments_are_written() -> None:
         assert _relative(got, want) == pytest.approx(positional, rel=1e-6)
 
 
+def test_a_step_the_loss_scaler_retries_records_the_accepted_try() -> None:
+    """redo_on_nan retries an overflowed step at half the loss scale: the history keeps
+    the accepted try's amaxes, those of the same step started at that scale. The
+    overflowed tries' inf won the loop's running maximum, and the gradient's column
+    recorded 0 (hunt h106)."""
+    k = jax.random.split(jax.random.PRNGKey(0), 5)
+    params = {"w1": jax.random.normal(k[0], (32, 64)) / 6,
+              "w2": jax.random.normal(k[1], (64, 64)) / 8,
+              "w3": jax.random.normal(k[2], (64, 16)) / 8}
+    x, y = jax.random.normal(k[3], (32, 32)), jax.random.normal(k[4], (32, 16))
+
+    def loss(p, x, y):
+        h = jax.nn.relu(jax.nn.relu(x @ p["w1"]) @ p["w2"])
+        return jnp.mean((h @ p["w3"] - y) ** 2)
+
+    scaled = hlo_amp.dynamic_scale_value_and_grad(loss, redo_on_nan=20)
+
+    def step(p, state, x, y):
+        return scaled(p, x, y, dynamic_scaler_state=state)[0]
+
+    policy = "fp8,compute=float16,scaling=delayed,amax_history=4"
+    retried = hlo_amp.compile(step, policy)
+    state = retried(params, hlo_amp.DynamicScalerState(scaler=2.0 ** 30), x, y)
+    assert int(state.total_resets) > 0  # f16 overflowed, and the step was retried
+    direct = hlo_amp.compile(step, policy)
+    again = direct(params, hlo_amp.DynamicScalerState(scaler=float(state.scaler)), x, y)
+    assert int(again.total_resets) == 0 and float(again.scaler) == float(state.scaler)
+    got, want = np.asarray(retried.fp8_state())[0], np.asarray(direct.fp8_state())[0]
+    assert (want > 0).all()
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_remembered_dtype_names_follow_x64() -> None:
     """A call's key names its arrays' dtypes as jax traces them; the names are
     remembered (NumPy's str took most of a 300-leaf call's time), per x64 setting:
