@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--autopolicy: at most this many XLA compiles")
     parser.add_argument("--fp8-scaling", action=_Once, choices=SCALINGS, default=None,
                         help="--autopolicy: the scaling the fp8 policies are priced and "
-                             "returned with (docs/fp8.md; default current)")
+                             "returned with (docs/fp8.md; default: --policy's)")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME",
                         help="run only these passes, in order (default: the full pipeline)")
     parser.add_argument("--verify-each", action="store_true",
@@ -294,7 +294,7 @@ def _autopolicy(args: argparse.Namespace, policy: Policy, device: Target | None)
             max_compiles=(DEFAULT_MAX_COMPILES if args.max_compiles is None
                           else args.max_compiles), progress=True,
             target_fn=main.for_platform(device.platform),
-            fp8_scaling=args.fp8_scaling or "current")
+            fp8_scaling=args.fp8_scaling)
     except (ValueError, TypeError) as error:
         raise CliError(f"hlo-amp-opt: error: --autopolicy: {_first_line(error)}") from None
     except NoCompilerForTarget as error:

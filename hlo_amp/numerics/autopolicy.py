@@ -110,7 +110,7 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
                base: Policy | str | Mapping[str, Any] = "bf16", reference: str = "f32",
                atol: float = ATOL, target: str | Target | None = None,
                max_compiles: int = DEFAULT_MAX_COMPILES, progress: bool = True,
-               fp8_scaling: str = "current") -> AutoPolicy | TargetAutoPolicy:
+               fp8_scaling: str | None = None) -> AutoPolicy | TargetAutoPolicy:
     """The policy with the fewest f32 scopes at ``depth`` whose error stays within
     ``budget`` (then the most FLOPs at ``base``'s precision).
 
@@ -121,9 +121,9 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
     ``TargetAutoPolicy`` (hlo_amp/numerics/fastest.py has the search). At most
     ``max_compiles`` XLA compiles, here and for the device together; ``progress``
     writes a progress line on stderr. ``fp8_scaling`` ("current" or "delayed", with
-    ``target`` only) is the scaling of the fp8 policies the search prices: "delayed"
-    compiles each with its amax history, as it runs (the error is measured with
-    current scaling, which a filled history approaches).
+    ``target`` only; by default the base's) is the scaling of the fp8 policies the
+    search prices: "delayed" compiles each with its amax history, as it runs (the error
+    is measured with current scaling, which a filled history approaches).
 
     ``budget`` bounds ``Comparison.error``: every float output leaf within
     ``atol + budget * max|e|`` of ``reference``. One scope is enough when one of the
@@ -142,7 +142,7 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
                                  reference=reference, atol=atol, target=target,
                                  max_compiles=max_compiles, progress=progress,
                                  fp8_scaling=fp8_scaling)
-    if fp8_scaling != "current":
+    if fp8_scaling not in (None, "current"):
         raise ValueError(f"fp8_scaling={fp8_scaling!r} prices fp8 on a device: give "
                          "target= too (without it autopolicy keeps base's precision, "
                          "no fp8 level)")

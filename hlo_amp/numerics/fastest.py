@@ -259,12 +259,13 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
                       base: Policy, reference: str, atol: float, target: Any,
                       max_compiles: Any, progress: bool,
                       target_fn: Callable[..., Any] | None = None,
-                      fp8_scaling: str = "current") -> TargetAutoPolicy:
+                      fp8_scaling: str | None = None) -> TargetAutoPolicy:
     """The search in this module's docstring; arguments already checked but target.
     ``target_fn``: what to compile for the target where it is not ``fn`` (the CLI's
     module, exported once per platform). ``fp8_scaling``: the scaling of every policy
-    with fp8 the search prices (docs/fp8.md); under "delayed" the step is compiled with
-    its amax history."""
+    with fp8 the search prices (docs/fp8.md; None: the base's); under "delayed" the step
+    is compiled with its amax history."""
+    fp8_scaling = resolve_fp8_scaling(fp8_scaling, base)
     device = check_target(target)
     max_compiles = check_max_compiles(max_compiles)
     refuse_policy_on_device(base, device)  # f16 on a TPU: refused before any compile
@@ -437,6 +438,14 @@ def target_autopolicy(fn: Callable[..., Any], args: tuple, *, budget: float, dep
         notes.append("note: fp8 not searched: no dot of a named scope takes the fp8 GEMM "
                      "form (m, k and n >= 16, one free and one contracting dimension)")
     # (also where a baseline returned fp8 for dots outside any named scope: h73)
+    if (chosen.uses_fp8 and chosen.scaling == "delayed"
+            and not any(d.fp8 for d in model.report(chosen).decisions)):
+        # No dot of it is fp8: the history would make the step stateful for nothing (it
+        # could not run under jax.jit; hunt h106).
+        chosen = with_scaling(chosen, "current")
+        notes.append("note: no dot of the chosen policy is fp8, so it is returned without "
+                     "scaling=delayed (a step with an amax history cannot run under "
+                     "jax.jit)")
     if no_fp8 is None and (any(fp8_dots.values()) or chosen.uses_fp8):
         notes.append("note: fp8 errors are measured on this machine, whose fp8 dots "
                      "dequantise to f32 (scales rounded to f32, not bf16 as on a GPU)")
@@ -496,11 +505,24 @@ def _fp8_fields_if_fp8(fields: dict[str, Any]) -> Policy:
     return Policy.from_dict(fields) if plain.uses_fp8 else plain
 
 
-def check_fp8_scaling(value: Any) -> str:
-    if value not in SCALINGS:
+def check_fp8_scaling(value: Any) -> str | None:
+    """``value`` if it is a scaling or None (the base policy's)."""
+    if value is not None and value not in SCALINGS:
         raise ValueError(f"Invalid fp8_scaling {value!r}; accepted: "
                          f"{', '.join(map(repr, SCALINGS))}")
     return value
+
+
+def resolve_fp8_scaling(fp8_scaling: str | None, base: Policy) -> str:
+    """The scaling the search prices fp8 with: ``fp8_scaling``, else the base's (an fp8
+    base with scaling=delayed was priced, and returned, with current scaling: hunt
+    h106); a delayed base asked for current scaling is refused, as one line."""
+    if fp8_scaling is None:
+        return base.scaling if base.uses_fp8 else "current"
+    if base.uses_fp8 and base.scaling == "delayed" and fp8_scaling != "delayed":
+        raise ValueError(f"base {base.to_string()!r} has scaling=delayed and "
+                         f"fp8_scaling={fp8_scaling!r} asks for another: give one of them")
+    return fp8_scaling
 
 
 def with_scaling(policy: Policy, fp8_scaling: str) -> Policy:

@@ -244,6 +244,23 @@ def test_delayed_fp8_scaling_is_priced_with_its_amax_history():
     assert DELAYED_NOTE not in current.notes
 
 
+def test_a_delayed_base_is_searched_and_returned_with_delayed_scaling():
+    """Without fp8_scaling the base's scaling is priced and returned (a delayed base was
+    priced, and returned, with current scaling: hunt h106); asked for another, one line.
+    A chosen policy with no fp8 dot left is returned without scaling=delayed, which
+    would make its step stateful for nothing."""
+    loose = _search(0.1, COMPUTE_BOUND_H100, base="fp8,scaling=delayed")
+    assert "fp8" in loose.choices.values() and loose.policy.scaling == "delayed"
+    fp8 = {b.name: b for b in loose.baselines}["fp8 everywhere eligible"]
+    assert hlo_amp.Policy.parse(fp8.policy).scaling == "delayed"
+    tight = _search(0.01, COMPUTE_BOUND_H100, base="fp8,scaling=delayed")
+    assert "fp8" not in tight.choices.values()
+    assert tight.policy.uses_fp8 and tight.policy.scaling == "current"
+    assert any("returned without scaling=delayed" in n for n in tight.notes)
+    with pytest.raises(ValueError, match=r"has scaling=delayed and fp8_scaling='current'"):
+        _search(0.1, "h100", base="fp8,scaling=delayed", fp8_scaling="current")
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"fp8_scaling": "later", "target": "h100"}, "Invalid fp8_scaling 'later'; accepted"),
     ({"fp8_scaling": "delayed"}, "give target= too")])
