@@ -134,10 +134,20 @@ class Fp8Quantize:
                 rules = Counter(d.rule or "no rule" for d in report.decisions)
                 line = ("fp8: no dot_general as fp8 GEMMs; the matrix ops' rules: "
                         + ", ".join(f"{rule} {n}" for rule, n in rules.most_common()))
-                if rules.keys() & {FIRST_MATRIX_OP, LAST_MATRIX_OP}:
+                fallbacks = _fallbacks(report)
+                # The ends' advice only where the ends are what kept every dot 16-bit.
+                if rules.keys() & {FIRST_MATRIX_OP, LAST_MATRIX_OP} and not fallbacks:
                     line += (" (the fp8 preset keeps the first and last matrix ops 16-bit; "
                              "first_matrix_op=none,last_matrix_op=none quantises them)")
+                if fallbacks:
+                    line += (f"; {fallbacks} fp8 fallback(s) to the compute dtype (reasons "
+                             "per op)")
                 report.notes.append(line)
+
+
+def _fallbacks(report: Report) -> int:
+    """How many ops an fp8 rule asked for and the compute dtype took (``why`` per op)."""
+    return sum(1 for d in report.decisions if d.reason.startswith(FP8_FALLBACK))
 
 
 def _summary(report: Report, pairs: dict[str, int], quantizing: _Quantizing, scaling: str,
@@ -149,7 +159,7 @@ def _summary(report: Report, pairs: dict[str, int], quantizing: _Quantizing, sca
     fp8_flops = sum(d.flops or 0 for d in report.decisions if d.fp8)
     # One decimal: a rounded 95% would hide a 94.85% (issue 47's target is 95% fp8).
     share = f"{100.0 * fp8_flops / total:.1f}%" if total else "n/a"
-    fallbacks = sum(1 for d in report.decisions if d.reason.startswith(FP8_FALLBACK))
+    fallbacks = _fallbacks(report)
     quantised = len(quantizing.found)
     line = (f"fp8: {count} dot_general as fp8 GEMMs ({kinds}), {share} of FLOPs; "
             f"{quantised} tensor(s) quantised with per-tensor ")

@@ -1012,6 +1012,19 @@ def test_an_fp8_policy_that_quantises_nothing_says_so() -> None:
     quantised = [n for n in hlo_amp.compile(step, f"fp8,{FP8.split(',', 1)[1]}").lower(
         w1, w2).report().notes if n.startswith("fp8")]
     assert quantised[0].startswith("fp8: 5 dot_general as fp8 GEMMs")
+    assert "first_matrix_op=none,last_matrix_op=none quantises them" in notes[0]
+
+    # Three dots, the middle one too small for an fp8 GEMM: the line counted no
+    # fallback and blamed the ends' rules, which are not what kept it bf16 (hunt h106).
+    def three(w1, w2, w3, x):
+        return jnp.tanh(jnp.tanh(x @ w1) @ w2) @ w3
+
+    small = hlo_amp.compile(three, "fp8").lower(
+        jnp.ones((32, 8)), jnp.ones((8, 8)), jnp.ones((8, 32)), jnp.ones((32, 32))).report()
+    line = next(n for n in small.notes if n.startswith("fp8"))
+    assert line.startswith("fp8: no dot_general as fp8 GEMMs")
+    assert "1 fp8 fallback(s) to the compute dtype" in line
+    assert "quantises them" not in line
 
 
 @pytest.mark.parametrize("policy", ["fp8", "bf16,first_matrix_op=float32,last_matrix_op=float32"])
