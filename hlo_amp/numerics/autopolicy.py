@@ -13,6 +13,7 @@ from hlo_amp.numerics.fastest import (
     DEFAULT_MAX_COMPILES,
     TargetAutoPolicy,
     check_fp8_scaling,
+    resolve_fp8_scaling,
     target_autopolicy,
 )
 from hlo_amp.numerics.measure import (
@@ -142,7 +143,8 @@ def autopolicy(fn: Callable[..., Any], *args: Any, budget: float, depth: int = 1
                                  reference=reference, atol=atol, target=target,
                                  max_compiles=max_compiles, progress=progress,
                                  fp8_scaling=fp8_scaling)
-    if fp8_scaling not in (None, "current"):
+    base_scaling = policy.scaling if policy.uses_fp8 else "current"
+    if fp8_scaling is not None and resolve_fp8_scaling(fp8_scaling, policy) != base_scaling:
         raise ValueError(f"fp8_scaling={fp8_scaling!r} prices fp8 on a device: give "
                          "target= too (without it autopolicy keeps base's precision, "
                          "no fp8 level)")

@@ -135,10 +135,14 @@ class Fp8Quantize:
                 line = ("fp8: no dot_general as fp8 GEMMs; the matrix ops' rules: "
                         + ", ".join(f"{rule} {n}" for rule, n in rules.most_common()))
                 fallbacks = _fallbacks(report)
-                # The ends' advice only where the ends are what kept every dot 16-bit.
-                if rules.keys() & {FIRST_MATRIX_OP, LAST_MATRIX_OP} and not fallbacks:
+                # The ends' advice only where the ends are all there is, and dots: they
+                # alone kept every dot 16-bit (not a small dot, a convolution, or a
+                # target that leaves dots as written: reviews h106, h107).
+                if all(d.rule in (FIRST_MATRIX_OP, LAST_MATRIX_OP)
+                       and d.op_kind == "dot_general" for d in report.decisions):
                     line += (" (the fp8 preset keeps the first and last matrix ops 16-bit; "
-                             "first_matrix_op=none,last_matrix_op=none quantises them)")
+                             "first_matrix_op=none,last_matrix_op=none puts them under the "
+                             "fp8 rule)")
                 if fallbacks:
                     line += (f"; {fallbacks} fp8 fallback(s) to the compute dtype (reasons "
                              "per op)")

@@ -46,6 +46,7 @@ from hlo_amp.ir.modules import (
 )
 from hlo_amp.ir.rebuild import call_with_extra, grow_signature, while_with_carries
 from hlo_amp.ir.shardings import GIVEN_SHARDINGS
+from hlo_amp.ir.sites import location_name
 
 # The scope of the barrier that carries the history through the step.
 STATE_SCOPE = "hlo_amp_fp8_state"
@@ -167,6 +168,20 @@ def vector_element(vector: ir.Value, index: int) -> ir.Value:
     at the current insertion point."""
     return hlo.slice(vector, ir.DenseI64ArrayAttr.get([index]),
                      ir.DenseI64ArrayAttr.get([index + 1]), ir.DenseI64ArrayAttr.get([1]))
+
+
+# The name scope of the loss scaler's redo_on_nan loop's condition (runtime/scaler.py):
+# each iteration retries the whole step at a lower loss scale, and only the last one's
+# values leave the loop, so only its amaxes are recorded (a rejected try's, finite ones
+# 2**r times the accepted try's, won the running maximum: review h107).
+RETRY_SCOPE = "hlo_amp_redo_on_nan"
+
+
+def _is_retry_loop(loop: Any) -> bool:
+    """Whether ``loop`` (a stablehlo.while) is the loss scaler's retry loop: its
+    condition's ops are in ``RETRY_SCOPE``."""
+    return any(RETRY_SCOPE in location_name(op.location).split("/")
+               for block in loop.operation.regions[0].blocks for op in block.operations)
 
 
 def _finite(amaxes: ir.Value, size: int) -> ir.Value:
@@ -299,8 +314,10 @@ class HistoryThreads:
         outer = self.history_max(loop.operation.block)
         with loop.location, ir.InsertionPoint(loop.operation):
             start = _zeros(self.columns)
+        retry = _is_retry_loop(loop)
         new, (given, running) = while_with_carries(loop, [outer, start])
-        self._parts.setdefault(body, []).append(running)
+        if not retry:  # the running maximum over the iterations
+            self._parts.setdefault(body, []).append(running)
         self._exits.append((body, "carry"))
         self._parts.setdefault(new.operation.block, []).append(new.operation.results[-1])
         return given

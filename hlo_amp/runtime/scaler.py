@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hlo_amp import jax_internals as internals
+from hlo_amp.passes.fp8_state import RETRY_SCOPE
 
 __all__ = [
     "DynamicScalerState",
@@ -407,7 +408,10 @@ def _scaled_value_and_grad(
 
         def keep_going(carry: tuple[Any, ...]) -> jax.Array:
             _, _, finite, tries, shrank = carry
-            return (tries == 0) | (~finite & (tries <= redo_on_nan) & shrank)
+            # The name marks the loop as a retry for fp8's delayed scaling, which records
+            # the last try's amaxes (passes/fp8_state.py); the body keeps the user's scopes.
+            with jax.named_scope(RETRY_SCOPE):
+                return (tries == 0) | (~finite & (tries <= redo_on_nan) & shrank)
 
         def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             state, _, _, tries, _ = carry

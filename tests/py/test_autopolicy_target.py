@@ -259,6 +259,14 @@ def test_a_delayed_base_is_searched_and_returned_with_delayed_scaling():
     assert any("returned without scaling=delayed" in n for n in tight.notes)
     with pytest.raises(ValueError, match=r"has scaling=delayed and fp8_scaling='current'"):
         _search(0.1, "h100", base="fp8,scaling=delayed", fp8_scaling="current")
+    # Without a target the same rule: the base's own scaling is accepted, another refused
+    # (it took 'current' and returned a delayed policy, and refused 'delayed': h107).
+    plain = hlo_amp.autopolicy(PROGRAM, X, W, budget=0.1, base="fp8,scaling=delayed",
+                               fp8_scaling="delayed", progress=False)
+    assert plain.policy.scaling == "delayed"
+    with pytest.raises(ValueError, match=r"has scaling=delayed and fp8_scaling='current'"):
+        hlo_amp.autopolicy(PROGRAM, X, W, budget=0.1, base="fp8,scaling=delayed",
+                           fp8_scaling="current", progress=False)
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -1012,7 +1012,7 @@ def test_an_fp8_policy_that_quantises_nothing_says_so() -> None:
     quantised = [n for n in hlo_amp.compile(step, f"fp8,{FP8.split(',', 1)[1]}").lower(
         w1, w2).report().notes if n.startswith("fp8")]
     assert quantised[0].startswith("fp8: 5 dot_general as fp8 GEMMs")
-    assert "first_matrix_op=none,last_matrix_op=none quantises them" in notes[0]
+    assert "first_matrix_op=none,last_matrix_op=none puts them under the fp8 rule" in notes[0]
 
     # Three dots, the middle one too small for an fp8 GEMM: the line counted no
     # fallback and blamed the ends' rules, which are not what kept it bf16 (hunt h106).
@@ -1024,7 +1024,22 @@ def test_an_fp8_policy_that_quantises_nothing_says_so() -> None:
     line = next(n for n in small.notes if n.startswith("fp8"))
     assert line.startswith("fp8: no dot_general as fp8 GEMMs")
     assert "1 fp8 fallback(s) to the compute dtype" in line
-    assert "quantises them" not in line
+    assert "first_matrix_op=none" not in line
+    # Two convolutions (never fp8), and dots XLA:CPU leaves as written under
+    # only_if_faster: the ends are not what keeps them 16-bit (review h107).
+    def convs(x, w1, w2):
+        conv = functools.partial(jax.lax.conv_general_dilated, window_strides=(1, 1),
+                                 padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return conv(jnp.tanh(conv(x, w1)), w2)
+
+    conv_line = next(n for n in hlo_amp.compile(convs, "fp8").lower(
+        jnp.ones((2, 8, 8, 16)), jnp.ones((3, 3, 16, 16)), jnp.ones((3, 3, 16, 16)))
+        .report().notes if n.startswith("fp8"))
+    cpu_line = next(n for n in hlo_amp.compile(three, "fp8,only_if_faster=true").lower(
+        *(jnp.ones((32, 32)),) * 4).report().notes if n.startswith("fp8"))
+    for text in (conv_line, cpu_line):
+        assert text.startswith("fp8: no dot_general as fp8 GEMMs")
+        assert "first_matrix_op=none" not in text
 
 
 @pytest.mark.parametrize("policy", ["fp8", "bf16,first_matrix_op=float32,last_matrix_op=float32"])

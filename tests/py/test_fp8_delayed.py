@@ -496,6 +496,28 @@ def test_a_step_the_loss_scaler_retries_records_the_accepted_try() -> None:
     assert (want > 0).all()
     np.testing.assert_array_equal(got, want)
 
+    # One gradient overflows, the others stay finite in the rejected tries, 2**r times
+    # the accepted try's: those won the loop's running maximum (review h107). Only the
+    # last try's amaxes leave the loop.
+    wide = {**params, "w2": params["w2"] * 16}
+
+    def small_loss(p, x, y):
+        return loss(p, x, y) * 1e-3
+
+    small = hlo_amp.dynamic_scale_value_and_grad(small_loss, redo_on_nan=20)
+
+    def small_step(p, state, x, y):
+        return small(p, x, y, dynamic_scaler_state=state)[0]
+
+    every = policy + ",first_matrix_op=none,last_matrix_op=none"
+    retried = hlo_amp.compile(small_step, every)
+    state = retried(wide, hlo_amp.DynamicScalerState(scaler=2.0 ** 28), x, y)
+    assert int(state.total_resets) > 0
+    direct = hlo_amp.compile(small_step, every)
+    direct(wide, hlo_amp.DynamicScalerState(scaler=float(state.scaler)), x, y)
+    np.testing.assert_array_equal(np.asarray(retried.fp8_state())[0],
+                                  np.asarray(direct.fp8_state())[0])
+
 
 def test_the_remembered_dtype_names_follow_x64() -> None:
     """A call's key names its arrays' dtypes as jax traces them; the names are
