@@ -63,7 +63,7 @@ from hlo_amp.passes.fp8_state import (
     one_caller_each,
     vector_element,
 )
-from hlo_amp.policy import FIRST_MATRIX_OP, FP8_SHORT, LAST_MATRIX_OP
+from hlo_amp.policy import COMPUTE, FIRST_MATRIX_OP, FP8_SHORT, LAST_MATRIX_OP
 from hlo_amp.report import Report
 from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MAX
 
@@ -135,11 +135,13 @@ class Fp8Quantize:
                 line = ("fp8: no dot_general as fp8 GEMMs; the matrix ops' rules: "
                         + ", ".join(f"{rule} {n}" for rule, n in rules.most_common()))
                 fallbacks = _fallbacks(report)
-                # The ends' advice only where the ends are all there is, and dots: they
-                # alone kept every dot 16-bit (not a small dot, a convolution, or a
-                # target that leaves dots as written: reviews h106, h107).
-                if all(d.rule in (FIRST_MATRIX_OP, LAST_MATRIX_OP)
-                       and d.op_kind == "dot_general" for d in report.decisions):
+                # The ends' advice only where the fp8 preset's own end rules are all
+                # there is, on dots: they alone kept every dot 16-bit (not a small dot,
+                # a convolution, a target that leaves dots as written, the user's end
+                # rules or another preset: reviews h106, h107, h109).
+                if report.policy.split(",", 1)[0] == "fp8" and all(
+                        d.rule in (FIRST_MATRIX_OP, LAST_MATRIX_OP) and d.action == COMPUTE
+                        and d.op_kind == "dot_general" for d in report.decisions):
                     line += (" (the fp8 preset keeps the first and last matrix ops 16-bit; "
                              "first_matrix_op=none,last_matrix_op=none puts them under the "
                              "fp8 rule)")

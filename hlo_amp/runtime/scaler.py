@@ -407,20 +407,28 @@ def _scaled_value_and_grad(
         placeholder = jax.tree_util.tree_map(jnp.zeros_like, result_shapes)
 
         def keep_going(carry: tuple[Any, ...]) -> jax.Array:
-            _, _, finite, tries, shrank = carry
+            _, _, _, finite, tries, shrank = carry
             # The name marks the loop as a retry for fp8's delayed scaling, which records
             # the last try's amaxes (passes/fp8_state.py); the body keeps the user's scopes.
             with jax.named_scope(RETRY_SCOPE):
                 return (tries == 0) | (~finite & (tries <= redo_on_nan) & shrank)
 
         def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-            state, _, _, tries, _ = carry
+            state, _, _, _, tries, _ = carry
             new_state, results, finite = carried(state)
             shrank = new_state.scaler < state.scaler
-            return new_state, results, finite, tries + 1, shrank
+            # A finite try carries the state it ran at, so that running the body again
+            # repeats it: under jax.vmap a member that is done runs on while another
+            # retries (its carries kept by a select, its amaxes recorded: the history
+            # took a try at its grown scale, review h107), and its state after the step
+            # comes from the carry beside it.
+            tried = jax.tree_util.tree_map(
+                lambda a, b: jnp.where(finite, a, b), state, new_state)
+            return tried, new_state, results, finite, tries + 1, shrank
 
-        init = (state, placeholder, jnp.array(False), jnp.array(0, jnp.int32), jnp.array(True))
-        new_state, ((value, arrays), grads), _, _, _ = jax.lax.while_loop(
+        init = (state, state, placeholder, jnp.array(False), jnp.array(0, jnp.int32),
+                jnp.array(True))
+        _, new_state, ((value, arrays), grads), _, _, _ = jax.lax.while_loop(
             keep_going, body, init)
         return new_state, ((value, _join_aux(arrays, *aux_layout)), grads)
 

@@ -1037,7 +1037,13 @@ def test_an_fp8_policy_that_quantises_nothing_says_so() -> None:
         .report().notes if n.startswith("fp8"))
     cpu_line = next(n for n in hlo_amp.compile(three, "fp8,only_if_faster=true").lower(
         *(jnp.ones((32, 32)),) * 4).report().notes if n.startswith("fp8"))
-    for text in (conv_line, cpu_line):
+    # The user's own end rules, or another preset's, are not the fp8 preset's (h109).
+    own_lines = [next(n for n in hlo_amp.compile(step, policy).lower(w1, w2).report().notes
+                      if n.startswith("fp8"))
+                 for policy in ("fp8,first_matrix_op=float32,last_matrix_op=float32",
+                                ("bf16,op:dot_general=float8_e4m3fn,first_matrix_op=bfloat16,"
+                                 "last_matrix_op=bfloat16"))]
+    for text in (conv_line, cpu_line, *own_lines):
         assert text.startswith("fp8: no dot_general as fp8 GEMMs")
         assert "first_matrix_op=none" not in text
 

@@ -518,6 +518,26 @@ def test_a_step_the_loss_scaler_retries_records_the_accepted_try() -> None:
     np.testing.assert_array_equal(np.asarray(retried.fp8_state())[0],
                                   np.asarray(direct.fp8_state())[0])
 
+    # Under jax.vmap the loop runs while any member retries: a member done at its first
+    # try (whose scale then grows, patience 1) ran its step again at the grown scale,
+    # and the history took that run's amaxes (review h109).
+    batched = jax.vmap(small_step, in_axes=(0, 0, None, None))
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), wide)
+
+    def states(first: float) -> hlo_amp.DynamicScalerState:
+        return hlo_amp.DynamicScalerState(
+            patience=jnp.array([2000, 1], jnp.int32), adjust_factor=jnp.full(2, 2.0),
+            scaler=jnp.array([first, 2.0 ** 25]), count=jnp.zeros(2, jnp.int32),
+            total_resets=jnp.zeros(2, jnp.int32), min_scaler=jnp.ones(2))
+
+    retried = hlo_amp.compile(batched, every)
+    state = retried(stacked, states(2.0 ** 30), x, y)
+    assert np.asarray(state.total_resets)[0] > 0 and float(state.scaler[0]) == 2.0 ** 25
+    direct = hlo_amp.compile(batched, every)
+    direct(stacked, states(2.0 ** 25), x, y)
+    np.testing.assert_array_equal(np.asarray(retried.fp8_state())[0],
+                                  np.asarray(direct.fp8_state())[0])
+
 
 def test_the_remembered_dtype_names_follow_x64() -> None:
     """A call's key names its arrays' dtypes as jax traces them; the names are
