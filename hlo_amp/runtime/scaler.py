@@ -189,6 +189,10 @@ def _canonical_state(state: DynamicScalerState) -> DynamicScalerState:
     )
 
 
+# The fields one step changes (_next_state); the others are the scaler's settings.
+_STEP_FIELDS = ("scaler", "count", "total_resets")
+
+
 def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerState:
     """Advance the scaler after one step whose gradients were `finite` (or not)."""
     count = state.count + 1
@@ -413,23 +417,28 @@ def _scaled_value_and_grad(
             with jax.named_scope(RETRY_SCOPE):
                 return (tries == 0) | (~finite & (tries <= redo_on_nan) & shrank)
 
+        def moving(state: DynamicScalerState) -> tuple[jax.Array, ...]:
+            return tuple(getattr(state, name) for name in _STEP_FIELDS)
+
         def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-            state, _, _, _, tries, _ = carry
-            new_state, results, finite = carried(state)
-            shrank = new_state.scaler < state.scaler
+            tried, _, _, _, tries, _ = carry
+            at = state._replace(**dict(zip(_STEP_FIELDS, tried)))
+            new_state, results, finite = carried(at)
+            shrank = new_state.scaler < at.scaler
             # A finite try carries the state it ran at, so that running the body again
             # repeats it: under jax.vmap a member that is done runs on while another
             # retries (its carries kept by a select, its amaxes recorded: the history
-            # took a try at its grown scale, review h107), and its state after the step
-            # comes from the carry beside it.
-            tried = jax.tree_util.tree_map(
-                lambda a, b: jnp.where(finite, a, b), state, new_state)
-            return tried, new_state, results, finite, tries + 1, shrank
+            # took a try at its grown scale, review h109), and its state after the step
+            # comes from the carry beside it. Only the fields a step changes are
+            # carried: the others stay unbatched under vmap (review h110).
+            tried = tuple(jnp.where(finite, a, b) for a, b in zip(tried, moving(new_state)))
+            return tried, moving(new_state), results, finite, tries + 1, shrank
 
-        init = (state, state, placeholder, jnp.array(False), jnp.array(0, jnp.int32),
-                jnp.array(True))
-        _, new_state, ((value, arrays), grads), _, _, _ = jax.lax.while_loop(
+        init = (moving(state), moving(state), placeholder, jnp.array(False),
+                jnp.array(0, jnp.int32), jnp.array(True))
+        _, after, ((value, arrays), grads), _, _, _ = jax.lax.while_loop(
             keep_going, body, init)
+        new_state = state._replace(**dict(zip(_STEP_FIELDS, after)))
         return new_state, ((value, _join_aux(arrays, *aux_layout)), grads)
 
     return wrapped

@@ -822,6 +822,17 @@ def test_a_vmap_axis_spec_built_as_the_docstring_says() -> None:
                           in_axes=(spec, None))(states, jnp.ones(3))
     np.testing.assert_array_equal(new.scaler, [1.0, 2.0, 4.0])
     np.testing.assert_allclose(grads, np.full((3, 3), 2.0))
+    # With redo_on_nan and members retrying different numbers of times, the settings
+    # stay unbatched: an out_axes spec of the same form holds (they came back batched
+    # when the loop selected the whole state per member: review h110).
+    redo = dynamic_scale_grad(lambda w, x: jnp.sum(w * x), redo_on_nan=2)
+    w = jnp.ones(3, jnp.float16)
+    xs = jnp.stack([jnp.full(3, 0.5, jnp.float16), jnp.full(3, 4.0, jnp.float16)])
+    out_spec = jax.tree.unflatten(jax.tree.structure(state), [None, None, 0, 0, 0, None])
+    new, _ = jax.jit(jax.vmap(lambda x: redo(w, x, dynamic_scaler_state=state),
+                              out_axes=(out_spec, 0)))(xs)
+    assert new.patience.shape == () and int(new.patience) == 2000
+    np.testing.assert_array_equal(new.total_resets, [0, 2])  # 4 * 2**15 overflows f16
 
 
 def test_redo_on_nan_keeps_an_aux_that_is_no_array() -> None:
