@@ -218,13 +218,27 @@ class _Site(MaskReading, ExitReading):
         callers = self.view.callers.get(ir.StringAttr(parent.attributes["sym_name"]).value,
                                         []) if self.returned and parent is not None else []
         queue = [(call.results[n], ()) for call in callers for n in self.returned]
+        # And past jax.checkpoint's save of the scores or probabilities (a policy that
+        # saves them): the backward's softmax recomputed from the saved copy, and its
+        # matmuls (hunt h108: they went fp8 with the site refused).
+        for value, stack in [(self.scores.results[0], ()), *self.values]:
+            for reader, number, at in self.view.readers(value, stack):
+                if reader.name == "stablehlo.optimization_barrier":
+                    queue.append((reader.results[number], at))
+                elif _is_saved_marker(reader):
+                    queue.append((reader.results[0], at))
         seen: set[tuple[int, Stack]] = set()
         while queue and len(seen) < MAX_CLUSTER:
             value, stack = queue.pop()
-            for reader, _number, reader_stack in self.view.readers(value, stack):
+            for reader, number, reader_stack in self.view.readers(value, stack):
                 if reader.name == _DOT:
                     found.setdefault(op_key(reader), reader)
-                elif reader.name in CLUSTER_OPS and (op_key(reader), reader_stack) not in seen:
+                elif (reader.name == "stablehlo.optimization_barrier"
+                      and (op_key(reader), reader_stack) not in seen):
+                    seen.add((op_key(reader), reader_stack))
+                    queue.append((reader.results[number], reader_stack))
+                elif ((reader.name in CLUSTER_OPS or _is_saved_marker(reader))
+                      and (op_key(reader), reader_stack) not in seen):
                     seen.add((op_key(reader), reader_stack))
                     queue.extend((result, reader_stack) for result in reader.results)
                     for operand in reader.operands:  # dP, which dS = P·(dP - ...) reads
@@ -306,7 +320,7 @@ class _Site(MaskReading, ExitReading):
         axis; NotFused (no attention) without them."""
         exps = [(op, st) for op, st in self.ops.values() if op.name == "stablehlo.exponential"]
         if not exps:
-            crossed = self._softmax_past()
+            crossed, past = self._softmax_past()
             if crossed is not None and crossed.name == "stablehlo.tanh" and _batched(
                     self.scores):
                 self.walk(crossed.results[0])  # its exits tell the site's direction
@@ -315,6 +329,10 @@ class _Site(MaskReading, ExitReading):
                                "compute")
             if crossed is not None and (crossed.name == "stablehlo.optimization_barrier"
                                         or _is_saved_marker(crossed)):
+                if past is not None and _batched(self.scores):
+                    # The matmuls past the save (P·V) come with the refusal, which keeps
+                    # them 16-bit under fp8 (they went fp8: hunt h108).
+                    self.walk(past)
                 raise _saved("scores are")
             raise NotFused("no softmax", attention=False)
         if len(exps) > 1:
@@ -410,19 +428,20 @@ class _Site(MaskReading, ExitReading):
             return None
         return self._strip(op.operands[1], stack)
 
-    def _softmax_past(self) -> ir.Operation | None:
+    def _softmax_past(self) -> tuple[ir.Operation | None, ir.Value | None]:
         """The op the scores reach an exponential through, outside the cluster: an
         ``optimization_barrier`` (jax.checkpoint saving them: a remat policy's saved
-        residuals pass one) or a ``tanh`` (soft-capping); else None."""
-        pending: list[tuple[ir.Value, Stack, ir.Operation | None]] = [
-            (self.scores.results[0], (), None)]
+        residuals pass one) or a ``tanh`` (soft-capping), and the value right past it
+        where that is in the site's own function (else None); (None, None) without."""
+        pending: list[tuple[ir.Value, Stack, ir.Operation | None, ir.Value | None]] = [
+            (self.scores.results[0], (), None, None)]
         seen: set[tuple[ir.Value, Stack]] = set()
         while pending and len(seen) < 64:
-            value, stack, crossed = pending.pop()
+            value, stack, crossed, crossed_value = pending.pop()
             for reader, number, at in self.view.readers(value, stack):
                 name = reader.name
                 if name == "stablehlo.exponential" and crossed is not None:
-                    return crossed
+                    return crossed, crossed_value
                 if name == "stablehlo.optimization_barrier":
                     follow, past = [reader.results[number]], crossed or reader
                 elif name == "stablehlo.tanh" or _is_saved_marker(reader):
@@ -434,8 +453,10 @@ class _Site(MaskReading, ExitReading):
                 for result in follow:
                     if (result, at) not in seen:
                         seen.add((result, at))
-                        pending.append((result, at, past))
-        return None
+                        after = crossed_value if crossed is not None else (
+                            result if past is not None and not at else None)
+                        pending.append((result, at, past, after))
+        return None, None
 
     def _to_scores(self, exp: ir.Operation, stack: Stack, key_role: Role
                    ) -> tuple[float, list]:
@@ -573,6 +594,14 @@ class _Site(MaskReading, ExitReading):
         if swapped is not None:  # told only by "an input ... computed after its first use"
             raise _along_queries(swapped)
         if "out" not in exits and "dv" not in exits:
+            saved = [(reader, at) for value, stack in p_like
+                     for reader, _number, at in self.view.readers(value, stack)
+                     if _is_saved_marker(reader)]
+            if saved:  # a policy saving the probabilities (save_only_these_names): P·V
+                for reader, at in saved:  # reads the saved copy, whose matmuls the
+                    if not at:  # refusal keeps 16-bit under fp8 (hunt h108)
+                        self.walk(reader.results[0])
+                raise _saved("probabilities are")
             if any(self._dropped_out(op.operands[n], p_like) for op, n in self.exits):
                 raise NotFused(DROPOUT)  # P·V reads the probabilities after dropout
             if exits and self._reads_dp(*softmax[:2]):  # the gradient of q or k alone
@@ -1019,6 +1048,7 @@ def _saved(what: str) -> NotFused:
                      "that saves them, such as dots_saveable or everything_saveable, keeps "
                      "them; one that does not, such as nothing_saveable, fuses)")
     saved.direction = "forward and backward"  # saved for a backward pass
+    saved.saved = True  # the reason stands whatever reads the attention
     return saved
 
 
@@ -1079,7 +1109,8 @@ def match_site(view: CallView, scores: ir.Operation) -> Match:
         readers = len(site.exits)
         if site.split_backward:
             error.direction = error.direction or "forward and backward"
-        if readers and all(_forward_mode(op) for op, _number in site.exits):
+        if readers and all(_forward_mode(op) for op, _number in site.exits) and not getattr(
+                error, "saved", False):
             # jax.jvp's tangents read the probabilities too (dP·V, P·dV): not a backward,
             # whatever a check that took them for one said (jvp in q alone: "only part of
             # the attention's backward reads it").
