@@ -97,12 +97,15 @@ def test_a_refused_attention_stays_16_bit(form):
     assert all(d.fp8 for d in dots if d not in attention)
 
 
-@pytest.mark.parametrize("saved", ["scores", "probabilities"])
-def test_an_attention_refused_as_saved_by_a_remat_policy_stays_16_bit(saved):
+@pytest.mark.parametrize("scanned", [False, True])
+@pytest.mark.parametrize("saved", ["scores", "probabilities", "exponential"])
+def test_an_attention_refused_as_saved_by_a_remat_policy_stays_16_bit(saved, scanned):
     """A jax.checkpoint policy that saves the scores (dots_saveable) or the probabilities
     (save_only_these_names): the site is refused as saved, and only the scores' matmul
     came with the refusal; P·V read e4m3 probabilities and the backward's matmuls went
-    fp8 (with the probabilities saved the forward site was not even listed; hunt h108)."""
+    fp8 (with the probabilities saved the forward site was not even listed; hunt h108).
+    everything_saveable saves the exponential and its sum; in a scan of checkpointed
+    layers the backward loop's recomputed P·V is found by its name (review h111)."""
     from jax.ad_checkpoint import checkpoint_name
 
     def attend(q, k, v):
@@ -110,23 +113,30 @@ def test_an_attention_refused_as_saved_by_a_remat_policy_stays_16_bit(saved):
         probabilities = checkpoint_name(jax.nn.softmax(scores, axis=-1), "probs")
         return jnp.einsum("bhqk,bkhd->bqhd", probabilities, v)
 
-    policy = (jax.checkpoint_policies.dots_saveable if saved == "scores" else
-              jax.checkpoint_policies.save_only_these_names("probs"))
+    policy = {"scores": jax.checkpoint_policies.dots_saveable,
+              "probabilities": jax.checkpoint_policies.save_only_these_names("probs"),
+              "exponential": jax.checkpoint_policies.everything_saveable}[saved]
 
     def layer(x, w):
         q, k, v = ((x @ w[n]).reshape(B, T, HEADS, D // HEADS) for n in range(3))
         return x + attend(q, k, v).reshape(B, T, D) @ w[3]
 
+    checkpointed = jax.checkpoint(layer, policy=policy)
+
     def loss(w, x):
-        return jnp.mean(jax.checkpoint(layer, policy=policy)(x, w) ** 2)
+        if scanned:
+            return jnp.mean(jax.lax.scan(lambda h, w: (checkpointed(h, w), None), x, w)[0]
+                            ** 2)
+        return jnp.mean(checkpointed(x, w[0]) ** 2)
 
     rng = np.random.default_rng(3)
-    w = jnp.asarray(rng.standard_normal((4, D, D)) / 8, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 4, D, D)) / 8, jnp.float32)
     _, x = _args()
     report = hlo_amp.compile(jax.grad(loss), f"fp8,{ALL}").lower(w, x).report()
     assert report.attention and not any(s.fused for s in report.attention)
-    assert any(f"the {saved} are saved for the backward pass" in s.reason
-               for s in report.attention)
+    said = "softmax's exponential and its sum" if saved == "exponential" else saved
+    assert any(f"the {said} are saved for the backward pass" in s.reason
+               for s in report.attention), [s.reason for s in report.attention]
     dots = [d for d in report.decisions if d.op_kind == "dot_general"]
     attention = [d for d in dots if any(e in d.location for e in ATTENTION_EINSUMS)]
     assert len(attention) >= 6, [d.location for d in dots]

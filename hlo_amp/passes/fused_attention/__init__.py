@@ -252,9 +252,10 @@ def _mark_their_backward(module: ir.Module, prefixes: dict[str, str],
                          unfused: set[tuple[str, str, str] | None]) -> None:
     """Mark the backward matmuls of unfused attentions whose backward is in another
     function that no site's analysis reached: a scan body without jax.checkpoint stacks
-    its probabilities for a backward loop (they went fp8 under an fp8 policy). Found by
-    name: a backward matmul with the scope, einsum and source line of such an
-    attention's matmul."""
+    its probabilities for a backward loop, a checkpointed one saving its scores or
+    probabilities its saved copy (they went fp8 under an fp8 policy). Found by name: a
+    backward matmul (remat's recomputed forward included) with the scope, einsum and
+    source line of such an attention's matmul."""
     unfused.discard(None)
     if not unfused:
         return
@@ -269,7 +270,7 @@ def _mark_their_backward(module: ir.Module, prefixes: dict[str, str],
     unfused -= {name for op, site, name in named
                 if not is_attention_matmul(op) and not site.backward}
     for op, site, name in named:
-        if site.gradient_pass and name in unfused:
+        if site.backward and name in unfused:  # remat's recomputed forward too
             mark_attention(op)
 
 

@@ -1103,7 +1103,9 @@ def match_site(view: CallView, scores: ir.Operation) -> Match:
         return site.match()
     except NotFused as error:
         error.matmuls = site.matmuls_found()
-        error.split_backward = site.split_backward
+        # A saved refusal's backward may sit in another loop's body (a scan of
+        # checkpointed layers): found by name too, as a split backward's (review h111).
+        error.split_backward = site.split_backward or getattr(error, "saved", False)
         # A forward pass has one matrix op reading its cluster (P·V); a training step's
         # backward adds Pᵀ·dO, dS·K and dSᵀ·Q.
         readers = len(site.exits)
