@@ -63,7 +63,8 @@ from hlo_amp.passes.fp8_state import (
     one_caller_each,
     vector_element,
 )
-from hlo_amp.policy import COMPUTE, FIRST_MATRIX_OP, FP8_SHORT, LAST_MATRIX_OP
+from hlo_amp.policy import COMPUTE, FIRST_MATRIX_OP, FP8_SHORT, LAST_MATRIX_OP, Policy
+from hlo_amp.policy_terms import is_fp8
 from hlo_amp.report import Report
 from hlo_amp.targets.fp8_gemm import FP8_FALLBACK, FP8_MAX
 
@@ -135,11 +136,13 @@ class Fp8Quantize:
                 line = ("fp8: no dot_general as fp8 GEMMs; the matrix ops' rules: "
                         + ", ".join(f"{rule} {n}" for rule, n in rules.most_common()))
                 fallbacks = _fallbacks(report)
-                # The ends' advice only where the fp8 preset's own end rules are all
-                # there is, on dots: they alone kept every dot 16-bit (not a small dot,
-                # a convolution, a target that leaves dots as written, the user's end
-                # rules or another preset: reviews h106, h107, h109).
-                if report.policy.split(",", 1)[0] == "fp8" and all(
+                # The ends' advice only where the end rules, at the compute type as the
+                # fp8 preset has them, are all there is, on dots, and none=none puts them
+                # under an fp8 op rule: they alone kept every dot 16-bit (not a small
+                # dot, a convolution, a target that leaves dots as written, the user's
+                # end rules or a 16-bit op rule: reviews h106, h107, h109).
+                if report.policy and is_fp8(
+                        Policy.parse(report.policy).ops.get("dot_general")) and all(
                         d.rule in (FIRST_MATRIX_OP, LAST_MATRIX_OP) and d.action == COMPUTE
                         and d.op_kind == "dot_general" for d in report.decisions):
                     line += (" (the fp8 preset keeps the first and last matrix ops 16-bit; "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import re
 import threading
@@ -165,20 +166,19 @@ def _canonical(dtype: Any) -> Any:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
-_CANONICAL_NAMES: dict[tuple[Any, bool], str] = {}
-
-
 def _canonical_name(dtype: Any) -> str:
     """``str(_canonical(dtype))``, remembered per x64 setting (``_signature`` asks it
     for every leaf of every call: NumPy's answers took most of a call's time)."""
-    key = (dtype, bool(jax.config.jax_enable_x64))
     try:
-        return _CANONICAL_NAMES[key]
-    except KeyError:
-        name = _CANONICAL_NAMES[key] = str(_canonical(dtype))
-        return name
+        return _canonical_name_under(dtype, bool(jax.config.jax_enable_x64))
     except TypeError:  # a dtype that cannot be hashed
         return str(_canonical(dtype))
+
+
+@functools.cache
+def _canonical_name_under(dtype: Any, x64: bool) -> str:
+    """(``x64`` keys the cache: ``_canonical`` reads the setting itself.)"""
+    return str(_canonical(dtype))
 
 
 class Fp8StatefulFunction:

@@ -420,9 +420,12 @@ def _scaled_value_and_grad(
         def moving(state: DynamicScalerState) -> tuple[jax.Array, ...]:
             return tuple(getattr(state, name) for name in _STEP_FIELDS)
 
+        def moved(fields: tuple[jax.Array, ...]) -> DynamicScalerState:
+            return state._replace(**dict(zip(_STEP_FIELDS, fields)))
+
         def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             tried, _, _, _, tries, _ = carry
-            at = state._replace(**dict(zip(_STEP_FIELDS, tried)))
+            at = moved(tried)
             new_state, results, finite = carried(at)
             shrank = new_state.scaler < at.scaler
             # A finite try carries the state it ran at, so that running the body again
@@ -438,8 +441,7 @@ def _scaled_value_and_grad(
                 jnp.array(0, jnp.int32), jnp.array(True))
         _, after, ((value, arrays), grads), _, _, _ = jax.lax.while_loop(
             keep_going, body, init)
-        new_state = state._replace(**dict(zip(_STEP_FIELDS, after)))
-        return new_state, ((value, _join_aux(arrays, *aux_layout)), grads)
+        return moved(after), ((value, _join_aux(arrays, *aux_layout)), grads)
 
     return wrapped
 

@@ -3,6 +3,7 @@ by the compiled-function objects."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,19 +37,18 @@ def leaf_signature(leaf: Any) -> Any:
     return (type(leaf).__name__,)
 
 
-_DTYPE_NAMES: dict[Any, str] = {}
-
-
 def dtype_name(dtype: Any) -> str:
     """``str(dtype)``, remembered: NumPy's takes microseconds, and a call whose key is
     made in Python (a delayed-scaling step's) asks it for every leaf."""
     try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
-        return name
+        return _remembered_str(dtype)
     except TypeError:  # a dtype that cannot be hashed
         return str(dtype)
+
+
+@functools.cache
+def _remembered_str(dtype: Any) -> str:
+    return str(dtype)
 
 
 def _sharding_key(sharding: Any, ndim: int) -> Any:
