@@ -136,18 +136,18 @@ class Fp8Quantize:
                 line = ("fp8: no dot_general as fp8 GEMMs; the matrix ops' rules: "
                         + ", ".join(f"{rule} {n}" for rule, n in rules.most_common()))
                 fallbacks = _fallbacks(report)
-                # The ends' advice only where the end rules, at the compute type as the
-                # fp8 preset has them, are all there is, on dots, and none=none puts them
-                # under an fp8 op rule: they alone kept every dot 16-bit (not a small
-                # dot, a convolution, a target that leaves dots as written, the user's
-                # end rules or a 16-bit op rule: reviews h106, h107, h109).
+                # The ends' advice only where the end rules, at the compute type (the fp8
+                # preset's or the user's), are all there is, on dots, and none=none puts
+                # them under an fp8 op rule: they alone kept every dot 16-bit (not a small
+                # dot, a convolution, a target that leaves dots as written or a 16-bit op
+                # rule: reviews h106, h107, h109; the wording names no preset: h112).
                 if report.policy and is_fp8(
                         Policy.parse(report.policy).ops.get("dot_general")) and all(
                         d.rule in (FIRST_MATRIX_OP, LAST_MATRIX_OP) and d.action == COMPUTE
                         and d.op_kind == "dot_general" for d in report.decisions):
-                    line += (" (the fp8 preset keeps the first and last matrix ops 16-bit; "
-                             "first_matrix_op=none,last_matrix_op=none puts them under the "
-                             "fp8 rule)")
+                    line += (" (the first_matrix_op and last_matrix_op rules keep the first "
+                             "and last matrix ops 16-bit; first_matrix_op=none,"
+                             "last_matrix_op=none puts them under the fp8 rule)")
                 if fallbacks:
                     line += (f"; {fallbacks} fp8 fallback(s) to the compute dtype (reasons "
                              "per op)")

@@ -320,15 +320,16 @@ class Fp8StatefulFunction:
         return (program, columns, fp8, _beyond_leading(shapes)), (self.policy.amax_history,
                                                                  columns)
 
-    def _refuse_shape(self, history: jax.Array, shape: tuple[int, int]) -> None:
+    def _refuse_shape(self, history: jax.Array, shape: tuple[int, int],
+                      dropped: str = "the state was not taken; ") -> None:
         if tuple(history.shape) != shape:
             raise ValueError(
                 f"{self.__name__}: the loaded fp8 state has shape {tuple(history.shape)}, "
                 f"this step keeps an amax history of {self.policy.amax_history} step(s) "
-                f"in {shape[1]} column(s): expected {shape} (the state was not taken; "
-                f"load one of that shape, or, where the step has several programs (static "
-                f"arguments), load_fp8_state(history, *args) with the arguments of the "
-                f"calls it is for)")
+                f"in {shape[1]} column(s): expected {shape} ({dropped}load one of that "
+                f"shape, or, where the step has several programs (static arguments), "
+                f"load_fp8_state(history, *args) with the arguments of the calls it is "
+                f"for)")
 
     def _history(self, args: tuple, kwargs: dict, program: Any, shapes: Any, leaves: list
                  ) -> tuple[Any, jax.Array, bool]:
@@ -344,7 +345,10 @@ class Fp8StatefulFunction:
             # donates a copy.
             if tuple(self._loaded.shape) != shape:
                 history, self._loaded = self._loaded, None
-                self._refuse_shape(history, shape)
+                # Said so: "not taken" read as still waiting for a call that fits, and the
+                # next call started from an empty history without a word (review h114).
+                self._refuse_shape(history, shape, "the loaded state is dropped: no later "
+                                   "call starts from it; ")
             return state, _replicated_like(jnp.copy(self._loaded), leaves), True
         history = self._histories.get(state)
         if history is not None and not history.size and history.is_deleted():
@@ -407,7 +411,7 @@ class Fp8StatefulFunction:
     def load_fp8_state(self, history: Any, /, *args: Any, **kwargs: Any) -> None:
         """Restore an amax history ``fp8_state()`` returned. Without more arguments the
         next call that quantises starts from it (where its step quantises another number
-        of tensors, that call raises and the state is not taken); with the step's
+        of tensors, that call raises and the state is dropped); with the step's
         arguments, the calls with those arguments do (a history of another shape raises
         here).
         ``history`` stays the caller's: the step donates a copy of it."""
@@ -441,9 +445,11 @@ class Fp8StatefulFunction:
             self._loaded = history
 
     def _selected(self, args: tuple, kwargs: dict) -> tuple[Any, tuple[int, int]]:
-        """The history key and shape that a call with these arguments uses."""
-        program, shapes, _ = self._signature(args, kwargs)
-        return self._state_of(args, kwargs, program, shapes)
+        """The history key and shape that a call with these arguments uses (a bad
+        argument named as a call names it: review h114)."""
+        with self._named_by_the_step(args, kwargs):
+            program, shapes, _ = self._signature(args, kwargs)
+            return self._state_of(args, kwargs, program, shapes)
 
     # -- calls --
 

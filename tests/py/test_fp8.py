@@ -1046,6 +1046,13 @@ def test_an_fp8_policy_that_quantises_nothing_says_so() -> None:
     for text in (conv_line, cpu_line, *own_lines):
         assert text.startswith("fp8: no dot_general as fp8 GEMMs")
         assert "first_matrix_op=none" not in text
+    # The user's end rules at the compute type under an fp8 op rule get the advice, in
+    # words that name no preset the policy does not use (review h112).
+    own_compute = next(n for n in hlo_amp.compile(step, (
+        "bf16,op:dot_general=float8_e4m3fn,first_matrix_op=compute,last_matrix_op=compute"
+    )).lower(w1, w2).report().notes if n.startswith("fp8"))
+    assert "first_matrix_op=none,last_matrix_op=none puts them under" in own_compute
+    assert "preset" not in own_compute
 
 
 @pytest.mark.parametrize("policy", ["fp8", "bf16,first_matrix_op=float32,last_matrix_op=float32"])

@@ -145,6 +145,45 @@ def test_an_attention_refused_as_saved_by_a_remat_policy_stays_16_bit(saved, sca
     assert any(d.fp8 for d in dots if d not in attention)
 
 
+@pytest.mark.parametrize("scanned", [False, True])
+def test_a_saved_attention_stays_16_bit_beside_a_fused_one(scanned):
+    """The same attention code saved by a remat policy in one layer (refused) and plain
+    in another (fused for an H100): the fused site's discarded matmuls, still in the
+    module, counted as other forward matmuls of the saved site's names, and two to four
+    of its backward matmuls went fp8 (review h112)."""
+    def attend(q, k, v):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D // HEADS)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+    def layer(x, w):
+        q, k, v = ((x @ w[n]).reshape(B, T, HEADS, D // HEADS) for n in range(3))
+        return x + attend(q, k, v).reshape(B, T, D) @ w[3]
+
+    saved = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable if scanned
+                           else jax.checkpoint_policies.everything_saveable)
+
+    def loss(w, x):
+        if scanned:
+            x = jax.lax.scan(lambda h, w: (saved(h, w), None), x, w[:2])[0]
+        else:
+            x = saved(x, w[0])
+        return jnp.mean(layer(x, w[-1]) ** 2)
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((3, 4, D, D)) / 8, jnp.float32)
+    _, x = _args()
+    report = hlo_amp.compile(jax.grad(loss), f"fp8,{ALL}").lower(
+        w, x, target="h100").report()
+    assert any(s.fused for s in report.attention)
+    assert any("saved for the backward pass" in s.reason for s in report.attention)
+    dots = [d for d in report.decisions if d.op_kind == "dot_general"]
+    attention = [d for d in dots if any(e in d.location for e in ATTENTION_EINSUMS)]
+    assert len(attention) >= 6, [d.location for d in dots]
+    assert all(not d.fp8 for d in attention), [
+        (d.direction, d.location[-60:]) for d in attention if d.fp8]
+    assert any(d.fp8 for d in dots if d not in attention)
+
+
 def test_an_attention_written_with_matmuls_in_a_scan_without_checkpoint_stays_16_bit():
     """nanoGPT's attention (``@``, no einsum names) in a scan body without
     jax.checkpoint: its backward, in the backward loop, is found by its matmuls' scope

@@ -1200,7 +1200,8 @@ def test_a_loaded_state_of_another_width_is_refused_at_the_next_call() -> None:
     p, _ = f(p, x)
     columns = f.fp8_state().shape[1]
     f.load_fp8_state(np.ones((4, columns + 2), np.float32))
-    with pytest.raises(ValueError, match=rf"\(4, {columns + 2}\).*expected \(4, {columns}\)"):
+    with pytest.raises(ValueError, match=rf"\(4, {columns + 2}\).*expected \(4, {columns}\)"
+                       r".*the loaded state is dropped"):
         f(p, x)
     p, _ = f(p, x)  # the step's own history, which fp8_state() gives again
     assert f.fp8_state().shape == (4, columns)
@@ -1528,6 +1529,20 @@ def test_an_argument_it_cannot_take_is_named_by_the_steps_position(policy, metho
     f = hlo_amp.compile(step, policy)
     with pytest.raises(TypeError, match=r"argument args\[1\] \(parameter x\) is a str"):
         getattr(f, method)(jnp.ones((32, 32)), "abc")
+
+
+@pytest.mark.parametrize("method", ["fp8_state", "load_fp8_state"])
+def test_the_state_methods_name_an_argument_by_the_steps_position(method) -> None:
+    """``fp8_state(*args)`` and ``load_fp8_state(history, *args)`` named a bad argument
+    one position further (args[2] for x: the history counted; review h114)."""
+    def step(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    f = hlo_amp.compile(step, _delayed(4))
+    f(jnp.ones((32, 32)), jnp.ones((32, 32)))
+    history = (np.zeros((4, 2), np.float32),) if method == "load_fp8_state" else ()
+    with pytest.raises(TypeError, match=r"argument args\[1\] \(parameter x\) is a str"):
+        getattr(f, method)(*history, jnp.ones((32, 32)), "abc")
 
 
 _ARGUMENTS_ON_DIFFERENT_DEVICES = f"""

@@ -263,6 +263,11 @@ def _mark_their_backward(module: ir.Module, prefixes: dict[str, str],
     for fn in functions(module):
         prefix = prefixes.get(function_name(fn), "")
         for op in walk_operations(fn, names=frozenset({"stablehlo.dot_general"})):
+            # A fused site's matmuls, discarded but still in the module until cleanup,
+            # share the names of the same attention code refused elsewhere: they are no
+            # projection's (review h112).
+            if is_discarded(op):
+                continue
             site = site_of(op.location, "dot_general", prefix)
             named.append((op, site, _name_of(site)))
     # A name another forward matmul has too names no attention alone: a projection's
