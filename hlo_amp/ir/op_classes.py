@@ -16,7 +16,9 @@ CHLO name without the dialect prefix) has a class:
   stay f32 (see ``passes/propagate/solve.py``): exponentials and logs (error grows with
   the argument), powers,
   ``rsqrt``, sums (``reduce`` with an add body: sums, means, variances; ``reduce_window``
-  with an add body over more than ``SHORT_SUM`` elements: cumulative sums), scatters,
+  with an add body over more than ``SHORT_SUM`` elements: cumulative sums), the levels
+  of a product tree (``product_tree_level``: how JAX differentiates prod and cumprod),
+  scatters,
   sorts, and JAX's own precision idiom ``reduce_precision``, which must stay exactly as
   written (one that rounds to its operand's own format, jax.checkpoint's mark on a saved
   residual, is ``clear``: it changes no value, and it is rewritten to the 16-bit
@@ -202,6 +204,8 @@ def op_class(op: Any, compute_dtype: str) -> str:
     if kind == "multiply" and compute_dtype == "float16" and (
             _squares(op) or _summed_only(op)):
         return DENY
+    if kind == "multiply" and product_tree_level(op):
+        return DENY
     if kind == "scatter" and single_update_scatter(op):
         return INFER
     if kind == "reduce_precision" and rounds_to_its_own_type(op):
@@ -212,6 +216,81 @@ def op_class(op: Any, compute_dtype: str) -> str:
             return INFER
         return DENY
     return found
+
+
+def product_tree_level(op: Any) -> bool:
+    """Whether a ``multiply`` is a level of a product tree: it multiplies two parts of one
+    value along an axis (its halves, the second padded with 1 when odd, or its even and
+    odd elements), and the value it reads is such a product too, or its result is read
+    so. JAX differentiates ``prod`` by such a tree (``_reduce_prod_jvp_rule``) and
+    ``cumprod`` by ``associative_scan``: a product of many factors, as a sum is, classed
+    as the ``reduce`` and ``reduce_window`` it replaces (painted, a product of 256
+    factors near 1 drifted 6% in bf16: review h113). One level alone (a gated linear
+    unit's halves multiplied) is no tree."""
+    source = _parts_of_one_value(op)
+    if source is None:
+        return False
+    producer = source.owner
+    if isinstance(producer, ir.OpView):
+        producer = producer.operation
+    if isinstance(producer, ir.Operation) and _parts_of_one_value(producer) is not None:
+        return True
+    result = op.results[0]
+    for use in result.uses:
+        for reader in _parts_readers(use.owner):
+            read = _parts_of_one_value(reader)
+            if read is not None and read == result:
+                return True
+    return False
+
+
+def _parts_readers(op: Any) -> list[Any]:
+    """The multiplies reading ``op``'s result, if ``op`` is a slice (or a pad of one)."""
+    if op.name not in ("stablehlo.slice", "stablehlo.pad"):
+        return []
+    found = []
+    for use in op.results[0].uses:
+        if use.owner.name == "stablehlo.multiply":
+            found.append(use.owner)
+        elif use.owner.name == "stablehlo.pad" and op.name == "stablehlo.slice":
+            found += [u.owner for u in use.owner.results[0].uses
+                      if u.owner.name == "stablehlo.multiply"]
+    return found
+
+
+def _parts_of_one_value(op: Any) -> ir.Value | None:
+    """The value a ``multiply`` reads two complementary parts of along one axis (halves,
+    the second padded, or even and odd elements), or None."""
+    if op.name != "stablehlo.multiply" or len(op.operands) != 2:
+        return None
+    parts = []
+    for operand in op.operands:
+        owner = operand.owner
+        if getattr(owner, "name", "") == "stablehlo.pad":
+            owner = owner.operands[0].owner
+        if getattr(owner, "name", "") != "stablehlo.slice":
+            return None
+        parts.append(owner)
+    first, second = parts
+    if first.operands[0] != second.operands[0]:
+        return None
+    starts = [list(ir.DenseI64ArrayAttr(p.attributes["start_indices"])) for p in parts]
+    limits = [list(ir.DenseI64ArrayAttr(p.attributes["limit_indices"])) for p in parts]
+    strides = [list(ir.DenseI64ArrayAttr(p.attributes["strides"])) for p in parts]
+    shape = ir.RankedTensorType(first.operands[0].type).shape
+    axes = [d for d in range(len(shape)) if (starts[0][d], limits[0][d], strides[0][d]) != (
+        starts[1][d], limits[1][d], strides[1][d])]
+    if len(axes) != 1:
+        return None
+    d, n = axes[0], shape[axes[0]]
+    for k in range(len(shape)):  # every other axis whole
+        if k != d and (starts[0][k], limits[0][k], strides[0][k]) != (0, shape[k], 1):
+            return None
+    halves = (strides[0][d] == strides[1][d] == 1 and starts[0][d] == 0
+              and limits[0][d] == starts[1][d] and limits[1][d] == n)
+    interleaved = (strides[0][d] == strides[1][d] == 2 and {starts[0][d], starts[1][d]}
+                   == {0, 1})
+    return first.operands[0] if halves or interleaved else None
 
 
 # (exponent bits, mantissa bits) of each float type: reduce_precision to its own format

@@ -1317,3 +1317,89 @@ def test_state_passed_into_a_multi_step_scan_keeps_its_update_f32():
     want = jax.jit(_adam_scan)(w, zeros, zeros, x, y)
     for g, t in zip(got, want, strict=True):
         assert float(jnp.max(jnp.abs(g - t)) / jnp.max(jnp.abs(t))) < 1e-2
+
+
+def _relative_errors(got, want) -> list[float]:
+    return [float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
+            for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))]
+
+
+def _regression_step():
+    """A regression on targets in physical units: pred * std + mean - y, f32 statistics
+    and targets (temperatures around 288 where bf16 steps by 2)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (64, 128))
+    w1 = jax.random.normal(keys[1], (128, 128)) / 11
+    w2 = jax.random.normal(keys[2], (128, 32)) / 11
+    mean, std = jnp.full((32,), 288.0), jnp.full((32,), 10.0)
+    y = (jax.nn.gelu(x @ w1) @ w2 + 0.1 * jax.random.normal(keys[3], (64, 32))) * std + mean
+
+    def loss(w1, w2, x, y, mean, std):
+        return jnp.mean((jax.nn.gelu(x @ w1) @ w2 * std + mean - y) ** 2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1)), (w1, w2, x, y, mean, std)
+
+
+def test_a_regression_loss_on_f32_targets_stays_f32_under_its_gradient():
+    """The loss's residual is read by its gradient, whose dots are 16-bit: the residual
+    was painted, ``+ mean`` and ``- y`` ran in bf16 and cancelled it away (the loss 72%
+    off, the weight gradients 77% and 95%; forward-only it was right: review h113). It
+    stays f32 as JAX's promotion of a bf16 prediction with f32 arrays keeps it; the
+    GELU's derivative, which only the backward pass reads, stays 16-bit."""
+    step, args = _regression_step()
+    want = jax.jit(step)(*args)
+    errors = _relative_errors(hlo_amp.compile(step, "mixed_bfloat16")(*args), want)
+    assert errors[0] < 1e-2 and max(errors[1:]) < 0.1, errors
+    text = hlo_amp.compile(step, "mixed_bfloat16").lower(*args, target="h100").as_text()
+    residual = re.findall(r"stablehlo\.(?:add|subtract) .*tensor<64x32x(\w+)>", text)
+    assert residual and set(residual) == {"f32"}, residual
+    assert re.search(r"stablehlo\.tanh .*tensor<64x128xbf16>", text)  # the GELU, painted
+    assert re.search(r"stablehlo\.multiply .*tensor<64x128xbf16>", text)
+
+
+@pytest.mark.parametrize("reduction", ["cumprod", "prod"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_a_product_differentiated_stays_f32(reduction, policy):
+    """JAX differentiates ``prod`` by a tree of multiplies of two halves and ``cumprod``
+    by ``associative_scan``; both were painted (forward-only each is one ``reduce`` or
+    ``reduce_window``, deny): a product of 256 factors near 1 drifted, the loss 13% and
+    23% off under mixed_bfloat16 (review h113)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (64, 256))
+    w1 = jax.random.normal(keys[1], (256, 256)) / 16
+    w2 = jax.random.normal(keys[2], (256, 32)) / 16
+    product = {"cumprod": lambda v: jnp.cumprod(v, axis=1),
+               "prod": lambda v: v * jnp.prod(v, axis=1, keepdims=True)}[reduction]
+
+    def loss(w1, w2, x):
+        return jnp.mean((product(1 + 0.01 * (x @ w1)) @ w2) ** 2)
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    errors = _relative_errors(hlo_amp.compile(step, policy)(w1, w2, x),
+                              jax.jit(step)(w1, w2, x))
+    assert errors[0] < 5e-3 and max(errors[1:]) < 5e-2, errors
+
+
+def test_a_gated_units_halves_are_no_product_tree():
+    """One product of a value's two halves (a bilinear gated linear unit) is no tree: it
+    stays 16-bit between its matrix ops."""
+    from hlo_amp.ir.op_classes import product_tree_level
+
+    def glu(w1, w2, x):
+        a, b = jnp.split(x @ w1, 2, axis=-1)
+        return jnp.mean((a * b) @ w2)
+
+    args = (jnp.ones((32, 64)), jnp.ones((32, 16)), jnp.ones((16, 32)))
+    text = hlo_amp.compile(jax.grad(glu), "mixed_bfloat16").lower(*args, target="h100").as_text()
+    assert re.search(r"stablehlo\.multiply .*tensor<16x32xbf16>", text)
+    module = parse_module(jax.jit(lambda v: jnp.prod(v, axis=0)).lower(
+        jnp.ones((8, 4))).as_text())
+    assert not any(product_tree_level(op) for op in _multiplies(module))
+    tree = parse_module(jax.jit(jax.grad(lambda v: jnp.prod(v).sum())).lower(
+        jnp.ones((8,))).as_text())
+    assert any(product_tree_level(op) for op in _multiplies(tree))
+
+
+def _multiplies(module):
+    from hlo_amp.ir.modules import walk_operations
+    return walk_operations(module, names=frozenset({"stablehlo.multiply"}))

@@ -151,6 +151,8 @@ class Graph:
         self.policy = policy
         self.low = low
         self.walks = walks  # op_key of a function -> its Body, shared with the byte count
+        # the values that reach a forward matrix op (``reaches_forward_matrix_op``)
+        self._forward_reach: set[tuple[int, ir.Value]] | None = None
         self.instances: list[Instance] = []
         self.nodes: list[Node] = []
         self.op_node: dict[tuple[int, int], Node] = {}  # (inst, op index) -> node
@@ -289,6 +291,41 @@ class Graph:
         inst = self.instances[node.inst]
         name = join_names(inst.prefix, location_name(inst.ops[node.index].location))
         return parse_name(name, node.kind).backward
+
+    def reaches_forward_matrix_op(self, node: Node) -> bool:
+        """Whether one of the node's values reaches a matrix op's operand through forward
+        ops (of any type: what an earlier run of the pass put in 16 bit counts alike),
+        or leaves its function by a loop, a call or a private function's return (not
+        followed: taken as reaching one)."""
+        if self._forward_reach is None:
+            self._forward_reach = {key for inst_id in range(len(self.instances))
+                                   for key in self._forward_reach_of(inst_id)}
+        return any(key in self._forward_reach for key in node.outputs)
+
+    def _forward_reach_of(self, inst_id: int) -> set[tuple[int, ir.Value]]:
+        inst = self.instances[inst_id]
+        body, public = inst.body, is_public(inst.fn)
+
+        def forward(index: int) -> bool:
+            name = join_names(inst.prefix, location_name(body.ops[index].location))
+            return not parse_name(name, short_name(body.names[index])).backward
+
+        pending = [value for index, name in enumerate(body.names)
+                   if (name in _MATRIX_OP_NAMES or name in _LEAVING_OPS
+                       or (name == "func.return" and not public)) and forward(index)
+                   for value in body.operands()[index]]
+        found: set[tuple[int, ir.Value]] = set()
+        while pending:
+            value = pending.pop()
+            if (inst_id, value) in found:
+                continue
+            found.add((inst_id, value))
+            if isinstance(value, ir.BlockArgument):
+                continue
+            index = self.op_index(inst_id, value.owner)
+            if index is not None and forward(index):
+                pending.extend(body.operands()[index])
+        return found
 
     def _steps_state(self, node: Node) -> bool:
         """``_updates_state``, a decay (a multiply or divide by a constant near 1 or by a
@@ -489,8 +526,8 @@ class Graph:
                 kind = short_name(name)
                 known = by_name[name] = (kind, table_class(kind, compute))
             kind, cls = known
-            if kind in _BODY_CLASSED or (kind == "multiply" and compute == "float16"):
-                cls = op_class(op, compute)  # by the body, or a square under f16
+            if kind in _BODY_CLASSED or kind == "multiply":
+                cls = op_class(op, compute)  # by the body, a product tree, f16's square
             node = Node(cls, inst_id, index, kind,
                          inputs=[(inst_id, v) for v in operands],
                          outputs=[(inst_id, v) for v in results], has_f32=has_f32)
@@ -683,6 +720,13 @@ class Graph:
             inst.index = {op_key(o): i for i, o in enumerate(inst.ops)}
         return inst.index.get(op_key(op))
 
+
+
+# The matrix ops, and the ops a value leaves its function's walk by (``_forward_reach_of``).
+_MATRIX_OP_NAMES = frozenset({"stablehlo.dot_general", "stablehlo.dot",
+                              "stablehlo.convolution", "chlo.ragged_dot"})
+_LEAVING_OPS = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if",
+                          "stablehlo.return", "func.call", "sdy.manual_computation"})
 
 
 # A non-splat constant up to this size is read whole (a mask bias held as a constant is

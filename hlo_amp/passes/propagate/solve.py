@@ -25,7 +25,8 @@ from hlo_amp.targets.target import PaintForm
 _FEEDS_EXACT = "feeds an op that reads f32 exactly"
 _AFTER_DENY = "downstream of a deny op"
 NOT_BETWEEN = "not between 16-bit ops"
-_SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN})
+_LOSS_SIDE = "forward value on its way to an f32 op that only the backward pass reads in 16 bit"
+_SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN, _LOSS_SIDE})
 _BROADCASTS = frozenset({"broadcast_in_dim", "broadcast", "dynamic_broadcast_in_dim"})
 
 
@@ -152,9 +153,13 @@ def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
             seen.add(id(producer))
             producer.bwd = producer.eligible
             pending.append(producer)
+    loss_side = _loss_side(graph)
     for node in graph.nodes:
         if node.eligible and node.fwd and node.bwd and node.readers:
-            node.painted = True
+            if id(node) in loss_side:
+                node.reason = _LOSS_SIDE
+            else:
+                node.painted = True
         elif node.eligible and not node.reason:
             node.reason = NOT_BETWEEN
     # An f32 value downstream of a deny op that a matrix op reads (through data
@@ -329,6 +334,45 @@ def _feeds_matrix_op(node: Node) -> bool:
                     and id(reader) not in seen):
                 seen.add(id(reader))
                 pending.append(reader)
+    return False
+
+
+def _loss_side(graph: Graph) -> set[int]:
+    """The forward pass's eligible values between a matrix op and the f32 ops it ends in
+    (a loss, a metric) that reach a 16-bit op only through the backward pass: a
+    regression's ``pred * std + mean - y``, whose residual the loss's gradient reads. As
+    in the program without its gradient, and as JAX's promotion of a 16-bit prediction
+    with f32 targets computes them, they stay f32 (painted, the f32 targets and
+    statistics were rounded to 16 bit and the residual cancelled away: the loss 72% off;
+    review h113). Not a value only backward ops read (a GELU's derivative, computed in
+    the forward pass): that is stored for the backward pass in 16 bit, as before."""
+    backward: dict[int, bool] = {}
+    found: set[int] = set()
+    for node in graph.nodes:
+        if (node.eligible and node.fwd and node.bwd and node.readers
+                and not graph.reaches_forward_matrix_op(node)
+                and not _in_backward(graph, node, backward)
+                and _feeds_forward_f32(graph, node, backward)):
+            found.add(id(node))
+    return found
+
+
+def _feeds_forward_f32(graph: Graph, node: Node, cache: dict[int, bool]) -> bool:
+    """Whether the node's value reaches, through forward eligible nodes, a forward op
+    that computes in f32 (a deny op, an op kept f32, an f32 return)."""
+    pending, seen = [node], {id(node)}
+    while pending:
+        for reader in _readers(pending.pop()):
+            if reader == SINK:
+                continue
+            if not isinstance(reader, Node):
+                return True  # an f32 reader outside the graph (a return, a convert up)
+            if id(reader) in seen or _in_backward(graph, reader, cache):
+                continue
+            if not reader.eligible:
+                return True
+            seen.add(id(reader))
+            pending.append(reader)
     return False
 
 
