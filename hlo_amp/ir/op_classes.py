@@ -41,7 +41,12 @@ ops whose result can be far larger than their inputs stay f32 under f16 only:
 ``divide`` (a quotient by a small divisor overflows), ``tan`` (unbounded near π/2), a
 square (``chlo.square``, ``x * x``: past 256; the tanh GELU's ``x ** 3`` and its
 gradient's ``3 x²``, a squared ReLU, a norm's ``x²``), a product only sums read (a
-norm's backward ``x * dy`` under a loss scale) and short sums. Sums and means stay f32 under both. Under either, an infer
+norm's backward ``x * dy`` under a loss scale), ``erfc`` (below f16's smallest value
+past 3.9: ``log_ndtr``'s log of it was -inf) and short sums; these spread deny on CPU
+too, their readers' values may not fit either (the rsqrt's derivative ``rsqrt(y) / y``).
+Sums and means stay f32 under both, and so does a square only sums read, a second
+moment, under bf16 too where deny ops convert their own inputs (``second_moments``:
+Flax's fast variance ``mean(x²) - mean²`` magnified its rounding). Under either, an infer
 or clear op reading a constant f16 cannot hold (a mask's fill of f32's largest
 magnitude, -1e9) stays f32 under f16; under bf16 f32's extremes are clamped into its range
 instead (passes/propagate/graph.py, rewrite.py).
@@ -110,7 +115,7 @@ MATRIX_OP_KINDS = {f"{'chlo' if kind in _CHLO_MATRIX_OPS else 'stablehlo'}.{kind
 MATRIX_OP_NAMES = frozenset(MATRIX_OP_KINDS)
 
 # Stricter under f16 only (see the module docstring).
-F16_DENY = frozenset({"divide", "tan", "square"})
+F16_DENY = frozenset({"divide", "tan", "square", "erfc"})
 
 # Elementwise op kinds whose result is one of their operands' elements (a select's side,
 # a clip's bound): no rounding compounds through them, and a fill they pick is the fill.
@@ -195,7 +200,7 @@ def single_update_scatter(op: Any) -> bool:
     return all(extent >= 0 for extent in extents) and math.prod(extents) == 1
 
 
-def op_class(op: Any, compute_dtype: str) -> str:
+def op_class(op: Any, compute_dtype: str, second_moments: bool = True) -> str:
     """The class of one op: the table, with reduce/reduce_window classed by their body,
     an add scatter by whether its updates can meet, and under f16 a square (``x * x``,
     what jax writes for ``x ** 2`` and ``x ** 3``) as deny."""
@@ -204,7 +209,16 @@ def op_class(op: Any, compute_dtype: str) -> str:
     if kind == "multiply" and compute_dtype == "float16" and (
             _squares(op) or _summed_only(op)):
         return DENY
-    if kind == "multiply" and product_tree_level(op):
+    if kind == "multiply" and (product_tree_level(op) or _reads_a_product_level(op)):
+        return DENY
+    # A square only sums read is a second moment: a 16-bit square, summed, is off by 2^-9
+    # of x^2, which Flax's fast variance mean(x^2) - mean^2 magnifies by mean^2 / var
+    # (a LayerNorm over activations of mean 50: loss 2.4e5 times off; review h116). Flax
+    # and Keras compute it in f32; XLA fuses it into the sum either way. Not with
+    # ``second_moments`` off (CPU, where a deny op pins the stream it reads f32, and
+    # XLA:CPU squares in f32 anyway); under f16 it is deny for the range regardless.
+    if kind in ("multiply", "square") and (kind == "square" or _squares(op)) and (
+            (second_moments or compute_dtype == "float16") and _summed_only(op)):
         return DENY
     if kind == "scatter" and single_update_scatter(op):
         return INFER
@@ -236,43 +250,80 @@ def product_tree_level(op: Any) -> bool:
     if isinstance(producer, ir.Operation) and _parts_of_one_value(producer) is not None:
         return True
     result = op.results[0]
-    for use in result.uses:
-        for reader in _parts_readers(use.owner):
-            read = _parts_of_one_value(reader)
-            if read is not None and read == result:
-                return True
+    for reader in _parts_readers(op):
+        read = _parts_of_one_value(reader)
+        if read is not None and read == result:
+            return True
+    return False
+
+
+# What associative_scan's down-sweep builds its prefixes with from a tree's levels.
+_PREFIX_OPS = frozenset({"stablehlo.slice", "stablehlo.pad", "stablehlo.convert",
+                         "stablehlo.concatenate", "stablehlo.add", "stablehlo.reshape"})
+
+
+def _reads_a_product_level(op: Any, budget: int = 16) -> bool:
+    """Whether a ``multiply`` reads a product tree's level through data movement and the
+    interleaving adds: associative_scan's down-sweep, and the tree's backward, which
+    multiply prefixes of the product; painted, their inputs' 16-bit copies were painted
+    again by a second run of the pass (not idempotent: review h115)."""
+    pending = [operand for operand in op.operands]
+    seen: set[ir.Value] = set()
+    while pending and budget > 0:
+        value = pending.pop()
+        if value in seen or not isinstance(value, ir.OpResult):
+            continue
+        seen.add(value)
+        budget -= 1
+        owner = value.owner
+        if owner.name == "stablehlo.multiply" and product_tree_level(owner):
+            return True
+        if owner.name in _PREFIX_OPS:
+            pending += list(owner.operands)
     return False
 
 
 def _parts_readers(op: Any) -> list[Any]:
-    """The multiplies reading ``op``'s result, if ``op`` is a slice (or a pad of one)."""
-    if op.name not in ("stablehlo.slice", "stablehlo.pad"):
-        return []
-    found = []
-    for use in op.results[0].uses:
-        if use.owner.name == "stablehlo.multiply":
-            found.append(use.owner)
-        elif use.owner.name == "stablehlo.pad" and op.name == "stablehlo.slice":
-            found += [u.owner for u in use.owner.results[0].uses
-                      if u.owner.name == "stablehlo.multiply"]
+    """The multiplies reading ``op``'s result through slices, pads and converts (this
+    pass's own, on a second run: review h115)."""
+    found, pending = [], [(op, 0)]
+    while pending:
+        current, depth = pending.pop()
+        for use in current.results[0].uses:
+            reader = use.owner
+            if reader.name == "stablehlo.multiply" and depth:
+                found.append(reader)
+            elif reader.name in _THROUGH_PARTS and depth < 4:
+                pending.append((reader, depth + 1))
     return found
+
+
+# What a product tree's part may pass through between its value and its multiply.
+_THROUGH_PARTS = frozenset({"stablehlo.slice", "stablehlo.pad", "stablehlo.convert"})
+
+
+def _without_converts(value: ir.Value) -> ir.Value:
+    while isinstance(value, ir.OpResult) and value.owner.name == "stablehlo.convert":
+        value = value.owner.operands[0]
+    return value
 
 
 def _parts_of_one_value(op: Any) -> ir.Value | None:
     """The value a ``multiply`` reads two complementary parts of along one axis (halves,
-    the second padded, or even and odd elements), or None."""
+    the second padded, or even and odd elements), converts looked through, or None."""
     if op.name != "stablehlo.multiply" or len(op.operands) != 2:
         return None
     parts = []
     for operand in op.operands:
-        owner = operand.owner
+        owner = _without_converts(operand).owner
         if getattr(owner, "name", "") == "stablehlo.pad":
-            owner = owner.operands[0].owner
+            owner = _without_converts(owner.operands[0]).owner
         if getattr(owner, "name", "") != "stablehlo.slice":
             return None
         parts.append(owner)
     first, second = parts
-    if first.operands[0] != second.operands[0]:
+    source = _without_converts(first.operands[0])
+    if source != _without_converts(second.operands[0]):
         return None
     starts = [list(ir.DenseI64ArrayAttr(p.attributes["start_indices"])) for p in parts]
     limits = [list(ir.DenseI64ArrayAttr(p.attributes["limit_indices"])) for p in parts]
@@ -290,7 +341,7 @@ def _parts_of_one_value(op: Any) -> ir.Value | None:
               and limits[0][d] == starts[1][d] and limits[1][d] == n)
     interleaved = (strides[0][d] == strides[1][d] == 2 and {starts[0][d], starts[1][d]}
                    == {0, 1})
-    return first.operands[0] if halves or interleaved else None
+    return source if halves or interleaved else None
 
 
 # (exponent bits, mantissa bits) of each float type: reduce_precision to its own format

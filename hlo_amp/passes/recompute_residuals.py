@@ -274,6 +274,12 @@ def _recompute(recipe: _Recipe, calls: dict[int, ir.Operation],
         barrier = hlo.OptimizationBarrierOp([source], ip=where)
         copies: list[tuple[ir.Value, ir.Value]] = [(recipe.source, barrier.results[0])]
         copies += outside[1:]
+        if recipe.callee is None:
+            # A call another recipe's statistics rebuilt returns the source now: the ops
+            # read the new call's result (a jitted block's output: StopIteration, review
+            # h115).
+            copies += [(source, barrier.results[0])]
+            copies += [(current, current) for _, current in outside[1:]]
         for op in recipe.ops:
             clone = op.clone(ip=where)
             for position, operand in enumerate(op.operands):

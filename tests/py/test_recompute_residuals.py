@@ -10,8 +10,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import hlo_amp
 from hlo_amp.ir.modules import copy_module, module_text
 from hlo_amp.jax_internals import swap_module
 from hlo_amp.passes import default_pipeline, run_pipeline
@@ -33,10 +35,10 @@ def _batch_norm_step(w, x):
     return jax.value_and_grad(loss)(w)
 
 
-def _gpu_form(lowered, policy: Policy, recompute: bool):
+def _gpu_form(lowered, policy: Policy, recompute: bool, target: str = "gpu"):
     """The module in the GPU form of ``policy``, with or without the pass; its report."""
     module = copy_module(lowered.compiler_ir("stablehlo"))
-    passes = [p for p in default_pipeline(policy, "gpu")
+    passes = [p for p in default_pipeline(policy, target)
               if recompute or not isinstance(p, RecomputeResiduals)]
     report = run_pipeline(module, policy, passes=passes)
     return module, report
@@ -263,3 +265,35 @@ def test_a_read_through_a_helper_counts_only_when_the_helper_only_reads():
             (False, "%t = stablehlo.add %r, %r : tensor<4xbf16>\n  ", "%t")]:
         text = _gpu_pass_text(source + helper.format(extra=extra, out=out))
         assert text.count("stablehlo.logistic") == 1 + recomputed, extra
+
+
+def test_a_residual_made_from_a_jitted_blocks_output_is_recomputed():
+    """A transformer block as a jitted function, layer norms in it and on its output:
+    the block's call was rebuilt to return a statistic, and a recipe outside it read the
+    old call's result (the pass failed: StopIteration, review h115)."""
+    def norm(x, g):
+        m = x.mean(-1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+    @jax.jit
+    def block(p, x):
+        t, d = x.shape[1:]
+        q, k, v = jnp.split(norm(x, p["g"]) @ p["qkv"], 3, -1)
+        s = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(d)
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+        x = x + jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v) @ p["o"]
+        return x + jax.nn.gelu(norm(x, p["g"]) @ p["f1"]) @ p["f2"]
+
+    def loss(p, tokens, labels):
+        logits = norm(block(p, p["emb"][tokens]), p["g"]) @ p["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    shapes = {"emb": (64, 32), "qkv": (32, 96), "o": (32, 32), "f1": (32, 128),
+              "f2": (128, 32), "head": (32, 64)}
+    p = {n: jax.random.normal(jax.random.key(i), s) * 0.1
+         for i, (n, s) in enumerate(shapes.items())}
+    p["g"] = jnp.ones(32)
+    tokens = jax.random.randint(jax.random.key(6), (2, 16), 0, 64)
+    lowered = hlo_amp.compile(jax.grad(loss), "mixed_bfloat16").lower(
+        p, tokens, tokens, target="h100")
+    assert any(note.startswith("recompute-residuals: ") for note in lowered.report().notes)

@@ -110,11 +110,12 @@ class Propagate:
         erase_discarded(self.name)  # gone before any walk lists them (nothing holds them)
         walks: dict[int, Body] = {}
         before = intermediate_bytes(module, walks)
-        graph = Graph(self.policy, low, walks)
+        form = self.target.paint_form(self.policy.keep_f32_results)
+        graph = Graph(self.policy, low, walks, second_moments=not form.pin_at_deny)
         graph.build(module)
         deny_loop_accumulators(graph)
         in_16bit = self.target.matrix_result_in_16bit
-        solve(graph, self.target.paint_form(self.policy.keep_f32_results))
+        solve(graph, form)
         counts = op_counts(graph)
         with ir.Location.unknown(module.context):  # types are built outside any op
             clones = Rewriter(graph, low, in_16bit, self.target).rewrite(module)

@@ -38,7 +38,13 @@ from hlo_amp.ir.op_classes import (
     short_name,
     table_class,
 )
-from hlo_amp.ir.sites import call_prefix, join_names, location_name, parse_name
+from hlo_amp.ir.sites import (
+    call_prefix,
+    join_names,
+    location_name,
+    location_source,
+    parse_name,
+)
 from hlo_amp.passes.propagate.body import (
     BARRIER,
     F32,
@@ -147,9 +153,11 @@ class Instance:
 class Graph:
     """The dataflow graph over every instance of every function (painted by ``solve``)."""
 
-    def __init__(self, policy: Policy, low: ir.Type, walks: dict[int, Body]) -> None:
+    def __init__(self, policy: Policy, low: ir.Type, walks: dict[int, Body],
+                 second_moments: bool = True) -> None:
         self.policy = policy
         self.low = low
+        self.second_moments = second_moments  # op_class's: a summed square is deny
         self.walks = walks  # op_key of a function -> its Body, shared with the byte count
         # the values that reach a forward matrix op (``reaches_forward_matrix_op``)
         self._forward_reach: set[tuple[int, ir.Value]] | None = None
@@ -292,39 +300,81 @@ class Graph:
         name = join_names(inst.prefix, location_name(inst.ops[node.index].location))
         return parse_name(name, node.kind).backward
 
+    def recomputed_name(self, node: Node) -> tuple[bool, tuple]:
+        """(whether the op is remat's recomputed forward, its name as the forward pass
+        has it too: kind, user scopes and source line)."""
+        inst = self.instances[node.inst]
+        location = inst.ops[node.index].location
+        site = parse_name(join_names(inst.prefix, location_name(location)), node.kind)
+        return site.recomputed, (node.kind, site.scope, location_source(location))
+
     def reaches_forward_matrix_op(self, node: Node) -> bool:
         """Whether one of the node's values reaches a matrix op's operand through forward
         ops (of any type: what an earlier run of the pass put in 16 bit counts alike),
-        or leaves its function by a loop, a call or a private function's return (not
-        followed: taken as reaching one)."""
+        into and out of private functions, loop carries and branches (a loss in a jitted
+        helper, in a scan over microbatches; review h116). A function that keeps its
+        signature and shard_map's bodies are not followed: taken as reaching one."""
         if self._forward_reach is None:
-            self._forward_reach = {key for inst_id in range(len(self.instances))
-                                   for key in self._forward_reach_of(inst_id)}
+            self._forward_reach = self._forward_reach_all()
         return any(key in self._forward_reach for key in node.outputs)
 
-    def _forward_reach_of(self, inst_id: int) -> set[tuple[int, ir.Value]]:
-        inst = self.instances[inst_id]
-        body, public = inst.body, is_public(inst.fn)
+    def _forward_reach_all(self) -> set[tuple[int, ir.Value]]:
+        """Every (instance, value) reaching a forward matrix op's operand (see above)."""
+        backward: dict[tuple[int, int], bool] = {}
 
-        def forward(index: int) -> bool:
-            name = join_names(inst.prefix, location_name(body.ops[index].location))
-            return not parse_name(name, short_name(body.names[index])).backward
+        def forward(inst_id: int, index: int) -> bool:
+            found = backward.get((inst_id, index))
+            if found is None:
+                inst = self.instances[inst_id]
+                name = join_names(inst.prefix, location_name(inst.ops[index].location))
+                found = backward[(inst_id, index)] = parse_name(
+                    name, short_name(inst.body.names[index])).backward
+            return not found
 
-        pending = [value for index, name in enumerate(body.names)
-                   if (name in _MATRIX_OP_NAMES or name in _LEAVING_OPS
-                       or (name == "func.return" and not public)) and forward(index)
-                   for value in body.operands()[index]]
+        pending: list[tuple[int, ir.Value]] = []
+        for inst_id, inst in enumerate(self.instances):
+            for index, name in enumerate(inst.body.names):
+                opaque = name in _OPAQUE_OPS or (name == "func.call"
+                                                 and index not in inst.calls)
+                if (name in _MATRIX_OP_NAMES or opaque) and forward(inst_id, index):
+                    pending += [(inst_id, v) for v in inst.body.operands()[index]]
         found: set[tuple[int, ir.Value]] = set()
         while pending:
-            value = pending.pop()
-            if (inst_id, value) in found:
+            key = pending.pop()
+            if key in found:
                 continue
-            found.add((inst_id, value))
+            found.add(key)
+            inst_id, value = key
+            inst = self.instances[inst_id]
             if isinstance(value, ir.BlockArgument):
+                owner = value.owner.owner  # the block's op: the function, a loop
+                kind = owner.operation.name
+                if kind == "func.func":
+                    caller = self.call_argument.get(key)
+                    if caller is not None:
+                        pending.append(caller)
+                elif kind == "stablehlo.while":
+                    pending += _carried_into(inst_id, owner, value.arg_number)
+                elif kind in _OPAQUE_OPS:
+                    pending += [(inst_id, v) for v in owner.operands]
                 continue
-            index = self.op_index(inst_id, value.owner)
-            if index is not None and forward(index):
-                pending.extend(body.operands()[index])
+            op = value.owner
+            index = self.op_index(inst_id, op)
+            if index is None or not forward(inst_id, index):
+                continue
+            name = inst.body.names[index]
+            slot = ir.OpResult(value).result_number
+            if name == "func.call" and index in inst.calls:
+                child = inst.calls[index]
+                pending += [(child, ret.operands[slot]) for ret in self.instances[child].ops
+                            if ret.operation.name == "func.return"]
+            elif name == "stablehlo.while":
+                pending += _carried_into(inst_id, op, slot)
+            elif name in ("stablehlo.case", "stablehlo.if"):
+                pending += [(inst_id, _terminator(region).operands[slot])
+                            for region in op.regions]
+            else:
+                pending += [(inst_id, v) for v in inst.body.operands()[index]]
         return found
 
     def _steps_state(self, node: Node) -> bool:
@@ -526,8 +576,9 @@ class Graph:
                 kind = short_name(name)
                 known = by_name[name] = (kind, table_class(kind, compute))
             kind, cls = known
-            if kind in _BODY_CLASSED or kind == "multiply":
-                cls = op_class(op, compute)  # by the body, a product tree, f16's square
+            if kind in _BODY_CLASSED or kind in ("multiply", "square"):
+                # by the body, a product tree, a second moment, f16's square
+                cls = op_class(op, compute, self.second_moments)
             node = Node(cls, inst_id, index, kind,
                          inputs=[(inst_id, v) for v in operands],
                          outputs=[(inst_id, v) for v in results], has_f32=has_f32)
@@ -552,9 +603,13 @@ class Graph:
                     node.cls, node.reason = override
                 else:
                     node.reason = DENY_CLASS if cls == DENY else "not in the op table"
-            if (kind in ("multiply", "square") and compute == "float16"
+            # Its value may not fit f16 (a quotient by a small divisor: the rsqrt's
+            # derivative rsqrt(y) / y, 1e6), so deny spreads from it on CPU too: its
+            # readers painted in f16 made inf of it (review h116).
+            if (kind in ("multiply", "square", "divide", "tan", "erfc") and compute == "float16"
                     and node.cls == DENY and node.reason == DENY_CLASS):
-                node.reason = f"{OUT_OF_RANGE}: a square or a summed product under float16"
+                node.reason = (f"{OUT_OF_RANGE}: a square, a summed product, a quotient, "
+                               "a tangent or erfc under float16")
             self.op_node[(inst_id, index)] = self._add(node)
 
     def policy_class(self, op: Any, prefix: str, kind: str) -> tuple[str, str] | None:
@@ -722,11 +777,21 @@ class Graph:
 
 
 
-# The matrix ops, and the ops a value leaves its function's walk by (``_forward_reach_of``).
+# The matrix ops (``reaches_forward_matrix_op``).
 _MATRIX_OP_NAMES = frozenset({"stablehlo.dot_general", "stablehlo.dot",
                               "stablehlo.convolution", "chlo.ragged_dot"})
-_LEAVING_OPS = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if",
-                          "stablehlo.return", "func.call", "sdy.manual_computation"})
+# shard_map's manual body: its values are not followed (taken as reaching a matrix op).
+_OPAQUE_OPS = frozenset({"sdy.manual_computation", "sdy.return"})
+
+
+def _terminator(region: Any) -> Any:
+    return list(first_block(region).operations)[-1]
+
+
+def _carried_into(inst_id: int, loop: Any, slot: int) -> list[tuple[int, ir.Value]]:
+    """The values a while loop's carry ``slot`` holds: its initial value and what the body
+    returns for the next iteration."""
+    return [(inst_id, loop.operands[slot]), (inst_id, _terminator(loop.regions[1]).operands[slot])]
 
 
 # A non-splat constant up to this size is read whole (a mask bias held as a constant is

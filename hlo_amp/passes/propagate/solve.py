@@ -348,11 +348,25 @@ def _loss_side(graph: Graph) -> set[int]:
     the forward pass): that is stored for the backward pass in 16 bit, as before."""
     backward: dict[int, bool] = {}
     found: set[int] = set()
+    recomputed: list[Node] = []
+    loss_names: set[tuple] = set()
     for node in graph.nodes:
-        if (node.eligible and node.fwd and node.bwd and node.readers
-                and not graph.reaches_forward_matrix_op(node)
-                and not _in_backward(graph, node, backward)
-                and _feeds_forward_f32(graph, node, backward)):
+        if not (node.eligible and node.fwd and node.readers):
+            continue
+        if _in_backward(graph, node, backward):
+            if node.bwd:
+                recomputed.append(node)
+        elif (not graph.reaches_forward_matrix_op(node)
+              and _feeds_forward_f32(graph, node, backward)):
+            loss_names.add(graph.recomputed_name(node)[1])
+            if node.bwd:
+                found.add(id(node))
+    # Under jax.checkpoint the backward pass computes the loss's residual again for the
+    # gradient (the forward's copy feeds the loss only): the recomputed op, by the name
+    # it has in the forward pass, stays f32 as that one does (review h115).
+    for node in recomputed if loss_names else ():
+        again, name = graph.recomputed_name(node)
+        if again and name in loss_names:
             found.add(id(node))
     return found
 
