@@ -209,7 +209,7 @@ def op_class(op: Any, compute_dtype: str, second_moments: bool = True) -> str:
     if kind == "multiply" and compute_dtype == "float16" and (
             _squares(op) or _summed_only(op)):
         return DENY
-    if kind == "multiply" and (product_tree_level(op) or _reads_a_product_level(op)):
+    if kind == "multiply" and product_tree_level(op):
         return DENY
     # A square only sums read is a second moment: a 16-bit square, summed, is off by 2^-9
     # of x^2, which Flax's fast variance mean(x^2) - mean^2 magnifies by mean^2 / var
@@ -254,32 +254,6 @@ def product_tree_level(op: Any) -> bool:
         read = _parts_of_one_value(reader)
         if read is not None and read == result:
             return True
-    return False
-
-
-# What associative_scan's down-sweep builds its prefixes with from a tree's levels.
-_PREFIX_OPS = frozenset({"stablehlo.slice", "stablehlo.pad", "stablehlo.convert",
-                         "stablehlo.concatenate", "stablehlo.add", "stablehlo.reshape"})
-
-
-def _reads_a_product_level(op: Any, budget: int = 16) -> bool:
-    """Whether a ``multiply`` reads a product tree's level through data movement and the
-    interleaving adds: associative_scan's down-sweep, and the tree's backward, which
-    multiply prefixes of the product; painted, their inputs' 16-bit copies were painted
-    again by a second run of the pass (not idempotent: review h115)."""
-    pending = [operand for operand in op.operands]
-    seen: set[ir.Value] = set()
-    while pending and budget > 0:
-        value = pending.pop()
-        if value in seen or not isinstance(value, ir.OpResult):
-            continue
-        seen.add(value)
-        budget -= 1
-        owner = value.owner
-        if owner.name == "stablehlo.multiply" and product_tree_level(owner):
-            return True
-        if owner.name in _PREFIX_OPS:
-            pending += list(owner.operands)
     return False
 
 

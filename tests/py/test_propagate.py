@@ -108,7 +108,9 @@ def _rewrite(text: str, policy: str, target: str | None) -> str:
     return module_text(module, debug_info=True)
 
 
-@pytest.mark.parametrize("target", [None, "cpu"])
+# "gpu": recompute-residuals' copy of a jitted layer's value kept the callee's own names,
+# and a second run recomputed it again (review h117).
+@pytest.mark.parametrize("target", [None, "cpu", "gpu"])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_idempotent(lowerings, policy, target):
     for name, text in lowerings.items():
@@ -1408,14 +1410,16 @@ def _multiplies(module):
     return walk_operations(module, names=frozenset({"stablehlo.multiply"}))
 
 
-@pytest.mark.parametrize("form", ["jitted_helper", "var", "microbatch_scan", "checkpoint"])
+@pytest.mark.parametrize("form", ["jitted_helper", "var", "microbatch_scan", "checkpoint",
+                                  "checkpointed_mse"])
 def test_a_loss_outside_the_step_function_stays_f32_under_its_gradient(form):
     """The loss-side rule followed no call or loop: a jitted loss helper (jnp.var and
     jnp.clip are jitted functions too) or a scan over microbatches took every value
     passed in as reaching a matrix op, and the residual was painted (a jitted MSE: loss
     46% off, weight gradients 60-76%; jnp.var of activations near 300 in the GPU form:
     dW1 89% off; review h116); under jax.checkpoint the backward pass's recomputed
-    residual was painted (weight gradients 77% and 95% off: review h115)."""
+    residual was painted (weight gradients 77% and 95% off: review h115), and so was the
+    prediction jax's barrier carries to it (dW 60% off: review h117)."""
     step, (w1, w2, x, y, mean, std) = _regression_step()
 
     @jax.jit
@@ -1430,6 +1434,9 @@ def test_a_loss_outside_the_step_function_stays_f32_under_its_gradient(form):
         if form == "checkpoint":  # the backward pass computes the residual again
             return jax.checkpoint(lambda w1, w2: jnp.mean(
                 (jax.nn.gelu(x @ w1) @ w2 * std + mean - y) ** 2))(w1, w2)
+        if form == "checkpointed_mse":  # ... from the prediction, through jax's barrier
+            return jax.checkpoint(lambda p, t: jnp.mean((p - t) ** 2))(
+                jax.nn.gelu(x @ w1) @ w2 * std + mean, y)
 
         def microbatch(total, batch):
             xb, yb = batch

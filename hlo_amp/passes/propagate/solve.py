@@ -368,6 +368,15 @@ def _loss_side(graph: Graph) -> set[int]:
         again, name = graph.recomputed_name(node)
         if again and name in loss_names:
             found.add(id(node))
+    # And jax.checkpoint's barrier in the backward pass, which carries a loss-side value
+    # to the recomputation (a checkpointed MSE of a prediction made outside it: painted,
+    # the prediction near 288 was rounded to bf16 there, dW 60% off; review h117).
+    for node in recomputed:
+        if node.cls != LINK or node.kind != "barrier":
+            continue
+        producers = [graph.producer.get(key) for key in node.inputs]
+        if producers and all(p is not None and id(p) in found for p in producers):
+            found.add(id(node))
     return found
 
 
