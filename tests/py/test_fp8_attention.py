@@ -47,6 +47,16 @@ def _dots(policy: str) -> tuple[list, list]:
     return attention, [d for d in dots if d not in attention]
 
 
+def _assert_attention_16_bit_projections_fp8(report) -> None:
+    """Every matmul of the attention's einsums (six at least) 16-bit, some other dot fp8."""
+    dots = [d for d in report.decisions if d.op_kind == "dot_general"]
+    attention = [d for d in dots if any(e in d.location for e in ATTENTION_EINSUMS)]
+    assert len(attention) >= 6, [d.location for d in dots]
+    assert all(not d.fp8 for d in attention), [
+        (d.direction, d.location[-60:]) for d in attention if d.fp8]
+    assert any(d.fp8 for d in dots if d not in attention)
+
+
 def test_an_unfused_attention_stays_16_bit_between_fp8_projections():
     attention, projections = _dots(f"fp8,{ALL}")
     # Scores and output forward; dQ, dK, dV and dP backward.
@@ -137,12 +147,7 @@ def test_an_attention_refused_as_saved_by_a_remat_policy_stays_16_bit(saved, sca
     said = "softmax's exponential and its sum" if saved == "exponential" else saved
     assert any(f"the {said} are saved for the backward pass" in s.reason
                for s in report.attention), [s.reason for s in report.attention]
-    dots = [d for d in report.decisions if d.op_kind == "dot_general"]
-    attention = [d for d in dots if any(e in d.location for e in ATTENTION_EINSUMS)]
-    assert len(attention) >= 6, [d.location for d in dots]
-    assert all(not d.fp8 for d in attention), [
-        (d.direction, d.location[-60:]) for d in attention if d.fp8]
-    assert any(d.fp8 for d in dots if d not in attention)
+    _assert_attention_16_bit_projections_fp8(report)
 
 
 @pytest.mark.parametrize("scanned", [False, True])
@@ -176,12 +181,7 @@ def test_a_saved_attention_stays_16_bit_beside_a_fused_one(scanned):
         w, x, target="h100").report()
     assert any(s.fused for s in report.attention)
     assert any("saved for the backward pass" in s.reason for s in report.attention)
-    dots = [d for d in report.decisions if d.op_kind == "dot_general"]
-    attention = [d for d in dots if any(e in d.location for e in ATTENTION_EINSUMS)]
-    assert len(attention) >= 6, [d.location for d in dots]
-    assert all(not d.fp8 for d in attention), [
-        (d.direction, d.location[-60:]) for d in attention if d.fp8]
-    assert any(d.fp8 for d in dots if d not in attention)
+    _assert_attention_16_bit_projections_fp8(report)
 
 
 def test_an_attention_written_with_matmuls_in_a_scan_without_checkpoint_stays_16_bit():
