@@ -1411,7 +1411,7 @@ def _multiplies(module):
 
 
 @pytest.mark.parametrize("form", ["jitted_helper", "var", "microbatch_scan", "checkpoint",
-                                  "checkpointed_mse"])
+                                  "checkpointed_mse", "checkpointed_mse_in_scan"])
 def test_a_loss_outside_the_step_function_stays_f32_under_its_gradient(form):
     """The loss-side rule followed no call or loop: a jitted loss helper (jnp.var and
     jnp.clip are jitted functions too) or a scan over microbatches took every value
@@ -1419,7 +1419,8 @@ def test_a_loss_outside_the_step_function_stays_f32_under_its_gradient(form):
     46% off, weight gradients 60-76%; jnp.var of activations near 300 in the GPU form:
     dW1 89% off; review h116); under jax.checkpoint the backward pass's recomputed
     residual was painted (weight gradients 77% and 95% off: review h115), and so was the
-    prediction jax's barrier carries to it (dW 60% off: review h117)."""
+    prediction jax's barrier carries to it (dW 60% off: review h117), in a scan with the
+    stack that holds it for the backward loop (61%: review h119)."""
     step, (w1, w2, x, y, mean, std) = _regression_step()
 
     @jax.jit
@@ -1440,7 +1441,11 @@ def test_a_loss_outside_the_step_function_stays_f32_under_its_gradient(form):
 
         def microbatch(total, batch):
             xb, yb = batch
-            return total + jnp.mean((jax.nn.gelu(xb @ w1) @ w2 * std + mean - yb) ** 2), None
+            prediction = jax.nn.gelu(xb @ w1) @ w2 * std + mean
+            if form == "checkpointed_mse_in_scan":  # its stack for the backward loop
+                return total + jax.checkpoint(lambda p, t: jnp.mean((p - t) ** 2))(
+                    prediction, yb), None
+            return total + jnp.mean((prediction - yb) ** 2), None
 
         return jax.lax.scan(microbatch, 0.0, (x.reshape(4, 16, -1), y.reshape(4, 16, -1)))[0]
 

@@ -487,6 +487,11 @@ class Graph:
         op = self._constant_op(inst_id, value)
         return None if op is None else largest_finite(op)
 
+    def constant_op(self, inst_id: int, value: ir.Value) -> Any | None:
+        """The ``stablehlo.constant`` ``value`` holds (through converts, broadcasts and
+        reshapes), or None."""
+        return self._constant_op(inst_id, value)
+
     def _constant_op(self, inst_id: int, value: ir.Value) -> Any | None:
         """The ``stablehlo.constant`` ``value`` holds, as ``constant_magnitude`` sees
         through; None where it is no constant."""

@@ -368,16 +368,46 @@ def _loss_side(graph: Graph) -> set[int]:
         again, name = graph.recomputed_name(node)
         if again and name in loss_names:
             found.add(id(node))
-    # And jax.checkpoint's barrier in the backward pass, which carries a loss-side value
-    # to the recomputation (a checkpointed MSE of a prediction made outside it: painted,
-    # the prediction near 288 was rounded to bf16 there, dW 60% off; review h117).
-    for node in recomputed:
-        if node.cls != LINK or node.kind != "barrier":
-            continue
-        producers = [graph.producer.get(key) for key in node.inputs]
-        if producers and all(p is not None and id(p) in found for p in producers):
-            found.add(id(node))
+    # And the data movement and links that carry only loss-side values: jax.checkpoint's
+    # barrier taking one to the recomputation (a checkpointed MSE of a prediction made
+    # outside it: painted, the prediction near 288 was rounded to bf16 there, dW 60% off;
+    # review h117), a scan's stack of it for the backward loop and the loop carries that
+    # hold the stack (the same MSE in a scan over microbatches, 61%: review h119).
+    if found:
+        found |= _carrying_only(graph, found)
     return found
+
+
+def _carrying_only(graph: Graph, found: set[int]) -> set[int]:
+    """The eligible data movement and link nodes between 16-bit ops whose f32 inputs are
+    all ``found`` values, constants or such nodes (loop carries read themselves back:
+    the largest such set), and that a ``found`` value reaches."""
+    carriers = {id(node): node for node in graph.nodes
+                if node.cls in (CLEAR, LINK) and node.eligible and node.fwd and node.bwd
+                and node.readers and id(node) not in found}
+    changed = True
+    while changed:
+        changed = False
+        for key, node in list(carriers.items()):
+            for input_key in node.inputs:
+                if not graph.f32(input_key[1]) or graph.constant_op(*input_key) is not None:
+                    continue  # an index, a stack's zeros
+                producer = graph.producer.get(input_key)
+                if producer is None or (id(producer) not in found
+                                        and id(producer) not in carriers):
+                    break  # an argument, a value of the model
+            else:
+                continue
+            del carriers[key]
+            changed = True
+    reached: set[int] = set()
+    pending = [node for node in graph.nodes if id(node) in found]
+    while pending:
+        for reader in _readers(pending.pop()):
+            if isinstance(reader, Node) and id(reader) in carriers and id(reader) not in reached:
+                reached.add(id(reader))
+                pending.append(reader)
+    return reached
 
 
 def _feeds_forward_f32(graph: Graph, node: Node, cache: dict[int, bool]) -> bool:
