@@ -42,8 +42,9 @@ ops whose result can be far larger than their inputs stay f32 under f16 only:
 square (``chlo.square``, ``x * x``: past 256; the tanh GELU's ``x ** 3`` and its
 gradient's ``3 x²``, a squared ReLU, a norm's ``x²``), a product only sums read (a
 norm's backward ``x * dy`` under a loss scale), ``erfc`` (below f16's smallest value
-past 3.9: ``log_ndtr``'s log of it was -inf) and short sums; these spread deny on CPU
-too, their readers' values may not fit either (the rsqrt's derivative ``rsqrt(y) / y``).
+past 3.9: ``log_ndtr``'s log of it was -inf) and short sums; all but the short sums
+spread deny on CPU too, their readers' values may not fit either (the rsqrt's
+derivative ``rsqrt(y) / y``).
 Sums and means stay f32 under both, and so does a square only sums read, a second
 moment, under bf16 too where deny ops convert their own inputs (``second_moments``:
 Flax's fast variance ``mean(x²) - mean²`` magnified its rounding). Under either, an infer

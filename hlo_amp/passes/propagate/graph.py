@@ -35,6 +35,7 @@ from hlo_amp.ir.op_classes import (
     PICKING_KINDS,
     body_is_one_add,
     op_class,
+    product_tree_level,
     short_name,
     table_class,
 )
@@ -611,8 +612,10 @@ class Graph:
             # Its value may not fit f16 (a quotient by a small divisor: the rsqrt's
             # derivative rsqrt(y) / y, 1e6), so deny spreads from it on CPU too: its
             # readers painted in f16 made inf of it (review h116).
+            # (A product tree's level is deny for its precision, not the range: h121.)
             if (kind in ("multiply", "square", "divide", "tan", "erfc") and compute == "float16"
-                    and node.cls == DENY and node.reason == DENY_CLASS):
+                    and node.cls == DENY and node.reason == DENY_CLASS
+                    and not (kind == "multiply" and product_tree_level(op))):
                 node.reason = (f"{OUT_OF_RANGE}: a square, a summed product, a quotient, "
                                "a tangent or erfc under float16")
             self.op_node[(inst_id, index)] = self._add(node)
