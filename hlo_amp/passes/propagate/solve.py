@@ -356,9 +356,8 @@ def _loss_side(graph: Graph) -> set[int]:
         if _in_backward(graph, node, backward):
             if node.bwd:
                 recomputed.append(node)
-        elif not graph.reaches_forward_matrix_op(node) and (
-                _feeds_forward_f32(graph, node, backward)
-                or _after_the_models_outputs(graph, node, backward)):
+        elif (not graph.reaches_forward_matrix_op(node)
+              and _feeds_forward_f32(graph, node, backward)):
             loss_names.add(graph.recomputed_name(node)[1])
             if node.bwd:
                 found.add(id(node))
@@ -428,34 +427,6 @@ def _feeds_forward_f32(graph: Graph, node: Node, cache: dict[int, bool]) -> bool
             seen.add(id(reader))
             pending.append(reader)
     return False
-
-
-def _after_the_models_outputs(graph: Graph, node: Node, cache: dict[int, bool]) -> bool:
-    """Whether the node's value is made, through forward ops, from matrix results that
-    reach no further forward matrix op (the model's outputs: a regression's prediction),
-    arguments and constants only: the loss's residual under ``jax.grad`` alone, where
-    jax drops the loss value and only the backward pass reads it (it was painted: dW
-    1.4 and 2.6 times off where value_and_grad's were kept f32; review h121). Not a
-    value made from a hidden activation (a GELU's derivative)."""
-    pending, seen, outputs = [node], {id(node)}, False
-    while pending:
-        for key in pending.pop().inputs:
-            producer = graph.producer.get(key)
-            if producer is None or id(producer) in seen:
-                continue  # an argument, a constant
-            if (len(seen) > _LOSS_SIDE_WALK or graph.reaches_forward_matrix_op(producer)
-                    or _in_backward(graph, producer, cache)):
-                return False
-            seen.add(id(producer))
-            if producer.cls == ALLOW:
-                outputs = True
-            else:
-                pending.append(producer)
-    return outputs
-
-
-# How many ops the walk back from a loss-side value may meet (a loss reads a handful).
-_LOSS_SIDE_WALK = 200
 
 
 def _in_backward(graph: Graph, node: Node, cache: dict[int, bool]) -> bool:
