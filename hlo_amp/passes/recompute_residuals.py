@@ -281,22 +281,15 @@ def _recompute(recipe: _Recipe, calls: dict[int, ir.Operation],
             copies += [(source, barrier.results[0])]
             copies += [(current, current) for _, current in outside[1:]]
         for op in recipe.ops:
-            operands = [next(new for old, new in copies if old == operand)
-                        for operand in op.operands]
-            if recipe.callee is None:
-                clone = op.clone(ip=where)
-                for position, operand in enumerate(operands):
-                    clone.operands[position] = operand
-            else:
-                # Made in the caller's backward pass, named as its first reader: a clone
-                # keeps the callee's own name ("tanh", no transpose(...)), and a second
-                # run of the pass took it for a forward op and recomputed it again
-                # (review h117).
-                clone = ir.Operation.create(
-                    op.name, results=[result.type for result in op.results],
-                    operands=operands,
-                    attributes={name: op.attributes[name] for name in op.attributes},
-                    loc=first.location, ip=where)
+            # A callee's op is made in the caller's backward pass named as its first
+            # reader: with the callee's own name ("tanh", no transpose(...)) a second run
+            # of the pass took it for a forward op and recomputed it again (review h117).
+            clone = ir.Operation.create(
+                op.name, results=[result.type for result in op.results],
+                operands=[next(new for old, new in copies if old == operand)
+                          for operand in op.operands],
+                attributes={name: op.attributes[name] for name in op.attributes},
+                loc=op.location if recipe.callee is None else first.location, ip=where)
             copies += list(zip(op.results, clone.results))
     copy = copies[-1][1]
     for reader in readers:

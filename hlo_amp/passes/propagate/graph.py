@@ -31,6 +31,7 @@ from hlo_amp.ir.op_classes import (
     CLEAR,
     DENY,
     INFER,
+    MATRIX_OP_NAMES,
     OP_CLASSES,
     PICKING_KINDS,
     body_is_one_add,
@@ -40,6 +41,7 @@ from hlo_amp.ir.op_classes import (
     table_class,
 )
 from hlo_amp.ir.sites import (
+    Site,
     call_prefix,
     join_names,
     location_name,
@@ -162,6 +164,7 @@ class Graph:
         self.walks = walks  # op_key of a function -> its Body, shared with the byte count
         # the values that reach a forward matrix op (``reaches_forward_matrix_op``)
         self._forward_reach: set[tuple[int, ir.Value]] | None = None
+        self._sites: dict[tuple[int, int, str], Site] = {}  # ``site``'s
         self.instances: list[Instance] = []
         self.nodes: list[Node] = []
         self.op_node: dict[tuple[int, int], Node] = {}  # (inst, op index) -> node
@@ -294,19 +297,26 @@ class Graph:
             value = value.owner.operands[0]
         return None
 
+    def site(self, inst_id: int, index: int, kind: str) -> Site:
+        """Where op ``index`` of instance ``inst_id`` sits, the caller's names included
+        (read once per op: printing a location is the slow part)."""
+        found = self._sites.get((inst_id, index, kind))
+        if found is None:
+            inst = self.instances[inst_id]
+            name = join_names(inst.prefix, location_name(inst.ops[index].location))
+            found = self._sites[(inst_id, index, kind)] = parse_name(name, kind)
+        return found
+
     def in_backward(self, node: Node) -> bool:
         """Whether the op (for a link: the loop, branch or call) is in the backward pass
         (``transpose(...)`` in its name stack, the caller's included)."""
-        inst = self.instances[node.inst]
-        name = join_names(inst.prefix, location_name(inst.ops[node.index].location))
-        return parse_name(name, node.kind).backward
+        return self.site(node.inst, node.index, node.kind).backward
 
     def recomputed_name(self, node: Node) -> tuple[bool, tuple]:
         """(whether the op is remat's recomputed forward, its name as the forward pass
         has it too: kind, user scopes and source line)."""
-        inst = self.instances[node.inst]
-        location = inst.ops[node.index].location
-        site = parse_name(join_names(inst.prefix, location_name(location)), node.kind)
+        site = self.site(node.inst, node.index, node.kind)
+        location = self.instances[node.inst].ops[node.index].location
         return site.recomputed, (node.kind, site.scope, location_source(location))
 
     def reaches_forward_matrix_op(self, node: Node) -> bool:
@@ -321,23 +331,16 @@ class Graph:
 
     def _forward_reach_all(self) -> set[tuple[int, ir.Value]]:
         """Every (instance, value) reaching a forward matrix op's operand (see above)."""
-        backward: dict[tuple[int, int], bool] = {}
-
         def forward(inst_id: int, index: int) -> bool:
-            found = backward.get((inst_id, index))
-            if found is None:
-                inst = self.instances[inst_id]
-                name = join_names(inst.prefix, location_name(inst.ops[index].location))
-                found = backward[(inst_id, index)] = parse_name(
-                    name, short_name(inst.body.names[index])).backward
-            return not found
+            kind = short_name(self.instances[inst_id].body.names[index])
+            return not self.site(inst_id, index, kind).backward
 
         pending: list[tuple[int, ir.Value]] = []
         for inst_id, inst in enumerate(self.instances):
             for index, name in enumerate(inst.body.names):
                 opaque = name in _OPAQUE_OPS or (name == "func.call"
                                                  and index not in inst.calls)
-                if (name in _MATRIX_OP_NAMES or opaque) and forward(inst_id, index):
+                if (name in MATRIX_OP_NAMES or opaque) and forward(inst_id, index):
                     pending += [(inst_id, v) for v in inst.body.operands()[index]]
         found: set[tuple[int, ir.Value]] = set()
         while pending:
@@ -372,7 +375,7 @@ class Graph:
             elif name == "stablehlo.while":
                 pending += _carried_into(inst_id, op, slot)
             elif name in ("stablehlo.case", "stablehlo.if"):
-                pending += [(inst_id, _terminator(region).operands[slot])
+                pending += [(inst_id, terminator(first_block(region)).operands[slot])
                             for region in op.regions]
             else:
                 pending += [(inst_id, v) for v in inst.body.operands()[index]]
@@ -472,7 +475,7 @@ class Graph:
             if node.cls not in (INFER, CLEAR):
                 continue
             for inst_id, value in node.inputs:
-                op = self._constant_op(inst_id, value)
+                op = self.constant_op(inst_id, value)
                 magnitudes = None if op is None else _finite_magnitudes(op)
                 if magnitudes is None or not magnitudes.size:
                     continue
@@ -485,15 +488,10 @@ class Graph:
         """The largest finite magnitude of the f32 constant that ``value`` holds, seen
         through converts, broadcasts, reshapes and a called function's arguments; None
         where ``value`` is no such constant."""
-        op = self._constant_op(inst_id, value)
+        op = self.constant_op(inst_id, value)
         return None if op is None else largest_finite(op)
 
     def constant_op(self, inst_id: int, value: ir.Value) -> Any | None:
-        """The ``stablehlo.constant`` ``value`` holds (through converts, broadcasts and
-        reshapes), or None."""
-        return self._constant_op(inst_id, value)
-
-    def _constant_op(self, inst_id: int, value: ir.Value) -> Any | None:
         """The ``stablehlo.constant`` ``value`` holds, as ``constant_magnitude`` sees
         through; None where it is no constant."""
         return _defining_constant(*self._same_value_source(inst_id, value))
@@ -785,21 +783,15 @@ class Graph:
 
 
 
-# The matrix ops (``reaches_forward_matrix_op``).
-_MATRIX_OP_NAMES = frozenset({"stablehlo.dot_general", "stablehlo.dot",
-                              "stablehlo.convolution", "chlo.ragged_dot"})
 # shard_map's manual body: its values are not followed (taken as reaching a matrix op).
 _OPAQUE_OPS = frozenset({"sdy.manual_computation", "sdy.return"})
-
-
-def _terminator(region: Any) -> Any:
-    return list(first_block(region).operations)[-1]
 
 
 def _carried_into(inst_id: int, loop: Any, slot: int) -> list[tuple[int, ir.Value]]:
     """The values a while loop's carry ``slot`` holds: its initial value and what the body
     returns for the next iteration."""
-    return [(inst_id, loop.operands[slot]), (inst_id, _terminator(loop.regions[1]).operands[slot])]
+    body_return = terminator(first_block(loop.regions[1]))
+    return [(inst_id, loop.operands[slot]), (inst_id, body_return.operands[slot])]
 
 
 # A non-splat constant up to this size is read whole (a mask bias held as a constant is

@@ -385,21 +385,23 @@ def _carrying_only(graph: Graph, found: set[int]) -> set[int]:
     carriers = {id(node): node for node in graph.nodes
                 if node.cls in (CLEAR, LINK) and node.eligible and node.fwd and node.bwd
                 and node.readers and id(node) not in found}
+    # Each carrier's f32 inputs that are no constant (an index, a stack's zeros are
+    # neither): their producers' ids, None for an argument. Read once, not per round.
+    sources = {key: [None if producer is None else id(producer)
+                     for producer in (graph.producer.get(input_key)
+                                      for input_key in node.inputs
+                                      if graph.f32(input_key[1])
+                                      and graph.constant_op(*input_key) is None)]
+               for key, node in carriers.items()}
     changed = True
     while changed:
         changed = False
-        for key, node in list(carriers.items()):
-            for input_key in node.inputs:
-                if not graph.f32(input_key[1]) or graph.constant_op(*input_key) is not None:
-                    continue  # an index, a stack's zeros
-                producer = graph.producer.get(input_key)
-                if producer is None or (id(producer) not in found
-                                        and id(producer) not in carriers):
-                    break  # an argument, a value of the model
-            else:
-                continue
-            del carriers[key]
-            changed = True
+        for key in list(carriers):
+            # An argument or a value of the model among its inputs: no carrier.
+            if any(source is None or (source not in found and source not in carriers)
+                   for source in sources[key]):
+                del carriers[key]
+                changed = True
     reached: set[int] = set()
     pending = [node for node in graph.nodes if id(node) in found]
     while pending:
