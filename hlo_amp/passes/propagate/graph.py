@@ -30,6 +30,7 @@ from hlo_amp.ir.op_classes import (
     ALLOW,
     CLEAR,
     DENY,
+    F16_DENY,
     INFER,
     MATRIX_OP_NAMES,
     OP_CLASSES,
@@ -611,7 +612,7 @@ class Graph:
             # derivative rsqrt(y) / y, 1e6), so deny spreads from it on CPU too: its
             # readers painted in f16 made inf of it (review h116).
             # (A product tree's level is deny for its precision, not the range: h121.)
-            if (kind in ("multiply", "square", "divide", "tan", "erfc") and compute == "float16"
+            if ((kind in F16_DENY or kind == "multiply") and compute == "float16"
                     and node.cls == DENY and node.reason == DENY_CLASS
                     and not (kind == "multiply" and product_tree_level(op))):
                 node.reason = (f"{OUT_OF_RANGE}: a square, a summed product, a quotient, "
