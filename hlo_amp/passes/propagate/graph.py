@@ -163,8 +163,9 @@ class Graph:
         self.low = low
         self.second_moments = second_moments  # op_class's: a summed square is deny
         self.walks = walks  # op_key of a function -> its Body, shared with the byte count
-        # the values that reach a forward matrix op (``reaches_forward_matrix_op``)
-        self._forward_reach: set[tuple[int, ir.Value]] | None = None
+        # the values that reach a forward matrix op, and those that reach a recomputed one
+        # through recomputed ops (``reaches_forward_matrix_op``), by whether recomputed
+        self._reach: dict[bool, set[tuple[int, ir.Value]]] = {}
         self._sites: dict[tuple[int, int, str], Site] = {}  # ``site``'s
         self.instances: list[Instance] = []
         self.nodes: list[Node] = []
@@ -320,21 +321,25 @@ class Graph:
         location = self.instances[node.inst].ops[node.index].location
         return site.recomputed, (node.kind, site.scope, location_source(location))
 
-    def reaches_forward_matrix_op(self, node: Node) -> bool:
+    def reaches_forward_matrix_op(self, node: Node, recomputed: bool = False) -> bool:
         """Whether one of the node's values reaches a matrix op's operand through forward
         ops (of any type: what an earlier run of the pass put in 16 bit counts alike),
         into and out of private functions, loop carries and branches (a loss in a jitted
         helper, in a scan over microbatches; review h116). A function that keeps its
-        signature and shard_map's bodies are not followed: taken as reaching one."""
-        if self._forward_reach is None:
-            self._forward_reach = self._forward_reach_all()
-        return any(key in self._forward_reach for key in node.outputs)
+        signature and shard_map's bodies are not followed: taken as reaching one. With
+        ``recomputed``, remat's recomputed forward in the backward pass, its ops and
+        matrix ops, instead of the forward pass."""
+        if recomputed not in self._reach:
+            self._reach[recomputed] = self._forward_reach_all(recomputed)
+        return any(key in self._reach[recomputed] for key in node.outputs)
 
-    def _forward_reach_all(self) -> set[tuple[int, ir.Value]]:
-        """Every (instance, value) reaching a forward matrix op's operand (see above)."""
+    def _forward_reach_all(self, recomputed: bool) -> set[tuple[int, ir.Value]]:
+        """Every (instance, value) reaching a forward (or recomputed) matrix op's operand
+        (see above)."""
         def forward(inst_id: int, index: int) -> bool:
             kind = short_name(self.instances[inst_id].body.names[index])
-            return not self.site(inst_id, index, kind).backward
+            site = self.site(inst_id, index, kind)
+            return site.recomputed if recomputed else not site.backward
 
         pending: list[tuple[int, ir.Value]] = []
         for inst_id, inst in enumerate(self.instances):
@@ -381,6 +386,56 @@ class Graph:
             else:
                 pending += [(inst_id, v) for v in inst.body.operands()[index]]
         return found
+
+    def made_from_arguments(self, key: tuple[int, ir.Value], limit: int = 4096) -> bool:
+        """Whether the value is made from a public function's arguments (and constants)
+        only, through ops that are no matrix op (into private functions' results, loop
+        carries and branches): data, such as a regression's targets and statistics, not a
+        value of the model. False past ``limit`` values read."""
+        pending, seen = [key], {key}
+        argument = False
+        while pending:
+            inst_id, value = pending.pop()
+            if isinstance(value, ir.BlockArgument):
+                owner = value.owner.owner
+                if owner.operation.name == "func.func":
+                    caller = self.call_argument.get((inst_id, value))
+                    sources = [caller] if caller is not None else []
+                    argument = argument or caller is None  # a public function's
+                elif owner.operation.name == "stablehlo.while":
+                    sources = _carried_into(inst_id, owner, value.arg_number)
+                else:  # a reducer's or shard_map's body
+                    return False
+            else:
+                op = value.owner
+                index = self.op_index(inst_id, op)
+                name = op.name
+                if index is None or name in MATRIX_OP_NAMES or name in _OPAQUE_OPS:
+                    return False
+                inst = self.instances[inst_id]
+                slot = ir.OpResult(value).result_number
+                if name == "func.call":
+                    child = inst.calls.get(index)
+                    if child is None:  # a function that keeps its signature
+                        return False
+                    sources = [(child, ret.operands[slot]) for ret in self.instances[child].ops
+                               if ret.operation.name == "func.return"]
+                elif name == "stablehlo.while":
+                    sources = _carried_into(inst_id, op, slot)
+                elif name in ("stablehlo.case", "stablehlo.if"):
+                    sources = [(inst_id, terminator(first_block(region)).operands[slot])
+                               for region in op.regions]
+                elif name == "stablehlo.optimization_barrier":  # remat's, slot by slot
+                    sources = [(inst_id, op.operands[slot])]
+                else:
+                    sources = [(inst_id, v) for v in inst.body.operands()[index]]
+            for source in sources:
+                if source not in seen:
+                    if len(seen) >= limit:
+                        return False
+                    seen.add(source)
+                    pending.append(source)
+        return argument
 
     def _steps_state(self, node: Node) -> bool:
         """``_updates_state``, a decay (a multiply or divide by a constant near 1 or by a

@@ -26,7 +26,8 @@ _FEEDS_EXACT = "feeds an op that reads f32 exactly"
 _AFTER_DENY = "downstream of a deny op"
 NOT_BETWEEN = "not between 16-bit ops"
 _LOSS_SIDE = "forward value on its way to an f32 op that only the backward pass reads in 16 bit"
-_SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN, _LOSS_SIDE})
+_DATA_SIDE = "forward value combining the model's output with f32 data, read by the backward pass"
+_SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN, _LOSS_SIDE, _DATA_SIDE})
 _BROADCASTS = frozenset({"broadcast_in_dim", "broadcast", "dynamic_broadcast_in_dim"})
 
 
@@ -157,7 +158,7 @@ def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
     for node in graph.nodes:
         if node.eligible and node.fwd and node.bwd and node.readers:
             if id(node) in loss_side:
-                node.reason = _LOSS_SIDE
+                node.reason = loss_side[id(node)]
             else:
                 node.painted = True
         elif node.eligible and not node.reason:
@@ -337,36 +338,60 @@ def _feeds_matrix_op(node: Node) -> bool:
     return False
 
 
-def _loss_side(graph: Graph) -> set[int]:
+def _loss_side(graph: Graph) -> dict[int, str]:
     """The forward pass's eligible values between a matrix op and the f32 ops it ends in
     (a loss, a metric) that reach a 16-bit op only through the backward pass: a
     regression's ``pred * std + mean - y``, whose residual the loss's gradient reads. As
     in the program without its gradient, and as JAX's promotion of a 16-bit prediction
     with f32 targets computes them, they stay f32 (painted, the f32 targets and
     statistics were rounded to 16 bit and the residual cancelled away: the loss 72% off;
-    review h113). Not a value only backward ops read (a GELU's derivative, computed in
-    the forward pass): that is stored for the backward pass in 16 bit, as before."""
+    review h113). Under ``jax.grad`` alone, where jax drops the loss and no forward f32
+    op reads them, the values that combine the model's output with f32 data
+    (``_reads_data``) and those on the way to them. Not a value only backward ops read
+    (a GELU's derivative, computed in the forward pass): that is stored for the backward
+    pass in 16 bit, as before. By id, the reason each stays f32."""
     backward: dict[int, bool] = {}
     found: set[int] = set()
+    by_data: set[int] = set()  # found under jax.grad alone only
+    feeds_f32: set[int] = set()
     recomputed: list[Node] = []
     loss_names: set[tuple] = set()
+    tail: dict[int, Node] = {}  # forward values that reach no forward matrix op
+    pending: list[Node] = []  # the loss side's, seen upward for those that lead to it
     for node in graph.nodes:
         if not (node.eligible and node.fwd and node.readers):
             continue
         if _in_backward(graph, node, backward):
             if node.bwd:
                 recomputed.append(node)
-        elif (not graph.reaches_forward_matrix_op(node)
-              and _feeds_forward_f32(graph, node, backward)):
-            loss_names.add(graph.recomputed_name(node)[1])
-            if node.bwd:
-                found.add(id(node))
+        elif not graph.reaches_forward_matrix_op(node):
+            tail[id(node)] = node
+            if _feeds_forward_f32(graph, node, backward):
+                pending.append(node)
+                feeds_f32.add(id(node))
+            elif _reads_data(graph, node):
+                pending.append(node)
+    for key in _made_from(graph, pending, tail):
+        node = tail[key]
+        loss_names.add(graph.recomputed_name(node)[1])
+        if node.bwd:
+            found.add(key)
+            if key not in feeds_f32:
+                by_data.add(key)
     # Under jax.checkpoint the backward pass computes the loss's residual again for the
     # gradient (the forward's copy feeds the loss only): the recomputed op, by the name
-    # it has in the forward pass, stays f32 as that one does (review h115).
-    for node in recomputed if loss_names else ():
-        again, name = graph.recomputed_name(node)
-        if again and name in loss_names:
+    # it has in the forward pass, stays f32 as that one does (review h115). Under
+    # jax.grad alone the forward pass has no copy of a checkpointed loss's residual: the
+    # recomputed values that lead to no recomputed matrix op and read data are found as
+    # the forward's are.
+    again = {id(node): node for node in recomputed if graph.recomputed_name(node)[0]}
+    again_tail = {key: node for key, node in again.items()
+                  if not graph.reaches_forward_matrix_op(node, recomputed=True)}
+    by_data |= _made_from(graph, [node for node in again_tail.values()
+                                  if _reads_data(graph, node)], again_tail)
+    found |= by_data
+    for node in again.values() if loss_names else ():
+        if graph.recomputed_name(node)[1] in loss_names:
             found.add(id(node))
     # And the data movement and links that carry only loss-side values: jax.checkpoint's
     # barrier taking one to the recomputation (a checkpointed MSE of a prediction made
@@ -375,7 +400,34 @@ def _loss_side(graph: Graph) -> set[int]:
     # hold the stack (the same MSE in a scan over microbatches, 61%: review h119).
     if found:
         found |= _carrying_only(graph, found)
+    return {key: _DATA_SIDE if key in by_data else _LOSS_SIDE for key in found}
+
+
+def _made_from(graph: Graph, seeds: list[Node], within: dict[int, Node]) -> set[int]:
+    """The ids of ``seeds`` and of the ``within`` nodes they are made from: each value a
+    loss-side value is made from, back to the matrix op, is loss side too (a ``pred +
+    288.0`` in front of ``- y``: JAX's promotion computes it in f32 where the step
+    computes the loss; under jax.grad alone it feeds the backward pass only)."""
+    found = {id(node) for node in seeds}
+    pending = list(seeds)
+    while pending:
+        for key in pending.pop().inputs:
+            producer = graph.producer.get(key)
+            if producer is not None and id(producer) in within and id(producer) not in found:
+                found.add(id(producer))
+                pending.append(producer)
     return found
+
+
+def _reads_data(graph: Graph, node: Node) -> bool:
+    """Whether the op reads an f32 value that is no constant and that the functions'
+    arguments make without the model (``Graph.made_from_arguments``): a regression's
+    targets or statistics, which ``pred * std + mean - y`` combines with the model's
+    output. Under ``jax.grad`` alone jax drops the loss, and the residual, read by the
+    backward pass only, feeds no forward f32 op: painted, its f32 targets were rounded
+    to bf16 and the weight gradients came out 77% and 95% off (review h121)."""
+    return any(graph.f32(key[1]) and graph.constant_op(*key) is None
+               and graph.made_from_arguments(key) for key in node.inputs)
 
 
 def _carrying_only(graph: Graph, found: set[int]) -> set[int]:
