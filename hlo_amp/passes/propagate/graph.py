@@ -166,6 +166,9 @@ class Graph:
         # the values that reach a forward matrix op, and those that reach a recomputed one
         # through recomputed ops (``reaches_forward_matrix_op``), by whether recomputed
         self._reach: dict[bool, set[tuple[int, ir.Value]]] = {}
+        # value -> (the model's own, depends on an argument, on one that reaches no
+        # forward matrix op): ``made_from_arguments``'s
+        self._made_from: dict[tuple[int, ir.Value], tuple[bool, ...]] = {}
         self._sites: dict[tuple[int, int, str], Site] = {}  # ``site``'s
         self.instances: list[Instance] = []
         self.nodes: list[Node] = []
@@ -387,55 +390,94 @@ class Graph:
                 pending += [(inst_id, v) for v in inst.body.operands()[index]]
         return found
 
-    def made_from_arguments(self, key: tuple[int, ir.Value], limit: int = 4096) -> bool:
-        """Whether the value is made from a public function's arguments (and constants)
-        only, through ops that are no matrix op (into private functions' results, loop
-        carries and branches): data, such as a regression's targets and statistics, not a
-        value of the model. False past ``limit`` values read."""
-        pending, seen = [key], {key}
-        argument = False
-        while pending:
-            inst_id, value = pending.pop()
-            if isinstance(value, ir.BlockArgument):
-                owner = value.owner.owner
-                if owner.operation.name == "func.func":
-                    caller = self.call_argument.get((inst_id, value))
-                    sources = [caller] if caller is not None else []
-                    argument = argument or caller is None  # a public function's
-                elif owner.operation.name == "stablehlo.while":
-                    sources = _carried_into(inst_id, owner, value.arg_number)
-                else:  # a reducer's or shard_map's body
-                    return False
-            else:
-                op = value.owner
-                index = self.op_index(inst_id, op)
-                name = op.name
-                if index is None or name in MATRIX_OP_NAMES or name in _OPAQUE_OPS:
-                    return False
-                inst = self.instances[inst_id]
-                slot = ir.OpResult(value).result_number
-                if name == "func.call":
-                    child = inst.calls.get(index)
-                    if child is None:  # a function that keeps its signature
-                        return False
-                    sources = [(child, ret.operands[slot]) for ret in self.instances[child].ops
-                               if ret.operation.name == "func.return"]
-                elif name == "stablehlo.while":
-                    sources = _carried_into(inst_id, op, slot)
-                elif name in ("stablehlo.case", "stablehlo.if"):
-                    sources = [(inst_id, terminator(first_block(region)).operands[slot])
-                               for region in op.regions]
-                elif name == "stablehlo.optimization_barrier":  # remat's, slot by slot
-                    sources = [(inst_id, op.operands[slot])]
-                else:
-                    sources = [(inst_id, v) for v in inst.body.operands()[index]]
-            for source in sources:
-                if source not in seen:
-                    if len(seen) >= limit:
-                        return False
-                    seen.add(source)
-                    pending.append(source)
-        return argument
+    def made_from_arguments(self, key: tuple[int, ir.Value], unread: bool = False) -> bool:
+        """Whether the value is made from a public function's arguments, or arrays held
+        as constants (a closed-over data set), without a matrix op (through private
+        functions' results, loop carries and branches): data, such as a regression's
+        targets and statistics, not a value of the model. With ``unread``, from one that
+        reaches no forward matrix op (targets, not a bias the model adds). Settled for
+        every value the walk reads, once per graph (the painting asks again each round)."""
+        made = self._made_from
+        if key not in made:
+            found: dict[tuple[int, ir.Value], tuple[list, bool, bool]] = {}
+            pending = [key]
+            while pending:
+                current = pending.pop()
+                if current in found:
+                    continue
+                found[current] = sources, model, _ = self._sources(current)
+                if not model:
+                    pending += [source for source in sources
+                                if source not in found and source not in made]
+            # A value is the model's if any value it is made from is (loops: a fixpoint),
+            # and it depends on an argument (one the model does not read) if any does.
+            flags = ({k for k, (_, own, _) in found.items() if own},
+                     {k for k, (_, _, leaf) in found.items() if leaf},
+                     {k for k, (_, _, leaf) in found.items()
+                      if leaf and not self._reaches_forward_matrix_op(k)})
+            readers: dict[tuple[int, ir.Value], list] = defaultdict(list)
+            for current, (sources, _, _) in found.items():
+                for source in sources:
+                    if source in made:
+                        for flag, known in zip(flags, made[source]):
+                            if known:
+                                flag.add(current)
+                    else:
+                        readers[source].append(current)
+            for spread in flags:
+                pending = list(spread)
+                while pending:
+                    for reader in readers.get(pending.pop(), ()):
+                        if reader not in spread:
+                            spread.add(reader)
+                            pending.append(reader)
+            for current in found:
+                made[current] = tuple(current in flag for flag in flags)
+        is_model, argument, unread_argument = made[key]
+        return (unread_argument if unread else argument) and not is_model
+
+    def _reaches_forward_matrix_op(self, key: tuple[int, ir.Value]) -> bool:
+        if False not in self._reach:
+            self._reach[False] = self._forward_reach_all(False)
+        return key in self._reach[False]
+
+    def _sources(self, key: tuple[int, ir.Value]) -> tuple[list, bool, bool]:
+        """(the values ``key``'s value is made from, whether it is the model's own: a
+        matrix op's result or a value not followed, whether it is an argument or an
+        array held as a constant) for ``made_from_arguments``."""
+        inst_id, value = key
+        if isinstance(value, ir.BlockArgument):
+            owner = value.owner.owner
+            if owner.operation.name == "func.func":
+                caller = self.call_argument.get(key)
+                return ([], False, True) if caller is None else ([caller], False, False)
+            if owner.operation.name == "stablehlo.while":
+                return _carried_into(inst_id, owner, value.arg_number), False, False
+            return [], True, False  # a reducer's or shard_map's body
+        op = value.owner
+        index = self.op_index(inst_id, op)
+        name = op.name
+        if index is None or name in MATRIX_OP_NAMES or name in _OPAQUE_OPS:
+            return [], True, False
+        inst = self.instances[inst_id]
+        slot = ir.OpResult(value).result_number
+        if name == "stablehlo.constant":
+            held = dense_value(op)
+            return [], False, held is not None and not held.is_splat
+        if name == "func.call":
+            child = inst.calls.get(index)
+            if child is None:  # a function that keeps its signature
+                return [], True, False
+            return [(child, ret.operands[slot]) for ret in self.instances[child].ops
+                    if ret.operation.name == "func.return"], False, False
+        if name == "stablehlo.while":
+            return _carried_into(inst_id, op, slot), False, False
+        if name in ("stablehlo.case", "stablehlo.if"):
+            return [(inst_id, terminator(first_block(region)).operands[slot])
+                    for region in op.regions], False, False
+        if name == "stablehlo.optimization_barrier":  # remat's, slot by slot
+            return [(inst_id, op.operands[slot])], False, False
+        return [(inst_id, v) for v in inst.body.operands()[index]], False, False
 
     def _steps_state(self, node: Node) -> bool:
         """``_updates_state``, a decay (a multiply or divide by a constant near 1 or by a

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from hlo_amp.ir.modules import element_count, from_constant
+from hlo_amp.ir.modules import dense_value, element_count, from_constant
 from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
 from hlo_amp.passes.propagate.graph import (
     DENY_CLASS,
@@ -387,8 +387,10 @@ def _loss_side(graph: Graph) -> dict[int, str]:
     again = {id(node): node for node in recomputed if graph.recomputed_name(node)[0]}
     again_tail = {key: node for key, node in again.items()
                   if not graph.reaches_forward_matrix_op(node, recomputed=True)}
+    # Read there, data is what the forward pass's matrix ops do not read: a remat'd
+    # hidden layer's recomputed ``x @ w + b`` adds a bias, data too, but the model's.
     by_data |= _made_from(graph, [node for node in again_tail.values()
-                                  if _reads_data(graph, node)], again_tail)
+                                  if _reads_data(graph, node, unread=True)], again_tail)
     found |= by_data
     for node in again.values() if loss_names else ():
         if graph.recomputed_name(node)[1] in loss_names:
@@ -419,15 +421,25 @@ def _made_from(graph: Graph, seeds: list[Node], within: dict[int, Node]) -> set[
     return found
 
 
-def _reads_data(graph: Graph, node: Node) -> bool:
-    """Whether the op reads an f32 value that is no constant and that the functions'
-    arguments make without the model (``Graph.made_from_arguments``): a regression's
-    targets or statistics, which ``pred * std + mean - y`` combines with the model's
-    output. Under ``jax.grad`` alone jax drops the loss, and the residual, read by the
-    backward pass only, feeds no forward f32 op: painted, its f32 targets were rounded
-    to bf16 and the weight gradients came out 77% and 95% off (review h121)."""
-    return any(graph.f32(key[1]) and graph.constant_op(*key) is None
-               and graph.made_from_arguments(key) for key in node.inputs)
+def _reads_data(graph: Graph, node: Node, unread: bool = False) -> bool:
+    """Whether the op reads an f32 value, no number broadcast, that the functions'
+    arguments or arrays held as constants make without the model
+    (``Graph.made_from_arguments``): a regression's targets or statistics, passed in or
+    closed over, which ``pred * std + mean - y`` combines with the model's output. Under
+    ``jax.grad`` alone jax drops the loss, and the residual, read by the backward pass
+    only, feeds no forward f32 op: painted, its f32 targets were rounded to bf16 and the
+    weight gradients came out 77% and 95% off (review h121; closed-over targets until
+    review h122). With ``unread``, a value made from arguments no forward matrix op
+    reads (targets, statistics; not a layer's bias)."""
+    return any(graph.f32(key[1]) and not _one_number(graph, key)
+               and graph.made_from_arguments(key, unread) for key in node.inputs)
+
+
+def _one_number(graph: Graph, key: tuple[int, ir.Value]) -> bool:
+    """Whether the value is a splat constant (a ``10.0`` or ``288.0`` broadcast)."""
+    op = graph.constant_op(*key)
+    held = None if op is None else dense_value(op)
+    return held is not None and held.is_splat
 
 
 def _carrying_only(graph: Graph, found: set[int]) -> set[int]:
