@@ -166,8 +166,7 @@ class Graph:
         # the values that reach a forward matrix op, and those that reach a recomputed one
         # through recomputed ops (``reaches_forward_matrix_op``), by whether recomputed
         self._reach: dict[bool, set[tuple[int, ir.Value]]] = {}
-        # value -> (the model's own, depends on an argument, on one that reaches no
-        # forward matrix op): ``made_from_arguments``'s
+        # value -> (the model's own, depends on an argument): ``made_from_arguments``'s
         self._made_from: dict[tuple[int, ir.Value], tuple[bool, ...]] = {}
         self._sites: dict[tuple[int, int, str], Site] = {}  # ``site``'s
         self.instances: list[Instance] = []
@@ -390,13 +389,12 @@ class Graph:
                 pending += [(inst_id, v) for v in inst.body.operands()[index]]
         return found
 
-    def made_from_arguments(self, key: tuple[int, ir.Value], unread: bool = False) -> bool:
+    def made_from_arguments(self, key: tuple[int, ir.Value]) -> bool:
         """Whether the value is made from a public function's arguments, or arrays held
         as constants (a closed-over data set), without a matrix op (through private
         functions' results, loop carries and branches): data, such as a regression's
-        targets and statistics, not a value of the model. With ``unread``, from one that
-        reaches no forward matrix op (targets, not a bias the model adds). Settled for
-        every value the walk reads, once per graph (the painting asks again each round)."""
+        targets and statistics, not a value of the model. Settled for every value the
+        walk reads, once per graph (the painting asks again each round)."""
         made = self._made_from
         if key not in made:
             found: dict[tuple[int, ir.Value], tuple[list, bool, bool]] = {}
@@ -410,11 +408,9 @@ class Graph:
                     pending += [source for source in sources
                                 if source not in found and source not in made]
             # A value is the model's if any value it is made from is (loops: a fixpoint),
-            # and it depends on an argument (one the model does not read) if any does.
+            # and it depends on an argument if any of them does.
             flags = ({k for k, (_, own, _) in found.items() if own},
-                     {k for k, (_, _, leaf) in found.items() if leaf},
-                     {k for k, (_, _, leaf) in found.items()
-                      if leaf and not self._reaches_forward_matrix_op(k)})
+                     {k for k, (_, _, leaf) in found.items() if leaf})
             readers: dict[tuple[int, ir.Value], list] = defaultdict(list)
             for current, (sources, _, _) in found.items():
                 for source in sources:
@@ -433,13 +429,8 @@ class Graph:
                             pending.append(reader)
             for current in found:
                 made[current] = tuple(current in flag for flag in flags)
-        is_model, argument, unread_argument = made[key]
-        return (unread_argument if unread else argument) and not is_model
-
-    def _reaches_forward_matrix_op(self, key: tuple[int, ir.Value]) -> bool:
-        if False not in self._reach:
-            self._reach[False] = self._forward_reach_all(False)
-        return key in self._reach[False]
+        is_model, argument = made[key]
+        return argument and not is_model
 
     def _sources(self, key: tuple[int, ir.Value]) -> tuple[list, bool, bool]:
         """(the values ``key``'s value is made from, whether it is the model's own: a

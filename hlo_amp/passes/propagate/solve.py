@@ -387,10 +387,12 @@ def _loss_side(graph: Graph) -> dict[int, str]:
     again = {id(node): node for node in recomputed if graph.recomputed_name(node)[0]}
     again_tail = {key: node for key, node in again.items()
                   if not graph.reaches_forward_matrix_op(node, recomputed=True)}
-    # Read there, data is what the forward pass's matrix ops do not read: a remat'd
-    # hidden layer's recomputed ``x @ w + b`` adds a bias, data too, but the model's.
+    # (A remat'd hidden layer's recomputed ``x @ w + b`` reads a bias, data too, and is
+    # kept f32 with them: XLA converts it back for its 16-bit readers. Taking only data
+    # no forward matrix op reads painted a checkpointed autoencoder's ``recon - x``,
+    # whose ``x`` the model reads too: 12.5% off, review h124.)
     by_data |= _made_from(graph, [node for node in again_tail.values()
-                                  if _reads_data(graph, node, unread=True)], again_tail)
+                                  if _reads_data(graph, node)], {**tail, **again_tail})
     found |= by_data
     for node in again.values() if loss_names else ():
         if graph.recomputed_name(node)[1] in loss_names:
@@ -406,22 +408,30 @@ def _loss_side(graph: Graph) -> dict[int, str]:
 
 
 def _made_from(graph: Graph, seeds: list[Node], within: dict[int, Node]) -> set[int]:
-    """The ids of ``seeds`` and of the ``within`` nodes they are made from: each value a
-    loss-side value is made from, back to the matrix op, is loss side too (a ``pred +
-    288.0`` in front of ``- y``: JAX's promotion computes it in f32 where the step
-    computes the loss; under jax.grad alone it feeds the backward pass only)."""
+    """The ids of ``seeds`` and of the ``within`` nodes they are made from, through links
+    (remat's barrier, loop carries, call arguments): each value a loss-side value is made
+    from, back to the matrix op, is loss side too (a ``pred + 288.0`` in front of ``- y``:
+    JAX's promotion computes it in f32 where the step computes the loss; under jax.grad
+    alone it feeds the backward pass only; for a checkpointed MSE, in front of the
+    barrier: 60% off when painted, review h124)."""
     found = {id(node) for node in seeds}
     pending = list(seeds)
+    passed: set[int] = set()
     while pending:
         for key in pending.pop().inputs:
             producer = graph.producer.get(key)
-            if producer is not None and id(producer) in within and id(producer) not in found:
+            if producer is None or id(producer) in found or id(producer) in passed:
+                continue
+            if id(producer) in within:
                 found.add(id(producer))
+                pending.append(producer)
+            elif producer.cls == LINK:
+                passed.add(id(producer))
                 pending.append(producer)
     return found
 
 
-def _reads_data(graph: Graph, node: Node, unread: bool = False) -> bool:
+def _reads_data(graph: Graph, node: Node) -> bool:
     """Whether the op reads an f32 value, no number broadcast, that the functions'
     arguments or arrays held as constants make without the model
     (``Graph.made_from_arguments``): a regression's targets or statistics, passed in or
@@ -429,10 +439,9 @@ def _reads_data(graph: Graph, node: Node, unread: bool = False) -> bool:
     ``jax.grad`` alone jax drops the loss, and the residual, read by the backward pass
     only, feeds no forward f32 op: painted, its f32 targets were rounded to bf16 and the
     weight gradients came out 77% and 95% off (review h121; closed-over targets until
-    review h122). With ``unread``, a value made from arguments no forward matrix op
-    reads (targets, statistics; not a layer's bias)."""
+    review h122)."""
     return any(graph.f32(key[1]) and not _one_number(graph, key)
-               and graph.made_from_arguments(key, unread) for key in node.inputs)
+               and graph.made_from_arguments(key) for key in node.inputs)
 
 
 def _one_number(graph: Graph, key: tuple[int, ir.Value]) -> bool:
