@@ -409,7 +409,8 @@ def _loss_side(graph: Graph) -> dict[int, str]:
 
 def _made_from(graph: Graph, seeds: list[Node], within: dict[int, Node]) -> set[int]:
     """The ids of ``seeds`` and of the ``within`` nodes they are made from, through links
-    (remat's barrier, loop carries, call arguments): each value a loss-side value is made
+    (remat's barrier, loop carries, call arguments) and data movement (a scan's stack of
+    the prediction, sliced by the backward loop; review h125): each value a loss-side value is made
     from, back to the matrix op, is loss side too (a ``pred + 288.0`` in front of ``- y``:
     JAX's promotion computes it in f32 where the step computes the loss; under jax.grad
     alone it feeds the backward pass only; for a checkpointed MSE, in front of the
@@ -425,7 +426,7 @@ def _made_from(graph: Graph, seeds: list[Node], within: dict[int, Node]) -> set[
             if id(producer) in within:
                 found.add(id(producer))
                 pending.append(producer)
-            elif producer.cls == LINK:
+            elif producer.cls in (LINK, CLEAR):
                 passed.add(id(producer))
                 pending.append(producer)
     return found
