@@ -169,6 +169,8 @@ class Graph:
         # value -> (the model's own, depends on an argument): ``made_from_arguments``'s
         self._made_from: dict[tuple[int, ir.Value], tuple[bool, ...]] = {}
         self._sites: dict[tuple[int, int, str], Site] = {}  # ``site``'s
+        # (instance, op index) -> the op's source line (``recomputed_name``'s)
+        self._source_lines: dict[tuple[int, int], str | None] = {}
         self.instances: list[Instance] = []
         self.nodes: list[Node] = []
         self.op_node: dict[tuple[int, int], Node] = {}  # (inst, op index) -> node
@@ -320,8 +322,11 @@ class Graph:
         """(whether the op is remat's recomputed forward, its name as the forward pass
         has it too: kind, user scopes and source line)."""
         site = self.site(node.inst, node.index, node.kind)
-        location = self.instances[node.inst].ops[node.index].location
-        return site.recomputed, (node.kind, site.scope, location_source(location))
+        key = (node.inst, node.index)
+        if key not in self._source_lines:  # printed once per op: asked every round
+            location = self.instances[node.inst].ops[node.index].location
+            self._source_lines[key] = location_source(location)
+        return site.recomputed, (node.kind, site.scope, self._source_lines[key])
 
     def reaches_forward_matrix_op(self, node: Node, recomputed: bool = False) -> bool:
         """Whether one of the node's values reaches a matrix op's operand through forward
@@ -357,37 +362,54 @@ class Graph:
                 continue
             found.add(key)
             inst_id, value = key
-            inst = self.instances[inst_id]
             if isinstance(value, ir.BlockArgument):
                 owner = value.owner.owner  # the block's op: the function, a loop
-                kind = owner.operation.name
-                if kind == "func.func":
-                    caller = self.call_argument.get(key)
-                    if caller is not None:
-                        pending.append(caller)
-                elif kind == "stablehlo.while":
-                    pending += _carried_into(inst_id, owner, value.arg_number)
-                elif kind in _OPAQUE_OPS:
+                if owner.operation.name in _OPAQUE_OPS:
                     pending += [(inst_id, v) for v in owner.operands]
-                continue
-            op = value.owner
-            index = self.op_index(inst_id, op)
-            if index is None or not forward(inst_id, index):
-                continue
-            name = inst.body.names[index]
-            slot = ir.OpResult(value).result_number
-            if name == "func.call" and index in inst.calls:
-                child = inst.calls[index]
-                pending += [(child, ret.operands[slot]) for ret in self.instances[child].ops
-                            if ret.operation.name == "func.return"]
-            elif name == "stablehlo.while":
-                pending += _carried_into(inst_id, op, slot)
-            elif name in ("stablehlo.case", "stablehlo.if"):
-                pending += [(inst_id, terminator(first_block(region)).operands[slot])
-                            for region in op.regions]
+                    continue
             else:
-                pending += [(inst_id, v) for v in inst.body.operands()[index]]
+                index = self.op_index(inst_id, value.owner)
+                if index is None or not forward(inst_id, index):
+                    continue
+            pending += self._made_of(key) or []
         return found
+
+    def _made_of(self, key: tuple[int, ir.Value]) -> list[tuple[int, ir.Value]] | None:
+        """The values ``key``'s value is made from: a private function's argument's the
+        caller's operand, a call's result the callee's return, a loop carry its initial
+        and next value, a branch result each branch's, remat's barrier slot by slot, an
+        op's result its operands ([] for a public function's argument). None where not
+        followed: a reducer's or shard_map's body, an op not walked, a call of a function
+        that keeps its signature."""
+        inst_id, value = key
+        if isinstance(value, ir.BlockArgument):
+            owner = value.owner.owner
+            if owner.operation.name == "func.func":
+                caller = self.call_argument.get(key)
+                return [] if caller is None else [caller]
+            if owner.operation.name == "stablehlo.while":
+                return _carried_into(inst_id, owner, value.arg_number)
+            return None
+        op = value.owner
+        index = self.op_index(inst_id, op)
+        if index is None:
+            return None
+        inst = self.instances[inst_id]
+        name = op.name
+        slot = ir.OpResult(value).result_number
+        if name == "func.call":
+            child = inst.calls.get(index)
+            return None if child is None else [
+                (child, ret.operands[slot]) for ret in self.instances[child].ops
+                if ret.operation.name == "func.return"]
+        if name == "stablehlo.while":
+            return _carried_into(inst_id, op, slot)
+        if name in ("stablehlo.case", "stablehlo.if"):
+            return [(inst_id, terminator(first_block(region)).operands[slot])
+                    for region in op.regions]
+        if name == "stablehlo.optimization_barrier":
+            return [(inst_id, op.operands[slot])]
+        return [(inst_id, v) for v in inst.body.operands()[index]]
 
     def made_from_arguments(self, key: tuple[int, ir.Value]) -> bool:
         """Whether the value is made from a public function's arguments, or arrays held
@@ -436,39 +458,18 @@ class Graph:
         """(the values ``key``'s value is made from, whether it is the model's own: a
         matrix op's result or a value not followed, whether it is an argument or an
         array held as a constant) for ``made_from_arguments``."""
-        inst_id, value = key
-        if isinstance(value, ir.BlockArgument):
-            owner = value.owner.owner
-            if owner.operation.name == "func.func":
-                caller = self.call_argument.get(key)
-                return ([], False, True) if caller is None else ([caller], False, False)
-            if owner.operation.name == "stablehlo.while":
-                return _carried_into(inst_id, owner, value.arg_number), False, False
-            return [], True, False  # a reducer's or shard_map's body
-        op = value.owner
-        index = self.op_index(inst_id, op)
-        name = op.name
-        if index is None or name in MATRIX_OP_NAMES or name in _OPAQUE_OPS:
+        made_of = self._made_of(key)
+        value = key[1]
+        if made_of is None or (isinstance(value, ir.OpResult) and (
+                value.owner.name in MATRIX_OP_NAMES or value.owner.name in _OPAQUE_OPS)):
             return [], True, False
-        inst = self.instances[inst_id]
-        slot = ir.OpResult(value).result_number
-        if name == "stablehlo.constant":
-            held = dense_value(op)
+        if isinstance(value, ir.BlockArgument):
+            return made_of, False, not made_of and value.owner.owner.operation.name == (
+                "func.func")
+        if value.owner.name == "stablehlo.constant":
+            held = dense_value(value.owner)
             return [], False, held is not None and not held.is_splat
-        if name == "func.call":
-            child = inst.calls.get(index)
-            if child is None:  # a function that keeps its signature
-                return [], True, False
-            return [(child, ret.operands[slot]) for ret in self.instances[child].ops
-                    if ret.operation.name == "func.return"], False, False
-        if name == "stablehlo.while":
-            return _carried_into(inst_id, op, slot), False, False
-        if name in ("stablehlo.case", "stablehlo.if"):
-            return [(inst_id, terminator(first_block(region)).operands[slot])
-                    for region in op.regions], False, False
-        if name == "stablehlo.optimization_barrier":  # remat's, slot by slot
-            return [(inst_id, op.operands[slot])], False, False
-        return [(inst_id, v) for v in inst.body.operands()[index]], False, False
+        return made_of, False, False
 
     def _steps_state(self, node: Node) -> bool:
         """``_updates_state``, a decay (a multiply or divide by a constant near 1 or by a
