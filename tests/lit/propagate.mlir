@@ -265,11 +265,14 @@ func.func @after_deny_read_by_dot_and_f32(%x: tensor<2x4xf32>, %w: tensor<4x4xf3
 // A value with nothing 16-bit upstream that a painted op reads is stored once in 16 bit:
 // the embedding plus positions (%0) that the residual add after the first dot reads and
 // a layer norm's sum and centring read in f32. The add is painted (its inputs converted
-// before it), the sum and the multiply convert it up. (Without the residual add, as in
-// @deny_spreads_forward's sum, nothing paints it.)
+// before it: the lookup reads a 16-bit table), the sum and the multiply convert it up.
+// (Without the residual add, as in @deny_spreads_forward's sum, nothing paints it; two
+// f32 arguments added are data, not a lookup's rows: kept f32 as JAX's promotion keeps
+// them, @data_beside_the_model below.)
 // CHECK-LABEL: func.func @before_region_read_by_painted_and_f32
-// CHECK:         %[[E16:.*]] = stablehlo.convert %arg0 : (tensor<2x4xf32>) -> tensor<2x4xbf16>
-// CHECK:         %[[P16:.*]] = stablehlo.convert %arg1 : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         %[[T16:.*]] = stablehlo.convert %arg0 : (tensor<8x4xf32>) -> tensor<8x4xbf16>
+// CHECK:         %[[E16:.*]] = "stablehlo.gather"(%[[T16]], %arg1) {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[P16:.*]] = stablehlo.convert %arg2 : (tensor<2x4xf32>) -> tensor<2x4xbf16>
 // CHECK:         %[[X16:.*]] = stablehlo.add %[[E16]], %[[P16]] : tensor<2x4xbf16>
 // CHECK:         %[[X:.*]] = stablehlo.convert %[[X16]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
 // CHECK:         stablehlo.reduce(%[[X]] init: %{{.*}}) applies stablehlo.add {{.*}} -> tensor<2xf32>
@@ -278,7 +281,8 @@ func.func @after_deny_read_by_dot_and_f32(%x: tensor<2x4xf32>, %w: tensor<4x4xf3
 // CHECK:         %[[D:.*]] = stablehlo.dot_general %[[N16]], {{.*}} -> tensor<2x4xbf16>
 // CHECK:         %[[R:.*]] = stablehlo.add %[[X16]], %[[D]] : tensor<2x4xbf16>
 // CHECK:         stablehlo.dot_general %[[R]], {{.*}} -> tensor<2x3xf32>
-func.func @before_region_read_by_painted_and_f32(%e: tensor<2x4xf32>, %p: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+func.func @before_region_read_by_painted_and_f32(%table: tensor<8x4xf32>, %ids: tensor<2x1xi32>, %p: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %e = "stablehlo.gather"(%table, %ids) <{dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, indices_are_sorted = false, slice_sizes = array<i64: 1, 4>}> : (tensor<8x4xf32>, tensor<2x1xi32>) -> tensor<2x4xf32> loc("jit(f)/gather")
   %0 = stablehlo.add %e, %p : tensor<2x4xf32> loc("jit(f)/add")
   %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/reduce_sum")
   %1 = stablehlo.reduce(%0 init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<2x4xf32>, tensor<f32>) -> tensor<2xf32> loc("jit(f)/reduce_sum")
@@ -288,6 +292,30 @@ func.func @before_region_read_by_painted_and_f32(%e: tensor<2x4xf32>, %p: tensor
   %5 = stablehlo.add %0, %4 : tensor<2x4xf32> loc("jit(f)/add")
   %6 = stablehlo.dot_general %5, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
   return %6 : tensor<2x3xf32>
+}
+
+// -----
+
+// Data is no activation: a residual stream that starts at an f32 argument (states near
+// 100: bf16 steps by 0.5 there) stays f32 where it meets the model's values, as JAX's
+// promotion keeps a hand cast's; the dots read 16-bit copies. A bias broadcast is no
+// data: the tanh's add stays 16-bit.
+// CHECK-LABEL: func.func @data_beside_the_model
+// CHECK:         %[[H:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
+// CHECK:         %[[HB:.*]] = stablehlo.add %[[H]], {{.*}} : tensor<2x4xbf16>
+// CHECK:         %[[T:.*]] = stablehlo.tanh %[[HB]] : tensor<2x4xbf16>
+// CHECK:         %[[T32:.*]] = stablehlo.convert %[[T]] : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+// CHECK:         %[[S:.*]] = stablehlo.add %arg0, %[[T32]] : tensor<2x4xf32>
+// CHECK:         %[[S16:.*]] = stablehlo.convert %[[S]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
+// CHECK:         stablehlo.dot_general %[[S16]], {{.*}} -> tensor<2x3xf32>
+func.func @data_beside_the_model(%s: tensor<2x4xf32>, %w: tensor<4x4xf32>, %b: tensor<4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+  %0 = stablehlo.dot_general %s, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %1 = stablehlo.broadcast_in_dim %b, dims = [1] : (tensor<4xf32>) -> tensor<2x4xf32> loc("jit(f)/broadcast_in_dim")
+  %2 = stablehlo.add %0, %1 : tensor<2x4xf32> loc("jit(f)/add")
+  %3 = stablehlo.tanh %2 : tensor<2x4xf32> loc("jit(f)/tanh")
+  %4 = stablehlo.add %s, %3 : tensor<2x4xf32> loc("jit(f)/add")
+  %5 = stablehlo.dot_general %4, %w2, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x3xf32>) -> tensor<2x3xf32> loc("jit(f)/dot_general")
+  return %5 : tensor<2x3xf32>
 }
 
 // -----
@@ -392,7 +420,8 @@ func.func @layer_norm(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3x
 
 // A pre-LN residual block: the residual add sits between two dots (the one feeding it
 // and the one after the layer norm), so it is bf16 although the layer norm's mean and
-// centring, which read it, are f32 and convert it themselves.
+// centring, which read it, are f32 and convert it themselves. (The stream an earlier
+// matrix op made: an f32 argument there is data, kept f32 as @data_beside_the_model.)
 // CHECK-LABEL: func.func @residual_before_layer_norm
 // CHECK:         %[[D:.*]] = stablehlo.dot_general {{.*}} -> tensor<2x4xbf16>
 // CHECK:         %[[R:.*]] = stablehlo.add %[[D]], %{{.*}} : tensor<2x4xbf16>
@@ -409,8 +438,9 @@ func.func @layer_norm(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w2: tensor<4x3x
 // CPU:           %[[C:.*]] = stablehlo.subtract %[[R]], %{{.*}} : tensor<2x4xf32>
 // CPU:           %[[C16:.*]] = stablehlo.convert %[[C]] : (tensor<2x4xf32>) -> tensor<2x4xbf16>
 // CPU:           stablehlo.dot_general %[[C16]], {{.*}} -> tensor<2x3xf32>
-func.func @residual_before_layer_norm(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %res: tensor<2x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
+func.func @residual_before_layer_norm(%x: tensor<2x4xf32>, %w: tensor<4x4xf32>, %w0: tensor<4x4xf32>, %w2: tensor<4x3xf32>) -> tensor<2x3xf32> {
   %0 = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
+  %res = stablehlo.dot_general %x, %w0, contracting_dims = [1] x [0] : (tensor<2x4xf32>, tensor<4x4xf32>) -> tensor<2x4xf32> loc("jit(f)/dot_general")
   %1 = stablehlo.add %0, %res : tensor<2x4xf32> loc("jit(f)/add")
   %zero = stablehlo.constant dense<0.000000e+00> : tensor<f32> loc("jit(f)/ln/reduce_sum")
   %four = stablehlo.constant dense<4.000000e+00> : tensor<2xf32> loc("jit(f)/ln/div")

@@ -166,7 +166,8 @@ class Graph:
         # the values that reach a forward matrix op, and those that reach a recomputed one
         # through recomputed ops (``reaches_forward_matrix_op``), by whether recomputed
         self._reach: dict[bool, set[tuple[int, ir.Value]]] = {}
-        # value -> (the model's own, depends on an argument): ``made_from_arguments``'s
+        # value -> (the model's own, depends on an argument, made through a lookup):
+        # ``made_from_arguments``'s
         self._made_from: dict[tuple[int, ir.Value], tuple[bool, ...]] = {}
         self._sites: dict[tuple[int, int, str], Site] = {}  # ``site``'s
         # (instance, op index) -> the op's source line (``recomputed_name``'s)
@@ -411,30 +412,32 @@ class Graph:
             return [(inst_id, op.operands[slot])]
         return [(inst_id, v) for v in inst.body.operands()[index]]
 
-    def made_from_arguments(self, key: tuple[int, ir.Value]) -> bool:
+    def made_from_arguments(self, key: tuple[int, ir.Value], *, lookup: bool = True) -> bool:
         """Whether the value is made from a public function's arguments, or arrays held
         as constants (a closed-over data set), without a matrix op (through private
         functions' results, loop carries and branches): data, such as a regression's
-        targets and statistics, not a value of the model. Settled for every value the
-        walk reads, once per graph (the painting asks again each round)."""
+        targets and statistics, not a value of the model. Without ``lookup``, also
+        through no gather: a token embedding's rows are picked from the model's table.
+        Settled for every value the walk reads, once per graph (the painting asks again
+        each round)."""
         made = self._made_from
         if key not in made:
-            found: dict[tuple[int, ir.Value], tuple[list, bool, bool]] = {}
+            found: dict[tuple[int, ir.Value], tuple[list, bool, bool, bool]] = {}
             pending = [key]
             while pending:
                 current = pending.pop()
                 if current in found:
                     continue
-                found[current] = sources, model, _ = self._sources(current)
+                found[current] = sources, model, _, _ = self._sources(current)
                 if not model:
                     pending += [source for source in sources
                                 if source not in found and source not in made]
             # A value is the model's if any value it is made from is (loops: a fixpoint),
-            # and it depends on an argument if any of them does.
-            flags = ({k for k, (_, own, _) in found.items() if own},
-                     {k for k, (_, _, leaf) in found.items() if leaf})
+            # and it depends on an argument, or a lookup, if any of them does.
+            flags = tuple({k for k, facts in found.items() if facts[number]}
+                          for number in (1, 2, 3))
             readers: dict[tuple[int, ir.Value], list] = defaultdict(list)
-            for current, (sources, _, _) in found.items():
+            for current, (sources, *_) in found.items():
                 for source in sources:
                     if source in made:
                         for flag, known in zip(flags, made[source]):
@@ -451,25 +454,26 @@ class Graph:
                             pending.append(reader)
             for current in found:
                 made[current] = tuple(current in flag for flag in flags)
-        is_model, argument = made[key]
-        return argument and not is_model
+        is_model, argument, looked_up = made[key]
+        return argument and not is_model and (lookup or not looked_up)
 
-    def _sources(self, key: tuple[int, ir.Value]) -> tuple[list, bool, bool]:
+    def _sources(self, key: tuple[int, ir.Value]) -> tuple[list, bool, bool, bool]:
         """(the values ``key``'s value is made from, whether it is the model's own: a
         matrix op's result or a value not followed, whether it is an argument or an
-        array held as a constant) for ``made_from_arguments``."""
+        array held as a constant, whether it is a gather's result) for
+        ``made_from_arguments``."""
         made_of = self._made_of(key)
         value = key[1]
         if made_of is None or (isinstance(value, ir.OpResult) and (
                 value.owner.name in MATRIX_OP_NAMES or value.owner.name in _OPAQUE_OPS)):
-            return [], True, False
+            return [], True, False, False
         if isinstance(value, ir.BlockArgument):
             return made_of, False, not made_of and value.owner.owner.operation.name == (
-                "func.func")
+                "func.func"), False
         if value.owner.name == "stablehlo.constant":
             held = dense_value(value.owner)
-            return [], False, held is not None and not held.is_splat
-        return made_of, False, False
+            return [], False, held is not None and not held.is_splat, False
+        return made_of, False, False, value.owner.name in _LOOKUPS
 
     def _steps_state(self, node: Node) -> bool:
         """``_updates_state``, a decay (a multiply or divide by a constant near 1 or by a
@@ -875,6 +879,7 @@ class Graph:
 
 # shard_map's manual body: its values are not followed (taken as reaching a matrix op).
 _OPAQUE_OPS = frozenset({"sdy.manual_computation", "sdy.return"})
+_LOOKUPS = frozenset({"stablehlo.gather", "stablehlo.dynamic_gather"})
 
 
 def _carried_into(inst_id: int, loop: Any, slot: int) -> list[tuple[int, ir.Value]]:

@@ -27,7 +27,9 @@ _AFTER_DENY = "downstream of a deny op"
 NOT_BETWEEN = "not between 16-bit ops"
 _LOSS_SIDE = "forward value on its way to an f32 op that only the backward pass reads in 16 bit"
 _DATA_SIDE = "forward value combining the model's output with f32 data, read by the backward pass"
-_SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN, _LOSS_SIDE, _DATA_SIDE})
+_WITH_DATA = "combines the model's values with f32 data, as JAX's promotion does"
+_SOLVE_REASONS = frozenset({_FEEDS_EXACT, _AFTER_DENY, NOT_BETWEEN, _LOSS_SIDE, _DATA_SIDE,
+                            _WITH_DATA})
 _BROADCASTS = frozenset({"broadcast_in_dim", "broadcast", "dynamic_broadcast_in_dim"})
 
 
@@ -38,14 +40,14 @@ def solve(graph: Graph, form: PaintForm) -> None:
     for node in graph.nodes:
         node.readers = [graph.consumers(key) for key in node.outputs if f32(key[1])]
     try:
-        _solve(graph, form)
+        _solve(graph, form, frozenset(_promoted_by_data(graph)))
     finally:  # readers point at nodes, loops make cycles: undone for refcounting
         for node in graph.nodes:
             node.readers = []
 
 
-def _solve(graph: Graph, form: PaintForm) -> None:
-    _paint_stored(graph, form)
+def _solve(graph: Graph, form: PaintForm, with_data: frozenset[int]) -> None:
+    _paint_stored(graph, form, with_data)
     while True:
         stopped = False
         for node in graph.nodes:
@@ -61,7 +63,7 @@ def _solve(graph: Graph, form: PaintForm) -> None:
         if not stopped:
             return
         _reset(graph)
-        _paint_stored(graph, form)
+        _paint_stored(graph, form, with_data)
 
 
 def _reset(graph: Graph) -> None:
@@ -73,7 +75,7 @@ def _reset(graph: Graph) -> None:
             node.reason = ""
 
 
-def _paint_stored(graph: Graph, form: PaintForm) -> None:
+def _paint_stored(graph: Graph, form: PaintForm, with_data: frozenset[int]) -> None:
     """Paint until no more values after a deny op are stored in 16 bit. A stored value
     ends the deny region it is in, as a Keras or Flax layer's 16-bit output ends its f32
     computation: the ops that read it (the activation after a batch norm, the
@@ -82,16 +84,18 @@ def _paint_stored(graph: Graph, form: PaintForm) -> None:
     temp painted once, 7,652,680 B so, the hand cast's 7,652,680)."""
     stored: set[int] = set()
     while True:
-        more = _paint(graph, form, frozenset(stored))
+        more = _paint(graph, form, frozenset(stored), with_data)
         if more <= stored:
             return
         stored |= more
         _reset(graph)
 
 
-def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
-    """One round of the painting, ``stored`` (node ids) in 16 bit from the start; the
-    ids of the values after a deny op it paints."""
+def _paint(graph: Graph, form: PaintForm, stored: frozenset[int],
+           with_data: frozenset[int]) -> set[int]:
+    """One round of the painting, ``stored`` (node ids) in 16 bit from the start and
+    ``with_data`` (``_promoted_by_data``) f32; the ids of the values after a deny op it
+    paints."""
     low_results, pin_at_deny = form.low_results, form.pin_at_deny
     # Only readers that must see the exact f32 value pin it: converts to another
     # type, public returns, ops outside the graph. Deny and unknown ops convert their
@@ -107,6 +111,8 @@ def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
         if node.cls in (INFER, CLEAR, LINK) and not node.reason:
             if node.pinned:
                 node.reason = _FEEDS_EXACT
+            elif id(node) in with_data:  # not a deny region's: stored in 16 bit
+                node.reason = _WITH_DATA
             elif id(node) in denied:
                 node.reason = _AFTER_DENY
             else:
@@ -283,6 +289,81 @@ def _paint(graph: Graph, form: PaintForm, stored: frozenset[int]) -> set[int]:
     # (an equality test after a deny op stores nothing: it has no float result)
     return {id(node) for node in graph.nodes
             if node.painted and id(node) in after_deny and id(node) not in equalities}
+
+
+def _promoted_by_data(graph: Graph) -> set[int]:
+    """The ids of the forward ops and links that combine the model's values with f32
+    data on the way to a matrix op, and of the forward ops and links that read their
+    values: f32, as JAX's promotion of a 16-bit value with an f32 array computes them
+    (a hand cast's). Data is a full-shape f32 value (no number or parameter broadcast)
+    made from the functions' arguments or constants without a matrix op or a lookup
+    (``Graph.made_from_arguments``): a residual stream that starts at the inputs, a
+    reparameterised sample's noise. Painted, a stream of states near 100 was rounded to
+    bf16 (steps of 0.5) at each layer: the loss 61% off, a hand cast's 0.08% (hunt h118).
+    A token embedding's lookup is the model's: stored in 16 bit below, as Flax's bf16
+    embedding's output is. In remat's recomputed forward too."""
+    backward: dict[int, bool] = {}
+
+    def forward(node: Node) -> bool:
+        site = graph.site(node.inst, node.index, node.kind)
+        return not site.backward or site.recomputed
+
+    def named(node: Node) -> bool:  # a module printed without jax's name stack: no
+        # backward op is known as one (a logits gradient's ``probs - one_hot`` reads data)
+        return bool(graph.site(node.inst, node.index, node.kind).name)
+
+    def raw_data(node: Node, key: tuple[int, ir.Value]) -> bool:
+        return (graph.f32(key[1]) and not _broadcast(graph, key)
+                and element_count(key[1]) == element_count(node.outputs[0][1])
+                and graph.made_from_arguments(key, lookup=False))
+
+    def carried_on(link: Node) -> bool:  # the carry comes back without a matrix op:
+        # a stream (``s + f(s)``), not a state the body replaces (an RNN's tanh(h @ W))
+        pending, seen = [link], {id(link)}
+        while pending:
+            for reader in _readers(pending.pop()):
+                if reader is link:
+                    return True
+                if (isinstance(reader, Node) and id(reader) not in seen
+                        and reader.cls in (INFER, CLEAR, LINK)):
+                    seen.add(id(reader))
+                    pending.append(reader)
+        return False
+
+    found: set[int] = set()
+    pending: list[Node] = []
+    for node in graph.nodes:
+        if ((node.cls == INFER or (node.cls == LINK and node.kind == "while"))
+                and node.readers and node.outputs
+                and named(node) and forward(node)
+                and any(raw_data(node, key) for key in node.inputs)
+                and not all(graph.made_from_arguments(key) for key in node.inputs
+                            if graph.f32(key[1]))
+                and graph.reaches_forward_matrix_op(
+                    node, recomputed=_in_backward(graph, node, backward))
+                and (node.cls == INFER or carried_on(node))):
+            found.add(id(node))
+            pending.append(node)
+    while pending:
+        for reader in _readers(pending.pop()):
+            if (isinstance(reader, Node) and id(reader) not in found
+                    and reader.cls in (INFER, CLEAR, LINK) and forward(reader)):
+                found.add(id(reader))
+                pending.append(reader)
+    return found
+
+
+def _broadcast(graph: Graph, key: tuple[int, ir.Value]) -> bool:
+    """Whether the value is a smaller one broadcast (a bias, a number, a positional
+    embedding over the batch), seen through reshapes and transposes."""
+    node = graph.producer.get(key)
+    while node is not None and node.kind in ("reshape", "transpose") and node.inputs:
+        node = graph.producer.get(node.inputs[0])
+    if node is None or node.kind not in _BROADCASTS or not node.outputs:
+        return False
+    size = element_count(node.outputs[0][1])
+    return size is None or any((n := element_count(k[1])) is None or n < size
+                               for k in node.inputs)
 
 
 def _downstream_of_deny(graph: Graph, stored: frozenset[int], *, table_deny: bool
