@@ -16,6 +16,7 @@ from hlo_amp.ir.modules import (
     SAME_VALUE_OPS,
     callee_name,
     dense_value,
+    element_count,
     element_type,
     function_name,
     functions,
@@ -166,9 +167,10 @@ class Graph:
         # the values that reach a forward matrix op, and those that reach a recomputed one
         # through recomputed ops (``reaches_forward_matrix_op``), by whether recomputed
         self._reach: dict[bool, set[tuple[int, ir.Value]]] = {}
-        # value -> (the model's own, depends on an argument, made through a lookup):
-        # ``made_from_arguments``'s
+        # value -> (the model's own, depends on an argument, made through a lookup, from
+        # a parameter): ``made_from_arguments``'s
         self._made_from: dict[tuple[int, ir.Value], tuple[bool, ...]] = {}
+        self._parameters: frozenset[tuple[int, ir.Value]] | None = None  # ``_flags``
         self._sites: dict[tuple[int, int, str], Site] = {}  # ``site``'s
         # (instance, op index) -> the op's source line (``recomputed_name``'s)
         self._source_lines: dict[tuple[int, int], str | None] = {}
@@ -417,25 +419,38 @@ class Graph:
         as constants (a closed-over data set), without a matrix op (through private
         functions' results, loop carries and branches): data, such as a regression's
         targets and statistics, not a value of the model. Without ``lookup``, also
-        through no gather: a token embedding's rows are picked from the model's table.
-        Settled for every value the walk reads, once per graph (the painting asks again
-        each round)."""
+        through no gather (a token embedding's rows are picked from the model's table)
+        and from no parameter (``_parameters``) or array held (a sinusoidal position
+        table). Settled for every value the walk reads,
+        once per graph (the painting asks again each round)."""
+        is_model, argument, looked_up, parameter = self._flags(key)
+        return argument and not is_model and (lookup or not (looked_up or parameter))
+
+    def made_by_model(self, key: tuple[int, ir.Value]) -> bool:
+        """Whether the value is made with a matrix op (or from a value not followed)."""
+        return self._flags(key)[0]
+
+    def _flags(self, key: tuple[int, ir.Value]) -> tuple[bool, ...]:
+        """(made by the model, from an argument or array held, through a lookup, from a
+        parameter) for ``made_from_arguments``."""
+        if self._parameters is None:
+            self._parameters = self._find_parameters()
         made = self._made_from
         if key not in made:
-            found: dict[tuple[int, ir.Value], tuple[list, bool, bool, bool]] = {}
+            found: dict[tuple[int, ir.Value], tuple[list, bool, bool, bool, bool]] = {}
             pending = [key]
             while pending:
                 current = pending.pop()
                 if current in found:
                     continue
-                found[current] = sources, model, _, _ = self._sources(current)
+                found[current] = sources, model, *_ = self._sources(current)
                 if not model:
                     pending += [source for source in sources
                                 if source not in found and source not in made]
             # A value is the model's if any value it is made from is (loops: a fixpoint),
-            # and it depends on an argument, or a lookup, if any of them does.
+            # and it depends on an argument, a lookup or a parameter if any of them does.
             flags = tuple({k for k, facts in found.items() if facts[number]}
-                          for number in (1, 2, 3))
+                          for number in (1, 2, 3, 4))
             readers: dict[tuple[int, ir.Value], list] = defaultdict(list)
             for current, (sources, *_) in found.items():
                 for source in sources:
@@ -454,26 +469,45 @@ class Graph:
                             pending.append(reader)
             for current in found:
                 made[current] = tuple(current in flag for flag in flags)
-        is_model, argument, looked_up = made[key]
-        return argument and not is_model and (lookup or not looked_up)
+        return made[key]
 
-    def _sources(self, key: tuple[int, ir.Value]) -> tuple[list, bool, bool, bool]:
+    def _find_parameters(self) -> frozenset[tuple[int, ir.Value]]:
+        """The public functions' arguments of a type some public result made by the model
+        has: parameters whose gradients or updated values a step returns, state a stage
+        returns anew (hidden states, a cache), not data the model reads (inputs,
+        targets, noise keys). By type alone: an input of a parameter's shape counts as
+        one, and its values are left to the other rules."""
+        self._parameters = frozenset()  # the results' own flags need none
+        model_types: set[str] = set()
+        arguments: list[tuple[int, ir.Value]] = []
+        for inst_id, inst in enumerate(self.instances):
+            if inst.prefix or not is_public(inst.fn):
+                continue
+            block = first_block(inst.fn.regions[0])
+            arguments += [(inst_id, argument) for argument in block.arguments]
+            model_types |= {str(result.type) for result in terminator(block).operands
+                            if self._flags((inst_id, result))[0]}
+        self._made_from.clear()  # settled without the parameters: walked again
+        return frozenset(key for key in arguments if str(key[1].type) in model_types)
+
+    def _sources(self, key: tuple[int, ir.Value]) -> tuple[list, bool, bool, bool, bool]:
         """(the values ``key``'s value is made from, whether it is the model's own: a
         matrix op's result or a value not followed, whether it is an argument or an
-        array held as a constant, whether it is a gather's result) for
-        ``made_from_arguments``."""
+        array held as a constant, whether it is a gather's result, whether it is a
+        parameter or an array held) for ``made_from_arguments``."""
         made_of = self._made_of(key)
         value = key[1]
         if made_of is None or (isinstance(value, ir.OpResult) and (
                 value.owner.name in MATRIX_OP_NAMES or value.owner.name in _OPAQUE_OPS)):
-            return [], True, False, False
+            return [], True, False, False, False
         if isinstance(value, ir.BlockArgument):
             return made_of, False, not made_of and value.owner.owner.operation.name == (
-                "func.func"), False
+                "func.func"), False, key in (self._parameters or ())
         if value.owner.name == "stablehlo.constant":
             held = dense_value(value.owner)
-            return [], False, held is not None and not held.is_splat, False
-        return made_of, False, False, value.owner.name in _LOOKUPS
+            table = held is not None and not held.is_splat
+            return [], False, table, False, table and element_count(value) >= _TABLE_SIZE
+        return made_of, False, False, value.owner.name in _LOOKUPS, False
 
     def _steps_state(self, node: Node) -> bool:
         """``_updates_state``, a decay (a multiply or divide by a constant near 1 or by a
@@ -880,6 +914,9 @@ class Graph:
 # shard_map's manual body: its values are not followed (taken as reaching a matrix op).
 _OPAQUE_OPS = frozenset({"sdy.manual_computation", "sdy.return"})
 _LOOKUPS = frozenset({"stablehlo.gather", "stablehlo.dynamic_gather"})
+# An array held as a constant this large is the model's table (a sinusoidal position
+# table), not a computation's own numbers (threefry's rotations, a polynomial's).
+_TABLE_SIZE = 256
 
 
 def _carried_into(inst_id: int, loop: Any, slot: int) -> list[tuple[int, ir.Value]]:

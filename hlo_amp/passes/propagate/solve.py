@@ -296,12 +296,16 @@ def _promoted_by_data(graph: Graph) -> set[int]:
     data on the way to a matrix op, and of the forward ops and links that read their
     values: f32, as JAX's promotion of a 16-bit value with an f32 array computes them
     (a hand cast's). Data is a full-shape f32 value (no number or parameter broadcast)
-    made from the functions' arguments or constants without a matrix op or a lookup
-    (``Graph.made_from_arguments``): a residual stream that starts at the inputs, a
-    reparameterised sample's noise. Painted, a stream of states near 100 was rounded to
-    bf16 (steps of 0.5) at each layer: the loss 61% off, a hand cast's 0.08% (hunt h118).
-    A token embedding's lookup is the model's: stored in 16 bit below, as Flax's bf16
-    embedding's output is. In remat's recomputed forward too."""
+    made from the functions' arguments without a matrix op, a lookup, a parameter or
+    an array held as a constant (``Graph.made_from_arguments``): a residual stream that
+    starts at the
+    inputs, a reparameterised sample's noise. Painted, a stream of states near 100 was
+    rounded to bf16 (steps of 0.5) at each layer: the loss 61% off, a hand cast's 0.08%
+    (hunt h118). A token embedding's lookup is the model's: stored in 16 bit below, as
+    Flax's bf16 embedding's output is; so is a learned position table the step returns
+    a gradient for, and a sinusoidal one held as a constant (at batch 1 they are
+    full-shape: 29% more temp for a scanned, remat'd model, review h127). In remat's
+    recomputed forward too."""
     backward: dict[int, bool] = {}
 
     def forward(node: Node) -> bool:
@@ -335,10 +339,10 @@ def _promoted_by_data(graph: Graph) -> set[int]:
     for node in graph.nodes:
         if ((node.cls == INFER or (node.cls == LINK and node.kind == "while"))
                 and node.readers and node.outputs
-                and named(node) and forward(node)
                 and any(raw_data(node, key) for key in node.inputs)
-                and not all(graph.made_from_arguments(key) for key in node.inputs
-                            if graph.f32(key[1]))
+                and any(graph.f32(key[1]) and graph.made_by_model(key)
+                        for key in node.inputs)
+                and named(node) and forward(node)
                 and graph.reaches_forward_matrix_op(
                     node, recomputed=_in_backward(graph, node, backward))
                 and (node.cls == INFER or carried_on(node))):
