@@ -420,9 +420,11 @@ class Graph:
         functions' results, loop carries and branches): data, such as a regression's
         targets and statistics, not a value of the model. Without ``lookup``, also
         through no gather (a token embedding's rows are picked from the model's table)
-        and from no parameter (``_parameters``) or array held (a sinusoidal position
-        table). Settled for every value the walk reads,
-        once per graph (the painting asks again each round)."""
+        and from no parameter (``_find_parameters``) or array held (a sinusoidal
+        position table). Settled for every value the walk reads, once per graph (the
+        painting asks again each round)."""
+        if not lookup and self._parameters is None:  # asked only here: found once
+            self._parameters = self._find_parameters()
         is_model, argument, looked_up, parameter = self._flags(key)
         return argument and not is_model and (lookup or not (looked_up or parameter))
 
@@ -432,9 +434,7 @@ class Graph:
 
     def _flags(self, key: tuple[int, ir.Value]) -> tuple[bool, ...]:
         """(made by the model, from an argument or array held, through a lookup, from a
-        parameter) for ``made_from_arguments``."""
-        if self._parameters is None:
-            self._parameters = self._find_parameters()
+        parameter: known once ``_find_parameters`` has run) for ``made_from_arguments``."""
         made = self._made_from
         if key not in made:
             found: dict[tuple[int, ir.Value], tuple[list, bool, bool, bool, bool]] = {}
@@ -477,7 +477,7 @@ class Graph:
         returns anew (hidden states, a cache), not data the model reads (inputs,
         targets, noise keys). By type alone: an input of a parameter's shape counts as
         one, and its values are left to the other rules."""
-        self._parameters = frozenset()  # the results' own flags need none
+        self._parameters = frozenset()  # the results' model flags need none
         model_types: set[str] = set()
         arguments: list[tuple[int, ir.Value]] = []
         for inst_id, inst in enumerate(self.instances):
@@ -487,7 +487,7 @@ class Graph:
             arguments += [(inst_id, argument) for argument in block.arguments]
             model_types |= {str(result.type) for result in terminator(block).operands
                             if self._flags((inst_id, result))[0]}
-        self._made_from.clear()  # settled without the parameters: walked again
+        self._made_from.clear()  # their parameter flags were unknown: walked again
         return frozenset(key for key in arguments if str(key[1].type) in model_types)
 
     def _sources(self, key: tuple[int, ir.Value]) -> tuple[list, bool, bool, bool, bool]:

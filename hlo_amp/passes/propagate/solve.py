@@ -10,6 +10,7 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 
 from hlo_amp.ir.modules import dense_value, element_count, from_constant
 from hlo_amp.ir.op_classes import ALLOW, CLEAR, DENY, INFER, body_is_one_add
+from hlo_amp.ir.sites import Site
 from hlo_amp.passes.propagate.graph import (
     DENY_CLASS,
     LINK,
@@ -298,24 +299,15 @@ def _promoted_by_data(graph: Graph) -> set[int]:
     (a hand cast's). Data is a full-shape f32 value (no number or parameter broadcast)
     made from the functions' arguments without a matrix op, a lookup, a parameter or
     an array held as a constant (``Graph.made_from_arguments``): a residual stream that
-    starts at the
-    inputs, a reparameterised sample's noise. Painted, a stream of states near 100 was
-    rounded to bf16 (steps of 0.5) at each layer: the loss 61% off, a hand cast's 0.08%
-    (hunt h118). A token embedding's lookup is the model's: stored in 16 bit below, as
-    Flax's bf16 embedding's output is; so is a learned position table the step returns
-    a gradient for, and a sinusoidal one held as a constant (at batch 1 they are
-    full-shape: 29% more temp for a scanned, remat'd model, review h127). In remat's
-    recomputed forward too."""
-    backward: dict[int, bool] = {}
-
-    def forward(node: Node) -> bool:
-        site = graph.site(node.inst, node.index, node.kind)
-        return not site.backward or site.recomputed
-
-    def named(node: Node) -> bool:  # a module printed without jax's name stack: no
-        # backward op is known as one (a logits gradient's ``probs - one_hot`` reads data)
-        return bool(graph.site(node.inst, node.index, node.kind).name)
-
+    starts at the inputs, a reparameterised sample's noise. Painted, a stream of states
+    near 100 was rounded to bf16 (steps of 0.5) at each layer: the loss 61% off, a hand
+    cast's 0.08% (hunt h118). A token embedding's lookup is the model's: stored in 16
+    bit below, as Flax's bf16 embedding's output is; so is a learned position table the
+    step returns a gradient for, and a sinusoidal one held as a constant (at batch 1
+    they are full-shape: 29% more temp for a scanned, remat'd model, review h127). In
+    remat's recomputed forward too. Only ops jax's name stack places: in a module
+    printed without it no backward op is known as one (a logits gradient's ``probs -
+    one_hot`` reads data)."""
     def raw_data(node: Node, key: tuple[int, ir.Value]) -> bool:
         return (graph.f32(key[1]) and not _broadcast(graph, key)
                 and element_count(key[1]) == element_count(node.outputs[0][1])
@@ -334,6 +326,9 @@ def _promoted_by_data(graph: Graph) -> set[int]:
                     pending.append(reader)
         return False
 
+    def site(node: Node) -> Site:
+        return graph.site(node.inst, node.index, node.kind)
+
     found: set[int] = set()
     pending: list[Node] = []
     for node in graph.nodes:
@@ -342,16 +337,15 @@ def _promoted_by_data(graph: Graph) -> set[int]:
                 and any(raw_data(node, key) for key in node.inputs)
                 and any(graph.f32(key[1]) and graph.made_by_model(key)
                         for key in node.inputs)
-                and named(node) and forward(node)
-                and graph.reaches_forward_matrix_op(
-                    node, recomputed=_in_backward(graph, node, backward))
+                and site(node).name and not site(node).gradient_pass
+                and graph.reaches_forward_matrix_op(node, recomputed=site(node).recomputed)
                 and (node.cls == INFER or carried_on(node))):
             found.add(id(node))
             pending.append(node)
     while pending:
         for reader in _readers(pending.pop()):
             if (isinstance(reader, Node) and id(reader) not in found
-                    and reader.cls in (INFER, CLEAR, LINK) and forward(reader)):
+                    and reader.cls in (INFER, CLEAR, LINK) and not site(reader).gradient_pass):
                 found.add(id(reader))
                 pending.append(reader)
     return found
