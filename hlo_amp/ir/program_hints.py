@@ -19,7 +19,7 @@ before the passes run; ``run_pipeline`` removes them after.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jaxlib.mlir import ir
@@ -53,6 +53,25 @@ def mark_backward_program(main: Any, gradient_arguments: Iterable[int],
             module.attributes[FORWARD_ENDS] = ir.ArrayAttr.get([
                 ir.ArrayAttr.get([ir.StringAttr.get(part) for part in (*key, *positions)])
                 for key, positions in ends.items()])
+
+
+def name_leaves(main: Any, arguments: dict[int, str], results: Sequence[str]) -> None:
+    """Name ``main``'s arguments (by position) and its last ``len(results)`` results as
+    jax.jit names a function's (an argument's location ``params['w']``, a result's
+    ``jax.result_info`` ``result[1]['w']``)."""
+    with main.context:
+        block = main.regions[0].blocks[0]
+        for position, name in arguments.items():
+            block.arguments[position].set_location(ir.Location.name(name))
+        count = len(ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value
+                                    ).results)
+        attrs = (list(ir.ArrayAttr(main.attributes["res_attrs"]))
+                 if "res_attrs" in main.attributes else [ir.DictAttr.get({})] * count)
+        for position, name in zip(range(count - len(results), count), results):
+            entries = {named.name: named.attr for named in ir.DictAttr(attrs[position])}
+            attrs[position] = ir.DictAttr.get({**entries,
+                                               "jax.result_info": ir.StringAttr.get(name)})
+        main.attributes["res_attrs"] = ir.ArrayAttr.get(attrs)
 
 
 def forward_ends(module: ir.Module) -> EndStacks:

@@ -71,15 +71,19 @@ class Program:
     keyed on primitive parameters hit across calls.
     """
 
-    __slots__ = ("backward_of", "fn", "key", "name", "owner")
+    __slots__ = ("argument_names", "backward_of", "fn", "key", "name", "owner")
 
     def __init__(self, owner: ProgramOwner, fn: Callable[..., list], name: str, key: Any,
-                 backward_of: BackwardOf | None = None):
+                 backward_of: BackwardOf | None = None,
+                 argument_names: Sequence[str] | None = None):
         self.owner = owner
         self.fn = fn
         self.name = name
         self.key = key
         self.backward_of = backward_of
+        # jax.jit's names of fn's arguments (``params['w']``), where fn is a call's
+        # whole function: written into its export, whose are ``args[i]``
+        self.argument_names = argument_names
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Program) and self.owner is other.owner

@@ -34,7 +34,12 @@ from jaxlib.mlir import ir
 
 from hlo_amp import jax_internals as internals
 from hlo_amp.ir.modules import copy_module, function_name, functions, module_text, new_context
-from hlo_amp.ir.program_hints import EndStacks, mark_backward_program, mark_caller_devices
+from hlo_amp.ir.program_hints import (
+    EndStacks,
+    mark_backward_program,
+    mark_caller_devices,
+    name_leaves,
+)
 from hlo_amp.passes import default_pipeline, run_pipeline
 from hlo_amp.passes.insert_converts.call_graph import end_stacks
 from hlo_amp.policy import Policy, as_policy
@@ -68,6 +73,7 @@ from hlo_amp.runtime.frameworks import (
 )
 from hlo_amp.runtime.signature import (
     CATCH_ALL,
+    leaf_names,
     leaf_signature,
     normalise_argnums,
     positional_parameters,
@@ -459,6 +465,8 @@ class ProgramStore:
             # The serialised portable artifact reads back 3x faster than the text.
             module = internals.deserialize_portable_artifact(
                 exported.mlir_module_serialized, new_context())
+            if program.argument_names is not None:
+                self._name_leaves(module, program, avals, exported)
             if is_forward_program(program):  # what a backward program split from it needs
                 self.end_stacks[key] = end_stacks(module, self.policy)
             if program.backward_of is not None:
@@ -490,6 +498,26 @@ class ProgramStore:
                 exported, mlir_module_serialized=internals.export_module_to_bytecode(module))
             self.exports[cache_key] = exported
         return exported
+
+    def _name_leaves(self, module: ir.Module, program: Program, avals: AvalsKey,
+                     exported: Any) -> None:
+        """Give the export of a call's whole function the names jax.jit gives its
+        arguments and results (``params['w']``, ``result[1]['w']``): the passes read a
+        parameter's by them (passes/propagate/graph.py ``_find_parameters``), and the
+        same call lowered (``.lower``) has them."""
+        out_tree = self.out_trees.get((program.key, avals))
+        if out_tree is None:
+            return
+        main = next(fn for fn in functions(module) if function_name(fn) == "main")
+        arguments = main.regions[0].blocks[0].arguments
+        kept = list(exported.module_kept_var_idx)
+        # jax.export puts its own arguments (platform index, tokens) before the kept ones
+        first = len(arguments) - len(kept)
+        results = ["result" + jax.tree_util.keystr(path) for path, _ in
+                   jax.tree_util.tree_flatten_with_path(
+                       jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves))[0]]
+        name_leaves(main, {first + position: program.argument_names[index]
+                           for position, index in enumerate(kept)}, results)
 
     def _mark_backward(self, module: ir.Module, backward_of: BackwardOf,
                        exported: Any) -> None:
@@ -933,7 +961,9 @@ class AmpFunction:
         leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         key = ("call", treedef, static_key, internals.mesh_context())
         program = Program(self._programs, self._bound(args, kwargs, treedef, key),
-                          self.__name__, key)
+                          self.__name__, key, argument_names=leaf_names(
+                              self._signature, args, dyn_kwargs,
+                              normalise_argnums(self.static_argnums, len(args))))
         avals = avals_key(leaves)
         dispatching = getattr(_DISPATCHING, "call", None)
         if own_dispatch and dispatching and dispatching[0] is self and _any_sharded(

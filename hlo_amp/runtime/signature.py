@@ -84,6 +84,24 @@ def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int],
                          key=lambda item: item[0])))
 
 
+def leaf_names(signature: inspect.Signature | None, args: tuple, dyn_kwargs: dict,
+               statics: Sequence[int]) -> list[str]:
+    """The names ``jax.jit`` gives the dynamic argument leaves of a call (``params['w']``,
+    ``args[2]`` past the named parameters), in flattening order, for ``args`` with the
+    ``statics`` positions among them and the dynamic keyword arguments: the exported
+    flat function a call runs has only ``args[i]``."""
+    parameters = [p.name for p in positional_parameters(signature)]
+    positions = [i for i in range(len(args)) if i not in statics]
+    names = [parameters[i] if i < len(parameters) else f"args[{i}]" for i in positions]
+    dynamic = (tuple(args[i] for i in positions), dyn_kwargs)
+    flat = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(dynamic)[0]:
+        group, first, *rest = path
+        name = names[first.idx] if group.idx == 0 else str(first.key)
+        flat.append(name + jax.tree_util.keystr(tuple(rest)))
+    return flat
+
+
 def positional_parameters(signature: inspect.Signature | None) -> list[inspect.Parameter]:
     """The parameters ``signature`` takes by position, in order (none for no signature;
     a ``*args`` is not one)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -475,26 +476,42 @@ class Graph:
         """The public functions' arguments of a type some public result made by the model
         has: parameters whose gradients or updated values a step returns, state a stage
         returns anew (hidden states, a cache), not data the model reads (inputs,
-        targets, noise keys). By type alone: an input of a parameter's shape counts as
-        one, and its values are left to the other rules."""
+        targets, noise keys); and the arguments a function returns as they came (state
+        passed through: Flax nnx's non-parameter variables, a sinusoidal table among
+        them). Where jax named them, a result goes with the arguments its pytree path
+        ends with (``params['w2']`` with ``result[1]['w2']``), so an input of a
+        parameter's type is none (review h128: a batch of 64 states of 16 had the type
+        of a 64 x 16 weight); a result no argument's name matches goes with every
+        argument of its type."""
         self._parameters = frozenset()  # the results' model flags need none
-        model_types: set[str] = set()
-        arguments: list[tuple[int, ir.Value]] = []
+        found: set[tuple[int, ir.Value]] = set()
         for inst_id, inst in enumerate(self.instances):
             if inst.prefix or not is_public(inst.fn):
                 continue
             block = first_block(inst.fn.regions[0])
-            arguments += [(inst_id, argument) for argument in block.arguments]
-            model_types |= {str(result.type) for result in terminator(block).operands
-                            if self._flags((inst_id, result))[0]}
+            returned = terminator(block).operands
+            arguments = [(argument, str(argument.type), _argument_path(argument))
+                         for argument in block.arguments]
+            found |= {(inst_id, argument) for argument, *_ in arguments
+                      if any(value == argument for value in returned)}
+            for result, path in zip(returned, _result_paths(inst.fn, len(returned))):
+                if not self._flags((inst_id, result))[0]:
+                    continue
+                kind = str(result.type)
+                named = [argument for argument, type_, argument_path in arguments
+                         if type_ == kind and argument_path and path is not None
+                         and path.endswith(argument_path)]
+                found |= {(inst_id, argument) for argument in named or
+                          [argument for argument, type_, _ in arguments if type_ == kind]}
         self._made_from.clear()  # their parameter flags were unknown: walked again
-        return frozenset(key for key in arguments if str(key[1].type) in model_types)
+        return frozenset(found)
 
     def _sources(self, key: tuple[int, ir.Value]) -> tuple[list, bool, bool, bool, bool]:
         """(the values ``key``'s value is made from, whether it is the model's own: a
         matrix op's result or a value not followed, whether it is an argument or an
         array held as a constant, whether it is a gather's result, whether it is a
-        parameter or an array held) for ``made_from_arguments``."""
+        parameter or an array held) for ``made_from_arguments``. A mask converted to
+        floats is made of nothing: numbers."""
         made_of = self._made_of(key)
         value = key[1]
         if made_of is None or (isinstance(value, ir.OpResult) and (
@@ -507,6 +524,11 @@ class Graph:
             held = dense_value(value.owner)
             table = held is not None and not held.is_splat
             return [], False, table, False, table and element_count(value) >= _TABLE_SIZE
+        if value.owner.name == "stablehlo.convert" and _is_mask(value.owner.operands[0]):
+            # A mask's 0s and 1s (dropout's ``x * mask / 0.9``) are numbers, as a splat
+            # constant's, that every float type holds: taken for data, they kept
+            # dropout's product f32 (review h128: 2% more temp, reported as promotion).
+            return [], False, False, False, False
         return made_of, False, False, value.owner.name in _LOOKUPS, False
 
     def _steps_state(self, node: Node) -> bool:
@@ -917,6 +939,37 @@ _LOOKUPS = frozenset({"stablehlo.gather", "stablehlo.dynamic_gather"})
 # An array held as a constant this large is the model's table (a sinusoidal position
 # table), not a computation's own numbers (threefry's rotations, a polynomial's).
 _TABLE_SIZE = 256
+
+
+def _argument_path(argument: ir.BlockArgument) -> str | None:
+    """The pytree path jax names a public function's argument with, after the argument's
+    name (``params['w2']``: ``['w2']``; ``m.states[0][1]``: ``.states[0][1]``); None
+    where it has no name."""
+    location = argument.location
+    if not isinstance(location, ir.NameLoc):
+        return None
+    name = re.match(r"[A-Za-z_]\w*(.*)$", location.name_str)
+    return None if name is None else name.group(1)
+
+
+def _result_paths(fn: Any, count: int) -> list[str | None]:
+    """The pytree paths jax names a function's results with (``jax.result_info``, after
+    its ``result``); None where a result has none."""
+    if "res_attrs" not in fn.attributes:
+        return [None] * count
+    paths: list[str | None] = []
+    for attributes in ir.ArrayAttr(fn.attributes["res_attrs"]):
+        attributes = ir.DictAttr(attributes)
+        info = (ir.StringAttr(attributes["jax.result_info"]).value
+                if "jax.result_info" in attributes else None)
+        paths.append(None if info is None else info.removeprefix("result"))
+    return (paths + [None] * count)[:count]
+
+
+def _is_mask(value: ir.Value) -> bool:
+    """Whether the value holds booleans (a compare's result)."""
+    element = element_type(value)
+    return isinstance(element, ir.IntegerType) and ir.IntegerType(element).width == 1
 
 
 def _carried_into(inst_id: int, loop: Any, slot: int) -> list[tuple[int, ir.Value]]:
