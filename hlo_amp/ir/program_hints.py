@@ -74,6 +74,14 @@ def name_leaves(main: Any, arguments: dict[int, str], results: Sequence[str]) ->
         main.attributes["res_attrs"] = ir.ArrayAttr.get(attrs)
 
 
+def unname_arguments(main: Any) -> None:
+    """Take the names off ``main``'s arguments (those of a flat function jax named
+    ``primals[0]``, ``args[1]``: a jax.grad's forward or backward program)."""
+    with main.context:
+        for argument in main.regions[0].blocks[0].arguments:
+            argument.set_location(ir.Location.unknown())
+
+
 def forward_ends(module: ir.Module) -> EndStacks:
     """The forward ends a backward program was given (empty for any other module)."""
     attributes = module.operation.attributes

@@ -39,6 +39,7 @@ from hlo_amp.ir.program_hints import (
     mark_backward_program,
     mark_caller_devices,
     name_leaves,
+    unname_arguments,
 )
 from hlo_amp.passes import default_pipeline, run_pipeline
 from hlo_amp.passes.insert_converts.call_graph import end_stacks
@@ -73,6 +74,7 @@ from hlo_amp.runtime.frameworks import (
 )
 from hlo_amp.runtime.signature import (
     CATCH_ALL,
+    keystr,
     leaf_names,
     leaf_signature,
     normalise_argnums,
@@ -409,6 +411,8 @@ class ProgramStore:
         self.policy = policy
         self.exports: dict[Any, Any] = {}
         self.out_trees: dict[Any, Any] = {}
+        # jax.jit's names of a call's results (``result[1]['w']``), as it traced them
+        self.result_names: dict[Any, list[str]] = {}
         self.residual_trees: dict[Any, Any] = {}
         # per forward program's export (jax.grad's): its first and last matrix ops
         self.end_stacks: dict[Any, EndStacks] = {}
@@ -417,8 +421,8 @@ class ProgramStore:
         self.lowerings = 0
 
     def clear(self) -> None:
-        for cache in (self.exports, self.out_trees, self.residual_trees, self.end_stacks,
-                      self.checked):
+        for cache in (self.exports, self.out_trees, self.result_names, self.residual_trees,
+                      self.end_stacks, self.checked):
             cache.clear()
 
     def tracing(self) -> Any:
@@ -467,6 +471,9 @@ class ProgramStore:
                 exported.mlir_module_serialized, new_context())
             if program.argument_names is not None:
                 self._name_leaves(module, program, avals, exported)
+            else:  # jax's positional names (``primals[0]``) say nothing of a result's
+                unname_arguments(next(fn for fn in functions(module)
+                                      if function_name(fn) == "main"))
             if is_forward_program(program):  # what a backward program split from it needs
                 self.end_stacks[key] = end_stacks(module, self.policy)
             if program.backward_of is not None:
@@ -505,17 +512,14 @@ class ProgramStore:
         arguments and results (``params['w']``, ``result[1]['w']``): the passes read a
         parameter's by them (passes/propagate/graph.py ``_find_parameters``), and the
         same call lowered (``.lower``) has them."""
-        out_tree = self.out_trees.get((program.key, avals))
-        if out_tree is None:
+        results = self.result_names.get((program.key, avals))
+        if results is None:
             return
         main = next(fn for fn in functions(module) if function_name(fn) == "main")
         arguments = main.regions[0].blocks[0].arguments
         kept = list(exported.module_kept_var_idx)
         # jax.export puts its own arguments (platform index, tokens) before the kept ones
         first = len(arguments) - len(kept)
-        results = ["result" + jax.tree_util.keystr(path) for path, _ in
-                   jax.tree_util.tree_flatten_with_path(
-                       jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves))[0]]
         name_leaves(main, {first + position: program.argument_names[index]
                            for position, index in enumerate(kept)}, results)
 
@@ -936,16 +940,20 @@ class AmpFunction:
         static_kwargs = {k: v for k, v in kwargs.items() if k in self.static_argnames}
         # Not self: a program's function must not reach this object (ProgramStore).
         fn, out_trees = self.fn, self._programs.out_trees
+        result_names = self._programs.result_names
 
         def flat_fn(*flat: Any) -> list:
             call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
             call_args = list(call_args)
             for i in statics:
                 call_args.insert(i, args[i])
-            out_leaves, out_tree = jax.tree_util.tree_flatten(
+            named_leaves, out_tree = jax.tree_util.tree_flatten_with_path(
                 fn(*call_args, **call_kwargs, **static_kwargs))
             out_trees[(key, avals_key(flat))] = out_tree
-            return out_leaves
+            # jax.jit's names of them, for the export (ProgramStore._name_leaves)
+            result_names[(key, avals_key(flat))] = [
+                "result" + keystr(path) for path, _ in named_leaves]
+            return [leaf for _, leaf in named_leaves]
 
         flat_fn.__name__ = self.__name__
         # jax names a function by where its unwrapped code is: its errors (an output
@@ -962,8 +970,8 @@ class AmpFunction:
         key = ("call", treedef, static_key, internals.mesh_context())
         program = Program(self._programs, self._bound(args, kwargs, treedef, key),
                           self.__name__, key, argument_names=leaf_names(
-                              self._signature, args, dyn_kwargs,
-                              normalise_argnums(self.static_argnums, len(args))))
+                              self._signature, args, kwargs, self.static_argnums,
+                              self.static_argnames))
         avals = avals_key(leaves)
         dispatching = getattr(_DISPATCHING, "call", None)
         if own_dispatch and dispatching and dispatching[0] is self and _any_sharded(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,22 +85,43 @@ def split_static(args: tuple, kwargs: dict, static_argnums: Sequence[int],
                          key=lambda item: item[0])))
 
 
-def leaf_names(signature: inspect.Signature | None, args: tuple, dyn_kwargs: dict,
-               statics: Sequence[int]) -> list[str]:
-    """The names ``jax.jit`` gives the dynamic argument leaves of a call (``params['w']``,
-    ``args[2]`` past the named parameters), in flattening order, for ``args`` with the
-    ``statics`` positions among them and the dynamic keyword arguments: the exported
-    flat function a call runs has only ``args[i]``."""
-    parameters = [p.name for p in positional_parameters(signature)]
-    positions = [i for i in range(len(args)) if i not in statics]
-    names = [parameters[i] if i < len(parameters) else f"args[{i}]" for i in positions]
-    dynamic = (tuple(args[i] for i in positions), dyn_kwargs)
-    flat = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(dynamic)[0]:
-        group, first, *rest = path
-        name = names[first.idx] if group.idx == 0 else str(first.key)
-        flat.append(name + jax.tree_util.keystr(tuple(rest)))
-    return flat
+def leaf_names(signature: inspect.Signature | None, args: tuple, kwargs: dict,
+               static_argnums: Sequence[int], static_argnames: Sequence[str]) -> list[str]:
+    """The names ``jax.jit`` gives the dynamic argument leaves of a call, in flattening
+    order: the exported flat function a call runs has only ``args[i]``. As jax's
+    ``api_util._non_static_arg_names`` makes them: ``params['w']``; ``data[0]`` for the
+    first argument a ``*data`` takes and ``kw['x']`` for a keyword a ``**kw`` takes
+    (review h129: ``args[1]`` and ``x`` made another pairing of arguments and results);
+    ``args[i]`` and ``kwargs['x']`` where the call does not bind to the signature."""
+    static = object()
+    statics = normalise_argnums(static_argnums, len(args))
+    marked_args = [static if i in statics else a for i, a in enumerate(args)]
+    marked_kwargs = {k: static if k in static_argnames else v for k, v in kwargs.items()}
+    ordered = None
+    if signature is not None:
+        try:
+            bound = signature.bind(*marked_args, **marked_kwargs)
+        except TypeError:
+            pass
+        else:
+            var_keyword = next((p.name for p in signature.parameters.values()
+                                if p.kind == p.VAR_KEYWORD), None)
+            ordered = [(name, value) for name, value in bound.arguments.items()
+                       if name not in marked_kwargs and name != var_keyword]
+            ordered += [(name if name in bound.arguments else f"{var_keyword}['{name}']",
+                         value) for name, value in sorted(marked_kwargs.items())]
+    if ordered is None:
+        ordered = [("args", marked_args), *((f"kwargs['{name}']", value)
+                                           for name, value in sorted(marked_kwargs.items()))]
+    return [name + keystr(path) for name, value in ordered
+            for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]
+            if leaf is not static]
+
+
+def keystr(path: Sequence[Any]) -> str:
+    """A pytree path as jax names an argument or result with it (``['w'][0]``; a node
+    without keys' ``<flat index 1>`` as ``1``)."""
+    return re.sub(r"<flat index ([^>]+)>", r"\1", jax.tree_util.keystr(tuple(path)))
 
 
 def positional_parameters(signature: inspect.Signature | None) -> list[inspect.Parameter]:

@@ -1531,7 +1531,8 @@ def _offset_stream(form):
     return loss
 
 
-@pytest.mark.parametrize("form", ["unrolled", "scanned", "sample", "batch_of_a_weights_rows"])
+@pytest.mark.parametrize("form", ["unrolled", "scanned", "sample", "batch_of_a_weights_rows",
+                                  "batch_of_a_weights_rows_as_varargs", "echoed"])
 def test_f32_data_beside_the_models_values_stays_f32_as_jax_promotion_keeps_it(form):
     """An add or multiply of the model's 16-bit values with full-shape f32 data (made
     from the arguments without a matrix op or a lookup) was painted, the data rounded to
@@ -1542,9 +1543,20 @@ def test_f32_data_beside_the_models_values_stays_f32_as_jax_promotion_keeps_it(f
     ~3e-4 came out 60% off in the GPU form. They stay f32, as a hand cast's do. A batch
     of 64 states of 16 has the type of a second layer's 64 x 16 weight, whose gradient
     the step returns: taken for a parameter, the stream was painted again (68% off,
-    review h128); jax's names tell them apart."""
-    step = jax.value_and_grad(_offset_stream(form))
-    args = _offset_states(64 if form == "batch_of_a_weights_rows" else 32)
+    review h128); jax's names tell them apart, a call's as ``.lower()``'s: the data
+    passed as ``*data`` was named ``args[1]`` there, where jax names it ``data[0]``, and
+    ``args[1]`` went with the result ``[1][1][1]`` (68% off, review h129). A step that
+    returns its states as they came gave them the parameters' place (61%, review h129)."""
+    loss = _offset_stream("unrolled" if form == "echoed" else form.removesuffix("_as_varargs"))
+    if form == "batch_of_a_weights_rows_as_varargs":
+        def step(ws, *data):
+            return jax.value_and_grad(loss)(ws, *data)
+    elif form == "echoed":
+        def step(ws, s, y, key):
+            return jax.value_and_grad(loss)(ws, s, y, key), s
+    else:
+        step = jax.value_and_grad(loss)
+    args = _offset_states(64 if form.startswith("batch_of_a_weights_rows") else 32)
     want = jax.jit(step)(*args)
     accurate = _relative_errors(hlo_amp.compile(step, "bf16")(*args), want)
     compiled = hlo_amp.compile(step, "mixed_bfloat16")

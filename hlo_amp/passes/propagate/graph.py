@@ -476,13 +476,15 @@ class Graph:
         """The public functions' arguments of a type some public result made by the model
         has: parameters whose gradients or updated values a step returns, state a stage
         returns anew (hidden states, a cache), not data the model reads (inputs,
-        targets, noise keys); and the arguments a function returns as they came (state
-        passed through: Flax nnx's non-parameter variables, a sinusoidal table among
-        them). Where jax named them, a result goes with the arguments its pytree path
-        ends with (``params['w2']`` with ``result[1]['w2']``), so an input of a
-        parameter's type is none (review h128: a batch of 64 states of 16 had the type
+        targets, noise keys). Where jax named them, a result goes with the arguments its
+        pytree path ends with (``params['w2']`` with ``result[1]['w2']``), so an input of
+        a parameter's type is none (review h128: a batch of 64 states of 16 had the type
         of a 64 x 16 weight); a result no argument's name matches goes with every
-        argument of its type."""
+        argument of its type. An argument the function returns as it came is one too
+        where it is a leaf of an argument that holds parameters (state passed through:
+        Flax nnx's non-parameter variables, a sinusoidal table among them), not a step's
+        own argument (review h129: a step that returned its input states gave them the
+        parameters' place, loss 61% off)."""
         self._parameters = frozenset()  # the results' model flags need none
         found: set[tuple[int, ir.Value]] = set()
         for inst_id, inst in enumerate(self.instances):
@@ -490,19 +492,24 @@ class Graph:
                 continue
             block = first_block(inst.fn.regions[0])
             returned = terminator(block).operands
-            arguments = [(argument, str(argument.type), _argument_path(argument))
+            arguments = [(argument, str(argument.type), *_argument_name(argument))
                          for argument in block.arguments]
-            found |= {(inst_id, argument) for argument, *_ in arguments
-                      if any(value == argument for value in returned)}
+            parameters: set[ir.Value] = set()
             for result, path in zip(returned, _result_paths(inst.fn, len(returned))):
                 if not self._flags((inst_id, result))[0]:
                     continue
                 kind = str(result.type)
-                named = [argument for argument, type_, argument_path in arguments
+                named = [argument for argument, type_, _, argument_path in arguments
                          if type_ == kind and argument_path and path is not None
                          and path.endswith(argument_path)]
-                found |= {(inst_id, argument) for argument in named or
-                          [argument for argument, type_, _ in arguments if type_ == kind]}
+                parameters.update(named or [argument for argument, type_, *_ in arguments
+                                            if type_ == kind])
+            holders = {head for argument, _, head, _ in arguments
+                       if argument in parameters and head is not None}
+            parameters.update(argument for argument, _, head, _ in arguments
+                              if head in holders and any(value == argument
+                                                         for value in returned))
+            found |= {(inst_id, argument) for argument in parameters}
         self._made_from.clear()  # their parameter flags were unknown: walked again
         return frozenset(found)
 
@@ -941,15 +948,15 @@ _LOOKUPS = frozenset({"stablehlo.gather", "stablehlo.dynamic_gather"})
 _TABLE_SIZE = 256
 
 
-def _argument_path(argument: ir.BlockArgument) -> str | None:
-    """The pytree path jax names a public function's argument with, after the argument's
-    name (``params['w2']``: ``['w2']``; ``m.states[0][1]``: ``.states[0][1]``); None
-    where it has no name."""
+def _argument_name(argument: ir.BlockArgument) -> tuple[str | None, str | None]:
+    """The name jax gives a public function's argument, as (the argument's own name,
+    its pytree path after it): ``params['w2']`` as ``("params", "['w2']")``;
+    ``(None, None)`` where it has none."""
     location = argument.location
     if not isinstance(location, ir.NameLoc):
-        return None
-    name = re.match(r"[A-Za-z_]\w*(.*)$", location.name_str)
-    return None if name is None else name.group(1)
+        return None, None
+    name = re.match(r"([A-Za-z_]\w*)(.*)$", location.name_str)
+    return (None, None) if name is None else (name.group(1), name.group(2))
 
 
 def _result_paths(fn: Any, count: int) -> list[str | None]:
