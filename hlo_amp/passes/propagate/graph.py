@@ -476,15 +476,16 @@ class Graph:
         """The public functions' arguments of a type some public result made by the model
         has: parameters whose gradients or updated values a step returns, state a stage
         returns anew (hidden states, a cache), not data the model reads (inputs,
-        targets, noise keys). Where jax named them, a result goes with the arguments its
-        pytree path ends with (``params['w2']`` with ``result[1]['w2']``), so an input of
-        a parameter's type is none (review h128: a batch of 64 states of 16 had the type
-        of a 64 x 16 weight); a result no argument's name matches goes with every
-        argument of its type. An argument the function returns as it came is one too
-        where it is a leaf of an argument that holds parameters (state passed through:
-        Flax nnx's non-parameter variables, a sinusoidal table among them), not a step's
-        own argument (review h129: a step that returned its input states gave them the
-        parameters' place, loss 61% off)."""
+        targets, noise keys). Where jax named them, a result goes with the arguments
+        whose pytree it ends with (``_matches``): so an input of a parameter's type is
+        none (review h128: a batch of 64 states of 16 had the type of a 64 x 16
+        weight); a result no argument's name matches goes with every argument of its
+        type. An argument the function returns as it came is one too where the
+        function returns the whole argument it is a leaf of, as it came or anew (a
+        module's state: Flax nnx's non-parameter variables, a sinusoidal table among
+        them, in a train step or an eval step), not one array of it (review h129: a
+        step that returned its input states gave them the parameters' place, loss 61%
+        off; h130: so did one that returned ``a[1]`` of its ``*a``)."""
         self._parameters = frozenset()  # the results' model flags need none
         found: set[tuple[int, ir.Value]] = set()
         for inst_id, inst in enumerate(self.instances):
@@ -492,23 +493,18 @@ class Graph:
                 continue
             block = first_block(inst.fn.regions[0])
             returned = terminator(block).operands
-            arguments = [(argument, str(argument.type), *_argument_name(argument))
+            arguments = [_Named(argument, str(argument.type), *_argument_name(argument))
                          for argument in block.arguments]
+            paths = _result_paths(inst.fn, len(returned))
+            matches = _Matches(arguments, {parts: str(result.type) for result, parts
+                                           in zip(returned, paths) if parts is not None})
             parameters: set[ir.Value] = set()
-            for result, path in zip(returned, _result_paths(inst.fn, len(returned))):
-                if not self._flags((inst_id, result))[0]:
-                    continue
-                kind = str(result.type)
-                named = [argument for argument, type_, _, argument_path in arguments
-                         if type_ == kind and argument_path and path is not None
-                         and path.endswith(argument_path)]
-                parameters.update(named or [argument for argument, type_, *_ in arguments
-                                            if type_ == kind])
-            holders = {head for argument, _, head, _ in arguments
-                       if argument in parameters and head is not None}
-            parameters.update(argument for argument, _, head, _ in arguments
-                              if head in holders and any(value == argument
-                                                         for value in returned))
+            for result, parts in zip(returned, paths):
+                if self._flags((inst_id, result))[0]:
+                    parameters.update(matches.of(str(result.type), parts))
+            parameters.update(named.value for named in arguments
+                              if any(value == named.value and matches.returned_whole(
+                                  named, parts) for value, parts in zip(returned, paths)))
             found |= {(inst_id, argument) for argument in parameters}
         self._made_from.clear()  # their parameter flags were unknown: walked again
         return frozenset(found)
@@ -948,28 +944,122 @@ _LOOKUPS = frozenset({"stablehlo.gather", "stablehlo.dynamic_gather"})
 _TABLE_SIZE = 256
 
 
-def _argument_name(argument: ir.BlockArgument) -> tuple[str | None, str | None]:
-    """The name jax gives a public function's argument, as (the argument's own name,
-    its pytree path after it): ``params['w2']`` as ``("params", "['w2']")``;
-    ``(None, None)`` where it has none."""
+@dataclass(frozen=True)
+class _Named:
+    """A public function's argument with the name jax gave it: the argument's own name
+    (``params``) and the parts of its pytree path after it (``("['w2']",)``)."""
+
+    value: ir.BlockArgument
+    type: str
+    head: str | None
+    parts: tuple[str, ...] | None
+
+
+class _Matches:
+    """Which arguments a named result goes with (``_find_parameters``). Best, those of
+    an argument's subtree of two or more float leaves that the results hold whole
+    under one path (a step's gradients of ``ws``, ``result[1][i][j]`` for every
+    ``ws[i][j]``): a path's tail alone can mislead, a ``*data``'s ``data[0]`` ends the
+    gradient ``result[1][2][0]`` of ``ws[2][0]`` too (review h130: the states taken
+    for a weight, loss 68% off). Else those whose path the result's ends with
+    (``params['w2']``, an nnx state's ``.states[0][0]``); else every argument of the
+    result's type."""
+
+    def __init__(self, arguments: list[_Named], results: dict[tuple[str, ...], str]):
+        self.arguments = arguments
+        self.results = results
+        self.leaves: dict[str | None, list[_Named]] = defaultdict(list)
+        for named in arguments:
+            self.leaves[named.head].append(named)
+        self.whole: dict[tuple, bool] = {}
+
+    def of(self, kind: str, parts: tuple[str, ...] | None) -> list[ir.BlockArgument]:
+        typed = [named for named in self.arguments if named.type == kind]
+        if parts is not None:
+            for level in (self._held_whole, self._named_tail):
+                chosen = [named.value for named in typed if named.parts and level(named, parts)]
+                if chosen:
+                    return chosen
+        return [named.value for named in typed]
+
+    def returned_whole(self, named: _Named, parts: tuple[str, ...] | None) -> bool:
+        """Whether the result at ``parts``, ``named`` returned, is part of the whole
+        argument ``named`` is a leaf of, returned (two or more float leaves)."""
+        if parts is None or named.parts is None or len(parts) < len(named.parts) or (
+                parts[len(parts) - len(named.parts):] != named.parts):
+            return False
+        return self._held(named.head, (), parts[:len(parts) - len(named.parts)])
+
+    def _named_tail(self, named: _Named, parts: tuple[str, ...]) -> bool:
+        return parts[-len(named.parts):] == named.parts
+
+    def _held_whole(self, named: _Named, parts: tuple[str, ...]) -> bool:
+        for size in range(1, len(named.parts) + 1):
+            if parts[-size:] != named.parts[-size:]:
+                return False
+            if self._held(named.head, named.parts[:-size], parts[:-size]):
+                return True
+        return False
+
+    def _held(self, head: str | None, root: tuple[str, ...], under: tuple[str, ...]) -> bool:
+        key = (head, root, under)
+        if key not in self.whole:
+            self.whole[key] = self._subtree_held(*key)
+        return self.whole[key]
+
+    def _subtree_held(self, head: str | None, root: tuple[str, ...],
+                      under: tuple[str, ...]) -> bool:
+        """Whether the results hold every float leaf of ``head``'s subtree at ``root``,
+        two or more, under the path ``under``, each of its leaf's type."""
+        leaves = [named for named in self.leaves[head] if named.parts is not None
+                  and named.parts[:len(root)] == root and _is_float(named.value)]
+        return len(leaves) >= 2 and all(
+            self.results.get(under + named.parts[len(root):]) == named.type
+            for named in leaves)
+
+
+def _is_float(value: ir.Value) -> bool:
+    return isinstance(element_type(value), ir.FloatType)
+
+
+# The parts of a pytree path as jax writes it: ``[0]``, ``['w']``, ``.w``.
+_PATH_PART = re.compile(r"\[(?:'[^']*'|\"[^\"]*\"|[^\]'\"])*\]|\.[^.\[]+")
+
+
+def _path_parts(path: str) -> tuple[str, ...] | None:
+    """``path`` split into its parts; None where it is not all parts."""
+    parts = tuple(_PATH_PART.findall(path))
+    return parts if "".join(parts) == path else None
+
+
+def _argument_name(argument: ir.BlockArgument) -> tuple[str | None, tuple[str, ...] | None]:
+    """The name jax gives a public function's argument, as (the argument's own name, the
+    parts of its pytree path after it): ``params['w2']`` as ``("params", ("['w2']",))``;
+    ``(None, None)`` where it has none. An Equinox step's are named by the argument
+    ``runtime/frameworks.py``'s ``_pure_call`` keeps them in (``kept[('arg', 0)].w1``):
+    that key is part of the argument's own name."""
     location = argument.location
     if not isinstance(location, ir.NameLoc):
         return None, None
-    name = re.match(r"([A-Za-z_]\w*)(.*)$", location.name_str)
-    return (None, None) if name is None else (name.group(1), name.group(2))
+    name = re.match(r"([A-Za-z_]\w*(?:\[\('(?:arg|kw)', [^\]]*\)\])?)(.*)$",
+                    location.name_str)
+    if name is None:
+        return None, None
+    return name.group(1), _path_parts(name.group(2))
 
 
-def _result_paths(fn: Any, count: int) -> list[str | None]:
-    """The pytree paths jax names a function's results with (``jax.result_info``, after
-    its ``result``); None where a result has none."""
+def _result_paths(fn: Any, count: int) -> list[tuple[str, ...] | None]:
+    """The parts of the pytree paths jax names a function's results with
+    (``jax.result_info``, after its ``result``); None where a result has none."""
     if "res_attrs" not in fn.attributes:
         return [None] * count
-    paths: list[str | None] = []
+    paths: list[tuple[str, ...] | None] = []
     for attributes in ir.ArrayAttr(fn.attributes["res_attrs"]):
         attributes = ir.DictAttr(attributes)
         info = (ir.StringAttr(attributes["jax.result_info"]).value
                 if "jax.result_info" in attributes else None)
-        paths.append(None if info is None else info.removeprefix("result"))
+        paths.append(None if info is None or not info.startswith("result")
+                     else _path_parts(info.removeprefix("result")))
     return (paths + [None] * count)[:count]
 
 
