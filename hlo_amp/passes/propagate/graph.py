@@ -481,11 +481,12 @@ class Graph:
         none (review h128: a batch of 64 states of 16 had the type of a 64 x 16
         weight); a result no argument's name matches goes with every argument of its
         type. An argument the function returns as it came is one too where the
-        function returns the whole argument it is a leaf of, as it came or anew (a
-        module's state: Flax nnx's non-parameter variables, a sinusoidal table among
-        them, in a train step or an eval step), not one array of it (review h129: a
-        step that returned its input states gave them the parameters' place, loss 61%
-        off; h130: so did one that returned ``a[1]`` of its ``*a``)."""
+        function returns the whole argument it is part of, as it came or anew, and
+        that argument holds parameters or none does (a module's state: Flax nnx's
+        non-parameter variables, a sinusoidal table among them, in a train step or an
+        eval step), not one array of it (review h129: a step that returned its input
+        states gave them the parameters' place, loss 61% off; h130: so did one that
+        returned ``a[1]`` of its ``*a``)."""
         self._parameters = frozenset()  # the results' model flags need none
         found: set[tuple[int, ir.Value]] = set()
         for inst_id, inst in enumerate(self.instances):
@@ -502,9 +503,15 @@ class Graph:
             for result, parts in zip(returned, paths):
                 if self._flags((inst_id, result))[0]:
                     parameters.update(matches.of(str(result.type), parts))
-            parameters.update(named.value for named in arguments
-                              if any(value == named.value and matches.returned_whole(
-                                  named, parts) for value, parts in zip(returned, paths)))
+            # A step's own data it returns whole (``return loss, batch``) is in no
+            # argument holding parameters (review h131: 129% off); an eval step's module
+            # state, where none is found, is.
+            holders = {named.head for named in arguments if named.value in parameters}
+            passed = [named.value for named in arguments
+                      if (not holders or named.head in holders) and any(
+                          value == named.value and matches.returned_whole(named, parts)
+                          for value, parts in zip(returned, paths))]
+            parameters.update(passed)
             found |= {(inst_id, argument) for argument in parameters}
         self._made_from.clear()  # their parameter flags were unknown: walked again
         return frozenset(found)
@@ -957,65 +964,72 @@ class _Named:
 
 class _Matches:
     """Which arguments a named result goes with (``_find_parameters``). Best, those of
-    an argument's subtree of two or more float leaves that the results hold whole
-    under one path (a step's gradients of ``ws``, ``result[1][i][j]`` for every
-    ``ws[i][j]``): a path's tail alone can mislead, a ``*data``'s ``data[0]`` ends the
-    gradient ``result[1][2][0]`` of ``ws[2][0]`` too (review h130: the states taken
-    for a weight, loss 68% off). Else those whose path the result's ends with
-    (``params['w2']``, an nnx state's ``.states[0][0]``); else every argument of the
-    result's type."""
+    the largest subtree of an argument (two or more float leaves) that the results hold
+    whole under one path (``ws``'s gradients ``result[1][i][j]`` for every
+    ``ws[i][j]``; a batch ``(s, y)`` of a layer pair's types is held under
+    ``result[1][i]`` too, a smaller subtree: review h131): a path's tail alone can
+    mislead, a ``*data``'s ``data[0]`` ends the gradient ``result[1][2][0]`` of
+    ``ws[2][0]`` too (review h130: the states taken for a weight, loss 68% off). Else
+    those whose path the result's ends with (``params['w2']``, an nnx state's
+    ``.states[0][0]``); else every argument of the result's type."""
 
     def __init__(self, arguments: list[_Named], results: dict[tuple[str, ...], str]):
-        self.arguments = arguments
         self.results = results
-        self.leaves: dict[str | None, list[_Named]] = defaultdict(list)
+        self.typed: dict[str, list[_Named]] = defaultdict(list)
+        # (argument name, path to a subtree) -> the subtree's float leaves
+        self.subtrees: dict[tuple, list[_Named]] = defaultdict(list)
         for named in arguments:
-            self.leaves[named.head].append(named)
-        self.whole: dict[tuple, bool] = {}
+            self.typed[named.type].append(named)
+            if named.parts is not None and _is_float(named.value):
+                for cut in range(len(named.parts) + 1):
+                    self.subtrees[(named.head, named.parts[:cut])].append(named)
+        self.held: dict[tuple, int] = {}
 
     def of(self, kind: str, parts: tuple[str, ...] | None) -> list[ir.BlockArgument]:
-        typed = [named for named in self.arguments if named.type == kind]
+        typed = self.typed[kind]
         if parts is not None:
-            for level in (self._held_whole, self._named_tail):
-                chosen = [named.value for named in typed if named.parts and level(named, parts)]
-                if chosen:
-                    return chosen
+            sizes = [(self._held_size(named, parts), named) for named in typed if named.parts]
+            largest = max((size for size, _ in sizes), default=0)
+            if largest:
+                return [named.value for size, named in sizes if size == largest]
+            tail = [named.value for named in typed if named.parts
+                    and _ends_with(parts, named.parts)]
+            if tail:
+                return tail
         return [named.value for named in typed]
 
     def returned_whole(self, named: _Named, parts: tuple[str, ...] | None) -> bool:
-        """Whether the result at ``parts``, ``named`` returned, is part of the whole
-        argument ``named`` is a leaf of, returned (two or more float leaves)."""
-        if parts is None or named.parts is None or len(parts) < len(named.parts) or (
-                parts[len(parts) - len(named.parts):] != named.parts):
+        """Whether the result at ``parts`` is ``named``'s place in the whole argument
+        ``named`` is a leaf of (two or more float leaves), returned under one path."""
+        if parts is None or named.parts is None or not _ends_with(parts, named.parts):
             return False
-        return self._held(named.head, (), parts[:len(parts) - len(named.parts)])
+        return self._held(named.head, (), parts[:len(parts) - len(named.parts)]) > 0
 
-    def _named_tail(self, named: _Named, parts: tuple[str, ...]) -> bool:
-        return parts[-len(named.parts):] == named.parts
+    def _held_size(self, named: _Named, parts: tuple[str, ...]) -> int:
+        """The most float leaves of a subtree around ``named`` that the results hold
+        whole, ``named`` at ``parts``; 0 for none."""
+        best = 0
+        for size in range(1, min(len(named.parts), len(parts)) + 1):
+            if parts[-size] != named.parts[-size]:
+                break
+            best = max(best, self._held(named.head, named.parts[:-size], parts[:-size]))
+        return best
 
-    def _held_whole(self, named: _Named, parts: tuple[str, ...]) -> bool:
-        for size in range(1, len(named.parts) + 1):
-            if parts[-size:] != named.parts[-size:]:
-                return False
-            if self._held(named.head, named.parts[:-size], parts[:-size]):
-                return True
-        return False
-
-    def _held(self, head: str | None, root: tuple[str, ...], under: tuple[str, ...]) -> bool:
+    def _held(self, head: str | None, root: tuple[str, ...], under: tuple[str, ...]) -> int:
+        """How many float leaves ``head``'s subtree at ``root`` has, where the results
+        hold them all under ``under`` with their types and there are two or more; else
+        0."""
         key = (head, root, under)
-        if key not in self.whole:
-            self.whole[key] = self._subtree_held(*key)
-        return self.whole[key]
+        if key not in self.held:
+            leaves = self.subtrees[(head, root)]
+            self.held[key] = len(leaves) if len(leaves) >= 2 and all(
+                self.results.get(under + leaf.parts[len(root):]) == leaf.type
+                for leaf in leaves) else 0
+        return self.held[key]
 
-    def _subtree_held(self, head: str | None, root: tuple[str, ...],
-                      under: tuple[str, ...]) -> bool:
-        """Whether the results hold every float leaf of ``head``'s subtree at ``root``,
-        two or more, under the path ``under``, each of its leaf's type."""
-        leaves = [named for named in self.leaves[head] if named.parts is not None
-                  and named.parts[:len(root)] == root and _is_float(named.value)]
-        return len(leaves) >= 2 and all(
-            self.results.get(under + named.parts[len(root):]) == named.type
-            for named in leaves)
+
+def _ends_with(parts: tuple[str, ...], tail: tuple[str, ...]) -> bool:
+    return len(parts) >= len(tail) and parts[len(parts) - len(tail):] == tail
 
 
 def _is_float(value: ir.Value) -> bool:
