@@ -480,13 +480,14 @@ class Graph:
         whose pytree it ends with (``_matches``): so an input of a parameter's type is
         none (review h128: a batch of 64 states of 16 had the type of a 64 x 16
         weight); a result no argument's name matches goes with every argument of its
-        type. An argument the function returns as it came is one too where the
-        function returns the whole argument it is part of, as it came or anew, and
-        that argument holds parameters or none does (a module's state: Flax nnx's
-        non-parameter variables, a sinusoidal table among them, in a train step or an
-        eval step), not one array of it (review h129: a step that returned its input
-        states gave them the parameters' place, loss 61% off; h130: so did one that
-        returned ``a[1]`` of its ``*a``)."""
+        type. An argument the function returns as it came is one too where it is a
+        Flax variable's value (``rest['table'].value``: ``nnx.split``'s non-parameter
+        state, review h132) or the function returns the whole argument it is part of,
+        as it came or anew, and that argument holds parameters or none does (a
+        module's state: Flax nnx's non-parameter variables, a sinusoidal table among
+        them, in a train step or an eval step), not one array of it (review h129: a
+        step that returned its input states gave them the parameters' place, loss 61%
+        off; h130: so did one that returned ``a[1]`` of its ``*a``)."""
         self._parameters = frozenset()  # the results' model flags need none
         found: set[tuple[int, ir.Value]] = set()
         for inst_id, inst in enumerate(self.instances):
@@ -507,10 +508,11 @@ class Graph:
             # argument holding parameters (review h131: 129% off); an eval step's module
             # state, where none is found, is.
             holders = {named.head for named in arguments if named.value in parameters}
-            passed = [named.value for named in arguments
-                      if (not holders or named.head in holders) and any(
-                          value == named.value and matches.returned_whole(named, parts)
-                          for value, parts in zip(returned, paths))]
+            passed = [named.value for named in arguments if any(
+                value == named.value and (_variable_value(named) or (
+                    (not holders or named.head in holders)
+                    and matches.returned_whole(named, parts)))
+                for value, parts in zip(returned, paths))]
             parameters.update(passed)
             found |= {(inst_id, argument) for argument in parameters}
         self._made_from.clear()  # their parameter flags were unknown: walked again
@@ -1026,6 +1028,11 @@ class _Matches:
                 self.results.get(under + leaf.parts[len(root):]) == leaf.type
                 for leaf in leaves) else 0
         return self.held[key]
+
+
+def _variable_value(named: _Named) -> bool:
+    """Whether jax names the argument as a Flax variable's value (``.value`` last)."""
+    return bool(named.parts) and named.parts[-1] == ".value"
 
 
 def _ends_with(parts: tuple[str, ...], tail: tuple[str, ...]) -> bool:
