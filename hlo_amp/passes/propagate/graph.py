@@ -477,7 +477,7 @@ class Graph:
         has: parameters whose gradients or updated values a step returns, state a stage
         returns anew (hidden states, a cache), not data the model reads (inputs,
         targets, noise keys). Where jax named them, a result goes with the arguments
-        whose pytree it ends with (``_matches``): so an input of a parameter's type is
+        whose pytree it ends with (``_Matches``): so an input of a parameter's type is
         none (review h128: a batch of 64 states of 16 had the type of a 64 x 16
         weight); a result no argument's name matches goes with every argument of its
         type. An argument the function returns as it came is one too where it is a
@@ -508,11 +508,13 @@ class Graph:
             # argument holding parameters (review h131: 129% off); an eval step's module
             # state, where none is found, is.
             holders = {named.head for named in arguments if named.value in parameters}
+            returned_at: dict[ir.Value, list] = defaultdict(list)  # an argument's paths
+            for value, parts in zip(returned, paths):
+                returned_at[value].append(parts)
             passed = [named.value for named in arguments if any(
-                value == named.value and (_variable_value(named) or (
-                    (not holders or named.head in holders)
-                    and matches.returned_whole(named, parts)))
-                for value, parts in zip(returned, paths))]
+                _variable_value(named) or ((not holders or named.head in holders)
+                                           and matches.returned_whole(named, parts))
+                for parts in returned_at.get(named.value, ()))]
             parameters.update(passed)
             found |= {(inst_id, argument) for argument in parameters}
         self._made_from.clear()  # their parameter flags were unknown: walked again
@@ -982,7 +984,8 @@ class _Matches:
         self.subtrees: dict[tuple, list[_Named]] = defaultdict(list)
         for named in arguments:
             self.typed[named.type].append(named)
-            if named.parts is not None and _is_float(named.value):
+            if named.parts is not None and isinstance(element_type(named.value),
+                                                      ir.FloatType):
                 for cut in range(len(named.parts) + 1):
                     self.subtrees[(named.head, named.parts[:cut])].append(named)
         self.held: dict[tuple, int] = {}
@@ -1037,10 +1040,6 @@ def _variable_value(named: _Named) -> bool:
 
 def _ends_with(parts: tuple[str, ...], tail: tuple[str, ...]) -> bool:
     return len(parts) >= len(tail) and parts[len(parts) - len(tail):] == tail
-
-
-def _is_float(value: ir.Value) -> bool:
-    return isinstance(element_type(value), ir.FloatType)
 
 
 # The parts of a pytree path as jax writes it: ``[0]``, ``['w']``, ``.w``.
