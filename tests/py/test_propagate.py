@@ -1621,6 +1621,38 @@ def test_a_batch_beside_top_level_weights_is_data():
     assert errors[0] < 1e-3, errors
 
 
+@pytest.mark.parametrize("form", ["gradients", "gradients_of_arguments_after_the_data",
+                                  "updated_weights_then_loss", "loss_then_updated_weights"])
+def test_top_level_data_of_a_top_level_weights_type_is_data(form):
+    """``loss(v, w, s, y)`` with the states ``s`` of ``w``'s type: the gradients
+    ``result[1][0]``, ``result[1][1]`` (or a step's updated ``v``, ``w`` beside its loss)
+    are the top-level arguments of their types at the same places, not every argument of
+    those types (126% off when the states were taken for ``w``)."""
+    ws, s, y, _ = _offset_states(64)
+    layer = lambda s, v, w: s + (jnp.tanh(((s - 100) / 10) @ v) @ w) * 0.1
+
+    def loss(v, w, s, y):
+        return jnp.mean((layer(layer(s, v, w), v, w) - y) ** 2)
+
+    def sgd(v, w, s, y):
+        value, (grad_v, grad_w) = jax.value_and_grad(loss, argnums=(0, 1))(v, w, s, y)
+        updated = (v - 0.1 * grad_v, w - 0.1 * grad_w)
+        return (*updated, value) if form == "updated_weights_then_loss" else (value, *updated)
+
+    args = (*ws[0], s, y)
+    if form == "gradients":
+        step = jax.value_and_grad(loss, argnums=(0, 1))
+    elif form == "gradients_of_arguments_after_the_data":
+        step = jax.value_and_grad(lambda s, y, v, w: loss(v, w, s, y), argnums=(2, 3))
+        args = (s, y, *ws[0])
+    else:
+        step = sgd
+    want = jax.jit(step)(*args)
+    errors = _relative_errors(hlo_amp.compile(step, "mixed_bfloat16")(*args), want)
+    accurate = _relative_errors(hlo_amp.compile(step, "bf16")(*args), want)
+    assert max(errors) < 3 * max(accurate) + 1e-3, (errors, accurate)
+
+
 @pytest.mark.parametrize("form", ["one_weight_a_layer", "pairs_of_weights", "params_dict"])
 def test_a_batch_of_a_weights_subtree_types_is_data(form):
     """A batch ``(s, y)`` of 16 x 16 states beside 16 x 16 weights is held whole among the

@@ -479,8 +479,8 @@ class Graph:
         targets, noise keys). Where jax named them, a result goes with the arguments
         whose pytree it ends with (``_Matches``): so an input of a parameter's type is
         none (review h128: a batch of 64 states of 16 had the type of a 64 x 16
-        weight); a result no argument's name matches goes with every argument of its
-        type. An argument the function returns as it came is one too where it is a
+        weight); a result no argument's name matches goes with the top-level argument
+        at its place in a tuple of results, else with every argument of its type. An argument the function returns as it came is one too where it is a
         Flax variable's value (``rest['table'].value``: ``nnx.split``'s non-parameter
         state, review h132) or the function returns the whole argument it is part of,
         as it came or anew, and that argument holds parameters or none does (a
@@ -975,10 +975,14 @@ class _Matches:
     mislead, a ``*data``'s ``data[0]`` ends the gradient ``result[1][2][0]`` of
     ``ws[2][0]`` too (review h130: the states taken for a weight, loss 68% off). Else
     those whose path the result's ends with (``params['w2']``, an nnx state's
-    ``.states[0][0]``); else every argument of the result's type."""
+    ``.states[0][0]``); else, for a top-level argument, the one at its place in a tuple
+    of results (``_by_position``); else every argument of the result's type."""
 
     def __init__(self, arguments: list[_Named], results: dict[tuple[str, ...], str]):
         self.results = results
+        self.arguments = arguments
+        # a tuple's path -> its places' top-level arguments (_by_position)
+        self.aligned: dict[tuple[str, ...], dict[int, _Named]] = {}
         self.typed: dict[str, list[_Named]] = defaultdict(list)
         # (argument name, path to a subtree) -> the subtree's float leaves
         self.subtrees: dict[tuple, list[_Named]] = defaultdict(list)
@@ -1001,7 +1005,45 @@ class _Matches:
                     and _ends_with(parts, named.parts)]
             if tail:
                 return tail
+            by_position = self._by_position(parts)
+            if by_position is not None:
+                return [by_position.value]
         return [named.value for named in typed]
+
+    def _by_position(self, parts: tuple[str, ...]) -> _Named | None:
+        """The top-level argument a result at ``P[i]`` goes with by position: where the
+        results hold a tuple ``P[0]``, ..., ``P[k-1]`` of arrays, the one alignment of
+        it with the arguments under which two or more of its arrays have their top-level
+        argument's type (jax.grad's gradients for ``argnums=(0, 1)`` of
+        ``loss(v, w, s, y)``, a step's ``return v2, w2, loss``), ``s`` of ``w``'s type
+        among them (loss 126% off when it went by type); else None."""
+        if not parts or not re.fullmatch(r"\[\d+\]", parts[-1]):
+            return None
+        under = parts[:-1]
+        if under not in self.aligned:
+            self.aligned[under] = self._alignment(under)
+        return self.aligned[under].get(int(parts[-1][1:-1]))
+
+    def _alignment(self, under: tuple[str, ...]) -> dict[int, _Named]:
+        """{i: the argument} for the tuple of arrays the results hold under ``under``:
+        of the offsets between its places and the arguments', the one that pairs the
+        most of them with a top-level argument of their type, two or more; empty where
+        there is no such tuple or that offset is not the only one."""
+        held = {parts[len(under):]: kind for parts, kind in self.results.items()
+                if parts[:len(under)] == under and len(parts) > len(under)}
+        if len(held) < 2 or any((f"[{i}]",) not in held for i in range(len(held))):
+            return {}  # not a tuple, or one holding more than arrays
+        kinds = [held[(f"[{i}]",)] for i in range(len(held))]
+        pairings = []
+        for offset in range(1 - len(kinds), len(self.arguments)):
+            pairing = {i: self.arguments[i + offset] for i, kind in enumerate(kinds)
+                       if 0 <= i + offset < len(self.arguments)
+                       and self.arguments[i + offset].parts == ()
+                       and self.arguments[i + offset].type == kind}
+            pairings.append(pairing)
+        most = max(len(pairing) for pairing in pairings)
+        best = [pairing for pairing in pairings if len(pairing) == most]
+        return best[0] if most >= 2 and len(best) == 1 else {}
 
     def returned_whole(self, named: _Named, parts: tuple[str, ...] | None) -> bool:
         """Whether the result at ``parts`` is ``named``'s place in the whole argument
