@@ -332,13 +332,15 @@ def _promoted_by_data(graph: Graph) -> set[int]:
     found: set[int] = set()
     pending: list[Node] = []
     for node in graph.nodes:
+        # Where an op sits is known before any value's origins are walked (the walk is
+        # most of the pass's time): a backward op's are not.
         if ((node.cls == INFER or (node.cls == LINK and node.kind == "while"))
                 and node.readers and node.outputs
+                and site(node).name and not site(node).gradient_pass
+                and graph.reaches_forward_matrix_op(node, recomputed=site(node).recomputed)
                 and any(raw_data(node, key) for key in node.inputs)
                 and any(graph.f32(key[1]) and graph.made_by_model(key)
                         for key in node.inputs)
-                and site(node).name and not site(node).gradient_pass
-                and graph.reaches_forward_matrix_op(node, recomputed=site(node).recomputed)
                 and (node.cls == INFER or carried_on(node))):
             found.add(id(node))
             pending.append(node)
