@@ -983,6 +983,8 @@ class _Matches:
         self.arguments = arguments
         # a tuple's path -> its places' top-level arguments (_by_position)
         self.aligned: dict[tuple[str, ...], dict[int, _Named]] = {}
+        # a path -> the kinds of the results one part below it (None: a subtree there)
+        self.children: dict[tuple[str, ...], dict[str, str | None]] | None = None
         self.typed: dict[str, list[_Named]] = defaultdict(list)
         # (argument name, path to a subtree) -> the subtree's float leaves
         self.subtrees: dict[tuple, list[_Named]] = defaultdict(list)
@@ -1029,11 +1031,16 @@ class _Matches:
         of the offsets between its places and the arguments', the one that pairs the
         most of them with a top-level argument of their type, two or more; empty where
         there is no such tuple or that offset is not the only one."""
-        held = {parts[len(under):]: kind for parts, kind in self.results.items()
-                if parts[:len(under)] == under and len(parts) > len(under)}
-        if len(held) < 2 or any((f"[{i}]",) not in held for i in range(len(held))):
+        if self.children is None:  # indexed once: every result is read once
+            self.children = defaultdict(dict)
+            for parts, kind in self.results.items():
+                for cut in range(len(parts)):  # a subtree's place holds None
+                    self.children[parts[:cut]][parts[cut]] = (
+                        kind if cut == len(parts) - 1 else None)
+        held = self.children.get(under, {})
+        if len(held) < 2 or any(held.get(f"[{i}]") is None for i in range(len(held))):
             return {}  # not a tuple, or one holding more than arrays
-        kinds = [held[(f"[{i}]",)] for i in range(len(held))]
+        kinds = [held[f"[{i}]"] for i in range(len(held))]
         pairings = []
         for offset in range(1 - len(kinds), len(self.arguments)):
             pairing = {i: self.arguments[i + offset] for i, kind in enumerate(kinds)
