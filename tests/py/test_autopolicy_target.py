@@ -189,6 +189,28 @@ def test_a_scope_no_rule_can_name_is_in_a_note():
     assert any("'my block': no scope rule can name these ops" in n for n in result.notes)
 
 
+def test_policies_that_rewrite_alike_compile_once_for_the_target():
+    """A search's state of every scope at the base's level is written apart from the
+    base (``bf16,...,scope:block=compute``) and rewrites the program alike: its step
+    time is the base's, from one deviceless compile (there were two)."""
+    from hlo_amp.numerics.attribute import with_scopes
+    from hlo_amp.numerics.fastest import _TargetModel
+
+    def f(w, x):
+        with jax.named_scope("block"):
+            return jnp.tanh(x @ w).sum()
+
+    model = _TargetModel(f, (jnp.ones((64, 64)), jnp.ones((32, 64))), device_target("h100"))
+    base = hlo_amp.Policy.parse("bf16")
+    scoped = with_scopes(base, {"block": "compute"})
+    assert scoped.to_string() != base.to_string()
+    assert model.step_seconds(scoped) == model.step_seconds(base)
+    assert model.compiles == 1
+    # a policy that rewrites it otherwise is compiled
+    assert model.step_seconds(hlo_amp.Policy.parse("f32")) != model.step_seconds(base)
+    assert model.compiles == 2
+
+
 def test_max_compiles_takes_a_numpy_integer():
     """As depth and budget do (it was 'Invalid max_compiles np.int64(40)')."""
     assert _search(0.1, "h100", max_compiles=np.int64(40)).compiles <= 40
