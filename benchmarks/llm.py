@@ -406,6 +406,7 @@ def row(variant: str, target: str, config: Config, donate: bool = True) -> dict[
     return {"variant": variant, "temp": memory.temp_size_in_bytes,
             "arguments": memory.argument_size_in_bytes, "collectives": by_type,
             "share_16bit": model.share_16bit, "share_fp8": model.share_fp8,
+            "gemm_share_fp8": model.gemm_share_fp8,
             "kernel_s": model.kernel_seconds, "link_s": model.collective_seconds,
             "step_s": model.roofline_seconds, **{f"{k}_s": v for k, v in seconds.items()}}
 
@@ -418,7 +419,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     """The rows as a markdown table, ratios against the f32 row."""
     base = next((r for r in rows if r["variant"] == "f32"), None)
     out = [("| variant | temp MiB/device | vs f32 | args MiB/device | collective MiB/device "
-            "by type | 16-bit / fp8 FLOPs | roofline ms (compute+HBM, link) | vs f32 | lower s "
+            "by type | 16-bit / fp8 FLOPs (fp8 of GEMMs') | roofline ms (compute+HBM, link) | vs f32 | lower s "
             "| pass s (share of compile) | compile s |"),
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -426,11 +427,13 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
         def ratio(key: str, r: dict[str, Any] = r) -> str:
             return f"{r[key] / base[key]:.2f}×" if base and base[key] else "-"
+        shares = f"{100 * r['share_16bit']:.0f}% / {100 * r['share_fp8']:.0f}%" + (
+            f" ({100 * r['gemm_share_fp8']:.1f}%)" if r.get("gemm_share_fp8") else "")
         pass_cell = (f"{r['pass_s']:.2f} ({100 * r['pass_s'] / r['compile_s']:.1f}%)"
                      if "pass_s" in r else "-")
         out.append(
             f"| {r['variant']} | {_mib(r['temp'])} | {ratio('temp')} | {_mib(r['arguments'])} "
-            f"| {kinds or '-'} | {100 * r['share_16bit']:.0f}% / {100 * r['share_fp8']:.0f}% "
+            f"| {kinds or '-'} | {shares} "
             f"| {1e3 * r['step_s']:.4g} ({1e3 * r['kernel_s']:.4g}, {1e3 * r['link_s']:.3g}) "
             f"| {ratio('step_s')} | {r['lower_s']:.1f} | {pass_cell} | {r['compile_s']:.1f} |")
     return out
@@ -477,7 +480,8 @@ def section(device: str, config: Config, rows: list[dict[str, Any]],
             f"- command: `{command}`; jax {jax.__version__}; compiled on {_machine()}",
             ("- per device: XLA's temp and argument bytes (`memory_analysis()`); collective "
             "bytes from the optimized HLO (`hlo_amp/targets/collectives.py`, result bytes "
-            "for all-gathers, operand bytes otherwise, loops × trip count); FLOP shares and "
+            "for all-gathers, operand bytes otherwise, loops × trip count); FLOP shares (of "
+            "GEMMs, convolutions and fused attention; in brackets fp8's of GEMMs alone) and "
             "the roofline from `hlo_amp/targets/roofline.py` (compute and HBM per kernel, "
             "plus link time at the target's published bandwidth, no overlap); pass s: the "
             f"fastest of {PASS_RUNS} runs of hlo_amp's pipeline on the lowered module "

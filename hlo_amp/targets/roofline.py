@@ -175,6 +175,15 @@ class Estimate:
         return self._flops_of("fp8") / self.matrix_flops if self.matrix_flops else 0.0
 
     @property
+    def gemm_share_fp8(self) -> float:
+        """Share of GEMM FLOPs (cuBLAS calls, Triton GEMMs: no convolution, no fused
+        attention) whose operands are fp8."""
+        gemms = [k for k in self.kernels if (k.matrix or "").startswith("GEMM")]
+        total = sum(k.flops * k.count for k in gemms)
+        return sum(k.flops * k.count for k in gemms
+                   if k.dtype_class == "fp8") / total if total else 0.0
+
+    @property
     def hbm_bytes(self) -> int:
         return sum(k.bytes * k.count for k in self.kernels)
 

@@ -199,3 +199,26 @@ def test_an_async_prefetch_is_one_read_of_what_it_moves() -> None:
     assert "custom-call" not in by_op
     assert by_op["copy-start"].bytes == 4096 * 2048 * 4
     assert by_op["slice-start"].bytes == 512 * 2048 * 4
+
+
+def test_the_fp8_share_of_gemms_leaves_convolutions_out() -> None:
+    """Under the fp8 preset the first and last matrix ops (here a convolution and the
+    head) stay bf16: of the GEMMs, the middle dot's FLOPs are fp8; the share over every
+    matrix op counts the convolution too."""
+    import hlo_amp
+
+    def f(img, w1, w2, w3):
+        h = jax.lax.conv_general_dilated(img, w1, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = jnp.tanh(h.reshape(256, 512))
+        return jnp.tanh(h @ w2) @ w3
+
+    args = (jnp.ones((16, 8, 8, 16)), jnp.ones((3, 3, 16, 128)), jnp.ones((512, 1024)),
+            jnp.ones((1024, 256)))
+    text = hlo_amp.compile(f, "fp8").lower(*args, target="h100").compile().as_text()
+    result = estimate(text, "h100")
+    fp8 = 2 * 256 * 512 * 1024
+    gemms = fp8 + 2 * 256 * 1024 * 256
+    assert sum(k.flops * k.count for k in _gemms(result)) == gemms
+    assert result.gemm_share_fp8 == fp8 / gemms
+    assert result.share_fp8 == fp8 / result.matrix_flops < result.gemm_share_fp8
