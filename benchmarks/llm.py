@@ -419,7 +419,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     """The rows as a markdown table, ratios against the f32 row."""
     base = next((r for r in rows if r["variant"] == "f32"), None)
     out = [("| variant | temp MiB/device | vs f32 | args MiB/device | collective MiB/device "
-            "by type | 16-bit / fp8 FLOPs (fp8 of GEMMs') | roofline ms (compute+HBM, link) | vs f32 | lower s "
+            "by type | 16-bit / fp8 FLOPs (fp8 of GEMMs) | roofline ms (compute+HBM, link) | vs f32 | lower s "
             "| pass s (share of compile) | compile s |"),
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

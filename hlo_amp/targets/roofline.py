@@ -159,10 +159,14 @@ class Estimate:
 
     @property
     def matrix_flops(self) -> int:
-        return sum(k.flops * k.count for k in self.kernels)
+        return self._flops_of()
 
-    def _flops_of(self, cls: str) -> int:
-        return sum(k.flops * k.count for k in self.kernels if k.dtype_class == cls)
+    def _flops_of(self, cls: str | None = None, gemms: bool = False) -> int:
+        """FLOPs of the kernels of dtype class ``cls`` (None: any), GEMMs alone with
+        ``gemms`` (no convolution, no fused attention)."""
+        return sum(k.flops * k.count for k in self.kernels
+                   if (cls is None or k.dtype_class == cls)
+                   and (not gemms or (k.matrix or "").startswith("GEMM")))
 
     @property
     def share_16bit(self) -> float:
@@ -178,10 +182,8 @@ class Estimate:
     def gemm_share_fp8(self) -> float:
         """Share of GEMM FLOPs (cuBLAS calls, Triton GEMMs: no convolution, no fused
         attention) whose operands are fp8."""
-        gemms = [k for k in self.kernels if (k.matrix or "").startswith("GEMM")]
-        total = sum(k.flops * k.count for k in gemms)
-        return sum(k.flops * k.count for k in gemms
-                   if k.dtype_class == "fp8") / total if total else 0.0
+        total = self._flops_of(gemms=True)
+        return self._flops_of("fp8", gemms=True) / total if total else 0.0
 
     @property
     def hbm_bytes(self) -> int:

@@ -480,14 +480,15 @@ class Graph:
         whose pytree it ends with (``_Matches``): so an input of a parameter's type is
         none (review h128: a batch of 64 states of 16 had the type of a 64 x 16
         weight); a result no argument's name matches goes with the top-level argument
-        at its place in a tuple of results, else with every argument of its type. An argument the function returns as it came is one too where it is a
-        Flax variable's value (``rest['table'].value``: ``nnx.split``'s non-parameter
-        state, review h132) or the function returns the whole argument it is part of,
-        as it came or anew, and that argument holds parameters or none does (a
-        module's state: Flax nnx's non-parameter variables, a sinusoidal table among
-        them, in a train step or an eval step), not one array of it (review h129: a
-        step that returned its input states gave them the parameters' place, loss 61%
-        off; h130: so did one that returned ``a[1]`` of its ``*a``)."""
+        at its place in a tuple of results, else with every argument of its type. An
+        argument the function returns as it came is one too where it is a Flax
+        variable's value (``rest['table'].value``: ``nnx.split``'s non-parameter state,
+        review h132) or the function returns the whole argument it is part of, as it
+        came or anew, and that argument holds parameters or none does (a module's
+        state: Flax nnx's non-parameter variables, a sinusoidal table among them, in a
+        train step or an eval step), not one array of it (review h129: a step that
+        returned its input states gave them the parameters' place, loss 61% off; h130:
+        so did one that returned ``a[1]`` of its ``*a``)."""
         self._parameters = frozenset()  # the results' model flags need none
         found: set[tuple[int, ir.Value]] = set()
         for inst_id, inst in enumerate(self.instances):
@@ -984,7 +985,11 @@ class _Matches:
         # a tuple's path -> its places' top-level arguments (_by_position)
         self.aligned: dict[tuple[str, ...], dict[int, _Named]] = {}
         # a path -> the kinds of the results one part below it (None: a subtree there)
-        self.children: dict[tuple[str, ...], dict[str, str | None]] | None = None
+        self.children: dict[tuple[str, ...], dict[str, str | None]] = defaultdict(dict)
+        for parts, kind in results.items():
+            for cut in range(len(parts)):
+                self.children[parts[:cut]][parts[cut]] = (
+                    kind if cut == len(parts) - 1 else None)
         self.typed: dict[str, list[_Named]] = defaultdict(list)
         # (argument name, path to a subtree) -> the subtree's float leaves
         self.subtrees: dict[tuple, list[_Named]] = defaultdict(list)
@@ -1031,12 +1036,6 @@ class _Matches:
         of the offsets between its places and the arguments', the one that pairs the
         most of them with a top-level argument of their type, two or more; empty where
         there is no such tuple or that offset is not the only one."""
-        if self.children is None:  # indexed once: every result is read once
-            self.children = defaultdict(dict)
-            for parts, kind in self.results.items():
-                for cut in range(len(parts)):  # a subtree's place holds None
-                    self.children[parts[:cut]][parts[cut]] = (
-                        kind if cut == len(parts) - 1 else None)
         held = self.children.get(under, {})
         if len(held) < 2 or any(held.get(f"[{i}]") is None for i in range(len(held))):
             return {}  # not a tuple, or one holding more than arrays
