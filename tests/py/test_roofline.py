@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import hlo_amp
 from benchmarks.kernel_diff import surplus
 from benchmarks.run import HAND_WRITTEN, write_aot_section
 from hlo_amp import compile_for_target
@@ -205,8 +206,6 @@ def test_the_fp8_share_of_gemms_leaves_convolutions_out() -> None:
     """Under the fp8 preset the first and last matrix ops (here a convolution and the
     head) stay bf16: of the GEMMs, the middle dot's FLOPs are fp8; the share over every
     matrix op counts the convolution too."""
-    import hlo_amp
-
     def f(img, w1, w2, w3):
         h = jax.lax.conv_general_dilated(img, w1, (1, 1), "SAME",
                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
