@@ -129,6 +129,13 @@ def child(variant: str, config: Any, out: Path) -> None:
     (out / "seconds.json").write_text(json.dumps(seconds))
 
 
+def _without_kernel_cache(flags: str) -> str:
+    """``flags`` less ``--xla_gpu_kernel_cache_file`` (make test sets it): a kernel XLA
+    reads back from that cache is neither compiled nor dumped, so it would go uncounted."""
+    return " ".join(flag for flag in shlex.split(flags)
+                    if not flag.startswith("--xla_gpu_kernel_cache_file"))
+
+
 def measure(variant: str, ptxas: str | None, attention: str | None = None,
             small: bool = False) -> dict:
     """One variant compiled in a child process: XLA's timers and the kernels by kind."""
@@ -136,7 +143,8 @@ def measure(variant: str, ptxas: str | None, attention: str | None = None,
         out = Path(scratch)
         dump = out / "dump"
         env = {**os.environ, **TIMER_ENV, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}"}
+               "XLA_FLAGS": f"{_without_kernel_cache(os.environ.get('XLA_FLAGS', ''))} "
+                            f"--xla_dump_to={dump}"}
         command = [sys.executable, "-m", "benchmarks.compile_cost", "--child", variant,
                    str(out)] + (["--attention", attention] if attention else []) + (
                        ["--small"] if small else [])
