@@ -29,6 +29,11 @@ demo: $(STAMP)
 #   pipeline takes most of a small program's compile: 537 -> 373 s (a train step's compile
 #   1.5 -> 0.5 s). Results differ at most in rounding: every test passes with both, and
 #   of the demo's 300-step trainings only fp8's ends elsewhere (81.9% against 84.2%).
+# * XLA:CPU's LLVM module in one piece, not split into parts (--xla_cpu_parallel_codegen_
+#   split_count) for compiling on several threads: each part builds its own LLVM target
+#   machine and links XLA's intrinsics, which with one CPU per pytest worker is all cost (a
+#   small value_and_grad step: 130-160 -> 82-87 ms a compile). Results differ at most in
+#   f32's last bits at -O0 (gpu_workloads' steps: 1e-6 at most), not at all at -O1.
 # * Deviceless GPU compiles: ptxas at -O0 and LLVM without its expensive passes, for
 #   kernels nothing runs (they act after XLA's HLO passes and buffer assignment, which
 #   the tests read): test_partition_plan + test_gpu_target 131 -> 117 s of CPU.
@@ -37,7 +42,8 @@ demo: $(STAMP)
 # A flag the installed jaxlib does not know would abort every test process: tests/xla_flags.py
 # keeps the ones it knows (jax 0.11.2 has no --xla_cpu_use_fusion_emitters).
 TEST_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false \
-	--xla_gpu_disable_gpuasm_optimizations=true --xla_llvm_disable_expensive_passes=true
+	--xla_gpu_disable_gpuasm_optimizations=true --xla_llvm_disable_expensive_passes=true \
+	--xla_cpu_parallel_codegen_split_count=1
 TEST_ENV := PATH="$(CURDIR)/$(BIN):$$PATH" JAX_PLATFORMS=cpu
 
 # pytest's workers and the tests' child processes share one JAX persistent compilation
