@@ -16,6 +16,7 @@ forward or a training step (gradients with respect to every float argument).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ def _normal(key: int, shape: tuple[int, ...]) -> jax.Array:
     return jax.random.normal(jax.random.key(key), shape, jnp.float32)
 
 
+@functools.cache
 def _qkv(kv_heads: int = K) -> tuple[jax.Array, jax.Array, jax.Array]:
     return (_normal(0, (B, T, N, H)), _normal(1, (B, T, kv_heads, H)),
             _normal(2, (B, T, kv_heads, H)))
@@ -350,82 +352,93 @@ def einsum_prefix_lm(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
 
 
-def programs() -> dict[str, tuple[Callable[..., Any], tuple]]:
-    """name -> (function, arguments): every way of writing attention the tests run."""
-    q, k, v = _qkv()
-    q_mha, k_mha, v_mha = _qkv(kv_heads=N)
-    found: dict[str, tuple[Callable[..., Any], tuple]] = {
-        "dpa_causal_gqa": (_grad_of(dpa(is_causal=True)), (q, k, v)),
-        "dpa_xla_scale": (_grad_of(dpa(scale=0.3, implementation="xla")),
-                          (q_mha, k_mha, v_mha)),
-        "dpa_padding_mask": (_grad_of(dpa()), (q_mha, k_mha, v_mha, padding_mask())),
-        "dpa_forward": (jax.jit(dpa(is_causal=True)), (q, k, v)),
-        "llm_unrolled": llm_step(Llm()),
-        "llm_unrolled_remat": llm_step(Llm(remat=True)),
-        "llm_scan_remat": llm_step(Llm(scan=True, remat=True)),
-        "equinox_no_mask": equinox_program(),
-        "einsum_sqrt_scale": (_grad_of(einsum_sqrt_scale), (q_mha, k_mha, v_mha)),
-        "einsum_broadcast_causal": (_grad_of(einsum_broadcast_causal), (q_mha, k_mha, v_mha)),
-        "einsum_closed_causal_batch1": (_grad_of(einsum_closed_causal),
-                                        (q_mha[:1], k_mha[:1], v_mha[:1])),
-        "einsum_bnth_padding": (_grad_of(einsum_bnth_padding),
-                                (*(jnp.swapaxes(a, 1, 2) for a in (q_mha, k_mha, v_mha)),
-                                 padding_mask())),
-        "einsum_float_padding": (_grad_of(einsum_float_padding),
-                                 (q_mha, k_mha, v_mha, padding_mask().astype(jnp.float32))),
-        "dpa_one_kv_head_linear_loss": (
+def programs() -> dict[str, Callable[[], tuple[Callable[..., Any], tuple]]]:
+    """name -> a builder of (function, arguments): every way of writing attention the tests
+    run. Built when called, not here: collecting the tests needs only the names, and the
+    arrays and models cost each pytest worker 20 s of XLA compiles."""
+    def gqa() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return _qkv()
+
+    def mha() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return _qkv(kv_heads=N)
+
+    def bits() -> tuple[jax.Array, jax.Array]:
+        return (jnp.array([[1, 2, 1, 2, 1, 2, 1, 3] * (T // 8)] * B, jnp.int32),
+                jnp.array([[1, 1, 2, 2] * (T // 4)] * B, jnp.int32))
+
+    found: dict[str, Callable[[], tuple[Callable[..., Any], tuple]]] = {
+        "dpa_causal_gqa": lambda: (_grad_of(dpa(is_causal=True)), gqa()),
+        "dpa_xla_scale": lambda: (_grad_of(dpa(scale=0.3, implementation="xla")), mha()),
+        "dpa_padding_mask": lambda: (_grad_of(dpa()), (*mha(), padding_mask())),
+        "dpa_forward": lambda: (jax.jit(dpa(is_causal=True)), gqa()),
+        "llm_unrolled": lambda: llm_step(Llm()),
+        "llm_unrolled_remat": lambda: llm_step(Llm(remat=True)),
+        "llm_scan_remat": lambda: llm_step(Llm(scan=True, remat=True)),
+        "equinox_no_mask": lambda: equinox_program(),
+        "einsum_sqrt_scale": lambda: (_grad_of(einsum_sqrt_scale), mha()),
+        "einsum_broadcast_causal": lambda: (_grad_of(einsum_broadcast_causal), mha()),
+        "einsum_closed_causal_batch1": lambda: (_grad_of(einsum_closed_causal),
+                                                tuple(a[:1] for a in mha())),
+        "einsum_bnth_padding": lambda: (_grad_of(einsum_bnth_padding),
+                                        (*(jnp.swapaxes(a, 1, 2) for a in mha()),
+                                         padding_mask())),
+        "einsum_float_padding": lambda: (_grad_of(einsum_float_padding),
+                                         (*mha(), padding_mask().astype(jnp.float32))),
+        "dpa_one_kv_head_linear_loss": lambda: (
             jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v)),
-                     argnums=(0, 1, 2)), (q, k[:, :, :1], v[:, :, :1])),
-        "einsum_group_axis_mask": (
-            _grad_of(einsum_group_axis_mask), (q_mha, k_mha, v_mha, jax.random.bernoulli(
+                     argnums=(0, 1, 2)), (gqa()[0], gqa()[1][:, :, :1], gqa()[2][:, :, :1])),
+        "einsum_group_axis_mask": lambda: (
+            _grad_of(einsum_group_axis_mask), (*mha(), jax.random.bernoulli(
                 jax.random.key(9), 0.7, (1, B, N, T, T)).at[..., 0].set(True))),
-        "dpa_keys_as_given_batch1": (_grad_of(jax.checkpoint(dpa_keys_as_given), 2),
-                                     (_normal(3, (1, T, N, H)), _normal(4, (H, H)) / 4)),
+        "dpa_keys_as_given_batch1": lambda: (_grad_of(jax.checkpoint(dpa_keys_as_given), 2),
+                                             (_normal(3, (1, T, N, H)),
+                                              _normal(4, (H, H)) / 4)),
         # Constant masks cuDNN's causal type is not: the kernel's bias (a band from
         # positions, or written out).
-        "dpa_sliding_window_gqa": (_grad_of(dpa(is_causal=True, local_window_size=(3, 0))),
-                                   (q, k, v)),
-        "dpa_two_sided_window_padding": (
+        "dpa_sliding_window_gqa": lambda: (
+            _grad_of(dpa(is_causal=True, local_window_size=(3, 0))), gqa()),
+        "dpa_two_sided_window_padding": lambda: (
             _grad_of(dpa(local_window_size=(4, 2), implementation="xla")),
-            (q_mha, k_mha, v_mha, padding_mask((T, T - 2)))),  # every query sees a key
-        "einsum_prefix_lm": (_grad_of(einsum_prefix_lm), (q_mha, k_mha, v_mha)),
-        "dpa_causal_chunk_of_queries": (_grad_of(dpa(is_causal=True)),
-                                        (q[:, :T // 2], k, v)),
-        "dpa_gqa_decode_step": (jax.jit(dpa(is_causal=True)), (q[:, :1], k, v)),
-        "dpa_constant_key_lengths": (
+            (*mha(), padding_mask((T, T - 2)))),  # every query sees a key
+        "einsum_prefix_lm": lambda: (_grad_of(einsum_prefix_lm), mha()),
+        "dpa_causal_chunk_of_queries": lambda: (_grad_of(dpa(is_causal=True)),
+                                                (gqa()[0][:, :T // 2], *gqa()[1:])),
+        "dpa_gqa_decode_step": lambda: (jax.jit(dpa(is_causal=True)),
+                                        (gqa()[0][:, :1], *gqa()[1:])),
+        "dpa_constant_key_lengths": lambda: (
             _grad_of(dpa(key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
-            (q_mha, k_mha, v_mha)),
-        "dpa_constant_query_and_key_lengths": (
+            mha()),
+        "dpa_constant_query_and_key_lengths": lambda: (
             jax.jit(dpa(query_seq_lengths=jnp.full((B,), T - 2),
                         key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
-            (q_mha, k_mha, v_mha)),
-        "dpa_sliding_window_constant_key_lengths": (
+            mha()),
+        "dpa_sliding_window_constant_key_lengths": lambda: (
             _grad_of(dpa(is_causal=True, local_window_size=(4, 0),
                          key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
-            (q, k, v)),
-        "dpa_causal_constant_key_lengths": (
+            gqa()),
+        "dpa_causal_constant_key_lengths": lambda: (
             _grad_of(dpa(is_causal=True, key_value_seq_lengths=jnp.full((B,), T - 3),
-                         implementation="xla")), (q, k, v)),
+                         implementation="xla")), gqa()),
+        "einsum_scan_prefix_lm": lambda: (jax.jit(einsum_scan_prefix_lm), (
+            _normal(3, (B, T, N * H)), _normal(6, (2, 2, N * H, N * H)) / 8,
+            padding_mask())),
+        "einsum_integer_and_mask": lambda: (jax.jit(einsum_integer_and_mask),
+                                            (*mha(), *bits())),
+        "einsum_sharding_constraints": lambda: (_grad_of(einsum_sharding_constraints), mha()),
+        "dpa_scan_mask_closed_over": lambda: dpa_scan_mask_closed_over(),
+        "dpa_scan_window_closed_over": lambda: dpa_scan_mask_closed_over(window=8),
+        "dpa_scan_unrolled_twice": lambda: dpa_scan_mask_closed_over(unroll=2),
+        "flax_combined_masks": lambda: (_grad_of(flax_combined_masks), (
+            *mha(), jnp.arange(T)[None] < jnp.array([[T], [T - 5]]))),
+        "dpa_scan_causal_padding_gqa": lambda: dpa_scan_padding(causal=True),
+        "dpa_scan_padding_gqa": lambda: dpa_scan_padding(causal=False),
     }
-    found["einsum_scan_prefix_lm"] = (jax.jit(einsum_scan_prefix_lm), (
-        _normal(3, (B, T, N * H)), _normal(6, (2, 2, N * H, N * H)) / 8, padding_mask()))
-    bits = jnp.array([[1, 2, 1, 2, 1, 2, 1, 3] * (T // 8)] * B, jnp.int32)
-    found["einsum_integer_and_mask"] = (jax.jit(einsum_integer_and_mask), (
-        q_mha, k_mha, v_mha, bits, jnp.array([[1, 1, 2, 2] * (T // 4)] * B, jnp.int32)))
-    found["einsum_sharding_constraints"] = (_grad_of(einsum_sharding_constraints),
-                                            (q_mha, k_mha, v_mha))
-    found["dpa_scan_mask_closed_over"] = dpa_scan_mask_closed_over()
-    found["dpa_scan_window_closed_over"] = dpa_scan_mask_closed_over(window=8)
-    found["dpa_scan_unrolled_twice"] = dpa_scan_mask_closed_over(unroll=2)
-    found["flax_combined_masks"] = (_grad_of(flax_combined_masks), (
-        q_mha, k_mha, v_mha, jnp.arange(T)[None] < jnp.array([[T], [T - 5]])))
-    found["dpa_scan_causal_padding_gqa"] = dpa_scan_padding(causal=True)
-    found["dpa_scan_padding_gqa"] = dpa_scan_padding(causal=False)
     for wrap in WRAPS:
-        found[f"dpa_{wrap}"] = dpa_program(wrap)
-        found[f"nnx_causal_{wrap}"] = nnx_program(wrap)
-        found[f"linen_causal_{wrap}"] = linen_program(wrap)
-        found[f"equinox_causal_{wrap}"] = equinox_program(wrap, causal=True)
+        found[f"dpa_{wrap}"] = functools.partial(dpa_program, wrap)
+        found[f"nnx_causal_{wrap}"] = functools.partial(nnx_program, wrap)
+        found[f"linen_causal_{wrap}"] = functools.partial(linen_program, wrap)
+        found[f"equinox_causal_{wrap}"] = functools.partial(equinox_program, wrap,
+                                                            causal=True)
     return found
 
 

@@ -12,6 +12,7 @@ bf16's rounding (the policy computes q, k, v in bf16).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -35,11 +36,17 @@ BF16 = Policy.parse("bf16")
 # bf16 keeps 8 bits of mantissa: q, k, v and dO each rounded once, softmax and sums in
 # f32 inside either kernel (measured: 0.3% to 0.9% on every program here).
 BF16_TOLERANCE = 2e-2
-PROGRAMS = programs.programs()
+PROGRAMS = programs.programs()  # name -> builder
+
+
+@functools.cache
+def _program(name: str) -> tuple:
+    """(function, arguments) of the program ``name``, built once."""
+    return PROGRAMS[name]()
 
 
 def _lowered_text(name: str) -> str:
-    fn, args = PROGRAMS[name]
+    fn, args = _program(name)
     return jax.jit(fn).lower(*args).as_text(debug_info=True)
 
 
@@ -87,7 +94,7 @@ def test_every_form_fuses_and_matches_the_program(name: str) -> None:
     module, report = _fuse(text, kernel="reference")
     assert report.attention, "no attention site found"
     assert all(site.fused for site in report.attention), [s.reason for s in report.attention]
-    fn, args = PROGRAMS[name]
+    fn, args = _program(name)
     expected = jax.jit(fn)(*args)
     rewritten = ModuleFunction(module_text(module)).for_platform("cpu")
     got = jax.jit(rewritten)(*jax.tree.leaves(args))
@@ -184,12 +191,15 @@ def _attend(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
-QKV = programs._qkv(kv_heads=programs.N)
+def _qkv() -> tuple:
+    """q, k, v of as many key/value heads as query heads (made on first use, not when
+    pytest collects the file)."""
+    return programs._qkv(kv_heads=programs.N)
 
 
 @pytest.mark.parametrize(("target", "why"), [(None, "CPU"), ("tpu-v5e", "TPU")])
 def test_not_on_cpu_or_tpu(target, why) -> None:
-    reasons = _reasons(_attend, QKV, "mixed_bfloat16", target)
+    reasons = _reasons(_attend, _qkv(), "mixed_bfloat16", target)
     assert reasons and why in reasons[0]
 
 
@@ -198,14 +208,14 @@ def test_not_where_a_scope_rule_keeps_it_f32() -> None:
         with jax.named_scope("attn"):
             return _attend(q, k, v)
 
-    reasons = _reasons(scoped, QKV, "mixed_bfloat16,scope:attn=float32", "h100")
+    reasons = _reasons(scoped, _qkv(), "mixed_bfloat16,scope:attn=float32", "h100")
     assert reasons == ["the policy keeps it f32 (scope:attn)"]
 
     def stopped(q, k, v):
         with hlo_amp.amp_stop():
             return _attend(q, k, v)
 
-    assert "amp_stop" in _reasons(stopped, QKV, "bf16", "h100")[0]
+    assert "amp_stop" in _reasons(stopped, _qkv(), "bf16", "h100")[0]
 
 
 def test_not_where_backward_or_an_end_rule_keeps_a_matmul_f32() -> None:
@@ -216,13 +226,13 @@ def test_not_where_backward_or_an_end_rule_keeps_a_matmul_f32() -> None:
         return jax.grad(lambda q, k, v: jnp.sum(_attend(q, k, v) ** 2), argnums=(0, 1, 2))(
             q, k, v)
 
-    assert _reasons(step, QKV, "bf16,backward=keep", "h100") == [
+    assert _reasons(step, _qkv(), "bf16,backward=keep", "h100") == [
         "the policy keeps it f32 (backward)"]
-    assert _reasons(_attend, QKV, "bf16,first_matrix_op=float32", "h100") == [
+    assert _reasons(_attend, _qkv(), "bf16,first_matrix_op=float32", "h100") == [
         "the policy keeps it f32 (first_matrix_op)"]
-    assert _reasons(_attend, QKV, "bf16,last_matrix_op=keep", "h100") == [
+    assert _reasons(_attend, _qkv(), "bf16,last_matrix_op=keep", "h100") == [
         "the policy keeps it f32 (last_matrix_op)"]
-    assert _reasons(step, QKV, "fp8", "h100") == []  # its ends compute in bf16: fused
+    assert _reasons(step, _qkv(), "fp8", "h100") == []  # its ends compute in bf16: fused
 
     # A site in a called layer between projections is no end: the rules matched the
     # projections, and the site was left unfused naming them.
@@ -232,17 +242,17 @@ def test_not_where_backward_or_an_end_rule_keeps_a_matmul_f32() -> None:
         return core(q @ jnp.eye(q.shape[-1]), k, v) @ jnp.eye(q.shape[-1])
 
     for policy in ("bf16,first_matrix_op=float32", "bf16,last_matrix_op=float32"):
-        assert _reasons(projected, QKV, policy, "h100") == [], policy
+        assert _reasons(projected, _qkv(), policy, "h100") == [], policy
 
     # Nor is a site before or after a called layer: that layer holds the end (the site
     # was taken for it, as only the public function's own ops were looked at).
     proj = jax.jit(lambda x: x @ jnp.eye(x.shape[-1]))
-    assert _reasons(lambda q, k, v: _attend(proj(q), k, v), QKV,
+    assert _reasons(lambda q, k, v: _attend(proj(q), k, v), _qkv(),
                     "bf16,first_matrix_op=float32", "h100") == []
-    assert _reasons(lambda q, k, v: proj(_attend(q, k, v)), QKV,
+    assert _reasons(lambda q, k, v: proj(_attend(q, k, v)), _qkv(),
                     "bf16,last_matrix_op=float32", "h100") == []
     nested = jax.jit(lambda x: jax.nn.relu(proj(x)))  # the end one call deeper
-    assert _reasons(lambda q, k, v: _attend(nested(q), k, v), QKV,
+    assert _reasons(lambda q, k, v: _attend(nested(q), k, v), _qkv(),
                     "bf16,first_matrix_op=float32", "h100") == []
 
 
@@ -254,7 +264,7 @@ def test_a_16bit_site_keeps_its_own_type(dtype, policy) -> None:
         scores = jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
 
-    qkv = [x.astype(dtype) for x in QKV]
+    qkv = [x.astype(dtype) for x in _qkv()]
     lowered = hlo_amp.compile(by_hand, policy).lower(*qkv, target="h100")
     (site,) = lowered.report().attention
     assert site.fused and site.dtype == jnp.dtype(dtype).name
@@ -262,7 +272,7 @@ def test_a_16bit_site_keeps_its_own_type(dtype, policy) -> None:
     assert f"x{other}>" not in lowered.as_text()
     # q and k in one 16-bit type, v f32 the policy computes in the other: not one type
     # (v went to q's type, past its range).
-    mixed = [qkv[0], qkv[1], QKV[2]]
+    mixed = [qkv[0], qkv[1], _qkv()[2]]
     computed = "float16" if policy == "f16" else "bfloat16"
     want = (f"its q, k and v are {jnp.dtype(dtype).name} and f32, which the policy "
             f"computes in {computed}: not one 16-bit type")
@@ -270,7 +280,7 @@ def test_a_16bit_site_keeps_its_own_type(dtype, policy) -> None:
 
 
 def test_not_when_turned_off() -> None:
-    lowered = hlo_amp.compile(_attend, "bf16,fuse_attention=false").lower(*QKV, target="h100")
+    lowered = hlo_amp.compile(_attend, "bf16,fuse_attention=false").lower(*_qkv(), target="h100")
     assert lowered.report().attention == []
     assert "fmha" not in lowered.as_text()
 
@@ -281,7 +291,7 @@ def test_not_when_the_probabilities_have_another_reader() -> None:
         probs = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum("bnts,bsnh->btnh", probs, v), probs
 
-    assert "another reader" in _reasons(returned, QKV, "bf16", "h100")[0]
+    assert "another reader" in _reasons(returned, _qkv(), "bf16", "h100")[0]
 
     def regularised(q, k, v):
         scores = jnp.einsum("btnh,bsnh->bnts", q, k) / 8.0
@@ -290,7 +300,7 @@ def test_not_when_the_probabilities_have_another_reader() -> None:
         return jnp.sum(out ** 2) + jnp.sum(probs * jnp.log(probs + 1e-6))
 
     grads = jax.grad(regularised, argnums=(0, 1, 2))
-    reasons = _reasons(grads, QKV, "bf16", "h100")
+    reasons = _reasons(grads, _qkv(), "bf16", "h100")
     assert reasons and all("another reader" in r for r in reasons)
 
 
@@ -396,7 +406,7 @@ def test_not_where_a_scale_after_the_mask_undoes_its_fill(fill, scale_after) -> 
         scores = jnp.where(causal, scores, fill) * scale_after
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
 
-    reasons = _reasons(masked_then_scaled, QKV, "bf16", "h100")
+    reasons = _reasons(masked_then_scaled, _qkv(), "bf16", "h100")
     assert reasons and "a mask's fill) where the softmax reads it" in reasons[0]
 
 
@@ -491,16 +501,16 @@ def test_a_constant_mask_of_integer_arithmetic_is_read_as_the_program_computes_i
         scores = jnp.where(mask(), scores, -1e9)
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
 
-    (site,) = hlo_amp.compile(attend, "bf16").lower(*QKV, target="h100").report().attention
+    (site,) = hlo_amp.compile(attend, "bf16").lower(*_qkv(), target="h100").report().attention
     assert (site.fused, site.mask) == (
         True, "none" if causal is None else "causal" if causal else "constant"), site
     # A mask that is not causal goes to the kernel's bias as it was read: the values say
     # whether it was read as the program computes it.
-    module, _report = _fuse(jax.jit(attend).lower(*QKV).as_text(debug_info=True),
+    module, _report = _fuse(jax.jit(attend).lower(*_qkv()).as_text(debug_info=True),
                             kernel="reference")
     rewritten = ModuleFunction(module_text(module)).for_platform("cpu")
-    assert programs.max_relative_error(jax.jit(attend)(*QKV), jax.jit(rewritten)(
-        *QKV)[0]) < BF16_TOLERANCE
+    assert programs.max_relative_error(jax.jit(attend)(*_qkv()), jax.jit(rewritten)(
+        *_qkv())[0]) < BF16_TOLERANCE
 
 
 def test_not_for_a_head_dimension_cudnn_does_not_take() -> None:
@@ -521,7 +531,7 @@ def test_fp8_policies_keep_attention_16_bit() -> None:
     # normal for a program without a stem or head matrix op, so no unused-rule warning.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lowered = hlo_amp.compile(_attend, "fp8").lower(*QKV, target="h100")
+        lowered = hlo_amp.compile(_attend, "fp8").lower(*_qkv(), target="h100")
     [site] = lowered.report().attention
     assert site.fused and site.dtype == "bfloat16"
 
@@ -551,12 +561,12 @@ def test_cudnn_implementation_on_f32_arrays_runs_under_a_16bit_policy() -> None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
     with pytest.raises(Exception):  # noqa: B017 - jax's own refusal, any kind
-        jax.jit(cudnn).lower(*QKV).compile()(*QKV)
-    out = hlo_amp.compile(cudnn, "mixed_bfloat16")(*QKV)
-    expected = _attend(*QKV)
+        jax.jit(cudnn).lower(*_qkv()).compile()(*_qkv())
+    out = hlo_amp.compile(cudnn, "mixed_bfloat16")(*_qkv())
+    expected = _attend(*_qkv())
     assert float(jnp.max(jnp.abs(out - expected))) < BF16_TOLERANCE * float(
         jnp.max(jnp.abs(expected)))
-    [site] = hlo_amp.compile(cudnn, "bf16").lower(*QKV, target="h100").report().attention
+    [site] = hlo_amp.compile(cudnn, "bf16").lower(*_qkv(), target="h100").report().attention
     assert site.fused and site.mask == "causal"
 
 
@@ -581,7 +591,7 @@ def test_not_in_a_program_partitioned_over_devices() -> None:
 
     mesh = hlo_amp.target_mesh("h100x2", {"data": 2})
     sharded = [jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                    sharding=NamedSharding(mesh, P("data"))) for x in QKV]
+                                    sharding=NamedSharding(mesh, P("data"))) for x in _qkv()]
     reasons = _reasons(_attend, sharded, "bf16", "h100x2")
     assert reasons and "partitioned over 2 devices" in reasons[0]
 
@@ -596,14 +606,14 @@ def test_not_in_a_compiled_function_an_outer_jit_partitions() -> None:
 
     mesh = hlo_amp.target_mesh("h100x2", {"data": 2})
     batch = NamedSharding(mesh, P("data"))
-    sharded = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch) for x in QKV]
+    sharded = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch) for x in _qkv()]
 
     def lowered_text(in_shardings):
         outer = jax.jit(hlo_amp.compile(_attend, "bf16"), in_shardings=in_shardings)
         return outer.trace(*sharded).lower(lowering_platforms=("cuda",)).as_text()
 
     assert "__cudnn$fmha" not in lowered_text((batch,) * 3)
-    assert "__cudnn$fmha" in jax.jit(hlo_amp.compile(_attend, "bf16")).trace(*QKV).lower(
+    assert "__cudnn$fmha" in jax.jit(hlo_amp.compile(_attend, "bf16")).trace(*_qkv()).lower(
         lowering_platforms=("cuda",)).as_text()  # one device: fused
 
 
@@ -615,7 +625,7 @@ def test_a_rounding_of_the_scores_is_no_saved_marker() -> None:
         scores = jax.lax.reduce_precision(_scores(q, k), exponent_bits=8, mantissa_bits=7)
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v)
 
-    qkv = [x.astype(jnp.float16) for x in QKV]
+    qkv = [x.astype(jnp.float16) for x in _qkv()]
     sites = hlo_amp.compile(rounded, "bf16").lower(*qkv, target="h100").report().attention
     assert not any("saved" in s.reason for s in sites), sites
 
@@ -641,7 +651,7 @@ def test_a_matcher_error_leaves_the_site_and_says_so(monkeypatch) -> None:
         raise KeyError("unknown form")
 
     monkeypatch.setattr(pass_module, "match_site", broken)
-    lowered = hlo_amp.compile(_attend, "bf16").lower(*QKV, target="h100")
+    lowered = hlo_amp.compile(_attend, "bf16").lower(*_qkv(), target="h100")
     reasons = [s.reason for s in lowered.report().attention]
     assert reasons and all(r.startswith("not analysed (KeyError") for r in reasons)
     assert "fmha" not in lowered.as_text()
@@ -651,7 +661,7 @@ def test_a_bf16_program_pinning_bf16_bf16_f32_is_fused() -> None:
     """jax's own attention on bf16 arrays pins its matmuls to BF16_BF16_F32: what the
     kernel does, so a hand-cast program under hlo_amp is fused; HIGHEST is a pin against
     it and stays."""
-    q, k, v = (x.astype(jnp.bfloat16) for x in QKV)
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
     [site] = hlo_amp.compile(_attend, "bf16").lower(q, k, v, target="h100").report().attention
     assert site.fused and site.dtype == "bfloat16"
 
@@ -660,7 +670,7 @@ def test_a_bf16_program_pinning_bf16_bf16_f32_is_fused() -> None:
         probs = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum("bnts,bsnh->btnh", probs, v, precision="highest")
 
-    assert "HIGHEST" in _reasons(highest, QKV, "bf16", "h100")[0]
+    assert "HIGHEST" in _reasons(highest, _qkv(), "bf16", "h100")[0]
     # BF16_BF16_F32_X3 and _X6 are several bf16 passes, near f32: pins that stay (they
     # were fused as one bf16 pass).
     for preset in ("BF16_BF16_F32_X3", "BF16_BF16_F32_X6"):
@@ -671,7 +681,7 @@ def test_a_bf16_program_pinning_bf16_bf16_f32_is_fused() -> None:
             probs = jax.nn.softmax(scores, axis=-1)
             return jnp.einsum("bnts,bsnh->btnh", probs, v, precision=algorithm)
 
-        assert _reasons(pinned, QKV, "mixed_bfloat16", "h100") == [
+        assert _reasons(pinned, _qkv(), "mixed_bfloat16", "h100") == [
             "kept: the program asked for an explicit dot algorithm"], preset
 
 
@@ -689,9 +699,9 @@ def test_a_softmax_whose_sum_starts_elsewhere_or_whose_scores_are_rounded_stays(
         s = (s * 4).astype(jnp.int32).astype(jnp.float32)
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, -1), v)
 
-    assert "divides by its sum plus a term" in _reasons(shifted, QKV, "bf16", "h100")[0]
+    assert "divides by its sum plus a term" in _reasons(shifted, _qkv(), "bf16", "h100")[0]
     assert not any(site.fused for site in hlo_amp.compile(rounded, "bf16").lower(
-        *QKV, target="h100").report().attention)
+        *_qkv(), target="h100").report().attention)
 
 
 @jax.custom_vjp
@@ -798,7 +808,7 @@ def test_a_term_added_to_the_scores_gradient_is_left_unfused(change, what) -> No
         penalty = 0.05 * jnp.sum(s ** 2) if change is None else 0.0
         return jnp.sum(out * jnp.cos(out)) + penalty
 
-    reasons = _reasons(jax.grad(loss, argnums=(0, 1, 2)), QKV, "bf16", "h100")
+    reasons = _reasons(jax.grad(loss, argnums=(0, 1, 2)), _qkv(), "bf16", "h100")
     assert reasons and reasons[0].startswith(
         f"the gradient of the scores has a term the softmax's does not ({what})"), reasons
 
@@ -843,7 +853,7 @@ def test_only_the_row_maxs_gradient_may_be_scaled_or_gated(backward, fused) -> N
         return jnp.einsum("bnts,bsnh->btnh", softmax(scores), v)
 
     step = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))), argnums=(0, 1, 2))
-    (site,) = hlo_amp.compile(step, "bf16").lower(*QKV, target="h100").report().attention
+    (site,) = hlo_amp.compile(step, "bf16").lower(*_qkv(), target="h100").report().attention
     assert site.fused == fused, site
 
 
@@ -865,7 +875,7 @@ def test_a_softmax_whose_row_max_is_guarded_still_fuses(shifted) -> None:
         return jnp.einsum("bnts,bsnh->btnh", e / e.sum(-1, keepdims=True), v)
 
     step = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))), argnums=(0, 1, 2))
-    sites = hlo_amp.compile(step, "bf16").lower(*QKV, target="h100").report().attention
+    sites = hlo_amp.compile(step, "bf16").lower(*_qkv(), target="h100").report().attention
     assert [(s.fused, s.reason) for s in sites] == [(True, "")], sites
 
 
@@ -899,7 +909,7 @@ def test_a_custom_vjp_on_the_probabilities_is_left_unfused(on, change, what) -> 
         return jnp.einsum("bnts,bsnh->btnh", e / e.sum(-1, keepdims=True), v)
 
     reasons = _reasons(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))),
-                                argnums=(0, 1, 2)), QKV, "bf16", "h100")
+                                argnums=(0, 1, 2)), _qkv(), "bf16", "h100")
     assert reasons and reasons[0].startswith(
         f"the gradient of the scores has a term the softmax's does not ({what}"), reasons
 
@@ -927,7 +937,7 @@ def test_a_gradient_selected_by_the_forward_mask_laid_out_otherwise_is_left_unfu
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(hooked(s, m), -1), v)
 
     step = jax.grad(lambda q, k, v, m: jnp.sum(jnp.sin(attend(q, k, v, m))), argnums=(0, 1, 2))
-    reasons = _reasons(step, (*QKV, pad), "bf16", "h100")
+    reasons = _reasons(step, (*_qkv(), pad), "bf16", "h100")
     assert reasons and reasons[0].startswith(
         "the gradient of the scores has a term the softmax's does not (a select"), reasons
 
@@ -942,7 +952,7 @@ def test_a_softmax_whose_sum_is_held_constant_is_left_unfused() -> None:
         return jnp.einsum("bnts,bsnh->btnh", p, v)
 
     reasons = _reasons(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))),
-                                argnums=(0, 1, 2)), QKV, "bf16", "h100")
+                                argnums=(0, 1, 2)), _qkv(), "bf16", "h100")
     assert reasons and "e^1 s^-1" in reasons[0], reasons
 
 
@@ -1054,7 +1064,7 @@ def test_sites_left_unfused_are_listed_with_their_reason(fn, reason, direction) 
     a backward reading part of it, and so was a softmax over the queries; in a training
     step that one read "only part of the attention's backward reads it", or, when the
     loss read the output, matched as an attention that only a later check refused)."""
-    sites = hlo_amp.compile(fn, "bf16").lower(*QKV, target="h100").report().attention
+    sites = hlo_amp.compile(fn, "bf16").lower(*_qkv(), target="h100").report().attention
     assert [(s.fused, s.direction) for s in sites] == [(False, direction)], sites
     assert sites[0].reason.startswith(reason)
 
@@ -1071,7 +1081,7 @@ def test_an_attention_whose_softmax_is_far_from_its_scores_is_still_listed() -> 
             scores = scores + bias[i]
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
 
-    sites = hlo_amp.compile(attend, "bf16").lower(*QKV, bias, target="h100").report(
+    sites = hlo_amp.compile(attend, "bf16").lower(*_qkv(), bias, target="h100").report(
         ).attention
     assert [(s.fused, s.reason.split(" (")[0]) for s in sites] == [
         (False, "an additive bias on the scores")]
@@ -1103,7 +1113,7 @@ def test_a_fused_sites_matmuls_count_in_the_flop_share(grad) -> None:
 def test_a_checkpoint_policy_saving_no_scores_fuses() -> None:
     policy = jax.checkpoint_policies.nothing_saveable
     fn = programs._grad_of(jax.checkpoint(_plain, policy=policy))
-    sites = hlo_amp.compile(fn, "bf16").lower(*QKV, target="h100").report().attention
+    sites = hlo_amp.compile(fn, "bf16").lower(*_qkv(), target="h100").report().attention
     assert [s.fused for s in sites] == [True]
 
 
