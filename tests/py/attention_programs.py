@@ -356,39 +356,29 @@ def programs() -> dict[str, Callable[[], tuple[Callable[..., Any], tuple]]]:
     """name -> a builder of (function, arguments): every way of writing attention the tests
     run. Built when called, not here: collecting the tests needs only the names, and the
     arrays and models cost each pytest worker 20 s of XLA compiles."""
-    def gqa() -> tuple[jax.Array, jax.Array, jax.Array]:
-        return _qkv()
-
-    def mha() -> tuple[jax.Array, jax.Array, jax.Array]:
-        return _qkv(kv_heads=N)
-
-    def bits() -> tuple[jax.Array, jax.Array]:
-        return (jnp.array([[1, 2, 1, 2, 1, 2, 1, 3] * (T // 8)] * B, jnp.int32),
-                jnp.array([[1, 1, 2, 2] * (T // 4)] * B, jnp.int32))
-
     found: dict[str, Callable[[], tuple[Callable[..., Any], tuple]]] = {
-        "dpa_causal_gqa": lambda: (_grad_of(dpa(is_causal=True)), gqa()),
-        "dpa_xla_scale": lambda: (_grad_of(dpa(scale=0.3, implementation="xla")), mha()),
-        "dpa_padding_mask": lambda: (_grad_of(dpa()), (*mha(), padding_mask())),
-        "dpa_forward": lambda: (jax.jit(dpa(is_causal=True)), gqa()),
+        "dpa_causal_gqa": lambda: (_grad_of(dpa(is_causal=True)), _qkv()),
+        "dpa_xla_scale": lambda: (_grad_of(dpa(scale=0.3, implementation="xla")), _qkv(N)),
+        "dpa_padding_mask": lambda: (_grad_of(dpa()), (*_qkv(N), padding_mask())),
+        "dpa_forward": lambda: (jax.jit(dpa(is_causal=True)), _qkv()),
         "llm_unrolled": lambda: llm_step(Llm()),
         "llm_unrolled_remat": lambda: llm_step(Llm(remat=True)),
         "llm_scan_remat": lambda: llm_step(Llm(scan=True, remat=True)),
         "equinox_no_mask": lambda: equinox_program(),
-        "einsum_sqrt_scale": lambda: (_grad_of(einsum_sqrt_scale), mha()),
-        "einsum_broadcast_causal": lambda: (_grad_of(einsum_broadcast_causal), mha()),
+        "einsum_sqrt_scale": lambda: (_grad_of(einsum_sqrt_scale), _qkv(N)),
+        "einsum_broadcast_causal": lambda: (_grad_of(einsum_broadcast_causal), _qkv(N)),
         "einsum_closed_causal_batch1": lambda: (_grad_of(einsum_closed_causal),
-                                                tuple(a[:1] for a in mha())),
+                                                tuple(a[:1] for a in _qkv(N))),
         "einsum_bnth_padding": lambda: (_grad_of(einsum_bnth_padding),
-                                        (*(jnp.swapaxes(a, 1, 2) for a in mha()),
+                                        (*(jnp.swapaxes(a, 1, 2) for a in _qkv(N)),
                                          padding_mask())),
         "einsum_float_padding": lambda: (_grad_of(einsum_float_padding),
-                                         (*mha(), padding_mask().astype(jnp.float32))),
+                                         (*_qkv(N), padding_mask().astype(jnp.float32))),
         "dpa_one_kv_head_linear_loss": lambda: (
             jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v)),
-                     argnums=(0, 1, 2)), (gqa()[0], gqa()[1][:, :, :1], gqa()[2][:, :, :1])),
+                     argnums=(0, 1, 2)), (_qkv()[0], _qkv()[1][:, :, :1], _qkv()[2][:, :, :1])),
         "einsum_group_axis_mask": lambda: (
-            _grad_of(einsum_group_axis_mask), (*mha(), jax.random.bernoulli(
+            _grad_of(einsum_group_axis_mask), (*_qkv(N), jax.random.bernoulli(
                 jax.random.key(9), 0.7, (1, B, N, T, T)).at[..., 0].set(True))),
         "dpa_keys_as_given_batch1": lambda: (_grad_of(jax.checkpoint(dpa_keys_as_given), 2),
                                              (_normal(3, (1, T, N, H)),
@@ -396,40 +386,41 @@ def programs() -> dict[str, Callable[[], tuple[Callable[..., Any], tuple]]]:
         # Constant masks cuDNN's causal type is not: the kernel's bias (a band from
         # positions, or written out).
         "dpa_sliding_window_gqa": lambda: (
-            _grad_of(dpa(is_causal=True, local_window_size=(3, 0))), gqa()),
+            _grad_of(dpa(is_causal=True, local_window_size=(3, 0))), _qkv()),
         "dpa_two_sided_window_padding": lambda: (
             _grad_of(dpa(local_window_size=(4, 2), implementation="xla")),
-            (*mha(), padding_mask((T, T - 2)))),  # every query sees a key
-        "einsum_prefix_lm": lambda: (_grad_of(einsum_prefix_lm), mha()),
+            (*_qkv(N), padding_mask((T, T - 2)))),  # every query sees a key
+        "einsum_prefix_lm": lambda: (_grad_of(einsum_prefix_lm), _qkv(N)),
         "dpa_causal_chunk_of_queries": lambda: (_grad_of(dpa(is_causal=True)),
-                                                (gqa()[0][:, :T // 2], *gqa()[1:])),
+                                                (_qkv()[0][:, :T // 2], *_qkv()[1:])),
         "dpa_gqa_decode_step": lambda: (jax.jit(dpa(is_causal=True)),
-                                        (gqa()[0][:, :1], *gqa()[1:])),
+                                        (_qkv()[0][:, :1], *_qkv()[1:])),
         "dpa_constant_key_lengths": lambda: (
             _grad_of(dpa(key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
-            mha()),
+            _qkv(N)),
         "dpa_constant_query_and_key_lengths": lambda: (
             jax.jit(dpa(query_seq_lengths=jnp.full((B,), T - 2),
                         key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
-            mha()),
+            _qkv(N)),
         "dpa_sliding_window_constant_key_lengths": lambda: (
             _grad_of(dpa(is_causal=True, local_window_size=(4, 0),
                          key_value_seq_lengths=jnp.full((B,), T - 3), implementation="xla")),
-            gqa()),
+            _qkv()),
         "dpa_causal_constant_key_lengths": lambda: (
             _grad_of(dpa(is_causal=True, key_value_seq_lengths=jnp.full((B,), T - 3),
-                         implementation="xla")), gqa()),
+                         implementation="xla")), _qkv()),
         "einsum_scan_prefix_lm": lambda: (jax.jit(einsum_scan_prefix_lm), (
             _normal(3, (B, T, N * H)), _normal(6, (2, 2, N * H, N * H)) / 8,
             padding_mask())),
-        "einsum_integer_and_mask": lambda: (jax.jit(einsum_integer_and_mask),
-                                            (*mha(), *bits())),
-        "einsum_sharding_constraints": lambda: (_grad_of(einsum_sharding_constraints), mha()),
+        "einsum_integer_and_mask": lambda: (jax.jit(einsum_integer_and_mask), (
+            *_qkv(N), jnp.array([[1, 2, 1, 2, 1, 2, 1, 3] * (T // 8)] * B, jnp.int32),
+            jnp.array([[1, 1, 2, 2] * (T // 4)] * B, jnp.int32))),
+        "einsum_sharding_constraints": lambda: (_grad_of(einsum_sharding_constraints), _qkv(N)),
         "dpa_scan_mask_closed_over": lambda: dpa_scan_mask_closed_over(),
         "dpa_scan_window_closed_over": lambda: dpa_scan_mask_closed_over(window=8),
         "dpa_scan_unrolled_twice": lambda: dpa_scan_mask_closed_over(unroll=2),
         "flax_combined_masks": lambda: (_grad_of(flax_combined_masks), (
-            *mha(), jnp.arange(T)[None] < jnp.array([[T], [T - 5]]))),
+            *_qkv(N), jnp.arange(T)[None] < jnp.array([[T], [T - 5]]))),
         "dpa_scan_causal_padding_gqa": lambda: dpa_scan_padding(causal=True),
         "dpa_scan_padding_gqa": lambda: dpa_scan_padding(causal=False),
     }
