@@ -32,19 +32,24 @@ _pin_xdist_worker_to_one_cpu()
 # test_propagate and test_fused_attention in one process 107 -> 100 s of CPU, twice each.
 gc.set_threshold(50_000, 20, 100)
 
-# The slowest files, slowest first (pytest --durations=0, summed per file). Under
+# The slowest files, slowest first (their tests' wall time summed per file, in a
+# `make test` run on a 2-core AMD EPYC, 2026-12-02; every file of 6 s or more). Under
 # `make test` pytest-xdist hands whole files to its workers in collection order
-# (--dist loadfile --no-loadscope-reorder), so a long file that started last would keep
-# one worker busy after the other is done: the 4 demo trainings are the longest file.
-SLOW_FILES_FIRST = ("test_demo_mixed.py", "test_partition_plan.py", "test_gpu_target.py",
-                    "test_framework_steps.py", "test_crash_net.py",
-                    "test_memory_vs_hand_cast.py", "test_tpu_target.py",
-                    "test_autopolicy_target.py", "test_partition_plan_properties.py",
-                    "test_llm_benchmark.py", "test_fused_attention.py",
-                    "test_third_party.py", "test_module_scopes.py", "test_propagate.py",
-                    "test_fp8_delayed.py", "test_sharded_decoder.py",
-                    "test_multiprocess.py", "test_scaler.py", "test_fp8_fast_mode.py",
-                    "test_mesh_fast_mode.py", "test_transforms.py")
+# (--dist loadfile --no-loadscope-reorder), longest first here: a long file that started
+# last would keep one worker busy after the other is done (test_sharding, 17 s and last
+# alphabetically, ended one worker 16 s after the other).
+SLOW_FILES_FIRST = ("test_demo_mixed.py", "test_crash_net.py", "test_partition_plan.py",
+                    "test_propagate.py", "test_framework_steps.py", "test_gpu_target.py",
+                    "test_tpu_target.py", "test_fp8_delayed.py", "test_fused_attention.py",
+                    "test_memory_vs_hand_cast.py", "test_autopolicy_target.py",
+                    "test_cli.py", "test_compile.py", "test_llm_benchmark.py",
+                    "test_sharding.py", "test_transforms.py",
+                    "test_partition_plan_properties.py", "test_module_scopes.py",
+                    "test_fp8_fast_mode.py", "test_scaler.py", "test_fp8.py",
+                    "test_third_party.py", "test_bad_input.py", "test_compile_cost.py",
+                    "test_sharded_decoder.py", "test_multiprocess.py",
+                    "test_policy_search.py", "test_mesh_targets.py", "test_mesh_fast_mode.py",
+                    "test_comm_precision.py", "test_pass_cost.py", "test_fp8_differential.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
