@@ -50,6 +50,24 @@ def measure(name: str, fn, args) -> dict:
             "unfused_vs_f32": programs.max_relative_error(f32, unfused)}
 
 
+def measure_all(only: list[str] | None = None) -> list[dict]:
+    """A row per program (``only``: these names), each printed as it is measured."""
+    rows = []
+    for name, build in sorted(programs.programs().items()):  # name -> builder
+        if only and name not in only:
+            continue
+        try:
+            rows.append(measure(name, *build()))
+        except Exception as error:  # noqa: BLE001  one program's failure is a row, not the end of the run
+            print(f"{name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            rows.append({"name": name, "sites": 0, "fused": 0,
+                         "reasons": [f"error: {type(error).__name__}"],
+                         "fused_vs_unfused": float("nan"), "fused_vs_f32": float("nan"),
+                         "unfused_vs_f32": float("nan")})
+        print(table(rows)[-1], flush=True)
+    return rows
+
+
 def table(rows: list[dict]) -> list[str]:
     out = [("| program | sites fused | fused vs unfused bf16 | fused vs f32 | unfused vs f32 "
             "| within 2% |"), "|---|---|---|---|---|---|"]
@@ -74,19 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.platform != "gpu":
         print(f"no GPU here ({kind}): the pass fuses attention on a GPU target only")
         return 1
-    rows = []
-    for name, (fn, fn_args) in sorted(programs.programs().items()):
-        if args.only and name not in args.only:
-            continue
-        try:
-            rows.append(measure(name, fn, fn_args))
-        except Exception as error:  # noqa: BLE001  one program's failure is a row, not the end of the run
-            print(f"{name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
-            rows.append({"name": name, "sites": 0, "fused": 0,
-                         "reasons": [f"error: {type(error).__name__}"],
-                         "fused_vs_unfused": float("nan"), "fused_vs_f32": float("nan"),
-                         "unfused_vs_f32": float("nan")})
-        print(table(rows)[-1], flush=True)
+    rows = measure_all(args.only)
     lines = table(rows)
     passed = sum(line.endswith("| yes |") for line in lines)
     print(f"{passed} of {len(rows)} programs fused and within 2% of the unfused bf16 path "

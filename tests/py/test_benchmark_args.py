@@ -141,3 +141,15 @@ def test_a_cpu_run_keeps_other_scripts_sections(tmp_path: Path, monkeypatch) -> 
     assert text.count(llm_section) == 1 and text.count(stress_section) == 1
     assert text.count(run.HAND_WRITTEN) == 1 and "an older CPU part" not in text
     assert text.index("## mlp") < text.index(run.HAND_WRITTEN) < text.index(llm_section)
+
+
+def test_attention_numerics_builds_each_program_it_measures() -> None:
+    """attention_programs.programs() gives builders (since e2a6db3); the benchmark's loop
+    unpacked them as (function, arguments) and stopped with a TypeError before its first
+    row, on the GPU it runs on. On CPU the site is found and left unfused (cuDNN's is a
+    GPU kernel), and the numbers are measured: f32 against the bf16 path, within bf16's
+    rounding."""
+    (row,) = attention_numerics.measure_all(["dpa_forward"])
+    assert row["name"] == "dpa_forward" and row["sites"] == 1, row
+    assert not any(reason.startswith("error") for reason in row["reasons"]), row
+    assert 0 < row["unfused_vs_f32"] < attention_numerics.TOLERANCE, row
