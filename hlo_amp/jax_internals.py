@@ -63,6 +63,10 @@ Each entry and why we need it:
   ``xla_attention_for_f32`` routes the first to the second for f32 arrays while
   hlo_amp traces a program (runtime/compile.py), so that such a call reaches the
   fused-attention pass instead of jax's f32 refusal.
+- ``config.persistent_cache_min_compile_time_secs`` as a context (optional: looked up
+  with ``getattr``): ``no_persistent_cache_entry`` keeps a deviceless compile out of the
+  persistent compilation cache, whose entry no later process can read back (jax's
+  compile-only client cannot deserialise it: a UserWarning and a recompile at each hit).
 
 The MLIR side (a context with JAX's dialects, an op's address, Shardy's propagation) is
 imported without jax: hlo_amp/jaxlib_internals.py lists it.
@@ -181,6 +185,22 @@ _needs(_nn_functions, "jax._src.nn.functions", "cudnn_dot_product_attention",
 _needs(_nn_functions, "jax._src.nn.functions", "_dot_product_attention_xla",
        ("query", "key", "value", "bias", "mask", "is_causal", "scale", "q_seqlen",
         "kv_seqlen", "local_window_size"))
+
+# Optional: where this jax lacks it, a deviceless compile writes its cache entry as before.
+_min_compile_seconds = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
+
+
+@contextlib.contextmanager
+def no_persistent_cache_entry() -> Iterator[None]:
+    """No persistent compilation cache entry written for compiles inside (where the cache
+    is on): the threshold of compile seconds an entry needs is made infinite meanwhile,
+    in this thread."""
+    if _min_compile_seconds is None:
+        yield
+        return
+    with _min_compile_seconds(float("inf")):
+        yield
+
 
 def swap_module(lowered: Any, module: Any) -> Any:
     """A ``stages.Lowered`` like ``lowered`` whose module is ``module``."""

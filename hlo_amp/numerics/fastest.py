@@ -54,7 +54,7 @@ from hlo_amp.policy_terms import FP8_ACTIONS, OP_KINDS
 from hlo_amp.report import Report, text_table
 from hlo_amp.runtime.compile import compile as amp_compile
 from hlo_amp.runtime.compile import rewrite_lowered
-from hlo_amp.runtime.deviceless import lower_for_target
+from hlo_amp.runtime.deviceless import compile_lowered, lower_for_target
 from hlo_amp.targets import Target, device_target, refuse_policy_on_device
 from hlo_amp.targets.roofline import estimate
 
@@ -205,7 +205,7 @@ class _TargetModel:
                 module, options = lowered.as_text(), self.device.compiler_options or None
             digest = hashlib.sha256(module.encode()).digest()
             if digest not in self.module_seconds:
-                text = lowered.compile(options).as_text()
+                text = compile_lowered(lowered, options).as_text()
                 self.compiles += 1
                 self.module_seconds[digest] = estimate(text, self.device).roofline_seconds
             self.seconds[key] = self.module_seconds[digest]

@@ -59,7 +59,12 @@ from hlo_amp.runtime.amp_call import (
     vary_alike,
 )
 from hlo_amp.runtime.arguments import raise_argument_problem
-from hlo_amp.runtime.deviceless import lower_for_target, not_runnable, split_device_target
+from hlo_amp.runtime.deviceless import (
+    compile_lowered,
+    lower_for_target,
+    not_runnable,
+    split_device_target,
+)
 from hlo_amp.runtime.fp8_state import Fp8StatefulFunction
 from hlo_amp.runtime.frameworks import (
     PLACEMENT_OPTIONS,
@@ -288,7 +293,10 @@ class AmpLowered:
         else:
             defaults = self._target.live_compiler_options(self._fp8)
         options = {**defaults, **(compiler_options or {})}
-        compiled = self._rewritten.compile(options or None)
+        if self.device:
+            compiled = compile_lowered(self._rewritten, options or None)
+        else:
+            compiled = self._rewritten.compile(options or None)
         seconds = time.perf_counter() - start
         # The defaults hlo_amp chose for this machine's device, as the report says.
         chosen = {k: v for k, v in defaults.items() if options[k] == v} if not self.device else {}

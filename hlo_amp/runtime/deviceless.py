@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hlo_amp.jax_internals import cudnn_checks_answered, lowering_backend
+from hlo_amp.jax_internals import cudnn_checks_answered, lowering_backend, no_persistent_cache_entry
 from hlo_amp.runtime.frameworks import jax_jit_info, jit_info, shardings_given
 from hlo_amp.runtime.signature import normalise_argnums, signature_of
 from hlo_amp.targets import Target, device_target
@@ -56,8 +56,8 @@ if "tpu" not in os.environ.get("JAX_PLATFORMS", "tpu"):
 # NoCompilerForTarget: what target_mesh and the compiles raise where the XLA backend for
 # the target is missing (the targets make their topologies: targets/topology.py).
 __all__ = ["CompiledForTarget", "NoCompilerForTarget", "abstract_arguments",
-           "compile_for_target", "compile_module_for_target", "lower_for_target",
-           "module_partitions", "not_runnable", "target_mesh"]
+           "compile_for_target", "compile_lowered", "compile_module_for_target",
+           "lower_for_target", "module_partitions", "not_runnable", "target_mesh"]
 
 
 def target_mesh(target: str | Target, axes: Mapping[str, int] | None = None
@@ -271,8 +271,17 @@ def compile_for_target(jitted: Any, *args: Any, target: str | Target = "h100",
         jitted = jax.jit(jitted)
     device = device_target(target)
     options = {**device.compiler_options, **(compiler_options or {})}
-    return CompiledForTarget(lower_for_target(jitted, args, kwargs, device).compile(options),
-                             device)
+    return CompiledForTarget(compile_lowered(lower_for_target(jitted, args, kwargs, device),
+                                             options), device)
+
+
+def compile_lowered(lowered: Any, compiler_options: dict[str, Any] | None) -> Any:
+    """``lowered.compile(compiler_options)`` for a target without its device, writing no
+    persistent compilation cache entry: no process can read one back (jax's compile-only
+    client cannot deserialise an executable), so each later hit cost a UserWarning
+    ("PjRtCompiler must be constructed with a Client") and the compile again."""
+    with no_persistent_cache_entry():
+        return lowered.compile(compiler_options)
 
 
 def not_runnable(device: Target, readers: str, instead: str) -> str:

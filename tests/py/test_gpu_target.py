@@ -22,6 +22,7 @@ import copy
 import enum
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -762,3 +763,43 @@ def test_fp8_policies_compile_with_triton_gemm_off_on_a_cuda_gpu(monkeypatch) ->
     scanned, _ = jax.lax.scan(lambda c, _: (fn(c, x), None), x, None, length=1)
     np.testing.assert_allclose(scanned, want, rtol=1e-6)
     assert jnp.isfinite(jax.grad(lambda a: fn(a, a).sum())(x)).all()
+
+
+# Run in a process of its own: the persistent cache is turned on once per process, and
+# this worker's own cache (make test's JAX_COMPILATION_CACHE_DIR) must not be touched.
+_CACHE_PROBE = """
+import os, sys, warnings
+import jax, jax.numpy as jnp
+import hlo_amp
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+directory = sys.argv[1]
+def entries():
+    return len(os.listdir(directory))
+def step(x, w):
+    return jnp.tanh(x @ w).sum()
+x, w = jnp.ones((32, 64)), jnp.ones((64, 16))
+jax.jit(step).lower(x, w).compile()  # this machine's compile: written
+live = entries()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):  # the second: a new rewritten module, looked up in the cache again
+        hlo_amp.compile(step, "fp8").lower(x, w, target="h100").compile()
+        hlo_amp.compile_for_target(jax.jit(step), x, w, target="tpu-v5e")
+print(live, entries(), sum("compilation cache" in str(w.message) for w in caught))
+"""
+
+
+def test_compiles_for_a_target_write_no_persistent_cache_entry(tmp_path: Path) -> None:
+    """A compile for a target without its device leaves the persistent compilation cache
+    as it was: no process can read such an entry back (jax's compile-only client cannot
+    deserialise an executable), and each later hit warned and compiled again."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", _CACHE_PROBE, str(cache)], env=env,
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    live, after, warned = (int(n) for n in done.stdout.split())
+    assert live >= 1  # the cache is on in that process
+    assert after == live
+    assert warned == 0
